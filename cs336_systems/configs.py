@@ -1,0 +1,241 @@
+"""Model presets and the analytic parameter / FLOP / memory calculator every notebook reuses.
+
+Presets follow the handout's table (vocab 10,000, batch 4). ``xxl`` exists for accounting only;
+``tiny`` is for CPU smoke runs.
+
+The calculator counts our own ``BasicsTransformerLM`` exactly (see ``tests/test_configs.py``, which
+checks it against a built model): per block ``4 d²`` attention projections, ``3 d d_ff`` SwiGLU, two
+RMSNorm gains; plus embedding, final norm and an untied LM head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cs336_basics.model import BasicsTransformerLM
+
+VOCAB_SIZE = 10_000
+BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    d_model: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int = VOCAB_SIZE
+    context_length: int = 512
+    rope_theta: float = 10_000.0
+    batch_size: int = BATCH_SIZE
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.num_heads
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return dict(
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            d_model=self.d_model,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            d_ff=self.d_ff,
+            rope_theta=self.rope_theta,
+        )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in [
+        ModelConfig("tiny", d_model=64, d_ff=256, num_layers=2, num_heads=4, vocab_size=512, context_length=64),
+        ModelConfig("small", d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+        ModelConfig("medium", d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+        ModelConfig("large", d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+        ModelConfig("xl", d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+        ModelConfig("2.7B", d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+        # Accounting only (§2.4): far too large to build on one node.
+        ModelConfig("xxl", d_model=16384, d_ff=53248, num_layers=126, num_heads=128),
+    ]
+}
+
+#: The five sizes the handout benchmarks, in order.
+HANDOUT_SIZES = ["small", "medium", "large", "xl", "2.7B"]
+
+
+def get_config(name: str | ModelConfig, **overrides: Any) -> ModelConfig:
+    """A preset by name (case-insensitive), with optional field overrides such as ``context_length``."""
+    if isinstance(name, ModelConfig):
+        return name.replace(**overrides) if overrides else name
+    key = {k.lower(): k for k in PRESETS}.get(str(name).lower())
+    if key is None:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    cfg = PRESETS[key]
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def build_model(
+    config: str | ModelConfig,
+    *,
+    context_length: int | None = None,
+    attention_impl: str = "naive",
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> BasicsTransformerLM:
+    cfg = get_config(config)
+    if context_length is not None:
+        cfg = cfg.replace(context_length=context_length)
+    return BasicsTransformerLM(**cfg.model_kwargs(), attention_impl=attention_impl, device=device, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Calculator
+# --------------------------------------------------------------------------------------------------
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    if isinstance(dtype, torch.dtype):
+        return torch.empty((), dtype=dtype).element_size()
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}") from None
+
+
+def param_counts(cfg: str | ModelConfig) -> dict[str, int]:
+    """Parameters by component; ``total`` matches ``sum(p.numel() for p in model.parameters())``."""
+    c = get_config(cfg)
+    d, f, L, V = c.d_model, c.d_ff, c.num_layers, c.vocab_size
+    per_block = {"attention": 4 * d * d, "ffn": 3 * d * f, "norms": 2 * d}
+    counts = {
+        "embedding": V * d,
+        "attention": L * per_block["attention"],
+        "ffn": L * per_block["ffn"],
+        "norms": L * per_block["norms"] + d,
+        "lm_head": V * d,
+    }
+    counts["total"] = sum(counts.values())
+    counts["non_embedding"] = counts["total"] - counts["embedding"]
+    return counts
+
+
+def matmul_params(cfg: str | ModelConfig) -> int:
+    """Parameters that take part in matrix multiplies (everything but the embedding lookup and norms)."""
+    p = param_counts(cfg)
+    return p["attention"] + p["ffn"] + p["lm_head"]
+
+
+def flops_per_token(cfg: str | ModelConfig, context_length: int | None = None) -> dict[str, float]:
+    """Forward and training FLOPs per token.
+
+    Forward: ``2 × matmul params`` plus attention's two ``seq × seq`` products, ``4 · L · seq · d``
+    (counted without causal savings, as is customary). Backward costs twice the forward, so a training
+    step is ``3 ×`` forward.
+    """
+    c = get_config(cfg)
+    seq = context_length or c.context_length
+    dense = 2 * matmul_params(c)
+    attn = 4 * c.num_layers * seq * c.d_model
+    fwd = dense + attn
+    return {"forward": float(fwd), "dense_forward": float(dense), "attention_forward": float(attn), "train": 3.0 * fwd}
+
+
+def step_flops(cfg: str | ModelConfig, batch_size: int, context_length: int, mode: str = "train") -> float:
+    """FLOPs of one ``forward`` or ``train`` (forward + backward) step."""
+    per_tok = flops_per_token(cfg, context_length)
+    key = {"forward": "forward", "forward_backward": "train", "train": "train"}.get(mode)
+    if key is None:
+        raise ValueError(f"mode must be 'forward', 'forward_backward' or 'train', got {mode!r}")
+    return per_tok[key] * batch_size * context_length
+
+
+def activation_elements_per_layer(cfg: str | ModelConfig, batch_size: int, context_length: int) -> dict[str, int]:
+    """Elements saved for backward by one block of our model with naive attention (eager autograd).
+
+    Counted from the operations in ``cs336_basics.model``: RMSNorm inputs/outputs, q/k/v projections and
+    their rotated copies, the ``seq × seq`` scores and probabilities per head, the attention output,
+    and SwiGLU's three ``d_ff``-wide intermediates plus its product.
+    """
+    c = get_config(cfg)
+    bt = batch_size * context_length
+    d, f, h = c.d_model, c.d_ff, c.num_heads
+    return {
+        "norms": 4 * bt * d,  # ln1 in/out, ln2 in/out
+        "qkv": 5 * bt * d,  # q, k, v + rotated q, k
+        "attention_scores": 2 * batch_size * h * context_length * context_length,  # scores + probs
+        "attention_out": 2 * bt * d,  # P·V output + output_proj input
+        "ffn": 4 * bt * f,  # w1 out, silu out, w3 out, product
+    }
+
+
+def residual_stream_bytes(cfg: str | ModelConfig, batch_size: int, context_length: int, dtype: str = "fp32") -> int:
+    """Size of one residual-stream activation ``(batch, seq, d_model)``."""
+    c = get_config(cfg)
+    return batch_size * context_length * c.d_model * dtype_bytes(dtype)
+
+
+def memory_breakdown(
+    cfg: str | ModelConfig,
+    batch_size: int | None = None,
+    context_length: int | None = None,
+    *,
+    param_dtype: str = "fp32",
+    activation_dtype: str = "fp32",
+    optimizer: str = "adamw",
+) -> dict[str, float]:
+    """Bytes of weights, gradients, optimizer state and saved activations for one training step."""
+    c = get_config(cfg)
+    b = batch_size or c.batch_size
+    s = context_length or c.context_length
+    n = param_counts(c)["total"]
+    pb = dtype_bytes(param_dtype)
+    states = {"adamw": 2, "sgd": 0, "none": 0}
+    if optimizer not in states:
+        raise ValueError(f"optimizer must be one of {sorted(states)}, got {optimizer!r}")
+    act_layer = sum(activation_elements_per_layer(c, b, s).values())
+    logits = 2 * b * s * c.vocab_size  # logits + fp32 log-softmax in the loss
+    activations = (c.num_layers * act_layer + logits + 2 * b * s * c.d_model) * dtype_bytes(activation_dtype)
+    out = {
+        "parameters": float(n * pb),
+        "gradients": float(n * pb),
+        "optimizer_state": float(states[optimizer] * n * 4),
+        "activations": float(activations),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def describe_presets(names: list[str] | None = None, context_length: int | None = None) -> list[dict[str, Any]]:
+    """One row per preset: shape, parameter count, FLOPs per token and fp32 training-state bytes."""
+    rows = []
+    for name in names or list(PRESETS):
+        c = get_config(name)
+        s = context_length or c.context_length
+        p = param_counts(c)
+        fl = flops_per_token(c, s)
+        mem = memory_breakdown(c, c.batch_size, s)
+        rows.append(
+            {
+                "size": c.name,
+                "d_model": c.d_model,
+                "d_ff": c.d_ff,
+                "num_layers": c.num_layers,
+                "num_heads": c.num_heads,
+                "params_M": p["total"] / 1e6,
+                "non_embedding_params_M": p["non_embedding"] / 1e6,
+                "fwd_GFLOP_per_token": fl["forward"] / 1e9,
+                "train_GFLOP_per_token": fl["train"] / 1e9,
+                "weights_grads_adam_GiB": (mem["parameters"] + mem["gradients"] + mem["optimizer_state"]) / 2**30,
+            }
+        )
+    return rows

@@ -1,0 +1,1 @@
+"""Distributed training: launcher, all-reduce benchmark, DDP strategies, optimizer sharding, FSDP."""

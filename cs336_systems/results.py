@@ -1,0 +1,223 @@
+"""Result records with provenance.
+
+Every table, figure and JSON a notebook or benchmark exports goes through :class:`ResultWriter`, which
+writes the artefact plus a ``<name>.meta.json`` sidecar recording the device, software versions, git
+commit, date and the parameters of the run. The writeup builder reads the same files back with
+:func:`load_table` / :func:`load_json` / :func:`load_meta`, so every quoted number has a source.
+
+Where results go:
+- a real (GPU) run writes to ``figures/<section>/`` (committed);
+- a smoke run (CPU, tiny parameters) writes to ``.scratch/figures/<section>/`` (git-ignored), so it can
+  never overwrite measured results;
+- ``CS336_FIGURES_DIR`` overrides the root for either.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIGURES_DIR = REPO_ROOT / "figures"
+SCRATCH_DIR = REPO_ROOT / ".scratch"
+
+
+def is_smoke_run(smoke: bool | None = None) -> bool:
+    """Decide smoke vs real: an explicit argument wins, then ``CS336_SMOKE`` (0/1), then "no CUDA GPU"."""
+    if smoke is not None:
+        return bool(smoke)
+    env = os.environ.get("CS336_SMOKE")
+    if env not in (None, ""):
+        return env not in ("0", "false", "False")
+    return not torch.cuda.is_available()
+
+
+def results_root(smoke: bool) -> Path:
+    override = os.environ.get("CS336_FIGURES_DIR")
+    if override:
+        return Path(override)
+    return SCRATCH_DIR / "figures" if smoke else FIGURES_DIR
+
+
+@functools.cache
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def git_commit() -> str:
+    """HEAD's commit, with ``-dirty`` when tracked files under the library differ from it."""
+    commit = os.environ.get("CS336_GIT_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
+    if commit != "unknown" and "CS336_GIT_COMMIT" not in os.environ:
+        if _git("status", "--porcelain", "--untracked-files=no", "--", "cs336_systems", "cs336-basics"):
+            commit += "-dirty"
+    return commit
+
+
+def device_description() -> dict[str, Any]:
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(0)
+        return {
+            "device": torch.cuda.get_device_name(0),
+            "device_type": "cuda",
+            "num_gpus": n,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "cuda": torch.version.cuda,
+        }
+    return {"device": f"CPU ({platform.processor() or platform.machine()})", "device_type": "cpu", "num_gpus": 0}
+
+
+def software_versions() -> dict[str, str | None]:
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+    }
+
+
+def provenance(params: dict[str, Any] | None = None, *, smoke: bool | None = None) -> dict[str, Any]:
+    """Everything needed to say where a number came from."""
+    return {
+        **device_description(),
+        **software_versions(),
+        "git_commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "smoke": is_smoke_run(smoke),
+        "argv": sys.argv[1:] if sys.argv and not sys.argv[0].endswith("ipykernel_launcher.py") else [],
+        "params": _jsonable(params or {}),
+    }
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        try:
+            return obj.item()
+        except (TypeError, ValueError):
+            pass
+    if hasattr(obj, "__dataclass_fields__"):
+        import dataclasses
+
+        return _jsonable(dataclasses.asdict(obj))
+    return str(obj)
+
+
+class ResultWriter:
+    """Writes one section's artefacts, each with a provenance sidecar.
+
+    >>> out = ResultWriter("benchmarking", params={"steps": 10})
+    >>> out.table(df, "timings")          # timings.csv, timings.md, timings.meta.json
+    >>> out.figure(fig, "timings")        # timings.png, timings.meta.json
+    """
+
+    def __init__(self, section: str, params: dict[str, Any] | None = None, smoke: bool | None = None):
+        self.section = section
+        self.smoke = is_smoke_run(smoke)
+        self.params = dict(params or {})
+        self.dir = results_root(self.smoke) / section
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, filename: str) -> Path:
+        return self.dir / filename
+
+    def _meta(self, name: str, files: list[str], params: dict[str, Any] | None, extra: dict[str, Any] | None) -> Path:
+        meta = provenance({**self.params, **(params or {})}, smoke=self.smoke)
+        meta.update(section=self.section, name=name, files=files)
+        if extra:
+            meta["extra"] = _jsonable(extra)
+        path = self.dir / f"{name}.meta.json"
+        if path.exists():  # several artefacts of one name (table + figure) share a sidecar
+            old = json.loads(path.read_text())
+            meta["files"] = sorted(set(old.get("files", [])) | set(files))
+        path.write_text(json.dumps(meta, indent=2) + "\n")
+        return path
+
+    def table(
+        self,
+        df: Any,
+        name: str,
+        params: dict[str, Any] | None = None,
+        *,
+        index: bool = False,
+        floatfmt: str = ".4g",
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """A pandas DataFrame as ``name.csv`` (full precision) and ``name.md`` (formatted)."""
+        csv = self.dir / f"{name}.csv"
+        df.to_csv(csv, index=index)
+        (self.dir / f"{name}.md").write_text(df.to_markdown(index=index, floatfmt=floatfmt) + "\n")
+        self._meta(name, [csv.name, f"{name}.md"], params, extra)
+        return csv
+
+    def figure(self, fig: Any, name: str, params: dict[str, Any] | None = None, *, dpi: int = 150) -> Path:
+        png = self.dir / f"{name}.png"
+        fig.savefig(png, dpi=dpi, bbox_inches="tight")
+        self._meta(name, [png.name], params, None)
+        return png
+
+    def json(self, obj: Any, name: str, params: dict[str, Any] | None = None) -> Path:
+        path = self.dir / f"{name}.json"
+        path.write_text(json.dumps(_jsonable(obj), indent=2) + "\n")
+        self._meta(name, [path.name], params, None)
+        return path
+
+    def banner(self) -> str:
+        """A one-line statement of what kind of run this is, for notebook output."""
+        where = self.dir.relative_to(REPO_ROOT) if self.dir.is_relative_to(REPO_ROOT) else self.dir
+        if self.smoke:
+            return (
+                f"SMOKE RUN ({device_description()['device']}): small parameters, numbers are not GPU results; "
+                f"artefacts go to {where}"
+            )
+        return f"Measured run on {device_description()['device']}; artefacts go to {where}"
+
+
+def section_dir(section: str, root: Path | None = None) -> Path:
+    return (root or FIGURES_DIR) / section
+
+
+def load_meta(section: str, name: str, root: Path | None = None) -> dict[str, Any]:
+    return json.loads((section_dir(section, root) / f"{name}.meta.json").read_text())
+
+
+def load_table(section: str, name: str, root: Path | None = None) -> Any:
+    import pandas as pd
+
+    return pd.read_csv(section_dir(section, root) / f"{name}.csv")
+
+
+def load_json(section: str, name: str, root: Path | None = None) -> Any:
+    return json.loads((section_dir(section, root) / f"{name}.json").read_text())
+
+
+def has_result(section: str, name: str, root: Path | None = None) -> bool:
+    return (section_dir(section, root) / f"{name}.meta.json").exists()
