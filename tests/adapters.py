@@ -49,7 +49,9 @@ def ddp_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Opt
 
 
 def get_sharded_optimizer(params: Any, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
-    raise NotImplementedError("optimizer-state sharding is not implemented yet")
+    from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+
+    return ShardedOptimizer(params, optimizer_cls, **kwargs)
 
 
 def get_fsdp(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
