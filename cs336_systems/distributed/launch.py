@@ -9,9 +9,12 @@ others), and every collective has a timeout, so a lost peer is an error rather t
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import socket
 import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,16 +127,38 @@ def _worker(
     if backend == "gloo":
         # Share the CPU cores instead of every rank spinning up a full thread pool.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_process_group(backend, timeout_s)
     try:
+        init_process_group(backend, timeout_s)
         result = fn(*args, **kwargs)
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, result)
         if local_rank == 0:
             torch.save(gathered, result_path)
         dist.barrier()
+    except BaseException:
+        # Record when and how this rank failed: the peers' errors that follow ("connection reset")
+        # are consequences, and the parent reports the earliest failure as the cause.
+        with open(f"{result_path}.error-{local_rank}", "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
     finally:
         destroy_process_group()
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; the message holds the traceback of the rank that failed first."""
+
+
+def _first_failure(result_path: str) -> tuple[int, str] | None:
+    failures = []
+    for path in glob.glob(f"{result_path}.error-*"):
+        rank = int(path.rsplit("-", 1)[1])
+        stamp, _, tb = open(path).read().partition("\n")
+        failures.append((float(stamp), rank, tb))
+    if not failures:
+        return None
+    _, rank, tb = min(failures)
+    return rank, tb
 
 
 def spawn(
@@ -142,24 +167,38 @@ def spawn(
     *args: Any,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local processes and return each rank's result
-    (rank order). ``fn`` must be importable (defined at module level), because workers are started with
-    the ``spawn`` method; its return value must be picklable.
+    (rank order); the return value must be picklable.
 
     Inside ``fn`` the process group is initialised; :func:`current_context` describes this rank.
+
+    CPU (gloo) workers are forked, which skips re-importing torch in every child (seconds per launch);
+    GPU workers are started with ``spawn`` because CUDA cannot be used in a forked child. With
+    ``spawn``, ``fn`` must be importable, i.e. defined at module level in a library module.
     """
     backend = backend or default_backend()
     check_world_size(world_size, backend)
+    if start_method is None:
+        start_method = "fork" if backend == "gloo" and not torch.cuda.is_initialized() else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "results.pt")
-        mp.spawn(
-            _worker,
-            args=(fn, world_size, find_free_port(), backend, timeout_s, result_path, args, kwargs),
-            nprocs=world_size,
-            join=True,
-        )
+        try:
+            mp.start_processes(
+                _worker,
+                args=(fn, world_size, find_free_port(), backend, timeout_s, result_path, args, kwargs),
+                nprocs=world_size,
+                join=True,
+                start_method=start_method,
+            )
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            first = _first_failure(result_path)
+            if first is None:
+                raise
+            rank, tb = first
+            raise WorkerError(f"rank {rank} of {world_size} failed first:\n{tb}") from exc
         return torch.load(result_path, weights_only=False)
 
 

@@ -1,0 +1,145 @@
+"""Execute the workbook's notebooks headlessly with papermill.
+
+``python -m cs336_systems.notebooks run`` executes every notebook in ``notebooks/`` (or the ones named)
+into the git-ignored ``executed/`` folder. On a machine without a CUDA GPU (or with ``--smoke``) the
+notebooks run with their small smoke parameters and write results to ``.scratch/figures``; on a GPU
+they run with their real parameters and write to ``figures/``. Committed notebooks carry no outputs;
+``python -m cs336_systems.notebooks strip`` removes outputs before a commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .results import REPO_ROOT, is_smoke_run
+
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
+EXECUTED_DIR = REPO_ROOT / "executed"
+
+
+def list_notebooks() -> list[str]:
+    """Notebook stems in ``notebooks/``, sorted."""
+    return sorted(p.stem for p in NOTEBOOK_DIR.glob("*.ipynb"))
+
+
+def notebook_path(name: str) -> Path:
+    path = NOTEBOOK_DIR / f"{Path(name).stem}.ipynb"
+    if not path.exists():
+        raise ValueError(f"no notebook {name!r}; available: {', '.join(list_notebooks())}")
+    return path
+
+
+def execute(
+    name: str,
+    parameters: dict[str, Any] | None = None,
+    *,
+    smoke: bool | None = None,
+    output_dir: Path | None = None,
+    timeout_s: int | None = None,
+    log_output: bool = False,
+) -> Path:
+    """Run one notebook with papermill and return the executed copy's path.
+
+    ``smoke`` is exported to the kernel as ``CS336_SMOKE`` so the notebook's parameter defaults and its
+    :class:`~cs336_systems.results.ResultWriter` agree on where results go.
+    """
+    import papermill as pm
+
+    src = notebook_path(name)
+    smoke = is_smoke_run(smoke)
+    out_dir = output_dir or EXECUTED_DIR / ("smoke" if smoke else "gpu")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dst = out_dir / src.name
+    old = os.environ.get("CS336_SMOKE")
+    os.environ["CS336_SMOKE"] = "1" if smoke else "0"
+    try:
+        pm.execute_notebook(
+            str(src),
+            str(dst),
+            parameters=parameters or {},
+            kernel_name="python3",
+            cwd=str(NOTEBOOK_DIR),
+            execution_timeout=timeout_s,
+            log_output=log_output,
+            progress_bar=False,
+        )
+    finally:
+        if old is None:
+            os.environ.pop("CS336_SMOKE", None)
+        else:
+            os.environ["CS336_SMOKE"] = old
+    return dst
+
+
+def strip_outputs(paths: list[Path]) -> list[Path]:
+    """Clear outputs and execution counts in place; returns the notebooks that changed."""
+    import nbformat
+
+    changed = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        dirty = False
+        for cell in nb.cells:
+            if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count")):
+                cell.outputs, cell.execution_count = [], None
+                dirty = True
+            if cell.metadata.pop("execution", None) is not None:
+                dirty = True
+        if dirty:
+            nbformat.write(nb, path)
+            changed.append(path)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.notebooks", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="execute notebooks with papermill")
+    run.add_argument("names", nargs="*", help="notebook stems (default: all)")
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="force smoke parameters (CPU-sized)")
+    mode.add_argument("--real", action="store_true", help="force real parameters even without a GPU")
+    run.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
+    run.add_argument("--log-output", action="store_true", help="stream cell output to the terminal")
+    sub.add_parser("list", help="list notebooks")
+    strip = sub.add_parser("strip", help="remove outputs from notebooks before committing")
+    strip.add_argument("paths", nargs="*", type=Path)
+    args = parser.parse_args(argv)
+
+    if args.command == "list":
+        print("\n".join(list_notebooks()))
+        return 0
+    if args.command == "strip":
+        changed = strip_outputs(args.paths or sorted(NOTEBOOK_DIR.glob("*.ipynb")))
+        print("\n".join(f"stripped {p}" for p in changed) or "nothing to strip")
+        return 0
+
+    smoke = True if args.smoke else False if args.real else None
+    resolved = is_smoke_run(smoke)
+    if resolved:
+        print("No CUDA GPU (or --smoke): running notebooks with SMOKE parameters; results go to .scratch/figures, "
+              "committed GPU results in figures/ are left untouched.")
+    else:
+        print("Running notebooks with REAL parameters; results go to figures/.")
+    failures = []
+    for name in args.names or list_notebooks():
+        t0 = time.perf_counter()
+        try:
+            dst = execute(name, smoke=resolved, log_output=args.log_output)
+        except Exception as exc:  # report and optionally continue: one broken section should not hide the rest
+            failures.append(name)
+            print(f"FAILED {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            if not args.keep_going:
+                break
+        else:
+            print(f"ok     {name:40s} {time.perf_counter() - t0:6.1f} s -> {dst.relative_to(REPO_ROOT)}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from cs336_systems import configs
+
+
+def test_presets_match_the_handout() -> None:
+    shapes = {n: (c.d_model, c.d_ff, c.num_layers, c.num_heads) for n, c in configs.PRESETS.items()}
+    assert shapes["small"] == (768, 3072, 12, 12)
+    assert shapes["medium"] == (1024, 4096, 24, 16)
+    assert shapes["large"] == (1280, 5120, 36, 20)
+    assert shapes["xl"] == (1600, 6400, 48, 25)
+    assert shapes["2.7B"] == (2560, 10240, 32, 32)
+    assert shapes["xxl"][:3] == (16384, 53248, 126)
+    assert all(configs.PRESETS[n].vocab_size == 10_000 and configs.PRESETS[n].batch_size == 4 for n in configs.HANDOUT_SIZES)
+
+
+def test_unknown_preset_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="valid presets: tiny, small"):
+        configs.get_config("huge")
+    assert configs.get_config("XL").name == "xl"
+    assert configs.get_config("small", context_length=128).context_length == 128
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "2.7B"])
+def test_param_count_matches_built_model(name: str) -> None:
+    model = configs.build_model(name, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == configs.param_counts(name)["total"]
+    assert model.get_num_params() == configs.param_counts(name)["non_embedding"]
+
+
+def test_flops_hand_checked_on_tiny() -> None:
+    c = configs.get_config("tiny")  # d=64, f=256, L=2, V=512
+    matmul = 2 * (4 * 64 * 64 + 3 * 64 * 256) + 512 * 64
+    fl = configs.flops_per_token(c, context_length=32)
+    assert fl["dense_forward"] == 2 * matmul
+    assert fl["attention_forward"] == 4 * 2 * 32 * 64
+    assert fl["train"] == 3 * fl["forward"]
+    assert configs.step_flops(c, 4, 32, "forward") == fl["forward"] * 4 * 32
+    with pytest.raises(ValueError):
+        configs.step_flops(c, 4, 32, "backward-only")
+
+
+def test_memory_breakdown_and_residual_stream() -> None:
+    mem = configs.memory_breakdown("small", 4, 128)
+    n = configs.param_counts("small")["total"]
+    assert mem["parameters"] == mem["gradients"] == 4 * n
+    assert mem["optimizer_state"] == 8 * n
+    assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
+    assert configs.residual_stream_bytes("2.7B", 4, 512, "fp32") == 4 * 512 * 2560 * 4
+    assert configs.dtype_bytes(torch.bfloat16) == 2
+    with pytest.raises(ValueError):
+        configs.dtype_bytes("fp8x")

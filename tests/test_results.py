@@ -1,0 +1,61 @@
+import json
+
+import pandas as pd
+import pytest
+
+from cs336_systems import results
+
+
+def test_smoke_detection_precedence(monkeypatch) -> None:
+    monkeypatch.setenv("CS336_SMOKE", "0")
+    assert results.is_smoke_run() is False
+    assert results.is_smoke_run(True) is True
+    monkeypatch.setenv("CS336_SMOKE", "1")
+    assert results.is_smoke_run() is True
+
+
+def test_smoke_runs_never_write_to_committed_figures(monkeypatch) -> None:
+    monkeypatch.delenv("CS336_FIGURES_DIR", raising=False)
+    assert results.results_root(smoke=True) != results.FIGURES_DIR
+    assert results.results_root(smoke=False) == results.FIGURES_DIR
+
+
+def test_table_and_figure_carry_provenance(tmp_path, monkeypatch) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    out = results.ResultWriter("sec", params={"steps": 3}, smoke=True)
+    df = pd.DataFrame({"size": ["a", "b"], "ms": [1.25, 2.5]})
+    out.table(df, "timing", params={"extra": 1})
+    meta = json.loads((tmp_path / "sec" / "timing.meta.json").read_text())
+    assert meta["params"] == {"steps": 3, "extra": 1}
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    out.figure(fig, "timing")
+    meta = json.loads((tmp_path / "sec" / "timing.meta.json").read_text())
+    assert meta["params"] == {"steps": 3}  # the latest artefact's parameters
+    assert set(meta["files"]) == {"timing.csv", "timing.md", "timing.png"}
+    for key in ("device", "torch", "triton", "git_commit", "date", "smoke"):
+        assert key in meta
+    back = results.load_table("sec", "timing", root=tmp_path)
+    assert back["ms"].tolist() == [1.25, 2.5]
+    assert "| a" in (tmp_path / "sec" / "timing.md").read_text()
+    assert results.has_result("sec", "timing", root=tmp_path)
+
+
+def test_json_roundtrip_handles_torch_types(tmp_path, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    out = results.ResultWriter("sec", smoke=True)
+    out.json({"dtype": torch.bfloat16, "value": torch.tensor(2.5)}, "thing")
+    assert results.load_json("sec", "thing", root=tmp_path) == {"dtype": "bfloat16", "value": 2.5}
+
+
+def test_missing_result_is_reported(tmp_path) -> None:
+    assert not results.has_result("nope", "nothing", root=tmp_path)
+    with pytest.raises(FileNotFoundError):
+        results.load_table("nope", "nothing", root=tmp_path)
