@@ -1,0 +1,58 @@
+"""``python -m cs336_systems.report {build,check,html}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cs336_systems.report import manifest as _manifest
+from cs336_systems.results import FIGURES_DIR
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.report", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="render writeup.pdf from the results and update the manifest")
+    build.add_argument("--figures", type=Path, default=FIGURES_DIR, help="results root (default: figures/)")
+    build.add_argument("--output", type=Path, default=_manifest.DEFAULT_PDF, help="PDF path (default: writeup.pdf)")
+    build.add_argument("--html", type=Path, default=None, help="also keep the intermediate HTML here")
+    build.add_argument("--no-manifest", action="store_true",
+                       help="preview only: do not update the manifest (use with --figures .scratch/figures)")
+    html = sub.add_parser("html", help="write only the HTML (no browser needed)")
+    html.add_argument("--figures", type=Path, default=FIGURES_DIR)
+    html.add_argument("--output", type=Path, default=Path("writeup.html"))
+    check = sub.add_parser("check", help="exit 1 when writeup.pdf is older than its inputs")
+    check.add_argument("--figures", type=Path, default=FIGURES_DIR)
+    check.add_argument("--pdf", type=Path, default=_manifest.DEFAULT_PDF)
+    check.add_argument("--manifest", type=Path, default=_manifest.DEFAULT_MANIFEST)
+    args = parser.parse_args(argv)
+
+    if args.command == "build":
+        from cs336_systems.report.build import build as build_pdf
+
+        default_root = args.figures.resolve() == FIGURES_DIR.resolve()
+        if not default_root and not args.no_manifest and args.output.resolve() == _manifest.DEFAULT_PDF.resolve():
+            parser.error("building writeup.pdf from another results root would desynchronize the manifest; "
+                         "pass --output elsewhere and --no-manifest for a preview")
+        manifest = None if args.no_manifest else (_manifest.DEFAULT_MANIFEST if default_root
+                                                  else args.figures / _manifest.MANIFEST_NAME)
+        out = build_pdf(args.output, args.figures, manifest, args.html)
+        print(f"wrote {out}" + (f" and {manifest}" if manifest else ""))
+        return 0
+    if args.command == "html":
+        from cs336_systems.report.build import build_document, write_html
+
+        print(f"wrote {write_html(build_document(args.figures), args.output)}")
+        return 0
+    problems = _manifest.check_manifest(args.pdf, args.figures, args.manifest)
+    if problems:
+        print(f"{args.pdf} is stale:", *problems, f"rebuild with: {_manifest.REBUILD_COMMAND}", sep="\n  ",
+              file=sys.stderr)
+        return 1
+    print(f"{args.pdf} is up to date with {args.figures}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Results folders → :class:`Document` → HTML → ``writeup.pdf`` (+ manifest)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from cs336_systems.report import manifest as _manifest
+from cs336_systems.report.data import SectionData, humanize
+from cs336_systems.report.document import Block, Document, Missing, Section, Text
+from cs336_systems.report.sections import SECTIONS
+from cs336_systems.report.sections.common import notebook_command
+from cs336_systems.results import FIGURES_DIR, REPO_ROOT
+
+TITLE = "CS336 Assignment 2 (Systems): writeup"
+
+
+def _preamble(root: Path) -> list[Block]:
+    return [
+        Text(
+            "Every number, table and figure below is read from the committed results under "
+            f"`{root.name}/`, which the notebooks in `notebooks/` write through `ResultWriter`; each table and "
+            "figure names the device, software versions, date and commit it was measured on. A section "
+            "without results says so and names the command that produces them. Rebuild with "
+            f"`{_manifest.REBUILD_COMMAND}`."
+        )
+    ]
+
+
+def build_section(spec, root: Path) -> tuple[Section, SectionData]:
+    data = SectionData(root, spec.folder, command=spec.produce, note=spec.where)
+    blocks: list[Block] = []
+    if data.empty:
+        blocks.append(Missing(f"no results in `{root.name}/{spec.folder}/`", spec.produce, spec.where))
+    blocks.extend(spec.build(data))
+    rest = data.remaining()
+    if rest:
+        blocks.append(Text(f"Further results in `{root.name}/{spec.folder}/`:"))
+        blocks.extend(rest)
+    return Section(spec.number, spec.title, spec.folder, spec.problems, blocks), data
+
+
+def build_document(root: Path = FIGURES_DIR) -> Document:
+    """The whole writeup from the results under ``root`` (no rendering, no browser)."""
+    root = Path(root)
+    sections: list[Section] = []
+    known = set()
+    for spec in SECTIONS:
+        section, _ = build_section(spec, root)
+        sections.append(section)
+        known.add(spec.folder)
+    # Result folders no section claims (e.g. a new notebook) still appear, generically.
+    extra = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in known and not p.name.startswith(".")) \
+        if root.is_dir() else []
+    for i, folder in enumerate(extra, start=1):
+        data = SectionData(root, folder, command=notebook_command(folder))
+        blocks = data.remaining()
+        if blocks:
+            sections.append(Section(f"A.{i}", humanize(folder), folder, (folder,), blocks))
+    return Document(TITLE, _preamble(root), sections, _manifest.result_files(root))
+
+
+def write_html(doc: Document, path: Path) -> Path:
+    from cs336_systems.report.html import document_html
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(document_html(doc), encoding="utf-8")
+    return path
+
+
+def build(
+    output: Path = _manifest.DEFAULT_PDF,
+    root: Path = FIGURES_DIR,
+    manifest: Path | None = _manifest.DEFAULT_MANIFEST,
+    html_path: Path | None = None,
+) -> Path:
+    """Render the writeup to ``output`` and, unless ``manifest`` is None, record its inputs."""
+    from cs336_systems.report.pdf import html_to_pdf
+
+    doc = build_document(root)
+    with tempfile.TemporaryDirectory(prefix="cs336-writeup-") as tmp:
+        html = write_html(doc, Path(html_path) if html_path else Path(tmp) / "writeup.html")
+        html_to_pdf(html, Path(output))
+    if manifest is not None:
+        _manifest.write_manifest(Path(output), root, Path(manifest))
+    return Path(output)
+
+
+__all__ = ["build", "build_document", "write_html", "REPO_ROOT"]

@@ -1,0 +1,208 @@
+"""Read access to one section's results folder, remembering what the writeup used.
+
+A section builder asks for artefacts by name, with fallbacks (``data.frame("timings", "*timing*")``),
+because the notebooks name their own tables; whatever it does not ask for is still shown by the
+generic "further results" part, so no committed result is silently dropped. Every artefact carries
+its ``.meta.json`` provenance record, which the renderer prints under each table and figure.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from cs336_systems.report.document import Block, Figure, Table, Text
+from cs336_systems.results import REPO_ROOT
+
+ARTEFACT_SUFFIXES = (".csv", ".md", ".png", ".json")
+
+
+def display_path(path: Path) -> str:
+    """Repository-relative path where possible (what a reader can open), else the absolute one."""
+    path = path.resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def humanize(name: str) -> str:
+    """``peak_memory_by_context`` → ``Peak memory by context``."""
+    words = re.sub(r"[_\-]+", " ", name).strip()
+    return words[:1].upper() + words[1:]
+
+
+class SectionData:
+    """The artefacts of ``<root>/<folder>/``: tables (CSV), figures (PNG), JSON records, and metadata."""
+
+    def __init__(self, root: Path, folder: str, command: str = "", note: str = ""):
+        self.root = Path(root)
+        self.folder = folder
+        self.command = command or f"the notebook notebooks/{folder}.ipynb"
+        self.note = note
+        self.dir = self.root / folder
+        self._used: set[str] = set()
+
+    # -- what exists -------------------------------------------------------------------------------
+
+    def _names(self, suffix: str) -> list[str]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.dir.glob(f"*{suffix}") if not p.name.endswith(".meta.json"))
+
+    @property
+    def tables(self) -> list[str]:
+        return self._names(".csv")
+
+    @property
+    def figures(self) -> list[str]:
+        return self._names(".png")
+
+    @property
+    def records(self) -> list[str]:
+        return self._names(".json")
+
+    @property
+    def empty(self) -> bool:
+        return not (self.tables or self.figures or self.records)
+
+    def files(self) -> list[Path]:
+        """Every file of the folder (the inputs the manifest hashes)."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+    def _resolve(self, candidates: tuple[str, ...], available: list[str]) -> str | None:
+        """The first candidate that exists; a candidate with ``*``/``?`` is a glob over the names."""
+        for cand in candidates:
+            if any(ch in cand for ch in "*?["):
+                hits = [n for n in available if fnmatch.fnmatchcase(n, cand)]
+                if hits:
+                    return hits[0]
+            elif cand in available:
+                return cand
+        return None
+
+    def meta(self, name: str) -> dict[str, Any]:
+        path = self.dir / f"{name}.meta.json"
+        if not path.exists():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return {}
+
+    # -- access (marks the artefact as used) -------------------------------------------------------
+
+    def frame(self, *names: str) -> pd.DataFrame | None:
+        """The first of ``names`` that exists as a CSV, as a DataFrame (None when none does)."""
+        name = self._resolve(names, self.tables)
+        if name is None:
+            return None
+        self._used.add(name + ".csv")
+        return pd.read_csv(self.dir / f"{name}.csv")
+
+    def frame_name(self, *names: str) -> str | None:
+        return self._resolve(names, self.tables)
+
+    def table(
+        self, *names: str, caption: str | None = None, frame: pd.DataFrame | None = None
+    ) -> Table | None:
+        """A :class:`Table` block for the first existing name; ``frame`` replaces the shown data
+        (e.g. a pivot of the CSV) while provenance still points at the CSV."""
+        name = self._resolve(names, self.tables)
+        if name is None:
+            return None
+        df = self.frame(name) if frame is None else frame
+        self._used.add(name + ".csv")
+        return Table(
+            frame=df,
+            caption=caption or humanize(name),
+            source=display_path(self.dir / f"{name}.csv"),
+            meta=self.meta(name),
+        )
+
+    def json(self, *names: str) -> Any | None:
+        name = self._resolve(names, self.records)
+        if name is None:
+            return None
+        self._used.add(name + ".json")
+        return json.loads((self.dir / f"{name}.json").read_text())
+
+    def json_meta(self, *names: str) -> dict[str, Any]:
+        name = self._resolve(names, self.records)
+        return self.meta(name) if name else {}
+
+    def figure(self, *names: str, caption: str | None = None) -> Figure | None:
+        name = self._resolve(names, self.figures)
+        if name is None:
+            return None
+        self._used.add(name + ".png")
+        path = self.dir / f"{name}.png"
+        return Figure(path=path, caption=caption or humanize(name), source=display_path(path), meta=self.meta(name))
+
+    # -- everything not yet shown ------------------------------------------------------------------
+
+    def remaining(self) -> list[Block]:
+        """Generic blocks for every table, figure and flat JSON record no section builder asked for."""
+        blocks: list[Block] = []
+        for name in self.tables:
+            if name + ".csv" not in self._used:
+                blocks.append(self.table(name))  # type: ignore[arg-type]
+        for name in self.records:
+            if name + ".json" in self._used:
+                continue
+            obj = self.json(name)
+            path = self.dir / f"{name}.json"
+            if isinstance(obj, dict) and obj and all(not isinstance(v, (dict, list)) for v in obj.values()):
+                df = pd.DataFrame({"quantity": list(obj), "value": list(obj.values())})
+                blocks.append(Table(df, humanize(name), display_path(path), self.meta(name)))
+            else:
+                blocks.append(Text(f"Structured record: `{display_path(path)}`."))
+        for name in self.figures:
+            if name + ".png" not in self._used:
+                blocks.append(self.figure(name))  # type: ignore[arg-type]
+        return blocks
+
+
+def provenance_line(meta: dict[str, Any]) -> str:
+    """Where a result was measured, in one line: device, software, date, commit (and SMOKE if so)."""
+    if not meta:
+        return "provenance record missing"
+    parts: list[str] = []
+    device = meta.get("device") or "unknown device"
+    n = meta.get("num_gpus") or 0
+    if meta.get("device_type") == "cuda" and n > 1:
+        device += f" ({n} GPUs)"
+    parts.append(device)
+    if meta.get("cuda"):
+        parts.append(f"CUDA {meta['cuda']}")
+    for key in ("torch", "triton"):
+        if meta.get(key):
+            parts.append(f"{key} {meta[key]}")
+    if meta.get("date"):
+        parts.append(str(meta["date"])[:10])
+    if meta.get("git_commit"):
+        commit = str(meta["git_commit"])
+        parts.append("commit " + commit[:9] + ("-dirty" if commit.endswith("-dirty") else ""))
+    line = " · ".join(parts)
+    if meta.get("smoke"):
+        line = "SMOKE RUN, not a GPU measurement · " + line
+    return line
+
+
+def params_line(meta: dict[str, Any], limit: int = 240) -> str:
+    """The run's parameters, compactly (None-valued "auto" parameters left out)."""
+    params = {k: v for k, v in (meta.get("params") or {}).items() if v is not None}
+    if not params:
+        return ""
+    text = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list) and len(v) > 8:
+        return "[" + ", ".join(map(str, v[:3])) + f", …, {v[-1]}] ({len(v)} values)"
+    return str(v)

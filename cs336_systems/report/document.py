@@ -1,0 +1,139 @@
+"""The writeup's document model: sections made of a few kinds of blocks.
+
+Section builders (``cs336_systems.report.sections``) produce these plain objects from the results
+folders; the HTML renderer turns them into pages. Keeping the model separate from rendering means
+the tests can check *what* the writeup says (sections present, numbers, missing-data notes) without
+a browser, and the renderer can change without touching any section.
+
+Text blocks are Markdown with ``$inline$`` and ``$$display$$`` math (matplotlib mathtext syntax, a
+LaTeX subset), so derivations are typeset rather than written as code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+
+@dataclass
+class Text:
+    """A paragraph (or several) of Markdown with ``$...$`` / ``$$...$$`` math."""
+
+    markdown: str
+
+    def plain(self) -> str:
+        return self.markdown
+
+
+@dataclass
+class Equation:
+    """Display math, one rendered line per entry (mathtext has no multi-line environments)."""
+
+    lines: list[str]
+
+    def plain(self) -> str:
+        return "\n".join(self.lines)
+
+
+@dataclass
+class Table:
+    """A results table with its provenance.
+
+    ``frame`` is the (possibly reshaped) pandas DataFrame to show; ``source`` the repository-relative
+    path of the CSV it came from and ``meta`` that artefact's ``.meta.json`` record.
+    """
+
+    frame: Any
+    caption: str
+    source: str
+    meta: dict[str, Any]
+
+    def plain(self) -> str:
+        return f"{self.caption}\n{self.frame.to_string(index=False)}"
+
+
+@dataclass
+class Figure:
+    """A PNG figure with its provenance (``source``: repository-relative path)."""
+
+    path: Path
+    caption: str
+    source: str
+    meta: dict[str, Any]
+
+    def plain(self) -> str:
+        return f"[figure {self.source}] {self.caption}"
+
+
+@dataclass
+class Missing:
+    """A plain statement that some data does not exist yet, and the command that produces it."""
+
+    what: str
+    command: str
+    note: str = ""
+    """Where to run the command, e.g. "on a GPU machine; writes figures/x/"."""
+
+    def plain(self) -> str:
+        return f"Not measured yet: {self.what}. Produce it with: {self.command} {self.note}".rstrip()
+
+
+@dataclass
+class Question:
+    """One deliverable of a problem, e.g. ``(b)``, with its answer blocks."""
+
+    label: str
+    prompt: str
+    blocks: list[Block] = field(default_factory=list)
+
+    def plain(self) -> str:
+        return "\n".join([f"({self.label}) {self.prompt}", *(b.plain() for b in self.blocks)])
+
+
+Block = Union[Text, Equation, Table, Figure, Missing, Question]
+
+
+@dataclass
+class Section:
+    """One problem group of the writeup, backed by one results folder."""
+
+    number: str
+    title: str
+    folder: str
+    problems: tuple[str, ...]
+    blocks: list[Block] = field(default_factory=list)
+
+    @property
+    def anchor(self) -> str:
+        return "sec-" + self.number.replace(".", "-")
+
+    def plain(self) -> str:
+        return "\n".join([f"{self.number} {self.title}", *(b.plain() for b in self.blocks)])
+
+    def walk(self) -> list[Block]:
+        """All blocks, with those nested in questions flattened in order."""
+        out: list[Block] = []
+        for b in self.blocks:
+            out.append(b)
+            if isinstance(b, Question):
+                out.extend(b.blocks)
+        return out
+
+
+@dataclass
+class Document:
+    title: str
+    preamble: list[Block]
+    sections: list[Section]
+    inputs: list[Path]
+    """Every results file the document was made from (what the manifest hashes)."""
+
+    def plain(self) -> str:
+        return "\n\n".join([*(b.plain() for b in self.preamble), *(s.plain() for s in self.sections)])
+
+    def section(self, number: str) -> Section:
+        for s in self.sections:
+            if s.number == number:
+                return s
+        raise KeyError(f"no section {number!r}; have {[s.number for s in self.sections]}")

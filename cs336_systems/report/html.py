@@ -1,0 +1,244 @@
+"""Document → one self-contained HTML file, styled for print.
+
+Math is rendered offline by matplotlib's mathtext (a LaTeX subset, no TeX install) to SVG and
+embedded as data URIs, so the browser that prints the page needs no fonts or scripts beyond the
+page itself. Figures are embedded the same way; the HTML file alone reproduces the PDF.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import functools
+import html
+import io
+import re
+from typing import Any
+
+import markdown as _markdown
+
+from cs336_systems.report import fmt
+from cs336_systems.report.data import params_line, provenance_line
+from cs336_systems.report.document import Block, Document, Equation, Figure, Missing, Question, Section, Table, Text
+
+MATH_FONT_PT = 11.0
+
+CSS = """
+@page {
+  size: A4;
+  margin: 16mm 15mm 18mm 15mm;
+  @bottom-center { content: counter(page) " / " counter(pages); font: 8pt "Liberation Sans", sans-serif; color: #666; }
+}
+html { font-family: "Liberation Serif", "Times New Roman", serif; font-size: 10.5pt; line-height: 1.38; color: #111; }
+body { margin: 0; }
+h1 { font-size: 20pt; margin: 0 0 2mm 0; }
+h2 { font-size: 14pt; margin: 7mm 0 2mm 0; border-bottom: 0.6pt solid #999; padding-bottom: 1mm;
+     break-after: avoid; }
+h2 .num { color: #555; margin-right: 2.5mm; }
+h2 .problems { float: right; font: 7.5pt "Liberation Mono", monospace; color: #777; margin-top: 2.2mm; }
+h3 { font-size: 11pt; margin: 4mm 0 1mm 0; break-after: avoid; }
+h3 .label { color: #555; margin-right: 1.5mm; }
+h3 .prompt { font-weight: normal; font-style: italic; }
+p { margin: 1.2mm 0 2mm 0; text-align: justify; hyphens: auto; }
+code { font-family: "Liberation Mono", "DejaVu Sans Mono", monospace; font-size: 8.6pt; background: #f3f3f3;
+       padding: 0 0.6mm; border-radius: 0.6mm; }
+.subtitle { color: #444; font-size: 9.5pt; margin-bottom: 4mm; }
+nav.toc { columns: 2; column-gap: 8mm; font-size: 9.5pt; margin: 3mm 0 5mm 0; border-top: 0.6pt solid #999;
+          border-bottom: 0.6pt solid #999; padding: 2mm 0; }
+nav.toc a { color: #111; text-decoration: none; }
+nav.toc div { break-inside: avoid; }
+nav.toc .missing-mark { color: #b35c00; font-size: 8pt; }
+figure { margin: 3mm 0; break-inside: avoid; text-align: center; }
+figure img { max-width: 100%; max-height: 105mm; }
+figure.table { overflow: hidden; }
+figcaption { font-size: 8.8pt; text-align: left; margin-top: 1mm; }
+figure.table figcaption { margin: 0 0 1mm 0; }
+.prov { display: block; font: 7pt "Liberation Sans", sans-serif; color: #666; margin-top: 0.4mm; }
+.prov.smoke { color: #b00; font-weight: bold; }
+table { border-collapse: collapse; margin: 0 auto; font: 8pt "Liberation Sans Narrow", "Liberation Sans", sans-serif; }
+table.wide { font-size: 6.8pt; }
+thead { display: table-header-group; }
+tr { break-inside: avoid; }
+th, td { padding: 0.5mm 1.6mm; border-bottom: 0.3pt solid #ccc; }
+th { border-bottom: 0.8pt solid #444; border-top: 0.8pt solid #444; font-weight: bold; vertical-align: bottom; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.txt { text-align: left; }
+.missing { border-left: 2.2pt solid #d98200; background: #fff6e8; padding: 1.5mm 3mm; margin: 2mm 0;
+           font-size: 9.5pt; break-inside: avoid; }
+.missing code { background: #fdebd0; }
+.equation { text-align: center; margin: 2mm 0; break-inside: avoid; }
+.equation img { display: block; margin: 1.2mm auto; }
+img.math { display: inline; }
+.further { font-size: 9pt; color: #333; margin-top: 4mm; }
+"""
+
+
+# -- math --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=2048)
+def render_math(tex: str, size_pt: float = MATH_FONT_PT) -> tuple[str, float, float, float]:
+    """``tex`` (mathtext, without dollars) → (SVG data URI, width pt, height pt, depth pt).
+
+    Raises ``ValueError`` naming the formula when mathtext cannot parse it, so a typo in a
+    derivation fails the build instead of printing raw TeX.
+    """
+    from matplotlib import rc_context
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.mathtext import math_to_image
+
+    buf = io.BytesIO()
+    try:
+        with rc_context({"mathtext.fontset": "stix", "svg.fonttype": "path", "svg.hashsalt": "cs336"}):
+            depth = math_to_image(f"${tex}$", buf, prop=FontProperties(size=size_pt), dpi=72, format="svg")
+    except ValueError as e:
+        raise ValueError(f"cannot typeset formula {tex!r}: {e}") from None
+    svg = buf.getvalue().decode()
+    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)  # drops the timestamp
+    m = re.search(r'width="([\d.]+)pt" height="([\d.]+)pt"', svg)
+    width, height = (float(m.group(1)), float(m.group(2))) if m else (0.0, 0.0)
+    uri = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
+    return uri, width, height, float(depth or 0.0)
+
+
+def math_img(tex: str, display: bool = False) -> str:
+    uri, w, h, depth = render_math(tex, MATH_FONT_PT * (1.1 if display else 1.0))
+    style = f"width:{w:.2f}pt;height:{h:.2f}pt"
+    if not display:
+        style += f";vertical-align:-{depth:.2f}pt"
+    alt = html.escape(tex, quote=True)
+    return f'<img class="math" alt="{alt}" style="{style}" src="{uri}">'
+
+
+_DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.S)
+_INLINE = re.compile(r"(?<![\\$])\$(?!\s)([^$\n]+?)(?<![\s\\])\$(?!\$)")
+
+
+def markdown_to_html(text: str) -> str:
+    """Markdown with ``$$display$$`` and ``$inline$`` math → HTML (math swapped in after Markdown,
+    so Markdown never sees TeX's underscores and asterisks)."""
+    pieces: list[str] = []
+
+    def stash(html_snippet: str) -> str:
+        pieces.append(html_snippet)
+        return f"MATHPLACEHOLDER{len(pieces) - 1}X"
+
+    text = _DISPLAY.sub(lambda m: stash(f'<span class="equation">{math_img(m.group(1).strip(), True)}</span>'), text)
+    text = _INLINE.sub(lambda m: stash(math_img(m.group(1))), text)
+    text = text.replace(r"\$", "$")
+    out = _markdown.markdown(text, extensions=["tables", "sane_lists"])
+    return re.sub(r"MATHPLACEHOLDER(\d+)X", lambda m: pieces[int(m.group(1))], out)
+
+
+# -- blocks ------------------------------------------------------------------------------------------
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.tables = 0
+        self.figures = 0
+
+
+def _prov_html(meta: dict[str, Any], source: str) -> str:
+    cls = "prov smoke" if meta.get("smoke") else "prov"
+    line = f"Source <code>{html.escape(source)}</code> · {html.escape(provenance_line(meta))}"
+    params = params_line(meta)
+    if params:
+        line += f"<br>Run parameters: {html.escape(params)}"
+    return f'<span class="{cls}">{line}</span>'
+
+
+def _is_numeric(series: Any) -> bool:
+    return getattr(series.dtype, "kind", "O") in "iuf"
+
+
+def table_html(block: Table, n: int) -> str:
+    df = block.frame
+    numeric = [_is_numeric(df[c]) for c in df.columns]
+    width = sum(max(len(str(c)), 6) for c in df.columns)
+    cls = ' class="wide"' if len(df.columns) > 9 or width > 120 else ""
+    # Allow long snake_case headers to wrap at underscores.
+    head = "".join(f"<th>{html.escape(str(c)).replace('_', '_<wbr>')}</th>" for c in df.columns)
+    rows = []
+    for rec in df.itertuples(index=False):
+        cells = "".join(
+            f'<td class="{"num" if isnum else "txt"}">{html.escape(fmt.cell(v))}</td>' for v, isnum in zip(rec, numeric)
+        )
+        rows.append(f"<tr>{cells}</tr>")
+    caption = f"<b>Table {n}.</b> {markdown_inline(block.caption)}" + _prov_html(block.meta, block.source)
+    return (
+        f'<figure class="table"><figcaption>{caption}</figcaption>'
+        f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></figure>"
+    )
+
+
+def figure_html(block: Figure, n: int) -> str:
+    uri = "data:image/png;base64," + base64.b64encode(block.path.read_bytes()).decode()
+    caption = f"<b>Figure {n}.</b> {markdown_inline(block.caption)}" + _prov_html(block.meta, block.source)
+    return f'<figure><img src="{uri}" alt="{html.escape(block.caption)}"><figcaption>{caption}</figcaption></figure>'
+
+
+def markdown_inline(text: str) -> str:
+    out = markdown_to_html(text)
+    return re.sub(r"^<p>(.*)</p>$", r"\1", out.strip(), flags=re.S)
+
+
+def block_html(block: Block, counter: _Counter) -> str:
+    if isinstance(block, Text):
+        return markdown_to_html(block.markdown)
+    if isinstance(block, Equation):
+        return '<div class="equation">' + "".join(math_img(line, True) for line in block.lines) + "</div>"
+    if isinstance(block, Table):
+        counter.tables += 1
+        return table_html(block, counter.tables)
+    if isinstance(block, Figure):
+        counter.figures += 1
+        return figure_html(block, counter.figures)
+    if isinstance(block, Missing):
+        return (
+            f'<div class="missing"><b>Not measured yet:</b> {markdown_inline(block.what)}. '
+            f"Produce it with <code>{html.escape(block.command)}</code>"
+            + (f" {markdown_inline(block.note)}" if block.note else "")
+            + ".</div>"
+        )
+    if isinstance(block, Question):
+        inner = "".join(block_html(b, counter) for b in block.blocks)
+        prompt = markdown_inline(block.prompt)
+        return (
+            f'<section class="question"><h3><span class="label">({html.escape(block.label)})</span>'
+            f'<span class="prompt">{prompt}</span></h3>{inner}</section>'
+        )
+    raise TypeError(f"unknown block type {type(block).__name__}")
+
+
+def section_html(section: Section, counter: _Counter) -> str:
+    problems = ", ".join(section.problems)
+    head = (
+        f'<h2 id="{section.anchor}"><span class="num">§{section.number}</span>{html.escape(section.title)}'
+        f'<span class="problems">{html.escape(problems)}</span></h2>'
+    )
+    return f"<section>{head}{''.join(block_html(b, counter) for b in section.blocks)}</section>"
+
+
+def _has_missing(section: Section) -> bool:
+    return any(isinstance(b, Missing) for b in section.walk())
+
+
+def document_html(doc: Document) -> str:
+    counter = _Counter()
+    toc = "".join(
+        f'<div><a href="#{s.anchor}">§{s.number} {html.escape(s.title)}</a>'
+        + (' <span class="missing-mark">(data pending)</span>' if _has_missing(s) else "")
+        + "</div>"
+        for s in doc.sections
+    )
+    built = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    preamble = "".join(block_html(b, counter) for b in doc.preamble)
+    body = "".join(section_html(s, counter) for s in doc.sections)
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(doc.title)}</title><style>{CSS}</style></head><body>"
+        f"<h1>{html.escape(doc.title)}</h1>"
+        f'<div class="subtitle">Built {built} from {len(doc.inputs)} committed result files.</div>'
+        f"{preamble}<nav class='toc'>{toc}</nav>{body}</body></html>"
+    )

@@ -1,0 +1,109 @@
+"""The writeup's input manifest: proof that ``writeup.pdf`` is not older than what it is made from.
+
+``build`` records the sha256 of every file under the results root (all of ``figures/``, since the
+writeup shows every committed result), of the builder's own source, and of the PDF it wrote.
+``check`` recomputes them: any added, removed or changed result, a builder change, or a PDF that is
+not the one built, makes the writeup stale, and the fix is always the same single command.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from cs336_systems.results import FIGURES_DIR, REPO_ROOT
+
+MANIFEST_NAME = "writeup_manifest.json"
+DEFAULT_PDF = REPO_ROOT / "writeup.pdf"
+DEFAULT_MANIFEST = FIGURES_DIR / MANIFEST_NAME
+REBUILD_COMMAND = "uv run python -m cs336_systems.report build"
+
+#: Source files whose change alters the document (the builder package and the calculator it quotes).
+BUILDER_ROOTS = (REPO_ROOT / "cs336_systems" / "report", REPO_ROOT / "cs336_systems" / "configs.py")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _key(path: Path, base: Path) -> str:
+    path = path.resolve()
+    return path.relative_to(base).as_posix() if path.is_relative_to(base) else path.as_posix()
+
+
+def result_files(root: Path) -> list[Path]:
+    """Every result file under ``root`` (hidden files and the manifest itself excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and p.name != MANIFEST_NAME
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+
+
+def builder_files() -> list[Path]:
+    files: list[Path] = []
+    for r in BUILDER_ROOTS:
+        files.extend(sorted(r.rglob("*.py")) if r.is_dir() else [r])
+    return [f for f in files if "__pycache__" not in f.parts]
+
+
+def fingerprint(root: Path) -> dict[str, dict[str, str]]:
+    """Hashes of the inputs: ``results`` keyed relative to ``root``, ``builder`` relative to the repo."""
+    root = Path(root).resolve()
+    return {
+        "results": {_key(p, root): sha256(p) for p in result_files(root)},
+        "builder": {_key(p, REPO_ROOT): sha256(p) for p in builder_files()},
+    }
+
+
+def write_manifest(pdf: Path, root: Path, manifest: Path) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "rebuild": REBUILD_COMMAND,
+        "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "pdf": {"path": _key(Path(pdf), REPO_ROOT), "sha256": sha256(Path(pdf))},
+        **fingerprint(root),
+    }
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return data
+
+
+def _diff(kind: str, old: dict[str, str], new: dict[str, str]) -> list[str]:
+    problems = []
+    for k in sorted(set(new) - set(old)):
+        problems.append(f"{kind} file added since the last build: {k}")
+    for k in sorted(set(old) - set(new)):
+        problems.append(f"{kind} file removed since the last build: {k}")
+    for k in sorted(set(old) & set(new)):
+        if old[k] != new[k]:
+            problems.append(f"{kind} file changed since the last build: {k}")
+    return problems
+
+
+def check_manifest(pdf: Path = DEFAULT_PDF, root: Path = FIGURES_DIR, manifest: Path = DEFAULT_MANIFEST) -> list[str]:
+    """Reasons the committed PDF is stale (empty when it is up to date)."""
+    pdf, manifest = Path(pdf), Path(manifest)
+    if not manifest.exists():
+        return [f"no manifest at {_key(manifest, REPO_ROOT)}"]
+    recorded = json.loads(manifest.read_text())
+    problems: list[str] = []
+    if not pdf.exists():
+        problems.append(f"{_key(pdf, REPO_ROOT)} does not exist")
+    elif sha256(pdf) != recorded.get("pdf", {}).get("sha256"):
+        problems.append(f"{_key(pdf, REPO_ROOT)} is not the PDF the manifest was written for")
+    now = fingerprint(root)
+    problems += _diff("result", recorded.get("results", {}), now["results"])
+    problems += _diff("builder", recorded.get("builder", {}), now["builder"])
+    return problems

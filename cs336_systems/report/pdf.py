@@ -1,0 +1,56 @@
+"""HTML → PDF with a headless Chromium (Debian package ``chromium``), which implements CSS paged media
+(page size, margins, page-number boxes, repeated table headers) well enough for a report."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+BROWSER_CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def find_browser() -> str:
+    """The Chromium executable: ``$CS336_CHROMIUM`` if set, else the first candidate on ``PATH``."""
+    override = os.environ.get("CS336_CHROMIUM")
+    if override:
+        if shutil.which(override) is None:
+            raise RuntimeError(f"CS336_CHROMIUM={override!r} is not an executable")
+        return override
+    for name in BROWSER_CANDIDATES:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise RuntimeError(
+        "rendering writeup.pdf needs a headless Chromium; install it with "
+        "`sudo apt-get install chromium fonts-liberation` (or set CS336_CHROMIUM to a Chrome binary)"
+    )
+
+
+def html_to_pdf(html_path: Path, pdf_path: Path, timeout_s: float = 180.0) -> Path:
+    """Print ``html_path`` to ``pdf_path``; raises ``RuntimeError`` with the browser's output on failure."""
+    browser = find_browser()
+    pdf_path = Path(pdf_path).resolve()
+    pdf_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_pdf = pdf_path.with_suffix(".pdf.tmp")
+    with tempfile.TemporaryDirectory(prefix="cs336-chromium-") as profile:
+        cmd = [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-extensions",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--no-pdf-header-footer",
+            f"--print-to-pdf={tmp_pdf}",
+            Path(html_path).resolve().as_uri(),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0 or not tmp_pdf.exists() or tmp_pdf.stat().st_size == 0:
+        tmp_pdf.unlink(missing_ok=True)
+        raise RuntimeError(f"{browser} failed to print {html_path} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    tmp_pdf.replace(pdf_path)
+    return pdf_path

@@ -1,0 +1,87 @@
+"""§2.4 communication accounting, §3 optimizer-state sharding, and FSDP."""
+
+from __future__ import annotations
+
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Equation, Text
+from cs336_systems.report.sections.common import question
+
+
+def communication_accounting(d: SectionData) -> list[Block]:
+    return [
+        question(d, "a", "Memory of fp32 master weights, gradients and AdamW state for the XXL model's feed-forward "
+                 "layers on one device; memory saved for backward in bf16; in H100s.", [
+                     Text("Counting only the two feed-forward matrices of each of the $L$ blocks:"),
+                     Equation([
+                         r"N = 2\,L\,d_{\mathrm{model}}\,d_{\mathrm{ff}},\qquad "
+                         r"M_{\mathrm{fp32}} = N\,(4_{\mathrm{weights}} + 4_{\mathrm{grads}} + 8_{\mathrm{Adam}})"
+                         r" = 16\,N\ \mathrm{bytes}",
+                     ]),
+                     d.table("*memory*", "*single*", "*(a)*", "*part_a*"),
+                 ], what="the single-device memory accounting"),
+        question(d, "b", "Memory per device when master weights, optimizer state, gradients and half the "
+                 "activations are sharded over $N_{\\mathrm{FSDP}}$ devices; the $N_{\\mathrm{FSDP}}$ that fits "
+                 "one TPU v5p (95 GB).", [
+                     Equation([
+                         r"M_{\mathrm{device}} = \frac{16\,N + A/2}{N_{\mathrm{FSDP}}} + \frac{A}{2}"
+                         r" < 95\,\mathrm{GB}",
+                     ]),
+                     d.table("*fsdp*", "*shard*", "*part_b*"),
+                 ], what="the sharded memory accounting"),
+        question(d, "c", "Forward pass only, TPU v5p ($W_{\\mathrm{ici}} = 2\\cdot 9\\cdot 10^{10}$ B/s, "
+                 "$C = 4.6\\cdot 10^{14}$ FLOP/s), $M_X = 2$, $M_Y = 1$, $X = 16$ (FSDP), $Y = 4$ (TP): the "
+                 "per-device batch that is compute bound, and the overall batch.", [
+                     Text("Per layer and batch of $B$ tokens, the math time and the two collectives "
+                          "(FSDP all-gathers of weights over $X$, TP activations over $Y$) are"),
+                     Equation([
+                         r"T_{\mathrm{math}} = \frac{4BDF}{XYC},\quad T_{\mathrm{FSDP}} = \frac{4DF}{Y\,W_{\mathrm{ici}}M_X},"
+                         r"\quad T_{\mathrm{TP}} = \frac{4BD}{X\,W_{\mathrm{ici}}M_Y},",
+                         r"T_{\mathrm{math}} \geq T_{\mathrm{FSDP}} \Leftrightarrow \frac{B}{X} \geq \frac{C}{W_{\mathrm{ici}}M_X},"
+                         r"\qquad T_{\mathrm{math}} \geq T_{\mathrm{TP}} \Leftrightarrow F \geq \frac{Y\,C}{W_{\mathrm{ici}}M_Y}.",
+                     ]),
+                     d.table("*batch*", "*compute*", "*part_c*"),
+                 ], what="the compute-bound batch size"),
+        question(d, "d", "Tricks that keep throughput with a smaller overall batch.", [
+            Text("More model parallelism along axes that do not multiply the batch: tensor parallelism on a larger "
+                 "$Y$ (its condition $F \\geq YC/(W_{\\mathrm{ici}}M_Y)$ is independent of $B$), pipeline "
+                 "parallelism (only activations cross stages, and micro-batches hide the bubble), and expert "
+                 "parallelism. Overlapping the FSDP all-gathers of layer $\\ell+1$ with the compute of layer "
+                 "$\\ell$ hides communication rather than amortizing it over a larger batch, and lower-precision "
+                 "weights (bf16/fp8 all-gathers) halve or quarter the bytes moved, lowering the "
+                 "compute-bound threshold $B/X \\geq C/(W_{\\mathrm{ici}}M_X)$ proportionally "
+                 "(see the TPU Scaling Book, “How to Parallelize a Transformer for Training”).")]),
+    ]
+
+
+def optimizer_state_sharding(d: SectionData) -> list[Block]:
+    return [
+        question(d, "a", "Peak memory after model initialization, before and after the optimizer step, with and "
+                 "without optimizer-state sharding (XL, one node, 2 GPUs), with a breakdown.",
+                 [d.table("*memory*", "*peak*"), d.figure("*memory*")], what="peak memory with and without sharding"),
+        question(d, "b", "Time per iteration with and without optimizer-state sharding.",
+                 [d.table("*tim*", "*speed*", "*step*")], what="iteration times with and without sharding"),
+        question(d, "c", "How this differs from ZeRO stage 1 ($P_{os}$).", [
+            Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
+                 "memory by the world size $P$. ZeRO-1 partitions a flat buffer at element granularity, so every "
+                 "rank owns exactly $\\Psi/P$ elements, and replaces DDP's all-reduce with a reduce-scatter of "
+                 "gradients and an all-gather of updated parameters, $2\\Psi$ per rank in total, the same volume "
+                 "as DDP. Our sharding assigns whole parameter tensors to ranks (balanced greedily, so shards are "
+                 "only approximately equal), keeps the full gradient all-reduce ($2\\Psi$) and then broadcasts each "
+                 "updated parameter from its owner ($\\Psi$ more), $3\\Psi$ in total: simpler and model-agnostic, "
+                 "but with 1.5× the communication volume of ZeRO-1.")]),
+    ]
+
+
+def fsdp(d: SectionData) -> list[Block]:
+    return [
+        question(d, "fsdp", "Fully sharded data parallelism: per-layer all-gather of parameters before use, "
+                 "reduce-scatter of gradients after the backward pass.", [
+                     Text("With $P$ ranks and $\\Psi$ parameters, each rank stores $\\Psi/P$ parameters, gradients "
+                          "and optimizer state; a step moves $\\Psi$ per rank in the forward all-gathers, $\\Psi$ in "
+                          "the backward re-gathers and $\\Psi$ in the gradient reduce-scatter:"),
+                     Equation([r"M_{\mathrm{rank}} = \frac{16\,\Psi}{P} + M_{\mathrm{act}} + "
+                               r"M_{\mathrm{largest\ gathered\ layers}},\qquad V_{\mathrm{rank}} \approx 3\,\Psi"
+                               r"\ \mathrm{elements}"]),
+                     d.table("*memory*", "*peak*"), d.table("*tim*", "*step*", "*throughput*"),
+                 ], what="FSDP memory and step time"),
+    ]

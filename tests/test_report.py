@@ -1,0 +1,156 @@
+"""The writeup builder: document model from a fixture results folder, HTML rendering (no browser),
+and the manifest that proves the committed ``writeup.pdf`` is not older than its results."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+import pytest
+
+from cs336_systems.report import fmt
+from cs336_systems.report import manifest as mf
+from cs336_systems.report.__main__ import main as report_main
+from cs336_systems.report.build import build_document
+from cs336_systems.report.data import provenance_line
+from cs336_systems.report.document import Figure, Missing, Table
+from cs336_systems.report.html import document_html, markdown_to_html, render_math
+from cs336_systems.report.sections import SECTIONS
+from cs336_systems.results import ResultWriter
+
+EXPECTED_SECTIONS = ["1.1.3", "1.1.4", "1.1.5", "1.1.6", "1.2.1", "1.3.1", "1.3.2", "2.1.3", "2.2", "2.3.1",
+                     "2.3.2", "2.3.3", "2.4", "3", "3.1"]
+
+
+@pytest.fixture
+def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty results root that ResultWriter writes into (as a measured, non-smoke run)."""
+    root = tmp_path / "figures"
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(root))
+    monkeypatch.setenv("CS336_GIT_COMMIT", "0123456789abcdef")
+    return root
+
+
+def _write_benchmarking(root: Path) -> pd.DataFrame:
+    df = pd.DataFrame({
+        "size": ["small", "medium"],
+        "forward_mean_ms": [12.3456, 45.678],
+        "forward_std_ms": [0.1, 0.2],
+        "backward_mean_ms": [25.01, 98.76],
+        "backward_std_ms": [0.3, 0.4],
+    })
+    ResultWriter("benchmarking", params={"warmup": 5, "steps": 10}, smoke=False).table(df, "end_to_end")
+    return df
+
+
+def test_every_section_present_and_says_what_is_missing(results: Path) -> None:
+    doc = build_document(results)
+    assert [s.number for s in doc.sections] == EXPECTED_SECTIONS
+    assert [s.folder for s in doc.sections] == [spec.folder for spec in SECTIONS]
+    for section in doc.sections:
+        missing = [b for b in section.walk() if isinstance(b, Missing)]
+        assert missing, f"§{section.number} has no data but does not say so"
+        assert f"notebooks run {section.folder}" in missing[0].command
+        assert not [b for b in section.walk() if isinstance(b, (Table, Figure))], "invented a table without data"
+    assert doc.inputs == []
+
+
+def test_numbers_and_provenance_come_from_the_results(results: Path) -> None:
+    _write_benchmarking(results)
+    doc = build_document(results)
+    sec = doc.section("1.1.3")
+    tables = [b for b in sec.walk() if isinstance(b, Table)]
+    assert len(tables) == 1 and tables[0].source.endswith("benchmarking/end_to_end.csv")
+    text = sec.plain()
+    assert "12.3 ms" in text and "45.7 ms" in text and "98.8 ms" in text  # formatted from the CSV
+    assert not [b for b in sec.blocks if isinstance(b, Missing) and "no results" in b.what]
+    line = provenance_line(tables[0].meta)
+    assert "torch" in line and "commit 012345678" in line and tables[0].meta["date"][:10] in line
+    # Sections without data are unaffected.
+    assert any(isinstance(b, Missing) for b in doc.section("2.2").walk())
+    assert {p.name for p in doc.inputs} == {"end_to_end.csv", "end_to_end.md", "end_to_end.meta.json"}
+
+
+def test_unclaimed_results_are_shown_generically(results: Path) -> None:
+    out = ResultWriter("benchmarking", smoke=True)
+    out.table(pd.DataFrame({"x": [1, 2]}), "extra_table")
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([0, 1], [0, 1])
+    out.figure(fig, "extra_plot")
+    plt.close(fig)
+    ResultWriter("brand_new_notebook", smoke=True).json({"answer": 42, "unit": "ms"}, "summary")
+    doc = build_document(results)
+    bench = doc.section("1.1.3").walk()
+    assert any(isinstance(b, Table) and b.source.endswith("extra_table.csv") for b in bench)
+    assert any(isinstance(b, Figure) and b.source.endswith("extra_plot.png") for b in bench)
+    appendix = doc.sections[-1]
+    assert appendix.folder == "brand_new_notebook" and appendix.number == "A.1"
+    (table,) = [b for b in appendix.walk() if isinstance(b, Table)]
+    assert table.frame.set_index("quantity")["value"]["answer"] == 42
+    assert provenance_line(table.meta).startswith("SMOKE RUN")
+
+
+def test_html_typesets_math_and_embeds_everything(results: Path) -> None:
+    _write_benchmarking(results)
+    page = document_html(build_document(results))
+    assert page.count('<img class="math"') > 10  # derivations are typeset, not printed as TeX
+    assert "$" not in page.replace("\\$", "")
+    assert "<b>Table 1.</b>" in page and "Run parameters: warmup=5, steps=10" in page
+    assert "file://" not in page  # self-contained: figures and math are data URIs
+    for spec in SECTIONS:
+        assert f"§{spec.number}" in page
+
+
+def test_markdown_math_and_bad_formula() -> None:
+    html = markdown_to_html(r"cost $o + s/(n_b w)$ with a literal \$5 and `code_with_underscores`")
+    assert html.count('class="math"') == 1 and "$5" in html and "code_with_underscores" in html
+    with pytest.raises(ValueError, match="cannot typeset"):
+        render_math(r"\notacommand{x}")
+
+
+def test_number_formatting() -> None:
+    assert fmt.sig(12.3456) == "12.3"
+    assert fmt.sig(1234567) == "1,234,567"
+    assert fmt.sig(0.012345) == "0.0123"
+    assert fmt.ms(45.678) == "45.7 ms"
+    assert fmt.pct(0.1234) == "12.3%"
+    assert fmt.mib(2**20 * 10) == "10.0 MiB"
+    assert fmt.cell(float("nan")) == "—" and fmt.cell(3.0) == "3" and fmt.cell(1 / 3) == "0.3333"
+
+
+def test_manifest_detects_every_kind_of_staleness(results: Path, tmp_path: Path) -> None:
+    _write_benchmarking(results)
+    pdf, manifest = tmp_path / "writeup.pdf", results / mf.MANIFEST_NAME
+    pdf.write_bytes(b"%PDF-1.4 fixture")
+    mf.write_manifest(pdf, results, manifest)
+    assert mf.check_manifest(pdf, results, manifest) == []
+    assert report_main(["check", "--figures", str(results), "--pdf", str(pdf), "--manifest", str(manifest)]) == 0
+
+    (results / "benchmarking" / "end_to_end.csv").write_text("size\nchanged\n")
+    (results / "benchmarking" / "late.csv").write_text("a\n1\n")
+    pdf.write_bytes(b"%PDF-1.4 another")
+    problems = "\n".join(mf.check_manifest(pdf, results, manifest))
+    assert "changed since the last build: benchmarking/end_to_end.csv" in problems
+    assert "added since the last build: benchmarking/late.csv" in problems
+    assert "not the PDF the manifest was written for" in problems
+    assert report_main(["check", "--figures", str(results), "--pdf", str(pdf), "--manifest", str(manifest)]) == 1
+
+    shutil.rmtree(results / "benchmarking")
+    assert any("removed" in p for p in mf.check_manifest(pdf, results, manifest))
+    assert mf.check_manifest(pdf, results, tmp_path / "nope.json") == ["no manifest at " + str(tmp_path / "nope.json")]
+
+
+def test_committed_writeup_is_up_to_date() -> None:
+    """``writeup.pdf`` was built from exactly the committed results and builder source."""
+    problems = mf.check_manifest()
+    assert not problems, "writeup.pdf is stale; rebuild with `{}`:\n{}".format(mf.REBUILD_COMMAND,
+                                                                             "\n".join(problems))
+    recorded = json.loads(mf.DEFAULT_MANIFEST.read_text())
+    assert recorded["pdf"]["path"] == "writeup.pdf"
+    assert mf.DEFAULT_PDF.read_bytes().startswith(b"%PDF")
