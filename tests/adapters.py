@@ -12,40 +12,50 @@ import torch
 
 def get_flashattention_autograd_function_pytorch() -> type:
     """A ``torch.autograd.Function`` subclass implementing FlashAttention-2 in plain PyTorch."""
-    raise NotImplementedError("FlashAttention-2 (PyTorch tiled version) is not implemented yet")
+    from cs336_systems.attention import get_flashattention_autograd_function_pytorch
+
+    return get_flashattention_autograd_function_pytorch()
 
 
 def get_flashattention_autograd_function_triton() -> type:
     """A ``torch.autograd.Function`` subclass implementing FlashAttention-2 with Triton kernels."""
-    raise NotImplementedError("FlashAttention-2 (Triton kernels) is not implemented yet")
+    from cs336_systems.attention import get_flashattention_autograd_function_triton
+
+    return get_flashattention_autograd_function_triton()
 
 
 def get_ddp_individual_parameters(module: torch.nn.Module) -> torch.nn.Module:
-    raise NotImplementedError("DDP with overlapped per-parameter all-reduce is not implemented yet")
+    from cs336_systems.distributed.ddp_overlap import DDPIndividualParameters
+
+    return DDPIndividualParameters(module)
 
 
 def ddp_individual_parameters_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    raise NotImplementedError("DDP with overlapped per-parameter all-reduce is not implemented yet")
+    ddp_model.finish_gradient_synchronization()
 
 
 def get_ddp_bucketed(module: torch.nn.Module, bucket_size_mb: float) -> torch.nn.Module:
-    raise NotImplementedError("bucketed DDP is not implemented yet")
+    from cs336_systems.distributed.ddp_bucketed import DDPBucketed
+
+    return DDPBucketed(module, bucket_size_mb)
 
 
 def ddp_bucketed_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    raise NotImplementedError("bucketed DDP is not implemented yet")
+    ddp_model.finish_gradient_synchronization()
 
 
 def ddp_bucketed_on_train_batch_start(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    raise NotImplementedError("bucketed DDP is not implemented yet")
+    ddp_model.on_train_batch_start()
 
 
 def get_ddp(module: torch.nn.Module) -> torch.nn.Module:
-    raise NotImplementedError("DDP is not implemented yet")
+    from cs336_systems.distributed.ddp_bucketed import DDPBucketed
+
+    return DDPBucketed(module)
 
 
 def ddp_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    raise NotImplementedError("DDP is not implemented yet")
+    ddp_model.finish_gradient_synchronization()
 
 
 def get_sharded_optimizer(params: Any, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:

@@ -1,0 +1,38 @@
+"""Data parallelism that overlaps communication with backward, one parameter at a time.
+
+Each parameter gets a ``register_post_accumulate_grad_hook``; as soon as its gradient is accumulated
+the hook starts an asynchronous all-reduce (``async_op=True``), and backward continues computing earlier
+layers' gradients while the collective runs on NCCL's stream. :meth:`finish_gradient_synchronization`
+only waits for the handles. The price is one collective call per parameter, as in the naive strategy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems.distributed.grad_sync import DataParallel, per_parameter_buckets, trainable_parameters
+
+
+class DDPIndividualParameters(DataParallel):
+    """Per-parameter asynchronous all-reduce launched from gradient hooks (reverse ``parameters()``
+    order, the order backward produces them)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        comm_dtype: torch.dtype | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        broadcast_buffers: bool = False,
+    ):
+        params = trainable_parameters(module)
+        super().__init__(
+            module,
+            per_parameter_buckets(params, reverse=True),
+            overlap=True,
+            comm_dtype=comm_dtype,
+            process_group=process_group,
+            broadcast_buffers=broadcast_buffers,
+        )

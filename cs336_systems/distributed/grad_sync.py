@@ -1,0 +1,466 @@
+"""The gradient-synchronisation mechanism every data-parallel strategy in this package shares.
+
+Data parallelism keeps a full replica of the model on each rank, gives each rank a different slice of
+the batch, and averages gradients before the optimizer step, so every replica takes the same step as
+single-process training on the whole batch would. The strategies differ only in *policy*:
+
+==============  =====================================  ============================================
+strategy        how parameters are grouped             when a group's all-reduce is launched
+==============  =====================================  ============================================
+naive           one group per parameter                after backward, one blocking call at a time
+flat            one group holding every parameter      after backward
+individual      one group per parameter (reverse)      as soon as the parameter's gradient is ready
+bucketed        groups of ≤ ``bucket_size_mb`` MiB     as soon as the group's last gradient is ready
+==============  =====================================  ============================================
+
+so the *mechanism* lives here, once:
+
+- :func:`trainable_parameters` — unique parameters that need gradients (a tied weight counts once);
+- :func:`broadcast_module_state` — rank 0's parameters and buffers, so replicas start identical;
+- :func:`all_reduce_mean` → :class:`PendingReduce` — an (async) averaging all-reduce with an optional
+  low-precision wire format (bf16/fp16) whose result is written back into the fp32 gradient, as
+  ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook`` does;
+- :class:`GradBucket` — a group of parameters with a persistent flat buffer (reused every step);
+- :class:`GradientReducer` — launches buckets (from ``register_post_accumulate_grad_hook`` hooks or
+  after backward), always **in bucket order**, so every rank issues collectives in the same sequence
+  even if its autograd engine finishes gradients in a slightly different order;
+- :class:`DataParallel` — the ``nn.Module`` wrapper the strategies subclass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MIB = 2**20
+_LOW_PRECISION_COMM = (torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters and replicas
+# --------------------------------------------------------------------------------------------------
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters that receive gradients, each exactly once, in ``module.parameters()`` order.
+
+    ``parameters()`` already skips repeated *objects* (a weight tied by ``b.weight = a.weight`` or used
+    twice functionally appears once); deduplicating by identity here makes that guarantee explicit, since
+    reducing a shared gradient twice would double-count it. Frozen parameters (``requires_grad=False``)
+    have no gradient to synchronise.
+    """
+    seen: set[int] = set()
+    params = []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    return params
+
+
+@torch.no_grad()
+def broadcast_module_state(module: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite every parameter (trainable or frozen) and buffer with rank ``src``'s values.
+
+    Replicas must start identical: ranks that build a model from different seeds would otherwise train
+    different models while exchanging gradients that no longer belong to a common point.
+    """
+    tensors = list(module.parameters()) + list(module.buffers())
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        dist.broadcast(t.data, src=src, group=group)
+
+
+def shard_batch(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous slice of ``batch`` along dim 0.
+
+    Raises ``ValueError`` if the batch does not divide evenly: uneven shards would weight some examples
+    more than others in the averaged gradient, silently breaking equivalence with full-batch training.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank {rank} for world size {world_size}")
+    if batch.shape[0] % world_size:
+        raise ValueError(
+            f"batch size {batch.shape[0]} does not divide by the world size {world_size}; "
+            "use a global batch that is a multiple of the number of ranks"
+        )
+    per_rank = batch.shape[0] // world_size
+    return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+# --------------------------------------------------------------------------------------------------
+# One averaging all-reduce
+# --------------------------------------------------------------------------------------------------
+
+
+def check_comm_dtype(comm_dtype: torch.dtype | None) -> None:
+    if comm_dtype is not None and comm_dtype not in (torch.float32, *_LOW_PRECISION_COMM):
+        raise ValueError(f"comm_dtype must be None, float32, bfloat16 or float16, got {comm_dtype}")
+
+
+def _supports_avg(group: dist.ProcessGroup | None) -> bool:
+    # NCCL averages inside the collective (pre-multiplying by 1/n, which also avoids fp16 overflow);
+    # gloo only sums, so we scale ourselves.
+    return dist.get_backend(group) == "nccl"
+
+
+@dataclass
+class PendingReduce:
+    """An in-flight averaging all-reduce. :meth:`wait` leaves the mean in ``target``."""
+
+    work: Any  # dist.Work, or None when the call was synchronous
+    wire: torch.Tensor  # the tensor that went through the collective
+    target: torch.Tensor  # where the average must end up (may be ``wire`` itself)
+    post_divide: int  # > 1 when the collective summed and we still have to divide
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()  # on CUDA: makes the current stream wait for the NCCL stream, host not blocked
+        if self.wire is not self.target:
+            self.target.copy_(self.wire)  # e.g. bf16 wire → fp32 gradient
+        if self.post_divide > 1:
+            self.target.div_(self.post_divide)
+        return self.target
+
+
+def all_reduce_mean(
+    tensor: torch.Tensor,
+    *,
+    comm_dtype: torch.dtype | None = None,
+    comm_buffer: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = True,
+) -> PendingReduce:
+    """Start averaging ``tensor`` over the ranks of ``group``; the result lands in ``tensor`` on ``wait()``.
+
+    With ``comm_dtype`` bf16/fp16 the gradient travels (and is summed by the collective) in that dtype:
+    half the bytes on the wire. The local gradient was accumulated in ``tensor``'s dtype (fp32) and the
+    mean is written back into it, so the optimizer still sees fp32 gradients. The tensor is scaled by
+    ``1/world_size`` *before* the low-precision sum, which keeps fp16 from overflowing.
+    ``comm_buffer`` (same shape, ``comm_dtype``) is reused instead of allocating a copy per call.
+    """
+    check_comm_dtype(comm_dtype)
+    world_size = dist.get_world_size(group)
+    use_avg = _supports_avg(group)
+    op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
+    if comm_dtype is None or comm_dtype == tensor.dtype:
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return PendingReduce(work if async_op else None, tensor, tensor, 1 if use_avg else world_size)
+    if comm_buffer is None:
+        comm_buffer = torch.empty_like(tensor, dtype=comm_dtype)
+    elif comm_buffer.shape != tensor.shape or comm_buffer.dtype != comm_dtype:
+        raise ValueError(
+            f"comm_buffer must have shape {tuple(tensor.shape)} and dtype {comm_dtype}, "
+            f"got {tuple(comm_buffer.shape)} {comm_buffer.dtype}"
+        )
+    if use_avg:
+        comm_buffer.copy_(tensor)
+    else:
+        torch.div(tensor, world_size, out=comm_buffer)  # scale in fp32, round once
+    work = dist.all_reduce(comm_buffer, op=op, group=group, async_op=async_op)
+    return PendingReduce(work if async_op else None, comm_buffer, tensor, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Buckets
+# --------------------------------------------------------------------------------------------------
+
+
+def per_parameter_buckets(params: Sequence[nn.Parameter], *, reverse: bool) -> list[list[nn.Parameter]]:
+    """One bucket per parameter; ``reverse=True`` puts the last-registered (first-ready) parameter first."""
+    order = list(reversed(params)) if reverse else list(params)
+    return [[p] for p in order]
+
+
+def size_capped_buckets(params: Sequence[nn.Parameter], bucket_size_mb: float | None) -> list[list[nn.Parameter]]:
+    """Group parameters into buckets of at most ``bucket_size_mb`` MiB, filled in *reverse*
+    ``parameters()`` order.
+
+    Reverse order approximates the order in which backward produces gradients (the output layer first),
+    so a bucket's gradients become ready together and its all-reduce can start while backward continues
+    through earlier layers. A parameter larger than the cap gets a bucket of its own. ``None`` means a
+    single bucket. Buckets never mix dtypes or devices, since each is reduced as one flat tensor.
+    """
+    if bucket_size_mb is not None and not bucket_size_mb > 0:
+        raise ValueError(f"bucket_size_mb must be positive or None, got {bucket_size_mb}")
+    cap = float("inf") if bucket_size_mb is None else bucket_size_mb * MIB
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    current_bytes = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        compatible = not current or (current[0].dtype == p.dtype and current[0].device == p.device)
+        if current and (current_bytes + nbytes > cap or not compatible):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradBucket:
+    """A group of parameters reduced by one collective.
+
+    A bucket of several parameters owns a flat buffer, allocated once and reused every step; each
+    gradient is copied into its slice when ready and copied back after the average arrives. A bucket
+    of one parameter reduces that parameter's ``.grad`` in place (no copy needed).
+    """
+
+    def __init__(self, index: int, params: Sequence[nn.Parameter], comm_dtype: torch.dtype | None):
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        first = params[0]
+        for p in params:
+            if p.dtype != first.dtype or p.device != first.device:
+                raise ValueError("all parameters of a bucket must share dtype and device")
+        self.index = index
+        self.params = list(params)
+        self.numel = sum(p.numel() for p in params)
+        self.nbytes = self.numel * first.element_size()
+        self.comm_dtype = None if comm_dtype in (None, first.dtype) else comm_dtype
+        self.offsets = []
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.flat = torch.zeros(self.numel, dtype=first.dtype, device=first.device) if len(params) > 1 else None
+        self._comm_buffer: torch.Tensor | None = None
+        self.staged: set[int] = set()
+        self.pending: PendingReduce | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return len(self.staged) == len(self.params)
+
+    def _view(self, i: int) -> torch.Tensor:
+        assert self.flat is not None
+        p = self.params[i]
+        return self.flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+    def stage(self, i: int) -> None:
+        """Mark parameter ``i``'s gradient ready, copying it into the flat buffer if there is one.
+        A parameter without a gradient (unused in this forward) contributes zeros."""
+        p = self.params[i]
+        if self.flat is not None:
+            with torch.no_grad():
+                if p.grad is None:
+                    self._view(i).zero_()
+                else:
+                    self._view(i).copy_(p.grad)
+        elif p.grad is None:
+            p.grad = torch.zeros_like(p)
+        self.staged.add(i)
+
+    def launch(self, group: dist.ProcessGroup | None, async_op: bool) -> None:
+        for i in range(len(self.params)):
+            if i not in self.staged:
+                self.stage(i)
+        tensor = self.flat if self.flat is not None else self.params[0].grad
+        assert tensor is not None
+        if self.comm_dtype is not None and (self._comm_buffer is None or self._comm_buffer.shape != tensor.shape):
+            self._comm_buffer = torch.empty_like(tensor, dtype=self.comm_dtype)
+        self.pending = all_reduce_mean(
+            tensor, comm_dtype=self.comm_dtype, comm_buffer=self._comm_buffer, group=group, async_op=async_op
+        )
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for the average and put it back into the parameters' ``.grad``."""
+        assert self.pending is not None, "finish() before launch()"
+        self.pending.wait()
+        if self.flat is not None:
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    p.grad = self._view(i).clone()
+                else:
+                    p.grad.copy_(self._view(i))
+        self.pending = None
+        self.staged.clear()
+
+
+class GradientReducer:
+    """Drives a list of :class:`GradBucket` through one synchronisation per optimizer step.
+
+    ``overlap=True`` registers a ``register_post_accumulate_grad_hook`` on each parameter: the hook runs
+    once per backward after the gradient (summed over all uses of a tied weight) has been accumulated
+    into ``.grad``; when a bucket is complete it is launched asynchronously. Buckets are launched strictly
+    in index order — a complete bucket waits for its predecessors — so all ranks issue identical
+    collective sequences. :meth:`finish` launches whatever is left (everything, for ``overlap=False``),
+    waits, and writes the averaged gradients back.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[Sequence[nn.Parameter]],
+        *,
+        overlap: bool,
+        comm_dtype: torch.dtype | None = None,
+        group: dist.ProcessGroup | None = None,
+        blocking: bool = False,
+    ):
+        check_comm_dtype(comm_dtype)
+        if overlap and blocking:
+            raise ValueError("blocking all-reduces cannot overlap with backward")
+        self.buckets = [GradBucket(i, b, comm_dtype) for i, b in enumerate(buckets)]
+        self.group = group
+        self.overlap = overlap
+        self.blocking = blocking
+        self.sync_enabled = True
+        self._next_to_launch = 0
+        self._location: dict[int, tuple[int, int]] = {}
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if id(p) in self._location:
+                    raise ValueError("a parameter appears in two buckets; it would be reduced twice")
+                self._location[id(p)] = (bucket.index, i)
+        self._hooks = []
+        if overlap:
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.sync_enabled:
+            return  # inside no_sync(): keep accumulating locally
+        b, i = self._location[id(param)]
+        bucket = self.buckets[b]
+        if i in bucket.staged or bucket.pending is not None:
+            raise RuntimeError(
+                "a gradient became ready twice before finish_gradient_synchronization(); call it after every "
+                "backward, or accumulate gradients inside no_sync()"
+            )
+        bucket.stage(i)
+        self._launch_ready_in_order()
+
+    def _launch_ready_in_order(self) -> None:
+        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].is_ready:
+            self.buckets[self._next_to_launch].launch(self.group, async_op=True)
+            self._next_to_launch += 1
+
+    def finish(self) -> None:
+        """Complete this step's synchronisation (a no-op while ``sync_enabled`` is False)."""
+        if not self.sync_enabled:
+            return
+        for bucket in self.buckets[self._next_to_launch :]:
+            bucket.launch(self.group, async_op=not self.blocking)
+            if self.blocking:
+                bucket.finish()
+        if not self.blocking:
+            for bucket in self.buckets:
+                bucket.finish()
+        self._next_to_launch = 0
+
+    def reset(self) -> None:
+        """Drop a partially launched step (e.g. after an exception in backward)."""
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+                bucket.pending = None
+            bucket.staged.clear()
+        self._next_to_launch = 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The module wrapper
+# --------------------------------------------------------------------------------------------------
+
+
+class DataParallel(nn.Module):
+    """Base wrapper: broadcasts rank 0's state, forwards calls, synchronises gradients via a
+    :class:`GradientReducer` whose buckets and timing the subclass chooses.
+
+    Training loop, for every strategy::
+
+        model = DDPBucketed(module, bucket_size_mb=25)
+        loss_fn(model(x_shard), y_shard).backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+
+    Buffers are broadcast once at wrap time (and before every forward with ``broadcast_buffers=True``,
+    for modules that update buffers in forward, such as BatchNorm's running statistics).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        buckets: Sequence[Sequence[nn.Parameter]],
+        *,
+        overlap: bool,
+        blocking: bool = False,
+        comm_dtype: torch.dtype | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        broadcast_buffers: bool = False,
+    ):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; start workers with cs336_systems.distributed.launch")
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        broadcast_module_state(module, group=process_group)
+        self.reducer = GradientReducer(
+            buckets, overlap=overlap, blocking=blocking, comm_dtype=comm_dtype, group=process_group
+        )
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def buckets(self) -> list[GradBucket]:
+        return self.reducer.buckets
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers:
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, src=0, group=self.process_group)
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait until every gradient holds the mean over ranks. Call after backward, before ``step()``."""
+        self.reducer.finish()
+
+    def on_train_batch_start(self) -> None:
+        """Start a step from a clean state (drops a step abandoned half-way, e.g. by an exception)."""
+        self.reducer.reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside the context launch no communication, and
+        the first synchronisation after it averages the accumulated sum (as ``torch`` DDP's ``no_sync``)."""
+        previous = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = previous
+
+    def bucket_summary(self) -> list[dict[str, Any]]:
+        """Per bucket: index, number of parameters, size in MiB (for tables and tests)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [
+            {
+                "bucket": b.index,
+                "num_params": len(b.params),
+                "size_mib": b.nbytes / MIB,
+                "params": [names.get(id(p), "?") for p in b.params],
+            }
+            for b in self.buckets
+        ]
