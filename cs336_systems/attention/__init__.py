@@ -1,0 +1,55 @@
+"""FlashAttention-2: a tiled PyTorch reference and Triton forward/backward kernels.
+
+Both are ``torch.autograd.Function`` subclasses called as ``Fn.apply(Q, K, V, is_causal=False)`` on
+``(batch, n, d)`` or ``(batch, heads, n, d)`` tensors. Importing this package registers them as the
+``cs336_basics`` model's attention implementations ``flash_pytorch`` and ``flash_triton``.
+
+- :mod:`.reference`: float64 ground truth and the naive (materializing) baseline.
+- :mod:`.flash_pytorch`: Algorithm 1 of FlashAttention-2 in plain PyTorch; runs anywhere.
+- :mod:`.flash_triton` + :mod:`.triton_kernels`: the Triton version (CUDA, or CPU under
+  ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from cs336_basics.model import register_attention
+
+from ._validation import validate_attention_inputs
+from .flash_pytorch import FlashAttentionPytorch
+from .flash_triton import SUPPORTED_HEAD_DIMS, FlashAttentionTriton, interpreter_enabled
+from .reference import causal_mask, naive_attention, reference_attention
+
+__all__ = [
+    "FlashAttentionPytorch",
+    "FlashAttentionTriton",
+    "SUPPORTED_HEAD_DIMS",
+    "causal_mask",
+    "get_flashattention_autograd_function_pytorch",
+    "get_flashattention_autograd_function_triton",
+    "interpreter_enabled",
+    "naive_attention",
+    "reference_attention",
+    "validate_attention_inputs",
+]
+
+
+def get_flashattention_autograd_function_pytorch() -> type[FlashAttentionPytorch]:
+    return FlashAttentionPytorch
+
+
+def get_flashattention_autograd_function_triton() -> type[FlashAttentionTriton]:
+    return FlashAttentionTriton
+
+
+def _flash_pytorch_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
+    return FlashAttentionPytorch.apply(q, k, v, is_causal)
+
+
+def _flash_triton_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
+    return FlashAttentionTriton.apply(q, k, v, is_causal)
+
+
+register_attention("flash_pytorch", _flash_pytorch_attention)
+register_attention("flash_triton", _flash_triton_attention)

@@ -1,0 +1,197 @@
+"""FlashAttention-2 with Triton kernels, as a ``torch.autograd.Function`` that also works under
+``torch.compile``.
+
+Layers, outside in:
+
+- :class:`FlashAttentionTriton` validates inputs (the same ``ValueError``s as the PyTorch version), views
+  3-D inputs as 4-D with one head, saves ``Q, K, V, O, L`` and maps gradients back.
+- Two custom operators, ``cs336_systems::flash_attention_forward`` and ``…_backward``, launch the kernels.
+  Registering them with ``torch.library.custom_op`` (plus a shape-only "fake" implementation) makes them
+  opaque to ``torch.compile``: Dynamo and AOTAutograd trace the autograd function around them and call the
+  operators as they are, whichever way the kernels were built (compiled for a GPU, or interpreted on CPU).
+- The kernels themselves live in :mod:`.triton_kernels`, imported on first launch (see :func:`_kernels`).
+
+Devices: CUDA tensors; or CPU tensors when ``TRITON_INTERPRET=1`` is set, which runs the very same kernels
+in Triton's numpy interpreter (slow; this is how the CPU test suite checks them). CPU tensors without the
+interpreter raise a ``ValueError`` that points to ``flash_pytorch`` rather than silently falling back, so a
+benchmark labelled "triton" always measures the Triton kernels.
+
+float32 inputs use TF32 tensor-core matmuls (Triton's default), like most fp32 attention kernels; expect
+errors near 1e-3 relative rather than float32 round-off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from ._validation import validate_attention_inputs
+
+#: Head dimensions the kernels are instantiated for (tl.dot needs >= 16; powers of two keep tiles aligned).
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+_LOG2_E = 1.4426950408889634
+_IMPL_NAME = "FlashAttention (Triton)"
+
+
+def interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET=1``: kernels then run on CPU tensors through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernels() -> ModuleType:
+    """The kernel module, decorated in the mode ``TRITON_INTERPRET`` asks for now.
+
+    ``@triton.jit`` chooses between compiling and interpreting when it decorates, so the module is
+    imported on first use, not with this package, and re-imported if the variable (or
+    ``CS336_FLASH_AUTOTUNE``) changed since: a test module may set it after something else imported this
+    package.
+    """
+    module = importlib.import_module(".triton_kernels", __package__)
+    wanted = (interpreter_enabled(), os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0")
+    if module.BUILD_MODE != wanted:
+        module = importlib.reload(module)
+    return module
+
+
+def _check_device(q: Tensor) -> None:
+    if q.device.type == "cuda":
+        return
+    if q.device.type == "cpu" and interpreter_enabled():
+        return
+    raise ValueError(
+        f"{_IMPL_NAME}: needs CUDA tensors (got {q.device}); CPU tensors run only under Triton's interpreter "
+        "(set TRITON_INTERPRET=1 before the first call). On CPU use the 'flash_pytorch' implementation."
+    )
+
+
+#: Sequences at least this long share one autotuning class: the best tiles stop changing with length.
+_LONGEST_SEQ_CLASS = 16384
+
+
+def _seq_class(n_queries: int, n_keys: int) -> int:
+    """Autotuning shape class: the longer sequence rounded up to a power of two, capped."""
+    return min(1 << (max(n_queries, n_keys) - 1).bit_length(), _LONGEST_SEQ_CLASS)
+
+
+def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
+    """Launch on the tensors' GPU, not on whichever one is current."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom operators around the kernels (4-D tensors only)
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """``(O, L)`` for ``(batch, heads, n, d)`` inputs; ``L`` is float32 ``(batch, heads, n_queries)``."""
+    kernels = _kernels()
+    batch, heads, n_queries, d = q.shape
+    n_keys = k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
+
+    def grid(meta: dict) -> tuple[int]:
+        return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
+
+    with _device_guard(q):
+        kernels.flash_forward_kernel[grid](
+            q, k, v, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+            heads, n_queries, n_keys, _LOG2_E / math.sqrt(d), _seq_class(n_queries, n_keys),
+            HEAD_DIM=d, IS_CAUSAL=is_causal,
+        )  # fmt: skip
+    return o, lse
+
+
+@flash_attention_forward.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
+def flash_attention_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics)."""
+    kernels = _kernels()
+    batch, heads, n_queries, d = q.shape
+    n_keys = k.shape[2]
+    delta = torch.empty((batch * heads, n_queries), dtype=torch.float32, device=q.device)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scale = 1.0 / math.sqrt(d)
+    shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
+    block = kernels.PREPROCESS_BLOCK
+
+    with _device_guard(q):
+        kernels.flash_backward_preprocess_kernel[(_cdiv(n_queries, block) * batch * heads,)](
+            o, do, delta, *o.stride(), *do.stride(), heads, n_queries, HEAD_DIM=d, BLOCK_M=block
+        )
+        kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
+            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal,
+        )  # fmt: skip
+        kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),
+            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+@flash_attention_backward.register_fake
+def _(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------------
+# The autograd function
+# --------------------------------------------------------------------------------------------------
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 on Triton kernels: ``FlashAttentionTriton.apply(Q, K, V, is_causal=False)``.
+
+    Accepts ``(batch, n, d)`` or ``(batch, heads, n, d)``, float32/float16/bfloat16, head dimension in
+    :data:`SUPPORTED_HEAD_DIMS`, any lengths and strides; saves ``Q, K, V, O, L``.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:  # type: ignore[override]
+        shape = validate_attention_inputs(
+            q, k, v, is_causal, head_dims=SUPPORTED_HEAD_DIMS, implementation=_IMPL_NAME
+        )
+        _check_device(q)
+        if shape.has_heads:
+            o, lse = flash_attention_forward(q, k, v, is_causal)
+        else:
+            o, lse = flash_attention_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal)
+            o, lse = o.squeeze(1), lse.squeeze(1)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal = is_causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
+        q, k, v, o, lse = ctx.saved_tensors
+        if q.dim() == 4:
+            return (*flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal), None)
+        dq, dk, dv = flash_attention_backward(
+            *(t.unsqueeze(1) for t in (do, q, k, v, o, lse)), ctx.is_causal
+        )
+        return dq.squeeze(1), dk.squeeze(1), dv.squeeze(1), None

@@ -1,0 +1,424 @@
+"""Triton kernels of FlashAttention-2: forward, the ``D = rowsum(dO ∘ O)`` preprocess, dK/dV and dQ.
+
+Layout: every tensor is addressed as ``(batch, heads, n, d)`` through its four strides (3-D inputs arrive
+with a unit head dimension), so non-contiguous inputs need no copy. The grid is one-dimensional,
+``tiles along the sequence x batch * heads`` (see ``_tile_and_head``).
+
+Only pointer arithmetic is used (no ``tl.make_block_ptr``, which newer Triton removed), so the same
+source runs on the GPU nodes' Triton and under ``TRITON_INTERPRET=1`` on CPU tensors.
+
+Causal structure. With top-left alignment query ``i`` sees key ``j`` iff ``j <= i``. Each loop over tiles is
+split into an unmasked part (tiles every row of which sees every column) and a masked part (tiles that
+straddle the diagonal, plus the ragged tile at the end of a sequence whose length is not a multiple of the
+tile). Tiles entirely above the diagonal are never visited. The masked part is a separate instantiation of
+the same inner loop (``MASKED`` is a compile-time flag), so the unmasked tiles pay for no masking at all.
+
+Softmax arithmetic is in base 2: scores are scaled by ``log2(e) / √d`` and exponentiated with ``exp2``,
+which maps to one hardware instruction. ``L`` is stored in natural-log units, as the interface requires.
+
+This module is imported lazily (by ``flash_triton.py``, on first launch) because ``@triton.jit`` decides
+at decoration time whether a kernel is compiled or interpreted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+#: Whether these kernels were decorated for the CPU interpreter (``TRITON_INTERPRET=1``).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: ``CS336_FLASH_AUTOTUNE=0`` keeps only the first (default) config of each list: no tuning, one compile
+#: per specialization. Tests use it to bound compile time; benchmarks leave tuning on.
+AUTOTUNE = os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0"
+#: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes.
+BUILD_MODE = (INTERPRETED, AUTOTUNE)
+
+# --------------------------------------------------------------------------------------------------
+# Tile configurations. The interpreter gets one small config (tl.dot needs every side >= 16; numpy is
+# fastest with few, small tiles and there is nothing to tune). On GPUs a short list per phase is
+# autotuned once per shape class, so first-call tuning stays at a few seconds per class.
+# --------------------------------------------------------------------------------------------------
+
+_INTERPRETER_CONFIG = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+
+
+def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` candidates; the first is the untuned default."""
+    if INTERPRETED:
+        return _INTERPRETER_CONFIG
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates]
+    return configs if AUTOTUNE else configs[:1]
+
+
+#: Forward: BLOCK_M queries stay resident while BLOCK_N-key tiles stream past.
+FORWARD_CONFIGS = _configs(
+    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 3)]
+)
+#: dK/dV: BLOCK_N keys stay resident while BLOCK_M-query tiles stream past.
+DKDV_CONFIGS = _configs([(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3)])
+#: dQ: BLOCK_M queries stay resident while BLOCK_N-key tiles stream past.
+DQ_CONFIGS = _configs([(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (64, 16, 4, 3)])
+#: Tuning key: the shape class. SEQ_CLASS is the longer sequence length rounded up to a power of two
+#: (capped; see ``flash_triton._seq_class``); dtypes are added to the key by Triton itself.
+AUTOTUNE_KEY = ["SEQ_CLASS", "HEAD_DIM", "IS_CAUSAL"]
+#: Rows per program of the small preprocess kernel.
+PREPROCESS_BLOCK = 16 if INTERPRETED else 128
+
+
+def _prune_oversized(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop tiles much longer than the sequences (wasted work on padding), keeping at least one."""
+    longest = named_args["SEQ_CLASS"] if "SEQ_CLASS" in named_args else kwargs.get("SEQ_CLASS", 1 << 30)
+    kept = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(longest, 64)]
+    return kept or configs[:1]
+
+
+_PRUNE = {"early_config_prune": _prune_oversized}
+
+
+# --------------------------------------------------------------------------------------------------
+# Loop bounds. All in element units, multiples of the tile along the loop.
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_ranges(start_m, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For the query tile starting at ``start_m``: keys ``[0, mid)`` are unmasked, ``[mid, hi)`` masked.
+
+    A key tile is unmasked when it lies entirely inside the sequence and (causal) its last key is at or
+    before the tile's first query. ``hi`` is ``n_keys``, or for causal tiles one past the last visible key.
+    """
+    full = (n_keys // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, n_keys)
+        mid = tl.minimum(((start_m + 1) // BLOCK_N) * BLOCK_N, full)
+    else:
+        hi = n_keys
+        mid = full
+    return mid, hi
+
+
+@triton.jit
+def _query_ranges(start_n, n_queries, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For the key tile starting at ``start_n``: queries ``[lo, diag)`` straddle the diagonal (masked),
+    ``[diag, full)`` see all of the tile (unmasked), ``[max(diag, full), n_queries)`` is the ragged end
+    (masked). Queries before ``lo`` see none of it."""
+    padded = tl.cdiv(n_queries, BLOCK_M) * BLOCK_M
+    full = (n_queries // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        lo = tl.minimum((start_n // BLOCK_M) * BLOCK_M, padded)
+        diag = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, padded)
+    else:
+        lo = 0
+        diag = 0
+    return lo, diag, tl.maximum(diag, full)
+
+
+@triton.jit
+def _tile_and_head(n, n_heads, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """Decode a 1-D program id into (tile index along the sequence, batch * head index).
+
+    A 1-D grid has no 65,535 limit on batch * heads. Heads vary fastest so that the first wave runs the
+    same tile of every head; with ``HEAVY_LAST`` (causal query tiles, whose work grows with the index)
+    the order of tiles is reversed so that the longest programs start first and the tail stays short.
+    """
+    pid = tl.program_id(0)
+    n_bh = tl.num_programs(0) // tl.cdiv(n, BLOCK)
+    tile = pid // n_bh
+    if HEAVY_LAST:
+        tile = tl.cdiv(n, BLOCK) - 1 - tile
+    return tile, pid % n_bh
+
+
+@triton.jit
+def _key_visible(rows, cols, n_keys, IS_CAUSAL: tl.constexpr):
+    """Mask of score entries whose key exists and that causality allows, for query indices ``rows`` and
+    key indices ``cols`` already shaped to broadcast (``[:, None]`` / ``[None, :]``, or the transpose).
+
+    Padding rows past ``n_queries`` are left visible in the forward pass: each still sees key 0, so its
+    running maximum stays finite (no ``-inf - -inf``), and it is never stored."""
+    valid = cols < n_keys
+    if IS_CAUSAL:
+        valid = valid & (cols <= rows)
+    return valid
+
+
+@triton.jit
+def _visible(rows, cols, n_queries, n_keys, IS_CAUSAL: tl.constexpr):
+    """:func:`_key_visible` restricted to existing queries (backward: padding rows contribute nothing)."""
+    return _key_visible(rows, cols, n_keys, IS_CAUSAL) & (rows < n_queries)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _forward_key_loop(
+    acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, lo, hi, n_keys, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Online softmax over key tiles ``[lo, hi)``: fold each tile into the running max ``m_i`` (log2
+    units), denominator ``l_i`` and accumulator ``acc``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = k_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = v_ptr + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < n_keys, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < n_keys, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, kt) * qk_scale
+        if MASKED:
+            s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.autotune(configs=FORWARD_CONFIGS, key=AUTOTUNE_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def flash_forward_kernel(
+    Q, K, V, O, L,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    n_heads, n_queries, n_keys, qk_scale, SEQ_CLASS,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    start_m = tile_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < n_queries
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_ptr = K + b * stride_kb + h * stride_kh
+    v_ptr = V + b * stride_vb + h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    acc, m_i, l_i = _forward_key_loop(
+        acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, 0, mid, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, False,
+    )
+    acc, m_i, l_i = _forward_key_loop(
+        acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, mid, hi, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, True,
+    )
+
+    o = acc / l_i[:, None]
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back to natural-log units
+    tl.store(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def flash_backward_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    n_heads, n_queries,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """``D_i = Σ_d dO_id O_id`` in float32, stored contiguous ``(batch * heads, n_queries)``."""
+    tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, False)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < n_queries
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+                mask=row_ok, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                 mask=row_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * n_queries + offs_m, delta, mask=offs_m < n_queries)
+
+
+@triton.jit
+def _dkdv_query_loop(
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr,
+    stride_qn, stride_qd, stride_don, stride_dod, stride_ln,
+    offs_n, lo, hi, n_queries, n_keys, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
+    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qt_ptrs = q_ptr + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd
+        do_ptrs = do_ptr + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod
+        if MASKED:
+            row_ok = offs_m < n_queries
+            qt = tl.load(qt_ptrs, mask=row_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            lse2 = tl.load(lse_ptr + offs_m * stride_ln, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
+        else:
+            qt = tl.load(qt_ptrs)
+            do = tl.load(do_ptrs)
+            lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
+            delta = tl.load(delta_ptr + offs_m)
+        pt = tl.math.exp2(tl.dot(k, qt) * qk_scale - lse2[None, :])
+        if MASKED:
+            pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv)
+        dpt = tl.dot(v, tl.trans(do))
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+    return dk, dv
+
+
+@triton.autotune(configs=DKDV_CONFIGS, key=AUTOTUNE_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def flash_backward_dkdv_kernel(
+    Q, K, V, DO, L, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lb, stride_lh, stride_ln,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
+    # Causal: early key tiles see the most queries, so they go first (no reversal).
+    tile_n, pid_bh = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    start_n = tile_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n[:, None] < n_keys
+
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=key_ok, other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=key_ok, other=0.0)
+    q_ptr = Q + b * stride_qb + h * stride_qh
+    do_ptr = DO + b * stride_dob + h * stride_doh
+    lse_ptr = L + b * stride_lb + h * stride_lh
+    delta_ptr = DELTA + pid_bh.to(tl.int64) * n_queries
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    lo, diag, tail = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    dk, dv = _dkdv_query_loop(
+        dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
+        stride_ln, offs_n, lo, diag, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True,
+    )
+    dk, dv = _dkdv_query_loop(
+        dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
+        stride_ln, offs_n, diag, tail, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, False,
+    )
+    dk, dv = _dkdv_query_loop(
+        dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
+        stride_ln, offs_n, tail, n_queries, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True,
+    )
+
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
+
+
+@triton.jit
+def _dq_key_loop(
+    dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, lo, hi, n_queries, n_keys, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Accumulate ``dQ += dS K`` (unscaled) over key tiles ``[lo, hi)``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = k_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        vt_ptrs = v_ptr + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < n_keys, other=0.0)
+            vt = tl.load(vt_ptrs, mask=offs_n[None, :] < n_keys, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
+        dp = tl.dot(do, vt)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+    return dq
+
+
+@triton.autotune(configs=DQ_CONFIGS, key=AUTOTUNE_KEY, prune_configs_by=_PRUNE)
+@triton.jit
+def flash_backward_dq_kernel(
+    Q, K, V, DO, L, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lb, stride_lh, stride_ln,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past."""
+    tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    start_m = tile_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < n_queries
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                 mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=row_ok, other=0.0)
+    lse2 = lse2 * 1.4426950408889634
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * n_queries + offs_m, mask=row_ok, other=0.0)
+    k_ptr = K + b * stride_kb + h * stride_kh
+    v_ptr = V + b * stride_vb + h * stride_vh
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    dq = _dq_key_loop(
+        dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, 0, mid, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, False,
+    )
+    dq = _dq_key_loop(
+        dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, mid, hi, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, True,
+    )
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])

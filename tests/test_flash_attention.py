@@ -1,0 +1,312 @@
+"""FlashAttention-2 (PyTorch tiled and Triton) against a float64 reference.
+
+Without a GPU the Triton kernels run on CPU tensors through Triton's interpreter: ``TRITON_INTERPRET`` is
+set below before any kernel is decorated (``cs336_systems.attention`` decorates them lazily, on first
+launch). Shapes stay tiny there because the interpreter executes every tile op in numpy. With a GPU the
+same cases run on CUDA in float32 (TF32), float16 and bfloat16, plus a few larger shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:  # one config per kernel: these tests check numerics, tuning would only add compile time
+    os.environ.setdefault("CS336_FLASH_AUTOTUNE", "0")
+
+import dataclasses  # noqa: E402
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+from cs336_basics.model import BasicsTransformerLM, available_attention_impls  # noqa: E402
+from cs336_systems.attention import (  # noqa: E402
+    SUPPORTED_HEAD_DIMS,
+    FlashAttentionPytorch,
+    FlashAttentionTriton,
+    naive_attention,
+    reference_attention,
+)
+from tests.adapters import (  # noqa: E402
+    get_flashattention_autograd_function_pytorch,
+    get_flashattention_autograd_function_triton,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+IMPLS = {"pytorch": FlashAttentionPytorch, "triton": FlashAttentionTriton}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    n_queries: int
+    n_keys: int
+    head_dim: int
+    is_causal: bool
+    heads: int | None  # None: 3-D inputs (batch, n, d)
+    batch: int = 2
+
+    def __str__(self) -> str:
+        rank = "3d" if self.heads is None else f"4d{self.heads}h"
+        return f"q{self.n_queries}-k{self.n_keys}-d{self.head_dim}-{'causal' if self.is_causal else 'full'}-{rank}"
+
+
+def _cases() -> list[Case]:
+    """Fixed edge cases plus seeded random ones: every head dim, causal or not, 3-D and 4-D, odd lengths."""
+    cases = [
+        Case(1, 1, 16, True, None),
+        Case(1, 37, 32, True, 2),  # one query sees only key 0
+        Case(45, 17, 16, True, None),  # more queries than keys: rows past the keys see everything
+        Case(17, 45, 64, True, 1),  # more keys than queries: the last keys are seen by nobody
+        Case(32, 32, 16, False, None),  # exact tile multiples
+        Case(33, 50, 128, False, 2),
+    ]
+    rng = random.Random(0)
+    for d in SUPPORTED_HEAD_DIMS:
+        for causal in (False, True):
+            n_q, n_k = rng.randint(2, 60), rng.randint(2, 60)
+            cases.append(Case(n_q, n_k, d, causal, rng.choice([None, 3])))
+    return cases
+
+
+CASES = _cases()
+GPU_CASES = [Case(128, 128, 64, c, None, batch=4) for c in (False, True)] + [
+    Case(257, 1000, d, c, 3) for d in SUPPORTED_HEAD_DIMS for c in (False, True)
+] + [Case(1000, 257, 64, True, 2), Case(2048, 2048, 128, True, 4, batch=1)]
+
+
+def _inputs(case: Case, dtype: torch.dtype, device: str = DEVICE, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    lead = (case.batch,) if case.heads is None else (case.batch, case.heads)
+
+    def make(n: int) -> torch.Tensor:
+        return torch.randn(*lead, n, case.head_dim, generator=g).to(device=device, dtype=dtype)
+
+    q, k, v = make(case.n_queries), make(case.n_keys), make(case.n_keys)
+    do = make(case.n_queries)
+    return q, k, v, do
+
+
+def _run(fn, q, k, v, do, is_causal, *, read_lse: bool = True):
+    """Forward + backward; returns O, L (from the saved tensors, or None) and the three gradients."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = fn(q, k, v, is_causal)
+    lse = _saved_lse(o, q) if read_lse else None
+    o.backward(do)
+    return o.detach(), lse, q.grad, k.grad, v.grad
+
+
+def _saved_lse(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    lse_shape = q.shape[:-1]
+    candidates = [t for t in o.grad_fn.saved_tensors if t.shape == lse_shape]
+    assert len(candidates) == 1, "exactly one saved tensor must have the shape of L"
+    return candidates[0]
+
+
+def _reference(q, k, v, do, is_causal):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o, lse = reference_attention(q64, k64, v64, is_causal)
+    o.backward(do.double())
+    return o.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+
+
+NAMES = ("O", "L", "dQ", "dK", "dV")
+
+
+def _assert_matches_reference(impl: type, case: Case, dtype: torch.dtype, atol: float, rtol: float) -> None:
+    q, k, v, do = _inputs(case, dtype)
+    got = _run(impl.apply, q, k, v, do, case.is_causal)
+    want = _reference(q, k, v, do, case.is_causal)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a.double(), b, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Numerics
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("impl_name", list(IMPLS))
+def test_matches_float64_reference_fp32(impl_name: str, case: Case) -> None:
+    # GPU fp32 goes through TF32 tensor cores in the Triton kernels.
+    tol = 2e-2 if (HAS_CUDA and impl_name == "triton") else 1e-4
+    _assert_matches_reference(IMPLS[impl_name], case, torch.float32, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=str)
+def test_pytorch_float64_is_exact(case: Case) -> None:
+    _assert_matches_reference(FlashAttentionPytorch, case, torch.float64, atol=1e-10, rtol=1e-10)
+
+
+def _error(got: tuple, want: tuple) -> list[float]:
+    return [(a.double() - b).abs().max().item() for a, b in zip(got, want)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_triton_gpu_low_precision(case: Case, dtype: torch.dtype) -> None:
+    """Error no worse than a few times that of naive attention computed in the same precision.
+
+    The yardstick keeps the tolerance honest across dtypes and sizes: naive attention in bf16 (or with
+    TF32 matmuls for float32) is what the kernel replaces, and both are measured against float64.
+    """
+    q, k, v, do = _inputs(case, dtype)
+    want = _reference(q, k, v, do, case.is_causal)
+    got = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+
+    def naive_with_lse(q, k, v, is_causal):
+        return naive_attention(q, k, v, is_causal)
+
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o_naive = naive_with_lse(qn, kn, vn, case.is_causal)
+        o_naive.backward(do)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    naive = (o_naive.detach(), want[1].to(dtype), qn.grad, kn.grad, vn.grad)
+    floor = {torch.float32: 1e-3, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for name, ours, theirs in zip(NAMES, _error(got, want), _error(naive, want)):
+        assert ours <= 3 * theirs + floor, f"{name}: error {ours:.3g} vs naive {theirs:.3g} ({dtype})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Interface
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl_name", list(IMPLS))
+def test_saves_q_k_v_o_l_and_is_causal(impl_name: str) -> None:
+    case = Case(20, 24, 16, True, 2)
+    q, k, v, _ = (t.requires_grad_() for t in _inputs(case, torch.float32))
+    o = IMPLS[impl_name].apply(q, k, v, True)
+    saved = o.grad_fn.saved_tensors
+    assert len(saved) == 5
+    for t, expected in zip(saved[:4], (q, k, v, o)):
+        assert t.shape == expected.shape and torch.equal(t, expected)
+    assert saved[4].shape == (2, 2, 20) and saved[4].dtype == torch.float32
+    assert o.grad_fn.is_causal is True
+
+
+@pytest.mark.parametrize("impl_name", list(IMPLS))
+def test_non_contiguous_inputs(impl_name: str) -> None:
+    """Inputs as the model produces them, (batch, seq, heads, d) transposed to (batch, heads, seq, d),
+    and an expanded (stride 0) upstream gradient as ``o.sum().backward()`` produces."""
+    case = Case(23, 23, 32, True, 2)
+    base = [torch.randn(case.batch, n, case.heads, case.head_dim, device=DEVICE) for n in (23, 23, 23)]
+    q, k, v = (t.transpose(1, 2) for t in base)
+    assert not q.is_contiguous()
+    do = torch.ones(1, device=DEVICE).expand(case.batch, case.heads, 23, case.head_dim)
+    got = _run(IMPLS[impl_name].apply, q, k, v, do, True)
+    want = _reference(q, k, v, do, True)
+    tol = 2e-2 if (HAS_CUDA and impl_name == "triton") else 1e-4
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("impl_name", list(IMPLS))
+def test_under_torch_compile(impl_name: str) -> None:
+    """``torch.compile(Fn.apply)`` over forward and backward, with no graph break (fullgraph). On CPU the
+    aot_eager backend exercises Dynamo and AOTAutograd without paying for Inductor's C++ compile."""
+    backend = "inductor" if HAS_CUDA else "aot_eager"
+    compiled = torch.compile(IMPLS[impl_name].apply, backend=backend, fullgraph=True)
+    case = Case(40, 40, 32, True, 2)
+    q, k, v, do = _inputs(case, torch.float32)
+    got = _run(compiled, q, k, v, do, True, read_lse=False)  # a compiled graph saves what it needs
+    want = _reference(q, k, v, do, True)
+    tol = 2e-2 if (HAS_CUDA and impl_name == "triton") else 1e-4
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), got[:1] + got[2:], want[:1] + want[2:]):
+        torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_adapters_return_the_library_functions() -> None:
+    assert get_flashattention_autograd_function_pytorch() is FlashAttentionPytorch
+    assert get_flashattention_autograd_function_triton() is FlashAttentionTriton
+
+
+@pytest.mark.parametrize("impl_name", ["flash_pytorch", "flash_triton"])
+def test_model_uses_registered_flash_attention(impl_name: str) -> None:
+    """The tiny LM gives the same logits and gradients with flash attention as with naive attention."""
+    assert impl_name in available_attention_impls()
+    torch.manual_seed(0)
+    model = BasicsTransformerLM(64, 24, 32, 1, 2, 64, attention_impl="naive").to(DEVICE)
+    tokens = torch.randint(0, 64, (2, 19), device=DEVICE)
+    logits_naive = model(tokens)
+    logits_naive.square().mean().backward()
+    grads_naive = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.set_attention_impl(impl_name)
+    logits = model(tokens)
+    logits.square().mean().backward()
+    tol = 2e-2 if (HAS_CUDA and impl_name == "flash_triton") else 1e-4
+    torch.testing.assert_close(logits, logits_naive, atol=tol, rtol=tol)
+    for g, g_naive in zip((p.grad for p in model.parameters()), grads_naive):
+        torch.testing.assert_close(g, g_naive, atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.float32, device: str = DEVICE) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+BAD_INPUTS = {
+    "rank 2": ((_t(8, 16), _t(8, 16), _t(8, 16)), "must be"),
+    "rank 5": ((_t(1, 1, 1, 8, 16),) * 3, "must be"),
+    "ranks differ": ((_t(2, 8, 16), _t(2, 1, 8, 16), _t(2, 1, 8, 16)), "same rank"),
+    "batch differs": ((_t(2, 8, 16), _t(3, 8, 16), _t(3, 8, 16)), "leading"),
+    "heads differ": ((_t(2, 2, 8, 16), _t(2, 3, 8, 16), _t(2, 3, 8, 16)), "leading"),
+    "k and v lengths differ": ((_t(2, 8, 16), _t(2, 8, 16), _t(2, 9, 16)), "number of keys"),
+    "head dims differ": ((_t(2, 8, 16), _t(2, 8, 32), _t(2, 8, 32)), "head dimension"),
+    "empty keys": ((_t(2, 8, 16), _t(2, 0, 16), _t(2, 0, 16)), "empty"),
+    "dtypes differ": ((_t(2, 8, 16), _t(2, 8, 16, dtype=torch.float16), _t(2, 8, 16)), "dtype"),
+    "integer dtype": ((torch.ones(2, 8, 16, dtype=torch.int32, device=DEVICE),) * 3, "dtype"),
+}
+
+
+@pytest.mark.parametrize("impl_name", list(IMPLS))
+@pytest.mark.parametrize("bad", list(BAD_INPUTS))
+def test_bad_inputs_raise_value_error(impl_name: str, bad: str) -> None:
+    (q, k, v), match = BAD_INPUTS[bad]
+    with pytest.raises(ValueError, match=match):
+        IMPLS[impl_name].apply(q, k, v, False)
+
+
+@pytest.mark.parametrize("impl_name", list(IMPLS))
+def test_non_bool_is_causal_raises(impl_name: str) -> None:
+    q = _t(2, 8, 16)
+    with pytest.raises(ValueError, match="is_causal"):
+        IMPLS[impl_name].apply(q, q, q, 1)
+
+
+def test_devices_differ_raises() -> None:
+    devices = ["cpu", "meta"]
+    q, k = _t(2, 8, 16, device=devices[0]), _t(2, 8, 16, device=devices[1])
+    for impl in IMPLS.values():
+        with pytest.raises(ValueError, match="one device"):
+            impl.apply(q, k, k, False)
+
+
+def test_triton_rejects_unsupported_head_dim() -> None:
+    q = _t(2, 8, 24)
+    with pytest.raises(ValueError, match="head dimension 24"):
+        FlashAttentionTriton.apply(q, q, q, False)
+    FlashAttentionPytorch.apply(q, q, q, False)  # the PyTorch version takes any head dim
+
+
+def test_triton_on_cpu_without_interpreter_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = _t(2, 8, 16, device="cpu")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        FlashAttentionTriton.apply(q, q, q, False)
