@@ -1,0 +1,263 @@
+"""Command line: ``python -m cs336_systems.benchmarking <command>`` (also installed as ``cs336-bench``).
+
+Commands
+  model      one end-to-end benchmark (preset or explicit hyperparameters), optionally profiled
+  sweep      a grid of model benchmarks (sizes × modes × contexts × precisions), OOM-tolerant
+  attention  the §1.2.1 attention grid, eager or compiled
+  nsys       ``model`` under Nsight Systems (when ``nsys`` is installed)
+  <section>  one writeup section: benchmarking, nsys_profile, mixed_precision, memory_profiling,
+             pytorch_attention, torch_compile (``--quick`` for a few-minute grid, ``--set k=v`` to override)
+  all        every section in sequence, each within its time budget
+
+Results go through ResultWriter (``figures/<section>/`` on a GPU, ``.scratch/figures/`` on CPU smoke runs,
+``CS336_FIGURES_DIR`` overrides). Run ``... <command> --help`` for the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .end_to_end import MODES, PRECISIONS
+
+_SECTIONS = (
+    "benchmarking", "nsys_profile", "mixed_precision", "memory_profiling", "pytorch_attention", "torch_compile",
+)
+
+#: How to spread ``all --quick`` over four GPUs of one machine (about equal wall time per GPU).
+PARALLEL_SPLIT = [
+    ["benchmarking", "mixed_precision"],
+    ["nsys_profile"],
+    ["memory_profiling", "pytorch_attention"],
+    ["torch_compile"],
+]
+
+
+def _csv(cast: type = str):
+    def parse(text: str) -> list[Any]:
+        return [cast(x) for x in text.split(",") if x]
+    return parse
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default="small", help="model preset (tiny, small, medium, large, xl, 2.7B)")
+    for name in ("d-model", "d-ff", "num-layers", "num-heads", "vocab-size"):
+        p.add_argument(f"--{name}", type=int, help="explicit hyperparameter (overrides the preset's)")
+    p.add_argument("--mode", choices=MODES, default="forward_backward")
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--warmup", "-w", type=int, default=5)
+    p.add_argument("--steps", "-n", type=int, default=10)
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="autocast dtype (fp32 = no autocast)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--attention", default="naive", help="attention implementation (registry name)")
+    p.add_argument("--nvtx", action="store_true", help="emit NVTX / record_function ranges")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("model", help="one end-to-end benchmark")
+    _add_model_args(m)
+    m.add_argument("--json", action="store_true", help="print the result row as JSON (last line)")
+    m.add_argument("--profile", action="store_true", help="also print torch.profiler kernel tables")
+    m.add_argument("--memory-snapshot", metavar="PICKLE", help="record a CUDA memory snapshot of one step")
+
+    s = sub.add_parser("sweep", help="grid of model benchmarks")
+    _add_model_args(s)
+    s.add_argument("--sizes", type=_csv(), default=None, help="comma-separated presets")
+    s.add_argument("--modes", type=_csv(), default=None)
+    s.add_argument("--context-lengths", type=_csv(int), default=None)
+    s.add_argument("--precisions", type=_csv(), default=None)
+    s.add_argument("--section", default="cli_sweep", help="ResultWriter section for the table")
+    s.add_argument("--name", default="sweep", help="table name")
+
+    a = sub.add_parser("attention", help="attention grid (§1.2.1)")
+    a.add_argument("--d-models", type=_csv(int), default=[16, 32, 64, 128])
+    a.add_argument("--seq-lens", type=_csv(int), default=[256, 1024, 4096, 8192, 16384])
+    a.add_argument("--batch-size", type=int, default=8)
+    a.add_argument("--n-forward", type=int, default=100)
+    a.add_argument("--n-backward", type=int, default=100)
+    a.add_argument("--impl", default="naive")
+    a.add_argument("--compile", action="store_true")
+    a.add_argument("--section", default="cli_attention")
+
+    n = sub.add_parser("nsys", help="run `model` under nsys profile")
+    n.add_argument("--output", default=".scratch/nsys/benchmark")
+    n.add_argument("model_args", nargs=argparse.REMAINDER, help="arguments for the `model` command")
+
+    for name in _SECTIONS:
+        sp = sub.add_parser(name, help=f"run the {name} section")
+        _add_section_args(sp)
+    al = sub.add_parser("all", help="every section in sequence")
+    _add_section_args(al)
+    al.add_argument("--sections", type=_csv(), default=list(_SECTIONS))
+    al.add_argument("--print-split", action="store_true", help="print the 4-GPU parallel split and exit")
+    return parser
+
+
+def _add_section_args(p: argparse.ArgumentParser) -> None:
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--quick", action="store_const", const="quick", dest="kind",
+                      help="grid that fits a few minutes of one GPU")
+    kind.add_argument("--full", action="store_const", const="full", dest="kind", help="the handout's grid")
+    kind.add_argument("--smoke", action="store_const", const="smoke", dest="kind", help="tiny CPU-sized run")
+    p.add_argument("--budget", type=float, help="time budget in seconds (per section)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a parameter; VALUE is JSON (e.g. --set 'sizes=[\"small\"]')")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    if args.budget is not None:
+        out["budget_s"] = args.budget
+    return out
+
+
+def spec_from_args(args: argparse.Namespace) -> Any:
+    from ..configs import get_config
+    from .end_to_end import BenchmarkSpec
+
+    cfg = get_config(args.size)
+    explicit = {k: getattr(args, k) for k in ("d_model", "d_ff", "num_layers", "num_heads", "vocab_size")
+                if getattr(args, k) is not None}
+    if explicit:
+        cfg = cfg.replace(name="custom", **explicit)
+    return BenchmarkSpec(cfg, mode=args.mode, context_length=args.context_length, batch_size=args.batch_size,
+                         warmup=args.warmup, steps=args.steps, precision=args.precision, compile=args.compile,
+                         attention_impl=args.attention)
+
+
+def _cmd_model(args: argparse.Namespace) -> None:
+    from cs336_basics import nvtx
+
+    from .end_to_end import ModelBenchmark, benchmark_model, spec_row
+
+    nvtx.set_enabled(args.nvtx)
+    spec = spec_from_args(args)
+    row = {**spec_row(spec), **benchmark_model(spec)}
+    if args.profile:
+        from ..profiling import kernel_table, profile_steps
+
+        bench = ModelBenchmark(spec)
+        prof = profile_steps(bench.step, warmup=1, steps=1)
+        for name in ("forward", "backward", "optimizer"):
+            table = kernel_table(prof, name)
+            if not table.empty:
+                print(f"\n== kernels in '{name}' ==\n{table.head(15).to_string(index=False)}", file=sys.stderr)
+    if args.memory_snapshot:
+        from ..profiling import largest_allocations, record_memory_snapshot
+
+        snap = record_memory_snapshot(ModelBenchmark(spec).step, args.memory_snapshot)
+        row["snapshot_peak_GiB"] = snap["summary"]["peak_allocated_bytes"] / 2**30
+        print(largest_allocations(snap, n=10).to_string(index=False), file=sys.stderr)
+    if args.json:
+        print(json.dumps(row))
+    else:
+        for k, v in row.items():
+            print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+
+
+def _cmd_sweep(args: argparse.Namespace) -> None:
+    from ..results import ResultWriter
+    from .end_to_end import benchmark_model
+    from .sweep import grid, run_sweep
+
+    base = spec_from_args(args)
+    axes = dict(size=args.sizes or [args.size], mode=args.modes or [args.mode],
+                context_length=args.context_lengths or [args.context_length],
+                precision=args.precisions or [args.precision])
+
+    def one(size: str, mode: str, context_length: int | None, precision: str) -> dict[str, Any]:
+        model = base.model if size == args.size else size
+        return benchmark_model(base.replace(model=model, mode=mode, context_length=context_length, precision=precision))
+
+    df = run_sweep(one, grid(**axes), desc="sweep")
+    out = ResultWriter(args.section, params=vars(args))
+    out.table(df, args.name)
+    print(df.to_string(index=False))
+    print(f"wrote {out.path(args.name + '.csv')}")
+
+
+def _cmd_attention(args: argparse.Namespace) -> None:
+    from ..results import ResultWriter
+    from .attention import benchmark_attention
+    from .sweep import grid, run_sweep
+
+    def one(d_model: int, seq_len: int) -> dict[str, Any]:
+        return benchmark_attention(d_model, seq_len, batch_size=args.batch_size, impl=args.impl, compile=args.compile,
+                                   n_forward=args.n_forward, n_backward=args.n_backward)
+
+    df = run_sweep(one, grid(d_model=args.d_models, seq_len=args.seq_lens), desc="attention")
+    out = ResultWriter(args.section, params=vars(args))
+    out.table(df, "compiled" if args.compile else "eager")
+    print(df.to_string(index=False))
+
+
+def _cmd_nsys(args: argparse.Namespace) -> None:
+    from ..profiling.nsys import NSYS_MISSING, nsys_available, run_nsys
+
+    if not nsys_available():
+        print(NSYS_MISSING, file=sys.stderr)
+        raise SystemExit(2)
+    model_args = [a for a in args.model_args if a != "--"]
+    report = run_nsys(["model", *model_args], args.output)
+    print(f"wrote {report}; summarise with: nsys stats --report cuda_gpu_kern_sum {report}")
+
+
+def run_sections(sections: Sequence[str], kind: str | None, overrides: dict[str, Any]) -> dict[str, float]:
+    """Run sections in order; returns seconds per section. ``budget_s`` in ``overrides`` applies to each."""
+    from .sections import RUNNERS
+
+    seconds = {}
+    for name in sections:
+        if name not in RUNNERS:
+            raise SystemExit(f"unknown section {name!r}; sections: {', '.join(RUNNERS)}")
+        start = time.monotonic()
+        print(f"== {name} ({kind or 'auto'}) ==", flush=True)
+        RUNNERS[name](kind, **overrides)
+        seconds[name] = time.monotonic() - start
+        print(f"== {name} done in {seconds[name]:.0f} s ==", flush=True)
+    return seconds
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "model":
+        _cmd_model(args)
+    elif args.command == "sweep":
+        _cmd_sweep(args)
+    elif args.command == "attention":
+        _cmd_attention(args)
+    elif args.command == "nsys":
+        _cmd_nsys(args)
+    elif args.command == "all":
+        if args.print_split:
+            for gpu, group in enumerate(PARALLEL_SPLIT):
+                print(f"CUDA_VISIBLE_DEVICES={gpu} python -m cs336_systems.benchmarking all --quick "
+                      f"--sections {','.join(group)} &")
+            print("wait")
+            return
+        if args.set and len(args.sections) > 1:
+            raise SystemExit("--set applies to one section's parameters; run sections one at a time to override")
+        run_sections(args.sections, args.kind, _overrides(args))
+    else:
+        run_sections([args.command], args.kind, _overrides(args))
+
+
+if __name__ == "__main__":
+    main()

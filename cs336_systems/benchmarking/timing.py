@@ -1,0 +1,149 @@
+"""Timing primitives shared by every benchmark.
+
+Three ways to time GPU work, each right for a different job:
+
+- :func:`time_calls` — host wall clock (``timeit.default_timer``) with ``torch.cuda.synchronize()`` before
+  and after each call. CUDA launches are asynchronous, so without the synchronisation the timer would
+  measure only the launch overhead. This is what the handout's end-to-end benchmark asks for.
+- :func:`cuda_event_times` — CUDA events recorded on the stream around each call; the GPU clock measures
+  the stream's work without host jitter (still synchronising once per call to read the result).
+- :func:`do_bench` — ``triton.testing.do_bench``: flushes the L2 cache between calls and picks the
+  number of repetitions from a time budget; the right tool for single kernels. Falls back to
+  :func:`time_calls` on CPU.
+
+All return :class:`TimingStats` (mean, std, min, max over the individual calls).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import timeit
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued CUDA work on ``device`` (no-op on CPU, where work is synchronous)."""
+    dev = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
+        torch.cuda.synchronize(dev)
+
+
+@dataclass(frozen=True)
+class TimingStats:
+    """Summary statistics of per-call durations, kept in seconds; ``times_s`` holds the raw samples."""
+
+    times_s: tuple[float, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_seconds(cls, times: Sequence[float]) -> TimingStats:
+        return cls(tuple(float(t) for t in times))
+
+    @classmethod
+    def from_milliseconds(cls, times: Sequence[float]) -> TimingStats:
+        return cls(tuple(float(t) / 1e3 for t in times))
+
+    @property
+    def n(self) -> int:
+        return len(self.times_s)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.times_s) if self.times_s else math.nan
+
+    @property
+    def std(self) -> float:
+        """Sample standard deviation (``n - 1``); 0 for a single sample, NaN for none."""
+        if not self.times_s:
+            return math.nan
+        return statistics.stdev(self.times_s) if self.n > 1 else 0.0
+
+    @property
+    def min(self) -> float:
+        return min(self.times_s) if self.times_s else math.nan
+
+    @property
+    def max(self) -> float:
+        return max(self.times_s) if self.times_s else math.nan
+
+    def summary(self, prefix: str = "", unit: str = "ms") -> dict[str, float]:
+        """``{prefix}mean_{unit}``, ``std``, ``min``, ``max`` in the requested unit (s, ms or us)."""
+        scale = {"s": 1.0, "ms": 1e3, "us": 1e6}.get(unit)
+        if scale is None:
+            raise ValueError(f"unit must be 's', 'ms' or 'us', got {unit!r}")
+        return {
+            f"{prefix}{stat}_{unit}": getattr(self, stat) * scale for stat in ("mean", "std", "min", "max")
+        }
+
+    def __str__(self) -> str:
+        return f"{self.mean * 1e3:.3f} ± {self.std * 1e3:.3f} ms (n={self.n})"
+
+
+def time_calls(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 5,
+    steps: int = 10,
+    device: torch.device | str | None = None,
+    timer: Callable[[], float] = timeit.default_timer,
+) -> TimingStats:
+    """Run ``fn`` ``warmup`` times untimed, then ``steps`` times, timing each call with host wall clock
+    between two synchronisations."""
+    if warmup < 0 or steps < 1:
+        raise ValueError(f"need warmup >= 0 and steps >= 1, got warmup={warmup}, steps={steps}")
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(steps):
+        start = timer()
+        fn()
+        synchronize(device)
+        times.append(timer() - start)
+    return TimingStats.from_seconds(times)
+
+
+def cuda_event_times(fn: Callable[[], Any], *, warmup: int = 5, steps: int = 10) -> TimingStats:
+    """Like :func:`time_calls` but measured by CUDA events on the current stream (GPU clock)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_event_times needs a CUDA device; use time_calls on CPU")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return TimingStats.from_milliseconds([s.elapsed_time(e) for s, e in pairs])
+
+
+def do_bench(
+    fn: Callable[[], Any],
+    *,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> TimingStats:
+    """``triton.testing.do_bench`` with every sample returned as :class:`TimingStats`.
+
+    On CPU (or without Triton) it falls back to :func:`time_calls` with 3 warm-up and 10 timed calls,
+    so code written against it runs in CPU smoke tests.
+    """
+    if not torch.cuda.is_available():
+        return time_calls(fn, warmup=3, steps=10)
+    import triton.testing
+
+    grads = list(grad_to_none) if grad_to_none else None
+    try:
+        times = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grads, return_mode="all")
+    except ValueError:  # a Triton without return_mode="all": keep the quantiles we can get
+        times = triton.testing.do_bench(
+            fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grads, quantiles=[0.0, 0.5, 1.0]
+        )
+    return TimingStats.from_milliseconds(list(times))

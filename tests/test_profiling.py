@@ -1,0 +1,240 @@
+"""CPU tests of the profiling library: kernel tables from a real (CPU) torch.profiler run, range filtering,
+kernel classification, nsys command construction, and memory-snapshot analysis on a synthetic snapshot in
+the format ``torch.cuda.memory._dump_snapshot`` writes."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pandas as pd
+import pytest
+import torch
+
+from cs336_basics import nvtx
+from cs336_systems.benchmarking import BenchmarkSpec, ModelBenchmark
+from cs336_systems.profiling import (
+    active_memory_timeline,
+    allocation_events,
+    annotations,
+    classify_kernel,
+    export_chrome_trace,
+    kernel_records,
+    kernel_table,
+    largest_allocations,
+    load_snapshot,
+    nsys_command,
+    plot_active_memory_timeline,
+    profile_steps,
+    range_names,
+    record_memory_snapshot,
+    run_nsys,
+)
+from cs336_systems.profiling.memory import BEFORE_RECORDING, OTHER, allocator_rounded, is_user_frame
+
+# --------------------------------------------------------------------------------------------------
+# torch.profiler kernel tables
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train_profile():
+    bench = ModelBenchmark(BenchmarkSpec("tiny", mode="train", context_length=16, batch_size=2, device="cpu"))
+    return profile_steps(bench.step, warmup=1, steps=2)
+
+
+def test_profile_contains_annotated_ranges(train_profile):
+    names = set(range_names(train_profile))
+    assert {"step", "forward", "backward", "optimizer", "attention (naive)", "computing softmax"} <= names
+    assert not nvtx.is_enabled()  # profile_steps restores the annotation switch
+
+
+def test_kernel_table_by_range(train_profile):
+    full = kernel_table(train_profile, "step", per=2)
+    fwd = kernel_table(train_profile, "forward", per=2)
+    bwd = kernel_table(train_profile, "backward", per=2)
+    attn = kernel_table(train_profile, "attention.*", per=2)
+    for table in (full, fwd, bwd, attn):
+        assert list(table.columns) == ["name", "calls", "total_ms", "avg_us", "percent", "category"]
+        assert not table.empty
+        assert table["percent"].sum() == pytest.approx(100)
+        assert table["total_ms"].is_monotonic_decreasing
+    # the ranges partition the step: forward + backward (+ optimizer) add up to the whole
+    opt = kernel_table(train_profile, "optimizer", per=2)["total_ms"].sum()
+    assert fwd["total_ms"].sum() + bwd["total_ms"].sum() + opt == pytest.approx(full["total_ms"].sum(), rel=1e-6)
+    assert attn["total_ms"].sum() < fwd["total_ms"].sum()
+    assert set(attn["name"]) <= set(fwd["name"])
+    # per-step normalisation: 2 profiled steps, tiny has 2 layers each launching one mm per projection
+    assert kernel_table(train_profile, "forward", per=1)["calls"].sum() == pytest.approx(2 * fwd["calls"].sum())
+    assert "aten::mm" in set(fwd["name"])
+    assert kernel_table(train_profile, "no such range").empty
+
+
+def test_kernel_table_from_records_aggregates_exactly():
+    records = pd.DataFrame(
+        {"name": ["gemm", "gemm", "softmax", "gemm"], "duration_us": [10.0, 30.0, 60.0, 0.0],
+         "launch_us": [0, 1, 2, 3], "device": "cuda", "op": "x"}
+    )
+    table = kernel_table(records).set_index("name")
+    assert table.loc["gemm", "calls"] == 3 and table.loc["gemm", "total_ms"] == pytest.approx(0.04)
+    assert table.loc["softmax", "percent"] == pytest.approx(60.0)
+    assert table.loc["gemm", "avg_us"] == pytest.approx(40 / 3)
+    with pytest.raises(ValueError):
+        kernel_table(records, "forward")
+    assert len(kernel_records(_FakeProf())) == 0
+
+
+class _FakeProf:
+    def events(self):
+        return []
+
+
+@pytest.mark.parametrize(
+    "name,category",
+    [
+        ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32", "matmul"),
+        ("ampere_sgemm_128x64_tn", "matmul"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "matmul"),
+        ("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_128x128_16x4_tn_align4>(...)", "matmul"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda>(...)", "elementwise"),
+        ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, MaxOps<float>>>(...)", "reduction"),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>(...)", "softmax"),
+        ("triton_red_fused_amax_sub_exp_0", "reduction"),
+        ("triton_poi_fused_mul_silu_1", "elementwise"),
+        ("Memcpy DtoD (Device -> Device)", "copy"),
+        ("aten::mm", "matmul"),
+        ("aten::index", "other"),
+    ],
+)
+def test_classify_kernel(name, category):
+    assert classify_kernel(name) == category
+
+
+def test_chrome_trace_export(train_profile, tmp_path):
+    path = export_chrome_trace(train_profile, tmp_path / "sub" / "trace.json")
+    trace = json.loads(path.read_text())
+    assert any(e.get("name") == "forward" for e in trace["traceEvents"])
+
+
+def test_annotations_context_restores_state():
+    assert not nvtx.is_enabled()
+    with annotations(True):
+        assert nvtx.is_enabled()
+    assert not nvtx.is_enabled()
+
+
+def test_nsys_command_and_missing_binary(monkeypatch, tmp_path):
+    cmd = nsys_command(["model", "--size", "small"], tmp_path / "rep")
+    assert cmd[:2] == ["nsys", "profile"] and "--nvtx" in cmd
+    assert cmd[cmd.index("-m") + 1] == "cs336_systems.benchmarking"
+    assert any(c.startswith("--trace=") and "nvtx" in c for c in cmd)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(RuntimeError, match="not on PATH"):
+        run_nsys(["model"], tmp_path / "rep")
+
+
+# --------------------------------------------------------------------------------------------------
+# memory snapshots
+# --------------------------------------------------------------------------------------------------
+
+MiB = 2**20
+USER = {"filename": "/work/repo/cs336-basics/cs336_basics/model.py", "line": 120, "name": "forward"}
+SCRIPT = {"filename": "/home/me/train.py", "line": 7, "name": "main"}
+TORCH = {"filename": torch.__file__.replace("__init__.py", "nn/modules/module.py"), "line": 1, "name": "_call_impl"}
+CPP = {"filename": "??", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"}
+
+
+def _entry(action, addr, size, frames=(), t=0):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": list(frames), "time_us": t}
+
+
+def synthetic_snapshot() -> dict:
+    """A pre-recording block of 8 MiB (address 0, one of two still alive), then: weights-like 4 MiB alloc
+    from the script, 16 MiB activation from model.py, 2 MiB temp freed, activation freed, pre-recording
+    block 0 freed. Peak active = 8 + 4 + 16 + 2 = 30 MiB + the other pre-recording 8 MiB."""
+    trace = [
+        _entry("segment_alloc", 100, 64 * MiB),
+        _entry("alloc", 100, 4 * MiB, [CPP, TORCH, SCRIPT], 1),
+        _entry("alloc", 200, 16 * MiB, [CPP, TORCH, USER, SCRIPT], 2),
+        _entry("alloc", 300, 2 * MiB, [CPP, SCRIPT], 3),
+        _entry("free_requested", 300, 2 * MiB, [], 4),
+        _entry("free_completed", 300, 2 * MiB, [], 4),
+        _entry("free_completed", 200, 16 * MiB, [], 5),
+        _entry("free_completed", 0, 8 * MiB, [], 6),  # a block allocated before recording
+    ]
+    segments = [
+        {"address": 0, "total_size": 64 * MiB, "stream": 0, "segment_type": "large",
+         "blocks": [{"address": 100, "size": 4 * MiB, "state": "active_allocated", "frames": []},
+                    {"address": 50 * MiB, "size": 8 * MiB, "state": "active_allocated", "frames": []},
+                    {"address": 200, "size": 16 * MiB, "state": "inactive", "frames": []}]},
+    ]
+    return {"segments": segments, "device_traces": [trace]}
+
+
+def test_user_frame_filter():
+    assert is_user_frame(USER) and is_user_frame(SCRIPT)
+    assert not is_user_frame(TORCH) and not is_user_frame(CPP)
+    assert not is_user_frame({"filename": "<frozen runpy>", "line": 1, "name": "x"})
+
+
+def test_allocation_events_pair_frees_with_allocs():
+    ev = allocation_events(synthetic_snapshot())
+    assert list(ev["action"]) == ["alloc"] * 3 + ["free_completed"] * 3  # free_requested/segment events dropped
+    assert ev.iloc[1]["origin"] == "model.py:120 forward"  # innermost user frame, torch/C++ skipped
+    assert ev.iloc[1]["stack"] == "model.py:120 forward <- train.py:7 main"
+    assert ev.iloc[4]["origin"] == "model.py:120 forward" and ev.iloc[4]["alloc_event"] == 2
+    assert ev.iloc[5]["origin"] == BEFORE_RECORDING
+    assert ev["delta"].sum() == (4 + 16 + 2 - 2 - 16 - 8) * MiB
+
+
+def test_active_memory_timeline_totals():
+    snap = synthetic_snapshot()
+    tl = active_memory_timeline(snap, top=1)
+    assert list(tl.columns) == ["model.py:120 forward", OTHER, BEFORE_RECORDING]
+    total = tl.sum(axis=1) / MiB
+    # before recording: 12 MiB active at dump (4 + 8), minus the trace's net -4 MiB => 16 MiB
+    assert list(total) == [20, 36, 38, 36, 20, 12]
+    assert tl[BEFORE_RECORDING].iloc[0] == 16 * MiB and tl[BEFORE_RECORDING].iloc[-1] == 8 * MiB
+    assert tl["model.py:120 forward"].max() == 16 * MiB
+    assert tl[OTHER].iloc[2] == 6 * MiB  # the two train.py allocations, grouped beyond top=1
+    thinned = active_memory_timeline(snap, max_points=2)
+    assert len(thinned) <= 3 and thinned.sum(axis=1).max() == 38 * MiB  # the peak row survives thinning
+    with pytest.raises(ValueError, match="device_traces"):
+        active_memory_timeline({"segments": []})
+
+
+def test_plot_and_largest_allocations(tmp_path):
+    snap = synthetic_snapshot()
+    fig = plot_active_memory_timeline(snap, title="synthetic")
+    fig.savefig(tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
+    big = largest_allocations(snap, n=2)
+    assert list(big["size_MiB"]) == [16, 4]
+    assert big.iloc[0]["origin"] == "model.py:120 forward" and big.iloc[0]["lifetime_events"] == 4
+    assert pd.isna(big.iloc[1]["lifetime_events"])  # still alive at the end
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert load_snapshot(path)["device_traces"] == snap["device_traces"]
+    assert allocator_rounded(1) == 512 and allocator_rounded(20 * MiB) == 20 * MiB
+
+
+def test_record_memory_snapshot_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        record_memory_snapshot(lambda: None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_record_memory_snapshot_on_gpu(tmp_path):
+    bench = ModelBenchmark(BenchmarkSpec("tiny", mode="train", context_length=32))
+    snap = record_memory_snapshot(bench.step, tmp_path / "s.pickle")
+    assert (tmp_path / "s.pickle").exists() and snap["summary"]["peak_allocated_bytes"] > 0
+    tl = active_memory_timeline(snap)
+    assert tl.sum(axis=1).max() <= snap["summary"]["peak_allocated_bytes"] * 1.01
+    assert not largest_allocations(snap).empty
