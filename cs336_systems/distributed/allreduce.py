@@ -1,0 +1,388 @@
+"""All-reduce benchmark (§2.1.3): time, algorithm bandwidth and bus bandwidth of fp32 all-reduce for
+several message sizes, backends (gloo on CPU, NCCL on GPU) and process counts, next to the peak the
+measured NVLink topology allows.
+
+Conventions follow nccl-tests (``doc/PERFORMANCE.md``):
+
+- **algbw** = ``size / time``: bytes of each rank's buffer per second;
+- **busbw** = ``algbw × 2(n−1)/n``: a ring all-reduce sends and receives ``2(n−1)/n × size`` bytes per
+  rank, so busbw is the per-GPU link bandwidth the collective actually used, comparable across ``n``
+  and with the hardware's link speed;
+- time is the slowest rank's mean over the timed iterations (the collective is not done until every
+  rank is done).
+
+The theoretical ceiling comes from ``nvidia-smi topo -m``: ``NV<k>`` between two GPUs means ``k``
+NVLinks; per-GPU bandwidth is ``links × per-link bandwidth`` (one direction), which is the peak busbw.
+
+Run::
+
+    python -m cs336_systems.distributed.allreduce --backends nccl gloo --nproc 2 4
+    torchrun --nproc-per-node 8 -m cs336_systems.distributed.allreduce --backends nccl --append
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cs336_systems.distributed import launch, runner
+
+SECTION = "distributed_communication_single_node"
+DEFAULT_SIZES = ["1MB", "10MB", "100MB", "1GB"]
+SMOKE_SIZES = ["1KB", "10KB", "100KB", "1MB"]
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+#: Unidirectional bandwidth of one NVLink, GB/s, by GPU generation (NVLink 2, 3 and 4 all move 25 GB/s
+#: per link and direction; NVLink 5 doubles it). Matched against the device name.
+NVLINK_GBPS_PER_LINK = {"B200": 50.0, "GB200": 50.0, "B100": 50.0, "H200": 25.0, "H100": 25.0, "H800": 25.0,
+                        "A100": 25.0, "A800": 25.0, "V100": 25.0}
+DEFAULT_NVLINK_GBPS = 25.0
+#: The most NVLinks any GPU has (Hopper and Blackwell: 18).
+MAX_NVLINKS_PER_GPU = 18
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes and bandwidth conventions
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_size(text: str | int) -> int:
+    """``"1MB"`` → 1_000_000 (decimal units, as in GB/s), ``"1MiB"`` → 1_048_576, ``"4096"`` → 4096."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS | {"": 1}:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 1MB, 100MB, 1GB, 64MiB or a byte count")
+    value = int(float(m.group(1)) * _UNITS.get(m.group(2).upper(), 1))
+    if value < 4 or value % 4:
+        raise ValueError(f"size {text!r} must be a positive multiple of 4 bytes (fp32 elements)")
+    return value
+
+
+def size_label(nbytes: int) -> str:
+    for unit in ("GB", "MB", "KB"):
+        if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
+            return f"{nbytes // _UNITS[unit]}{unit}"
+    return f"{nbytes}B"
+
+
+def bus_bandwidth_factor(world_size: int) -> float:
+    """``2(n−1)/n``: bytes each rank sends (and receives) per byte of buffer in a ring all-reduce."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return 2.0 * (world_size - 1) / world_size
+
+
+# --------------------------------------------------------------------------------------------------
+# Topology
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Topology:
+    """What ``nvidia-smi topo -m`` says about the GPUs, and the peak bus bandwidth it implies."""
+
+    available: bool
+    text: str
+    gpu_name: str | None
+    links: dict[str, str]  # "i-j" → connection type ("NV18", "SYS", "PIX", ...)
+    gbps_per_link: float
+    note: str
+
+    def nvlinks_per_gpu(self, world_size: int) -> int | None:
+        """NVLinks each of the first ``world_size`` GPUs can drive in a ring, or ``None`` when some pair
+        in the group is not NVLink-connected (PCIe/SYS paths are not modelled).
+
+        ``NV<k>`` is the number of links on the path between two GPUs. Behind an NVSwitch every pair
+        reports the GPU's *full* link count (``NV18`` everywhere on HGX H100/H200), so a GPU's pair counts
+        add up to more links than any GPU has (:data:`MAX_NVLINKS_PER_GPU`); then the GPU drives ``k``
+        links. Directly connected GPUs (NV4 all-to-all on 4×A100, NV1/NV2 meshes on DGX-1) use the links
+        to every peer at once, so a GPU drives the sum over its peers in the group. The ring is as fast
+        as its slowest GPU.
+        """
+        if world_size < 2:
+            return None
+        counts = {k: _nv_count(v) for k, v in self.links.items()}
+        group = range(world_size)
+        per_gpu = []
+        for i in group:
+            in_group = [counts.get(f"{i}-{j}") for j in group if j != i]
+            if any(c is None for c in in_group):
+                return None
+            all_peers = [c for k, c in counts.items() if k.startswith(f"{i}-") and c is not None]
+            behind_switch = sum(all_peers) > MAX_NVLINKS_PER_GPU
+            per_gpu.append(max(in_group) if behind_switch else sum(in_group))  # type: ignore[arg-type]
+        return min(per_gpu)
+
+    def peak_busbw_gbps(self, world_size: int) -> float | None:
+        links = self.nvlinks_per_gpu(world_size)
+        return None if links is None else links * self.gbps_per_link
+
+    def peak_algbw_gbps(self, world_size: int) -> float | None:
+        bus = self.peak_busbw_gbps(world_size)
+        return None if bus is None else bus / bus_bandwidth_factor(world_size)
+
+
+def _nv_count(kind: str) -> int | None:
+    m = re.fullmatch(r"NV(\d+)", kind)
+    return int(m.group(1)) if m else None
+
+
+def parse_topology_matrix(text: str) -> dict[str, str]:
+    """GPU-to-GPU connection types from ``nvidia-smi topo -m`` output: ``{"0-1": "NV18", ...}``."""
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    header = next((ln for ln in lines if re.match(r"^\s+GPU0\b", ln) or ln.split()[:1] == ["GPU0"]), None)
+    if header is None:
+        return {}
+    columns = [c for c in header.split() if re.fullmatch(r"GPU\d+", c)]
+    links: dict[str, str] = {}
+    for ln in lines:
+        fields = ln.split()
+        if not fields or not re.fullmatch(r"GPU\d+", fields[0]) or ln is header:
+            continue
+        i = int(fields[0][3:])
+        for col, value in zip(columns, fields[1 : 1 + len(columns)]):
+            j = int(col[3:])
+            if i != j:
+                links[f"{i}-{j}"] = value
+    return links
+
+
+def read_topology(gbps_per_link: float | None = None) -> Topology:
+    """Run ``nvidia-smi topo -m`` (if present) and parse it. Never raises: without ``nvidia-smi`` or
+    GPUs the result says so, and the theoretical curve is simply left out."""
+    gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if gbps_per_link is None:
+        gbps_per_link = next(
+            (v for k, v in NVLINK_GBPS_PER_LINK.items() if gpu_name and k in gpu_name), DEFAULT_NVLINK_GBPS
+        )
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return Topology(False, "", gpu_name, {}, gbps_per_link, "nvidia-smi not found: no theoretical curve")
+    try:
+        proc = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        return Topology(False, "", gpu_name, {}, gbps_per_link, f"nvidia-smi topo -m failed: {e}")
+    links = parse_topology_matrix(proc.stdout)
+    note = f"{gbps_per_link:g} GB/s per NVLink per direction" + ("" if links else "; no GPU matrix found")
+    return Topology(True, proc.stdout, gpu_name, links, gbps_per_link, note)
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement (inside an initialised process group)
+# --------------------------------------------------------------------------------------------------
+
+
+def default_iterations(size_bytes: int, backend: str) -> tuple[int, int]:
+    """(warm-up, timed) iterations: many for small GPU messages, few for gigabyte all-reduces on CPU."""
+    if backend == "nccl":
+        return (5, 50) if size_bytes <= 10**8 else (3, 20)
+    return (2, 10) if size_bytes <= 10**7 else (1, 3)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_all_reduce(size_bytes: int, warmup: int | None = None, iters: int | None = None) -> dict[str, Any]:
+    """Mean seconds per fp32 all-reduce of ``size_bytes`` on this process group (slowest rank)."""
+    ctx = launch.current_context()
+    default_warmup, default_iters = default_iterations(size_bytes, ctx.backend)
+    warmup = default_warmup if warmup is None else warmup
+    iters = default_iters if iters is None else iters
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    data = torch.randn(size_bytes // 4, dtype=torch.float32, device=ctx.device)
+    for _ in range(warmup):
+        dist.all_reduce(data)
+    _sync(ctx.device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(data)
+    _sync(ctx.device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    seconds = float(elapsed.item())
+    algbw = size_bytes / seconds / 1e9
+    del data
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "backend": ctx.backend,
+        "device": "cuda" if ctx.device.type == "cuda" else "cpu",
+        "world_size": ctx.world_size,
+        "size_bytes": size_bytes,
+        "size": size_label(size_bytes),
+        "time_ms": seconds * 1e3,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * bus_bandwidth_factor(ctx.world_size),
+        "iters": iters,
+    }
+
+
+def benchmark_worker(sizes_bytes: list[int], warmup: int | None, iters: int | None) -> list[dict[str, Any]]:
+    """All sizes on the current process group (run on every rank; rows are identical across ranks)."""
+    return [time_all_reduce(s, warmup, iters) for s in sizes_bytes]
+
+
+def run_allreduce_benchmark(
+    backend: str,
+    world_size: int,
+    sizes: list[str | int],
+    warmup: int | None = None,
+    iters: int | None = None,
+) -> list[dict[str, Any]]:
+    """Spawn ``world_size`` local processes on ``backend`` and measure every size."""
+    sizes_bytes = [parse_size(s) for s in sizes]
+    results = launch.spawn(benchmark_worker, world_size, sizes_bytes, warmup, iters, backend=backend)
+    return results[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables and figure
+# --------------------------------------------------------------------------------------------------
+
+
+def theoretical_rows(topology: Topology, world_sizes: list[int], sizes_bytes: list[int]) -> list[dict[str, Any]]:
+    """Peak bus/algorithm bandwidth and the corresponding time for each (n, size), NCCL only."""
+    rows = []
+    for n in world_sizes:
+        bus = topology.peak_busbw_gbps(n)
+        if bus is None:
+            continue
+        alg = bus / bus_bandwidth_factor(n)
+        for s in sizes_bytes:
+            rows.append({"world_size": n, "size_bytes": s, "size": size_label(s), "links_per_gpu":
+                         topology.nvlinks_per_gpu(n), "peak_busbw_GBps": bus, "peak_algbw_GBps": alg,
+                         "min_time_ms": s / (alg * 1e9) * 1e3})
+    return rows
+
+
+def plot_bandwidth(df: Any, theory: Any = None, metric: str = "busbw_GBps") -> Any:
+    """Bandwidth vs message size, one curve per process count, one panel per backend, with the
+    topology's peak as dashed lines (NCCL panel)."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    backends = sorted(df["backend"].unique(), key=lambda b: b != "nccl")
+    fig, axes = plt.subplots(1, len(backends), figsize=(6 * len(backends), 4.2), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        sub = df[df["backend"] == backend]
+        sns.lineplot(data=sub, x="size_bytes", y=metric, hue="world_size", marker="o", palette="viridis", ax=ax)
+        if backend == "nccl" and theory is not None and len(theory):
+            peak = "peak_busbw_GBps" if metric == "busbw_GBps" else "peak_algbw_GBps"
+            for n, grp in theory.groupby("world_size"):
+                ax.axhline(grp[peak].iloc[0], ls="--", lw=1, color="gray")
+                ax.annotate(f"NVLink peak, n={n}", (sub["size_bytes"].min(), grp[peak].iloc[0]), fontsize=8,
+                            va="bottom", color="gray")
+        ax.set_xscale("log")
+        ax.set_xlabel("message size per rank (bytes, fp32)")
+        ax.set_ylabel("bus bandwidth (GB/s)" if metric == "busbw_GBps" else "algorithm bandwidth (GB/s)")
+        ax.set_title(f"all-reduce, {backend} ({sub['device'].iloc[0]})")
+        ax.legend(title="processes")
+    fig.tight_layout()
+    return fig
+
+
+def merge_rows(old: Any, new: Any) -> Any:
+    """Append new measurements, replacing older rows for the same (backend, world_size, size)."""
+    import pandas as pd
+
+    if old is None or not len(old):
+        return new.reset_index(drop=True)
+    key = ["backend", "world_size", "size_bytes"]
+    merged = pd.concat([old, new], ignore_index=True).drop_duplicates(subset=key, keep="last")
+    return merged.sort_values(key).reset_index(drop=True)
+
+
+def write_results(rows: list[dict[str, Any]], topology: Topology, params: dict[str, Any], append: bool) -> Any:
+    """Table ``allreduce`` (+ ``allreduce_theory``), JSON ``topology`` and figure ``allreduce_bandwidth``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from cs336_systems.results import ResultWriter
+
+    out = ResultWriter(SECTION, params=params)
+    new = pd.DataFrame(rows)
+    old = pd.read_csv(out.path("allreduce.csv")) if append and out.path("allreduce.csv").exists() else None
+    df = merge_rows(old, new)
+    out.table(df, "allreduce")
+    world_sizes = sorted(df.loc[df["backend"] == "nccl", "world_size"].unique().tolist())
+    theory = pd.DataFrame(theoretical_rows(topology, world_sizes, sorted(df["size_bytes"].unique().tolist())))
+    if len(theory):
+        out.table(theory, "allreduce_theory")
+    out.json({**asdict(topology), "peak_busbw_GBps": {n: topology.peak_busbw_gbps(n) for n in world_sizes}}, "topology")
+    fig = plot_bandwidth(df, theory if len(theory) else None)
+    out.figure(fig, "allreduce_bandwidth")
+    plt.close(fig)
+    print(df.to_string(index=False))
+    if not topology.available or not len(theory):
+        print(f"theoretical curve omitted: {topology.note}")
+    print(out.banner())
+    return df
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cs336_systems.results import is_smoke_run
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", choices=["nccl", "gloo"], default=None,
+                        help="default: nccl and gloo with GPUs, gloo without")
+    parser.add_argument("--nproc", nargs="+", type=int, default=[2, 4],
+                        help="process counts to spawn locally (ignored under torchrun/srun)")
+    parser.add_argument("--sizes", nargs="+", default=None, help=f"default {DEFAULT_SIZES} ({SMOKE_SIZES} in smoke runs)")
+    parser.add_argument("--gloo-max-size", default="1GB", help="skip gloo sizes above this (CPU all-reduce of 1 GB is slow)")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--gbps-per-link", type=float, default=None, help="override NVLink GB/s per link and direction")
+    parser.add_argument("--append", action="store_true", help="merge into an existing allreduce table")
+    args = parser.parse_args(argv)
+
+    smoke = is_smoke_run()
+    sizes = [parse_size(s) for s in (args.sizes or (SMOKE_SIZES if smoke else DEFAULT_SIZES))]
+    backends = args.backends or (["nccl", "gloo"] if torch.cuda.is_available() else ["gloo"])
+    gloo_max = parse_size(args.gloo_max_size)
+    params = {"sizes": sizes, "backends": backends, "warmup": args.warmup, "iters": args.iters}
+
+    rows: list[dict[str, Any]] = []
+    if runner.launched_externally():
+        # torchrun / srun: the launcher fixed the process count; one backend per job.
+        if len(backends) != 1:
+            parser.error("under torchrun/srun pass exactly one --backends value")
+        bsizes = [s for s in sizes if backends[0] == "nccl" or s <= gloo_max]
+        rows = runner.run_on_ranks(benchmark_worker, 0, bsizes, args.warmup, args.iters, backend=backends[0])[0]
+        if not runner.is_main_process():
+            return 0
+    else:
+        for backend in backends:
+            for n in args.nproc:
+                bsizes = [s for s in sizes if backend == "nccl" or s <= gloo_max]
+                print(f"all-reduce: {backend}, {n} processes, sizes {[size_label(s) for s in bsizes]}", flush=True)
+                rows += run_allreduce_benchmark(backend, n, bsizes, args.warmup, args.iters)
+    write_results(rows, read_topology(args.gbps_per_link), {**params, "nproc": sorted({r["world_size"] for r in rows})},
+                  args.append)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

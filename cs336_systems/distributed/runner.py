@@ -1,0 +1,47 @@
+"""Run a function on every rank, however the ranks were started.
+
+Command-line entry points call :func:`run_on_ranks`: under ``torchrun`` or ``srun`` (one process per
+rank already exists) it joins the env:// process group and runs the function here; from a plain
+``python -m ...`` it spawns ``nproc`` local workers with :func:`cs336_systems.distributed.launch.spawn`.
+Either way every rank's return value comes back, in rank order.
+
+Failure is loud in both modes: an exception on one rank propagates (``spawn`` terminates the other
+workers and re-raises with the traceback; ``torchrun`` tears the job down when a worker exits
+non-zero), and the process group's timeout turns a lost peer into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from cs336_systems.distributed import launch
+
+
+def launched_externally() -> bool:
+    """True under ``torchrun`` (RANK/WORLD_SIZE set) or a multi-task ``srun`` step."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def is_main_process() -> bool:
+    """Rank 0 under torchrun/srun; always true for the parent of spawned workers."""
+    if not launched_externally():
+        return True
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+
+
+def run_on_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None = None, **kwargs: Any) -> list[Any]:
+    """``fn(*args, **kwargs)`` on every rank; returns the list of per-rank results (on every rank)."""
+    if not launched_externally():
+        return launch.spawn(fn, nproc, *args, backend=backend, **kwargs)
+    launch.init_process_group(backend)
+    result = fn(*args, **kwargs)  # an exception here ends this worker non-zero; the launcher stops the rest
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    launch.destroy_process_group()
+    return gathered
