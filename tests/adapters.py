@@ -65,12 +65,14 @@ def get_sharded_optimizer(params: Any, optimizer_cls: type[torch.optim.Optimizer
 
 
 def get_fsdp(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    raise NotImplementedError("FSDP is not implemented yet")
+    from cs336_systems.distributed.fsdp import FSDP
+
+    return FSDP(module, compute_dtype=compute_dtype)
 
 
 def fsdp_on_after_backward(fsdp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    raise NotImplementedError("FSDP is not implemented yet")
+    fsdp_model.finish_gradient_synchronization()
 
 
 def fsdp_gather_full_params(fsdp_model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    raise NotImplementedError("FSDP is not implemented yet")
+    return fsdp_model.gather_full_params()

@@ -1,0 +1,538 @@
+"""Fully-sharded data parallelism (FSDP; ZeRO stage 3, Rajbhandari et al., 2020; Zhao et al., 2023).
+
+Each rank keeps only a ``1/world_size`` slice of every ``Linear``/``Embedding`` weight — and therefore
+only that slice of its gradient and optimizer state. A layer's full weight exists only while it is
+needed: it is all-gathered just before the layer's forward, dropped right after, all-gathered again
+just before the layer's backward, and dropped once its gradient is known; the gradient is
+reduce-scattered so each rank receives the averaged gradient of its own slice. Other parameters (norm
+gains) are small and stay replicated; their gradients are all-reduced as in DDP.
+
+Mechanism, per sharded layer (a :class:`ShardedLayer`):
+
+- **Shards.** Each weight is flattened, zero-padded to a multiple of the world size and cut into equal
+  1-D slices; ``param.data`` becomes this rank's slice *in place*, so parameter objects, names,
+  ``requires_grad`` and any optimizer built on ``fsdp.parameters()`` keep working unchanged.
+- **Forward.** The layer's ``forward`` is wrapped: it takes the gathered weights (prefetched or gathered
+  now), exposes them as ``layer.weight`` for the duration of the call (an instance attribute shadows the
+  registered parameter), and runs the original forward. The gathered tensor enters autograd through
+  :class:`_Unshard`, a function of the shard whose backward receives the full-weight gradient.
+- **Free after use, re-gather for backward.** Inside the layer's forward a ``saved_tensors_hooks`` pair
+  replaces every tensor autograd would save that aliases a gathered weight (``x @ W.T`` saves ``W.T``)
+  by a small token; the gathered weight is thus released when the forward returns. When backward
+  unpacks a token, the layer is gathered again (or its prefetch is picked up), and the token becomes a
+  view of the fresh copy; the copy is dropped when :class:`_Unshard`'s backward runs for it.
+- **Gradients.** :class:`_Unshard`'s backward casts the full gradient to fp32 and launches an
+  asynchronous reduce-scatter into a shard-sized buffer; :meth:`FSDP.finish_gradient_synchronization`
+  waits, averages and installs the result as ``param.grad`` (shard shape, fp32).
+- **Mixed precision.** With ``compute_dtype`` (fp16/bf16) the shard is cast *before* the all-gather, so
+  the traffic and the layer's compute are in low precision while master weights, gradients and the
+  optimizer update stay fp32. Floating inputs of sharded layers are cast to ``compute_dtype``.
+- **Prefetch.** The first forward records the order in which sharded layers run. Afterwards, when layer
+  ``k`` starts, the all-gather of layer ``k+1`` is launched asynchronously so it overlaps layer ``k``'s
+  compute; in backward, re-gathering a layer launches the gather of the layer that backward reaches
+  next (the previous one in forward order).
+
+Limitations: a sharded weight must only be used inside its own module's ``forward`` (a functional use
+elsewhere would see the 1-D shard); every backward must be followed by
+:meth:`~FSDP.finish_gradient_synchronization` before the next forward (no local gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_basics.model import Embedding as BasicsEmbedding
+from cs336_basics.model import Linear as BasicsLinear
+
+from .grad_sync import GradientReducer, broadcast_module_state, per_parameter_buckets
+
+#: Module types whose (trainable) parameters FSDP shards.
+SHARDED_MODULE_TYPES: tuple[type[nn.Module], ...] = (BasicsLinear, BasicsEmbedding, nn.Linear, nn.Embedding)
+_COMPUTE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
+_reduce_scatter_supported: dict[str, bool] = {}
+
+
+# --------------------------------------------------------------------------------------------------
+# Collectives
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _PendingGather:
+    """An in-flight all-gather of one parameter; :meth:`wait` returns the full tensor (orig. shape)."""
+
+    work: Any
+    out: torch.Tensor
+    numel: int
+    shape: torch.Size
+    source: torch.Tensor | None  # kept alive until the collective has read it
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.source = None
+        return self.out[: self.numel].view(self.shape)
+
+
+@dataclass
+class _PendingShardGrad:
+    """An in-flight reduce-scatter; :meth:`wait` returns this rank's averaged gradient slice and lets
+    go of the full-size input (so at most a few full gradients are alive at any time)."""
+
+    work: Any
+    out: torch.Tensor
+    divide_by: int
+    full: torch.Tensor | None = None  # all-reduce fallback: the whole reduced tensor
+    rank: int = 0
+    keepalive: torch.Tensor | None = None
+    done: bool = False
+
+    @torch.no_grad()
+    def wait(self) -> torch.Tensor:
+        if not self.done:
+            self.work.wait()  # on CUDA the compute stream waits; the host does not block
+            if self.full is not None:
+                n = self.out.numel()
+                self.out.copy_(self.full[self.rank * n : (self.rank + 1) * n])
+            if self.divide_by > 1:
+                self.out.div_(self.divide_by)
+            self.work = self.full = self.keepalive = None
+            self.done = True
+        return self.out
+
+
+def _reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup | None) -> _PendingShardGrad:
+    """Start averaging ``flat`` (length divisible by the world size) across ranks, each rank keeping
+    its slice. NCCL averages inside the collective; gloo sums and we divide afterwards. Where the
+    backend lacks ``reduce_scatter_tensor`` (gloo in some torch versions), an all-reduce plus slice
+    gives the same result at twice the traffic."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = torch.empty(flat.numel() // world_size, dtype=flat.dtype, device=flat.device)
+    backend = dist.get_backend(group)
+    avg = backend == "nccl"
+    op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+    divide_by = 1 if avg else world_size
+    if _reduce_scatter_supported.get(backend, True):
+        try:
+            work = dist.reduce_scatter_tensor(out, flat, op=op, group=group, async_op=True)
+            return _PendingShardGrad(work, out, divide_by, keepalive=flat)
+        except (RuntimeError, NotImplementedError):
+            _reduce_scatter_supported[backend] = False
+    flat = flat.clone()  # the all-reduce works in place; the caller's tensor may belong to autograd
+    work = dist.all_reduce(flat, op=op, group=group, async_op=True)
+    return _PendingShardGrad(work, out, divide_by, full=flat, rank=rank)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shards and layers
+# --------------------------------------------------------------------------------------------------
+
+
+class FlatShard:
+    """One parameter's slice on this rank plus its in-flight gradient reductions."""
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        in_flight: collections.deque,
+        max_in_flight: int,
+    ):
+        self.param = param
+        self.in_flight, self.max_in_flight = in_flight, max_in_flight
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.world_size, self.group = world_size, group
+        self.shard_numel = math.ceil(self.numel / world_size)
+        self.padded_numel = self.shard_numel * world_size
+        flat = param.detach().reshape(-1)
+        shard = torch.zeros(self.shard_numel, dtype=param.dtype, device=param.device)
+        start = rank * self.shard_numel
+        valid = max(0, min(self.numel - start, self.shard_numel))
+        shard[:valid].copy_(flat[start : start + valid])
+        param.data = shard  # same Parameter object: optimizers and names are unaffected
+        self.pending_grads: list[_PendingShardGrad] = []
+        self.uses_awaiting_grad = 0  # forward uses whose gradient has not arrived yet
+        self.grad_sum: torch.Tensor | None = None
+
+    def note_use(self) -> None:
+        self.uses_awaiting_grad += 1
+
+    @torch.no_grad()
+    def add_grad_contribution(self, grad_full: torch.Tensor) -> None:
+        """Sum the gradients of all uses of the weight in this backward (a layer called twice, a weight
+        shared by two layers) in master precision, and reduce-scatter once, after the last one — the
+        same sum, in the same order, that autograd forms for an unsharded parameter."""
+        g = grad_full.to(self.param.dtype)
+        self.grad_sum = g if self.grad_sum is None else self.grad_sum + g
+        self.uses_awaiting_grad -= 1
+        if self.uses_awaiting_grad <= 0:
+            self.flush_grad()
+
+    def flush_grad(self) -> None:
+        if self.grad_sum is not None:
+            self.start_grad_reduction(self.grad_sum)
+        self.grad_sum = None
+        self.uses_awaiting_grad = 0
+
+    def start_gather(self, dtype: torch.dtype | None) -> _PendingGather:
+        source = self.param.detach()
+        if dtype is not None and dtype != source.dtype:
+            source = source.to(dtype)  # cast before communicating: low-precision traffic
+        out = torch.empty(self.padded_numel, dtype=source.dtype, device=source.device)
+        work = dist.all_gather_into_tensor(out, source, group=self.group, async_op=True)
+        return _PendingGather(work, out, self.numel, self.shape, source)
+
+    @torch.no_grad()
+    def start_grad_reduction(self, grad_full: torch.Tensor) -> None:
+        master_dtype = self.param.dtype
+        flat = grad_full.reshape(-1)
+        if flat.dtype != master_dtype or self.padded_numel != self.numel or not flat.is_contiguous():
+            padded = torch.zeros(self.padded_numel, dtype=master_dtype, device=flat.device)
+            padded[: self.numel].copy_(flat)  # fp32 gradients: the reduction happens in master precision
+            flat = padded
+        pending = _reduce_scatter_mean(flat, self.group)
+        self.pending_grads.append(pending)
+        self.in_flight.append(pending)
+        while len(self.in_flight) > self.max_in_flight:  # bound the full-size gradients kept alive
+            self.in_flight.popleft().wait()
+
+    @torch.no_grad()
+    def finish_grad(self) -> None:
+        self.flush_grad()  # uses whose gradient never arrived (output not in the loss) end here
+        for pending in self.pending_grads:  # one per use of the weight in this backward
+            g = pending.wait()
+            if self.param.grad is None:
+                self.param.grad = g
+            else:
+                self.param.grad.add_(g)
+        self.pending_grads.clear()
+
+    @torch.no_grad()
+    def full_tensor(self) -> torch.Tensor:
+        """The whole fp32 parameter (a collective)."""
+        return self.start_gather(None).wait().clone()
+
+
+class _Unshard(torch.autograd.Function):
+    """``shard → gathered full weight`` for autograd: the forward returns the already gathered tensor;
+    the backward hands the full-weight gradient to the shard's reduce-scatter and drops the backward
+    copy of the weight. It returns no gradient for the shard: the averaged slice is installed by
+    ``finish_gradient_synchronization`` once the reduce-scatter is done."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, gathered: torch.Tensor, layer: ShardedLayer, name: str) -> torch.Tensor:
+        ctx.layer, ctx.name = layer, name
+        return gathered
+
+    @staticmethod
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.layer.shards[ctx.name].add_grad_contribution(grad_full)
+        ctx.layer.release_backward_copy(ctx.name)
+        return None, None, None, None
+
+
+@dataclass(frozen=True)
+class _Regather:
+    """What autograd keeps instead of a saved alias of a gathered weight."""
+
+    name: str
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@dataclass
+class ShardedLayer:
+    """A module whose trainable direct parameters are sharded, and its gather/regather state."""
+
+    index: int
+    name: str
+    module: nn.Module
+    shards: dict[str, FlatShard]
+    fsdp: Any  # weakref.proxy to the owning FSDP
+    backward_copy: dict[str, torch.Tensor] = field(default_factory=dict)
+    current: dict[str, torch.Tensor] = field(default_factory=dict)  # gathered weights during forward
+
+    def start_gather(self) -> dict[str, _PendingGather]:
+        return {name: shard.start_gather(self.fsdp.compute_dtype) for name, shard in self.shards.items()}
+
+    def release_backward_copy(self, name: str) -> None:
+        self.backward_copy.pop(name, None)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        for name, full in self.current.items():
+            if _same_storage(t, full):
+                self.fsdp._needs_backward_gather(self)
+                return _Regather(name, t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Regather):
+            return saved
+        if saved.name not in self.backward_copy:
+            self.backward_copy.update(self.fsdp._fetch_for_backward(self))
+        full = self.backward_copy[saved.name]
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+class _LayerForward:
+    """Replaces a sharded module's ``forward``: gather, substitute, run with regather hooks."""
+
+    def __init__(self, fsdp: FSDP, layer: ShardedLayer, original: Any):
+        self.fsdp = weakref.proxy(fsdp)
+        self.layer = layer
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fsdp._run_layer(self.layer, self.original, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# The wrapper
+# --------------------------------------------------------------------------------------------------
+
+
+class FSDP(nn.Module):
+    """Fully-sharded data parallel wrapper (see module docstring). Training loop::
+
+        model = FSDP(module, compute_dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters())      # optimizer state is sharded too
+        loss_fn(model(x_shard), y_shard).backward()
+        model.finish_gradient_synchronization()
+        opt.step(); opt.zero_grad()
+
+    All ranks must hold the same initial module; rank 0's values are broadcast before sharding.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        prefetch: bool = True,
+        max_reductions_in_flight: int = 2,
+        sharded_module_types: tuple[type[nn.Module], ...] = SHARDED_MODULE_TYPES,
+    ):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("FSDP needs an initialised process group (init_process_group() or spawn())")
+        if compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be None, float32, float16 or bfloat16, got {compute_dtype}")
+        self.module = module
+        self.compute_dtype = compute_dtype if compute_dtype != torch.float32 else None
+        self.process_group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.prefetch = prefetch
+        if max_reductions_in_flight < 1:
+            raise ValueError(f"max_reductions_in_flight must be >= 1, got {max_reductions_in_flight}")
+        self._reductions_in_flight: collections.deque = collections.deque()
+        for p in module.parameters():
+            if p.requires_grad and not p.is_floating_point():
+                raise ValueError("FSDP shards floating-point parameters only")
+        broadcast_module_state(module, src=0, group=group)
+
+        self.layers: list[ShardedLayer] = []
+        shards: dict[nn.Parameter, FlatShard] = {}  # a weight shared by two layers is sharded once
+        me = weakref.proxy(self)
+        for name, sub in module.named_modules():
+            if not isinstance(sub, sharded_module_types):
+                continue
+            layer_shards = {}
+            for pname, p in sub.named_parameters(recurse=False):
+                if p.requires_grad:
+                    if p not in shards:
+                        shards[p] = FlatShard(
+                            p, self.rank, self.world_size, group, self._reductions_in_flight, max_reductions_in_flight
+                        )
+                    layer_shards[pname] = shards[p]
+            if layer_shards:
+                layer = ShardedLayer(len(self.layers), name, sub, layer_shards, me)
+                sub.forward = _LayerForward(self, layer, sub.forward)
+                self.layers.append(layer)
+        self._shards = list(shards.values())
+        sharded_ids = {id(p) for p in shards}
+        seen: set[int] = set()
+        replicated = []
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in sharded_ids and id(p) not in seen:
+                seen.add(id(p))
+                replicated.append(p)
+        self.replicated_parameters = replicated
+        self._reducer = GradientReducer(per_parameter_buckets(replicated, reverse=True), overlap=True, group=group)
+
+        self._forward_order: list[int] | None = None  # layer indices in the first forward's order
+        self._recording: list[int] = []
+        self._forward_pos: int | None = None
+        self._prefetched: dict[int, dict[str, _PendingGather]] = {}
+        self._backward_stack: list[int] = []
+        self._bwd_prefetched: dict[int, dict[str, _PendingGather]] = {}
+        self.stats = {"forward_gathers": 0, "backward_gathers": 0, "prefetch_hits": 0}
+
+    # ---------------------------------------------------------------------------------------------
+    # Forward
+    # ---------------------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if any(s.pending_grads for s in self._shards):
+            raise RuntimeError("call finish_gradient_synchronization() after backward, before the next forward")
+        self._recording = []
+        self._forward_pos = 0 if (self.prefetch and self._forward_order) else None
+        self._backward_stack = []
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._drop(self._prefetched)
+            if self._forward_order is None or self._forward_pos is None:
+                self._forward_order = self._recording
+
+    def _cast_inputs(self, value: Any) -> Any:
+        if self.compute_dtype is None:
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.to(self.compute_dtype) if value.is_floating_point() else value
+        if isinstance(value, tuple | list):
+            return type(value)(self._cast_inputs(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._cast_inputs(v) for k, v in value.items()}
+        return value
+
+    def _take_forward_gather(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
+        self._recording.append(layer.index)
+        pending = self._prefetched.pop(layer.index, None)
+        if pending is not None:
+            self.stats["prefetch_hits"] += 1
+        else:
+            pending = layer.start_gather()
+        self.stats["forward_gathers"] += 1
+        # Launch the next layer's gather before waiting on this one, so it overlaps this layer's compute.
+        order, pos = self._forward_order, self._forward_pos
+        if order is not None and pos is not None:
+            if pos < len(order) and order[pos] == layer.index:
+                self._forward_pos = pos + 1
+                if pos + 1 < len(order) and order[pos + 1] not in self._prefetched:
+                    self._prefetched[order[pos + 1]] = self.layers[order[pos + 1]].start_gather()
+            else:  # control flow changed: stop prefetching, re-record the order
+                self._forward_pos = None
+                self._drop(self._prefetched)
+        return {name: p.wait() for name, p in pending.items()}
+
+    def _run_layer(self, layer: ShardedLayer, original: Any, args: tuple, kwargs: dict) -> Any:
+        gathered = self._take_forward_gather(layer)
+        if torch.is_grad_enabled():
+            for shard in layer.shards.values():
+                shard.note_use()
+            gathered = {
+                name: _Unshard.apply(layer.shards[name].param, full, layer, name) for name, full in gathered.items()
+            }
+        args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
+        layer.current = gathered
+        try:
+            with self._substituted(layer.module, gathered), torch.autograd.graph.saved_tensors_hooks(
+                layer.pack, layer.unpack
+            ):
+                return original(*args, **kwargs)
+        finally:
+            layer.current = {}
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _substituted(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Make ``module.<name>`` resolve to the gathered tensor: an instance attribute is found before
+        ``nn.Module.__getattr__`` looks in ``_parameters``, which keeps the shard registered."""
+        for name, t in tensors.items():
+            module.__dict__[name] = t
+        try:
+            yield
+        finally:
+            for name in tensors:
+                module.__dict__.pop(name, None)
+
+    # ---------------------------------------------------------------------------------------------
+    # Backward
+    # ---------------------------------------------------------------------------------------------
+
+    def _needs_backward_gather(self, layer: ShardedLayer) -> None:
+        if not self._backward_stack or self._backward_stack[-1] != layer.index:
+            self._backward_stack.append(layer.index)
+
+    def _fetch_for_backward(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
+        pending = self._bwd_prefetched.pop(layer.index, None)
+        if pending is not None:
+            self.stats["prefetch_hits"] += 1
+        else:
+            pending = layer.start_gather()
+        self.stats["backward_gathers"] += 1
+        stack = self._backward_stack
+        if layer.index in stack:  # backward visits layers in reverse forward order
+            while stack and stack.pop() != layer.index:
+                pass
+        if self.prefetch and stack and stack[-1] not in self._bwd_prefetched:
+            self._bwd_prefetched[stack[-1]] = self.layers[stack[-1]].start_gather()
+        return {name: p.wait() for name, p in pending.items()}
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every gradient reduction of the last backward and install the results: sharded
+        parameters get their averaged fp32 slice, replicated ones the averaged full gradient."""
+        self._reducer.finish()
+        for shard in self._shards:
+            shard.finish_grad()
+        self._reductions_in_flight.clear()
+        self._drop(self._bwd_prefetched)
+        self._backward_stack = []
+        for layer in self.layers:
+            layer.backward_copy.clear()
+
+    @staticmethod
+    def _drop(pending: dict[int, dict[str, _PendingGather]]) -> None:
+        """Complete and discard gathers that were prefetched but not used (collectives must finish)."""
+        for gathers in pending.values():
+            for g in gathers.values():
+                g.wait()
+        pending.clear()
+
+    # ---------------------------------------------------------------------------------------------
+    # Inspection and checkpoints
+    # ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """``{name: full tensor}`` for every parameter of the wrapped module (names without the
+        ``module.`` prefix), sharded ones all-gathered in their master dtype. A collective."""
+        by_param = {id(s.param): s for s in self._shards}
+        out = {}
+        for name, p in self.module.named_parameters():
+            shard = by_param.get(id(p))
+            out[name] = shard.full_tensor() if shard is not None else p.detach().clone()
+        return out
+
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        return [s.param for s in self._shards]
+
+    def extra_repr(self) -> str:
+        dtype = self.compute_dtype or "fp32"
+        return (
+            f"world_size={self.world_size}, sharded_layers={len(self.layers)}, "
+            f"replicated_params={len(self.replicated_parameters)}, compute_dtype={dtype}, prefetch={self.prefetch}"
+        )

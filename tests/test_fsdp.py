@@ -1,0 +1,184 @@
+"""FSDP against non-parallel training (2 gloo ranks, deterministic algorithms, warnings as errors).
+
+References, built independently of the FSDP machinery:
+
+- *micro-batched*: one process runs each rank's micro-batch through the unsharded model, accumulates
+  the gradients and divides by the world size — the same arithmetic FSDP does, so fp32 must agree bit
+  for bit;
+- *full batch*: ordinary training on the whole batch (the course's check), equal up to reduction order;
+- mixed precision: the reference reads its weights through a ``parametrize`` cast to the compute dtype,
+  so it computes in fp16 while its master weights, gradients and update stay fp32.
+
+All checks share one spawned process group, since spawning costs seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from cs336_basics.model import Embedding, Linear, RMSNorm
+from cs336_systems.distributed.fsdp import FSDP
+from cs336_systems.distributed.launch import spawn
+from tests.adapters import fsdp_gather_full_params, fsdp_on_after_backward, get_fsdp
+
+
+class ToyFSDPModel(nn.Module):
+    """The course's FSDP test model: embedding → norm → linear → relu → norm → linear → head."""
+
+    def __init__(self, vocab_size: int = 100, d_model: int = 64, d_ff: int = 128):
+        super().__init__()
+        self.embedding = Embedding(vocab_size, d_model)
+        self.norm1 = RMSNorm(d_model)
+        self.linear1 = Linear(d_model, d_ff)
+        self.norm2 = RMSNorm(d_ff)
+        self.linear2 = Linear(d_ff, d_model)
+        self.lm_head = Linear(d_model, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm1(self.embedding(x))
+        x = self.norm2(torch.relu(self.linear1(x)))
+        return self.lm_head(self.linear2(x))
+
+
+class OddShapesModel(nn.Module):
+    """Odd element counts (shards need padding), torch.nn layers with a bias, a LayerNorm, and a layer
+    called twice per forward."""
+
+    def __init__(self, vocab_size: int = 33):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, 7)
+        self.proj = Linear(7, 5)
+        self.ln = nn.LayerNorm(5)
+        self.mix = nn.Linear(5, 5, bias=True)
+        self.head = nn.Linear(5, vocab_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.proj(self.embedding(x)))
+        h = self.mix(torch.tanh(self.mix(h)))  # same layer twice
+        return self.head(h)
+
+
+class _Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.to(self.dtype)
+
+
+def _mixed_precision_reference(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    if dtype is not None:
+        for mod in list(model.modules()):
+            if isinstance(mod, (Linear, Embedding, nn.Linear, nn.Embedding)):
+                for name, _ in list(mod.named_parameters(recurse=False)):
+                    parametrize.register_parametrization(mod, name, _Cast(dtype), unsafe=True)
+    return model
+
+
+def _named(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n.replace("parametrizations.", "").replace(".original", ""): p for n, p in model.named_parameters()}
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x)[:, -1, :].float(), y)
+
+
+def _train_and_compare(model_cls: type, compute_dtype, optimizer, steps: int = 3) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(42)
+    base = model_cls()
+    fsdp = get_fsdp(copy.deepcopy(base), compute_dtype=compute_dtype)
+    micro = _mixed_precision_reference(copy.deepcopy(base), compute_dtype)
+    full = _mixed_precision_reference(copy.deepcopy(base), compute_dtype)
+    opts = [optimizer(m.parameters()) for m in (fsdp, micro, full)]
+    vocab = base.embedding.weight.shape[0]
+    torch.manual_seed(123)
+    x = torch.randint(0, vocab, (8, 6))
+    y = torch.randint(0, vocab, (8,))
+    local = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    for step in range(steps):
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        before = dict(fsdp.stats)
+        _loss(fsdp, x[local], y[local]).backward()
+        fsdp_on_after_backward(fsdp, opts[0])
+        used = {k: fsdp.stats[k] - before[k] for k in before}
+
+        # Gradients: shard-shaped fp32 for sharded parameters, identical across ranks for replicated ones.
+        replicated = {id(p) for p in fsdp.replicated_parameters}
+        for name, p in fsdp.module.named_parameters():
+            assert p.grad is not None, name
+            assert p.grad.shape == p.shape and p.grad.dtype == torch.float32 == p.dtype, name
+            if id(p) in replicated:
+                gathered = [torch.empty_like(p.grad) for _ in range(world)]
+                dist.all_gather(gathered, p.grad)
+                assert all(torch.equal(gathered[0], g) for g in gathered), name
+        opts[0].step()
+
+        for r in range(world):
+            part = slice(r * 8 // world, (r + 1) * 8 // world)
+            _loss(micro, x[part], y[part]).backward()
+        for p in micro.parameters():
+            p.grad.div_(world)
+        opts[1].step()
+        _loss(full, x, y).backward()
+        opts[2].step()
+
+        got = fsdp_gather_full_params(fsdp)
+        ref_micro, ref_full = _named(micro), _named(full)
+        assert got.keys() == ref_full.keys()
+        for name, value in got.items():
+            assert value.dtype == torch.float32 and value.shape == ref_full[name].shape, name
+            where = f"step {step} {name} ({compute_dtype})"
+            assert torch.equal(value, ref_micro[name].detach()), f"{where}: not bitwise equal to micro-batched"
+            tol = 1e-4 if compute_dtype is not None else 1e-6
+            assert torch.allclose(value, ref_full[name].detach(), atol=tol, rtol=1e-4), f"{where}: vs full batch"
+        # Every linear call re-gathers its weight for backward (an embedding's backward needs no weight);
+        # from the second forward on, the recorded layer order drives prefetching.
+        embedding_calls = sum(isinstance(layer.module, (Embedding, nn.Embedding)) for layer in fsdp.layers)
+        assert used["backward_gathers"] == used["forward_gathers"] - embedding_calls, used
+        if step > 0:
+            assert used["prefetch_hits"] > 0, used
+    return dict(fsdp.stats)
+
+
+def _fsdp_checks() -> dict:
+    torch.use_deterministic_algorithms(True)
+    warnings.simplefilter("error")
+    out = {}
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
+    for dtype in (None, torch.float16):
+        out[f"toy_{dtype}"] = _train_and_compare(ToyFSDPModel, dtype, sgd)
+    out["odd_adamw"] = _train_and_compare(OddShapesModel, None, adamw)
+    out["odd_bf16"] = _train_and_compare(OddShapesModel, torch.bfloat16, adamw, steps=2)
+
+    model = FSDP(ToyFSDPModel())
+    sharded = model.sharded_parameters()
+    assert all(p.dim() == 1 for p in sharded) and len(sharded) == 4  # embedding + three linears
+    model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()
+    with pytest.raises(RuntimeError, match="finish_gradient_synchronization"):
+        model(torch.zeros(2, 3, dtype=torch.long))
+    model.finish_gradient_synchronization()
+    with pytest.raises(ValueError, match="compute_dtype"):
+        FSDP(ToyFSDPModel(), compute_dtype=torch.int8)
+    return out
+
+
+def test_fsdp_matches_non_parallel_training():
+    stats = spawn(_fsdp_checks, 2, backend="gloo")
+    assert stats[0] == stats[1]  # both ranks issued the same gathers
+
+
+def test_fsdp_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="process group"):
+        FSDP(ToyFSDPModel())
