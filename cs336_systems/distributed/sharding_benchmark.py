@@ -1,0 +1,328 @@
+"""Optimizer-state sharding benchmark (§3): memory and time per training step of DDP + AdamW with
+
+- ``adamw``: every rank keeps the full AdamW state (plain ``torch.optim.AdamW``);
+- ``sharded``: our :class:`~cs336_systems.distributed.sharded_optimizer.ShardedOptimizer`;
+- ``zero``: PyTorch's ``torch.distributed.optim.ZeroRedundancyOptimizer`` (the built-in equivalent),
+
+all on the same ``torch.nn.parallel.DistributedDataParallel`` gradient sync, in one run.
+
+Memory is measured at three points of a steady-state step — after model and optimizer construction,
+just before ``optimizer.step()`` (after backward), just after it — as the CUDA allocator's current and
+peak allocation, and broken down by counting tensors: parameters, gradients, optimizer state, and the
+activations saved by the forward pass (allocation growth during forward). The same breakdown is
+predicted by :func:`cs336_systems.accounting.training_memory_per_rank`. The measurement helpers here
+(:class:`MemoryProbe`, :func:`measure_training`) are shared with the FSDP benchmark.
+
+Run (writes ``figures/optimizer_state_sharding/``, or ``.scratch/...`` for CPU smoke runs)::
+
+    python -m cs336_systems.distributed.sharding_benchmark --nproc 2            # spawns 2 local ranks
+    torchrun --nproc-per-node 2 -m cs336_systems.distributed.sharding_benchmark  # or under torchrun
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cs336_systems import accounting
+from cs336_systems.benchmarking.timing import time_calls
+from cs336_systems.configs import ModelConfig
+from cs336_systems.distributed import launch, runner
+from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+
+SECTION = "optimizer_state_sharding"
+OPTIMIZERS = ("adamw", "sharded", "zero")
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared measurement helpers (also used by fsdp_benchmark)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark setting; ``global_batch`` is split evenly over the ranks."""
+
+    model: str
+    global_batch: int
+    context_length: int
+    warmup: int
+    steps: int
+    lr: float = 1e-4
+
+    def model_config(self) -> ModelConfig:
+        return accounting.ladder_config(self.model).replace(context_length=self.context_length)
+
+    def per_rank_batch(self, world_size: int) -> int:
+        if self.global_batch % world_size:
+            raise ValueError(f"global batch {self.global_batch} does not divide over {world_size} ranks")
+        return self.global_batch // world_size
+
+
+def smoke_or_real(smoke: bool) -> dict[str, Any]:
+    """Defaults: the handout's XL setting on GPUs, a tiny model on CPU."""
+    if smoke:
+        return dict(model="tiny", global_batch=4, context_length=32, warmup=1, steps=2)
+    return dict(model="xl", global_batch=4, context_length=512, warmup=3, steps=10)
+
+
+class MemoryProbe:
+    """CUDA allocator statistics on a CUDA device; NaN on CPU (no allocator statistics there)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def allocated(self) -> float:
+        return float(torch.cuda.memory_allocated(self.device)) if self.cuda else float("nan")
+
+    def peak(self) -> float:
+        return float(torch.cuda.max_memory_allocated(self.device)) if self.cuda else float("nan")
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def release(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def _unique_bytes(tensors: Any) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            key = (t.untyped_storage().data_ptr(), t.device)
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of state tensors this rank holds (looks through ZeRO's and our wrappers)."""
+    inner = getattr(optimizer, "optim", None) or getattr(optimizer, "inner", None) or optimizer
+    return _unique_bytes(v for state in inner.state.values() for v in state.values())
+
+
+def random_batch(cfg: ModelConfig, batch: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.context_length), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.context_length), generator=g)
+    return x.to(device), y.to(device)
+
+
+def measure_training(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    *,
+    warmup: int,
+    steps: int,
+    after_backward: Callable[[], None] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    after_init: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """Warm up, then measure one instrumented step (memory) and ``steps`` timed steps.
+
+    Returns allocator numbers at the three points of a step (GiB), the tensor-counted breakdown
+    (GiB) and the step time (ms, mean and std of this rank).
+    """
+    x, y = batch
+    probe = MemoryProbe(device)
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else _null_context()
+    )
+
+    def step(record: dict[str, float] | None = None) -> None:
+        if record is not None:
+            probe.reset_peak()
+            before_forward = probe.allocated()
+        with autocast:
+            logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        if record is not None:
+            record["activations"] = probe.allocated() - before_forward
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        if record is not None:
+            record["before_step_allocated"] = probe.allocated()
+            record["before_step_peak"] = probe.peak()
+            record["gradients"] = float(_unique_bytes(p.grad for p in model.parameters() if p.grad is not None))
+            probe.reset_peak()
+        optimizer.step()
+        if record is not None:
+            record["after_step_allocated"] = probe.allocated()
+            record["after_step_peak"] = probe.peak()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    record: dict[str, float] = {}
+    step(record)
+    record["parameters"] = float(_unique_bytes(model.parameters()))
+    record["optimizer_state"] = float(optimizer_state_bytes(optimizer))
+    timing = time_calls(step, warmup=0, steps=steps, device=device)
+    out = {k: v / GIB for k, v in record.items()}
+    if after_init:
+        out.update({k: v / GIB for k, v in after_init.items()})
+    out["step_ms"] = timing.mean * 1e3
+    out["step_ms_std"] = timing.std * 1e3
+    return out
+
+
+class _null_context:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def init_snapshot(device: torch.device) -> dict[str, float]:
+    probe = MemoryProbe(device)
+    return {"after_init_allocated": probe.allocated(), "after_init_peak": probe.peak()}
+
+
+def max_over_ranks(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
+    return {k: max(r[k] for r in rows) for k in keys}
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer-state sharding
+# --------------------------------------------------------------------------------------------------
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "sharded":
+        return ShardedOptimizer(params, torch.optim.AdamW, lr=lr)
+    if name == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+#: Which accounting strategy predicts each optimizer's memory.
+PREDICTED_AS = {"adamw": "ddp", "sharded": "sharded_optimizer", "zero": "zero1"}
+
+
+def sharding_worker(config: dict[str, Any], optimizers: list[str]) -> list[dict[str, Any]]:
+    """On every rank: for each optimizer, build the model, wrap in DDP, measure; one row per optimizer."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ctx = launch.current_context()
+    cfg = BenchConfig(**config)
+    mcfg = cfg.model_config()
+    probe = MemoryProbe(ctx.device)
+    rows = []
+    for name in optimizers:
+        probe.release()
+        torch.manual_seed(0)
+        from cs336_systems.configs import build_model
+
+        model = build_model(mcfg, device=ctx.device)
+        ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        optimizer = make_optimizer(name, ddp.parameters(), cfg.lr)
+        snapshot = init_snapshot(ctx.device)
+        batch = random_batch(mcfg, cfg.per_rank_batch(ctx.world_size), ctx.device, seed=ctx.rank)
+        measured = measure_training(
+            ddp, optimizer, batch, ctx.device, warmup=cfg.warmup, steps=cfg.steps, after_init=snapshot
+        )
+        predicted = accounting.training_memory_per_rank(
+            mcfg, PREDICTED_AS[name], ctx.world_size, cfg.per_rank_batch(ctx.world_size), cfg.context_length
+        )
+        rows.append(
+            {
+                "optimizer": name,
+                "rank": ctx.rank,
+                "world_size": ctx.world_size,
+                **measured,
+                **{f"predicted_{k}": v / GIB for k, v in predicted.items()},
+            }
+        )
+        del model, ddp, optimizer, batch
+    probe.release()
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]]) -> tuple[Any, Any, Any]:
+    """(per-rank memory table, long breakdown table for plots, timing table with ratios)."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    memory_cols = [
+        "optimizer", "rank", "after_init_allocated", "after_init_peak", "before_step_allocated",
+        "before_step_peak", "after_step_allocated", "after_step_peak",
+    ]
+    memory = df[memory_cols]
+    long = []
+    for r in rows:
+        for comp in ("parameters", "gradients", "optimizer_state", "activations"):
+            long.append({"optimizer": r["optimizer"], "rank": r["rank"], "component": comp,
+                         "source": "measured", "GiB": r[comp]})
+            long.append({"optimizer": r["optimizer"], "rank": r["rank"], "component": comp,
+                         "source": "predicted", "GiB": r[f"predicted_{comp}"]})
+    breakdown = pd.DataFrame(long)
+    timing = (
+        df.groupby("optimizer", sort=False)
+        .agg(step_ms=("step_ms", "max"), step_ms_std=("step_ms_std", "max"), world_size=("world_size", "first"))
+        .reset_index()
+    )
+    base = timing.loc[timing.optimizer == "adamw", "step_ms"]
+    timing["slowdown_vs_adamw"] = timing.step_ms / float(base.iloc[0]) if len(base) else float("nan")
+    return memory, breakdown, timing
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cs336_systems.results import ResultWriter, is_smoke_run
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--model", default=None, help="preset (default xl; tiny in smoke runs)")
+    parser.add_argument("--global-batch", type=int, default=None)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    args = parser.parse_args(argv)
+
+    smoke = is_smoke_run()
+    defaults = smoke_or_real(smoke)
+    config = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults.items()}
+    BenchConfig(**config).model_config()  # fail early on a bad preset
+    rows_per_rank = runner.run_on_ranks(sharding_worker, args.nproc, config, args.optimizers)
+    if not runner.is_main_process():
+        return 0
+    rows = [r for rank_rows in rows_per_rank for r in rank_rows]
+    memory, breakdown, timing = summarise(rows)
+    out = ResultWriter(SECTION, params={**config, "optimizers": args.optimizers, "world_size": rows[0]["world_size"]})
+    print(out.banner())
+    out.table(memory, "memory")
+    out.table(breakdown, "memory_breakdown")
+    out.table(timing, "timing")
+    print(memory.to_string(index=False))
+    print(timing.to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
