@@ -45,7 +45,7 @@ def _write_benchmarking(root: Path) -> pd.DataFrame:
         "backward_mean_ms": [25.01, 98.76],
         "backward_std_ms": [0.3, 0.4],
     })
-    ResultWriter("benchmarking", params={"warmup": 5, "steps": 10}, smoke=False).table(df, "end_to_end")
+    ResultWriter("benchmarking", params={"warmup": 5, "steps": 10}, smoke=False).table(df, "timings")
     return df
 
 
@@ -66,7 +66,7 @@ def test_numbers_and_provenance_come_from_the_results(results: Path) -> None:
     doc = build_document(results)
     sec = doc.section("1.1.3")
     tables = [b for b in sec.walk() if isinstance(b, Table)]
-    assert len(tables) == 1 and tables[0].source.endswith("benchmarking/end_to_end.csv")
+    assert len(tables) == 1 and tables[0].source.endswith("benchmarking/timings.csv")
     text = sec.plain()
     assert "12.3 ms" in text and "45.7 ms" in text and "98.8 ms" in text  # formatted from the CSV
     assert not [b for b in sec.blocks if isinstance(b, Missing) and "no results" in b.what]
@@ -74,7 +74,7 @@ def test_numbers_and_provenance_come_from_the_results(results: Path) -> None:
     assert "torch" in line and "commit 012345678" in line and tables[0].meta["date"][:10] in line
     # Sections without data are unaffected.
     assert any(isinstance(b, Missing) for b in doc.section("2.2").walk())
-    assert {p.name for p in doc.inputs} == {"end_to_end.csv", "end_to_end.md", "end_to_end.meta.json"}
+    assert {p.name for p in doc.inputs} == {"timings.csv", "timings.md", "timings.meta.json"}
 
 
 def test_unclaimed_results_are_shown_generically(results: Path) -> None:
@@ -132,11 +132,11 @@ def test_manifest_detects_every_kind_of_staleness(results: Path, tmp_path: Path)
     assert mf.check_manifest(pdf, results, manifest) == []
     assert report_main(["check", "--figures", str(results), "--pdf", str(pdf), "--manifest", str(manifest)]) == 0
 
-    (results / "benchmarking" / "end_to_end.csv").write_text("size\nchanged\n")
+    (results / "benchmarking" / "timings.csv").write_text("size\nchanged\n")
     (results / "benchmarking" / "late.csv").write_text("a\n1\n")
     pdf.write_bytes(b"%PDF-1.4 another")
     problems = "\n".join(mf.check_manifest(pdf, results, manifest))
-    assert "changed since the last build: benchmarking/end_to_end.csv" in problems
+    assert "changed since the last build: benchmarking/timings.csv" in problems
     assert "added since the last build: benchmarking/late.csv" in problems
     assert "not the PDF the manifest was written for" in problems
     assert report_main(["check", "--figures", str(results), "--pdf", str(pdf), "--manifest", str(manifest)]) == 1

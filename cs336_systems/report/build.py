@@ -28,15 +28,18 @@ def _preamble(root: Path) -> list[Block]:
 
 
 def build_section(spec, root: Path) -> tuple[Section, SectionData]:
-    data = SectionData(root, spec.folder, command=spec.produce, note=spec.where)
+    data = SectionData(root, spec.folder, command=spec.produce, note=spec.where, alternative=spec.alternative)
     blocks: list[Block] = []
     if data.empty:
-        blocks.append(Missing(f"no results in `{root.name}/{spec.folder}/`", spec.produce, spec.where))
+        blocks.append(Missing(f"no results in `{root.name}/{spec.folder}/`", spec.produce, spec.where,
+                              spec.alternative))
     blocks.extend(spec.build(data))
-    rest = data.remaining()
-    if rest:
-        blocks.append(Text(f"Further results in `{root.name}/{spec.folder}/`:"))
-        blocks.extend(rest)
+    for folder, rest in [(spec.folder, data.remaining())] + [
+        (extra, SectionData(root, extra).remaining()) for extra in spec.also
+    ]:
+        if rest:
+            blocks.append(Text(f"Further results in `{root.name}/{folder}/`:", role="further"))
+            blocks.extend(rest)
     return Section(spec.number, spec.title, spec.folder, spec.problems, blocks), data
 
 
@@ -48,7 +51,7 @@ def build_document(root: Path = FIGURES_DIR) -> Document:
     for spec in SECTIONS:
         section, _ = build_section(spec, root)
         sections.append(section)
-        known.add(spec.folder)
+        known.update((spec.folder, *spec.also))
     # Result folders no section claims (e.g. a new notebook) still appear, generically.
     extra = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in known and not p.name.startswith(".")) \
         if root.is_dir() else []

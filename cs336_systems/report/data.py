@@ -19,7 +19,7 @@ import pandas as pd
 from cs336_systems.report.document import Block, Figure, Table, Text
 from cs336_systems.results import REPO_ROOT
 
-ARTEFACT_SUFFIXES = (".csv", ".md", ".png", ".json")
+SMOKE_MARK = "SMOKE RUN, not a GPU measurement"
 
 
 def display_path(path: Path) -> str:
@@ -37,11 +37,12 @@ def humanize(name: str) -> str:
 class SectionData:
     """The artefacts of ``<root>/<folder>/``: tables (CSV), figures (PNG), JSON records, and metadata."""
 
-    def __init__(self, root: Path, folder: str, command: str = "", note: str = ""):
+    def __init__(self, root: Path, folder: str, command: str = "", note: str = "", alternative: str = ""):
         self.root = Path(root)
         self.folder = folder
         self.command = command or f"the notebook notebooks/{folder}.ipynb"
         self.note = note
+        self.alternative = alternative
         self.dir = self.root / folder
         self._used: set[str] = set()
 
@@ -108,7 +109,7 @@ class SectionData:
         return self._resolve(names, self.tables)
 
     def table(
-        self, *names: str, caption: str | None = None, frame: pd.DataFrame | None = None
+        self, *names: str, caption: str | None = None, frame: pd.DataFrame | None = None, digits: int = 4
     ) -> Table | None:
         """A :class:`Table` block for the first existing name; ``frame`` replaces the shown data
         (e.g. a pivot of the CSV) while provenance still points at the CSV."""
@@ -122,6 +123,7 @@ class SectionData:
             caption=caption or humanize(name),
             source=display_path(self.dir / f"{name}.csv"),
             meta=self.meta(name),
+            digits=digits,
         )
 
     def json(self, *names: str) -> Any | None:
@@ -189,7 +191,7 @@ def provenance_line(meta: dict[str, Any]) -> str:
         parts.append("commit " + commit[:9] + ("-dirty" if commit.endswith("-dirty") else ""))
     line = " · ".join(parts)
     if meta.get("smoke"):
-        line = "SMOKE RUN, not a GPU measurement · " + line
+        line = f"{SMOKE_MARK} · " + line
     return line
 
 

@@ -21,6 +21,8 @@ class Text:
     """A paragraph (or several) of Markdown with ``$...$`` / ``$$...$$`` math."""
 
     markdown: str
+    role: str = ""
+    """Styling hint for the renderer ("further": the heading of a section's generic results)."""
 
     def plain(self) -> str:
         return self.markdown
@@ -48,6 +50,8 @@ class Table:
     caption: str
     source: str
     meta: dict[str, Any]
+    digits: int = 4
+    """Significant digits of floating-point cells."""
 
     def plain(self) -> str:
         return f"{self.caption}\n{self.frame.to_string(index=False)}"
@@ -74,6 +78,8 @@ class Missing:
     command: str
     note: str = ""
     """Where to run the command, e.g. "on a GPU machine; writes figures/x/"."""
+    alternative: str = ""
+    """An equivalent command without the notebook runner (e.g. a ``python -m`` entry point)."""
 
     def plain(self) -> str:
         return f"Not measured yet: {self.what}. Produce it with: {self.command} {self.note}".rstrip()

@@ -46,8 +46,13 @@ def mib(num_bytes: Any, digits: int = 3) -> str:
     return f"{sig(float(num_bytes) / 2**20, digits)} MiB"
 
 
-def cell(v: Any) -> str:
-    """A table cell: integers with separators, floats to 4 significant digits, NaN as an em dash."""
+def tex_int(n: Any) -> str:
+    """An integer for mathtext, thousands separated by thin spaces (a comma would be spaced as punctuation)."""
+    return f"{int(n):,}".replace(",", r"\,")
+
+
+def cell(v: Any, digits: int = 4) -> str:
+    """A table cell: integers with separators, floats to ``digits`` significant digits, NaN as an em dash."""
     if v is None:
         return "—"
     if isinstance(v, bool):
@@ -60,5 +65,5 @@ def cell(v: Any) -> str:
             return "—"
         if f.is_integer() and abs(f) < 1e15:
             return f"{int(f):,}"
-        return sig(f, 4)
+        return sig(f, digits)
     return str(v)

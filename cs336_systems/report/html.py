@@ -17,8 +17,8 @@ from typing import Any
 
 import markdown as _markdown
 
-from cs336_systems.report import fmt
-from cs336_systems.report.data import params_line, provenance_line
+from cs336_systems.report import fmt, tables
+from cs336_systems.report.data import SMOKE_MARK, params_line, provenance_line
 from cs336_systems.report.document import Block, Document, Equation, Figure, Missing, Question, Section, Table, Text
 
 MATH_FONT_PT = 11.0
@@ -39,7 +39,7 @@ h2 .problems { float: right; font: 7.5pt "Liberation Mono", monospace; color: #7
 h3 { font-size: 11pt; margin: 4mm 0 1mm 0; break-after: avoid; }
 h3 .label { color: #555; margin-right: 1.5mm; }
 h3 .prompt { font-weight: normal; font-style: italic; }
-p { margin: 1.2mm 0 2mm 0; text-align: justify; hyphens: auto; }
+p { margin: 1.2mm 0 2mm 0; }
 code { font-family: "Liberation Mono", "DejaVu Sans Mono", monospace; font-size: 8.6pt; background: #f3f3f3;
        padding: 0 0.6mm; border-radius: 0.6mm; }
 .subtitle { color: #444; font-size: 9.5pt; margin-bottom: 4mm; }
@@ -49,27 +49,31 @@ nav.toc a { color: #111; text-decoration: none; }
 nav.toc div { break-inside: avoid; }
 nav.toc .missing-mark { color: #b35c00; font-size: 8pt; }
 figure { margin: 3mm 0; break-inside: avoid; text-align: center; }
-figure img { max-width: 100%; max-height: 105mm; }
+figure img { max-width: 92%; max-height: 82mm; }
 figure.table { overflow: hidden; }
 figcaption { font-size: 8.8pt; text-align: left; margin-top: 1mm; }
 figure.table figcaption { margin: 0 0 1mm 0; }
 .prov { display: block; font: 7pt "Liberation Sans", sans-serif; color: #666; margin-top: 0.4mm; }
-.prov.smoke { color: #b00; font-weight: bold; }
+.prov code { font-size: 6.8pt; background: none; padding: 0; }
+.prov .smoke { color: #b00; font-weight: bold; }
 table { border-collapse: collapse; margin: 0 auto; font: 8pt "Liberation Sans Narrow", "Liberation Sans", sans-serif; }
-table.wide { font-size: 6.8pt; }
+table.wide { font-size: 7pt; }
+table.wider { font-size: 6.2pt; }
+table.wider th, table.wider td { padding: 0.4mm 1mm; }
+figcaption .note { color: #555; }
 thead { display: table-header-group; }
 tr { break-inside: avoid; }
 th, td { padding: 0.5mm 1.6mm; border-bottom: 0.3pt solid #ccc; }
 th { border-bottom: 0.8pt solid #444; border-top: 0.8pt solid #444; font-weight: bold; vertical-align: bottom; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
-td.txt { text-align: left; }
+td.txt { text-align: left; overflow-wrap: anywhere; max-width: 70mm; }
 .missing { border-left: 2.2pt solid #d98200; background: #fff6e8; padding: 1.5mm 3mm; margin: 2mm 0;
            font-size: 9.5pt; break-inside: avoid; }
 .missing code { background: #fdebd0; }
 .equation { text-align: center; margin: 2mm 0; break-inside: avoid; }
 .equation img { display: block; margin: 1.2mm auto; }
 img.math { display: inline; }
-.further { font-size: 9pt; color: #333; margin-top: 4mm; }
+p.further { font-size: 9.5pt; color: #333; margin-top: 4mm; break-after: avoid; }
 """
 
 
@@ -102,6 +106,9 @@ def render_math(tex: str, size_pt: float = MATH_FONT_PT) -> tuple[str, float, fl
 
 
 def math_img(tex: str, display: bool = False) -> str:
+    """An ``<img>`` of the formula; display math uses full-size fractions (``\\dfrac``), as TeX does."""
+    if display:
+        tex = re.sub(r"\\frac(?=[{\s])", r"\\dfrac", tex)
     uri, w, h, depth = render_math(tex, MATH_FONT_PT * (1.1 if display else 1.0))
     style = f"width:{w:.2f}pt;height:{h:.2f}pt"
     if not display:
@@ -140,32 +147,47 @@ class _Counter:
 
 
 def _prov_html(meta: dict[str, Any], source: str) -> str:
-    cls = "prov smoke" if meta.get("smoke") else "prov"
-    line = f"Source <code>{html.escape(source)}</code> · {html.escape(provenance_line(meta))}"
+    prov = html.escape(provenance_line(meta))
+    prov = prov.replace(SMOKE_MARK, f'<span class="smoke">{SMOKE_MARK}</span>')
+    line = f"Source <code>{html.escape(source)}</code> · {prov}"
     params = params_line(meta)
     if params:
         line += f"<br>Run parameters: {html.escape(params)}"
-    return f'<span class="{cls}">{line}</span>'
+    return f'<span class="prov">{line}</span>'
 
 
-def _is_numeric(series: Any) -> bool:
-    return getattr(series.dtype, "kind", "O") in "iuf"
+_NUMBER_TEXT = re.compile(r"^(—|[-+−]?[\d,.]+(e[-+]?\d+)?(×|%)?( ± \S+)?)$")
+
+
+def _right_aligned(series: Any) -> bool:
+    """Numbers, and "mean ± sd" or pre-formatted numeric strings, align right."""
+    if getattr(series.dtype, "kind", "O") in "iuf":
+        return True
+    return all(_NUMBER_TEXT.match(str(v)) for v in series)
 
 
 def table_html(block: Table, n: int) -> str:
-    df = block.frame
-    numeric = [_is_numeric(df[c]) for c in df.columns]
-    width = sum(max(len(str(c)), 6) for c in df.columns)
-    cls = ' class="wide"' if len(df.columns) > 9 or width > 120 else ""
+    df, notes = tables.for_print(block.frame)
+    numeric = [_right_aligned(df[c]) for c in df.columns]
+    width = tables.text_width(df)
+    cls = ""
+    if width > tables.PAGE_CHARS * 1.15:
+        cls = ' class="wider"'
+    elif width > tables.PAGE_CHARS:
+        cls = ' class="wide"'
     # Allow long snake_case headers to wrap at underscores.
-    head = "".join(f"<th>{html.escape(str(c)).replace('_', '_<wbr>')}</th>" for c in df.columns)
+    head = "".join(f"<th>{html.escape(str(c)).replace('_', ' ')}</th>" for c in df.columns)
     rows = []
     for rec in df.itertuples(index=False):
         cells = "".join(
-            f'<td class="{"num" if isnum else "txt"}">{html.escape(fmt.cell(v))}</td>' for v, isnum in zip(rec, numeric)
+            f'<td class="{"num" if isnum else "txt"}">{html.escape(fmt.cell(v, block.digits))}</td>'
+            for v, isnum in zip(rec, numeric)
         )
         rows.append(f"<tr>{cells}</tr>")
-    caption = f"<b>Table {n}.</b> {markdown_inline(block.caption)}" + _prov_html(block.meta, block.source)
+    caption = markdown_inline(block.caption)
+    if notes:
+        caption += f" <span class='note'>({'; '.join(notes)}.)</span>"
+    caption = f"<b>Table {n}.</b> {caption}" + _prov_html(block.meta, block.source)
     return (
         f'<figure class="table"><figcaption>{caption}</figcaption>'
         f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></figure>"
@@ -185,7 +207,8 @@ def markdown_inline(text: str) -> str:
 
 def block_html(block: Block, counter: _Counter) -> str:
     if isinstance(block, Text):
-        return markdown_to_html(block.markdown)
+        out = markdown_to_html(block.markdown)
+        return out.replace("<p>", '<p class="further">', 1) if block.role == "further" else out
     if isinstance(block, Equation):
         return '<div class="equation">' + "".join(math_img(line, True) for line in block.lines) + "</div>"
     if isinstance(block, Table):
@@ -198,6 +221,7 @@ def block_html(block: Block, counter: _Counter) -> str:
         return (
             f'<div class="missing"><b>Not measured yet:</b> {markdown_inline(block.what)}. '
             f"Produce it with <code>{html.escape(block.command)}</code>"
+            + (f" or <code>{html.escape(block.alternative)}</code>" if block.alternative else "")
             + (f" {markdown_inline(block.note)}" if block.note else "")
             + ".</div>"
         )

@@ -30,7 +30,11 @@ class SectionSpec:
     build: Callable[[SectionData], list[Block]]
     gpus: int = 1
     """GPUs the measurement needs (0: analytic, runs anywhere)."""
+    also: tuple[str, ...] = ()
+    """Further results folders shown (generically) at the end of this section."""
     command: str | None = None
+    alternative: str = ""
+    """The same measurement without papermill (what a bare GPU machine runs)."""
 
     @property
     def produce(self) -> str:
@@ -58,7 +62,7 @@ def col(df: pd.DataFrame | None, *patterns: str) -> str | None:
 
 
 def pending(d: SectionData, what: str) -> Missing:
-    return Missing(what, d.command, d.note)
+    return Missing(what, d.command, d.note, d.alternative)
 
 
 def question(d: SectionData, label: str, prompt: str, blocks: list[Block | None], what: str | None = None) -> Question:
@@ -69,3 +73,34 @@ def question(d: SectionData, label: str, prompt: str, blocks: list[Block | None]
     if what and not d.empty and not any(isinstance(b, (Table, Figure)) for b in kept):
         kept.append(pending(d, what))
     return Question(label, prompt, kept)
+
+
+def ok_rows(df: pd.DataFrame | None) -> pd.DataFrame:
+    """Rows that ran (``status == "ok"``; every row when there is no status column); empty if no frame."""
+    if df is None:
+        return pd.DataFrame()
+    if "status" in df.columns:
+        return df[df["status"].astype(str) == "ok"]
+    return df
+
+
+def failed_rows(df: pd.DataFrame | None) -> pd.DataFrame:
+    if df is None or "status" not in df.columns:
+        return pd.DataFrame()
+    return df[df["status"].astype(str) != "ok"]
+
+
+def join_words(items: list[str]) -> str:
+    """``["a", "b", "c"]`` → ``"a, b and c"``."""
+    items = [str(i) for i in items]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def subset(df: pd.DataFrame | None, *columns: str) -> pd.DataFrame | None:
+    """The named columns that exist, in that order (None when the frame is missing or none exist)."""
+    if df is None:
+        return None
+    keep = [c for c in columns if c in df.columns]
+    return df[keep] if keep else None
