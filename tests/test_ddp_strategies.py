@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from cs336_systems.distributed import grad_sync
@@ -19,6 +18,7 @@ from cs336_systems.distributed.ddp_bucketed import DDPBucketed
 from cs336_systems.distributed.ddp_flat import DataParallelFlat
 from cs336_systems.distributed.ddp_naive import DataParallelNaive
 from cs336_systems.distributed.ddp_overlap import DDPIndividualParameters
+from cs336_systems.distributed.equivalence import train_and_compare
 from cs336_systems.distributed.launch import spawn
 from cs336_systems.distributed.toy_models import make_toy_batch, make_toy_model
 from tests import adapters
@@ -47,82 +47,18 @@ AFTER_BACKWARD = {
 MODELS = ("toy", "tied", "frozen_buffer")
 
 
-class _SGDMomentum:
-    """SGD with momentum, written out: constructing a ``torch.optim`` optimizer imports ``torch._dynamo``,
-    which costs each freshly spawned worker several seconds on CPU; the update rule is what matters here."""
-
-    def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.9):
-        self.params = list(params)
-        self.lr, self.momentum = lr, momentum
-        self.velocity = [torch.zeros_like(p) for p in self.params]
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p, v in zip(self.params, self.velocity):
-            if p.grad is not None:
-                v.mul_(self.momentum).add_(p.grad)
-                p.sub_(self.lr * v)
-
-
-def _state_vector(model: torch.nn.Module) -> torch.Tensor:
-    """Parameters (trainable and frozen) and buffers, concatenated."""
-    return torch.cat([t.detach().reshape(-1) for t in model.state_dict().values()])
-
-
-def _train(
-    wrapper_name: str,
-    kind: str,
-    *,
-    accumulate: int = 1,
-    comm_dtype: torch.dtype | None = None,
-) -> dict[str, Any]:
-    """Train a wrapped replica on this rank's shards and a single-process reference on the full batch
-    with the same SGD-with-momentum steps (SGD exposes gradient *scale* errors that Adam would hide)."""
-    rank = dist.get_rank()
-    reference = make_toy_model(kind, seed=SEED)
-    local = make_toy_model(kind, seed=SEED + rank)
+def _train(wrapper_name: str, kind: str, *, accumulate: int = 1, comm_dtype: torch.dtype | None = None) -> dict[str, Any]:
     kwargs = {"comm_dtype": comm_dtype} if comm_dtype is not None else {}
-    ddp = WRAPPERS[wrapper_name](local, **kwargs)
-    init_diff = (_state_vector(ddp.module) - _state_vector(reference)).abs().max().item()
-    after_backward = AFTER_BACKWARD.get(wrapper_name, lambda m, o: m.finish_gradient_synchronization())
-
-    opt_ref = _SGDMomentum(reference.parameters())
-    opt = _SGDMomentum(ddp.parameters())
-    grad_dtypes = set()
-    for step in range(STEPS):
-        x, y = make_toy_batch(GLOBAL_BATCH, seed=step)
-        opt_ref.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        opt_ref.step()
-
-        if wrapper_name == "adapter_bucketed":
-            adapters.ddp_bucketed_on_train_batch_start(ddp, opt)
-        opt.zero_grad()
-        xs, ys = grad_sync.shard_batch(x, rank, WORLD_SIZE), grad_sync.shard_batch(y, rank, WORLD_SIZE)
-        micro_x, micro_y = xs.chunk(accumulate), ys.chunk(accumulate)
-        for i, (mx, my) in enumerate(zip(micro_x, micro_y)):
-            if i < accumulate - 1:
-                with ddp.no_sync():
-                    (F.mse_loss(ddp(mx), my) / accumulate).backward()
-                    after_backward(ddp, opt)  # a no-op inside no_sync: gradients stay local
-            else:
-                (F.mse_loss(ddp(mx), my) / accumulate).backward()
-        after_backward(ddp, opt)
-        grad_dtypes |= {str(p.grad.dtype) for p in ddp.parameters() if p.grad is not None}
-        opt.step()
-
-    final = _state_vector(ddp.module)
-    return {
-        "init_diff": init_diff,
-        "final_diff": (final - _state_vector(reference)).abs().max().item(),
-        "final": final,
-        "grad_dtypes": sorted(grad_dtypes),
-        "moved": (final - _state_vector(make_toy_model(kind, seed=SEED))).abs().max().item(),
-    }
+    return train_and_compare(
+        lambda m: WRAPPERS[wrapper_name](m, **kwargs),
+        kind,
+        steps=STEPS,
+        global_batch=GLOBAL_BATCH,
+        accumulate=accumulate,
+        seed=SEED,
+        after_backward=AFTER_BACKWARD.get(wrapper_name, lambda m, o: m.finish_gradient_synchronization()),
+        on_batch_start=adapters.ddp_bucketed_on_train_batch_start if wrapper_name == "adapter_bucketed" else None,
+    )
 
 
 def _double_backward_is_an_error() -> dict[str, bool]:

@@ -1,0 +1,560 @@
+"""DDP training-step benchmark (§2.2–§2.3): every strategy next to single-GPU training and
+``torch.nn.parallel.DistributedDataParallel``, in the same run, plus torch.profiler timelines.
+
+Each variant trains the same model from the same initial weights on the same data (``batch_per_rank``
+sequences per rank) for ``warmup`` + ``steps`` optimizer steps. CUDA events recorded on the compute
+stream split every step without stalling the host:
+
+- ``step_ms`` — forward + backward + gradient synchronisation + optimizer step;
+- ``sync_ms`` — from the end of backward's compute to the averaged gradients being in place: the
+  communication backward did *not* hide (all of it for ``naive``/``flat``; only the tail for the
+  overlapped strategies; not separable for torch DDP, which synchronises inside ``backward()``);
+- ``overhead_ms`` — ``step_ms`` minus the single-GPU step in the same run: what data parallelism costs,
+  comparable across all strategies including torch DDP.
+
+Rows report the slowest rank's means (a step is done when the slowest rank is done).
+
+``single`` runs the unwrapped model on every rank at once with no communication (the ideal).
+``torch`` is DDP with its defaults (25 MiB buckets) or, with ``comm_dtype=bf16``, its
+``bf16_compress_hook`` — the built-in equivalents of our variants.
+
+Timelines: for the strategies in ``profile``, one step runs under torch.profiler; its Chrome trace is
+reduced to a small table of GPU kernel intervals per stream (compute kernels merged when contiguous;
+NCCL kernels kept), which :func:`plot_timeline` draws.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from cs336_systems.configs import build_model, get_config
+from cs336_systems.distributed import launch
+from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB
+from cs336_systems.distributed.grad_sync import DataParallel, shard_batch
+from cs336_systems.distributed.strategies import STRATEGIES, wrap
+
+BASELINES = ("single", "torch")
+ALL_MODES = (*BASELINES, *STRATEGIES)
+_COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class DDPBenchConfig:
+    """What to run. ``modes`` from :data:`ALL_MODES`; ``bucket_sizes_mb`` applies to ``bucketed``;
+    ``comm_dtypes`` (``fp32``/``bf16``/``fp16``) to every communicating mode; ``autocast`` is the
+    compute precision (``fp32`` or ``bf16`` autocast; parameters, gradients, optimizer stay fp32)."""
+
+    preset: str = "xl"
+    context_length: int = 512
+    batch_per_rank: int = 2
+    autocast: str = "fp32"
+    modes: list[str] = field(default_factory=lambda: list(ALL_MODES))
+    bucket_sizes_mb: list[float] = field(default_factory=lambda: [DEFAULT_BUCKET_SIZE_MB])
+    comm_dtypes: list[str] = field(default_factory=lambda: ["fp32"])
+    warmup: int = 3
+    steps: int = 10
+    profile: list[str] = field(default_factory=list)  # variant labels or modes to trace
+    seed: int = 0
+    attention_impl: str = "naive"
+
+    def validate(self, world_size: int | None = None) -> None:
+        bad = [m for m in self.modes if m not in ALL_MODES]
+        if bad:
+            raise ValueError(f"unknown modes {bad}; valid: {', '.join(ALL_MODES)}")
+        if self.autocast not in ("fp32", "bf16"):
+            raise ValueError(f"autocast must be fp32 or bf16, got {self.autocast!r}")
+        bad = [c for c in self.comm_dtypes if c not in _COMM_DTYPES]
+        if bad:
+            raise ValueError(f"unknown comm dtypes {bad}; valid: {', '.join(_COMM_DTYPES)}")
+        if any(not b > 0 for b in self.bucket_sizes_mb):
+            raise ValueError(f"bucket sizes must be positive, got {self.bucket_sizes_mb}")
+        if self.batch_per_rank < 1 or self.steps < 1 or self.warmup < 0:
+            raise ValueError("need batch_per_rank >= 1, steps >= 1, warmup >= 0")
+        get_config(self.preset)
+
+
+@dataclass(frozen=True)
+class Variant:
+    mode: str
+    bucket_size_mb: float | None = None
+    comm_dtype: str = "fp32"
+
+    @property
+    def label(self) -> str:
+        parts = [self.mode]
+        if self.mode == "bucketed":
+            parts.append(f"{self.bucket_size_mb:g}MB")
+        if self.comm_dtype != "fp32":
+            parts.append(f"{self.comm_dtype} comm")
+        return parts[0] if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})"
+
+
+def expand_variants(cfg: DDPBenchConfig) -> list[Variant]:
+    """Every (mode, bucket size, comm dtype) combination the config asks for, ``single`` once."""
+    out: list[Variant] = []
+    for mode in cfg.modes:
+        if mode == "single":
+            out.append(Variant("single"))
+            continue
+        for comm in cfg.comm_dtypes:
+            if mode == "bucketed":
+                out += [Variant(mode, b, comm) for b in cfg.bucket_sizes_mb]
+            elif mode == "torch":
+                out.append(Variant(mode, DEFAULT_BUCKET_SIZE_MB, comm))
+            else:
+                out.append(Variant(mode, None, comm))
+    return list(dict.fromkeys(out))
+
+
+# --------------------------------------------------------------------------------------------------
+# One training step, timed with events
+# --------------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    """CUDA events on the current stream (no host stall), or host timestamps on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        import time
+
+        return time.perf_counter()
+
+    def ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+def _wrap_model(model: nn.Module, variant: Variant, device: torch.device) -> nn.Module:
+    comm = _COMM_DTYPES[variant.comm_dtype]
+    if variant.mode == "single":
+        return model
+    if variant.mode == "torch":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=variant.bucket_size_mb or DEFAULT_BUCKET_SIZE_MB,
+        )
+        if comm is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.bf16_compress_hook if comm == torch.bfloat16 else default_hooks.fp16_compress_hook
+            ddp.register_comm_hook(state=None, hook=hook)
+        return ddp
+    return wrap(model, variant.mode, bucket_size_mb=variant.bucket_size_mb, comm_dtype=comm)
+
+
+def _make_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               autocast: str, clock: _Clock) -> Callable[[], tuple[Any, Any, Any, Any]]:
+    device_type = x.device.type
+    sync = model.finish_gradient_synchronization if isinstance(model, DataParallel) else (lambda: None)
+
+    def step() -> tuple[Any, Any, Any, Any]:
+        t0 = clock.mark()
+        optimizer.zero_grad(set_to_none=True)
+        with record_function("forward"), torch.autocast(device_type, torch.bfloat16, enabled=autocast == "bf16"):
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        with record_function("backward"):
+            loss.backward()
+        t1 = clock.mark()
+        with record_function("grad_sync"):
+            sync()
+        t2 = clock.mark()
+        with record_function("optimizer"):
+            optimizer.step()
+        t3 = clock.mark()
+        return t0, t1, t2, t3
+
+    return step
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _batch(cfg: DDPBenchConfig, vocab: int, rank: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    tokens = torch.randint(0, vocab, (cfg.batch_per_rank * world_size, cfg.context_length + 1), generator=g)
+    local = shard_batch(tokens, rank, world_size).to(device)
+    return local[:, :-1].contiguous(), local[:, 1:].contiguous()
+
+
+def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Time one variant on the current process group; returns its row (identical on every rank after
+    the MAX reduction) and, if profiled and rank 0, its timeline intervals."""
+    ctx = launch.current_context()
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.preset, context_length=cfg.context_length, attention_impl=cfg.attention_impl,
+                        device=ctx.device)
+    vocab = get_config(cfg.preset).vocab_size
+    x, y = _batch(cfg, vocab, ctx.rank, ctx.world_size, ctx.device)
+    wrapped = _wrap_model(model, variant, ctx.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if ctx.device.type == "cuda" else {}))
+    clock = _Clock(ctx.device)
+    step = _make_step(wrapped, optimizer, x, y, cfg.autocast, clock)
+
+    for _ in range(cfg.warmup):
+        step()
+    _synchronize(ctx.device)
+    dist.barrier()
+    marks = [step() for _ in range(cfg.steps)]
+    _synchronize(ctx.device)
+    per_step = torch.tensor(
+        [[clock.ms(a, d), clock.ms(b, c), clock.ms(a, b), clock.ms(c, d)] for a, b, c, d in marks], dtype=torch.float64
+    )
+    # Report the slowest rank's breakdown (a step ends when the slowest rank ends); taking each
+    # component's max separately would give a breakdown that adds up to more than any rank's step.
+    means = per_step.mean(0).to(ctx.device)
+    gathered = [torch.empty_like(means) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, means)
+    step_ms, sync_ms, fwd_bwd_ms, opt_ms = max((g.tolist() for g in gathered), key=lambda g: g[0])
+    has_sync = isinstance(wrapped, DataParallel)
+    row = {
+        "variant": variant.label,
+        "mode": variant.mode,
+        "bucket_size_mb": variant.bucket_size_mb,
+        "comm_dtype": variant.comm_dtype if variant.mode != "single" else None,
+        "num_buckets": len(wrapped.buckets) if has_sync else None,
+        "step_ms": step_ms,
+        "step_ms_std": float(per_step[:, 0].std()) if cfg.steps > 1 else 0.0,
+        "fwd_bwd_ms": fwd_bwd_ms,
+        "sync_ms": sync_ms if has_sync else float("nan"),
+        "optimizer_ms": opt_ms,
+        "world_size": ctx.world_size if variant.mode != "single" else 1,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.device.type == "cuda" else float("nan"),
+    }
+
+    timeline: list[dict[str, Any]] = []
+    if variant.label in cfg.profile or variant.mode in cfg.profile:
+        timeline = profile_timeline(step, ctx.device, variant.label) if ctx.rank == 0 else []
+        if ctx.rank != 0:
+            profile_timeline(step, ctx.device, variant.label, export=False)
+    dist.barrier()
+    if has_sync:
+        wrapped.reducer.remove_hooks()
+    del wrapped, model, optimizer, step, x, y
+    _free(ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    return row, timeline
+
+
+def ddp_benchmark_worker(cfg: DDPBenchConfig) -> dict[str, Any]:
+    """All variants, in order, on the current process group (run on every rank)."""
+    ctx = launch.current_context()
+    cfg.validate(ctx.world_size)
+    rows, timeline = [], []
+    for variant in expand_variants(cfg):
+        if ctx.is_main:
+            print(f"[{cfg.preset} {cfg.autocast} x{ctx.world_size}] {variant.label} ...", flush=True)
+        row, tl = run_variant(cfg, variant)
+        row.update(preset=cfg.preset, autocast=cfg.autocast, context_length=cfg.context_length,
+                   batch_per_rank=cfg.batch_per_rank, steps=cfg.steps)
+        rows.append(row)
+        timeline += tl
+        if ctx.is_main:
+            print(f"    {row['step_ms']:.1f} ms/step, exposed communication {row['sync_ms']:.1f} ms", flush=True)
+    single = next((r["step_ms"] for r in rows if r["mode"] == "single"), None)
+    for r in rows:
+        r["overhead_ms"] = r["step_ms"] - single if single is not None else float("nan")
+        r["vs_single"] = r["step_ms"] / single if single else float("nan")
+    return {"rows": rows, "timeline": timeline}
+
+
+# --------------------------------------------------------------------------------------------------
+# Profiler timeline
+# --------------------------------------------------------------------------------------------------
+
+_COMM_KERNEL = re.compile(r"nccl|gloo|all_?reduce|allreduce", re.IGNORECASE)
+_PHASES = ("forward", "backward", "grad_sync", "optimizer")
+
+
+def profile_timeline(step: Callable[[], Any], device: torch.device, label: str, *, export: bool = True,
+                     merge_gap_us: float = 5.0) -> list[dict[str, Any]]:
+    """Profile one step (after one more warm-up) and reduce its trace to intervals.
+
+    Rows: ``variant, lane, kind, name, start_ms, dur_ms`` where ``lane`` is ``cuda:<stream>`` (or
+    ``cpu:<thread>`` without CUDA) and ``kind`` is ``compute``, ``comm`` or ``phase`` (the host ranges
+    ``forward``/``backward``/``grad_sync``/``optimizer``). Consecutive compute kernels on a stream are
+    merged when separated by less than ``merge_gap_us``, which turns tens of thousands of kernels into a
+    few hundred bars without changing the picture.
+    """
+    step()
+    _synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _synchronize(device)
+    if not export:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    return trace_to_intervals(trace, label, merge_gap_us=merge_gap_us)
+
+
+def trace_to_intervals(trace: dict[str, Any], label: str, *, merge_gap_us: float = 5.0) -> list[dict[str, Any]]:
+    """Chrome-trace events → compact interval rows (see :func:`profile_timeline`)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    # GPU-side spans of the record_function ranges when the trace has them (they show when the GPU ran a
+    # phase's kernels); otherwise the host ranges.
+    phases = [e for e in events if e.get("cat") == "gpu_user_annotation" and e.get("name") in _PHASES]
+    if not phases:
+        phases = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in _PHASES]
+    if kernels:
+        work = [(f"cuda:{e.get('args', {}).get('stream', e.get('tid'))}", e) for e in kernels]
+    else:  # CPU-only: operators on each thread (backward and gloo's threads show up separately)
+        ops = [e for e in events if e.get("cat") == "cpu_op"]
+        work = [(f"cpu:{e.get('tid')}", e) for e in ops]
+    all_ts = [e["ts"] for _, e in work] + [e["ts"] for e in phases]
+    if not all_ts:
+        return []
+    t0 = min(all_ts)
+    rows: list[dict[str, Any]] = []
+    by_lane: dict[str, list[dict[str, Any]]] = {}
+    for lane, e in work:
+        by_lane.setdefault(lane, []).append(e)
+    for lane, evs in by_lane.items():
+        evs.sort(key=lambda e: e["ts"])
+        current: dict[str, Any] | None = None
+        for e in evs:
+            kind = "comm" if _COMM_KERNEL.search(e.get("name", "")) else "compute"
+            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            if kind == "compute" and current is not None and current["kind"] == "compute" and start - current["end"] <= merge_gap_us:
+                current["end"] = max(current["end"], end)
+                current["count"] += 1
+                continue
+            if current is not None:
+                rows.append(current)
+            current = {"lane": lane, "kind": kind, "name": e.get("name", "")[:60], "start": start, "end": end, "count": 1}
+        if current is not None:
+            rows.append(current)
+    for e in phases:
+        rows.append({"lane": "phase", "kind": "phase", "name": e["name"], "start": float(e["ts"]),
+                     "end": float(e["ts"]) + float(e["dur"]), "count": 1})
+    return [
+        {"variant": label, "lane": r["lane"], "kind": r["kind"], "name": r["name"] if r["count"] == 1 else f"{r['count']} kernels",
+         "start_ms": (r["start"] - t0) / 1e3, "dur_ms": (r["end"] - r["start"]) / 1e3}
+        for r in sorted(rows, key=lambda r: (r["lane"], r["start"]))
+    ]
+
+
+def plot_timeline(df: Any, variants: list[str] | None = None) -> Any:
+    """One panel per variant: phases (forward, backward, ...) on top, each stream's kernels below
+    (compute grey, communication red)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    variants = variants or list(dict.fromkeys(df["variant"]))
+    fig, axes = plt.subplots(len(variants), 1, figsize=(12, 1.6 + 1.1 * len(variants) * 2), squeeze=False)
+    colors = {"compute": "#7f7f7f", "comm": "#d62728"}
+    phase_colors = {"forward": "#1f77b4", "backward": "#2ca02c", "grad_sync": "#ff7f0e", "optimizer": "#9467bd"}
+    for ax, v in zip(axes[:, 0], variants):
+        sub = df[df["variant"] == v]
+        lanes = ["phase"] + sorted(ln for ln in sub["lane"].unique() if ln != "phase")
+        for y, lane in enumerate(lanes):
+            part = sub[sub["lane"] == lane]
+            if lane == "phase":
+                for _, r in part.iterrows():
+                    ax.broken_barh([(r.start_ms, r.dur_ms)], (y - 0.4, 0.8), color=phase_colors.get(r["name"], "k"), alpha=0.6)
+            else:
+                for kind, grp in part.groupby("kind"):
+                    ax.broken_barh(list(zip(grp.start_ms, grp.dur_ms)), (y - 0.4, 0.8), color=colors.get(kind, "k"))
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.invert_yaxis()
+        ax.set_title(v, loc="left", fontsize=10)
+        ax.set_xlabel("time since step start (ms)")
+    handles = [Patch(color=c, label=k) for k, c in {**phase_colors, **{"GPU compute": colors["compute"], "communication": colors["comm"]}}.items()]
+    fig.legend(handles=handles, loc="upper right", ncol=6, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def overlap_summary(df: Any) -> Any:
+    """Per variant: communication kernel time, and how much of it ran during the backward phase."""
+    import pandas as pd
+
+    out = []
+    for v, sub in df.groupby("variant", sort=False):
+        comm = sub[sub["kind"] == "comm"]
+        bwd = sub[(sub["kind"] == "phase") & (sub["name"] == "backward")]
+        total = float(comm["dur_ms"].sum())
+        overlapped = 0.0
+        for _, b in bwd.iterrows():
+            lo, hi = b.start_ms, b.start_ms + b.dur_ms
+            overlapped += float((comm.start_ms + comm.dur_ms).clip(upper=hi).sub(comm.start_ms.clip(lower=lo)).clip(lower=0).sum())
+        out.append({"variant": v, "comm_kernels": len(comm), "comm_ms": total, "comm_during_backward_ms": overlapped})
+    return pd.DataFrame(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Figures, result files and the command line
+# --------------------------------------------------------------------------------------------------
+
+SECTION = "ddp_benchmark"
+
+
+def plot_steps(df: Any, title: str = "") -> Any:
+    """Horizontal stacked bars per variant: forward+backward, exposed communication, optimizer step,
+    with the single-GPU step as a dashed line."""
+    import matplotlib.pyplot as plt
+
+    d = df.copy()
+    d["sync_ms"] = d["sync_ms"].fillna(0.0)
+    d["other_ms"] = (d["step_ms"] - d["fwd_bwd_ms"] - d["sync_ms"] - d["optimizer_ms"]).clip(lower=0)
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(d) + 1.5))
+    left = [0.0] * len(d)
+    for col, color, label in [("fwd_bwd_ms", "#4c72b0", "forward + backward"), ("sync_ms", "#dd8452", "exposed communication"),
+                              ("optimizer_ms", "#55a868", "optimizer step"), ("other_ms", "#cccccc", "other")]:
+        ax.barh(d["variant"], d[col], left=left, color=color, label=label)
+        left = [a + b for a, b in zip(left, d[col])]
+    for y, v in enumerate(d["step_ms"]):
+        ax.text(v, y, f" {v:.0f} ms", va="center", fontsize=8)
+    single = d.loc[d["mode"] == "single", "step_ms"]
+    if len(single):
+        ax.axvline(single.iloc[0], ls="--", color="k", lw=1, label="single GPU")
+    ax.invert_yaxis()
+    ax.set_xlabel("time per training step (ms)")
+    ax.set_title(title, loc="left")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_bucket_sweep(df: Any, title: str = "") -> Any:
+    """Step time vs bucket size (bucketed rows), with single-GPU and torch DDP as reference lines."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sweep = df[df["mode"] == "bucketed"]
+    sns.lineplot(data=sweep, x="bucket_size_mb", y="step_ms", hue="comm_dtype", marker="o", ax=ax)
+    for mode, style in (("single", "--"), ("torch", ":")):
+        for _, r in df[df["mode"] == mode].iterrows():
+            ax.axhline(r["step_ms"], ls=style, color="gray", lw=1)
+            ax.annotate(r["variant"], (sweep["bucket_size_mb"].min() if len(sweep) else 1, r["step_ms"]), fontsize=8,
+                        va="bottom", color="gray")
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket size (MiB)")
+    ax.set_ylabel("time per step (ms)")
+    ax.set_title(title, loc="left")
+    fig.tight_layout()
+    return fig
+
+
+def write_results(result: dict[str, Any], cfg: DDPBenchConfig, section: str, name: str) -> Any:
+    """Tables ``<name>`` (+ ``<name>_timeline`` and ``<name>_overlap`` when profiled) and figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from cs336_systems.results import ResultWriter
+
+    out = ResultWriter(section, params=asdict(cfg))
+    df = pd.DataFrame(result["rows"])
+    out.table(df, name)
+    title = f"{cfg.preset}, {cfg.autocast}, {cfg.batch_per_rank}x{cfg.context_length} tokens per rank"
+    fig = plot_steps(df, title)
+    out.figure(fig, name)
+    plt.close(fig)
+    if (df["mode"] == "bucketed").sum() > 1:
+        fig = plot_bucket_sweep(df, title)
+        out.figure(fig, f"{name}_bucket_sweep")
+        plt.close(fig)
+    if result["timeline"]:
+        tl = pd.DataFrame(result["timeline"])
+        out.table(tl, f"{name}_timeline", floatfmt=".4f")
+        out.table(overlap_summary(tl), f"{name}_overlap")
+        fig = plot_timeline(tl)
+        out.figure(fig, f"{name}_timeline")
+        plt.close(fig)
+    cols = ["variant", "num_buckets", "step_ms", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single"]
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(out.banner())
+    return df
+
+
+def add_arguments(parser: Any, *, modes_default: list[str]) -> None:
+    parser.add_argument("--mode", nargs="+", default=modes_default, choices=list(ALL_MODES),
+                        help="strategies to time (single = one GPU, torch = torch DDP)")
+    parser.add_argument("--bucket-size-mb", nargs="+", type=float, default=[DEFAULT_BUCKET_SIZE_MB],
+                        help="bucket sizes (MiB) for --mode bucketed")
+    parser.add_argument("--comm-dtype", nargs="+", default=["fp32"], choices=list(_COMM_DTYPES),
+                        help="gradient wire format(s) for the communicating modes")
+    parser.add_argument("--preset", default=None, help="model preset (default xl; tiny in smoke runs)")
+    parser.add_argument("--autocast", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--batch-per-rank", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=None, help="default 3 (1 in smoke runs)")
+    parser.add_argument("--steps", type=int, default=None, help="default 10 (2 in smoke runs)")
+    parser.add_argument("--profile", nargs="*", default=[], help="modes or variant labels to trace with torch.profiler")
+    parser.add_argument("--nproc", type=int, default=2, help="local processes to spawn when not under torchrun/srun")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
+    parser.add_argument("--section", default=SECTION, help="results folder under figures/")
+    parser.add_argument("--name", default="steps", help="table/figure name prefix")
+
+
+def configs_from_args(args: Any) -> list[DDPBenchConfig]:
+    """One config per ``--autocast`` value; smoke runs (no GPU) shrink the model and the step counts."""
+    from cs336_systems.results import is_smoke_run
+
+    smoke = is_smoke_run()
+    preset = args.preset or ("tiny" if smoke else "xl")
+    context = args.context_length or (get_config(preset).context_length if smoke else 512)
+    cfgs = []
+    for ac in args.autocast:
+        cfg = DDPBenchConfig(
+            preset=preset, context_length=context, batch_per_rank=args.batch_per_rank, autocast=ac,
+            modes=list(args.mode), bucket_sizes_mb=list(args.bucket_size_mb), comm_dtypes=list(args.comm_dtype),
+            warmup=args.warmup if args.warmup is not None else (1 if smoke else 3),
+            steps=args.steps if args.steps is not None else (2 if smoke else 10),
+            profile=list(args.profile),
+        )
+        cfg.validate()
+        cfgs.append(cfg)
+    return cfgs
+
+
+def run_from_args(args: Any) -> list[Any]:
+    """Run every config on the ranks (spawned or torchrun/srun) and write results from rank 0."""
+    from cs336_systems.distributed import runner
+
+    frames = []
+    for cfg in configs_from_args(args):
+        result = runner.run_on_ranks(ddp_benchmark_worker, args.nproc, cfg, backend=args.backend)[0]
+        if runner.is_main_process():
+            frames.append(write_results(result, cfg, args.section, f"{args.name}_{cfg.preset}_{cfg.autocast}"))
+    return frames
