@@ -105,6 +105,8 @@ class MemoryProbe:
 def _unique_bytes(tensors: Any) -> int:
     seen, total = set(), 0
     for t in tensors:
+        if hasattr(t, "to_local"):  # DTensor (torch FSDP2): count this rank's local shard
+            t = t.to_local()
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             key = (t.untyped_storage().data_ptr(), t.device)
             if key not in seen:

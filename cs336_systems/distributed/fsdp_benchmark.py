@@ -1,0 +1,174 @@
+"""FSDP vs DDP benchmark: per-GPU memory and step time for several model sizes, world sizes and
+compute dtypes, in one run per world size.
+
+Strategies (all train with ``torch.optim.AdamW`` on fp32 master weights):
+
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel``; with ``--dtypes bf16`` the forward runs
+  under ``torch.autocast``;
+- ``fsdp``: our :class:`~cs336_systems.distributed.fsdp.FSDP` (``compute_dtype`` = the dtype);
+- ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` applied per Transformer block and at the
+  root (its intended use; ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for bf16) —
+  the strongest built-in alternative.
+
+A configuration that runs out of memory is recorded with status ``OOM`` (every rank allocates the same,
+so all ranks fail together), which answers "what is the largest size this strategy trains" by
+measurement; :func:`cs336_systems.accounting.largest_trainable_preset` gives the prediction.
+
+Run (writes ``figures/fsdp/``; CPU smoke runs use a tiny model and write to ``.scratch``)::
+
+    python -m cs336_systems.distributed.fsdp_benchmark --nproc 2 4 --models xl 2.7B
+    python -m cs336_systems.distributed.fsdp_benchmark --nproc 4 --models 6.7B --append
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from cs336_systems import accounting
+from cs336_systems.configs import build_model
+from cs336_systems.distributed import launch, runner
+from cs336_systems.distributed.fsdp import FSDP
+from cs336_systems.distributed.sharding_benchmark import (
+    GIB,
+    BenchConfig,
+    MemoryProbe,
+    init_snapshot,
+    measure_training,
+    random_batch,
+    smoke_or_real,
+)
+
+SECTION = "fsdp"
+STRATEGIES = ("ddp", "fsdp", "fsdp2")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PREDICTED_AS = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2": "zero3"}
+
+
+def _wrap(strategy: str, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> tuple[Any, Any, Any]:
+    """(wrapped model, after-backward callback, autocast dtype)."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return ddp, None, dtype
+    if strategy == "fsdp":
+        fsdp = FSDP(model, compute_dtype=dtype)
+        return fsdp, fsdp.finish_gradient_synchronization, None
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+        for block in model.layers:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model, None, None
+    raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+
+
+def fsdp_worker(config: dict[str, Any], models: list[str], strategies: list[str], dtypes: list[str]) -> list[dict[str, Any]]:
+    ctx = launch.current_context()
+    probe = MemoryProbe(ctx.device)
+    rows = []
+    for model_name in models:
+        cfg = BenchConfig(**{**config, "model": model_name})
+        mcfg = cfg.model_config()
+        batch_per_rank = cfg.per_rank_batch(ctx.world_size)
+        for dtype_name in dtypes:
+            for strategy in strategies:
+                row: dict[str, Any] = {"model": model_name, "strategy": strategy, "dtype": dtype_name,
+                                       "world_size": ctx.world_size, "rank": ctx.rank, "status": "ok"}
+                predicted = accounting.training_memory_per_rank(
+                    mcfg, PREDICTED_AS[strategy], ctx.world_size, batch_per_rank, cfg.context_length,
+                    compute_dtype=None if dtype_name == "fp32" else dtype_name,
+                )
+                row["predicted_total"] = predicted["total"] / GIB
+                probe.release()
+                wrapped = optimizer = batch = None
+                try:
+                    torch.manual_seed(0)
+                    model = build_model(mcfg, device=ctx.device)
+                    wrapped, after_backward, autocast_dtype = _wrap(strategy, model, DTYPES[dtype_name], ctx.device)
+                    del model
+                    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)
+                    snapshot = init_snapshot(ctx.device)
+                    batch = random_batch(mcfg, batch_per_rank, ctx.device, seed=ctx.rank)
+                    row.update(measure_training(
+                        wrapped, optimizer, batch, ctx.device, warmup=cfg.warmup, steps=cfg.steps,
+                        after_backward=after_backward, autocast_dtype=autocast_dtype, after_init=snapshot,
+                    ))
+                    row["tokens_per_s"] = cfg.global_batch * cfg.context_length / (row["step_ms"] / 1e3)
+                except torch.cuda.OutOfMemoryError:
+                    row["status"] = "OOM"
+                print(f"[rank {ctx.rank}] {model_name} {strategy} {dtype_name}: {row['status']} "
+                      f"{row.get('step_ms', float('nan')):.1f} ms", flush=True)
+                rows.append(row)
+                del wrapped, optimizer, batch
+    probe.release()
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]]) -> Any:
+    """One row per (model, dtype, world size, strategy): the worst rank's memory and time."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    keys = ["model", "dtype", "world_size", "strategy"]
+    agg = {c: "max" for c in df.columns if c not in keys + ["rank", "status"] and pd.api.types.is_numeric_dtype(df[c])}
+    agg["status"] = lambda s: "ok" if (s == "ok").all() else ",".join(sorted(set(s) - {"ok"}))
+    table = df.groupby(keys, sort=False).agg(agg).reset_index()
+    if "tokens_per_s" in table:  # throughput is limited by the slowest rank
+        table["tokens_per_s"] = df.groupby(keys, sort=False)["tokens_per_s"].min().values
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    import pandas as pd
+
+    from cs336_systems.results import ResultWriter, has_result, is_smoke_run, load_table, results_root
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[2], help="local world sizes (ignored under torchrun)")
+    parser.add_argument("--models", nargs="+", default=None, help="presets or SCALE_LADDER sizes (default xl 2.7B)")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32"])
+    parser.add_argument("--global-batch", type=int, default=None)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--append", action="store_true", help="add rows to an existing results table")
+    args = parser.parse_args(argv)
+
+    smoke = is_smoke_run()
+    defaults = smoke_or_real(smoke)
+    config = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults.items()}
+    models = args.models or (["tiny"] if smoke else ["xl", "2.7B"])
+    for m in models:
+        accounting.ladder_config(m)  # fail early on a bad name
+    config.pop("model")
+    rows: list[dict[str, Any]] = []
+    world_sizes = [None] if runner.launched_externally() else args.nproc
+    for n in world_sizes:
+        print(f"FSDP benchmark: {n or 'torchrun'} ranks, models {models}, {args.strategies}, {args.dtypes}", flush=True)
+        per_rank = runner.run_on_ranks(fsdp_worker, n or 0, config, models, args.strategies, args.dtypes)
+        rows += [r for rank_rows in per_rank for r in rank_rows]
+    if not runner.is_main_process():
+        return 0
+    table = summarise(rows)
+    out = ResultWriter(SECTION, params={**config, "models": models, "strategies": args.strategies, "dtypes": args.dtypes})
+    if args.append and has_result(SECTION, "fsdp_vs_ddp", root=results_root(out.smoke)):
+        old = load_table(SECTION, "fsdp_vs_ddp", root=results_root(out.smoke))
+        keys = ["model", "dtype", "world_size", "strategy"]
+        old = old[~old.set_index(keys).index.isin(table.set_index(keys).index)]
+        table = pd.concat([old, table], ignore_index=True)
+    print(out.banner())
+    out.table(table, "fsdp_vs_ddp")
+    print(table.to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
