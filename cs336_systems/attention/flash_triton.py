@@ -80,6 +80,12 @@ def _seq_class(n_queries: int, n_keys: int) -> int:
     return min(1 << (max(n_queries, n_keys) - 1).bit_length(), _LONGEST_SEQ_CLASS)
 
 
+def _unit_stride_d(t: Tensor) -> Tensor:
+    """The kernels take any strides, but tiles load fast only when the head dimension is contiguous; a
+    tensor without that (a transposed view, or the stride-0 gradient of ``o.sum()``) is copied once."""
+    return t if (t.stride(-1) == 1 and 0 not in t.stride()) else t.contiguous()
+
+
 def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
     """Launch on the tensors' GPU, not on whichever one is current."""
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
@@ -177,6 +183,7 @@ class FlashAttentionTriton(torch.autograd.Function):
             q, k, v, is_causal, head_dims=SUPPORTED_HEAD_DIMS, implementation=_IMPL_NAME
         )
         _check_device(q)
+        q, k, v = (_unit_stride_d(t) for t in (q, k, v))
         if shape.has_heads:
             o, lse = flash_attention_forward(q, k, v, is_causal)
         else:
@@ -189,6 +196,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
         q, k, v, o, lse = ctx.saved_tensors
+        do = _unit_stride_d(do)
         if q.dim() == 4:
             return (*flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal), None)
         dq, dk, dv = flash_attention_backward(

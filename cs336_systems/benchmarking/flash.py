@@ -1,0 +1,483 @@
+"""FlashAttention benchmarks: the kernel sweep, the leaderboard configuration, and the model step.
+
+``python -m cs336_systems.benchmarking.flash <command>``:
+
+- ``sweep``: batch 1, one head, causal; every sequence length × head dimension × dtype; forward,
+  backward and forward+backward latency of our Triton kernels next to naive PyTorch attention and
+  ``F.scaled_dot_product_attention`` pinned to each backend (flash, cuDNN, memory-efficient), all timed
+  in one process with ``triton.testing.do_bench``. Failures are results: ``OOM``, ``unsupported`` (a
+  backend that does not take the dtype or head dim), ``skipped (time budget)``.
+- ``leaderboard``: ``Q, K, V`` of shape ``(16, 16384, 64)`` bf16, causal, ``torch.compile(Fn.apply)``,
+  forward then ``o.sum().backward()``, against both SDPA backends in the same run; mean and median,
+  ratios and achieved TFLOP/s.
+- ``model``: a training step of ``BasicsTransformerLM`` (bf16 autocast) with ``flash_triton`` vs ``naive``
+  vs ``sdpa`` attention over context lengths, with peak memory: naive's grows with seq², flash's does not.
+- ``all``: the three, in that order.
+
+Everything goes through :class:`~cs336_systems.results.ResultWriter` (section ``flash_benchmarking``).
+Without a GPU the commands run a tiny smoke version (PyTorch-tiled flash, naive and SDPA's math path on
+CPU) so that the code path is exercised; the GPU-only baselines are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..attention import FlashAttentionPytorch, FlashAttentionTriton, naive_attention
+from ..results import ResultWriter, is_smoke_run
+from .end_to_end import BenchmarkSpec, benchmark_model
+from .sweep import OK, OOM, free_memory, grid, is_oom, run_sweep
+from .timing import TimingStats, do_bench
+
+SECTION = "flash_benchmarking"
+PASSES = ("forward", "backward", "forward+backward")
+UNSUPPORTED = "unsupported"
+
+#: The handout's sweep.
+SWEEP_SEQ_LENS = [2**i for i in range(7, 17)]  # 128 … 65536
+SWEEP_HEAD_DIMS = [16, 32, 64, 128]
+SWEEP_DTYPES = ["bfloat16", "float32"]
+
+#: Times measured before on an H100 for the leaderboard configuration (fwd+bwd), for context only:
+#: every ratio this module reports is against baselines measured in the same run.
+LEADERBOARD_ANCHORS_MS = {
+    "sdpa_flash (earlier H100 run)": 7.09,
+    "sdpa_cudnn (earlier H100 run)": 4.54,
+    "naive eager (earlier H100 run)": 94.5,
+    "2025 course leaderboard, best published": 5.36,
+}
+
+# --------------------------------------------------------------------------------------------------
+# Implementations under test: fn(q, k, v, is_causal) on (batch, heads, seq, d)
+# --------------------------------------------------------------------------------------------------
+
+
+def _sdpa(backend: SDPBackend) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
+    def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    attention.__name__ = f"sdpa_{backend.name.lower()}"
+    return attention
+
+
+IMPLEMENTATIONS: dict[str, Callable[[Tensor, Tensor, Tensor, bool], Tensor]] = {
+    "triton": FlashAttentionTriton.apply,
+    "flash_pytorch": FlashAttentionPytorch.apply,
+    "naive": naive_attention,
+    "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+    "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+    "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
+    "sdpa_math": _sdpa(SDPBackend.MATH),
+}
+GPU_IMPLS = ["triton", "naive", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"]
+SMOKE_IMPLS = ["flash_pytorch", "naive", "sdpa_math"]
+#: The built-in baselines a speed-up is computed against (the fastest that ran, per cell).
+BUILTIN_IMPLS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
+
+
+def attention_flops(batch_heads: int, n_queries: int, n_keys: int, head_dim: int, is_causal: bool, phase: str) -> float:
+    """Matmul FLOPs of attention: forward ``4·n_q·n_k·d`` per head (QKᵀ and PV), halved when causal; the
+    backward does 2.5× the forward (five matmuls against two), the convention FlashAttention papers use."""
+    forward = 4.0 * batch_heads * n_queries * n_keys * head_dim * (0.5 if is_causal else 1.0)
+    return forward * {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}[phase]
+
+
+def _median_ms(stats: TimingStats) -> float:
+    return statistics.median(stats.times_s) * 1e3
+
+
+def _is_unsupported(exc: BaseException) -> bool:
+    """SDPA raises a RuntimeError naming no usable kernel when a pinned backend cannot take the inputs."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("no available kernel" in text or "not supported" in text)
+
+
+def time_attention_passes(
+    fn: Callable[[Tensor, Tensor, Tensor, bool], Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    do: Tensor,
+    *,
+    is_causal: bool = True,
+    passes: Sequence[str] = PASSES,
+    warmup_ms: float = 10,
+    rep_ms: float = 40,
+) -> dict[str, Any]:
+    """Time each pass of ``fn``; returns ``{pass}_ms`` (mean), ``{pass}_median_ms`` and ``{pass}_status``.
+
+    ``backward`` replays a retained graph (the forward is outside the timed region); ``forward`` runs
+    with autograd recording, as in training. An OOM or an unsupported input ends that pass only.
+    """
+    inputs = (q, k, v)
+    row: dict[str, Any] = {}
+    for phase in passes:
+        try:
+            if phase == "forward":
+                stats = do_bench(lambda: fn(q, k, v, is_causal), warmup_ms=warmup_ms, rep_ms=rep_ms)
+            elif phase == "backward":
+                o = fn(q, k, v, is_causal)
+                stats = do_bench(
+                    lambda: torch.autograd.grad(o, inputs, do, retain_graph=True),
+                    warmup_ms=warmup_ms,
+                    rep_ms=rep_ms,
+                )
+                del o
+            elif phase == "forward+backward":
+                stats = do_bench(
+                    lambda: torch.autograd.grad(fn(q, k, v, is_causal), inputs, do),
+                    warmup_ms=warmup_ms,
+                    rep_ms=rep_ms,
+                )
+            else:
+                raise ValueError(f"unknown pass {phase!r}; valid: {PASSES}")
+        except Exception as exc:  # noqa: BLE001 - classified right below; anything else is a bug
+            status = OOM if is_oom(exc) else UNSUPPORTED if _is_unsupported(exc) else None
+            if status is None:
+                raise
+            del exc
+            free_memory()
+            row.update({f"{phase}_ms": math.nan, f"{phase}_median_ms": math.nan, f"{phase}_status": status})
+            continue
+        row.update({f"{phase}_ms": stats.mean * 1e3, f"{phase}_median_ms": _median_ms(stats), f"{phase}_status": OK})
+    return row
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep
+# --------------------------------------------------------------------------------------------------
+
+
+def _random_qkvdo(batch: int, heads: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: str) -> tuple[Tensor, ...]:
+    shape = (batch, heads, seq_len, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(shape, device=device, dtype=dtype)
+
+
+def run_flash_sweep(
+    seq_lens: Sequence[int] = SWEEP_SEQ_LENS,
+    head_dims: Sequence[int] = SWEEP_HEAD_DIMS,
+    dtypes: Sequence[str] = SWEEP_DTYPES,
+    impls: Sequence[str] | None = None,
+    *,
+    batch: int = 1,
+    is_causal: bool = True,
+    warmup_ms: float = 10,
+    rep_ms: float = 40,
+    budget_s: float | None = None,
+    device: str | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Long table: one row per (impl, dtype, head_dim, seq_len, pass) with mean/median ms, TFLOP/s, status."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    impls = list(impls or (GPU_IMPLS if device == "cuda" else SMOKE_IMPLS))
+
+    def cell(dtype: str, head_dim: int, seq_len: int, impl: str) -> dict[str, Any]:
+        q, k, v, do = _random_qkvdo(batch, 1, seq_len, head_dim, getattr(torch, dtype), device)
+        return time_attention_passes(
+            IMPLEMENTATIONS[impl], q, k, v, do, is_causal=is_causal, warmup_ms=warmup_ms, rep_ms=rep_ms
+        )
+
+    configs = grid(dtype=dtypes, head_dim=head_dims, seq_len=seq_lens, impl=impls)
+    wide = run_sweep(cell, configs, desc="flash sweep", budget_s=budget_s, progress=progress)
+    return _long_format(wide, batch_heads=batch, is_causal=is_causal)
+
+
+def _long_format(wide: pd.DataFrame, batch_heads: int, is_causal: bool) -> pd.DataFrame:
+    rows = []
+    for rec in wide.to_dict("records"):
+        for phase in PASSES:
+            status = rec.get(f"{phase}_status", rec["status"])
+            status = rec["status"] if (not isinstance(status, str) or rec["status"] != OK) else status
+            ms = rec.get(f"{phase}_ms", math.nan)
+            flops = attention_flops(batch_heads, rec["seq_len"], rec["seq_len"], rec["head_dim"], is_causal, phase)
+            rows.append({
+                "impl": rec["impl"], "dtype": rec["dtype"], "head_dim": rec["head_dim"], "seq_len": rec["seq_len"],
+                "pass": phase, "status": status, "mean_ms": ms, "median_ms": rec.get(f"{phase}_median_ms", math.nan),
+                "TFLOP_per_s": flops / (ms * 1e-3) / 1e12 if ms == ms else math.nan,
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def speedup_table(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
+    """Per cell: our time, the fastest built-in (which one, and its time) and ``speedup = builtin / ours``;
+    also the naive time and ours' speed-up over it."""
+    keys = ["dtype", "head_dim", "seq_len", "pass"]
+    ok = long[long["status"] == OK]
+    mine = ok[ok["impl"] == ours].set_index(keys)["mean_ms"].rename("ours_ms")
+    builtin = ok[ok["impl"].isin(BUILTIN_IMPLS)]
+    best = builtin.loc[builtin.groupby(keys)["mean_ms"].idxmin()].set_index(keys)
+    naive = ok[ok["impl"] == "naive"].set_index(keys)["mean_ms"].rename("naive_ms")
+    table = pd.concat(
+        [mine, best["impl"].rename("best_builtin"), best["mean_ms"].rename("best_builtin_ms"), naive], axis=1
+    ).reset_index()
+    table["speedup_vs_builtin"] = table["best_builtin_ms"] / table["ours_ms"]
+    table["speedup_vs_naive"] = table["naive_ms"] / table["ours_ms"]
+    return table.sort_values(keys, kind="stable").reset_index(drop=True)
+
+
+def plot_speedup(table: pd.DataFrame) -> plt.Figure:
+    """Speed-up of ours over the fastest built-in per cell, vs sequence length, one panel per dtype × pass."""
+    data = table.dropna(subset=["speedup_vs_builtin"])
+    g = sns.relplot(
+        data=data, x="seq_len", y="speedup_vs_builtin", hue="head_dim", style="head_dim", col="pass",
+        row="dtype", kind="line", markers=True, palette="viridis", height=2.8, aspect=1.2,
+        facet_kws={"sharey": False},
+    )  # fmt: skip
+    for ax in g.axes.flat:
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    g.set_axis_labels("sequence length", "speed-up vs fastest SDPA backend")
+    g.figure.suptitle("Triton FlashAttention-2 vs F.scaled_dot_product_attention (causal, batch 1)", y=1.02)
+    return g.figure
+
+
+def plot_latency(long: pd.DataFrame, head_dim: int) -> plt.Figure:
+    """Latency of every implementation at one head dimension, vs sequence length (log-log)."""
+    data = long[(long["head_dim"] == head_dim) & (long["status"] == OK)]
+    g = sns.relplot(
+        data=data, x="seq_len", y="mean_ms", hue="impl", style="impl", col="pass", row="dtype",
+        kind="line", markers=True, height=2.8, aspect=1.2,
+    )  # fmt: skip
+    for ax in g.axes.flat:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    g.set_axis_labels("sequence length", "latency (ms)")
+    g.figure.suptitle(f"Attention latency, head dim {head_dim} (causal, batch 1)", y=1.02)
+    return g.figure
+
+
+# --------------------------------------------------------------------------------------------------
+# The leaderboard configuration
+# --------------------------------------------------------------------------------------------------
+
+
+def run_leaderboard(
+    batch: int = 16,
+    seq_len: int = 16384,
+    head_dim: int = 64,
+    dtype: str = "bfloat16",
+    impls: Sequence[str] | None = None,
+    *,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    device: str | None = None,
+    compile_ours: bool | None = None,
+) -> pd.DataFrame:
+    """One row per implementation: fwd+bwd with ``o.sum().backward()`` (the leaderboard's protocol) and with
+    a random ``dO``, and the forward alone; mean and median ms, TFLOP/s and time ratios.
+
+    Inputs are ``(batch, seq_len, head_dim)`` (heads folded into batch) for ours, as the leaderboard
+    calls it, and the same memory viewed as ``(batch, 1, seq_len, head_dim)`` for SDPA. Ours runs under
+    ``torch.compile(Fn.apply)`` (``compile_ours``, default on CUDA only: Inductor's CPU compile would
+    dominate a smoke run); the baselines run eagerly (compiling does not change their kernels).
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    impls = list(impls or (["triton", "sdpa_flash", "sdpa_cudnn", "naive"] if device == "cuda" else SMOKE_IMPLS))
+    torch_dtype = getattr(torch, dtype)
+    q, k, v = torch.randn(3, batch, seq_len, head_dim, device=device, dtype=torch_dtype).unbind(0)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+    compile_ours = device == "cuda" if compile_ours is None else compile_ours
+    rows = []
+    for impl in impls:
+        if impl in ("triton", "flash_pytorch"):
+            fn = torch.compile(IMPLEMENTATIONS[impl]) if compile_ours else IMPLEMENTATIONS[impl]
+            args = (q, k, v)
+        else:
+            fn = IMPLEMENTATIONS[impl]
+            args = tuple(t.unsqueeze(1) for t in (q, k, v))  # views: gradients still reach q, k, v
+        row: dict[str, Any] = {"impl": impl}
+        protocols: dict[str, Callable[[], Any]] = {
+            "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
+            "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
+            "forward": lambda: fn(*args, True),
+        }
+        for name, step in protocols.items():
+            try:
+                stats = do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=[q, k, v])
+            except Exception as exc:  # noqa: BLE001
+                status = OOM if is_oom(exc) else UNSUPPORTED if _is_unsupported(exc) else None
+                if status is None:
+                    raise
+                del exc
+                free_memory()
+                row.update({f"{name}_ms": math.nan, f"{name}_median_ms": math.nan, f"{name}_status": status})
+                continue
+            row.update({f"{name}_ms": stats.mean * 1e3, f"{name}_median_ms": _median_ms(stats), f"{name}_status": OK})
+        rows.append(row)
+        free_memory()
+    table = pd.DataFrame(rows)
+    fwd_bwd = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward+backward")
+    fwd = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward")
+    table["fwd_bwd_TFLOP_per_s"] = fwd_bwd / (table["fwd_bwd_sum_ms"] * 1e-3) / 1e12
+    table["forward_TFLOP_per_s"] = fwd / (table["forward_ms"] * 1e-3) / 1e12
+    ours = table.loc[table["impl"] == impls[0]].iloc[0]
+    for col in ("fwd_bwd_sum_ms", "forward_ms"):
+        table[f"{col.removesuffix('_ms')}_time_vs_{impls[0]}"] = table[col] / ours[col]
+    return table
+
+
+def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, Any]:
+    """The headline numbers: ours, each SDPA backend, ratios (``baseline / ours`` > 1 means ours is faster)."""
+    by = table.set_index("impl")
+    summary: dict[str, Any] = {"ours": ours}
+    for impl in by.index:
+        summary[f"{impl}_fwd_bwd_ms"] = by.at[impl, "fwd_bwd_sum_ms"]
+        summary[f"{impl}_fwd_bwd_median_ms"] = by.at[impl, "fwd_bwd_sum_median_ms"]
+        summary[f"{impl}_forward_ms"] = by.at[impl, "forward_ms"]
+        if impl != ours:
+            summary[f"speedup_vs_{impl}"] = by.at[impl, "fwd_bwd_sum_ms"] / by.at[ours, "fwd_bwd_sum_ms"]
+            summary[f"forward_speedup_vs_{impl}"] = by.at[impl, "forward_ms"] / by.at[ours, "forward_ms"]
+    summary["ours_fwd_bwd_TFLOP_per_s"] = by.at[ours, "fwd_bwd_TFLOP_per_s"]
+    summary["ours_forward_TFLOP_per_s"] = by.at[ours, "forward_TFLOP_per_s"]
+    summary["anchors_ms"] = LEADERBOARD_ANCHORS_MS
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+
+def run_model_comparison(
+    contexts: Sequence[int] = (1024, 2048, 4096, 8192, 16384),
+    impls: Sequence[str] = ("naive", "sdpa", "flash_triton"),
+    *,
+    model: str = "small",
+    batch_size: int = 1,
+    precision: str = "bf16",
+    warmup: int = 2,
+    steps: int = 3,
+    budget_s: float | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """A training step (forward, backward, AdamW) per context × attention implementation, with peak memory."""
+
+    def cell(context_length: int, attention_impl: str) -> dict[str, Any]:
+        spec = BenchmarkSpec(
+            model=model, mode="train", context_length=context_length, batch_size=batch_size,
+            precision=precision, attention_impl=attention_impl, warmup=warmup, steps=steps,
+        )  # fmt: skip
+        return benchmark_model(spec)
+
+    configs = grid(context_length=contexts, attention_impl=impls)
+    table = run_sweep(cell, configs, desc="model step", budget_s=budget_s, progress=progress)
+    return table.assign(model=model, batch_size=batch_size, precision=precision)
+
+
+def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
+    """Step time and peak memory vs context length, one line per attention implementation."""
+    data = table[table["status"] == OK]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    sns.lineplot(data=data, x="context_length", y="total_mean_ms", hue="attention_impl", marker="o", ax=axes[0])
+    axes[0].set(xscale="log", yscale="log", xlabel="context length", ylabel="training step (ms)")
+    if "peak_memory_GiB" in data:
+        sns.lineplot(data=data, x="context_length", y="peak_memory_GiB", hue="attention_impl", marker="o", ax=axes[1])
+    axes[1].set(xscale="log", yscale="log", xlabel="context length", ylabel="peak memory (GiB)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+    fig.suptitle("BasicsTransformerLM training step by attention implementation")
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+#: Parameters per kind of run. ``full`` is the handout's grid; ``smoke`` exercises the code on CPU.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "full": dict(seq_lens=SWEEP_SEQ_LENS, head_dims=SWEEP_HEAD_DIMS, dtypes=SWEEP_DTYPES, warmup_ms=5, rep_ms=25,
+                 sweep_budget_s=330, lb_batch=16, lb_seq_len=16384, lb_head_dims=[64, 128],
+                 contexts=[1024, 2048, 4096, 8192, 16384], model="small", model_budget_s=120),
+    "smoke": dict(seq_lens=[32, 64], head_dims=[16], dtypes=["float32"], warmup_ms=1, rep_ms=2,
+                  sweep_budget_s=60, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16, 32],
+                  model="tiny", model_budget_s=60),
+}  # fmt: skip
+
+
+def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) -> dict[str, Any]:
+    """Run the named commands and write their tables and figures; returns what was written."""
+    results: dict[str, Any] = {}
+    smoke = out.smoke
+    if "leaderboard" in commands:
+        for head_dim in params["lb_head_dims"]:
+            started = time.monotonic()
+            table = run_leaderboard(params["lb_batch"], params["lb_seq_len"], head_dim)
+            suffix = "" if head_dim == 64 else f"_d{head_dim}"
+            out.table(table, f"leaderboard{suffix}", params={"head_dim": head_dim})
+            summary = leaderboard_summary(table, ours=table["impl"].iloc[0])
+            out.json(summary, f"leaderboard{suffix}_summary", params={"head_dim": head_dim})
+            print(table.to_markdown(index=False, floatfmt=".4g"))
+            print(f"leaderboard d={head_dim} took {time.monotonic() - started:.0f} s")
+            results[f"leaderboard{suffix}"] = table
+    if "sweep" in commands:
+        started = time.monotonic()
+        long = run_flash_sweep(
+            params["seq_lens"], params["head_dims"], params["dtypes"], warmup_ms=params["warmup_ms"],
+            rep_ms=params["rep_ms"], budget_s=params["sweep_budget_s"],
+        )  # fmt: skip
+        out.table(long, "sweep")
+        print(f"sweep took {time.monotonic() - started:.0f} s")
+        results["sweep"] = long
+        if not smoke:
+            table = speedup_table(long)
+            out.table(table, "sweep_speedup")
+            out.figure(plot_speedup(table), "sweep_speedup")
+            out.figure(plot_latency(long, head_dim=64), "sweep_latency_d64")
+            print(table.to_markdown(index=False, floatfmt=".3g"))
+            results["sweep_speedup"] = table
+    if "model" in commands:
+        started = time.monotonic()
+        impls = ("naive", "sdpa", "flash_triton") if not smoke else ("naive", "sdpa", "flash_pytorch")
+        table = run_model_comparison(params["contexts"], impls, model=params["model"], budget_s=params["model_budget_s"],
+                                     precision="bf16" if not smoke else "fp32")  # fmt: skip
+        out.table(table, "model_step")
+        out.figure(plot_model_comparison(table), "model_step")
+        cols = [c for c in ("context_length", "attention_impl", "status", "total_mean_ms", "peak_memory_GiB") if c in table]
+        print(table[cols].to_markdown(index=False, floatfmt=".4g"))
+        print(f"model comparison took {time.monotonic() - started:.0f} s")
+        results["model_step"] = table
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.flash", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("commands", nargs="+", choices=["sweep", "leaderboard", "model", "all"])
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU-sized parameters (default without CUDA)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a parameter, e.g. --set seq_lens=[128,1024] --set sweep_budget_s=100")  # fmt: skip
+    args = parser.parse_args(argv)
+    smoke = is_smoke_run(True if args.smoke else None)
+    params = dict(DEFAULTS["smoke" if smoke else "full"])
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in params:
+            raise SystemExit(f"unknown parameter {key!r}; valid: {', '.join(params)}")
+        import ast
+
+        params[key] = ast.literal_eval(value)
+    commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
+    out = ResultWriter(SECTION, params=params, smoke=smoke)
+    print(out.banner())
+    run_all(commands, params, out)
+
+
+if __name__ == "__main__":
+    main()
