@@ -154,3 +154,27 @@ def test_committed_writeup_is_up_to_date() -> None:
     recorded = json.loads(mf.DEFAULT_MANIFEST.read_text())
     assert recorded["pdf"]["path"] == "writeup.pdf"
     assert mf.DEFAULT_PDF.read_bytes().startswith(b"%PDF")
+
+
+def test_ddp_answers_and_bucket_size_come_from_the_measurements(results: Path) -> None:
+    steps = pd.DataFrame({
+        "variant": ["single", "naive", "flat"], "mode": ["single", "naive", "flat"],
+        "step_ms": [100.0, 180.0, 150.0], "sync_ms": [float("nan"), 72.0, 45.0], "fwd_bwd_ms": [90.0, 95.0, 95.0],
+        "optimizer_ms": [10.0, 10.0, 10.0], "world_size": [1, 2, 2], "preset": "xl", "autocast": "fp32",
+        "context_length": 512, "batch_per_rank": 2, "steps": 10,
+    })
+    ResultWriter("naive_ddp", smoke=False).table(steps, "steps_xl_fp32")
+    sizes = [2**20, 10 * 2**20, 100 * 2**20, 2**30]
+    o, w = 50e-6, 100e9  # 50 µs per call, 100 GB/s: times follow t = o + size / w exactly
+    allreduce = pd.DataFrame({"backend": "nccl", "world_size": 2, "size_bytes": sizes, "size": ["1MiB", "10MiB",
+                              "100MiB", "1GiB"], "time_ms": [(o + s / w) * 1e3 for s in sizes]})
+    ResultWriter("distributed_communication_single_node", smoke=False).table(allreduce, "allreduce")
+    doc = build_document(results)
+    naive = doc.section("2.2").plain()
+    assert "180 ms per step" in naive and "72.0 ms (40.0%)" in naive and "100 ms" in naive
+    bucket = doc.section("2.3.3").plain()
+    assert "o = 50.0" in bucket and "w = 100" in bucket
+    from cs336_systems.configs import param_counts
+
+    expected = (4 * param_counts("xl")["total"] * w * o) ** 0.5 / 2**20
+    assert fmt.sig(expected) + r"\,\mathrm{MiB}" in bucket

@@ -21,8 +21,13 @@ DEFAULT_PDF = REPO_ROOT / "writeup.pdf"
 DEFAULT_MANIFEST = FIGURES_DIR / MANIFEST_NAME
 REBUILD_COMMAND = "uv run python -m cs336_systems.report build"
 
-#: Source files whose change alters the document (the builder package and the calculator it quotes).
-BUILDER_ROOTS = (REPO_ROOT / "cs336_systems" / "report", REPO_ROOT / "cs336_systems" / "configs.py")
+#: Source files whose change alters the document: the builder package and the analytic models whose
+#: numbers it computes (the preset calculator, the DDP overhead model).
+BUILDER_ROOTS = (
+    REPO_ROOT / "cs336_systems" / "report",
+    REPO_ROOT / "cs336_systems" / "configs.py",
+    REPO_ROOT / "cs336_systems" / "distributed" / "overhead_model.py",
+)
 
 
 def sha256(path: Path) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
 from cs336_systems.report import fmt
-from cs336_systems.report.sections.common import failed_rows, join_words, ok_rows, question
+from cs336_systems.report.sections.common import failed_rows, join_words, ok_rows, question, subset
 
 
 def pytorch_attention(d: SectionData) -> list[Block]:
@@ -118,8 +118,65 @@ def flash_attention(d: SectionData) -> list[Block]:
         ]),
         question(d, "flash_benchmarking", "Triton FlashAttention-2 versus PyTorch attention (batch 1, causal) over "
                  "sequence lengths $2^7$–$2^{16}$, head sizes $2^4$–$2^7$, bf16 and fp32: forward, backward and "
-                 "forward + backward latency.", [d.table("*flash*", "*benchmark*", "*latenc*")],
-                 what="the FlashAttention benchmark sweep"),
-        question(d, "leaderboard", "Leaderboard timing: forward + backward, batch 1, $T = 16384$, $d_{\\mathrm{model}} "
-                 "= 1024$ in 16 heads, bf16, causal.", [d.table("*leaderboard*")], what="the leaderboard timing"),
+                 "forward + backward latency.", _flash_sweep(d), what="the FlashAttention benchmark sweep"),
+        question(d, "leaderboard", "Leaderboard timing: forward + backward, batch 1, $T = 16384$, "
+                 "$d_{\\mathrm{model}} = 1024$ in 16 heads, bf16, causal.", _leaderboard(d),
+                 what="the leaderboard timing"),
+        question(d, "model", "The Transformer's training step with each attention implementation.", [
+            d.table("model_step", frame=subset(d.frame("model_step"), "context_length", "attention_impl", "status",
+                                               "total_mean_ms", "total_std_ms", "peak_memory_GiB"),
+                    caption="Training step (forward, backward, AdamW) by context length and attention."),
+            d.figure("model_step", caption="Step time and peak memory by context length."),
+        ]),
     ]
+
+
+def _flash_sweep(d: SectionData) -> list[Block | None]:
+    d.frame("sweep")  # the long table; shown through the speed-up table
+    sp = d.frame("sweep_speedup")
+    blocks: list[Block | None] = []
+    if sp is not None and {"dtype", "pass", "speedup_vs_builtin"} <= set(sp.columns) and len(sp):
+        parts = []
+        for (dtype, ph), g in sp.groupby(["dtype", "pass"], sort=False):
+            v = g["speedup_vs_builtin"].dropna()
+            if len(v):
+                parts.append(f"{dtype} {ph}: median {fmt.ratio(v.median())} (range {fmt.sig(v.min())}–"
+                             f"{fmt.sig(v.max())})")
+        blocks.append(Text("Speed-up of our Triton kernels over the fastest built-in PyTorch attention in each cell "
+                           "(built-in time / ours; above 1 means ours is faster): " + "; ".join(parts) + "."))
+        for dtype, g in sp.groupby("dtype", sort=False):
+            wide = g.pivot_table(index=["seq_len", "head_dim"], columns="pass",
+                                 values=["ours_ms", "best_builtin_ms"], sort=False)
+            wide.columns = [f"{ph} {'ours' if k == 'ours_ms' else 'built-in'} ms" for k, ph in wide.columns]
+            order = [c for ph in ("forward", "backward", "forward+backward") for c in
+                     (f"{ph} ours ms", f"{ph} built-in ms") if c in wide.columns]
+            blocks.append(d.table("sweep_speedup", frame=wide[order].reset_index(), caption=f"Latency (ms) of our "
+                                  f"Triton FlashAttention-2 and the fastest built-in, {dtype}, batch 1, causal."))
+    blocks.append(d.figure("sweep_speedup", caption="Speed-up over the fastest built-in per cell."))
+    blocks.append(d.figure("sweep_latency_d64", caption="Latency against sequence length, head size 64."))
+    if len([b for b in blocks if b is not None]) == 0:
+        blocks.append(d.table("sweep", caption="Latency by implementation, dtype, head size, sequence length and pass."))
+    return blocks
+
+
+def _leaderboard(d: SectionData) -> list[Block | None]:
+    summary = d.json("leaderboard_summary", "leaderboard*_summary")
+    text = None
+    if isinstance(summary, dict):
+        ours = summary.get("ours", "triton")
+        ms_ = summary.get(f"{ours}_fwd_bwd_ms")
+        vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)}" for k, v in summary.items()
+              if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
+        if ms_ is not None:
+            text = Text(f"Our kernels ({ours}) take {fmt.ms(ms_)} for forward + backward"
+                        + (f" ({fmt.sig(summary['ours_fwd_bwd_TFLOP_per_s'])} TFLOP/s)"
+                           if "ours_fwd_bwd_TFLOP_per_s" in summary else "")
+                        + (f"; speed-up over " + join_words(vs) + " measured in the same run." if vs else "."))
+    main = d.frame_name("leaderboard", "leaderboard_d*")
+    frame = subset(d.frame(main) if main else None, "impl", "fwd_bwd_sum_ms", "fwd_bwd_sum_median_ms", "forward_ms",
+                   "fwd_bwd_TFLOP_per_s", "forward_TFLOP_per_s")
+    return [text, d.table(main or "", frame=frame, caption="Leaderboard configuration, forward + backward "
+                          "with `o.sum().backward()` and forward alone (heads folded into the batch)."),
+            d.table("leaderboard_d128", frame=subset(d.frame("leaderboard_d128"), "impl", "fwd_bwd_sum_ms",
+                                                     "forward_ms", "fwd_bwd_TFLOP_per_s"),
+                    caption="The same with head size 128.")]

@@ -2,64 +2,192 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
+from cs336_systems.configs import param_counts
+from cs336_systems.distributed.overhead_model import fit_latency_bandwidth, optimal_bucket_size_bytes
+from cs336_systems.report import fmt
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
-from cs336_systems.report.sections.common import question
+from cs336_systems.report.sections.common import join_words, question, subset
+
+
+def _allreduce_fit(frame: pd.DataFrame | None, backend: str = "nccl", world_size: int = 2) -> dict | None:
+    """Latency ``o`` (s) and algorithm bandwidth ``w`` (bytes/s) fitted to measured all-reduce times."""
+    if frame is None or not {"backend", "world_size", "size_bytes", "time_ms"} <= set(frame.columns):
+        return None
+    sel = frame[(frame["backend"] == backend) & (frame["world_size"] == world_size)].dropna(subset=["time_ms"])
+    if sel["size_bytes"].nunique() < 2:
+        return None
+    try:
+        o, w = fit_latency_bandwidth(sel["size_bytes"].to_numpy(float), sel["time_ms"].to_numpy(float) / 1e3)
+    except ValueError:
+        return None
+    return {"o": o, "w": w, "backend": backend, "world_size": world_size, "points": len(sel)}
 
 
 def communication_single_node(d: SectionData) -> list[Block]:
+    df = d.frame("allreduce")
+    text = None
+    if df is not None and {"backend", "world_size", "size_bytes", "time_ms"} <= set(df.columns) and len(df):
+        parts = []
+        big = df[df["size_bytes"] == df["size_bytes"].max()]
+        for _, r in big.sort_values(["backend", "world_size"]).iterrows():
+            bw = f" ({fmt.sig(r['busbw_GBps'])} GB/s bus bandwidth)" if "busbw_GBps" in r and pd.notna(r["busbw_GBps"]) else ""
+            parts.append(f"{r['backend']} with {int(r['world_size'])} processes {fmt.ms(r['time_ms'])}{bw}")
+        size = big["size"].iloc[0] if "size" in big.columns else fmt.sig(big["size_bytes"].iloc[0])
+        text = Text(f"All-reducing {size}: " + join_words(parts) + ". Small messages are latency bound (the "
+                    "time hardly changes with size), large ones bandwidth bound; NCCL over NVLink is one to two "
+                    "orders of magnitude faster than Gloo through host memory, and more processes cost little "
+                    "extra per byte because ring all-reduce moves $2(n-1)/n$ of the data per rank.")
     return [
         question(d, "all-reduce", "All-reduce latency for Gloo (CPU) and NCCL (GPU), 1 MB–1 GB of float32, "
-                 "2, 4 and 6 processes.", [d.figure("*all_reduce*", "*allreduce*", "*"),
-                                           d.table("*all_reduce*", "*allreduce*", "*")],
-                 what="the all-reduce benchmark"),
+                 "2, 4 and 6 processes.", [
+                     text,
+                     d.figure("allreduce_bandwidth", caption="All-reduce bus bandwidth by message size, backend and "
+                              "process count (dashed: the topology's peak)."),
+                     d.table("allreduce", caption="All-reduce time and bandwidth (algorithm bandwidth = bytes per "
+                             "rank / time; bus bandwidth = algorithm bandwidth × 2(n−1)/n)."),
+                 ], what="the all-reduce benchmark"),
     ]
 
 
+def ddp_steps(d: SectionData) -> tuple[str | None, pd.DataFrame | None]:
+    """The section's step-time table: ``steps_<preset>_<dtype>`` (the XL fp32 one when several)."""
+    names = [n for n in d.tables if n.startswith("steps") and not n.endswith(("_timeline", "_overlap"))]
+    if not names:
+        return None, None
+    names.sort(key=lambda n: (("_xl_" not in n + "_"), ("fp32" not in n), n))
+    return names[0], d.frame(names[0])
+
+
+def _row(df: pd.DataFrame | None, mode: str) -> pd.Series | None:
+    if df is None or "mode" not in df.columns:
+        return None
+    sel = df[df["mode"] == mode]
+    return sel.iloc[0] if len(sel) else None
+
+
+def _steps_table(d: SectionData, name: str | None, caption: str):
+    if name is None:
+        return None
+    frame = subset(d.frame(name), "variant", "num_buckets", "step_ms", "step_ms_std", "fwd_bwd_ms", "sync_ms",
+                   "optimizer_ms", "overhead_ms", "vs_single")
+    return d.table(name, frame=frame, caption=caption)
+
+
+_STEPS_CAPTION = ("Time per training step by strategy, same model and data in one run: `sync` is the "
+                  "communication the backward pass did not hide, `overhead` the step time minus the single-GPU step.")
+
+
+def _setup(df: pd.DataFrame | None) -> Text | None:
+    r = df.iloc[0] if df is not None and len(df) else None
+    if r is None or "preset" not in df.columns:
+        return None
+    ws = int(df["world_size"].max()) if "world_size" in df.columns else "?"
+    return Text(f"Setup: the {r['preset']} model, {r.get('autocast', 'fp32')}, {int(r['batch_per_rank'])} sequences "
+                f"of {int(r['context_length'])} tokens per rank, {ws} GPUs on one node, mean over "
+                f"{int(r['steps'])} steps after warm-up; every variant starts from the same weights.")
+
+
 def naive_ddp(d: SectionData) -> list[Block]:
+    name, df = ddp_steps(d)
+    naive, single = _row(df, "naive"), _row(df, "single")
+    text = None
+    if naive is not None:
+        text = Text(f"Naive DDP takes {fmt.ms(naive['step_ms'])} per step, of which {fmt.ms(naive['sync_ms'])} "
+                    f"({fmt.pct(naive['sync_ms'] / naive['step_ms'])}) is spent all-reducing gradients one parameter "
+                    "at a time after backward"
+                    + (f"; the same step on one GPU without communication takes {fmt.ms(single['step_ms'])}."
+                       if single is not None else "."))
     return [
         question(d, "naive_ddp", "Data parallelism by all-reducing every gradient after the backward pass.", [
             Text("Each rank holds a full replica, runs forward and backward on its $1/P$ slice of the batch, then "
                  "all-reduces (averages) each parameter's gradient before the optimizer step, so every replica "
-                 "takes the same step; the test compares the trained weights with single-process training.")]),
+                 "takes the same step; the tests compare the trained weights with single-process training.")]),
         question(d, "naive_ddp_benchmarking", "Time per training step and the share spent communicating gradients "
-                 "(XL model, one node, 2 GPUs).", [d.table("*naive*", "*step*", "*timing*")],
+                 "(XL model, one node, 2 GPUs).", [_setup(df), text, _steps_table(d, name, _STEPS_CAPTION),
+                                                   d.figure(name or "", caption="Step time split into phases.")],
                  what="naive DDP step and communication times"),
     ]
 
 
 def ddp_flat(d: SectionData) -> list[Block]:
+    name, df = ddp_steps(d)
+    naive, flat = _row(df, "naive"), _row(df, "flat")
+    text = None
+    if naive is not None and flat is not None:
+        text = Text(f"One all-reduce of the flattened gradients takes the step from {fmt.ms(naive['step_ms'])} to "
+                    f"{fmt.ms(flat['step_ms'])} and the communication from {fmt.ms(naive['sync_ms'])} to "
+                    f"{fmt.ms(flat['sync_ms'])}: the same bytes move, but one call instead of one per parameter "
+                    "saves each call's fixed launch and synchronization cost (at the price of a copy into and "
+                    "out of the flat buffer).")
     return [
         question(d, "minimal_ddp_flat_benchmarking", "One all-reduce of all gradients flattened into a single "
-                 "tensor, compared with one all-reduce per parameter.", [d.table("*flat*", "*")],
+                 "tensor, compared with one all-reduce per parameter.",
+                 [_setup(df), text, _steps_table(d, name, _STEPS_CAPTION), d.figure(name or "", caption="Step time "
+                                                                                      "split into phases.")],
                  what="flat vs per-parameter all-reduce timings"),
     ]
 
 
 def ddp_overlap_individual(d: SectionData) -> list[Block]:
+    name, df = ddp_steps(d)
+    rows = {m: _row(df, m) for m in ("naive", "flat", "overlap", "single")}
+    text = None
+    if rows["overlap"] is not None:
+        others = [f"{m} {fmt.ms(rows[m]['step_ms'])}" for m in ("naive", "flat") if rows[m] is not None]
+        text = Text(f"Overlapping each parameter's all-reduce with the rest of the backward pass gives "
+                    f"{fmt.ms(rows['overlap']['step_ms'])} per step, with {fmt.ms(rows['overlap']['sync_ms'])} of "
+                    "communication left after backward" + (f" (vs. {join_words(others)})." if others else "."))
+    overlap_name = next((n for n in d.tables if n.endswith("_overlap")), None)
+    ov = d.frame(overlap_name) if overlap_name else None
+    ov_text = None
+    if ov is not None and {"variant", "comm_ms", "comm_during_backward_ms"} <= set(ov.columns) and len(ov):
+        ov_text = Text("Share of communication kernel time that ran during the backward pass: " + join_words(
+            [f"{r['variant']} {fmt.pct(r['comm_during_backward_ms'] / r['comm_ms'])}" for _, r in ov.iterrows()
+             if r["comm_ms"] > 0]) + ".")
+    timelines = [d.figure(n, caption="GPU kernels of one training step on rank 0 (compute and NCCL streams).")
+                 for n in d.figures if n.endswith("_timeline")]
     return [
         question(d, "a", "Overlapping per-parameter all-reduces with the backward pass, compared with the two "
-                 "previous variants.", [d.table("*overlap*", "*compar*", "*timing*")],
+                 "previous variants.", [_setup(df), text, _steps_table(d, name, _STEPS_CAPTION)],
                  what="time per iteration of the overlapping DDP"),
         question(d, "b", "Traces: communication overlapped with the backward pass.",
-                 [d.figure("*naive*timeline*", "*timeline*naive*", "*no_overlap*"),
-                  d.figure("*overlap*timeline*", "*timeline*overlap*", "*timeline*", "*trace*")],
+                 [ov_text, *timelines, d.table(overlap_name or "", caption="Communication kernel time and the part "
+                                               "of it inside the backward pass.")],
                  what="the overlap timelines"),
     ]
 
 
 def ddp_bucketed(d: SectionData) -> list[Block]:
+    name, df = ddp_steps(d)
+    text = None
+    if df is not None and "mode" in df.columns and (df["mode"] == "bucketed").any():
+        b = df[df["mode"] == "bucketed"].sort_values("bucket_size_mb")
+        best = b.loc[b["step_ms"].idxmin()]
+        parts = [f"{fmt.sig(r['bucket_size_mb'])} MB {fmt.ms(r['step_ms'])}" for _, r in b.iterrows()]
+        refs = [f"{m} {fmt.ms(r['step_ms'])}" for m in ("naive", "flat", "overlap", "single", "torch")
+                if (r := _row(df, m)) is not None]
+        text = Text("Step time by bucket size: " + join_words(parts) + f"; the best is {fmt.sig(best['bucket_size_mb'])} "
+                    "MB" + (f" (reference: {join_words(refs)})." if refs else ".") + " Tiny buckets pay the per-call "
+                    "cost many times, huge ones cannot start communicating until most of backward is done; "
+                    "in between, communication hides behind the remaining backward compute.")
+    sweep = next((n for n in d.figures if n.endswith("_bucket_sweep")), None)
     return [
         question(d, "a", "Bucketed DDP with bucket sizes 1, 10, 100 and 1000 MB, compared with the unbucketed "
-                 "variants.", [d.table("*bucket*", "*")], what="bucketed DDP timings"),
+                 "variants.", [_setup(df), text, _steps_table(d, name, _STEPS_CAPTION),
+                               d.figure(sweep or "", caption="Step time against bucket size.")],
+                 what="bucketed DDP timings"),
         question(d, "b", "A model of DDP's communication overhead and the bucket size that minimizes it.",
-                 bucket_model()),
+                 bucket_model(SectionData(d.root, "distributed_communication_single_node"))),
     ]
 
 
-def bucket_model() -> list[Block]:
-    """The overhead model: ``n_b`` buckets of ``s / n_b`` bytes, each all-reduce costing ``o + s/(n_b w)``."""
-    return [
+def bucket_model(allreduce: SectionData | None = None) -> list[Block]:
+    """The overhead model: ``n_b`` buckets of ``s / n_b`` bytes, each all-reduce costing ``o + s/(n_b w)``;
+    instantiated for the XL model with ``o`` and ``w`` fitted to the measured NCCL all-reduce times."""
+    blocks: list[Block] = [
         Text("Split the $s$ bytes of gradients into $n_b$ equal buckets. One bucket's all-reduce takes "
              "$o + s/(n_b w)$; by assumption computing one bucket's gradients takes as long as its bandwidth term, "
              "$s/(n_b w)$, so the backward pass lasts $s/w$. The first bucket is ready after $s/(n_b w)$, and from "
@@ -76,3 +204,17 @@ def bucket_model() -> list[Block]:
             r"T_{\mathrm{overhead}}^{*} = 2\sqrt{\frac{s\,o}{w}}.",
         ]),
     ]
+    fit = _allreduce_fit(allreduce.frame("allreduce")) if allreduce is not None else None
+    if fit is None:
+        return blocks
+    s_bytes = 4 * param_counts("xl")["total"]
+    o, w = fit["o"], fit["w"]
+    blocks += [
+        Text(f"With $o$ and $w$ fitted to the measured NCCL all-reduce times ({fit['world_size']} GPUs, "
+             f"{fit['points']} message sizes, `{allreduce.folder}/allreduce.csv`): $o = {fmt.sig(o * 1e6)}$ µs, "
+             f"$w = {fmt.sig(w / 1e9)}$ GB/s; the XL model's fp32 gradients are $s = {fmt.sig(s_bytes / 2**20)}$ MiB."),
+        Equation([rf"b^* = \sqrt{{s\,w\,o}} = {fmt.sig(optimal_bucket_size_bytes(s_bytes, w, o) / 2**20)}\,"
+                  rf"\mathrm{{MiB}},\qquad T^*_{{\mathrm{{overhead}}}} = {fmt.sig(2e3 * (s_bytes * o / w) ** 0.5)}"
+                  rf"\,\mathrm{{ms}}" if o > 0 else r"o \approx 0:\ \mathrm{smaller\ buckets\ are\ always\ better}"]),
+    ]
+    return blocks

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
-from cs336_systems.report.sections.common import question
+from cs336_systems.report import fmt
+from cs336_systems.report.sections.common import join_words, question
 
 
 def communication_accounting(d: SectionData) -> list[Block]:
@@ -53,13 +54,49 @@ def communication_accounting(d: SectionData) -> list[Block]:
     ]
 
 
+_OPTIMIZER_NAMES = {"adamw": "AdamW (replicated state)", "sharded": "our sharded AdamW", "zero": "ZeroRedundancyOptimizer"}
+
+
 def optimizer_state_sharding(d: SectionData) -> list[Block]:
+    memory = d.frame("memory")
+    breakdown = d.frame("memory_breakdown")
+    timing = d.frame("timing")
+    mem_text = None
+    rank0 = memory[memory["rank"] == 0] if memory is not None and "rank" in memory.columns else None
+    if rank0 is not None and len(rank0) and rank0["after_step_peak"].notna().any():
+        parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])}: {fmt.sig(r['after_init_peak'])} / "
+                 f"{fmt.sig(r['before_step_peak'])} / {fmt.sig(r['after_step_peak'])} GiB"
+                 for _, r in rank0.iterrows()]
+        mem_text = Text("Peak memory on rank 0 after initialization / before the optimizer step / after it: "
+                        + "; ".join(parts) + ". Sharding leaves parameters, gradients and activations unchanged "
+                        "and divides AdamW's two fp32 moments ($8\\Psi$ bytes) by the world size, so the saving "
+                        "appears only from the first optimizer step on, when the state is allocated.")
+    bd = None
+    if breakdown is not None and {"optimizer", "rank", "component", "source", "GiB"} <= set(breakdown.columns):
+        sel = breakdown[breakdown["rank"] == 0]
+        bd = sel.pivot_table(index="component", columns=["optimizer", "source"], values="GiB", sort=False)
+        bd.columns = [f"{o} {s}" for o, s in bd.columns]
+        bd = bd.reset_index()
+    time_text = None
+    if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
+        parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
+                 + (f" ({fmt.ratio(r['slowdown_vs_adamw'])})" if "slowdown_vs_adamw" in r else "")
+                 for _, r in timing.iterrows()]
+        time_text = Text("Time per training step (relative to replicated AdamW): " + join_words(parts) + ". The "
+                         "sharded step updates only the local shard, but then broadcasts every parameter from "
+                         "its owner, an extra $\\Psi$ of traffic per step that the replicated optimizer does not "
+                         "need.")
     return [
         question(d, "a", "Peak memory after model initialization, before and after the optimizer step, with and "
                  "without optimizer-state sharding (XL, one node, 2 GPUs), with a breakdown.",
-                 [d.table("*memory*", "*peak*"), d.figure("*memory*")], what="peak memory with and without sharding"),
+                 [mem_text, d.table("memory", caption="Allocated and peak memory per rank at the three points "
+                                    "(GiB)."),
+                  d.table("memory_breakdown", frame=bd, caption="Rank 0's memory by component, measured by counting "
+                          "tensors and predicted by `accounting.training_memory_per_rank` (GiB).")],
+                 what="peak memory with and without sharding"),
         question(d, "b", "Time per iteration with and without optimizer-state sharding.",
-                 [d.table("*tim*", "*speed*", "*step*")], what="iteration times with and without sharding"),
+                 [time_text, d.table("timing", caption="Time per training step (max over ranks).")],
+                 what="iteration times with and without sharding"),
         question(d, "c", "How this differs from ZeRO stage 1 ($P_{os}$).", [
             Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
                  "memory by the world size $P$. ZeRO-1 partitions a flat buffer at element granularity, so every "
