@@ -55,3 +55,20 @@ def test_bad_inputs_are_errors() -> None:
     with pytest.raises(ValueError):
         om.simulate_overhead([], W, O)
     assert math.isclose(om.optimal_bucket_size_bytes(1e3, W, 1.0), 1e3)  # capped at one bucket
+
+
+def test_compare_with_sweep_uses_measured_bucket_counts() -> None:
+    import pandas as pd
+
+    steps = pd.DataFrame({
+        "variant": ["single", "bucketed (1MB)", "bucketed (100MB)"], "mode": ["single", "bucketed", "bucketed"],
+        "bucket_size_mb": [None, 1.0, 100.0], "comm_dtype": [None, "fp32", "fp32"], "num_buckets": [None, 40, 1],
+        "grad_bytes": [S, S, S], "step_ms": [100.0, 110.0, 140.0], "overhead_ms": [0.0, 10.0, 40.0],
+    })
+    sizes = [1e6, 1e8, 1e9]
+    allreduce = pd.DataFrame({"size_bytes": sizes, "time_ms": [(O + x / W) * 1e3 for x in sizes]})
+    table, summary = om.compare_with_sweep(steps, allreduce)
+    assert table["predicted_overhead_ms"].tolist() == pytest.approx([om.ddp_overhead_s(S, W, O, 40) * 1e3, 40.1])
+    assert summary["optimal_num_buckets"] == pytest.approx(20.0)
+    assert summary["optimal_bucket_size_mb"] == pytest.approx(2e8 / 2**20)
+    assert summary["o_us"] == pytest.approx(100.0) and summary["w_GBps"] == pytest.approx(100.0)

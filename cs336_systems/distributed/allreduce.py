@@ -23,7 +23,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess

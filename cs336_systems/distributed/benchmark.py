@@ -42,6 +42,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from cs336_systems.configs import build_model, get_config
 from cs336_systems.distributed import launch
+from cs336_systems.distributed.allreduce import parse_size, time_all_reduce
 from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB
 from cs336_systems.distributed.grad_sync import DataParallel, shard_batch
 from cs336_systems.distributed.strategies import STRATEGIES, wrap
@@ -69,6 +70,7 @@ class DDPBenchConfig:
     profile: list[str] = field(default_factory=list)  # variant labels or modes to trace
     seed: int = 0
     attention_impl: str = "naive"
+    allreduce_sizes: list[int] = field(default_factory=list)  # bytes; timed on the same group for the overhead model
 
     def validate(self, world_size: int | None = None) -> None:
         bad = [m for m in self.modes if m not in ALL_MODES]
@@ -249,6 +251,7 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
         "sync_ms": sync_ms if has_sync else float("nan"),
         "optimizer_ms": opt_ms,
         "world_size": ctx.world_size if variant.mode != "single" else 1,
+        "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
         "peak_mem_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.device.type == "cuda" else float("nan"),
     }
 
@@ -286,7 +289,24 @@ def ddp_benchmark_worker(cfg: DDPBenchConfig) -> dict[str, Any]:
     for r in rows:
         r["overhead_ms"] = r["step_ms"] - single if single is not None else float("nan")
         r["vs_single"] = r["step_ms"] / single if single else float("nan")
-    return {"rows": rows, "timeline": timeline}
+    allreduce = [time_all_reduce(size) for size in cfg.allreduce_sizes]
+    return {"rows": rows, "timeline": timeline, "allreduce": allreduce}
+
+
+def run_benchmark(cfg: DDPBenchConfig, nproc: int = 2, backend: str | None = None) -> dict[str, Any]:
+    """Spawn ``nproc`` local ranks (or join torchrun/srun's) and run :func:`ddp_benchmark_worker`;
+    returns rank 0's ``{"rows", "timeline", "allreduce"}``."""
+    from cs336_systems.distributed import runner
+
+    cfg.validate()
+    return runner.run_on_ranks(ddp_benchmark_worker, nproc, cfg, backend=backend)[0]
+
+
+def load_measured(name: str, section: str = SECTION) -> Any:
+    """A committed GPU result table from ``figures/<section>/<name>.csv``, or ``None`` if not measured yet."""
+    from cs336_systems.results import FIGURES_DIR, has_result, load_table
+
+    return load_table(section, name, FIGURES_DIR) if has_result(section, name, FIGURES_DIR) else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -501,6 +521,8 @@ def write_results(result: dict[str, Any], cfg: DDPBenchConfig, section: str, nam
         fig = plot_timeline(tl)
         out.figure(fig, f"{name}_timeline")
         plt.close(fig)
+    if result.get("allreduce"):
+        out.table(pd.DataFrame(result["allreduce"]), f"{name}_allreduce")
     cols = ["variant", "num_buckets", "step_ms", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(out.banner())
@@ -525,6 +547,8 @@ def add_arguments(parser: Any, *, modes_default: list[str]) -> None:
     parser.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
     parser.add_argument("--section", default=SECTION, help="results folder under figures/")
     parser.add_argument("--name", default="steps", help="table/figure name prefix")
+    parser.add_argument("--allreduce-sizes", nargs="*", default=[],
+                        help="also time all-reduces of these sizes (e.g. 1MB 10MB 100MB) for the overhead model")
 
 
 def configs_from_args(args: Any) -> list[DDPBenchConfig]:
@@ -542,6 +566,7 @@ def configs_from_args(args: Any) -> list[DDPBenchConfig]:
             warmup=args.warmup if args.warmup is not None else (1 if smoke else 3),
             steps=args.steps if args.steps is not None else (2 if smoke else 10),
             profile=list(args.profile),
+            allreduce_sizes=[parse_size(x) for x in args.allreduce_sizes],
         )
         cfg.validate()
         cfgs.append(cfg)
@@ -554,7 +579,7 @@ def run_from_args(args: Any) -> list[Any]:
 
     frames = []
     for cfg in configs_from_args(args):
-        result = runner.run_on_ranks(ddp_benchmark_worker, args.nproc, cfg, backend=args.backend)[0]
+        result = run_benchmark(cfg, args.nproc, args.backend)
         if runner.is_main_process():
             frames.append(write_results(result, cfg, args.section, f"{args.name}_{cfg.preset}_{cfg.autocast}"))
     return frames

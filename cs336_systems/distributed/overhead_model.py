@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -93,3 +94,31 @@ def simulate_overhead(bucket_bytes: Sequence[float], w: float, o: float, compute
         ready += b * rate
         comm_free = max(comm_free, ready) + o + b / w
     return comm_free - ready
+
+
+def compare_with_sweep(steps: Any, allreduce: Any) -> tuple[Any, dict[str, float]]:
+    """Model vs measurement for a bucket-size sweep.
+
+    ``steps``: the DDP benchmark table (rows ``mode == "bucketed"`` with ``num_buckets``, ``grad_bytes``,
+    ``comm_dtype``, ``overhead_ms``); ``allreduce``: all-reduce timings (``size_bytes``, ``time_ms``) on
+    the same process group. Fits ``o`` and ``w``, then predicts each swept configuration's overhead from
+    its actual number of buckets. Returns the table and the fitted/optimal quantities (fp32 wire).
+    """
+    import pandas as pd
+
+    o, w = fit_latency_bandwidth(allreduce["size_bytes"].tolist(), (allreduce["time_ms"] / 1e3).tolist())
+    sweep = steps[steps["mode"] == "bucketed"].copy()
+    wire_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}
+    s = sweep["grad_bytes"] * sweep["comm_dtype"].map(wire_bytes).fillna(4) / 4
+    sweep["predicted_overhead_ms"] = [ddp_overhead_s(si, w, o, nb) * 1e3 for si, nb in zip(s, sweep["num_buckets"])]
+    s_fp32 = float(sweep["grad_bytes"].iloc[0]) if len(sweep) else float(steps["grad_bytes"].iloc[0])
+    summary = {
+        "o_us": o * 1e6,
+        "w_GBps": w / 1e9,
+        "s_GB": s_fp32 / 1e9,
+        "optimal_num_buckets": optimal_num_buckets(s_fp32, w, o) if o > 0 else float("inf"),
+        "optimal_bucket_size_mb": optimal_bucket_size_bytes(s_fp32, w, o) / 2**20,
+        "minimal_overhead_ms": minimal_overhead_s(s_fp32, w, o) * 1e3 if o > 0 else float("nan"),
+    }
+    cols = ["variant", "bucket_size_mb", "comm_dtype", "num_buckets", "step_ms", "overhead_ms", "predicted_overhead_ms"]
+    return pd.DataFrame(sweep[[c for c in cols if c in sweep.columns]]).reset_index(drop=True), summary

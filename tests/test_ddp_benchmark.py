@@ -1,0 +1,69 @@
+"""DDP benchmark plumbing: variants, trace reduction, and both command-line entry points on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from cs336_systems.distributed import benchmark, ddp_benchmark, naive_ddp_benchmark
+
+
+def test_variants_expand_and_validate() -> None:
+    cfg = benchmark.DDPBenchConfig(modes=["single", "torch", "flat", "bucketed"], bucket_sizes_mb=[1, 10],
+                                   comm_dtypes=["fp32", "bf16"])
+    labels = [v.label for v in benchmark.expand_variants(cfg)]
+    assert labels == ["single", "torch", "torch (bf16 comm)", "flat", "flat (bf16 comm)", "bucketed (1MB)",
+                      "bucketed (10MB)", "bucketed (1MB, bf16 comm)", "bucketed (10MB, bf16 comm)"]
+    for bad in (dict(modes=["ring"]), dict(autocast="fp8"), dict(comm_dtypes=["int8"]), dict(bucket_sizes_mb=[0]),
+                dict(preset="enormous")):
+        with pytest.raises(ValueError):
+            benchmark.DDPBenchConfig(**bad).validate()
+
+
+def _kernel(name: str, ts: float, dur: float, stream: int = 7) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_trace_reduction_merges_compute_and_keeps_communication() -> None:
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "backward", "ts": 1000.0, "dur": 100.0},
+        _kernel("sm90_gemm", 1000.0, 10.0),
+        _kernel("elementwise", 1012.0, 10.0),  # 2 µs gap: merged with the gemm
+        _kernel("softmax_bwd", 1050.0, 10.0),  # 28 µs gap: a new bar
+        _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1030.0, 80.0, stream=20),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 990.0, "dur": 5.0},  # ignored when kernels exist
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0.0},  # not a duration event
+    ]}
+    rows = pd.DataFrame(benchmark.trace_to_intervals(trace, "flat"))
+    compute = rows[rows["kind"] == "compute"].sort_values("start_ms")
+    assert compute["name"].tolist() == ["2 kernels", "softmax_bwd"]
+    assert compute["dur_ms"].tolist() == pytest.approx([0.022, 0.010])
+    comm = rows[rows["kind"] == "comm"]
+    assert comm["lane"].tolist() == ["cuda:20"] and comm["start_ms"].tolist() == pytest.approx([0.030])
+    summary = benchmark.overlap_summary(rows).iloc[0]
+    assert summary["comm_ms"] == pytest.approx(0.080)
+    assert summary["comm_during_backward_ms"] == pytest.approx(0.070)  # backward ends at 1100 µs, comm at 1110 µs
+
+
+def test_naive_toy_cli_prints_match(capsys: pytest.CaptureFixture[str]) -> None:
+    assert naive_ddp_benchmark.main(["--model", "toy", "--nproc", "2", "--toy-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Naive DDP matches baseline!" in out and "communication" in out
+
+
+def test_ddp_benchmark_cli_smoke(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    monkeypatch.setenv("CS336_SMOKE", "1")
+    argv = ["--mode", "flat", "bucketed", "--bucket-size-mb", "0.05", "1", "--nproc", "2", "--warmup", "0",
+            "--steps", "1", "--preset", "tiny", "--context-length", "16", "--profile", "flat"]
+    assert ddp_benchmark.main(argv) == 0
+    section = tmp_path / benchmark.SECTION
+    df = pd.read_csv(section / "steps_tiny_fp32.csv")
+    assert df["variant"].tolist() == ["single", "torch", "flat", "bucketed (0.05MB)", "bucketed (1MB)"]
+    assert (df["step_ms"] > 0).all()
+    assert df.loc[df["mode"] == "bucketed", "num_buckets"].tolist()[1] == 1  # the tiny model fits one 1 MiB bucket
+    assert df.loc[df["mode"] == "bucketed", "num_buckets"].tolist()[0] > 1
+    timeline = pd.read_csv(section / "steps_tiny_fp32_timeline.csv")
+    assert set(timeline["variant"]) == {"flat"} and {"compute", "phase"} <= set(timeline["kind"])
+    for f in ("steps_tiny_fp32.png", "steps_tiny_fp32_bucket_sweep.png", "steps_tiny_fp32_timeline.png"):
+        assert (section / f).exists()
