@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     al = sub.add_parser("all", help="every section in sequence")
     _add_section_args(al)
     al.add_argument("--sections", type=_csv(), default=list(_SECTIONS))
+    al.add_argument("--total-budget", type=float,
+                    help="seconds for all selected sections together, shared in proportion to their defaults")
     al.add_argument("--print-split", action="store_true", help="print the 4-GPU parallel split and exit")
     return parser
 
@@ -219,17 +221,38 @@ def _cmd_nsys(args: argparse.Namespace) -> None:
     print(f"wrote {report}; summarise with: nsys stats --report cuda_gpu_kern_sum {report}")
 
 
-def run_sections(sections: Sequence[str], kind: str | None, overrides: dict[str, Any]) -> dict[str, float]:
-    """Run sections in order; returns seconds per section. ``budget_s`` in ``overrides`` applies to each."""
+def section_budgets(sections: Sequence[str], kind: str | None, total_budget_s: float) -> dict[str, float]:
+    """Share ``total_budget_s`` between sections in proportion to their default budgets."""
+    from .sections import section_defaults
+
+    defaults = {name: section_defaults(name, kind)["budget_s"] for name in sections}
+    scale = total_budget_s / sum(defaults.values())
+    return {name: budget * scale for name, budget in defaults.items()}
+
+
+def run_sections(
+    sections: Sequence[str], kind: str | None, overrides: dict[str, Any], total_budget_s: float | None = None
+) -> dict[str, float]:
+    """Run sections in order; returns seconds per section. ``budget_s`` in ``overrides`` applies to each;
+    ``total_budget_s`` instead shares one budget between them (a section that finishes early leaves its
+    remainder to the next ones)."""
     from .sections import RUNNERS
 
+    unknown = [name for name in sections if name not in RUNNERS]
+    if unknown:
+        raise SystemExit(f"unknown section(s) {unknown}; sections: {', '.join(RUNNERS)}")
+    shares = section_budgets(sections, kind, total_budget_s) if total_budget_s else {}
+    deadline = time.monotonic() + total_budget_s if total_budget_s else None
     seconds = {}
-    for name in sections:
-        if name not in RUNNERS:
-            raise SystemExit(f"unknown section {name!r}; sections: {', '.join(RUNNERS)}")
+    for i, name in enumerate(sections):
         start = time.monotonic()
-        print(f"== {name} ({kind or 'auto'}) ==", flush=True)
-        RUNNERS[name](kind, **overrides)
+        section_overrides = dict(overrides)
+        if deadline is not None:
+            left = deadline - start
+            rest = sum(shares[n] for n in sections[i:])
+            section_overrides["budget_s"] = max(left * shares[name] / rest, 1.0)
+        print(f"== {name} ({kind or 'auto'}, budget {section_overrides.get('budget_s', 'default')}) ==", flush=True)
+        RUNNERS[name](kind, **section_overrides)
         seconds[name] = time.monotonic() - start
         print(f"== {name} done in {seconds[name]:.0f} s ==", flush=True)
     return seconds
@@ -254,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             return
         if args.set and len(args.sections) > 1:
             raise SystemExit("--set applies to one section's parameters; run sections one at a time to override")
-        run_sections(args.sections, args.kind, _overrides(args))
+        run_sections(args.sections, args.kind, _overrides(args), total_budget_s=args.total_budget)
     else:
         run_sections([args.command], args.kind, _overrides(args))
 

@@ -64,8 +64,8 @@ _DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
                      profile_steps=2, trace_config=("small", 256), budget_s=900),
         "quick": dict(sizes=HANDOUT_SIZES, context_lengths=[128, 256, 512, 1024], warmup=2, steps=3,
                       profile_steps=1, trace_config=("small", 256), budget_s=170),
-        "smoke": dict(sizes=["tiny"], context_lengths=[32, 64], warmup=1, steps=2, profile_steps=1,
-                      trace_config=("tiny", 32), budget_s=60),
+        "smoke": dict(sizes=["tiny"], context_lengths=[16], warmup=1, steps=1, profile_steps=1,
+                      trace_config=("tiny", 16), budget_s=60),
     },
     "mixed_precision": {
         "full": dict(sizes=HANDOUT_SIZES, context_length=512, warmup=5, steps=10, budget_s=600),
@@ -345,7 +345,8 @@ def run_mixed_precision(kind: str | None = None, *, out: ResultWriter | None = N
         ax.set(ylabel="fp32 time / bf16 time", title="bf16 autocast speed-up")
         out.figure(fig, "bf16_speedup")
         plt.close(fig)
-    return {"accumulation": acc, "toy_model_dtypes": dtypes, "precision_timings": timings, "bf16_speedup": speedup}
+    return {"accumulation": acc, "toy_model_dtypes": dtypes, "toy_model_dtypes_info": info,
+            "precision_timings": timings, "bf16_speedup": speedup}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -527,7 +528,8 @@ def run_pytorch_attention(kind: str | None = None, *, out: ResultWriter | None =
     table, accounting = attention_memory_accounting(df, p["batch_size"])
     out.table(table, "memory_accounting")
     out.json(accounting, "oom_accounting")
-    return {"timings": df, **grids, "memory_accounting": table, "oom_accounting": accounting}
+    return {"timings": df, **{f"grid_{k}": g.reset_index() for k, g in grids.items()},
+            "memory_accounting": table, "oom_accounting": accounting}
 
 
 def run_torch_compile(kind: str | None = None, *, out: ResultWriter | None = None, **overrides: Any) -> dict[str, Any]:
@@ -564,6 +566,8 @@ def run_torch_compile(kind: str | None = None, *, out: ResultWriter | None = Non
     configs = [{"size": s, "mode": m, "compiled": c} for s in p["sizes"] for m in ("forward", "train")
                for c in (False, True)]
     model = run_sweep(one, configs, desc="model compiled vs eager", budget_s=_deadline_left(deadline))
+    torch._dynamo.reset()  # compiled graphs hold on to the last model's weights
+    free_memory()
     out.table(model, "model_timings")
     ok = model[model["status"] == OK]
     speed = pd.DataFrame()

@@ -106,11 +106,15 @@ def kernel_records(prof: Any) -> pd.DataFrame:
     operator), ``device`` (``cuda`` or ``cpu``), ``op`` (launching operator)."""
     events = _events(prof)
     cpu_ops = [e for e in events if _is_cpu(e) and not getattr(e, "is_async", False)]
+    # With CUDA activity a record_function range also yields a GPU-side "user annotation" spanning its
+    # kernels; it can be linked to the range like a kernel, so drop anything named like a range.
+    range_names_ = {e.name for e in cpu_ops if _is_annotation(e)}
     rows = [
         {"name": k.name, "duration_us": float(k.duration), "launch_us": e.time_range.start, "device": "cuda",
          "op": e.name}
         for e in cpu_ops
         for k in getattr(e, "kernels", [])
+        if k.name not in range_names_ and not _is_annotation(e)
     ]
     if not rows:  # CPU-only profile: operators' self time is the work
         rows = [
