@@ -205,6 +205,10 @@ def params_line(meta: dict[str, Any], limit: int = 240) -> str:
 
 
 def _short(v: Any) -> str:
+    if isinstance(v, float) and (abs(v) >= 1e6 or (v != 0 and abs(v) < 1e-3)):
+        return f"{v:.4g}"
     if isinstance(v, list) and len(v) > 8:
-        return "[" + ", ".join(map(str, v[:3])) + f", …, {v[-1]}] ({len(v)} values)"
+        return "[" + ", ".join(map(_short, v[:3])) + f", …, {_short(v[-1])}] ({len(v)} values)"
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_short, v)) + "]"
     return str(v)

@@ -44,8 +44,10 @@ SECTIONS: list[SectionSpec] = [
     SectionSpec("2.4", "Communication accounting", "communication_accounting", ("communication_accounting",),
                 sharding.communication_accounting, gpus=0),
     SectionSpec("3", "Optimizer-state sharding", "optimizer_state_sharding", ("optimizer_state_sharding_accounting",),
-                sharding.optimizer_state_sharding, gpus=2),
-    SectionSpec("3.1", "Fully sharded data parallelism", "fsdp", ("fsdp",), sharding.fsdp, gpus=2),
+                sharding.optimizer_state_sharding, gpus=2,
+                alternative="python -m cs336_systems.distributed.sharding_benchmark --nproc 2"),
+    SectionSpec("3.1", "Fully sharded data parallelism", "fsdp", ("fsdp",), sharding.fsdp, gpus=2,
+                alternative="python -m cs336_systems.distributed.fsdp_benchmark --nproc 2 4"),
 ]
 
 
