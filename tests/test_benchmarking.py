@@ -273,3 +273,36 @@ def test_cli_sweep_writes_table(tmp_path, monkeypatch, capsys):
     df = pd.read_csv(tmp_path / "cli_sweep" / "sweep.csv")
     assert list(df["mode"]) == ["inference", "forward"] and (df["status"] == "ok").all()
     assert (tmp_path / "cli_sweep" / "sweep.meta.json").exists()
+
+
+def test_total_budget_is_shared_in_proportion():
+    from cs336_systems.benchmarking.__main__ import section_budgets
+
+    shares = section_budgets(list(SECTIONS), "quick", 600)
+    assert sum(shares.values()) == pytest.approx(600)
+    defaults = {s: section_defaults(s, "quick")["budget_s"] for s in SECTIONS}
+    assert shares["torch_compile"] / shares["benchmarking"] == pytest.approx(
+        defaults["torch_compile"] / defaults["benchmarking"])
+
+
+def test_print_split_covers_every_section(capsys):
+    main(["all", "--print-split"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "wait" and len(lines) == len(PARALLEL_SPLIT) + 1
+    assert all(f"CUDA_VISIBLE_DEVICES={i}" in line for i, line in enumerate(lines[:-1]))
+
+
+def test_notebooks_prefer_committed_gpu_results(tmp_path, monkeypatch):
+    from cs336_systems.benchmarking import report
+    from cs336_systems.results import ResultWriter
+
+    monkeypatch.setattr(report, "FIGURES_DIR", tmp_path)
+    fresh = {"timings": pd.DataFrame({"x": [1]})}
+    data, where, source = report.section_results("sec", fresh, ["timings"], smoke=True)
+    assert source == "smoke" and data is fresh
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    ResultWriter("sec", smoke=False).table(pd.DataFrame({"x": [42]}), "timings")
+    data, where, source = report.section_results("sec", fresh, ["timings"], smoke=True)
+    assert source == "committed" and data["timings"]["x"].iloc[0] == 42 and "measured on" in where
+    data, _, source = report.section_results("sec", fresh, ["timings"], smoke=False)
+    assert source == "fresh" and data is fresh

@@ -238,3 +238,53 @@ def test_record_memory_snapshot_on_gpu(tmp_path):
     tl = active_memory_timeline(snap)
     assert tl.sum(axis=1).max() <= snap["summary"]["peak_allocated_bytes"] * 1.01
     assert not largest_allocations(snap).empty
+
+
+# --------------------------------------------------------------------------------------------------
+# the CUDA path of kernel_records, on profiler-shaped fakes
+# --------------------------------------------------------------------------------------------------
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+class _Kernel:
+    def __init__(self, name, duration):
+        self.name, self.device, self.duration = name, 0, duration
+
+
+class _Event:
+    def __init__(self, name, start, end, kernels=(), annotation=False, thread=1):
+        self.name, self.time_range, self.kernels = name, _Range(start, end), list(kernels)
+        self.is_user_annotation, self.device_type, self.is_async = annotation, "DeviceType.CPU", False
+        self.thread, self.self_cpu_time_total = thread, end - start
+
+
+class _CudaProf:
+    """Two ranges on the main thread; the backward's kernels are launched from autograd's thread, inside
+    the backward range in time. The annotation's GPU-side span is linked like a kernel and must be ignored."""
+
+    def events(self):
+        return [
+            _Event("forward", 0, 100, kernels=[_Kernel("forward", 95.0)], annotation=True),
+            _Event("aten::mm", 10, 20, kernels=[_Kernel("sm90_xmma_gemm_tn", 40.0)]),
+            _Event("aten::exp", 30, 35, kernels=[_Kernel("vectorized_elementwise_kernel", 10.0)]),
+            _Event("backward", 100, 200, annotation=True),
+            _Event("aten::mm", 120, 130, kernels=[_Kernel("sm90_xmma_gemm_tn", 80.0)], thread=2),
+        ]
+
+
+def test_cuda_kernel_attribution_by_launch_time():
+    prof = _CudaProf()
+    records = kernel_records(prof)
+    assert set(records["device"]) == {"cuda"} and "forward" not in set(records["name"])
+    fwd = kernel_table(prof, "forward").set_index("name")
+    assert fwd.loc["sm90_xmma_gemm_tn", "total_ms"] == pytest.approx(0.040)
+    assert fwd.loc["sm90_xmma_gemm_tn", "percent"] == pytest.approx(80.0)
+    bwd = kernel_table(prof, "backward")
+    assert list(bwd["name"]) == ["sm90_xmma_gemm_tn"] and bwd["total_ms"].iloc[0] == pytest.approx(0.080)
+    whole = kernel_table(prof)
+    assert whole["total_ms"].sum() == pytest.approx(0.130)
+    assert set(range_names(prof)) == {"forward", "backward"}
