@@ -50,7 +50,7 @@ def _write_benchmarking(root: Path) -> pd.DataFrame:
 
 
 def test_every_section_present_and_says_what_is_missing(results: Path) -> None:
-    doc = build_document(results)
+    doc = build_document(results, strict=True)
     assert [s.number for s in doc.sections] == EXPECTED_SECTIONS
     assert [s.folder for s in doc.sections] == [spec.folder for spec in SECTIONS]
     for section in doc.sections:
@@ -63,7 +63,7 @@ def test_every_section_present_and_says_what_is_missing(results: Path) -> None:
 
 def test_numbers_and_provenance_come_from_the_results(results: Path) -> None:
     _write_benchmarking(results)
-    doc = build_document(results)
+    doc = build_document(results, strict=True)
     sec = doc.section("1.1.3")
     tables = [b for b in sec.walk() if isinstance(b, Table)]
     assert len(tables) == 1 and tables[0].source.endswith("benchmarking/timings.csv")
@@ -85,7 +85,7 @@ def test_unclaimed_results_are_shown_generically(results: Path) -> None:
     out.figure(fig, "extra_plot")
     plt.close(fig)
     ResultWriter("brand_new_notebook", smoke=True).json({"answer": 42, "unit": "ms"}, "summary")
-    doc = build_document(results)
+    doc = build_document(results, strict=True)
     bench = doc.section("1.1.3").walk()
     assert any(isinstance(b, Table) and b.source.endswith("extra_table.csv") for b in bench)
     assert any(isinstance(b, Figure) and b.source.endswith("extra_plot.png") for b in bench)
@@ -98,7 +98,7 @@ def test_unclaimed_results_are_shown_generically(results: Path) -> None:
 
 def test_html_typesets_math_and_embeds_everything(results: Path) -> None:
     _write_benchmarking(results)
-    page = document_html(build_document(results))
+    page = document_html(build_document(results, strict=True))
     assert page.count('<img class="math"') > 10  # derivations are typeset, not printed as TeX
     assert "$" not in page.replace("\\$", "")
     assert "<b>Table 1.</b>" in page and "Run parameters: warmup=5, steps=10" in page
@@ -169,7 +169,7 @@ def test_ddp_answers_and_bucket_size_come_from_the_measurements(results: Path) -
     allreduce = pd.DataFrame({"backend": "nccl", "world_size": 2, "size_bytes": sizes, "size": ["1MiB", "10MiB",
                               "100MiB", "1GiB"], "time_ms": [(o + s / w) * 1e3 for s in sizes]})
     ResultWriter("distributed_communication_single_node", smoke=False).table(allreduce, "allreduce")
-    doc = build_document(results)
+    doc = build_document(results, strict=True)
     naive = doc.section("2.2").plain()
     assert "180 ms per step" in naive and "72.0 ms (40.0%)" in naive and "100 ms" in naive
     bucket = doc.section("2.3.3").plain()
@@ -178,3 +178,16 @@ def test_ddp_answers_and_bucket_size_come_from_the_measurements(results: Path) -
 
     expected = (4 * param_counts("xl")["total"] * w * o) ** 0.5 / 2**20
     assert fmt.sig(expected) + r"\,\mathrm{MiB}" in bucket
+
+
+def test_a_section_that_cannot_read_its_data_says_so_and_keeps_the_rest(results: Path) -> None:
+    bad = pd.DataFrame({"size": ["small"], "forward_mean_ms": ["fast"], "forward_std_ms": ["?"],
+                        "backward_mean_ms": ["slow"], "backward_std_ms": ["?"]})
+    ResultWriter("benchmarking", smoke=False).table(bad, "timings")
+    with pytest.raises(TypeError):
+        build_document(results, strict=True)
+    doc = build_document(results)
+    sec = doc.section("1.1.3")
+    assert "could not be formatted" in sec.plain()
+    assert any(isinstance(b, Table) and b.source.endswith("timings.csv") for b in sec.walk())
+    assert len(doc.sections) == len(EXPECTED_SECTIONS)

@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--figures", type=Path, default=FIGURES_DIR, help="results root (default: figures/)")
     build.add_argument("--output", type=Path, default=_manifest.DEFAULT_PDF, help="PDF path (default: writeup.pdf)")
     build.add_argument("--html", type=Path, default=None, help="also keep the intermediate HTML here")
+    build.add_argument("--strict", action="store_true", help="fail when a section cannot format its answers")
     build.add_argument("--no-manifest", action="store_true",
                        help="preview only: do not update the manifest (use with --figures .scratch/figures)")
     html = sub.add_parser("html", help="write only the HTML (no browser needed)")
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                          "pass --output elsewhere and --no-manifest for a preview")
         manifest = None if args.no_manifest else (_manifest.DEFAULT_MANIFEST if default_root
                                                   else args.figures / _manifest.MANIFEST_NAME)
-        out = build_pdf(args.output, args.figures, manifest, args.html)
+        out = build_pdf(args.output, args.figures, manifest, args.html, strict=args.strict)
         print(f"wrote {out}" + (f" and {manifest}" if manifest else ""))
         return 0
     if args.command == "html":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from cs336_systems.report import manifest as _manifest
 from cs336_systems.report.data import SectionData, humanize
 from cs336_systems.report.document import Block, Document, Missing, Section, Text
 from cs336_systems.report.sections import SECTIONS
-from cs336_systems.report.sections.common import notebook_command
+from cs336_systems.report.sections.common import SectionSpec, notebook_command
 from cs336_systems.results import FIGURES_DIR, REPO_ROOT
 
 TITLE = "CS336 Assignment 2 (Systems): writeup"
@@ -27,13 +28,28 @@ def _preamble(root: Path) -> list[Block]:
     ]
 
 
-def build_section(spec, root: Path) -> tuple[Section, SectionData]:
+def build_section(spec: SectionSpec, root: Path, strict: bool = False) -> tuple[Section, SectionData]:
+    """One section: the spec's answers, then every artefact of its folders that the answers did not use.
+
+    A builder that fails on unexpected data (a renamed column, say) must not cost the whole writeup:
+    unless ``strict``, the section says in red that its answers could not be formatted, the error is
+    printed, and its results still appear generically.
+    """
     data = SectionData(root, spec.folder, command=spec.produce, note=spec.where, alternative=spec.alternative)
     blocks: list[Block] = []
     if data.empty:
         blocks.append(Missing(f"no results in `{root.name}/{spec.folder}/`", spec.produce, spec.where,
                               spec.alternative))
-    blocks.extend(spec.build(data))
+    try:
+        blocks.extend(spec.build(data))
+    except Exception as exc:  # noqa: BLE001 - reported loudly, see docstring
+        if strict:
+            raise
+        data.forget_usage()
+        message = f"{type(exc).__name__}: {exc}"
+        print(f"warning: §{spec.number} answers failed on the data in {data.dir}: {message}", file=sys.stderr)
+        blocks.append(Text(f"**The answers of this section could not be formatted from its results** "
+                           f"(`{message}`); the results follow unformatted.", role="error"))
     for folder, rest in [(spec.folder, data.remaining())] + [
         (extra, SectionData(root, extra).remaining()) for extra in spec.also
     ]:
@@ -43,13 +59,13 @@ def build_section(spec, root: Path) -> tuple[Section, SectionData]:
     return Section(spec.number, spec.title, spec.folder, spec.problems, blocks), data
 
 
-def build_document(root: Path = FIGURES_DIR) -> Document:
+def build_document(root: Path = FIGURES_DIR, strict: bool = False) -> Document:
     """The whole writeup from the results under ``root`` (no rendering, no browser)."""
     root = Path(root)
     sections: list[Section] = []
     known = set()
     for spec in SECTIONS:
-        section, _ = build_section(spec, root)
+        section, _ = build_section(spec, root, strict)
         sections.append(section)
         known.update((spec.folder, *spec.also))
     # Result folders no section claims (e.g. a new notebook) still appear, generically.
@@ -76,11 +92,12 @@ def build(
     root: Path = FIGURES_DIR,
     manifest: Path | None = _manifest.DEFAULT_MANIFEST,
     html_path: Path | None = None,
+    strict: bool = False,
 ) -> Path:
     """Render the writeup to ``output`` and, unless ``manifest`` is None, record its inputs."""
     from cs336_systems.report.pdf import html_to_pdf
 
-    doc = build_document(root)
+    doc = build_document(root, strict)
     with tempfile.TemporaryDirectory(prefix="cs336-writeup-") as tmp:
         html = write_html(doc, Path(html_path) if html_path else Path(tmp) / "writeup.html")
         html_to_pdf(html, Path(output))

@@ -147,6 +147,10 @@ class SectionData:
 
     # -- everything not yet shown ------------------------------------------------------------------
 
+    def forget_usage(self) -> None:
+        """Treat every artefact as unshown again (after a section builder failed half-way)."""
+        self._used.clear()
+
     def remaining(self) -> list[Block]:
         """Generic blocks for every table, figure and flat JSON record no section builder asked for."""
         blocks: list[Block] = []

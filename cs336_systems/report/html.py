@@ -73,6 +73,7 @@ td.txt { text-align: left; overflow-wrap: anywhere; max-width: 70mm; }
 .equation { text-align: center; margin: 2mm 0; break-inside: avoid; }
 .equation img { display: block; margin: 1.2mm auto; }
 img.math { display: inline; }
+p.error { color: #b00; }
 p.further { font-size: 9.5pt; color: #333; margin-top: 4mm; break-after: avoid; }
 """
 
@@ -208,7 +209,7 @@ def markdown_inline(text: str) -> str:
 def block_html(block: Block, counter: _Counter) -> str:
     if isinstance(block, Text):
         out = markdown_to_html(block.markdown)
-        return out.replace("<p>", '<p class="further">', 1) if block.role == "further" else out
+        return out.replace("<p>", f'<p class="{block.role}">', 1) if block.role else out
     if isinstance(block, Equation):
         return '<div class="equation">' + "".join(math_img(line, True) for line in block.lines) + "</div>"
     if isinstance(block, Table):
