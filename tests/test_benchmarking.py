@@ -288,8 +288,8 @@ def test_total_budget_is_shared_in_proportion():
 def test_print_split_covers_every_section(capsys):
     main(["all", "--print-split"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == "wait" and len(lines) == len(PARALLEL_SPLIT) + 1
-    assert all(f"CUDA_VISIBLE_DEVICES={i}" in line for i, line in enumerate(lines[:-1]))
+    assert lines[0] == "mkdir -p .scratch" and lines[-1] == "wait" and len(lines) == len(PARALLEL_SPLIT) + 2
+    assert all(f"CUDA_VISIBLE_DEVICES={i}" in line for i, line in enumerate(lines[1:-1]))
 
 
 def test_notebooks_prefer_committed_gpu_results(tmp_path, monkeypatch):

@@ -251,7 +251,8 @@ def run_sections(
             left = deadline - start
             rest = sum(shares[n] for n in sections[i:])
             section_overrides["budget_s"] = max(left * shares[name] / rest, 1.0)
-        print(f"== {name} ({kind or 'auto'}, budget {section_overrides.get('budget_s', 'default')}) ==", flush=True)
+        budget = section_overrides.get("budget_s")
+        print(f"== {name} ({kind or 'auto'}, budget {f'{budget:.0f} s' if budget else 'default'}) ==", flush=True)
         RUNNERS[name](kind, **section_overrides)
         seconds[name] = time.monotonic() - start
         print(f"== {name} done in {seconds[name]:.0f} s ==", flush=True)
@@ -270,9 +271,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         _cmd_nsys(args)
     elif args.command == "all":
         if args.print_split:
+            budget = args.total_budget or 400
+            print("mkdir -p .scratch")
             for gpu, group in enumerate(PARALLEL_SPLIT):
                 print(f"CUDA_VISIBLE_DEVICES={gpu} python -m cs336_systems.benchmarking all --quick "
-                      f"--sections {','.join(group)} &")
+                      f"--sections {','.join(group)} --total-budget {budget:.0f} > .scratch/bench_gpu{gpu}.log 2>&1 &")
             print("wait")
             return
         if args.set and len(args.sections) > 1:
