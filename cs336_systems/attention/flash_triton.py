@@ -16,8 +16,9 @@ in Triton's numpy interpreter (slow; this is how the CPU test suite checks them)
 interpreter raise a ``ValueError`` that points to ``flash_pytorch`` rather than silently falling back, so a
 benchmark labelled "triton" always measures the Triton kernels.
 
-float32 inputs use TF32 tensor-core matmuls (Triton's default), like most fp32 attention kernels; expect
-errors near 1e-3 relative rather than float32 round-off.
+float32 inputs follow ``torch.get_float32_matmul_precision()``, as PyTorch's own matmuls do: ``"highest"``
+(PyTorch's default) uses 3xTF32 products on tensor cores, accurate to float32 round-off; ``"high"`` or
+``"medium"`` uses single TF32 products (faster, ~1e-3 relative error). 16-bit inputs are unaffected.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ def _unit_stride_d(t: Tensor) -> Tensor:
     return t if (t.stride(-1) == 1 and 0 not in t.stride()) else t.contiguous()
 
 
+def _dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for these inputs (see the module docstring)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "tf32x3"
+    return "tf32"  # TF32 for float32 at "high"/"medium"; ignored for 16-bit operands
+
+
 def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
     """Launch on the tensors' GPU, not on whichever one is current."""
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
@@ -113,7 +121,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
             heads, n_queries, n_keys, _LOG2_E / math.sqrt(d), _seq_class(n_queries, n_keys),
-            HEAD_DIM=d, IS_CAUSAL=is_causal,
+            HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
         )  # fmt: skip
     return o, lse
 
@@ -136,6 +144,7 @@ def flash_attention_backward(
     scale = 1.0 / math.sqrt(d)
     shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
     block = kernels.PREPROCESS_BLOCK
+    precision = _dot_precision(q.dtype)
 
     with _device_guard(q):
         kernels.flash_backward_preprocess_kernel[(_cdiv(n_queries, block) * batch * heads,)](
@@ -144,12 +153,12 @@ def flash_attention_backward(
         kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
             q, k, v, do, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
-            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal,
+            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
         )  # fmt: skip
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),
-            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal,
+            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
         )  # fmt: skip
     return dq, dk, dv
 

@@ -13,6 +13,10 @@ straddle the diagonal, plus the ragged tile at the end of a sequence whose lengt
 tile). Tiles entirely above the diagonal are never visited. The masked part is a separate instantiation of
 the same inner loop (``MASKED`` is a compile-time flag), so the unmasked tiles pay for no masking at all.
 
+Matmul precision (``DOT_PRECISION``) only matters for float32 inputs: ``tf32`` (tensor cores, ~1e-3
+relative error) or ``tf32x3`` (three TF32 products, float32-level accuracy); ``flash_triton`` picks it from
+``torch.get_float32_matmul_precision()`` like any PyTorch matmul.
+
 Softmax arithmetic is in base 2: scores are scaled by ``log2(e) / √d`` and exponentiated with ``exp2``,
 which maps to one hardware instruction. ``L`` is stored in natural-log units, as the interface requires.
 
@@ -58,16 +62,16 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
 
 
 #: Forward: BLOCK_M queries stay resident while BLOCK_N-key tiles stream past.
-FORWARD_CONFIGS = _configs(
-    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 3)]
-)
+FORWARD_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3)])
 #: dK/dV: BLOCK_N keys stay resident while BLOCK_M-query tiles stream past.
-DKDV_CONFIGS = _configs([(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3)])
+DKDV_CONFIGS = _configs([(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)])
 #: dQ: BLOCK_M queries stay resident while BLOCK_N-key tiles stream past.
-DQ_CONFIGS = _configs([(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (64, 16, 4, 3)])
+DQ_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3)])
+#: (The lists hold the winners on an H100 for head dims 64 and 128 plus one neighbour each; a longer list
+#: costs about 0.8 s of compile per config and shape class on first use. See PERF_NOTES.md.)
 #: Tuning key: the shape class. SEQ_CLASS is the longer sequence length rounded up to a power of two
 #: (capped; see ``flash_triton._seq_class``); dtypes are added to the key by Triton itself.
-AUTOTUNE_KEY = ["SEQ_CLASS", "HEAD_DIM", "IS_CAUSAL"]
+AUTOTUNE_KEY = ["SEQ_CLASS", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
 #: Rows per program of the small preprocess kernel.
 PREPROCESS_BLOCK = 16 if INTERPRETED else 128
 
@@ -176,6 +180,7 @@ def _forward_key_loop(
     acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, lo, hi, n_keys, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles ``[lo, hi)``: fold each tile into the running max ``m_i`` (log2
     units), denominator ``l_i`` and accumulator ``acc``."""
@@ -190,14 +195,14 @@ def _forward_key_loop(
         else:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, kt) * qk_scale
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -212,7 +217,8 @@ def flash_forward_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     n_heads, n_queries, n_keys, qk_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -233,11 +239,11 @@ def flash_forward_kernel(
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, m_i, l_i = _forward_key_loop(
         acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, 0, mid, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, False,
+        offs_m, 0, mid, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, False, DOT_PRECISION,
     )
     acc, m_i, l_i = _forward_key_loop(
         acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, mid, hi, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, True,
+        offs_m, mid, hi, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, True, DOT_PRECISION,
     )
 
     o = acc / l_i[:, None]
@@ -281,6 +287,7 @@ def _dkdv_query_loop(
     stride_qn, stride_qd, stride_don, stride_dod, stride_ln,
     offs_n, lo, hi, n_queries, n_keys, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
     on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
@@ -300,13 +307,13 @@ def _dkdv_query_loop(
             do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
             delta = tl.load(delta_ptr + offs_m)
-        pt = tl.math.exp2(tl.dot(k, qt) * qk_scale - lse2[None, :])
+        pt = tl.math.exp2(tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv)
-        dpt = tl.dot(v, tl.trans(do))
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -322,7 +329,8 @@ def flash_backward_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
@@ -348,15 +356,15 @@ def flash_backward_dkdv_kernel(
     lo, diag, tail = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dk, dv = _dkdv_query_loop(
         dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
-        stride_ln, offs_n, lo, diag, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True,
+        stride_ln, offs_n, lo, diag, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION,
     )
     dk, dv = _dkdv_query_loop(
         dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
-        stride_ln, offs_n, diag, tail, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, False,
+        stride_ln, offs_n, diag, tail, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, False, DOT_PRECISION,
     )
     dk, dv = _dkdv_query_loop(
         dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
-        stride_ln, offs_n, tail, n_queries, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True,
+        stride_ln, offs_n, tail, n_queries, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION,
     )
 
     dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
@@ -370,6 +378,7 @@ def _dq_key_loop(
     dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, lo, hi, n_queries, n_keys, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate ``dQ += dS K`` (unscaled) over key tiles ``[lo, hi)``."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -383,12 +392,12 @@ def _dq_key_loop(
         else:
             kt = tl.load(kt_ptrs)
             vt = tl.load(vt_ptrs)
-        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
+        p = tl.math.exp2(tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
-        dp = tl.dot(do, vt)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -403,7 +412,8 @@ def flash_backward_dq_kernel(
     stride_lb, stride_lh, stride_ln,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past."""
     tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
@@ -428,11 +438,11 @@ def flash_backward_dq_kernel(
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dq = _dq_key_loop(
         dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, 0, mid, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, False,
+        offs_m, 0, mid, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, False, DOT_PRECISION,
     )
     dq = _dq_key_loop(
         dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, mid, hi, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, True,
+        offs_m, mid, hi, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, True, DOT_PRECISION,
     )
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
