@@ -92,6 +92,8 @@ def software_versions() -> dict[str, str | None]:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
+        # "highest" means true fp32 matmuls; "high" allows TF32 on Ampere and newer.
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
 
 

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -235,7 +236,8 @@ def run_sections(
 ) -> dict[str, float]:
     """Run sections in order; returns seconds per section. ``budget_s`` in ``overrides`` applies to each;
     ``total_budget_s`` instead shares one budget between them (a section that finishes early leaves its
-    remainder to the next ones)."""
+    remainder to the next ones). A section that raises is reported with its traceback and the remaining
+    sections still run; the command then exits non-zero naming the failed sections."""
     from .sections import RUNNERS
 
     unknown = [name for name in sections if name not in RUNNERS]
@@ -243,7 +245,8 @@ def run_sections(
         raise SystemExit(f"unknown section(s) {unknown}; sections: {', '.join(RUNNERS)}")
     shares = section_budgets(sections, kind, total_budget_s) if total_budget_s else {}
     deadline = time.monotonic() + total_budget_s if total_budget_s else None
-    seconds = {}
+    seconds: dict[str, float] = {}
+    failed: list[str] = []
     for i, name in enumerate(sections):
         start = time.monotonic()
         section_overrides = dict(overrides)
@@ -253,9 +256,17 @@ def run_sections(
             section_overrides["budget_s"] = max(left * shares[name] / rest, 1.0)
         budget = section_overrides.get("budget_s")
         print(f"== {name} ({kind or 'auto'}, budget {f'{budget:.0f} s' if budget else 'default'}) ==", flush=True)
-        RUNNERS[name](kind, **section_overrides)
+        try:
+            RUNNERS[name](kind, **section_overrides)
+        except Exception:  # one broken section must not cost the measurements of the others
+            traceback.print_exc()
+            failed.append(name)
+            print(f"== {name} FAILED ==", flush=True)
+            continue
         seconds[name] = time.monotonic() - start
         print(f"== {name} done in {seconds[name]:.0f} s ==", flush=True)
+    if failed:
+        raise SystemExit(f"section(s) failed: {', '.join(failed)}")
     return seconds
 
 
