@@ -191,3 +191,27 @@ def test_a_section_that_cannot_read_its_data_says_so_and_keeps_the_rest(results:
     assert "could not be formatted" in sec.plain()
     assert any(isinstance(b, Table) and b.source.endswith("timings.csv") for b in sec.walk())
     assert len(doc.sections) == len(EXPECTED_SECTIONS)
+
+
+def test_sections_open_with_their_notebooks_commentary(results: Path, tmp_path: Path) -> None:
+    import nbformat
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# §2.2 Naive DDP\n\nEvery rank all-reduces each gradient."),
+                nbformat.v4.new_code_cell("print(1)")]
+    nbformat.write(nb, notebooks / "naive_ddp.ipynb")
+    doc = build_document(results, strict=True, notebooks=notebooks)
+    text = doc.section("2.2").plain()
+    assert "Every rank all-reduces each gradient." in text and "# §2.2" not in text
+    assert "notebooks/" not in doc.section("2.3.1").plain()
+
+    pdf, manifest = tmp_path / "w.pdf", tmp_path / "m.json"
+    pdf.write_bytes(b"%PDF")
+    mf.write_manifest(pdf, results, manifest, notebooks)
+    assert mf.check_manifest(pdf, results, manifest, notebooks) == []
+    nb.cells[0].source += " Edited."
+    nbformat.write(nb, notebooks / "naive_ddp.ipynb")
+    assert mf.check_manifest(pdf, results, manifest, notebooks) == [
+        "notebook file changed since the last build: " + str((notebooks / "naive_ddp.ipynb").resolve())]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +15,21 @@ from cs336_systems.report.sections.common import SectionSpec, notebook_command
 from cs336_systems.results import FIGURES_DIR, REPO_ROOT
 
 TITLE = "CS336 Assignment 2 (Systems): writeup"
+NOTEBOOK_DIR = _manifest.NOTEBOOK_DIR
+
+
+def notebook_intro(path: Path) -> str | None:
+    """The notebook's opening commentary (its first Markdown cell, title line removed): what was measured
+    and how, in its author's words. It carries no numbers; those come from the results."""
+    if not path.exists():
+        return None
+    cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
+    source = next(("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown"), "")
+    lines = source.strip().splitlines()
+    while lines and (lines[0].startswith("#") or not lines[0].strip()):
+        lines.pop(0)
+    text = "\n".join(lines).strip()
+    return text or None
 
 
 def _preamble(root: Path) -> list[Block]:
@@ -28,7 +44,9 @@ def _preamble(root: Path) -> list[Block]:
     ]
 
 
-def build_section(spec: SectionSpec, root: Path, strict: bool = False) -> tuple[Section, SectionData]:
+def build_section(
+    spec: SectionSpec, root: Path, strict: bool = False, notebooks: Path = NOTEBOOK_DIR
+) -> tuple[Section, SectionData]:
     """One section: the spec's answers, then every artefact of its folders that the answers did not use.
 
     A builder that fails on unexpected data (a renamed column, say) must not cost the whole writeup:
@@ -40,6 +58,9 @@ def build_section(spec: SectionSpec, root: Path, strict: bool = False) -> tuple[
     if data.empty:
         blocks.append(Missing(f"no results in `{root.name}/{spec.folder}/`", spec.produce, spec.where,
                               spec.alternative))
+    intro = notebook_intro(notebooks / f"{spec.folder}.ipynb")
+    if intro:
+        blocks.append(Text(f"*From `notebooks/{spec.folder}.ipynb`:* {intro}", role="method"))
     try:
         blocks.extend(spec.build(data))
     except Exception as exc:  # noqa: BLE001 - reported loudly, see docstring
@@ -59,13 +80,14 @@ def build_section(spec: SectionSpec, root: Path, strict: bool = False) -> tuple[
     return Section(spec.number, spec.title, spec.folder, spec.problems, blocks), data
 
 
-def build_document(root: Path = FIGURES_DIR, strict: bool = False) -> Document:
-    """The whole writeup from the results under ``root`` (no rendering, no browser)."""
+def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Path = NOTEBOOK_DIR) -> Document:
+    """The whole writeup from the results under ``root`` and the commentary of the notebooks in
+    ``notebooks`` (no rendering, no browser)."""
     root = Path(root)
     sections: list[Section] = []
     known = set()
     for spec in SECTIONS:
-        section, _ = build_section(spec, root, strict)
+        section, _ = build_section(spec, root, strict, notebooks)
         sections.append(section)
         known.update((spec.folder, *spec.also))
     # Result folders no section claims (e.g. a new notebook) still appear, generically.

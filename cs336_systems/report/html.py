@@ -73,8 +73,12 @@ td.txt { text-align: left; overflow-wrap: anywhere; max-width: 70mm; }
 .equation { text-align: center; margin: 2mm 0; break-inside: avoid; }
 .equation img { display: block; margin: 1.2mm auto; }
 img.math { display: inline; }
-p.error { color: #b00; }
-p.further { font-size: 9.5pt; color: #333; margin-top: 4mm; break-after: avoid; }
+div.error p { color: #b00; }
+div.method { border-left: 1.5pt solid #bbb; padding: 0 0 0 3mm; margin: 2mm 0 3mm 0; color: #333;
+             font-size: 9.5pt; }
+div.method p { margin: 0.8mm 0; }
+div.further { break-after: avoid; }
+div.further p { font-size: 9.5pt; color: #333; margin-top: 4mm; break-after: avoid; }
 """
 
 
@@ -209,7 +213,7 @@ def markdown_inline(text: str) -> str:
 def block_html(block: Block, counter: _Counter) -> str:
     if isinstance(block, Text):
         out = markdown_to_html(block.markdown)
-        return out.replace("<p>", f'<p class="{block.role}">', 1) if block.role else out
+        return f'<div class="{block.role}">{out}</div>' if block.role else out
     if isinstance(block, Equation):
         return '<div class="equation">' + "".join(math_img(line, True) for line in block.lines) + "</div>"
     if isinstance(block, Table):

@@ -20,6 +20,7 @@ MANIFEST_NAME = "writeup_manifest.json"
 DEFAULT_PDF = REPO_ROOT / "writeup.pdf"
 DEFAULT_MANIFEST = FIGURES_DIR / MANIFEST_NAME
 REBUILD_COMMAND = "uv run python -m cs336_systems.report build"
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
 #: Source files whose change alters the document: the builder package and the analytic models whose
 #: numbers it computes (the preset calculator, the DDP overhead model).
@@ -64,21 +65,23 @@ def builder_files() -> list[Path]:
     return [f for f in files if "__pycache__" not in f.parts]
 
 
-def fingerprint(root: Path) -> dict[str, dict[str, str]]:
-    """Hashes of the inputs: ``results`` keyed relative to ``root``, ``builder`` relative to the repo."""
+def fingerprint(root: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, dict[str, str]]:
+    """Hashes of the inputs: ``results`` keyed relative to ``root``; the ``notebooks`` whose commentary
+    opens each section and the ``builder`` source keyed relative to the repository."""
     root = Path(root).resolve()
     return {
         "results": {_key(p, root): sha256(p) for p in result_files(root)},
+        "notebooks": {_key(p, REPO_ROOT): sha256(p) for p in sorted(Path(notebooks).glob("*.ipynb"))},
         "builder": {_key(p, REPO_ROOT): sha256(p) for p in builder_files()},
     }
 
 
-def write_manifest(pdf: Path, root: Path, manifest: Path) -> dict[str, Any]:
+def write_manifest(pdf: Path, root: Path, manifest: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, Any]:
     data: dict[str, Any] = {
         "rebuild": REBUILD_COMMAND,
         "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "pdf": {"path": _key(Path(pdf), REPO_ROOT), "sha256": sha256(Path(pdf))},
-        **fingerprint(root),
+        **fingerprint(root, notebooks),
     }
     manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
@@ -97,7 +100,9 @@ def _diff(kind: str, old: dict[str, str], new: dict[str, str]) -> list[str]:
     return problems
 
 
-def check_manifest(pdf: Path = DEFAULT_PDF, root: Path = FIGURES_DIR, manifest: Path = DEFAULT_MANIFEST) -> list[str]:
+def check_manifest(
+    pdf: Path = DEFAULT_PDF, root: Path = FIGURES_DIR, manifest: Path = DEFAULT_MANIFEST, notebooks: Path = NOTEBOOK_DIR
+) -> list[str]:
     """Reasons the committed PDF is stale (empty when it is up to date)."""
     pdf, manifest = Path(pdf), Path(manifest)
     if not manifest.exists():
@@ -108,7 +113,8 @@ def check_manifest(pdf: Path = DEFAULT_PDF, root: Path = FIGURES_DIR, manifest: 
         problems.append(f"{_key(pdf, REPO_ROOT)} does not exist")
     elif sha256(pdf) != recorded.get("pdf", {}).get("sha256"):
         problems.append(f"{_key(pdf, REPO_ROOT)} is not the PDF the manifest was written for")
-    now = fingerprint(root)
+    now = fingerprint(root, notebooks)
     problems += _diff("result", recorded.get("results", {}), now["results"])
+    problems += _diff("notebook", recorded.get("notebooks", {}), now["notebooks"])
     problems += _diff("builder", recorded.get("builder", {}), now["builder"])
     return problems

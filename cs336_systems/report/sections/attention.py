@@ -16,12 +16,16 @@ def pytorch_attention(d: SectionData) -> list[Block]:
     if not ok.empty and {"seq_len", "forward_mean_ms", "backward_mean_ms"} <= set(ok.columns):
         big = ok[ok["seq_len"] == ok["seq_len"].max()]
         failed = failed_rows(timings)
+        params = d.meta("timings").get("params", {})
+        setup = ", ".join(x for x in (
+            f"batch {params['batch_size']}" if params.get("batch_size") else "",
+            f"{params['n_forward']} forward and {params.get('n_backward', params['n_forward'])} backward passes each"
+            if params.get("n_forward") else "") if x)
         t_text = Text(
-            f"{len(ok)} of {len(timings)} configurations ran (batch 8, 100 forward and 100 backward passes each). "
+            f"{len(ok)} of {len(timings)} configurations ran" + (f" ({setup})" if setup else "") + ". "
             f"At the longest sequence that ran, {int(big['seq_len'].iloc[0]):,}, a forward pass takes "
             f"{fmt.ms(big['forward_mean_ms'].min())}–{fmt.ms(big['forward_mean_ms'].max())} and a backward pass "
-            f"{fmt.ms(big['backward_mean_ms'].min())}–{fmt.ms(big['backward_mean_ms'].max())} across head sizes: "
-            "time depends on the sequence length far more than on $d$."
+            f"{fmt.ms(big['backward_mean_ms'].min())}–{fmt.ms(big['backward_mean_ms'].max())} across head sizes."
             + (" Out of memory or not run: " + join_words([f"$d={int(r['d_model'])}, T={int(r['seq_len']):,}$ "
                f"({r['status']})" for _, r in failed.iterrows()]) + "." if not failed.empty else ""))
     acc_blocks: list[Block | None] = []

@@ -140,9 +140,6 @@ def nsys_profile(d: SectionData) -> list[Block]:
                  + (": the matmuls run on tensor cores near peak FLOP/s while the softmax reads and writes the "
                     "whole score matrix several times and is limited by memory bandwidth." if per_flop > 1 else "."))
     return [
-        Text("Measured with `torch.profiler` (CUDA activity, NVTX-equivalent `record_function` ranges for "
-             "forward, step, attention scores, softmax and final matmul); the same ranges are visible in "
-             "Nsight Systems (`python -m cs336_systems.benchmarking nsys`)."),
         question(d, "a", "Total forward time from the profiler, compared with the Python timer.",
                  [a, part("Forward time: Python timer vs. the sum of profiled kernels.", "python_forward_ms",
                           "python_forward_std_ms", "profiled_forward_kernels_ms", "profiled_step_kernels_ms")],
