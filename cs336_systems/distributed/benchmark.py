@@ -47,9 +47,12 @@ from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB
 from cs336_systems.distributed.grad_sync import DataParallel, shard_batch
 from cs336_systems.distributed.strategies import STRATEGIES, wrap
 
+SECTION = "ddp_benchmark"  # results folder (figures/ddp_benchmark/) the command-line runs write to
 BASELINES = ("single", "torch")
 ALL_MODES = (*BASELINES, *STRATEGIES)
 _COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+EQUIVALENCE_TOL = 1e-5
+LOW_PRECISION_EQUIVALENCE_TOL = 2e-2
 
 
 @dataclass
@@ -71,6 +74,7 @@ class DDPBenchConfig:
     seed: int = 0
     attention_impl: str = "naive"
     allreduce_sizes: list[int] = field(default_factory=list)  # bytes; timed on the same group for the overhead model
+    check_toy: bool = False  # first check each of our strategies against single-process training (toy model)
 
     def validate(self, world_size: int | None = None) -> None:
         bad = [m for m in self.modes if m not in ALL_MODES]
@@ -270,10 +274,36 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
     return row, timeline
 
 
+def check_toy_equivalence(variants: list[Variant]) -> list[dict[str, Any]]:
+    """Train each of our strategies (as configured: bucket size, wire dtype) on the toy model and compare
+    with single-process training on the full batch; rows report the worst rank."""
+    from cs336_systems.distributed.equivalence import train_and_compare
+
+    ctx = launch.current_context()
+    rows = []
+    for v in variants:
+        if v.mode in BASELINES:
+            continue
+        comm = _COMM_DTYPES[v.comm_dtype]
+        res = train_and_compare(lambda m, v=v, comm=comm: wrap(m, v.mode, bucket_size_mb=v.bucket_size_mb, comm_dtype=comm),
+                                "toy", global_batch=4 * ctx.world_size, device=ctx.device)
+        finals: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(finals, res.pop("final"))
+        worst = torch.tensor([res["init_diff"], res["final_diff"]], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        agree = all(torch.equal(finals[0], f) for f in finals)
+        # A low-precision wire format rounds every averaged gradient, so it gets a looser tolerance.
+        tol = EQUIVALENCE_TOL if comm is None else LOW_PRECISION_EQUIVALENCE_TOL
+        rows.append({"variant": v.label, "init_diff": worst[0].item(), "final_diff": worst[1].item(), "moved": res["moved"],
+                     "ranks_agree": agree, "ok": agree and worst[0].item() == 0.0 and worst[1].item() < tol})
+    return rows
+
+
 def ddp_benchmark_worker(cfg: DDPBenchConfig) -> dict[str, Any]:
     """All variants, in order, on the current process group (run on every rank)."""
     ctx = launch.current_context()
     cfg.validate(ctx.world_size)
+    equivalence = check_toy_equivalence(expand_variants(cfg)) if cfg.check_toy else []
     rows, timeline = [], []
     for variant in expand_variants(cfg):
         if ctx.is_main:
@@ -290,12 +320,12 @@ def ddp_benchmark_worker(cfg: DDPBenchConfig) -> dict[str, Any]:
         r["overhead_ms"] = r["step_ms"] - single if single is not None else float("nan")
         r["vs_single"] = r["step_ms"] / single if single else float("nan")
     allreduce = [time_all_reduce(size) for size in cfg.allreduce_sizes]
-    return {"rows": rows, "timeline": timeline, "allreduce": allreduce}
+    return {"rows": rows, "timeline": timeline, "allreduce": allreduce, "equivalence": equivalence}
 
 
 def run_benchmark(cfg: DDPBenchConfig, nproc: int = 2, backend: str | None = None) -> dict[str, Any]:
     """Spawn ``nproc`` local ranks (or join torchrun/srun's) and run :func:`ddp_benchmark_worker`;
-    returns rank 0's ``{"rows", "timeline", "allreduce"}``."""
+    returns rank 0's ``{"rows", "timeline", "allreduce", "equivalence"}``."""
     from cs336_systems.distributed import runner
 
     cfg.validate()
@@ -442,9 +472,6 @@ def overlap_summary(df: Any) -> Any:
 # Figures, result files and the command line
 # --------------------------------------------------------------------------------------------------
 
-SECTION = "ddp_benchmark"
-
-
 def plot_steps(df: Any, title: str = "") -> Any:
     """Horizontal stacked bars per variant: forward+backward, exposed communication, optimizer step,
     with the single-GPU step as a dashed line."""
@@ -523,6 +550,8 @@ def write_results(result: dict[str, Any], cfg: DDPBenchConfig, section: str, nam
         plt.close(fig)
     if result.get("allreduce"):
         out.table(pd.DataFrame(result["allreduce"]), f"{name}_allreduce")
+    if result.get("equivalence"):
+        out.table(pd.DataFrame(result["equivalence"]), f"{name}_equivalence")
     cols = ["variant", "num_buckets", "step_ms", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single"]
     print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(out.banner())
@@ -549,6 +578,8 @@ def add_arguments(parser: Any, *, modes_default: list[str]) -> None:
     parser.add_argument("--name", default="steps", help="table/figure name prefix")
     parser.add_argument("--allreduce-sizes", nargs="*", default=[],
                         help="also time all-reduces of these sizes (e.g. 1MB 10MB 100MB) for the overhead model")
+    parser.add_argument("--check-toy", action="store_true",
+                        help="first check every strategy against single-process training on the toy model")
 
 
 def configs_from_args(args: Any) -> list[DDPBenchConfig]:
@@ -567,6 +598,7 @@ def configs_from_args(args: Any) -> list[DDPBenchConfig]:
             steps=args.steps if args.steps is not None else (2 if smoke else 10),
             profile=list(args.profile),
             allreduce_sizes=[parse_size(x) for x in args.allreduce_sizes],
+            check_toy=args.check_toy,
         )
         cfg.validate()
         cfgs.append(cfg)
@@ -582,4 +614,7 @@ def run_from_args(args: Any) -> list[Any]:
         result = run_benchmark(cfg, args.nproc, args.backend)
         if runner.is_main_process():
             frames.append(write_results(result, cfg, args.section, f"{args.name}_{cfg.preset}_{cfg.autocast}"))
+            failed = [r["variant"] for r in result["equivalence"] if not r["ok"]]
+            if failed:
+                raise RuntimeError(f"strategies that do not match single-process training on the toy model: {failed}")
     return frames

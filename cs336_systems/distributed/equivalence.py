@@ -64,13 +64,15 @@ def train_and_compare(
     seed: int = 1234,
     after_backward: Callable[[Any, Any], None] = _finish,
     on_batch_start: Callable[[Any, Any], None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """Train ``make_wrapper(replica)`` on this rank's shards and a single-process reference on the full
     batches, with identical SGD-with-momentum steps; call on every rank of an initialised group.
 
     Rank ``r`` builds its replica from ``seed + r`` (so the wrapper's broadcast from rank 0 is tested);
     the reference uses ``seed``. With ``accumulate > 1`` each rank splits its shard into micro-batches,
-    backpropagating all but the last inside ``no_sync()``.
+    backpropagating all but the last inside ``no_sync()``. ``device`` must suit the process group's
+    backend (CUDA tensors for NCCL).
 
     Returns ``init_diff`` (replica vs reference right after wrapping, parameters and buffers),
     ``final_diff`` (after training), ``moved`` (how far training moved the reference), ``grad_dtypes``
@@ -79,15 +81,15 @@ def train_and_compare(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if global_batch % (world_size * accumulate):
         raise ValueError(f"global batch {global_batch} must divide by world size x accumulate = {world_size * accumulate}")
-    reference = make_toy_model(kind, seed=seed)
+    reference = make_toy_model(kind, seed=seed).to(device)
     initial = state_vector(reference)
-    ddp = make_wrapper(make_toy_model(kind, seed=seed + rank))
+    ddp = make_wrapper(make_toy_model(kind, seed=seed + rank).to(device))
     init_diff = (state_vector(ddp.module) - initial).abs().max().item()
 
     opt_ref, opt = SGDMomentum(reference.parameters()), SGDMomentum(ddp.parameters())
     grad_dtypes: set[str] = set()
     for step in range(steps):
-        x, y = make_toy_batch(global_batch, seed=step)
+        x, y = (t.to(device) for t in make_toy_batch(global_batch, seed=step))
         opt_ref.zero_grad()
         F.mse_loss(reference(x), y).backward()
         opt_ref.step()
@@ -113,5 +115,5 @@ def train_and_compare(
         "final_diff": (final - state_vector(reference)).abs().max().item(),
         "moved": (state_vector(reference) - initial).abs().max().item(),
         "grad_dtypes": sorted(grad_dtypes),
-        "final": final,
+        "final": final.cpu(),
     }
