@@ -177,7 +177,7 @@ def test_ddp_answers_and_bucket_size_come_from_the_measurements(results: Path) -
     from cs336_systems.configs import param_counts
 
     expected = (4 * param_counts("xl")["total"] * w * o) ** 0.5 / 2**20
-    assert fmt.sig(expected) + r"\,\mathrm{MiB}" in bucket
+    assert fmt.tex_sig(expected) + r"\,\mathrm{MiB}" in bucket
 
 
 def test_a_section_that_cannot_read_its_data_says_so_and_keeps_the_rest(results: Path) -> None:

@@ -46,6 +46,11 @@ def mib(num_bytes: Any, digits: int = 3) -> str:
     return f"{sig(float(num_bytes) / 2**20, digits)} MiB"
 
 
+def tex_sig(x: Any, digits: int = 3) -> str:
+    """:func:`sig` for use inside math: thousands separated by thin spaces, not commas."""
+    return sig(x, digits).replace(",", r"\,")
+
+
 def tex_int(n: Any) -> str:
     """An integer for mathtext, thousands separated by thin spaces (a comma would be spaced as punctuation)."""
     return f"{int(n):,}".replace(",", r"\,")

@@ -35,7 +35,8 @@ h1 { font-size: 20pt; margin: 0 0 2mm 0; }
 h2 { font-size: 14pt; margin: 7mm 0 2mm 0; border-bottom: 0.6pt solid #999; padding-bottom: 1mm;
      break-after: avoid; }
 h2 .num { color: #555; margin-right: 2.5mm; }
-h2 .problems { float: right; font: 7.5pt "Liberation Mono", monospace; color: #777; margin-top: 2.2mm; }
+div.problems { font: 7.5pt "Liberation Mono", monospace; color: #777; text-align: right; margin: -1.5mm 0 1.5mm 0;
+               break-after: avoid; }
 h3 { font-size: 11pt; margin: 4mm 0 1mm 0; break-after: avoid; }
 h3 .label { color: #555; margin-right: 1.5mm; }
 h3 .prompt { font-weight: normal; font-style: italic; }
@@ -243,8 +244,8 @@ def block_html(block: Block, counter: _Counter) -> str:
 def section_html(section: Section, counter: _Counter) -> str:
     problems = ", ".join(section.problems)
     head = (
-        f'<h2 id="{section.anchor}"><span class="num">§{section.number}</span>{html.escape(section.title)}'
-        f'<span class="problems">{html.escape(problems)}</span></h2>'
+        f'<h2 id="{section.anchor}"><span class="num">§{section.number}</span>{html.escape(section.title)}</h2>'
+        f'<div class="problems">{html.escape(problems)}</div>'
     )
     return f"<section>{head}{''.join(block_html(b, counter) for b in section.blocks)}</section>"
 

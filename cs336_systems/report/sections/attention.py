@@ -35,7 +35,7 @@ def pytorch_attention(d: SectionData) -> list[Block]:
         acc_blocks = [
             Text(f"Configuration: $d = {dd}$, $T = {T:,}$, $B = {B}$ ({acc.get('source', '')}):"),
             Equation([rf"M_{{\mathrm{{saved}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
-                      rf" + {T}^2 = {fmt.sig(total, 4)}\,\mathrm{{MiB}}"]),
+                      rf" + {T}^2 = {fmt.tex_sig(total, 4)}\,\mathrm{{MiB}}"]),
         ]
         below = acc.get("below")
         if isinstance(below, dict) and below.get("measured_MiB") is not None:

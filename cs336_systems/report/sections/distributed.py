@@ -52,19 +52,34 @@ def communication_single_node(d: SectionData) -> list[Block]:
     ]
 
 
+def _preferred(names: list[str]) -> list[str]:
+    """Several runs of one table (``<kind>_<preset>_<dtype>``): the XL fp32 one first."""
+    return sorted(names, key=lambda n: ("_xl_" not in n + "_", "fp32" not in n, n))
+
+
+def _named(names: list[str], kind: str) -> str | None:
+    """The table/figure of ``kind`` (``overlap``, ``timeline``, ...), named ``kind_*`` or ``*_kind``."""
+    hits = [n for n in names if n.startswith(kind + "_") or n.endswith("_" + kind)]
+    return _preferred(hits)[0] if hits else None
+
+
 def ddp_steps(d: SectionData) -> tuple[str | None, pd.DataFrame | None]:
     """The section's step-time table: ``steps_<preset>_<dtype>`` (the XL fp32 one when several)."""
     names = [n for n in d.tables if n.startswith("steps") and not n.endswith(("_timeline", "_overlap"))]
     if not names:
         return None, None
-    names.sort(key=lambda n: (("_xl_" not in n + "_"), ("fp32" not in n), n))
-    return names[0], d.frame(names[0])
+    name = _preferred(names)[0]
+    return name, d.frame(name)
+
+
+#: Modes of the DDP benchmark, with the overlapped per-parameter strategy under either name.
+_MODE_ALIASES = {"overlap": ("individual", "overlap")}
 
 
 def _row(df: pd.DataFrame | None, mode: str) -> pd.Series | None:
     if df is None or "mode" not in df.columns:
         return None
-    sel = df[df["mode"] == mode]
+    sel = df[df["mode"].isin(_MODE_ALIASES.get(mode, (mode,)))]
     return sel.iloc[0] if len(sel) else None
 
 
@@ -140,15 +155,17 @@ def ddp_overlap_individual(d: SectionData) -> list[Block]:
         text = Text(f"Overlapping each parameter's all-reduce with the rest of the backward pass gives "
                     f"{fmt.ms(rows['overlap']['step_ms'])} per step, with {fmt.ms(rows['overlap']['sync_ms'])} of "
                     "communication left after backward" + (f" (vs. {join_words(others)})." if others else "."))
-    overlap_name = next((n for n in d.tables if n.endswith("_overlap")), None)
+    overlap_name = _named(d.tables, "overlap")
     ov = d.frame(overlap_name) if overlap_name else None
     ov_text = None
     if ov is not None and {"variant", "comm_ms", "comm_during_backward_ms"} <= set(ov.columns) and len(ov):
         ov_text = Text("Share of communication kernel time that ran during the backward pass: " + join_words(
             [f"{r['variant']} {fmt.pct(r['comm_during_backward_ms'] / r['comm_ms'])}" for _, r in ov.iterrows()
              if r["comm_ms"] > 0]) + ".")
-    timelines = [d.figure(n, caption="GPU kernels of one training step on rank 0 (compute and NCCL streams).")
-                 for n in d.figures if n.endswith("_timeline")]
+    timeline = _named(d.figures, "timeline")
+    timelines = [d.figure(timeline or "", caption="Kernels of one training step on rank 0, compute and "
+                          "communication streams, per strategy.")]
+    d.frame(_named(d.tables, "timeline") or "")  # the figure's data
     return [
         question(d, "a", "Overlapping per-parameter all-reduces with the backward pass, compared with the two "
                  "previous variants.", [_setup(df), text, _steps_table(d, name, _STEPS_CAPTION)],
@@ -167,26 +184,29 @@ def ddp_bucketed(d: SectionData) -> list[Block]:
         b = df[df["mode"] == "bucketed"].sort_values("bucket_size_mb")
         best = b.loc[b["step_ms"].idxmin()]
         parts = [f"{fmt.sig(r['bucket_size_mb'])} MB {fmt.ms(r['step_ms'])}" for _, r in b.iterrows()]
-        refs = [f"{m} {fmt.ms(r['step_ms'])}" for m in ("naive", "flat", "overlap", "single", "torch")
+        refs = [f"{r['variant']} {fmt.ms(r['step_ms'])}" for m in ("naive", "flat", "overlap", "single", "torch")
                 if (r := _row(df, m)) is not None]
         text = Text("Step time by bucket size: " + join_words(parts) + f"; the best is {fmt.sig(best['bucket_size_mb'])} "
                     "MB" + (f" (reference: {join_words(refs)})." if refs else ".") + " Tiny buckets pay the per-call "
                     "cost many times, huge ones cannot start communicating until most of backward is done; "
                     "in between, communication hides behind the remaining backward compute.")
-    sweep = next((n for n in d.figures if n.endswith("_bucket_sweep")), None)
+    sweep = _named(d.figures, "bucket_sweep")
     return [
         question(d, "a", "Bucketed DDP with bucket sizes 1, 10, 100 and 1000 MB, compared with the unbucketed "
                  "variants.", [_setup(df), text, _steps_table(d, name, _STEPS_CAPTION),
                                d.figure(sweep or "", caption="Step time against bucket size.")],
                  what="bucketed DDP timings"),
         question(d, "b", "A model of DDP's communication overhead and the bucket size that minimizes it.",
-                 bucket_model(SectionData(d.root, "distributed_communication_single_node"))),
+                 bucket_model(SectionData(d.root, "distributed_communication_single_node"), d)),
     ]
 
 
-def bucket_model(allreduce: SectionData | None = None) -> list[Block]:
-    """The overhead model: ``n_b`` buckets of ``s / n_b`` bytes, each all-reduce costing ``o + s/(n_b w)``;
-    instantiated for the XL model with ``o`` and ``w`` fitted to the measured NCCL all-reduce times."""
+def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | None = None) -> list[Block]:
+    """The overhead model: ``n_b`` buckets of ``s / n_b`` bytes, each all-reduce costing ``o + s/(n_b w)``.
+
+    Instantiated with the bucketed benchmark's own fit (``overhead_model_*``: ``o`` and ``w`` from
+    all-reduces timed in the same run, ``s`` of the benchmarked model) when it exists, else with ``o``
+    and ``w`` fitted to the §2.1.3 NCCL all-reduce times and the XL model's fp32 gradients."""
     blocks: list[Block] = [
         Text("Split the $s$ bytes of gradients into $n_b$ equal buckets. One bucket's all-reduce takes "
              "$o + s/(n_b w)$; by assumption computing one bucket's gradients takes as long as its bandwidth term, "
@@ -204,6 +224,24 @@ def bucket_model(allreduce: SectionData | None = None) -> list[Block]:
             r"T_{\mathrm{overhead}}^{*} = 2\sqrt{\frac{s\,o}{w}}.",
         ]),
     ]
+    own = _named(bucketed.records, "overhead_model") if bucketed is not None else None
+    if own:
+        m = bucketed.json(own)
+        if isinstance(m, dict) and {"o_us", "w_GBps", "s_GB", "optimal_bucket_size_mb"} <= set(m):
+            preset = bucketed.meta(own).get("params", {}).get("preset", "the benchmarked")
+            blocks += [
+                Text(f"Fitted in the bucketed benchmark's own run ({preset} model, `{own}.json`): "
+                     f"$o = {fmt.tex_sig(m['o_us'])}$ µs, $w = {fmt.tex_sig(m['w_GBps'])}$ GB/s, "
+                     f"$s = {fmt.tex_sig(m['s_GB'] * 1e3)}$ MB of gradients:"),
+                Equation([rf"n_b^* = {fmt.tex_sig(m.get('optimal_num_buckets', float('nan')))},\qquad "
+                          rf"b^* = {fmt.tex_sig(m['optimal_bucket_size_mb'])}\,\mathrm{{MB}},\qquad "
+                          rf"T^*_{{\mathrm{{overhead}}}} = {fmt.tex_sig(m.get('minimal_overhead_ms', float('nan')))}"
+                          r"\,\mathrm{ms}"]),
+                bucketed.table(own, caption="Measured overhead (step time minus the single-GPU step) against "
+                               "the model's prediction, by bucket size."),
+                bucketed.figure(own, caption="Measured and predicted overhead against bucket size."),
+            ]
+            return blocks
     fit = _allreduce_fit(allreduce.frame("allreduce")) if allreduce is not None else None
     if fit is None:
         return blocks
@@ -211,10 +249,10 @@ def bucket_model(allreduce: SectionData | None = None) -> list[Block]:
     o, w = fit["o"], fit["w"]
     blocks += [
         Text(f"With $o$ and $w$ fitted to the measured NCCL all-reduce times ({fit['world_size']} GPUs, "
-             f"{fit['points']} message sizes, `{allreduce.folder}/allreduce.csv`): $o = {fmt.sig(o * 1e6)}$ µs, "
-             f"$w = {fmt.sig(w / 1e9)}$ GB/s; the XL model's fp32 gradients are $s = {fmt.sig(s_bytes / 2**20)}$ MiB."),
-        Equation([rf"b^* = \sqrt{{s\,w\,o}} = {fmt.sig(optimal_bucket_size_bytes(s_bytes, w, o) / 2**20)}\,"
-                  rf"\mathrm{{MiB}},\qquad T^*_{{\mathrm{{overhead}}}} = {fmt.sig(2e3 * (s_bytes * o / w) ** 0.5)}"
+             f"{fit['points']} message sizes, `{allreduce.folder}/allreduce.csv`): $o = {fmt.tex_sig(o * 1e6)}$ µs, "
+             f"$w = {fmt.tex_sig(w / 1e9)}$ GB/s; the XL model's fp32 gradients are $s = {fmt.tex_sig(s_bytes / 2**20)}$ MiB."),
+        Equation([rf"b^* = \sqrt{{s\,w\,o}} = {fmt.tex_sig(optimal_bucket_size_bytes(s_bytes, w, o) / 2**20)}\,"
+                  rf"\mathrm{{MiB}},\qquad T^*_{{\mathrm{{overhead}}}} = {fmt.tex_sig(2e3 * (s_bytes * o / w) ** 0.5)}"
                   rf"\,\mathrm{{ms}}" if o > 0 else r"o \approx 0:\ \mathrm{smaller\ buckets\ are\ always\ better}"]),
     ]
     return blocks

@@ -27,7 +27,7 @@ def communication_accounting(d: SectionData) -> list[Block]:
         per_tok = _quantity(mem, "activations_per_token", "bytes")
         n = extra.get("num_params")
         a_text = Text(
-            (f"With $N = {fmt.sig(n / 1e9)}$ billion feed-forward parameters, " if n else "")
+            (f"With $N = {fmt.tex_sig(n / 1e9)}$ billion feed-forward parameters, " if n else "")
             + f"fp32 master weights, gradients and AdamW state take {fmt.sig(total_gb)} GB, "
             f"{fmt.sig(h100)} H100s' worth of 80 GB"
             + (f"; the bf16 activations saved for backward add {fmt.sig(per_tok / 1e6)} MB per token "
@@ -46,11 +46,11 @@ def communication_accounting(d: SectionData) -> list[Block]:
     c_text = None
     if cb is not None and {"per_device_tokens", "global_tokens"} <= set(cb.columns) and len(cb):
         r = cb.iloc[0]
-        c_text = Text(f"With $\\alpha = C/W_{{\\mathrm{{ici}}}} = {fmt.sig(r['alpha'])}$ the forward pass is compute "
+        c_text = Text(f"With $\\alpha = C/W_{{\\mathrm{{ici}}}} = {fmt.tex_sig(r['alpha'])}$ the forward pass is compute "
                       f"bound from {fmt.sig(r['per_device_tokens'])} tokens per device, i.e. an overall batch of "
                       f"{fmt.sig(r['global_tokens'])} tokens over {int(r['num_devices'])} chips; the TP condition "
                       + ("holds" if bool(r.get("tp_compute_bound", True)) else "fails")
-                      + f" ($d_{{\\mathrm{{ff}}}} \\geq {fmt.sig(r['tp_min_d_ff'])}$).")
+                      + f" ($d_{{\\mathrm{{ff}}}} \\geq {fmt.tex_sig(r['tp_min_d_ff'])}$).")
     return [
         question(d, "a", "Memory of fp32 master weights, gradients and AdamW state for the XXL model's feed-forward "
                  "layers on one device; memory saved for backward in bf16; in H100s.", [

@@ -38,7 +38,7 @@ def benchmarking(d: SectionData) -> list[Block]:
             d.table("warmup_study", caption="Timings after 0, 1, 2 and 5 warm-up steps, each setting in a "
                     "fresh process."),
             d.figure("warmup_study", caption="Spread of the forward time against the number of warm-up steps."),
-            Text("The first steps of a process pay one-time costs that are not part of steady-state training: "
+            None if study is None else Text("The first steps of a process pay one-time costs that are not part of steady-state training: "
                  "CUDA context and cuBLAS handle creation, lazy loading of kernel modules, cuBLAS heuristics "
                  "choosing a GEMM algorithm per shape, and the caching allocator obtaining memory with "
                  "`cudaMalloc`. Without warm-up these land in the measured steps, inflating the mean and above "
