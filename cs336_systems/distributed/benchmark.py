@@ -352,8 +352,8 @@ def profile_timeline(step: Callable[[], Any], device: torch.device, label: str, 
     """Profile one step (after one more warm-up) and reduce its trace to intervals.
 
     Rows: ``variant, lane, kind, name, start_ms, dur_ms`` where ``lane`` is ``cuda:<stream>`` (or
-    ``cpu:<thread>`` without CUDA) and ``kind`` is ``compute``, ``comm`` or ``phase`` (the host ranges
-    ``forward``/``backward``/``grad_sync``/``optimizer``). Consecutive compute kernels on a stream are
+    ``cpu:<thread>`` without CUDA) and ``kind`` is ``compute``, ``comm`` or ``phase`` (when the GPU ran
+    ``forward``/``backward``/``grad_sync``/``optimizer``; the host ranges on CPU). Consecutive compute kernels on a stream are
     merged when separated by less than ``merge_gap_us``, which turns tens of thousands of kernels into a
     few hundred bars without changing the picture.
     """
@@ -373,21 +373,50 @@ def profile_timeline(step: Callable[[], Any], device: torch.device, label: str, 
     return trace_to_intervals(trace, label, merge_gap_us=merge_gap_us)
 
 
+def _gpu_phase_spans(events: list[dict[str, Any]], kernels: list[dict[str, Any]],
+                     host_phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """When the GPU ran each phase: the span of the *compute* kernels launched inside the phase's host
+    range (launch → kernel via the trace's correlation ids).
+
+    Host ranges alone mislead: the host runs ahead of the GPU, so the host's ``backward`` ends long before
+    the GPU finishes it. Communication kernels are left out, or the hooks' all-reduces (launched during
+    backward) would stretch the backward span over the communication they overlap with.
+    """
+    launched_at = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    spans = []
+    for phase in host_phases:
+        inside = [
+            k for k in kernels
+            if not _COMM_KERNEL.search(k.get("name", ""))
+            and phase["start"] <= launched_at.get(k.get("args", {}).get("correlation"), float("-inf")) <= phase["end"]
+        ]
+        if inside:
+            spans.append({"name": phase["name"], "start": min(float(k["ts"]) for k in inside),
+                          "end": max(float(k["ts"]) + float(k["dur"]) for k in inside)})
+    return spans
+
+
 def trace_to_intervals(trace: dict[str, Any], label: str, *, merge_gap_us: float = 5.0) -> list[dict[str, Any]]:
     """Chrome-trace events → compact interval rows (see :func:`profile_timeline`)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    # GPU-side spans of the record_function ranges when the trace has them (they show when the GPU ran a
-    # phase's kernels); otherwise the host ranges.
-    phases = [e for e in events if e.get("cat") == "gpu_user_annotation" and e.get("name") in _PHASES]
-    if not phases:
-        phases = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in _PHASES]
+    host_phases = [
+        {"name": e["name"], "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"])}
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name") in _PHASES
+    ]
     if kernels:
         work = [(f"cuda:{e.get('args', {}).get('stream', e.get('tid'))}", e) for e in kernels]
+        phases = _gpu_phase_spans(events, kernels, host_phases)
     else:  # CPU-only: operators on each thread (backward and gloo's threads show up separately)
         ops = [e for e in events if e.get("cat") == "cpu_op"]
         work = [(f"cpu:{e.get('tid')}", e) for e in ops]
-    all_ts = [e["ts"] for _, e in work] + [e["ts"] for e in phases]
+        phases = host_phases
+    all_ts = [e["ts"] for _, e in work] + [p["start"] for p in phases]
     if not all_ts:
         return []
     t0 = min(all_ts)
@@ -410,9 +439,8 @@ def trace_to_intervals(trace: dict[str, Any], label: str, *, merge_gap_us: float
             current = {"lane": lane, "kind": kind, "name": e.get("name", "")[:60], "start": start, "end": end, "count": 1}
         if current is not None:
             rows.append(current)
-    for e in phases:
-        rows.append({"lane": "phase", "kind": "phase", "name": e["name"], "start": float(e["ts"]),
-                     "end": float(e["ts"]) + float(e["dur"]), "count": 1})
+    for p in phases:
+        rows.append({"lane": "phase", "kind": "phase", "name": p["name"], "start": p["start"], "end": p["end"], "count": 1})
     return [
         {"variant": label, "lane": r["lane"], "kind": r["kind"], "name": r["name"] if r["count"] == 1 else f"{r['count']} kernels",
          "start_ms": (r["start"] - t0) / 1e3, "dur_ms": (r["end"] - r["start"]) / 1e3}
