@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   else args.figures / _manifest.MANIFEST_NAME)
         out = build_pdf(args.output, args.figures, manifest, args.html, strict=args.strict)
         print(f"wrote {out}" + (f" and {manifest}" if manifest else ""))
+        pending = _manifest.uncommitted_inputs(args.figures) if manifest else []
+        if pending:
+            print("note: built from inputs that are not committed; commit them with the PDF and manifest, or a "
+                  "clean checkout's `check` will fail:", *pending, sep="\n  ", file=sys.stderr)
         return 0
     if args.command == "html":
         from cs336_systems.report.build import build_document, write_html

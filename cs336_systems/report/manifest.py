@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,22 @@ def write_manifest(pdf: Path, root: Path, manifest: Path, notebooks: Path = NOTE
     manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return data
+
+
+def uncommitted_inputs(root: Path, notebooks: Path = NOTEBOOK_DIR) -> list[str]:
+    """Inputs that differ from git's HEAD (modified or untracked). A manifest built over them matches
+    only this working tree, not a clean checkout, until they are committed too."""
+    paths = [Path(root), Path(notebooks), *BUILDER_ROOTS]
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all", "--", *map(str, paths)],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    skip = {MANIFEST_NAME, DEFAULT_PDF.name}
+    return [line[3:] for line in out.splitlines() if line[3:] and Path(line[3:]).name not in skip
+            and "__pycache__" not in line]
 
 
 def _diff(kind: str, old: dict[str, str], new: dict[str, str]) -> list[str]:
