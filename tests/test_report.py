@@ -215,3 +215,16 @@ def test_sections_open_with_their_notebooks_commentary(results: Path, tmp_path: 
     nbformat.write(nb, notebooks / "naive_ddp.ipynb")
     assert mf.check_manifest(pdf, results, manifest, notebooks) == [
         "notebook file changed since the last build: " + str((notebooks / "naive_ddp.ipynb").resolve())]
+
+
+def test_tables_fold_mean_and_std_and_turn_wide_short_tables() -> None:
+    from cs336_systems.report.tables import for_print
+
+    df = pd.DataFrame({"size": ["small", "xl"], "status": ["ok", "ok"], "forward_mean_ms": [12.34, 98.7],
+                       "forward_std_ms": [0.12, 1.5], "forward_min_ms": [12.0, 97.0], "forward_max_ms": [13.0, 99.0]})
+    out, notes = for_print(df)
+    assert list(out.columns) == ["size", "forward_ms"]  # std/min/max folded, all-ok status dropped
+    assert out["forward_ms"].tolist() == ["12.34 ± 0.12", "98.70 ± 1.5"] and notes
+    wide = pd.DataFrame({"config": ["a", "b"], **{f"a_rather_long_column_name_{i}": [1.5, 2.5] for i in range(12)}})
+    out, notes = for_print(wide)
+    assert list(out.columns) == ["config", "a", "b"] and len(out) == 12 and "transposed to fit the page" in notes

@@ -26,6 +26,15 @@ def sig(x: Any, digits: int = 3) -> str:
     return f"{v:,.{decimals}f}"
 
 
+def count(x: Any) -> str:
+    """A count: an integer with separators ("n/a" when missing)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return "n/a" if math.isnan(v) else f"{round(v):,}"
+
+
 def ms(x: Any, digits: int = 3) -> str:
     return f"{sig(x, digits)} ms"
 

@@ -119,7 +119,7 @@ def nsys_profile(d: SectionData) -> list[Block]:
                 else f"in the full training step `{step_top}` leads instead" if step_top else "")
         b = Text(f"For {where} the kernel with the most GPU time in the forward pass is "
                  f"`{row['top_forward_kernel']}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
-                 f"kernel time, launched {fmt.sig(row['top_kernel_calls_per_forward'])} times per forward pass"
+                 f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
                  + (f"; {same}." if same else "."))
         c = Text(f"The largest non-matmul kernel is `{row['top_non_matmul_kernel']}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time; elementwise kernels "
