@@ -211,6 +211,9 @@ def test_sections_open_with_their_notebooks_commentary(results: Path, tmp_path: 
     pdf.write_bytes(b"%PDF")
     mf.write_manifest(pdf, results, manifest, notebooks)
     assert mf.check_manifest(pdf, results, manifest, notebooks) == []
+    nb.cells[1].source = "print(2)"  # code is not quoted: still fresh
+    nbformat.write(nb, notebooks / "naive_ddp.ipynb")
+    assert mf.check_manifest(pdf, results, manifest, notebooks) == []
     nb.cells[0].source += " Edited."
     nbformat.write(nb, notebooks / "naive_ddp.ipynb")
     assert mf.check_manifest(pdf, results, manifest, notebooks) == [
@@ -225,6 +228,7 @@ def test_tables_fold_mean_and_std_and_turn_wide_short_tables() -> None:
     out, notes = for_print(df)
     assert list(out.columns) == ["size", "forward_ms"]  # std/min/max folded, all-ok status dropped
     assert out["forward_ms"].tolist() == ["12.34 ± 0.12", "98.70 ± 1.5"] and notes
-    wide = pd.DataFrame({"config": ["a", "b"], **{f"a_rather_long_column_name_{i}": [1.5, 2.5] for i in range(12)}})
+    wide = pd.DataFrame({"config": ["a", "b"], **{f"throughput_{i}": [123456.5, 2.5] for i in range(24)}})
     out, notes = for_print(wide)
-    assert list(out.columns) == ["config", "a", "b"] and len(out) == 12 and "transposed to fit the page" in notes
+    assert list(out.columns) == ["config", "a", "b"] and len(out) == 24 and "transposed to fit the page" in notes
+    assert out.iloc[0].tolist() == ["throughput_0", "123,456", "2.500"]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 from cs336_systems.report import manifest as _manifest
+from cs336_systems.report.commentary import notebook_intro
 from cs336_systems.report.data import SectionData, humanize
 from cs336_systems.report.document import Block, Document, Missing, Section, Text
 from cs336_systems.report.sections import SECTIONS
@@ -16,20 +16,6 @@ from cs336_systems.results import FIGURES_DIR, REPO_ROOT
 
 TITLE = "CS336 Assignment 2 (Systems): writeup"
 NOTEBOOK_DIR = _manifest.NOTEBOOK_DIR
-
-
-def notebook_intro(path: Path) -> str | None:
-    """The notebook's opening commentary (its first Markdown cell, title line removed): what was measured
-    and how, in its author's words. It carries no numbers; those come from the results."""
-    if not path.exists():
-        return None
-    cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
-    source = next(("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "markdown"), "")
-    lines = source.strip().splitlines()
-    while lines and (lines[0].startswith("#") or not lines[0].strip()):
-        lines.pop(0)
-    text = "\n".join(lines).strip()
-    return text or None
 
 
 def _preamble(root: Path) -> list[Block]:

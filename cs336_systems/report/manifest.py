@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from cs336_systems.report.commentary import notebook_intro
 from cs336_systems.results import FIGURES_DIR, REPO_ROOT
 
 MANIFEST_NAME = "writeup_manifest.json"
@@ -67,12 +68,16 @@ def builder_files() -> list[Path]:
 
 
 def fingerprint(root: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, dict[str, str]]:
-    """Hashes of the inputs: ``results`` keyed relative to ``root``; the ``notebooks`` whose commentary
-    opens each section and the ``builder`` source keyed relative to the repository."""
+    """Hashes of the inputs: ``results`` keyed relative to ``root``; the commentary of the ``notebooks``
+    (which opens each section) and the ``builder`` source keyed relative to the repository."""
     root = Path(root).resolve()
     return {
         "results": {_key(p, root): sha256(p) for p in result_files(root)},
-        "notebooks": {_key(p, REPO_ROOT): sha256(p) for p in sorted(Path(notebooks).glob("*.ipynb"))},
+        # Only the commentary the writeup quotes: editing a notebook's code does not stale the PDF.
+        "notebooks": {
+            _key(p, REPO_ROOT): hashlib.sha256((notebook_intro(p) or "").encode()).hexdigest()
+            for p in sorted(Path(notebooks).glob("*.ipynb"))
+        },
         "builder": {_key(p, REPO_ROOT): sha256(p) for p in builder_files()},
     }
 
@@ -92,7 +97,7 @@ def write_manifest(pdf: Path, root: Path, manifest: Path, notebooks: Path = NOTE
 def uncommitted_inputs(root: Path, notebooks: Path = NOTEBOOK_DIR) -> list[str]:
     """Inputs that differ from git's HEAD (modified or untracked). A manifest built over them matches
     only this working tree, not a clean checkout, until they are committed too."""
-    paths = [Path(root), Path(notebooks), *BUILDER_ROOTS]
+    paths = [Path(root), *BUILDER_ROOTS]
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=all", "--", *map(str, paths)],
