@@ -66,7 +66,7 @@ def test_ddp_benchmark_cli_smoke(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("CS336_SMOKE", "1")
     argv = ["--mode", "flat", "bucketed", "--bucket-size-mb", "0.05", "1", "--nproc", "2", "--warmup", "0",
             "--steps", "1", "--preset", "tiny", "--context-length", "16", "--profile", "flat", "--check-toy",
-            "--allreduce-sizes", "4KB", "40KB"]
+            "--allreduce-sizes", "1KB", "8MB"]
     assert ddp_benchmark.main(argv) == 0
     section = tmp_path / benchmark.SECTION
     df = pd.read_csv(section / "steps_tiny_fp32.csv")
@@ -74,10 +74,17 @@ def test_ddp_benchmark_cli_smoke(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     assert (df["step_ms"] > 0).all()
     assert df.loc[df["mode"] == "bucketed", "num_buckets"].tolist()[1] == 1  # the tiny model fits one 1 MiB bucket
     assert df.loc[df["mode"] == "bucketed", "num_buckets"].tolist()[0] > 1
-    timeline = pd.read_csv(section / "steps_tiny_fp32_timeline.csv")
+    timeline = pd.read_csv(section / "timeline_tiny_fp32.csv")
     assert set(timeline["variant"]) == {"flat"} and {"compute", "phase"} <= set(timeline["kind"])
-    equivalence = pd.read_csv(section / "steps_tiny_fp32_equivalence.csv")
+    equivalence = pd.read_csv(section / "toy_equivalence_tiny_fp32.csv")
     assert equivalence["variant"].tolist() == ["flat", "bucketed (0.05MB)", "bucketed (1MB)"] and equivalence["ok"].all()
-    assert pd.read_csv(section / "steps_tiny_fp32_allreduce.csv")["size_bytes"].tolist() == [4000, 40000]
-    for f in ("steps_tiny_fp32.png", "steps_tiny_fp32_bucket_sweep.png", "steps_tiny_fp32_timeline.png"):
-        assert (section / f).exists()
+    assert pd.read_csv(section / "allreduce_tiny_fp32.csv")["size_bytes"].tolist() == [1000, 8_000_000]
+    for f in ("steps_tiny_fp32.png", "bucket_sweep_tiny_fp32.png", "timeline_tiny_fp32.png", "overhead_model_tiny_fp32.json"):
+        assert (section / f).exists(), f
+    # Published to the notebook sections the modes cover: flat (single + flat) and bucketed (single + bucketed).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp_benchmark", "ddp_bucketed", "ddp_flat"]
+    flat = pd.read_csv(tmp_path / "ddp_flat" / "steps_tiny_fp32.csv")
+    assert flat["mode"].tolist() == ["single", "torch", "flat"]
+    assert (tmp_path / "ddp_flat" / "timeline_tiny_fp32.csv").exists()
+    assert not (tmp_path / "ddp_bucketed" / "timeline_tiny_fp32.csv").exists()
+    assert (tmp_path / "ddp_bucketed" / "overhead_model_tiny_fp32.json").exists()

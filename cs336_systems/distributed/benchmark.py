@@ -548,41 +548,128 @@ def plot_bucket_sweep(df: Any, title: str = "") -> Any:
     return fig
 
 
-def write_results(result: dict[str, Any], cfg: DDPBenchConfig, section: str, name: str) -> Any:
-    """Tables ``<name>`` (+ ``<name>_timeline`` and ``<name>_overlap`` when profiled) and figures."""
+#: The notebook sections the DDP benchmark publishes to: the modes each one presents (the first two
+#: must have been run for the section to be written) and the variants whose timelines it shows.
+NOTEBOOK_SECTIONS: dict[str, tuple[list[str], list[str]]] = {
+    "naive_ddp": (["single", "naive", "torch"], []),
+    "ddp_flat": (["single", "flat", "torch", "naive"], ["flat"]),
+    "ddp_overlap_individual": (["single", "individual", "torch", "naive", "flat"], ["flat", "individual"]),
+    "ddp_bucketed": (["single", "bucketed", "torch", "naive", "flat", "individual"], []),
+}
+STEP_COLUMNS = ["variant", "num_buckets", "step_ms", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single"]
+
+
+def sections_for(modes: list[str]) -> list[str]:
+    """Notebook sections a run with these modes can fill (their two required modes were run)."""
+    return [sec for sec, (shown, _) in NOTEBOOK_SECTIONS.items() if set(shown[:2]) <= set(modes)]
+
+
+def write_section(out: Any, result: dict[str, Any], cfg: DDPBenchConfig, *, name: str = "steps",
+                  modes: list[str] | None = None, timelines: list[str] | None = None) -> dict[str, Any]:
+    """Write one section's artefacts from a benchmark result (CLI and notebooks share this).
+
+    ``<name>_<preset>_<autocast>``: the step table (rows of ``modes``; all if ``None``) and its figure; a
+    ``bucket_sweep_*`` figure when several bucket sizes ran; ``timeline_*`` (table and figure) and
+    ``overlap_*`` for the profiled variants in ``timelines``; ``allreduce_*`` and, with a bucket sweep,
+    ``overhead_model_*`` (table, JSON, figure: the fitted model against the measured overheads);
+    ``toy_equivalence_*``. Returns the frames and figures (figures are left open for notebooks to show).
+    """
+    import pandas as pd
+
+    from cs336_systems.distributed import overhead_model
+
+    tag = f"{cfg.preset}_{cfg.autocast}"
+
+    def label(kind: str) -> str:  # "timeline_xl_fp32" for the main run, "bf16comm_timeline_xl_fp32" for others
+        return f"{kind}_{tag}" if name == "steps" else f"{name}_{kind}_{tag}"
+
+    title = f"{cfg.preset}, {cfg.autocast}, {cfg.batch_per_rank}x{cfg.context_length} tokens per rank"
+    df = pd.DataFrame(result["rows"])
+    if modes is not None:
+        df = df[df["mode"].isin(modes)].reset_index(drop=True)
+    written: dict[str, Any] = {"steps": df}
+    out.table(df, f"{name}_{tag}")
+    written["steps_figure"] = plot_steps(df, title)
+    out.figure(written["steps_figure"], f"{name}_{tag}")
+    sweep = df[df["mode"] == "bucketed"]
+    if len(sweep) > 1:
+        written["bucket_sweep_figure"] = plot_bucket_sweep(df, title)
+        out.figure(written["bucket_sweep_figure"], label("bucket_sweep"))
+    timeline = pd.DataFrame(result.get("timeline") or [])
+    if len(timeline) and timelines:
+        timeline = timeline[timeline["variant"].isin(timelines) | timeline["variant"].map(lambda v: v.split(" (")[0] in timelines)]
+    if len(timeline) and (timelines is None or timelines):
+        written["timeline"] = timeline
+        written["overlap"] = overlap_summary(timeline)
+        out.table(timeline, label("timeline"), floatfmt=".4f")
+        out.table(written["overlap"], label("overlap"))
+        written["timeline_figure"] = plot_timeline(timeline)
+        out.figure(written["timeline_figure"], label("timeline"))
+    if result.get("equivalence"):
+        written["equivalence"] = eq = pd.DataFrame(result["equivalence"])
+        if modes is not None:
+            eq = written["equivalence"] = eq[eq["variant"].map(lambda v: v.split(" (")[0] in modes)]
+        if len(eq):
+            out.table(eq, label("toy_equivalence"))
+    if result.get("allreduce"):
+        written["allreduce"] = allreduce = pd.DataFrame(result["allreduce"])
+        out.table(allreduce, label("allreduce"))
+        if len(sweep) > 1 and allreduce["size_bytes"].nunique() > 1:
+            try:
+                table, fitted = overhead_model.compare_with_sweep(df, allreduce)
+            except ValueError as e:  # e.g. noisy CPU timings that do not grow with size
+                written["overhead_fit_error"] = str(e)
+                print(f"overhead model not fitted: {e}")
+                return written
+            written["overhead_model"], written["overhead_fit"] = table, fitted
+            out.table(table, label("overhead_model"))
+            out.json(fitted, label("overhead_model"))
+            written["overhead_model_figure"] = plot_overhead_model(table, fitted, title)
+            out.figure(written["overhead_model_figure"], label("overhead_model"))
+    return written
+
+
+def plot_overhead_model(table: Any, fitted: dict[str, float], title: str = "") -> Any:
+    """Measured overhead (step − single) and the model's ``s/(n_b w) + n_b o`` against bucket size."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for comm, grp in table.groupby("comm_dtype"):
+        grp = grp.sort_values("bucket_size_mb")
+        line, = ax.plot(grp.bucket_size_mb, grp.overhead_ms, "o-", label=f"measured, {comm} gradients")
+        ax.plot(grp.bucket_size_mb, grp.predicted_overhead_ms, "s--", color=line.get_color(), alpha=0.7,
+                label=f"model, {comm}")
+    ax.axvline(fitted["optimal_bucket_size_mb"], color="gray", ls=":", label="model optimum (fp32)")
+    ax.set(xscale="log", xlabel="bucket size (MiB)", ylabel="overhead vs single device (ms)", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write_results(result: dict[str, Any], cfg: DDPBenchConfig, name: str, sections: list[str] | None = None) -> Any:
+    """CLI output: everything into :data:`SECTION` (``figures/ddp_benchmark/``), plus each notebook
+    section the run covers (``sections``, default :func:`sections_for`), so the notebooks and the
+    writeup find GPU results where they look for them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import pandas as pd
 
     from cs336_systems.results import ResultWriter
 
-    out = ResultWriter(section, params=asdict(cfg))
-    df = pd.DataFrame(result["rows"])
-    out.table(df, name)
-    title = f"{cfg.preset}, {cfg.autocast}, {cfg.batch_per_rank}x{cfg.context_length} tokens per rank"
-    fig = plot_steps(df, title)
-    out.figure(fig, name)
-    plt.close(fig)
-    if (df["mode"] == "bucketed").sum() > 1:
-        fig = plot_bucket_sweep(df, title)
-        out.figure(fig, f"{name}_bucket_sweep")
-        plt.close(fig)
-    if result["timeline"]:
-        tl = pd.DataFrame(result["timeline"])
-        out.table(tl, f"{name}_timeline", floatfmt=".4f")
-        out.table(overlap_summary(tl), f"{name}_overlap")
-        fig = plot_timeline(tl)
-        out.figure(fig, f"{name}_timeline")
-        plt.close(fig)
-    if result.get("allreduce"):
-        out.table(pd.DataFrame(result["allreduce"]), f"{name}_allreduce")
-    if result.get("equivalence"):
-        out.table(pd.DataFrame(result["equivalence"]), f"{name}_equivalence")
-    cols = ["variant", "num_buckets", "step_ms", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single"]
-    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
-    print(out.banner())
+    params = asdict(cfg)
+    written = write_section(ResultWriter(SECTION, params=params), result, cfg, name=name)
+    plt.close("all")
+    for section in sections if sections is not None else sections_for(cfg.modes):
+        shown, timelines = NOTEBOOK_SECTIONS.get(section, (None, None))
+        write_section(ResultWriter(section, params=params), result, cfg, name=name, modes=shown, timelines=timelines)
+        plt.close("all")
+        print(f"wrote {section}/{name}_{cfg.preset}_{cfg.autocast}")
+    df = written["steps"]
+    print(df[STEP_COLUMNS].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    if "overhead_fit" in written:
+        print("overhead model:", {k: round(v, 3) for k, v in written["overhead_fit"].items()})
+    print(ResultWriter(SECTION, params=params).banner())
     return df
 
 
@@ -602,7 +689,8 @@ def add_arguments(parser: Any, *, modes_default: list[str]) -> None:
     parser.add_argument("--profile", nargs="*", default=[], help="modes or variant labels to trace with torch.profiler")
     parser.add_argument("--nproc", type=int, default=2, help="local processes to spawn when not under torchrun/srun")
     parser.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl with GPUs, else gloo")
-    parser.add_argument("--section", default=SECTION, help="results folder under figures/")
+    parser.add_argument("--sections", nargs="*", default=None,
+                        help=f"notebook sections to publish to besides figures/{SECTION}/ (default: every one the modes cover)")
     parser.add_argument("--name", default="steps", help="table/figure name prefix")
     parser.add_argument("--allreduce-sizes", nargs="*", default=[],
                         help="also time all-reduces of these sizes (e.g. 1MB 10MB 100MB) for the overhead model")
@@ -641,7 +729,7 @@ def run_from_args(args: Any) -> list[Any]:
     for cfg in configs_from_args(args):
         result = run_benchmark(cfg, args.nproc, args.backend)
         if runner.is_main_process():
-            frames.append(write_results(result, cfg, args.section, f"{args.name}_{cfg.preset}_{cfg.autocast}"))
+            frames.append(write_results(result, cfg, args.name, args.sections))
             failed = [r["variant"] for r in result["equivalence"] if not r["ok"]]
             if failed:
                 raise RuntimeError(f"strategies that do not match single-process training on the toy model: {failed}")
