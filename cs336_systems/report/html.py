@@ -52,6 +52,8 @@ nav.toc .missing-mark { color: #b35c00; font-size: 8pt; }
 figure { margin: 3mm 0; break-inside: avoid; text-align: center; }
 figure img { max-width: 92%; max-height: 82mm; }
 figure.table { overflow: hidden; }
+figure.table.long { break-inside: auto; overflow: visible; }  /* long tables run over pages, header repeated */
+figure.table.long figcaption { break-after: avoid; }
 figcaption { font-size: 8.8pt; text-align: left; margin-top: 1mm; }
 figure.table figcaption { margin: 0 0 1mm 0; }
 .prov { display: block; font: 7pt "Liberation Sans", sans-serif; color: #666; margin-top: 0.4mm; }
@@ -194,8 +196,9 @@ def table_html(block: Table, n: int) -> str:
     if notes:
         caption += f" <span class='note'>({'; '.join(notes)}.)</span>"
     caption = f"<b>Table {n}.</b> {caption}" + _prov_html(block.meta, block.source)
+    long = " long" if len(df) > 25 else ""
     return (
-        f'<figure class="table"><figcaption>{caption}</figcaption>'
+        f'<figure class="table{long}"><figcaption>{caption}</figcaption>'
         f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></figure>"
     )
 
