@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 else:  # one config per kernel: these tests check numerics, tuning would only add compile time
     os.environ.setdefault("CS336_FLASH_AUTOTUNE", "0")
 
-import dataclasses  # noqa: E402
-import random  # noqa: E402
+import dataclasses
+import random
 
-import pytest  # noqa: E402
+import pytest
+from cs336_basics.model import BasicsTransformerLM, available_attention_impls
 
-from cs336_basics.model import BasicsTransformerLM, available_attention_impls  # noqa: E402
-from cs336_systems.attention import (  # noqa: E402
+from cs336_systems.attention import (
     SUPPORTED_HEAD_DIMS,
     FlashAttentionPytorch,
     FlashAttentionTriton,
@@ -31,7 +31,7 @@ from cs336_systems.attention import (  # noqa: E402
     naive_attention,
     reference_attention,
 )
-from tests.adapters import (  # noqa: E402
+from tests.adapters import (
     get_flashattention_autograd_function_pytorch,
     get_flashattention_autograd_function_triton,
 )
@@ -52,7 +52,8 @@ class Case:
 
     def __str__(self) -> str:
         rank = "3d" if self.heads is None else f"4d{self.heads}h"
-        return f"q{self.n_queries}-k{self.n_keys}-d{self.head_dim}-{'causal' if self.is_causal else 'full'}-{rank}"
+        mask = "causal" if self.is_causal else "full"
+        return f"q{self.n_queries}-k{self.n_keys}-d{self.head_dim}-{mask}-{rank}"
 
 
 def _cases() -> list[Case]:
@@ -74,10 +75,12 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
-_GPU_SHAPES = [Case(128, 128, 64, c, None, batch=4) for c in (False, True)] + [
-    Case(257, 1000, d, c, 3) for d in SUPPORTED_HEAD_DIMS for c in (False, True)
-] + [Case(1000, 257, 64, True, 2), Case(2048, 2048, 128, True, 4, batch=1)]
-#: bf16 on every shape; fp16 and fp32 (TF32) on head dim 64 only, which bounds the number of compiled variants.
+_GPU_SHAPES = (
+    [Case(128, 128, 64, c, None, batch=4) for c in (False, True)]
+    + [Case(257, 1000, d, c, 3) for d in SUPPORTED_HEAD_DIMS for c in (False, True)]
+    + [Case(1000, 257, 64, True, 2), Case(2048, 2048, 128, True, 4, batch=1)]
+)
+#: bf16 on every shape; fp16 and fp32 on head dim 64 only, which bounds the number of compiled variants.
 GPU_MATRIX = [
     pytest.param(case, dtype, id=f"{case}-{str(dtype).removeprefix('torch.')}")
     for case in _GPU_SHAPES

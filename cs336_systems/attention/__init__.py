@@ -12,9 +12,8 @@ Both are ``torch.autograd.Function`` subclasses called as ``Fn.apply(Q, K, V, is
 
 from __future__ import annotations
 
-from torch import Tensor
-
 from cs336_basics.model import register_attention
+from torch import Tensor
 
 from ._validation import validate_attention_inputs
 from .flash_pytorch import FlashAttentionPytorch
@@ -22,9 +21,9 @@ from .flash_triton import SUPPORTED_HEAD_DIMS, FlashAttentionTriton, interpreter
 from .reference import causal_mask, naive_attention, reference_attention
 
 __all__ = [
+    "SUPPORTED_HEAD_DIMS",
     "FlashAttentionPytorch",
     "FlashAttentionTriton",
-    "SUPPORTED_HEAD_DIMS",
     "causal_mask",
     "get_flashattention_autograd_function_pytorch",
     "get_flashattention_autograd_function_triton",

@@ -69,7 +69,8 @@ def validate_attention_inputs(
         )
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
-            f"{implementation}: K and V must have the same number of keys, got {k.shape[-2]} and {v.shape[-2]}"
+            f"{implementation}: K and V must have the same number of keys, "
+            f"got {k.shape[-2]} and {v.shape[-2]}"
         )
     d = q.shape[-1]
     if k.shape[-1] != d or v.shape[-1] != d:
@@ -87,14 +88,18 @@ def validate_attention_inputs(
             f"got shapes {tuple(q.shape)}, {tuple(k.shape)}"
         )
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{implementation}: Q, K, V must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"{implementation}: Q, K, V must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if q.dtype not in dtypes:
         raise ValueError(
             f"{implementation}: dtype {q.dtype} is not supported; supported: "
             f"{', '.join(str(t).removeprefix('torch.') for t in dtypes)}"
         )
     if not (q.device == k.device == v.device):
-        raise ValueError(f"{implementation}: Q, K, V must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(
+            f"{implementation}: Q, K, V must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
     if q.dim() == 4:
         batch, heads, n_queries, _ = q.shape
     else:

@@ -79,7 +79,9 @@ def flash_forward_pytorch(
         acc = torch.zeros_like(q_tile)
         for k_start in range(0, _key_end(q_end, n_keys, is_causal), tile_k):
             k_end = min(k_start + tile_k, n_keys)
-            s = _tile_scores(q_tile, k[..., k_start:k_end, :].to(acc_dtype), q_start, k_start, scale, is_causal)
+            s = _tile_scores(
+                q_tile, k[..., k_start:k_end, :].to(acc_dtype), q_start, k_start, scale, is_causal
+            )
             new_max = torch.maximum(row_max, s.amax(dim=-1))
             p = torch.exp(s - new_max[..., None])
             rescale = torch.exp(row_max - new_max)  # exp(-inf) = 0 on the first tile
@@ -140,7 +142,9 @@ class FlashAttentionPytorch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False
+    ) -> Tensor:
         validate_attention_inputs(
             q, k, v, is_causal, dtypes=PYTORCH_DTYPES, implementation="FlashAttention (PyTorch)"
         )

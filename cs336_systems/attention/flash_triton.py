@@ -187,7 +187,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False
+    ) -> Tensor:
         shape = validate_attention_inputs(
             q, k, v, is_causal, head_dims=SUPPORTED_HEAD_DIMS, implementation=_IMPL_NAME
         )
@@ -208,7 +210,5 @@ class FlashAttentionTriton(torch.autograd.Function):
         do = _unit_stride_d(do)
         if q.dim() == 4:
             return (*flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal), None)
-        dq, dk, dv = flash_attention_backward(
-            *(t.unsqueeze(1) for t in (do, q, k, v, o, lse)), ctx.is_causal
-        )
+        dq, dk, dv = flash_attention_backward(*(t.unsqueeze(1) for t in (do, q, k, v, o, lse)), ctx.is_causal)
         return dq.squeeze(1), dk.squeeze(1), dv.squeeze(1), None

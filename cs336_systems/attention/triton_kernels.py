@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections.abc import Callable
 
 import triton
 import triton.language as tl
@@ -38,7 +39,7 @@ LOG2_E = 1.4426950408889634
 
 #: Whether these kernels were decorated for the CPU interpreter (``TRITON_INTERPRET=1``).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-#: ``CS336_FLASH_AUTOTUNE=0`` keeps only the first (default) config of each list: no tuning, one compile
+#: ``CS336_FLASH_AUTOTUNE=0`` runs the first config of each list that fits the GPU, untuned: one compile
 #: per specialization. Tests use it to bound compile time; benchmarks leave tuning on.
 AUTOTUNE = os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0"
 #: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes.
@@ -57,8 +58,9 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` candidates; the first is the untuned default."""
     if INTERPRETED:
         return _INTERPRETER_CONFIG
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates]
-    return configs if AUTOTUNE else configs[:1]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates
+    ]
 
 
 #: Forward: BLOCK_M queries stay resident while BLOCK_N-key tiles stream past.
@@ -76,17 +78,61 @@ AUTOTUNE_KEY = ["SEQ_CLASS", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
 PREPROCESS_BLOCK = 16 if INTERPRETED else 128
 
 
-def _prune_oversized(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop tiles much longer than the sequences (wasted work on padding), keeping at least one."""
-    longest = named_args["SEQ_CLASS"] if "SEQ_CLASS" in named_args else kwargs.get("SEQ_CLASS", 1 << 30)
-    kept = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(longest, 64)]
-    return kept or configs[:1]
+#: Share of the per-block shared memory the operand buffers may take; the rest is left for the scratch
+#: Triton allocates for layout conversions and reductions.
+_SHARED_MEMORY_SHARE = 0.85
 
 
-def _autotune(configs: list[triton.Config]):
+@functools.cache
+def _shared_memory_bytes(device_index: int) -> int:
+    import torch  # only needed on GPUs; kept out of the interpreter's import path
+
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+
+
+def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callable[[int, int], int]):
+    """An ``early_config_prune`` for one kernel: drop tiles much longer than the sequences (work wasted
+    on padding), and lower ``num_stages`` until the operand tiles fit in shared memory.
+
+    ``resident_rows(BLOCK_M, BLOCK_N)`` rows of ``HEAD_DIM`` elements stay loaded for the whole program;
+    ``streamed_rows`` more are buffered once per pipeline stage. float32 at head dim 128 is where the
+    default stage counts would overflow (and fail to launch). Without tuning the first survivor runs.
+    """
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        args = {**kwargs, **named_args}
+        row_bytes = args["HEAD_DIM"] * args["Q"].element_size()
+        budget = _SHARED_MEMORY_SHARE * _shared_memory_bytes(args["Q"].device.index or 0)
+        longest = max(args.get("SEQ_CLASS", 1 << 30), 64)
+        fitted: dict[tuple[int, int, int, int], triton.Config] = {}
+        for config in configs:
+            m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+            if max(m, n) > longest:
+                continue
+            stages = config.num_stages
+            while stages > 1 and row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n)) > budget:
+                stages -= 1
+            if row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n)) > budget:
+                continue
+            fitted.setdefault(
+                (m, n, config.num_warps, stages),
+                triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages),
+            )
+        if not fitted:  # nothing fits the estimate: try the smallest tiles, unpipelined
+            m, n, w, _ = min(((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, 1) for c in configs),
+                             key=lambda t: t[0] * t[1])  # fmt: skip
+            return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=1)]
+        survivors = list(fitted.values())
+        return survivors if AUTOTUNE else survivors[:1]
+
+    return prune
+
+
+def _autotune(configs: list[triton.Config], prune: Callable):
     """``triton.autotune`` keyed on the shape class, with a short benchmark per config (5 ms warm-up,
     20 ms of timed runs instead of 25/100) where this Triton lets us pass one."""
-    kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune_oversized})
+    kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})
     if "do_bench" in inspect.signature(triton.autotune).parameters and not INTERPRETED:
         kwargs["do_bench"] = functools.partial(triton.testing.do_bench, warmup=5, rep=20)
     return triton.autotune(**kwargs)
@@ -177,9 +223,25 @@ def _visible(rows, cols, n_queries, n_keys, IS_CAUSAL: tl.constexpr):
 
 @triton.jit
 def _forward_key_loop(
-    acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, lo, hi, n_keys, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptr,
+    v_ptr,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    offs_m,
+    lo,
+    hi,
+    n_keys,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles ``[lo, hi)``: fold each tile into the running max ``m_i`` (log2
@@ -207,18 +269,43 @@ def _forward_key_loop(
     return acc, m_i, l_i
 
 
-@_autotune(FORWARD_CONFIGS)
+@_autotune(FORWARD_CONFIGS, _fit_configs(lambda m, n: m, lambda m, n: 2 * n))  # Q | K, V
 @_jit
 def flash_forward_kernel(
-    Q, K, V, O, L,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_lb, stride_lh, stride_ln,
-    n_heads, n_queries, n_keys, qk_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    L,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ln,
+    n_heads,
+    n_queries,
+    n_keys,
+    qk_scale,
+    SEQ_CLASS,
+    HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -238,12 +325,48 @@ def flash_forward_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, m_i, l_i = _forward_key_loop(
-        acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, 0, mid, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, False, DOT_PRECISION,
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_ptr,
+        v_ptr,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        0,
+        mid,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        IS_CAUSAL,
+        False,
+        DOT_PRECISION,
     )
     acc, m_i, l_i = _forward_key_loop(
-        acc, m_i, l_i, q, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, mid, hi, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, True, DOT_PRECISION,
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_ptr,
+        v_ptr,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        mid,
+        hi,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        IS_CAUSAL,
+        True,
+        DOT_PRECISION,
     )
 
     o = acc / l_i[:, None]
@@ -260,11 +383,21 @@ def flash_forward_kernel(
 
 @functools.partial(triton.jit, do_not_specialize=["n_heads", "n_queries"])
 def flash_backward_preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    n_heads, n_queries,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    n_heads,
+    n_queries,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """``D_i = Σ_d dO_id O_id`` in float32, stored contiguous ``(batch * heads, n_queries)``."""
     tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, False)
@@ -273,20 +406,45 @@ def flash_backward_preprocess_kernel(
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < n_queries
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
-                mask=row_ok, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                 mask=row_ok, other=0.0)
+    o = tl.load(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        mask=row_ok,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+        mask=row_ok,
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + pid_bh.to(tl.int64) * n_queries + offs_m, delta, mask=offs_m < n_queries)
 
 
 @triton.jit
 def _dkdv_query_loop(
-    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr,
-    stride_qn, stride_qd, stride_don, stride_dod, stride_ln,
-    offs_n, lo, hi, n_queries, n_keys, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    stride_qn,
+    stride_qd,
+    stride_don,
+    stride_dod,
+    stride_ln,
+    offs_n,
+    lo,
+    hi,
+    n_queries,
+    n_keys,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
@@ -317,20 +475,55 @@ def _dkdv_query_loop(
     return dk, dv
 
 
-@_autotune(DKDV_CONFIGS)
+@_autotune(DKDV_CONFIGS, _fit_configs(lambda m, n: 2 * n, lambda m, n: 2 * m))  # K, V | Q, dO
 @_jit
 def flash_backward_dkdv_kernel(
-    Q, K, V, DO, L, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    stride_lb, stride_lh, stride_ln,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    L,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_ln,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    n_heads,
+    n_queries,
+    n_keys,
+    qk_scale,
+    sm_scale,
+    SEQ_CLASS,
+    HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
@@ -342,10 +535,16 @@ def flash_backward_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n[:, None] < n_keys
 
-    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=key_ok, other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=key_ok, other=0.0)
+    k = tl.load(
+        K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=key_ok,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        mask=key_ok,
+        other=0.0,
+    )
     q_ptr = Q + b * stride_qb + h * stride_qh
     do_ptr = DO + b * stride_dob + h * stride_doh
     lse_ptr = L + b * stride_lb + h * stride_lh
@@ -355,29 +554,117 @@ def flash_backward_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     lo, diag, tail = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
-        stride_ln, offs_n, lo, diag, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION,
+        dk,
+        dv,
+        k,
+        v,
+        q_ptr,
+        do_ptr,
+        lse_ptr,
+        delta_ptr,
+        stride_qn,
+        stride_qd,
+        stride_don,
+        stride_dod,
+        stride_ln,
+        offs_n,
+        lo,
+        diag,
+        n_queries,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_M,
+        IS_CAUSAL,
+        True,
+        DOT_PRECISION,
     )
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
-        stride_ln, offs_n, diag, tail, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, False, DOT_PRECISION,
+        dk,
+        dv,
+        k,
+        v,
+        q_ptr,
+        do_ptr,
+        lse_ptr,
+        delta_ptr,
+        stride_qn,
+        stride_qd,
+        stride_don,
+        stride_dod,
+        stride_ln,
+        offs_n,
+        diag,
+        tail,
+        n_queries,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_M,
+        IS_CAUSAL,
+        False,
+        DOT_PRECISION,
     )
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qn, stride_qd, stride_don, stride_dod,
-        stride_ln, offs_n, tail, n_queries, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION,
+        dk,
+        dv,
+        k,
+        v,
+        q_ptr,
+        do_ptr,
+        lse_ptr,
+        delta_ptr,
+        stride_qn,
+        stride_qd,
+        stride_don,
+        stride_dod,
+        stride_ln,
+        offs_n,
+        tail,
+        n_queries,
+        n_queries,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_M,
+        IS_CAUSAL,
+        True,
+        DOT_PRECISION,
     )
 
-    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    dk_ptrs = (
+        DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    )
+    dv_ptrs = (
+        DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    )
     tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
 
 
 @triton.jit
 def _dq_key_loop(
-    dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, lo, hi, n_queries, n_keys, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_ptr,
+    v_ptr,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    offs_m,
+    lo,
+    hi,
+    n_queries,
+    n_keys,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate ``dQ += dS K`` (unscaled) over key tiles ``[lo, hi)``."""
@@ -401,19 +688,50 @@ def _dq_key_loop(
     return dq
 
 
-@_autotune(DQ_CONFIGS)
+@_autotune(DQ_CONFIGS, _fit_configs(lambda m, n: 2 * m, lambda m, n: 2 * n))  # Q, dO | K, V
 @_jit
 def flash_backward_dq_kernel(
-    Q, K, V, DO, L, DELTA, DQ,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    stride_lb, stride_lh, stride_ln,
-    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-    n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    L,
+    DELTA,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_ln,
+    stride_dqb,
+    stride_dqh,
+    stride_dqn,
+    stride_dqd,
+    n_heads,
+    n_queries,
+    n_keys,
+    qk_scale,
+    sm_scale,
+    SEQ_CLASS,
+    HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past."""
     tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
@@ -424,10 +742,16 @@ def flash_backward_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < n_queries
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                 mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     lse2 = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=row_ok, other=0.0)
     lse2 = lse2 * 1.4426950408889634
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * n_queries + offs_m, mask=row_ok, other=0.0)
@@ -437,12 +761,54 @@ def flash_backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dq = _dq_key_loop(
-        dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, 0, mid, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, False, DOT_PRECISION,
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_ptr,
+        v_ptr,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        0,
+        mid,
+        n_queries,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        IS_CAUSAL,
+        False,
+        DOT_PRECISION,
     )
     dq = _dq_key_loop(
-        dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, mid, hi, n_queries, n_keys, qk_scale, HEAD_DIM, BLOCK_N, IS_CAUSAL, True, DOT_PRECISION,
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_ptr,
+        v_ptr,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        offs_m,
+        mid,
+        hi,
+        n_queries,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_N,
+        IS_CAUSAL,
+        True,
+        DOT_PRECISION,
     )
-    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
+    dq_ptrs = (
+        DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
+    )
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])

@@ -89,7 +89,9 @@ SMOKE_IMPLS = ["flash_pytorch", "naive", "sdpa_math"]
 BUILTIN_IMPLS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
 
 
-def attention_flops(batch_heads: int, n_queries: int, n_keys: int, head_dim: int, is_causal: bool, phase: str) -> float:
+def attention_flops(
+    batch_heads: int, n_queries: int, n_keys: int, head_dim: int, is_causal: bool, phase: str
+) -> float:
     """Matmul FLOPs of attention: forward ``4·n_q·n_k·d`` per head (QKᵀ and PV), halved when causal; the
     backward does 2.5× the forward (five matmuls against two), the convention FlashAttention papers use."""
     forward = 4.0 * batch_heads * n_queries * n_keys * head_dim * (0.5 if is_causal else 1.0)
@@ -145,7 +147,7 @@ def time_attention_passes(
                 )
             else:
                 raise ValueError(f"unknown pass {phase!r}; valid: {PASSES}")
-        except Exception as exc:  # noqa: BLE001 - classified right below; anything else is a bug
+        except Exception as exc:
             status = OOM if is_oom(exc) else UNSUPPORTED if _is_unsupported(exc) else None
             if status is None:
                 raise
@@ -153,7 +155,9 @@ def time_attention_passes(
             free_memory()
             row.update({f"{phase}_ms": math.nan, f"{phase}_median_ms": math.nan, f"{phase}_status": status})
             continue
-        row.update({f"{phase}_ms": stats.mean * 1e3, f"{phase}_median_ms": _median_ms(stats), f"{phase}_status": OK})
+        row.update(
+            {f"{phase}_ms": stats.mean * 1e3, f"{phase}_median_ms": _median_ms(stats), f"{phase}_status": OK}
+        )
     return row
 
 
@@ -162,7 +166,9 @@ def time_attention_passes(
 # --------------------------------------------------------------------------------------------------
 
 
-def _random_qkvdo(batch: int, heads: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: str) -> tuple[Tensor, ...]:
+def _random_qkvdo(
+    batch: int, heads: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: str
+) -> tuple[Tensor, ...]:
     shape = (batch, heads, seq_len, head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     return q, k, v, torch.randn(shape, device=device, dtype=dtype)
@@ -204,11 +210,14 @@ def _long_format(wide: pd.DataFrame, batch_heads: int, is_causal: bool) -> pd.Da
             status = rec.get(f"{phase}_status", rec["status"])
             status = rec["status"] if (not isinstance(status, str) or rec["status"] != OK) else status
             ms = rec.get(f"{phase}_ms", math.nan)
-            flops = attention_flops(batch_heads, rec["seq_len"], rec["seq_len"], rec["head_dim"], is_causal, phase)
+            flops = attention_flops(
+                batch_heads, rec["seq_len"], rec["seq_len"], rec["head_dim"], is_causal, phase
+            )
             rows.append({
-                "impl": rec["impl"], "dtype": rec["dtype"], "head_dim": rec["head_dim"], "seq_len": rec["seq_len"],
-                "pass": phase, "status": status, "mean_ms": ms, "median_ms": rec.get(f"{phase}_median_ms", math.nan),
-                "TFLOP_per_s": flops / (ms * 1e-3) / 1e12 if ms == ms else math.nan,
+                **{key: rec[key] for key in ("impl", "dtype", "head_dim", "seq_len")},
+                "pass": phase, "status": status, "mean_ms": ms,
+                "median_ms": rec.get(f"{phase}_median_ms", math.nan),
+                "TFLOP_per_s": math.nan if math.isnan(ms) else flops / (ms * 1e-3) / 1e12,
             })  # fmt: skip
     return pd.DataFrame(rows)
 
@@ -231,7 +240,7 @@ def speedup_table(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
 
 
 def plot_speedup(table: pd.DataFrame) -> plt.Figure:
-    """Speed-up of ours over the fastest built-in per cell, vs sequence length, one panel per dtype × pass."""
+    """Speed-up of ours over the fastest built-in per cell vs sequence length; a panel per dtype × pass."""
     data = table.dropna(subset=["speedup_vs_builtin"])
     g = sns.relplot(
         data=data, x="seq_len", y="speedup_vs_builtin", hue="head_dim", style="head_dim", col="pass",
@@ -287,7 +296,9 @@ def run_leaderboard(
     dominate a smoke run); the baselines run eagerly (compiling does not change their kernels).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    impls = list(impls or (["triton", "sdpa_flash", "sdpa_cudnn", "naive"] if device == "cuda" else SMOKE_IMPLS))
+    impls = list(
+        impls or (["triton", "sdpa_flash", "sdpa_cudnn", "naive"] if device == "cuda" else SMOKE_IMPLS[:2])
+    )
     torch_dtype = getattr(torch, dtype)
     q, k, v = torch.randn(3, batch, seq_len, head_dim, device=device, dtype=torch_dtype).unbind(0)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -310,7 +321,7 @@ def run_leaderboard(
         for name, step in protocols.items():
             try:
                 stats = do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=[q, k, v])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 status = OOM if is_oom(exc) else UNSUPPORTED if _is_unsupported(exc) else None
                 if status is None:
                     raise
@@ -318,7 +329,9 @@ def run_leaderboard(
                 free_memory()
                 row.update({f"{name}_ms": math.nan, f"{name}_median_ms": math.nan, f"{name}_status": status})
                 continue
-            row.update({f"{name}_ms": stats.mean * 1e3, f"{name}_median_ms": _median_ms(stats), f"{name}_status": OK})
+            row.update(
+                {f"{name}_ms": stats.mean * 1e3, f"{name}_median_ms": _median_ms(stats), f"{name}_status": OK}
+            )
         rows.append(row)
         free_memory()
     table = pd.DataFrame(rows)
@@ -333,7 +346,7 @@ def run_leaderboard(
 
 
 def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, Any]:
-    """The headline numbers: ours, each SDPA backend, ratios (``baseline / ours`` > 1 means ours is faster)."""
+    """The headline numbers: ours, each SDPA backend, ratios (``baseline / ours`` > 1: ours is faster)."""
     by = table.set_index("impl")
     summary: dict[str, Any] = {"ours": ours}
     for impl in by.index:
@@ -366,7 +379,8 @@ def run_model_comparison(
     budget_s: float | None = None,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """A training step (forward, backward, AdamW) per context × attention implementation, with peak memory."""
+    """A training step (forward, backward, AdamW) per context × attention implementation, with peak
+    memory."""
 
     def cell(context_length: int, attention_impl: str) -> dict[str, Any]:
         spec = BenchmarkSpec(
@@ -384,10 +398,14 @@ def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
     """Step time and peak memory vs context length, one line per attention implementation."""
     data = table[table["status"] == OK]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    sns.lineplot(data=data, x="context_length", y="total_mean_ms", hue="attention_impl", marker="o", ax=axes[0])
+    sns.lineplot(
+        data=data, x="context_length", y="total_mean_ms", hue="attention_impl", marker="o", ax=axes[0]
+    )
     axes[0].set(xscale="log", yscale="log", xlabel="context length", ylabel="training step (ms)")
     if "peak_memory_GiB" in data:
-        sns.lineplot(data=data, x="context_length", y="peak_memory_GiB", hue="attention_impl", marker="o", ax=axes[1])
+        sns.lineplot(
+            data=data, x="context_length", y="peak_memory_GiB", hue="attention_impl", marker="o", ax=axes[1]
+        )
     axes[1].set(xscale="log", yscale="log", xlabel="context length", ylabel="peak memory (GiB)")
     for ax in axes:
         ax.set_xscale("log", base=2)
@@ -402,12 +420,13 @@ def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
 
 #: Parameters per kind of run. ``full`` is the handout's grid; ``smoke`` exercises the code on CPU.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "full": dict(seq_lens=SWEEP_SEQ_LENS, head_dims=SWEEP_HEAD_DIMS, dtypes=SWEEP_DTYPES, warmup_ms=5, rep_ms=25,
-                 sweep_budget_s=330, lb_batch=16, lb_seq_len=16384, lb_head_dims=[64, 128],
-                 contexts=[1024, 2048, 4096, 8192, 16384], model="small", model_budget_s=120),
-    "smoke": dict(seq_lens=[32, 64], head_dims=[16], dtypes=["float32"], warmup_ms=1, rep_ms=2,
-                  sweep_budget_s=60, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16, 32],
-                  model="tiny", model_budget_s=60),
+    "full": dict(seq_lens=SWEEP_SEQ_LENS, head_dims=SWEEP_HEAD_DIMS, dtypes=SWEEP_DTYPES,
+                 warmup_ms=5, rep_ms=25,
+                 sweep_budget_s=600, lb_batch=16, lb_seq_len=16384, lb_head_dims=[64, 128],
+                 contexts=[1024, 2048, 4096, 8192, 16384], model="small", model_steps=3, model_budget_s=120),
+    "smoke": dict(seq_lens=[32], head_dims=[16], dtypes=["float32"], warmup_ms=1, rep_ms=2,
+                  sweep_budget_s=30, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16],
+                  model="tiny", model_steps=1, model_budget_s=30),
 }  # fmt: skip
 
 
@@ -445,11 +464,19 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
     if "model" in commands:
         started = time.monotonic()
         impls = ("naive", "sdpa", "flash_triton") if not smoke else ("naive", "sdpa", "flash_pytorch")
-        table = run_model_comparison(params["contexts"], impls, model=params["model"], budget_s=params["model_budget_s"],
-                                     precision="bf16" if not smoke else "fp32")  # fmt: skip
+        table = run_model_comparison(
+            params["contexts"], impls, model=params["model"], budget_s=params["model_budget_s"],
+            precision="fp32" if smoke else "bf16",
+            warmup=min(2, params["model_steps"]),
+            steps=params["model_steps"],
+        )  # fmt: skip
         out.table(table, "model_step")
         out.figure(plot_model_comparison(table), "model_step")
-        cols = [c for c in ("context_length", "attention_impl", "status", "total_mean_ms", "peak_memory_GiB") if c in table]
+        cols = [
+            c
+            for c in ("context_length", "attention_impl", "status", "total_mean_ms", "peak_memory_GiB")
+            if c in table
+        ]
         print(table[cols].to_markdown(index=False, floatfmt=".4g"))
         print(f"model comparison took {time.monotonic() - started:.0f} s")
         results["model_step"] = table
@@ -460,9 +487,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.flash", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("commands", nargs="+", choices=["sweep", "leaderboard", "model", "all"])
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU-sized parameters (default without CUDA)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny CPU-sized parameters (default without CUDA)"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a parameter, e.g. --set seq_lens=[128,1024] --set sweep_budget_s=100")  # fmt: skip
+                        help="override a parameter: --set seq_lens=[128,1024] --set sweep_budget_s=100")  # fmt: skip
     args = parser.parse_args(argv)
     smoke = is_smoke_run(True if args.smoke else None)
     params = dict(DEFAULTS["smoke" if smoke else "full"])
