@@ -85,10 +85,17 @@ _SHARED_MEMORY_SHARE = 0.85
 
 @functools.cache
 def _shared_memory_bytes(device_index: int) -> int:
-    import torch  # only needed on GPUs; kept out of the interpreter's import path
+    """Opt-in shared memory per block: the limit Triton checks a compiled kernel against."""
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - a driver without the query: ask PyTorch instead
+        import torch
 
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+        props = torch.cuda.get_device_properties(device_index)
+        for name in ("shared_memory_per_block_optin", "shared_memory_per_block"):
+            if getattr(props, name, 0):
+                return int(getattr(props, name))
+        return 99 * 1024  # the smallest opt-in limit of current NVIDIA GPUs
 
 
 def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callable[[int, int], int]):
