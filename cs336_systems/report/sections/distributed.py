@@ -119,7 +119,10 @@ def naive_ddp(d: SectionData) -> list[Block]:
         question(d, "naive_ddp", "Data parallelism by all-reducing every gradient after the backward pass.", [
             Text("Each rank holds a full replica, runs forward and backward on its $1/P$ slice of the batch, then "
                  "all-reduces (averages) each parameter's gradient before the optimizer step, so every replica "
-                 "takes the same step; the tests compare the trained weights with single-process training.")]),
+                 "takes the same step; the tests compare the trained weights with single-process training, and "
+                 "the benchmark checks every strategy against it before timing."),
+            d.table(_named(d.tables, "toy_equivalence") or "", caption="Each strategy against single-process "
+                    "training on the course's ToyModel.")]),
         question(d, "naive_ddp_benchmarking", "Time per training step and the share spent communicating gradients "
                  "(XL model, one node, 2 GPUs).", [_setup(df), text, _steps_table(d, name, _STEPS_CAPTION),
                                                    d.figure(name or "", caption="Step time split into phases.")],
