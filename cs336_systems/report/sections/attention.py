@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
+import pandas as pd
+
 from cs336_systems.report import fmt
 from cs336_systems.report.sections.common import failed_rows, join_words, ok_rows, question, subset
 
@@ -127,6 +129,7 @@ def flash_attention(d: SectionData) -> list[Block]:
                  "$d_{\\mathrm{model}} = 1024$ in 16 heads, bf16, causal.", _leaderboard(d),
                  what="the leaderboard timing"),
         question(d, "model", "The Transformer's training step with each attention implementation.", [
+            _model_step_sentence(d.frame("model_step")),
             d.table("model_step", frame=subset(d.frame("model_step"), "context_length", "attention_impl", "status",
                                                "total_mean_ms", "total_std_ms", "peak_memory_GiB"),
                     caption="Training step (forward, backward, AdamW) by context length and attention."),
@@ -163,19 +166,43 @@ def _flash_sweep(d: SectionData) -> list[Block | None]:
     return blocks
 
 
+def _model_step_sentence(df: pd.DataFrame | None) -> Text | None:
+    if df is None or not {"context_length", "attention_impl", "total_mean_ms"} <= set(df.columns) or df.empty:
+        return None
+    longest = df[df["context_length"] == df["context_length"].max()]
+    parts = []
+    for _, r in longest.iterrows():
+        if str(r.get("status", "ok")) == "ok":
+            mem = f", {fmt.gib(r['peak_memory_GiB'] * 2**30)}" if pd.notna(r.get("peak_memory_GiB")) else ""
+            parts.append(f"{r['attention_impl']} {fmt.ms(r['total_mean_ms'])}{mem}")
+        else:
+            parts.append(f"{r['attention_impl']} {r['status']}")
+    return Text(f"At context {int(longest['context_length'].iloc[0]):,} a training step takes: "
+                + join_words(parts) + ".")
+
+
+def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
+    ours = summary.get("ours", "triton")
+    ms_ = summary.get(f"{ours}_fwd_bwd_ms")
+    if ms_ is None:
+        return None
+    vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)}" for k, v in summary.items()
+          if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
+    lead = f"{head_dim}our kernels" if head_dim else "Our kernels"
+    return Text(f"{lead} ({ours}) take {fmt.ms(ms_)} for forward + backward"
+                + (f" ({fmt.sig(summary['ours_fwd_bwd_TFLOP_per_s'])} TFLOP/s)"
+                   if "ours_fwd_bwd_TFLOP_per_s" in summary else "")
+                + ("; speed-up over " + join_words(vs) + " measured in the same run." if vs else "."))
+
+
 def _leaderboard(d: SectionData) -> list[Block | None]:
     summary = d.json("leaderboard_summary", "leaderboard*_summary")
-    text = None
-    if isinstance(summary, dict):
-        ours = summary.get("ours", "triton")
-        ms_ = summary.get(f"{ours}_fwd_bwd_ms")
-        vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)}" for k, v in summary.items()
-              if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
-        if ms_ is not None:
-            text = Text(f"Our kernels ({ours}) take {fmt.ms(ms_)} for forward + backward"
-                        + (f" ({fmt.sig(summary['ours_fwd_bwd_TFLOP_per_s'])} TFLOP/s)"
-                           if "ours_fwd_bwd_TFLOP_per_s" in summary else "")
-                        + (f"; speed-up over " + join_words(vs) + " measured in the same run." if vs else "."))
+    text = _leaderboard_sentence(summary) if isinstance(summary, dict) else None
+    d128 = d.json("leaderboard_d128_summary") if "leaderboard_d128_summary" in d.records and \
+        d.frame_name("leaderboard") else None
+    if isinstance(d128, dict) and text is not None:
+        extra = _leaderboard_sentence(d128, "With head size 128, ")
+        text = Text(text.markdown + (" " + extra.markdown if extra else ""))
     main = d.frame_name("leaderboard", "leaderboard_d*")
     frame = subset(d.frame(main) if main else None, "impl", "fwd_bwd_sum_ms", "fwd_bwd_sum_median_ms", "forward_ms",
                    "fwd_bwd_TFLOP_per_s", "forward_TFLOP_per_s")
