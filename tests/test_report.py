@@ -112,6 +112,9 @@ def test_markdown_math_and_bad_formula() -> None:
     assert html.count('class="math"') == 1 and "$5" in html and "code_with_underscores" in html
     with pytest.raises(ValueError, match="cannot typeset"):
         render_math(r"\notacommand{x}")
+    with pytest.raises(ValueError, match="cannot typeset"):
+        markdown_to_html(r"see $\notacommand{x}$")
+    assert "<code>\\notacommand{x}</code>" in markdown_to_html(r"see $\notacommand{x}$", lenient=True)
 
 
 def test_number_formatting() -> None:

@@ -49,7 +49,7 @@ def build_section(
         blocks.append(Text(f"*From `notebooks/{spec.folder}.ipynb`:* {intro}", role="method"))
     try:
         blocks.extend(spec.build(data))
-    except Exception as exc:  # noqa: BLE001 - reported loudly, see docstring
+    except Exception as exc:
         if strict:
             raise
         data.forget_usage()
@@ -114,4 +114,4 @@ def build(
     return Path(output)
 
 
-__all__ = ["build", "build_document", "write_html", "REPO_ROOT"]
+__all__ = ["REPO_ROOT", "build", "build_document", "write_html"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Question:
         return "\n".join([f"({self.label}) {self.prompt}", *(b.plain() for b in self.blocks)])
 
 
-Block = Union[Text, Equation, Table, Figure, Missing, Question]
+Block = Text | Equation | Table | Figure | Missing | Question
 
 
 @dataclass

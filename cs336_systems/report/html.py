@@ -19,7 +19,17 @@ import markdown as _markdown
 
 from cs336_systems.report import fmt, tables
 from cs336_systems.report.data import SMOKE_MARK, params_line, provenance_line
-from cs336_systems.report.document import Block, Document, Equation, Figure, Missing, Question, Section, Table, Text
+from cs336_systems.report.document import (
+    Block,
+    Document,
+    Equation,
+    Figure,
+    Missing,
+    Question,
+    Section,
+    Table,
+    Text,
+)
 
 MATH_FONT_PT = 11.0
 
@@ -106,7 +116,7 @@ def render_math(tex: str, size_pt: float = MATH_FONT_PT) -> tuple[str, float, fl
     except ValueError as e:
         raise ValueError(f"cannot typeset formula {tex!r}: {e}") from None
     svg = buf.getvalue().decode()
-    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)  # drops the timestamp
+    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.DOTALL)  # drops the timestamp
     m = re.search(r'width="([\d.]+)pt" height="([\d.]+)pt"', svg)
     width, height = (float(m.group(1)), float(m.group(2))) if m else (0.0, 0.0)
     uri = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode()
@@ -125,21 +135,34 @@ def math_img(tex: str, display: bool = False) -> str:
     return f'<img class="math" alt="{alt}" style="{style}" src="{uri}">'
 
 
-_DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.S)
+_DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.DOTALL)
 _INLINE = re.compile(r"(?<![\\$])\$(?!\s)([^$\n]+?)(?<![\s\\])\$(?!\$)")
 
 
-def markdown_to_html(text: str) -> str:
+def markdown_to_html(text: str, lenient: bool = False) -> str:
     """Markdown with ``$$display$$`` and ``$inline$`` math → HTML (math swapped in after Markdown,
-    so Markdown never sees TeX's underscores and asterisks)."""
+    so Markdown never sees TeX's underscores and asterisks).
+
+    ``lenient`` (for quoted notebook commentary, written for Jupyter's MathJax): a formula mathtext
+    cannot typeset is shown as code instead of failing the build.
+    """
     pieces: list[str] = []
+
+    def typeset(tex: str, display: bool) -> str:
+        try:
+            img = math_img(tex, display)
+        except ValueError:
+            if not lenient:
+                raise
+            return f"<code>{html.escape(tex)}</code>"
+        return f'<span class="equation">{img}</span>' if display else img
 
     def stash(html_snippet: str) -> str:
         pieces.append(html_snippet)
         return f"MATHPLACEHOLDER{len(pieces) - 1}X"
 
-    text = _DISPLAY.sub(lambda m: stash(f'<span class="equation">{math_img(m.group(1).strip(), True)}</span>'), text)
-    text = _INLINE.sub(lambda m: stash(math_img(m.group(1))), text)
+    text = _DISPLAY.sub(lambda m: stash(typeset(m.group(1).strip(), True)), text)
+    text = _INLINE.sub(lambda m: stash(typeset(m.group(1), False)), text)
     text = text.replace(r"\$", "$")
     out = _markdown.markdown(text, extensions=["tables", "sane_lists"])
     return re.sub(r"MATHPLACEHOLDER(\d+)X", lambda m: pieces[int(m.group(1))], out)
@@ -211,12 +234,12 @@ def figure_html(block: Figure, n: int) -> str:
 
 def markdown_inline(text: str) -> str:
     out = markdown_to_html(text)
-    return re.sub(r"^<p>(.*)</p>$", r"\1", out.strip(), flags=re.S)
+    return re.sub(r"^<p>(.*)</p>$", r"\1", out.strip(), flags=re.DOTALL)
 
 
 def block_html(block: Block, counter: _Counter) -> str:
     if isinstance(block, Text):
-        out = markdown_to_html(block.markdown)
+        out = markdown_to_html(block.markdown, lenient=block.role == "method")
         return f'<div class="{block.role}">{out}</div>' if block.role else out
     if isinstance(block, Equation):
         return '<div class="equation">' + "".join(math_img(line, True) for line in block.lines) + "</div>"
@@ -265,7 +288,7 @@ def document_html(doc: Document) -> str:
         + "</div>"
         for s in doc.sections
     )
-    built = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    built = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     preamble = "".join(block_html(b, counter) for b in doc.preamble)
     body = "".join(section_html(s, counter) for s in doc.sections)
     return (

@@ -85,7 +85,7 @@ def fingerprint(root: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, dict[st
 def write_manifest(pdf: Path, root: Path, manifest: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, Any]:
     data: dict[str, Any] = {
         "rebuild": REBUILD_COMMAND,
-        "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "built": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "pdf": {"path": _key(Path(pdf), REPO_ROOT), "sha256": sha256(Path(pdf))},
         **fingerprint(root, notebooks),
     }

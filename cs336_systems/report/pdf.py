@@ -48,7 +48,7 @@ def html_to_pdf(html_path: Path, pdf_path: Path, timeout_s: float = 180.0) -> Pa
             f"--print-to-pdf={tmp_pdf}",
             Path(html_path).resolve().as_uri(),
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0 or not tmp_pdf.exists() or tmp_pdf.stat().st_size == 0:
         tmp_pdf.unlink(missing_ok=True)
         raise RuntimeError(f"{browser} failed to print {html_path} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

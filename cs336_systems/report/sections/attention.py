@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Equation, Text
 import pandas as pd
 
 from cs336_systems.report import fmt
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Equation, Text
 from cs336_systems.report.sections.common import failed_rows, join_words, ok_rows, question, subset
 
 
@@ -36,8 +36,8 @@ def pytorch_attention(d: SectionData) -> list[Block]:
         total = acc["terms_MiB"].get("total", float("nan"))
         acc_blocks = [
             Text(f"Configuration: $d = {dd}$, $T = {T:,}$, $B = {B}$ ({acc.get('source', '')}):"),
-            Equation([rf"M_{{\mathrm{{saved}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
-                      rf" + {T}^2 = {fmt.tex_sig(total, 4)}\,\mathrm{{MiB}}"]),
+            Equation([(rf"M_{{\mathrm{{saved}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
+                      rf" + {T}^2 = {fmt.tex_sig(total, 4)}\,\mathrm{{MiB}}")]),
         ]
         below = acc.get("below")
         if isinstance(below, dict) and below.get("measured_MiB") is not None:
@@ -105,10 +105,10 @@ def flash_attention(d: SectionData) -> list[Block]:
                  "$B_k$ rows, keeping a running row maximum $m$, normalizer $\\ell$ and unnormalized output "
                  "$\\tilde O$ in on-chip memory; per key block $j$:"),
             Equation([
-                r"S^{(j)} = Q_i K_j^\top/\sqrt{d},\quad m^{(j)} = \max\left(m^{(j-1)}, \mathrm{rowmax}\,S^{(j)}\right),"
-                r"\quad \tilde P^{(j)} = \exp\left(S^{(j)} - m^{(j)}\right)",
-                r"\ell^{(j)} = e^{m^{(j-1)} - m^{(j)}}\,\ell^{(j-1)} + \mathrm{rowsum}\,\tilde P^{(j)},\quad "
-                r"\tilde O^{(j)} = \mathrm{diag}\left(e^{m^{(j-1)} - m^{(j)}}\right)\tilde O^{(j-1)} + \tilde P^{(j)} V_j",
+                (r"S^{(j)} = Q_i K_j^\top/\sqrt{d},\quad m^{(j)} = \max\left(m^{(j-1)}, \mathrm{rowmax}\,S^{(j)}\right),"
+                r"\quad \tilde P^{(j)} = \exp\left(S^{(j)} - m^{(j)}\right)"),
+                (r"\ell^{(j)} = e^{m^{(j-1)} - m^{(j)}}\,\ell^{(j-1)} + \mathrm{rowsum}\,\tilde P^{(j)},\quad "
+                r"\tilde O^{(j)} = \mathrm{diag}\left(e^{m^{(j-1)} - m^{(j)}}\right)\tilde O^{(j-1)} + \tilde P^{(j)} V_j"),
                 r"O_i = \mathrm{diag}\left(\ell\right)^{-1}\tilde O,\qquad L_i = m + \log \ell",
             ]),
             Text("With the causal flag, key blocks entirely above the diagonal are skipped and the diagonal block "

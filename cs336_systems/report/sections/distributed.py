@@ -223,8 +223,8 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
         Text("The per-call latency favours few buckets, the last bucket's transfer favours many. Setting "
              "$dT/dn_b = o - s/(n_b^2 w) = 0$:"),
         Equation([
-            r"n_b^{*} = \sqrt{\frac{s}{w\,o}},\qquad b^{*} = \frac{s}{n_b^{*}} = \sqrt{s\,w\,o},\qquad "
-            r"T_{\mathrm{overhead}}^{*} = 2\sqrt{\frac{s\,o}{w}}.",
+            (r"n_b^{*} = \sqrt{\frac{s}{w\,o}},\qquad b^{*} = \frac{s}{n_b^{*}} = \sqrt{s\,w\,o},\qquad "
+            r"T_{\mathrm{overhead}}^{*} = 2\sqrt{\frac{s\,o}{w}}."),
         ]),
     ]
     own = _named(bucketed.records, "overhead_model") if bucketed is not None else None
@@ -236,10 +236,10 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
                 Text(f"Fitted in the bucketed benchmark's own run ({preset} model, `{own}.json`): "
                      f"$o = {fmt.tex_sig(m['o_us'])}$ µs, $w = {fmt.tex_sig(m['w_GBps'])}$ GB/s, "
                      f"$s = {fmt.tex_sig(m['s_GB'] * 1e3)}$ MB of gradients:"),
-                Equation([rf"n_b^* = {fmt.tex_sig(m.get('optimal_num_buckets', float('nan')))},\qquad "
+                Equation([(rf"n_b^* = {fmt.tex_sig(m.get('optimal_num_buckets', float('nan')))},\qquad "
                           rf"b^* = {fmt.tex_sig(m['optimal_bucket_size_mb'])}\,\mathrm{{MB}},\qquad "
                           rf"T^*_{{\mathrm{{overhead}}}} = {fmt.tex_sig(m.get('minimal_overhead_ms', float('nan')))}"
-                          r"\,\mathrm{ms}"]),
+                          r"\,\mathrm{ms}")]),
                 bucketed.table(own, caption="Measured overhead (step time minus the single-GPU step) against "
                                "the model's prediction, by bucket size."),
                 bucketed.figure(own, caption="Measured and predicted overhead against bucket size."),

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Equation, Text
 import pandas as pd
 
 from cs336_systems.report import fmt
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Equation, Text
 from cs336_systems.report.sections.common import join_words, question
 
 
@@ -56,9 +56,9 @@ def communication_accounting(d: SectionData) -> list[Block]:
                  "layers on one device; memory saved for backward in bf16; in H100s.", [
                      Text("Counting only the two feed-forward matrices of each of the $L$ blocks:"),
                      Equation([
-                         r"N = 2\,L\,d_{\mathrm{model}}\,d_{\mathrm{ff}},\qquad "
+                         (r"N = 2\,L\,d_{\mathrm{model}}\,d_{\mathrm{ff}},\qquad "
                          r"M_{\mathrm{fp32}} = N\,(4_{\mathrm{weights}} + 4_{\mathrm{grads}} + 8_{\mathrm{Adam}})"
-                         r" = 16\,N\ \mathrm{bytes}",
+                         r" = 16\,N\ \mathrm{bytes}"),
                      ]),
                      a_text, d.table("xxl_memory", caption="XXL feed-forward model on one device."),
                  ], what="the single-device memory accounting"),
@@ -66,8 +66,8 @@ def communication_accounting(d: SectionData) -> list[Block]:
                  "activations are sharded over $N_{\\mathrm{FSDP}}$ devices; the $N_{\\mathrm{FSDP}}$ that fits "
                  "one TPU v5p (95 GB).", [
                      Equation([
-                         r"M_{\mathrm{device}} = \frac{16\,N + A/2}{N_{\mathrm{FSDP}}} + \frac{A}{2}"
-                         r" < 95\,\mathrm{GB}",
+                         (r"M_{\mathrm{device}} = \frac{16\,N + A/2}{N_{\mathrm{FSDP}}} + \frac{A}{2}"
+                         r" < 95\,\mathrm{GB}"),
                      ]),
                      b_text, d.table("min_fsdp_devices", caption="Smallest $N_{\\mathrm{FSDP}}$ below 95 GB per "
                                      "device, by activation tokens per device."),
@@ -79,10 +79,10 @@ def communication_accounting(d: SectionData) -> list[Block]:
                      Text("Per layer and batch of $B$ tokens, the math time and the two collectives "
                           "(FSDP all-gathers of bf16 weights over $X$, TP activations over $Y$) are"),
                      Equation([
-                         r"T_{\mathrm{math}} = \frac{4BDF}{XYC},\quad T_{\mathrm{FSDP}} = \frac{4DF}{Y\,W_{\mathrm{ici}}M_X},"
-                         r"\quad T_{\mathrm{TP}} = \frac{4BD}{X\,W_{\mathrm{ici}}M_Y},",
-                         r"T_{\mathrm{math}} \geq T_{\mathrm{FSDP}} \Leftrightarrow \frac{B}{XY} \geq \frac{C}{W_{\mathrm{ici}}\,Y M_X},"
-                         r"\qquad T_{\mathrm{math}} \geq T_{\mathrm{TP}} \Leftrightarrow F \geq \frac{Y\,C}{W_{\mathrm{ici}}M_Y}.",
+                         (r"T_{\mathrm{math}} = \frac{4BDF}{XYC},\quad T_{\mathrm{FSDP}} = \frac{4DF}{Y\,W_{\mathrm{ici}}M_X},"
+                         r"\quad T_{\mathrm{TP}} = \frac{4BD}{X\,W_{\mathrm{ici}}M_Y},"),
+                         (r"T_{\mathrm{math}} \geq T_{\mathrm{FSDP}} \Leftrightarrow \frac{B}{XY} \geq \frac{C}{W_{\mathrm{ici}}\,Y M_X},"
+                         r"\qquad T_{\mathrm{math}} \geq T_{\mathrm{TP}} \Leftrightarrow F \geq \frac{Y\,C}{W_{\mathrm{ici}}M_Y}."),
                      ]),
                      c_text, d.table("compute_bound_batch", caption="Compute-bound batch under FSDP × TP."),
                      d.figure("compute_bound_ratio", caption="Math time over communication time against batch."),
@@ -167,9 +167,9 @@ def fsdp(d: SectionData) -> list[Block]:
                      Text("With $P$ ranks and $\\Psi$ parameters, each rank stores $\\Psi/P$ parameters, gradients "
                           "and optimizer state; a step moves $\\Psi$ per rank in the forward all-gathers, $\\Psi$ in "
                           "the backward re-gathers and $\\Psi$ in the gradient reduce-scatter:"),
-                     Equation([r"M_{\mathrm{rank}} = \frac{16\,\Psi}{P} + M_{\mathrm{act}} + "
+                     Equation([(r"M_{\mathrm{rank}} = \frac{16\,\Psi}{P} + M_{\mathrm{act}} + "
                                r"M_{\mathrm{gathered\ layers}},\qquad V_{\mathrm{rank}} \approx 3\,\Psi"
-                               r"\ \mathrm{elements}"]),
+                               r"\ \mathrm{elements}")]),
                      d.figure("memory_and_time", caption="Per-GPU memory and step time: DDP, our FSDP and "
                               "PyTorch's FSDP2."),
                      d.table("fsdp_vs_ddp", caption="Per-GPU peak memory and step time by model, dtype, world size "

@@ -89,7 +89,7 @@ def _largest_ok(df: pd.DataFrame) -> pd.Series | None:
         return None
     order = {name.lower(): i for i, name in enumerate(["tiny", "small", "medium", "large", "xl", "2.7b"])}
     key = ok.assign(_s=ok["size"].astype(str).str.lower().map(order).fillna(-1),
-                    _c=ok["context_length"] if "context_length" in ok else 0)
+                    _c=ok.get("context_length", 0))
     return ok.loc[key.sort_values(["_s", "_c"]).index[-1]]
 
 
@@ -301,9 +301,9 @@ def memory_profiling(d: SectionData) -> list[Block]:
                  what="peak memory with mixed precision"),
         question(d, "d", "Size of one residual-stream activation of the 2.7B model in fp32.", [
             Equation([
-                r"B \cdot T \cdot d_{\mathrm{model}} \cdot 4\,\mathrm{bytes} = "
+                (r"B \cdot T \cdot d_{\mathrm{model}} \cdot 4\,\mathrm{bytes} = "
                 rf"{cfg.batch_size} \cdot {cfg.context_length} \cdot {cfg.d_model} \cdot 4 = {fmt.tex_int(act)}\,\mathrm{{B}}"
-                rf" = {act / 2**20:g}\,\mathrm{{MiB}}",
+                rf" = {act / 2**20:g}\,\mathrm{{MiB}}"),
             ]),
             Text(f"At the reference batch size {cfg.batch_size} and context length {cfg.context_length} one "
                  f"residual-stream tensor is {fmt.mib(act, 4)}."),
