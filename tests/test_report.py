@@ -235,3 +235,29 @@ def test_tables_fold_mean_and_std_and_turn_wide_short_tables() -> None:
     out, notes = for_print(wide)
     assert list(out.columns) == ["config", "a", "b"] and len(out) == 24 and "transposed to fit the page" in notes
     assert out.iloc[0].tolist() == ["throughput_0", "123,456", "2.500"]
+
+
+def _have_browser() -> bool:
+    from cs336_systems.report.pdf import find_browser
+
+    try:
+        find_browser()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have_browser(), reason="needs a headless Chromium (apt-get install chromium)")
+def test_pdf_renders_end_to_end(results: Path, tmp_path: Path) -> None:
+    from cs336_systems.report.build import build
+
+    _write_benchmarking(results)
+    pdf = build(tmp_path / "w.pdf", results, manifest=tmp_path / "m.json", html_path=tmp_path / "w.html", strict=True)
+    data = pdf.read_bytes()
+    import re
+
+    pages = len(re.findall(rb"/Type\s*/Page(?!s)", data))
+    assert data.startswith(b"%PDF") and pages >= 5  # title, 15 sections of prompts and derivations
+    assert mf.check_manifest(pdf, results, tmp_path / "m.json") == []
+    assert "45.7 ms" in (tmp_path / "w.html").read_text()
