@@ -7,7 +7,7 @@ import pandas as pd
 from cs336_systems.report import fmt
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
-from cs336_systems.report.sections.common import join_words, question
+from cs336_systems.report.sections.common import join_words, question, subset
 
 
 def _quantity(df: pd.DataFrame | None, name: str, col: str) -> float | None:
@@ -160,6 +160,29 @@ def optimizer_state_sharding(d: SectionData) -> list[Block]:
     ]
 
 
+def _fsdp_sentence(df: pd.DataFrame | None) -> Text | None:
+    """Memory and time of every strategy for each (model, dtype, world size) they were run on."""
+    need = {"model", "world_size", "strategy", "after_step_peak", "step_ms"}
+    if df is None or not need <= set(df.columns) or df.empty:
+        return None
+    sentences = []
+    keys = [k for k in ("model", "dtype", "world_size") if k in df.columns]
+    for key, g in df.groupby(keys, sort=False):
+        key = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+        parts = []
+        for _, r in g.iterrows():
+            if str(r.get("status", "ok")) != "ok":
+                parts.append(f"{r['strategy']} {r['status']}")
+            elif pd.notna(r["after_step_peak"]):
+                parts.append(f"{r['strategy']} ({fmt.sig(r['after_step_peak'])} GiB, {fmt.ms(r['step_ms'])})")
+        if parts:
+            where = f"{key['model']}" + (f" {key['dtype']}" if "dtype" in key else "") + f" on {key['world_size']} GPUs"
+            sentences.append(f"{where}: " + join_words(parts))
+    if not sentences:
+        return None
+    return Text("Peak memory per GPU after the optimizer step and time per step: " + "; ".join(sentences) + ".")
+
+
 def fsdp(d: SectionData) -> list[Block]:
     return [
         question(d, "fsdp", "Fully sharded data parallelism: per-layer all-gather of parameters before use, "
@@ -170,10 +193,15 @@ def fsdp(d: SectionData) -> list[Block]:
                      Equation([(r"M_{\mathrm{rank}} = \frac{16\,\Psi}{P} + M_{\mathrm{act}} + "
                                r"M_{\mathrm{gathered\ layers}},\qquad V_{\mathrm{rank}} \approx 3\,\Psi"
                                r"\ \mathrm{elements}")]),
+                     _fsdp_sentence(d.frame("fsdp_vs_ddp")),
                      d.figure("memory_and_time", caption="Per-GPU memory and step time: DDP, our FSDP and "
                               "PyTorch's FSDP2."),
-                     d.table("fsdp_vs_ddp", caption="Per-GPU peak memory and step time by model, dtype, world size "
-                             "and strategy."),
+                     d.table("fsdp_vs_ddp", frame=subset(d.frame("fsdp_vs_ddp"), "model", "dtype", "world_size",
+                                                         "strategy", "status", "predicted_total", "before_step_peak",
+                                                         "after_step_peak", "step_ms", "tokens_per_s"),
+                             caption="Per-GPU memory (GiB: predicted, and measured peaks before and after the "
+                             "optimizer step) and step time by model, dtype, world size and strategy (all columns: "
+                             "the CSV)."),
                      d.table("predicted_vs_measured", caption="Predicted vs. measured memory per rank."),
                      d.table("largest_model_predicted", caption="Largest model each strategy can train, predicted."),
                      d.table("largest_model_measured", caption="Largest model each strategy trained, measured."),
