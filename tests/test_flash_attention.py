@@ -342,3 +342,26 @@ def test_triton_on_cpu_without_interpreter_raises(monkeypatch: pytest.MonkeyPatc
     q = _t(2, 8, 16, device="cpu")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         FlashAttentionTriton.apply(q, q, q, False)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected_stages"),
+    [(torch.float32, 1), (torch.bfloat16, 3)],
+)
+def test_dq_tiles_are_pruned_to_fit_shared_memory(monkeypatch, dtype: torch.dtype, expected_stages: int) -> None:
+    """The dQ kernel's K tile is used plain and transposed; at 32 bits that needs two shared-memory copies.
+
+    At float32, head dim 128, a 64x64 tile with 2 stages needed 256 KiB on Hopper (limit 227 KiB): the
+    pruner must count the second copy and drop to one stage; 16-bit tiles share one copy and keep 3.
+    """
+    import triton
+
+    from cs336_systems.attention import flash_triton
+
+    kernels = flash_triton._kernels()
+    monkeypatch.setattr(kernels, "_shared_memory_bytes", lambda device_index: 232448)
+    prune = kernels.DQ_PRUNE
+    q = torch.empty(1, 1, 64, 128, dtype=dtype)
+    configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
+    kept = prune(configs, {"HEAD_DIM": 128, "Q": q, "SEQ_CLASS": 64})
+    assert [c.num_stages for c in kept] == [expected_stages]

@@ -98,18 +98,23 @@ def _shared_memory_bytes(device_index: int) -> int:
         return 99 * 1024  # the smallest opt-in limit of current NVIDIA GPUs
 
 
-def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callable[[int, int], int]):
+def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callable[[int, int, int], int]):
     """An ``early_config_prune`` for one kernel: drop tiles much longer than the sequences (work wasted
     on padding), and lower ``num_stages`` until the operand tiles fit in shared memory.
 
     ``resident_rows(BLOCK_M, BLOCK_N)`` rows of ``HEAD_DIM`` elements stay loaded for the whole program;
-    ``streamed_rows`` more are buffered once per pipeline stage. float32 at head dim 128 is where the
-    default stage counts would overflow (and fail to launch). Without tuning the first survivor runs.
+    ``streamed_rows(BLOCK_M, BLOCK_N, layouts)`` more are buffered once per pipeline stage, where
+    ``layouts`` is how many shared-memory copies a tile used both plain and transposed needs: 16-bit
+    tiles are read transposed from one copy (``ldmatrix.trans``), 32-bit tiles get a second copy. (The dQ
+    kernel at float32, head dim 128 measured 256 KiB with the second copy of K, against the 227 KiB limit.)
+    float32 at head dim 128 is where the default stage counts would overflow (and fail to launch).
+    Without tuning the first survivor runs.
     """
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         args = {**kwargs, **named_args}
         row_bytes = args["HEAD_DIM"] * args["Q"].element_size()
+        layouts = 2 if args["Q"].element_size() == 4 else 1
         budget = _SHARED_MEMORY_SHARE * _shared_memory_bytes(args["Q"].device.index or 0)
         longest = max(args.get("SEQ_CLASS", 1 << 30), 64)
         fitted: dict[tuple[int, int, int, int], triton.Config] = {}
@@ -118,9 +123,9 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
             if max(m, n) > longest:
                 continue
             stages = config.num_stages
-            while stages > 1 and row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n)) > budget:
+            while stages > 1 and row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n, layouts)) > budget:
                 stages -= 1
-            if row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n)) > budget:
+            if row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n, layouts)) > budget:
                 continue
             fitted.setdefault(
                 (m, n, config.num_warps, stages),
@@ -276,7 +281,10 @@ def _forward_key_loop(
     return acc, m_i, l_i
 
 
-@_autotune(FORWARD_CONFIGS, _fit_configs(lambda m, n: m, lambda m, n: 2 * n))  # Q | K, V
+FORWARD_PRUNE = _fit_configs(lambda m, n: m, lambda m, n, t: 2 * n)  # Q | K, V
+
+
+@_autotune(FORWARD_CONFIGS, FORWARD_PRUNE)
 @_jit
 def flash_forward_kernel(
     Q,
@@ -482,7 +490,11 @@ def _dkdv_query_loop(
     return dk, dv
 
 
-@_autotune(DKDV_CONFIGS, _fit_configs(lambda m, n: 2 * n, lambda m, n: 2 * m))  # K, V | Q, dO
+# K, V | Q, dO; Q and dO each feed one product plain and one transposed.
+DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m)
+
+
+@_autotune(DKDV_CONFIGS, DKDV_PRUNE)
 @_jit
 def flash_backward_dkdv_kernel(
     Q,
@@ -695,7 +707,11 @@ def _dq_key_loop(
     return dq
 
 
-@_autotune(DQ_CONFIGS, _fit_configs(lambda m, n: 2 * m, lambda m, n: 2 * n))  # Q, dO | K, V
+# Q, dO | K, V; K feeds S = Q Kᵀ transposed and dQ = dS K plain, V only dP = dO Vᵀ.
+DQ_PRUNE = _fit_configs(lambda m, n: 2 * m, lambda m, n, t: (1 + t) * n)
+
+
+@_autotune(DQ_CONFIGS, DQ_PRUNE)
 @_jit
 def flash_backward_dq_kernel(
     Q,
