@@ -31,6 +31,13 @@ FIGURES_DIR = REPO_ROOT / "figures"
 SCRATCH_DIR = REPO_ROOT / ".scratch"
 
 
+#: Provenance fields that describe the measuring run (copied onto artefacts derived from it).
+MEASUREMENT_KEYS = (
+    "device", "device_type", "num_gpus", "gpu_memory_gib", "cuda", "torch", "triton", "python",
+    "float32_matmul_precision", "git_commit", "date",
+)
+
+
 def is_smoke_run(smoke: bool | None = None) -> bool:
     """Decide smoke vs real: an explicit argument wins, then ``CS336_SMOKE`` (0/1), then "no CUDA GPU"."""
     if smoke is not None:
@@ -151,8 +158,23 @@ class ResultWriter:
     def path(self, filename: str) -> Path:
         return self.dir / filename
 
-    def _meta(self, name: str, files: list[str], params: dict[str, Any] | None, extra: dict[str, Any] | None) -> Path:
+    def _meta(
+        self,
+        name: str,
+        files: list[str],
+        params: dict[str, Any] | None,
+        extra: dict[str, Any] | None,
+        source: dict[str, Any] | None = None,
+    ) -> Path:
         meta = provenance({**self.params, **(params or {})}, smoke=self.smoke)
+        if source is not None:
+            # Derived from a measurement (a plot or a model fit made later, perhaps on a laptop): the
+            # numbers belong to the measuring run, so its device, versions, commit and date are recorded;
+            # where and when the derivation ran is kept under "rendered".
+            rendered = {k: meta[k] for k in ("device", "git_commit", "date")}
+            meta.update({k: source[k] for k in MEASUREMENT_KEYS if k in source})
+            meta["smoke"] = bool(source.get("smoke", meta["smoke"]))
+            meta["rendered"] = rendered
         meta.update(section=self.section, name=name, files=files)
         if extra:
             meta["extra"] = _jsonable(extra)
@@ -172,24 +194,37 @@ class ResultWriter:
         index: bool = False,
         floatfmt: str = ".4g",
         extra: dict[str, Any] | None = None,
+        source: dict[str, Any] | None = None,
     ) -> Path:
         """A pandas DataFrame as ``name.csv`` (full precision) and ``name.md`` (formatted)."""
         csv = self.dir / f"{name}.csv"
         df.to_csv(csv, index=index)
         (self.dir / f"{name}.md").write_text(df.to_markdown(index=index, floatfmt=floatfmt) + "\n")
-        self._meta(name, [csv.name, f"{name}.md"], params, extra)
+        self._meta(name, [csv.name, f"{name}.md"], params, extra, source)
         return csv
 
-    def figure(self, fig: Any, name: str, params: dict[str, Any] | None = None, *, dpi: int = 150) -> Path:
+    def figure(
+        self,
+        fig: Any,
+        name: str,
+        params: dict[str, Any] | None = None,
+        *,
+        dpi: int = 150,
+        source: dict[str, Any] | None = None,
+    ) -> Path:
+        """A matplotlib figure as ``name.png``. Pass the ``.meta.json`` of the data it plots as ``source``
+        when the plot is drawn from earlier measurements."""
         png = self.dir / f"{name}.png"
         fig.savefig(png, dpi=dpi, bbox_inches="tight")
-        self._meta(name, [png.name], params, None)
+        self._meta(name, [png.name], params, None, source)
         return png
 
-    def json(self, obj: Any, name: str, params: dict[str, Any] | None = None) -> Path:
+    def json(
+        self, obj: Any, name: str, params: dict[str, Any] | None = None, *, source: dict[str, Any] | None = None
+    ) -> Path:
         path = self.dir / f"{name}.json"
         path.write_text(json.dumps(_jsonable(obj), indent=2) + "\n")
-        self._meta(name, [path.name], params, None)
+        self._meta(name, [path.name], params, None, source)
         return path
 
     def banner(self) -> str:

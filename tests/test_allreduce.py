@@ -105,3 +105,20 @@ def test_cli_gloo_two_ranks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (section / "allreduce_bandwidth.png").exists()
     meta = json.loads((section / "allreduce.meta.json").read_text())
     assert meta["params"]["nproc"] == [2]
+
+
+def test_topology_header_with_ansi_underline_is_parsed() -> None:
+    """nvidia-smi underlines the header with ANSI escapes even into a pipe (seen on 4x H200)."""
+    from cs336_systems.distributed.allreduce import Topology, parse_topology_matrix
+
+    text = (
+        "\t\x1b[4mGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+        "GPU0\t X \tNV18\tNV18\tNV18\t0-63\t0\t\tN/A\n"
+        "GPU1\tNV18\t X \tNV18\tNV18\t0-63\t0\t\tN/A\n"
+        "GPU2\tNV18\tNV18\t X \tNV18\t0-63\t0\t\tN/A\n"
+        "GPU3\tNV18\tNV18\tNV18\t X \t0-63\t0\t\tN/A\n"
+    )
+    links = parse_topology_matrix(text)
+    assert len(links) == 12 and links["0-1"] == "NV18" and links["3-2"] == "NV18"
+    topo = Topology(True, text, "NVIDIA H200", links, 25.0, "")
+    assert topo.peak_busbw_gbps(2) == topo.peak_busbw_gbps(4) == 18 * 25.0

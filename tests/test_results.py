@@ -59,3 +59,15 @@ def test_missing_result_is_reported(tmp_path) -> None:
     assert not results.has_result("nope", "nothing", root=tmp_path)
     with pytest.raises(FileNotFoundError):
         results.load_table("nope", "nothing", root=tmp_path)
+
+
+def test_derived_artefacts_keep_the_measuring_runs_provenance(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    measured = {"device": "NVIDIA H200", "num_gpus": 4, "torch": "2.11.0", "triton": "3.6.0",
+                "git_commit": "abc123", "date": "2026-01-01T00:00:00+00:00", "smoke": False}
+    out = results.ResultWriter("sec", smoke=False)
+    out.json({"fit": 1.0}, "derived", source=measured)
+    meta = results.load_meta("sec", "derived", root=tmp_path)
+    assert meta["device"] == "NVIDIA H200" and meta["git_commit"] == "abc123" and meta["num_gpus"] == 4
+    assert meta["date"] == measured["date"] and meta["smoke"] is False
+    assert meta["rendered"]["device"] == results.device_description()["device"]

@@ -138,7 +138,12 @@ def _nv_count(kind: str) -> int | None:
 
 
 def parse_topology_matrix(text: str) -> dict[str, str]:
-    """GPU-to-GPU connection types from ``nvidia-smi topo -m`` output: ``{"0-1": "NV18", ...}``."""
+    """GPU-to-GPU connection types from ``nvidia-smi topo -m`` output: ``{"0-1": "NV18", ...}``.
+
+    nvidia-smi underlines the header with ANSI escapes even when writing to a pipe; they are removed
+    first, otherwise the header's first column is not recognised and GPU0's links are lost.
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
     header = next((ln for ln in lines if re.match(r"^\s+GPU0\b", ln) or ln.split()[:1] == ["GPU0"]), None)
     if header is None:
@@ -282,10 +287,13 @@ def plot_bandwidth(df: Any, theory: Any = None, metric: str = "busbw_GBps") -> A
         sns.lineplot(data=sub, x="size_bytes", y=metric, hue="world_size", marker="o", palette="viridis", ax=ax)
         if backend == "nccl" and theory is not None and len(theory):
             peak = "peak_busbw_GBps" if metric == "busbw_GBps" else "peak_algbw_GBps"
-            for n, grp in theory.groupby("world_size"):
-                ax.axhline(grp[peak].iloc[0], ls="--", lw=1, color="gray")
-                ax.annotate(f"NVLink peak, n={n}", (sub["size_bytes"].min(), grp[peak].iloc[0]), fontsize=8,
-                            va="bottom", color="gray")
+            # One dashed line per distinct peak (behind an NVSwitch every n shares the same one).
+            peaks = theory.groupby("world_size")[peak].first()
+            for value, ns in peaks.groupby(peaks).groups.items():
+                ax.axhline(value, ls="--", lw=1, color="gray")
+                label = ", ".join(str(n) for n in ns)
+                ax.annotate(f"NVLink peak {value:.0f} GB/s (n = {label})", (sub["size_bytes"].min(), value),
+                            fontsize=8, va="bottom", color="gray")
         ax.set_xscale("log")
         ax.set_xlabel("message size per rank (bytes, fp32)")
         ax.set_ylabel("bus bandwidth (GB/s)" if metric == "busbw_GBps" else "algorithm bandwidth (GB/s)")
@@ -336,6 +344,38 @@ def write_results(rows: list[dict[str, Any]], topology: Topology, params: dict[s
     return df
 
 
+def rederive_theory() -> Any:
+    """Recompute the theoretical curve and the figure from committed results (``allreduce`` table and
+    the ``topology`` text captured on the measuring machine), without GPUs. The measured table is left
+    untouched; the derived artefacts carry the measuring run's provenance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from cs336_systems.results import ResultWriter, load_json, load_meta, load_table
+
+    df = load_table(SECTION, "allreduce")
+    saved = load_json(SECTION, "topology")
+    source = load_meta(SECTION, "allreduce")
+    topology = Topology(
+        saved["available"], saved["text"], saved["gpu_name"], parse_topology_matrix(saved["text"]),
+        saved["gbps_per_link"], f"{saved['gbps_per_link']:g} GB/s per NVLink per direction",
+    )
+    out = ResultWriter(SECTION, params=source.get("params", {}), smoke=False)
+    world_sizes = sorted(df.loc[df["backend"] == "nccl", "world_size"].unique().tolist())
+    theory = pd.DataFrame(theoretical_rows(topology, world_sizes, sorted(df["size_bytes"].unique().tolist())))
+    if len(theory):
+        out.table(theory, "allreduce_theory", source=source)
+    peaks = {n: topology.peak_busbw_gbps(n) for n in world_sizes}
+    out.json({**asdict(topology), "peak_busbw_GBps": peaks}, "topology", source=source)
+    fig = plot_bandwidth(df, theory if len(theory) else None)
+    out.figure(fig, "allreduce_bandwidth", source=source)
+    plt.close(fig)
+    return theory
+
+
 # --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
@@ -355,7 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--gbps-per-link", type=float, default=None, help="override NVLink GB/s per link and direction")
     parser.add_argument("--append", action="store_true", help="merge into an existing allreduce table")
+    parser.add_argument("--rederive", action="store_true",
+                        help="no measurement: recompute the theoretical curve and figure from committed results")
     args = parser.parse_args(argv)
+    if args.rederive:
+        print(rederive_theory().to_string(index=False))
+        return 0
 
     smoke = is_smoke_run()
     sizes = [parse_size(s) for s in (args.sizes or (SMOKE_SIZES if smoke else DEFAULT_SIZES))]
