@@ -20,6 +20,8 @@ from cs336_systems.report.document import Block, Figure, Table, Text
 from cs336_systems.results import REPO_ROOT
 
 SMOKE_MARK = "SMOKE RUN, not a GPU measurement"
+MAX_GENERIC_ROWS = 60
+"""Longer tables nobody asked for (e.g. raw profiler timelines) are listed, not printed."""
 
 
 def display_path(path: Path) -> str:
@@ -155,8 +157,16 @@ class SectionData:
         """Generic blocks for every table, figure and flat JSON record no section builder asked for."""
         blocks: list[Block] = []
         for name in self.tables:
-            if name + ".csv" not in self._used:
-                blocks.append(self.table(name))  # type: ignore[arg-type]
+            if name + ".csv" in self._used:
+                continue
+            df = self.frame(name)
+            if df is not None and len(df) > MAX_GENERIC_ROWS:
+                path = display_path(self.dir / f"{name}.csv")
+                blocks.append(Text(f"Data table `{path}`: {len(df):,} rows × {len(df.columns)} columns "
+                                   f"({', '.join(map(str, df.columns[:8]))}{', …' if len(df.columns) > 8 else ''})"
+                                   ", too long to print."))
+            else:
+                blocks.append(self.table(name, frame=df))  # type: ignore[arg-type]
         for name in self.records:
             if name + ".json" in self._used:
                 continue
@@ -209,8 +219,8 @@ def params_line(meta: dict[str, Any], limit: int = 240) -> str:
 
 
 def _short(v: Any) -> str:
-    if isinstance(v, float) and (abs(v) >= 1e6 or (v != 0 and abs(v) < 1e-3)):
-        return f"{v:.4g}"
+    if isinstance(v, float):
+        return f"{v:.6g}"
     if isinstance(v, list) and len(v) > 8:
         return "[" + ", ".join(map(_short, v[:3])) + f", …, {_short(v[-1])}] ({len(v)} values)"
     if isinstance(v, list):

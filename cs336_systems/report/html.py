@@ -61,6 +61,9 @@ nav.toc div { break-inside: avoid; }
 nav.toc .missing-mark { color: #b35c00; font-size: 8pt; }
 figure { margin: 3mm 0; break-inside: avoid; text-align: center; }
 figure img { max-width: 92%; max-height: 82mm; }
+@page landscape { size: A4 landscape; }
+figure.landscape { page: landscape; }
+figure.landscape img { max-width: 100%; max-height: 160mm; }
 figure.table { overflow: hidden; }
 figure.table.long { break-inside: auto; overflow: visible; }  /* long tables run over pages, header repeated */
 figure.table.long figcaption { break-after: avoid; }
@@ -219,17 +222,34 @@ def table_html(block: Table, n: int) -> str:
     if notes:
         caption += f" <span class='note'>({'; '.join(notes)}.)</span>"
     caption = f"<b>Table {n}.</b> {caption}" + _prov_html(block.meta, block.source)
-    long = " long" if len(df) > 25 else ""
+    long = " long" if len(df) > 12 else ""
     return (
         f'<figure class="table{long}"><figcaption>{caption}</figcaption>'
         f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></figure>"
     )
 
 
+def _png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk ((0, 0) if it is not a PNG)."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        return 0, 0
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+#: Figures wider than this (width / height) get a landscape page of their own, to stay legible.
+LANDSCAPE_ASPECT = 2.0
+#: ... if they are also this wide in pixels (a 150-dpi figure of more than about 13 inches).
+LANDSCAPE_MIN_PX = 1900
+
+
 def figure_html(block: Figure, n: int) -> str:
-    uri = "data:image/png;base64," + base64.b64encode(block.path.read_bytes()).decode()
+    data = block.path.read_bytes()
+    w, h = _png_size(data)
+    cls = ' class="landscape"' if h and w / h > LANDSCAPE_ASPECT and w > LANDSCAPE_MIN_PX else ""
+    uri = "data:image/png;base64," + base64.b64encode(data).decode()
     caption = f"<b>Figure {n}.</b> {markdown_inline(block.caption)}" + _prov_html(block.meta, block.source)
-    return f'<figure><img src="{uri}" alt="{html.escape(block.caption)}"><figcaption>{caption}</figcaption></figure>'
+    return (f'<figure{cls}><img src="{uri}" alt="{html.escape(block.caption)}">'
+            f"<figcaption>{caption}</figcaption></figure>")
 
 
 def markdown_inline(text: str) -> str:

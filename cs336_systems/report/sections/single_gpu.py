@@ -5,6 +5,8 @@ Artefact names follow :mod:`cs336_systems.benchmarking.sections` (one ``run_<sec
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from cs336_systems.configs import get_config, residual_stream_bytes
@@ -81,6 +83,27 @@ def _warmup_sentence(df: pd.DataFrame | None) -> Text | None:
 # §1.1.4
 # --------------------------------------------------------------------------------------------------
 
+_KERNEL_PARTS = re.compile(r"\b(\w*Functor\w*|\w+_kernel\w*|\w+_sgemm\w*|\w*[Ss]oftmax\w*|\w*[Rr]educe\w*)\b")
+
+
+_GENERIC_KERNEL_PARTS = {"gpu_kernel_impl_nocast", "gpu_kernel_impl", "BinaryFunctor", "AUnaryFunctor",
+                         "BUnaryFunctor", "unrolled_elementwise_kernel", "vectorized_elementwise_kernel"}
+
+
+def short_kernel(name: object, limit: int = 64) -> str:
+    """A readable name for a demangled CUDA kernel: ``void at::native::elementwise_kernel<128, 2,
+    …DivFunctor<float>…>(…)`` → ``elementwise_kernel<DivFunctor>``; long cuBLAS names are cut to
+    ``limit`` characters. The full names stay in the CSV."""
+    text = re.sub(r"^void\s+", "", str(name)).replace("(anonymous namespace)::", "")
+    if "<" in text or "(" in text:
+        head = text.split("<")[0].split("(")[0]
+        base = head.split("::")[-1].strip() or head
+        inner = [m for m in dict.fromkeys(_KERNEL_PARTS.findall(text[len(head):]))
+                 if m != base and m not in _GENERIC_KERNEL_PARTS]
+        text = f"{base}<{', '.join(inner[-2:])}>" if inner else base
+    text = re.sub(r"_stage\d+_warpsize.*$", "", text)  # cuBLAS: keep arch, dtypes, layout and tile
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
 
 def _largest_ok(df: pd.DataFrame) -> pd.Series | None:
     """The row of the largest model at its longest context (the summary's most informative row)."""
@@ -100,7 +123,13 @@ def nsys_profile(d: SectionData) -> list[Block]:
     where = f"{row['size']} at context {int(row['context_length'])}" if row is not None else ""
 
     def part(caption: str, *cols: str):
-        return d.table("summary", caption=caption, frame=subset(summary, "size", "context_length", *cols))
+        frame = subset(summary, "size", "context_length", *cols)
+        if frame is not None:
+            frame = frame.copy()
+            for col in ("top_forward_kernel", "top_non_matmul_kernel"):
+                if col in frame.columns:
+                    frame[col] = frame[col].map(short_kernel)
+        return d.table("summary", caption=caption, frame=frame)
 
     a = b = c = dd = e = None
     if row is not None:
@@ -108,20 +137,22 @@ def nsys_profile(d: SectionData) -> list[Block]:
         a = Text(f"For {where} the profiler's kernels sum to {fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
                  f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer; over all configurations "
                  f"the kernel time is {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward "
-                 "pass (the difference is launch overhead and idle gaps between kernels, which the timer sees "
-                 "and the kernel sum does not).")
+                 "pass. Below 100% the GPU idles between kernels (launch overhead, which dominates small models "
+                 "and short contexts), time the Python timer sees and the kernel sum does not"
+                 + ("; above 100% the profiler's own instrumentation slows the kernels it records." if ratios.max() > 1
+                    else "."))
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
             sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
                       & (top["range"] == "step") & (top["rank"] == 1)]
             step_top = sel["name"].iloc[0] if not sel.empty else None
         same = ("the same kernel also leads the full training step" if step_top == row["top_forward_kernel"]
-                else f"in the full training step `{step_top}` leads instead" if step_top else "")
+                else f"in the full training step `{short_kernel(step_top)}` leads instead" if step_top else "")
         b = Text(f"For {where} the kernel with the most GPU time in the forward pass is "
-                 f"`{row['top_forward_kernel']}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
+                 f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
                  + (f"; {same}." if same else "."))
-        c = Text(f"The largest non-matmul kernel is `{row['top_non_matmul_kernel']}` with "
+        c = Text(f"The largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time; elementwise kernels "
                  "(softmax pieces, SwiGLU's SiLU and product, RMSNorm, RoPE, masking) each read and write whole "
                  "activations for few FLOPs, so they are memory bound and take time out of proportion to "
@@ -169,6 +200,8 @@ def _top_kernels(d: SectionData, top: pd.DataFrame | None, row: pd.Series | None
     sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
               & (top["range"] == "forward")]
     sel = subset(sel, "rank", "name", "category", "calls", "total_ms", "avg_us", "percent")
+    if sel is not None and "name" in sel.columns:
+        sel = sel.assign(name=sel["name"].map(short_kernel))
     return d.table("top_kernels", frame=sel, caption=f"The ten kernels with the most forward-pass time, "
                    f"{row['size']} at context {int(row['context_length'])} (all configurations: the CSV).")
 
@@ -321,6 +354,17 @@ def memory_profiling(d: SectionData) -> list[Block]:
 def _largest_text(df: pd.DataFrame | None) -> Text | None:
     if df is None or df.empty or not {"size_MiB", "origin"} <= set(df.columns):
         return None
-    top = df.iloc[0]
-    return Text(f"The largest allocations are {fmt.mib(top['size_MiB'] * 2**20)}, from `{top['origin']}`"
-                + (f" ({int(top['count'])} of them)" if "count" in df.columns else "") + ".")
+
+    explained = []
+
+    def where(origin: str) -> str:
+        if not origin.startswith("(no user frame"):
+            return f"`{origin}`"
+        if explained:
+            return "no Python frame"
+        explained.append(True)
+        return "no Python frame on the stack (allocated inside autograd's backward or the optimizer's C++ code)"
+
+    parts = [f"{fmt.mib(r['size_MiB'] * 2**20)}" + (f" ×{int(r['count'])}" if "count" in df.columns else "")
+             + f" from {where(str(r['origin']))}" for _, r in df.head(3).iterrows()]
+    return Text("The largest allocations: " + "; ".join(parts) + ".")
