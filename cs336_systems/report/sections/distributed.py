@@ -36,10 +36,15 @@ def communication_single_node(d: SectionData) -> list[Block]:
             bw = f" ({fmt.sig(r['busbw_GBps'])} GB/s bus bandwidth)" if "busbw_GBps" in r and pd.notna(r["busbw_GBps"]) else ""
             parts.append(f"{r['backend']} with {int(r['world_size'])} processes {fmt.ms(r['time_ms'])}{bw}")
         size = big["size"].iloc[0] if "size" in big.columns else fmt.sig(big["size_bytes"].iloc[0])
-        text = Text(f"All-reducing {size}: " + join_words(parts) + ". Small messages are latency bound (the "
-                    "time hardly changes with size), large ones bandwidth bound; NCCL over NVLink is one to two "
-                    "orders of magnitude faster than Gloo through host memory, and more processes cost little "
-                    "extra per byte because ring all-reduce moves $2(n-1)/n$ of the data per rank.")
+        vs = ""
+        both = big[big["world_size"] == big["world_size"].min()].set_index("backend")["time_ms"]
+        if {"nccl", "gloo"} <= set(both.index):
+            vs = (f" With {int(big['world_size'].min())} processes NCCL (GPU memory, NVLink) is "
+                  f"{fmt.ratio(both['gloo'] / both['nccl'])} faster than Gloo (host memory, CPU reduction).")
+        text = Text(f"All-reducing {size}: " + join_words(parts) + "." + vs + " Small messages are latency bound "
+                    "(the time hardly changes with size), large ones bandwidth bound; bus bandwidth, which scales "
+                    "the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, makes process counts "
+                    "comparable.")
     return [
         question(d, "all-reduce", "All-reduce latency for Gloo (CPU) and NCCL (GPU), 1 MB–1 GB of float32, "
                  "2, 4 and 6 processes.", [
@@ -189,10 +194,23 @@ def ddp_bucketed(d: SectionData) -> list[Block]:
         parts = [f"{fmt.sig(r['bucket_size_mb'])} MB {fmt.ms(r['step_ms'])}" for _, r in b.iterrows()]
         refs = [f"{r['variant']} {fmt.ms(r['step_ms'])}" for m in ("naive", "flat", "overlap", "single", "torch")
                 if (r := _row(df, m)) is not None]
+        spread = b["step_ms"].max() / b["step_ms"].min() - 1
+        single = _row(df, "single")
+        if spread < 0.05:
+            why = (f" All bucket sizes lie within {fmt.pct(spread, 2)} of each other"
+                   + (f" and within {fmt.pct(b['step_ms'].max() / single['step_ms'] - 1, 2)} of the single-GPU step"
+                      if single is not None else "")
+                   + ": on this node's interconnect the gradients' all-reduce is a small part of the step, so "
+                   "bucketing can only recover a little")
+            if "step_ms_std" in b.columns and b["step_ms"].max() - b["step_ms"].min() < b["step_ms_std"].max():
+                why += (f", and the differences are within the step-to-step standard deviation (up to "
+                        f"{fmt.ms(b['step_ms_std'].max())})")
+            why += "."
+        else:
+            why = (" Tiny buckets pay the per-call cost many times, huge ones cannot start communicating until most "
+                   "of backward is done; in between, communication hides behind the remaining backward compute.")
         text = Text("Step time by bucket size: " + join_words(parts) + f"; the best is {fmt.sig(best['bucket_size_mb'])} "
-                    "MB" + (f" (reference: {join_words(refs)})." if refs else ".") + " Tiny buckets pay the per-call "
-                    "cost many times, huge ones cannot start communicating until most of backward is done; "
-                    "in between, communication hides behind the remaining backward compute.")
+                    "MB" + (f" (reference: {join_words(refs)})." if refs else ".") + why)
     sweep = _named(d.figures, "bucket_sweep")
     return [
         question(d, "a", "Bucketed DDP with bucket sizes 1, 10, 100 and 1000 MB, compared with the unbucketed "

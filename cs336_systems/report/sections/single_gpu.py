@@ -294,19 +294,22 @@ def memory_profiling(d: SectionData) -> list[Block]:
             "weights and activations.")
     if fp32 is not None and bf16 is not None:
         m = fp32.merge(bf16, on="context_length", suffixes=("_fp32", "_bf16"))
-        parts = []
+        parts, ratios = [], []
         for mode in ("forward", "train"):
             a, bcol = f"{mode}_peak_GiB_fp32", f"{mode}_peak_GiB_bf16"
             if a in m and bcol in m:
                 r = (m[bcol] / m[a]).dropna()
                 if not r.empty:
+                    ratios.append(r)
                     parts.append(f"{'forward' if mode == 'forward' else 'training-step'} peaks by a factor of "
                                  f"{fmt.sig(r.min(), 2)}–{fmt.sig(r.max(), 2)}")
         if parts:
+            grows = any(x.max() > 1 for x in ratios)
             c_text = Text("bf16 autocast changes the " + join_words(parts) + " (bf16 / fp32). Autocast keeps the "
                           "fp32 weights, gradients and optimizer state and adds bf16 copies of weights for the "
-                          "matmuls, so only the activations saved for backward shrink; the effect grows with "
-                          "context length, where activations dominate.")
+                          "matmuls, so only the activations saved for backward shrink"
+                          + ("; where the peak grows, those weight copies outweigh the smaller activations." if grows
+                             else "; the saving grows with context length, where activations dominate."))
     timeline = d.figure("timeline_fp32", caption="Active memory over allocation events, 2.7B, fp32: forward pass "
                         "(top) and training step (bottom) by context length.")
     rs = d.json("residual_stream")
