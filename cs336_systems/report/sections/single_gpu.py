@@ -57,9 +57,12 @@ def _timing_sentence(df: pd.DataFrame | None) -> Text | None:
     parts = [f"{r['size']} {fmt.ms(r['forward_mean_ms'])} / {fmt.ms(r['backward_mean_ms'])}" for _, r in ok.iterrows()]
     text = f"Forward / backward time per step: {join_words(parts)}."
     if {"forward_std_ms", "backward_std_ms"} <= set(ok.columns):
-        cv = pd.concat([ok["forward_std_ms"] / ok["forward_mean_ms"], ok["backward_std_ms"] / ok["backward_mean_ms"]])
-        text += (f" The standard deviation is at most {fmt.pct(cv.max(), 2)} of the mean, so after warm-up the "
-                 "variability is low.")
+        cv = pd.concat([ok["forward_std_ms"] / ok["forward_mean_ms"], ok["backward_std_ms"] / ok["backward_mean_ms"]],
+                       keys=["forward", "backward"])
+        phase, idx = cv.idxmax()
+        text += (f" The standard deviation is a median {fmt.pct(cv.median(), 2)} of the mean and at most "
+                 f"{fmt.pct(cv.max(), 2)} ({ok.loc[idx, 'size']} {phase})"
+                 + (": after warm-up the variability is low." if cv.median() < 0.05 else "."))
     failed = failed_rows(df)
     if not failed.empty:
         text += " Not measured: " + join_words([f"{r['size']} ({r['status']})" for _, r in failed.iterrows()]) + "."
