@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cs336_systems.report import manifest as _manifest
 from cs336_systems.report.commentary import notebook_intro
-from cs336_systems.report.data import SectionData, humanize
+from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Document, Missing, Section, Text
 from cs336_systems.report.sections import SECTIONS
 from cs336_systems.report.sections.common import SectionSpec, notebook_command
@@ -83,7 +83,9 @@ def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Pa
         data = SectionData(root, folder, command=notebook_command(folder))
         blocks = data.remaining()
         if blocks:
-            sections.append(Section(f"A.{i}", humanize(folder), folder, (folder,), blocks))
+            note = Text(f"Results in `{root.name}/{folder}/` that no section of the writeup claims, shown as "
+                        "committed.", role="further")
+            sections.append(Section(f"A.{i}", f"Other results: {folder}", folder, (folder,), [note, *blocks]))
     return Document(TITLE, _preamble(root), sections, _manifest.result_files(root))
 
 
