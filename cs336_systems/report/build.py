@@ -12,7 +12,7 @@ from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Document, Missing, Section, Text
 from cs336_systems.report.sections import SECTIONS
 from cs336_systems.report.sections.common import SectionSpec, notebook_command
-from cs336_systems.results import FIGURES_DIR, REPO_ROOT
+from cs336_systems.results import FIGURES_DIR
 
 TITLE = "CS336 Assignment 2 (Systems): writeup"
 NOTEBOOK_DIR = _manifest.NOTEBOOK_DIR
@@ -116,4 +116,4 @@ def build(
     return Path(output)
 
 
-__all__ = ["REPO_ROOT", "build", "build_document", "write_html"]
+__all__ = ["build", "build_document", "write_html"]
