@@ -124,6 +124,14 @@ def optimizer_state_sharding(d: SectionData) -> list[Block]:
         bd = sel.pivot_table(index="component", columns=["optimizer", "source"], values="GiB", sort=False)
         bd.columns = [f"{o} {s}" for o, s in bd.columns]
         bd = bd.reset_index()
+    if mem_text is not None and bd is not None and {"adamw measured", "sharded measured"} <= set(bd.columns):
+        st = bd.set_index("component")
+        if "optimizer_state" in st.index:
+            parts = [f"{c} {fmt.sig(st.loc[c, 'adamw measured'])} / {fmt.sig(st.loc[c, 'sharded measured'])} GiB"
+                     for c in ("parameters", "gradients", "optimizer_state", "activations")
+                     if c in st.index and pd.notna(st.loc[c, "adamw measured"])]
+            mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
+                            + "; ".join(parts).replace("_", " ") + ".")
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
