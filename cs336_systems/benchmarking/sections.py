@@ -27,7 +27,9 @@ import seaborn as sns
 import torch
 
 from ..configs import HANDOUT_SIZES, get_config, memory_breakdown, residual_stream_bytes
-from ..results import SCRATCH_DIR, ResultWriter, is_smoke_run
+from ..plotting import grouped_bars, measured_on, status_heatmap
+from ..replot import Derived, write_derived
+from ..results import SCRATCH_DIR, ResultWriter, is_smoke_run, provenance
 from .attention import HANDOUT_D_MODELS, HANDOUT_SEQ_LENS, benchmark_attention, naive_attention_memory
 from .end_to_end import BenchmarkSpec, ModelBenchmark, benchmark_model, default_device
 from .mixed_precision import accumulation_experiments, autocast_dtypes
@@ -528,6 +530,7 @@ def run_pytorch_attention(kind: str | None = None, *, out: ResultWriter | None =
     table, accounting = attention_memory_accounting(df, p["batch_size"])
     out.table(table, "memory_accounting")
     out.json(accounting, "oom_accounting")
+    write_derived(out, derive_pytorch_attention({"timings": df}, provenance(p, smoke=out.smoke)))
     return {"timings": df, **{f"grid_{k}": g.reset_index() for k, g in grids.items()},
             "memory_accounting": table, "oom_accounting": accounting}
 
@@ -578,7 +581,80 @@ def run_torch_compile(kind: str | None = None, *, out: ResultWriter | None = Non
         speed = _ordered(speed, "size", p["sizes"]).sort_values(["size", "mode"]).reset_index(drop=True)
         speed["size"] = speed["size"].astype(str)
         out.table(speed, "model_speedup")
+    measured = {"attention_speedup": ratio, "model_speedup": speed}
+    write_derived(out, derive_torch_compile(measured, provenance(p, smoke=out.smoke)))
     return {"attention_timings": both, "attention_speedup": ratio, "model_timings": model, "model_speedup": speed}
+
+
+# --------------------------------------------------------------------------------------------------
+# §1.2.1 / §1.3.1 figures (pure functions of the measured tables; redrawn by ``python -m cs336_systems.replot``)
+# --------------------------------------------------------------------------------------------------
+
+_GRID_AXES = dict(index="d_model", columns="seq_len")
+
+
+def _grid_axes(ax: Any, title: str) -> None:
+    ax.set(xlabel="sequence length (tokens)", ylabel="d (head dimension)", title=title)
+
+
+def plot_attention_grid(timings: pd.DataFrame, meta: dict[str, Any] | None = None) -> Any:
+    """Heatmaps over (d, sequence length) of eager attention's forward and backward time and the memory in
+    use before the backward pass; cells that ran out of memory (or were skipped) are grey and say so."""
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+    panels = (("forward_mean_ms", "forward pass (ms)", "{:.3g}"),
+              ("backward_mean_ms", "backward pass (ms)", "{:.3g}"),
+              ("memory_before_backward_MiB", "memory before backward (MiB)", "{:,.0f}"))
+    for ax, (column, label, fmt) in zip(axes, panels):
+        status_heatmap(ax, timings, column, **_GRID_AXES, fmt=fmt, log=True, cmap="viridis", colorbar_label=label)
+        _grid_axes(ax, label[0].upper() + label[1:])
+    batch = ((meta or {}).get("params") or {}).get("batch_size")
+    fig.suptitle(f"Naive attention (eager PyTorch{f', batch {batch}' if batch else ''}, one head, causal), "
+                 f"{measured_on(meta)}; colour scales are logarithmic")
+    fig.tight_layout()
+    return fig
+
+
+def _pair_status(speedup: pd.DataFrame) -> pd.Series:
+    """One status per cell of the compiled-vs-eager table: ``ok`` only if both ran."""
+    eager, compiled = speedup["status_eager"].astype(str), speedup["status_compiled"].astype(str)
+    return eager.where(eager != OK, compiled)
+
+
+def plot_compile_speedup(attention_speedup: pd.DataFrame, model_speedup: pd.DataFrame | None = None,
+                         meta: dict[str, Any] | None = None) -> Any:
+    """``torch.compile`` speed-up over eager (eager time / compiled time, same run): attention forward and
+    backward over (d, sequence length) as diverging heatmaps centred on 1x, and the whole model's forward
+    pass and training step per size as bars."""
+    has_model = model_speedup is not None and not model_speedup.empty
+    widths = [1, 1, 0.8] if has_model else [1, 1]
+    fig, axes = plt.subplots(1, len(widths), figsize=(6 * sum(widths) + 1, 4.4), width_ratios=widths)
+    cells = attention_speedup.assign(status=_pair_status(attention_speedup))
+    for ax, phase in zip(axes, ("forward", "backward")):
+        status_heatmap(ax, cells, f"{phase}_speedup", **_GRID_AXES, fmt="{:.2f}x", center=1.0, cmap="RdBu",
+                       colorbar_label="speed-up (eager / compiled)")
+        _grid_axes(ax, f"Attention {phase}: compiled vs eager")
+    if has_model:
+        ax = axes[2]
+        wide = model_speedup.pivot_table(index="size", columns="mode", values="speedup")
+        wide = wide.reindex(index=list(dict.fromkeys(model_speedup["size"])))
+        grouped_bars(ax, wide.rename(columns={"forward": "forward pass", "train": "training step"}), value_fmt="{:.2f}x")
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+        ax.set(xlabel="model size", ylabel="speed-up (eager / compiled)", title="Whole model: compiled vs eager")
+        ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"torch.compile speed-up over eager, {measured_on(meta)}; >1 means compiled is faster")
+    fig.tight_layout()
+    return fig
+
+
+def derive_pytorch_attention(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
+    """Figures of §1.2.1 from its ``timings`` table."""
+    return Derived(figures={"attention_grid": (plot_attention_grid(tables["timings"], meta), "timings")})
+
+
+def derive_torch_compile(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
+    """Figures of §1.3.1 from its ``attention_speedup`` (and, when measured, ``model_speedup``) tables."""
+    fig = plot_compile_speedup(tables["attention_speedup"], tables.get("model_speedup"), meta)
+    return Derived(figures={"compile_speedup": (fig, "attention_speedup")})
 
 
 RUNNERS: dict[str, Callable[..., Any]] = {

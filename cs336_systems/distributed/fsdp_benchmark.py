@@ -18,6 +18,9 @@ Run (writes ``figures/fsdp/``; CPU smoke runs use a tiny model and write to ``.s
 
     python -m cs336_systems.distributed.fsdp_benchmark --nproc 2 4 --models xl 2.7B
     python -m cs336_systems.distributed.fsdp_benchmark --nproc 4 --models 6.7B --append
+
+Figures and derived tables (:func:`derive`) are written by the run itself and can be redrawn from the
+committed table on any machine with ``python -m cs336_systems.replot fsdp``.
 """
 
 from __future__ import annotations
@@ -41,11 +44,13 @@ from cs336_systems.distributed.sharding_benchmark import (
     random_batch,
     smoke_or_real,
 )
+from cs336_systems.replot import Derived, write_derived
 
 SECTION = "fsdp"
 STRATEGIES = ("ddp", "fsdp", "fsdp2")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREDICTED_AS = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2": "zero3"}
+STRATEGY_LABELS = {"ddp": "torch DDP", "fsdp": "our FSDP", "fsdp2": "torch FSDP2"}
 
 
 def _wrap(strategy: str, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> tuple[Any, Any, Any]:
@@ -125,10 +130,129 @@ def summarise(rows: list[dict[str, Any]]) -> Any:
     return table
 
 
+# --------------------------------------------------------------------------------------------------
+# Derived tables and figures (pure functions of the ``fsdp_vs_ddp`` table)
+# --------------------------------------------------------------------------------------------------
+
+#: The H200's nominal memory, for predictions when the results carry no device capacity (CPU runs).
+REFERENCE_DEVICE_BYTES = 141e9
+
+
+def _ok(table: Any) -> Any:
+    ok = table[table["status"] == "ok"].copy()
+    ok["measured_peak"] = ok[["before_step_peak", "after_step_peak"]].max(axis=1)
+    return ok
+
+
+def predicted_vs_measured(table: Any) -> Any:
+    """Per configuration: the calculator's per-GPU prediction, the allocator's peak over a step (the
+    larger of the peaks before and after ``optimizer.step()``) and their ratio; NaN without allocator
+    statistics (CPU)."""
+    ok = _ok(table)
+    cmp = ok[["model", "dtype", "world_size", "strategy", "predicted_total", "before_step_peak", "after_step_peak",
+              "measured_peak"]].copy()
+    cmp["measured / predicted"] = cmp["measured_peak"] / cmp["predicted_total"]
+    return cmp.reset_index(drop=True)
+
+
+def relative_to_ddp(table: Any) -> Any:
+    """Per configuration and strategy: peak memory and step time, and both as multiples of DDP's in the
+    same configuration (the ratios the writeup quotes)."""
+    ok = _ok(table)
+    keys = ["model", "dtype", "world_size"]
+    cols = keys + ["strategy", "measured_peak", "predicted_total", "step_ms"]
+    ddp = ok[ok["strategy"] == "ddp"][keys + ["measured_peak", "step_ms"]].rename(
+        columns={"measured_peak": "ddp_peak", "step_ms": "ddp_step_ms"})
+    rel = ok[cols].merge(ddp, on=keys, how="left")
+    rel["memory_vs_ddp"] = rel["measured_peak"] / rel["ddp_peak"]
+    rel["step_time_vs_ddp"] = rel["step_ms"] / rel["ddp_step_ms"]
+    return rel.drop(columns=["ddp_peak", "ddp_step_ms"]).rename(columns={"measured_peak": "peak_GiB"})
+
+
+def largest_trainable(table: Any, params: dict[str, Any], device_bytes: float | None = None) -> Any:
+    """For every strategy and world size of the run: the largest :data:`~cs336_systems.accounting.SCALE_LADDER`
+    size predicted to fit in 90% of the device with the run's batch and context (also for our optimizer
+    sharding, for comparison), and the largest size the run actually trained (status ok)."""
+    import pandas as pd
+
+    device_bytes = device_bytes or REFERENCE_DEVICE_BYTES
+    ladder = [c.name for c in accounting.SCALE_LADDER]
+    rows = []
+    for ws in sorted(table["world_size"].unique()):
+        ran = table[table["world_size"] == ws]
+        strategies = list(dict.fromkeys(ran["strategy"])) + ["sharded_optimizer"]
+        for strategy in strategies:
+            predicted = accounting.largest_trainable_preset(
+                PREDICTED_AS.get(strategy, strategy), int(ws), device_bytes,
+                batch_size=params["global_batch"] // int(ws), context_length=params["context_length"])
+            trained = [m for m in ran[(ran["strategy"] == strategy) & (ran["status"] == "ok")]["model"] if m in ladder]
+            rows.append({
+                "world_size": int(ws), "strategy": strategy, "largest_predicted": predicted,
+                "predicted_params_B": accounting.param_counts(accounting.ladder_config(predicted))["total"] / 1e9
+                if predicted else None,
+                "largest_trained": max(trained, key=ladder.index) if trained else None,
+            })
+    return pd.DataFrame(rows)
+
+
+def plot_results(table: Any, meta: dict[str, Any] | None = None) -> Any:
+    """Per-GPU peak memory (bars: measured, black lines: predicted) and step time (± std over steps) of
+    each strategy for every model / dtype / world size of the run."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.plotting import grouped_bars, measured_on
+
+    ok = _ok(table)
+    multi_dtype = ok["dtype"].nunique() > 1
+    ok["config"] = ok["model"] + (" " + ok["dtype"] if multi_dtype else "") + "\n" + ok["world_size"].astype(str) + " GPUs"
+    order = list(dict.fromkeys(ok["config"]))
+    strategies = [s for s in STRATEGIES if s in set(ok["strategy"])]
+
+    def wide(col: str) -> Any:
+        table = ok.pivot_table(index="config", columns="strategy", values=col).reindex(index=order, columns=strategies)
+        return table.rename(columns=STRATEGY_LABELS)
+
+    has_peaks = ok["measured_peak"].notna().any()
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(order) + 4), 4.6))
+    if has_peaks:
+        grouped_bars(ax_mem, wide("measured_peak"), markers=wide("predicted_total"), marker_label="predicted")
+        ax_mem.set(title="Peak memory per GPU over a step (measured)")
+    else:
+        grouped_bars(ax_mem, wide("predicted_total"))
+        ax_mem.set(title="Predicted memory per GPU (no allocator statistics)")
+    ax_mem.set(xlabel="", ylabel="GiB per GPU")
+    grouped_bars(ax_time, wide("step_ms"), yerr=wide("step_ms_std"), value_fmt="{:.0f}")
+    ax_time.set(xlabel="", ylabel="ms per step (slowest rank)", title="Training step time (mean ± std)")
+    for ax in (ax_mem, ax_time):
+        ax.legend(fontsize=8, loc="upper left")
+    params = (meta or {}).get("params", {})
+    batch = f", global batch {params['global_batch']}, context {params['context_length']}" if "global_batch" in params else ""
+    fig.suptitle(f"Sharding strategies (AdamW, fp32 master weights) on {measured_on(meta)}{batch}")
+    fig.tight_layout()
+    return fig
+
+
+def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
+    """The figure and derived tables of the ``fsdp`` section from its ``fsdp_vs_ddp`` table."""
+    table = tables["fsdp_vs_ddp"]
+    capacity = meta.get("gpu_memory_gib")
+    derived = Derived(
+        figures={"memory_and_time": (plot_results(table, meta), "fsdp_vs_ddp")},
+        tables={
+            "relative_to_ddp": (relative_to_ddp(table), "fsdp_vs_ddp"),
+            "largest_model": (largest_trainable(table, meta.get("params", {}) or {},
+                                                capacity * 2**30 if capacity else None), "fsdp_vs_ddp"),
+        },
+    )
+    if _ok(table)["measured_peak"].notna().any():
+        derived.tables["predicted_vs_measured"] = (predicted_vs_measured(table), "fsdp_vs_ddp")
+    return derived
+
+
 def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
-    from cs336_systems.results import ResultWriter, has_result, is_smoke_run, load_table, results_root
+    from cs336_systems.results import ResultWriter, has_result, is_smoke_run, load_meta, load_table, results_root
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[2], help="local world sizes (ignored under torchrun)")
@@ -167,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     print(out.banner())
     out.table(table, "fsdp_vs_ddp")
     print(table.to_string(index=False))
+    write_derived(out, derive({"fsdp_vs_ddp": table}, load_meta(SECTION, "fsdp_vs_ddp", root=out.dir.parent)))
     return 0
 
 

@@ -17,6 +17,9 @@ Run (writes ``figures/optimizer_state_sharding/``, or ``.scratch/...`` for CPU s
 
     python -m cs336_systems.distributed.sharding_benchmark --nproc 2            # spawns 2 local ranks
     torchrun --nproc-per-node 2 -m cs336_systems.distributed.sharding_benchmark  # or under torchrun
+
+Figures and derived tables (:func:`derive`) are written by the run itself and can be redrawn from the
+committed tables on any machine with ``python -m cs336_systems.replot optimizer_state_sharding``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,6 +42,7 @@ from cs336_systems.benchmarking.timing import time_calls
 from cs336_systems.configs import ModelConfig
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+from cs336_systems.replot import Derived, write_derived
 
 SECTION = "optimizer_state_sharding"
 OPTIMIZERS = ("adamw", "sharded", "zero")
@@ -268,7 +273,6 @@ def sharding_worker(config: dict[str, Any], optimizers: list[str]) -> list[dict[
 
 def summarise(rows: list[dict[str, Any]]) -> tuple[Any, Any, Any]:
     """(per-rank memory table, long breakdown table for plots, timing table with ratios)."""
-    import pandas as pd
 
     df = pd.DataFrame(rows)
     memory_cols = [
@@ -294,8 +298,132 @@ def summarise(rows: list[dict[str, Any]]) -> tuple[Any, Any, Any]:
     return memory, breakdown, timing
 
 
+# --------------------------------------------------------------------------------------------------
+# Derived tables and figures (pure functions of the memory / memory_breakdown / timing tables)
+# --------------------------------------------------------------------------------------------------
+
+OPTIMIZER_LABELS = {"adamw": "AdamW", "sharded": "our ShardedOptimizer", "zero": "torch ZeRO"}
+#: The three points of a step where memory is read, as (column prefix, axis label).
+MEMORY_POINTS = (("after_init", "after init"), ("before_step", "before step\n(after backward)"),
+                 ("after_step", "after step"))
+
+
+def plot_memory_points(memory: Any, meta: dict[str, Any] | None = None, rank: int = 0) -> Any:
+    """Allocated (bars) and peak (black lines) memory of one rank at the three points of a step."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.plotting import grouped_bars, measured_on
+
+    r = memory[memory["rank"] == rank].set_index("optimizer")
+    names = [o for o in OPTIMIZERS if o in r.index]
+    allocated = pd.DataFrame({label: r.loc[names, f"{p}_allocated"] for p, label in MEMORY_POINTS}).T
+    peak = pd.DataFrame({label: r.loc[names, f"{p}_peak"] for p, label in MEMORY_POINTS}).T
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
+    grouped_bars(ax, allocated.rename(columns=OPTIMIZER_LABELS), markers=peak.rename(columns=OPTIMIZER_LABELS),
+                 marker_label="peak since the previous point")
+    ax.set(xlabel="", ylabel=f"GiB on rank {rank}",
+           title=f"Memory allocated (bars) and peak (lines) during a step\n{measured_on(meta)}{_run_text(meta)}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+def plot_memory_components(breakdown: Any, meta: dict[str, Any] | None = None, rank: int = 0) -> Any:
+    """Measured (bars) vs predicted (black lines) per-rank memory of each component, per optimizer."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.plotting import grouped_bars, measured_on
+
+    b = breakdown[breakdown["rank"] == rank]
+    components = list(dict.fromkeys(b["component"]))
+    names = [o for o in OPTIMIZERS if o in set(b["optimizer"])]
+
+    def wide(source: str) -> Any:
+        w = b[b["source"] == source].pivot_table(index="component", columns="optimizer", values="GiB")
+        return w.reindex(index=components, columns=names).rename(columns=OPTIMIZER_LABELS)
+
+    fig, ax = plt.subplots(figsize=(9.5, 4.2))
+    grouped_bars(ax, wide("measured"), markers=wide("predicted"), marker_label="predicted (accounting)",
+                 value_fmt="{:.2f}")
+    ax.set_xticks(ax.get_xticks(), [c.replace("_", " ") for c in components])
+    ax.set(xlabel="", ylabel=f"GiB on rank {rank}",
+           title=f"Memory by component: measured (bars) vs predicted (lines)\n{measured_on(meta)}{_run_text(meta)}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+def plot_step_time(timing: Any, meta: dict[str, Any] | None = None) -> Any:
+    """Time per training step (slowest rank, mean ± std over steps) of each optimizer, labelled with its
+    ratio to plain AdamW."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.plotting import measured_on
+
+    t = timing.set_index("optimizer").reindex([o for o in OPTIMIZERS if o in set(timing["optimizer"])])
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    bars = ax.bar([OPTIMIZER_LABELS.get(o, o) for o in t.index], t["step_ms"], yerr=t["step_ms_std"], capsize=4,
+                  color=["#1f77b4", "#ff7f0e", "#2ca02c"][: len(t)])
+    ax.bar_label(bars, labels=[f"{ms:.1f} ms\n{x:.3f}x AdamW" for ms, x in zip(t["step_ms"], t["slowdown_vs_adamw"])],
+                 label_type="center", color="white", fontsize=9)
+    ax.set(ylabel="ms per step (slowest rank)",
+           title=f"Training step time\n{measured_on(meta)}{_run_text(meta)}")
+    fig.tight_layout()
+    return fig
+
+
+def savings_vs_adamw(breakdown: Any, timing: Any, rank: int = 0) -> Any:
+    """Per optimizer: measured optimizer state on ``rank``, the memory it saves against plain AdamW, and
+    its step time as a multiple of AdamW's."""
+    b = breakdown[(breakdown["rank"] == rank) & (breakdown["source"] == "measured")]
+    state = b[b["component"] == "optimizer_state"].set_index("optimizer")["GiB"]
+    table = timing.set_index("optimizer")[["step_ms", "slowdown_vs_adamw"]].join(state.rename("optimizer_state_GiB"))
+    table["saved_vs_adamw_GiB"] = state.get("adamw", float("nan")) - table["optimizer_state_GiB"]
+    return table.reset_index()
+
+
+def zero1_comparison(params: dict[str, Any]) -> Any:
+    """Predicted per-rank bytes sent per step and memory held for DDP, our sharded optimizer and ZeRO-1
+    with the run's model, batch, context and world size (:mod:`cs336_systems.accounting`)."""
+    cfg = accounting.ladder_config(params["model"]).replace(context_length=params["context_length"])
+    world_size = params["world_size"]
+    rows = []
+    for strategy in ("ddp", "sharded_optimizer", "zero1"):
+        comm = accounting.communication_per_step(cfg, strategy, world_size)
+        mem = accounting.training_memory_per_rank(cfg, strategy, world_size, params["global_batch"] // world_size,
+                                                  params["context_length"])
+        rows.append({"strategy": strategy, "GB_sent_per_rank": comm["total"] / 1e9,
+                     "optimizer_state_GiB": mem["optimizer_state"] / GIB, "gradients_GiB": mem["gradients"] / GIB})
+    return pd.DataFrame(rows)
+
+
+def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
+    """Figures and derived tables of the ``optimizer_state_sharding`` section from its measured tables."""
+    memory, breakdown, timing = tables["memory"], tables["memory_breakdown"], tables["timing"]
+    derived = Derived(
+        figures={
+            "memory_components": (plot_memory_components(breakdown, meta), "memory_breakdown"),
+            "step_time": (plot_step_time(timing, meta), "timing"),
+        },
+        tables={"savings_vs_adamw": (savings_vs_adamw(breakdown, timing), "memory_breakdown")},
+    )
+    if memory.drop(columns=["optimizer", "rank"]).notna().any().any():  # no allocator statistics on CPU
+        derived.figures["memory_points"] = (plot_memory_points(memory, meta), "memory")
+    params = meta.get("params") or {}
+    if {"model", "context_length", "world_size", "global_batch"} <= set(params):
+        derived.tables["zero1_comparison"] = (zero1_comparison(params), "memory")
+    return derived
+
+
+def _run_text(meta: dict[str, Any] | None) -> str:
+    p = (meta or {}).get("params") or {}
+    if "model" not in p:
+        return ""
+    return f"; {p['model']} model, {p.get('world_size', '?')} ranks, global batch {p.get('global_batch')}, context {p.get('context_length')}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    from cs336_systems.results import ResultWriter, is_smoke_run
+    from cs336_systems.results import ResultWriter, is_smoke_run, load_meta
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
@@ -321,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     out.table(memory, "memory")
     out.table(breakdown, "memory_breakdown")
     out.table(timing, "timing")
+    measured = {"memory": memory, "memory_breakdown": breakdown, "timing": timing}
+    write_derived(out, derive(measured, load_meta(SECTION, "memory", root=out.dir.parent)))
     print(memory.to_string(index=False))
     print(timing.to_string(index=False))
     return 0

@@ -1,0 +1,148 @@
+"""Figures and derived tables redrawn from committed measurements, on any machine.
+
+A section's measured tables (``figures/<section>/*.csv``) come from a GPU run; its figures and derived
+tables are pure functions of those tables. Each section therefore has one ``derive(tables, meta) ->
+Derived`` function, next to the code that measured the data, and three callers share it:
+
+- the measuring entry point, right after writing its tables (so a GPU run leaves PNGs behind);
+- the section's notebook, which displays what ``derive`` returns;
+- ``python -m cs336_systems.replot SECTION...``, which reloads the committed tables on a CPU machine and
+  rewrites the derived artefacts into ``figures/<section>/`` (``CS336_FIGURES_DIR`` overrides the root).
+
+Replotted artefacts keep the measuring run's provenance (device, versions, commit, date, via
+``ResultWriter(..., source=meta)``) plus a ``rendered`` record of where and when they were drawn. The
+measured tables are only read, never rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .results import ResultWriter, has_result, load_json, load_meta, load_table, results_root, section_dir
+
+
+@dataclass
+class Derived:
+    """What ``derive`` computed: figures and tables by artefact name, each paired with the name of the
+    measured table (or JSON record) it was computed from, whose provenance it inherits."""
+
+    figures: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    tables: dict[str, tuple[Any, str]] = field(default_factory=dict)
+
+    def figure(self, name: str) -> Any:
+        return self.figures[name][0]
+
+    def table(self, name: str) -> Any:
+        return self.tables[name][0]
+
+
+@dataclass(frozen=True)
+class ReplotSpec:
+    """Where a section's ``derive`` lives and which measured artefacts it reads (the first is required;
+    the others are passed when present)."""
+
+    module: str
+    function: str
+    inputs: tuple[str, ...]
+
+    def derive_fn(self) -> Callable[[dict[str, Any], dict[str, Any]], Derived]:
+        return getattr(importlib.import_module(self.module), self.function)
+
+
+#: Sections whose figures can be redrawn from committed results.
+REPLOTS: dict[str, ReplotSpec] = {
+    "fsdp": ReplotSpec("cs336_systems.distributed.fsdp_benchmark", "derive", ("fsdp_vs_ddp",)),
+    "optimizer_state_sharding": ReplotSpec(
+        "cs336_systems.distributed.sharding_benchmark", "derive", ("memory", "memory_breakdown", "timing")
+    ),
+    "pytorch_attention": ReplotSpec(
+        "cs336_systems.benchmarking.sections", "derive_pytorch_attention", ("timings", "oom_accounting")
+    ),
+    "torch_compile": ReplotSpec(
+        "cs336_systems.benchmarking.sections", "derive_torch_compile", ("attention_speedup", "model_speedup")
+    ),
+}
+
+
+def write_derived(
+    out: ResultWriter, derived: Derived, sources: dict[str, dict[str, Any]] | None = None, *, close: bool = True
+) -> list[Path]:
+    """Write every derived figure and table through ``out``. ``sources`` maps a measured artefact's name
+    to its ``.meta.json`` (given when drawing from earlier measurements; ``None`` inside the measuring
+    run). Refuses names that would overwrite a measured artefact's sidecar."""
+    import matplotlib.pyplot as plt
+
+    inputs = {src for _, src in [*derived.figures.values(), *derived.tables.values()]}
+    clash = (set(derived.figures) | set(derived.tables)) & inputs
+    if clash:
+        raise ValueError(f"derived artefact name(s) {sorted(clash)} equal measured inputs; pick other names")
+    sources = sources or {}
+    written = []
+    for name, (df, src) in derived.tables.items():
+        written.append(out.table(df, name, source=sources.get(src)))
+    for name, (fig, src) in derived.figures.items():
+        written.append(out.figure(fig, name, source=sources.get(src)))
+        if close:
+            plt.close(fig)
+    return written
+
+
+def load_inputs(section: str, root: Path | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The measured inputs of ``section`` (tables as DataFrames, JSON records as dicts) and their metas,
+    from ``root`` (default: where real runs write, ``figures/`` or ``CS336_FIGURES_DIR``)."""
+    spec = _spec(section)
+    root = root or results_root(smoke=False)
+    tables: dict[str, Any] = {}
+    metas: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(spec.inputs):
+        if not has_result(section, name, root=root):
+            if i == 0:
+                raise FileNotFoundError(f"no measured {name!r} in {section_dir(section, root)}: nothing to replot")
+            continue
+        meta = load_meta(section, name, root=root)
+        is_csv = (section_dir(section, root) / f"{name}.csv").exists()
+        tables[name] = load_table(section, name, root=root) if is_csv else load_json(section, name, root=root)
+        metas[name] = meta
+    return tables, metas
+
+
+def replot(section: str) -> list[Path]:
+    """Redraw ``section``'s figures and derived tables from its measured results and write them next to
+    those results (``figures/<section>/``, or under ``CS336_FIGURES_DIR``)."""
+    spec = _spec(section)
+    tables, metas = load_inputs(section)
+    primary = metas[spec.inputs[0]]
+    if primary.get("smoke", False):
+        print(f"warning: {section} results come from a smoke run; the figures show no GPU numbers", file=sys.stderr)
+    out = ResultWriter(section, params={**(primary.get("params") or {}), "replot_of": sorted(metas)}, smoke=False)
+    derived = spec.derive_fn()(tables, primary)
+    return write_derived(out, derived, metas)
+
+
+def _spec(section: str) -> ReplotSpec:
+    if section not in REPLOTS:
+        raise ValueError(f"no replot for section {section!r}; available: {', '.join(REPLOTS)}")
+    return REPLOTS[section]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Redraw figures and derived tables from committed measurements.")
+    parser.add_argument("sections", nargs="*", help=f"sections to replot (default: all of {', '.join(REPLOTS)})")
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    for section in args.sections or list(REPLOTS):
+        for path in replot(section):
+            print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
