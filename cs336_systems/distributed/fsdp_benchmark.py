@@ -215,10 +215,11 @@ def plot_results(table: Any, meta: dict[str, Any] | None = None) -> Any:
     has_peaks = ok["measured_peak"].notna().any()
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(order) + 4), 4.6))
     if has_peaks:
-        grouped_bars(ax_mem, wide("measured_peak"), markers=wide("predicted_total"), marker_label="predicted")
+        grouped_bars(ax_mem, wide("measured_peak"), markers=wide("predicted_total"), marker_label="predicted",
+                     value_fmt="{:.3g}")
         ax_mem.set(title="Peak memory per GPU over a step (measured)")
     else:
-        grouped_bars(ax_mem, wide("predicted_total"))
+        grouped_bars(ax_mem, wide("predicted_total"), value_fmt="{:.3g}")
         ax_mem.set(title="Predicted memory per GPU (no allocator statistics)")
     ax_mem.set(xlabel="", ylabel="GiB per GPU")
     grouped_bars(ax_time, wide("step_ms"), yerr=wide("step_ms_std"), value_fmt="{:.0f}")
