@@ -49,6 +49,7 @@ def pytorch_attention(d: SectionData) -> list[Block]:
         question(d, "timings", "Forward and backward time and memory of naive attention (batch 8, one head) over "
                  "$d \\in \\{16, 32, 64, 128\\}$ and sequence lengths 256–16384.", [
                      t_text,
+                     d.figure("attention_grid", caption="Forward and backward time and memory over the grid."),
                      d.table("grid_forward_ms", caption="Forward time (ms) by head size (rows) and sequence "
                              "length (columns); OOM: out of memory."),
                      d.table("grid_backward_ms", caption="Backward time (ms)."),
@@ -93,7 +94,8 @@ def torch_compile(d: SectionData) -> list[Block]:
                  [a_text, d.table("attention_speedup", caption="Eager vs. compiled attention (ms) and speed-up.")],
                  what="compiled vs eager attention timings"),
         question(d, "b", "The compiled Transformer end to end: forward, and forward + backward + optimizer step.",
-                 [b_text, d.table("model_speedup", caption="Vanilla vs. compiled model (ms per step).")],
+                 [b_text, d.table("model_speedup", caption="Vanilla vs. compiled model (ms per step)."),
+                  d.figure("compile_speedup", caption="Speed-up from torch.compile.")],
                  what="compiled vs eager model timings"),
     ]
 

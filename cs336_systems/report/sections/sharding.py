@@ -148,12 +148,15 @@ def optimizer_state_sharding(d: SectionData) -> list[Block]:
                                     "(GiB)."),
                   d.table("memory_breakdown", frame=bd, caption="Rank 0's memory by component, measured by counting "
                           "tensors and predicted by `accounting.training_memory_per_rank` (GiB)."),
+                  d.table("savings_vs_adamw", caption="Optimizer-state memory saved against replicated AdamW, "
+                          "and the time it costs."),
                   d.figure("memory_points", caption="Memory at the three points of a step."),
-                  d.figure("memory_breakdown", caption="Measured and predicted memory by component.")],
+                  d.figure("memory_components", "memory_breakdown", caption="Measured and predicted memory by "
+                           "component.")],
                  what="peak memory with and without sharding"),
         question(d, "b", "Time per iteration with and without optimizer-state sharding.",
                  [time_text, d.table("timing", caption="Time per training step (max over ranks)."),
-                  d.figure("timing", caption="Time per training step.")],
+                  d.figure("step_time", "timing", caption="Time per training step.")],
                  what="iteration times with and without sharding"),
         question(d, "c", "How this differs from ZeRO stage 1 ($P_{os}$).", [
             Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
@@ -204,13 +207,17 @@ def fsdp(d: SectionData) -> list[Block]:
                      _fsdp_sentence(d.frame("fsdp_vs_ddp")),
                      d.figure("memory_and_time", caption="Per-GPU memory and step time: DDP, our FSDP and "
                               "PyTorch's FSDP2."),
-                     d.table("fsdp_vs_ddp", frame=subset(d.frame("fsdp_vs_ddp"), "model", "dtype", "world_size",
-                                                         "strategy", "status", "predicted_total", "before_step_peak",
-                                                         "after_step_peak", "step_ms", "tokens_per_s"),
-                             caption="Per-GPU memory (GiB: predicted, and measured peaks before and after the "
-                             "optimizer step) and step time by model, dtype, world size and strategy (all columns: "
-                             "the CSV)."),
+                     d.table("relative_to_ddp", caption="Per-GPU peak memory (GiB, measured and predicted) and "
+                             "step time, and both relative to DDP (all measured columns: `fsdp_vs_ddp.csv`).")
+                     or d.table("fsdp_vs_ddp", frame=subset(d.frame("fsdp_vs_ddp"), "model", "dtype", "world_size",
+                                                            "strategy", "status", "predicted_total", "before_step_peak",
+                                                            "after_step_peak", "step_ms", "tokens_per_s"),
+                                caption="Per-GPU memory (GiB: predicted, and measured peaks before and after the "
+                                "optimizer step) and step time by model, dtype, world size and strategy (all columns: "
+                                "the CSV)."),
                      d.table("predicted_vs_measured", caption="Predicted vs. measured memory per rank."),
+                     d.table("largest_model", caption="Largest model each strategy can train on one node: predicted "
+                             "by `accounting` and the largest it trained here."),
                      d.table("largest_model_predicted", caption="Largest model each strategy can train, predicted."),
                      d.table("largest_model_measured", caption="Largest model each strategy trained, measured."),
                  ], what="FSDP memory and step time"),
