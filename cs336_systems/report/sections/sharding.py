@@ -171,9 +171,10 @@ def optimizer_state_sharding(d: SectionData) -> list[Block]:
     ]
 
 
-def _fsdp_sentence(df: pd.DataFrame | None) -> Text | None:
+def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
+                   label: str = "Peak memory per GPU after the optimizer step") -> Text | None:
     """Memory and time of every strategy for each (model, dtype, world size) they were run on."""
-    need = {"model", "world_size", "strategy", "after_step_peak", "step_ms"}
+    need = {"model", "world_size", "strategy", peak, "step_ms"}
     if df is None or not need <= set(df.columns) or df.empty:
         return None
     sentences = []
@@ -184,14 +185,14 @@ def _fsdp_sentence(df: pd.DataFrame | None) -> Text | None:
         for _, r in g.iterrows():
             if str(r.get("status", "ok")) != "ok":
                 parts.append(f"{r['strategy']} {r['status']}")
-            elif pd.notna(r["after_step_peak"]):
-                parts.append(f"{r['strategy']} ({fmt.sig(r['after_step_peak'])} GiB, {fmt.ms(r['step_ms'])})")
+            elif pd.notna(r[peak]):
+                parts.append(f"{r['strategy']} ({fmt.sig(r[peak])} GiB, {fmt.ms(r['step_ms'])})")
         if parts:
             where = f"{key['model']}" + (f" {key['dtype']}" if "dtype" in key else "") + f" on {key['world_size']} GPUs"
             sentences.append(f"{where}: " + join_words(parts))
     if not sentences:
         return None
-    return Text("Peak memory per GPU after the optimizer step and time per step: " + "; ".join(sentences) + ".")
+    return Text(f"{label} and time per step: " + "; ".join(sentences) + ".")
 
 
 def fsdp(d: SectionData) -> list[Block]:
@@ -204,7 +205,8 @@ def fsdp(d: SectionData) -> list[Block]:
                      Equation([(r"M_{\mathrm{rank}} = \frac{16\,\Psi}{P} + M_{\mathrm{act}} + "
                                r"M_{\mathrm{gathered\ layers}},\qquad V_{\mathrm{rank}} \approx 3\,\Psi"
                                r"\ \mathrm{elements}")]),
-                     _fsdp_sentence(d.frame("fsdp_vs_ddp")),
+                     _fsdp_sentence(d.frame("relative_to_ddp"), "peak_GiB", "Peak memory per GPU")
+                     or _fsdp_sentence(d.frame("fsdp_vs_ddp")),
                      d.figure("memory_and_time", caption="Per-GPU memory and step time: DDP, our FSDP and "
                               "PyTorch's FSDP2."),
                      d.table("relative_to_ddp", caption="Per-GPU peak memory (GiB, measured and predicted) and "
