@@ -28,21 +28,21 @@ def pytorch_attention(d: SectionData) -> list[Block]:
             f"At the longest sequence that ran, {int(big['seq_len'].iloc[0]):,}, a forward pass takes "
             f"{fmt.ms(big['forward_mean_ms'].min())}–{fmt.ms(big['forward_mean_ms'].max())} and a backward pass "
             f"{fmt.ms(big['backward_mean_ms'].min())}–{fmt.ms(big['backward_mean_ms'].max())} across head sizes."
-            + (" Out of memory or not run: " + join_words([f"$d={int(r['d_model'])}, T={int(r['seq_len']):,}$ "
+            + (" Out of memory or not run: " + join_words([f"$d={int(r['d_model'])}, T={fmt.tex_int(r['seq_len'])}$ "
                f"({r['status']})" for _, r in failed.iterrows()]) + "." if not failed.empty else ""))
     acc_blocks: list[Block | None] = []
     if isinstance(acc, dict) and "terms_MiB" in acc:
         B, T, dd = int(acc["batch_size"]), int(acc["seq_len"]), int(acc["d_model"])
         total = acc["terms_MiB"].get("total", float("nan"))
         acc_blocks = [
-            Text(f"Configuration: $d = {dd}$, $T = {T:,}$, $B = {B}$ ({acc.get('source', '')}):"),
+            Text(f"Configuration: $d = {dd}$, $T = {fmt.tex_int(T)}$, $B = {B}$ ({acc.get('source', '')}):"),
             Equation([(rf"M_{{\mathrm{{saved}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
                       rf" + {T}^2 = {fmt.tex_sig(total, 4)}\,\mathrm{{MiB}}")]),
         ]
         below = acc.get("below")
         if isinstance(below, dict) and below.get("measured_MiB") is not None:
             acc_blocks.append(Text(
-                f"Check one size below ($T = {int(below['seq_len']):,}$): measured "
+                f"Check one size below ($T = {fmt.tex_int(below['seq_len'])}$): measured "
                 f"{fmt.sig(below['measured_MiB'], 4)} MiB before backward, predicted "
                 f"{fmt.sig(below['predicted_MiB'], 4)} MiB."))
     return [
