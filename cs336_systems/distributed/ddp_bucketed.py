@@ -21,7 +21,9 @@ DEFAULT_BUCKET_SIZE_MB = 25.0
 
 class DDPBucketed(DataParallel):
     """Buckets of ≤ ``bucket_size_mb`` MiB (``None``: a single bucket), each with a flat gradient buffer
-    reused across steps, all-reduced asynchronously as soon as complete."""
+    reused across steps, all-reduced asynchronously as soon as complete. With
+    ``gradient_as_bucket_view`` (default) parameters' ``.grad`` are views of those buffers, so gradients
+    are neither copied in nor copied back (``torch`` DDP's option of the same name)."""
 
     def __init__(
         self,
@@ -31,6 +33,7 @@ class DDPBucketed(DataParallel):
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = False,
+        gradient_as_bucket_view: bool = True,
     ):
         params = trainable_parameters(module)
         super().__init__(
@@ -40,5 +43,6 @@ class DDPBucketed(DataParallel):
             comm_dtype=comm_dtype,
             process_group=process_group,
             broadcast_buffers=broadcast_buffers,
+            gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self.bucket_size_mb = bucket_size_mb

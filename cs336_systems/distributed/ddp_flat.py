@@ -25,6 +25,7 @@ class DataParallelFlat(DataParallel):
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = False,
+        gradient_as_bucket_view: bool = True,
     ):
         params = trainable_parameters(module)
         super().__init__(
@@ -34,4 +35,5 @@ class DataParallelFlat(DataParallel):
             comm_dtype=comm_dtype,
             process_group=process_group,
             broadcast_buffers=broadcast_buffers,
+            gradient_as_bucket_view=gradient_as_bucket_view,
         )

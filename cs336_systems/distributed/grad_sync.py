@@ -20,7 +20,8 @@ so the *mechanism* lives here, once:
 - :func:`all_reduce_mean` → :class:`PendingReduce` — an (async) averaging all-reduce with an optional
   low-precision wire format (bf16/fp16) whose result is written back into the fp32 gradient, as
   ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook`` does;
-- :class:`GradBucket` — a group of parameters with a persistent flat buffer (reused every step);
+- :class:`GradBucket` — a group of parameters with a persistent flat buffer (reused every step), by
+  default also the storage of their ``.grad`` (``gradient_as_bucket_view``), so no gradient is copied;
 - :class:`GradientReducer` — launches buckets (from ``register_post_accumulate_grad_hook`` hooks or
   after backward), always **in bucket order**, so every rank issues collectives in the same sequence
   even if its autograd engine finishes gradients in a slightly different order;
@@ -212,12 +213,27 @@ def size_capped_buckets(params: Sequence[nn.Parameter], bucket_size_mb: float | 
 class GradBucket:
     """A group of parameters reduced by one collective.
 
-    A bucket of several parameters owns a flat buffer, allocated once and reused every step; each
-    gradient is copied into its slice when ready and copied back after the average arrives. A bucket
-    of one parameter reduces that parameter's ``.grad`` in place (no copy needed).
+    A bucket of several parameters owns a flat buffer (its slice of the reducer's gradient storage),
+    allocated once and reused every step. Two ways to get gradients into it:
+
+    - ``grad_views=True`` (as ``torch`` DDP's ``gradient_as_bucket_view``): each parameter's ``.grad``
+      *is* a view of its slice. Autograd accumulates straight into the bucket (``AccumulateGrad`` adds
+      in place into a defined ``.grad``), so the ready-hook copies nothing, the average needs no copy back,
+      and no second gradient-sized allocation exists. When ``zero_grad(set_to_none=True)`` dropped the
+      views, :meth:`attach_grad_views` (called before forward) zeroes and re-attaches them; a gradient
+      that is not the view when it becomes ready (set elsewhere) is copied in and replaced by the view.
+    - ``grad_views=False``: each gradient is copied into its slice when ready, and the average is copied
+      back into ``.grad`` after the collective.
+
+    Why it matters: in a host-bound backward (bf16 autocast of a large model at a small batch, see
+    ``DDP_NOTES.md``) the GPU waits for every host operation, so the per-parameter slicing and copy in
+    the hook and the per-parameter copy back after it lengthen the step one for one.
+
+    A bucket of one parameter reduces that parameter's ``.grad`` in place (no buffer, no copy).
     """
 
-    def __init__(self, index: int, params: Sequence[nn.Parameter], comm_dtype: torch.dtype | None):
+    def __init__(self, index: int, params: Sequence[nn.Parameter], comm_dtype: torch.dtype | None, *,
+                 flat: torch.Tensor | None = None, grad_views: bool = False):
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         first = params[0]
@@ -234,7 +250,16 @@ class GradBucket:
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
-        self.flat = torch.zeros(self.numel, dtype=first.dtype, device=first.device) if len(params) > 1 else None
+        if len(params) == 1:
+            self.flat = None
+        elif flat is None:
+            self.flat = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+        elif flat.shape != (self.numel,) or flat.dtype != first.dtype or flat.device != first.device:
+            raise ValueError(f"flat buffer must be a 1-D {first.dtype} tensor of {self.numel} elements on {first.device}")
+        else:
+            self.flat = flat
+        self.grad_views = grad_views and self.flat is not None
+        self._views = [self._view(i) for i in range(len(params))] if self.flat is not None else []
         self._comm_buffer: torch.Tensor | None = None
         self.staged: set[int] = set()
         self.pending: PendingReduce | None = None
@@ -248,16 +273,40 @@ class GradBucket:
         p = self.params[i]
         return self.flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
+    def grads_are_views(self) -> bool:
+        """Whether every parameter's ``.grad`` is currently its slice of the flat buffer."""
+        return self.flat is not None and all(p.grad is v for p, v in zip(self.params, self._views))
+
+    @torch.no_grad()
+    def attach_grad_views(self) -> None:
+        """Point every parameter whose ``.grad`` is ``None`` at its (zeroed) slice, so backward
+        accumulates into the bucket. A no-op without ``grad_views``; gradients already present (views, or
+        tensors set elsewhere) are left alone."""
+        if not self.grad_views:
+            return
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if len(missing) == len(self.params):
+            self.flat.zero_()
+        else:
+            for i in missing:
+                self._views[i].zero_()
+        for i in missing:
+            self.params[i].grad = self._views[i]
+
     def stage(self, i: int) -> None:
-        """Mark parameter ``i``'s gradient ready, copying it into the flat buffer if there is one.
-        A parameter without a gradient (unused in this forward) contributes zeros."""
+        """Mark parameter ``i``'s gradient ready, copying it into the flat buffer unless it already lives
+        there. A parameter without a gradient (unused in this forward) contributes zeros."""
         p = self.params[i]
         if self.flat is not None:
-            with torch.no_grad():
-                if p.grad is None:
-                    self._view(i).zero_()
-                else:
-                    self._view(i).copy_(p.grad)
+            view, grad = self._views[i], p.grad
+            if grad is not view:
+                with torch.no_grad():
+                    if grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(grad)
+                        if self.grad_views:
+                            p.grad = view  # from now on autograd accumulates into the bucket
         elif p.grad is None:
             p.grad = torch.zeros_like(p)
         self.staged.add(i)
@@ -276,17 +325,44 @@ class GradBucket:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait for the average and put it back into the parameters' ``.grad``."""
+        """Wait for the average and make it the parameters' ``.grad`` (views: nothing to copy)."""
         assert self.pending is not None, "finish() before launch()"
         self.pending.wait()
         if self.flat is not None:
-            for i, p in enumerate(self.params):
-                if p.grad is None:
-                    p.grad = self._view(i).clone()
+            for p, view in zip(self.params, self._views):
+                if self.grad_views:
+                    if p.grad is not view:
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
                 else:
-                    p.grad.copy_(self._view(i))
+                    p.grad.copy_(view)
         self.pending = None
         self.staged.clear()
+
+
+def allocate_flat_buffers(buckets: Sequence[Sequence[nn.Parameter]]) -> list[torch.Tensor | None]:
+    """One zeroed gradient storage per (dtype, device) shared by all multi-parameter buckets; returns
+    each bucket's contiguous slice (``None`` for single-parameter buckets, which need no buffer).
+
+    Sharing one storage keeps bucket buffers adjacent and lets a whole step's gradients be zeroed with
+    one kernel per dtype instead of one per bucket."""
+    totals: dict[tuple[torch.dtype, torch.device], int] = {}
+    for b in buckets:
+        if len(b) > 1:
+            key = (b[0].dtype, b[0].device)
+            totals[key] = totals.get(key, 0) + sum(p.numel() for p in b)
+    storage = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in totals.items()}
+    cursor = dict.fromkeys(totals, 0)
+    out: list[torch.Tensor | None] = []
+    for b in buckets:
+        if len(b) > 1:
+            key, n = (b[0].dtype, b[0].device), sum(p.numel() for p in b)
+            out.append(storage[key][cursor[key] : cursor[key] + n])
+            cursor[key] += n
+        else:
+            out.append(None)
+    return out
 
 
 class GradientReducer:
@@ -298,6 +374,10 @@ class GradientReducer:
     in index order — a complete bucket waits for its predecessors — so all ranks issue identical
     collective sequences. :meth:`finish` launches whatever is left (everything, for ``overlap=False``),
     waits, and writes the averaged gradients back.
+
+    ``grad_views=True`` makes multi-parameter buckets' gradients views of their flat buffers (see
+    :class:`GradBucket`); :meth:`attach_grad_views` must then run before each forward (``DataParallel``
+    does it), or the first ready-hook of a step copies and re-attaches instead.
     """
 
     def __init__(
@@ -308,11 +388,15 @@ class GradientReducer:
         comm_dtype: torch.dtype | None = None,
         group: dist.ProcessGroup | None = None,
         blocking: bool = False,
+        grad_views: bool = False,
     ):
         check_comm_dtype(comm_dtype)
         if overlap and blocking:
             raise ValueError("blocking all-reduces cannot overlap with backward")
-        self.buckets = [GradBucket(i, b, comm_dtype) for i, b in enumerate(buckets)]
+        flats = allocate_flat_buffers(buckets)
+        self.buckets = [GradBucket(i, b, comm_dtype, flat=f, grad_views=grad_views)
+                        for i, (b, f) in enumerate(zip(buckets, flats))]
+        self.grad_views = grad_views
         self.group = group
         self.overlap = overlap
         self.blocking = blocking
@@ -334,6 +418,12 @@ class GradientReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def attach_grad_views(self) -> None:
+        """Re-attach gradient views that ``zero_grad(set_to_none=True)`` dropped (no-op otherwise)."""
+        if self.grad_views:
+            for bucket in self.buckets:
+                bucket.attach_grad_views()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.sync_enabled:
@@ -392,6 +482,11 @@ class DataParallel(nn.Module):
         model.finish_gradient_synchronization()
         optimizer.step()
 
+    With ``gradient_as_bucket_view=True`` (the default) the gradients of parameters that share a bucket
+    are views of the bucket's buffer, re-attached at the start of every forward after
+    ``zero_grad(set_to_none=True)``: do not ``detach_()`` or resize them. Single-parameter buckets are
+    unaffected (their ``.grad`` is reduced in place anyway).
+
     Buffers are broadcast once at wrap time (and before every forward with ``broadcast_buffers=True``,
     for modules that update buffers in forward, such as BatchNorm's running statistics).
     """
@@ -406,6 +501,7 @@ class DataParallel(nn.Module):
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = False,
+        gradient_as_bucket_view: bool = True,
     ):
         super().__init__()
         if not dist.is_initialized():
@@ -415,7 +511,8 @@ class DataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         broadcast_module_state(module, group=process_group)
         self.reducer = GradientReducer(
-            buckets, overlap=overlap, blocking=blocking, comm_dtype=comm_dtype, group=process_group
+            buckets, overlap=overlap, blocking=blocking, comm_dtype=comm_dtype, group=process_group,
+            grad_views=gradient_as_bucket_view,
         )
 
     @property
@@ -431,6 +528,7 @@ class DataParallel(nn.Module):
             with torch.no_grad():
                 for b in self.module.buffers():
                     dist.broadcast(b, src=0, group=self.process_group)
+        self.reducer.attach_grad_views()
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:

@@ -1,0 +1,175 @@
+"""Reading the DDP benchmark's kernel timelines: is the step GPU-bound or host-bound, and what does
+launching communication *during* backward cost?
+
+:func:`cs336_systems.distributed.benchmark.profile_timeline` reduces one profiled step to interval rows
+``variant, lane, kind, name, start_ms, dur_ms`` (``kind`` = ``compute`` | ``comm`` | ``phase``; compute
+kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From those rows:
+
+- :func:`stream_summary` — per variant and phase, how long the GPU phase lasted and how much of it the
+  compute stream was actually busy. A phase whose busy time is far below its span is *host-bound*:
+  the GPU waits for the CPU to launch the next kernel, so any host work added inside that phase (gradient
+  hooks, collective launches) lengthens the step one for one.
+- :func:`launch_stalls` — for each communication kernel launched during backward: how long the compute
+  stream had been idle before it started and how long after its start compute resumed. If compute
+  resumed in step with the NCCL kernel's *end*, the GPU would be serialising the two streams; if the
+  resume delay is unrelated to the kernel's duration, the stall is on the host.
+- :func:`kernel_contention` — durations of the same named compute kernels (GEMMs) in different variants,
+  split by whether a communication kernel was resident: the test for SM contention.
+- :func:`backward_stretch` — from a step table: how much longer forward+backward got than in a reference
+  variant (``flat``, whose communication starts after backward), per collective launched inside backward.
+
+``python -m cs336_systems.distributed.timeline_analysis`` prints all four for the committed H200 results.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+DEFAULT_GEMM_PATTERN = r"gemm|nvjet|cutlass|xmma|sm90_|sm80_"
+_MERGED = r"^\d+ kernels$"
+
+
+def _phases(sub: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    ph = sub[sub["kind"] == "phase"]
+    return {r["name"]: (float(r["start_ms"]), float(r["start_ms"] + r["dur_ms"])) for _, r in ph.iterrows()}
+
+
+def busy_ms(intervals: pd.DataFrame, lo: float, hi: float) -> float:
+    """Time within ``[lo, hi)`` covered by ``intervals`` (rows of one stream, which do not overlap)."""
+    start = intervals["start_ms"].clip(lower=lo)
+    end = (intervals["start_ms"] + intervals["dur_ms"]).clip(upper=hi)
+    return float((end - start).clip(lower=0).sum())
+
+
+def _check(tl: pd.DataFrame) -> None:
+    missing = {"variant", "lane", "kind", "name", "start_ms", "dur_ms"} - set(tl.columns)
+    if missing:
+        raise ValueError(f"not a timeline table (missing columns {sorted(missing)})")
+
+
+def stream_summary(tl: pd.DataFrame) -> pd.DataFrame:
+    """Per variant and GPU phase: span, compute-stream busy time, idle fraction; plus the communication
+    kernels' count and total time inside the phase."""
+    _check(tl)
+    rows = []
+    for variant, sub in tl.groupby("variant", sort=False):
+        compute, comm = sub[sub["kind"] == "compute"], sub[sub["kind"] == "comm"]
+        for phase, (lo, hi) in _phases(sub).items():
+            busy = busy_ms(compute, lo, hi)
+            inside = comm[(comm["start_ms"] >= lo) & (comm["start_ms"] < hi)]
+            rows.append({
+                "variant": variant, "phase": phase, "span_ms": hi - lo, "compute_busy_ms": busy,
+                "idle_fraction": 1 - busy / (hi - lo) if hi > lo else float("nan"),
+                "comm_kernels": len(inside), "comm_kernel_ms": float(inside["dur_ms"].sum()),
+                "comm_kernel_median_us": float(inside["dur_ms"].median() * 1e3) if len(inside) else float("nan"),
+            })
+    return pd.DataFrame(rows)
+
+
+def launch_stalls(tl: pd.DataFrame) -> pd.DataFrame:
+    """Per variant, over the communication kernels that start during backward: the compute stream's idle
+    time before each (``idle_before_us``: previous compute end → comm start), the delay until compute
+    resumed (``resume_after_us``: comm start → next compute start), the compute gap around each launch,
+    and the correlation of the resume delay with the comm kernel's duration (≈ 1: the GPU serialises the
+    streams; ≈ 0: the delay comes from the host)."""
+    _check(tl)
+    rows = []
+    for variant, sub in tl.groupby("variant", sort=False):
+        phases = _phases(sub)
+        if "backward" not in phases:
+            continue
+        lo, hi = phases["backward"]
+        compute = sub[sub["kind"] == "compute"].sort_values("start_ms")
+        comm = sub[(sub["kind"] == "comm") & (sub["start_ms"] >= lo) & (sub["start_ms"] < hi)]
+        if comm.empty or compute.empty:
+            continue
+        cs = compute["start_ms"].to_numpy()
+        ce = cs + compute["dur_ms"].to_numpy()
+        s = comm["start_ms"].to_numpy()
+        d = comm["dur_ms"].to_numpy()
+        j = np.searchsorted(cs, s)  # first compute kernel starting at or after each comm kernel
+        valid = (j > 0) & (j < len(cs))
+        idle_before = s[valid] - ce[j[valid] - 1]
+        resume_after = cs[j[valid]] - s[valid]
+        varies = valid.sum() > 2 and np.std(d[valid]) > 0 and np.std(resume_after) > 0
+        corr = float(np.corrcoef(resume_after, d[valid])[0, 1]) if varies else float("nan")
+        rows.append({
+            "variant": variant, "comm_kernels_in_backward": int(len(s)),
+            "idle_before_us_median": float(np.median(idle_before) * 1e3) if valid.any() else float("nan"),
+            "resume_after_us_median": float(np.median(resume_after) * 1e3) if valid.any() else float("nan"),
+            "compute_gap_us_median": float(np.median(idle_before + resume_after) * 1e3) if valid.any() else float("nan"),
+            "compute_gap_ms_total": float(np.clip(idle_before, 0, None).sum() + resume_after.sum()),
+            "corr_resume_vs_comm_duration": corr,
+        })
+    return pd.DataFrame(rows)
+
+
+def kernel_contention(tl: pd.DataFrame, pattern: str = DEFAULT_GEMM_PATTERN) -> pd.DataFrame:
+    """Backward-phase compute kernels whose (unmerged) name matches ``pattern``: per variant and
+    whether a communication kernel overlapped them, their count and median duration."""
+    _check(tl)
+    parts = []
+    for variant, sub in tl.groupby("variant", sort=False):
+        phases = _phases(sub)
+        if "backward" not in phases:
+            continue
+        lo, hi = phases["backward"]
+        k = sub[(sub["kind"] == "compute") & ~sub["name"].str.match(_MERGED) & sub["name"].str.contains(pattern, case=False)
+                & (sub["start_ms"] >= lo) & (sub["start_ms"] < hi)].copy()
+        comm = sub[sub["kind"] == "comm"]
+        c0, c1 = comm["start_ms"].to_numpy(), (comm["start_ms"] + comm["dur_ms"]).to_numpy()
+        k["with_comm"] = [bool(((c0 < b) & (c1 > a)).any()) for a, b in zip(k["start_ms"], k["start_ms"] + k["dur_ms"])]
+        parts.append(k)
+    if not parts:
+        return pd.DataFrame(columns=["variant", "with_comm", "kernels", "median_us"])
+    k = pd.concat(parts)
+    out = k.groupby(["variant", "with_comm"], sort=False)["dur_ms"].agg(kernels="size", median_us="median").reset_index()
+    out["median_us"] *= 1e3
+    return out
+
+
+def backward_stretch(steps: pd.DataFrame, reference: str = "flat") -> pd.DataFrame:
+    """Per overlapping variant of a step table: forward+backward time minus ``reference``'s, and that
+    excess per collective launched during backward (``num_buckets``; torch DDP's count is not recorded)."""
+    if reference not in set(steps["variant"]):
+        raise ValueError(f"reference variant {reference!r} not in the table")
+    ref = float(steps.loc[steps["variant"] == reference, "fwd_bwd_ms"].iloc[0])
+    out = steps[["variant", "num_buckets", "step_ms", "step_ms_std", "fwd_bwd_ms"]].copy()
+    out["fwd_bwd_excess_ms"] = out["fwd_bwd_ms"] - ref
+    overlapping = out["variant"].str.startswith(("individual", "bucketed"))
+    out["excess_per_collective_us"] = np.where(overlapping, out["fwd_bwd_excess_ms"] / out["num_buckets"] * 1e3, np.nan)
+    return out
+
+
+def analyse(section: str = "ddp_benchmark", preset: str = "xl") -> dict[str, pd.DataFrame]:
+    """All four analyses of the committed ``figures/<section>/`` results, fp32 and bf16 side by side."""
+    from cs336_systems.results import FIGURES_DIR, has_result, load_table
+
+    frames: dict[str, list[pd.DataFrame]] = {"streams": [], "stalls": [], "contention": [], "stretch": []}
+    for autocast in ("fp32", "bf16"):
+        tag = f"{preset}_{autocast}"
+        if has_result(section, f"timeline_{tag}", FIGURES_DIR):
+            tl = load_table(section, f"timeline_{tag}", FIGURES_DIR)
+            for key, fn in (("streams", stream_summary), ("stalls", launch_stalls), ("contention", kernel_contention)):
+                frames[key].append(fn(tl).assign(autocast=autocast))
+        if has_result(section, f"steps_{tag}", FIGURES_DIR):
+            frames["stretch"].append(backward_stretch(load_table(section, f"steps_{tag}", FIGURES_DIR)).assign(autocast=autocast))
+    return {k: pd.concat(v, ignore_index=True) for k, v in frames.items() if v}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--section", default="ddp_benchmark")
+    parser.add_argument("--preset", default="xl")
+    args = parser.parse_args(argv)
+    for name, df in analyse(args.section, args.preset).items():
+        print(f"\n## {name}\n")
+        print(df.to_markdown(index=False, floatfmt=".3g"))
+
+
+if __name__ == "__main__":
+    main()

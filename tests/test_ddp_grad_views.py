@@ -1,0 +1,168 @@
+"""Gradients as views of the bucket buffers (``gradient_as_bucket_view``), and the timeline analysis
+that motivated them.
+
+The distributed checks run in one spawned 2-rank gloo group; the timeline checks use a hand-built
+timeline whose answers are known.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cs336_systems.distributed import timeline_analysis as ta
+from cs336_systems.distributed.ddp_bucketed import DDPBucketed
+from cs336_systems.distributed.ddp_flat import DataParallelFlat
+from cs336_systems.distributed.equivalence import train_and_compare
+from cs336_systems.distributed.launch import spawn
+from cs336_systems.distributed.toy_models import make_toy_batch, make_toy_model
+
+SMALL_BUCKETS_MB = 450 / 2**20  # toy model → [fc2], [ln.bias, ln.weight], [fc1]
+
+
+def _in_bucket(ddp: DDPBucketed) -> dict[str, bool]:
+    """Per multi-parameter bucket parameter: is its ``.grad`` the bucket's view (same storage)?"""
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    out = {}
+    for b in ddp.buckets:
+        if b.flat is None:
+            continue
+        lo, hi = b.flat.data_ptr(), b.flat.data_ptr() + b.nbytes
+        for p in b.params:
+            out[names[id(p)]] = p.grad is not None and lo <= p.grad.data_ptr() < hi
+    return out
+
+
+def _checks() -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    x, y = make_toy_batch(4, seed=0)
+    ddp = DDPBucketed(make_toy_model("toy", seed=3), SMALL_BUCKETS_MB)
+    copy = DDPBucketed(make_toy_model("toy", seed=3), SMALL_BUCKETS_MB, gradient_as_bucket_view=False)
+    for step in range(2):
+        for m in (ddp, copy):
+            m.module.zero_grad(set_to_none=True)
+        out = ddp(x)  # forward attaches zeroed views
+        res[f"attached_zero_{step}"] = all(p.grad is not None and not p.grad.any() for b in ddp.buckets if b.flat is not None
+                                           for p in b.params)
+        F.mse_loss(out, y).backward()
+        res[f"accumulated_in_bucket_{step}"] = all(_in_bucket(ddp).values())
+        ddp.finish_gradient_synchronization()
+        F.mse_loss(copy(x), y).backward()
+        copy.finish_gradient_synchronization()
+        res[f"same_grads_{step}"] = all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), copy.parameters()))
+        res[f"views_after_sync_{step}"] = all(b.grads_are_views() for b in ddp.buckets if b.flat is not None)
+        res[f"copy_mode_separate_{step}"] = not any(_in_bucket(copy).values())
+
+    # A gradient set outside the wrapper is copied into the bucket and replaced by the view.
+    ddp.module.zero_grad(set_to_none=True)
+    out = ddp(x)
+    foreign = torch.ones_like(ddp.module.ln.weight)
+    ddp.module.ln.weight.grad = foreign
+    F.mse_loss(out, y).backward()
+    ddp.finish_gradient_synchronization()
+    copy.module.zero_grad(set_to_none=True)
+    out = copy(x)
+    copy.module.ln.weight.grad = torch.ones_like(copy.module.ln.weight)
+    F.mse_loss(out, y).backward()
+    copy.finish_gradient_synchronization()
+    res["foreign_replaced_by_view"] = ddp.module.ln.weight.grad is not foreign and all(_in_bucket(ddp).values())
+    res["foreign_same_result"] = all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), copy.parameters()))
+
+    # Both modes still train exactly like single-process training, with gradient accumulation too.
+    for name, make in {"bucketed_copy": functools.partial(DDPBucketed, bucket_size_mb=SMALL_BUCKETS_MB, gradient_as_bucket_view=False),
+                       "flat_copy": functools.partial(DataParallelFlat, gradient_as_bucket_view=False),
+                       "bucketed_views": functools.partial(DDPBucketed, bucket_size_mb=SMALL_BUCKETS_MB)}.items():
+        r = train_and_compare(make, "tied", accumulate=2)
+        res[name] = {k: r[k] for k in ("init_diff", "final_diff", "moved")}
+    return res
+
+
+@pytest.fixture(scope="module")
+def rank_results() -> list[dict[str, Any]]:
+    return spawn(_checks, 2, backend="gloo", timeout_s=120)
+
+
+def test_gradients_live_in_bucket_buffers(rank_results: list[dict[str, Any]]) -> None:
+    for r in rank_results:
+        for step in range(2):
+            assert r[f"attached_zero_{step}"], "forward must re-attach zeroed views after set_to_none"
+            assert r[f"accumulated_in_bucket_{step}"], "autograd must accumulate straight into the bucket"
+            assert r[f"views_after_sync_{step}"]
+            assert r[f"copy_mode_separate_{step}"], "gradient_as_bucket_view=False keeps separate .grad tensors"
+            assert r[f"same_grads_{step}"], "views and copies must give identical averaged gradients"
+        assert r["foreign_replaced_by_view"] and r["foreign_same_result"]
+
+
+@pytest.mark.parametrize("case", ["bucketed_copy", "flat_copy", "bucketed_views"])
+def test_both_modes_match_single_process_training(rank_results: list[dict[str, Any]], case: str) -> None:
+    for r in rank_results:
+        res = r[case]
+        assert res["init_diff"] == 0.0 and res["moved"] > 1e-3
+        assert res["final_diff"] < 1e-5, res
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timeline analysis on a synthetic timeline
+# ---------------------------------------------------------------------------------------------------
+
+
+def _timeline() -> pd.DataFrame:
+    """Backward from 0 to 10 ms: compute busy 1 ms in every 2 ms (host-bound), three NCCL kernels of
+    different lengths, each starting 0.25 ms after a compute kernel ended; compute resumes 0.75 ms after
+    each comm start regardless of the comm kernel's length (a host-side stall)."""
+    rows = [("v", "phase", "phase", "backward", 0.0, 10.0)]
+    for k in range(5):
+        rows.append(("v", "cuda:7", "compute", "nvjet_sm90_gemm", 2.0 * k, 1.0))
+    for k, dur in zip(range(3), (0.1, 0.3, 0.5)):
+        rows.append(("v", "cuda:19", "comm", "ncclDevKernel_AllReduce", 2.0 * k + 1.25, dur))
+    # a reference variant with no communication and the same GEMMs
+    rows.append(("ref", "phase", "phase", "backward", 0.0, 10.0))
+    rows += [("ref", "cuda:7", "compute", "nvjet_sm90_gemm", 2.0 * k, 1.0) for k in range(5)]
+    return pd.DataFrame(rows, columns=["variant", "lane", "kind", "name", "start_ms", "dur_ms"])
+
+
+def test_stream_summary_measures_idle_fraction() -> None:
+    s = ta.stream_summary(_timeline()).set_index("variant")
+    assert s.loc["v", "span_ms"] == 10.0
+    assert s.loc["v", "compute_busy_ms"] == pytest.approx(5.0)
+    assert s.loc["v", "idle_fraction"] == pytest.approx(0.5)
+    assert s.loc["v", "comm_kernels"] == 3 and s.loc["v", "comm_kernel_ms"] == pytest.approx(0.9)
+    assert s.loc["ref", "comm_kernels"] == 0
+
+
+def test_launch_stalls_separate_host_from_gpu_serialisation() -> None:
+    st = ta.launch_stalls(_timeline()).set_index("variant")
+    assert list(st.index) == ["v"]  # no communication in "ref"
+    assert st.loc["v", "idle_before_us_median"] == pytest.approx(250.0)
+    assert st.loc["v", "resume_after_us_median"] == pytest.approx(750.0)
+    assert st.loc["v", "compute_gap_ms_total"] == pytest.approx(3.0)
+    assert pd.isna(st.loc["v", "corr_resume_vs_comm_duration"])  # constant resume delay: undefined, not 1
+    tl = _timeline()  # now make compute wait for each comm kernel's end: correlation 1
+    comm = tl[tl["kind"] == "comm"].sort_values("start_ms")
+    for (_, c), k in zip(comm.iterrows(), (1, 2, 3)):
+        tl.loc[(tl["variant"] == "v") & (tl["kind"] == "compute") & (tl["start_ms"] == 2.0 * k), "start_ms"] = c["start_ms"] + c["dur_ms"]
+    assert ta.launch_stalls(tl).iloc[0]["corr_resume_vs_comm_duration"] == pytest.approx(1.0)
+
+
+def test_kernel_contention_and_backward_stretch() -> None:
+    tl = _timeline()
+    tl.loc[(tl["variant"] == "v") & (tl["kind"] == "compute") & (tl["start_ms"] == 2.0), ["start_ms", "dur_ms"]] = [1.2, 2.0]
+    c = ta.kernel_contention(tl).set_index(["variant", "with_comm"])
+    assert c.loc[("v", True), "kernels"] == 1 and c.loc[("v", True), "median_us"] == pytest.approx(2000.0)
+    assert c.loc[("v", False), "kernels"] == 4 and c.loc[("ref", False), "median_us"] == pytest.approx(1000.0)
+
+    steps = pd.DataFrame({"variant": ["flat", "bucketed (25MB)", "torch"], "num_buckets": [1, 100, None],
+                          "step_ms": [10.0, 30.0, 20.0], "step_ms_std": [0.0, 0.0, 0.0], "fwd_bwd_ms": [8.0, 28.0, 18.0]})
+    st = ta.backward_stretch(steps).set_index("variant")
+    assert st.loc["bucketed (25MB)", "fwd_bwd_excess_ms"] == 20.0
+    assert st.loc["bucketed (25MB)", "excess_per_collective_us"] == pytest.approx(200.0)
+    assert pd.isna(st.loc["torch", "excess_per_collective_us"])
+    with pytest.raises(ValueError, match="reference"):
+        ta.backward_stretch(steps, reference="naive")
+    with pytest.raises(ValueError, match="timeline"):
+        ta.stream_summary(steps)
