@@ -149,6 +149,15 @@ def test_launch_stalls_separate_host_from_gpu_serialisation() -> None:
     assert ta.launch_stalls(tl).iloc[0]["corr_resume_vs_comm_duration"] == pytest.approx(1.0)
 
 
+def test_gaps_around_matching_kernels() -> None:
+    tl = _timeline()
+    tl.loc[(tl["variant"] == "v") & (tl["start_ms"] == 4.0), "name"] = "Memcpy DtoD (Device -> Device)"
+    g = ta.gaps_around(tl).set_index("variant")
+    assert g.loc["v", "kernels"] == 1 and g.loc["ref", "kernels"] == 0
+    assert g.loc["v", "gap_before_us_median"] == pytest.approx(1000.0)  # 3 → 4 ms
+    assert g.loc["v", "gaps_ms_total"] == pytest.approx(2.0)
+
+
 def test_kernel_contention_and_backward_stretch() -> None:
     tl = _timeline()
     tl.loc[(tl["variant"] == "v") & (tl["kind"] == "compute") & (tl["start_ms"] == 2.0), ["start_ms", "dur_ms"]] = [1.2, 2.0]

@@ -15,10 +15,11 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
   resume delay is unrelated to the kernel's duration, the stall is on the host.
 - :func:`kernel_contention` — durations of the same named compute kernels (GEMMs) in different variants,
   split by whether a communication kernel was resident: the test for SM contention.
+- :func:`gaps_around` — the idle time around chosen kernels (the gradient staging copies).
 - :func:`backward_stretch` — from a step table: how much longer forward+backward got than in a reference
   variant (``flat``, whose communication starts after backward), per collective launched inside backward.
 
-``python -m cs336_systems.distributed.timeline_analysis`` prints all four for the committed H200 results.
+``python -m cs336_systems.distributed.timeline_analysis`` prints all five for the committed H200 results.
 """
 
 from __future__ import annotations
@@ -132,6 +133,28 @@ def kernel_contention(tl: pd.DataFrame, pattern: str = DEFAULT_GEMM_PATTERN) -> 
     return out
 
 
+def gaps_around(tl: pd.DataFrame, pattern: str = r"^Memcpy DtoD") -> pd.DataFrame:
+    """Per variant, the backward-phase compute-stream kernels whose name matches ``pattern`` (default:
+    device-to-device copies, which is how the gradient staging copies into bucket buffers appear) and
+    the idle gaps just before and after them — in a host-bound phase, the host time spent around them."""
+    _check(tl)
+    rows = []
+    for variant, sub in tl.groupby("variant", sort=False):
+        phases = _phases(sub)
+        if "backward" not in phases:
+            continue
+        lo, hi = phases["backward"]
+        c = sub[(sub["kind"] == "compute") & (sub["start_ms"] >= lo) & (sub["start_ms"] < hi)].sort_values("start_ms")
+        end = c["start_ms"] + c["dur_ms"]
+        before, after = c["start_ms"] - end.shift(), c["start_ms"].shift(-1) - end
+        hit = c["name"].str.contains(pattern, regex=True).to_numpy()
+        rows.append({"variant": variant, "kernels": int(hit.sum()),
+                     "gap_before_us_median": float(before[hit].median() * 1e3) if hit.any() else float("nan"),
+                     "gap_after_us_median": float(after[hit].median() * 1e3) if hit.any() else float("nan"),
+                     "gaps_ms_total": float(before[hit].clip(lower=0).sum() + after[hit].clip(lower=0).sum())})
+    return pd.DataFrame(rows)
+
+
 def backward_stretch(steps: pd.DataFrame, reference: str = "flat") -> pd.DataFrame:
     """Per overlapping variant of a step table: forward+backward time minus ``reference``'s, and that
     excess per collective launched during backward (``num_buckets``; torch DDP's count is not recorded)."""
@@ -145,19 +168,24 @@ def backward_stretch(steps: pd.DataFrame, reference: str = "flat") -> pd.DataFra
     return out
 
 
-def analyse(section: str = "ddp_benchmark", preset: str = "xl") -> dict[str, pd.DataFrame]:
-    """All four analyses of the committed ``figures/<section>/`` results, fp32 and bf16 side by side."""
+def analyse(section: str = "ddp_benchmark", preset: str = "xl", name: str = "steps") -> dict[str, pd.DataFrame]:
+    """All five analyses of the committed ``figures/<section>/`` results, fp32 and bf16 side by side.
+    ``name`` is the benchmark's ``--name`` (its tables are ``<name>_<preset>_<autocast>`` and, for other
+    names than ``steps``, ``<name>_timeline_<preset>_<autocast>``)."""
     from cs336_systems.results import FIGURES_DIR, has_result, load_table
 
-    frames: dict[str, list[pd.DataFrame]] = {"streams": [], "stalls": [], "contention": [], "stretch": []}
+    frames: dict[str, list[pd.DataFrame]] = {"streams": [], "stalls": [], "copies": [], "contention": [], "stretch": []}
     for autocast in ("fp32", "bf16"):
         tag = f"{preset}_{autocast}"
-        if has_result(section, f"timeline_{tag}", FIGURES_DIR):
-            tl = load_table(section, f"timeline_{tag}", FIGURES_DIR)
-            for key, fn in (("streams", stream_summary), ("stalls", launch_stalls), ("contention", kernel_contention)):
+        timeline = f"timeline_{tag}" if name == "steps" else f"{name}_timeline_{tag}"
+        if has_result(section, timeline, FIGURES_DIR):
+            tl = load_table(section, timeline, FIGURES_DIR)
+            for key, fn in (("streams", stream_summary), ("stalls", launch_stalls), ("copies", gaps_around),
+                            ("contention", kernel_contention)):
                 frames[key].append(fn(tl).assign(autocast=autocast))
-        if has_result(section, f"steps_{tag}", FIGURES_DIR):
-            frames["stretch"].append(backward_stretch(load_table(section, f"steps_{tag}", FIGURES_DIR)).assign(autocast=autocast))
+        steps = load_table(section, f"{name}_{tag}", FIGURES_DIR) if has_result(section, f"{name}_{tag}", FIGURES_DIR) else None
+        if steps is not None and "flat" in set(steps["variant"]):
+            frames["stretch"].append(backward_stretch(steps).assign(autocast=autocast))
     return {k: pd.concat(v, ignore_index=True) for k, v in frames.items() if v}
 
 
@@ -165,8 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--section", default="ddp_benchmark")
     parser.add_argument("--preset", default="xl")
+    parser.add_argument("--name", default="steps", help="the benchmark run's --name")
     args = parser.parse_args(argv)
-    for name, df in analyse(args.section, args.preset).items():
+    for name, df in analyse(args.section, args.preset, args.name).items():
         print(f"\n## {name}\n")
         print(df.to_markdown(index=False, floatfmt=".3g"))
 
