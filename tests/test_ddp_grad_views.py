@@ -41,7 +41,7 @@ def _in_bucket(ddp: DDPBucketed) -> dict[str, bool]:
 def _checks() -> dict[str, Any]:
     res: dict[str, Any] = {}
     x, y = make_toy_batch(4, seed=0)
-    ddp = DDPBucketed(make_toy_model("toy", seed=3), SMALL_BUCKETS_MB)
+    ddp = DDPBucketed(make_toy_model("toy", seed=3), SMALL_BUCKETS_MB, gradient_as_bucket_view=True)
     copy = DDPBucketed(make_toy_model("toy", seed=3), SMALL_BUCKETS_MB, gradient_as_bucket_view=False)
     for step in range(2):
         for m in (ddp, copy):
@@ -76,7 +76,7 @@ def _checks() -> dict[str, Any]:
     # Both modes still train exactly like single-process training, with gradient accumulation too.
     for name, make in {"bucketed_copy": functools.partial(DDPBucketed, bucket_size_mb=SMALL_BUCKETS_MB, gradient_as_bucket_view=False),
                        "flat_copy": functools.partial(DataParallelFlat, gradient_as_bucket_view=False),
-                       "bucketed_views": functools.partial(DDPBucketed, bucket_size_mb=SMALL_BUCKETS_MB)}.items():
+                       "bucketed_views": functools.partial(DDPBucketed, bucket_size_mb=SMALL_BUCKETS_MB, gradient_as_bucket_view=True)}.items():
         r = train_and_compare(make, "tied", accumulate=2)
         res[name] = {k: r[k] for k in ("init_diff", "final_diff", "moved")}
     return res
@@ -175,3 +175,15 @@ def test_kernel_contention_and_backward_stretch() -> None:
         ta.backward_stretch(steps, reference="naive")
     with pytest.raises(ValueError, match="timeline"):
         ta.stream_summary(steps)
+
+
+def test_benchmark_runs_copy_and_view_modes_side_by_side() -> None:
+    from cs336_systems.distributed.benchmark import DDPBenchConfig, expand_variants
+    from cs336_systems.distributed.strategies import wrap
+
+    cfg = DDPBenchConfig(preset="tiny", modes=["single", "naive", "flat", "bucketed"], bucket_sizes_mb=[1.0],
+                         grad_views=[False, True])
+    labels = [v.label for v in expand_variants(cfg)]
+    assert labels == ["single", "naive", "flat", "flat (grad views)", "bucketed (1MB)", "bucketed (1MB, grad views)"]
+    with pytest.raises(ValueError, match="gradient_as_bucket_view applies to 'flat' and 'bucketed'"):
+        wrap(torch.nn.Linear(2, 2), "naive", gradient_as_bucket_view=True)

@@ -75,6 +75,7 @@ class DDPBenchConfig:
     attention_impl: str = "naive"
     allreduce_sizes: list[int] = field(default_factory=list)  # bytes; timed on the same group for the overhead model
     check_toy: bool = False  # first check each of our strategies against single-process training (toy model)
+    grad_views: list[bool] = field(default_factory=lambda: [False])  # flat/bucketed: .grad as bucket views
 
     def validate(self, world_size: int | None = None) -> None:
         bad = [m for m in self.modes if m not in ALL_MODES]
@@ -97,6 +98,7 @@ class Variant:
     mode: str
     bucket_size_mb: float | None = None
     comm_dtype: str = "fp32"
+    grad_views: bool = False
 
     @property
     def label(self) -> str:
@@ -105,6 +107,8 @@ class Variant:
             parts.append(f"{self.bucket_size_mb:g}MB")
         if self.comm_dtype != "fp32":
             parts.append(f"{self.comm_dtype} comm")
+        if self.grad_views:
+            parts.append("grad views")
         return parts[0] if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})"
 
 
@@ -117,7 +121,9 @@ def expand_variants(cfg: DDPBenchConfig) -> list[Variant]:
             continue
         for comm in cfg.comm_dtypes:
             if mode == "bucketed":
-                out += [Variant(mode, b, comm) for b in cfg.bucket_sizes_mb]
+                out += [Variant(mode, b, comm, views) for b in cfg.bucket_sizes_mb for views in cfg.grad_views]
+            elif mode == "flat":
+                out += [Variant(mode, None, comm, views) for views in cfg.grad_views]
             elif mode == "torch":
                 out.append(Variant(mode, DEFAULT_BUCKET_SIZE_MB, comm))
             else:
@@ -167,7 +173,8 @@ def _wrap_model(model: nn.Module, variant: Variant, device: torch.device) -> nn.
             hook = default_hooks.bf16_compress_hook if comm == torch.bfloat16 else default_hooks.fp16_compress_hook
             ddp.register_comm_hook(state=None, hook=hook)
         return ddp
-    return wrap(model, variant.mode, bucket_size_mb=variant.bucket_size_mb, comm_dtype=comm)
+    return wrap(model, variant.mode, bucket_size_mb=variant.bucket_size_mb, comm_dtype=comm,
+                gradient_as_bucket_view=variant.grad_views)
 
 
 def _make_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
@@ -248,6 +255,7 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
         "mode": variant.mode,
         "bucket_size_mb": variant.bucket_size_mb,
         "comm_dtype": variant.comm_dtype if variant.mode != "single" else None,
+        "grad_views": variant.grad_views,
         "num_buckets": len(wrapped.buckets) if has_sync else None,
         "step_ms": step_ms,
         "step_ms_std": float(per_step[:, 0].std()) if cfg.steps > 1 else 0.0,
@@ -285,7 +293,8 @@ def check_toy_equivalence(variants: list[Variant]) -> list[dict[str, Any]]:
         if v.mode in BASELINES:
             continue
         comm = _COMM_DTYPES[v.comm_dtype]
-        res = train_and_compare(lambda m, v=v, comm=comm: wrap(m, v.mode, bucket_size_mb=v.bucket_size_mb, comm_dtype=comm),
+        res = train_and_compare(lambda m, v=v, comm=comm: wrap(m, v.mode, bucket_size_mb=v.bucket_size_mb, comm_dtype=comm,
+                                                               gradient_as_bucket_view=v.grad_views),
                                 "toy", global_batch=4 * ctx.world_size, device=ctx.device)
         finals: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(finals, res.pop("final"))
@@ -694,6 +703,9 @@ def add_arguments(parser: Any, *, modes_default: list[str]) -> None:
     parser.add_argument("--name", default="steps", help="table/figure name prefix")
     parser.add_argument("--allreduce-sizes", nargs="*", default=[],
                         help="also time all-reduces of these sizes (e.g. 1MB 10MB 100MB) for the overhead model")
+    parser.add_argument("--grad-views", choices=["off", "on", "both"], default="off",
+                        help="flat/bucketed: keep .grad as views of the bucket buffers (gradient_as_bucket_view); "
+                             "'both' runs each setting side by side")
     parser.add_argument("--check-toy", action="store_true",
                         help="first check every strategy against single-process training on the toy model")
 
@@ -715,6 +727,7 @@ def configs_from_args(args: Any) -> list[DDPBenchConfig]:
             profile=list(args.profile),
             allreduce_sizes=[parse_size(x) for x in args.allreduce_sizes],
             check_toy=args.check_toy,
+            grad_views={"off": [False], "on": [True], "both": [False, True]}[args.grad_views],
         )
         cfg.validate()
         cfgs.append(cfg)

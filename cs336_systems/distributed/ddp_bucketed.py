@@ -22,8 +22,9 @@ DEFAULT_BUCKET_SIZE_MB = 25.0
 class DDPBucketed(DataParallel):
     """Buckets of ≤ ``bucket_size_mb`` MiB (``None``: a single bucket), each with a flat gradient buffer
     reused across steps, all-reduced asynchronously as soon as complete. With
-    ``gradient_as_bucket_view`` (default) parameters' ``.grad`` are views of those buffers, so gradients
-    are neither copied in nor copied back (``torch`` DDP's option of the same name)."""
+    ``gradient_as_bucket_view=True`` parameters' ``.grad`` are views of those buffers, so gradients are
+    neither copied in nor copied back (``torch`` DDP's option of the same name; off by default, as there,
+    and not yet measured on GPUs: see ``DDP_NOTES.md``)."""
 
     def __init__(
         self,
@@ -33,7 +34,7 @@ class DDPBucketed(DataParallel):
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = False,
-        gradient_as_bucket_view: bool = True,
+        gradient_as_bucket_view: bool = False,
     ):
         params = trainable_parameters(module)
         super().__init__(

@@ -25,7 +25,7 @@ class DataParallelFlat(DataParallel):
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = False,
-        gradient_as_bucket_view: bool = True,
+        gradient_as_bucket_view: bool = False,
     ):
         params = trainable_parameters(module)
         super().__init__(

@@ -20,8 +20,8 @@ so the *mechanism* lives here, once:
 - :func:`all_reduce_mean` → :class:`PendingReduce` — an (async) averaging all-reduce with an optional
   low-precision wire format (bf16/fp16) whose result is written back into the fp32 gradient, as
   ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook`` does;
-- :class:`GradBucket` — a group of parameters with a persistent flat buffer (reused every step), by
-  default also the storage of their ``.grad`` (``gradient_as_bucket_view``), so no gradient is copied;
+- :class:`GradBucket` — a group of parameters with a persistent flat buffer (reused every step), optionally
+  also the storage of their ``.grad`` (``gradient_as_bucket_view``), so no gradient is copied;
 - :class:`GradientReducer` — launches buckets (from ``register_post_accumulate_grad_hook`` hooks or
   after backward), always **in bucket order**, so every rank issues collectives in the same sequence
   even if its autograd engine finishes gradients in a slightly different order;
@@ -482,7 +482,8 @@ class DataParallel(nn.Module):
         model.finish_gradient_synchronization()
         optimizer.step()
 
-    With ``gradient_as_bucket_view=True`` (the default) the gradients of parameters that share a bucket
+    With ``gradient_as_bucket_view=True`` (off by default, as in torch DDP; the committed GPU measurements
+    used the copying path) the gradients of parameters that share a bucket
     are views of the bucket's buffer, re-attached at the start of every forward after
     ``zero_grad(set_to_none=True)``: do not ``detach_()`` or resize them. Single-parameter buckets are
     unaffected (their ``.grad`` is reduced in place anyway).
@@ -501,7 +502,7 @@ class DataParallel(nn.Module):
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = False,
-        gradient_as_bucket_view: bool = True,
+        gradient_as_bucket_view: bool = False,
     ):
         super().__init__()
         if not dist.is_initialized():

@@ -27,12 +27,20 @@ def wrap(
     bucket_size_mb: float | None = DEFAULT_BUCKET_SIZE_MB,
     comm_dtype: torch.dtype | None = None,
     process_group: dist.ProcessGroup | None = None,
+    gradient_as_bucket_view: bool = False,
 ) -> DataParallel:
-    """Wrap ``module`` with the named strategy (``bucket_size_mb`` only applies to ``bucketed``)."""
+    """Wrap ``module`` with the named strategy (``bucket_size_mb`` only applies to ``bucketed``;
+    ``gradient_as_bucket_view`` to the strategies with multi-parameter buckets, ``flat`` and ``bucketed``)."""
     try:
         cls = STRATEGIES[strategy]
     except KeyError:
         raise ValueError(f"unknown DDP strategy {strategy!r}; valid: {', '.join(STRATEGIES)}") from None
     if cls is DDPBucketed:
-        return DDPBucketed(module, bucket_size_mb, comm_dtype=comm_dtype, process_group=process_group)
+        return DDPBucketed(module, bucket_size_mb, comm_dtype=comm_dtype, process_group=process_group,
+                           gradient_as_bucket_view=gradient_as_bucket_view)
+    if cls is DataParallelFlat:
+        return DataParallelFlat(module, comm_dtype=comm_dtype, process_group=process_group,
+                                gradient_as_bucket_view=gradient_as_bucket_view)
+    if gradient_as_bucket_view:
+        raise ValueError(f"gradient_as_bucket_view applies to 'flat' and 'bucketed', not {strategy!r}")
     return cls(module, comm_dtype=comm_dtype, process_group=process_group)
