@@ -28,12 +28,11 @@ import argparse
 import gc
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 

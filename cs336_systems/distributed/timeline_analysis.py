@@ -25,7 +25,6 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import numpy as np
 import pandas as pd
