@@ -18,6 +18,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from cs336_systems.distributed.toy_models import ToyModel  # the course's toy, shared with the DDP tests
+
 from .end_to_end import default_device
 
 ACCUMULATION_STEPS = 1000
@@ -50,22 +52,6 @@ def accumulation_experiments(steps: int = ACCUMULATION_STEPS, increment: float =
             }
         )
     return pd.DataFrame(rows)
-
-
-class ToyModel(nn.Module):
-    """The handout's mixed-precision toy: ``fc2(LayerNorm(ReLU(fc1(x))))``, fc1 with 10 hidden units."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, 10, bias=False)
-        self.ln = nn.LayerNorm(10)
-        self.fc2 = nn.Linear(10, out_features, bias=False)
-        self.relu = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.relu(self.fc1(x))
-        x = self.ln(x)
-        return self.fc2(x)
 
 
 def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
