@@ -108,6 +108,22 @@ def _is_unsupported(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("no available kernel" in text or "not supported" in text)
 
 
+def _record_timing(row: dict[str, Any], name: str, measure: Callable[[], TimingStats]) -> None:
+    """Run ``measure`` and store ``{name}_ms`` (mean), ``{name}_median_ms`` and ``{name}_status`` in ``row``.
+    An OOM or an unsupported input is recorded as that cell's status; any other error propagates."""
+    try:
+        stats = measure()
+    except Exception as exc:
+        status = OOM if is_oom(exc) else UNSUPPORTED if _is_unsupported(exc) else None
+        if status is None:
+            raise
+        del exc
+        free_memory()
+        row.update({f"{name}_ms": math.nan, f"{name}_median_ms": math.nan, f"{name}_status": status})
+        return
+    row.update({f"{name}_ms": stats.mean * 1e3, f"{name}_median_ms": _median_ms(stats), f"{name}_status": OK})
+
+
 def time_attention_passes(
     fn: Callable[[Tensor, Tensor, Tensor, bool], Tensor],
     q: Tensor,
@@ -126,38 +142,24 @@ def time_attention_passes(
     with autograd recording, as in training. An OOM or an unsupported input ends that pass only.
     """
     inputs = (q, k, v)
+    unknown = [phase for phase in passes if phase not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown pass {unknown[0]!r}; valid: {PASSES}")
+
+    def forward() -> TimingStats:
+        return do_bench(lambda: fn(q, k, v, is_causal), warmup_ms=warmup_ms, rep_ms=rep_ms)
+
+    def backward() -> TimingStats:
+        o = fn(q, k, v, is_causal)
+        return do_bench(lambda: torch.autograd.grad(o, inputs, do, retain_graph=True), warmup_ms=warmup_ms, rep_ms=rep_ms)
+
+    def forward_backward() -> TimingStats:
+        return do_bench(lambda: torch.autograd.grad(fn(q, k, v, is_causal), inputs, do), warmup_ms=warmup_ms, rep_ms=rep_ms)
+
+    measures = {"forward": forward, "backward": backward, "forward+backward": forward_backward}
     row: dict[str, Any] = {}
     for phase in passes:
-        try:
-            if phase == "forward":
-                stats = do_bench(lambda: fn(q, k, v, is_causal), warmup_ms=warmup_ms, rep_ms=rep_ms)
-            elif phase == "backward":
-                o = fn(q, k, v, is_causal)
-                stats = do_bench(
-                    lambda: torch.autograd.grad(o, inputs, do, retain_graph=True),
-                    warmup_ms=warmup_ms,
-                    rep_ms=rep_ms,
-                )
-                del o
-            elif phase == "forward+backward":
-                stats = do_bench(
-                    lambda: torch.autograd.grad(fn(q, k, v, is_causal), inputs, do),
-                    warmup_ms=warmup_ms,
-                    rep_ms=rep_ms,
-                )
-            else:
-                raise ValueError(f"unknown pass {phase!r}; valid: {PASSES}")
-        except Exception as exc:
-            status = OOM if is_oom(exc) else UNSUPPORTED if _is_unsupported(exc) else None
-            if status is None:
-                raise
-            del exc
-            free_memory()
-            row.update({f"{phase}_ms": math.nan, f"{phase}_median_ms": math.nan, f"{phase}_status": status})
-            continue
-        row.update(
-            {f"{phase}_ms": stats.mean * 1e3, f"{phase}_median_ms": _median_ms(stats), f"{phase}_status": OK}
-        )
+        _record_timing(row, phase, measures[phase])
     return row
 
 
@@ -319,18 +321,8 @@ def run_leaderboard(
             "forward": lambda: fn(*args, True),
         }
         for name, step in protocols.items():
-            try:
-                stats = do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=[q, k, v])
-            except Exception as exc:
-                status = OOM if is_oom(exc) else UNSUPPORTED if _is_unsupported(exc) else None
-                if status is None:
-                    raise
-                del exc
-                free_memory()
-                row.update({f"{name}_ms": math.nan, f"{name}_median_ms": math.nan, f"{name}_status": status})
-                continue
-            row.update(
-                {f"{name}_ms": stats.mean * 1e3, f"{name}_median_ms": _median_ms(stats), f"{name}_status": OK}
+            _record_timing(
+                row, name, lambda step=step: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=[q, k, v])
             )
         rows.append(row)
         free_memory()
