@@ -42,8 +42,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: ``CS336_FLASH_AUTOTUNE=0`` runs the first config of each list that fits the GPU, untuned: one compile
 #: per specialization. Tests use it to bound compile time; benchmarks leave tuning on.
 AUTOTUNE = os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0"
+#: Which candidate tiles the autotuner tries: ``default`` (a short list per phase, a few seconds of
+#: first-use tuning per shape class) or ``wide`` (every tile shape, warp count and stage count worth
+#: trying on Hopper; a minute or more per class). ``wide`` is how the default lists were chosen: run the
+#: kernel breakdown with ``CS336_FLASH_CONFIGS=wide`` and read the winners off its ``best_config`` column.
+CONFIG_SET = os.environ.get("CS336_FLASH_CONFIGS", "default")
 #: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes.
-BUILD_MODE = (INTERPRETED, AUTOTUNE)
+BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET)
 
 # --------------------------------------------------------------------------------------------------
 # Tile configurations. The interpreter gets one small config (tl.dot needs every side >= 16; numpy is
@@ -63,14 +68,32 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
     ]
 
 
-#: Forward: BLOCK_M queries stay resident while BLOCK_N-key tiles stream past.
-FORWARD_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3)])
-#: dK/dV: BLOCK_N keys stay resident while BLOCK_M-query tiles stream past.
-DKDV_CONFIGS = _configs([(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)])
-#: dQ: BLOCK_M queries stay resident while BLOCK_N-key tiles stream past.
-DQ_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3)])
-#: (The lists hold the winners on an H100 for head dims 64 and 128 plus one neighbour each; a longer list
-#: costs about 0.8 s of compile per config and shape class on first use. See PERF_NOTES.md.)
+#: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` per phase and config set. Forward and dQ keep BLOCK_M
+#: queries resident while BLOCK_N-key tiles stream past; dK/dV keeps BLOCK_N keys resident while
+#: BLOCK_M-query tiles stream past. The ``default`` lists hold the winners on an H100 for head dims 64 and
+#: 128 plus a neighbour or two (see PERF_NOTES.md); each candidate costs about 0.8 s of compile per shape
+#: class on first use.
+_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
+    "default": {
+        "forward": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
+        "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
+        "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3)],
+    },
+    "wide": {
+        "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+                    (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
+        "dkdv": [(16, 64, 4, 4), (32, 64, 4, 3), (32, 64, 4, 5), (32, 128, 4, 3), (32, 128, 4, 5),
+                 (32, 128, 8, 4), (64, 64, 4, 3), (64, 64, 8, 4), (64, 128, 8, 2), (64, 128, 8, 3),
+                 (128, 128, 8, 2)],
+        "dq": [(64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 3),
+               (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+    },
+}  # fmt: skip
+if CONFIG_SET not in _CANDIDATES:
+    raise ValueError(f"CS336_FLASH_CONFIGS={CONFIG_SET!r}; valid: {', '.join(_CANDIDATES)}")
+FORWARD_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["forward"])
+DKDV_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dkdv"])
+DQ_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dq"])
 #: Tuning key: the shape class. SEQ_CLASS is the longer sequence length rounded up to a power of two
 #: (capped; see ``flash_triton._seq_class``); dtypes are added to the key by Triton itself.
 AUTOTUNE_KEY = ["SEQ_CLASS", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
@@ -141,10 +164,12 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
     return prune
 
 
-def _autotune(configs: list[triton.Config], prune: Callable):
-    """``triton.autotune`` keyed on the shape class, with a short benchmark per config (5 ms warm-up,
-    20 ms of timed runs instead of 25/100) where this Triton lets us pass one."""
-    kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})
+def _autotune(configs: list[triton.Config], prune: Callable, extra_key: tuple[str, ...] = ()):
+    """``triton.autotune`` keyed on the shape class (plus ``extra_key``), with a short benchmark per config
+    (5 ms warm-up, 20 ms of timed runs instead of 25/100) where this Triton lets us pass one."""
+    kwargs: dict = dict(
+        configs=configs, key=AUTOTUNE_KEY + list(extra_key), prune_configs_by={"early_config_prune": prune}
+    )
     if "do_bench" in inspect.signature(triton.autotune).parameters and not INTERPRETED:
         kwargs["do_bench"] = functools.partial(triton.testing.do_bench, warmup=5, rep=20)
     return triton.autotune(**kwargs)
@@ -445,25 +470,34 @@ def _dkdv_query_loop(
     do_ptr,
     lse_ptr,
     delta_ptr,
+    dq_ptr,
     stride_qn,
     stride_qd,
     stride_don,
     stride_dod,
     stride_ln,
+    stride_dqn,
+    stride_dqd,
     offs_n,
     lo,
     hi,
     n_queries,
     n_keys,
     qk_scale,
+    sm_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
-    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
+    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed.
+
+    With ``ATOMIC_DQ`` each tile's share of ``dQ = dS K`` (scaled) is also added into the float32 buffer
+    at ``dq_ptr`` with relaxed atomics: five matmuls per tile pair instead of the split backward's seven,
+    paid for with ``BLOCK_M x HEAD_DIM`` atomic adds per tile."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -487,6 +521,13 @@ def _dkdv_query_loop(
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
+            dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < n_queries)[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -494,7 +535,7 @@ def _dkdv_query_loop(
 DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m)
 
 
-@_autotune(DKDV_CONFIGS, DKDV_PRUNE)
+@_autotune(DKDV_CONFIGS, DKDV_PRUNE, extra_key=("ATOMIC_DQ",))
 @_jit
 def flash_backward_dkdv_kernel(
     Q,
@@ -505,6 +546,7 @@ def flash_backward_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    DQ,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -532,6 +574,10 @@ def flash_backward_dkdv_kernel(
     stride_dvh,
     stride_dvn,
     stride_dvd,
+    stride_dqb,
+    stride_dqh,
+    stride_dqn,
+    stride_dqd,
     n_heads,
     n_queries,
     n_keys,
@@ -540,11 +586,14 @@ def flash_backward_dkdv_kernel(
     SEQ_CLASS,
     HEAD_DIM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
+    """One program per (key tile, head): K and V stay in registers while query tiles stream past. With
+    ``ATOMIC_DQ`` it also adds dQ into the float32 buffer ``DQ`` (zeroed by the caller); otherwise ``DQ``
+    is not touched and the dQ kernel computes it."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
     tile_n, pid_bh = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -568,6 +617,7 @@ def flash_backward_dkdv_kernel(
     do_ptr = DO + b * stride_dob + h * stride_doh
     lse_ptr = L + b * stride_lb + h * stride_lh
     delta_ptr = DELTA + pid_bh.to(tl.int64) * n_queries
+    dq_ptr = DQ + b * stride_dqb + h * stride_dqh
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -581,21 +631,26 @@ def flash_backward_dkdv_kernel(
         do_ptr,
         lse_ptr,
         delta_ptr,
+        dq_ptr,
         stride_qn,
         stride_qd,
         stride_don,
         stride_dod,
         stride_ln,
+        stride_dqn,
+        stride_dqd,
         offs_n,
         lo,
         diag,
         n_queries,
         n_keys,
         qk_scale,
+        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
         True,
+        ATOMIC_DQ,
         DOT_PRECISION,
     )
     dk, dv = _dkdv_query_loop(
@@ -607,21 +662,26 @@ def flash_backward_dkdv_kernel(
         do_ptr,
         lse_ptr,
         delta_ptr,
+        dq_ptr,
         stride_qn,
         stride_qd,
         stride_don,
         stride_dod,
         stride_ln,
+        stride_dqn,
+        stride_dqd,
         offs_n,
         diag,
         tail,
         n_queries,
         n_keys,
         qk_scale,
+        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
         False,
+        ATOMIC_DQ,
         DOT_PRECISION,
     )
     dk, dv = _dkdv_query_loop(
@@ -633,21 +693,26 @@ def flash_backward_dkdv_kernel(
         do_ptr,
         lse_ptr,
         delta_ptr,
+        dq_ptr,
         stride_qn,
         stride_qd,
         stride_don,
         stride_dod,
         stride_ln,
+        stride_dqn,
+        stride_dqd,
         offs_n,
         tail,
         n_queries,
         n_queries,
         n_keys,
         qk_scale,
+        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
         True,
+        ATOMIC_DQ,
         DOT_PRECISION,
     )
 

@@ -12,7 +12,11 @@
   ratios and achieved TFLOP/s.
 - ``model``: a training step of ``BasicsTransformerLM`` (bf16 autocast) with ``flash_triton`` vs ``naive``
   vs ``sdpa`` attention over context lengths, with peak memory: naive's grows with seq², flash's does not.
-- ``all``: the three, in that order.
+- ``breakdown``: the leaderboard shape (head dims 64 and 128) once per backward schedule of our kernels
+  (``split``, ``atomic``): forward+backward time, and the GPU time of every kernel per step from
+  torch.profiler, with the tile configuration the autotuner chose for each. This is the lab bench for
+  ``attention/PERF_NOTES.md``; ``CS336_FLASH_CONFIGS=wide`` widens the tiles it tunes over.
+- ``all``: leaderboard, sweep and model, in that order.
 
 Everything goes through :class:`~cs336_systems.results.ResultWriter` (section ``flash_benchmarking``).
 Without a GPU the commands run a tiny smoke version (PyTorch-tiled flash, naive and SDPA's math path on
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..attention import FlashAttentionPytorch, FlashAttentionTriton, naive_attention
+from ..attention import FlashAttentionPytorch, FlashAttentionTriton, flash_triton, naive_attention
+from ..profiling.torch_profiler import kernel_table, profile_steps
 from ..results import ResultWriter, is_smoke_run
 from .end_to_end import BenchmarkSpec, benchmark_model
 from .sweep import OK, OOM, free_memory, grid, is_oom, run_sweep
@@ -355,6 +361,91 @@ def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, 
 
 
 # --------------------------------------------------------------------------------------------------
+# Kernel breakdown: where our forward+backward spends its time, per backward schedule
+# --------------------------------------------------------------------------------------------------
+
+#: The autotuned kernels whose chosen configuration the breakdown records.
+_TUNED_KERNELS = ("flash_forward_kernel", "flash_backward_dkdv_kernel", "flash_backward_dq_kernel")
+
+
+def _chosen_configs(launched: Sequence[str]) -> dict[str, str]:
+    """The configuration each autotuned kernel used on its latest launch, for the kernels whose names
+    appear in ``launched`` (GPU kernel names from a profile); ``""`` for the others."""
+    kernels = flash_triton._kernels()
+    chosen = {}
+    for name in _TUNED_KERNELS:
+        config = getattr(getattr(kernels, name), "best_config", None)
+        ran = any(name in kernel for kernel in launched)
+        chosen[name] = str(config) if (ran and config is not None) else ""
+    return chosen
+
+
+def run_kernel_breakdown(
+    batch: int = 16,
+    seq_len: int = 16384,
+    head_dim: int = 64,
+    dtype: str = "bfloat16",
+    modes: Sequence[str] = flash_triton.BACKWARD_MODES,
+    *,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    profiled_steps: int = 5,
+    device: str | None = None,
+    compile_ours: bool | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Time our kernels on the leaderboard protocol once per backward schedule in ``modes``.
+
+    Returns ``(summary, kernels)``: ``summary`` has one row per mode (forward+backward with
+    ``o.sum().backward()`` and forward alone, mean and median ms, TFLOP/s, the tiles chosen per kernel);
+    ``kernels`` has one row per (mode, kernel) with calls, GPU time per step and share, from torch.profiler
+    over ``profiled_steps`` steps. On CPU this needs ``TRITON_INTERPRET=1`` (tiny shapes only).
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    unknown = [m for m in modes if m not in flash_triton.BACKWARD_MODES]
+    if unknown:
+        raise ValueError(f"unknown backward mode {unknown[0]!r}; valid: {flash_triton.BACKWARD_MODES}")
+    compile_ours = device == "cuda" if compile_ours is None else compile_ours
+    q, k, v = torch.randn(3, batch, seq_len, head_dim, device=device, dtype=getattr(torch, dtype)).unbind(0)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    # The operator reads the schedule when it runs, so one compiled function serves every mode.
+    fn = torch.compile(FlashAttentionTriton.apply) if compile_ours else FlashAttentionTriton.apply
+
+    def step() -> None:
+        fn(q, k, v, True).sum().backward()
+
+    flops = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward+backward")
+    summaries, kernel_rows = [], []
+    saved = os.environ.get("CS336_FLASH_BACKWARD")
+    try:
+        for mode in modes:
+            os.environ["CS336_FLASH_BACKWARD"] = mode
+            row: dict[str, Any] = {"mode": mode, "head_dim": head_dim, "batch": batch, "seq_len": seq_len,
+                                   "dtype": dtype}  # fmt: skip
+            _record_timing(row, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                                                                grad_to_none=[q, k, v]))  # fmt: skip
+            _record_timing(row, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
+                                                            rep_ms=rep_ms))  # fmt: skip
+            row["fwd_bwd_TFLOP_per_s"] = flops / (row["fwd_bwd_sum_ms"] * 1e-3) / 1e12
+            prof = profile_steps(step, warmup=1, steps=profiled_steps)
+            table = kernel_table(prof, per=profiled_steps)
+            row["profiled_gpu_ms_per_step"] = table["total_ms"].sum()
+            chosen = _chosen_configs(table["name"].tolist())
+            row.update({f"config_{name}": config for name, config in chosen.items()})
+            summaries.append(row)
+            kernel_rows.append(table.assign(mode=mode, head_dim=head_dim))
+            q.grad = k.grad = v.grad = None
+    finally:
+        if saved is None:
+            os.environ.pop("CS336_FLASH_BACKWARD", None)
+        else:
+            os.environ["CS336_FLASH_BACKWARD"] = saved
+    summary = pd.DataFrame(summaries)
+    fastest = summary["fwd_bwd_sum_ms"].min()
+    summary["fwd_bwd_time_vs_fastest"] = summary["fwd_bwd_sum_ms"] / fastest
+    return summary, pd.concat(kernel_rows, ignore_index=True)
+
+
+# --------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------
 
@@ -453,6 +544,29 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             out.figure(plot_latency(long, head_dim=64), "sweep_latency_d64")
             print(table.to_markdown(index=False, floatfmt=".3g"))
             results["sweep_speedup"] = table
+    if "breakdown" in commands:
+        if smoke and not flash_triton.interpreter_enabled():
+            print("breakdown skipped: it times the Triton kernels, which need a GPU (or TRITON_INTERPRET=1)")
+        else:
+            started = time.monotonic()
+            summaries, kernel_tables = [], []
+            for head_dim in params["lb_head_dims"]:
+                summary, kernels = run_kernel_breakdown(params["lb_batch"], params["lb_seq_len"], head_dim)
+                summaries.append(summary)
+                kernel_tables.append(kernels)
+            summary, kernels = pd.concat(summaries, ignore_index=True), pd.concat(kernel_tables, ignore_index=True)
+            config_set = os.environ.get("CS336_FLASH_CONFIGS", "default")
+            out.table(summary, "kernel_breakdown", params={"config_set": config_set})
+            out.table(kernels, "kernel_breakdown_kernels", params={"config_set": config_set})
+            print(summary.drop(columns=[c for c in summary if c.startswith("config_")]).to_markdown(
+                index=False, floatfmt=".4g"))
+            for rec in summary.to_dict("records"):
+                print(rec["mode"], rec["head_dim"], {k: v for k, v in rec.items() if k.startswith("config_")})
+            print(kernels[["mode", "head_dim", "name", "calls", "avg_us", "total_ms", "percent"]].to_markdown(
+                index=False, floatfmt=".4g"))
+            print(f"breakdown took {time.monotonic() - started:.0f} s")
+            results["kernel_breakdown"] = summary
+            results["kernel_breakdown_kernels"] = kernels
     if "model" in commands:
         started = time.monotonic()
         impls = ("naive", "sdpa", "flash_triton") if not smoke else ("naive", "sdpa", "flash_pytorch")
@@ -478,7 +592,7 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.flash", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("commands", nargs="+", choices=["sweep", "leaderboard", "model", "all"])
+    parser.add_argument("commands", nargs="+", choices=["sweep", "leaderboard", "model", "breakdown", "all"])
     parser.add_argument(
         "--smoke", action="store_true", help="tiny CPU-sized parameters (default without CUDA)"
     )
