@@ -211,39 +211,8 @@ def test_triton_fp32_precision_follows_torch_setting() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Backward schedules and tile lists
+# Tile lists and the kernel breakdown
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("case", CASES[::2], ids=str)
-def test_atomic_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, case: Case) -> None:
-    """The ``atomic`` schedule (dQ added by the dK/dV pass with float32 atomics) against float64."""
-    monkeypatch.setenv("CS336_FLASH_BACKWARD", "atomic")
-    tol = _fp32_tol("triton")
-    _assert_matches_reference(FlashAttentionTriton, case, torch.float32, atol=tol, rtol=tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", [Case(257, 1000, 64, True, 3), Case(1000, 257, 64, True, 2),
-                                  Case(2048, 2048, 128, True, 4, batch=1)], ids=str)  # fmt: skip
-def test_atomic_backward_agrees_with_split_on_gpu(monkeypatch: pytest.MonkeyPatch, case: Case) -> None:
-    """bf16 on a GPU: both schedules' gradients are within bf16 rounding of each other (dQ differs only
-    in the order of its float32 sums and its single final rounding)."""
-    q, k, v, do = _inputs(case, torch.bfloat16)
-    grads = {}
-    for mode in ("split", "atomic"):
-        monkeypatch.setenv("CS336_FLASH_BACKWARD", mode)
-        grads[mode] = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)[2:]
-    for name, a, b in zip(NAMES[2:], grads["split"], grads["atomic"]):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def test_unknown_backward_mode_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, v, do = _inputs(Case(8, 8, 16, False, None), torch.float32)
-    monkeypatch.setenv("CS336_FLASH_BACKWARD", "fused")
-    with pytest.raises(ValueError, match="CS336_FLASH_BACKWARD"):
-        _run(FlashAttentionTriton.apply, q, k, v, do, False)
 
 
 def test_unknown_config_set_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,17 +237,15 @@ def test_wide_tile_lists_contain_the_defaults() -> None:
             assert warps in (1, 2, 4, 8) and stages >= 1
 
 
-def test_kernel_breakdown_times_both_schedules() -> None:
-    """The lab-bench benchmark runs each backward schedule and reports per-kernel time (tiny shape)."""
+def test_kernel_breakdown_reports_times_and_kernels() -> None:
+    """The lab-bench benchmark times our kernels and lists per-kernel time (tiny shape)."""
     from cs336_systems.benchmarking.flash import run_kernel_breakdown
 
-    summary, kernels = run_kernel_breakdown(1, 24, 16, "float32", warmup_ms=1, rep_ms=1, profiled_steps=1)
-    assert summary["mode"].tolist() == ["split", "atomic"]
-    assert (summary["fwd_bwd_sum_status"] == "ok").all() and (summary["fwd_bwd_sum_ms"] > 0).all()
-    assert summary["fwd_bwd_time_vs_fastest"].min() == 1.0
-    assert set(kernels["mode"]) == {"split", "atomic"} and (kernels["total_ms"] >= 0).all()
-    with pytest.raises(ValueError, match="backward mode"):
-        run_kernel_breakdown(1, 24, 16, "float32", modes=["fused"])
+    summary, kernels, tuning = run_kernel_breakdown(1, 24, 16, "float32", warmup_ms=1, rep_ms=1, profiled_steps=1)
+    assert summary["fwd_bwd_sum_status"] == "ok" and summary["fwd_bwd_sum_ms"] > 0
+    assert summary["forward_status"] == "ok" and summary["forward_ms"] > 0
+    assert not kernels.empty and (kernels["total_ms"] >= 0).all() and (kernels["head_dim"] == 16).all()
+    assert list(tuning.columns) == ["head_dim", "kernel", "config", "median_ms", "chosen"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,3 +43,17 @@ def test_notebook_smoke_run(name: str, tmp_path, monkeypatch) -> None:
         assert meta["smoke"] is True
         for key in ("device", "torch", "git_commit", "date", "params"):
             assert key in meta
+
+
+def test_run_parameters_are_python_literals() -> None:
+    """``-p KEY=VALUE`` on ``notebooks run`` parses VALUE as a literal and rejects what is not one."""
+    import argparse
+
+    from cs336_systems.notebooks import _parameter
+
+    assert _parameter("budget_s=120") == ("budget_s", 120)
+    assert _parameter("kind='quick'") == ("kind", "quick")
+    assert _parameter("overrides={'sizes': ['small']}") == ("overrides", {"sizes": ["small"]})
+    for bad in ("budget_s", "kind=quick", "2x=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _parameter(bad)

@@ -51,8 +51,8 @@ def _kernels() -> ModuleType:
 
     ``@triton.jit`` chooses between compiling and interpreting when it decorates, so the module is
     imported on first use, not with this package, and re-imported if the variable (or
-    ``CS336_FLASH_AUTOTUNE``, ``CS336_FLASH_CONFIGS``) changed since: a test module may set it after something else imported this
-    package.
+    ``CS336_FLASH_AUTOTUNE`` or ``CS336_FLASH_CONFIGS``) changed since: a test module may set it after
+    something else imported this package.
     """
     module = importlib.import_module(".triton_kernels", __package__)
     wanted = (
@@ -103,22 +103,6 @@ def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-#: Backward schedules: ``split`` (dK/dV over key tiles, then dQ over query tiles; seven matmuls per tile
-#: pair, no atomics) and ``atomic`` (one pass over key tiles that also adds dQ with float32 atomics; five
-#: matmuls). PERF_NOTES.md has what each measured.
-BACKWARD_MODES = ("split", "atomic")
-DEFAULT_BACKWARD_MODE = "split"
-
-
-def backward_mode() -> str:
-    """The backward schedule in effect: ``CS336_FLASH_BACKWARD`` if set, else the default. Read at every
-    backward call, so a benchmark can compare the two in one process."""
-    mode = os.environ.get("CS336_FLASH_BACKWARD", DEFAULT_BACKWARD_MODE)
-    if mode not in BACKWARD_MODES:
-        raise ValueError(f"CS336_FLASH_BACKWARD={mode!r}; valid: {', '.join(BACKWARD_MODES)}")
-    return mode
-
-
 # --------------------------------------------------------------------------------------------------
 # Custom operators around the kernels (4-D tensors only)
 # --------------------------------------------------------------------------------------------------
@@ -155,16 +139,12 @@ def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]
 def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and either dQ over query tiles
-    (``split``) or dQ accumulated atomically by the dK/dV pass (``atomic``); see :func:`backward_mode`."""
+    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics)."""
     kernels = _kernels()
-    atomic = backward_mode() == "atomic"
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     delta = torch.empty((batch * heads, n_queries), dtype=torch.float32, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # The atomic schedule accumulates into a zeroed float32 buffer; the split one writes dQ once.
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(d)
     shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
     block = kernels.PREPROCESS_BLOCK
@@ -175,12 +155,10 @@ def flash_attention_backward(
             o, do, delta, *o.stride(), *do.stride(), heads, n_queries, HEAD_DIM=d, BLOCK_M=block
         )
         kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
-            q, k, v, do, lse, delta, dk, dv, dq,
+            q, k, v, do, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
-            *dq.stride(), *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, ATOMIC_DQ=atomic, DOT_PRECISION=precision,
+            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
         )  # fmt: skip
-        if atomic:
-            return dq.to(q.dtype), dk, dv
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),

@@ -75,9 +75,9 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
 #: class on first use.
 _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
     "default": {
-        "forward": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
+        "forward": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
         "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
-        "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3)],
+        "dq": [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     },
     "wide": {
         "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
@@ -164,12 +164,10 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
     return prune
 
 
-def _autotune(configs: list[triton.Config], prune: Callable, extra_key: tuple[str, ...] = ()):
-    """``triton.autotune`` keyed on the shape class (plus ``extra_key``), with a short benchmark per config
-    (5 ms warm-up, 20 ms of timed runs instead of 25/100) where this Triton lets us pass one."""
-    kwargs: dict = dict(
-        configs=configs, key=AUTOTUNE_KEY + list(extra_key), prune_configs_by={"early_config_prune": prune}
-    )
+def _autotune(configs: list[triton.Config], prune: Callable):
+    """``triton.autotune`` keyed on the shape class, with a short benchmark per config (5 ms warm-up,
+    20 ms of timed runs instead of 25/100) where this Triton lets us pass one."""
+    kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})
     if "do_bench" in inspect.signature(triton.autotune).parameters and not INTERPRETED:
         kwargs["do_bench"] = functools.partial(triton.testing.do_bench, warmup=5, rep=20)
     return triton.autotune(**kwargs)
@@ -470,34 +468,25 @@ def _dkdv_query_loop(
     do_ptr,
     lse_ptr,
     delta_ptr,
-    dq_ptr,
     stride_qn,
     stride_qd,
     stride_don,
     stride_dod,
     stride_ln,
-    stride_dqn,
-    stride_dqd,
     offs_n,
     lo,
     hi,
     n_queries,
     n_keys,
     qk_scale,
-    sm_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
-    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed.
-
-    With ``ATOMIC_DQ`` each tile's share of ``dQ = dS K`` (scaled) is also added into the float32 buffer
-    at ``dq_ptr`` with relaxed atomics: five matmuls per tile pair instead of the split backward's seven,
-    paid for with ``BLOCK_M x HEAD_DIM`` atomic adds per tile."""
+    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -521,13 +510,6 @@ def _dkdv_query_loop(
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
-            dq_ptrs = dq_ptr + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < n_queries)[:, None], sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -535,7 +517,7 @@ def _dkdv_query_loop(
 DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m)
 
 
-@_autotune(DKDV_CONFIGS, DKDV_PRUNE, extra_key=("ATOMIC_DQ",))
+@_autotune(DKDV_CONFIGS, DKDV_PRUNE)
 @_jit
 def flash_backward_dkdv_kernel(
     Q,
@@ -546,7 +528,6 @@ def flash_backward_dkdv_kernel(
     DELTA,
     DK,
     DV,
-    DQ,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -574,10 +555,6 @@ def flash_backward_dkdv_kernel(
     stride_dvh,
     stride_dvn,
     stride_dvd,
-    stride_dqb,
-    stride_dqh,
-    stride_dqn,
-    stride_dqd,
     n_heads,
     n_queries,
     n_keys,
@@ -586,14 +563,11 @@ def flash_backward_dkdv_kernel(
     SEQ_CLASS,
     HEAD_DIM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program per (key tile, head): K and V stay in registers while query tiles stream past. With
-    ``ATOMIC_DQ`` it also adds dQ into the float32 buffer ``DQ`` (zeroed by the caller); otherwise ``DQ``
-    is not touched and the dQ kernel computes it."""
+    """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
     tile_n, pid_bh = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -617,7 +591,6 @@ def flash_backward_dkdv_kernel(
     do_ptr = DO + b * stride_dob + h * stride_doh
     lse_ptr = L + b * stride_lb + h * stride_lh
     delta_ptr = DELTA + pid_bh.to(tl.int64) * n_queries
-    dq_ptr = DQ + b * stride_dqb + h * stride_dqh
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -631,26 +604,21 @@ def flash_backward_dkdv_kernel(
         do_ptr,
         lse_ptr,
         delta_ptr,
-        dq_ptr,
         stride_qn,
         stride_qd,
         stride_don,
         stride_dod,
         stride_ln,
-        stride_dqn,
-        stride_dqd,
         offs_n,
         lo,
         diag,
         n_queries,
         n_keys,
         qk_scale,
-        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
         True,
-        ATOMIC_DQ,
         DOT_PRECISION,
     )
     dk, dv = _dkdv_query_loop(
@@ -662,26 +630,21 @@ def flash_backward_dkdv_kernel(
         do_ptr,
         lse_ptr,
         delta_ptr,
-        dq_ptr,
         stride_qn,
         stride_qd,
         stride_don,
         stride_dod,
         stride_ln,
-        stride_dqn,
-        stride_dqd,
         offs_n,
         diag,
         tail,
         n_queries,
         n_keys,
         qk_scale,
-        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
         False,
-        ATOMIC_DQ,
         DOT_PRECISION,
     )
     dk, dv = _dkdv_query_loop(
@@ -693,26 +656,21 @@ def flash_backward_dkdv_kernel(
         do_ptr,
         lse_ptr,
         delta_ptr,
-        dq_ptr,
         stride_qn,
         stride_qd,
         stride_don,
         stride_dod,
         stride_ln,
-        stride_dqn,
-        stride_dqd,
         offs_n,
         tail,
         n_queries,
         n_queries,
         n_keys,
         qk_scale,
-        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
         True,
-        ATOMIC_DQ,
         DOT_PRECISION,
     )
 

@@ -12,10 +12,10 @@
   ratios and achieved TFLOP/s.
 - ``model``: a training step of ``BasicsTransformerLM`` (bf16 autocast) with ``flash_triton`` vs ``naive``
   vs ``sdpa`` attention over context lengths, with peak memory: naive's grows with seq², flash's does not.
-- ``breakdown``: the leaderboard shape (head dims 64 and 128) once per backward schedule of our kernels
-  (``split``, ``atomic``): forward+backward time, and the GPU time of every kernel per step from
-  torch.profiler, with the tile configuration the autotuner chose for each. This is the lab bench for
-  ``attention/PERF_NOTES.md``; ``CS336_FLASH_CONFIGS=wide`` widens the tiles it tunes over.
+- ``breakdown``: our kernels alone at the leaderboard shape (head dims 64 and 128): forward+backward
+  time, the GPU time and achieved TFLOP/s of each kernel per step (torch.profiler), the tiles the
+  autotuner chose and its timing of every candidate. The lab bench behind ``attention/PERF_NOTES.md``;
+  ``CS336_FLASH_CONFIGS=wide`` widens the candidate tiles.
 - ``all``: leaderboard, sweep and model, in that order.
 
 Everything goes through :class:`~cs336_systems.results.ResultWriter` (section ``flash_benchmarking``).
@@ -361,23 +361,23 @@ def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, 
 
 
 # --------------------------------------------------------------------------------------------------
-# Kernel breakdown: where our forward+backward spends its time, per backward schedule
+# Kernel breakdown: where our forward+backward spends its time, and what the autotuner chose
 # --------------------------------------------------------------------------------------------------
 
-#: The autotuned kernels whose chosen configuration the breakdown records.
-_TUNED_KERNELS = ("flash_forward_kernel", "flash_backward_dkdv_kernel", "flash_backward_dq_kernel")
+#: The autotuned kernels whose choices the breakdown records.
+TUNED_KERNELS = ("flash_forward_kernel", "flash_backward_dkdv_kernel", "flash_backward_dq_kernel")
 
 
-def _chosen_configs(launched: Sequence[str]) -> dict[str, str]:
-    """The configuration each autotuned kernel used on its latest launch, for the kernels whose names
-    appear in ``launched`` (GPU kernel names from a profile); ``""`` for the others."""
+def _config_label(config: Any) -> str:
+    """``BLOCK_M x BLOCK_N, w warps, s stages`` for a ``triton.Config``."""
+    kw = config.kwargs
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
+
+
+def _tuning_state() -> dict[str, Any]:
+    """Per tuned kernel, the object holding its latest tuning timings (changes whenever it tunes)."""
     kernels = flash_triton._kernels()
-    chosen = {}
-    for name in _TUNED_KERNELS:
-        config = getattr(getattr(kernels, name), "best_config", None)
-        ran = any(name in kernel for kernel in launched)
-        chosen[name] = str(config) if (ran and config is not None) else ""
-    return chosen
+    return {name: getattr(getattr(kernels, name), "configs_timings", None) for name in TUNED_KERNELS}
 
 
 def run_kernel_breakdown(
@@ -385,64 +385,67 @@ def run_kernel_breakdown(
     seq_len: int = 16384,
     head_dim: int = 64,
     dtype: str = "bfloat16",
-    modes: Sequence[str] = flash_triton.BACKWARD_MODES,
     *,
     warmup_ms: float = 25,
     rep_ms: float = 100,
     profiled_steps: int = 5,
     device: str | None = None,
     compile_ours: bool | None = None,
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Time our kernels on the leaderboard protocol once per backward schedule in ``modes``.
+) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
+    """Our kernels on the leaderboard protocol (``torch.compile(Fn.apply)``, causal, ``o.sum().backward()``).
 
-    Returns ``(summary, kernels)``: ``summary`` has one row per mode (forward+backward with
-    ``o.sum().backward()`` and forward alone, mean and median ms, TFLOP/s, the tiles chosen per kernel);
-    ``kernels`` has one row per (mode, kernel) with calls, GPU time per step and share, from torch.profiler
-    over ``profiled_steps`` steps. On CPU this needs ``TRITON_INTERPRET=1`` (tiny shapes only).
+    Returns ``(summary, kernels, tuning)``: ``summary`` holds forward+backward and forward-only times (mean,
+    median), TFLOP/s and the tiles each kernel ran with; ``kernels`` has one row per GPU kernel with calls,
+    time and share per step (torch.profiler over ``profiled_steps`` steps) and the achieved TFLOP/s of our
+    three attention kernels; ``tuning`` has the autotuner's timing of every candidate tile configuration, when
+    this call is the one that tuned (first use of the shape class in the process; empty otherwise).
+    On CPU this needs ``TRITON_INTERPRET=1`` (tiny shapes only).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    unknown = [m for m in modes if m not in flash_triton.BACKWARD_MODES]
-    if unknown:
-        raise ValueError(f"unknown backward mode {unknown[0]!r}; valid: {flash_triton.BACKWARD_MODES}")
     compile_ours = device == "cuda" if compile_ours is None else compile_ours
     q, k, v = torch.randn(3, batch, seq_len, head_dim, device=device, dtype=getattr(torch, dtype)).unbind(0)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    # The operator reads the schedule when it runs, so one compiled function serves every mode.
     fn = torch.compile(FlashAttentionTriton.apply) if compile_ours else FlashAttentionTriton.apply
 
     def step() -> None:
         fn(q, k, v, True).sum().backward()
 
-    flops = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward+backward")
-    summaries, kernel_rows = [], []
-    saved = os.environ.get("CS336_FLASH_BACKWARD")
-    try:
-        for mode in modes:
-            os.environ["CS336_FLASH_BACKWARD"] = mode
-            row: dict[str, Any] = {"mode": mode, "head_dim": head_dim, "batch": batch, "seq_len": seq_len,
-                                   "dtype": dtype}  # fmt: skip
-            _record_timing(row, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
-                                                                grad_to_none=[q, k, v]))  # fmt: skip
-            _record_timing(row, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
-                                                            rep_ms=rep_ms))  # fmt: skip
-            row["fwd_bwd_TFLOP_per_s"] = flops / (row["fwd_bwd_sum_ms"] * 1e-3) / 1e12
-            prof = profile_steps(step, warmup=1, steps=profiled_steps)
-            table = kernel_table(prof, per=profiled_steps)
-            row["profiled_gpu_ms_per_step"] = table["total_ms"].sum()
-            chosen = _chosen_configs(table["name"].tolist())
-            row.update({f"config_{name}": config for name, config in chosen.items()})
-            summaries.append(row)
-            kernel_rows.append(table.assign(mode=mode, head_dim=head_dim))
-            q.grad = k.grad = v.grad = None
-    finally:
-        if saved is None:
-            os.environ.pop("CS336_FLASH_BACKWARD", None)
-        else:
-            os.environ["CS336_FLASH_BACKWARD"] = saved
-    summary = pd.DataFrame(summaries)
-    fastest = summary["fwd_bwd_sum_ms"].min()
-    summary["fwd_bwd_time_vs_fastest"] = summary["fwd_bwd_sum_ms"] / fastest
-    return summary, pd.concat(kernel_rows, ignore_index=True)
+    before = _tuning_state()
+    step()  # first use tunes every kernel for this shape class
+    after = _tuning_state()
+    q.grad = k.grad = v.grad = None
+
+    summary: dict[str, Any] = {"batch": batch, "seq_len": seq_len, "head_dim": head_dim, "dtype": dtype}
+    _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                                                            grad_to_none=[q, k, v]))  # fmt: skip
+    _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
+                                                        rep_ms=rep_ms))  # fmt: skip
+    total_flops = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward+backward")
+    summary["fwd_bwd_TFLOP_per_s"] = total_flops / (summary["fwd_bwd_sum_ms"] * 1e-3) / 1e12
+
+    kernels = kernel_table(profile_steps(step, warmup=1, steps=profiled_steps), per=profiled_steps)
+    summary["profiled_gpu_ms_per_step"] = kernels["total_ms"].sum()
+    # Matmul FLOPs each of our kernels issues: forward 2 products, dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ).
+    matmul = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward") / 2
+    issued = {"flash_forward_kernel": 2, "flash_backward_dkdv_kernel": 4, "flash_backward_dq_kernel": 3}
+    kernels["matmuls"] = kernels["name"].map(issued)
+    kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
+    kernels = kernels.assign(head_dim=head_dim)
+
+    chosen = flash_triton._kernels()
+    tuning_rows = []
+    for name in TUNED_KERNELS:
+        best = getattr(getattr(chosen, name), "best_config", None)
+        summary[f"config_{name}"] = _config_label(best) if best is not None else ""
+        timings = after[name]
+        if timings is None or timings is before[name]:
+            continue
+        for config, times in timings.items():
+            median = times[0] if isinstance(times, (list, tuple)) else times
+            tuning_rows.append({"head_dim": head_dim, "kernel": name, "config": _config_label(config),
+                                "median_ms": median, "chosen": best is config})  # fmt: skip
+    tuning = pd.DataFrame(tuning_rows, columns=["head_dim", "kernel", "config", "median_ms", "chosen"])
+    return summary, kernels, tuning
 
 
 # --------------------------------------------------------------------------------------------------
@@ -549,24 +552,21 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             print("breakdown skipped: it times the Triton kernels, which need a GPU (or TRITON_INTERPRET=1)")
         else:
             started = time.monotonic()
-            summaries, kernel_tables = [], []
-            for head_dim in params["lb_head_dims"]:
-                summary, kernels = run_kernel_breakdown(params["lb_batch"], params["lb_seq_len"], head_dim)
-                summaries.append(summary)
-                kernel_tables.append(kernels)
-            summary, kernels = pd.concat(summaries, ignore_index=True), pd.concat(kernel_tables, ignore_index=True)
-            config_set = os.environ.get("CS336_FLASH_CONFIGS", "default")
-            out.table(summary, "kernel_breakdown", params={"config_set": config_set})
-            out.table(kernels, "kernel_breakdown_kernels", params={"config_set": config_set})
-            print(summary.drop(columns=[c for c in summary if c.startswith("config_")]).to_markdown(
+            parts = [run_kernel_breakdown(params["lb_batch"], params["lb_seq_len"], d) for d in params["lb_head_dims"]]
+            summary = pd.DataFrame([p[0] for p in parts])
+            kernels = pd.concat([p[1] for p in parts], ignore_index=True)
+            tuning = pd.concat([p[2] for p in parts], ignore_index=True)
+            extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default")}
+            out.table(summary, "kernel_breakdown", params=extra)
+            out.table(kernels, "kernel_breakdown_kernels", params=extra)
+            out.table(tuning, "kernel_breakdown_tuning", params=extra)
+            print(summary.to_markdown(index=False, floatfmt=".4g"))
+            ours = kernels[kernels["matmuls"].notna()]
+            print(ours[["head_dim", "name", "calls", "total_ms", "percent", "TFLOP_per_s"]].to_markdown(
                 index=False, floatfmt=".4g"))
-            for rec in summary.to_dict("records"):
-                print(rec["mode"], rec["head_dim"], {k: v for k, v in rec.items() if k.startswith("config_")})
-            print(kernels[["mode", "head_dim", "name", "calls", "avg_us", "total_ms", "percent"]].to_markdown(
-                index=False, floatfmt=".4g"))
+            print(tuning.to_markdown(index=False, floatfmt=".4g"))
             print(f"breakdown took {time.monotonic() - started:.0f} s")
-            results["kernel_breakdown"] = summary
-            results["kernel_breakdown_kernels"] = kernels
+            results.update(kernel_breakdown=summary, kernel_breakdown_kernels=kernels, kernel_breakdown_tuning=tuning)
     if "model" in commands:
         started = time.monotonic()
         impls = ("naive", "sdpa", "flash_triton") if not smoke else ("naive", "sdpa", "flash_pytorch")
