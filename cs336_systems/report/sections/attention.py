@@ -205,6 +205,10 @@ def _leaderboard(d: SectionData) -> list[Block | None]:
     if isinstance(d128, dict) and text is not None:
         extra = _leaderboard_sentence(d128, "With head size 128, ")
         text = Text(text.markdown + (" " + extra.markdown if extra else ""))
+    anchors = summary.get("anchors_ms") if isinstance(summary, dict) else None
+    if isinstance(anchors, dict) and anchors and text is not None:
+        refs = join_words([f"{name} {fmt.ms(ms_)}" for name, ms_ in anchors.items()])
+        text = Text(text.markdown + f" For reference, times not measured in this run: {refs}.")
     main = d.frame_name("leaderboard", "leaderboard_d*")
     frame = subset(d.frame(main) if main else None, "impl", "fwd_bwd_sum_ms", "fwd_bwd_sum_median_ms", "forward_ms",
                    "fwd_bwd_TFLOP_per_s", "forward_TFLOP_per_s")
