@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .cli import parse_assignment
 from .results import REPO_ROOT, is_smoke_run
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -96,19 +97,6 @@ def strip_outputs(paths: list[Path]) -> list[Path]:
     return changed
 
 
-def _parameter(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` with VALUE a Python literal (``budget_s=120``, ``kind='quick'``, ``overrides={...}``)."""
-    import ast
-
-    key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a Python identifier as KEY, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError) as exc:
-        raise argparse.ArgumentTypeError(f"{key}: {value!r} is not a Python literal ({exc})") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cs336_systems.notebooks", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--real", action="store_true", help="force real parameters even without a GPU")
     run.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
     run.add_argument("--log-output", action="store_true", help="stream cell output to the terminal")
-    run.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE", type=_parameter,
+    run.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE", type=parse_assignment,
                      help="set a notebook parameter (a Python literal) in every notebook run, e.g. "
                           "-p kind=\"'quick'\" -p budget_s=120")  # fmt: skip
     sub.add_parser("list", help="list notebooks")

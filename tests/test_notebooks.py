@@ -49,7 +49,7 @@ def test_run_parameters_are_python_literals() -> None:
     """``-p KEY=VALUE`` on ``notebooks run`` parses VALUE as a literal and rejects what is not one."""
     import argparse
 
-    from cs336_systems.notebooks import _parameter
+    from cs336_systems.cli import parse_assignment as _parameter
 
     assert _parameter("budget_s=120") == ("budget_s", 120)
     assert _parameter("kind='quick'") == ("kind", "quick")

@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..attention import FlashAttentionPytorch, FlashAttentionTriton, flash_triton, naive_attention
+from ..cli import parse_assignment
 from ..profiling.torch_profiler import kernel_table, profile_steps
 from ..results import ResultWriter, is_smoke_run
 from .end_to_end import BenchmarkSpec, benchmark_model
@@ -283,6 +284,12 @@ def plot_latency(long: pd.DataFrame, head_dim: int) -> plt.Figure:
 # --------------------------------------------------------------------------------------------------
 
 
+def _leaderboard_inputs(batch: int, seq_len: int, head_dim: int, dtype: str, device: str) -> tuple[Tensor, ...]:
+    """``q, k, v = randn(3, batch, seq_len, head_dim)`` as the leaderboard builds them, requiring grad."""
+    q, k, v = torch.randn(3, batch, seq_len, head_dim, device=device, dtype=getattr(torch, dtype)).unbind(0)
+    return tuple(t.requires_grad_() for t in (q, k, v))
+
+
 def run_leaderboard(
     batch: int = 16,
     seq_len: int = 16384,
@@ -307,9 +314,7 @@ def run_leaderboard(
     impls = list(
         impls or (["triton", "sdpa_flash", "sdpa_cudnn", "naive"] if device == "cuda" else SMOKE_IMPLS[:2])
     )
-    torch_dtype = getattr(torch, dtype)
-    q, k, v = torch.randn(3, batch, seq_len, head_dim, device=device, dtype=torch_dtype).unbind(0)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    q, k, v = _leaderboard_inputs(batch, seq_len, head_dim, dtype, device)
     do = torch.randn_like(q)
     compile_ours = device == "cuda" if compile_ours is None else compile_ours
     rows = []
@@ -403,8 +408,7 @@ def run_kernel_breakdown(
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     compile_ours = device == "cuda" if compile_ours is None else compile_ours
-    q, k, v = torch.randn(3, batch, seq_len, head_dim, device=device, dtype=getattr(torch, dtype)).unbind(0)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    q, k, v = _leaderboard_inputs(batch, seq_len, head_dim, dtype, device)
     fn = torch.compile(FlashAttentionTriton.apply) if compile_ours else FlashAttentionTriton.apply
 
     def step() -> None:
@@ -596,18 +600,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="tiny CPU-sized parameters (default without CUDA)"
     )
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=parse_assignment,
                         help="override a parameter: --set seq_lens=[128,1024] --set sweep_budget_s=100")  # fmt: skip
     args = parser.parse_args(argv)
     smoke = is_smoke_run(True if args.smoke else None)
     params = dict(DEFAULTS["smoke" if smoke else "full"])
-    for item in args.set:
-        key, _, value = item.partition("=")
+    for key, value in args.set:
         if key not in params:
             raise SystemExit(f"unknown parameter {key!r}; valid: {', '.join(params)}")
-        import ast
-
-        params[key] = ast.literal_eval(value)
+        params[key] = value
     commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
     out = ResultWriter(SECTION, params=params, smoke=smoke)
     print(out.banner())
