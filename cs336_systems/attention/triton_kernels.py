@@ -70,7 +70,8 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
 
 #: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` per phase and config set. Forward and dQ keep BLOCK_M
 #: queries resident while BLOCK_N-key tiles stream past; dK/dV keeps BLOCK_N keys resident while
-#: BLOCK_M-query tiles stream past. The ``default`` lists hold the winners on an H100 for head dims 64 and
+#: BLOCK_M-query tiles stream past. ``dk`` and ``dv`` are the two halves of the dK/dV kernel when the
+#: ``split`` backward schedule runs them as separate launches (one accumulator each, so larger tiles fit). The ``default`` lists hold the winners on an H100 for head dims 64 and
 #: 128 plus a neighbour or two (see PERF_NOTES.md); each candidate costs about 0.8 s of compile per shape
 #: class on first use.
 _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
@@ -78,6 +79,8 @@ _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         "forward": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
         "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
         "dq": [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+        "dk": [(64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        "dv": [(64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
     },
     "wide": {
         "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
@@ -87,6 +90,10 @@ _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
                  (128, 128, 8, 2)],
         "dq": [(64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 3),
                (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+        "dk": [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (64, 64, 8, 4),
+               (64, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+        "dv": [(32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+               (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
     },
 }  # fmt: skip
 if CONFIG_SET not in _CANDIDATES:
@@ -94,6 +101,8 @@ if CONFIG_SET not in _CANDIDATES:
 FORWARD_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["forward"])
 DKDV_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dkdv"])
 DQ_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dq"])
+DK_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dk"])
+DV_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dv"])
 #: Tuning key: the shape class. SEQ_CLASS is the longer sequence length rounded up to a power of two
 #: (capped; see ``flash_triton._seq_class``); dtypes are added to the key by Triton itself.
 AUTOTUNE_KEY = ["SEQ_CLASS", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
@@ -484,9 +493,12 @@ def _dkdv_query_loop(
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    COMPUTE_DK: tl.constexpr,
+    COMPUTE_DV: tl.constexpr,
 ):
-    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
-    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
+    """Accumulate ``dV += Pᵀ dO`` and/or ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
+    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed. dV alone needs neither
+    V nor D; dK needs both."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -497,29 +509,34 @@ def _dkdv_query_loop(
             qt = tl.load(qt_ptrs, mask=row_ok[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
         else:
             qt = tl.load(qt_ptrs)
             do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
-            delta = tl.load(delta_ptr + offs_m)
         pt = tl.math.exp2(tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+        if COMPUTE_DV:
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if COMPUTE_DK:
+            if MASKED:
+                delta = tl.load(delta_ptr + offs_m, mask=offs_m < n_queries, other=0.0)
+            else:
+                delta = tl.load(delta_ptr + offs_m)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dst = pt * (dpt - delta[None, :])
+            dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
-# K, V | Q, dO; Q and dO each feed one product plain and one transposed.
+# K, V | Q, dO; Q and dO each feed one product plain and one transposed (dK alone: the same; dV alone:
+# K | Q, dO, each used once plain).
 DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m)
+DV_PRUNE = _fit_configs(lambda m, n: n, lambda m, n, t: 2 * m)
 
 
-@_autotune(DKDV_CONFIGS, DKDV_PRUNE)
 @_jit
-def flash_backward_dkdv_kernel(
+def flash_backward_kv_kernel(
     Q,
     K,
     V,
@@ -566,8 +583,12 @@ def flash_backward_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    COMPUTE_DK: tl.constexpr,
+    COMPUTE_DV: tl.constexpr,
 ):
-    """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
+    """One program per (key tile, head): K (and V, for dK) stay in registers while query tiles stream
+    past. ``COMPUTE_DK`` / ``COMPUTE_DV`` select the outputs: both in one pass (the ``fused`` schedule),
+    or one per launch (``split``); the launchers are the three autotuned objects below."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
     tile_n, pid_bh = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -582,11 +603,13 @@ def flash_backward_dkdv_kernel(
         mask=key_ok,
         other=0.0,
     )
-    v = tl.load(
-        V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-        mask=key_ok,
-        other=0.0,
-    )
+    v = k  # placeholder: the dV-only pass never reads V
+    if COMPUTE_DK:
+        v = tl.load(
+            V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=key_ok,
+            other=0.0,
+        )
     q_ptr = Q + b * stride_qb + h * stride_qh
     do_ptr = DO + b * stride_dob + h * stride_doh
     lse_ptr = L + b * stride_lb + h * stride_lh
@@ -620,6 +643,8 @@ def flash_backward_dkdv_kernel(
         IS_CAUSAL,
         True,
         DOT_PRECISION,
+        COMPUTE_DK,
+        COMPUTE_DV,
     )
     dk, dv = _dkdv_query_loop(
         dk,
@@ -646,6 +671,8 @@ def flash_backward_dkdv_kernel(
         IS_CAUSAL,
         False,
         DOT_PRECISION,
+        COMPUTE_DK,
+        COMPUTE_DV,
     )
     dk, dv = _dkdv_query_loop(
         dk,
@@ -672,6 +699,8 @@ def flash_backward_dkdv_kernel(
         IS_CAUSAL,
         True,
         DOT_PRECISION,
+        COMPUTE_DK,
+        COMPUTE_DV,
     )
 
     dk_ptrs = (
@@ -680,8 +709,17 @@ def flash_backward_dkdv_kernel(
     dv_ptrs = (
         DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
     )
-    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
+    if COMPUTE_DK:
+        tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
+    if COMPUTE_DV:
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
+
+
+# One kernel body, three launchers with their own candidate tiles: an autotuner wraps the same JIT
+# function and caches a choice per shape class, so the flags must not share one.
+flash_backward_dkdv_kernel = _autotune(DKDV_CONFIGS, DKDV_PRUNE)(flash_backward_kv_kernel)
+flash_backward_dk_kernel = _autotune(DK_CONFIGS, DKDV_PRUNE)(flash_backward_kv_kernel)
+flash_backward_dv_kernel = _autotune(DV_CONFIGS, DV_PRUNE)(flash_backward_kv_kernel)
 
 
 @triton.jit

@@ -12,7 +12,8 @@ stream split every step without stalling the host:
 - ``overhead_ms`` — ``step_ms`` minus the single-GPU step in the same run: what data parallelism costs,
   comparable across all strategies including torch DDP.
 
-Rows report the slowest rank's means (a step is done when the slowest rank is done).
+Rows report the slowest rank's means (a step is done when the slowest rank is done), and that rank's
+median step time (``step_ms_median``), which occasional slow steps of a host-bound run do not move.
 
 ``single`` runs the unwrapped model on every rank at once with no communication (the ideal).
 ``torch`` is DDP with its defaults (25 MiB buckets) or, with ``comm_dtype=bf16``, its
@@ -245,10 +246,12 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
     )
     # Report the slowest rank's breakdown (a step ends when the slowest rank ends); taking each
     # component's max separately would give a breakdown that adds up to more than any rank's step.
-    means = per_step.mean(0).to(ctx.device)
-    gathered = [torch.empty_like(means) for _ in range(ctx.world_size)]
-    dist.all_gather(gathered, means)
-    step_ms, sync_ms, fwd_bwd_ms, opt_ms = max((g.tolist() for g in gathered), key=lambda g: g[0])
+    # The median is reported beside the mean: a host-bound step (bf16 autocast) has occasional slow
+    # steps from the OS and the other processes on the node, which move the mean much more than the median.
+    summary = torch.cat([per_step.mean(0), per_step[:, 0].median().reshape(1)]).to(ctx.device)
+    gathered = [torch.empty_like(summary) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, summary)
+    step_ms, sync_ms, fwd_bwd_ms, opt_ms, step_median_ms = max((g.tolist() for g in gathered), key=lambda g: g[0])
     has_sync = isinstance(wrapped, DataParallel)
     row = {
         "variant": variant.label,
@@ -259,6 +262,7 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
         "num_buckets": len(wrapped.buckets) if has_sync else None,
         "step_ms": step_ms,
         "step_ms_std": float(per_step[:, 0].std()) if cfg.steps > 1 else 0.0,
+        "step_ms_median": step_median_ms,
         "fwd_bwd_ms": fwd_bwd_ms,
         "sync_ms": sync_ms if has_sync else float("nan"),
         "optimizer_ms": opt_ms,
@@ -565,7 +569,7 @@ NOTEBOOK_SECTIONS: dict[str, tuple[list[str], list[str]]] = {
     "ddp_overlap_individual": (["single", "individual", "torch", "naive", "flat"], ["flat", "individual"]),
     "ddp_bucketed": (["single", "bucketed", "torch", "naive", "flat", "individual"], []),
 }
-STEP_COLUMNS = ["variant", "num_buckets", "step_ms", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single"]
+STEP_COLUMNS = ["variant", "num_buckets", "step_ms", "step_ms_median", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single"]
 
 
 def sections_for(modes: list[str]) -> list[str]:
