@@ -188,6 +188,56 @@ def test_backward_schedule_is_validated(monkeypatch: pytest.MonkeyPatch) -> None
         _run(FlashAttentionTriton.apply, q, k, v, do, True)
 
 
+def test_polynomial_exp2_accuracy() -> None:
+    """The FMA-pipe ``2**x`` (``CS336_FLASH_POLY_EXP2``): relative error below 1e-4 over the range scores
+    minus their max take, and masked scores (-inf) come out as a normal float far below 16-bit resolution."""
+    import triton
+
+    from cs336_systems.attention import flash_triton
+
+    kernel = flash_triton._kernels().exp2_fma_kernel
+    x = torch.cat([torch.linspace(-120, 0.25, 4093, device=DEVICE), torch.tensor([float("-inf"), -1e30, 0.0], device=DEVICE)])
+    y = torch.empty_like(x)
+    kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    finite = x > -125
+    rel = (y[finite].double() / torch.exp2(x[finite].double()) - 1).abs().max().item()
+    assert rel < 1e-4, rel
+    assert (y[~finite] > 0).all() and (y[~finite] < 1e-37).all()
+    assert y[-1].item() == pytest.approx(1.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_polynomial_exp2_path_matches_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every phase on the polynomial exponential, 16-bit results stay as close to float64 as the
+    hardware-``ex2`` path's (twice its error plus 16-bit round-off at most)."""
+    from cs336_systems.attention import flash_triton
+
+    if not HAS_CUDA and dtype == torch.bfloat16:
+        pytest.skip("the CPU interpreter has no bfloat16")
+    case = Case(37, 45, 32, True, 2)
+    q, k, v, do = _inputs(case, dtype)
+    want = _reference(q, k, v, do, True)
+    hw = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
+    monkeypatch.setenv("CS336_FLASH_POLY_EXP2", "all")
+    assert flash_triton._kernels().POLY_EXP2_PHASES == {"forward", "dkdv", "dq"}
+    poly = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
+    monkeypatch.delenv("CS336_FLASH_POLY_EXP2")
+    flash_triton._kernels()
+    floor = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for name, a, b in zip(NAMES, poly, hw):
+        assert a <= 2 * b + floor, f"{name}: polynomial {a:.3g} vs hardware {b:.3g}"
+
+
+def test_unknown_poly_exp2_phase_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cs336_systems.attention import flash_triton
+
+    monkeypatch.setenv("CS336_FLASH_POLY_EXP2", "forward,softmax")
+    with pytest.raises(ValueError, match="CS336_FLASH_POLY_EXP2"):
+        flash_triton._kernels()
+    monkeypatch.delenv("CS336_FLASH_POLY_EXP2")
+    assert flash_triton._kernels().POLY_EXP2_PHASES == frozenset()
+
+
 def _error(got: tuple, want: tuple) -> list[float]:
     return [(a.double() - b).abs().max().item() for a, b in zip(got, want)]
 

@@ -51,7 +51,7 @@ def _kernels() -> ModuleType:
 
     ``@triton.jit`` chooses between compiling and interpreting when it decorates, so the module is
     imported on first use, not with this package, and re-imported if the variable (or
-    ``CS336_FLASH_AUTOTUNE`` or ``CS336_FLASH_CONFIGS``) changed since: a test module may set it after
+    ``CS336_FLASH_AUTOTUNE``, ``CS336_FLASH_CONFIGS``, ``CS336_FLASH_POLY_EXP2``) changed since: a test module may set it after
     something else imported this package.
     """
     module = importlib.import_module(".triton_kernels", __package__)
@@ -59,6 +59,7 @@ def _kernels() -> ModuleType:
         interpreter_enabled(),
         os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0",
         os.environ.get("CS336_FLASH_CONFIGS", "default"),
+        os.environ.get("CS336_FLASH_POLY_EXP2", ""),
     )
     if module.BUILD_MODE != wanted:
         module = importlib.reload(module)
@@ -157,6 +158,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
             heads, n_queries, n_keys, _LOG2_E / math.sqrt(d), _seq_class(n_queries, n_keys),
             HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+            POLY_EXP2=kernels.uses_poly_exp2("forward", q.element_size() == 2),
         )  # fmt: skip
     return o, lse
 
@@ -196,12 +198,14 @@ def flash_attention_backward(
                 q, k, v, do, lse, delta, dk, dv,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
                 *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
+                POLY_EXP2=kernels.uses_poly_exp2("dkdv", q.element_size() == 2),
                 COMPUTE_DK=compute_dk, COMPUTE_DV=compute_dv,
             )  # fmt: skip
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
+            POLY_EXP2=kernels.uses_poly_exp2("dq", q.element_size() == 2),
         )  # fmt: skip
     return dq, dk, dv
 

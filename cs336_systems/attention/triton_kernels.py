@@ -47,8 +47,25 @@ AUTOTUNE = os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0"
 #: trying on Hopper; a minute or more per class). ``wide`` is how the default lists were chosen: run the
 #: kernel breakdown with ``CS336_FLASH_CONFIGS=wide`` and read the winners off its ``best_config`` column.
 CONFIG_SET = os.environ.get("CS336_FLASH_CONFIGS", "default")
-#: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes.
-BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET)
+#: Phases whose score tiles are exponentiated by :func:`_exp2_fma` instead of the hardware ``ex2``
+#: (``CS336_FLASH_POLY_EXP2=forward,dkdv,dq``, ``all``, or empty): 16-bit inputs only, where its 8e-5
+#: relative error is below the rounding of P to bf16/fp16. Why it may pay: on Hopper ``ex2`` and the
+#: float32→bf16 conversions of P and dS issue on the same 16-per-clock-per-SM unit, while the polynomial
+#: runs on the 128-per-clock FMA pipe (the lever FlashAttention-4 uses on Blackwell).
+POLY_EXP2_PHASES = frozenset(
+    ("forward", "dkdv", "dq") if os.environ.get("CS336_FLASH_POLY_EXP2", "") == "all"
+    else filter(None, os.environ.get("CS336_FLASH_POLY_EXP2", "").split(","))
+)  # fmt: skip
+#: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes
+#: (set before the checks below, so that a failed import is retried once the setting is fixed).
+BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET, os.environ.get("CS336_FLASH_POLY_EXP2", ""))
+if not POLY_EXP2_PHASES <= {"forward", "dkdv", "dq"}:
+    raise ValueError(f"CS336_FLASH_POLY_EXP2 names unknown phases: {sorted(POLY_EXP2_PHASES)}; valid: forward, dkdv, dq, all")
+
+
+def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> bool:
+    """Whether ``phase`` (forward, dkdv, dq) exponentiates with :func:`_exp2_fma` for these inputs."""
+    return dtype_is_16_bit and phase in POLY_EXP2_PHASES
 
 # --------------------------------------------------------------------------------------------------
 # Tile configurations. The interpreter gets one small config (tl.dot needs every side >= 16; numpy is
@@ -188,6 +205,48 @@ _jit = functools.partial(triton.jit, do_not_specialize=["n_heads", "n_queries", 
 
 
 # --------------------------------------------------------------------------------------------------
+# Exponentials
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _exp2_fma(x):
+    """``2**x`` on the FMA and integer pipes, for x <= ~0 (scores minus a running max or L).
+
+    Cody-Waite: adding 1.5 * 2**23 rounds x to the nearest integer n (held in the low mantissa bits of
+    ``j``), 2**f for f = x - n in [-1/2, 1/2] is a degree-3 polynomial (coefficients fitted for minimum
+    relative error, max 7.7e-5), and 2**n is applied by adding n to the exponent field. x is clamped at
+    -125 so the result stays a normal float: masked scores (-inf) give 2**-125 ~ 2e-38, not 0, which no
+    16-bit P can tell apart from 0 and which the backward masks to 0 anyway.
+    """
+    x = tl.maximum(x, -125.0)
+    j = x + 12582912.0
+    f = x - (j - 12582912.0)
+    p = 0.05508868380751114 * f + 0.24260405145947936
+    p = p * f + 0.6932762416819607
+    p = p * f + 0.9999289403695112
+    bits = p.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp2_fma_kernel(X, Y, n, BLOCK: tl.constexpr):
+    """Elementwise ``Y = _exp2_fma(X)`` over ``n`` float32 values: the accuracy check of the polynomial."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, _exp2_fma(tl.load(X + offs, mask=offs < n)), mask=offs < n)
+
+
+@triton.jit
+def _exp2(x, POLY: tl.constexpr):
+    """Hardware ``ex2`` (MUFU), or :func:`_exp2_fma` when ``POLY``."""
+    if POLY:
+        y = _exp2_fma(x)
+    else:
+        y = tl.math.exp2(x)
+    return y
+
+
+# --------------------------------------------------------------------------------------------------
 # Loop bounds. All in element units, multiples of the tile along the loop.
 # --------------------------------------------------------------------------------------------------
 
@@ -287,6 +346,7 @@ def _forward_key_loop(
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
 ):
     """Online softmax over key tiles ``[lo, hi)``: fold each tile into the running max ``m_i`` (log2
     units), denominator ``l_i`` and accumulator ``acc``."""
@@ -305,7 +365,7 @@ def _forward_key_loop(
         if MASKED:
             s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        p = _exp2(s - m_new[:, None], POLY_EXP2)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -351,6 +411,7 @@ def flash_forward_kernel(
     HEAD_DIM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -392,6 +453,7 @@ def flash_forward_kernel(
         IS_CAUSAL,
         False,
         DOT_PRECISION,
+        POLY_EXP2,
     )
     acc, m_i, l_i = _forward_key_loop(
         acc,
@@ -414,6 +476,7 @@ def flash_forward_kernel(
         IS_CAUSAL,
         True,
         DOT_PRECISION,
+        POLY_EXP2,
     )
 
     o = acc / l_i[:, None]
@@ -493,6 +556,7 @@ def _dkdv_query_loop(
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
     COMPUTE_DK: tl.constexpr,
     COMPUTE_DV: tl.constexpr,
 ):
@@ -513,7 +577,7 @@ def _dkdv_query_loop(
             qt = tl.load(qt_ptrs)
             do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
-        pt = tl.math.exp2(tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
+        pt = _exp2(tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :], POLY_EXP2)
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         if COMPUTE_DV:
@@ -581,6 +645,7 @@ def flash_backward_kv_kernel(
     HEAD_DIM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     COMPUTE_DK: tl.constexpr,
@@ -643,6 +708,7 @@ def flash_backward_kv_kernel(
         IS_CAUSAL,
         True,
         DOT_PRECISION,
+        POLY_EXP2,
         COMPUTE_DK,
         COMPUTE_DV,
     )
@@ -671,6 +737,7 @@ def flash_backward_kv_kernel(
         IS_CAUSAL,
         False,
         DOT_PRECISION,
+        POLY_EXP2,
         COMPUTE_DK,
         COMPUTE_DV,
     )
@@ -699,6 +766,7 @@ def flash_backward_kv_kernel(
         IS_CAUSAL,
         True,
         DOT_PRECISION,
+        POLY_EXP2,
         COMPUTE_DK,
         COMPUTE_DV,
     )
@@ -746,6 +814,7 @@ def _dq_key_loop(
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
 ):
     """Accumulate ``dQ += dS K`` (unscaled) over key tiles ``[lo, hi)``."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -759,7 +828,7 @@ def _dq_key_loop(
         else:
             kt = tl.load(kt_ptrs)
             vt = tl.load(vt_ptrs)
-        p = tl.math.exp2(tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+        p = _exp2(tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None], POLY_EXP2)
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
@@ -814,6 +883,7 @@ def flash_backward_dq_kernel(
     HEAD_DIM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -867,6 +937,7 @@ def flash_backward_dq_kernel(
         IS_CAUSAL,
         False,
         DOT_PRECISION,
+        POLY_EXP2,
     )
     dq = _dq_key_loop(
         dq,
@@ -891,6 +962,7 @@ def flash_backward_dq_kernel(
         IS_CAUSAL,
         True,
         DOT_PRECISION,
+        POLY_EXP2,
     )
     dq_ptrs = (
         DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd

@@ -446,8 +446,9 @@ def _kernel_breakdown(
     after = _tuning_state()
     q.grad = k.grad = v.grad = None
 
-    summary: dict[str, Any] = {"schedule": schedule, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
-                               "dtype": dtype}  # fmt: skip
+    poly = ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
+    summary: dict[str, Any] = {"schedule": schedule, "poly_exp2": poly, "batch": batch, "seq_len": seq_len,
+                               "head_dim": head_dim, "dtype": dtype}  # fmt: skip
     _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
                                                             grad_to_none=[q, k, v]))  # fmt: skip
     _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
@@ -460,7 +461,7 @@ def _kernel_breakdown(
     matmul = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward") / 2  # one causal product
     kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP[schedule])
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
-    kernels = kernels.assign(head_dim=head_dim, schedule=schedule)
+    kernels = kernels.assign(head_dim=head_dim, schedule=schedule, poly_exp2=poly)
 
     chosen = flash_triton._kernels()
     tuning_rows = []
@@ -588,7 +589,8 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             summary = pd.DataFrame([p[0] for p in parts])
             kernels = pd.concat([p[1] for p in parts], ignore_index=True)
             tuning = pd.concat([p[2] for p in parts], ignore_index=True)
-            extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default")}
+            extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default"),
+                     "poly_exp2": os.environ.get("CS336_FLASH_POLY_EXP2", "")}  # fmt: skip
             out.table(summary, "kernel_breakdown", params=extra)
             out.table(kernels, "kernel_breakdown_kernels", params=extra)
             out.table(tuning, "kernel_breakdown_tuning", params=extra)
@@ -639,7 +641,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         params[key] = value
     commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
     # Provenance: the dK/dV schedule our kernels run with outside the breakdown (which runs each one).
-    out = ResultWriter(SECTION, params={**params, "backward_schedule": flash_triton.backward_schedule()}, smoke=smoke)
+    out = ResultWriter(SECTION, params={**params, "backward_schedule": flash_triton.backward_schedule(),
+                                        "poly_exp2": ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))},
+                       smoke=smoke)  # fmt: skip
     print(out.banner())
     run_all(commands, params, out)
 
