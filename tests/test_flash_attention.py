@@ -159,35 +159,6 @@ def test_pytorch_float64_is_exact(case: Case) -> None:
     _assert_matches_reference(FlashAttentionPytorch, case, torch.float64, atol=1e-10, rtol=1e-10)
 
 
-@pytest.fixture
-def split_backward():
-    """Run the test with the ``split`` dK/dV schedule (separate dV and dK kernels), then restore."""
-    from cs336_systems.attention import set_backward_schedule
-
-    previous = set_backward_schedule("split")
-    yield
-    set_backward_schedule(previous)
-
-
-@pytest.mark.parametrize("case", CASES[:6] + [c for c in CASES[6:] if c.is_causal], ids=str)
-def test_split_backward_schedule_matches_reference(case: Case, split_backward: None) -> None:
-    """The two-kernel dK/dV schedule: same gradients, every head dim, ragged and causal edge cases."""
-    tol = _fp32_tol("triton")
-    _assert_matches_reference(FlashAttentionTriton, case, torch.float32, atol=tol, rtol=tol)
-
-
-def test_backward_schedule_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cs336_systems.attention import flash_triton
-
-    with pytest.raises(ValueError, match="backward schedule"):
-        flash_triton.set_backward_schedule("atomic")
-    monkeypatch.setattr(flash_triton, "_backward_schedule", "atomic")  # as if set by CS336_FLASH_BACKWARD
-    case = Case(8, 8, 16, True, None)
-    q, k, v, do = _inputs(case, torch.float32)
-    with pytest.raises(ValueError, match="CS336_FLASH_BACKWARD"):
-        _run(FlashAttentionTriton.apply, q, k, v, do, True)
-
-
 def test_polynomial_exp2_accuracy() -> None:
     """The FMA-pipe ``2**x`` (``CS336_FLASH_POLY_EXP2``): relative error below 1e-4 over the range scores
     minus their max take, and masked scores (-inf) come out as a normal float far below 16-bit resolution."""
@@ -217,6 +188,8 @@ def test_polynomial_exp2_path_matches_reference(dtype: torch.dtype, monkeypatch:
     case = Case(37, 45, 32, True, 2)
     q, k, v, do = _inputs(case, dtype)
     want = _reference(q, k, v, do, True)
+    monkeypatch.setenv("CS336_FLASH_POLY_EXP2", "none")
+    assert flash_triton._kernels().POLY_EXP2_PHASES == frozenset()
     hw = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
     monkeypatch.setenv("CS336_FLASH_POLY_EXP2", "all")
     assert flash_triton._kernels().POLY_EXP2_PHASES == {"forward", "dkdv", "dq"}
@@ -235,7 +208,7 @@ def test_unknown_poly_exp2_phase_raises(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ValueError, match="CS336_FLASH_POLY_EXP2"):
         flash_triton._kernels()
     monkeypatch.delenv("CS336_FLASH_POLY_EXP2")
-    assert flash_triton._kernels().POLY_EXP2_PHASES == frozenset()
+    assert flash_triton._kernels().POLY_EXP2_PHASES == {"dkdv"}  # the default
 
 
 def _error(got: tuple, want: tuple) -> list[float]:
@@ -267,23 +240,6 @@ def test_triton_gpu_low_precision(case: Case, dtype: torch.dtype) -> None:
     floor = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for name, ours, theirs in zip(NAMES, _error(got, want), _error(naive, want)):
         assert ours <= 3 * theirs + floor, f"{name}: error {ours:.3g} vs naive {theirs:.3g} ({dtype})"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", [c for c in _GPU_SHAPES if c.is_causal], ids=str)
-def test_triton_gpu_split_backward_bf16(case: Case, split_backward: None) -> None:
-    """The ``split`` schedule on the GPU (its own tuned tiles): bf16 gradients as close to the float64
-    reference as the fused schedule's, at twice the fused error plus bf16 round-off at most."""
-    from cs336_systems.attention import set_backward_schedule
-
-    q, k, v, do = _inputs(case, torch.bfloat16)
-    want = _reference(q, k, v, do, True)
-    split = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
-    set_backward_schedule("fused")
-    fused = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
-    for name, a, b in zip(NAMES, split, fused):
-        assert a <= 2 * b + 1.6e-2, f"{name}: split {a:.3g} vs fused {b:.3g}"
 
 
 @pytest.mark.gpu
@@ -333,24 +289,18 @@ def test_wide_tile_lists_contain_the_defaults() -> None:
             assert warps in (1, 2, 4, 8) and stages >= 1
 
 
-@pytest.mark.parametrize("schedule", ["fused", "split"])
-def test_kernel_breakdown_reports_times_and_kernels(schedule: str) -> None:
-    """The lab-bench benchmark times our kernels and lists per-kernel time (tiny shape), for either dK/dV
-    schedule, and leaves the schedule as it found it."""
-    from cs336_systems.attention import backward_schedule
+def test_kernel_breakdown_reports_times_and_kernels() -> None:
+    """The lab-bench benchmark times our kernels and lists per-kernel time (tiny shape)."""
     from cs336_systems.benchmarking.flash import run_kernel_breakdown
 
-    before = backward_schedule()
     summary, kernels, tuning = run_kernel_breakdown(
-        1, 24, 16, "float32", warmup_ms=1, rep_ms=1, profiled_steps=1, compile_ours=False, schedule=schedule
+        1, 24, 16, "float32", warmup_ms=1, rep_ms=1, profiled_steps=1, compile_ours=False
     )
-    assert backward_schedule() == before
-    assert summary["schedule"] == schedule
     assert summary["fwd_bwd_sum_status"] == "ok" and summary["fwd_bwd_sum_ms"] > 0
     assert summary["forward_status"] == "ok" and summary["forward_ms"] > 0
+    assert summary["poly_exp2"] == "dkdv"  # the default (applies to 16-bit inputs only)
     assert not kernels.empty and (kernels["total_ms"] >= 0).all() and (kernels["head_dim"] == 16).all()
-    assert (kernels["schedule"] == schedule).all()
-    assert list(tuning.columns) == ["head_dim", "schedule", "kernel", "config", "median_ms", "chosen"]
+    assert list(tuning.columns) == ["head_dim", "kernel", "config", "median_ms", "chosen"]
 
 
 # --------------------------------------------------------------------------------------------------

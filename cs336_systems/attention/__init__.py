@@ -17,29 +17,19 @@ from torch import Tensor
 
 from ._validation import validate_attention_inputs
 from .flash_pytorch import FlashAttentionPytorch
-from .flash_triton import (
-    BACKWARD_SCHEDULES,
-    SUPPORTED_HEAD_DIMS,
-    FlashAttentionTriton,
-    backward_schedule,
-    interpreter_enabled,
-    set_backward_schedule,
-)
+from .flash_triton import SUPPORTED_HEAD_DIMS, FlashAttentionTriton, interpreter_enabled
 from .reference import causal_mask, naive_attention, reference_attention
 
 __all__ = [
-    "BACKWARD_SCHEDULES",
     "SUPPORTED_HEAD_DIMS",
     "FlashAttentionPytorch",
     "FlashAttentionTriton",
-    "backward_schedule",
     "causal_mask",
     "get_flashattention_autograd_function_pytorch",
     "get_flashattention_autograd_function_triton",
     "interpreter_enabled",
     "naive_attention",
     "reference_attention",
-    "set_backward_schedule",
     "validate_attention_inputs",
 ]
 

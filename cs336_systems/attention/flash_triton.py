@@ -51,50 +51,19 @@ def _kernels() -> ModuleType:
 
     ``@triton.jit`` chooses between compiling and interpreting when it decorates, so the module is
     imported on first use, not with this package, and re-imported if the variable (or
-    ``CS336_FLASH_AUTOTUNE``, ``CS336_FLASH_CONFIGS``, ``CS336_FLASH_POLY_EXP2``) changed since: a test module may set it after
-    something else imported this package.
+    ``CS336_FLASH_AUTOTUNE``, ``CS336_FLASH_CONFIGS``, ``CS336_FLASH_POLY_EXP2``) changed since: a test
+    module may set it after something else imported this package.
     """
     module = importlib.import_module(".triton_kernels", __package__)
     wanted = (
         interpreter_enabled(),
         os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0",
         os.environ.get("CS336_FLASH_CONFIGS", "default"),
-        os.environ.get("CS336_FLASH_POLY_EXP2", ""),
+        os.environ.get("CS336_FLASH_POLY_EXP2", module.DEFAULT_POLY_EXP2),
     )
     if module.BUILD_MODE != wanted:
         module = importlib.reload(module)
     return module
-
-
-#: How the backward pass produces dK and dV (dQ always has its own kernel):
-#:
-#: - ``fused``: one kernel computes both, with two fp32 accumulators per key tile (4 matmuls);
-#: - ``split``: a dV kernel (2 matmuls) and a dK kernel (3 matmuls). One more matmul and one more pass
-#:   over Q and dO, but each kernel holds a single accumulator, which leaves registers for larger tiles.
-#:
-#: The default comes from ``CS336_FLASH_BACKWARD`` (else ``fused``); :func:`set_backward_schedule`
-#: changes it at run time (it is read on every backward call, also inside ``torch.compile``d graphs,
-#: where the operator is opaque).
-BACKWARD_SCHEDULES = ("fused", "split")
-_backward_schedule = os.environ.get("CS336_FLASH_BACKWARD", "fused")
-
-
-def backward_schedule() -> str:
-    """The dK/dV schedule the next backward call uses (see :data:`BACKWARD_SCHEDULES`)."""
-    if _backward_schedule not in BACKWARD_SCHEDULES:
-        raise ValueError(
-            f"CS336_FLASH_BACKWARD={_backward_schedule!r}; valid: {', '.join(BACKWARD_SCHEDULES)}"
-        )
-    return _backward_schedule
-
-
-def set_backward_schedule(schedule: str) -> str:
-    """Use ``schedule`` for dK/dV from now on; returns the previous one (to restore it)."""
-    global _backward_schedule
-    if schedule not in BACKWARD_SCHEDULES:
-        raise ValueError(f"backward schedule must be one of {', '.join(BACKWARD_SCHEDULES)}, got {schedule!r}")
-    previous, _backward_schedule = _backward_schedule, schedule
-    return previous
 
 
 def _check_device(q: Tensor) -> None:
@@ -172,10 +141,8 @@ def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]
 def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles (one kernel or two, see
-    :data:`BACKWARD_SCHEDULES`) and dQ over query tiles (no atomics)."""
+    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics)."""
     kernels = _kernels()
-    schedule = backward_schedule()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     delta = torch.empty((batch * heads, n_queries), dtype=torch.float32, device=q.device)
@@ -189,18 +156,12 @@ def flash_attention_backward(
         kernels.flash_backward_preprocess_kernel[(_cdiv(n_queries, block) * batch * heads,)](
             o, do, delta, *o.stride(), *do.stride(), heads, n_queries, HEAD_DIM=d, BLOCK_M=block
         )
-        if schedule == "fused":  # (launcher, COMPUTE_DK, COMPUTE_DV)
-            passes = [(kernels.flash_backward_dkdv_kernel, True, True)]
-        else:
-            passes = [(kernels.flash_backward_dv_kernel, False, True), (kernels.flash_backward_dk_kernel, True, False)]
-        for kernel, compute_dk, compute_dv in passes:
-            kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
-                q, k, v, do, lse, delta, dk, dv,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
-                *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
-                POLY_EXP2=kernels.uses_poly_exp2("dkdv", q.element_size() == 2),
-                COMPUTE_DK=compute_dk, COMPUTE_DV=compute_dv,
-            )  # fmt: skip
+        kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
+            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
+            POLY_EXP2=kernels.uses_poly_exp2("dkdv", q.element_size() == 2),
+        )  # fmt: skip
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),

@@ -48,19 +48,25 @@ AUTOTUNE = os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0"
 #: kernel breakdown with ``CS336_FLASH_CONFIGS=wide`` and read the winners off its ``best_config`` column.
 CONFIG_SET = os.environ.get("CS336_FLASH_CONFIGS", "default")
 #: Phases whose score tiles are exponentiated by :func:`_exp2_fma` instead of the hardware ``ex2``
-#: (``CS336_FLASH_POLY_EXP2=forward,dkdv,dq``, ``all``, or empty): 16-bit inputs only, where its 8e-5
-#: relative error is below the rounding of P to bf16/fp16. Why it may pay: on Hopper ``ex2`` and the
-#: float32→bf16 conversions of P and dS issue on the same 16-per-clock-per-SM unit, while the polynomial
-#: runs on the 128-per-clock FMA pipe (the lever FlashAttention-4 uses on Blackwell).
+#: (``CS336_FLASH_POLY_EXP2=forward,dkdv,dq``, ``all`` or ``none``; default ``dkdv``): 16-bit inputs
+#: only, where its 8e-5 relative error is below the rounding of P to bf16/fp16. Why it pays where it
+#: does: on Hopper ``ex2`` and the float32→16-bit conversions issue on the same 16-per-clock-per-SM unit,
+#: while the polynomial runs on the 128-per-clock FMA pipe (the lever FlashAttention-4 uses on
+#: Blackwell). dK/dV converts two tiles (P and dS) per exponentiated tile and got 7.5% faster on an H100;
+#: forward and dQ convert one, keep their FMA pipe busy otherwise, and got 30% slower (PERF_NOTES.md).
+DEFAULT_POLY_EXP2 = "dkdv"
+_POLY_SETTING = os.environ.get("CS336_FLASH_POLY_EXP2", DEFAULT_POLY_EXP2)
 POLY_EXP2_PHASES = frozenset(
-    ("forward", "dkdv", "dq") if os.environ.get("CS336_FLASH_POLY_EXP2", "") == "all"
-    else filter(None, os.environ.get("CS336_FLASH_POLY_EXP2", "").split(","))
+    ("forward", "dkdv", "dq") if _POLY_SETTING == "all"
+    else () if _POLY_SETTING == "none"
+    else filter(None, _POLY_SETTING.split(","))
 )  # fmt: skip
 #: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes
 #: (set before the checks below, so that a failed import is retried once the setting is fixed).
-BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET, os.environ.get("CS336_FLASH_POLY_EXP2", ""))
+BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET, _POLY_SETTING)
 if not POLY_EXP2_PHASES <= {"forward", "dkdv", "dq"}:
-    raise ValueError(f"CS336_FLASH_POLY_EXP2 names unknown phases: {sorted(POLY_EXP2_PHASES)}; valid: forward, dkdv, dq, all")
+    raise ValueError(f"CS336_FLASH_POLY_EXP2 names unknown phases: {sorted(POLY_EXP2_PHASES)}; "
+                     "valid: forward, dkdv, dq (comma-separated), all, none")
 
 
 def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> bool:
@@ -87,8 +93,7 @@ def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]
 
 #: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` per phase and config set. Forward and dQ keep BLOCK_M
 #: queries resident while BLOCK_N-key tiles stream past; dK/dV keeps BLOCK_N keys resident while
-#: BLOCK_M-query tiles stream past. ``dk`` and ``dv`` are the two halves of the dK/dV kernel when the
-#: ``split`` backward schedule runs them as separate launches (one accumulator each, so larger tiles fit). The ``default`` lists hold the winners on an H100 for head dims 64 and
+#: BLOCK_M-query tiles stream past. The ``default`` lists hold the winners on an H100 for head dims 64 and
 #: 128 plus a neighbour or two (see PERF_NOTES.md); each candidate costs about 0.8 s of compile per shape
 #: class on first use.
 _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
@@ -96,8 +101,6 @@ _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         "forward": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
         "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
         "dq": [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-        "dk": [(64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
-        "dv": [(64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
     },
     "wide": {
         "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
@@ -107,10 +110,6 @@ _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
                  (128, 128, 8, 2)],
         "dq": [(64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 3),
                (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
-        "dk": [(32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (64, 64, 8, 4),
-               (64, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
-        "dv": [(32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
-               (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
     },
 }  # fmt: skip
 if CONFIG_SET not in _CANDIDATES:
@@ -118,8 +117,6 @@ if CONFIG_SET not in _CANDIDATES:
 FORWARD_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["forward"])
 DKDV_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dkdv"])
 DQ_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dq"])
-DK_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dk"])
-DV_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dv"])
 #: Tuning key: the shape class. SEQ_CLASS is the longer sequence length rounded up to a power of two
 #: (capped; see ``flash_triton._seq_class``); dtypes are added to the key by Triton itself.
 AUTOTUNE_KEY = ["SEQ_CLASS", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
@@ -557,12 +554,9 @@ def _dkdv_query_loop(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
-    COMPUTE_DK: tl.constexpr,
-    COMPUTE_DV: tl.constexpr,
 ):
-    """Accumulate ``dV += Pᵀ dO`` and/or ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
-    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed. dV alone needs neither
-    V nor D; dK needs both."""
+    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
+    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -573,34 +567,29 @@ def _dkdv_query_loop(
             qt = tl.load(qt_ptrs, mask=row_ok[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
         else:
             qt = tl.load(qt_ptrs)
             do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
+            delta = tl.load(delta_ptr + offs_m)
         pt = _exp2(tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :], POLY_EXP2)
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
-        if COMPUTE_DV:
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        if COMPUTE_DK:
-            if MASKED:
-                delta = tl.load(delta_ptr + offs_m, mask=offs_m < n_queries, other=0.0)
-            else:
-                delta = tl.load(delta_ptr + offs_m)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dst = pt * (dpt - delta[None, :])
-            dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
-# K, V | Q, dO; Q and dO each feed one product plain and one transposed (dK alone: the same; dV alone:
-# K | Q, dO, each used once plain).
+# K, V | Q, dO; Q and dO each feed one product plain and one transposed.
 DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m)
-DV_PRUNE = _fit_configs(lambda m, n: n, lambda m, n, t: 2 * m)
 
 
+@_autotune(DKDV_CONFIGS, DKDV_PRUNE)
 @_jit
-def flash_backward_kv_kernel(
+def flash_backward_dkdv_kernel(
     Q,
     K,
     V,
@@ -648,12 +637,8 @@ def flash_backward_kv_kernel(
     POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    COMPUTE_DK: tl.constexpr,
-    COMPUTE_DV: tl.constexpr,
 ):
-    """One program per (key tile, head): K (and V, for dK) stay in registers while query tiles stream
-    past. ``COMPUTE_DK`` / ``COMPUTE_DV`` select the outputs: both in one pass (the ``fused`` schedule),
-    or one per launch (``split``); the launchers are the three autotuned objects below."""
+    """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
     tile_n, pid_bh = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -668,13 +653,11 @@ def flash_backward_kv_kernel(
         mask=key_ok,
         other=0.0,
     )
-    v = k  # placeholder: the dV-only pass never reads V
-    if COMPUTE_DK:
-        v = tl.load(
-            V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            mask=key_ok,
-            other=0.0,
-        )
+    v = tl.load(
+        V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        mask=key_ok,
+        other=0.0,
+    )
     q_ptr = Q + b * stride_qb + h * stride_qh
     do_ptr = DO + b * stride_dob + h * stride_doh
     lse_ptr = L + b * stride_lb + h * stride_lh
@@ -709,8 +692,6 @@ def flash_backward_kv_kernel(
         True,
         DOT_PRECISION,
         POLY_EXP2,
-        COMPUTE_DK,
-        COMPUTE_DV,
     )
     dk, dv = _dkdv_query_loop(
         dk,
@@ -738,8 +719,6 @@ def flash_backward_kv_kernel(
         False,
         DOT_PRECISION,
         POLY_EXP2,
-        COMPUTE_DK,
-        COMPUTE_DV,
     )
     dk, dv = _dkdv_query_loop(
         dk,
@@ -767,8 +746,6 @@ def flash_backward_kv_kernel(
         True,
         DOT_PRECISION,
         POLY_EXP2,
-        COMPUTE_DK,
-        COMPUTE_DV,
     )
 
     dk_ptrs = (
@@ -777,17 +754,8 @@ def flash_backward_kv_kernel(
     dv_ptrs = (
         DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
     )
-    if COMPUTE_DK:
-        tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
-    if COMPUTE_DV:
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
-
-
-# One kernel body, three launchers with their own candidate tiles: an autotuner wraps the same JIT
-# function and caches a choice per shape class, so the flags must not share one.
-flash_backward_dkdv_kernel = _autotune(DKDV_CONFIGS, DKDV_PRUNE)(flash_backward_kv_kernel)
-flash_backward_dk_kernel = _autotune(DK_CONFIGS, DKDV_PRUNE)(flash_backward_kv_kernel)
-flash_backward_dv_kernel = _autotune(DV_CONFIGS, DV_PRUNE)(flash_backward_kv_kernel)
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
 
 
 @triton.jit

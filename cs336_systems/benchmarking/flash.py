@@ -12,9 +12,9 @@
   ratios and achieved TFLOP/s.
 - ``model``: a training step of ``BasicsTransformerLM`` (bf16 autocast) with ``flash_triton`` vs ``naive``
   vs ``sdpa`` attention over context lengths, with peak memory: naive's grows with seq², flash's does not.
-- ``breakdown``: our kernels alone at the leaderboard shape (head dims 64 and 128), once per dK/dV
-  backward schedule (``fused``, ``split``): forward+backward time, the GPU time and achieved TFLOP/s of
-  each kernel per step (torch.profiler), the tiles the autotuner chose and its timing of every candidate. The lab bench behind ``attention/PERF_NOTES.md``;
+- ``breakdown``: our kernels alone at the leaderboard shape (head dims 64 and 128): forward+backward
+  time, the GPU time and achieved TFLOP/s of each kernel per step (torch.profiler), the tiles the
+  autotuner chose and its timing of every candidate. The lab bench behind ``attention/PERF_NOTES.md``;
   ``CS336_FLASH_CONFIGS=wide`` widens the candidate tiles.
 - ``all``: leaderboard, sweep and model, in that order.
 
@@ -327,7 +327,7 @@ def run_leaderboard(
             args = tuple(t.unsqueeze(1) for t in (q, k, v))  # views: gradients still reach q, k, v
         row: dict[str, Any] = {"impl": impl}
         if impl == "triton":
-            row["backward_schedule"] = flash_triton.backward_schedule()
+            row["poly_exp2"] = ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
         protocols: dict[str, Callable[[], Any]] = {
             "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
             "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
@@ -371,18 +371,10 @@ def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, 
 # Kernel breakdown: where our forward+backward spends its time, and what the autotuner chose
 # --------------------------------------------------------------------------------------------------
 
-#: The autotuned launchers each backward schedule uses, whose choices the breakdown records.
-TUNED_KERNELS = {
-    "fused": ("flash_forward_kernel", "flash_backward_dkdv_kernel", "flash_backward_dq_kernel"),
-    "split": ("flash_forward_kernel", "flash_backward_dv_kernel", "flash_backward_dk_kernel",
-              "flash_backward_dq_kernel"),
-}  # fmt: skip
-#: Matmuls per step issued by each GPU kernel (profiler name); the dK/dV body is one JIT function
-#: (``flash_backward_kv_kernel``) launched once (fused: S, dV, dP, dK) or twice (split: S, dV | S, dP, dK).
-MATMULS_PER_STEP = {
-    "fused": {"flash_forward_kernel": 2, "flash_backward_kv_kernel": 4, "flash_backward_dq_kernel": 3},
-    "split": {"flash_forward_kernel": 2, "flash_backward_kv_kernel": 5, "flash_backward_dq_kernel": 3},
-}
+#: The autotuned kernels whose choices the breakdown records.
+TUNED_KERNELS = ("flash_forward_kernel", "flash_backward_dkdv_kernel", "flash_backward_dq_kernel")
+#: Matmuls per step each kernel issues: forward 2 (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ).
+MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_backward_dkdv_kernel": 4, "flash_backward_dq_kernel": 3}
 
 
 def _config_label(config: Any) -> str:
@@ -392,10 +384,9 @@ def _config_label(config: Any) -> str:
 
 
 def _tuning_state() -> dict[str, Any]:
-    """Per tuned launcher, the object holding its latest tuning timings (changes whenever it tunes)."""
+    """Per tuned kernel, the object holding its latest tuning timings (changes whenever it tunes)."""
     kernels = flash_triton._kernels()
-    names = dict.fromkeys(name for launchers in TUNED_KERNELS.values() for name in launchers)
-    return {name: getattr(getattr(kernels, name), "configs_timings", None) for name in names}
+    return {name: getattr(getattr(kernels, name), "configs_timings", None) for name in TUNED_KERNELS}
 
 
 def run_kernel_breakdown(
@@ -409,10 +400,8 @@ def run_kernel_breakdown(
     profiled_steps: int = 5,
     device: str | None = None,
     compile_ours: bool | None = None,
-    schedule: str = "fused",
 ) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
-    """Our kernels on the leaderboard protocol (``torch.compile(Fn.apply)``, causal, ``o.sum().backward()``),
-    with the dK/dV ``schedule`` given (see ``flash_triton.BACKWARD_SCHEDULES``).
+    """Our kernels on the leaderboard protocol (``torch.compile(Fn.apply)``, causal, ``o.sum().backward()``).
 
     Returns ``(summary, kernels, tuning)``: ``summary`` holds forward+backward and forward-only times (mean,
     median), TFLOP/s and the tiles each kernel ran with; ``kernels`` has one row per GPU kernel with calls,
@@ -421,18 +410,6 @@ def run_kernel_breakdown(
     this call is the one that tuned (first use of the shape class in the process; empty otherwise).
     On CPU this needs ``TRITON_INTERPRET=1`` (tiny shapes only).
     """
-    previous = flash_triton.set_backward_schedule(schedule)
-    try:
-        return _kernel_breakdown(batch, seq_len, head_dim, dtype, warmup_ms, rep_ms, profiled_steps, device,
-                                 compile_ours, schedule)  # fmt: skip
-    finally:
-        flash_triton.set_backward_schedule(previous)
-
-
-def _kernel_breakdown(
-    batch: int, seq_len: int, head_dim: int, dtype: str, warmup_ms: float, rep_ms: float, profiled_steps: int,
-    device: str | None, compile_ours: bool | None, schedule: str,
-) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     compile_ours = device == "cuda" if compile_ours is None else compile_ours
     q, k, v = _leaderboard_inputs(batch, seq_len, head_dim, dtype, device)
@@ -447,8 +424,8 @@ def _kernel_breakdown(
     q.grad = k.grad = v.grad = None
 
     poly = ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
-    summary: dict[str, Any] = {"schedule": schedule, "poly_exp2": poly, "batch": batch, "seq_len": seq_len,
-                               "head_dim": head_dim, "dtype": dtype}  # fmt: skip
+    summary: dict[str, Any] = {"poly_exp2": poly, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
+                               "dtype": dtype}  # fmt: skip
     _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
                                                             grad_to_none=[q, k, v]))  # fmt: skip
     _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
@@ -459,13 +436,13 @@ def _kernel_breakdown(
     kernels = kernel_table(profile_steps(step, warmup=1, steps=profiled_steps), per=profiled_steps)
     summary["profiled_gpu_ms_per_step"] = kernels["total_ms"].sum()
     matmul = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward") / 2  # one causal product
-    kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP[schedule])
+    kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP)
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
-    kernels = kernels.assign(head_dim=head_dim, schedule=schedule, poly_exp2=poly)
+    kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
 
     chosen = flash_triton._kernels()
     tuning_rows = []
-    for name in TUNED_KERNELS[schedule]:
+    for name in TUNED_KERNELS:
         best = getattr(getattr(chosen, name), "best_config", None)
         summary[f"config_{name}"] = _config_label(best) if best is not None else ""
         timings = after[name]
@@ -473,9 +450,9 @@ def _kernel_breakdown(
             continue
         for config, times in timings.items():
             median = times[0] if isinstance(times, (list, tuple)) else times
-            tuning_rows.append({"head_dim": head_dim, "schedule": schedule, "kernel": name,
-                                "config": _config_label(config), "median_ms": median, "chosen": best is config})  # fmt: skip
-    tuning = pd.DataFrame(tuning_rows, columns=["head_dim", "schedule", "kernel", "config", "median_ms", "chosen"])
+            tuning_rows.append({"head_dim": head_dim, "kernel": name, "config": _config_label(config),
+                                "median_ms": median, "chosen": best is config})  # fmt: skip
+    tuning = pd.DataFrame(tuning_rows, columns=["head_dim", "kernel", "config", "median_ms", "chosen"])
     return summary, kernels, tuning
 
 
@@ -540,11 +517,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "full": dict(seq_lens=SWEEP_SEQ_LENS, head_dims=SWEEP_HEAD_DIMS, dtypes=SWEEP_DTYPES,
                  warmup_ms=5, rep_ms=25,
                  sweep_budget_s=600, lb_batch=16, lb_seq_len=16384, lb_head_dims=[64, 128],
-                 contexts=[1024, 2048, 4096, 8192, 16384], model="small", model_steps=3, model_budget_s=120,
-                 schedules=["fused", "split"]),
+                 contexts=[1024, 2048, 4096, 8192, 16384], model="small", model_steps=3, model_budget_s=120),
     "smoke": dict(seq_lens=[32], head_dims=[16], dtypes=["float32"], warmup_ms=1, rep_ms=2,
                   sweep_budget_s=30, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16],
-                  model="tiny", model_steps=1, model_budget_s=30, schedules=["fused", "split"]),
+                  model="tiny", model_steps=1, model_budget_s=30),
 }  # fmt: skip
 
 
@@ -584,19 +560,18 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             print("breakdown skipped: it times the Triton kernels, which need a GPU (or TRITON_INTERPRET=1)")
         else:
             started = time.monotonic()
-            parts = [run_kernel_breakdown(params["lb_batch"], params["lb_seq_len"], d, schedule=schedule)
-                     for d in params["lb_head_dims"] for schedule in params["schedules"]]  # fmt: skip
+            parts = [run_kernel_breakdown(params["lb_batch"], params["lb_seq_len"], d) for d in params["lb_head_dims"]]
             summary = pd.DataFrame([p[0] for p in parts])
             kernels = pd.concat([p[1] for p in parts], ignore_index=True)
             tuning = pd.concat([p[2] for p in parts], ignore_index=True)
             extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default"),
-                     "poly_exp2": os.environ.get("CS336_FLASH_POLY_EXP2", "")}  # fmt: skip
+                     "poly_exp2": ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))}  # fmt: skip
             out.table(summary, "kernel_breakdown", params=extra)
             out.table(kernels, "kernel_breakdown_kernels", params=extra)
             out.table(tuning, "kernel_breakdown_tuning", params=extra)
             print(summary.to_markdown(index=False, floatfmt=".4g"))
             ours = kernels[kernels["matmuls"].notna()]
-            print(ours[["head_dim", "schedule", "name", "calls", "total_ms", "percent", "TFLOP_per_s"]].to_markdown(
+            print(ours[["head_dim", "name", "calls", "total_ms", "percent", "TFLOP_per_s"]].to_markdown(
                 index=False, floatfmt=".4g"))
             print(tuning.to_markdown(index=False, floatfmt=".4g"))
             print(f"breakdown took {time.monotonic() - started:.0f} s")
@@ -640,10 +615,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"unknown parameter {key!r}; valid: {', '.join(params)}")
         params[key] = value
     commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
-    # Provenance: the dK/dV schedule our kernels run with outside the breakdown (which runs each one).
-    out = ResultWriter(SECTION, params={**params, "backward_schedule": flash_triton.backward_schedule(),
-                                        "poly_exp2": ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))},
-                       smoke=smoke)  # fmt: skip
+    # Provenance: which phases of our kernels use the polynomial exp2 (CS336_FLASH_POLY_EXP2).
+    poly = ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
+    out = ResultWriter(SECTION, params={**params, "poly_exp2": poly}, smoke=smoke)
     print(out.banner())
     run_all(commands, params, out)
 
