@@ -18,7 +18,9 @@ relative error) or ``tf32x3`` (three TF32 products, float32-level accuracy); ``f
 ``torch.get_float32_matmul_precision()`` like any PyTorch matmul.
 
 Softmax arithmetic is in base 2: scores are scaled by ``log2(e) / √d`` and exponentiated with ``exp2``,
-which maps to one hardware instruction. ``L`` is stored in natural-log units, as the interface requires.
+which maps to one hardware instruction; with 16-bit inputs the dK/dV kernel uses a polynomial on the FMA
+pipe instead (:func:`_exp2_fma`, ``CS336_FLASH_POLY_EXP2``). ``L`` is stored in natural-log units, as the
+interface requires.
 
 This module is imported lazily (by ``flash_triton.py``, on first launch) because ``@triton.jit`` decides
 at decoration time whether a kernel is compiled or interpreted.

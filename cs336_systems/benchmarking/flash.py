@@ -105,6 +105,11 @@ def attention_flops(
     return forward * {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}[phase]
 
 
+def _poly_exp2_label() -> str:
+    """The kernels that exponentiate with the FMA-pipe polynomial (``CS336_FLASH_POLY_EXP2``), for provenance."""
+    return ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
+
+
 def _median_ms(stats: TimingStats) -> float:
     return statistics.median(stats.times_s) * 1e3
 
@@ -327,7 +332,7 @@ def run_leaderboard(
             args = tuple(t.unsqueeze(1) for t in (q, k, v))  # views: gradients still reach q, k, v
         row: dict[str, Any] = {"impl": impl}
         if impl == "triton":
-            row["poly_exp2"] = ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
+            row["poly_exp2"] = _poly_exp2_label()
         protocols: dict[str, Callable[[], Any]] = {
             "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
             "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
@@ -423,7 +428,7 @@ def run_kernel_breakdown(
     after = _tuning_state()
     q.grad = k.grad = v.grad = None
 
-    poly = ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
+    poly = _poly_exp2_label()
     summary: dict[str, Any] = {"poly_exp2": poly, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
                                "dtype": dtype}  # fmt: skip
     _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
@@ -565,7 +570,7 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             kernels = pd.concat([p[1] for p in parts], ignore_index=True)
             tuning = pd.concat([p[2] for p in parts], ignore_index=True)
             extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default"),
-                     "poly_exp2": ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))}  # fmt: skip
+                     "poly_exp2": _poly_exp2_label()}  # fmt: skip
             out.table(summary, "kernel_breakdown", params=extra)
             out.table(kernels, "kernel_breakdown_kernels", params=extra)
             out.table(tuning, "kernel_breakdown_tuning", params=extra)
@@ -616,8 +621,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         params[key] = value
     commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
     # Provenance: which phases of our kernels use the polynomial exp2 (CS336_FLASH_POLY_EXP2).
-    poly = ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
-    out = ResultWriter(SECTION, params={**params, "poly_exp2": poly}, smoke=smoke)
+    out = ResultWriter(SECTION, params={**params, "poly_exp2": _poly_exp2_label()}, smoke=smoke)
     print(out.banner())
     run_all(commands, params, out)
 
