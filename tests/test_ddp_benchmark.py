@@ -15,7 +15,7 @@ def test_variants_expand_and_validate() -> None:
     assert labels == ["single", "torch", "torch (bf16 comm)", "flat", "flat (bf16 comm)", "bucketed (1MB)",
                       "bucketed (10MB)", "bucketed (1MB, bf16 comm)", "bucketed (10MB, bf16 comm)"]
     for bad in (dict(modes=["ring"]), dict(autocast="fp8"), dict(comm_dtypes=["int8"]), dict(bucket_sizes_mb=[0]),
-                dict(preset="enormous")):
+                dict(preset="enormous"), dict(attention_impl="flashy")):
         with pytest.raises(ValueError):
             benchmark.DDPBenchConfig(**bad).validate()
 

@@ -80,17 +80,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        in_dtype = x.dtype
-        x32 = x.float()
-        rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * rms * self.weight.float()).to(in_dtype)
+        # ``F.rms_norm`` is ``x * rsqrt(mean(x²) + eps) * weight`` in one fused kernel per direction when
+        # input and weight share a dtype (here both float32), instead of six elementwise launches.
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al., 2021) on interleaved pairs ``(x[2i], x[2i+1])``.
 
-    cos/sin tables for every position up to ``context_length`` are precomputed as non-persistent buffers
-    (they are a function of the hyperparameters, so they stay out of checkpoints).
+    Each pair ``(a, b)`` at position ``p`` becomes ``(a cos θ - b sin θ, b cos θ + a sin θ)`` with
+    ``θ = p · theta^(-2i/dim)``. Written as ``pairs * cos + swap(pairs) * (-sin, +sin)`` with the tables
+    laid out per pair, a rotation is twelve kernels forward and backward together, against twenty-one for
+    the slice/multiply/stack form; in a launch-bound step (bf16 autocast of a large model at a small
+    batch) every kernel costs host time. The arithmetic is in float32 (the tables' dtype);
+    the result has the input's dtype. No complex numbers, which Inductor does not generate code for.
+    The tables are non-persistent buffers (a function of the hyperparameters, so they stay out of
+    checkpoints).
     """
 
     def __init__(self, context_length: int, dim: int, theta: float = 10000.0, device: torch.device | None = None):
@@ -99,16 +104,20 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding needs an even dimension, got {dim}")
         inv_freq = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
         angles = torch.arange(context_length, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("_cos", angles.cos(), persistent=False)
-        self.register_buffer("_sin", angles.sin(), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("_cos", torch.stack((cos, cos), dim=-1), persistent=False)  # (ctx, dim/2, 2)
+        self.register_buffer("_sin", torch.stack((-sin, sin), dim=-1), persistent=False)
 
-    def forward(self, x: Tensor, pos_ids: Tensor) -> Tensor:
-        """Rotate ``x`` (..., seq, dim) by the angles of ``pos_ids`` (broadcastable to (..., seq))."""
-        cos = self._cos[pos_ids].to(x.dtype)
-        sin = self._sin[pos_ids].to(x.dtype)
-        x_even, x_odd = x[..., 0::2], x[..., 1::2]
-        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-        return rotated.flatten(-2)
+    def forward(self, x: Tensor, pos_ids: Tensor | None = None) -> Tensor:
+        """Rotate ``x`` (..., seq, dim) by the angles of ``pos_ids`` (broadcastable to (..., seq));
+        ``None`` means positions ``0 .. seq-1``, a slice of the tables rather than a gather."""
+        if pos_ids is None:
+            cos, sin = self._cos[: x.shape[-2]], self._sin[: x.shape[-2]]
+        else:
+            cos, sin = self._cos[pos_ids], self._sin[pos_ids]
+        pairs = x.unflatten(-1, (-1, 2))
+        rotated = pairs * cos + pairs.flip(-1) * sin
+        return rotated.flatten(-2).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -221,11 +230,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
         return x.view(*lead, seq, self.num_heads, self.d_head).transpose(-3, -2)
 
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
-        seq = x.shape[-2]
         q, k, v = (self._split_heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.positional_encoder is not None:
-            if token_positions is None:
-                token_positions = torch.arange(seq, device=x.device)
+        if self.positional_encoder is not None:  # token_positions None: positions 0 .. seq-1
             q = self.positional_encoder(q, token_positions)
             k = self.positional_encoder(k, token_positions)
         with nvtx.range(f"attention ({self.attention_impl})"):
@@ -317,9 +323,8 @@ class BasicsTransformerLM(nn.Module):
         if seq > self.context_length:
             raise ValueError(f"sequence of {seq} tokens exceeds context_length={self.context_length}")
         x = self.token_embeddings(token_ids)
-        positions = torch.arange(seq, device=token_ids.device)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x)  # positions 0 .. seq-1
         return self.lm_head(self.ln_final(x))
 
     @torch.no_grad()

@@ -69,6 +69,38 @@ def test_rope_rotates_pairs_and_preserves_norm() -> None:
     torch.testing.assert_close(dot(5, 3), dot(9, 7), atol=1e-5, rtol=1e-5)
 
 
+def test_rope_default_positions_and_launch_count() -> None:
+    """``pos_ids=None`` means 0..seq-1 (a slice of the tables), and one rotation stays a handful of
+    kernels: the model runs two per block, and a launch-bound step (bf16 autocast, small batch) pays
+    host time for every kernel. This form takes 12 forward and backward; the slice/multiply/stack form
+    took 21."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    rope = M.RotaryEmbedding(context_length=16, dim=8)
+    x = torch.randn(2, 3, 12, 8, dtype=torch.bfloat16, requires_grad=True)
+    torch.testing.assert_close(rope(x), rope(x, torch.arange(12)), atol=0, rtol=0)
+
+    views = {"view", "_unsafe_view", "t", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze",
+             "permute", "as_strided", "alias", "detach", "split", "unbind"}
+
+    class CountKernels(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            name = func.__name__.split(".")[0]
+            if name not in views:
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    grad = torch.randn(2, 3, 12, 8, dtype=torch.bfloat16)
+    with CountKernels() as counter:
+        rope(x).backward(grad)
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+    assert len(counter.ops) <= 14, counter.ops
+
+
 def test_swiglu_matches_formula() -> None:
     ffn = M.SwiGLU(16, 40)
     x = torch.randn(3, 16)

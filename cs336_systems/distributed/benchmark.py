@@ -92,6 +92,9 @@ class DDPBenchConfig:
         if self.batch_per_rank < 1 or self.steps < 1 or self.warmup < 0:
             raise ValueError("need batch_per_rank >= 1, steps >= 1, warmup >= 0")
         get_config(self.preset)
+        from cs336_basics.model import get_attention
+
+        get_attention(self.attention_impl)  # ValueError naming the registered implementations
 
 
 @dataclass(frozen=True)
@@ -710,6 +713,8 @@ def add_arguments(parser: Any, *, modes_default: list[str]) -> None:
     parser.add_argument("--grad-views", choices=["off", "on", "both"], default="off",
                         help="flat/bucketed: keep .grad as views of the bucket buffers (gradient_as_bucket_view); "
                              "'both' runs each setting side by side")
+    parser.add_argument("--attention", default="naive",
+                        help="attention implementation of the model (naive, sdpa, or a registered flash kernel)")
     parser.add_argument("--check-toy", action="store_true",
                         help="first check every strategy against single-process training on the toy model")
 
@@ -731,6 +736,7 @@ def configs_from_args(args: Any) -> list[DDPBenchConfig]:
             profile=list(args.profile),
             allreduce_sizes=[parse_size(x) for x in args.allreduce_sizes],
             check_toy=args.check_toy,
+            attention_impl=args.attention,
             grad_views={"off": [False], "on": [True], "both": [False, True]}[args.grad_views],
         )
         cfg.validate()
