@@ -267,6 +267,15 @@ def test_cli_model_run_prints_json(capsys):
     assert row["size"] == "tiny" and row["mode"] == "forward" and row["forward_mean_ms"] > 0
 
 
+def test_cli_model_profile_counts_kernels_per_phase(capsys):
+    main(["model", "--size", "tiny", "--mode", "forward_backward", "-w", "0", "-n", "1", "--context-length", "8",
+          "--profile", "--json"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # Backward replays every forward operation's derivative, so it launches more than forward does.
+    assert row["backward_kernels"] > row["forward_kernels"] > 0
+    assert row["forward_kernel_ms"] > 0 and row["optimizer_kernels"] == 0
+
+
 def test_cli_sweep_writes_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     main(["sweep", "--size", "tiny", "--modes", "inference,forward", "--context-lengths", "8", "-w", "0", "-n", "1"])

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("model", help="one end-to-end benchmark")
     _add_model_args(m)
     m.add_argument("--json", action="store_true", help="print the result row as JSON (last line)")
-    m.add_argument("--profile", action="store_true", help="also print torch.profiler kernel tables")
+    m.add_argument("--profile", action="store_true",
+                   help="also profile one step: kernels launched and GPU time per phase, and kernel tables")
     m.add_argument("--memory-snapshot", metavar="PICKLE", help="record a CUDA memory snapshot of one step")
 
     s = sub.add_parser("sweep", help="grid of model benchmarks")
@@ -160,6 +161,10 @@ def _cmd_model(args: argparse.Namespace) -> None:
         prof = profile_steps(bench.step, warmup=1, steps=1)
         for name in ("forward", "backward", "optimizer"):
             table = kernel_table(prof, name)
+            # Kernels launched and their summed GPU time: a phase whose wall time (``{name}_mean_ms``) is
+            # well above its kernel time is waiting on the host, not on the GPU.
+            row[f"{name}_kernels"] = int(table["calls"].sum())
+            row[f"{name}_kernel_ms"] = float(table["total_ms"].sum())
             if not table.empty:
                 print(f"\n== kernels in '{name}' ==\n{table.head(15).to_string(index=False)}", file=sys.stderr)
     if args.memory_snapshot:
