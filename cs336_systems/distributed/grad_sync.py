@@ -124,6 +124,8 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
     """
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):  # as the wrapper sets it: async work runs on NCCL's own stream
+        opts.asyncOp = async_op
     work = (group if group is not None else dist.group.WORLD).allreduce([tensor], opts)
     if async_op:
         return work
