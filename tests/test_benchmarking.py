@@ -274,6 +274,16 @@ def test_cli_model_profile_counts_kernels_per_phase(capsys):
     # Backward replays every forward operation's derivative, so it launches more than forward does.
     assert row["backward_kernels"] > row["forward_kernels"] > 0
     assert row["forward_kernel_ms"] > 0 and row["optimizer_kernels"] == 0
+    assert len(row["model_source"]) == 12
+
+
+def test_cli_sweep_profile_adds_kernel_columns(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    main(["sweep", "--size", "tiny", "--modes", "forward,forward_backward", "--context-lengths", "8", "-w", "0",
+          "-n", "1", "--profile", "--name", "kernels"])
+    df = pd.read_csv(tmp_path / "cli_sweep" / "kernels.csv").set_index("mode")
+    assert df.loc["forward", "backward_kernels"] == 0 < df.loc["forward_backward", "backward_kernels"]
+    assert df["forward_kernels"].gt(0).all() and df["model_source"].nunique() == 1
 
 
 def test_cli_sweep_writes_table(tmp_path, monkeypatch, capsys):

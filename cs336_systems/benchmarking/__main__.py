@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--modes", type=_csv(), default=None)
     s.add_argument("--context-lengths", type=_csv(int), default=None)
     s.add_argument("--precisions", type=_csv(), default=None)
+    s.add_argument("--profile", action="store_true",
+                   help="also profile one step per cell: kernels launched and GPU time per phase")
     s.add_argument("--section", default="cli_sweep", help="ResultWriter section for the table")
     s.add_argument("--name", default="sweep", help="table name")
 
@@ -149,22 +151,15 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 def _cmd_model(args: argparse.Namespace) -> None:
     from cs336_basics import nvtx
 
-    from .end_to_end import ModelBenchmark, benchmark_model, spec_row
+    from .end_to_end import ModelBenchmark, benchmark_model, model_source_id, phase_kernels, spec_row
 
     nvtx.set_enabled(args.nvtx)
     spec = spec_from_args(args)
     row = {**spec_row(spec), **benchmark_model(spec)}
     if args.profile:
-        from ..profiling import kernel_table, profile_steps
-
-        bench = ModelBenchmark(spec)
-        prof = profile_steps(bench.step, warmup=1, steps=1)
-        for name in ("forward", "backward", "optimizer"):
-            table = kernel_table(prof, name)
-            # Kernels launched and their summed GPU time: a phase whose wall time (``{name}_mean_ms``) is
-            # well above its kernel time is waiting on the host, not on the GPU.
-            row[f"{name}_kernels"] = int(table["calls"].sum())
-            row[f"{name}_kernel_ms"] = float(table["total_ms"].sum())
+        counts, tables = phase_kernels(ModelBenchmark(spec))
+        row.update(counts, model_source=model_source_id())
+        for name, table in tables.items():
             if not table.empty:
                 print(f"\n== kernels in '{name}' ==\n{table.head(15).to_string(index=False)}", file=sys.stderr)
     if args.memory_snapshot:
@@ -182,7 +177,7 @@ def _cmd_model(args: argparse.Namespace) -> None:
 
 def _cmd_sweep(args: argparse.Namespace) -> None:
     from ..results import ResultWriter
-    from .end_to_end import benchmark_model
+    from .end_to_end import ModelBenchmark, benchmark_model, model_source_id, phase_kernels
     from .sweep import grid, run_sweep
 
     base = spec_from_args(args)
@@ -192,7 +187,11 @@ def _cmd_sweep(args: argparse.Namespace) -> None:
 
     def one(size: str, mode: str, context_length: int | None, precision: str) -> dict[str, Any]:
         model = base.model if size == args.size else size
-        return benchmark_model(base.replace(model=model, mode=mode, context_length=context_length, precision=precision))
+        spec = base.replace(model=model, mode=mode, context_length=context_length, precision=precision)
+        row = benchmark_model(spec)
+        if args.profile:
+            row.update(phase_kernels(ModelBenchmark(spec))[0], model_source=model_source_id())
+        return row
 
     df = run_sweep(one, grid(**axes), desc="sweep")
     out = ResultWriter(args.section, params=vars(args))

@@ -187,6 +187,41 @@ def benchmark_model(spec: BenchmarkSpec, model: BasicsTransformerLM | None = Non
     return row
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
+def phase_kernels(bench: ModelBenchmark) -> tuple[dict[str, float], dict[str, Any]]:
+    """Profile one step of ``bench`` (after one warm-up step): per phase, the kernels launched and their
+    summed GPU time, as ``{phase}_kernels`` / ``{phase}_kernel_ms``; also returns each phase's kernel table.
+
+    A phase whose wall time (``{phase}_mean_ms`` of :func:`benchmark_model`) is well above its kernel
+    time is waiting on the host that launches the kernels, not on the GPU; the kernel count is what the
+    host has to launch.
+    """
+    from ..profiling import kernel_table, profile_steps
+
+    prof = profile_steps(bench.step, warmup=1, steps=1)
+    row: dict[str, float] = {}
+    tables = {}
+    for name in PHASES:
+        table = kernel_table(prof, name)
+        row[f"{name}_kernels"] = int(table["calls"].sum())
+        row[f"{name}_kernel_ms"] = float(table["total_ms"].sum())
+        tables[name] = table
+    return row, tables
+
+
+def model_source_id() -> str:
+    """First 12 hex digits of the SHA-1 of ``cs336_basics/model.py``: which model code produced a row,
+    also when a comparison loads an older copy of the package through ``PYTHONPATH``."""
+    import hashlib
+    import inspect
+
+    import cs336_basics.model
+
+    return hashlib.sha1(inspect.getsource(cs336_basics.model).encode()).hexdigest()[:12]
+
+
 def spec_row(spec: BenchmarkSpec) -> dict[str, Any]:
     """The identifying columns of a result row."""
     cfg = spec.config
