@@ -187,3 +187,25 @@ def test_benchmark_runs_copy_and_view_modes_side_by_side() -> None:
     assert labels == ["single", "naive", "flat", "flat (grad views)", "bucketed (1MB)", "bucketed (1MB, grad views)"]
     with pytest.raises(ValueError, match="gradient_as_bucket_view applies to 'flat' and 'bucketed'"):
         wrap(torch.nn.Linear(2, 2), "naive", gradient_as_bucket_view=True)
+
+
+def test_paired_ratios_compare_within_each_run_and_record_the_order(tmp_path, monkeypatch) -> None:
+    def run(order: list[tuple[str, str, float]]) -> pd.DataFrame:
+        return pd.DataFrame([{"variant": v, "mode": m, "num_buckets": 3 if m == "bucketed" else None,
+                              "step_ms": ms, "step_ms_median": ms - 1} for v, m, ms in order])
+
+    runs = {"a": run([("single", "single", 100.0), ("torch", "torch", 150.0), ("bucketed (25MB)", "bucketed", 165.0)]),
+            "b": run([("bucketed (25MB)", "bucketed", 120.0), ("torch", "torch", 160.0), ("single", "single", 90.0)]),
+            "no_reference": run([("single", "single", 100.0), ("flat", "flat", 120.0)])}
+    out = ta.paired_ratios(runs).set_index("run")
+    assert list(out.index) == ["a", "b"]  # a run without torch DDP has nothing to compare with
+    assert out.loc["a", "ratio_mean"] == pytest.approx(1.1) and not out.loc["a", "ours_first"]
+    assert out.loc["b", "ratio_mean"] == pytest.approx(0.75) and out.loc["b", "ours_first"]
+    assert out.loc["b", "ratio_median"] == pytest.approx(119 / 159) and out.loc["b", "single_ms"] == 90.0
+
+    # load_runs picks the step tables of one prefix, preset and precision, not timelines or other runs
+    monkeypatch.setattr("cs336_systems.results.FIGURES_DIR", tmp_path)
+    (tmp_path / "ddp_benchmark").mkdir()
+    for name in ("hb_a_xl_bf16", "hb_a_timeline_xl_bf16", "hb_a_xl_fp32", "other_xl_bf16"):
+        runs["a"].to_csv(tmp_path / "ddp_benchmark" / f"{name}.csv", index=False)
+    assert list(ta.load_runs("hb")) == ["hb_a"]

@@ -167,6 +167,46 @@ def backward_stretch(steps: pd.DataFrame, reference: str = "flat") -> pd.DataFra
     return out
 
 
+def paired_ratios(runs: dict[str, pd.DataFrame], reference: str = "torch") -> pd.DataFrame:
+    """Our variants against ``reference`` *within* each run (one process, variants timed one after the
+    other), since in a host-bound regime the same variant moves by tens of percent between processes.
+
+    One row per run and variant of ours (``bucketed``/``flat``/``individual``/``naive``): the step times
+    (mean and median), their ratios to the reference's, and ``ours_first`` (whether ours was timed before
+    the reference in that process), so that an effect of the position in the run can be told apart.
+    """
+    rows = []
+    for run, steps in runs.items():
+        steps = steps.reset_index(drop=True)
+        if reference not in set(steps["variant"]):
+            continue
+        ref_pos = int(steps.index[steps["variant"] == reference][0])
+        ref = steps.loc[ref_pos]
+        single = steps.loc[steps["variant"] == "single", "step_ms"]
+        for pos, r in steps.iterrows():
+            if r["variant"] in (reference, "single") or not str(r["mode"]) in ("bucketed", "flat", "individual", "naive"):
+                continue
+            rows.append({"run": run, "variant": r["variant"], "num_buckets": r.get("num_buckets"),
+                         "single_ms": float(single.iloc[0]) if len(single) else float("nan"),
+                         "reference_ms": float(ref["step_ms"]), "ours_ms": float(r["step_ms"]),
+                         "ratio_mean": float(r["step_ms"] / ref["step_ms"]),
+                         "ratio_median": float(r["step_ms_median"] / ref["step_ms_median"]),
+                         "ours_first": bool(pos < ref_pos)})
+    return pd.DataFrame(rows, columns=["run", "variant", "num_buckets", "single_ms", "reference_ms", "ours_ms",
+                                       "ratio_mean", "ratio_median", "ours_first"])
+
+
+def load_runs(prefix: str, section: str = "ddp_benchmark", preset: str = "xl", autocast: str = "bf16") -> dict[str, pd.DataFrame]:
+    """Every step table ``<prefix>*_<preset>_<autocast>`` of ``figures/<section>/`` (timelines, overlap and
+    all-reduce tables left out), by name."""
+    from cs336_systems.results import FIGURES_DIR, load_table, section_dir
+
+    suffix = f"_{preset}_{autocast}"
+    names = sorted(p.stem for p in section_dir(section, FIGURES_DIR).glob(f"{prefix}*{suffix}.csv"))
+    names = [n for n in names if not n[: -len(suffix)].endswith(("_timeline", "_overlap", "_allreduce"))]
+    return {n[: -len(suffix)]: load_table(section, n, FIGURES_DIR) for n in names}
+
+
 def analyse(section: str = "ddp_benchmark", preset: str = "xl", name: str = "steps") -> dict[str, pd.DataFrame]:
     """All five analyses of the committed ``figures/<section>/`` results, fp32 and bf16 side by side.
     ``name`` is the benchmark's ``--name`` (its tables are ``<name>_<preset>_<autocast>`` and, for other
@@ -193,7 +233,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--section", default="ddp_benchmark")
     parser.add_argument("--preset", default="xl")
     parser.add_argument("--name", default="steps", help="the benchmark run's --name")
+    parser.add_argument("--ratios", metavar="PREFIX",
+                        help="instead: ours vs torch DDP within each run whose table name starts with PREFIX")
+    parser.add_argument("--autocast", default="bf16", help="with --ratios: which runs (fp32 or bf16)")
     args = parser.parse_args(argv)
+    if args.ratios is not None:
+        ratios = paired_ratios(load_runs(args.ratios, args.section, args.preset, args.autocast))
+        print(ratios.to_markdown(index=False, floatfmt=".3g"))
+        summary = ratios.groupby(["variant", "ours_first"])[["ratio_mean", "ratio_median"]].agg(["median", "min", "max", "size"])
+        print("\n" + summary.to_markdown(floatfmt=".3g"))
+        return
     for name, df in analyse(args.section, args.preset, args.name).items():
         print(f"\n## {name}\n")
         print(df.to_markdown(index=False, floatfmt=".3g"))
