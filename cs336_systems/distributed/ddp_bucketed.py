@@ -25,8 +25,8 @@ class DDPBucketed(DataParallel):
     ``gradient_as_bucket_view=True`` parameters' ``.grad`` are views of those buffers, so gradients are
     neither copied in nor copied back (``torch`` DDP's option of the same name; off by default, as there).
     Measured (``DDP_NOTES.md``): no change in fp32 on 2×H200; under bf16 autocast, faster in 7 of 10
-    processes (median 6.5 ms per step, within the spread between processes), and 6.5 ms less host time
-    per step on CPU (``host_overhead``)."""
+    processes (median 6.5 ms per step, within the spread between processes), and about 7 ms less host
+    time per step on CPU (``host_overhead``)."""
 
     def __init__(
         self,
