@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from cs336_systems.configs import get_config
 from cs336_systems.distributed import launch
 from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB
-from cs336_systems.distributed.grad_sync import size_capped_buckets
+from cs336_systems.distributed.grad_sync import DataParallel, size_capped_buckets
 from cs336_systems.distributed.strategies import wrap
 from cs336_systems.results import ResultWriter
 
@@ -75,8 +75,9 @@ def _time_variant(variant: str, steps: int, warmup: int, seed: int) -> dict[str,
         optimizer.step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    buckets = len(model.buckets) if hasattr(model, "buckets") else None
-    if hasattr(model, "reducer") and hasattr(model.reducer, "remove_hooks"):
+    ours = isinstance(model, DataParallel)
+    buckets = len(model.buckets) if ours else None
+    if ours:
         model.reducer.remove_hooks()
     return {"variant": variant, "step_ms_median": statistics.median(times) * 1e3, "num_buckets": buckets,
             "num_params": sum(1 for p in module.parameters() if p.requires_grad)}

@@ -25,6 +25,7 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
@@ -36,6 +37,14 @@ _MERGED = r"^\d+ kernels$"
 def _phases(sub: pd.DataFrame) -> dict[str, tuple[float, float]]:
     ph = sub[sub["kind"] == "phase"]
     return {r["name"]: (float(r["start_ms"]), float(r["start_ms"] + r["dur_ms"])) for _, r in ph.iterrows()}
+
+
+def _backward_windows(tl: pd.DataFrame) -> Iterator[tuple[str, pd.DataFrame, tuple[float, float]]]:
+    """``(variant, its rows, (start, end) of its backward phase)`` for every variant that has one."""
+    for variant, sub in tl.groupby("variant", sort=False):
+        phases = _phases(sub)
+        if "backward" in phases:
+            yield variant, sub, phases["backward"]
 
 
 def busy_ms(intervals: pd.DataFrame, lo: float, hi: float) -> float:
@@ -78,11 +87,7 @@ def launch_stalls(tl: pd.DataFrame) -> pd.DataFrame:
     streams; ≈ 0: the delay comes from the host)."""
     _check(tl)
     rows = []
-    for variant, sub in tl.groupby("variant", sort=False):
-        phases = _phases(sub)
-        if "backward" not in phases:
-            continue
-        lo, hi = phases["backward"]
+    for variant, sub, (lo, hi) in _backward_windows(tl):
         compute = sub[sub["kind"] == "compute"].sort_values("start_ms")
         comm = sub[(sub["kind"] == "comm") & (sub["start_ms"] >= lo) & (sub["start_ms"] < hi)]
         if comm.empty or compute.empty:
@@ -113,11 +118,7 @@ def kernel_contention(tl: pd.DataFrame, pattern: str = DEFAULT_GEMM_PATTERN) -> 
     whether a communication kernel overlapped them, their count and median duration."""
     _check(tl)
     parts = []
-    for variant, sub in tl.groupby("variant", sort=False):
-        phases = _phases(sub)
-        if "backward" not in phases:
-            continue
-        lo, hi = phases["backward"]
+    for variant, sub, (lo, hi) in _backward_windows(tl):
         k = sub[(sub["kind"] == "compute") & ~sub["name"].str.match(_MERGED) & sub["name"].str.contains(pattern, case=False)
                 & (sub["start_ms"] >= lo) & (sub["start_ms"] < hi)].copy()
         comm = sub[sub["kind"] == "comm"]
@@ -138,11 +139,7 @@ def gaps_around(tl: pd.DataFrame, pattern: str = r"^Memcpy DtoD") -> pd.DataFram
     the idle gaps just before and after them — in a host-bound phase, the host time spent around them."""
     _check(tl)
     rows = []
-    for variant, sub in tl.groupby("variant", sort=False):
-        phases = _phases(sub)
-        if "backward" not in phases:
-            continue
-        lo, hi = phases["backward"]
+    for variant, sub, (lo, hi) in _backward_windows(tl):
         c = sub[(sub["kind"] == "compute") & (sub["start_ms"] >= lo) & (sub["start_ms"] < hi)].sort_values("start_ms")
         end = c["start_ms"] + c["dur_ms"]
         before, after = c["start_ms"] - end.shift(), c["start_ms"].shift(-1) - end
@@ -171,10 +168,12 @@ def paired_ratios(runs: dict[str, pd.DataFrame], reference: str = "torch") -> pd
     """Our variants against ``reference`` *within* each run (one process, variants timed one after the
     other), since in a host-bound regime the same variant moves by tens of percent between processes.
 
-    One row per run and variant of ours (``bucketed``/``flat``/``individual``/``naive``): the step times
+    One row per run and variant of ours (any of :data:`~cs336_systems.distributed.strategies.STRATEGIES`): the step times
     (mean and median), their ratios to the reference's, and ``ours_first`` (whether ours was timed before
     the reference in that process), so that an effect of the position in the run can be told apart.
     """
+    from cs336_systems.distributed.strategies import STRATEGIES
+
     rows = []
     for run, steps in runs.items():
         steps = steps.reset_index(drop=True)
@@ -184,7 +183,7 @@ def paired_ratios(runs: dict[str, pd.DataFrame], reference: str = "torch") -> pd
         ref = steps.loc[ref_pos]
         single = steps.loc[steps["variant"] == "single", "step_ms"]
         for pos, r in steps.iterrows():
-            if r["variant"] in (reference, "single") or not str(r["mode"]) in ("bucketed", "flat", "individual", "naive"):
+            if r["variant"] in (reference, "single") or str(r["mode"]) not in STRATEGIES:
                 continue
             rows.append({"run": run, "variant": r["variant"], "num_buckets": r.get("num_buckets"),
                          "single_ms": float(single.iloc[0]) if len(single) else float("nan"),
