@@ -17,7 +17,8 @@ so the *mechanism* lives here, once:
 
 - :func:`trainable_parameters` — unique parameters that need gradients (a tied weight counts once);
 - :func:`broadcast_module_state` — rank 0's parameters and buffers, so replicas start identical;
-- :func:`all_reduce_mean` → :class:`PendingReduce` — an (async) averaging all-reduce with an optional
+- :class:`MeanAllReduce` (and :func:`all_reduce_mean` for one-off calls) → :class:`PendingReduce` — an
+  (async) averaging all-reduce launched with as little host work as possible, with an optional
   low-precision wire format (bf16/fp16) whose result is written back into the fp32 gradient, as
   ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook`` does;
 - :class:`GradBucket` — a group of parameters with a persistent flat buffer (reused every step), optionally
@@ -31,6 +32,7 @@ so the *mechanism* lives here, once:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,29 +110,62 @@ def check_comm_dtype(comm_dtype: torch.dtype | None) -> None:
         raise ValueError(f"comm_dtype must be None, float32, bfloat16 or float16, got {comm_dtype}")
 
 
-def _supports_avg(group: dist.ProcessGroup | None) -> bool:
-    # NCCL averages inside the collective (pre-multiplying by 1/n, which also avoids fp16 overflow);
-    # gloo only sums, so we scale ourselves.
-    return dist.get_backend(group) == "nccl"
+class MeanAllReduce:
+    """Averaging all-reduces on one process group, with everything that does not change between calls
+    (the group object, its size, whether the backend averages natively, the options) resolved once.
 
+    A bucketed backward launches a few hundred collectives from its gradient hooks, and when backward is
+    launch-bound (bf16 autocast of a large model at a small batch) every microsecond of host time per
+    launch lengthens the step one for one. So the launch goes straight to the process group's own
+    ``allreduce`` rather than through ``dist.all_reduce``, whose argument checks and logging decorators
+    cost about 30 µs per call (gloo, measured on a CPU), and the per-call lookups of the backend and the
+    world size are done here, once. ``torch`` DDP's reducer calls the process group from C++ for the same
+    reason.
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, async_op: bool) -> Any:
-    """``dist.all_reduce`` without its Python wrapper: the process group's own ``allreduce``.
-
-    The wrapper's argument checks and logging decorators cost about 30 µs of host time per call (gloo,
-    measured on a CPU); a bucketed backward launches a few hundred collectives from its hooks, and when
-    backward is launch-bound (bf16 autocast of a large model at a small batch) that host time lengthens the
-    step one for one. ``torch`` DDP's reducer calls the process group from C++ for the same reason.
+    NCCL averages inside the collective (``ReduceOp.AVG``, which pre-multiplies by 1/n and so also keeps
+    fp16 from overflowing); gloo only sums, so the sum is divided afterwards.
     """
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = op
-    if hasattr(opts, "asyncOp"):  # as the wrapper sets it: async work runs on NCCL's own stream
-        opts.asyncOp = async_op
-    work = (group if group is not None else dist.group.WORLD).allreduce([tensor], opts)
-    if async_op:
-        return work
-    work.wait()
-    return None
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.process_group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(group)
+        native_avg = dist.get_backend(group) == "nccl"
+        self.op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+        self.post_divide = 1 if native_avg else self.world_size
+        self._options = {}
+        for async_op in (True, False):
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = self.op
+            if hasattr(opts, "asyncOp"):  # as dist.all_reduce sets it: async work runs on NCCL's own stream
+                opts.asyncOp = async_op
+            self._options[async_op] = opts
+
+    def _launch(self, tensor: torch.Tensor, async_op: bool) -> Any:
+        work = self.process_group.allreduce([tensor], self._options[async_op])
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def __call__(
+        self,
+        tensor: torch.Tensor,
+        *,
+        comm_dtype: torch.dtype | None = None,
+        comm_buffer: torch.Tensor | None = None,
+        async_op: bool = True,
+    ) -> PendingReduce:
+        """Start averaging ``tensor``; the mean lands in ``tensor`` on ``wait()`` (see :func:`all_reduce_mean`)."""
+        if comm_dtype is None or comm_dtype == tensor.dtype:
+            return PendingReduce(self._launch(tensor, async_op), tensor, tensor, self.post_divide)
+        if comm_buffer is None:
+            comm_buffer = torch.empty_like(tensor, dtype=comm_dtype)
+        if self.post_divide == 1:
+            comm_buffer.copy_(tensor)
+        else:
+            torch.div(tensor, self.world_size, out=comm_buffer)  # scale in fp32, round once
+        return PendingReduce(self._launch(comm_buffer, async_op), comm_buffer, tensor, 1)
 
 
 @dataclass
@@ -167,27 +202,15 @@ def all_reduce_mean(
     mean is written back into it, so the optimizer still sees fp32 gradients. The tensor is scaled by
     ``1/world_size`` *before* the low-precision sum, which keeps fp16 from overflowing.
     ``comm_buffer`` (same shape, ``comm_dtype``) is reused instead of allocating a copy per call.
+    Callers that launch many collectives on one group keep a :class:`MeanAllReduce` instead.
     """
     check_comm_dtype(comm_dtype)
-    world_size = dist.get_world_size(group)
-    use_avg = _supports_avg(group)
-    op = dist.ReduceOp.AVG if use_avg else dist.ReduceOp.SUM
-    if comm_dtype is None or comm_dtype == tensor.dtype:
-        work = _all_reduce(tensor, op, group, async_op)
-        return PendingReduce(work, tensor, tensor, 1 if use_avg else world_size)
-    if comm_buffer is None:
-        comm_buffer = torch.empty_like(tensor, dtype=comm_dtype)
-    elif comm_buffer.shape != tensor.shape or comm_buffer.dtype != comm_dtype:
+    if comm_buffer is not None and (comm_buffer.shape != tensor.shape or comm_buffer.dtype != comm_dtype):
         raise ValueError(
             f"comm_buffer must have shape {tuple(tensor.shape)} and dtype {comm_dtype}, "
             f"got {tuple(comm_buffer.shape)} {comm_buffer.dtype}"
         )
-    if use_avg:
-        comm_buffer.copy_(tensor)
-    else:
-        torch.div(tensor, world_size, out=comm_buffer)  # scale in fp32, round once
-    work = _all_reduce(comm_buffer, op, group, async_op)
-    return PendingReduce(work, comm_buffer, tensor, 1)
+    return MeanAllReduce(group)(tensor, comm_dtype=comm_dtype, comm_buffer=comm_buffer, async_op=async_op)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,8 +262,9 @@ class GradBucket:
       *is* a view of its slice. Autograd accumulates straight into the bucket (``AccumulateGrad`` adds
       in place into a defined ``.grad``), so the ready-hook copies nothing, the average needs no copy back,
       and no second gradient-sized allocation exists. When ``zero_grad(set_to_none=True)`` dropped the
-      views, :meth:`attach_grad_views` (called before forward) zeroes and re-attaches them; a gradient
-      that is not the view when it becomes ready (set elsewhere) is copied in and replaced by the view.
+      views, :meth:`GradientReducer.attach_grad_views` (called before forward) zeroes and re-attaches
+      them; a gradient that is not the view when it becomes ready (set elsewhere) is copied in and
+      replaced by the view.
     - ``grad_views=False``: each gradient is copied into its slice when ready, and the average is copied
       back into ``.grad`` after the collective.
 
@@ -296,22 +320,6 @@ class GradBucket:
         """Whether every parameter's ``.grad`` is currently its slice of the flat buffer."""
         return self.flat is not None and all(p.grad is v for p, v in zip(self.params, self._views))
 
-    @torch.no_grad()
-    def attach_grad_views(self) -> None:
-        """Point every parameter whose ``.grad`` is ``None`` at its (zeroed) slice, so backward
-        accumulates into the bucket. A no-op without ``grad_views``; gradients already present (views, or
-        tensors set elsewhere) are left alone."""
-        if not self.grad_views:
-            return
-        missing = [i for i, p in enumerate(self.params) if p.grad is None]
-        if len(missing) == len(self.params):
-            self.flat.zero_()
-        else:
-            for i in missing:
-                self._views[i].zero_()
-        for i in missing:
-            self.params[i].grad = self._views[i]
-
     def stage(self, i: int) -> None:
         """Mark parameter ``i``'s gradient ready, copying it into the flat buffer unless it already lives
         there. A parameter without a gradient (unused in this forward) contributes zeros."""
@@ -330,29 +338,26 @@ class GradBucket:
             p.grad = torch.zeros_like(p)
         self.staged.add(i)
 
-    def launch(self, group: dist.ProcessGroup | None, async_op: bool) -> None:
-        for i in range(len(self.params)):
-            if i not in self.staged:
-                self.stage(i)
+    def launch(self, collective: MeanAllReduce, async_op: bool) -> None:
+        if len(self.staged) != len(self.params):
+            for i in range(len(self.params)):
+                if i not in self.staged:
+                    self.stage(i)
         tensor = self.flat if self.flat is not None else self.params[0].grad
         assert tensor is not None
         if self.comm_dtype is not None and (self._comm_buffer is None or self._comm_buffer.shape != tensor.shape):
             self._comm_buffer = torch.empty_like(tensor, dtype=self.comm_dtype)
-        self.pending = all_reduce_mean(
-            tensor, comm_dtype=self.comm_dtype, comm_buffer=self._comm_buffer, group=group, async_op=async_op
-        )
+        self.pending = collective(tensor, comm_dtype=self.comm_dtype, comm_buffer=self._comm_buffer, async_op=async_op)
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait for the average and make it the parameters' ``.grad`` (views: nothing to copy)."""
+        """Wait for the average and make it the parameters' ``.grad``. With views there is nothing to
+        do: :meth:`stage` made every ``.grad`` its view, and the average was computed in place."""
         assert self.pending is not None, "finish() before launch()"
         self.pending.wait()
-        if self.flat is not None:
+        if self.flat is not None and not self.grad_views:
             for p, view in zip(self.params, self._views):
-                if self.grad_views:
-                    if p.grad is not view:
-                        p.grad = view
-                elif p.grad is None:
+                if p.grad is None:
                     p.grad = view.clone()
                 else:
                     p.grad.copy_(view)
@@ -360,9 +365,12 @@ class GradBucket:
         self.staged.clear()
 
 
-def allocate_flat_buffers(buckets: Sequence[Sequence[nn.Parameter]]) -> list[torch.Tensor | None]:
+def allocate_flat_buffers(
+    buckets: Sequence[Sequence[nn.Parameter]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """One zeroed gradient storage per (dtype, device) shared by all multi-parameter buckets; returns
-    each bucket's contiguous slice (``None`` for single-parameter buckets, which need no buffer).
+    the storages and each bucket's contiguous slice of them (``None`` for single-parameter buckets,
+    which need no buffer).
 
     Sharing one storage keeps bucket buffers adjacent and lets a whole step's gradients be zeroed with
     one kernel per dtype instead of one per bucket."""
@@ -381,7 +389,7 @@ def allocate_flat_buffers(buckets: Sequence[Sequence[nn.Parameter]]) -> list[tor
             cursor[key] += n
         else:
             out.append(None)
-    return out
+    return list(storage.values()), out
 
 
 class GradientReducer:
@@ -412,43 +420,60 @@ class GradientReducer:
         check_comm_dtype(comm_dtype)
         if overlap and blocking:
             raise ValueError("blocking all-reduces cannot overlap with backward")
-        flats = allocate_flat_buffers(buckets)
+        storages, flats = allocate_flat_buffers(buckets)
         self.buckets = [GradBucket(i, b, comm_dtype, flat=f, grad_views=grad_views)
                         for i, (b, f) in enumerate(zip(buckets, flats))]
         self.grad_views = grad_views
+        # With views every multi-parameter bucket is a view bucket, so the storages are exactly theirs.
+        self._view_storages = storages if grad_views else []
+        self._view_pairs = [(p, v) for b in self.buckets if b.grad_views for p, v in zip(b.params, b._views)]
         self.group = group
+        self.collective = MeanAllReduce(group)
         self.overlap = overlap
         self.blocking = blocking
         self.sync_enabled = True
         self._next_to_launch = 0
-        self._location: dict[int, tuple[int, int]] = {}
+        seen: set[int] = set()
         for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                if id(p) in self._location:
+            for p in bucket.params:
+                if id(p) in seen:
                     raise ValueError("a parameter appears in two buckets; it would be reduced twice")
-                self._location[id(p)] = (bucket.index, i)
+                seen.add(id(p))
         self._hooks = []
         if overlap:
             for bucket in self.buckets:
-                for p in bucket.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                for i, p in enumerate(bucket.params):
+                    # Bound with partial (called from C): no lookup of the parameter's bucket per call.
+                    self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket, i)))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
+    @torch.no_grad()
     def attach_grad_views(self) -> None:
-        """Re-attach gradient views that ``zero_grad(set_to_none=True)`` dropped (no-op otherwise)."""
-        if self.grad_views:
-            for bucket in self.buckets:
-                bucket.attach_grad_views()
+        """Point every view-bucket parameter whose ``.grad`` is ``None`` at its zeroed slice, so backward
+        accumulates into the buckets (a no-op without ``grad_views``). After ``zero_grad(set_to_none=True)``
+        every gradient is missing and the shared storage is zeroed with one kernel per dtype; gradients
+        already present (views, or tensors set elsewhere) are left alone."""
+        if not self._view_pairs:
+            return
+        missing = [(p, v) for p, v in self._view_pairs if p.grad is None]
+        if not missing:
+            return
+        if len(missing) == len(self._view_pairs):
+            for storage in self._view_storages:
+                storage.zero_()
+        else:
+            for _, v in missing:
+                v.zero_()
+        for p, v in missing:
+            p.grad = v
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, bucket: GradBucket, i: int, param: torch.Tensor) -> None:
         if not self.sync_enabled:
             return  # inside no_sync(): keep accumulating locally
-        b, i = self._location[id(param)]
-        bucket = self.buckets[b]
         if i in bucket.staged or bucket.pending is not None:
             raise RuntimeError(
                 "a gradient became ready twice before finish_gradient_synchronization(); call it after every "
@@ -459,7 +484,7 @@ class GradientReducer:
 
     def _launch_ready_in_order(self) -> None:
         while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].is_ready:
-            self.buckets[self._next_to_launch].launch(self.group, async_op=True)
+            self.buckets[self._next_to_launch].launch(self.collective, async_op=True)
             self._next_to_launch += 1
 
     def finish(self) -> None:
@@ -467,7 +492,7 @@ class GradientReducer:
         if not self.sync_enabled:
             return
         for bucket in self.buckets[self._next_to_launch :]:
-            bucket.launch(self.group, async_op=not self.blocking)
+            bucket.launch(self.collective, async_op=not self.blocking)
             if self.blocking:
                 bucket.finish()
         if not self.blocking:
