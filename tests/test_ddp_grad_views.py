@@ -203,6 +203,22 @@ def test_paired_ratios_compare_within_each_run_and_record_the_order(tmp_path, mo
     assert out.loc["b", "ratio_mean"] == pytest.approx(0.75) and out.loc["b", "ours_first"]
     assert out.loc["b", "ratio_median"] == pytest.approx(119 / 159) and out.loc["b", "single_ms"] == 90.0
 
+    # Captured variants pair with the captured reference and single rows, bf16 wires with torch's bf16 hook.
+    graphed = pd.DataFrame([
+        {"variant": "single", "mode": "single", "cuda_graph": False, "comm_dtype": None, "step_ms": 100.0},
+        {"variant": "torch", "mode": "torch", "cuda_graph": False, "comm_dtype": "fp32", "step_ms": 150.0},
+        {"variant": "torch (bf16 comm)", "mode": "torch", "cuda_graph": False, "comm_dtype": "bf16", "step_ms": 140.0},
+        {"variant": "bucketed (25MB)", "mode": "bucketed", "cuda_graph": False, "comm_dtype": "fp32", "step_ms": 165.0},
+        {"variant": "bucketed (25MB, bf16 comm)", "mode": "bucketed", "cuda_graph": False, "comm_dtype": "bf16", "step_ms": 126.0},
+        {"variant": "single (CUDA graph)", "mode": "single", "cuda_graph": True, "comm_dtype": None, "step_ms": 60.0},
+        {"variant": "torch (CUDA graph)", "mode": "torch", "cuda_graph": True, "comm_dtype": "fp32", "step_ms": 80.0},
+        {"variant": "bucketed (25MB, CUDA graph)", "mode": "bucketed", "cuda_graph": True, "comm_dtype": "fp32", "step_ms": 72.0},
+    ]).assign(step_ms_median=lambda d: d.step_ms)
+    out = ta.paired_ratios({"g": graphed}).set_index("variant")
+    assert out["ratio_mean"].to_dict() == pytest.approx({"bucketed (25MB)": 1.1, "bucketed (25MB, bf16 comm)": 0.9,
+                                                        "bucketed (25MB, CUDA graph)": 0.9})
+    assert out.loc["bucketed (25MB, CUDA graph)", "single_ms"] == 60.0 and out.loc["bucketed (25MB, CUDA graph)", "cuda_graph"]
+
     # load_runs picks the step tables of one prefix, preset and precision, not timelines or other runs
     monkeypatch.setattr("cs336_systems.results.FIGURES_DIR", tmp_path)
     (tmp_path / "ddp_benchmark").mkdir()

@@ -12,6 +12,12 @@ stream split every step without stalling the host:
 - ``overhead_ms`` — ``step_ms`` minus the single-GPU step in the same run: what data parallelism costs,
   comparable across all strategies including torch DDP.
 
+``cuda_graph`` variants capture the whole step (forward, backward with its gradient hooks and their
+all-reduces, synchronisation, optimizer) in a CUDA graph after eager warm-up and time its replays
+(:mod:`cs336_systems.cuda_graphs`): the host no longer launches anything inside the step, so what
+remains is GPU time. The phases inside a graph cannot be timed separately, so those rows have only
+``step_ms``.
+
 Rows report the slowest rank's means (a step is done when the slowest rank is done), and that rank's
 median step time (``step_ms_median``), which occasional slow steps of a host-bound run do not move.
 
@@ -77,6 +83,7 @@ class DDPBenchConfig:
     allreduce_sizes: list[int] = field(default_factory=list)  # bytes; timed on the same group for the overhead model
     check_toy: bool = False  # first check each of our strategies against single-process training (toy model)
     grad_views: list[bool] = field(default_factory=lambda: [False])  # flat/bucketed: .grad as bucket views
+    cuda_graph: list[bool] = field(default_factory=lambda: [False])  # capture each step in a CUDA graph
 
     def validate(self, world_size: int | None = None) -> None:
         bad = [m for m in self.modes if m not in ALL_MODES]
@@ -95,6 +102,8 @@ class DDPBenchConfig:
         from cs336_basics.model import get_attention
 
         get_attention(self.attention_impl)  # ValueError naming the registered implementations
+        if any(self.cuda_graph) and not torch.cuda.is_available():
+            raise ValueError("cuda_graph needs CUDA devices: a CUDA graph captures GPU work (NCCL collectives included)")
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,7 @@ class Variant:
     bucket_size_mb: float | None = None
     comm_dtype: str = "fp32"
     grad_views: bool = False
+    cuda_graph: bool = False
 
     @property
     def label(self) -> str:
@@ -113,11 +123,16 @@ class Variant:
             parts.append(f"{self.comm_dtype} comm")
         if self.grad_views:
             parts.append("grad views")
+        if self.cuda_graph:
+            parts.append("CUDA graph")
         return parts[0] if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})"
 
 
 def expand_variants(cfg: DDPBenchConfig) -> list[Variant]:
-    """Every (mode, bucket size, comm dtype) combination the config asks for, ``single`` once."""
+    """Every (mode, bucket size, comm dtype, graph) combination the config asks for, ``single`` once
+    per graph setting."""
+    from dataclasses import replace
+
     out: list[Variant] = []
     for mode in cfg.modes:
         if mode == "single":
@@ -132,6 +147,7 @@ def expand_variants(cfg: DDPBenchConfig) -> list[Variant]:
                 out.append(Variant(mode, DEFAULT_BUCKET_SIZE_MB, comm))
             else:
                 out.append(Variant(mode, None, comm))
+    out = [replace(v, cuda_graph=g) for g in cfg.cuda_graph for v in out]
     return list(dict.fromkeys(out))
 
 
@@ -181,26 +197,42 @@ def _wrap_model(model: nn.Module, variant: Variant, device: torch.device) -> nn.
                 gradient_as_bucket_view=variant.grad_views)
 
 
-def _make_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-               autocast: str, clock: _Clock) -> Callable[[], tuple[Any, Any, Any, Any]]:
-    device_type = x.device.type
-    sync = model.finish_gradient_synchronization if isinstance(model, DataParallel) else (lambda: None)
+def _make_graphed_step(captured: Callable[[], Any], clock: _Clock) -> Callable[[], tuple[Any, Any, Any, Any]]:
+    """Replays of a captured step, timed as a whole (the phases inside a graph have no host marks)."""
 
     def step() -> tuple[Any, Any, Any, Any]:
-        t0 = clock.mark()
+        with record_function("graph_replay"):
+            t0 = clock.mark()
+            captured()
+            t3 = clock.mark()
+        return t0, None, None, t3
+
+    return step
+
+
+def _make_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               autocast: str, clock: _Clock | None) -> Callable[[], tuple[Any, Any, Any, Any]]:
+    """One whole training step on the static batch ``x, y``, returning its four time marks; with
+    ``clock=None`` the marks are ``None`` (the untimed body a CUDA graph captures)."""
+    device_type = x.device.type
+    sync = model.finish_gradient_synchronization if isinstance(model, DataParallel) else (lambda: None)
+    mark = clock.mark if clock is not None else (lambda: None)
+
+    def step() -> tuple[Any, Any, Any, Any]:
+        t0 = mark()
         optimizer.zero_grad(set_to_none=True)
         with record_function("forward"), torch.autocast(device_type, torch.bfloat16, enabled=autocast == "bf16"):
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         with record_function("backward"):
             loss.backward()
-        t1 = clock.mark()
+        t1 = mark()
         with record_function("grad_sync"):
             sync()
-        t2 = clock.mark()
+        t2 = mark()
         with record_function("optimizer"):
             optimizer.step()
-        t3 = clock.mark()
+        t3 = mark()
         return t0, t1, t2, t3
 
     return step
@@ -233,10 +265,23 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
                         device=ctx.device)
     vocab = get_config(cfg.preset).vocab_size
     x, y = _batch(cfg, vocab, ctx.rank, ctx.world_size, ctx.device)
-    wrapped = _wrap_model(model, variant, ctx.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if ctx.device.type == "cuda" else {}))
     clock = _Clock(ctx.device)
-    step = _make_step(wrapped, optimizer, x, y, cfg.autocast, clock)
+    if variant.cuda_graph:
+        if ctx.device.type != "cuda":
+            raise ValueError("CUDA-graph variants need CUDA devices (the NCCL backend)")
+        from cs336_systems.cuda_graphs import DEFAULT_WARMUP, CapturedStep, side_stream
+
+        with side_stream(ctx.device):  # torch DDP must be built off the default stream to be captured
+            wrapped = _wrap_model(model, variant, ctx.device)
+        # Optimizer state (step counts included) on the GPU, so that replays advance it.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
+        captured = CapturedStep(_make_step(wrapped, optimizer, x, y, cfg.autocast, None), ctx.device,
+                                warmup=max(cfg.warmup, DEFAULT_WARMUP))
+        step = _make_graphed_step(captured, clock)
+    else:
+        wrapped = _wrap_model(model, variant, ctx.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if ctx.device.type == "cuda" else {}))
+        step = _make_step(wrapped, optimizer, x, y, cfg.autocast, clock)
 
     for _ in range(cfg.warmup):
         step()
@@ -244,8 +289,10 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
     dist.barrier()
     marks = [step() for _ in range(cfg.steps)]
     _synchronize(ctx.device)
+    nan = float("nan")
     per_step = torch.tensor(
-        [[clock.ms(a, d), clock.ms(b, c), clock.ms(a, b), clock.ms(c, d)] for a, b, c, d in marks], dtype=torch.float64
+        [[clock.ms(a, d), clock.ms(b, c), clock.ms(a, b), clock.ms(c, d)] if b is not None else [clock.ms(a, d), nan, nan, nan]
+         for a, b, c, d in marks], dtype=torch.float64
     )
     # Report the slowest rank's breakdown (a step ends when the slowest rank ends); taking each
     # component's max separately would give a breakdown that adds up to more than any rank's step.
@@ -262,12 +309,13 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
         "bucket_size_mb": variant.bucket_size_mb,
         "comm_dtype": variant.comm_dtype if variant.mode != "single" else None,
         "grad_views": variant.grad_views,
+        "cuda_graph": variant.cuda_graph,
         "num_buckets": len(wrapped.buckets) if has_sync else None,
         "step_ms": step_ms,
         "step_ms_std": float(per_step[:, 0].std()) if cfg.steps > 1 else 0.0,
         "step_ms_median": step_median_ms,
         "fwd_bwd_ms": fwd_bwd_ms,
-        "sync_ms": sync_ms if has_sync else float("nan"),
+        "sync_ms": sync_ms if has_sync else nan,
         "optimizer_ms": opt_ms,
         "world_size": ctx.world_size if variant.mode != "single" else 1,
         "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
@@ -282,6 +330,9 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
     dist.barrier()
     if has_sync:
         wrapped.reducer.remove_hooks()
+    if variant.cuda_graph:
+        captured.reset()
+        del captured
     del wrapped, model, optimizer, step, x, y
     _free(ctx.device)
     if ctx.device.type == "cuda":
@@ -292,7 +343,7 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
 def check_toy_equivalence(variants: list[Variant]) -> list[dict[str, Any]]:
     """Train each of our strategies (as configured: bucket size, wire dtype) on the toy model and compare
     with single-process training on the full batch; rows report the worst rank."""
-    from cs336_systems.distributed.equivalence import train_and_compare
+    from cs336_systems.distributed.equivalence import train_and_compare, train_captured_and_compare
 
     ctx = launch.current_context()
     rows = []
@@ -300,9 +351,10 @@ def check_toy_equivalence(variants: list[Variant]) -> list[dict[str, Any]]:
         if v.mode in BASELINES:
             continue
         comm = _COMM_DTYPES[v.comm_dtype]
-        res = train_and_compare(lambda m, v=v, comm=comm: wrap(m, v.mode, bucket_size_mb=v.bucket_size_mb, comm_dtype=comm,
-                                                               gradient_as_bucket_view=v.grad_views),
-                                "toy", global_batch=4 * ctx.world_size, device=ctx.device)
+        train = train_captured_and_compare if v.cuda_graph else train_and_compare
+        res = train(lambda m, v=v, comm=comm: wrap(m, v.mode, bucket_size_mb=v.bucket_size_mb, comm_dtype=comm,
+                                                   gradient_as_bucket_view=v.grad_views),
+                    "toy", global_batch=4 * ctx.world_size, device=ctx.device)
         finals: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(finals, res.pop("final"))
         worst = torch.tensor([res["init_diff"], res["final_diff"]], dtype=torch.float64, device=ctx.device)
@@ -713,6 +765,9 @@ def add_arguments(parser: Any, *, modes_default: list[str]) -> None:
     parser.add_argument("--grad-views", choices=["off", "on", "both"], default="off",
                         help="flat/bucketed: keep .grad as views of the bucket buffers (gradient_as_bucket_view); "
                              "'both' runs each setting side by side")
+    parser.add_argument("--cuda-graph", choices=["off", "on", "both"], default="off",
+                        help="capture each variant's whole step in a CUDA graph and time its replays (GPU only); "
+                             "'both' runs eager and captured side by side")
     parser.add_argument("--attention", default="naive",
                         help="attention implementation of the model (naive, sdpa, or a registered flash kernel)")
     parser.add_argument("--check-toy", action="store_true",
@@ -738,6 +793,7 @@ def configs_from_args(args: Any) -> list[DDPBenchConfig]:
             check_toy=args.check_toy,
             attention_impl=args.attention,
             grad_views={"off": [False], "on": [True], "both": [False, True]}[args.grad_views],
+            cuda_graph={"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph],
         )
         cfg.validate()
         cfgs.append(cfg)

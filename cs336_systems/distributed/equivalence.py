@@ -117,3 +117,74 @@ def train_and_compare(
         "grad_dtypes": sorted(grad_dtypes),
         "final": final.cpu(),
     }
+
+
+def train_captured_and_compare(
+    make_wrapper: Callable[[nn.Module], Any],
+    kind: str = "toy",
+    *,
+    steps: int = 4,
+    global_batch: int = 8,
+    warmup: int = 11,
+    seed: int = 1234,
+    device: torch.device | str = "cuda",
+) -> dict[str, Any]:
+    """:func:`train_and_compare` with the wrapper's training step captured in a CUDA graph
+    (:class:`cs336_systems.cuda_graphs.CapturedStep`) and replayed; call on every rank of an NCCL group.
+
+    The captured step reads this rank's shard from static tensors. Its ``warmup`` eager steps (before
+    capture) train on batch 0, and each replay trains on the next batch copied into the static
+    tensors; the reference takes the same steps eagerly on the full batches. The wrapper is built on
+    the capture's side stream, as torch DDP requires. Returns the same keys as :func:`train_and_compare`.
+    """
+    from cs336_systems.cuda_graphs import CapturedStep, side_stream
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} must divide by the world size {world_size}")
+    reference = make_toy_model(kind, seed=seed).to(device)
+    initial = state_vector(reference)
+    with side_stream(device):
+        ddp = make_wrapper(make_toy_model(kind, seed=seed + rank).to(device))
+    init_diff = (state_vector(ddp.module) - initial).abs().max().item()
+    opt_ref, opt = SGDMomentum(reference.parameters()), SGDMomentum(ddp.parameters())
+    sync = getattr(ddp, "finish_gradient_synchronization", lambda: None)  # torch DDP syncs inside backward
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t.to(device) for t in make_toy_batch(global_batch, seed=step))  # type: ignore[return-value]
+
+    x_full, y_full = batch(0)
+    x, y = shard_batch(x_full, rank, world_size).clone(), shard_batch(y_full, rank, world_size).clone()
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        sync()
+        opt.step()
+        return loss
+
+    def reference_step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        opt_ref.zero_grad()
+        F.mse_loss(reference(xb), yb).backward()
+        opt_ref.step()
+
+    captured = CapturedStep(step, device, warmup=warmup)
+    for _ in range(warmup):
+        reference_step(x_full, y_full)
+    for s in range(1, steps + 1):
+        xb, yb = batch(s)
+        x.copy_(shard_batch(xb, rank, world_size))
+        y.copy_(shard_batch(yb, rank, world_size))
+        captured()
+        reference_step(xb, yb)
+    torch.cuda.synchronize(device)
+    final = state_vector(ddp.module)
+    captured.reset()
+    return {
+        "init_diff": init_diff,
+        "final_diff": (final - state_vector(reference)).abs().max().item(),
+        "moved": (state_vector(reference) - initial).abs().max().item(),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in ddp.parameters() if p.grad is not None}),
+        "final": final.cpu(),
+    }

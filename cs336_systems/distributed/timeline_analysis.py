@@ -171,28 +171,36 @@ def paired_ratios(runs: dict[str, pd.DataFrame], reference: str = "torch") -> pd
     One row per run and variant of ours (any of :data:`~cs336_systems.distributed.strategies.STRATEGIES`): the step times
     (mean and median), their ratios to the reference's, and ``ours_first`` (whether ours was timed before
     the reference in that process), so that an effect of the position in the run can be told apart.
+    Each variant is paired with the reference of the same gradient wire format (``comm_dtype``: torch's
+    bf16 compress hook for ours with a bf16 wire) and the same ``cuda_graph`` setting, and with the
+    single-GPU row of that setting.
     """
     from cs336_systems.distributed.strategies import STRATEGIES
 
     rows = []
     for run, steps in runs.items():
         steps = steps.reset_index(drop=True)
-        if reference not in set(steps["variant"]):
-            continue
-        ref_pos = int(steps.index[steps["variant"] == reference][0])
-        ref = steps.loc[ref_pos]
-        single = steps.loc[steps["variant"] == "single", "step_ms"]
+        graphed = steps["cuda_graph"].fillna(False).astype(bool) if "cuda_graph" in steps else pd.Series(False, index=steps.index)
+        wire = steps["comm_dtype"].fillna("fp32") if "comm_dtype" in steps else pd.Series("fp32", index=steps.index)
         for pos, r in steps.iterrows():
-            if r["variant"] in (reference, "single") or str(r["mode"]) not in STRATEGIES:
+            if str(r["mode"]) not in STRATEGIES:
                 continue
-            rows.append({"run": run, "variant": r["variant"], "num_buckets": r.get("num_buckets"),
+            same = graphed == graphed[pos]
+            ref_rows = steps.index[same & (wire == wire[pos]) & (steps["mode"] == reference)]
+            if not len(ref_rows):
+                continue
+            ref_pos = int(ref_rows[0])
+            ref = steps.loc[ref_pos]
+            single = steps.loc[same & (steps["mode"] == "single"), "step_ms"]
+            rows.append({"run": run, "variant": r["variant"], "cuda_graph": bool(graphed[pos]),
+                         "num_buckets": r.get("num_buckets"),
                          "single_ms": float(single.iloc[0]) if len(single) else float("nan"),
                          "reference_ms": float(ref["step_ms"]), "ours_ms": float(r["step_ms"]),
                          "ratio_mean": float(r["step_ms"] / ref["step_ms"]),
                          "ratio_median": float(r["step_ms_median"] / ref["step_ms_median"]),
                          "ours_first": bool(pos < ref_pos)})
-    return pd.DataFrame(rows, columns=["run", "variant", "num_buckets", "single_ms", "reference_ms", "ours_ms",
-                                       "ratio_mean", "ratio_median", "ours_first"])
+    return pd.DataFrame(rows, columns=["run", "variant", "cuda_graph", "num_buckets", "single_ms", "reference_ms",
+                                       "ours_ms", "ratio_mean", "ratio_median", "ours_first"])
 
 
 def load_runs(prefix: str, section: str = "ddp_benchmark", preset: str = "xl", autocast: str = "bf16") -> dict[str, pd.DataFrame]:
