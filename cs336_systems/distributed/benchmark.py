@@ -725,7 +725,9 @@ def write_results(result: dict[str, Any], cfg: DDPBenchConfig, name: str, sectio
 
     from cs336_systems.results import ResultWriter
 
-    params = asdict(cfg)
+    # NCCL's environment (channel and CTA limits, protocols, NVLS) changes what a collective costs and
+    # how much it slows the compute it overlaps with, so it is part of a result's parameters.
+    params = {**asdict(cfg), "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}}
     written = write_section(ResultWriter(SECTION, params=params), result, cfg, name=name)
     plt.close("all")
     for section in sections if sections is not None else sections_for(cfg.modes):
