@@ -225,3 +225,22 @@ def test_paired_ratios_compare_within_each_run_and_record_the_order(tmp_path, mo
     for name in ("hb_a_xl_bf16", "hb_a_timeline_xl_bf16", "hb_a_xl_fp32", "other_xl_bf16"):
         runs["a"].to_csv(tmp_path / "ddp_benchmark" / f"{name}.csv", index=False)
     assert list(ta.load_runs("hb")) == ["hb_a"]
+
+
+def test_busy_by_kind_reads_a_step_without_host_phases() -> None:
+    def row(variant: str, lane: str, kind: str, start: float, dur: float) -> dict:
+        return {"variant": variant, "lane": lane, "kind": kind, "name": "k", "start_ms": start, "dur_ms": dur}
+
+    tl = pd.DataFrame([
+        # compute on two streams, overlapping each other at 2..3; a gap 5..6 where nothing runs
+        row("g", "cuda:7", "compute", 0.0, 3.0), row("g", "cuda:9", "compute", 2.0, 3.0), row("g", "cuda:7", "compute", 6.0, 4.0),
+        # communication 4..7 (1 ms of it alone during the gap... and 4..5 / 6..7 beside compute)
+        row("g", "cuda:20", "comm", 4.0, 3.0),
+        row("single", "cuda:7", "compute", 0.0, 2.0),
+    ])
+    out = ta.busy_by_kind(tl).set_index("variant")
+    assert out.loc["g"].to_dict() == pytest.approx({"span_ms": 10.0, "compute_ms": 9.0, "comm_ms": 3.0, "both_ms": 2.0,
+                                                    "idle_ms": 0.0, "comm_kernels": 1})
+    assert out.loc["single", "compute_ms"] == 2.0 and out.loc["single", "comm_ms"] == 0.0
+    gap = pd.concat([tl, pd.DataFrame([row("h", "cuda:7", "compute", 0.0, 1.0), row("h", "cuda:7", "compute", 3.0, 1.0)])])
+    assert ta.busy_by_kind(gap).set_index("variant").loc["h", "idle_ms"] == 2.0

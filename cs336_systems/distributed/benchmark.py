@@ -568,29 +568,48 @@ def overlap_summary(df: Any) -> Any:
 # Figures, result files and the command line
 # --------------------------------------------------------------------------------------------------
 
+def _captured(df: Any) -> Any:
+    """Boolean Series: which rows were timed as replays of a CUDA graph (tables older than the option
+    have no column and were all eager)."""
+    import pandas as pd
+
+    if "cuda_graph" not in df:
+        return pd.Series(False, index=df.index)
+    return df["cuda_graph"].fillna(False).astype(bool)
+
+
 def plot_steps(df: Any, title: str = "") -> Any:
-    """Horizontal stacked bars per variant: forward+backward, exposed communication, optimizer step,
-    with the single-GPU step as a dashed line."""
+    """Horizontal stacked bars per variant: forward+backward, exposed communication, optimizer step;
+    a step captured in a CUDA graph is one bar (its phases have no host marks). The single-GPU step is
+    a dashed line (dotted for the captured one)."""
     import matplotlib.pyplot as plt
 
-    d = df.copy()
-    d["sync_ms"] = d["sync_ms"].fillna(0.0)
-    d["other_ms"] = (d["step_ms"] - d["fwd_bwd_ms"] - d["sync_ms"] - d["optimizer_ms"]).clip(lower=0)
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(d) + 1.5))
+    d = df.reset_index(drop=True).copy()
+    captured = _captured(d)
+    for col in ("fwd_bwd_ms", "sync_ms", "optimizer_ms"):
+        d[col] = d[col].where(~captured, 0.0).fillna(0.0)
+    d["captured_ms"] = d["step_ms"].where(captured, 0.0)
+    d["other_ms"] = (d["step_ms"] - d["fwd_bwd_ms"] - d["sync_ms"] - d["optimizer_ms"] - d["captured_ms"]).clip(lower=0)
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(d) + 1.5))
     left = [0.0] * len(d)
-    for col, color, label in [("fwd_bwd_ms", "#4c72b0", "forward + backward"), ("sync_ms", "#dd8452", "exposed communication"),
-                              ("optimizer_ms", "#55a868", "optimizer step"), ("other_ms", "#cccccc", "other")]:
-        ax.barh(d["variant"], d[col], left=left, color=color, label=label)
-        left = [a + b for a, b in zip(left, d[col])]
+    segments = [("fwd_bwd_ms", "#4c72b0", "forward + backward"), ("sync_ms", "#dd8452", "exposed communication"),
+                ("optimizer_ms", "#55a868", "optimizer step"), ("other_ms", "#cccccc", "other"),
+                ("captured_ms", "#8172b3", "whole step, one CUDA graph")]
+    for col, color, label in segments:
+        if d[col].any():
+            ax.barh(d["variant"], d[col], left=left, color=color, label=label)
+            left = [a + b for a, b in zip(left, d[col])]
     for y, v in enumerate(d["step_ms"]):
         ax.text(v, y, f" {v:.0f} ms", va="center", fontsize=8)
-    single = d.loc[d["mode"] == "single", "step_ms"]
-    if len(single):
-        ax.axvline(single.iloc[0], ls="--", color="k", lw=1, label="single GPU")
+    for graphed, style, label in ((False, "--", "single GPU"), (True, ":", "single GPU, CUDA graph")):
+        single = d.loc[(d["mode"] == "single") & (captured == graphed), "step_ms"]
+        if len(single):
+            ax.axvline(single.iloc[0], ls=style, color="k", lw=1, label=label)
+    ax.set_xlim(0, float(d["step_ms"].max()) * 1.12)  # room for the labels
     ax.invert_yaxis()
     ax.set_xlabel("time per training step (ms)")
     ax.set_title(title, loc="left")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
 
@@ -601,8 +620,9 @@ def plot_bucket_sweep(df: Any, title: str = "") -> Any:
     import seaborn as sns
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    sweep = df[df["mode"] == "bucketed"]
-    sns.lineplot(data=sweep, x="bucket_size_mb", y="step_ms", hue="comm_dtype", marker="o", ax=ax)
+    sweep = df[df["mode"] == "bucketed"].assign(cuda_graph=_captured(df))
+    style = "cuda_graph" if sweep["cuda_graph"].nunique() > 1 else None
+    sns.lineplot(data=sweep, x="bucket_size_mb", y="step_ms", hue="comm_dtype", style=style, marker="o", ax=ax)
     for mode, style in (("single", "--"), ("torch", ":")):
         for _, r in df[df["mode"] == mode].iterrows():
             ax.axhline(r["step_ms"], ls=style, color="gray", lw=1)

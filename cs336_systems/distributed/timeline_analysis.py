@@ -13,13 +13,15 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
   stream had been idle before it started and how long after its start compute resumed. If compute
   resumed in step with the NCCL kernel's *end*, the GPU would be serialising the two streams; if the
   resume delay is unrelated to the kernel's duration, the stall is on the host.
+- :func:`busy_by_kind` — over the whole step: the time the GPU ran compute, communication, both, and
+  nothing; needs no host phases, so it also reads steps replayed from a CUDA graph.
 - :func:`kernel_contention` — durations of the same named compute kernels (GEMMs) in different variants,
   split by whether a communication kernel was resident: the test for SM contention.
 - :func:`gaps_around` — the idle time around chosen kernels (the gradient staging copies).
 - :func:`backward_stretch` — from a step table: how much longer forward+backward got than in a reference
   variant (``flat``, whose communication starts after backward), per collective launched inside backward.
 
-``python -m cs336_systems.distributed.timeline_analysis`` prints all five for the committed H200 results.
+``python -m cs336_systems.distributed.timeline_analysis`` prints all six for the committed H200 results.
 """
 
 from __future__ import annotations
@@ -76,6 +78,60 @@ def stream_summary(tl: pd.DataFrame) -> pd.DataFrame:
                 "comm_kernels": len(inside), "comm_kernel_ms": float(inside["dur_ms"].sum()),
                 "comm_kernel_median_us": float(inside["dur_ms"].median() * 1e3) if len(inside) else float("nan"),
             })
+    return pd.DataFrame(rows)
+
+
+def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint intervals covering the same time as ``[starts, ends)`` (which may overlap)."""
+    if not len(starts):
+        return starts, ends
+    order = np.argsort(starts)
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    new = np.r_[True, s[1:] > reach[:-1]]  # an interval starts a new group after a gap
+    return s[new], np.maximum.reduceat(e, np.flatnonzero(new))
+
+
+def _length(s: np.ndarray, e: np.ndarray) -> float:
+    return float((e - s).sum())
+
+
+def _intersection(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> float:
+    """Total time covered by both of two disjoint, sorted interval sets."""
+    total, i, j = 0.0, 0, 0
+    (as_, ae), (bs, be) = a, b
+    while i < len(as_) and j < len(bs):
+        total += max(0.0, min(ae[i], be[j]) - max(as_[i], bs[j]))
+        if ae[i] < be[j]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def busy_by_kind(tl: pd.DataFrame) -> pd.DataFrame:
+    """Per variant, over its whole profiled step (every stream): how long the GPU ran compute kernels,
+    communication kernels, both at once, and nothing.
+
+    This needs no host phases, so it also reads steps replayed from a CUDA graph, where the question is
+    no longer host launches but what the collectives cost the GPU: if ``compute_ms`` exceeds the
+    single-GPU step's, compute ran slower beside the collectives (SM and memory contention); ``idle_ms``
+    is time the GPU waited, e.g. for the last all-reduce before the optimizer step.
+    """
+    _check(tl)
+    rows = []
+    for variant, sub in tl.groupby("variant", sort=False):
+        kernels = sub[sub["kind"].isin(("compute", "comm"))]
+        if kernels.empty:
+            continue
+        start = kernels["start_ms"].to_numpy(float)
+        end = start + kernels["dur_ms"].to_numpy(float)
+        is_comm = (kernels["kind"] == "comm").to_numpy()
+        compute, comm, anything = _union(start[~is_comm], end[~is_comm]), _union(start[is_comm], end[is_comm]), _union(start, end)
+        span = float(end.max() - start.min())
+        rows.append({"variant": variant, "span_ms": span, "compute_ms": _length(*compute), "comm_ms": _length(*comm),
+                     "both_ms": _intersection(compute, comm), "idle_ms": span - _length(*anything),
+                     "comm_kernels": int(is_comm.sum())})
     return pd.DataFrame(rows)
 
 
@@ -215,19 +271,20 @@ def load_runs(prefix: str, section: str = "ddp_benchmark", preset: str = "xl", a
 
 
 def analyse(section: str = "ddp_benchmark", preset: str = "xl", name: str = "steps") -> dict[str, pd.DataFrame]:
-    """All five analyses of the committed ``figures/<section>/`` results, fp32 and bf16 side by side.
+    """All six analyses of the committed ``figures/<section>/`` results, fp32 and bf16 side by side.
     ``name`` is the benchmark's ``--name`` (its tables are ``<name>_<preset>_<autocast>`` and, for other
     names than ``steps``, ``<name>_timeline_<preset>_<autocast>``)."""
     from cs336_systems.results import FIGURES_DIR, has_result, load_table
 
-    frames: dict[str, list[pd.DataFrame]] = {"streams": [], "stalls": [], "copies": [], "contention": [], "stretch": []}
+    frames: dict[str, list[pd.DataFrame]] = {"streams": [], "stalls": [], "copies": [], "contention": [], "by_kind": [],
+                                             "stretch": []}
     for autocast in ("fp32", "bf16"):
         tag = f"{preset}_{autocast}"
         timeline = f"timeline_{tag}" if name == "steps" else f"{name}_timeline_{tag}"
         if has_result(section, timeline, FIGURES_DIR):
             tl = load_table(section, timeline, FIGURES_DIR)
             for key, fn in (("streams", stream_summary), ("stalls", launch_stalls), ("copies", gaps_around),
-                            ("contention", kernel_contention)):
+                            ("contention", kernel_contention), ("by_kind", busy_by_kind)):
                 frames[key].append(fn(tl).assign(autocast=autocast))
         steps = load_table(section, f"{name}_{tag}", FIGURES_DIR) if has_result(section, f"{name}_{tag}", FIGURES_DIR) else None
         if steps is not None and "flat" in set(steps["variant"]):
