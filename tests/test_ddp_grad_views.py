@@ -222,8 +222,12 @@ def test_paired_ratios_compare_within_each_run_and_record_the_order(tmp_path, mo
     # load_runs picks the step tables of one prefix, preset and precision, not timelines or other runs
     monkeypatch.setattr("cs336_systems.results.FIGURES_DIR", tmp_path)
     (tmp_path / "ddp_benchmark").mkdir()
-    for name in ("hb_a_xl_bf16", "hb_a_timeline_xl_bf16", "hb_a_xl_fp32", "other_xl_bf16"):
+    for name in ("hb_a_xl_bf16", "hb_a_xl_fp32", "other_xl_bf16"):
         runs["a"].to_csv(tmp_path / "ddp_benchmark" / f"{name}.csv", index=False)
+    pd.DataFrame([{"variant": "torch", "lane": "cuda:7", "kind": "compute", "name": "k", "start_ms": 0.0, "dur_ms": 1.0}]).to_csv(
+        tmp_path / "ddp_benchmark" / "hb_a_timeline_xl_bf16.csv", index=False)
+    pd.DataFrame([{"bucket_size_mb": 25, "overhead_ms": 3.0}]).to_csv(
+        tmp_path / "ddp_benchmark" / "hb_a_overhead_model_xl_bf16.csv", index=False)
     assert list(ta.load_runs("hb")) == ["hb_a"]
 
 

@@ -340,6 +340,25 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
     return row, timeline
 
 
+def with_overheads(rows: list[dict[str, Any]] | Any) -> Any:
+    """``overhead_ms`` and ``vs_single`` of every row against the single-GPU step *of the same kind*
+    (eager or captured in a CUDA graph): a captured step compared with an eager single-GPU step would
+    credit the graph to data parallelism. Takes the worker's row dicts or a step table (returns a copy)."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows).copy() if not isinstance(rows, pd.DataFrame) else rows.copy()
+    graphed = _captured(frame)
+    frame["overhead_ms"] = float("nan")
+    frame["vs_single"] = float("nan")
+    for setting in graphed.unique():
+        same = graphed == setting
+        single = frame.loc[same & (frame["mode"] == "single"), "step_ms"]
+        if len(single):
+            frame.loc[same, "overhead_ms"] = frame.loc[same, "step_ms"] - single.iloc[0]
+            frame.loc[same, "vs_single"] = frame.loc[same, "step_ms"] / single.iloc[0]
+    return frame.to_dict("records") if not isinstance(rows, pd.DataFrame) else frame
+
+
 def check_toy_equivalence(variants: list[Variant]) -> list[dict[str, Any]]:
     """Train each of our strategies (as configured: bucket size, wire dtype) on the toy model and compare
     with single-process training on the full batch; rows report the worst rank."""
@@ -383,10 +402,7 @@ def ddp_benchmark_worker(cfg: DDPBenchConfig) -> dict[str, Any]:
         timeline += tl
         if ctx.is_main:
             print(f"    {row['step_ms']:.1f} ms/step, exposed communication {row['sync_ms']:.1f} ms", flush=True)
-    single = next((r["step_ms"] for r in rows if r["mode"] == "single"), None)
-    for r in rows:
-        r["overhead_ms"] = r["step_ms"] - single if single is not None else float("nan")
-        r["vs_single"] = r["step_ms"] / single if single else float("nan")
+    rows = with_overheads(rows)
     allreduce = [time_all_reduce(size) for size in cfg.allreduce_sizes]
     return {"rows": rows, "timeline": timeline, "allreduce": allreduce, "equivalence": equivalence}
 

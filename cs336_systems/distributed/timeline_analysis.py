@@ -260,14 +260,15 @@ def paired_ratios(runs: dict[str, pd.DataFrame], reference: str = "torch") -> pd
 
 
 def load_runs(prefix: str, section: str = "ddp_benchmark", preset: str = "xl", autocast: str = "bf16") -> dict[str, pd.DataFrame]:
-    """Every step table ``<prefix>*_<preset>_<autocast>`` of ``figures/<section>/`` (timelines, overlap and
-    all-reduce tables left out), by name."""
+    """Every step table ``<prefix>*_<preset>_<autocast>`` of ``figures/<section>/`` (tables without the
+    step columns, such as timelines and all-reduce or overhead-model fits, left out), by name."""
     from cs336_systems.results import FIGURES_DIR, load_table, section_dir
 
     suffix = f"_{preset}_{autocast}"
     names = sorted(p.stem for p in section_dir(section, FIGURES_DIR).glob(f"{prefix}*{suffix}.csv"))
-    names = [n for n in names if not n[: -len(suffix)].endswith(("_timeline", "_overlap", "_allreduce"))]
-    return {n[: -len(suffix)]: load_table(section, n, FIGURES_DIR) for n in names}
+    tables = {n[: -len(suffix)]: load_table(section, n, FIGURES_DIR) for n in names}
+    # Step tables only: timelines, overlap, all-reduce and overhead-model tables share the prefix.
+    return {n: t for n, t in tables.items() if {"variant", "mode", "step_ms"} <= set(t.columns)}
 
 
 def analyse(section: str = "ddp_benchmark", preset: str = "xl", name: str = "steps") -> dict[str, pd.DataFrame]:
