@@ -51,8 +51,7 @@ def _kernels() -> ModuleType:
 
     ``@triton.jit`` chooses between compiling and interpreting when it decorates, so the module is
     imported on first use, not with this package, and re-imported if the variable (or
-    ``CS336_FLASH_AUTOTUNE``, ``CS336_FLASH_CONFIGS``, ``CS336_FLASH_POLY_EXP2``,
-    ``CS336_FLASH_RESIDENT_REGS``) changed since: a test
+    ``CS336_FLASH_AUTOTUNE``, ``CS336_FLASH_CONFIGS``, ``CS336_FLASH_POLY_EXP2``) changed since: a test
     module may set it after something else imported this package.
     """
     module = importlib.import_module(".triton_kernels", __package__)
@@ -61,7 +60,6 @@ def _kernels() -> ModuleType:
         os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0",
         os.environ.get("CS336_FLASH_CONFIGS", "default"),
         os.environ.get("CS336_FLASH_POLY_EXP2", module.DEFAULT_POLY_EXP2),
-        os.environ.get("CS336_FLASH_RESIDENT_REGS", module.DEFAULT_RESIDENT_REGS),
     )
     if module.BUILD_MODE != wanted:
         module = importlib.reload(module)
@@ -130,7 +128,6 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
             heads, n_queries, n_keys, _LOG2_E / math.sqrt(d), _seq_class(n_queries, n_keys),
             HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
             POLY_EXP2=kernels.uses_poly_exp2("forward", q.element_size() == 2),
-            RESIDENT_REGS=kernels.uses_resident_registers("forward", q.element_size() == 2),
         )  # fmt: skip
     return o, lse
 
@@ -164,14 +161,12 @@ def flash_attention_backward(
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
             POLY_EXP2=kernels.uses_poly_exp2("dkdv", q.element_size() == 2),
-            RESIDENT_REGS=kernels.uses_resident_registers("dkdv", q.element_size() == 2),
         )  # fmt: skip
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
             POLY_EXP2=kernels.uses_poly_exp2("dq", q.element_size() == 2),
-            RESIDENT_REGS=kernels.uses_resident_registers("dq", q.element_size() == 2),
         )  # fmt: skip
     return dq, dk, dv
 

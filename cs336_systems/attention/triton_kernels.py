@@ -58,43 +58,22 @@ CONFIG_SET = os.environ.get("CS336_FLASH_CONFIGS", "default")
 #: forward and dQ convert one, keep their FMA pipe busy otherwise, and got 30% slower (PERF_NOTES.md).
 DEFAULT_POLY_EXP2 = "dkdv"
 _POLY_SETTING = os.environ.get("CS336_FLASH_POLY_EXP2", DEFAULT_POLY_EXP2)
-#: Phases whose resident tiles (forward: Q; dK/dV: K and V; dQ: Q and dO) are kept in registers as the
-#: register operand of Hopper's ``wgmma`` instead of being read from shared memory by every product
-#: (``CS336_FLASH_RESIDENT_REGS=forward,dkdv,dq``, ``all`` or ``none``; 16-bit inputs only; default
-#: ``none``). Why: a shared-memory ``wgmma`` of a 64-row tile by an N-column one reads both operands
-#: from shared memory; at N = 32 (the dK/dV kernel's query tiles) that is 3 KB per 16-deep step, more
-#: than shared memory delivers in the step's 16 tensor-core cycles. With the resident operand in
-#: registers only the streamed tile is read. Triton keeps a loaded tile in shared memory for ``tl.dot``;
-#: a tile computed in registers becomes a register operand, hence :func:`_as_register_operand`.
-DEFAULT_RESIDENT_REGS = "none"
-_RESIDENT_SETTING = os.environ.get("CS336_FLASH_RESIDENT_REGS", DEFAULT_RESIDENT_REGS)
-
-
-def _phases(setting: str, variable: str) -> frozenset[str]:
-    phases = frozenset(
-        ("forward", "dkdv", "dq") if setting == "all" else () if setting == "none" else filter(None, setting.split(","))
-    )
-    if not phases <= {"forward", "dkdv", "dq"}:
-        raise ValueError(f"{variable} names unknown phases: {sorted(phases)}; "
-                         "valid: forward, dkdv, dq (comma-separated), all, none")
-    return phases
-
-
+POLY_EXP2_PHASES = frozenset(
+    ("forward", "dkdv", "dq") if _POLY_SETTING == "all"
+    else () if _POLY_SETTING == "none"
+    else filter(None, _POLY_SETTING.split(","))
+)  # fmt: skip
 #: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes
 #: (set before the checks below, so that a failed import is retried once the setting is fixed).
-BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET, _POLY_SETTING, _RESIDENT_SETTING)
-POLY_EXP2_PHASES = _phases(_POLY_SETTING, "CS336_FLASH_POLY_EXP2")
-RESIDENT_REGS_PHASES = _phases(_RESIDENT_SETTING, "CS336_FLASH_RESIDENT_REGS")
+BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET, _POLY_SETTING)
+if not POLY_EXP2_PHASES <= {"forward", "dkdv", "dq"}:
+    raise ValueError(f"CS336_FLASH_POLY_EXP2 names unknown phases: {sorted(POLY_EXP2_PHASES)}; "
+                     "valid: forward, dkdv, dq (comma-separated), all, none")
 
 
 def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> bool:
     """Whether ``phase`` (forward, dkdv, dq) exponentiates with :func:`_exp2_fma` for these inputs."""
     return dtype_is_16_bit and phase in POLY_EXP2_PHASES
-
-
-def uses_resident_registers(phase: str, dtype_is_16_bit: bool) -> bool:
-    """Whether ``phase`` keeps its resident tiles in registers as ``wgmma`` operands for these inputs."""
-    return dtype_is_16_bit and phase in RESIDENT_REGS_PHASES
 
 # --------------------------------------------------------------------------------------------------
 # Tile configurations. The interpreter gets one small config (tl.dot needs every side >= 16; numpy is
@@ -266,16 +245,6 @@ def _exp2(x, POLY: tl.constexpr):
     return y
 
 
-@triton.jit
-def _as_register_operand(x, unit, ON: tl.constexpr):
-    """``x`` multiplied by ``unit`` (1.0, computed at run time so the compiler cannot fold it): an exact
-    round trip through float32 that makes ``x`` a computed tile, which Triton passes to ``wgmma`` from
-    registers instead of shared memory (see ``RESIDENT_REGS_PHASES``). Identity when not ``ON``."""
-    if ON:
-        x = (x * unit).to(x.dtype)
-    return x
-
-
 # --------------------------------------------------------------------------------------------------
 # Loop bounds. All in element units, multiples of the tile along the loop.
 # --------------------------------------------------------------------------------------------------
@@ -442,7 +411,6 @@ def flash_forward_kernel(
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
-    RESIDENT_REGS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -455,7 +423,7 @@ def flash_forward_kernel(
     row_ok = offs_m < n_queries
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    q = _as_register_operand(tl.load(q_ptrs, mask=row_ok[:, None], other=0.0), qk_scale / qk_scale, RESIDENT_REGS)
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     k_ptr = K + b * stride_kb + h * stride_kh
     v_ptr = V + b * stride_vb + h * stride_vh
 
@@ -669,11 +637,10 @@ def flash_backward_dkdv_kernel(
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
-    RESIDENT_REGS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program per (key tile, head): K and V stay resident while query tiles stream past."""
+    """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
     tile_n, pid_bh = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -693,8 +660,6 @@ def flash_backward_dkdv_kernel(
         mask=key_ok,
         other=0.0,
     )
-    k = _as_register_operand(k, sm_scale / sm_scale, RESIDENT_REGS)
-    v = _as_register_operand(v, sm_scale / sm_scale, RESIDENT_REGS)
     q_ptr = Q + b * stride_qb + h * stride_qh
     do_ptr = DO + b * stride_dob + h * stride_doh
     lse_ptr = L + b * stride_lb + h * stride_lh
@@ -889,11 +854,10 @@ def flash_backward_dq_kernel(
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
-    RESIDENT_REGS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program per (query tile, head): Q, dO, L and D stay resident while key tiles stream past."""
+    """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past."""
     tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
@@ -912,8 +876,6 @@ def flash_backward_dq_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    q = _as_register_operand(q, sm_scale / sm_scale, RESIDENT_REGS)
-    do = _as_register_operand(do, sm_scale / sm_scale, RESIDENT_REGS)
     lse2 = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=row_ok, other=0.0)
     lse2 = lse2 * 1.4426950408889634
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * n_queries + offs_m, mask=row_ok, other=0.0)

@@ -105,13 +105,9 @@ def attention_flops(
     return forward * {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}[phase]
 
 
-def _kernel_options() -> dict[str, str]:
-    """For provenance: the phases of our kernels that exponentiate with the FMA-pipe polynomial
-    (``CS336_FLASH_POLY_EXP2``) and that keep their resident tiles in registers
-    (``CS336_FLASH_RESIDENT_REGS``)."""
-    kernels = flash_triton._kernels()
-    return {"poly_exp2": ",".join(sorted(kernels.POLY_EXP2_PHASES)),
-            "resident_regs": ",".join(sorted(kernels.RESIDENT_REGS_PHASES))}
+def _poly_exp2_label() -> str:
+    """The kernels that exponentiate with the FMA-pipe polynomial (``CS336_FLASH_POLY_EXP2``), for provenance."""
+    return ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
 
 
 def _median_ms(stats: TimingStats) -> float:
@@ -336,7 +332,7 @@ def run_leaderboard(
             args = tuple(t.unsqueeze(1) for t in (q, k, v))  # views: gradients still reach q, k, v
         row: dict[str, Any] = {"impl": impl}
         if impl == "triton":
-            row.update(_kernel_options())
+            row["poly_exp2"] = _poly_exp2_label()
         protocols: dict[str, Callable[[], Any]] = {
             "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
             "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
@@ -432,8 +428,8 @@ def run_kernel_breakdown(
     after = _tuning_state()
     q.grad = k.grad = v.grad = None
 
-    options = _kernel_options()
-    summary: dict[str, Any] = {**options, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
+    poly = _poly_exp2_label()
+    summary: dict[str, Any] = {"poly_exp2": poly, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
                                "dtype": dtype}  # fmt: skip
     _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
                                                             grad_to_none=[q, k, v]))  # fmt: skip
@@ -447,7 +443,7 @@ def run_kernel_breakdown(
     matmul = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward") / 2  # one causal product
     kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP)
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
-    kernels = kernels.assign(head_dim=head_dim, **options)
+    kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
 
     chosen = flash_triton._kernels()
     tuning_rows = []
@@ -573,7 +569,8 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             summary = pd.DataFrame([p[0] for p in parts])
             kernels = pd.concat([p[1] for p in parts], ignore_index=True)
             tuning = pd.concat([p[2] for p in parts], ignore_index=True)
-            extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default"), **_kernel_options()}
+            extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default"),
+                     "poly_exp2": _poly_exp2_label()}  # fmt: skip
             out.table(summary, "kernel_breakdown", params=extra)
             out.table(kernels, "kernel_breakdown_kernels", params=extra)
             out.table(tuning, "kernel_breakdown_tuning", params=extra)
@@ -623,8 +620,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"unknown parameter {key!r}; valid: {', '.join(params)}")
         params[key] = value
     commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
-    # Provenance: the kernel options in force (polynomial exp2, resident tiles in registers).
-    out = ResultWriter(SECTION, params={**params, **_kernel_options()}, smoke=smoke)
+    # Provenance: which phases of our kernels use the polynomial exp2 (CS336_FLASH_POLY_EXP2).
+    out = ResultWriter(SECTION, params={**params, "poly_exp2": _poly_exp2_label()}, smoke=smoke)
     print(out.banner())
     run_all(commands, params, out)
 
