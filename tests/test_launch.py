@@ -32,6 +32,17 @@ def test_a_crashing_rank_ends_the_run_with_its_traceback() -> None:
         launch.spawn(_fail_on_rank_one, 2, backend="gloo", timeout_s=60)
 
 
+def test_first_failure_ignores_an_error_file_its_rank_did_not_finish(tmp_path) -> None:
+    """A rank terminated while recording its error leaves only a ``.partial`` file, which must neither
+    break the report nor win it."""
+    result = str(tmp_path / "results.pt")
+    (tmp_path / "results.pt.error-0.partial").write_text("")
+    (tmp_path / "results.pt.error-1").write_text("12.5\nTraceback: boom on rank 1\n")
+    (tmp_path / "results.pt.error-2").write_text("13.0\nTraceback: connection reset\n")
+    assert launch._first_failure(result) == (1, "Traceback: boom on rank 1\n")
+    assert launch._first_failure(str(tmp_path / "other.pt")) is None
+
+
 def test_impossible_world_sizes_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         launch.check_world_size(0, "gloo")

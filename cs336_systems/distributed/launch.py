@@ -138,8 +138,12 @@ def _worker(
     except BaseException:
         # Record when and how this rank failed: the peers' errors that follow ("connection reset")
         # are consequences, and the parent reports the earliest failure as the cause.
-        with open(f"{result_path}.error-{local_rank}", "w") as f:
+        # Written whole, then renamed: a rank terminated while writing (the launcher stops the others
+        # once one fails) must not leave a partial file for the parent to read.
+        error_path = f"{result_path}.error-{local_rank}"
+        with open(error_path + ".partial", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(error_path + ".partial", error_path)
         raise
     finally:
         destroy_process_group()
@@ -152,9 +156,11 @@ class WorkerError(RuntimeError):
 def _first_failure(result_path: str) -> tuple[int, str] | None:
     failures = []
     for path in glob.glob(f"{result_path}.error-*"):
-        rank = int(path.rsplit("-", 1)[1])
+        suffix = path.rsplit("-", 1)[1]
+        if not suffix.isdigit():  # a ".partial" file its rank did not finish writing
+            continue
         stamp, _, tb = open(path).read().partition("\n")
-        failures.append((float(stamp), rank, tb))
+        failures.append((float(stamp), int(suffix), tb))
     if not failures:
         return None
     _, rank, tb = min(failures)
