@@ -38,7 +38,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -131,8 +131,6 @@ class Variant:
 def expand_variants(cfg: DDPBenchConfig) -> list[Variant]:
     """Every (mode, bucket size, comm dtype, graph) combination the config asks for, ``single`` once
     per graph setting."""
-    from dataclasses import replace
-
     out: list[Variant] = []
     for mode in cfg.modes:
         if mode == "single":
@@ -340,13 +338,11 @@ def run_variant(cfg: DDPBenchConfig, variant: Variant) -> tuple[dict[str, Any], 
     return row, timeline
 
 
-def with_overheads(rows: list[dict[str, Any]] | Any) -> Any:
-    """``overhead_ms`` and ``vs_single`` of every row against the single-GPU step *of the same kind*
-    (eager or captured in a CUDA graph): a captured step compared with an eager single-GPU step would
-    credit the graph to data parallelism. Takes the worker's row dicts or a step table (returns a copy)."""
-    import pandas as pd
-
-    frame = pd.DataFrame(rows).copy() if not isinstance(rows, pd.DataFrame) else rows.copy()
+def with_overheads(steps: Any) -> Any:
+    """A copy of the step table ``steps`` with ``overhead_ms`` and ``vs_single`` of every row against
+    the single-GPU step *of the same kind* (eager or captured in a CUDA graph): a captured step compared
+    with an eager single-GPU step would credit the graph to data parallelism."""
+    frame = steps.copy()
     graphed = _captured(frame)
     frame["overhead_ms"] = float("nan")
     frame["vs_single"] = float("nan")
@@ -356,7 +352,7 @@ def with_overheads(rows: list[dict[str, Any]] | Any) -> Any:
         if len(single):
             frame.loc[same, "overhead_ms"] = frame.loc[same, "step_ms"] - single.iloc[0]
             frame.loc[same, "vs_single"] = frame.loc[same, "step_ms"] / single.iloc[0]
-    return frame.to_dict("records") if not isinstance(rows, pd.DataFrame) else frame
+    return frame
 
 
 def check_toy_equivalence(variants: list[Variant]) -> list[dict[str, Any]]:
@@ -402,7 +398,9 @@ def ddp_benchmark_worker(cfg: DDPBenchConfig) -> dict[str, Any]:
         timeline += tl
         if ctx.is_main:
             print(f"    {row['step_ms']:.1f} ms/step, exposed communication {row['sync_ms']:.1f} ms", flush=True)
-    rows = with_overheads(rows)
+    import pandas as pd
+
+    rows = with_overheads(pd.DataFrame(rows)).to_dict("records")
     allreduce = [time_all_reduce(size) for size in cfg.allreduce_sizes]
     return {"rows": rows, "timeline": timeline, "allreduce": allreduce, "equivalence": equivalence}
 

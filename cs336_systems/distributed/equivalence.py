@@ -109,7 +109,13 @@ def train_and_compare(
         grad_dtypes |= {str(p.grad.dtype) for p in ddp.parameters() if p.grad is not None}
         opt.step()
 
-    final = state_vector(ddp.module)
+    return _comparison(ddp.module, reference, initial, init_diff, grad_dtypes)
+
+
+def _comparison(replica: nn.Module, reference: nn.Module, initial: torch.Tensor, init_diff: float,
+                grad_dtypes: set[str]) -> dict[str, Any]:
+    """The report both training checks return (see :func:`train_and_compare`)."""
+    final = state_vector(replica)
     return {
         "init_diff": init_diff,
         "final_diff": (final - state_vector(reference)).abs().max().item(),
@@ -179,12 +185,7 @@ def train_captured_and_compare(
         captured()
         reference_step(xb, yb)
     torch.cuda.synchronize(device)
-    final = state_vector(ddp.module)
+    result = _comparison(ddp.module, reference, initial, init_diff,
+                         {str(p.grad.dtype) for p in ddp.parameters() if p.grad is not None})
     captured.reset()
-    return {
-        "init_diff": init_diff,
-        "final_diff": (final - state_vector(reference)).abs().max().item(),
-        "moved": (state_vector(reference) - initial).abs().max().item(),
-        "grad_dtypes": sorted({str(p.grad.dtype) for p in ddp.parameters() if p.grad is not None}),
-        "final": final.cpu(),
-    }
+    return result

@@ -17,7 +17,7 @@ so the *mechanism* lives here, once:
 
 - :func:`trainable_parameters` — unique parameters that need gradients (a tied weight counts once);
 - :func:`broadcast_module_state` — rank 0's parameters and buffers, so replicas start identical;
-- :class:`MeanAllReduce` (and :func:`all_reduce_mean` for one-off calls) → :class:`PendingReduce` — an
+- :class:`MeanAllReduce` → :class:`PendingReduce` — an
   (async) averaging all-reduce launched with as little host work as possible, with an optional
   low-precision wire format (bf16/fp16) whose result is written back into the fp32 gradient, as
   ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook`` does;
@@ -156,11 +156,24 @@ class MeanAllReduce:
         comm_buffer: torch.Tensor | None = None,
         async_op: bool = True,
     ) -> PendingReduce:
-        """Start averaging ``tensor``; the mean lands in ``tensor`` on ``wait()`` (see :func:`all_reduce_mean`)."""
+        """Start averaging ``tensor``; the mean lands in ``tensor`` on ``wait()``.
+
+        With ``comm_dtype`` bf16/fp16 the gradient travels (and is summed by the collective) in that dtype:
+        half the bytes on the wire. The local gradient was accumulated in ``tensor``'s dtype (fp32) and the
+        mean is written back into it, so the optimizer still sees fp32 gradients. The tensor is scaled by
+        ``1/world_size`` *before* the low-precision sum, which keeps fp16 from overflowing.
+        ``comm_buffer`` (same shape, ``comm_dtype``) is reused instead of allocating a copy per call.
+        """
         if comm_dtype is None or comm_dtype == tensor.dtype:
             return PendingReduce(self._launch(tensor, async_op), tensor, tensor, self.post_divide)
         if comm_buffer is None:
+            check_comm_dtype(comm_dtype)
             comm_buffer = torch.empty_like(tensor, dtype=comm_dtype)
+        elif comm_buffer.shape != tensor.shape or comm_buffer.dtype != comm_dtype:
+            raise ValueError(
+                f"comm_buffer must have shape {tuple(tensor.shape)} and dtype {comm_dtype}, "
+                f"got {tuple(comm_buffer.shape)} {comm_buffer.dtype}"
+            )
         if self.post_divide == 1:
             comm_buffer.copy_(tensor)
         else:
@@ -185,32 +198,6 @@ class PendingReduce:
         if self.post_divide > 1:
             self.target.div_(self.post_divide)
         return self.target
-
-
-def all_reduce_mean(
-    tensor: torch.Tensor,
-    *,
-    comm_dtype: torch.dtype | None = None,
-    comm_buffer: torch.Tensor | None = None,
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = True,
-) -> PendingReduce:
-    """Start averaging ``tensor`` over the ranks of ``group``; the result lands in ``tensor`` on ``wait()``.
-
-    With ``comm_dtype`` bf16/fp16 the gradient travels (and is summed by the collective) in that dtype:
-    half the bytes on the wire. The local gradient was accumulated in ``tensor``'s dtype (fp32) and the
-    mean is written back into it, so the optimizer still sees fp32 gradients. The tensor is scaled by
-    ``1/world_size`` *before* the low-precision sum, which keeps fp16 from overflowing.
-    ``comm_buffer`` (same shape, ``comm_dtype``) is reused instead of allocating a copy per call.
-    Callers that launch many collectives on one group keep a :class:`MeanAllReduce` instead.
-    """
-    check_comm_dtype(comm_dtype)
-    if comm_buffer is not None and (comm_buffer.shape != tensor.shape or comm_buffer.dtype != comm_dtype):
-        raise ValueError(
-            f"comm_buffer must have shape {tuple(tensor.shape)} and dtype {comm_dtype}, "
-            f"got {tuple(comm_buffer.shape)} {comm_buffer.dtype}"
-        )
-    return MeanAllReduce(group)(tensor, comm_dtype=comm_dtype, comm_buffer=comm_buffer, async_op=async_op)
 
 
 # --------------------------------------------------------------------------------------------------
