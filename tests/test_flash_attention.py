@@ -284,9 +284,11 @@ def test_wide_tile_lists_contain_the_defaults() -> None:
     candidates = flash_triton._kernels()._CANDIDATES
     for phase, default in candidates["default"].items():
         assert set(default) <= set(candidates["wide"][phase]), phase
-        for m, n, warps, stages in candidates["wide"][phase]:
+        for m, n, warps, stages, *maxnreg in candidates["wide"][phase]:
             assert m >= 16 and n >= 16 and m & (m - 1) == 0 and n & (n - 1) == 0, (phase, m, n)
             assert warps in (1, 2, 4, 8) and stages >= 1
+            # A register cap is a multiple of 8 that Hopper can allocate (24-255 per thread).
+            assert all(24 <= r <= 255 and r % 8 == 0 for r in maxnreg), (phase, maxnreg)
 
 
 def test_kernel_breakdown_reports_times_and_kernels() -> None:
@@ -461,3 +463,20 @@ def test_dq_tiles_are_pruned_to_fit_shared_memory(monkeypatch, dtype: torch.dtyp
     configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
     kept = prune(configs, {"HEAD_DIM": 128, "Q": q, "SEQ_CLASS": 64})
     assert [c.num_stages for c in kept] == [expected_stages]
+
+
+def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate that differs only in ``maxnreg`` is its own candidate and keeps its cap through pruning."""
+    import triton
+
+    from cs336_systems.attention import flash_triton
+
+    kernels = flash_triton._kernels()
+    monkeypatch.setattr(kernels, "_shared_memory_bytes", lambda device_index: 232448)
+    q = torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
+    configs = [
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=3, maxnreg=168),
+    ]
+    kept = kernels.DKDV_PRUNE(configs, {"HEAD_DIM": 64, "Q": q, "SEQ_CLASS": 1024})
+    assert [c.maxnreg for c in kept] == ([None, 168] if kernels.AUTOTUNE else [None])

@@ -84,21 +84,29 @@ def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> bool:
 _INTERPRETER_CONFIG = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
 
 
-def _configs(candidates: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` candidates; the first is the untuned default."""
+def _configs(candidates: list[tuple[int, ...]]) -> list[triton.Config]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])`` candidates; the first is the untuned default.
+
+    ``maxnreg`` caps the registers per thread. On Hopper an SM sub-partition holds 16,384 registers, so a
+    4-warp program at 169-255 registers leaves room for 2 programs per SM and one at <= 168 for 3: a cap
+    just under such a cliff buys a third (or fourth) resident program for latency hiding at the price of a
+    few spilled registers (PERF_NOTES.md).
+    """
     if INTERPRETED:
         return _INTERPRETER_CONFIG
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates
-    ]
+        triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3],
+                      maxnreg=c[4] if len(c) > 4 else None)
+        for c in candidates
+    ]  # fmt: skip
 
 
-#: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` per phase and config set. Forward and dQ keep BLOCK_M
+#: ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])`` per phase and config set. Forward and dQ keep BLOCK_M
 #: queries resident while BLOCK_N-key tiles stream past; dK/dV keeps BLOCK_N keys resident while
 #: BLOCK_M-query tiles stream past. The ``default`` lists hold the winners on an H100 for head dims 64 and
 #: 128 plus a neighbour or two (see PERF_NOTES.md); each candidate costs about 0.8 s of compile per shape
 #: class on first use.
-_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
+_CANDIDATES: dict[str, dict[str, list[tuple[int, ...]]]] = {
     "default": {
         "forward": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
         "dkdv": [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
@@ -109,9 +117,11 @@ _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
                     (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
         "dkdv": [(16, 64, 4, 4), (32, 64, 4, 3), (32, 64, 4, 5), (32, 128, 4, 3), (32, 128, 4, 5),
                  (32, 128, 8, 4), (64, 64, 4, 3), (64, 64, 8, 4), (64, 128, 8, 2), (64, 128, 8, 3),
-                 (128, 128, 8, 2)],
+                 (128, 128, 8, 2), (16, 64, 4, 4, 128), (32, 64, 4, 3, 168), (32, 64, 4, 4, 168),
+                 (64, 64, 4, 3, 168), (32, 128, 8, 3, 128)],
         "dq": [(64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 3),
-               (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+               (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3, 128),
+               (128, 64, 8, 3, 128)],
     },
 }  # fmt: skip
 if CONFIG_SET not in _CANDIDATES:
@@ -165,9 +175,9 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
         layouts = 2 if args["Q"].element_size() == 4 else 1
         budget = _SHARED_MEMORY_SHARE * _shared_memory_bytes(args["Q"].device.index or 0)
         longest = max(args.get("SEQ_CLASS", 1 << 30), 64)
-        fitted: dict[tuple[int, int, int, int], triton.Config] = {}
+        fitted: dict[tuple[int, ...], triton.Config] = {}
         for config in configs:
-            m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+            m, n, maxnreg = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], getattr(config, "maxnreg", None)
             if max(m, n) > longest:
                 continue
             stages = config.num_stages
@@ -176,8 +186,8 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
             if row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n, layouts)) > budget:
                 continue
             fitted.setdefault(
-                (m, n, config.num_warps, stages),
-                triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages),
+                (m, n, config.num_warps, stages, maxnreg),
+                triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages, maxnreg=maxnreg),
             )
         if not fitted:  # nothing fits the estimate: try the smallest tiles, unpipelined
             m, n, w, _ = min(((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, 1) for c in configs),

@@ -383,9 +383,11 @@ MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_backward_dkdv_kernel": 4, 
 
 
 def _config_label(config: Any) -> str:
-    """``BLOCK_M x BLOCK_N, w warps, s stages`` for a ``triton.Config``."""
+    """``BLOCK_M x BLOCK_N, w warps, s stages[, maxnreg r]`` for a ``triton.Config``."""
     kw = config.kwargs
-    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
+    label = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
+    maxnreg = getattr(config, "maxnreg", None)
+    return f"{label}, maxnreg {maxnreg}" if maxnreg else label
 
 
 def _tuning_state() -> dict[str, Any]:
