@@ -41,23 +41,6 @@ _LOG2_E = 1.4426950408889634
 _IMPL_NAME = "FlashAttention (Triton)"
 
 
-#: Backward schedules. ``split``: a dK/dV kernel over key tiles, then a dQ kernel over query tiles (seven
-#: matmuls per tile pair, each score tile exponentiated twice, no atomics). ``fused``: one pass over key
-#: tiles that also adds each tile's share of dQ into a float32 buffer, by TMA reduce-adds on Hopper and
-#: newer, by atomics elsewhere (five matmuls, one exponentiation; the FlashAttention-3 schedule).
-#: ``CS336_FLASH_BACKWARD`` picks one; PERF_NOTES.md has the measurements behind the default.
-BACKWARD_SCHEDULES = ("split", "fused")
-DEFAULT_BACKWARD = "split"
-
-
-def backward_schedule() -> str:
-    """The backward schedule ``CS336_FLASH_BACKWARD`` asks for (default :data:`DEFAULT_BACKWARD`)."""
-    value = os.environ.get("CS336_FLASH_BACKWARD", DEFAULT_BACKWARD)
-    if value not in BACKWARD_SCHEDULES:
-        raise ValueError(f"CS336_FLASH_BACKWARD={value!r}; valid: {', '.join(BACKWARD_SCHEDULES)}")
-    return value
-
-
 def interpreter_enabled() -> bool:
     """True when ``TRITON_INTERPRET=1``: kernels then run on CPU tensors through Triton's interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -158,18 +141,12 @@ def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]
 def flash_attention_backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV)``: the D preprocess, then the :func:`backward_schedule`'s kernels."""
+    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics)."""
     kernels = _kernels()
-    fused = backward_schedule() == "fused"
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     delta = torch.empty((batch * heads, n_queries), dtype=torch.float32, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # The fused schedule adds into a zeroed float32 dQ; the split one leaves it unused (and empty).
-    dq_acc = delta.new_zeros((batch * heads, n_queries, d) if fused else (0,))
-    tma = fused and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (9, 0)
-    if tma:
-        kernels.install_descriptor_scratch()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(d)
     shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
     block = kernels.PREPROCESS_BLOCK
@@ -180,14 +157,11 @@ def flash_attention_backward(
             o, do, delta, *o.stride(), *do.stride(), heads, n_queries, HEAD_DIM=d, BLOCK_M=block
         )
         kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
-            q, k, v, do, lse, delta, dk, dv, dq_acc,
+            q, k, v, do, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
-            POLY_EXP2=kernels.uses_poly_exp2("dkdv", q.element_size() == 2), ACCUMULATE_DQ=fused, DQ_TMA=tma,
+            POLY_EXP2=kernels.uses_poly_exp2("dkdv", q.element_size() == 2),
         )  # fmt: skip
-        if fused:
-            return dq_acc.view(batch, heads, n_queries, d).to(q.dtype), dk, dv
-        dq = torch.empty_like(q)
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),

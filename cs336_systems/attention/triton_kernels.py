@@ -71,16 +71,6 @@ if not POLY_EXP2_PHASES <= {"forward", "dkdv", "dq"}:
                      "valid: forward, dkdv, dq (comma-separated), all, none")
 
 
-@functools.cache
-def install_descriptor_scratch() -> None:
-    """Give Triton an allocator for the global scratch that in-kernel tensor descriptors
-    (``tl.make_tensor_descriptor``) are written to: PyTorch's caching allocator, so it also works while a
-    CUDA graph is captured. Process-wide and done once, on the first launch that needs it."""
-    import torch
-
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-
-
 def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> bool:
     """Whether ``phase`` (forward, dkdv, dq) exponentiates with :func:`_exp2_fma` for these inputs."""
     return dtype_is_16_bit and phase in POLY_EXP2_PHASES
@@ -119,14 +109,15 @@ def _configs(candidates: list[tuple[int, ...]]) -> list[triton.Config]:
 _CANDIDATES: dict[str, dict[str, list[tuple[int, ...]]]] = {
     "default": {
         "forward": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
-        "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3, 168), (64, 128, 8, 3), (32, 128, 8, 3)],
+        "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3, 168), (64, 128, 8, 3)],
         "dq": [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     },
     "wide": {
         "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
                     (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
         "dkdv": [(16, 64, 4, 4), (32, 64, 4, 3), (32, 64, 4, 5), (32, 128, 4, 3), (32, 128, 4, 5),
-                 (32, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 3), (64, 64, 8, 4), (64, 128, 8, 2), (64, 128, 8, 3),
+                 (32, 128, 8, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4), (64, 128, 8, 2),
+                 (64, 128, 8, 3),
                  (128, 128, 8, 2), (16, 64, 4, 4, 128), (32, 64, 4, 3, 168), (32, 64, 4, 4, 168),
                  (64, 64, 4, 3, 168), (32, 128, 8, 3, 128)],
         "dq": [(64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 3),
@@ -209,16 +200,10 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
     return prune
 
 
-def _autotune(
-    configs: list[triton.Config], prune: Callable, extra_key: tuple[str, ...] = (), reset_to_zero: tuple[str, ...] = ()
-):
-    """``triton.autotune`` keyed on the shape class (plus ``extra_key``), with a short benchmark per config
-    (5 ms warm-up, 20 ms of timed runs instead of 25/100) where this Triton lets us pass one.
-
-    The tuner replays the kernel once per candidate (even a single one, on some Triton versions), so an
-    output that is accumulated into with atomics must be listed in ``reset_to_zero``."""
-    kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY + list(extra_key),
-                        prune_configs_by={"early_config_prune": prune}, reset_to_zero=list(reset_to_zero) or None)
+def _autotune(configs: list[triton.Config], prune: Callable):
+    """``triton.autotune`` keyed on the shape class, with a short benchmark per config (5 ms warm-up,
+    20 ms of timed runs instead of 25/100) where this Triton lets us pass one."""
+    kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})
     if "do_bench" in inspect.signature(triton.autotune).parameters and not INTERPRETED:
         kwargs["do_bench"] = functools.partial(triton.testing.do_bench, warmup=5, rep=20)
     return triton.autotune(**kwargs)
@@ -570,8 +555,6 @@ def _dkdv_query_loop(
     stride_don,
     stride_dod,
     stride_ln,
-    dq_target,
-    bh,
     offs_n,
     lo,
     hi,
@@ -585,18 +568,10 @@ def _dkdv_query_loop(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
-    ACCUMULATE_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr,
 ):
     """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` over query tiles ``[lo, hi)``, working on transposed
     tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed. ``dS`` carries the softmax scale (folded
-    into ``dP · scale - D · scale``, one fused multiply-add), so dK needs no rescaling at the end.
-
-    With ``ACCUMULATE_DQ`` each tile's share of ``dQ = dS K`` is also added into a float32 buffer: by a TMA
-    reduce-add of the whole tile when ``DQ_TMA`` (``dq_target`` is a ``(batch*heads, n_queries, d)``
-    tensor descriptor, row ``bh``), else by per-element atomics (``dq_target`` points at this head's rows).
-    Five matmuls per tile pair instead of the split backward's seven, and each score tile exponentiated
-    once."""
+    into ``dP · scale - D · scale``, one fused multiply-add), so dK needs no rescaling at the end."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -618,15 +593,8 @@ def _dkdv_query_loop(
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dst = (pt * (dpt * sm_scale - (delta * sm_scale)[None, :])).to(qt.dtype)
-        dk = tl.dot(dst, tl.trans(qt), dk, input_precision=DOT_PRECISION)
-        if ACCUMULATE_DQ:
-            dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION)
-            if DQ_TMA:
-                dq_target.atomic_add([bh, start_m, 0], tl.reshape(dq, [1, BLOCK_M, HEAD_DIM]))
-            else:
-                dq_ptrs = dq_target + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < n_queries)[:, None], sem="relaxed")
+        dst = pt * (dpt * sm_scale - (delta * sm_scale)[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -634,7 +602,7 @@ def _dkdv_query_loop(
 DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m)
 
 
-@_autotune(DKDV_CONFIGS, DKDV_PRUNE, extra_key=("ACCUMULATE_DQ",), reset_to_zero=("DQ_ACC",))
+@_autotune(DKDV_CONFIGS, DKDV_PRUNE)
 @_jit
 def flash_backward_dkdv_kernel(
     Q,
@@ -645,7 +613,6 @@ def flash_backward_dkdv_kernel(
     DELTA,
     DK,
     DV,
-    DQ_ACC,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -683,16 +650,10 @@ def flash_backward_dkdv_kernel(
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
-    ACCUMULATE_DQ: tl.constexpr,
-    DQ_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program per (key tile, head): K and V stay resident while query tiles stream past.
-
-    With ``ACCUMULATE_DQ`` this is the whole backward (after the D preprocess): dQ is added into
-    ``DQ_ACC``, a zeroed float32 ``(batch * heads, n_queries, HEAD_DIM)`` buffer (see
-    :func:`_dkdv_query_loop`); otherwise ``DQ_ACC`` is unused and the dQ kernel runs next."""
+    """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
     tile_n, pid_bh = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
     b = (pid_bh // n_heads).to(tl.int64)
@@ -716,17 +677,6 @@ def flash_backward_dkdv_kernel(
     do_ptr = DO + b * stride_dob + h * stride_doh
     lse_ptr = L + b * stride_lb + h * stride_lh
     delta_ptr = DELTA + pid_bh.to(tl.int64) * n_queries
-    if ACCUMULATE_DQ and DQ_TMA:
-        # One descriptor per program (written to the scratch Triton's allocator provides); its first
-        # dimension keeps each head's rows apart, so a ragged last tile is clipped at n_queries.
-        dq_target = tl.make_tensor_descriptor(
-            DQ_ACC,
-            shape=[tl.num_programs(0) // tl.cdiv(n_keys, BLOCK_N), n_queries, HEAD_DIM],
-            strides=[n_queries * HEAD_DIM, HEAD_DIM, 1],
-            block_shape=[1, BLOCK_M, HEAD_DIM],
-        )
-    else:
-        dq_target = DQ_ACC + pid_bh.to(tl.int64) * n_queries * HEAD_DIM
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -745,8 +695,6 @@ def flash_backward_dkdv_kernel(
         stride_don,
         stride_dod,
         stride_ln,
-        dq_target,
-        pid_bh,
         offs_n,
         lo,
         diag,
@@ -760,8 +708,6 @@ def flash_backward_dkdv_kernel(
         True,
         DOT_PRECISION,
         POLY_EXP2,
-        ACCUMULATE_DQ,
-        DQ_TMA,
     )
     dk, dv = _dkdv_query_loop(
         dk,
@@ -777,8 +723,6 @@ def flash_backward_dkdv_kernel(
         stride_don,
         stride_dod,
         stride_ln,
-        dq_target,
-        pid_bh,
         offs_n,
         diag,
         tail,
@@ -792,8 +736,6 @@ def flash_backward_dkdv_kernel(
         False,
         DOT_PRECISION,
         POLY_EXP2,
-        ACCUMULATE_DQ,
-        DQ_TMA,
     )
     dk, dv = _dkdv_query_loop(
         dk,
@@ -809,8 +751,6 @@ def flash_backward_dkdv_kernel(
         stride_don,
         stride_dod,
         stride_ln,
-        dq_target,
-        pid_bh,
         offs_n,
         tail,
         n_queries,
@@ -824,8 +764,6 @@ def flash_backward_dkdv_kernel(
         True,
         DOT_PRECISION,
         POLY_EXP2,
-        ACCUMULATE_DQ,
-        DQ_TMA,
     )
 
     dk_ptrs = (

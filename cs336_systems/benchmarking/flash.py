@@ -333,7 +333,6 @@ def run_leaderboard(
         row: dict[str, Any] = {"impl": impl}
         if impl == "triton":
             row["poly_exp2"] = _poly_exp2_label()
-            row["backward"] = flash_triton.backward_schedule()
         protocols: dict[str, Callable[[], Any]] = {
             "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
             "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
@@ -432,9 +431,8 @@ def run_kernel_breakdown(
     q.grad = k.grad = v.grad = None
 
     poly = _poly_exp2_label()
-    schedule = flash_triton.backward_schedule()
-    summary: dict[str, Any] = {"poly_exp2": poly, "backward": schedule, "batch": batch, "seq_len": seq_len,
-                               "head_dim": head_dim, "dtype": dtype}  # fmt: skip
+    summary: dict[str, Any] = {"poly_exp2": poly, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
+                               "dtype": dtype}  # fmt: skip
     _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
                                                             grad_to_none=[q, k, v]))  # fmt: skip
     _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
@@ -445,12 +443,9 @@ def run_kernel_breakdown(
     kernels = kernel_table(profile_steps(step, warmup=1, steps=profiled_steps), per=profiled_steps)
     summary["profiled_gpu_ms_per_step"] = kernels["total_ms"].sum()
     matmul = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward") / 2  # one causal product
-    matmuls = dict(MATMULS_PER_STEP)
-    if schedule == "fused":  # the dK/dV pass also computes dQ = dS K
-        matmuls["flash_backward_dkdv_kernel"] += 1
-    kernels["matmuls"] = kernels["name"].map(matmuls)
+    kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP)
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
-    kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly, backward=schedule)
+    kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
 
     chosen = flash_triton._kernels()
     tuning_rows = []
@@ -577,7 +572,7 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             kernels = pd.concat([p[1] for p in parts], ignore_index=True)
             tuning = pd.concat([p[2] for p in parts], ignore_index=True)
             extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default"),
-                     "poly_exp2": _poly_exp2_label(), "backward": flash_triton.backward_schedule()}  # fmt: skip
+                     "poly_exp2": _poly_exp2_label()}  # fmt: skip
             out.table(summary, "kernel_breakdown", params=extra)
             out.table(kernels, "kernel_breakdown_kernels", params=extra)
             out.table(tuning, "kernel_breakdown_tuning", params=extra)
@@ -628,8 +623,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         params[key] = value
     commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
     # Provenance: which phases of our kernels use the polynomial exp2 (CS336_FLASH_POLY_EXP2).
-    kernel_settings = {"poly_exp2": _poly_exp2_label(), "backward": flash_triton.backward_schedule()}
-    out = ResultWriter(SECTION, params={**params, **kernel_settings}, smoke=smoke)
+    out = ResultWriter(SECTION, params={**params, "poly_exp2": _poly_exp2_label()}, smoke=smoke)
     print(out.banner())
     run_all(commands, params, out)
 
