@@ -563,7 +563,6 @@ def _dkdv_query_loop(
     n_queries,
     n_keys,
     qk_scale,
-    sm_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -571,9 +570,8 @@ def _dkdv_query_loop(
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
 ):
-    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` over query tiles ``[lo, hi)``, working on transposed
-    tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed. ``dS`` carries the softmax scale (folded
-    into ``dP · scale - D · scale``, one fused multiply-add), so dK needs no rescaling at the end."""
+    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
+    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -595,7 +593,7 @@ def _dkdv_query_loop(
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dst = pt * (dpt * sm_scale - (delta * sm_scale)[None, :])
+        dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -703,7 +701,6 @@ def flash_backward_dkdv_kernel(
         n_queries,
         n_keys,
         qk_scale,
-        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
@@ -731,7 +728,6 @@ def flash_backward_dkdv_kernel(
         n_queries,
         n_keys,
         qk_scale,
-        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
@@ -759,7 +755,6 @@ def flash_backward_dkdv_kernel(
         n_queries,
         n_keys,
         qk_scale,
-        sm_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
@@ -774,7 +769,7 @@ def flash_backward_dkdv_kernel(
     dv_ptrs = (
         DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
     )
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
 
 
