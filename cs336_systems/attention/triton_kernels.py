@@ -50,38 +50,30 @@ AUTOTUNE = os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0"
 #: kernel breakdown with ``CS336_FLASH_CONFIGS=wide`` and read the winners off its ``best_config`` column.
 CONFIG_SET = os.environ.get("CS336_FLASH_CONFIGS", "default")
 #: Phases whose score tiles are exponentiated by :func:`_exp2_fma` instead of the hardware ``ex2``
-#: (``CS336_FLASH_POLY_EXP2=forward,dkdv,dq``, ``all`` or ``none``; default ``dkdv``; a phase written
-#: ``dkdv:half`` uses the polynomial for half of each tile's columns and ``ex2`` for the other half): 16-bit
-#: inputs only, where its 8e-5 relative error is below the rounding of P to bf16/fp16. Why it pays where
-#: it does: on Hopper ``ex2`` and the float32→16-bit conversions issue on the same 16-per-clock-per-SM
-#: unit, while the polynomial runs on the 128-per-clock FMA pipe (the lever FlashAttention-4 uses on
+#: (``CS336_FLASH_POLY_EXP2=forward,dkdv,dq``, ``all`` or ``none``; default ``dkdv``): 16-bit inputs
+#: only, where its 8e-5 relative error is below the rounding of P to bf16/fp16. Why it pays where it
+#: does: on Hopper ``ex2`` and the float32→16-bit conversions issue on the same 16-per-clock-per-SM unit,
+#: while the polynomial runs on the 128-per-clock FMA pipe (the lever FlashAttention-4 uses on
 #: Blackwell). dK/dV converts two tiles (P and dS) per exponentiated tile and got 7.5% faster on an H100;
 #: forward and dQ convert one, keep their FMA pipe busy otherwise, and got 30% slower (PERF_NOTES.md).
 DEFAULT_POLY_EXP2 = "dkdv"
 _POLY_SETTING = os.environ.get("CS336_FLASH_POLY_EXP2", DEFAULT_POLY_EXP2)
-_POLY_ENTRIES = [
-    entry.partition(":")
-    for entry in (("forward", "dkdv", "dq") if _POLY_SETTING == "all"
-                  else () if _POLY_SETTING == "none"
-                  else filter(None, _POLY_SETTING.split(",")))
-]  # fmt: skip
-POLY_EXP2_PHASES = frozenset(phase for phase, _, _ in _POLY_ENTRIES)
-#: The subset of :data:`POLY_EXP2_PHASES` that splits each tile between the polynomial and ``ex2``.
-POLY_EXP2_HALF = frozenset(phase for phase, _, amount in _POLY_ENTRIES if amount == "half")
+POLY_EXP2_PHASES = frozenset(
+    ("forward", "dkdv", "dq") if _POLY_SETTING == "all"
+    else () if _POLY_SETTING == "none"
+    else filter(None, _POLY_SETTING.split(","))
+)  # fmt: skip
 #: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes
 #: (set before the checks below, so that a failed import is retried once the setting is fixed).
 BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET, _POLY_SETTING)
-if not POLY_EXP2_PHASES <= {"forward", "dkdv", "dq"} or any(amount not in ("", "half") for *_, amount in _POLY_ENTRIES):
-    raise ValueError(f"CS336_FLASH_POLY_EXP2={_POLY_SETTING!r}: valid are forward, dkdv, dq (comma-separated, "
-                     "each optionally with ':half'), all, none")
+if not POLY_EXP2_PHASES <= {"forward", "dkdv", "dq"}:
+    raise ValueError(f"CS336_FLASH_POLY_EXP2 names unknown phases: {sorted(POLY_EXP2_PHASES)}; "
+                     "valid: forward, dkdv, dq (comma-separated), all, none")
 
 
-def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> int:
-    """How ``phase`` (forward, dkdv, dq) exponentiates these inputs: 0 with ``ex2``, 1 with
-    :func:`_exp2_fma`, 2 with half of each tile each way (the ``POLY_EXP2`` argument of the kernels)."""
-    if not dtype_is_16_bit or phase not in POLY_EXP2_PHASES:
-        return 0
-    return 2 if phase in POLY_EXP2_HALF else 1
+def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> bool:
+    """Whether ``phase`` (forward, dkdv, dq) exponentiates with :func:`_exp2_fma` for these inputs."""
+    return dtype_is_16_bit and phase in POLY_EXP2_PHASES
 
 # --------------------------------------------------------------------------------------------------
 # Tile configurations. The interpreter gets one small config (tl.dot needs every side >= 16; numpy is
@@ -258,14 +250,8 @@ def exp2_fma_kernel(X, Y, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _exp2(x, POLY: tl.constexpr):
-    """Hardware ``ex2`` (MUFU) when ``POLY`` is 0, :func:`_exp2_fma` when 1; when 2, alternate columns each
-    way, so that the MUFU unit and the FMA pipe share the work. (In the wgmma accumulator layout a thread
-    holds adjacent column pairs, so the split and the join stay in registers.)"""
-    if POLY == 2:
-        pairs = tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2])
-        even, odd = tl.split(pairs)
-        y = tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [x.shape[0], x.shape[1]])
-    elif POLY:
+    """Hardware ``ex2`` (MUFU), or :func:`_exp2_fma` when ``POLY``."""
+    if POLY:
         y = _exp2_fma(x)
     else:
         y = tl.math.exp2(x)
@@ -604,8 +590,8 @@ def _dkdv_query_loop(
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        # D is loaded only now, where it is used: at head dim 128 every register counts (the kernel sits
-        # at the 255-register limit), and a D tile held across the exponentiation cost dK/dV ~20% there.
+        # D is loaded only now, where it is used: at head dim 128 the kernel sits at the 255-register
+        # limit and spills, and D held across the exponentiation spilled more (dK/dV +5% on an H100).
         if MASKED:
             delta = tl.load(delta_ptr + offs_m, mask=offs_m < n_queries, other=0.0)
         else:

@@ -107,8 +107,7 @@ def attention_flops(
 
 def _poly_exp2_label() -> str:
     """The kernels that exponentiate with the FMA-pipe polynomial (``CS336_FLASH_POLY_EXP2``), for provenance."""
-    kernels = flash_triton._kernels()
-    return ",".join(f"{p}:half" if p in kernels.POLY_EXP2_HALF else p for p in sorted(kernels.POLY_EXP2_PHASES))
+    return ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
 
 
 def _median_ms(stats: TimingStats) -> float:
