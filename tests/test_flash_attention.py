@@ -281,14 +281,33 @@ def test_wide_tile_lists_contain_the_defaults() -> None:
     """``wide`` is where the defaults are chosen from: tuning over it can only match or beat them."""
     from cs336_systems.attention import flash_triton
 
-    candidates = flash_triton._kernels()._CANDIDATES
+    kernels = flash_triton._kernels()
+    candidates = kernels._CANDIDATES
     for phase, default in candidates["default"].items():
-        assert set(default) <= set(candidates["wide"][phase]), phase
-        for m, n, warps, stages, *maxnreg in candidates["wide"][phase]:
+        wide = {kernels.Tile(*c) for c in candidates["wide"][phase]}
+        assert {kernels.Tile(*c) for c in default} <= wide, phase
+        for m, n, warps, stages, maxnreg, poly in wide:
             assert m >= 16 and n >= 16 and m & (m - 1) == 0 and n & (n - 1) == 0, (phase, m, n)
             assert warps in (1, 2, 4, 8) and stages >= 1
             # A register cap is a multiple of 8 that Hopper can allocate (24-255 per thread).
-            assert all(24 <= r <= 255 and r % 8 == 0 for r in maxnreg), (phase, maxnreg)
+            assert maxnreg is None or (24 <= maxnreg <= 255 and maxnreg % 8 == 0), (phase, maxnreg)
+            assert poly in (None, True, False)
+
+
+def test_exponential_is_tuned_with_the_tile_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Candidates may pin ``ex2`` or the polynomial; unset, the pins hold (the tuner chooses among them),
+    while an explicit ``CS336_FLASH_POLY_EXP2`` overrides every pin."""
+    from cs336_systems.attention import flash_triton
+
+    monkeypatch.delenv("CS336_FLASH_POLY_EXP2", raising=False)
+    kernels = flash_triton._kernels()
+    tiles = [kernels.Tile(64, 64, 4, 3, poly=False), kernels.Tile(64, 64, 4, 3), kernels.Tile(32, 64, 4, 3, poly=True)]
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dkdv", tiles)] == [False, True, True]
+    assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dq", tiles)] == [False, False, True]
+    monkeypatch.setattr(kernels, "POLY_EXP2_EXPLICIT", True)
+    assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dkdv", tiles)] == [True, True, True]
+    assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dq", tiles)] == [False, False, False]
 
 
 def test_kernel_breakdown_reports_times_and_kernels() -> None:
@@ -300,7 +319,7 @@ def test_kernel_breakdown_reports_times_and_kernels() -> None:
     )
     assert summary["fwd_bwd_sum_status"] == "ok" and summary["fwd_bwd_sum_ms"] > 0
     assert summary["forward_status"] == "ok" and summary["forward_ms"] > 0
-    assert summary["poly_exp2"] == "dkdv"  # the default (applies to 16-bit inputs only)
+    assert summary["poly_exp2"] == "dkdv+tuned"  # the default (applies to 16-bit inputs only)
     assert not kernels.empty and (kernels["total_ms"] >= 0).all() and (kernels["head_dim"] == 16).all()
     assert list(tuning.columns) == ["head_dim", "kernel", "config", "median_ms", "chosen"]
 
@@ -466,7 +485,7 @@ def test_dq_tiles_are_pruned_to_fit_shared_memory(monkeypatch, dtype: torch.dtyp
 
 
 def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A candidate that differs only in ``maxnreg`` is its own candidate and keeps its cap through pruning."""
+    """Candidates that differ only in ``maxnreg`` or the exponential stay apart and keep them through pruning."""
     import triton
 
     from cs336_systems.attention import flash_triton
@@ -475,8 +494,10 @@ def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(kernels, "_shared_memory_bytes", lambda device_index: 232448)
     q = torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
     configs = [
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=3, maxnreg=168),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "POLY_EXP2": True}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "POLY_EXP2": True}, num_warps=4, num_stages=3, maxnreg=168),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "POLY_EXP2": False}, num_warps=4, num_stages=3, maxnreg=168),
     ]
     kept = kernels.DKDV_PRUNE(configs, {"HEAD_DIM": 64, "Q": q, "SEQ_CLASS": 1024})
-    assert [c.maxnreg for c in kept] == ([None, 168] if kernels.AUTOTUNE else [None])
+    want = [(None, True), (168, True), (168, False)]
+    assert [(c.maxnreg, c.kwargs["POLY_EXP2"]) for c in kept] == (want if kernels.AUTOTUNE else want[:1])

@@ -59,7 +59,7 @@ def _kernels() -> ModuleType:
         interpreter_enabled(),
         os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0",
         os.environ.get("CS336_FLASH_CONFIGS", "default"),
-        os.environ.get("CS336_FLASH_POLY_EXP2", module.DEFAULT_POLY_EXP2),
+        os.environ.get("CS336_FLASH_POLY_EXP2"),  # unset differs from the default value (see ``Tile``)
     )
     if module.BUILD_MODE != wanted:
         module = importlib.reload(module)
@@ -127,7 +127,6 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
             heads, n_queries, n_keys, _LOG2_E / math.sqrt(d), _seq_class(n_queries, n_keys),
             HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
-            POLY_EXP2=kernels.uses_poly_exp2("forward", q.element_size() == 2),
         )  # fmt: skip
     return o, lse
 
@@ -160,13 +159,11 @@ def flash_attention_backward(
             q, k, v, do, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
-            POLY_EXP2=kernels.uses_poly_exp2("dkdv", q.element_size() == 2),
         )  # fmt: skip
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
-            POLY_EXP2=kernels.uses_poly_exp2("dq", q.element_size() == 2),
         )  # fmt: skip
     return dq, dk, dv
 

@@ -32,6 +32,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -58,6 +59,8 @@ CONFIG_SET = os.environ.get("CS336_FLASH_CONFIGS", "default")
 #: forward and dQ convert one, keep their FMA pipe busy otherwise, and got 30% slower (PERF_NOTES.md).
 DEFAULT_POLY_EXP2 = "dkdv"
 _POLY_SETTING = os.environ.get("CS336_FLASH_POLY_EXP2", DEFAULT_POLY_EXP2)
+#: Whether the setting was given: then it also overrides the candidates that pin a method (see :class:`Tile`).
+POLY_EXP2_EXPLICIT = "CS336_FLASH_POLY_EXP2" in os.environ
 POLY_EXP2_PHASES = frozenset(
     ("forward", "dkdv", "dq") if _POLY_SETTING == "all"
     else () if _POLY_SETTING == "none"
@@ -65,15 +68,11 @@ POLY_EXP2_PHASES = frozenset(
 )  # fmt: skip
 #: What the decorators above were built for; ``flash_triton`` re-imports this module when it changes
 #: (set before the checks below, so that a failed import is retried once the setting is fixed).
-BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET, _POLY_SETTING)
+BUILD_MODE = (INTERPRETED, AUTOTUNE, CONFIG_SET, os.environ.get("CS336_FLASH_POLY_EXP2"))
 if not POLY_EXP2_PHASES <= {"forward", "dkdv", "dq"}:
     raise ValueError(f"CS336_FLASH_POLY_EXP2 names unknown phases: {sorted(POLY_EXP2_PHASES)}; "
                      "valid: forward, dkdv, dq (comma-separated), all, none")
 
-
-def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> bool:
-    """Whether ``phase`` (forward, dkdv, dq) exponentiates with :func:`_exp2_fma` for these inputs."""
-    return dtype_is_16_bit and phase in POLY_EXP2_PHASES
 
 # --------------------------------------------------------------------------------------------------
 # Tile configurations. The interpreter gets one small config (tl.dot needs every side >= 16; numpy is
@@ -81,35 +80,50 @@ def uses_poly_exp2(phase: str, dtype_is_16_bit: bool) -> bool:
 # autotuned once per shape class, so first-call tuning stays at a few seconds per class.
 # --------------------------------------------------------------------------------------------------
 
-_INTERPRETER_CONFIG = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-
-
-def _configs(candidates: list[tuple[int, ...]]) -> list[triton.Config]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])`` candidates; the first is the untuned default.
+class Tile(NamedTuple):
+    """One autotuning candidate of a kernel.
 
     ``maxnreg`` caps the registers per thread. On Hopper an SM sub-partition holds 16,384 registers, so a
     4-warp program at 169-255 registers leaves room for 2 programs per SM and one at <= 168 for 3: a cap
     just under such a cliff buys a third (or fourth) resident program for latency hiding at the price of a
-    few spilled registers (PERF_NOTES.md).
+    few spilled registers. ``poly`` pins how the tile exponentiates 16-bit scores (``True``: the FMA-pipe
+    polynomial, ``False``: ``ex2``) so that the tuner chooses it together with the tile: which is faster
+    depends on the tile's register budget (PERF_NOTES.md). ``None`` follows ``CS336_FLASH_POLY_EXP2``, and
+    an explicit ``CS336_FLASH_POLY_EXP2`` overrides every pin.
     """
-    if INTERPRETED:
-        return _INTERPRETER_CONFIG
-    return [
-        triton.Config({"BLOCK_M": c[0], "BLOCK_N": c[1]}, num_warps=c[2], num_stages=c[3],
-                      maxnreg=c[4] if len(c) > 4 else None)
-        for c in candidates
-    ]  # fmt: skip
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    maxnreg: int | None = None
+    poly: bool | None = None
 
 
-#: ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg])`` per phase and config set. Forward and dQ keep BLOCK_M
-#: queries resident while BLOCK_N-key tiles stream past; dK/dV keeps BLOCK_N keys resident while
-#: BLOCK_M-query tiles stream past. The ``default`` lists hold the winners on an H100 for head dims 64 and
-#: 128 plus a neighbour or two (see PERF_NOTES.md); each candidate costs about 0.8 s of compile per shape
-#: class on first use.
-_CANDIDATES: dict[str, dict[str, list[tuple[int, ...]]]] = {
+def _configs(phase: str, candidates: list[tuple[int, int, int, int] | Tile]) -> list[triton.Config]:
+    """``triton.Config`` per candidate (a plain tuple is a :class:`Tile` without cap or pin); the first is
+    the untuned default. ``POLY_EXP2`` is a meta-parameter of every config, so the launch never passes it."""
+    setting = phase in POLY_EXP2_PHASES
+    if INTERPRETED:  # tl.dot needs every side >= 16; numpy is fastest with few, small tiles
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "POLY_EXP2": setting}, num_warps=1, num_stages=1)]
+    configs = []
+    for candidate in candidates:
+        tile = Tile(*candidate)
+        poly = setting if (POLY_EXP2_EXPLICIT or tile.poly is None) else tile.poly
+        configs.append(triton.Config({"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "POLY_EXP2": poly},
+                                     num_warps=tile.warps, num_stages=tile.stages, maxnreg=tile.maxnreg))
+    return configs
+
+
+#: Candidate tiles per phase and config set. Forward and dQ keep BLOCK_M queries resident while
+#: BLOCK_N-key tiles stream past; dK/dV keeps BLOCK_N keys resident while BLOCK_M-query tiles stream past.
+#: The ``default`` lists hold the winners on an H100 for head dims 64 and 128 plus a neighbour or two (see
+#: PERF_NOTES.md); each candidate costs about 0.8 s of compile per shape class on first use.
+_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int] | Tile]]] = {
     "default": {
         "forward": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
-        "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3, 168), (64, 128, 8, 3)],
+        "dkdv": [Tile(64, 64, 4, 3, maxnreg=168, poly=False), (64, 64, 4, 3), Tile(32, 64, 4, 3, maxnreg=168),
+                 (64, 128, 8, 3), Tile(64, 128, 8, 3, poly=False)],
         "dq": [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     },
     "wide": {
@@ -117,19 +131,21 @@ _CANDIDATES: dict[str, dict[str, list[tuple[int, ...]]]] = {
                     (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
         "dkdv": [(16, 64, 4, 4), (32, 64, 4, 3), (32, 64, 4, 5), (32, 128, 4, 3), (32, 128, 4, 5),
                  (32, 128, 8, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4), (64, 128, 8, 2),
-                 (64, 128, 8, 3),
-                 (128, 128, 8, 2), (16, 64, 4, 4, 128), (32, 64, 4, 3, 168), (32, 64, 4, 4, 168),
-                 (64, 64, 4, 3, 168), (32, 128, 8, 3, 128)],
+                 (64, 128, 8, 3), (128, 128, 8, 2), Tile(16, 64, 4, 4, maxnreg=128), Tile(32, 64, 4, 3, maxnreg=168),
+                 Tile(32, 64, 4, 4, maxnreg=168), Tile(64, 64, 4, 3, maxnreg=168), Tile(32, 128, 8, 3, maxnreg=128),
+                 Tile(64, 64, 4, 3, maxnreg=168, poly=False), Tile(64, 64, 4, 3, poly=False),
+                 Tile(32, 64, 4, 3, maxnreg=168, poly=False), Tile(32, 128, 8, 3, maxnreg=128, poly=False),
+                 Tile(64, 128, 8, 3, poly=False)],
         "dq": [(64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 3),
-               (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3, 128),
-               (128, 64, 8, 3, 128)],
+               (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), Tile(64, 64, 4, 3, maxnreg=128),
+               Tile(128, 64, 8, 3, maxnreg=128)],
     },
 }  # fmt: skip
 if CONFIG_SET not in _CANDIDATES:
     raise ValueError(f"CS336_FLASH_CONFIGS={CONFIG_SET!r}; valid: {', '.join(_CANDIDATES)}")
-FORWARD_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["forward"])
-DKDV_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dkdv"])
-DQ_CONFIGS = _configs(_CANDIDATES[CONFIG_SET]["dq"])
+FORWARD_CONFIGS = _configs("forward", _CANDIDATES[CONFIG_SET]["forward"])
+DKDV_CONFIGS = _configs("dkdv", _CANDIDATES[CONFIG_SET]["dkdv"])
+DQ_CONFIGS = _configs("dq", _CANDIDATES[CONFIG_SET]["dq"])
 #: Tuning key: the shape class. SEQ_CLASS is the longer sequence length rounded up to a power of two
 #: (capped; see ``flash_triton._seq_class``); dtypes are added to the key by Triton itself.
 AUTOTUNE_KEY = ["SEQ_CLASS", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
@@ -179,6 +195,7 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
         fitted: dict[tuple[int, ...], triton.Config] = {}
         for config in configs:
             m, n, maxnreg = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], getattr(config, "maxnreg", None)
+            meta = tuple(sorted(config.kwargs.items()))
             if max(m, n) > longest:
                 continue
             stages = config.num_stages
@@ -187,13 +204,12 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
             if row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n, layouts)) > budget:
                 continue
             fitted.setdefault(
-                (m, n, config.num_warps, stages, maxnreg),
+                (meta, config.num_warps, stages, maxnreg),
                 triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages, maxnreg=maxnreg),
             )
         if not fitted:  # nothing fits the estimate: try the smallest tiles, unpipelined
-            m, n, w, _ = min(((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, 1) for c in configs),
-                             key=lambda t: t[0] * t[1])  # fmt: skip
-            return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=1)]
+            smallest = min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+            return [triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps, num_stages=1)]
         survivors = list(fitted.values())
         return survivors if AUTOTUNE else survivors[:1]
 
@@ -250,7 +266,8 @@ def exp2_fma_kernel(X, Y, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _exp2(x, POLY: tl.constexpr):
-    """Hardware ``ex2`` (MUFU), or :func:`_exp2_fma` when ``POLY``."""
+    """Hardware ``ex2`` (MUFU), or :func:`_exp2_fma` when ``POLY`` (which callers set for 16-bit inputs
+    only: float32 attention keeps float32-level accuracy)."""
     if POLY:
         y = _exp2_fma(x)
     else:
@@ -377,7 +394,7 @@ def _forward_key_loop(
         if MASKED:
             s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = _exp2(s - m_new[:, None], POLY_EXP2)
+        p = _exp2(s - m_new[:, None], POLY_EXP2 and q.dtype != tl.float32)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -586,7 +603,7 @@ def _dkdv_query_loop(
             qt = tl.load(qt_ptrs)
             do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
-        pt = _exp2(tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :], POLY_EXP2)
+        pt = _exp2(tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :], POLY_EXP2 and k.dtype != tl.float32)
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -815,7 +832,7 @@ def _dq_key_loop(
         else:
             kt = tl.load(kt_ptrs)
             vt = tl.load(vt_ptrs)
-        p = _exp2(tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None], POLY_EXP2)
+        p = _exp2(tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None], POLY_EXP2 and q.dtype != tl.float32)
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)

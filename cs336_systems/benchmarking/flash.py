@@ -106,8 +106,12 @@ def attention_flops(
 
 
 def _poly_exp2_label() -> str:
-    """The kernels that exponentiate with the FMA-pipe polynomial (``CS336_FLASH_POLY_EXP2``), for provenance."""
-    return ",".join(sorted(flash_triton._kernels().POLY_EXP2_PHASES))
+    """The kernels that exponentiate with the FMA-pipe polynomial (``CS336_FLASH_POLY_EXP2``), for provenance;
+    ``+tuned`` when the setting was left to its default, so that candidates that pin a method are tuned too
+    (the chosen configs then say which)."""
+    kernels = flash_triton._kernels()
+    phases = ",".join(sorted(kernels.POLY_EXP2_PHASES))
+    return phases if kernels.POLY_EXP2_EXPLICIT else f"{phases}+tuned"
 
 
 def _median_ms(stats: TimingStats) -> float:
@@ -383,11 +387,12 @@ MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_backward_dkdv_kernel": 4, 
 
 
 def _config_label(config: Any) -> str:
-    """``BLOCK_M x BLOCK_N, w warps, s stages[, maxnreg r]`` for a ``triton.Config``."""
+    """``BLOCK_M x BLOCK_N, w warps, s stages[, maxnreg r][, polynomial exp2]`` for a ``triton.Config``."""
     kw = config.kwargs
     label = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
     maxnreg = getattr(config, "maxnreg", None)
-    return f"{label}, maxnreg {maxnreg}" if maxnreg else label
+    label = f"{label}, maxnreg {maxnreg}" if maxnreg else label
+    return f"{label}, polynomial exp2" if kw.get("POLY_EXP2") else label
 
 
 def _tuning_state() -> dict[str, Any]:
