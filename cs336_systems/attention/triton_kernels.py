@@ -18,9 +18,9 @@ relative error) or ``tf32x3`` (three TF32 products, float32-level accuracy); ``f
 ``torch.get_float32_matmul_precision()`` like any PyTorch matmul.
 
 Softmax arithmetic is in base 2: scores are scaled by ``log2(e) / √d`` and exponentiated with ``exp2``,
-which maps to one hardware instruction; with 16-bit inputs the dK/dV kernel uses a polynomial on the FMA
-pipe instead (:func:`_exp2_fma`, ``CS336_FLASH_POLY_EXP2``). ``L`` is stored in natural-log units, as the
-interface requires.
+which maps to one hardware instruction; with 16-bit inputs the dK/dV kernel may use a polynomial on the
+FMA pipe instead (:func:`_exp2_fma`): its candidate tiles come both ways and the autotuner picks
+(:class:`Tile`, ``CS336_FLASH_POLY_EXP2``). ``L`` is stored in natural-log units, as the interface requires.
 
 This module is imported lazily (by ``flash_triton.py``, on first launch) because ``@triton.jit`` decides
 at decoration time whether a kernel is compiled or interpreted.
@@ -55,8 +55,10 @@ CONFIG_SET = os.environ.get("CS336_FLASH_CONFIGS", "default")
 #: only, where its 8e-5 relative error is below the rounding of P to bf16/fp16. Why it pays where it
 #: does: on Hopper ``ex2`` and the float32→16-bit conversions issue on the same 16-per-clock-per-SM unit,
 #: while the polynomial runs on the 128-per-clock FMA pipe (the lever FlashAttention-4 uses on
-#: Blackwell). dK/dV converts two tiles (P and dS) per exponentiated tile and got 7.5% faster on an H100;
-#: forward and dQ convert one, keep their FMA pipe busy otherwise, and got 30% slower (PERF_NOTES.md).
+#: Blackwell). dK/dV converts two tiles (P and dS) per exponentiated tile and got 7.5% faster on an H100
+#: at its 32 x 64 tiles of the time; forward and dQ convert one, keep their FMA pipe busy otherwise, and
+#: got 30% slower. With the 64 x 64 tiles capped at 168 registers ``ex2`` is faster again, so the default
+#: dK/dV candidates pin the method per tile and the tuner chooses (PERF_NOTES.md).
 DEFAULT_POLY_EXP2 = "dkdv"
 _POLY_SETTING = os.environ.get("CS336_FLASH_POLY_EXP2", DEFAULT_POLY_EXP2)
 #: Whether the setting was given: then it also overrides the candidates that pin a method (see :class:`Tile`).
