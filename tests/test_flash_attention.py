@@ -301,7 +301,8 @@ def test_exponential_is_tuned_with_the_tile_unless_set(monkeypatch: pytest.Monke
 
     monkeypatch.delenv("CS336_FLASH_POLY_EXP2", raising=False)
     kernels = flash_triton._kernels()
-    tiles = [kernels.Tile(64, 64, 4, 3, poly=False), kernels.Tile(64, 64, 4, 3), kernels.Tile(32, 64, 4, 3, poly=True)]
+    Tile = kernels.Tile
+    tiles = [Tile(64, 64, 4, 3, poly=False), Tile(64, 64, 4, 3), Tile(32, 64, 4, 3, poly=True)]
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dkdv", tiles)] == [False, True, True]
     assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dq", tiles)] == [False, False, True]
@@ -485,7 +486,7 @@ def test_dq_tiles_are_pruned_to_fit_shared_memory(monkeypatch, dtype: torch.dtyp
 
 
 def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Candidates that differ only in ``maxnreg`` or the exponential stay apart and keep them through pruning."""
+    """Candidates differing only in ``maxnreg`` or the exponential stay apart and keep them through pruning."""
     import triton
 
     from cs336_systems.attention import flash_triton
@@ -493,11 +494,11 @@ def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None
     kernels = flash_triton._kernels()
     monkeypatch.setattr(kernels, "_shared_memory_bytes", lambda device_index: 232448)
     q = torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
-    configs = [
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "POLY_EXP2": True}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "POLY_EXP2": True}, num_warps=4, num_stages=3, maxnreg=168),
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "POLY_EXP2": False}, num_warps=4, num_stages=3, maxnreg=168),
-    ]
+    def config(poly: bool, maxnreg: int | None) -> triton.Config:
+        meta = {"BLOCK_M": 32, "BLOCK_N": 64, "POLY_EXP2": poly}
+        return triton.Config(meta, num_warps=4, num_stages=3, maxnreg=maxnreg)
+
+    configs = [config(True, None), config(True, 168), config(False, 168)]
     kept = kernels.DKDV_PRUNE(configs, {"HEAD_DIM": 64, "Q": q, "SEQ_CLASS": 1024})
     want = [(None, True), (168, True), (168, False)]
     assert [(c.maxnreg, c.kwargs["POLY_EXP2"]) for c in kept] == (want if kernels.AUTOTUNE else want[:1])

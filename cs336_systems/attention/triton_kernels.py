@@ -107,7 +107,8 @@ def _configs(phase: str, candidates: list[tuple[int, int, int, int] | Tile]) -> 
     the untuned default. ``POLY_EXP2`` is a meta-parameter of every config, so the launch never passes it."""
     setting = phase in POLY_EXP2_PHASES
     if INTERPRETED:  # tl.dot needs every side >= 16; numpy is fastest with few, small tiles
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "POLY_EXP2": setting}, num_warps=1, num_stages=1)]
+        meta = {"BLOCK_M": 16, "BLOCK_N": 16, "POLY_EXP2": setting}
+        return [triton.Config(meta, num_warps=1, num_stages=1)]
     configs = []
     for candidate in candidates:
         tile = Tile(*candidate)
@@ -124,23 +125,24 @@ def _configs(phase: str, candidates: list[tuple[int, int, int, int] | Tile]) -> 
 _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int] | Tile]]] = {
     "default": {
         "forward": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
-        "dkdv": [Tile(64, 64, 4, 3, maxnreg=168, poly=False), (64, 64, 4, 3), Tile(32, 64, 4, 3, maxnreg=168),
-                 (64, 128, 8, 3), Tile(64, 128, 8, 3, poly=False)],
+        "dkdv": [Tile(64, 64, 4, 3, maxnreg=168, poly=False), (64, 64, 4, 3),
+                 Tile(32, 64, 4, 3, maxnreg=168), (64, 128, 8, 3), Tile(64, 128, 8, 3, poly=False)],
         "dq": [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     },
     "wide": {
         "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
                     (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
         "dkdv": [(16, 64, 4, 4), (32, 64, 4, 3), (32, 64, 4, 5), (32, 128, 4, 3), (32, 128, 4, 5),
-                 (32, 128, 8, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4), (64, 128, 8, 2),
-                 (64, 128, 8, 3), (128, 128, 8, 2), Tile(16, 64, 4, 4, maxnreg=128), Tile(32, 64, 4, 3, maxnreg=168),
-                 Tile(32, 64, 4, 4, maxnreg=168), Tile(64, 64, 4, 3, maxnreg=168), Tile(32, 128, 8, 3, maxnreg=128),
-                 Tile(64, 64, 4, 3, maxnreg=168, poly=False), Tile(64, 64, 4, 3, poly=False),
-                 Tile(32, 64, 4, 3, maxnreg=168, poly=False), Tile(32, 128, 8, 3, maxnreg=128, poly=False),
-                 Tile(64, 128, 8, 3, poly=False)],
+                 (32, 128, 8, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4),
+                 (64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2),
+                 Tile(16, 64, 4, 4, maxnreg=128), Tile(32, 64, 4, 3, maxnreg=168),
+                 Tile(32, 64, 4, 4, maxnreg=168), Tile(64, 64, 4, 3, maxnreg=168),
+                 Tile(32, 128, 8, 3, maxnreg=128), Tile(64, 64, 4, 3, maxnreg=168, poly=False),
+                 Tile(64, 64, 4, 3, poly=False), Tile(32, 64, 4, 3, maxnreg=168, poly=False),
+                 Tile(32, 128, 8, 3, maxnreg=128, poly=False), Tile(64, 128, 8, 3, poly=False)],
         "dq": [(64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 3),
-               (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), Tile(64, 64, 4, 3, maxnreg=128),
-               Tile(128, 64, 8, 3, maxnreg=128)],
+               (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+               Tile(64, 64, 4, 3, maxnreg=128), Tile(128, 64, 8, 3, maxnreg=128)],
     },
 }  # fmt: skip
 if CONFIG_SET not in _CANDIDATES:
@@ -196,7 +198,8 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
         longest = max(args.get("SEQ_CLASS", 1 << 30), 64)
         fitted: dict[tuple[int, ...], triton.Config] = {}
         for config in configs:
-            m, n, maxnreg = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], getattr(config, "maxnreg", None)
+            m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+            maxnreg = getattr(config, "maxnreg", None)
             meta = tuple(sorted(config.kwargs.items()))
             if max(m, n) > longest:
                 continue
@@ -207,7 +210,8 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
                 continue
             fitted.setdefault(
                 (meta, config.num_warps, stages, maxnreg),
-                triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages, maxnreg=maxnreg),
+                triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages,
+                              maxnreg=maxnreg),
             )
         if not fitted:  # nothing fits the estimate: try the smallest tiles, unpipelined
             smallest = min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
@@ -605,7 +609,8 @@ def _dkdv_query_loop(
             qt = tl.load(qt_ptrs)
             do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
-        pt = _exp2(tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :], POLY_EXP2 and k.dtype != tl.float32)
+        st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
+        pt = _exp2(st, POLY_EXP2 and k.dtype != tl.float32)
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -834,7 +839,8 @@ def _dq_key_loop(
         else:
             kt = tl.load(kt_ptrs)
             vt = tl.load(vt_ptrs)
-        p = _exp2(tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None], POLY_EXP2 and q.dtype != tl.float32)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
+        p = _exp2(s, POLY_EXP2 and q.dtype != tl.float32)
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
