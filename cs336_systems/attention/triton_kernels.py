@@ -106,7 +106,7 @@ def _configs(phase: str, candidates: list[tuple[int, int, int, int] | Tile]) -> 
     """``triton.Config`` per candidate (a plain tuple is a :class:`Tile` without cap or pin); the first is
     the untuned default. ``POLY_EXP2`` is a meta-parameter of every config, so the launch never passes it."""
     setting = phase in POLY_EXP2_PHASES
-    if INTERPRETED:  # tl.dot needs every side >= 16; numpy is fastest with few, small tiles
+    if INTERPRETED:
         meta = {"BLOCK_M": 16, "BLOCK_N": 16, "POLY_EXP2": setting}
         return [triton.Config(meta, num_warps=1, num_stages=1)]
     configs = []
@@ -198,8 +198,7 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
         longest = max(args.get("SEQ_CLASS", 1 << 30), 64)
         fitted: dict[tuple[int, ...], triton.Config] = {}
         for config in configs:
-            m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-            maxnreg = getattr(config, "maxnreg", None)
+            m, n, maxnreg = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.maxnreg
             meta = tuple(sorted(config.kwargs.items()))
             if max(m, n) > longest:
                 continue
@@ -271,10 +270,10 @@ def exp2_fma_kernel(X, Y, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _exp2(x, POLY: tl.constexpr):
-    """Hardware ``ex2`` (MUFU), or :func:`_exp2_fma` when ``POLY`` (which callers set for 16-bit inputs
-    only: float32 attention keeps float32-level accuracy)."""
-    if POLY:
+def _exp2(x, POLY: tl.constexpr, INPUT_DTYPE: tl.constexpr):
+    """Hardware ``ex2`` (MUFU), or :func:`_exp2_fma` when ``POLY`` and the attention inputs are 16-bit:
+    float32 attention keeps float32-level accuracy."""
+    if POLY and INPUT_DTYPE != tl.float32:
         y = _exp2_fma(x)
     else:
         y = tl.math.exp2(x)
@@ -400,7 +399,7 @@ def _forward_key_loop(
         if MASKED:
             s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = _exp2(s - m_new[:, None], POLY_EXP2 and q.dtype != tl.float32)
+        p = _exp2(s - m_new[:, None], POLY_EXP2, q.dtype)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -610,7 +609,7 @@ def _dkdv_query_loop(
             do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
         st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
-        pt = _exp2(st, POLY_EXP2 and k.dtype != tl.float32)
+        pt = _exp2(st, POLY_EXP2, k.dtype)
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -840,7 +839,7 @@ def _dq_key_loop(
             kt = tl.load(kt_ptrs)
             vt = tl.load(vt_ptrs)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
-        p = _exp2(s, POLY_EXP2 and q.dtype != tl.float32)
+        p = _exp2(s, POLY_EXP2, q.dtype)
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
