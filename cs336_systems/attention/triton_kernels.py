@@ -568,6 +568,7 @@ def flash_backward_preprocess_kernel(
 def _dkdv_query_loop(
     dk,
     dv,
+    st_next,
     k,
     v,
     q_ptr,
@@ -593,7 +594,11 @@ def _dkdv_query_loop(
     POLY_EXP2: tl.constexpr,
 ):
     """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
-    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
+    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed.
+
+    ``st_next`` is the unscaled ``K Qᵀ`` of tile ``lo``, already issued; each iteration issues the next
+    tile's product before its own softmax-gradient arithmetic so that the two overlap, and returns the
+    product of tile ``hi`` for the next loop."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -608,21 +613,25 @@ def _dkdv_query_loop(
             qt = tl.load(qt_ptrs)
             do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptr + offs_m * stride_ln) * 1.4426950408889634
-        st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
-        pt = _exp2(st, POLY_EXP2, k.dtype)
+        # dPᵀ is waited for at once (Triton waits on every product read in the same iteration); that wait
+        # also retires this tile's Sᵀ, issued one iteration earlier.
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        st = st_next
+        next_m = offs_m + BLOCK_M
+        qt_next = tl.load(q_ptr + next_m[None, :] * stride_qn + offs_d[:, None] * stride_qd,
+                          mask=next_m[None, :] < n_queries, other=0.0)
+        st_next = tl.dot(k, qt_next, input_precision=DOT_PRECISION)
+        pt = _exp2(st * qk_scale - lse2[None, :], POLY_EXP2, k.dtype)
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        # D is loaded only now, where it is used: at head dim 128 the kernel sits at the 255-register
-        # limit and spills, and D held across the exponentiation spilled more (dK/dV +5% on an H100).
         if MASKED:
             delta = tl.load(delta_ptr + offs_m, mask=offs_m < n_queries, other=0.0)
         else:
             delta = tl.load(delta_ptr + offs_m)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
-    return dk, dv
+    return dk, dv, st_next
 
 
 # K, V | Q, dO; Q and dO each feed one product plain and one transposed.
@@ -708,9 +717,14 @@ def flash_backward_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     lo, diag, tail = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dk, dv = _dkdv_query_loop(
+    offs_lo = lo + tl.arange(0, BLOCK_M)
+    qt_lo = tl.load(q_ptr + offs_lo[None, :] * stride_qn + offs_d[:, None] * stride_qd,
+                    mask=offs_lo[None, :] < n_queries, other=0.0)
+    st = tl.dot(k, qt_lo, input_precision=DOT_PRECISION)
+    dk, dv, st = _dkdv_query_loop(
         dk,
         dv,
+        st,
         k,
         v,
         q_ptr,
@@ -735,9 +749,10 @@ def flash_backward_dkdv_kernel(
         DOT_PRECISION,
         POLY_EXP2,
     )
-    dk, dv = _dkdv_query_loop(
+    dk, dv, st = _dkdv_query_loop(
         dk,
         dv,
+        st,
         k,
         v,
         q_ptr,
@@ -762,9 +777,10 @@ def flash_backward_dkdv_kernel(
         DOT_PRECISION,
         POLY_EXP2,
     )
-    dk, dv = _dkdv_query_loop(
+    dk, dv, st = _dkdv_query_loop(
         dk,
         dv,
+        st,
         k,
         v,
         q_ptr,
