@@ -603,20 +603,18 @@ def _dkdv_query_loop(
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, n_queries, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < n_queries
-        qt = tl.load(q_ptr + offs_m[None, :] * stride_qn + offs_d[:, None] * stride_qd,
-                     mask=row_ok[None, :], other=0.0)
-        do = tl.load(do_ptr + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                     mask=row_ok[:, None], other=0.0)
-        lse2 = tl.load(lse_ptr + offs_m * stride_ln, mask=row_ok, other=0.0) * 1.4426950408889634
+        # Rows past the end read the last row again instead of a masked load: the masked branch below
+        # zeroes their P, so they add nothing, and the loads stay plain asynchronous copies.
+        rows = tl.minimum(offs_m, n_queries - 1)
+        qt = tl.load(q_ptr + rows[None, :] * stride_qn + offs_d[:, None] * stride_qd)
+        do = tl.load(do_ptr + rows[:, None] * stride_don + offs_d[None, :] * stride_dod)
+        lse2 = tl.load(lse_ptr + rows * stride_ln) * 1.4426950408889634
+        delta = tl.load(delta_ptr + rows)
         st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
         pt = _exp2(st, POLY_EXP2, k.dtype)
         if (start_m < diag) | (start_m >= full):
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        # D is loaded only now, where it is used: at head dim 128 the kernel sits at the 255-register
-        # limit and spills, and D held across the exponentiation spilled more (dK/dV +5% on an H100).
-        delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
