@@ -502,3 +502,59 @@ def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None
     kept = kernels.DKDV_PRUNE(configs, {"HEAD_DIM": 64, "Q": q, "SEQ_CLASS": 1024})
     want = [(None, True), (168, True), (168, False)]
     assert [(c.maxnreg, c.kwargs["POLY_EXP2"]) for c in kept] == (want if kernels.AUTOTUNE else want[:1])
+
+
+def test_tma_ready_copies_only_misaligned_tensors() -> None:
+    """The dK/dV kernel reads Q and dO through tensor descriptors: 16-byte aligned heads and rows."""
+    from cs336_systems.attention import flash_triton
+
+    aligned = torch.randn(2, 3, 20, 16, dtype=torch.bfloat16)
+    assert flash_triton._tma_ready(aligned) is aligned
+    shifted = torch.randn(2 * 3 * 20 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 3, 20, 16)
+    assert shifted.data_ptr() % 16 != 0
+    ready = flash_triton._tma_ready(shifted)
+    assert ready.data_ptr() % 16 == 0 and torch.equal(ready, shifted)
+    odd_rows = torch.randn(2, 3, 20, 24, dtype=torch.bfloat16)[..., :12]  # 48-byte rows: aligned
+    assert flash_triton._tma_ready(odd_rows) is odd_rows
+    narrow = torch.randn(2, 3, 20, 20, dtype=torch.bfloat16)[..., :16]  # 40-byte rows: not
+    assert all(s * 2 % 16 == 0 for s in flash_triton._tma_ready(narrow).stride()[:-1])
+
+
+def test_row_buffers_start_rows_on_16_bytes() -> None:
+    """L and D rows are read through 1-D tensor descriptors, so each row must start 16-byte aligned."""
+    from cs336_systems.attention import flash_triton
+
+    buf = flash_triton._row_buffer((2, 3), 37, torch.device("cpu"))
+    assert buf.shape == (2, 3, 37) and buf.dtype == torch.float32
+    assert buf.data_ptr() % 16 == 0 and all(s * 4 % 16 == 0 for s in buf.stride()[:-1])
+
+
+def test_dkdv_pruning_drops_tiles_the_descriptors_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer than 32 query rows per tile make L and D boxes under 128 bytes, which faulted on an H100."""
+    import triton
+
+    from cs336_systems.attention import flash_triton
+
+    kernels = flash_triton._kernels()
+    monkeypatch.setattr(kernels, "_shared_memory_bytes", lambda device_index: 232448)
+    prune = kernels._fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, min_block_m=32)
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 64}, num_warps=4, num_stages=3) for m in (16, 32, 64)]
+    args = {"HEAD_DIM": 64, "Q": torch.empty(1, 1, 64, 64, dtype=torch.bfloat16), "SEQ_CLASS": 1024}
+    kept = prune(configs, args)
+    assert [c.kwargs["BLOCK_M"] for c in kept] == ([32, 64] if kernels.AUTOTUNE else [32])
+
+
+@pytest.mark.parametrize("impl_name", ["triton"])
+def test_misaligned_inputs_match_reference(impl_name: str) -> None:
+    """Inputs that start off a 16-byte boundary (a view at an odd offset) and a sequence length whose
+    L and D rows would be misaligned unpadded (37) still give the reference gradients."""
+    case = Case(37, 37, 16, True, 2)
+    n = case.batch * case.heads * 37 * case.head_dim
+    shape = (case.batch, case.heads, 37, case.head_dim)
+    q, k, v = (torch.randn(n + 1, device=DEVICE)[1:].view(shape) for _ in range(3))
+    do = torch.randn(case.batch, case.heads, 37, case.head_dim, device=DEVICE)
+    got = _run(IMPLS[impl_name].apply, q, k, v, do, True)
+    want = _reference(q, k, v, do, True)
+    tol = _fp32_tol(impl_name)
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")

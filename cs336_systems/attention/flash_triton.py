@@ -92,6 +92,36 @@ def _unit_stride_d(t: Tensor) -> Tensor:
     return t if (t.stride(-1) == 1 and 0 not in t.stride()) else t.contiguous()
 
 
+#: Tensor-descriptor (TMA) loads need 16-byte aligned base addresses and row strides.
+_TMA_ALIGN = 16
+
+
+def _tma_ready(t: Tensor) -> Tensor:
+    """``t`` itself if every head of it starts on a 16-byte boundary and its rows are 16-byte multiples
+    (what the dK/dV kernel's tensor descriptors require), else a contiguous copy in fresh memory (which
+    is aligned for every supported head dim)."""
+    size = t.element_size()
+    aligned = t.data_ptr() % _TMA_ALIGN == 0 and all(s * size % _TMA_ALIGN == 0 for s in t.stride()[:-1])
+    return t if aligned else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+
+
+def _row_buffer(rows: tuple[int, ...], n: int, device: torch.device) -> Tensor:
+    """float32 ``(*rows, n)`` whose rows start on 16-byte boundaries (``n`` padded to a multiple of 4
+    in memory), so that the dK/dV kernel can read L and D through 1-D tensor descriptors."""
+    padded = _cdiv(n, _TMA_ALIGN // 4) * (_TMA_ALIGN // 4)
+    return torch.empty((*rows, padded), dtype=torch.float32, device=device)[..., :n]
+
+
+def _set_descriptor_allocator(device: torch.device) -> None:
+    """In-kernel tensor descriptors (``tl.make_tensor_descriptor``) are written to global scratch that
+    Triton requests from the host; PyTorch's caching allocator provides it, so this also works while a
+    CUDA graph is captured. Triton keeps the allocator per thread and autograd runs the backward on a
+    thread of its own, so it is set before every launch that needs it (a context-variable write)."""
+    _kernels().triton.set_allocator(
+        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+    )
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s ``input_precision`` for these inputs (see the module docstring)."""
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
@@ -116,7 +146,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     o = torch.empty_like(q)
-    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
+    lse = _row_buffer((batch, heads), n_queries, q.device)
 
     def grid(meta: dict) -> tuple[int]:
         return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
@@ -133,7 +163,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
 
 @flash_attention_forward.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(q), _row_buffer(q.shape[:2], q.shape[2], q.device)
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
@@ -144,7 +174,8 @@ def flash_attention_backward(
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
-    delta = torch.empty((batch * heads, n_queries), dtype=torch.float32, device=q.device)
+    q, do = _tma_ready(q), _tma_ready(do)
+    delta = _row_buffer((batch * heads,), n_queries, q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(d)
     shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
@@ -153,16 +184,18 @@ def flash_attention_backward(
 
     with _device_guard(q):
         kernels.flash_backward_preprocess_kernel[(_cdiv(n_queries, block) * batch * heads,)](
-            o, do, delta, *o.stride(), *do.stride(), heads, n_queries, HEAD_DIM=d, BLOCK_M=block
+            o, do, delta, *o.stride(), *do.stride(), delta.stride(0), heads, n_queries, HEAD_DIM=d, BLOCK_M=block
         )
+        _set_descriptor_allocator(q.device)
         kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
             q, k, v, do, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), delta.stride(0),
+            *dk.stride(), *dv.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
         )  # fmt: skip
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), delta.stride(0), *dq.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
         )  # fmt: skip
     return dq, dk, dv

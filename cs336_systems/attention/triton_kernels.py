@@ -177,7 +177,8 @@ def _shared_memory_bytes(device_index: int) -> int:
         return 99 * 1024  # the smallest opt-in limit of current NVIDIA GPUs
 
 
-def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callable[[int, int, int], int]):
+def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callable[[int, int, int], int],
+                 min_block_m: int = 16):
     """An ``early_config_prune`` for one kernel: drop tiles much longer than the sequences (work wasted
     on padding), and lower ``num_stages`` until the operand tiles fit in shared memory.
 
@@ -187,6 +188,7 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
     tiles are read transposed from one copy (``ldmatrix.trans``), 32-bit tiles get a second copy. (The dQ
     kernel at float32, head dim 128 measured 256 KiB with the second copy of K, against the 227 KiB limit.)
     float32 at head dim 128 is where the default stage counts would overflow (and fail to launch).
+    Tiles with fewer than ``min_block_m`` rows along BLOCK_M are dropped (a kernel's hardware limit).
     Without tuning the first survivor runs.
     """
 
@@ -200,7 +202,7 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
         for config in configs:
             m, n, maxnreg = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.maxnreg
             meta = tuple(sorted(config.kwargs.items()))
-            if max(m, n) > longest:
+            if max(m, n) > longest or m < min_block_m:
                 continue
             stages = config.num_stages
             while stages > 1 and row_bytes * (resident_rows(m, n) + stages * streamed_rows(m, n, layouts)) > budget:
@@ -213,7 +215,8 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
                               maxnreg=maxnreg),
             )
         if not fitted:  # nothing fits the estimate: try the smallest tiles, unpipelined
-            smallest = min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+            allowed = [c for c in configs if c.kwargs["BLOCK_M"] >= min_block_m] or configs
+            smallest = min(allowed, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
             return [triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps, num_stages=1)]
         survivors = list(fitted.values())
         return survivors if AUTOTUNE else survivors[:1]
@@ -538,12 +541,14 @@ def flash_backward_preprocess_kernel(
     stride_doh,
     stride_don,
     stride_dod,
+    stride_deltabh,
     n_heads,
     n_queries,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """``D_i = Σ_d dO_id O_id`` in float32, stored contiguous ``(batch * heads, n_queries)``."""
+    """``D_i = Σ_d dO_id O_id`` in float32, stored ``(batch * heads, n_queries)`` with row stride
+    ``stride_deltabh``."""
     tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, False)
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
@@ -561,7 +566,7 @@ def flash_backward_preprocess_kernel(
         other=0.0,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * n_queries + offs_m, delta, mask=offs_m < n_queries)
+    tl.store(DELTA + pid_bh.to(tl.int64) * stride_deltabh + offs_m, delta, mask=offs_m < n_queries)
 
 
 @triton.jit
@@ -570,59 +575,49 @@ def _dkdv_query_loop(
     dv,
     k,
     v,
-    q_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    stride_qn,
-    stride_qd,
-    stride_don,
-    stride_dod,
-    stride_ln,
+    q_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
     offs_n,
     lo,
-    diag,
-    full,
+    hi,
     n_queries,
     n_keys,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
 ):
-    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, n_queries)``,
-    working on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed.
-
-    One loop, not one per mask region as in the other kernels: when the accumulators of ``wgmma``
-    products flow from one loop into the next, ptxas serializes every ``wgmma`` of the kernel (its
-    C7515 "non wgmma instructions defining accumulator registers") and the dV and dK products no longer
-    overlap the arithmetic. Tiles straddling the diagonal ``[lo, diag)`` and the ragged end
-    ``[full, n_queries)`` take the mask through a branch that is uniform across the program."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    for start_m in range(lo, n_queries, BLOCK_M):
+    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
+    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
+    for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        # Rows past the end read the last row again instead of a masked load: the masked branch below
-        # zeroes their P, so they add nothing, and the loads stay plain asynchronous copies.
-        rows = tl.minimum(offs_m, n_queries - 1)
-        qt = tl.load(q_ptr + rows[None, :] * stride_qn + offs_d[:, None] * stride_qd)
-        do = tl.load(do_ptr + rows[:, None] * stride_don + offs_d[None, :] * stride_dod)
-        lse2 = tl.load(lse_ptr + rows * stride_ln) * 1.4426950408889634
-        delta = tl.load(delta_ptr + rows)
+        q = q_desc.load([start_m, 0])
+        do = do_desc.load([start_m, 0])
+        qt = tl.trans(q)
+        lse2 = lse_desc.load([start_m]) * 1.4426950408889634
         st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
         pt = _exp2(st, POLY_EXP2, k.dtype)
-        if (start_m < diag) | (start_m >= full):
+        if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        # D is loaded only now, where it is used: at head dim 128 the kernel sits at the 255-register
+        # limit and spills, and D held across the exponentiation spilled more (dK/dV +5% on an H100).
+        delta = delta_desc.load([start_m])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PRECISION)
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
-# K, V | Q, dO; Q and dO each feed one product plain and one transposed.
-DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m)
+# K, V | Q, dO; Q and dO each feed one product plain and one transposed. The 1-D descriptor boxes of L
+# and D hold BLOCK_M floats: below 32 (128 bytes, TMA's shared-memory alignment) the pipeline stages
+# pack misaligned and the kernel faults (H100, Triton 3.6: "misaligned address" at 16 x 64).
+DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, min_block_m=16 if INTERPRETED else 32)
 
 
 @_autotune(DKDV_CONFIGS, DKDV_PRUNE)
@@ -655,6 +650,7 @@ def flash_backward_dkdv_kernel(
     stride_lb,
     stride_lh,
     stride_ln,
+    stride_deltabh,
     stride_dkb,
     stride_dkh,
     stride_dkn,
@@ -696,38 +692,84 @@ def flash_backward_dkdv_kernel(
         mask=key_ok,
         other=0.0,
     )
-    q_ptr = Q + b * stride_qb + h * stride_qh
-    do_ptr = DO + b * stride_dob + h * stride_doh
-    lse_ptr = L + b * stride_lb + h * stride_lh
-    delta_ptr = DELTA + pid_bh.to(tl.int64) * n_queries
+    # The streamed tiles come in through tensor descriptors (TMA on Hopper): one bulk copy per tile
+    # instead of per-thread asynchronous copies, rows past the end read as zeros, and no address
+    # arithmetic per element. See PERF_NOTES.md ("TMA loads in dK/dV"): -20% on this kernel.
+    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[n_queries, HEAD_DIM],
+                                       strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[n_queries, HEAD_DIM],
+                                        strides=[stride_don, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    lse_desc = tl.make_tensor_descriptor(L + b * stride_lb + h * stride_lh, shape=[n_queries], strides=[1],
+                                         block_shape=[BLOCK_M])
+    delta_desc = tl.make_tensor_descriptor(DELTA + pid_bh.to(tl.int64) * stride_deltabh, shape=[n_queries],
+                                           strides=[1], block_shape=[BLOCK_M])
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    lo, diag, full = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo, diag, tail = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dk, dv = _dkdv_query_loop(
         dk,
         dv,
         k,
         v,
-        q_ptr,
-        do_ptr,
-        lse_ptr,
-        delta_ptr,
-        stride_qn,
-        stride_qd,
-        stride_don,
-        stride_dod,
-        stride_ln,
+        q_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
         offs_n,
         lo,
         diag,
-        full,
         n_queries,
         n_keys,
         qk_scale,
         HEAD_DIM,
         BLOCK_M,
         IS_CAUSAL,
+        True,
+        DOT_PRECISION,
+        POLY_EXP2,
+    )
+    dk, dv = _dkdv_query_loop(
+        dk,
+        dv,
+        k,
+        v,
+        q_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
+        offs_n,
+        diag,
+        tail,
+        n_queries,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_M,
+        IS_CAUSAL,
+        False,
+        DOT_PRECISION,
+        POLY_EXP2,
+    )
+    dk, dv = _dkdv_query_loop(
+        dk,
+        dv,
+        k,
+        v,
+        q_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
+        offs_n,
+        tail,
+        n_queries,
+        n_queries,
+        n_keys,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_M,
+        IS_CAUSAL,
+        True,
         DOT_PRECISION,
         POLY_EXP2,
     )
@@ -823,6 +865,7 @@ def flash_backward_dq_kernel(
     stride_lb,
     stride_lh,
     stride_ln,
+    stride_deltabh,
     stride_dqb,
     stride_dqh,
     stride_dqn,
@@ -861,7 +904,7 @@ def flash_backward_dq_kernel(
     )
     lse2 = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=row_ok, other=0.0)
     lse2 = lse2 * 1.4426950408889634
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * n_queries + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * stride_deltabh + offs_m, mask=row_ok, other=0.0)
     k_ptr = K + b * stride_kb + h * stride_kh
     v_ptr = V + b * stride_vb + h * stride_vh
 
