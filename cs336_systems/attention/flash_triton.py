@@ -184,7 +184,8 @@ def flash_attention_backward(
 
     with _device_guard(q):
         kernels.flash_backward_preprocess_kernel[(_cdiv(n_queries, block) * batch * heads,)](
-            o, do, delta, *o.stride(), *do.stride(), delta.stride(0), heads, n_queries, HEAD_DIM=d, BLOCK_M=block
+            o, do, delta, *o.stride(), *do.stride(), delta.stride(0), heads, n_queries,
+            HEAD_DIM=d, BLOCK_M=block,
         )
         _set_descriptor_allocator(q.device)
         kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](

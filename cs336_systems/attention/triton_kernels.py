@@ -617,7 +617,8 @@ def _dkdv_query_loop(
 # K, V | Q, dO; Q and dO each feed one product plain and one transposed. The 1-D descriptor boxes of L
 # and D hold BLOCK_M floats: below 32 (128 bytes, TMA's shared-memory alignment) the pipeline stages
 # pack misaligned and the kernel faults (H100, Triton 3.6: "misaligned address" at 16 x 64).
-DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, min_block_m=16 if INTERPRETED else 32)
+DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m,
+                          min_block_m=16 if INTERPRETED else 32)
 
 
 @_autotune(DKDV_CONFIGS, DKDV_PRUNE)
