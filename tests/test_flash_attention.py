@@ -505,7 +505,7 @@ def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_tma_ready_copies_only_misaligned_tensors() -> None:
-    """The dK/dV kernel reads Q and dO through tensor descriptors: 16-byte aligned heads and rows."""
+    """Streamed tiles (K, V; Q, dO in dK/dV) come through tensor descriptors: 16-byte aligned heads and rows."""
     from cs336_systems.attention import flash_triton
 
     aligned = torch.randn(2, 3, 20, 16, dtype=torch.bfloat16)

@@ -98,7 +98,7 @@ _TMA_ALIGN = 16
 
 def _tma_ready(t: Tensor) -> Tensor:
     """``t`` itself if every head of it starts on a 16-byte boundary and its rows are 16-byte multiples
-    (what the dK/dV kernel's tensor descriptors require), else a contiguous copy in fresh memory (which
+    (what the kernels' tensor descriptors require), else a contiguous copy in fresh memory (which
     is aligned for every supported head dim)."""
     size = t.element_size()
     aligned = t.data_ptr() % _TMA_ALIGN == 0 and all(s * size % _TMA_ALIGN == 0 for s in t.stride()[:-1])
@@ -145,6 +145,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
+    k, v = _tma_ready(k), _tma_ready(v)
     o = torch.empty_like(q)
     lse = _row_buffer((batch, heads), n_queries, q.device)
 
@@ -152,6 +153,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
         return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
 
     with _device_guard(q):
+        _set_descriptor_allocator(q.device)
         kernels.flash_forward_kernel[grid](
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
@@ -174,7 +176,7 @@ def flash_attention_backward(
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
-    q, do = _tma_ready(q), _tma_ready(do)
+    q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
     delta = _row_buffer((batch * heads,), n_queries, q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(d)

@@ -1,11 +1,15 @@
 """Triton kernels of FlashAttention-2: forward, the ``D = rowsum(dO ∘ O)`` preprocess, dK/dV and dQ.
 
 Layout: every tensor is addressed as ``(batch, heads, n, d)`` through its four strides (3-D inputs arrive
-with a unit head dimension), so non-contiguous inputs need no copy. The grid is one-dimensional,
-``tiles along the sequence x batch * heads`` (see ``_tile_and_head``).
+with a unit head dimension). The grid is one-dimensional, ``tiles along the sequence x batch * heads``
+(see ``_tile_and_head``).
 
-Only pointer arithmetic is used (no ``tl.make_block_ptr``, which newer Triton removed), so the same
-source runs on the GPU nodes' Triton and under ``TRITON_INTERPRET=1`` on CPU tensors.
+Loads. Tiles that stay resident for a whole program use pointer arithmetic (no ``tl.make_block_ptr``,
+which newer Triton removed). Tiles that stream past in a loop (K and V in the forward and dQ kernels; Q,
+dO, L and D in dK/dV) come through tensor descriptors (``tl.make_tensor_descriptor``: TMA bulk copies on
+Hopper and later, plain loads elsewhere), which need a unit stride along the head dimension and 16-byte
+aligned heads and rows; ``flash_triton`` copies the rare input that is not. Both forms run on the GPU
+nodes' Triton and under ``TRITON_INTERPRET=1`` on CPU tensors.
 
 Causal structure. With top-left alignment query ``i`` sees key ``j`` iff ``j <= i``. Each loop over tiles is
 split into an unmasked part (tiles every row of which sees every column) and a masked part (tiles that
@@ -362,23 +366,34 @@ def _visible(rows, cols, n_queries, n_keys, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, n_keys,
+                           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tensor descriptors (TMA on Hopper) over one head's K and V, ``BLOCK_N x HEAD_DIM`` boxes: the
+    streamed key tiles of the forward and dQ kernels arrive as one bulk copy each instead of per-thread
+    asynchronous copies, with rows past ``n_keys`` read as zeros. Needs unit stride along the head dim and
+    16-byte aligned heads and rows (``flash_triton._tma_ready``)."""
+    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[n_keys, HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[n_keys, HEAD_DIM],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    return k_desc, v_desc
+
+
+
+
+@triton.jit
 def _forward_key_loop(
     acc,
     m_i,
     l_i,
     q,
-    k_ptr,
-    v_ptr,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
+    k_desc,
+    v_desc,
     offs_m,
     lo,
     hi,
     n_keys,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
@@ -387,18 +402,11 @@ def _forward_key_loop(
 ):
     """Online softmax over key tiles ``[lo, hi)``: fold each tile into the running max ``m_i`` (log2
     units), denominator ``l_i`` and accumulator ``acc``."""
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt_ptrs = k_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        v_ptrs = v_ptr + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < n_keys, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < n_keys, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-            v = tl.load(v_ptrs)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        k = k_desc.load([start_n, 0])  # keys past the end read as zeros and are masked below
+        v = v_desc.load([start_n, 0])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -462,8 +470,8 @@ def flash_forward_kernel(
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_ptr = K + b * stride_kb + h * stride_kh
-    v_ptr = V + b * stride_vb + h * stride_vh
+    k_desc, v_desc = _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                                            stride_vn, n_keys, HEAD_DIM, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -474,18 +482,13 @@ def flash_forward_kernel(
         m_i,
         l_i,
         q,
-        k_ptr,
-        v_ptr,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
+        k_desc,
+        v_desc,
         offs_m,
         0,
         mid,
         n_keys,
         qk_scale,
-        HEAD_DIM,
         BLOCK_N,
         IS_CAUSAL,
         False,
@@ -497,18 +500,13 @@ def flash_forward_kernel(
         m_i,
         l_i,
         q,
-        k_ptr,
-        v_ptr,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
+        k_desc,
+        v_desc,
         offs_m,
         mid,
         hi,
         n_keys,
         qk_scale,
-        HEAD_DIM,
         BLOCK_N,
         IS_CAUSAL,
         True,
@@ -792,19 +790,14 @@ def _dq_key_loop(
     do,
     lse2,
     delta,
-    k_ptr,
-    v_ptr,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
+    k_desc,
+    v_desc,
     offs_m,
     lo,
     hi,
     n_queries,
     n_keys,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
@@ -812,24 +805,17 @@ def _dq_key_loop(
     POLY_EXP2: tl.constexpr,
 ):
     """Accumulate ``dQ += dS K`` (unscaled) over key tiles ``[lo, hi)``."""
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt_ptrs = k_ptr + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        vt_ptrs = v_ptr + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < n_keys, other=0.0)
-            vt = tl.load(vt_ptrs, mask=offs_n[None, :] < n_keys, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-            vt = tl.load(vt_ptrs)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
+        k = k_desc.load([start_n, 0])  # keys past the end read as zeros and are masked below
+        v = v_desc.load([start_n, 0])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
         p = _exp2(s, POLY_EXP2, q.dtype)
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
-        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -906,8 +892,8 @@ def flash_backward_dq_kernel(
     lse2 = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=row_ok, other=0.0)
     lse2 = lse2 * 1.4426950408889634
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * stride_deltabh + offs_m, mask=row_ok, other=0.0)
-    k_ptr = K + b * stride_kb + h * stride_kh
-    v_ptr = V + b * stride_vb + h * stride_vh
+    k_desc, v_desc = _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                                            stride_vn, n_keys, HEAD_DIM, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
@@ -917,19 +903,14 @@ def flash_backward_dq_kernel(
         do,
         lse2,
         delta,
-        k_ptr,
-        v_ptr,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
+        k_desc,
+        v_desc,
         offs_m,
         0,
         mid,
         n_queries,
         n_keys,
         qk_scale,
-        HEAD_DIM,
         BLOCK_N,
         IS_CAUSAL,
         False,
@@ -942,19 +923,14 @@ def flash_backward_dq_kernel(
         do,
         lse2,
         delta,
-        k_ptr,
-        v_ptr,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
+        k_desc,
+        v_desc,
         offs_m,
         mid,
         hi,
         n_queries,
         n_keys,
         qk_scale,
-        HEAD_DIM,
         BLOCK_N,
         IS_CAUSAL,
         True,
