@@ -136,17 +136,19 @@ _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int] | Tile]]] = {
     "wide": {
         "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
                     (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
-        "dkdv": [(16, 64, 4, 4), (32, 64, 4, 3), (32, 64, 4, 5), (32, 128, 4, 3), (32, 128, 4, 5),
+        "dkdv": [(32, 64, 4, 3), (32, 64, 4, 5), (32, 128, 4, 3), (32, 128, 4, 5),
                  (32, 128, 8, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 4),
                  (64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2),
-                 Tile(16, 64, 4, 4, maxnreg=128), Tile(32, 64, 4, 3, maxnreg=168),
+                 Tile(32, 64, 4, 3, maxnreg=168),
                  Tile(32, 64, 4, 4, maxnreg=168), Tile(64, 64, 4, 3, maxnreg=168),
                  Tile(32, 128, 8, 3, maxnreg=128), Tile(64, 64, 4, 3, maxnreg=168, poly=False),
                  Tile(64, 64, 4, 3, poly=False), Tile(32, 64, 4, 3, maxnreg=168, poly=False),
-                 Tile(32, 128, 8, 3, maxnreg=128, poly=False), Tile(64, 128, 8, 3, poly=False)],
+                 Tile(32, 128, 8, 3, maxnreg=128, poly=False), Tile(64, 128, 8, 3, poly=False),
+                 Tile(64, 64, 4, 2, maxnreg=168, poly=False), Tile(64, 64, 4, 4, maxnreg=168, poly=False)],
         "dq": [(64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 32, 4, 3),
                (128, 32, 4, 5), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
-               Tile(64, 64, 4, 3, maxnreg=128), Tile(128, 64, 8, 3, maxnreg=128)],
+               Tile(64, 64, 4, 3, maxnreg=128), Tile(128, 64, 8, 3, maxnreg=128), (128, 64, 4, 4),
+               Tile(128, 64, 4, 3, maxnreg=168), (128, 128, 8, 3)],
     },
 }  # fmt: skip
 if CONFIG_SET not in _CANDIDATES:
@@ -406,11 +408,13 @@ def _forward_key_loop(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = k_desc.load([start_n, 0])  # keys past the end read as zeros and are masked below
         v = v_desc.load([start_n, 0])
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = _exp2(s - m_new[:, None], POLY_EXP2, q.dtype)
+        # The maximum of the raw scores is scaled once per row (qk_scale > 0), so the per-element
+        # scale and subtraction fuse into one FMA.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = _exp2(s * qk_scale - m_new[:, None], POLY_EXP2, q.dtype)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
