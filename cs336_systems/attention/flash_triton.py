@@ -107,7 +107,7 @@ def _tma_ready(t: Tensor) -> Tensor:
 
 def _row_buffer(rows: tuple[int, ...], n: int, device: torch.device) -> Tensor:
     """float32 ``(*rows, n)`` whose rows start on 16-byte boundaries (``n`` padded to a multiple of 4
-    in memory), so that the dK/dV kernel can read L and D through 1-D tensor descriptors."""
+    in memory), so that the dK/dV kernel can read the ``[L; D]`` row pairs through tensor descriptors."""
     padded = _cdiv(n, _TMA_ALIGN // 4) * (_TMA_ALIGN // 4)
     return torch.empty((*rows, padded), dtype=torch.float32, device=device)[..., :n]
 
@@ -147,7 +147,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
     n_keys = k.shape[2]
     k, v = _tma_ready(k), _tma_ready(v)
     o = torch.empty_like(q)
-    lse = _row_buffer((batch, heads), n_queries, q.device)
+    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
 
     def grid(meta: dict) -> tuple[int]:
         return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
@@ -165,7 +165,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
 
 @flash_attention_forward.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(q), _row_buffer(q.shape[:2], q.shape[2], q.device)
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
@@ -177,7 +177,7 @@ def flash_attention_backward(
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
-    delta = _row_buffer((batch * heads,), n_queries, q.device)
+    ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(d)
     shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
@@ -186,19 +186,18 @@ def flash_attention_backward(
 
     with _device_guard(q):
         kernels.flash_backward_preprocess_kernel[(_cdiv(n_queries, block) * batch * heads,)](
-            o, do, delta, *o.stride(), *do.stride(), delta.stride(0), heads, n_queries,
+            o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n_queries,
             HEAD_DIM=d, BLOCK_M=block,
         )
         _set_descriptor_allocator(q.device)
         kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
-            q, k, v, do, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), delta.stride(0),
-            *dk.stride(), *dv.stride(),
+            q, k, v, do, ld, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dk.stride(), *dv.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
         )  # fmt: skip
         kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
-            q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), delta.stride(0), *dq.stride(),
+            q, k, v, do, ld, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
         )  # fmt: skip
     return dq, dk, dv

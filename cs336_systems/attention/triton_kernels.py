@@ -534,7 +534,8 @@ def flash_forward_kernel(
 def flash_backward_preprocess_kernel(
     O,
     DO,
-    DELTA,
+    L,
+    LD,
     stride_ob,
     stride_oh,
     stride_on,
@@ -543,14 +544,20 @@ def flash_backward_preprocess_kernel(
     stride_doh,
     stride_don,
     stride_dod,
-    stride_deltabh,
+    stride_lb,
+    stride_lh,
+    stride_ln,
+    stride_ldbh,
+    stride_ldrow,
     n_heads,
     n_queries,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """``D_i = Σ_d dO_id O_id`` in float32, stored ``(batch * heads, n_queries)`` with row stride
-    ``stride_deltabh``."""
+    """The backward's per-query row pair, float32 ``LD[b * heads + h] = [L · log2(e); D]`` with
+    ``D_i = Σ_d dO_id O_id``: both are read per query tile by dK/dV, which loads them as one
+    ``2 x BLOCK_M`` tensor-descriptor box (one bulk copy and one barrier wait per tile instead of two),
+    and L arrives already in the base-2 units of the kernels' ``exp2``."""
     tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, False)
     b = (pid_bh // n_heads).to(tl.int64)
     h = (pid_bh % n_heads).to(tl.int64)
@@ -568,7 +575,10 @@ def flash_backward_preprocess_kernel(
         other=0.0,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * stride_deltabh + offs_m, delta, mask=offs_m < n_queries)
+    lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=offs_m < n_queries, other=0.0)
+    ld_row = LD + pid_bh.to(tl.int64) * stride_ldbh + offs_m
+    tl.store(ld_row, lse * 1.4426950408889634, mask=offs_m < n_queries)
+    tl.store(ld_row + stride_ldrow, delta, mask=offs_m < n_queries)
 
 
 @triton.jit
@@ -579,8 +589,7 @@ def _dkdv_query_loop(
     v,
     q_desc,
     do_desc,
-    lse_desc,
-    delta_desc,
+    ld_desc,
     offs_n,
     lo,
     hi,
@@ -601,24 +610,22 @@ def _dkdv_query_loop(
         q = q_desc.load([start_m, 0])
         do = do_desc.load([start_m, 0])
         qt = tl.trans(q)
-        lse2 = lse_desc.load([start_m]) * 1.4426950408889634
+        lse2, delta = tl.split(tl.trans(ld_desc.load([0, start_m])))  # L (base 2), D
         st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
         pt = _exp2(st, POLY_EXP2, k.dtype)
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        # D is loaded only now, where it is used: at head dim 128 the kernel sits at the 255-register
-        # limit and spills, and D held across the exponentiation spilled more (dK/dV +5% on an H100).
-        delta = delta_desc.load([start_m])
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
-# K, V | Q, dO; Q and dO each feed one product plain and one transposed. The 1-D descriptor boxes of L
-# and D hold BLOCK_M floats: below 32 (128 bytes, TMA's shared-memory alignment) the pipeline stages
-# pack misaligned and the kernel faults (H100, Triton 3.6: "misaligned address" at 16 x 64).
+# K, V | Q, dO; Q and dO each feed one product plain and one transposed. The descriptor boxes of L and D
+# have rows of BLOCK_M floats: with separate 1-D boxes of 16 (64 bytes, under TMA's 128-byte shared-memory
+# alignment) the pipeline stages packed misaligned and the kernel faulted (H100, Triton 3.6: "misaligned
+# address" at 16 x 64); tiles under 32 query rows stay excluded.
 DKDV_PRUNE = _fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m,
                           min_block_m=16 if INTERPRETED else 32)
 
@@ -630,8 +637,7 @@ def flash_backward_dkdv_kernel(
     K,
     V,
     DO,
-    L,
-    DELTA,
+    LD,
     DK,
     DV,
     stride_qb,
@@ -650,10 +656,8 @@ def flash_backward_dkdv_kernel(
     stride_doh,
     stride_don,
     stride_dod,
-    stride_lb,
-    stride_lh,
-    stride_ln,
-    stride_deltabh,
+    stride_ldbh,
+    stride_ldrow,
     stride_dkb,
     stride_dkh,
     stride_dkn,
@@ -702,10 +706,8 @@ def flash_backward_dkdv_kernel(
                                        strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
     do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[n_queries, HEAD_DIM],
                                         strides=[stride_don, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    lse_desc = tl.make_tensor_descriptor(L + b * stride_lb + h * stride_lh, shape=[n_queries], strides=[1],
-                                         block_shape=[BLOCK_M])
-    delta_desc = tl.make_tensor_descriptor(DELTA + pid_bh.to(tl.int64) * stride_deltabh, shape=[n_queries],
-                                           strides=[1], block_shape=[BLOCK_M])
+    ld_desc = tl.make_tensor_descriptor(LD + pid_bh.to(tl.int64) * stride_ldbh, shape=[2, n_queries],
+                                        strides=[stride_ldrow, 1], block_shape=[2, BLOCK_M])
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -717,8 +719,7 @@ def flash_backward_dkdv_kernel(
         v,
         q_desc,
         do_desc,
-        lse_desc,
-        delta_desc,
+        ld_desc,
         offs_n,
         lo,
         diag,
@@ -739,8 +740,7 @@ def flash_backward_dkdv_kernel(
         v,
         q_desc,
         do_desc,
-        lse_desc,
-        delta_desc,
+        ld_desc,
         offs_n,
         diag,
         tail,
@@ -761,8 +761,7 @@ def flash_backward_dkdv_kernel(
         v,
         q_desc,
         do_desc,
-        lse_desc,
-        delta_desc,
+        ld_desc,
         offs_n,
         tail,
         n_queries,
@@ -834,8 +833,7 @@ def flash_backward_dq_kernel(
     K,
     V,
     DO,
-    L,
-    DELTA,
+    LD,
     DQ,
     stride_qb,
     stride_qh,
@@ -853,10 +851,8 @@ def flash_backward_dq_kernel(
     stride_doh,
     stride_don,
     stride_dod,
-    stride_lb,
-    stride_lh,
-    stride_ln,
-    stride_deltabh,
+    stride_ldbh,
+    stride_ldrow,
     stride_dqb,
     stride_dqh,
     stride_dqn,
@@ -893,9 +889,9 @@ def flash_backward_dq_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    lse2 = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=row_ok, other=0.0)
-    lse2 = lse2 * 1.4426950408889634
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * stride_deltabh + offs_m, mask=row_ok, other=0.0)
+    ld_row = LD + pid_bh.to(tl.int64) * stride_ldbh + offs_m
+    lse2 = tl.load(ld_row, mask=row_ok, other=0.0)  # L in base-2 units
+    delta = tl.load(ld_row + stride_ldrow, mask=row_ok, other=0.0)
     k_desc, v_desc = _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                                             stride_vn, n_keys, HEAD_DIM, BLOCK_N)
 
