@@ -128,7 +128,7 @@ def _configs(phase: str, candidates: list[tuple[int, int, int, int] | Tile]) -> 
 #: PERF_NOTES.md); each candidate costs about 0.8 s of compile per shape class on first use.
 _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int] | Tile]]] = {
     "default": {
-        "forward": [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 3)],
+        "forward": [(128, 64, 8, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
         "dkdv": [Tile(64, 64, 4, 3, maxnreg=168, poly=False), (64, 64, 4, 3),
                  Tile(32, 64, 4, 3, maxnreg=168), (64, 128, 8, 3), Tile(64, 128, 8, 3, poly=False)],
         "dq": [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
