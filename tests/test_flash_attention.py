@@ -529,6 +529,26 @@ def test_row_buffers_start_rows_on_16_bytes() -> None:
     assert buf.data_ptr() % 16 == 0 and all(s * 4 % 16 == 0 for s in buf.stride()[:-1])
 
 
+def test_preprocess_writes_base2_lse_and_delta_row_pairs() -> None:
+    """The backward's preprocess stores ``[L · log2(e); rowsum(dO ∘ O)]`` per head, rows 16-byte aligned,
+    for a length (37) that is neither a tile nor a 16-byte multiple."""
+    from cs336_systems.attention import flash_triton
+
+    kernels = flash_triton._kernels()
+    batch, heads, n, d = 2, 3, 37, 16
+    o, do = (torch.randn(batch, heads, n, d, device=DEVICE) for _ in range(2))
+    lse = torch.randn(batch, heads, n, device=DEVICE)
+    ld = flash_triton._row_buffer((batch * heads, 2), n, o.device)
+    block = kernels.PREPROCESS_BLOCK
+    kernels.flash_backward_preprocess_kernel[(flash_triton._cdiv(n, block) * batch * heads,)](
+        o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n,
+        HEAD_DIM=d, BLOCK_M=block,
+    )
+    pairs = ld.view(batch, heads, 2, n)
+    torch.testing.assert_close(pairs[:, :, 0], lse * 1.4426950408889634)
+    torch.testing.assert_close(pairs[:, :, 1], (o * do).sum(-1))
+
+
 def test_dkdv_pruning_drops_tiles_the_descriptors_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fewer than 32 query rows per tile make L and D boxes under 128 bytes, which faulted on an H100."""
     import triton
