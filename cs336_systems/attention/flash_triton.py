@@ -99,7 +99,11 @@ _TMA_ALIGN = 16
 def _tma_ready(t: Tensor) -> Tensor:
     """``t`` itself if every head of it starts on a 16-byte boundary and its rows are 16-byte multiples
     (what the kernels' tensor descriptors require), else a contiguous copy in fresh memory (which
-    is aligned for every supported head dim)."""
+    is aligned for every supported head dim).
+
+    Called inside each custom operator, not in the autograd function: it reads ``data_ptr()``, which
+    the fake tensors of ``torch.compile`` tracing do not have. So a misaligned K or V (rare: a view at
+    an odd offset) is copied once by the forward and once more by the backward."""
     size = t.element_size()
     aligned = t.data_ptr() % _TMA_ALIGN == 0 and all(s * size % _TMA_ALIGN == 0 for s in t.stride()[:-1])
     return t if aligned else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)

@@ -381,8 +381,6 @@ def _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_v
     return k_desc, v_desc
 
 
-
-
 @triton.jit
 def _forward_key_loop(
     acc,
@@ -575,10 +573,11 @@ def flash_backward_preprocess_kernel(
         other=0.0,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=offs_m < n_queries, other=0.0)
+    in_seq = offs_m < n_queries
+    lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=in_seq, other=0.0)
     ld_row = LD + pid_bh.to(tl.int64) * stride_ldbh + offs_m
-    tl.store(ld_row, lse * 1.4426950408889634, mask=offs_m < n_queries)
-    tl.store(ld_row + stride_ldrow, delta, mask=offs_m < n_queries)
+    tl.store(ld_row, lse * 1.4426950408889634, mask=in_seq)
+    tl.store(ld_row + stride_ldrow, delta, mask=in_seq)
 
 
 @triton.jit
