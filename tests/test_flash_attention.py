@@ -578,3 +578,92 @@ def test_misaligned_inputs_match_reference(impl_name: str) -> None:
     tol = _fp32_tol(impl_name)
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The Gluon forward (Hopper): eligibility and an offline sm_90 compile on any machine, numerics on an H100
+# --------------------------------------------------------------------------------------------------
+
+IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_gluon_forward_eligibility(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon forward takes contiguous, 16-byte aligned 16-bit inputs at head dims 64 and 128 on
+    compute capability 9.0, and says why it declines anything else."""
+    from cs336_systems.attention import flash_triton, gluon_kernels
+
+    monkeypatch.delenv("CS336_FLASH_GLUON", raising=False)
+    q, k, v = (torch.randn(2, 3, 40, 64, dtype=torch.bfloat16) for _ in range(3))
+    assert gluon_kernels.ineligibility(q, k, v, (9, 0)) is None
+    assert "Hopper" in gluon_kernels.ineligibility(q, k, v, (10, 0))
+    assert "Hopper" in gluon_kernels.ineligibility(q, k, v, None)
+    assert "float16 or bfloat16" in gluon_kernels.ineligibility(q.float(), k.float(), v.float(), (9, 0))
+    narrow = [t[..., :32].contiguous() for t in (q, k, v)]
+    assert "head dim 32" in gluon_kernels.ineligibility(*narrow, (9, 0))
+    assert "k is not contiguous" in gluon_kernels.ineligibility(q, k.transpose(1, 2).contiguous().transpose(1, 2),
+                                                                v, (9, 0))  # fmt: skip
+    shifted = torch.randn(k.numel() + 1, dtype=torch.bfloat16)[1:].view(k.shape)
+    assert "16-byte" in gluon_kernels.ineligibility(q, k, shifted, (9, 0))
+    monkeypatch.setenv("CS336_FLASH_GLUON", "0")
+    assert "disabled" in gluon_kernels.ineligibility(q, k, v, (9, 0))
+    monkeypatch.delenv("CS336_FLASH_GLUON")
+    if not IS_HOPPER:  # CPU tensors and other GPUs run the Triton forward
+        assert flash_triton.forward_kernel_name(q, k, v) == "triton"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_forward_compiles_for_hopper(head_dim: int) -> None:
+    """The warp-specialized kernel builds for sm_90 with this Triton: partitions with rebalanced registers,
+    asynchronous wgmma products, TMA copies, its buffers inside the 227 KiB of shared memory, and no
+    register spills (where this Triton ships cuobjdump)."""
+    import json
+    import subprocess
+    import sys
+
+    script = f"""
+import glob, json, os, re, subprocess, tempfile, triton
+from cs336_systems.attention import gluon_kernels
+compiled = gluon_kernels.compile_for_hopper({head_dim}, True)
+usage = ""
+tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
+if tools:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"]); cubin.flush()
+        usage = subprocess.run([tools[0], "-res-usage", cubin.name], capture_output=True, text=True).stdout
+print(json.dumps({{"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "usage": usage}}))
+"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
+    assert result["shared"] <= 227 * 1024
+    if result["usage"]:
+        assert "LOCAL:0" in result["usage"].replace(" ", ""), result["usage"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("case", [Case(1000, 1000, 64, True, 3), Case(700, 1000, 64, False, 2),
+                                  Case(77, 77, 64, True, 1), Case(1030, 1030, 128, False, 2),
+                                  Case(2048, 2048, 128, True, 2), Case(300, 300, 64, True, None)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where it applies the Gluon forward runs, and its O and L match the Triton forward's (same
+    arithmetic, so to a few bf16/fp16 roundings), and both match float64."""
+    from cs336_systems.attention import flash_triton
+
+    monkeypatch.delenv("CS336_FLASH_GLUON", raising=False)
+    q, k, v, do = _inputs(case, dtype)
+    assert flash_triton.forward_kernel_name(q, k, v) == "gluon"
+    gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    monkeypatch.setenv("CS336_FLASH_GLUON", "0")
+    assert flash_triton.forward_kernel_name(q, k, v) == "triton"
+    triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    want = _reference(q, k, v, do, case.is_causal)
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    for name, a, b, ref in zip(NAMES, gluon, triton_, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+        err_gluon, err_triton = (a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item()
+        assert err_gluon <= 1.5 * err_triton + tol / 4, f"{name}: {err_gluon:.3g} vs Triton {err_triton:.3g}"

@@ -10,6 +10,9 @@ Layers, outside in:
   opaque to ``torch.compile``: Dynamo and AOTAutograd trace the autograd function around them and call the
   operators as they are, whichever way the kernels were built (compiled for a GPU, or interpreted on CPU).
 - The kernels themselves live in :mod:`.triton_kernels`, imported on first launch (see :func:`_kernels`).
+  On Hopper GPUs the forward of 16-bit inputs at head dims 64 and 128 runs the warp-specialized Gluon
+  kernel of :mod:`.gluon_kernels` instead (same outputs; :func:`forward_kernel_name` says which one a
+  call uses, ``CS336_FLASH_GLUON=0`` turns it off). The backward kernels are the same either way.
 
 Devices: CUDA tensors; or CPU tensors when ``TRITON_INTERPRET=1`` is set, which runs the very same kernels
 in Triton's numpy interpreter (slow; this is how the CPU test suite checks them). CPU tensors without the
@@ -143,9 +146,35 @@ def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
 # --------------------------------------------------------------------------------------------------
 
 
+def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor) -> ModuleType | None:
+    """:mod:`.gluon_kernels` when its Hopper forward covers these 4-D inputs, else None (Triton forward).
+
+    Imported only for CUDA tensors on a compute-capability-9.0 GPU, so CPU runs and other GPUs never
+    load Gluon."""
+    if q.device.type != "cuda" or interpreter_enabled() or os.environ.get("CS336_FLASH_GLUON", "1") == "0":
+        return None
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability != (9, 0):
+        return None
+    module = importlib.import_module(".gluon_kernels", __package__)
+    return module if module.ineligibility(q, k, v, capability) is None else None
+
+
+def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
+    """``"gluon"`` or ``"triton"``: which forward kernel ``FlashAttentionTriton`` runs for these inputs
+    (3-D or 4-D, as passed to it)."""
+    q, k, v = (_unit_stride_d(t) for t in (q, k, v))
+    q, k, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v))
+    return "gluon" if _gluon_forward_module(q, k, v) is not None else "triton"
+
+
 @torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
 def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     """``(O, L)`` for ``(batch, heads, n, d)`` inputs; ``L`` is float32 ``(batch, heads, n_queries)``."""
+    gluon = _gluon_forward_module(q, k, v)
+    if gluon is not None:
+        with _device_guard(q):
+            return gluon.flash_forward(q, k, v, is_causal)
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]

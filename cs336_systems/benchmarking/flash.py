@@ -337,6 +337,7 @@ def run_leaderboard(
         row: dict[str, Any] = {"impl": impl}
         if impl == "triton":
             row["poly_exp2"] = _poly_exp2_label()
+            row["forward_kernel"] = flash_triton.forward_kernel_name(q, k, v)  # gluon on Hopper, else triton
         protocols: dict[str, Callable[[], Any]] = {
             "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
             "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
@@ -382,8 +383,10 @@ def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, 
 
 #: The autotuned kernels whose choices the breakdown records.
 TUNED_KERNELS = ("flash_forward_kernel", "flash_backward_dkdv_kernel", "flash_backward_dq_kernel")
-#: Matmuls per step each kernel issues: forward 2 (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ).
-MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_backward_dkdv_kernel": 4, "flash_backward_dq_kernel": 3}
+#: Matmuls per step each kernel issues: forward 2 (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ). The
+#: Gluon forward (Hopper) replaces the Triton one where it applies.
+MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_forward_gluon_kernel": 2, "flash_backward_dkdv_kernel": 4,
+                    "flash_backward_dq_kernel": 3}
 
 
 def _config_label(config: Any) -> str:
@@ -437,7 +440,7 @@ def run_kernel_breakdown(
 
     poly = _poly_exp2_label()
     summary: dict[str, Any] = {"poly_exp2": poly, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
-                               "dtype": dtype}  # fmt: skip
+                               "dtype": dtype, "forward_kernel": flash_triton.forward_kernel_name(q, k, v)}  # fmt: skip
     _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
                                                             grad_to_none=[q, k, v]))  # fmt: skip
     _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,

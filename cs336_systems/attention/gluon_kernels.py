@@ -1,0 +1,284 @@
+"""The FlashAttention forward for Hopper (sm_90) in Gluon, Triton's lower-level dialect: warp-specialized.
+
+Why a second forward kernel. At head dim 64 the forward is bound by the exponentials as much as by the
+products (per score: 256 matmul FLOPs on the tensor cores against one ``ex2`` and half a conversion on a
+16-per-clock unit), so it only gets fast if the two overlap. Triton's compiler waits for every product
+before the arithmetic that reads it, and its automatic warp specialization (``tl.range(...,
+warp_specialize=True)``) does not compile attention loops for sm_90 in Triton 3.6 (an assertion in its
+Hopper pass; PERF_NOTES.md). Gluon states warp roles, shared-memory buffers and barriers explicitly, so the
+schedule below is written down rather than hoped for.
+
+One program (CTA) owns ``BLOCK_M`` = 128 queries of one head and runs three partitions:
+
+- a **producer** warp issues the TMA copies: the two 64-row halves of the Q tile once, then K and V
+  tiles into a ring of ``STAGES`` shared-memory buffers (``kv_ready[s]``: the copy landed, with the
+  byte count expected; ``kv_empty[s]``: both consumers are done with buffer ``s``);
+- two **consumer** warpgroups each own 64 of the queries and run the online softmax. Each pipelines
+  within itself, FlashAttention-3 style: for key tile ``j`` it issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1}
+  V_{j-1}`` asynchronously, waits only for ``S_j``, and exponentiates it while ``P_{j-1} V_{j-1}`` is
+  still on the tensor cores; the rescale of O waits for that product.
+
+The consumers never synchronize with each other (only through ``kv_empty``), so each one's softmax runs
+under the other's products as well. Registers are rebalanced per partition (``setmaxnreg``): the
+producer keeps 40, the consumers take the rest.
+
+Scope: 16-bit inputs, head dims 64 and 128, contiguous ``(batch, heads, n, d)`` tensors (Q, K and V are
+read as 2-D ``(batch·heads·n, d)`` through host-side tensor descriptors; rows of a tile past a head's end
+belong to the next head or lie outside the tensor, where TMA reads zeros, and are masked exactly like
+the ragged tile of the Triton kernel). :func:`ineligibility` says why a call is not covered, and the
+caller (``flash_triton``) then runs the Triton forward, which covers everything. Same outputs as that
+kernel: O, and L in natural-log units as ``(batch, heads, n_queries)`` float32. The backward is shared.
+
+This module is imported only on a Hopper GPU. Gluon has no CPU interpreter, so CI checks it by compiling it
+for sm_90 offline (``tests/test_flash_attention.py``); the numerics are checked by the GPU tests.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+_LOG2_E = 1.4426950408889634
+
+#: TMA global -> shared copy: ``async_load`` since Triton 3.7, ``async_copy_global_to_shared`` before.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+#: Register budgets per thread after ``setmaxnreg``: the producer warp needs few; the consumer
+#: warpgroups hold S (64 x 128 float32), P and O.
+CONSUMER_REGISTERS = gl.constexpr(232)
+PRODUCER_REGISTERS = gl.constexpr(40)
+
+#: ``(BLOCK_M, BLOCK_N, STAGES)`` per head dim, measured on an H100 (PERF_NOTES.md): 128 x 128 tiles with a
+#: three-deep K/V ring were best at both head dims (four stages tied at d=64 and do not fit at d=128).
+TILES: dict[int, tuple[int, int, int]] = {64: (128, 128, 3), 128: (128, 128, 3)}
+#: Warps per consumer partition (one warpgroup: a ``wgmma`` is issued by four warps together).
+_CONSUMER_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_row0, k_row0, n_tiles,
+              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA copies: both Q halves once, then K/V tile ``j`` into buffer ``j % STAGES`` once it is free."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
+    _tma_load(q_desc, [q_row0 + HALF_M, 0], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        stage = j % STAGES
+        # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once
+        # (parity 1 names the phase before the first).
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        ready = kv_ready.index(stage)
+        mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [k_row0 + j * BLOCK_N, 0], ready, k_smem.index(stage))
+        _tma_load(v_desc, [k_row0 + j * BLOCK_N, 0], ready, v_smem.index(stage))
+
+
+@gluon.jit
+def _mask_scores(s, offs_m, start_n, n_keys, s_cols: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """-inf where the key lies past the sequence or (causal) after the query."""
+    offs_n = gl.expand_dims(start_n + gl.arange(0, BLOCK_N, layout=s_cols), 0)
+    visible = offs_n < n_keys
+    if IS_CAUSAL:
+        visible = visible & (offs_n <= gl.expand_dims(offs_m, 1))
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
+def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys, n_tiles,
+              qk_scale, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr):
+    """Online softmax of queries ``[start_m + part·HALF_M, +HALF_M)`` over ``n_tiles`` key tiles."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    first = start_m + part * HALF_M
+    # Key tiles [0, unmasked) need no mask: inside the sequence and (causal) before every query here.
+    unmasked = (n_keys // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        unmasked = gl.minimum(((first + 1) // BLOCK_N) * BLOCK_N, unmasked)
+    q_tile = q_smem.index(part)
+    offs_m = first + gl.arange(0, HALF_M, layout=s_rows)
+    no_acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+
+    # Tile 0 on its own: there is no previous P·V to overlap with yet.
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(kv_ready.index(0), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), no_acc, use_acc=False)
+    if unmasked <= 0:
+        s = _mask_scores(s, offs_m, 0, n_keys, s_cols, BLOCK_N, IS_CAUSAL)
+    m_i = gl.max(s, 1) * qk_scale  # running max of the scaled scores (base 2); qk_scale > 0
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+    l_i = gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+
+    for j in range(1, n_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
+        s_token = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), no_acc, use_acc=False, is_async=True)
+        o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is done; P_{j-1} V_{j-1} may still run
+        if j * BLOCK_N >= unmasked:
+            s = _mask_scores(s, offs_m, j * BLOCK_N, n_keys, s_cols, BLOCK_N, IS_CAUSAL)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_token, p_op])
+        mbarrier.arrive(kv_empty.index(prev))  # this warpgroup has read K_{j-1} and V_{j-1}
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc)
+    o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+    rows = first + gl.arange(0, HALF_M, layout=o_rows)
+    cols = gl.arange(0, HEAD_DIM, layout=o_cols)
+    o_ptrs = O + (bh * n_queries + gl.expand_dims(rows, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(cols, 0)
+    gl.store(o_ptrs, o.to(dtype), mask=gl.expand_dims(rows < n_queries, 1))
+    lse = (m_i + gl.log2(l_i)) / 1.4426950408889634  # natural-log units, as the interface requires
+    gl.store(L + bh * n_queries + offs_m, lse, mask=offs_m < n_queries)
+
+
+@gluon.jit
+def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale,
+                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_desc.dtype
+    # Program -> (query tile, batch * head), heads fastest; causal: the longest query tiles first.
+    n_tiles_m = gl.cdiv(n_queries, BLOCK_M)
+    n_bh = gl.num_programs(0) // n_tiles_m
+    tile_m = gl.program_id(0) // n_bh
+    if IS_CAUSAL:
+        tile_m = n_tiles_m - 1 - tile_m
+    bh = gl.program_id(0) % n_bh
+    start_m = tile_m * BLOCK_M
+    if IS_CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)
+    else:
+        n_tiles = gl.cdiv(n_keys, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
+                     n_tiles, qk_scale, HEAD_DIM, HALF_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
+                     n_tiles, qk_scale, HEAD_DIM, HALF_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
+                     bh * n_queries + start_m, bh * n_keys, n_tiles, HALF_M, BLOCK_N, STAGES)),
+    ], [_CONSUMER_WARPS, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+#: TMA box coordinates are 32-bit: every row of the 2-D views must be addressable.
+_MAX_ROWS = 2**31 - 1
+
+
+def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] | None) -> str | None:
+    """Why this kernel cannot run these ``(batch, heads, n, d)`` inputs, or None when it can.
+
+    ``capability`` is the GPU's compute capability (None: not a CUDA tensor). ``CS336_FLASH_GLUON=0``
+    turns the kernel off (the Triton forward then runs everywhere), e.g. for A/B comparisons.
+    """
+    if os.environ.get("CS336_FLASH_GLUON", "1") == "0":
+        return "disabled by CS336_FLASH_GLUON=0"
+    if capability != (9, 0):
+        return f"needs a Hopper GPU (compute capability 9.0), got {capability}"
+    if q.dtype not in _GLUON_DTYPES:
+        return f"needs float16 or bfloat16, got {q.dtype}"
+    if q.shape[-1] not in TILES:
+        return f"head dim {q.shape[-1]} not in {sorted(TILES)}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} does not start on a 16-byte boundary"
+        if t.numel() // t.shape[-1] > _MAX_ROWS:
+            return f"{name} has more than 2**31 - 1 rows"
+    return None
+
+
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """``(O, L)`` for inputs that :func:`ineligibility` accepts; L is float32 ``(batch, heads, n_queries)``."""
+    batch, heads, n_queries, d = q.shape
+    n_keys = k.shape[2]
+    block_m, block_n, stages = TILES[d]
+    dtype = _GLUON_DTYPES[q.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m // 2, d], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], dtype)
+    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [block_m // 2, d], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], kv_layout)
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
+    grid = (-(-n_queries // block_m) * batch * heads,)
+    flash_forward_gluon_kernel[grid](
+        q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E / math.sqrt(d),
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
+        num_warps=_CONSUMER_WARPS.value,
+    )  # fmt: skip
+    return o, lse
+
+
+def compile_for_hopper(head_dim: int, is_causal: bool = True):
+    """Compile the kernel for sm_90 without a GPU (``triton.compile`` with an explicit target), as the GPU
+    would on first use; returns Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``,
+    ``.metadata.shared``). Run it in a process without ``TRITON_INTERPRET=1``: Gluon's reductions are
+    Triton functions, and the interpreter replaces those at import."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    block_m, block_n, stages = TILES[head_dim]
+
+    def descriptor(rows: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
+                  "IS_CAUSAL": is_causal}  # fmt: skip
+    signature = {"q_desc": descriptor(block_m // 2), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
+                 "O": "*bf16", "L": "*fp32", "n_queries": "i32", "n_keys": "i32", "qk_scale": "fp32",
+                 **dict.fromkeys(constexprs, "constexpr")}  # fmt: skip
+    kernel = flash_forward_gluon_kernel
+    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "L")}
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": _CONSUMER_WARPS.value})
