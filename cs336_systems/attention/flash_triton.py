@@ -149,9 +149,9 @@ def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
 def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor) -> ModuleType | None:
     """:mod:`.gluon_kernels` when its Hopper forward covers these 4-D inputs, else None (Triton forward).
 
-    Imported only for CUDA tensors on a compute-capability-9.0 GPU, so CPU runs and other GPUs never
-    load Gluon."""
-    if q.device.type != "cuda" or interpreter_enabled() or os.environ.get("CS336_FLASH_GLUON", "1") == "0":
+    The device checks here only keep CPU runs and other GPUs from importing Gluon; what the kernel takes
+    (including ``CS336_FLASH_GLUON``) is decided in one place, ``gluon_kernels.ineligibility``."""
+    if q.device.type != "cuda" or interpreter_enabled():
         return None
     capability = torch.cuda.get_device_capability(q.device)
     if capability != (9, 0):

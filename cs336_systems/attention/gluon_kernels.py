@@ -29,8 +29,8 @@ the ragged tile of the Triton kernel). :func:`ineligibility` says why a call is 
 caller (``flash_triton``) then runs the Triton forward, which covers everything. Same outputs as that
 kernel: O, and L in natural-log units as ``(batch, heads, n_queries)`` float32. The backward is shared.
 
-This module is imported only on a Hopper GPU. Gluon has no CPU interpreter, so CI checks it by compiling it
-for sm_90 offline (``tests/test_flash_attention.py``); the numerics are checked by the GPU tests.
+``flash_triton`` imports this module only on a Hopper GPU. Gluon has no CPU interpreter, so CI checks the
+kernel by compiling it for sm_90 offline (:func:`compile_for_hopper`); the GPU tests check its numerics.
 """
 
 from __future__ import annotations
