@@ -16,7 +16,9 @@ One program (CTA) owns ``BLOCK_M`` = 128 queries of one head and runs three part
 - two **consumer** warpgroups each own 64 of the queries and run the online softmax. Each pipelines
   within itself, FlashAttention-3 style: for key tile ``j`` it issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1}
   V_{j-1}`` asynchronously, waits only for ``S_j``, and exponentiates it while ``P_{j-1} V_{j-1}`` is
-  still on the tensor cores; the rescale of O waits for that product.
+  still on the tensor cores; the rescale of O waits for that product. That overlap exists in the machine
+  code only because the wait for the next K/V tile sits between the exponentials and the product wait
+  (see the loop): in one basic block ptxas moves the product wait ahead of the exponentials.
 
 The consumers never synchronize with each other (only through ``kv_empty``), so each one's softmax runs
 under the other's products as well. Registers are rebalanced per partition (``setmaxnreg``): the
@@ -133,10 +135,10 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
 
-    for j in range(1, n_tiles):
+    mbarrier.wait(kv_ready.index(1 % STAGES), (1 // STAGES) & 1, pred=n_tiles > 1)
+    for j in range(1, n_tiles):  # K_j and V_j have landed (waited for before the loop or in the previous trip)
         stage = j % STAGES
         prev = (j - 1) % STAGES
-        mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
         s_token = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), no_acc, use_acc=False, is_async=True)
         o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is done; P_{j-1} V_{j-1} may still run
@@ -147,6 +149,11 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
+        # Wait for K_{j+1}/V_{j+1} here rather than at the top of the next trip. Its spin loop closes the basic
+        # block of the exponentials; without that boundary ptxas schedules the product wait below at the start
+        # of the softmax (so that the conversion of P_j can reuse P_{j-1}'s registers early) and the softmax no
+        # longer overlaps P_{j-1} V_{j-1} (PERF_NOTES.md, "The Gluon forward").
+        mbarrier.wait(kv_ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1, pred=j + 1 < n_tiles)
         acc, p_op = warpgroup_mma_wait(0, deps=[o_token, p_op])
         mbarrier.arrive(kv_empty.index(prev))  # this warpgroup has read K_{j-1} and V_{j-1}
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
