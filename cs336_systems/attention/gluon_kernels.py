@@ -58,10 +58,8 @@ _LOG2_E = 1.4426950408889634
 #: TMA global -> shared copy: ``async_load`` since Triton 3.7, ``async_copy_global_to_shared`` before.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-#: Register budgets per thread after ``setmaxnreg``: the producer warp needs few; the consumer
-#: warpgroups hold S (64 x 128 float32), P and O.
-CONSUMER_REGISTERS = gl.constexpr(232)
-PRODUCER_REGISTERS = gl.constexpr(40)
+#: Queries per consumer warpgroup: one ``wgmma`` row block.
+ROWS = gl.constexpr(64)
 
 #: ``(BLOCK_M, BLOCK_N, STAGES)`` per head dim, measured on an H100 (PERF_NOTES.md): 128 x 128 tiles with a
 #: three-deep K/V ring were best at both head dims (four stages tied at d=64 and do not fit at d=128).
@@ -72,11 +70,11 @@ _CONSUMER_WARPS = gl.constexpr(4)
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_row0, k_row0, n_tiles,
-              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """TMA copies: both Q halves once, then K/V tile ``j`` into buffer ``j % STAGES`` once it is free."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
-    _tma_load(q_desc, [q_row0 + HALF_M, 0], q_bar, q_smem.index(1))
+              CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA copies: each consumer's Q rows once, then K/V tile ``j`` into buffer ``j % STAGES`` once it is free."""
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        _tma_load(q_desc, [q_row0 + c * ROWS, 0], q_bar, q_smem.index(c))
     for j in range(n_tiles):
         stage = j % STAGES
         # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once
@@ -100,9 +98,9 @@ def _mask_scores(s, offs_m, start_n, n_keys, s_cols: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys, n_tiles,
-              qk_scale, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               IS_CAUSAL: gl.constexpr):
-    """Online softmax of queries ``[start_m + part·HALF_M, +HALF_M)`` over ``n_tiles`` key tiles."""
+    """Online softmax of queries ``[start_m + part·ROWS, +ROWS)`` over ``n_tiles`` key tiles."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -114,14 +112,14 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    first = start_m + part * HALF_M
+    first = start_m + part * ROWS
     # Key tiles [0, unmasked) need no mask: inside the sequence and (causal) before every query here.
     unmasked = (n_keys // BLOCK_N) * BLOCK_N
     if IS_CAUSAL:
         unmasked = gl.minimum(((first + 1) // BLOCK_N) * BLOCK_N, unmasked)
     q_tile = q_smem.index(part)
-    offs_m = first + gl.arange(0, HALF_M, layout=s_rows)
-    no_acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    offs_m = first + gl.arange(0, ROWS, layout=s_rows)
+    no_acc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
     # Tile 0 on its own: there is no previous P·V to overlap with yet.
     mbarrier.wait(q_bar, 0)
@@ -133,7 +131,7 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
     l_i = gl.sum(p, 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     mbarrier.wait(kv_ready.index(1 % STAGES), (1 // STAGES) & 1, pred=n_tiles > 1)
     for j in range(1, n_tiles):  # K_j and V_j have landed (waited for before the loop or in the previous trip)
@@ -161,7 +159,7 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
 
     acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc)
     o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-    rows = first + gl.arange(0, HALF_M, layout=o_rows)
+    rows = first + gl.arange(0, ROWS, layout=o_rows)
     cols = gl.arange(0, HEAD_DIM, layout=o_cols)
     o_ptrs = O + (bh * n_queries + gl.expand_dims(rows, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(cols, 0)
     gl.store(o_ptrs, o.to(dtype), mask=gl.expand_dims(rows < n_queries, 1))
@@ -173,7 +171,10 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
 def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    CONSUMERS: gl.constexpr = BLOCK_M // ROWS
+    gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "BLOCK_M: two or three consumer warpgroups of 64 queries")
+    # A consumer waits for tile j+1 before it releases tile j-1, so the ring needs three buffers.
+    gl.static_assert(STAGES >= 3, "STAGES >= 3")
     dtype: gl.constexpr = q_desc.dtype
     # Program -> (query tile, batch * head), heads fastest; causal: the longest query tiles first.
     n_tiles_m = gl.cdiv(n_queries, BLOCK_M)
@@ -188,7 +189,7 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
     else:
         n_tiles = gl.cdiv(n_keys, BLOCK_N)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -197,17 +198,32 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
-                     n_tiles, qk_scale, HEAD_DIM, HALF_M, BLOCK_N, STAGES, IS_CAUSAL)),
-        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
-                     n_tiles, qk_scale, HEAD_DIM, HALF_M, BLOCK_N, STAGES, IS_CAUSAL)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
-                     bh * n_queries + start_m, bh * n_keys, n_tiles, HALF_M, BLOCK_N, STAGES)),
-    ], [_CONSUMER_WARPS, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])  # fmt: skip
+    # Registers per thread after ``setmaxnreg`` (the first consumer, the default partition, keeps what is
+    # left): the producer warp needs few; a consumer holds S (64 x 128 float32), P and O. Three consumer
+    # warpgroups and the producer's warpgroup must share 64K registers: 160 per consumer thread.
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
+                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
+                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
+                         bh * n_queries + start_m, bh * n_keys, n_tiles, CONSUMERS, BLOCK_N, STAGES)),
+        ], [_CONSUMER_WARPS, 1], [232, 40])  # fmt: skip
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
+                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
+                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (2, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
+                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
+                         bh * n_queries + start_m, bh * n_keys, n_tiles, CONSUMERS, BLOCK_N, STAGES)),
+        ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [160, 160, 24])  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,9 +265,9 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Ten
     n_keys = k.shape[2]
     block_m, block_n, stages = TILES[d]
     dtype = _GLUON_DTYPES[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_m // 2, d], dtype)
+    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS.value, d], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], dtype)
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [block_m // 2, d], q_layout)
+    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [ROWS.value, d], q_layout)
     k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], kv_layout)
     o = torch.empty_like(q)
@@ -282,7 +298,7 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True):
 
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
                   "IS_CAUSAL": is_causal}  # fmt: skip
-    signature = {"q_desc": descriptor(block_m // 2), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
+    signature = {"q_desc": descriptor(ROWS.value), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
                  "O": "*bf16", "L": "*fp32", "n_queries": "i32", "n_keys": "i32", "qk_scale": "fp32",
                  **dict.fromkeys(constexprs, "constexpr")}  # fmt: skip
     kernel = flash_forward_gluon_kernel
