@@ -8,21 +8,23 @@ warp_specialize=True)``) does not compile attention loops for sm_90 in Triton 3.
 Hopper pass; PERF_NOTES.md). Gluon states warp roles, shared-memory buffers and barriers explicitly, so the
 schedule below is written down rather than hoped for.
 
-One program (CTA) owns ``BLOCK_M`` = 128 queries of one head and runs three partitions:
+One program (CTA) owns ``BLOCK_M`` queries of one head, 64 per consumer warpgroup (``BLOCK_M`` = 192,
+three consumers, at head dim 64; 128, two consumers, at 128, where three would not fit shared memory),
+and runs these partitions:
 
-- a **producer** warp issues the TMA copies: the two 64-row halves of the Q tile once, then K and V
-  tiles into a ring of ``STAGES`` shared-memory buffers (``kv_ready[s]``: the copy landed, with the
-  byte count expected; ``kv_empty[s]``: both consumers are done with buffer ``s``);
-- two **consumer** warpgroups each own 64 of the queries and run the online softmax. Each pipelines
-  within itself, FlashAttention-3 style: for key tile ``j`` it issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1}
-  V_{j-1}`` asynchronously, waits only for ``S_j``, and exponentiates it while ``P_{j-1} V_{j-1}`` is
-  still on the tensor cores; the rescale of O waits for that product. That overlap exists in the machine
-  code only because the wait for the next K/V tile sits between the exponentials and the product wait
-  (see the loop): in one basic block ptxas moves the product wait ahead of the exponentials.
+- a **producer** warp issues the TMA copies: each consumer's 64 Q rows once, then K and V tiles into a
+  ring of ``STAGES`` shared-memory buffers (``kv_ready[s]``: the copy landed, with the byte count
+  expected; ``kv_empty[s]``: every consumer is done with buffer ``s``);
+- the **consumer** warpgroups run the online softmax of their 64 queries. For key tile ``j`` each issues
+  ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` asynchronously and waits for ``S_j`` first
+  (FlashAttention-3's order). ptxas then moves the wait for ``P_{j-1} V_{j-1}`` up to the start of the
+  softmax, so that it can write each converted pair of P_j as soon as it is exponentiated; keeping that
+  wait after the exponentials measured slower (PERF_NOTES.md, "The Gluon forward").
 
-The consumers never synchronize with each other (only through ``kv_empty``), so each one's softmax runs
-under the other's products as well. Registers are rebalanced per partition (``setmaxnreg``): the
-producer keeps 40, the consumers take the rest.
+The consumers never synchronize with each other (only through ``kv_empty``), so one's softmax runs
+under the others' products: that is where the overlap of exponentials and products comes from, and why a
+third consumer helps at head dim 64. Registers are rebalanced per partition (``setmaxnreg``): the producer
+keeps few, the consumers take the rest.
 
 Scope: 16-bit inputs, head dims 64 and 128, contiguous ``(batch, heads, n, d)`` tensors (Q, K and V are
 read as 2-D ``(batch·heads·n, d)`` through host-side tensor descriptors; rows of a tile past a head's end
@@ -61,9 +63,10 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #: Queries per consumer warpgroup: one ``wgmma`` row block.
 ROWS = gl.constexpr(64)
 
-#: ``(BLOCK_M, BLOCK_N, STAGES)`` per head dim, measured on an H100 (PERF_NOTES.md): 128 x 128 tiles with a
-#: three-deep K/V ring were best at both head dims (four stages tied at d=64 and do not fit at d=128).
-TILES: dict[int, tuple[int, int, int]] = {64: (128, 128, 3), 128: (128, 128, 3)}
+#: ``(BLOCK_M, BLOCK_N, STAGES)`` per head dim, measured on an H100 (PERF_NOTES.md): at d=64, 192 queries
+#: (three consumers) by 128 keys with a three-deep K/V ring, 9% faster than 128 x 128; at d=128, 128 x 128
+#: (192 queries would need 246 KB of shared memory). Four stages tied with three at d=64.
+TILES: dict[int, tuple[int, int, int]] = {64: (192, 128, 3), 128: (128, 128, 3)}
 #: Warps per consumer partition (one warpgroup: a ``wgmma`` is issued by four warps together).
 _CONSUMER_WARPS = gl.constexpr(4)
 
@@ -133,10 +136,10 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-    mbarrier.wait(kv_ready.index(1 % STAGES), (1 // STAGES) & 1, pred=n_tiles > 1)
-    for j in range(1, n_tiles):  # K_j and V_j have landed (waited for before the loop or in the previous trip)
+    for j in range(1, n_tiles):
         stage = j % STAGES
         prev = (j - 1) % STAGES
+        mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
         s_token = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), no_acc, use_acc=False, is_async=True)
         o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is done; P_{j-1} V_{j-1} may still run
@@ -147,11 +150,6 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        # Wait for K_{j+1}/V_{j+1} here rather than at the top of the next trip. Its spin loop closes the basic
-        # block of the exponentials; without that boundary ptxas schedules the product wait below at the start
-        # of the softmax (so that the conversion of P_j can reuse P_{j-1}'s registers early) and the softmax no
-        # longer overlaps P_{j-1} V_{j-1} (PERF_NOTES.md, "The Gluon forward").
-        mbarrier.wait(kv_ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1, pred=j + 1 < n_tiles)
         acc, p_op = warpgroup_mma_wait(0, deps=[o_token, p_op])
         mbarrier.arrive(kv_empty.index(prev))  # this warpgroup has read K_{j-1} and V_{j-1}
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
@@ -173,8 +171,6 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
                                STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "BLOCK_M: two or three consumer warpgroups of 64 queries")
-    # A consumer waits for tile j+1 before it releases tile j-1, so the ring needs three buffers.
-    gl.static_assert(STAGES >= 3, "STAGES >= 3")
     dtype: gl.constexpr = q_desc.dtype
     # Program -> (query tile, batch * head), heads fastest; causal: the longest query tiles first.
     n_tiles_m = gl.cdiv(n_queries, BLOCK_M)
