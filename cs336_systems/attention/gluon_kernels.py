@@ -200,6 +200,9 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
     # Registers per thread after ``setmaxnreg`` (the first consumer, the default partition, keeps what is
     # left): the producer warp needs few; a consumer holds S (64 x 128 float32), P and O. Three consumer
     # warpgroups and the producer's warpgroup must share 64K registers: 160 per consumer thread.
+    # The two lists are spelled out because ``warp_specialize`` takes a literal list of (function, arguments)
+    # pairs: with Triton 3.9 an argument tuple built once and extended per consumer (``(0,) + args``) turns
+    # its constexprs into tuple elements, and a pair held in a variable does not compile.
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
