@@ -140,7 +140,10 @@ def _train_and_compare(model_cls: type, compute_dtype, optimizer, steps: int = 3
             assert value.dtype == torch.float32 and value.shape == ref_full[name].shape, name
             where = f"step {step} {name} ({compute_dtype})"
             assert torch.equal(value, ref_micro[name].detach()), f"{where}: not bitwise equal to micro-batched"
-            tol = 1e-4 if compute_dtype is not None else 1e-6
+            # Full batch differs by reduction order only. In 16-bit compute that is a relative gradient
+            # change of a few eps(dtype) (more for a layer called twice); AdamW turns it into a few lr * eps
+            # per step (lr = 0.01 here), still far below one step's update (lr).
+            tol = 1e-6 if compute_dtype is None else max(1e-4, 4 * 0.01 * (step + 1) * torch.finfo(compute_dtype).eps)
             assert torch.allclose(value, ref_full[name].detach(), atol=tol, rtol=1e-4), f"{where}: vs full batch"
         # Every linear call re-gathers its weight for backward (an embedding's backward needs no weight);
         # from the second forward on, the recorded layer order drives prefetching.
