@@ -4,18 +4,40 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from typing import Any
+
+_BARE_WORD = re.compile(r"\w[\w.@+-]*")
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: a Python literal (``120``, ``'quick'``, ``[128, 256]``, ``None``), a bare word
+    taken as a string (``quick``, ``2.7B``, ``xl@2026``), or a comma-separated list of either
+    (``1,10,100`` -> ``[1, 10, 100]``; ``small,xl`` -> ``['small', 'xl']``). Tuples become lists.
+
+    Raises ``ValueError`` naming the text when it is none of these."""
+    text = text.strip()
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        if "," in text:
+            return [parse_value(item) for item in text.split(",") if item.strip()]
+        if _BARE_WORD.fullmatch(text):
+            return text
+        raise ValueError(f"{text!r} is neither a Python literal, a word nor a comma-separated list") from None
+    return list(value) if isinstance(value, tuple) else value
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` with VALUE a Python literal (``budget_s=120``, ``kind='quick'``, ``seq_lens=[128, 256]``).
+    """``KEY=VALUE`` with VALUE as :func:`parse_value` reads it (``budget_s=120``, ``kind=quick``,
+    ``seq_lens=128,256``, ``seq_lens=[128, 256]``).
 
-    Meant as an argparse ``type=``: a malformed item becomes a usage error naming it.
+    Meant as an argparse ``type=``: a malformed item becomes a one-line usage error naming it.
     """
     key, sep, value = text.partition("=")
     if not sep or not key.isidentifier():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a Python identifier as KEY, got {text!r}")
     try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError) as exc:
-        raise argparse.ArgumentTypeError(f"{key}: {value!r} is not a Python literal ({exc})") from None
+        return key, parse_value(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{key}: {exc}") from None

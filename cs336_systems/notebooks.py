@@ -77,6 +77,21 @@ def execute(
     return dst
 
 
+def failure_summary(exc: BaseException) -> str:
+    """One line naming what failed: for an error inside a notebook, the notebook's own exception type and
+    message (papermill's wrapper carries them as ``ename`` / ``evalue``), else the exception itself."""
+    kind = getattr(exc, "ename", None) or type(exc).__name__
+    message = getattr(exc, "evalue", None) if getattr(exc, "ename", None) else str(exc)
+    first = next((line.strip() for line in str(message or "").splitlines() if line.strip()), "")
+    return f"{kind}: {first}" if first else f"{kind} (no message)"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def strip_outputs(paths: list[Path]) -> list[Path]:
     """Clear outputs and execution counts in place; returns the notebooks that changed."""
     import nbformat
@@ -124,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     smoke = True if args.smoke else False if args.real else None
+    if args.real and not _cuda_available():
+        parser.error("--real runs the GPU parameters and needs a CUDA GPU; here use --smoke (the default without "
+                     "one), or run on a GPU node")
+    unknown = [n for n in args.names if Path(n).stem not in list_notebooks()]
+    if unknown:
+        parser.error(f"no notebook {', '.join(map(repr, unknown))}; available: {', '.join(list_notebooks())}")
     resolved = is_smoke_run(smoke)
     if resolved:
         print("No CUDA GPU (or --smoke): running notebooks with SMOKE parameters; results go to .scratch/figures, "
@@ -137,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             dst = execute(name, dict(args.param), smoke=resolved, log_output=args.log_output)
         except Exception as exc:  # report and optionally continue: one broken section should not hide the rest
             failures.append(name)
-            print(f"FAILED {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            print(f"FAILED {name}: {failure_summary(exc)}", flush=True)
             if not args.keep_going:
                 break
         else:

@@ -7,7 +7,9 @@ Derived`` function, next to the code that measured the data, and three callers s
 - the measuring entry point, right after writing its tables (so a GPU run leaves PNGs behind);
 - the section's notebook, which displays what ``derive`` returns;
 - ``python -m cs336_systems.replot SECTION...``, which reloads the committed tables on a CPU machine and
-  rewrites the derived artefacts into ``figures/<section>/`` (``CS336_FIGURES_DIR`` overrides the root).
+  draws the derived artefacts into ``.scratch/figures/<section>/``; with ``--publish`` into
+  ``figures/<section>/`` beside the measurements (``CS336_FIGURES_DIR`` overrides both), where an artefact
+  whose bytes did not change is left as it is.
 
 Replotted artefacts keep the measuring run's provenance (device, versions, commit, date, via
 ``ResultWriter(..., source=meta)``) plus a ``rendered`` record of where and when they were drawn. The
@@ -112,15 +114,17 @@ def load_inputs(section: str, root: Path | None = None) -> tuple[dict[str, Any],
     return tables, metas
 
 
-def replot(section: str) -> list[Path]:
-    """Redraw ``section``'s figures and derived tables from its measured results and write them next to
-    those results (``figures/<section>/``, or under ``CS336_FIGURES_DIR``)."""
+def replot(section: str, publish: bool = False) -> list[Path]:
+    """Redraw ``section``'s figures and derived tables from its measured results, into
+    ``.scratch/figures/<section>/`` or, with ``publish``, next to those results (``figures/<section>/``;
+    ``CS336_FIGURES_DIR`` overrides both)."""
     spec = _spec(section)
     tables, metas = load_inputs(section)
     primary = metas[spec.inputs[0]]
     if primary.get("smoke", False):
         print(f"warning: {section} results come from a smoke run; the figures show no GPU numbers", file=sys.stderr)
-    out = ResultWriter(section, params={**(primary.get("params") or {}), "replot_of": sorted(metas)}, smoke=False)
+    params = {**(primary.get("params") or {}), "replot_of": sorted(metas)}
+    out = ResultWriter(section, params=params, smoke=False, publish=publish)
     derived = spec.derive_fn()(tables, primary)
     return write_derived(out, derived, metas)
 
@@ -134,12 +138,22 @@ def _spec(section: str) -> ReplotSpec:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Redraw figures and derived tables from committed measurements.")
     parser.add_argument("sections", nargs="*", help=f"sections to replot (default: all of {', '.join(REPLOTS)})")
+    parser.add_argument("--publish", action="store_true",
+                        help="write into figures/ beside the measurements (default: .scratch/figures/)")
     args = parser.parse_args(argv)
+    unknown = [s for s in args.sections if s not in REPLOTS]
+    if unknown:
+        parser.error(f"no replot for section(s) {', '.join(unknown)}; available: {', '.join(REPLOTS)}")
     import matplotlib
 
     matplotlib.use("Agg")
     for section in args.sections or list(REPLOTS):
-        for path in replot(section):
+        try:
+            paths = replot(section, publish=args.publish)
+        except FileNotFoundError as exc:
+            print(f"replot: {exc}", file=sys.stderr)
+            return 1
+        for path in paths:
             print(path)
     return 0
 

@@ -9,7 +9,13 @@ Where results go:
 - a real (GPU) run writes to ``figures/<section>/`` (committed);
 - a smoke run (CPU, tiny parameters) writes to ``.scratch/figures/<section>/`` (git-ignored), so it can
   never overwrite measured results;
+- ``publish=False`` sends a full run there too (an analytic section, a replot), until it is asked to
+  publish;
 - ``CS336_FIGURES_DIR`` overrides the root for either.
+
+Rewriting an artefact whose bytes did not change leaves the file, and its sidecar, untouched: the sidecar
+is rewritten only when an artefact or a field other than the run's commit, date and command line
+changed. Re-running a deterministic section therefore leaves a clean checkout clean.
 """
 
 from __future__ import annotations
@@ -48,11 +54,26 @@ def is_smoke_run(smoke: bool | None = None) -> bool:
     return not torch.cuda.is_available()
 
 
-def results_root(smoke: bool) -> Path:
+def results_root(smoke: bool, publish: bool | None = None) -> Path:
+    """Where results go: ``CS336_FIGURES_DIR`` if set, else ``figures/`` for a published real run and
+    ``.scratch/figures/`` for everything else (``publish=None`` means "publish unless smoke")."""
     override = os.environ.get("CS336_FIGURES_DIR")
     if override:
         return Path(override)
-    return SCRATCH_DIR / "figures" if smoke else FIGURES_DIR
+    publish = not smoke if publish is None else publish and not smoke
+    return FIGURES_DIR if publish else SCRATCH_DIR / "figures"
+
+
+#: Sidecar fields that change on every run without the result changing.
+VOLATILE_META_KEYS = ("git_commit", "date", "argv", "rendered")
+
+
+def _write_bytes_if_changed(path: Path, data: bytes) -> bool:
+    """Write ``data`` unless ``path`` already holds exactly it; True if the file changed."""
+    if path.exists() and path.read_bytes() == data:
+        return False
+    path.write_bytes(data)
+    return True
 
 
 @functools.cache
@@ -148,11 +169,18 @@ class ResultWriter:
     >>> out.figure(fig, "timings")        # timings.png, timings.meta.json
     """
 
-    def __init__(self, section: str, params: dict[str, Any] | None = None, smoke: bool | None = None):
+    def __init__(
+        self,
+        section: str,
+        params: dict[str, Any] | None = None,
+        smoke: bool | None = None,
+        *,
+        publish: bool | None = None,
+    ):
         self.section = section
         self.smoke = is_smoke_run(smoke)
         self.params = dict(params or {})
-        self.dir = results_root(self.smoke) / section
+        self.dir = results_root(self.smoke, publish) / section
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def path(self, filename: str) -> Path:
@@ -165,6 +193,7 @@ class ResultWriter:
         params: dict[str, Any] | None,
         extra: dict[str, Any] | None,
         source: dict[str, Any] | None = None,
+        changed: bool = True,
     ) -> Path:
         meta = provenance({**self.params, **(params or {})}, smoke=self.smoke)
         if source is not None:
@@ -182,7 +211,11 @@ class ResultWriter:
         if path.exists():  # several artefacts of one name (table + figure) share a sidecar
             old = json.loads(path.read_text())
             meta["files"] = sorted(set(old.get("files", [])) | set(files))
-        path.write_text(json.dumps(meta, indent=2) + "\n")
+            # Same bytes and the same run description, or the same bytes derived from a measurement (a
+            # replot): keep the record of the run that made them.
+            if not changed and (source is not None or _stable(old) == _stable(meta)):
+                return path
+        _write_bytes_if_changed(path, (json.dumps(meta, indent=2) + "\n").encode())
         return path
 
     def table(
@@ -198,9 +231,10 @@ class ResultWriter:
     ) -> Path:
         """A pandas DataFrame as ``name.csv`` (full precision) and ``name.md`` (formatted)."""
         csv = self.dir / f"{name}.csv"
-        df.to_csv(csv, index=index)
-        (self.dir / f"{name}.md").write_text(df.to_markdown(index=index, floatfmt=floatfmt) + "\n")
-        self._meta(name, [csv.name, f"{name}.md"], params, extra, source)
+        changed = _write_bytes_if_changed(csv, df.to_csv(index=index).encode())
+        md = (df.to_markdown(index=index, floatfmt=floatfmt) + "\n").encode()
+        changed |= _write_bytes_if_changed(self.dir / f"{name}.md", md)
+        self._meta(name, [csv.name, f"{name}.md"], params, extra, source, changed)
         return csv
 
     def figure(
@@ -214,17 +248,21 @@ class ResultWriter:
     ) -> Path:
         """A matplotlib figure as ``name.png``. Pass the ``.meta.json`` of the data it plots as ``source``
         when the plot is drawn from earlier measurements."""
+        import io
+
         png = self.dir / f"{name}.png"
-        fig.savefig(png, dpi=dpi, bbox_inches="tight")
-        self._meta(name, [png.name], params, None, source)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+        changed = _write_bytes_if_changed(png, buf.getvalue())
+        self._meta(name, [png.name], params, None, source, changed)
         return png
 
     def json(
         self, obj: Any, name: str, params: dict[str, Any] | None = None, *, source: dict[str, Any] | None = None
     ) -> Path:
         path = self.dir / f"{name}.json"
-        path.write_text(json.dumps(_jsonable(obj), indent=2) + "\n")
-        self._meta(name, [path.name], params, None, source)
+        changed = _write_bytes_if_changed(path, (json.dumps(_jsonable(obj), indent=2) + "\n").encode())
+        self._meta(name, [path.name], params, None, source, changed)
         return path
 
     def banner(self) -> str:
@@ -235,7 +273,14 @@ class ResultWriter:
                 f"SMOKE RUN ({device_description()['device']}): small parameters, numbers are not GPU results; "
                 f"artefacts go to {where}"
             )
+        if self.dir.is_relative_to(SCRATCH_DIR):
+            return (f"Run on {device_description()['device']}, not published: artefacts go to {where} "
+                    "(ask to publish to write figures/)")
         return f"Measured run on {device_description()['device']}; artefacts go to {where}"
+
+
+def _stable(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if k not in VOLATILE_META_KEYS}
 
 
 def section_dir(section: str, root: Path | None = None) -> Path:

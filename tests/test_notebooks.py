@@ -45,15 +45,57 @@ def test_notebook_smoke_run(name: str, tmp_path, monkeypatch) -> None:
             assert key in meta
 
 
-def test_run_parameters_are_python_literals() -> None:
-    """``-p KEY=VALUE`` on ``notebooks run`` parses VALUE as a literal and rejects what is not one."""
+def test_run_parameters_are_literals_words_or_lists() -> None:
+    """``-p KEY=VALUE`` on ``notebooks run``: a Python literal, a bare word (a string) or a comma list."""
     import argparse
 
     from cs336_systems.cli import parse_assignment as _parameter
 
     assert _parameter("budget_s=120") == ("budget_s", 120)
     assert _parameter("kind='quick'") == ("kind", "quick")
+    assert _parameter("kind=quick") == ("kind", "quick")
+    assert _parameter("size=2.7B") == ("size", "2.7B")
+    assert _parameter("bucket_sizes_mb=1,10") == ("bucket_sizes_mb", [1, 10])
+    assert _parameter("sizes=small,xl") == ("sizes", ["small", "xl"])
+    assert _parameter("seq_lens=[128, 256]") == ("seq_lens", [128, 256])
     assert _parameter("overrides={'sizes': ['small']}") == ("overrides", {"sizes": ["small"]})
-    for bad in ("budget_s", "kind=quick", "2x=1"):
-        with pytest.raises(argparse.ArgumentTypeError):
+    for bad in ("budget_s", "2x=1", "x=[1, 2", "x=a b"):
+        with pytest.raises(argparse.ArgumentTypeError) as exc:
             _parameter(bad)
+        assert "\n" not in str(exc.value) and "<ast." not in str(exc.value)
+
+
+@pytest.mark.slow
+def test_direct_papermill_run_of_the_analytic_section_writes_no_tracked_file(tmp_path) -> None:
+    """``papermill notebooks/communication_accounting.ipynb out.ipynb``, as a user types it (no runner,
+    no environment variables): results go to ``.scratch/``; ``figures/`` only with ``-p publish True``."""
+    import papermill as pm
+
+    from tests.conftest import tracked_changes
+
+    before = tracked_changes()
+    pm.execute_notebook(str(notebooks.notebook_path("communication_accounting")), str(tmp_path / "out.ipynb"),
+                        kernel_name="python3", cwd=str(notebooks.NOTEBOOK_DIR), progress_bar=False)
+    assert tracked_changes() == before
+    scratch = notebooks.REPO_ROOT / ".scratch" / "figures" / "communication_accounting" / "xxl_memory.csv"
+    assert scratch.exists()
+
+
+def test_failed_notebooks_are_reported_by_their_own_exception() -> None:
+    from papermill.exceptions import PapermillExecutionError
+
+    inner = PapermillExecutionError(cell_index=3, exec_count=3, source="x", ename="torch.OutOfMemoryError",
+                                    evalue="CUDA out of memory. Tried to allocate 2.00 GiB\nmore", traceback=[])
+    assert notebooks.failure_summary(inner) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert notebooks.failure_summary(RuntimeError("")) == "RuntimeError (no message)"
+    assert notebooks.failure_summary(ValueError("bad\nrest")) == "ValueError: bad"
+
+
+def test_runner_refuses_gpu_parameters_and_unknown_notebooks_in_one_line(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(notebooks, "_cuda_available", lambda: False)
+    for argv, expected in ((["run", "--real", "ddp_bucketed"], "--real runs the GPU parameters"),
+                           (["run", "no_such_notebook"], "no notebook 'no_such_notebook'")):
+        with pytest.raises(SystemExit) as exc:
+            notebooks.main(argv)
+        assert exc.value.code == 2
+        assert expected in capsys.readouterr().err

@@ -234,3 +234,32 @@ def test_derived_names_may_not_overwrite_measured_artefacts(tmp_path, monkeypatc
     clash = replot.Derived(figures={"timing": (fig, "timing")})
     with pytest.raises(ValueError, match="equal measured inputs"):
         replot.write_derived(ResultWriter("optimizer_state_sharding", smoke=False), clash)
+
+
+def test_replot_draws_into_scratch_unless_asked_to_publish(tmp_path, monkeypatch) -> None:
+    from cs336_systems import results
+
+    monkeypatch.delenv("CS336_FIGURES_DIR", raising=False)
+    monkeypatch.setattr(results, "FIGURES_DIR", tmp_path / "figures")
+    monkeypatch.setattr(results, "SCRATCH_DIR", tmp_path / "scratch")
+    section = "fsdp"
+    tables, params, figures = CASES[section]
+    _commit(tmp_path / "figures", section, tables, params)
+    committed = {p.name: p.read_bytes() for p in (tmp_path / "figures" / section).iterdir()}
+
+    assert replot.main([section]) == 0
+    assert {p.name: p.read_bytes() for p in (tmp_path / "figures" / section).iterdir()} == committed
+    assert {f"{name}.png" for name in figures} <= {p.name for p in (tmp_path / "scratch" / "figures" / section).iterdir()}
+
+    assert replot.main([section, "--publish"]) == 0
+    published = {p.name: p.read_bytes() for p in (tmp_path / "figures" / section).iterdir()}
+    assert {f"{name}.png" for name in figures} <= set(published)
+    assert replot.main([section, "--publish"]) == 0  # again, from the same measurements: byte for byte the same
+    assert {p.name: p.read_bytes() for p in (tmp_path / "figures" / section).iterdir()} == published
+
+
+def test_replot_cli_rejects_unknown_sections_in_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        replot.main(["benchmarking_typo"])
+    assert exc.value.code == 2
+    assert "no replot for section(s) benchmarking_typo" in capsys.readouterr().err

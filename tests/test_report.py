@@ -261,3 +261,22 @@ def test_pdf_renders_end_to_end(results: Path, tmp_path: Path) -> None:
     assert data.startswith(b"%PDF") and pages >= 5  # title, 15 sections of prompts and derivations
     assert mf.check_manifest(pdf, results, tmp_path / "m.json") == []
     assert "45.7 ms" in (tmp_path / "w.html").read_text()
+
+
+def test_pdf_dates_come_from_the_inputs_not_the_clock() -> None:
+    from cs336_systems.report.pdf import stamp_dates
+
+    pdf = b"%PDF\n/CreationDate (D:20261123180021+00'00')\n/ModDate (D:20261123180021+00'00')>>\n"
+    stamped = stamp_dates(pdf, "2026-11-21T16:20:16+00:00")
+    assert stamped == pdf.replace(b"20261123180021", b"20261121162016")
+    assert len(stamp_dates(pdf, None)) == len(pdf) and b"19700101000000" in stamp_dates(pdf, None)
+
+
+def test_manifest_dates_the_inputs(tmp_path) -> None:
+    from cs336_systems.report.manifest import inputs_date
+
+    for i, date in enumerate(["2026-01-02T00:00:00+00:00", "2026-03-04T05:06:07+00:00"]):
+        (tmp_path / f"r{i}.meta.json").write_text(json.dumps({"date": date}))
+    (tmp_path / "broken.meta.json").write_text("{}")
+    assert inputs_date(tmp_path) == "2026-03-04T05:06:07+00:00"
+    assert inputs_date(tmp_path / "empty") is None

@@ -71,3 +71,40 @@ def test_derived_artefacts_keep_the_measuring_runs_provenance(tmp_path, monkeypa
     assert meta["device"] == "NVIDIA H200" and meta["git_commit"] == "abc123" and meta["num_gpus"] == 4
     assert meta["date"] == measured["date"] and meta["smoke"] is False
     assert meta["rendered"]["device"] == results.device_description()["device"]
+
+
+def test_unpublished_full_runs_stay_out_of_committed_figures(monkeypatch) -> None:
+    monkeypatch.delenv("CS336_FIGURES_DIR", raising=False)
+    assert results.results_root(smoke=False, publish=False) == results.SCRATCH_DIR / "figures"
+    assert results.results_root(smoke=True, publish=True) == results.SCRATCH_DIR / "figures"  # smoke never publishes
+    assert results.results_root(smoke=False, publish=True) == results.FIGURES_DIR
+
+
+def test_rewriting_an_unchanged_result_leaves_its_bytes(tmp_path, monkeypatch) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+
+    def write(value: float, commit: str) -> dict[str, bytes]:
+        monkeypatch.setenv("CS336_GIT_COMMIT", commit)
+        out = results.ResultWriter("sec", params={"n": 1}, smoke=False)
+        out.table(pd.DataFrame({"x": [1, 2], "y": [value, 4.0]}), "t")
+        fig, ax = plt.subplots()
+        ax.plot([1, 2], [value, 4.0])
+        out.figure(fig, "f")
+        plt.close(fig)
+        out.json({"v": value}, "j")
+        return {p.name: p.read_bytes() for p in sorted((tmp_path / "sec").iterdir())}
+
+    first = write(3.0, "aaaa")
+    assert write(3.0, "bbbb") == first  # same result from a later commit: nothing rewritten
+    changed = write(5.0, "cccc")
+    for name in ("t.csv", "t.meta.json", "f.png", "f.meta.json", "j.json", "j.meta.json"):
+        assert changed[name] != first[name], name
+    assert json.loads(changed["t.meta.json"])["git_commit"] == "cccc"
+    monkeypatch.setenv("CS336_GIT_COMMIT", "cccc")
+    results.ResultWriter("sec", params={"n": 2}, smoke=False).json({"v": 5.0}, "j")  # new parameters: new record
+    assert json.loads((tmp_path / "sec" / "j.meta.json").read_text())["params"] == {"n": 2}

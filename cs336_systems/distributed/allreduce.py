@@ -344,10 +344,11 @@ def write_results(rows: list[dict[str, Any]], topology: Topology, params: dict[s
     return df
 
 
-def rederive_theory() -> Any:
+def rederive_theory(publish: bool = False) -> Any:
     """Recompute the theoretical curve and the figure from committed results (``allreduce`` table and
-    the ``topology`` text captured on the measuring machine), without GPUs. The measured table is left
-    untouched; the derived artefacts carry the measuring run's provenance."""
+    the ``topology`` text captured on the measuring machine), without GPUs, into ``.scratch/figures/``
+    or, with ``publish``, beside the measurements. The measured table is left untouched; the derived
+    artefacts carry the measuring run's provenance."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,7 +364,7 @@ def rederive_theory() -> Any:
         saved["available"], saved["text"], saved["gpu_name"], parse_topology_matrix(saved["text"]),
         saved["gbps_per_link"], f"{saved['gbps_per_link']:g} GB/s per NVLink per direction",
     )
-    out = ResultWriter(SECTION, params=source.get("params", {}), smoke=False)
+    out = ResultWriter(SECTION, params=source.get("params", {}), smoke=False, publish=publish)
     world_sizes = sorted(df.loc[df["backend"] == "nccl", "world_size"].unique().tolist())
     theory = pd.DataFrame(theoretical_rows(topology, world_sizes, sorted(df["size_bytes"].unique().tolist())))
     if len(theory):
@@ -396,10 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gbps-per-link", type=float, default=None, help="override NVLink GB/s per link and direction")
     parser.add_argument("--append", action="store_true", help="merge into an existing allreduce table")
     parser.add_argument("--rederive", action="store_true",
-                        help="no measurement: recompute the theoretical curve and figure from committed results")
+                        help="no measurement: recompute the theoretical curve and figure from committed results "
+                             "(into .scratch/figures/; with --publish into figures/)")
+    parser.add_argument("--publish", action="store_true", help="with --rederive: write into figures/")
     args = parser.parse_args(argv)
+    if args.publish and not args.rederive:
+        parser.error("--publish goes with --rederive (a measured run always writes its results)")
     if args.rederive:
-        print(rederive_theory().to_string(index=False))
+        print(rederive_theory(publish=args.publish).to_string(index=False))
         return 0
 
     smoke = is_smoke_run()

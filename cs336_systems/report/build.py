@@ -110,7 +110,7 @@ def build(
     doc = build_document(root, strict)
     with tempfile.TemporaryDirectory(prefix="cs336-writeup-") as tmp:
         html = write_html(doc, Path(html_path) if html_path else Path(tmp) / "writeup.html")
-        html_to_pdf(html, Path(output))
+        html_to_pdf(html, Path(output), date=_manifest.inputs_date(root))
     if manifest is not None:
         _manifest.write_manifest(Path(output), root, Path(manifest))
     return Path(output)

@@ -82,10 +82,22 @@ def fingerprint(root: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, dict[st
     }
 
 
+def inputs_date(root: Path) -> str | None:
+    """The newest measurement date among the results under ``root`` (the writeup's "as of" date)."""
+    dates = []
+    for meta in Path(root).rglob("*.meta.json"):
+        try:
+            dates.append(_dt.datetime.fromisoformat(json.loads(meta.read_text())["date"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return max(dates).isoformat(timespec="seconds") if dates else None
+
+
 def write_manifest(pdf: Path, root: Path, manifest: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, Any]:
     data: dict[str, Any] = {
         "rebuild": REBUILD_COMMAND,
-        "built": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        # No wall-clock build time: a rebuild from unchanged inputs writes the same manifest.
+        "inputs_date": inputs_date(root),
         "pdf": {"path": _key(Path(pdf), REPO_ROOT), "sha256": sha256(Path(pdf))},
         **fingerprint(root, notebooks),
     }

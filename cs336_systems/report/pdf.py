@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -29,8 +31,20 @@ def find_browser() -> str:
     )
 
 
-def html_to_pdf(html_path: Path, pdf_path: Path, timeout_s: float = 180.0) -> Path:
-    """Print ``html_path`` to ``pdf_path``; raises ``RuntimeError`` with the browser's output on failure."""
+_PDF_DATE = re.compile(rb"/(CreationDate|ModDate) \(D:\d{14}\+00'00'\)")
+
+
+def stamp_dates(pdf: bytes, when: str | None) -> bytes:
+    """Replace the browser's wall-clock creation and modification dates with ``when`` (ISO 8601, UTC; the
+    inputs' date), or the epoch. Same length, so the cross-reference offsets stay valid."""
+    moment = _dt.datetime.fromisoformat(when).astimezone(_dt.UTC) if when else _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)
+    stamp = moment.strftime("%Y%m%d%H%M%S").encode()
+    return _PDF_DATE.sub(lambda m: b"/" + m.group(1) + b" (D:" + stamp + b"+00'00')", pdf)
+
+
+def html_to_pdf(html_path: Path, pdf_path: Path, timeout_s: float = 180.0, date: str | None = None) -> Path:
+    """Print ``html_path`` to ``pdf_path``, dated ``date`` (see :func:`stamp_dates`); raises ``RuntimeError``
+    with the browser's output on failure."""
     browser = find_browser()
     pdf_path = Path(pdf_path).resolve()
     pdf_path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,5 +66,6 @@ def html_to_pdf(html_path: Path, pdf_path: Path, timeout_s: float = 180.0) -> Pa
     if proc.returncode != 0 or not tmp_pdf.exists() or tmp_pdf.stat().st_size == 0:
         tmp_pdf.unlink(missing_ok=True)
         raise RuntimeError(f"{browser} failed to print {html_path} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    tmp_pdf.write_bytes(stamp_dates(tmp_pdf.read_bytes(), date))
     tmp_pdf.replace(pdf_path)
     return pdf_path
