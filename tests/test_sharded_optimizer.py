@@ -203,3 +203,25 @@ def test_sharded_optimizer_rejects_bad_arguments():
         opt.load_state_dict({"state": {}, "param_groups": []})
     with pytest.raises(ValueError, match="not a parameter"):
         opt.owner(torch.zeros(1))
+
+
+def test_loading_a_checkpoint_of_another_model_fails_before_touching_state():
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)  # two parameters each, other shapes
+    opt = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, lr=0.1)
+    other = torch.optim.AdamW(theirs.parameters(), lr=0.5)
+    for o, m, n in ((opt, ours, 4), (other, theirs, 8)):
+        m(torch.randn(2, n)).sum().backward()
+        o.step()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"group 0, parameter 0: saved 'exp_avg' has shape \(4, 8\) but the "
+                                         r"parameter has shape \(8, 4\)"):
+        opt.load_state_dict(other.state_dict())
+    _assert_state_dicts_equal(opt.state_dict(), before, "after a refused load")  # lr and state untouched
+    with pytest.raises(ValueError, match=r"looks like a model's state_dict \(keys such as 'weight', 'bias'\)"):
+        opt.load_state_dict(ours.state_dict())
+    bad = copy.deepcopy(before)
+    bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"].double()
+    with pytest.raises(ValueError, match="saved 'exp_avg' is torch.float64 but the parameter is torch.float32"):
+        opt.load_state_dict(bad)
+    opt.load_state_dict(before)  # the genuine one still loads

@@ -7,33 +7,17 @@ allocated once and reused), but communication still starts only after backward h
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.distributed.grad_sync import DataParallel, size_capped_buckets, trainable_parameters
+from cs336_systems.distributed.grad_sync import DataParallel, size_capped_buckets
 
 
 class DataParallelFlat(DataParallel):
     """One bucket holding every trainable parameter (one per dtype/device if the model mixes them),
-    reduced in :meth:`finish_gradient_synchronization`."""
+    reduced in :meth:`finish_gradient_synchronization`. Options: see
+    :class:`~cs336_systems.distributed.grad_sync.DataParallel`."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        comm_dtype: torch.dtype | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        broadcast_buffers: bool = False,
-        gradient_as_bucket_view: bool = False,
-    ):
-        params = trainable_parameters(module)
-        super().__init__(
-            module,
-            size_capped_buckets(params, None),
-            overlap=False,
-            comm_dtype=comm_dtype,
-            process_group=process_group,
-            broadcast_buffers=broadcast_buffers,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-        )
+    supports_grad_views = True
+
+    def plan_buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        return size_capped_buckets(params, None)

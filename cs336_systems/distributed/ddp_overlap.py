@@ -8,31 +8,17 @@ only waits for the handles. The price is one collective call per parameter, as i
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.distributed.grad_sync import DataParallel, per_parameter_buckets, trainable_parameters
+from cs336_systems.distributed.grad_sync import DataParallel, per_parameter_buckets
 
 
 class DDPIndividualParameters(DataParallel):
     """Per-parameter asynchronous all-reduce launched from gradient hooks (reverse ``parameters()``
-    order, the order backward produces them)."""
+    order, the order backward produces them). Options: see
+    :class:`~cs336_systems.distributed.grad_sync.DataParallel`."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        comm_dtype: torch.dtype | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        broadcast_buffers: bool = False,
-    ):
-        params = trainable_parameters(module)
-        super().__init__(
-            module,
-            per_parameter_buckets(params, reverse=True),
-            overlap=True,
-            comm_dtype=comm_dtype,
-            process_group=process_group,
-            broadcast_buffers=broadcast_buffers,
-        )
+    overlap = True
+
+    def plan_buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        return per_parameter_buckets(params, reverse=True)

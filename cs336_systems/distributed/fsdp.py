@@ -54,6 +54,7 @@ from torch import nn
 from cs336_basics.model import Embedding as BasicsEmbedding
 from cs336_basics.model import Linear as BasicsLinear
 
+from .consistency import CheckEvery, ReplicaCheck, check_same_parameters, resolve_check_every
 from .grad_sync import GradientReducer, broadcast_module_state, per_parameter_buckets
 
 #: Module types whose (trainable) parameters FSDP shards.
@@ -334,6 +335,7 @@ class FSDP(nn.Module):
         prefetch: bool = True,
         max_reductions_in_flight: int = 2,
         sharded_module_types: tuple[type[nn.Module], ...] = SHARDED_MODULE_TYPES,
+        check_every: CheckEvery = "auto",
     ):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
@@ -351,6 +353,8 @@ class FSDP(nn.Module):
         for p in module.parameters():
             if p.requires_grad and not p.is_floating_point():
                 raise ValueError("FSDP shards floating-point parameters only")
+        every = resolve_check_every(check_every, group)
+        check_same_parameters(module, group, wrapper="FSDP")  # before any collective over the parameters
         broadcast_module_state(module, src=0, group=group)
 
         self.layers: list[ShardedLayer] = []
@@ -381,6 +385,9 @@ class FSDP(nn.Module):
                 replicated.append(p)
         self.replicated_parameters = replicated
         self._reducer = GradientReducer(per_parameter_buckets(replicated, reverse=True), overlap=True, group=group)
+        # Shards differ by design; replicated parameters and the synchronisation count must not.
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.replica_check = ReplicaCheck([(names[id(p)], p) for p in replicated], group, every, wrapper="FSDP")
 
         self._forward_order: list[int] | None = None  # layer indices in the first forward's order
         self._recording: list[int] = []
@@ -395,6 +402,7 @@ class FSDP(nn.Module):
     # ---------------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.replica_check.before_forward()  # first: a rank that skipped finish_...() fails on every rank
         if any(s.pending_grads for s in self._shards):
             raise RuntimeError("call finish_gradient_synchronization() after backward, before the next forward")
         self._recording = []
@@ -495,6 +503,7 @@ class FSDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Wait for every gradient reduction of the last backward and install the results: sharded
         parameters get their averaged fp32 slice, replicated ones the averaged full gradient."""
+        self.replica_check.before_sync()
         self._reducer.finish()
         for shard in self._shards:
             shard.finish_grad()
@@ -503,6 +512,7 @@ class FSDP(nn.Module):
         self._backward_stack = []
         for layer in self.layers:
             layer.backward_copy.clear()
+        self.replica_check.on_sync_finished()
 
     @staticmethod
     def _drop(pending: dict[int, dict[str, _PendingGather]]) -> None:

@@ -31,6 +31,7 @@ so the *mechanism* lives here, once:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
@@ -40,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from cs336_systems.distributed.consistency import CheckEvery, ReplicaCheck, check_same_parameters, resolve_check_every
 
 MIB = 2**20
 _LOW_PRECISION_COMM = (torch.bfloat16, torch.float16)
@@ -502,9 +505,11 @@ class GradientReducer:
 # --------------------------------------------------------------------------------------------------
 
 
-class DataParallel(nn.Module):
-    """Base wrapper: broadcasts rank 0's state, forwards calls, synchronises gradients via a
-    :class:`GradientReducer` whose buckets and timing the subclass chooses.
+class DataParallel(nn.Module, abc.ABC):
+    """Base wrapper: checks that every rank holds the same model, broadcasts rank 0's state, forwards
+    calls, synchronises gradients via a :class:`GradientReducer`. A strategy is a subclass that sets the
+    *policy* — how parameters are grouped (:meth:`plan_buckets`) and when groups are launched
+    (``overlap``, ``blocking``) — and nothing else; the constructor below is shared by all of them.
 
     Training loop, for every strategy::
 
@@ -521,31 +526,53 @@ class DataParallel(nn.Module):
 
     Buffers are broadcast once at wrap time (and before every forward with ``broadcast_buffers=True``,
     for modules that update buffers in forward, such as BatchNorm's running statistics).
+
+    ``check_every`` (forwards; ``"auto"``: every step on gloo, every 50 on GPUs; ``None``: off) verifies
+    across ranks that each has finished the same number of synchronisations and holds bit-identical
+    parameters (:class:`~cs336_systems.distributed.consistency.ReplicaCheck`). Run rank-local forwards
+    (evaluation on rank 0) under ``torch.no_grad()``: only forwards in grad mode take part in the check.
     """
+
+    #: Launch a bucket from gradient hooks as soon as it is complete (else after backward).
+    overlap: bool = False
+    #: Wait for each bucket's all-reduce before launching the next (the naive strategy).
+    blocking: bool = False
+    #: Whether ``gradient_as_bucket_view`` applies (strategies with multi-parameter buckets).
+    supports_grad_views: bool = False
+
+    @abc.abstractmethod
+    def plan_buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """The strategy's grouping of ``params`` (trainable, unique) into buckets, in launch order."""
 
     def __init__(
         self,
         module: nn.Module,
-        buckets: Sequence[Sequence[nn.Parameter]],
         *,
-        overlap: bool,
-        blocking: bool = False,
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         broadcast_buffers: bool = False,
         gradient_as_bucket_view: bool = False,
+        check_every: CheckEvery = "auto",
     ):
         super().__init__()
+        if gradient_as_bucket_view and not self.supports_grad_views:
+            raise ValueError(f"gradient_as_bucket_view applies to 'flat' and 'bucketed', not {type(self).__name__}")
+        check_comm_dtype(comm_dtype)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; start workers with cs336_systems.distributed.launch")
+        every = resolve_check_every(check_every, process_group)
+        # Before anything is communicated: a size mismatch in a broadcast would abort or hang the job.
+        check_same_parameters(module, process_group, wrapper=type(self).__name__)
         self.module = module
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         broadcast_module_state(module, group=process_group)
         self.reducer = GradientReducer(
-            buckets, overlap=overlap, blocking=blocking, comm_dtype=comm_dtype, group=process_group,
-            grad_views=gradient_as_bucket_view,
+            self.plan_buckets(trainable_parameters(module)), overlap=self.overlap, blocking=self.blocking,
+            comm_dtype=comm_dtype, group=process_group, grad_views=gradient_as_bucket_view,
         )
+        self.replica_check = ReplicaCheck(list(module.named_parameters()), process_group, every,
+                                          wrapper=type(self).__name__)
 
     @property
     def world_size(self) -> int:
@@ -556,6 +583,7 @@ class DataParallel(nn.Module):
         return self.reducer.buckets
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.replica_check.before_forward()
         if self.broadcast_buffers:
             with torch.no_grad():
                 for b in self.module.buffers():
@@ -565,7 +593,10 @@ class DataParallel(nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Wait until every gradient holds the mean over ranks. Call after backward, before ``step()``."""
-        self.reducer.finish()
+        if self.reducer.sync_enabled:
+            self.replica_check.before_sync()
+            self.reducer.finish()
+            self.replica_check.on_sync_finished()
 
     def on_train_batch_start(self) -> None:
         """Start a step from a clean state (drops a step abandoned half-way, e.g. by an exception)."""

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import datetime
 import glob
+import multiprocessing.connection as mp_connection
 import os
+import re
+import signal
 import socket
 import tempfile
 import time
@@ -150,21 +153,125 @@ def _worker(
 
 
 class WorkerError(RuntimeError):
-    """A rank raised; the message holds the traceback of the rank that failed first."""
+    """A rank failed. The message names the rank that failed first and how (its exception with the
+    traceback, its exit code, or the signal that killed it), then what became of the other ranks.
+    ``rank`` is that rank, ``cause`` a one-line description, ``outcomes`` one line per rank."""
+
+    def __init__(self, message: str, rank: int, cause: str, outcomes: dict[int, str]):
+        super().__init__(message)
+        self.rank, self.cause, self.outcomes = rank, cause, outcomes
+
+
+#: Error text that a rank produces when a *peer* went away: a consequence, never the first cause.
+_PEER_LOSS = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|ECONNRESET|EPIPE|connection (refused|closed)|"
+    r"Socket closed|peer (closed|reset)|Read error|Write error",
+    re.IGNORECASE,
+)
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _last_line(traceback_text: str) -> str:
+    return next((ln.strip() for ln in reversed(traceback_text.strip().splitlines()) if ln.strip()), "")
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a worker process ended, in words, for one that left no Python traceback."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = {
+            "SIGKILL": " — often the out-of-memory killer (check `dmesg` / the job's memory limit)",
+            "SIGSEGV": " — a crash in native code",
+            "SIGABRT": " — an abort in native code (e.g. a collective whose sizes differ between ranks)",
+            "SIGBUS": " — a bus error (often shared memory /dev/shm too small)",
+        }.get(name, "")
+        return f"killed by {name}{hint}"
+    return f"exited with code {exitcode} without a Python exception (os._exit, sys.exit or native code)"
 
 
 def _first_failure(result_path: str) -> tuple[int, str] | None:
-    failures = []
+    """The earliest Python failure recorded by a worker: ``(rank, traceback)``."""
+    failures = _recorded_failures(result_path)
+    if not failures:
+        return None
+    rank = min(failures, key=lambda r: failures[r][0])
+    return rank, failures[rank][1]
+
+
+def _recorded_failures(result_path: str) -> dict[int, tuple[float, str]]:
+    failures = {}
     for path in glob.glob(f"{result_path}.error-*"):
         suffix = path.rsplit("-", 1)[1]
         if not suffix.isdigit():  # a ".partial" file its rank did not finish writing
             continue
         stamp, _, tb = open(path).read().partition("\n")
-        failures.append((float(stamp), int(suffix), tb))
+        failures[int(suffix)] = (float(stamp), tb)
+    return failures
+
+
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    time: float
+    cause: str  # one line
+    detail: str  # the traceback, or the cause again
+    consequence: bool  # the text says a peer went away: an effect of another rank's failure
+
+
+def diagnose(
+    world_size: int,
+    recorded: dict[int, tuple[float, str]],
+    exits: dict[int, tuple[float, int | None]],
+    stopped: set[int],
+    timeout_s: float,
+) -> WorkerError:
+    """Turn what the workers left behind into one :class:`WorkerError` naming the root cause.
+
+    ``recorded``: rank -> (time, traceback) of ranks that raised; ``exits``: rank -> (time observed, exit
+    code) of ranks that ended (``None``: still running when the launcher stopped); ``stopped``: ranks the
+    launcher terminated itself. A rank that raised because its peer vanished (connection reset, broken
+    pipe) is a consequence and loses to any other failure; otherwise the earliest failure wins.
+    """
+    failures: list[_Failure] = []
+    for rank, (when, tb) in recorded.items():
+        last = _last_line(tb)
+        if _TIMEOUT.search(last) and not _PEER_LOSS.search(last):
+            last = f"a collective timed out after {timeout_s:g} s waiting for its peers ({last})"
+        failures.append(_Failure(rank, when, last, tb, bool(_PEER_LOSS.search(tb))))
+    for rank, (when, code) in exits.items():
+        if rank in recorded or rank in stopped or code == 0:
+            continue
+        failures.append(_Failure(rank, when, describe_exit(code), describe_exit(code), False))
+    outcomes = {}
+    for rank in range(world_size):
+        if rank in recorded:
+            outcomes[rank] = "raised " + _last_line(recorded[rank][1])
+        elif rank in stopped:
+            outcomes[rank] = "was still running (hung or waiting) and was stopped by the launcher"
+        elif rank in exits:
+            code = exits[rank][1]
+            outcomes[rank] = "finished" if code == 0 else describe_exit(code)
+        else:
+            outcomes[rank] = "unknown"
     if not failures:
-        return None
-    _, rank, tb = min(failures)
-    return rank, tb
+        first = _Failure(-1, 0.0, "the workers ended without a result", "", False)
+    else:
+        first = min(failures, key=lambda f: (f.consequence, f.time, f.rank))
+    others = "\n".join(f"  rank {r}: {o}" for r, o in outcomes.items() if r != first.rank)
+    hung = [r for r in sorted(stopped) if r != first.rank]
+    if hung and "timed out" in first.cause:
+        others += f"\n  (rank(s) {', '.join(map(str, hung))} never reached the collective: look there for the hang)"
+    message = f"rank {first.rank} of {world_size} failed first: {first.cause}"
+    if first.detail and first.detail != first.cause:
+        message += f"\n{first.detail.rstrip()}"
+    if others:
+        message += f"\nother ranks:\n{others}"
+    return WorkerError(message, first.rank, first.cause, outcomes)
 
 
 def spawn(
@@ -174,12 +281,18 @@ def spawn(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_method: str | None = None,
+    grace_s: float = 2.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local processes and return each rank's result
     (rank order); the return value must be picklable.
 
     Inside ``fn`` the process group is initialised; :func:`current_context` describes this rank.
+    ``timeout_s`` bounds every collective, so a rank that hangs turns into a timeout on its peers.
+
+    When a rank fails, the others get ``grace_s`` seconds to finish or fail on their own (so their
+    errors are recorded), then are terminated; :func:`diagnose` raises a :class:`WorkerError` naming the
+    rank that failed first and how, whether it raised, exited or was killed by a signal.
 
     CPU (gloo) workers are forked, which skips re-importing torch in every child (seconds per launch);
     GPU workers are started with ``spawn`` because CUDA cannot be used in a forked child. With
@@ -187,25 +300,52 @@ def spawn(
     """
     backend = backend or default_backend()
     check_world_size(world_size, backend)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     if start_method is None:
         start_method = "fork" if backend == "gloo" and not torch.cuda.is_initialized() else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "results.pt")
-        try:
-            mp.start_processes(
-                _worker,
-                args=(fn, world_size, find_free_port(), backend, timeout_s, result_path, args, kwargs),
-                nprocs=world_size,
-                join=True,
-                start_method=start_method,
-            )
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            first = _first_failure(result_path)
-            if first is None:
-                raise
-            rank, tb = first
-            raise WorkerError(f"rank {rank} of {world_size} failed first:\n{tb}") from exc
+        context = mp.start_processes(
+            _worker,
+            args=(fn, world_size, find_free_port(), backend, timeout_s, result_path, args, kwargs),
+            nprocs=world_size,
+            join=False,
+            start_method=start_method,
+        )
+        exits, stopped = _supervise(context.processes, grace_s)
+        if any(code != 0 for _, code in exits.values()) or stopped:
+            raise diagnose(world_size, _recorded_failures(result_path), exits, stopped, timeout_s)
         return torch.load(result_path, weights_only=False)
+
+
+def _supervise(processes: list[Any], grace_s: float) -> tuple[dict[int, tuple[float, int | None]], set[int]]:
+    """Wait for every worker; once one fails, give the rest ``grace_s`` to end, then stop them. Returns
+    each rank's (time its end was observed, exit code) and the ranks the launcher had to stop."""
+    sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
+    exits: dict[int, tuple[float, int | None]] = {}
+    deadline: float | None = None
+    while len(exits) < len(processes):
+        wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready = mp_connection.wait([s for s, r in sentinels.items() if r not in exits], timeout=wait_s)
+        now = time.time()
+        for sentinel in ready:
+            rank = sentinels[sentinel]
+            processes[rank].join()
+            exits[rank] = (now, processes[rank].exitcode)
+            if processes[rank].exitcode != 0 and deadline is None:
+                deadline = time.monotonic() + grace_s
+        if not ready and deadline is not None and time.monotonic() >= deadline:
+            break
+    stopped = {rank for rank in range(len(processes)) if rank not in exits}
+    for rank in stopped:
+        processes[rank].terminate()
+    for rank in stopped:
+        processes[rank].join(5)
+        if processes[rank].is_alive():
+            processes[rank].kill()
+            processes[rank].join()
+    return exits, stopped
 
 
 def current_context() -> DistContext:

@@ -5,9 +5,11 @@ rank already exists) it joins the env:// process group and runs the function her
 ``python -m ...`` it spawns ``nproc`` local workers with :func:`cs336_systems.distributed.launch.spawn`.
 Either way every rank's return value comes back, in rank order.
 
-Failure is loud in both modes: an exception on one rank propagates (``spawn`` terminates the other
-workers and re-raises with the traceback; ``torchrun`` tears the job down when a worker exits
-non-zero), and the process group's timeout turns a lost peer into an error instead of a hang.
+Failure is loud in both modes and names the rank that failed first: ``spawn`` raises a
+:class:`~cs336_systems.distributed.launch.WorkerError` with its traceback, exit code or signal;
+under ``torchrun`` the function runs under ``torch.distributed.elastic``'s ``record``, so torchrun's
+root-cause report carries the traceback too. The process group's timeout turns a lost peer into an
+error instead of a hang.
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ def run_on_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | 
     """``fn(*args, **kwargs)`` on every rank; returns the list of per-rank results (on every rank)."""
     if not launched_externally():
         return launch.spawn(fn, nproc, *args, backend=backend, **kwargs)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     launch.init_process_group(backend)
-    result = fn(*args, **kwargs)  # an exception here ends this worker non-zero; the launcher stops the rest
+    # record(): the traceback goes to torchrun's error file, so torchrun's "Root Cause (first observed
+    # failure)" report shows it beside the rank and exit code (or the signal, for a killed rank).
+    result = record(fn)(*args, **kwargs)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     launch.destroy_process_group()

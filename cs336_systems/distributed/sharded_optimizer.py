@@ -327,9 +327,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: StateDict | list[StateDict]) -> None:
         """Load a consolidated dict (from :meth:`state_dict`, or from the plain optimizer class), the list
         of all ranks' :meth:`shard_state_dict`, or this rank's own shard from a run with the same world
-        size. The saved world size may differ from the current one."""
+        size. The saved world size may differ from the current one.
+
+        Before anything is changed, the dict's structure, the number of parameters per group and the
+        shape and dtype of every saved state tensor are checked against this optimizer's parameters; the
+        first mismatch raises a ``ValueError`` naming it (a checkpoint of another model fails here, not
+        inside the next ``step()``)."""
         if isinstance(state_dict, list):
+            if not state_dict or not all(isinstance(s, dict) for s in state_dict):
+                raise ValueError("expected a list of shard state dicts (one per rank), got "
+                                 f"{type(state_dict).__name__} of {sorted({type(s).__name__ for s in state_dict})}")
             state_dict = self.merge_shard_state_dicts(state_dict)
+        elif not isinstance(state_dict, dict):
+            raise ValueError(f"expected an optimizer state dict, got {type(state_dict).__name__}")
         elif "sharding" in state_dict:
             sharding = state_dict["sharding"]
             same_layout = (
@@ -344,12 +354,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"a single shard (rank {sharding['rank']} of {sharding['world_size']}) only resumes the same "
                     f"rank with the same ownership; pass the list of all shards to load into a different layout"
                 )
+        self._validate_loadable(state_dict)
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state dict has {len(saved_groups)} parameter groups, optimizer has {len(self.param_groups)}")
-        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"group {i}: state dict has {len(sg['params'])} parameters, optimizer has {len(g['params'])}")
         saved_state = state_dict["state"]
         inner_state: dict[int, Any] = {}
         inner_groups = []
@@ -370,6 +376,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         self.state = self.inner.state
         self._consolidated = None
+
+    def _validate_loadable(self, state_dict: StateDict) -> None:
+        """Raise ``ValueError`` at the first way ``state_dict`` (consolidated) does not fit this optimizer."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            keys = list(state_dict)[:3] if isinstance(state_dict, dict) else []
+            hint = (" — it looks like a model's state_dict (keys such as " + ", ".join(map(repr, keys)) +
+                    "); pass optimizer.state_dict()") if keys and all(isinstance(k, str) for k in keys) else ""
+            raise ValueError(f"not an optimizer state dict: 'state' and 'param_groups' are missing{hint}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(saved_groups)} parameter groups, optimizer has {len(self.param_groups)}")
+        owner_of: dict[Any, tuple[int, int, torch.Tensor]] = {}
+        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"group {i}: state dict has {len(sg['params'])} parameters, optimizer has {len(g['params'])}")
+            for j, (p, gidx) in enumerate(zip(g["params"], sg["params"])):
+                owner_of[gidx] = (i, j, p)
+        for gidx, entry in state_dict["state"].items():
+            if gidx not in owner_of:
+                raise ValueError(f"state dict has state for parameter index {gidx!r}, which no parameter group lists")
+            i, j, p = owner_of[gidx]
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue  # scalars such as the step count
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"group {i}, parameter {j}: saved {key!r} has shape {tuple(value.shape)} but the "
+                                     f"parameter has shape {tuple(p.shape)} (a checkpoint of another model?)")
+                if value.is_floating_point() and value.dtype != p.dtype:
+                    raise ValueError(f"group {i}, parameter {j}: saved {key!r} is {value.dtype} but the parameter is "
+                                     f"{p.dtype}")
 
     def __repr__(self) -> str:
         mib = [round(b / MIB, 2) for b in self._owned_bytes]

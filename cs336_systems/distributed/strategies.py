@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cs336_systems.distributed.consistency import CheckEvery
 from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB, DDPBucketed
 from cs336_systems.distributed.ddp_flat import DataParallelFlat
 from cs336_systems.distributed.ddp_naive import DataParallelNaive
@@ -28,6 +29,7 @@ def wrap(
     comm_dtype: torch.dtype | None = None,
     process_group: dist.ProcessGroup | None = None,
     gradient_as_bucket_view: bool = False,
+    check_every: CheckEvery = "auto",
 ) -> DataParallel:
     """Wrap ``module`` with the named strategy (``bucket_size_mb`` only applies to ``bucketed``;
     ``gradient_as_bucket_view`` to the strategies with multi-parameter buckets, ``flat`` and ``bucketed``)."""
@@ -35,12 +37,8 @@ def wrap(
         cls = STRATEGIES[strategy]
     except KeyError:
         raise ValueError(f"unknown DDP strategy {strategy!r}; valid: {', '.join(STRATEGIES)}") from None
+    options = dict(comm_dtype=comm_dtype, process_group=process_group,
+                   gradient_as_bucket_view=gradient_as_bucket_view, check_every=check_every)
     if cls is DDPBucketed:
-        return DDPBucketed(module, bucket_size_mb, comm_dtype=comm_dtype, process_group=process_group,
-                           gradient_as_bucket_view=gradient_as_bucket_view)
-    if cls is DataParallelFlat:
-        return DataParallelFlat(module, comm_dtype=comm_dtype, process_group=process_group,
-                                gradient_as_bucket_view=gradient_as_bucket_view)
-    if gradient_as_bucket_view:
-        raise ValueError(f"gradient_as_bucket_view applies to 'flat' and 'bucketed', not {strategy!r}")
-    return cls(module, comm_dtype=comm_dtype, process_group=process_group)
+        return DDPBucketed(module, bucket_size_mb, **options)
+    return cls(module, **options)
