@@ -185,3 +185,62 @@ def test_fsdp_matches_non_parallel_training():
 def test_fsdp_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         FSDP(ToyFSDPModel())
+
+
+def _checkpoint_checks(tmpdir: str) -> None:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    fsdp = FSDP(OddShapesModel())
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    fsdp(torch.randint(0, 33, (2, 3))).sum().backward()
+    fsdp.finish_gradient_synchronization()
+    opt.step()
+
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) is ambiguous.*full_state_dict\(\)"):
+        fsdp.state_dict()
+    full = fsdp.full_state_dict()
+    plain = OddShapesModel()
+    plain.load_state_dict(full)  # loads into the plain model: full shapes, plain names
+    assert all(torch.equal(plain.state_dict()[n], t) for n, t in full.items())
+
+    sharded = fsdp.sharded_state_dict()
+    torch.save(sharded, f"{tmpdir}/shard{rank}.pt")
+    torch.manual_seed(1)
+    other = FSDP(OddShapesModel())
+    other.load_sharded_state_dict(torch.load(f"{tmpdir}/shard{rank}.pt", weights_only=True))
+    assert all(torch.equal(other.full_state_dict()[n], t) for n, t in full.items())
+    with pytest.raises(ValueError, match=f"saved by rank {1 - rank} of 2; this is rank {rank} of 2"):
+        other.load_sharded_state_dict(torch.load(f"{tmpdir}/shard{1 - rank}.pt", weights_only=True))
+
+    torch.manual_seed(2)
+    third = FSDP(OddShapesModel())
+    third.load_full_state_dict(full)
+    assert all(torch.equal(third.full_state_dict()[n], t) for n, t in full.items())
+    bad = {**full, "proj.weight": full["proj.weight"].T.contiguous()}
+    with pytest.raises(ValueError, match=r"'proj.weight' is \(7, 5\) torch.float32 in the dict but \(5, 7\)"):
+        third.load_full_state_dict(bad)
+    with pytest.raises(ValueError, match="not an FSDP sharded state dict"):
+        third.load_sharded_state_dict(full)
+
+
+def test_fsdp_checkpoints_are_explicit_and_validated(tmp_path):
+    spawn(_checkpoint_checks, 2, str(tmp_path), backend="gloo", timeout_s=30)
+
+
+class _TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = Embedding(16, 8)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return h @ self.emb.weight.T  # the tied head uses the weight outside the embedding's forward
+
+
+def _tied_head() -> None:
+    FSDP(_TiedHead())(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_a_sharded_weight_used_outside_its_module_is_named():
+    with pytest.raises(Exception, match=r"sharded weight used outside its own module's forward"):
+        spawn(_tied_head, 2, backend="gloo", timeout_s=30)

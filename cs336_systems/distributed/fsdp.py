@@ -32,9 +32,13 @@ Mechanism, per sharded layer (a :class:`ShardedLayer`):
   compute; in backward, re-gathering a layer launches the gather of the layer that backward reaches
   next (the previous one in forward order).
 
+Checkpoints are explicit: :meth:`FSDP.full_state_dict` (a collective; loads into the plain model) or
+:meth:`FSDP.sharded_state_dict` (this rank's shards with their layout); ``state_dict()`` refuses to guess.
+
 Limitations: a sharded weight must only be used inside its own module's ``forward`` (a functional use
-elsewhere would see the 1-D shard); every backward must be followed by
-:meth:`~FSDP.finish_gradient_synchronization` before the next forward (no local gradient accumulation).
+elsewhere sees the 1-D shard; the resulting shape error is explained as such); every backward must be
+followed by :meth:`~FSDP.finish_gradient_synchronization` before the next forward (no local gradient
+accumulation).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import re
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -410,10 +415,27 @@ class FSDP(nn.Module):
         self._backward_stack = []
         try:
             return self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            raise self._explain_outside_use(exc) from exc
         finally:
             self._drop(self._prefetched)
             if self._forward_order is None or self._forward_pos is None:
                 self._forward_order = self._recording
+
+    def _explain_outside_use(self, exc: RuntimeError) -> RuntimeError:
+        """A shape error that mentions a shard's length most likely comes from a sharded weight used
+        outside its own module's forward (``h @ emb.weight.T`` for a tied head), where only the 1-D shard
+        exists: say so instead of leaving a bare size mismatch."""
+        text = str(exc)
+        lengths = {str(sh.shard_numel) for sh in self._shards}
+        if not any(re.search(rf"\b{n}\b", text) for n in lengths) or not re.search(r"size|shape", text):
+            return exc
+        return RuntimeError(
+            f"{text}\nFSDP: this looks like a sharded weight used outside its own module's forward (a tied "
+            "output head computing h @ embedding.weight.T, say): there the parameter is this rank's 1-D shard, "
+            "its full value exists only inside the owning module's forward. Call the module itself, or keep "
+            "that module replicated by leaving its type out of sharded_module_types."
+        )
 
     def _cast_inputs(self, value: Any) -> Any:
         if self.compute_dtype is None:
@@ -539,6 +561,102 @@ class FSDP(nn.Module):
 
     def sharded_parameters(self) -> list[nn.Parameter]:
         return [s.param for s in self._shards]
+
+    # Checkpoints are explicit: a plain state_dict() of this wrapper would hold 1-D shards under the
+    # full parameters' names, which loads into nothing, so it is refused with the two alternatives.
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise RuntimeError(
+            "FSDP.state_dict() is ambiguous (its parameters are 1-D shards): use full_state_dict() for a "
+            "consolidated dict that loads into the plain model (a collective), or sharded_state_dict() for "
+            "this rank's shards (no communication; load with load_sharded_state_dict on the same world size)"
+        )
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise RuntimeError("use FSDP.load_full_state_dict() or FSDP.load_sharded_state_dict()")
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The wrapped module's state (parameters in their full shape and master dtype, and buffers) under
+        the plain module's names: ``plain_model.load_state_dict(fsdp.full_state_dict())`` works. A
+        collective: every rank must call it; every rank receives the whole dict."""
+        full = self.gather_full_params()
+        return {**{n: b.detach().clone() for n, b in self.module.named_buffers()}, **full}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a consolidated dict (from :meth:`full_state_dict` or a plain model's ``state_dict()``):
+        each rank keeps its own slice. Names, shapes and dtypes are checked first; the first mismatch
+        raises ``ValueError`` before anything is written. No communication."""
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        shard_of = {id(sh.param): sh for sh in self._shards}
+        missing = [n for n in [*params, *buffers] if n not in state]
+        unexpected = [n for n in state if n not in params and n not in buffers]
+        if missing or unexpected:
+            raise ValueError(f"FSDP.load_full_state_dict: missing {missing[:3]}, unexpected {unexpected[:3]} "
+                             "(names are the plain module's, without a 'module.' prefix)")
+        for name, p in params.items():
+            shard = shard_of.get(id(p))
+            shape = tuple(shard.shape) if shard is not None else tuple(p.shape)
+            value = state[name]
+            if tuple(value.shape) != shape or value.dtype != p.dtype:
+                raise ValueError(f"FSDP.load_full_state_dict: {name!r} is {tuple(value.shape)} {value.dtype} in "
+                                 f"the dict but {shape} {p.dtype} in the model")
+        for name, p in params.items():
+            shard = shard_of.get(id(p))
+            if shard is None:
+                p.copy_(state[name])
+                continue
+            flat = state[name].reshape(-1).to(p.device)
+            start = self.rank * shard.shard_numel
+            valid = max(0, min(shard.numel - start, shard.shard_numel))
+            p.zero_()
+            p[:valid].copy_(flat[start : start + valid])
+        for name, b in buffers.items():
+            b.copy_(state[name])
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's state as saved: the 1-D shards and replicated parameters, buffers, and the layout
+        they belong to (world size, rank, full shapes), so it can only be loaded where it fits."""
+        shard_of = {id(sh.param): sh for sh in self._shards}
+        return {
+            "fsdp_sharded": {
+                "world_size": self.world_size,
+                "rank": self.rank,
+                "full_shapes": {n: list(shard_of[id(p)].shape) for n, p in self.module.named_parameters()
+                                if id(p) in shard_of},
+            },
+            "tensors": {n: t.detach().clone() for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]},
+        }
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`sharded_state_dict` saved on this rank of a run with the same world size and
+        model; anything else raises ``ValueError`` naming the difference before anything is written."""
+        if not isinstance(state, dict) or "fsdp_sharded" not in state:
+            raise ValueError("not an FSDP sharded state dict (no 'fsdp_sharded' layout record); for a "
+                             "consolidated dict use load_full_state_dict()")
+        layout = state["fsdp_sharded"]
+        if (layout["world_size"], layout["rank"]) != (self.world_size, self.rank):
+            raise ValueError(f"this shard was saved by rank {layout['rank']} of {layout['world_size']}; this is rank "
+                             f"{self.rank} of {self.world_size}: save a full_state_dict() to change the layout")
+        mine = self.sharded_state_dict()
+        if layout["full_shapes"] != mine["fsdp_sharded"]["full_shapes"]:
+            diff = next(n for n in {**layout["full_shapes"], **mine["fsdp_sharded"]["full_shapes"]}
+                        if layout["full_shapes"].get(n) != mine["fsdp_sharded"]["full_shapes"].get(n))
+            raise ValueError(f"the shard belongs to another model: {diff!r} is {layout['full_shapes'].get(diff)} "
+                             f"there and {mine['fsdp_sharded']['full_shapes'].get(diff)} here")
+        tensors = dict([*self.module.named_parameters(), *self.module.named_buffers()])
+        saved = state["tensors"]
+        if set(saved) != set(tensors):
+            raise ValueError(f"FSDP.load_sharded_state_dict: tensor names differ: {sorted(set(saved) ^ set(tensors))[:3]}")
+        for name, t in tensors.items():
+            if saved[name].shape != t.shape or saved[name].dtype != t.dtype:
+                raise ValueError(f"FSDP.load_sharded_state_dict: {name!r} is {tuple(saved[name].shape)} "
+                                 f"{saved[name].dtype} saved but {tuple(t.shape)} {t.dtype} here")
+        for name, t in tensors.items():
+            t.copy_(saved[name])
 
     def extra_repr(self) -> str:
         dtype = self.compute_dtype or "fp32"

@@ -1,0 +1,58 @@
+"""The course-suite runner on a synthetic course checkout (the project ships none of the course's code)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cs336_systems import course_tests
+
+
+def _fake_checkout(root, test_body: str):
+    (root / "tests").mkdir(parents=True)
+    (root / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "9.9.9"\n')
+    (root / "tests" / "__init__.py").write_text("")
+    (root / "tests" / "adapters.py").write_text("raise ImportError('the course stub must be replaced')\n")
+    (root / "tests" / "test_course.py").write_text(test_body)
+    return root
+
+
+BODY = '''
+import pytest
+from .adapters import get_ddp
+
+def test_uses_our_adapters():
+    assert callable(get_ddp)
+
+def test_fails():
+    assert 1 == 2, "Step 0: Parameter w mismatch"
+
+@pytest.mark.skip(reason="no GPU")
+def test_skipped():
+    pass
+'''
+
+
+def test_runs_the_course_suite_against_our_adapters(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "out"))
+    checkout = _fake_checkout(tmp_path / "course", BODY)
+    assert course_tests.course_version(checkout) == "9.9.9"
+    assert course_tests.main([str(checkout), "--edition", "2099"]) == 1  # one test fails
+    result = json.loads((tmp_path / "out" / "course_tests" / "2099.json").read_text())
+    assert result["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert result["tests"]["tests/test_course.py::test_uses_our_adapters"] == "passed"
+    assert result["failures"] == {
+        "tests/test_course.py::test_fails": "AssertionError: Step 0: Parameter w mismatch"}
+    meta = json.loads((tmp_path / "out" / "course_tests" / "2099.meta.json").read_text())
+    assert meta["params"]["course_version"] == "9.9.9" and "git_commit" in meta
+    assert course_tests.main([str(checkout), "--edition", "2099-one", "--", "-k", "adapters"]) == 0
+    one = json.loads((tmp_path / "out" / "course_tests" / "2099-one.json").read_text())
+    assert one["counts"] == {"passed": 1}
+
+
+def test_refuses_what_is_not_a_course_checkout(tmp_path, capsys) -> None:
+    assert course_tests.main([str(tmp_path), "--edition", "2025"]) == 2
+    assert "is not a checkout of the course's assignment" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        course_tests.main([str(tmp_path), "--edition", "a b"])
