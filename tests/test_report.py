@@ -25,7 +25,7 @@ from cs336_systems.report.sections import SECTIONS
 from cs336_systems.results import ResultWriter
 
 EXPECTED_SECTIONS = ["1.1.3", "1.1.4", "1.1.5", "1.1.6", "1.2.1", "1.3.1", "1.3.2", "2.1.3", "2.2", "2.3.1",
-                     "2.3.2", "2.3.3", "2.4", "3", "3.1"]
+                     "2.3.2", "2.3.3", "2.4", "3", "3.1", "4"]
 
 
 @pytest.fixture
@@ -53,10 +53,10 @@ def test_every_section_present_and_says_what_is_missing(results: Path) -> None:
     doc = build_document(results, strict=True)
     assert [s.number for s in doc.sections] == EXPECTED_SECTIONS
     assert [s.folder for s in doc.sections] == [spec.folder for spec in SECTIONS]
-    for section in doc.sections:
+    for section, spec in zip(doc.sections, SECTIONS):
         missing = [b for b in section.walk() if isinstance(b, Missing)]
         assert missing, f"§{section.number} has no data but does not say so"
-        assert f"notebooks run {section.folder}" in missing[0].command
+        assert missing[0].command == spec.produce
         assert not [b for b in section.walk() if isinstance(b, (Table, Figure))], "invented a table without data"
     assert doc.inputs == []
 
@@ -280,3 +280,14 @@ def test_manifest_dates_the_inputs(tmp_path) -> None:
     (tmp_path / "broken.meta.json").write_text("{}")
     assert inputs_date(tmp_path) == "2026-03-04T05:06:07+00:00"
     assert inputs_date(tmp_path / "empty") is None
+
+
+def test_course_suite_results_are_shown_with_their_failures(results: Path) -> None:
+    out = ResultWriter("course_tests", params={"edition": "2026", "course_version": "26.1.1"}, smoke=False)
+    out.json({"counts": {"passed": 13, "failed": 1}, "failures": {"tests/test_fsdp.py::t[fp32]": "AssertionError: x"}},
+             "2026")
+    section = build_document(results, strict=True).section("4")
+    tables = [b for b in section.walk() if isinstance(b, Table)]
+    assert len(tables) == 1 and tables[0].frame.iloc[0].to_dict() == {"passed": 13, "failed": 1, "skipped": 0, "error": 0}
+    assert "course version 26.1.1" in tables[0].caption
+    assert any("Failed: `tests/test_fsdp.py::t[fp32]`: AssertionError: x" in b.plain() for b in section.walk())

@@ -7,7 +7,7 @@ the folder the builder did not use, so nothing committed is left out.
 
 from __future__ import annotations
 
-from cs336_systems.report.sections import attention, distributed, sharding, single_gpu
+from cs336_systems.report.sections import attention, distributed, evidence, sharding, single_gpu
 from cs336_systems.report.sections.common import SectionSpec
 
 _BENCH = "python -m cs336_systems.benchmarking "
@@ -48,6 +48,9 @@ SECTIONS: list[SectionSpec] = [
                 alternative="python -m cs336_systems.distributed.sharding_benchmark --nproc 2"),
     SectionSpec("3.1", "Fully sharded data parallelism", "fsdp", ("fsdp",), sharding.fsdp, gpus=2,
                 alternative="python -m cs336_systems.distributed.fsdp_benchmark --nproc 2 4"),
+    SectionSpec("4", "Test evidence: the course's own test suites", "course_tests", ("tests/adapters.py",),
+                evidence.course_tests,
+                command="uv run python -m cs336_systems.course_tests PATH-TO-COURSE-CHECKOUT --edition 2026 --publish"),
 ]
 
 
