@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from cs336_systems.distributed.launch import find_free_port
 from cs336_systems.results import REPO_ROOT
 
 SCRIPT = textwrap.dedent('''
@@ -29,8 +30,8 @@ def test_torchrun_names_the_failing_rank_with_its_traceback(tmp_path) -> None:
     script = tmp_path / "entry.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
-         str(script), "20"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+         str(find_free_port()), str(script), "20"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     report = proc.stdout + proc.stderr

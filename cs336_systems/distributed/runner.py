@@ -37,13 +37,21 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
-def run_on_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None = None, **kwargs: Any) -> list[Any]:
-    """``fn(*args, **kwargs)`` on every rank; returns the list of per-rank results (on every rank)."""
+def run_on_ranks(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout_s: float = launch.DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> list[Any]:
+    """``fn(*args, **kwargs)`` on every rank; returns the list of per-rank results (on every rank).
+    ``timeout_s`` bounds every collective (a hung peer becomes a timeout error)."""
     if not launched_externally():
-        return launch.spawn(fn, nproc, *args, backend=backend, **kwargs)
+        return launch.spawn(fn, nproc, *args, backend=backend, timeout_s=timeout_s, **kwargs)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    launch.init_process_group(backend)
+    launch.init_process_group(backend, timeout_s)
     # record(): the traceback goes to torchrun's error file, so torchrun's "Root Cause (first observed
     # failure)" report shows it beside the rank and exit code (or the signal, for a killed rank).
     result = record(fn)(*args, **kwargs)
