@@ -1,7 +1,7 @@
 """A whole training step captured once in a CUDA graph and replayed: one launch per step.
 
 Why: under bf16 autocast a large model at a small batch is *launch-bound*. The XL model at 2 × 512
-tokens runs about 7,000 kernels per forward + backward (``DDP_NOTES.md``), and the host needs longer to
+tokens runs about 7,000 kernels per forward + backward (``docs/ddp/NOTES.md``), and the host needs longer to
 launch them than the GPU needs to run them. Data parallelism adds a few hundred gradient hooks and
 collective launches to that host path, and each rank's host jitter makes the other ranks' collectives
 wait. Replaying a captured graph takes the host out of the step: forward, backward, the gradient

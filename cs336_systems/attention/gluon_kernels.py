@@ -5,8 +5,8 @@ products (per score: 256 matmul FLOPs on the tensor cores against one ``ex2`` an
 16-per-clock unit), so it only gets fast if the two overlap. Triton's compiler waits for every product
 before the arithmetic that reads it, and its automatic warp specialization (``tl.range(...,
 warp_specialize=True)``) does not compile attention loops for sm_90 in Triton 3.6 (an assertion in its
-Hopper pass; PERF_NOTES.md). Gluon states warp roles, shared-memory buffers and barriers explicitly, so the
-schedule below is written down rather than hoped for.
+Hopper pass; docs/flash_attention/NOTES.md). Gluon states warp roles, shared-memory buffers and barriers
+explicitly, so the schedule below is written down rather than hoped for.
 
 One program (CTA) owns ``BLOCK_M`` queries of one head, 64 per consumer warpgroup (``BLOCK_M`` = 192,
 three consumers, at head dim 64; 128, two consumers, at 128, where three would not fit shared memory),
@@ -19,7 +19,7 @@ and runs these partitions:
   ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` asynchronously and waits for ``S_j`` first
   (FlashAttention-3's order). ptxas then moves the wait for ``P_{j-1} V_{j-1}`` up to the start of the
   softmax, so that it can write each converted pair of P_j as soon as it is exponentiated; keeping that
-  wait after the exponentials measured slower (PERF_NOTES.md, "The Gluon forward").
+  wait after the exponentials measured slower (docs/flash_attention/NOTES.md, "The Gluon forward").
 
 The consumers never synchronize with each other (only through ``kv_empty``), so one's softmax runs
 under the others' products: that is where the overlap of exponentials and products comes from, and why a
@@ -63,9 +63,9 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #: Queries per consumer warpgroup: one ``wgmma`` row block.
 ROWS = gl.constexpr(64)
 
-#: ``(BLOCK_M, BLOCK_N, STAGES)`` per head dim, measured on an H100 (PERF_NOTES.md): at d=64, 192 queries
-#: (three consumers) by 128 keys with a three-deep K/V ring, 9% faster than 128 x 128; at d=128, 128 x 128
-#: (192 queries would need 246 KB of shared memory). Four stages tied with three at d=64.
+#: ``(BLOCK_M, BLOCK_N, STAGES)`` per head dim, measured on an H100 (docs/flash_attention/NOTES.md): at d=64,
+#: 192 queries (three consumers) by 128 keys with a three-deep K/V ring; at d=128, 128 x 128 (192 queries
+#: would need 246 KB of shared memory). Four stages tied with three at d=64.
 TILES: dict[int, tuple[int, int, int]] = {64: (192, 128, 3), 128: (128, 128, 3)}
 #: Warps per consumer partition (one warpgroup: a ``wgmma`` is issued by four warps together).
 _CONSUMER_WARPS = gl.constexpr(4)

@@ -62,7 +62,7 @@ CONFIG_SET = os.environ.get("CS336_FLASH_CONFIGS", "default")
 #: Blackwell). dK/dV converts two tiles (P and dS) per exponentiated tile and got 7.5% faster on an H100
 #: at its 32 x 64 tiles of the time; forward and dQ convert one, keep their FMA pipe busy otherwise, and
 #: got 30% slower. With the 64 x 64 tiles capped at 168 registers ``ex2`` is faster again, so the default
-#: dK/dV candidates pin the method per tile and the tuner chooses (PERF_NOTES.md).
+#: dK/dV candidates pin the method per tile and the tuner chooses (docs/flash_attention/NOTES.md).
 DEFAULT_POLY_EXP2 = "dkdv"
 _POLY_SETTING = os.environ.get("CS336_FLASH_POLY_EXP2", DEFAULT_POLY_EXP2)
 #: Whether the setting was given: then it also overrides the candidates that pin a method (see :class:`Tile`).
@@ -94,8 +94,8 @@ class Tile(NamedTuple):
     just under such a cliff buys a third (or fourth) resident program for latency hiding at the price of a
     few spilled registers. ``poly`` pins how the tile exponentiates 16-bit scores (``True``: the FMA-pipe
     polynomial, ``False``: ``ex2``) so that the tuner chooses it together with the tile: which is faster
-    depends on the tile's register budget (PERF_NOTES.md). ``None`` follows ``CS336_FLASH_POLY_EXP2``, and
-    an explicit ``CS336_FLASH_POLY_EXP2`` overrides every pin.
+    depends on the tile's register budget (docs/flash_attention/NOTES.md). ``None`` follows
+    ``CS336_FLASH_POLY_EXP2``, and an explicit ``CS336_FLASH_POLY_EXP2`` overrides every pin.
     """
 
     block_m: int
@@ -125,7 +125,7 @@ def _configs(phase: str, candidates: list[tuple[int, int, int, int] | Tile]) -> 
 #: Candidate tiles per phase and config set. Forward and dQ keep BLOCK_M queries resident while
 #: BLOCK_N-key tiles stream past; dK/dV keeps BLOCK_N keys resident while BLOCK_M-query tiles stream past.
 #: The ``default`` lists hold the winners on an H100 for head dims 64 and 128 plus a neighbour or two (see
-#: PERF_NOTES.md); each candidate costs about 0.8 s of compile per shape class on first use.
+#: docs/flash_attention/NOTES.md); each candidate costs about 0.8 s of compile per shape class on first use.
 _CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int] | Tile]]] = {
     "default": {
         "forward": [(128, 64, 8, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
@@ -700,7 +700,7 @@ def flash_backward_dkdv_kernel(
     )
     # The streamed tiles come in through tensor descriptors (TMA on Hopper): one bulk copy per tile
     # instead of per-thread asynchronous copies, rows past the end read as zeros, and no address
-    # arithmetic per element. See PERF_NOTES.md ("TMA loads in dK/dV"): -20% on this kernel.
+    # arithmetic per element. See docs/flash_attention/NOTES.md ("TMA loads in dK/dV"): -20% on this kernel.
     q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[n_queries, HEAD_DIM],
                                        strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
     do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[n_queries, HEAD_DIM],

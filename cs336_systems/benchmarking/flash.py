@@ -14,7 +14,7 @@
   vs ``sdpa`` attention over context lengths, with peak memory: naive's grows with seq², flash's does not.
 - ``breakdown``: our kernels alone at the leaderboard shape (head dims 64 and 128): forward+backward
   time, the GPU time and achieved TFLOP/s of each kernel per step (torch.profiler), the tiles the
-  autotuner chose and its timing of every candidate. The lab bench behind ``attention/PERF_NOTES.md``;
+  autotuner chose and its timing of every candidate. The lab bench behind ``docs/flash_attention/NOTES.md``;
   ``CS336_FLASH_CONFIGS=wide`` widens the candidate tiles.
 - ``all``: leaderboard, sweep and model, in that order.
 

@@ -24,12 +24,8 @@ class DDPBucketed(DataParallel):
     reused across steps, all-reduced asynchronously as soon as complete. With
     ``gradient_as_bucket_view=True`` parameters' ``.grad`` are views of those buffers, so gradients are
     neither copied in nor copied back (``torch`` DDP's option of the same name; off by default, as there).
-    Measured for the views (``DDP_NOTES.md``): no change in fp32 on 2×H200; under bf16 autocast,
-    faster in 7 of 10 processes (median 6.5 ms per step, within the spread between processes); about
-    7 ms less host time per step on CPU (``host_overhead``).
-
-    Against ``torch`` DDP on 2×H200 (XL, bf16 autocast, steps captured in CUDA graphs, where host jitter
-    no longer decides): 0.92× torch's step time at 25 MiB with views."""
+    Measurements of both paths against ``torch`` DDP, and why the views matter most when the step is
+    host-bound, are in ``docs/ddp/NOTES.md``."""
 
     overlap = True
     supports_grad_views = True

@@ -259,7 +259,7 @@ class GradBucket:
       back into ``.grad`` after the collective.
 
     Why it matters: in a host-bound backward (bf16 autocast of a large model at a small batch, see
-    ``DDP_NOTES.md``) the GPU waits for every host operation, so the per-parameter slicing and copy in
+    ``docs/ddp/NOTES.md``) the GPU waits for every host operation, so the per-parameter slicing and copy in
     the hook and the per-parameter copy back after it lengthen the step one for one.
 
     A bucket of one parameter reduces that parameter's ``.grad`` in place (no buffer, no copy).

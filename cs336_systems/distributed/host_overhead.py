@@ -1,6 +1,6 @@
 """Host time that gradient synchronisation adds to a training step, measured without GPUs.
 
-Under bf16 autocast the XL step at 2 × 512 tokens per GPU is launch-bound (``DDP_NOTES.md``). Every
+Under bf16 autocast the XL step at 2 × 512 tokens per GPU is launch-bound (``docs/ddp/NOTES.md``). Every
 microsecond the host spends in gradient hooks and collective launches then lengthens the step, and
 that host cost is what separates our Python hooks from torch DDP's C++ reducer. It depends on the
 number of parameters, hooks and collectives, not on their size. This tool therefore keeps XL's structure
