@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+from collections.abc import Callable
 from typing import Any
 
 _BARE_WORD = re.compile(r"\w[\w.@+-]*")
@@ -41,3 +42,33 @@ def parse_assignment(text: str) -> tuple[str, Any]:
         return key, parse_value(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{key}: {exc}") from None
+
+
+#: Exit statuses of every entry point: 2 for bad input (usage), 1 for a run that failed.
+EXIT_USAGE, EXIT_FAILURE = 2, 1
+
+
+def run_main(main: Callable[[], int | None], prog: str | None = None) -> int:
+    """Run an entry point's ``main`` and turn what escapes it into one line on stderr and an exit status:
+    ``ValueError`` (bad input: an unknown preset, an impossible shape, a wrong device) -> 2; any other
+    exception -> 1, naming its type. ``CS336_TRACEBACK=1`` re-raises instead, for debugging."""
+    import os
+    import sys
+
+    prog = prog or os.path.basename(sys.argv[0]) or "cs336"
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the whole point: no bare traceback for a user's mistake
+        if os.environ.get("CS336_TRACEBACK") == "1":
+            raise
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        if isinstance(exc, ValueError):
+            print(f"{prog}: error: {first or type(exc).__name__}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"{prog}: failed: {type(exc).__name__}: {first or '(no message)'} "
+              "(CS336_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return EXIT_FAILURE
+    return int(status or 0)

@@ -34,6 +34,20 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     batch_size: int = BATCH_SIZE
 
+    def __post_init__(self) -> None:
+        for field in ("d_model", "d_ff", "num_layers", "num_heads", "vocab_size", "context_length", "batch_size"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model {self.name!r}: {field} must be a positive integer, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"model {self.name!r}: d_model {self.d_model} is not divisible by num_heads "
+                             f"{self.num_heads}")
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"model {self.name!r}: the head dimension d_model / num_heads = "
+                             f"{self.d_model // self.num_heads} must be even (RoPE rotates pairs of features)")
+        if not self.rope_theta > 0:
+            raise ValueError(f"model {self.name!r}: rope_theta must be positive, got {self.rope_theta!r}")
+
     @property
     def d_head(self) -> int:
         return self.d_model // self.num_heads
@@ -79,6 +93,10 @@ def get_config(name: str | ModelConfig, **overrides: Any) -> ModelConfig:
     if key is None:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
     cfg = PRESETS[key]
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
+    if unknown:
+        raise ValueError(f"unknown model field(s) {sorted(unknown)}; valid: "
+                         f"{', '.join(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'name')}")
     return cfg.replace(**overrides) if overrides else cfg
 
 

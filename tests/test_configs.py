@@ -51,3 +51,18 @@ def test_memory_breakdown_and_residual_stream() -> None:
     assert configs.dtype_bytes(torch.bfloat16) == 2
     with pytest.raises(ValueError):
         configs.dtype_bytes("fp8x")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"context_length": -5}, "context_length must be a positive integer, got -5"),
+    ({"num_layers": 0}, "num_layers must be a positive integer, got 0"),
+    ({"d_ff": 0}, "d_ff must be a positive integer, got 0"),
+    ({"num_heads": 7}, "d_model 768 is not divisible by num_heads 7"),
+    ({"d_model": 36, "num_heads": 4}, "head dimension d_model / num_heads = 9 must be even"),
+    ({"batch_size": True}, "batch_size must be a positive integer, got True"),
+    ({"context_lenght": 128}, "unknown model field(s) ['context_lenght']"),
+])
+def test_impossible_models_are_one_line_errors(overrides, message) -> None:
+    with pytest.raises(ValueError) as exc:
+        configs.get_config("small", **overrides)
+    assert message in str(exc.value) and "\n" not in str(exc.value)

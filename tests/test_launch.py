@@ -52,5 +52,56 @@ def test_impossible_world_sizes_are_clear_errors() -> None:
 
 
 def test_free_ports_are_usable() -> None:
+    import socket
+
+    ports = {launch.find_free_port() for _ in range(3)}
+    for port in ports:  # a listener can bind each one: the rendezvous will not collide with a busy port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_gloo_ranks_share_the_cores_however_they_were_started(monkeypatch) -> None:
+    import os
+
+    cores = os.cpu_count() or 1
+    assert launch.threads_per_rank("gloo", {"LOCAL_WORLD_SIZE": "2"}) == max(1, cores // 2)
+    assert launch.threads_per_rank("gloo", {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "4"}) is None
+    assert launch.threads_per_rank("nccl", {"LOCAL_WORLD_SIZE": "2"}) is None
+    assert launch.threads_per_rank("gloo", {"LOCAL_WORLD_SIZE": "1"}) is None
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def test_slurm_started_ranks_get_their_share_of_threads(monkeypatch) -> None:
+    """Started the Slurm way (no torchrun): SLURM_NTASKS_PER_NODE becomes LOCAL_WORLD_SIZE, so each rank
+    of a node gets its share of the cores, as spawned ranks do."""
+    import os
+
+    from cs336_systems.distributed import runner
+
     port = launch.find_free_port()
-    assert 1024 < port < 65536
+    script = (
+        "import os, sys, torch\n"
+        "from cs336_systems.distributed import launch\n"
+        "launch.init_process_group('gloo', 30)\n"
+        "print(torch.get_num_threads())\n"
+        "launch.destroy_process_group()\n"
+    )
+    import subprocess
+    import sys
+
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS",
+                                                               "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NTASKS_PER_NODE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    done = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in done]
+    outs = [out.strip() for out, _ in done]
+    assert outs == [str(max(1, (os.cpu_count() or 1) // 2))] * 2
+    assert runner.launched_externally() is False  # this test process itself stays unlaunched

@@ -18,8 +18,14 @@ NAMES = notebooks.list_notebooks()
 ANALYTIC = {"communication_accounting"}
 
 
-def test_there_are_notebooks() -> None:
-    assert "model_sizes" in NAMES
+def test_one_notebook_per_writeup_section() -> None:
+    """Every section of the writeup has the notebook of its name (course_tests aside: it runs the
+    course's suite, not a measurement); notebooks beyond the sections are the shared model table."""
+    from cs336_systems.report.sections import SECTIONS
+
+    folders = {spec.folder for spec in SECTIONS} - {"course_tests"}
+    assert folders <= set(NAMES), f"sections without a notebook: {sorted(folders - set(NAMES))}"
+    assert set(NAMES) - folders == {"model_sizes"}, f"notebooks no section shows: {sorted(set(NAMES) - folders)}"
 
 
 @pytest.mark.parametrize("name", NAMES)

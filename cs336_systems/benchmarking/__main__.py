@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from ..cli import parse_value
 from .end_to_end import MODES, PRECISIONS
 
 _SECTIONS = (
@@ -116,7 +117,7 @@ def _add_section_args(p: argparse.ArgumentParser) -> None:
     kind.add_argument("--smoke", action="store_const", const="smoke", dest="kind", help="tiny CPU-sized run")
     p.add_argument("--budget", type=float, help="time budget in seconds (per section)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a parameter; VALUE is JSON (e.g. --set 'sizes=[\"small\"]')")
+                   help="override a parameter; VALUE is JSON, a word or a comma list (--set sizes=small,xl)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,7 +129,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
-            out[key] = value
+            out[key] = parse_value(value)  # a word, a comma list (sizes=small,xl) or a Python literal
     if args.budget is not None:
         out["budget_s"] = args.budget
     return out
@@ -246,7 +247,12 @@ def run_sections(
 
     unknown = [name for name in sections if name not in RUNNERS]
     if unknown:
-        raise SystemExit(f"unknown section(s) {unknown}; sections: {', '.join(RUNNERS)}")
+        raise ValueError(f"unknown section(s) {unknown}; sections: {', '.join(RUNNERS)}")
+    import torch
+
+    if kind in ("quick", "full") and not torch.cuda.is_available():
+        raise ValueError(f"--{kind} runs the GPU grid of {', '.join(sections)} and needs a CUDA GPU; on this machine "
+                         "use --smoke (the default without a GPU) or run on a GPU node")
     shares = section_budgets(sections, kind, total_budget_s) if total_budget_s else {}
     deadline = time.monotonic() + total_budget_s if total_budget_s else None
     seconds: dict[str, float] = {}
@@ -301,4 +307,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking"))

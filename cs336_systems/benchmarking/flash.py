@@ -25,6 +25,8 @@ CPU) so that the code path is exercised; the GPU-only baselines are reported as 
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 import math
 import os
@@ -637,4 +639,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.flash"))

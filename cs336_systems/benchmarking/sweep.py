@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain text bars: notebooks run headless, where widget bars only warn
 
 OK, OOM, SKIPPED = "ok", "OOM", "skipped (time budget)"
 

@@ -98,7 +98,8 @@ class DDPBenchConfig:
             raise ValueError(f"bucket sizes must be positive, got {self.bucket_sizes_mb}")
         if self.batch_per_rank < 1 or self.steps < 1 or self.warmup < 0:
             raise ValueError("need batch_per_rank >= 1, steps >= 1, warmup >= 0")
-        get_config(self.preset)
+        # One spelling per model: "XL" and "xl" name the same files.
+        object.__setattr__(self, "preset", get_config(self.preset).name)
         from cs336_basics.model import get_attention
 
         get_attention(self.attention_impl)  # ValueError naming the registered implementations

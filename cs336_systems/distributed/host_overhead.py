@@ -20,6 +20,8 @@ of the variants, because timings on a busy host drift.
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 import statistics
 import time
@@ -131,4 +133,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.distributed.host_overhead"))

@@ -18,7 +18,7 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,16 @@ def check_world_size(world_size: int, backend: str) -> None:
             )
 
 
+def threads_per_rank(backend: str, env: Mapping[str, str]) -> int | None:
+    """CPU threads for one gloo rank when several share a node: the cores divided among the node's ranks,
+    so they do not oversubscribe the CPU (which makes CPU timings meaningless). ``None`` leaves torch's
+    default: one rank per node, a GPU backend, or an explicit ``OMP_NUM_THREADS``."""
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    if backend != "gloo" or "OMP_NUM_THREADS" in env or not local.isdigit() or int(local) <= 1:
+        return None
+    return max(1, (os.cpu_count() or 1) // int(local))
+
+
 def init_process_group(
     backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | None = None
 ) -> DistContext:
@@ -79,8 +89,14 @@ def init_process_group(
         os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
         os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+        per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+        if per_node.split("(")[0].isdigit():  # "2" or "2(x3)"
+            os.environ.setdefault("LOCAL_WORLD_SIZE", per_node.split("(")[0])
         os.environ.setdefault("MASTER_PORT", "29500")
     backend = backend or default_backend(device_type)
+    threads = threads_per_rank(backend, os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -127,9 +143,6 @@ def _worker(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    if backend == "gloo":
-        # Share the CPU cores instead of every rank spinning up a full thread pool.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         init_process_group(backend, timeout_s)
         result = fn(*args, **kwargs)

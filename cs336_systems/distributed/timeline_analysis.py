@@ -26,6 +26,8 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 from collections.abc import Iterator
 
@@ -314,4 +316,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.distributed.timeline_analysis"))
