@@ -14,11 +14,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-else:  # one config per kernel: these tests check numerics, tuning would only add compile time
-    os.environ.setdefault("CS336_FLASH_AUTOTUNE", "0")
 
 import dataclasses
 import random
+import re
 
 import pytest
 from cs336_basics.model import BasicsTransformerLM, available_attention_impls
@@ -29,6 +28,7 @@ from cs336_systems.attention import (
     FlashAttentionTriton,
     causal_mask,
     naive_attention,
+    options,
     reference_attention,
 )
 from tests.adapters import (
@@ -39,6 +39,13 @@ from tests.adapters import (
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 IMPLS = {"pytorch": FlashAttentionPytorch, "triton": FlashAttentionTriton}
+
+
+@pytest.fixture(autouse=True)
+def _untuned_on_gpus():
+    """One config per kernel on a GPU: these tests check numerics, tuning would only add compile time."""
+    with options.use(autotune=not HAS_CUDA):
+        yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +167,7 @@ def test_pytorch_float64_is_exact(case: Case) -> None:
 
 
 def test_polynomial_exp2_accuracy() -> None:
-    """The FMA-pipe ``2**x`` (``CS336_FLASH_POLY_EXP2``): relative error below 1e-4 over the range scores
+    """The FMA-pipe ``2**x`` (``options.poly_exp2``): relative error below 1e-4 over the range scores
     minus their max take, and masked scores (-inf) come out as a normal float far below 16-bit resolution."""
     import triton
 
@@ -188,27 +195,33 @@ def test_polynomial_exp2_path_matches_reference(dtype: torch.dtype, monkeypatch:
     case = Case(37, 45, 32, True, 2)
     q, k, v, do = _inputs(case, dtype)
     want = _reference(q, k, v, do, True)
-    monkeypatch.setenv("CS336_FLASH_POLY_EXP2", "none")
-    assert flash_triton._kernels().POLY_EXP2_PHASES == frozenset()
-    hw = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
-    monkeypatch.setenv("CS336_FLASH_POLY_EXP2", "all")
-    assert flash_triton._kernels().POLY_EXP2_PHASES == {"forward", "dkdv", "dq"}
-    poly = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
-    monkeypatch.delenv("CS336_FLASH_POLY_EXP2")
-    flash_triton._kernels()
+    with options.use(poly_exp2="none") as opts:
+        assert opts.poly_exp2 == frozenset()
+        hw = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
+    with options.use(poly_exp2="all") as opts:
+        assert opts.poly_exp2 == {"forward", "dkdv", "dq"}
+        assert all(c.kwargs["POLY_EXP2"] for p in ("forward", "dkdv", "dq")
+                   for c in flash_triton._kernels().tuned(p, opts).configs)
+        poly = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
     floor = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for name, a, b in zip(NAMES, poly, hw):
         assert a <= 2 * b + floor, f"{name}: polynomial {a:.3g} vs hardware {b:.3g}"
 
 
-def test_unknown_poly_exp2_phase_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cs336_systems.attention import flash_triton
-
-    monkeypatch.setenv("CS336_FLASH_POLY_EXP2", "forward,softmax")
-    with pytest.raises(ValueError, match="CS336_FLASH_POLY_EXP2"):
-        flash_triton._kernels()
-    monkeypatch.delenv("CS336_FLASH_POLY_EXP2")
-    assert flash_triton._kernels().POLY_EXP2_PHASES == {"dkdv"}  # the default
+def test_bad_kernel_options_are_one_line_errors() -> None:
+    before = options.current()
+    for changes, message in (({"poly_exp2": "forward,softmax"}, "poly_exp2 names unknown phases ['softmax']"),
+                             ({"candidates": {"attention": []}}, "candidates for unknown phases ['attention']"),
+                             ({"candidates": {"dq": []}}, "no candidate tiles for dq"),
+                             ({"autotune": "no"}, "autotune must be True or False")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            options.set_options(**changes)
+        assert options.current() is before  # a refused change leaves the options as they were
+    assert options.FlashOptions().poly_for("dkdv", options.Tile(64, 64, 4, 3)) is True  # the default phase
+    assert options.FlashOptions().poly_for("dkdv", options.Tile(64, 64, 4, 3, poly=False)) is False  # a pin
+    assert options.FlashOptions(poly_exp2="none").poly_for("dkdv", options.Tile(64, 64, 4, 3, poly=True)) is False
+    assert options.from_env({"CS336_FLASH_AUTOTUNE": "0", "CS336_FLASH_GLUON": "0"}) == {"autotune": False,
+                                                                                          "gluon": False}
 
 
 def _error(got: tuple, want: tuple) -> list[float]:
@@ -267,25 +280,14 @@ def test_triton_fp32_precision_follows_torch_setting() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_unknown_config_set_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cs336_systems.attention import flash_triton
-
-    monkeypatch.setenv("CS336_FLASH_CONFIGS", "huge")
-    with pytest.raises(ValueError, match="CS336_FLASH_CONFIGS"):
-        flash_triton._kernels()
-    monkeypatch.delenv("CS336_FLASH_CONFIGS")
-    assert flash_triton._kernels().CONFIG_SET == "default"
-
-
 def test_wide_tile_lists_contain_the_defaults() -> None:
-    """``wide`` is where the defaults are chosen from: tuning over it can only match or beat them."""
-    from cs336_systems.attention import flash_triton
+    """The harness's wide lists are where the defaults are chosen from: tuning over them can only match or
+    beat the defaults."""
+    from cs336_systems.benchmarking.flash import WIDE_CANDIDATES
 
-    kernels = flash_triton._kernels()
-    candidates = kernels._CANDIDATES
-    for phase, default in candidates["default"].items():
-        wide = {kernels.Tile(*c) for c in candidates["wide"][phase]}
-        assert {kernels.Tile(*c) for c in default} <= wide, phase
+    for phase, default in options.DEFAULT_CANDIDATES.items():
+        wide = set(WIDE_CANDIDATES[phase])
+        assert set(default) <= wide, phase
         for m, n, warps, stages, maxnreg, poly in wide:
             assert m >= 16 and n >= 16 and m & (m - 1) == 0 and n & (n - 1) == 0, (phase, m, n)
             assert warps in (1, 2, 4, 8) and stages >= 1
@@ -296,19 +298,28 @@ def test_wide_tile_lists_contain_the_defaults() -> None:
 
 def test_exponential_is_tuned_with_the_tile_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """Candidates may pin ``ex2`` or the polynomial; unset, the pins hold (the tuner chooses among them),
-    while an explicit ``CS336_FLASH_POLY_EXP2`` overrides every pin."""
+    while an explicit ``poly_exp2`` overrides every pin."""
     from cs336_systems.attention import flash_triton
 
-    monkeypatch.delenv("CS336_FLASH_POLY_EXP2", raising=False)
     kernels = flash_triton._kernels()
-    Tile = kernels.Tile
-    tiles = [Tile(64, 64, 4, 3, poly=False), Tile(64, 64, 4, 3), Tile(32, 64, 4, 3, poly=True)]
-    monkeypatch.setattr(kernels, "INTERPRETED", False)
-    assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dkdv", tiles)] == [False, True, True]
-    assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dq", tiles)] == [False, False, True]
-    monkeypatch.setattr(kernels, "POLY_EXP2_EXPLICIT", True)
-    assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dkdv", tiles)] == [True, True, True]
-    assert [c.kwargs["POLY_EXP2"] for c in kernels._configs("dq", tiles)] == [False, False, False]
+    Tile = options.Tile
+    tiles = (Tile(64, 64, 4, 3, poly=False), Tile(64, 64, 4, 3), Tile(32, 64, 4, 3, poly=True))
+    monkeypatch.setattr(kernels.tuning, "INTERPRETED", False)
+    pinned = options.FlashOptions(candidates={"dkdv": tiles, "dq": tiles})
+    assert [c.kwargs["POLY_EXP2"] for c in kernels.tuning._configs("dkdv", pinned)] == [False, True, True]
+    assert [c.kwargs["POLY_EXP2"] for c in kernels.tuning._configs("dq", pinned)] == [False, False, True]
+    forced = options.FlashOptions(candidates={"dkdv": tiles, "dq": tiles}, poly_exp2="dkdv")
+    assert [c.kwargs["POLY_EXP2"] for c in kernels.tuning._configs("dkdv", forced)] == [True, True, True]
+    assert [c.kwargs["POLY_EXP2"] for c in kernels.tuning._configs("dq", forced)] == [False, False, False]
+
+
+def test_tuned_kernels_are_cached_per_option_set() -> None:
+    from cs336_systems.attention import flash_triton
+
+    kernels = flash_triton._kernels()
+    a, b = options.FlashOptions(), options.FlashOptions(autotune=False)
+    assert kernels.tuned("forward", a) is kernels.tuned("forward", options.FlashOptions())
+    assert kernels.tuned("forward", a) is not kernels.tuned("forward", b)
 
 
 def test_kernel_breakdown_reports_times_and_kernels() -> None:
@@ -477,8 +488,8 @@ def test_dq_tiles_are_pruned_to_fit_shared_memory(monkeypatch, dtype: torch.dtyp
     from cs336_systems.attention import flash_triton
 
     kernels = flash_triton._kernels()
-    monkeypatch.setattr(kernels, "_shared_memory_bytes", lambda device_index: 232448)
-    prune = kernels.DQ_PRUNE
+    monkeypatch.setattr(kernels.tuning, "_shared_memory_bytes", lambda device_index: 232448)
+    prune = kernels.tuning._fit_configs(*kernels.flash_bwd.DQ_SMEM)
     q = torch.empty(1, 1, 64, 128, dtype=dtype)
     configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
     kept = prune(configs, {"HEAD_DIM": 128, "Q": q, "SEQ_CLASS": 64})
@@ -492,16 +503,17 @@ def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None
     from cs336_systems.attention import flash_triton
 
     kernels = flash_triton._kernels()
-    monkeypatch.setattr(kernels, "_shared_memory_bytes", lambda device_index: 232448)
+    monkeypatch.setattr(kernels.tuning, "_shared_memory_bytes", lambda device_index: 232448)
     q = torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
     def config(poly: bool, maxnreg: int | None) -> triton.Config:
         meta = {"BLOCK_M": 32, "BLOCK_N": 64, "POLY_EXP2": poly}
         return triton.Config(meta, num_warps=4, num_stages=3, maxnreg=maxnreg)
 
     configs = [config(True, None), config(True, 168), config(False, 168)]
-    kept = kernels.DKDV_PRUNE(configs, {"HEAD_DIM": 64, "Q": q, "SEQ_CLASS": 1024})
     want = [(None, True), (168, True), (168, False)]
-    assert [(c.maxnreg, c.kwargs["POLY_EXP2"]) for c in kept] == (want if kernels.AUTOTUNE else want[:1])
+    for autotune in (True, False):
+        kept = kernels.tuning._fit_configs(*kernels.flash_bwd.DKDV_SMEM, autotune)(configs, {"HEAD_DIM": 64, "Q": q, "SEQ_CLASS": 1024})
+        assert [(c.maxnreg, c.kwargs["POLY_EXP2"]) for c in kept] == (want if autotune else want[:1])
 
 
 def test_tma_ready_copies_only_misaligned_tensors() -> None:
@@ -556,12 +568,12 @@ def test_dkdv_pruning_drops_tiles_the_descriptors_cannot_take(monkeypatch: pytes
     from cs336_systems.attention import flash_triton
 
     kernels = flash_triton._kernels()
-    monkeypatch.setattr(kernels, "_shared_memory_bytes", lambda device_index: 232448)
-    prune = kernels._fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, min_block_m=32)
+    monkeypatch.setattr(kernels.tuning, "_shared_memory_bytes", lambda device_index: 232448)
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 64}, num_warps=4, num_stages=3) for m in (16, 32, 64)]
     args = {"HEAD_DIM": 64, "Q": torch.empty(1, 1, 64, 64, dtype=torch.bfloat16), "SEQ_CLASS": 1024}
-    kept = prune(configs, args)
-    assert [c.kwargs["BLOCK_M"] for c in kept] == ([32, 64] if kernels.AUTOTUNE else [32])
+    for autotune in (True, False):
+        kept = kernels.tuning._fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, 32, autotune)(configs, args)
+        assert [c.kwargs["BLOCK_M"] for c in kept] == ([32, 64] if autotune else [32])
 
 
 @pytest.mark.parametrize("impl_name", ["triton"])
@@ -590,23 +602,21 @@ IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 def test_gluon_forward_eligibility(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon forward takes contiguous, 16-byte aligned 16-bit inputs at head dims 64 and 128 on
     compute capability 9.0, and says why it declines anything else."""
-    from cs336_systems.attention import flash_triton, gluon_kernels
+    from cs336_systems.attention import flash_triton, flash_fwd_sm90
 
-    monkeypatch.delenv("CS336_FLASH_GLUON", raising=False)
     q, k, v = (torch.randn(2, 3, 40, 64, dtype=torch.bfloat16) for _ in range(3))
-    assert gluon_kernels.ineligibility(q, k, v, (9, 0)) is None
-    assert "Hopper" in gluon_kernels.ineligibility(q, k, v, (10, 0))
-    assert "Hopper" in gluon_kernels.ineligibility(q, k, v, None)
-    assert "float16 or bfloat16" in gluon_kernels.ineligibility(q.float(), k.float(), v.float(), (9, 0))
+    assert flash_fwd_sm90.ineligibility(q, k, v, (9, 0)) is None
+    assert "Hopper" in flash_fwd_sm90.ineligibility(q, k, v, (10, 0))
+    assert "Hopper" in flash_fwd_sm90.ineligibility(q, k, v, None)
+    assert "float16 or bfloat16" in flash_fwd_sm90.ineligibility(q.float(), k.float(), v.float(), (9, 0))
     narrow = [t[..., :32].contiguous() for t in (q, k, v)]
-    assert "head dim 32" in gluon_kernels.ineligibility(*narrow, (9, 0))
-    assert "k is not contiguous" in gluon_kernels.ineligibility(q, k.transpose(1, 2).contiguous().transpose(1, 2),
+    assert "head dim 32" in flash_fwd_sm90.ineligibility(*narrow, (9, 0))
+    assert "k is not contiguous" in flash_fwd_sm90.ineligibility(q, k.transpose(1, 2).contiguous().transpose(1, 2),
                                                                 v, (9, 0))  # fmt: skip
     shifted = torch.randn(k.numel() + 1, dtype=torch.bfloat16)[1:].view(k.shape)
-    assert "16-byte" in gluon_kernels.ineligibility(q, k, shifted, (9, 0))
-    monkeypatch.setenv("CS336_FLASH_GLUON", "0")
-    assert "disabled" in gluon_kernels.ineligibility(q, k, v, (9, 0))
-    monkeypatch.delenv("CS336_FLASH_GLUON")
+    assert "16-byte" in flash_fwd_sm90.ineligibility(q, k, shifted, (9, 0))
+    with options.use(gluon=False):
+        assert "disabled" in flash_fwd_sm90.ineligibility(q, k, v, (9, 0))
     if not IS_HOPPER:  # CPU tensors and other GPUs run the Triton forward
         assert flash_triton.forward_kernel_name(q, k, v) == "triton"
 
@@ -622,8 +632,8 @@ def test_gluon_forward_compiles_for_hopper(head_dim: int) -> None:
 
     script = f"""
 import glob, json, os, re, subprocess, tempfile, triton
-from cs336_systems.attention import gluon_kernels
-compiled = gluon_kernels.compile_for_hopper({head_dim}, True)
+from cs336_systems.attention import flash_fwd_sm90
+compiled = flash_fwd_sm90.compile_for_hopper({head_dim}, True)
 usage = ""
 tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
 if tools:
@@ -654,13 +664,12 @@ def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, mo
     arithmetic, so to a few bf16/fp16 roundings), and both match float64."""
     from cs336_systems.attention import flash_triton
 
-    monkeypatch.delenv("CS336_FLASH_GLUON", raising=False)
     q, k, v, do = _inputs(case, dtype)
     assert flash_triton.forward_kernel_name(q, k, v) == "gluon"
     gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    monkeypatch.setenv("CS336_FLASH_GLUON", "0")
-    assert flash_triton.forward_kernel_name(q, k, v) == "triton"
-    triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    with options.use(gluon=False):
+        assert flash_triton.forward_kernel_name(q, k, v) == "triton"
+        triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     want = _reference(q, k, v, do, case.is_causal)
     tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     for name, a, b, ref in zip(NAMES, gluon, triton_, want):

@@ -7,7 +7,9 @@ Both are ``torch.autograd.Function`` subclasses called as ``Fn.apply(Q, K, V, is
 - :mod:`.reference`: float64 ground truth and the naive (materializing) baseline.
 - :mod:`.flash_pytorch`: Algorithm 1 of FlashAttention-2 in plain PyTorch; runs anywhere.
 - :mod:`.flash_triton` + :mod:`.triton_kernels`: the Triton version (CUDA, or CPU under
-  ``TRITON_INTERPRET=1``).
+  ``TRITON_INTERPRET=1``); :mod:`.flash_fwd_sm90`: its warp-specialized forward on Hopper.
+- :mod:`.options`: tiles, tuning, the exponential and the Gluon switch, as values
+  (``with options.use(autotune=False): ...``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from cs336_basics.model import register_attention
 from torch import Tensor
 
+from . import options
 from ._validation import validate_attention_inputs
 from .flash_pytorch import FlashAttentionPytorch
 from .flash_triton import SUPPORTED_HEAD_DIMS, FlashAttentionTriton, interpreter_enabled
@@ -29,6 +32,7 @@ __all__ = [
     "get_flashattention_autograd_function_triton",
     "interpreter_enabled",
     "naive_attention",
+    "options",
     "reference_attention",
     "validate_attention_inputs",
 ]

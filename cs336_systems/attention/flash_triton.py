@@ -11,8 +11,9 @@ Layers, outside in:
   operators as they are, whichever way the kernels were built (compiled for a GPU, or interpreted on CPU).
 - The kernels themselves live in :mod:`.triton_kernels`, imported on first launch (see :func:`_kernels`).
   On Hopper GPUs the forward of 16-bit inputs at head dims 64 and 128 runs the warp-specialized Gluon
-  kernel of :mod:`.gluon_kernels` instead (same outputs; :func:`forward_kernel_name` says which one a
-  call uses, ``CS336_FLASH_GLUON=0`` turns it off). The backward kernels are the same either way.
+  kernel of :mod:`.flash_fwd_sm90` instead (same outputs; :func:`forward_kernel_name` says which one a
+  call uses, ``options.use(gluon=False)`` turns it off). The backward kernels are the same either way.
+- Tiles, tuning, the exponential and the Gluon switch are :mod:`.options` values, read at each launch.
 
 Devices: CUDA tensors; or CPU tensors when ``TRITON_INTERPRET=1`` is set, which runs the very same kernels
 in Triton's numpy interpreter (slow; this is how the CPU test suite checks them). CPU tensors without the
@@ -35,6 +36,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from . import options
 from ._validation import validate_attention_inputs
 
 #: Head dimensions the kernels are instantiated for (tl.dot needs >= 16; powers of two keep tiles aligned).
@@ -53,18 +55,14 @@ def _kernels() -> ModuleType:
     """The kernel module, decorated in the mode ``TRITON_INTERPRET`` asks for now.
 
     ``@triton.jit`` chooses between compiling and interpreting when it decorates, so the module is
-    imported on first use, not with this package, and re-imported if the variable (or
-    ``CS336_FLASH_AUTOTUNE``, ``CS336_FLASH_CONFIGS``, ``CS336_FLASH_POLY_EXP2``) changed since: a test
-    module may set it after something else imported this package.
+    imported on first use, not with this package, and re-imported if the variable changed since: a test
+    module may set it after something else imported this package. Everything else about the kernels is
+    an :mod:`.options` value read at each launch.
     """
     module = importlib.import_module(".triton_kernels", __package__)
-    wanted = (
-        interpreter_enabled(),
-        os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0",
-        os.environ.get("CS336_FLASH_CONFIGS", "default"),
-        os.environ.get("CS336_FLASH_POLY_EXP2"),  # unset differs from the default value (see ``Tile``)
-    )
-    if module.BUILD_MODE != wanted:
+    if module.BUILD_MODE != interpreter_enabled():
+        for part in module.MODULES:  # in dependency order, so each picks up the re-decorated kernels
+            importlib.reload(part)
         module = importlib.reload(module)
     return module
 
@@ -124,7 +122,9 @@ def _set_descriptor_allocator(device: torch.device) -> None:
     Triton requests from the host; PyTorch's caching allocator provides it, so this also works while a
     CUDA graph is captured. Triton keeps the allocator per thread and autograd runs the backward on a
     thread of its own, so it is set before every launch that needs it (a context-variable write)."""
-    _kernels().triton.set_allocator(
+    import triton  # here, not at the top: this module imports on machines without Triton
+
+    triton.set_allocator(
         lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
     )
 
@@ -147,16 +147,16 @@ def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
 
 
 def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor) -> ModuleType | None:
-    """:mod:`.gluon_kernels` when its Hopper forward covers these 4-D inputs, else None (Triton forward).
+    """:mod:`.flash_fwd_sm90` when its Hopper forward covers these 4-D inputs, else None (Triton forward).
 
     The device checks here only keep CPU runs and other GPUs from importing Gluon; what the kernel takes
-    (including ``CS336_FLASH_GLUON``) is decided in one place, ``gluon_kernels.ineligibility``."""
+    (including ``options.current().gluon``) is decided in one place, ``flash_fwd_sm90.ineligibility``."""
     if q.device.type != "cuda" or interpreter_enabled():
         return None
     capability = torch.cuda.get_device_capability(q.device)
     if capability != (9, 0):
         return None
-    module = importlib.import_module(".gluon_kernels", __package__)
+    module = importlib.import_module(".flash_fwd_sm90", __package__)
     return module if module.ineligibility(q, k, v, capability) is None else None
 
 
@@ -187,7 +187,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
 
     with _device_guard(q):
         _set_descriptor_allocator(q.device)
-        kernels.flash_forward_kernel[grid](
+        kernels.tuned("forward", options.current())[grid](
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
             heads, n_queries, n_keys, _LOG2_E / math.sqrt(d), _seq_class(n_queries, n_keys),
@@ -216,6 +216,7 @@ def flash_attention_backward(
     shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
     block = kernels.PREPROCESS_BLOCK
     precision = _dot_precision(q.dtype)
+    opts = options.current()
 
     with _device_guard(q):
         kernels.flash_backward_preprocess_kernel[(_cdiv(n_queries, block) * batch * heads,)](
@@ -223,12 +224,12 @@ def flash_attention_backward(
             HEAD_DIM=d, BLOCK_M=block,
         )
         _set_descriptor_allocator(q.device)
-        kernels.flash_backward_dkdv_kernel[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
+        kernels.tuned("dkdv", opts)[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
             q, k, v, do, ld, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dk.stride(), *dv.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
         )  # fmt: skip
-        kernels.flash_backward_dq_kernel[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
+        kernels.tuned("dq", opts)[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
             q, k, v, do, ld, dq,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(),
             *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,

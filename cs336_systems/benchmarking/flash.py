@@ -15,7 +15,7 @@
 - ``breakdown``: our kernels alone at the leaderboard shape (head dims 64 and 128): forward+backward
   time, the GPU time and achieved TFLOP/s of each kernel per step (torch.profiler), the tiles the
   autotuner chose and its timing of every candidate. The lab bench behind ``docs/flash_attention/NOTES.md``;
-  ``CS336_FLASH_CONFIGS=wide`` widens the candidate tiles.
+  ``--candidates wide`` widens the candidate tiles.
 - ``all``: leaderboard, sweep and model, in that order.
 
 Everything goes through :class:`~cs336_systems.results.ResultWriter` (section ``flash_benchmarking``).
@@ -25,12 +25,11 @@ CPU) so that the code path is exercised; the GPU-only baselines are reported as 
 
 from __future__ import annotations
 
-import sys
-
 import argparse
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..attention import FlashAttentionPytorch, FlashAttentionTriton, flash_triton, naive_attention
+from ..attention import FlashAttentionPytorch, FlashAttentionTriton, flash_triton, naive_attention, options
 from ..cli import parse_assignment
 from ..profiling.torch_profiler import kernel_table, profile_steps
 from ..results import ResultWriter, is_smoke_run
@@ -108,12 +107,11 @@ def attention_flops(
 
 
 def _poly_exp2_label() -> str:
-    """The kernels that exponentiate with the FMA-pipe polynomial (``CS336_FLASH_POLY_EXP2``), for provenance;
-    ``+tuned`` when the setting was left to its default, so that candidates that pin a method are tuned too
-    (the chosen configs then say which)."""
-    kernels = flash_triton._kernels()
-    phases = ",".join(sorted(kernels.POLY_EXP2_PHASES))
-    return phases if kernels.POLY_EXP2_EXPLICIT else f"{phases}+tuned"
+    """Which kernels exponentiate with the FMA-pipe polynomial under the current options, for provenance:
+    the phases forced by ``poly_exp2``, or ``dkdv+tuned`` when each candidate tile's pin decides (the
+    chosen configs then say which)."""
+    forced = options.current().poly_exp2
+    return ",".join(sorted(forced)) if forced is not None else "dkdv+tuned"
 
 
 def _median_ms(stats: TimingStats) -> float:
@@ -383,8 +381,32 @@ def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, 
 # Kernel breakdown: where our forward+backward spends its time, and what the autotuner chose
 # --------------------------------------------------------------------------------------------------
 
-#: The autotuned kernels whose choices the breakdown records.
-TUNED_KERNELS = ("flash_forward_kernel", "flash_backward_dkdv_kernel", "flash_backward_dq_kernel")
+#: The autotuned kernels whose choices the breakdown records, with their tuning phase.
+TUNED_KERNELS = {"flash_forward_kernel": "forward", "flash_backward_dkdv_kernel": "dkdv",
+                 "flash_backward_dq_kernel": "dq"}
+
+#: Every tile shape, warp count, stage count and register cap worth trying on Hopper (a minute or more of
+#: tuning per shape class): how the library's ``options.DEFAULT_CANDIDATES`` were chosen. Run the kernel
+#: breakdown with ``--candidates wide`` and read the winners off its ``best_config`` column.
+_T = options.Tile
+WIDE_CANDIDATES: dict[str, list[options.Tile]] = {
+    "forward": [_T(64, 64, 4, 3), _T(64, 64, 4, 4), _T(64, 128, 4, 3), _T(128, 64, 4, 3), _T(128, 64, 8, 3),
+                _T(128, 64, 8, 4), _T(128, 128, 8, 2), _T(128, 128, 8, 3), _T(128, 32, 4, 3), _T(64, 32, 4, 4)],
+    "dkdv": [_T(32, 64, 4, 3), _T(32, 64, 4, 5), _T(32, 128, 4, 3), _T(32, 128, 4, 5),
+             _T(32, 128, 8, 4), _T(64, 64, 4, 2), _T(64, 64, 4, 3), _T(64, 64, 4, 4), _T(64, 64, 8, 4),
+             _T(64, 128, 8, 2), _T(64, 128, 8, 3), _T(128, 128, 8, 2),
+             _T(32, 64, 4, 3, maxnreg=168),
+             _T(32, 64, 4, 4, maxnreg=168), _T(64, 64, 4, 3, maxnreg=168),
+             _T(32, 128, 8, 3, maxnreg=128), _T(64, 64, 4, 3, maxnreg=168, poly=False),
+             _T(64, 64, 4, 3, poly=False), _T(32, 64, 4, 3, maxnreg=168, poly=False),
+             _T(32, 128, 8, 3, maxnreg=128, poly=False), _T(64, 128, 8, 3, poly=False),
+             _T(64, 64, 4, 2, maxnreg=168, poly=False), _T(64, 64, 4, 4, maxnreg=168, poly=False)],
+    "dq": [_T(64, 32, 4, 4), _T(64, 64, 4, 3), _T(64, 64, 4, 5), _T(64, 128, 4, 3), _T(128, 32, 4, 3),
+           _T(128, 32, 4, 5), _T(128, 64, 4, 3), _T(128, 64, 8, 3), _T(128, 128, 8, 2),
+           _T(64, 64, 4, 3, maxnreg=128), _T(128, 64, 8, 3, maxnreg=128), _T(128, 64, 4, 4),
+           _T(128, 64, 4, 3, maxnreg=168), _T(128, 128, 8, 3)],
+}  # fmt: skip
+CANDIDATE_SETS = {"default": None, "wide": WIDE_CANDIDATES}
 #: Matmuls per step each kernel issues: forward 2 (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ). The
 #: Gluon forward (Hopper) replaces the Triton one where it applies.
 MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_forward_gluon_kernel": 2, "flash_backward_dkdv_kernel": 4,
@@ -402,8 +424,8 @@ def _config_label(config: Any) -> str:
 
 def _tuning_state() -> dict[str, Any]:
     """Per tuned kernel, the object holding its latest tuning timings (changes whenever it tunes)."""
-    kernels = flash_triton._kernels()
-    return {name: getattr(getattr(kernels, name), "configs_timings", None) for name in TUNED_KERNELS}
+    kernels, opts = flash_triton._kernels(), options.current()
+    return {name: getattr(kernels.tuned(phase, opts), "configs_timings", None) for name, phase in TUNED_KERNELS.items()}
 
 
 def run_kernel_breakdown(
@@ -457,10 +479,10 @@ def run_kernel_breakdown(
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
     kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
 
-    chosen = flash_triton._kernels()
+    chosen, opts = flash_triton._kernels(), options.current()
     tuning_rows = []
-    for name in TUNED_KERNELS:
-        best = getattr(getattr(chosen, name), "best_config", None)
+    for name, phase in TUNED_KERNELS.items():
+        best = getattr(chosen.tuned(phase, opts), "best_config", None)
         summary[f"config_{name}"] = _config_label(best) if best is not None else ""
         timings = after[name]
         if timings is None or timings is before[name]:
@@ -581,8 +603,7 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             summary = pd.DataFrame([p[0] for p in parts])
             kernels = pd.concat([p[1] for p in parts], ignore_index=True)
             tuning = pd.concat([p[2] for p in parts], ignore_index=True)
-            extra = {"config_set": os.environ.get("CS336_FLASH_CONFIGS", "default"),
-                     "poly_exp2": _poly_exp2_label()}  # fmt: skip
+            extra = {"options": options.current().describe(), "poly_exp2": _poly_exp2_label()}
             out.table(summary, "kernel_breakdown", params=extra)
             out.table(kernels, "kernel_breakdown_kernels", params=extra)
             out.table(tuning, "kernel_breakdown_tuning", params=extra)
@@ -624,7 +645,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=parse_assignment,
                         help="override a parameter: --set seq_lens=[128,1024] --set sweep_budget_s=100")  # fmt: skip
+    kernel = parser.add_argument_group("kernel options (attention.options; CS336_FLASH_AUTOTUNE, "
+                                       "CS336_FLASH_POLY_EXP2 and CS336_FLASH_GLUON map onto the same)")
+    kernel.add_argument("--candidates", choices=sorted(CANDIDATE_SETS), default="default",
+                        help="candidate tiles: the library's short lists, or every shape worth trying")
+    kernel.add_argument("--no-autotune", action="store_true", help="run each list's first tile, untuned")
+    kernel.add_argument("--poly-exp2", default=None, metavar="PHASES",
+                        help="phases on the FMA-pipe exponential: forward,dkdv,dq | all | none (default: tile pins)")
+    kernel.add_argument("--no-gluon", action="store_true", help="the Triton forward on Hopper too")
     args = parser.parse_args(argv)
+    changes = options.from_env(os.environ)
+    changes["candidates"] = CANDIDATE_SETS[args.candidates]
+    if args.no_autotune:
+        changes["autotune"] = False
+    if args.poly_exp2 is not None:
+        changes["poly_exp2"] = args.poly_exp2
+    if args.no_gluon:
+        changes["gluon"] = False
+    options.set_options(**changes)
     smoke = is_smoke_run(True if args.smoke else None)
     params = dict(DEFAULTS["smoke" if smoke else "full"])
     for key, value in args.set:
@@ -633,7 +671,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         params[key] = value
     commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
     # Provenance: which phases of our kernels use the polynomial exp2 (CS336_FLASH_POLY_EXP2).
-    out = ResultWriter(SECTION, params={**params, "poly_exp2": _poly_exp2_label()}, smoke=smoke)
+    out = ResultWriter(SECTION, params={**params, "poly_exp2": _poly_exp2_label(),
+                                        "kernel_options": options.current().describe()}, smoke=smoke)
     print(out.banner())
     run_all(commands, params, out)
 

@@ -20,10 +20,9 @@ of the variants, because timings on a busy host drift.
 
 from __future__ import annotations
 
-import sys
-
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 

@@ -26,9 +26,8 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
 
 from __future__ import annotations
 
-import sys
-
 import argparse
+import sys
 from collections.abc import Iterator
 
 import numpy as np

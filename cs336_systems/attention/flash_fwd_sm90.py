@@ -40,7 +40,6 @@ kernel by compiling it for sm_90 offline (:func:`compile_for_hopper`); the GPU t
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
@@ -54,6 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import options
 
 _LOG2_E = 1.4426950408889634
 
@@ -237,11 +238,11 @@ _MAX_ROWS = 2**31 - 1
 def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] | None) -> str | None:
     """Why this kernel cannot run these ``(batch, heads, n, d)`` inputs, or None when it can.
 
-    ``capability`` is the GPU's compute capability (None: not a CUDA tensor). ``CS336_FLASH_GLUON=0``
+    ``capability`` is the GPU's compute capability (None: not a CUDA tensor). ``options.use(gluon=False)``
     turns the kernel off (the Triton forward then runs everywhere), e.g. for A/B comparisons.
     """
-    if os.environ.get("CS336_FLASH_GLUON", "1") == "0":
-        return "disabled by CS336_FLASH_GLUON=0"
+    if not options.current().gluon:
+        return "disabled by the options (gluon=False)"
     if capability != (9, 0):
         return f"needs a Hopper GPU (compute capability 9.0), got {capability}"
     if q.dtype not in _GLUON_DTYPES:

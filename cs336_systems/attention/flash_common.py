@@ -1,0 +1,149 @@
+"""Device functions every FlashAttention-2 kernel shares: the base-2 exponentials, loop bounds, masks and
+tensor descriptors, plus the decoration mode (compiled, or interpreted on CPU tensors)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+#: Whether these kernels were decorated for the CPU interpreter (``TRITON_INTERPRET=1``).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: Sequence lengths and head counts vary from call to call: specializing on their divisibility would
+#: compile a new variant for each; the masks handle ragged ends anyway.
+_jit = functools.partial(triton.jit, do_not_specialize=["n_heads", "n_queries", "n_keys", "SEQ_CLASS"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Exponentials
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _exp2_fma(x):
+    """``2**x`` on the FMA and integer pipes, for x <= ~0 (scores minus a running max or L).
+
+    Cody-Waite: adding 1.5 * 2**23 rounds x to the nearest integer n (held in the low mantissa bits of
+    ``j``), 2**f for f = x - n in [-1/2, 1/2] is a degree-3 polynomial (coefficients fitted for minimum
+    relative error, max 7.7e-5), and 2**n is applied by adding n to the exponent field. x is clamped at
+    -125 so the result stays a normal float: masked scores (-inf) give 2**-125 ~ 2e-38, not 0, which no
+    16-bit P can tell apart from 0 and which the backward masks to 0 anyway.
+    """
+    x = tl.maximum(x, -125.0)
+    j = x + 12582912.0
+    f = x - (j - 12582912.0)
+    p = 0.05508868380751114 * f + 0.24260405145947936
+    p = p * f + 0.6932762416819607
+    p = p * f + 0.9999289403695112
+    bits = p.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp2_fma_kernel(X, Y, n, BLOCK: tl.constexpr):
+    """Elementwise ``Y = _exp2_fma(X)`` over ``n`` float32 values: the accuracy check of the polynomial."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offs, _exp2_fma(tl.load(X + offs, mask=offs < n)), mask=offs < n)
+
+
+@triton.jit
+def _exp2(x, POLY: tl.constexpr, INPUT_DTYPE: tl.constexpr):
+    """Hardware ``ex2`` (MUFU), or :func:`_exp2_fma` when ``POLY`` and the attention inputs are 16-bit:
+    float32 attention keeps float32-level accuracy."""
+    if POLY and INPUT_DTYPE != tl.float32:
+        y = _exp2_fma(x)
+    else:
+        y = tl.math.exp2(x)
+    return y
+
+
+# --------------------------------------------------------------------------------------------------
+# Loop bounds. All in element units, multiples of the tile along the loop.
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_ranges(start_m, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For the query tile starting at ``start_m``: keys ``[0, mid)`` are unmasked, ``[mid, hi)`` masked.
+
+    A key tile is unmasked when it lies entirely inside the sequence and (causal) its last key is at or
+    before the tile's first query. ``hi`` is ``n_keys``, or for causal tiles one past the last visible key.
+    """
+    full = (n_keys // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, n_keys)
+        mid = tl.minimum(((start_m + 1) // BLOCK_N) * BLOCK_N, full)
+    else:
+        hi = n_keys
+        mid = full
+    return mid, hi
+
+
+@triton.jit
+def _query_ranges(start_n, n_queries, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For the key tile starting at ``start_n``: queries ``[lo, diag)`` straddle the diagonal (masked),
+    ``[diag, full)`` see all of the tile (unmasked), ``[max(diag, full), n_queries)`` is the ragged end
+    (masked). Queries before ``lo`` see none of it."""
+    padded = tl.cdiv(n_queries, BLOCK_M) * BLOCK_M
+    full = (n_queries // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        lo = tl.minimum((start_n // BLOCK_M) * BLOCK_M, padded)
+        diag = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, padded)
+    else:
+        lo = 0
+        diag = 0
+    return lo, diag, tl.maximum(diag, full)
+
+
+@triton.jit
+def _tile_and_head(n, n_heads, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """Decode a 1-D program id into (tile index along the sequence, batch * head index).
+
+    A 1-D grid has no 65,535 limit on batch * heads. Heads vary fastest so that the first wave runs the
+    same tile of every head; with ``HEAVY_LAST`` (causal query tiles, whose work grows with the index)
+    the order of tiles is reversed so that the longest programs start first and the tail stays short.
+    """
+    pid = tl.program_id(0)
+    n_bh = tl.num_programs(0) // tl.cdiv(n, BLOCK)
+    tile = pid // n_bh
+    if HEAVY_LAST:
+        tile = tl.cdiv(n, BLOCK) - 1 - tile
+    return tile, pid % n_bh
+
+
+@triton.jit
+def _key_visible(rows, cols, n_keys, IS_CAUSAL: tl.constexpr):
+    """Mask of score entries whose key exists and that causality allows, for query indices ``rows`` and
+    key indices ``cols`` already shaped to broadcast (``[:, None]`` / ``[None, :]``, or the transpose).
+
+    Padding rows past ``n_queries`` are left visible in the forward pass: each still sees key 0, so its
+    running maximum stays finite (no ``-inf - -inf``), and it is never stored."""
+    valid = cols < n_keys
+    if IS_CAUSAL:
+        valid = valid & (cols <= rows)
+    return valid
+
+
+@triton.jit
+def _visible(rows, cols, n_queries, n_keys, IS_CAUSAL: tl.constexpr):
+    """:func:`_key_visible` restricted to existing queries (backward: padding rows contribute nothing)."""
+    return _key_visible(rows, cols, n_keys, IS_CAUSAL) & (rows < n_queries)
+
+
+@triton.jit
+def _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, n_keys,
+                           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tensor descriptors (TMA on Hopper) over one head's K and V, ``BLOCK_N x HEAD_DIM`` boxes: the
+    streamed key tiles of the forward and dQ kernels arrive as one bulk copy each instead of per-thread
+    asynchronous copies, with rows past ``n_keys`` read as zeros. Needs unit stride along the head dim and
+    16-byte aligned heads and rows (``flash_triton._tma_ready``)."""
+    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[n_keys, HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[n_keys, HEAD_DIM],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    return k_desc, v_desc

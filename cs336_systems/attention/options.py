@@ -1,0 +1,162 @@
+"""How ``FlashAttentionTriton`` builds and picks its kernels, as a value.
+
+    from cs336_systems.attention import options
+    with options.use(autotune=False):               # first candidate of each list, untuned
+        out = FlashAttentionTriton.apply(q, k, v, True)
+    with options.use(poly_exp2="all", gluon=False):  # polynomial exp2 everywhere, Triton forward on Hopper
+        ...
+    options.set_options(candidates=my_tiles)        # process-wide, e.g. from a tuning harness
+
+The setting is process-wide (a context manager restores the previous one), not thread-local: autograd runs
+a CUDA backward on a thread of its own, which must see the options its forward ran with. Every launch
+reads :func:`current`, so a change takes effect at the next call; tuned kernels are cached per option
+set, so switching back costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+#: The kernels whose tiles are tuned; ``poly_exp2`` names a subset of them.
+PHASES = ("forward", "dkdv", "dq")
+#: Phases that exponentiate with the FMA-pipe polynomial unless a tile pins its method (see :class:`Tile`).
+DEFAULT_POLY_EXP2 = frozenset({"dkdv"})
+
+
+class Tile(NamedTuple):
+    """One autotuning candidate of a kernel.
+
+    ``maxnreg`` caps the registers per thread. On Hopper an SM sub-partition holds 16,384 registers, so a
+    4-warp program at 169-255 registers leaves room for 2 programs per SM and one at <= 168 for 3: a cap
+    just under such a cliff buys a third (or fourth) resident program for latency hiding at the price of a
+    few spilled registers. ``poly`` pins how the tile exponentiates 16-bit scores (``True``: the FMA-pipe
+    polynomial, ``False``: ``ex2``) so that the tuner chooses it together with the tile: which is faster
+    depends on the tile's register budget (docs/flash_attention/NOTES.md). ``None`` follows the options'
+    phases, and an explicit ``poly_exp2`` overrides every pin.
+    """
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    maxnreg: int | None = None
+    poly: bool | None = None
+
+
+#: Candidate tiles per phase: the winners on an H100 for head dims 64 and 128 plus a neighbour or two
+#: (docs/flash_attention/NOTES.md; the wider lists they were chosen from live with the tuning harness,
+#: ``benchmarking.flash.WIDE_CANDIDATES``). Forward and dQ keep BLOCK_M queries resident while BLOCK_N-key
+#: tiles stream past; dK/dV keeps BLOCK_N keys resident while BLOCK_M-query tiles stream past. Each
+#: candidate costs about 0.8 s of compile per shape class on first use; the first is the untuned default.
+DEFAULT_CANDIDATES: dict[str, tuple[Tile, ...]] = {
+    "forward": (Tile(128, 64, 8, 3), Tile(64, 128, 4, 3), Tile(128, 64, 4, 3), Tile(64, 64, 4, 3)),
+    "dkdv": (Tile(64, 64, 4, 3, maxnreg=168, poly=False), Tile(64, 64, 4, 3), Tile(32, 64, 4, 3, maxnreg=168),
+             Tile(64, 128, 8, 3), Tile(64, 128, 8, 3, poly=False)),
+    "dq": (Tile(128, 64, 4, 3), Tile(128, 64, 8, 3), Tile(64, 64, 4, 3)),
+}  # fmt: skip
+
+
+def _phases(value: str | Sequence[str] | frozenset[str] | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = PHASES if value == "all" else () if value == "none" else [v for v in value.split(",") if v]
+    phases = frozenset(value)
+    if not phases <= set(PHASES):
+        raise ValueError(f"poly_exp2 names unknown phases {sorted(phases - set(PHASES))}; valid: "
+                         f"{', '.join(PHASES)} (or 'all', 'none')")
+    return phases
+
+
+@dataclass(frozen=True)
+class FlashOptions:
+    """``autotune``: time every candidate once per shape class (else run each list's first tile that fits).
+    ``candidates``: tiles per phase (default :data:`DEFAULT_CANDIDATES`; phases left out keep theirs).
+    ``poly_exp2``: phases forced to the FMA-pipe polynomial exponential for 16-bit inputs (``"all"``,
+    ``"none"``, ``"dkdv,dq"`` or a set); ``None`` lets each tile's pin decide, else ``dkdv``.
+    ``gluon``: run the warp-specialized Gluon forward on Hopper where it applies.
+    """
+
+    autotune: bool = True
+    candidates: Any = None
+    poly_exp2: Any = None
+    gluon: bool = True
+
+    def __post_init__(self) -> None:
+        for flag in ("autotune", "gluon"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        object.__setattr__(self, "poly_exp2", _phases(self.poly_exp2))
+        given = dict(self.candidates or {})
+        unknown = set(given) - set(PHASES)
+        if unknown:
+            raise ValueError(f"candidates for unknown phases {sorted(unknown)}; valid: {', '.join(PHASES)}")
+        merged = {}
+        for phase in PHASES:
+            tiles = tuple(Tile(*t) for t in given.get(phase, DEFAULT_CANDIDATES[phase]))
+            if not tiles:
+                raise ValueError(f"no candidate tiles for {phase}")
+            merged[phase] = tiles
+        object.__setattr__(self, "candidates", tuple(merged.items()))  # hashable: the kernel cache's key
+
+    def tiles(self, phase: str) -> tuple[Tile, ...]:
+        return dict(self.candidates)[phase]
+
+    def poly_for(self, phase: str, tile: Tile) -> bool:
+        """Whether ``tile`` of ``phase`` exponentiates with the polynomial (16-bit inputs only)."""
+        if self.poly_exp2 is not None:
+            return phase in self.poly_exp2
+        return tile.poly if tile.poly is not None else phase in DEFAULT_POLY_EXP2
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary for result provenance."""
+        return {
+            "autotune": self.autotune,
+            "poly_exp2": ",".join(sorted(self.poly_exp2)) if self.poly_exp2 is not None else "tile pins, else dkdv",
+            "gluon": self.gluon,
+            "candidates": {p: len(t) for p, t in self.candidates},
+            "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),
+        }
+
+
+_current = FlashOptions()
+
+
+def current() -> FlashOptions:
+    """The options the next launch uses."""
+    return _current
+
+
+def set_options(options: FlashOptions | None = None, **changes: Any) -> FlashOptions:
+    """Replace the options (``options``, or the current ones with ``changes``); returns the previous."""
+    global _current
+    previous = _current
+    _current = dataclasses.replace(options or _current, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def use(options: FlashOptions | None = None, **changes: Any) -> Iterator[FlashOptions]:
+    """Run the block with ``options`` (or the current ones with ``changes``), then restore."""
+    previous = set_options(options, **changes)
+    try:
+        yield _current
+    finally:
+        set_options(previous)
+
+
+def from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """Option changes from the benchmark CLI's environment variables (``CS336_FLASH_AUTOTUNE=0``,
+    ``CS336_FLASH_POLY_EXP2=...``, ``CS336_FLASH_GLUON=0``); the library itself never reads them."""
+    changes: dict[str, Any] = {}
+    if "CS336_FLASH_AUTOTUNE" in env:
+        changes["autotune"] = env["CS336_FLASH_AUTOTUNE"] != "0"
+    if "CS336_FLASH_POLY_EXP2" in env:
+        changes["poly_exp2"] = env["CS336_FLASH_POLY_EXP2"]
+    if "CS336_FLASH_GLUON" in env:
+        changes["gluon"] = env["CS336_FLASH_GLUON"] != "0"
+    return changes
