@@ -13,9 +13,10 @@ Where results go:
   publish;
 - ``CS336_FIGURES_DIR`` overrides the root for either.
 
-Rewriting an artefact whose bytes did not change leaves the file, and its sidecar, untouched: the sidecar
-is rewritten only when an artefact or a field other than the run's commit, date and command line
-changed. Re-running a deterministic section therefore leaves a clean checkout clean.
+Rewriting an artefact whose bytes did not change leaves the file untouched, and its sidecar too when the
+run's code (commit) is the same: re-running a deterministic section leaves a clean checkout clean. The same
+bytes from a newer commit update only the sidecar's commit, date and command line (in place), so the record
+says which code the result describes. A replot never touches the measuring run's record.
 """
 
 from __future__ import annotations
@@ -211,10 +212,14 @@ class ResultWriter:
         if path.exists():  # several artefacts of one name (table + figure) share a sidecar
             old = json.loads(path.read_text())
             meta["files"] = sorted(set(old.get("files", [])) | set(files))
-            # Same bytes and the same run description, or the same bytes derived from a measurement (a
-            # replot): keep the record of the run that made them.
-            if not changed and (source is not None or _stable(old) == _stable(meta)):
-                return path
+            if not changed and source is not None:
+                return path  # the same bytes derived from the same measurement (a replot): keep its record
+            if not changed and _stable(old) == _stable(meta):
+                if _commit(old) == _commit(meta):
+                    return path  # the same result from the same code: nothing to record
+                # The same result from newer code: it now describes that code (which is what staleness
+                # checks), so only the commit, date and command line move, in place.
+                meta = {**old, **{k: meta[k] for k in VOLATILE_META_KEYS if k in meta}}
         _write_bytes_if_changed(path, (json.dumps(meta, indent=2) + "\n").encode())
         return path
 
@@ -277,6 +282,10 @@ class ResultWriter:
             return (f"Run on {device_description()['device']}, not published: artefacts go to {where} "
                     "(ask to publish to write figures/)")
         return f"Measured run on {device_description()['device']}; artefacts go to {where}"
+
+
+def _commit(meta: dict[str, Any]) -> str:
+    return str(meta.get("git_commit", ""))
 
 
 def _stable(meta: dict[str, Any]) -> dict[str, Any]:

@@ -154,17 +154,7 @@ def _train_and_compare(model_cls: type, compute_dtype, optimizer, steps: int = 3
     return dict(fsdp.stats)
 
 
-def _fsdp_checks() -> dict:
-    torch.use_deterministic_algorithms(True)
-    warnings.simplefilter("error")
-    out = {}
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
-    for dtype in (None, torch.float16):
-        out[f"toy_{dtype}"] = _train_and_compare(ToyFSDPModel, dtype, sgd)
-    out["odd_adamw"] = _train_and_compare(OddShapesModel, None, adamw)
-    out["odd_bf16"] = _train_and_compare(OddShapesModel, torch.bfloat16, adamw, steps=2)
-
+def _wrapper_contract() -> dict:
     model = FSDP(ToyFSDPModel())
     sharded = model.sharded_parameters()
     assert all(p.dim() == 1 for p in sharded) and len(sharded) == 4  # embedding + three linears
@@ -174,12 +164,49 @@ def _fsdp_checks() -> dict:
     model.finish_gradient_synchronization()
     with pytest.raises(ValueError, match="compute_dtype"):
         FSDP(ToyFSDPModel(), compute_dtype=torch.int8)
+    return {}
+
+
+_sgd = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
+_adamw = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
+
+#: Each check runs in the same two spawned processes (spawning costs seconds); a failure is recorded, not
+#: raised, so that every named test below reports on its own check.
+CHECKS = {
+    "toy_fp32_sgd": lambda: _train_and_compare(ToyFSDPModel, None, _sgd),
+    "toy_fp16_sgd": lambda: _train_and_compare(ToyFSDPModel, torch.float16, _sgd),
+    "odd_shapes_fp32_adamw": lambda: _train_and_compare(OddShapesModel, None, _adamw),
+    "odd_shapes_bf16_adamw": lambda: _train_and_compare(OddShapesModel, torch.bfloat16, _adamw, steps=2),
+    "wrapper_contract": _wrapper_contract,
+}
+
+
+def _run_checks() -> dict[str, tuple[str, dict]]:
+    import traceback
+
+    torch.use_deterministic_algorithms(True)
+    warnings.simplefilter("error")
+    out = {}
+    for name, check in CHECKS.items():
+        try:
+            out[name] = ("ok", check())
+        except Exception:  # noqa: BLE001 - reported by the test of this check
+            out[name] = (traceback.format_exc(), {})
+            dist.barrier()  # the ranks stay in step for the next check
     return out
 
 
-def test_fsdp_matches_non_parallel_training():
-    stats = spawn(_fsdp_checks, 2, backend="gloo")
-    assert stats[0] == stats[1]  # both ranks issued the same gathers
+@pytest.fixture(scope="module")
+def checks() -> list[dict[str, tuple[str, dict]]]:
+    return spawn(_run_checks, 2, backend="gloo")
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_fsdp_matches_non_parallel_training(checks, name: str) -> None:
+    for rank, results in enumerate(checks):
+        status, _ = results[name]
+        assert status == "ok", f"rank {rank}:\n{status}"
+    assert checks[0][name][1] == checks[1][name][1]  # both ranks issued the same gathers
 
 
 def test_fsdp_needs_a_process_group():

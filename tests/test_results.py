@@ -100,7 +100,16 @@ def test_rewriting_an_unchanged_result_leaves_its_bytes(tmp_path, monkeypatch) -
         return {p.name: p.read_bytes() for p in sorted((tmp_path / "sec").iterdir())}
 
     first = write(3.0, "aaaa")
-    assert write(3.0, "bbbb") == first  # same result from a later commit: nothing rewritten
+    assert write(3.0, "aaaa") == first  # the same result from the same code: nothing rewritten
+    later = write(3.0, "bbbb")  # the same result from newer code: only the sidecars' commit moves
+    for name, data in first.items():
+        if name.endswith(".meta.json"):
+            old, new = json.loads(data), json.loads(later[name])
+            assert new["git_commit"] == "bbbb" and list(new) == list(old)  # in place: same key order
+            assert {k: v for k, v in new.items() if k not in ("git_commit", "date", "argv")} == \
+                {k: v for k, v in old.items() if k not in ("git_commit", "date", "argv")}
+        else:
+            assert later[name] == data, name
     changed = write(5.0, "cccc")
     for name in ("t.csv", "t.meta.json", "f.png", "f.meta.json", "j.json", "j.meta.json"):
         assert changed[name] != first[name], name

@@ -1,4 +1,4 @@
-"""``python -m cs336_systems.report {build,check,html}``."""
+"""``python -m cs336_systems.report {build,check,html,status}``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     html = sub.add_parser("html", help="write only the HTML (no browser needed)")
     html.add_argument("--figures", type=Path, default=FIGURES_DIR)
     html.add_argument("--output", type=Path, default=Path("writeup.html"))
+    status = sub.add_parser("status", help="every section: fresh / stale (files changed since) / missing, with the "
+                                           "command that refreshes it; exit 1 while any result shown is stale")
+    status.add_argument("--figures", type=Path, default=FIGURES_DIR)
+    status.add_argument("-v", "--verbose", action="store_true", help="list every stale result with its reason")
     check = sub.add_parser("check", help="exit 1 when writeup.pdf is older than its inputs")
     check.add_argument("--figures", type=Path, default=FIGURES_DIR)
     check.add_argument("--pdf", type=Path, default=_manifest.DEFAULT_PDF)
@@ -50,6 +54,20 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"wrote {write_html(build_document(args.figures), args.output)}")
         return 0
+    if args.command == "status":
+        from cs336_systems.report.sections import SECTIONS
+        from cs336_systems.report.staleness import section_status
+
+        statuses = [section_status(args.figures, spec) for spec in SECTIONS]
+        for st in statuses:
+            print(st.line())
+            if args.verbose:
+                for name, verdict in sorted(st.stale.items()):
+                    print(f"    {name}: {verdict.reason}")
+        counts = {state: sum(st.state == state for st in statuses) for state in ("fresh", "stale", "missing")}
+        print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['missing']} missing "
+              f"(of {len(statuses)} sections)")
+        return 1 if counts["stale"] else 0
     problems = _manifest.check_manifest(args.pdf, args.figures, args.manifest)
     if problems:
         print(f"{args.pdf} is stale:", *problems, f"rebuild with: {_manifest.REBUILD_COMMAND}", sep="\n  ",

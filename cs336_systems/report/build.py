@@ -23,8 +23,10 @@ def _preamble(root: Path) -> list[Block]:
         Text(
             "Every number, table and figure below is read from the committed results under "
             f"`{root.name}/`, which the notebooks in `notebooks/` write through `ResultWriter`; each table and "
-            "figure names the device, software versions, date and commit it was measured on. A section "
-            "without results says so and names the command that produces them. Rebuild with "
+            "figure names the device, software versions, date and commit it was measured on. A result whose "
+            "code changed since that commit opens its provenance line with **STALE** and the files that changed "
+            "(`python -m cs336_systems.report status` lists them per section with the command that refreshes "
+            "them). A section without results says so and names the command that produces them. Rebuild with "
             f"`{_manifest.REBUILD_COMMAND}`."
         )
     ]
@@ -39,7 +41,8 @@ def build_section(
     unless ``strict``, the section says in red that its answers could not be formatted, the error is
     printed, and its results still appear generically.
     """
-    data = SectionData(root, spec.folder, command=spec.produce, note=spec.where, alternative=spec.alternative)
+    data = SectionData(root, spec.folder, command=spec.produce, note=spec.where, alternative=spec.alternative,
+                       depends=spec.depends or None)
     blocks: list[Block] = []
     if data.empty:
         blocks.append(Missing(f"no results in `{root.name}/{spec.folder}/`", spec.produce, spec.where,

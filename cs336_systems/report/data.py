@@ -20,6 +20,8 @@ from cs336_systems.report.document import Block, Figure, Table, Text
 from cs336_systems.results import REPO_ROOT
 
 SMOKE_MARK = "SMOKE RUN, not a GPU measurement"
+#: Opens the provenance line of a result whose code changed since it was measured (see report.staleness).
+STALE_MARK = "STALE, measured on older code"
 MAX_GENERIC_ROWS = 60
 """Longer tables nobody asked for (e.g. raw profiler timelines) are listed, not printed."""
 
@@ -39,9 +41,12 @@ def humanize(name: str) -> str:
 class SectionData:
     """The artefacts of ``<root>/<folder>/``: tables (CSV), figures (PNG), JSON records, and metadata."""
 
-    def __init__(self, root: Path, folder: str, command: str = "", note: str = "", alternative: str = ""):
+    def __init__(self, root: Path, folder: str, command: str = "", note: str = "", alternative: str = "",
+                 depends: tuple[str, ...] | None = None):
         self.root = Path(root)
         self.folder = folder
+        #: Library paths whose change stales these results (None: the section's, or the whole library).
+        self.depends = depends
         self.command = command or f"the notebook notebooks/{folder}.ipynb"
         self.note = note
         self.alternative = alternative
@@ -89,13 +94,21 @@ class SectionData:
         return None
 
     def meta(self, name: str) -> dict[str, Any]:
+        """The result's provenance record, with ``stale`` (a reason) when the code it measured changed."""
         path = self.dir / f"{name}.meta.json"
         if not path.exists():
             return {}
         try:
-            return json.loads(path.read_text())
+            meta = json.loads(path.read_text())
         except json.JSONDecodeError:
             return {}
+        from cs336_systems.report import staleness
+
+        depends = self.depends or staleness.depends_by_folder().get(self.folder, staleness.LIBRARY)
+        verdict = staleness.freshness(meta, depends)
+        if verdict.stale:
+            meta["stale"] = verdict.reason
+        return meta
 
     # -- access (marks the artefact as used) -------------------------------------------------------
 
@@ -206,6 +219,8 @@ def provenance_line(meta: dict[str, Any]) -> str:
     line = " · ".join(parts)
     if meta.get("smoke"):
         line = f"{SMOKE_MARK} · " + line
+    if meta.get("stale"):
+        line = f"{STALE_MARK}: {meta['stale']} · " + line
     return line
 
 

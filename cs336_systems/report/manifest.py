@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cs336_systems.report.commentary import notebook_intro
+from cs336_systems.report.staleness import stale_results
 from cs336_systems.results import FIGURES_DIR, REPO_ROOT
 
 MANIFEST_NAME = "writeup_manifest.json"
@@ -79,6 +80,8 @@ def fingerprint(root: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, dict[st
             for p in sorted(Path(notebooks).glob("*.ipynb"))
         },
         "builder": {_key(p, REPO_ROOT): sha256(p) for p in builder_files()},
+        # The STALE marks the PDF shows: a code change that stales a result stales the PDF too.
+        "stale": stale_results(root),
     }
 
 
@@ -151,4 +154,9 @@ def check_manifest(
     problems += _diff("result", recorded.get("results", {}), now["results"])
     problems += _diff("notebook", recorded.get("notebooks", {}), now["notebooks"])
     problems += _diff("builder", recorded.get("builder", {}), now["builder"])
+    if recorded.get("stale", {}) != now["stale"]:
+        newly = sorted(set(now["stale"]) - set(recorded.get("stale", {})))
+        gone = sorted(set(recorded.get("stale", {})) - set(now["stale"]))
+        problems.append("the PDF's STALE marks are out of date (code changed since their results were measured): "
+                        + (f"newly stale {newly[:3]}" if newly else "") + (f" fresh again {gone[:3]}" if gone else ""))
     return problems

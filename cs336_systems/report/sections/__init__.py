@@ -7,10 +7,44 @@ the folder the builder did not use, so nothing committed is left out.
 
 from __future__ import annotations
 
+import dataclasses
+
 from cs336_systems.report.sections import attention, distributed, evidence, sharding, single_gpu
 from cs336_systems.report.sections.common import SectionSpec
+from cs336_systems.report.staleness import LIBRARY, MODEL
 
 _BENCH = "python -m cs336_systems.benchmarking "
+
+# What each section's measurements run, beyond the model (MODEL): a change there makes its results stale.
+_S = "cs336_systems/"
+_TIMING = (_S + "benchmarking/end_to_end.py", _S + "benchmarking/timing.py", _S + "benchmarking/sweep.py",
+           _S + "benchmarking/sections.py")
+_DDP = (_S + "distributed/grad_sync.py", _S + "distributed/consistency.py", _S + "distributed/launch.py",
+        _S + "distributed/runner.py", _S + "distributed/benchmark.py", _S + "cuda_graphs.py")
+_DEPENDS = {
+    "benchmarking": (*MODEL, *_TIMING),
+    "nsys_profile": (*MODEL, *_TIMING, _S + "profiling/"),
+    "mixed_precision": (*MODEL, *_TIMING, _S + "benchmarking/mixed_precision.py"),
+    "memory_profiling": (*MODEL, *_TIMING, _S + "profiling/memory.py"),
+    "pytorch_attention": (*MODEL, *_TIMING, _S + "benchmarking/attention.py"),
+    "torch_compile": (*MODEL, *_TIMING, _S + "benchmarking/attention.py"),
+    "flash_benchmarking": (*MODEL, _S + "attention/", _S + "benchmarking/flash.py", _S + "benchmarking/timing.py",
+                           _S + "benchmarking/end_to_end.py"),
+    "distributed_communication_single_node": (_S + "distributed/allreduce.py", _S + "distributed/launch.py",
+                                              _S + "distributed/runner.py"),
+    "naive_ddp": (*MODEL, *_DDP, _S + "distributed/ddp_naive.py", _S + "distributed/naive_ddp_benchmark.py",
+                  _S + "distributed/toy_models.py", _S + "distributed/equivalence.py"),
+    "ddp_flat": (*MODEL, *_DDP, _S + "distributed/ddp_flat.py"),
+    "ddp_overlap_individual": (*MODEL, *_DDP, _S + "distributed/ddp_overlap.py"),
+    "ddp_bucketed": (*MODEL, *_DDP, _S + "distributed/ddp_bucketed.py", _S + "distributed/overhead_model.py"),
+    "communication_accounting": (_S + "accounting.py", _S + "configs.py"),
+    "optimizer_state_sharding": (*MODEL, _S + "distributed/sharded_optimizer.py",
+                                 _S + "distributed/sharding_benchmark.py", _S + "distributed/launch.py",
+                                 _S + "distributed/runner.py", _S + "accounting.py"),
+    "fsdp": (*MODEL, _S + "distributed/fsdp.py", _S + "distributed/fsdp_benchmark.py", _S + "distributed/grad_sync.py",
+             _S + "distributed/consistency.py", _S + "distributed/launch.py", _S + "distributed/runner.py"),
+    "course_tests": ("tests/adapters.py", "cs336-basics/cs336_basics/", _S + "attention/", _S + "distributed/"),
+}
 
 SECTIONS: list[SectionSpec] = [
     SectionSpec("1.1.3", "End-to-end benchmarking", "benchmarking", ("benchmarking_script",), single_gpu.benchmarking,
@@ -42,7 +76,8 @@ SECTIONS: list[SectionSpec] = [
     SectionSpec("2.3.3", "Bucketed DDP", "ddp_bucketed", ("ddp_bucketed_benchmarking",), distributed.ddp_bucketed,
                 gpus=2),
     SectionSpec("2.4", "Communication accounting", "communication_accounting", ("communication_accounting",),
-                sharding.communication_accounting, gpus=0),
+                sharding.communication_accounting, gpus=0,
+                command="uv run python -m cs336_systems.notebooks run communication_accounting -p publish=True"),
     SectionSpec("3", "Optimizer-state sharding", "optimizer_state_sharding", ("optimizer_state_sharding_accounting",),
                 sharding.optimizer_state_sharding, gpus=2,
                 alternative="python -m cs336_systems.distributed.sharding_benchmark --nproc 2"),
@@ -53,5 +88,9 @@ SECTIONS: list[SectionSpec] = [
                 command="uv run python -m cs336_systems.course_tests PATH-TO-COURSE-CHECKOUT --edition 2026 --publish"),
 ]
 
+SECTIONS = [dataclasses.replace(spec, depends=_DEPENDS[spec.folder]) for spec in SECTIONS]
+#: Folders shown inside a section without being its own (model presets; DDP runs of the command line).
+SHOWN_FOLDERS = {"model_sizes": (*MODEL,), "ddp_benchmark": (*MODEL, *_DDP, _S + "distributed/")}
 
-__all__ = ["SECTIONS", "SectionSpec"]
+
+__all__ = ["LIBRARY", "SECTIONS", "SHOWN_FOLDERS", "SectionSpec"]

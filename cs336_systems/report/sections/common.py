@@ -35,6 +35,9 @@ class SectionSpec:
     command: str | None = None
     alternative: str = ""
     """The same measurement without papermill (what a bare GPU machine runs)."""
+    depends: tuple[str, ...] = ()
+    """Library paths (repository-relative files or folders) whose change makes this section's results stale
+    (see :mod:`cs336_systems.report.staleness`)."""
 
     @property
     def produce(self) -> str:

@@ -1,0 +1,144 @@
+"""Which results still describe the current code.
+
+Every result's ``.meta.json`` records the commit it was measured at; every writeup section names the
+library paths its measurements depend on (``SectionSpec.depends``). A result is *fresh* when none of those
+paths changed between its commit and the working tree, *stale* otherwise (the changed files are listed), and
+stale too when its commit is unknown to this repository or it was measured with uncommitted library
+changes (``-dirty``): then nobody can say which code it measured.
+
+``python -m cs336_systems.report status`` prints this per section with the command that refreshes it and
+exits 1 while any shown result is stale; the writeup marks each stale table and figure.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cs336_systems.results import REPO_ROOT
+
+#: What every measured section depends on beyond its own paths: the model and the model presets.
+MODEL = ("cs336-basics/cs336_basics/", "cs336_systems/configs.py")
+#: For results no section declares dependencies for: any change to the library.
+LIBRARY = ("cs336-basics/cs336_basics/", "cs336_systems/")
+STALE_MARK = "STALE"
+
+
+@dataclass(frozen=True)
+class Freshness:
+    """``state``: ``fresh`` or ``stale``; ``commit``: the measured commit; ``changed``: library files
+    changed since (in ``depends``); ``reason``: one line for people."""
+
+    state: str
+    commit: str | None
+    changed: tuple[str, ...]
+    reason: str
+
+    @property
+    def stale(self) -> bool:
+        return self.state == "stale"
+
+
+def _git(args: Sequence[str], repo: Path) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+@functools.lru_cache(maxsize=1024)
+def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT) -> tuple[str, ...] | None:
+    """Files under ``depends`` that differ between ``commit`` and the working tree (committed or not);
+    ``None`` when ``commit`` is not a commit of this repository."""
+    if _git(["cat-file", "-e", f"{commit}^{{commit}}"], repo) is None:
+        return None
+    out = _git(["diff", "--name-only", commit, "--", *depends], repo)
+    if out is None:
+        return None
+    # Code only: notes and data files beside the code do not change what it measures.
+    return tuple(sorted(f for f in out.splitlines() if f.endswith(".py")))
+
+
+def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_ROOT) -> Freshness:
+    """How current the result described by ``meta`` is, given the paths its section depends on."""
+    raw = str(meta.get("git_commit") or "")
+    commit = raw.removesuffix("-dirty")
+    if not commit or commit == "unknown":
+        return Freshness("stale", None, (), "no commit recorded: the code it measured is unknown")
+    if raw.endswith("-dirty"):
+        return Freshness("stale", commit, (), f"measured with uncommitted library changes on top of {commit[:9]}")
+    changed = changed_since(commit, tuple(depends), Path(repo))
+    if changed is None:
+        return Freshness("stale", commit, (), f"measured at {commit[:9]}, a commit this repository does not have")
+    if changed:
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        return Freshness("stale", commit, changed, f"measured at {commit[:9]}; changed since: {shown}")
+    return Freshness("fresh", commit, (), f"measured at {commit[:9]} on the current code")
+
+
+def result_metas(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every ``<name>.meta.json`` of a results folder (unreadable ones as empty records)."""
+    metas = {}
+    for path in sorted(Path(folder).glob("*.meta.json")):
+        try:
+            metas[path.name.removesuffix(".meta.json")] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            metas[path.name.removesuffix(".meta.json")] = {}
+    return metas
+
+
+@dataclass(frozen=True)
+class SectionStatus:
+    number: str
+    title: str
+    folder: str
+    state: str  # fresh | stale | missing
+    stale: dict[str, Freshness]
+    fresh: tuple[str, ...]
+    command: str
+
+    def line(self) -> str:
+        if self.state == "missing":
+            return f"§{self.number} {self.title}: missing (no results in {self.folder}/) — run: {self.command}"
+        if self.state == "fresh":
+            return f"§{self.number} {self.title}: fresh ({len(self.fresh)} results)"
+        reasons = sorted({f.reason for f in self.stale.values()})
+        return (f"§{self.number} {self.title}: STALE ({len(self.stale)} of {len(self.stale) + len(self.fresh)} "
+                f"results): {reasons[0]}" + (f" (+{len(reasons) - 1} other reasons)" if len(reasons) > 1 else "")
+                + f" — refresh: {self.command}")
+
+
+def section_status(root: Path, spec: Any, repo: Path = REPO_ROOT) -> SectionStatus:
+    metas = result_metas(Path(root) / spec.folder)
+    if not metas:
+        return SectionStatus(spec.number, spec.title, spec.folder, "missing", {}, (), spec.produce)
+    verdicts = {name: freshness(meta, spec.depends, repo) for name, meta in metas.items()}
+    stale = {name: f for name, f in verdicts.items() if f.stale}
+    fresh = tuple(name for name, f in verdicts.items() if not f.stale)
+    return SectionStatus(spec.number, spec.title, spec.folder, "stale" if stale else "fresh", stale, fresh,
+                         spec.produce)
+
+
+def depends_by_folder() -> dict[str, tuple[str, ...]]:
+    """Each results folder's dependencies: the sections' own, then the folders sections show."""
+    from cs336_systems.report.sections import SECTIONS, SHOWN_FOLDERS
+
+    return {**SHOWN_FOLDERS, **{spec.folder: spec.depends for spec in SECTIONS}}
+
+
+def stale_results(root: Path, repo: Path = REPO_ROOT) -> dict[str, str]:
+    """``{"folder/name": reason}`` for every stale result under ``root`` (what the writeup marks)."""
+    depends = depends_by_folder()
+    out = {}
+    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() else []:
+        for name, meta in result_metas(folder).items():
+            verdict = freshness(meta, depends.get(folder.name, LIBRARY), repo)
+            if verdict.stale:
+                out[f"{folder.name}/{name}"] = verdict.reason
+    return out

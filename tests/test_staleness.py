@@ -1,0 +1,89 @@
+"""Staleness on synthetic git histories: a result is fresh until a file its section depends on changes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cs336_systems.report import staleness
+from cs336_systems.report.sections.common import SectionSpec
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "lib").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    (repo / "lib" / "kernel.py").write_text("x = 1\n")
+    (repo / "lib" / "other.py").write_text("y = 1\n")
+    (repo / "lib" / "NOTES.md").write_text("notes\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "a")
+    staleness.changed_since.cache_clear()
+    return repo
+
+
+def _commit(repo: Path, path: str, text: str) -> str:
+    (repo / path).write_text(text)
+    _git(repo, "commit", "-q", "-am", path)
+    staleness.changed_since.cache_clear()
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def test_fresh_until_a_dependency_changes(repo: Path) -> None:
+    measured = _git(repo, "rev-parse", "HEAD")
+    meta = {"git_commit": measured}
+    assert staleness.freshness(meta, ["lib/kernel.py"], repo).state == "fresh"
+    _commit(repo, "lib/other.py", "y = 2\n")  # not a dependency
+    _commit(repo, "lib/NOTES.md", "more notes\n")  # notes beside the code
+    assert staleness.freshness(meta, ["lib/kernel.py", "lib/NOTES.md"], repo).state == "fresh"
+    _commit(repo, "lib/kernel.py", "x = 2\n")
+    verdict = staleness.freshness(meta, ["lib/"], repo)
+    assert verdict.stale and verdict.changed == ("lib/kernel.py", "lib/other.py")
+    assert f"measured at {measured[:9]}; changed since: lib/kernel.py, lib/other.py" == verdict.reason
+    (repo / "lib" / "kernel.py").write_text("x = 3\n")  # uncommitted edits count too
+    staleness.changed_since.cache_clear()
+    later = {"git_commit": _git(repo, "rev-parse", "HEAD")}
+    assert staleness.freshness(later, ["lib/kernel.py"], repo).stale
+
+
+def test_unknown_dirty_or_missing_commits_are_stale(repo: Path) -> None:
+    head = _git(repo, "rev-parse", "HEAD")
+    assert "uncommitted library changes" in staleness.freshness({"git_commit": head + "-dirty"}, ["lib/"], repo).reason
+    assert "does not have" in staleness.freshness({"git_commit": "0123456789abcdef"}, ["lib/"], repo).reason
+    assert "no commit recorded" in staleness.freshness({}, ["lib/"], repo).reason
+
+
+def test_section_status_lists_stale_results_and_the_refresh_command(repo: Path, tmp_path: Path) -> None:
+    root = tmp_path / "figures"
+    (root / "sec").mkdir(parents=True)
+    first = _git(repo, "rev-parse", "HEAD")
+    spec = SectionSpec("9", "A section", "sec", ("p",), lambda d: [], depends=("lib/kernel.py",),
+                       command="run sec")
+    assert staleness.section_status(root, spec, repo).state == "missing"
+    (root / "sec" / "a.meta.json").write_text(json.dumps({"git_commit": first}))
+    second = _commit(repo, "lib/kernel.py", "x = 5\n")
+    (root / "sec" / "b.meta.json").write_text(json.dumps({"git_commit": second}))
+    status = staleness.section_status(root, spec, repo)
+    assert status.state == "stale" and list(status.stale) == ["a"] and status.fresh == ("b",)
+    assert status.line().startswith("§9 A section: STALE (1 of 2 results)") and status.line().endswith("refresh: run sec")
+    (root / "sec" / "a.meta.json").write_text(json.dumps({"git_commit": second}))
+    assert staleness.section_status(root, spec, repo).state == "fresh"
+
+
+def test_the_writeup_marks_stale_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cs336_systems.report.data import STALE_MARK, SectionData, provenance_line
+
+    (tmp_path / "sec").mkdir()
+    (tmp_path / "sec" / "t.meta.json").write_text(json.dumps({"git_commit": "0123456789abcdef", "device": "X"}))
+    meta = SectionData(tmp_path, "sec", depends=("cs336_systems/",)).meta("t")
+    assert provenance_line(meta).startswith(f"{STALE_MARK}: measured at 012345678, a commit this repository")
