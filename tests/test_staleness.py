@@ -87,3 +87,21 @@ def test_the_writeup_marks_stale_results(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "sec" / "t.meta.json").write_text(json.dumps({"git_commit": "0123456789abcdef", "device": "X"}))
     meta = SectionData(tmp_path, "sec", depends=("cs336_systems/",)).meta("t")
     assert provenance_line(meta).startswith(f"{STALE_MARK}: measured at 012345678, a commit this repository")
+
+
+def test_a_result_going_stale_stales_the_pdf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cs336_systems.report import manifest
+
+    pdf, root, notebooks = tmp_path / "w.pdf", tmp_path / "figures", tmp_path / "nb"
+    pdf.write_bytes(b"%PDF")
+    (root / "sec").mkdir(parents=True)
+    notebooks.mkdir()
+    marks = {"sec/a": "measured at 012345678; changed since: x.py"}
+    monkeypatch.setattr(manifest, "stale_results", lambda root: dict(marks))
+    manifest.write_manifest(pdf, root, tmp_path / "m.json", notebooks)
+    assert manifest.check_manifest(pdf, root, tmp_path / "m.json", notebooks) == []
+    marks["sec/a"] = "measured at 012345678; changed since: x.py, y.py"  # more files: same marks shown
+    assert manifest.check_manifest(pdf, root, tmp_path / "m.json", notebooks) == []
+    marks["sec/b"] = "measured at 012345678; changed since: z.py"
+    problems = manifest.check_manifest(pdf, root, tmp_path / "m.json", notebooks)
+    assert len(problems) == 1 and "newly stale ['sec/b']" in problems[0]

@@ -80,8 +80,9 @@ def fingerprint(root: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, dict[st
             for p in sorted(Path(notebooks).glob("*.ipynb"))
         },
         "builder": {_key(p, REPO_ROOT): sha256(p) for p in builder_files()},
-        # The STALE marks the PDF shows: a code change that stales a result stales the PDF too.
-        "stale": stale_results(root),
+        # Which results the PDF marks STALE: a code change that stales a result stales the PDF too. (Only
+        # which ones: the files listed in a mark may grow without a rebuild.)
+        "stale": sorted(stale_results(root)),
     }
 
 
@@ -154,9 +155,9 @@ def check_manifest(
     problems += _diff("result", recorded.get("results", {}), now["results"])
     problems += _diff("notebook", recorded.get("notebooks", {}), now["notebooks"])
     problems += _diff("builder", recorded.get("builder", {}), now["builder"])
-    if recorded.get("stale", {}) != now["stale"]:
-        newly = sorted(set(now["stale"]) - set(recorded.get("stale", {})))
-        gone = sorted(set(recorded.get("stale", {})) - set(now["stale"]))
+    if sorted(recorded.get("stale", [])) != now["stale"]:
+        newly = sorted(set(now["stale"]) - set(recorded.get("stale", [])))
+        gone = sorted(set(recorded.get("stale", [])) - set(now["stale"]))
         problems.append("the PDF's STALE marks are out of date (code changed since their results were measured): "
                         + (f"newly stale {newly[:3]}" if newly else "") + (f" fresh again {gone[:3]}" if gone else ""))
     return problems
