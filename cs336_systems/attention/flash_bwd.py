@@ -29,35 +29,17 @@ PREPROCESS_BLOCK = 16 if INTERPRETED else 128
 
 @functools.partial(triton.jit, do_not_specialize=["n_heads", "n_queries"])
 def flash_backward_preprocess_kernel(
-    O,
-    DO,
-    L,
-    LD,
-    stride_ob,
-    stride_oh,
-    stride_on,
-    stride_od,
-    stride_dob,
-    stride_doh,
-    stride_don,
-    stride_dod,
-    stride_lb,
-    stride_lh,
-    stride_ln,
-    stride_ldbh,
-    stride_ldrow,
-    n_heads,
-    n_queries,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    O, DO, L, LD,
+    stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow,
+    n_heads, n_queries,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """The backward's per-query row pair, float32 ``LD[b * heads + h] = [L · log2(e); D]`` with
     ``D_i = Σ_d dO_id O_id``: both are read per query tile by dK/dV, which loads them as one
     ``2 x BLOCK_M`` tensor-descriptor box (one bulk copy and one barrier wait per tile instead of two),
     and L arrives already in the base-2 units of the kernels' ``exp2``."""
-    tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, False)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, False)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < n_queries
@@ -74,7 +56,7 @@ def flash_backward_preprocess_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     in_seq = offs_m < n_queries
     lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=in_seq, other=0.0)
-    ld_row = LD + pid_bh.to(tl.int64) * stride_ldbh + offs_m
+    ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
     tl.store(ld_row, lse * 1.4426950408889634, mask=in_seq)
     tl.store(ld_row + stride_ldrow, delta, mask=in_seq)
 
@@ -129,57 +111,18 @@ DKDV_SMEM = (lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, 16 if INTERPRETED el
 
 @_jit
 def flash_backward_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LD,
-    DK,
-    DV,
-    stride_qb,
-    stride_qh,
-    stride_qn,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_don,
-    stride_dod,
-    stride_ldbh,
-    stride_ldrow,
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,
-    stride_dkd,
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,
-    stride_dvd,
-    n_heads,
-    n_queries,
-    n_keys,
-    qk_scale,
-    sm_scale,
-    SEQ_CLASS,
-    HEAD_DIM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    POLY_EXP2: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, DO, LD, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
+    stride_ldbh, stride_ldrow,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
-    tile_n, pid_bh = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    tile_n, b, h = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -202,7 +145,7 @@ def flash_backward_dkdv_kernel(
                                        strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
     do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[n_queries, HEAD_DIM],
                                         strides=[stride_don, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    ld_desc = tl.make_tensor_descriptor(LD + pid_bh.to(tl.int64) * stride_ldbh, shape=[2, n_queries],
+    ld_desc = tl.make_tensor_descriptor(LD + (b * n_heads + h) * stride_ldbh, shape=[2, n_queries],
                                         strides=[stride_ldrow, 1], block_shape=[2, BLOCK_M])
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -324,51 +267,17 @@ DQ_SMEM = (lambda m, n: 2 * m, lambda m, n, t: (1 + t) * n, 16)
 
 @_jit
 def flash_backward_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LD,
-    DQ,
-    stride_qb,
-    stride_qh,
-    stride_qn,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_don,
-    stride_dod,
-    stride_ldbh,
-    stride_ldrow,
-    stride_dqb,
-    stride_dqh,
-    stride_dqn,
-    stride_dqd,
-    n_heads,
-    n_queries,
-    n_keys,
-    qk_scale,
-    sm_scale,
-    SEQ_CLASS,
-    HEAD_DIM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    POLY_EXP2: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, DO, LD, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
+    stride_ldbh, stride_ldrow,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past."""
-    tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -384,7 +293,7 @@ def flash_backward_dq_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    ld_row = LD + pid_bh.to(tl.int64) * stride_ldbh + offs_m
+    ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
     lse2 = tl.load(ld_row, mask=row_ok, other=0.0)  # L in base-2 units
     delta = tl.load(ld_row + stride_ldrow, mask=row_ok, other=0.0)
     k_desc, v_desc = _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,

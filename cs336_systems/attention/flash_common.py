@@ -102,7 +102,8 @@ def _query_ranges(start_n, n_queries, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _tile_and_head(n, n_heads, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """Decode a 1-D program id into (tile index along the sequence, batch * head index).
+    """Decode a 1-D program id into (tile index along the sequence, batch index, head index), the last two
+    as int64 so that offsets computed from them cannot overflow.
 
     A 1-D grid has no 65,535 limit on batch * heads. Heads vary fastest so that the first wave runs the
     same tile of every head; with ``HEAVY_LAST`` (causal query tiles, whose work grows with the index)
@@ -113,7 +114,8 @@ def _tile_and_head(n, n_heads, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
     tile = pid // n_bh
     if HEAVY_LAST:
         tile = tl.cdiv(n, BLOCK) - 1 - tile
-    return tile, pid % n_bh
+    pid_bh = pid % n_bh
+    return tile, (pid_bh // n_heads).to(tl.int64), (pid_bh % n_heads).to(tl.int64)
 
 
 @triton.jit

@@ -56,45 +56,15 @@ FORWARD_SMEM = (lambda m, n: m, lambda m, n, t: 2 * n, 16)  # resident Q | strea
 
 @_jit
 def flash_forward_kernel(
-    Q,
-    K,
-    V,
-    O,
-    L,
-    stride_qb,
-    stride_qh,
-    stride_qn,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_on,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    stride_ln,
-    n_heads,
-    n_queries,
-    n_keys,
-    qk_scale,
-    SEQ_CLASS,
-    HEAD_DIM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    POLY_EXP2: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, O, L,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    n_heads, n_queries, n_keys, qk_scale, SEQ_CLASS,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tile_m, pid_bh = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -109,42 +79,11 @@ def flash_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc, m_i, l_i = _forward_key_loop(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_desc,
-        v_desc,
-        offs_m,
-        0,
-        mid,
-        n_keys,
-        qk_scale,
-        BLOCK_N,
-        IS_CAUSAL,
-        False,
-        DOT_PRECISION,
-        POLY_EXP2,
-    )
-    acc, m_i, l_i = _forward_key_loop(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_desc,
-        v_desc,
-        offs_m,
-        mid,
-        hi,
-        n_keys,
-        qk_scale,
-        BLOCK_N,
-        IS_CAUSAL,
-        True,
-        DOT_PRECISION,
-        POLY_EXP2,
-    )
+    # Unmasked key tiles first, then the ones the diagonal or the sequence end cuts (masked).
+    acc, m_i, l_i = _forward_key_loop(acc, m_i, l_i, q, k_desc, v_desc, offs_m, 0, mid, n_keys, qk_scale,
+                                      BLOCK_N, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
+    acc, m_i, l_i = _forward_key_loop(acc, m_i, l_i, q, k_desc, v_desc, offs_m, mid, hi, n_keys, qk_scale,
+                                      BLOCK_N, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
 
     o = acc / l_i[:, None]
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
