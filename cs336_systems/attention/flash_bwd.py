@@ -151,69 +151,13 @@ def flash_backward_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     lo, diag, tail = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dk, dv = _dkdv_query_loop(
-        dk,
-        dv,
-        k,
-        v,
-        q_desc,
-        do_desc,
-        ld_desc,
-        offs_n,
-        lo,
-        diag,
-        n_queries,
-        n_keys,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_M,
-        IS_CAUSAL,
-        True,
-        DOT_PRECISION,
-        POLY_EXP2,
-    )
-    dk, dv = _dkdv_query_loop(
-        dk,
-        dv,
-        k,
-        v,
-        q_desc,
-        do_desc,
-        ld_desc,
-        offs_n,
-        diag,
-        tail,
-        n_queries,
-        n_keys,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_M,
-        IS_CAUSAL,
-        False,
-        DOT_PRECISION,
-        POLY_EXP2,
-    )
-    dk, dv = _dkdv_query_loop(
-        dk,
-        dv,
-        k,
-        v,
-        q_desc,
-        do_desc,
-        ld_desc,
-        offs_n,
-        tail,
-        n_queries,
-        n_queries,
-        n_keys,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_M,
-        IS_CAUSAL,
-        True,
-        DOT_PRECISION,
-        POLY_EXP2,
-    )
+    # Query tiles across the diagonal (masked), then those that see the whole key tile, then the ragged end.
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_desc, do_desc, ld_desc, offs_n, lo, diag, n_queries, n_keys,
+                              qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_desc, do_desc, ld_desc, offs_n, diag, tail, n_queries, n_keys,
+                              qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_desc, do_desc, ld_desc, offs_n, tail, n_queries, n_queries,
+                              n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
 
     dk_ptrs = (
         DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
@@ -301,46 +245,10 @@ def flash_backward_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq = _dq_key_loop(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_desc,
-        v_desc,
-        offs_m,
-        0,
-        mid,
-        n_queries,
-        n_keys,
-        qk_scale,
-        BLOCK_N,
-        IS_CAUSAL,
-        False,
-        DOT_PRECISION,
-        POLY_EXP2,
-    )
-    dq = _dq_key_loop(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_desc,
-        v_desc,
-        offs_m,
-        mid,
-        hi,
-        n_queries,
-        n_keys,
-        qk_scale,
-        BLOCK_N,
-        IS_CAUSAL,
-        True,
-        DOT_PRECISION,
-        POLY_EXP2,
-    )
+    dq = _dq_key_loop(dq, q, do, lse2, delta, k_desc, v_desc, offs_m, 0, mid, n_queries, n_keys, qk_scale,
+                      BLOCK_N, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, k_desc, v_desc, offs_m, mid, hi, n_queries, n_keys, qk_scale,
+                      BLOCK_N, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
     dq_ptrs = (
         DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
     )
