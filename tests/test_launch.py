@@ -32,15 +32,27 @@ def test_a_crashing_rank_ends_the_run_with_its_traceback() -> None:
         launch.spawn(_fail_on_rank_one, 2, backend="gloo", timeout_s=60)
 
 
-def test_first_failure_ignores_an_error_file_its_rank_did_not_finish(tmp_path) -> None:
+def test_recorded_failures_ignore_an_error_file_its_rank_did_not_finish(tmp_path) -> None:
     """A rank terminated while recording its error leaves only a ``.partial`` file, which must neither
     break the report nor win it."""
     result = str(tmp_path / "results.pt")
     (tmp_path / "results.pt.error-0.partial").write_text("")
     (tmp_path / "results.pt.error-1").write_text("12.5\nTraceback: boom on rank 1\n")
     (tmp_path / "results.pt.error-2").write_text("13.0\nTraceback: connection reset\n")
-    assert launch._first_failure(result) == (1, "Traceback: boom on rank 1\n")
-    assert launch._first_failure(str(tmp_path / "other.pt")) is None
+    assert launch._recorded_failures(result) == {1: (12.5, "Traceback: boom on rank 1\n"),
+                                                 2: (13.0, "Traceback: connection reset\n")}
+    assert launch._recorded_failures(str(tmp_path / "other.pt")) == {}
+
+
+def test_a_killed_rank_beats_the_peer_that_lost_its_connection() -> None:
+    """The survivor's "connection reset" may be recorded before the launcher sees the killed rank's exit;
+    it is a consequence, so the killed rank is still named as the cause."""
+    recorded = {0: (10.0, "Traceback...\nRuntimeError: [gloo] Connection reset by peer")}
+    err = launch.diagnose(2, recorded, {0: (10.2, 1), 1: (10.1, -9)}, set(), 60)
+    assert err.rank == 1 and err.cause.startswith("killed by SIGKILL")
+    assert "raised RuntimeError: [gloo] Connection reset by peer" in err.outcomes[0]
+    hung = launch.diagnose(2, {0: (5.0, "RuntimeError: Timed out waiting 3000ms for recv")}, {0: (5.1, 1)}, {1}, 3)
+    assert hung.rank == 0 and "timed out after 3 s" in hung.cause and "never reached the collective" in str(hung)
 
 
 def test_impossible_world_sizes_are_clear_errors() -> None:

@@ -207,16 +207,8 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode} without a Python exception (os._exit, sys.exit or native code)"
 
 
-def _first_failure(result_path: str) -> tuple[int, str] | None:
-    """The earliest Python failure recorded by a worker: ``(rank, traceback)``."""
-    failures = _recorded_failures(result_path)
-    if not failures:
-        return None
-    rank = min(failures, key=lambda r: failures[r][0])
-    return rank, failures[rank][1]
-
-
 def _recorded_failures(result_path: str) -> dict[int, tuple[float, str]]:
+    """``{rank: (time, traceback)}`` of the workers that raised (each wrote ``<result>.error-<rank>``)."""
     failures = {}
     for path in glob.glob(f"{result_path}.error-*"):
         suffix = path.rsplit("-", 1)[1]
