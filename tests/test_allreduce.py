@@ -122,3 +122,30 @@ def test_topology_header_with_ansi_underline_is_parsed() -> None:
     assert len(links) == 12 and links["0-1"] == "NV18" and links["3-2"] == "NV18"
     topo = Topology(True, text, "NVIDIA H200", links, 25.0, "")
     assert topo.peak_busbw_gbps(2) == topo.peak_busbw_gbps(4) == 18 * 25.0
+
+
+def test_alpha_beta_fit_recovers_a_ring_model_and_draws_it() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from cs336_systems.distributed.allreduce import fit_alpha_beta, plot_alpha_beta, ring_allreduce_seconds
+
+    rows = []
+    for p, alpha, bw in ((2, 15e-6, 300e9), (4, 8e-6, 400e9)):
+        for n in (1e6, 1e7, 1e8, 1e9):
+            rows.append({"backend": "nccl", "world_size": p, "size_bytes": n,
+                         "time_ms": ring_allreduce_seconds(n, p, alpha, bw) * 1e3})
+    df = pd.DataFrame(rows)
+    fit = fit_alpha_beta(df).set_index("world_size")
+    assert fit.loc[2, "alpha_us"] == pytest.approx(15, rel=1e-6) and fit.loc[2, "bandwidth_GBps"] == pytest.approx(300)
+    assert fit.loc[4, "alpha_us"] == pytest.approx(8, rel=1e-6) and fit.loc[4, "bandwidth_GBps"] == pytest.approx(400)
+    assert (fit["max_rel_error"] < 1e-9).all()
+    # 1 MB over 2 ranks: one latency step each way plus half the data each way at 300 GB/s.
+    assert ring_allreduce_seconds(1e6, 2, 15e-6, 300e9) == pytest.approx(2 * 15e-6 + 1e6 / 300e9)
+    theory = pd.DataFrame({"world_size": [2, 4], "peak_algbw_GBps": [450.0, 300.0]})
+    fig = plot_alpha_beta(df, fit.reset_index(), theory)
+    assert len(fig.axes) == 2
+    plt.close(fig)

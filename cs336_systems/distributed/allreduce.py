@@ -274,6 +274,76 @@ def theoretical_rows(topology: Topology, world_sizes: list[int], sizes_bytes: li
     return rows
 
 
+def ring_allreduce_seconds(size_bytes: Any, world_size: int, alpha_s: float, bandwidth_Bps: float) -> Any:
+    """The latency-bandwidth (alpha-beta) time of a ring all-reduce of ``size_bytes`` per rank over
+    ``world_size`` ranks: ``2(p-1)`` steps of latency ``alpha`` each, and every rank sends and receives
+    ``2(p-1)/p`` of the data over a link of ``bandwidth_Bps`` (Thakur et al., 2005; NCCL's ring)."""
+    p = world_size
+    return 2 * (p - 1) * alpha_s + 2 * (p - 1) / p * size_bytes / bandwidth_Bps
+
+
+def fit_alpha_beta(df: Any) -> Any:
+    """Fit :func:`ring_allreduce_seconds` to the measured times of each (backend, process count), by least
+    squares on the *relative* error (so the 1 MB points count as much as the 1 GB ones).
+
+    Returns one row per group: ``alpha_us`` (per-step latency), ``bandwidth_GBps`` (the per-rank link
+    bandwidth the ring sees), the fitted time of each size's extremes, and the worst relative error of the
+    fit over the measured points with the size where it occurs."""
+    import numpy as np
+    import pandas as pd
+
+    rows = []
+    for (backend, p), sub in df.groupby(["backend", "world_size"]):
+        p = int(p)
+        if p < 2 or len(sub) < 2:
+            continue
+        n = sub["size_bytes"].to_numpy(float)
+        t = sub["time_ms"].to_numpy(float) * 1e-3
+        # t = a + b n with a = 2(p-1) alpha, b = 2(p-1) / (p B); weights 1/t make the residuals relative.
+        design = np.stack([np.ones_like(n), n], axis=1) / t[:, None]
+        (a, b), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+        if a <= 0 or b <= 0:  # no latency or bandwidth visible in these points: no meaningful fit
+            continue
+        alpha, bandwidth = a / (2 * (p - 1)), 2 * (p - 1) / (p * b)
+        errors = np.abs(ring_allreduce_seconds(n, p, alpha, bandwidth) - t) / t
+        rows.append({"backend": backend, "world_size": p, "alpha_us": alpha * 1e6, "bandwidth_GBps": bandwidth / 1e9,
+                     "points": len(sub), "max_rel_error": float(errors.max()),
+                     "worst_size": size_label(int(n[int(errors.argmax())]))})
+    return pd.DataFrame(rows, columns=["backend", "world_size", "alpha_us", "bandwidth_GBps", "points",
+                                       "max_rel_error", "worst_size"])
+
+
+def plot_alpha_beta(df: Any, fit: Any, theory: Any = None) -> Any:
+    """Measured all-reduce time against the fitted alpha-beta model (solid) and, for NCCL, the link
+    specification's bandwidth with the fitted latency (dashed), one panel per process count."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    groups = fit[["backend", "world_size"]].drop_duplicates().sort_values(["world_size", "backend"])
+    sizes = list(groups["world_size"].drop_duplicates())
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.2 * len(sizes), 4), squeeze=False, sharey=True)
+    colors = {"nccl": "tab:green", "gloo": "tab:blue"}
+    for ax, p in zip(axes[0], sizes):
+        for _, g in fit[fit["world_size"] == p].iterrows():
+            sub = df[(df["backend"] == g["backend"]) & (df["world_size"] == p)]
+            grid = np.geomspace(sub["size_bytes"].min(), sub["size_bytes"].max(), 100)
+            color = colors.get(g["backend"], "gray")
+            ax.plot(sub["size_bytes"], sub["time_ms"], "o", color=color, label=f"{g['backend']} measured")
+            model = ring_allreduce_seconds(grid, p, g["alpha_us"] * 1e-6, g["bandwidth_GBps"] * 1e9) * 1e3
+            ax.plot(grid, model, "-", color=color, lw=1,
+                    label=f"fit: α = {g['alpha_us']:.3g} µs, B = {g['bandwidth_GBps']:.3g} GB/s")
+            if g["backend"] == "nccl" and theory is not None and len(theory[theory["world_size"] == p]):
+                peak = float(theory.loc[theory["world_size"] == p, "peak_algbw_GBps"].iloc[0])
+                link = peak * 2 * (p - 1) / p  # the per-rank link rate behind that algorithm bandwidth
+                spec = ring_allreduce_seconds(grid, p, g["alpha_us"] * 1e-6, link * 1e9) * 1e3
+                ax.plot(grid, spec, "--", color="gray", lw=1, label=f"link spec {link:.0f} GB/s, fitted α")
+        ax.set(xscale="log", yscale="log", xlabel="message size per rank (bytes)", title=f"{p} processes")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("all-reduce time (ms)")
+    fig.tight_layout()
+    return fig
+
+
 def plot_bandwidth(df: Any, theory: Any = None, metric: str = "busbw_GBps") -> Any:
     """Bandwidth vs message size, one curve per process count, one panel per backend, with the
     topology's peak as dashed lines (NCCL panel)."""
@@ -337,6 +407,7 @@ def write_results(rows: list[dict[str, Any]], topology: Topology, params: dict[s
     fig = plot_bandwidth(df, theory if len(theory) else None)
     out.figure(fig, "allreduce_bandwidth")
     plt.close(fig)
+    _write_alpha_beta(out, df, theory, source=None)
     print(df.to_string(index=False))
     if not topology.available or not len(theory):
         print(f"theoretical curve omitted: {topology.note}")
@@ -374,7 +445,21 @@ def rederive_theory(publish: bool = False) -> Any:
     fig = plot_bandwidth(df, theory if len(theory) else None)
     out.figure(fig, "allreduce_bandwidth", source=source)
     plt.close(fig)
+    _write_alpha_beta(out, df, theory, source=source)
     return theory
+
+
+def _write_alpha_beta(out: Any, df: Any, theory: Any, source: dict[str, Any] | None) -> None:
+    """Table ``allreduce_alpha_beta`` and its figure: the latency-bandwidth model fitted to ``df``."""
+    import matplotlib.pyplot as plt
+
+    fit = fit_alpha_beta(df)
+    if not len(fit):
+        return
+    out.table(fit, "allreduce_alpha_beta", source=source)
+    fig = plot_alpha_beta(df, fit, theory if theory is not None and len(theory) else None)
+    out.figure(fig, "allreduce_alpha_beta", source=source)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,7 +43,11 @@ _DEPENDS = {
                                  _S + "distributed/runner.py", _S + "accounting.py"),
     "fsdp": (*MODEL, _S + "distributed/fsdp.py", _S + "distributed/fsdp_benchmark.py", _S + "distributed/grad_sync.py",
              _S + "distributed/consistency.py", _S + "distributed/launch.py", _S + "distributed/runner.py"),
-    "course_tests": ("tests/adapters.py", "cs336-basics/cs336_basics/", _S + "attention/", _S + "distributed/"),
+    # What tests/adapters.py imports: the kernels and the training code, not the benchmarks beside them.
+    "course_tests": ("tests/adapters.py", "cs336-basics/cs336_basics/", _S + "attention/",
+                     *(_S + f"distributed/{m}.py" for m in ("grad_sync", "consistency", "launch", "ddp_naive",
+                                                          "ddp_flat", "ddp_overlap", "ddp_bucketed", "strategies",
+                                                          "sharded_optimizer", "fsdp"))),
 }
 
 SECTIONS: list[SectionSpec] = [

@@ -45,10 +45,29 @@ def communication_single_node(d: SectionData) -> list[Block]:
                     "(the time hardly changes with size), large ones bandwidth bound; bus bandwidth, which scales "
                     "the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, makes process counts "
                     "comparable.")
+    fit = d.frame("allreduce_alpha_beta")
+    fit_text = None
+    if fit is not None and len(fit) and {"backend", "world_size", "alpha_us", "bandwidth_GBps"} <= set(fit.columns):
+        parts = [f"{r['backend']} with {int(r['world_size'])} processes $\\alpha$ = {fmt.sig(r['alpha_us'])} µs and "
+                 f"$B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s (worst at {r.get('worst_size', '?')}, "
+                 f"{fmt.pct(r['max_rel_error'])} off)"
+                 for _, r in fit.sort_values(["backend", "world_size"]).iterrows()]
+        fit_text = Text("A ring all-reduce of $n$ bytes per rank over $p$ ranks takes "
+                        "$t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$ ($2(p-1)$ latency steps; each rank "
+                        "sends and receives $2(p-1)/p$ of the data). Fitted to the measured points by least squares "
+                        "on the relative error: " + join_words(parts) + ". One $\\alpha$–$B$ pair per process count is a "
+                        "coarse model of NCCL, which changes algorithm and protocol with the message size, so the "
+                        "misfit of the worst point is part of the answer; the dashed curve keeps the fitted latency "
+                        "and takes $B$ from the link specification.")
     return [
         question(d, "all-reduce", "All-reduce latency for Gloo (CPU) and NCCL (GPU), 1 MB–1 GB of float32, "
                  "2, 4 and 6 processes.", [
                      text,
+                     fit_text,
+                     d.figure("allreduce_alpha_beta", caption="All-reduce time against the latency–bandwidth model "
+                              "fitted per process count (solid) and with the link specification's bandwidth (dashed)."),
+                     d.table("allreduce_alpha_beta", caption="Latency–bandwidth fit per backend and process count "
+                             "(alpha per ring step, B per rank)."),
                      d.figure("allreduce_bandwidth", caption="All-reduce bus bandwidth by message size, backend and "
                               "process count (dashed: the topology's peak)."),
                      d.table("allreduce", caption="All-reduce time and bandwidth (algorithm bandwidth = bytes per "
