@@ -292,3 +292,13 @@ def test_course_suite_results_are_shown_with_their_failures(results: Path) -> No
     assert len(tables) == 1 and tables[0].frame.iloc[0].to_dict() == {"passed": 13, "failed": 1, "skipped": 0, "error": 0}
     assert "course version 26.1.1" in tables[0].caption
     assert any("Failed: `tests/test_fsdp.py::t[fp32]`: AssertionError: x" in b.plain() for b in section.walk())
+
+
+def test_readme_maps_every_writeup_section() -> None:
+    """The README's section map names every section of the writeup with its results folder."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and "`figures/" in line]
+    for spec in SECTIONS:
+        row = next((r for r in rows if r.startswith(f"| {spec.number} |")), None)
+        assert row is not None, f"§{spec.number} missing from the README's section map"
+        assert f"`figures/{spec.folder}/`" in row, spec.folder
