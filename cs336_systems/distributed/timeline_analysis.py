@@ -1,7 +1,7 @@
-"""Reading the DDP benchmark's kernel timelines: is the step GPU-bound or host-bound, and what does
-launching communication *during* backward cost?
+"""The DDP benchmark's kernel timelines, written and read in one place: is the step GPU-bound or
+host-bound, and what does launching communication *during* backward cost?
 
-:func:`cs336_systems.distributed.benchmark.profile_timeline` reduces one profiled step to interval rows
+:func:`profile_timeline` reduces one profiled step to interval rows
 ``variant, lane, kind, name, start_ms, dur_ms`` (``kind`` = ``compute`` | ``comm`` | ``phase``; compute
 kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From those rows:
 
@@ -27,14 +27,188 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 DEFAULT_GEMM_PATTERN = r"gemm|nvjet|cutlass|xmma|sm90_|sm80_"
 _MERGED = r"^\d+ kernels$"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing timelines: one profiled step -> interval rows (what the readers below take)
+# --------------------------------------------------------------------------------------------------
+
+_COMM_KERNEL = re.compile(r"nccl|gloo|all_?reduce|allreduce", re.IGNORECASE)
+_PHASES = ("forward", "backward", "grad_sync", "optimizer")
+
+
+def profile_timeline(step: Callable[[], Any], device: torch.device, label: str, *, export: bool = True,
+                     merge_gap_us: float = 5.0) -> list[dict[str, Any]]:
+    """Profile one step (after one more warm-up) and reduce its trace to intervals.
+
+    Rows: ``variant, lane, kind, name, start_ms, dur_ms`` where ``lane`` is ``cuda:<stream>`` (or
+    ``cpu:<thread>`` without CUDA) and ``kind`` is ``compute``, ``comm`` or ``phase`` (when the GPU ran
+    ``forward``/``backward``/``grad_sync``/``optimizer``; the host ranges on CPU). Consecutive compute kernels on a stream are
+    merged when separated by less than ``merge_gap_us``, which turns tens of thousands of kernels into a
+    few hundred bars without changing the picture.
+    """
+    step()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    if not export:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    return trace_to_intervals(trace, label, merge_gap_us=merge_gap_us)
+
+
+def _gpu_phase_spans(events: list[dict[str, Any]], kernels: list[dict[str, Any]],
+                     host_phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """When the GPU ran each phase: the span of the *compute* kernels launched inside the phase's host
+    range (launch → kernel via the trace's correlation ids).
+
+    Host ranges alone mislead: the host runs ahead of the GPU, so the host's ``backward`` ends long before
+    the GPU finishes it. Communication kernels are left out, or the hooks' all-reduces (launched during
+    backward) would stretch the backward span over the communication they overlap with.
+    """
+    launched_at = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    spans = []
+    for phase in host_phases:
+        inside = [
+            k for k in kernels
+            if not _COMM_KERNEL.search(k.get("name", ""))
+            and phase["start"] <= launched_at.get(k.get("args", {}).get("correlation"), float("-inf")) <= phase["end"]
+        ]
+        if inside:
+            spans.append({"name": phase["name"], "start": min(float(k["ts"]) for k in inside),
+                          "end": max(float(k["ts"]) + float(k["dur"]) for k in inside)})
+    return spans
+
+
+def trace_to_intervals(trace: dict[str, Any], label: str, *, merge_gap_us: float = 5.0) -> list[dict[str, Any]]:
+    """Chrome-trace events → compact interval rows (see :func:`profile_timeline`)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host_phases = [
+        {"name": e["name"], "start": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"])}
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name") in _PHASES
+    ]
+    if kernels:
+        work = [(f"cuda:{e.get('args', {}).get('stream', e.get('tid'))}", e) for e in kernels]
+        phases = _gpu_phase_spans(events, kernels, host_phases)
+    else:  # CPU-only: operators on each thread (backward and gloo's threads show up separately)
+        ops = [e for e in events if e.get("cat") == "cpu_op"]
+        work = [(f"cpu:{e.get('tid')}", e) for e in ops]
+        phases = host_phases
+    all_ts = [e["ts"] for _, e in work] + [p["start"] for p in phases]
+    if not all_ts:
+        return []
+    t0 = min(all_ts)
+    rows: list[dict[str, Any]] = []
+    by_lane: dict[str, list[dict[str, Any]]] = {}
+    for lane, e in work:
+        by_lane.setdefault(lane, []).append(e)
+    for lane, evs in by_lane.items():
+        evs.sort(key=lambda e: e["ts"])
+        current: dict[str, Any] | None = None
+        for e in evs:
+            kind = "comm" if _COMM_KERNEL.search(e.get("name", "")) else "compute"
+            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            if kind == "compute" and current is not None and current["kind"] == "compute" and start - current["end"] <= merge_gap_us:
+                current["end"] = max(current["end"], end)
+                current["count"] += 1
+                continue
+            if current is not None:
+                rows.append(current)
+            current = {"lane": lane, "kind": kind, "name": e.get("name", "")[:60], "start": start, "end": end, "count": 1}
+        if current is not None:
+            rows.append(current)
+    for p in phases:
+        rows.append({"lane": "phase", "kind": "phase", "name": p["name"], "start": p["start"], "end": p["end"], "count": 1})
+    return [
+        {"variant": label, "lane": r["lane"], "kind": r["kind"], "name": r["name"] if r["count"] == 1 else f"{r['count']} kernels",
+         "start_ms": (r["start"] - t0) / 1e3, "dur_ms": (r["end"] - r["start"]) / 1e3}
+        for r in sorted(rows, key=lambda r: (r["lane"], r["start"]))
+    ]
+
+
+def plot_timeline(df: Any, variants: list[str] | None = None) -> Any:
+    """One panel per variant: phases (forward, backward, ...) on top, each stream's kernels below
+    (compute grey, communication red)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    variants = variants or list(dict.fromkeys(df["variant"]))
+    fig, axes = plt.subplots(len(variants), 1, figsize=(12, 1.6 + 1.1 * len(variants) * 2), squeeze=False)
+    colors = {"compute": "#7f7f7f", "comm": "#d62728"}
+    phase_colors = {"forward": "#1f77b4", "backward": "#2ca02c", "grad_sync": "#ff7f0e", "optimizer": "#9467bd"}
+    for ax, v in zip(axes[:, 0], variants):
+        sub = df[df["variant"] == v]
+        lanes = ["phase"] + sorted(ln for ln in sub["lane"].unique() if ln != "phase")
+        for y, lane in enumerate(lanes):
+            part = sub[sub["lane"] == lane]
+            if lane == "phase":
+                for _, r in part.iterrows():
+                    ax.broken_barh([(r.start_ms, r.dur_ms)], (y - 0.4, 0.8), color=phase_colors.get(r["name"], "k"), alpha=0.6)
+            else:
+                for kind, grp in part.groupby("kind"):
+                    ax.broken_barh(list(zip(grp.start_ms, grp.dur_ms)), (y - 0.4, 0.8), color=colors.get(kind, "k"))
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.invert_yaxis()
+        ax.set_title(v, loc="left", fontsize=10)
+        ax.set_xlabel("time since step start (ms)")
+    handles = [Patch(color=c, label=k) for k, c in {**phase_colors, **{"GPU compute": colors["compute"], "communication": colors["comm"]}}.items()]
+    fig.legend(handles=handles, loc="upper right", ncol=6, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def overlap_summary(df: Any) -> Any:
+    """Per variant: communication kernel time, and how much of it ran during the backward phase."""
+    import pandas as pd
+
+    out = []
+    for v, sub in df.groupby("variant", sort=False):
+        comm = sub[sub["kind"] == "comm"]
+        bwd = sub[(sub["kind"] == "phase") & (sub["name"] == "backward")]
+        total = float(comm["dur_ms"].sum())
+        overlapped = 0.0
+        for _, b in bwd.iterrows():
+            lo, hi = b.start_ms, b.start_ms + b.dur_ms
+            overlapped += float((comm.start_ms + comm.dur_ms).clip(upper=hi).sub(comm.start_ms.clip(lower=lo)).clip(lower=0).sum())
+        out.append({"variant": v, "comm_kernels": len(comm), "comm_ms": total, "comm_during_backward_ms": overlapped})
+    return pd.DataFrame(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading timelines
+# --------------------------------------------------------------------------------------------------
 
 
 def _phases(sub: pd.DataFrame) -> dict[str, tuple[float, float]]:
