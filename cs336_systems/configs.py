@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from cs336_basics.model import BasicsTransformerLM
 
 VOCAB_SIZE = 10_000
@@ -166,6 +165,27 @@ def flops_per_token(cfg: str | ModelConfig, context_length: int | None = None) -
     attn = 4 * c.num_layers * seq * c.d_model
     fwd = dense + attn
     return {"forward": float(fwd), "dense_forward": float(dense), "attention_forward": float(attn), "train": 3.0 * fwd}
+
+
+def attention_flops(
+    batch_heads: int, n_queries: int, n_keys: int, head_dim: int, *, is_causal: bool = False,
+    phase: str = "forward",
+) -> float:
+    """Matmul FLOPs of attention's core (``QKᵀ`` and ``PV``): ``4 · n_q · n_k · d`` per head in the forward
+    pass, halved when causal (the masked half is not computed by a flash kernel); the backward does 2.5× the
+    forward (five matmuls against two), the convention the FlashAttention papers use."""
+    if phase not in _ATTENTION_PHASES:
+        raise ValueError(f"phase must be one of {', '.join(_ATTENTION_PHASES)}, got {phase!r}")
+    forward = 4.0 * batch_heads * n_queries * n_keys * head_dim * (0.5 if is_causal else 1.0)
+    return forward * _ATTENTION_PHASES[phase]
+
+
+_ATTENTION_PHASES = {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}
+
+
+def softmax_flops(batch_heads: int, n_queries: int, n_keys: int) -> float:
+    """FLOPs of a row-wise softmax over the scores: about 5 per score (max, subtract, exp, sum, divide)."""
+    return 5.0 * batch_heads * n_queries * n_keys
 
 
 def step_flops(cfg: str | ModelConfig, batch_size: int, context_length: int, mode: str = "train") -> float:

@@ -1,9 +1,11 @@
 """Execute the workbook's notebooks headlessly with papermill.
 
 ``python -m cs336_systems.notebooks run`` executes every notebook in ``notebooks/`` (or the ones named)
-into the git-ignored ``executed/`` folder. On a machine without a CUDA GPU (or with ``--smoke``) the
-notebooks run with their small smoke parameters and write results to ``.scratch/figures``; on a GPU
-they run with their real parameters and write to ``figures/``. Committed notebooks carry no outputs;
+into the git-ignored ``executed/`` folder. Each notebook runs its section of
+:mod:`cs336_systems.experiments`: on a machine without the section's GPUs (or with ``--smoke``) with the
+``smoke`` preset, writing to ``.scratch/figures``; where they are present with the ``full`` preset (or
+``-p preset=quick``), writing to ``figures/``. Analytic sections run in full anywhere and write to
+``figures/`` only with ``-p publish=True``. Committed notebooks carry no outputs;
 ``python -m cs336_systems.notebooks strip`` removes outputs before a commit.
 """
 
@@ -46,13 +48,17 @@ def execute(
 ) -> Path:
     """Run one notebook with papermill and return the executed copy's path.
 
-    ``smoke`` is exported to the kernel as ``CS336_SMOKE`` so the notebook's parameter defaults and its
-    :class:`~cs336_systems.results.ResultWriter` agree on where results go.
+    ``smoke`` (default: no CUDA GPU here) runs a measured section's ``smoke`` preset unless ``parameters``
+    name a preset; it is also exported to the kernel as ``CS336_SMOKE`` for code that asks
+    :func:`~cs336_systems.results.is_smoke_run`.
     """
     import papermill as pm
 
     src = notebook_path(name)
     smoke = is_smoke_run(smoke)
+    parameters = dict(parameters or {})
+    if smoke and "preset" not in parameters and _section_gpus(src.stem) > 0:
+        parameters["preset"] = "smoke"
     out_dir = output_dir or EXECUTED_DIR / ("smoke" if smoke else "gpu")
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / src.name
@@ -62,7 +68,7 @@ def execute(
         pm.execute_notebook(
             str(src),
             str(dst),
-            parameters=parameters or {},
+            parameters=parameters,
             kernel_name="python3",
             cwd=str(NOTEBOOK_DIR),
             execution_timeout=timeout_s,
@@ -84,6 +90,13 @@ def failure_summary(exc: BaseException) -> str:
     message = getattr(exc, "evalue", None) if getattr(exc, "ename", None) else str(exc)
     first = next((line.strip() for line in str(message or "").splitlines() if line.strip()), "")
     return f"{kind}: {first}" if first else f"{kind} (no message)"
+
+
+def _section_gpus(name: str) -> int:
+    """GPUs the notebook's section needs (notebooks without a section count as measured)."""
+    from cs336_systems.experiments import SECTIONS
+
+    return SECTIONS[name].gpus if name in SECTIONS else 1
 
 
 def _cuda_available() -> bool:
@@ -123,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
     run.add_argument("--log-output", action="store_true", help="stream cell output to the terminal")
     run.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE", type=parse_assignment,
-                     help="set a notebook parameter (a Python literal) in every notebook run, e.g. "
-                          "-p kind=\"'quick'\" -p budget_s=120")  # fmt: skip
+                     help="set a notebook parameter in every notebook run: -p preset=quick, -p publish=True, "
+                          "-p \"overrides={'budget_s': 120}\"")  # fmt: skip
     sub.add_parser("list", help="list notebooks")
     strip = sub.add_parser("strip", help="remove outputs from notebooks before committing")
     strip.add_argument("paths", nargs="*", type=Path)

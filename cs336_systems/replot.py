@@ -19,9 +19,7 @@ measured tables are only read, never rewritten.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,34 +40,6 @@ class Derived:
 
     def table(self, name: str) -> Any:
         return self.tables[name][0]
-
-
-@dataclass(frozen=True)
-class ReplotSpec:
-    """Where a section's ``derive`` lives and which measured artefacts it reads (the first is required;
-    the others are passed when present)."""
-
-    module: str
-    function: str
-    inputs: tuple[str, ...]
-
-    def derive_fn(self) -> Callable[[dict[str, Any], dict[str, Any]], Derived]:
-        return getattr(importlib.import_module(self.module), self.function)
-
-
-#: Sections whose figures can be redrawn from committed results.
-REPLOTS: dict[str, ReplotSpec] = {
-    "fsdp": ReplotSpec("cs336_systems.distributed.fsdp_benchmark", "derive", ("fsdp_vs_ddp",)),
-    "optimizer_state_sharding": ReplotSpec(
-        "cs336_systems.distributed.sharding_benchmark", "derive", ("memory", "memory_breakdown", "timing")
-    ),
-    "pytorch_attention": ReplotSpec(
-        "cs336_systems.benchmarking.sections", "derive_pytorch_attention", ("timings", "oom_accounting")
-    ),
-    "torch_compile": ReplotSpec(
-        "cs336_systems.benchmarking.sections", "derive_torch_compile", ("attention_speedup", "model_speedup")
-    ),
-}
 
 
 def write_derived(
@@ -95,21 +65,37 @@ def write_derived(
     return written
 
 
-def load_inputs(section: str, root: Path | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """The measured inputs of ``section`` (tables as DataFrames, JSON records as dicts) and their metas,
-    from ``root`` (default: where real runs write, ``figures/`` or ``CS336_FIGURES_DIR``)."""
-    spec = _spec(section)
+def _section(section: Any) -> Any:
+    from cs336_systems.experiments import get
+
+    section = get(section) if isinstance(section, str) else section
+    if section.derive is None:
+        raise ValueError(f"no replot for section {section.name!r}; available: {', '.join(replottable())}")
+    return section
+
+
+def replottable() -> list[str]:
+    """Sections whose figures and derived tables are computed from their measured results."""
+    from cs336_systems.experiments import SECTIONS
+
+    return [name for name, s in SECTIONS.items() if s.derive is not None]
+
+
+def load_inputs(section: Any, root: Path | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The measured inputs of ``section`` (a name or a Section; tables as DataFrames, JSON records as dicts)
+    and their metas, from ``root`` (default: where real runs write, ``figures/`` or ``CS336_FIGURES_DIR``)."""
+    section = _section(section)
     root = root or results_root(smoke=False)
     tables: dict[str, Any] = {}
     metas: dict[str, dict[str, Any]] = {}
-    for i, name in enumerate(spec.inputs):
-        if not has_result(section, name, root=root):
+    for i, name in enumerate(section.derive_inputs):
+        if not has_result(section.name, name, root=root):
             if i == 0:
-                raise FileNotFoundError(f"no measured {name!r} in {section_dir(section, root)}: nothing to replot")
+                raise FileNotFoundError(f"no measured {name!r} in {section_dir(section.name, root)}: nothing to replot")
             continue
-        meta = load_meta(section, name, root=root)
-        is_csv = (section_dir(section, root) / f"{name}.csv").exists()
-        tables[name] = load_table(section, name, root=root) if is_csv else load_json(section, name, root=root)
+        meta = load_meta(section.name, name, root=root)
+        is_csv = (section_dir(section.name, root) / f"{name}.csv").exists()
+        tables[name] = load_table(section.name, name, root=root) if is_csv else load_json(section.name, name, root=root)
         metas[name] = meta
     return tables, metas
 
@@ -118,36 +104,30 @@ def replot(section: str, publish: bool = False) -> list[Path]:
     """Redraw ``section``'s figures and derived tables from its measured results, into
     ``.scratch/figures/<section>/`` or, with ``publish``, next to those results (``figures/<section>/``;
     ``CS336_FIGURES_DIR`` overrides both)."""
-    spec = _spec(section)
-    tables, metas = load_inputs(section)
-    primary = metas[spec.inputs[0]]
+    spec = _section(section)
+    tables, metas = load_inputs(spec)
+    primary = metas[spec.derive_inputs[0]]
     if primary.get("smoke", False):
         print(f"warning: {section} results come from a smoke run; the figures show no GPU numbers", file=sys.stderr)
     params = {**(primary.get("params") or {}), "replot_of": sorted(metas)}
-    out = ResultWriter(section, params=params, smoke=False, publish=publish)
-    derived = spec.derive_fn()(tables, primary)
+    out = ResultWriter(spec.name, params=params, smoke=False, publish=publish)
+    derived = spec.derive(tables, primary)
     return write_derived(out, derived, metas)
-
-
-def _spec(section: str) -> ReplotSpec:
-    if section not in REPLOTS:
-        raise ValueError(f"no replot for section {section!r}; available: {', '.join(REPLOTS)}")
-    return REPLOTS[section]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Redraw figures and derived tables from committed measurements.")
-    parser.add_argument("sections", nargs="*", help=f"sections to replot (default: all of {', '.join(REPLOTS)})")
+    parser.add_argument("sections", nargs="*", help=f"sections to replot (default: all of {', '.join(replottable())})")
     parser.add_argument("--publish", action="store_true",
                         help="write into figures/ beside the measurements (default: .scratch/figures/)")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.sections if s not in REPLOTS]
+    unknown = [s for s in args.sections if s not in replottable()]
     if unknown:
-        parser.error(f"no replot for section(s) {', '.join(unknown)}; available: {', '.join(REPLOTS)}")
+        parser.error(f"no replot for section(s) {', '.join(unknown)}; available: {', '.join(replottable())}")
     import matplotlib
 
     matplotlib.use("Agg")
-    for section in args.sections or list(REPLOTS):
+    for section in args.sections or replottable():
         try:
             paths = replot(section, publish=args.publish)
         except FileNotFoundError as exc:

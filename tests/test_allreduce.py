@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from cs336_systems.distributed import allreduce
+from cs336_systems.experiments import distributed_communication_single_node as allreduce
 
 HGX_H200_4 = """\
 \tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
@@ -94,8 +94,8 @@ def test_merge_replaces_remeasured_rows() -> None:
 def test_cli_gloo_two_ranks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     monkeypatch.setenv("CS336_SMOKE", "1")
-    assert allreduce.main(["--backends", "gloo", "--nproc", "2", "--sizes", "4KB", "400KB", "--iters", "3"]) == 0
-    section = tmp_path / allreduce.SECTION
+    assert allreduce.main(["--backends", "gloo", "--nproc", "2", "--sizes", "4KB", "400KB"]) == 0
+    section = tmp_path / allreduce.SECTION_NAME
     df = pd.read_csv(section / "allreduce.csv")
     assert df["size_bytes"].tolist() == [4000, 400000]
     assert (df["world_size"] == 2).all() and (df["backend"] == "gloo").all()
@@ -104,12 +104,12 @@ def test_cli_gloo_two_ranks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert df["busbw_GBps"].tolist() == pytest.approx(df["algbw_GBps"].tolist())  # factor 1 at n=2
     assert (section / "allreduce_bandwidth.png").exists()
     meta = json.loads((section / "allreduce.meta.json").read_text())
-    assert meta["params"]["nproc"] == [2]
+    assert meta["params"]["nproc"] == [2] and meta["params"]["preset"] == "smoke"
 
 
 def test_topology_header_with_ansi_underline_is_parsed() -> None:
     """nvidia-smi underlines the header with ANSI escapes even into a pipe (seen on 4x H200)."""
-    from cs336_systems.distributed.allreduce import Topology, parse_topology_matrix
+    from cs336_systems.experiments.distributed_communication_single_node import Topology, parse_topology_matrix
 
     text = (
         "\t\x1b[4mGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
@@ -131,7 +131,7 @@ def test_alpha_beta_fit_recovers_a_ring_model_and_draws_it() -> None:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from cs336_systems.distributed.allreduce import fit_alpha_beta, plot_alpha_beta, ring_allreduce_seconds
+    from cs336_systems.experiments.distributed_communication_single_node import fit_alpha_beta, plot_alpha_beta, ring_allreduce_seconds
 
     rows = []
     for p, alpha, bw in ((2, 15e-6, 300e9), (4, 8e-6, 400e9)):

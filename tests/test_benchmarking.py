@@ -15,10 +15,7 @@ from cs336_systems.benchmarking import (
     BenchmarkSpec,
     ModelBenchmark,
     TimingStats,
-    ToyModel,
-    accumulation_experiments,
     autocast_context,
-    autocast_dtypes,
     benchmark_attention,
     benchmark_model,
     do_bench,
@@ -30,10 +27,12 @@ from cs336_systems.benchmarking import (
     status_grid,
     time_calls,
 )
-from cs336_systems.benchmarking.__main__ import PARALLEL_SPLIT, _overrides, build_parser, main, spec_from_args
+from cs336_systems.benchmarking.__main__ import build_parser, main, spec_from_args
 from cs336_systems.benchmarking.attention import attention_callable
-from cs336_systems.benchmarking.sections import SECTIONS, residual_stream_check, section_defaults
+from cs336_systems.checks.toy_models import ToyModel
 from cs336_systems.configs import residual_stream_bytes
+from cs336_systems.experiments.memory_profiling import residual_stream_check
+from cs336_systems.experiments.mixed_precision import accumulation_experiments, autocast_dtypes
 
 # --------------------------------------------------------------------------------------------------
 # timing
@@ -243,22 +242,17 @@ def test_residual_stream_derivation_matches_measured_tensor():
 
 def test_cli_parsing_and_overrides():
     parser = build_parser()
-    args = parser.parse_args(["model", "--size", "tiny", "--d-model", "32", "--num-heads", "2", "-w", "0", "-n", "1",
+    args = parser.parse_args(["model", "--preset", "tiny", "--d-model", "32", "--num-heads", "2", "-w", "0", "-n", "1",
                               "--mode", "train", "--precision", "bf16", "--context-length", "8"])
     spec = spec_from_args(args)
     assert spec.config.d_model == 32 and spec.config.name == "custom" and spec.mode == "train"
     assert spec.warmup == 0 and spec.precision == "bf16" and spec.config.context_length == 8
-    args = parser.parse_args(["pytorch_attention", "--quick", "--budget", "30", "--set", "seq_lens=[256, 1024]"])
-    assert args.kind == "quick"
-    assert _overrides(args) == {"seq_lens": [256, 1024], "budget_s": 30.0}
+    assert parser.parse_args(["model", "--size", "tiny"]).size == "tiny"  # the course's spelling, same option
+    assert parser.parse_args(["sweep", "--presets", "tiny,small"]).sizes == ["tiny", "small"]
     with pytest.raises(SystemExit):
         parser.parse_args(["model", "--mode", "sideways"])
-    assert sorted(s for group in PARALLEL_SPLIT for s in group) == sorted(SECTIONS)
-    with pytest.raises(ValueError, match="unknown parameter"):
-        from cs336_systems.benchmarking.sections import run_pytorch_attention
-
-        run_pytorch_attention("smoke", not_a_parameter=1)
-    assert section_defaults("torch_compile", "quick")["budget_s"] > 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["benchmarking"])  # sections run through python -m cs336_systems.experiments
 
 
 def test_cli_model_run_prints_json(capsys):
@@ -292,36 +286,3 @@ def test_cli_sweep_writes_table(tmp_path, monkeypatch, capsys):
     df = pd.read_csv(tmp_path / "cli_sweep" / "sweep.csv")
     assert list(df["mode"]) == ["inference", "forward"] and (df["status"] == "ok").all()
     assert (tmp_path / "cli_sweep" / "sweep.meta.json").exists()
-
-
-def test_total_budget_is_shared_in_proportion():
-    from cs336_systems.benchmarking.__main__ import section_budgets
-
-    shares = section_budgets(list(SECTIONS), "quick", 600)
-    assert sum(shares.values()) == pytest.approx(600)
-    defaults = {s: section_defaults(s, "quick")["budget_s"] for s in SECTIONS}
-    assert shares["torch_compile"] / shares["benchmarking"] == pytest.approx(
-        defaults["torch_compile"] / defaults["benchmarking"])
-
-
-def test_print_split_covers_every_section(capsys):
-    main(["all", "--print-split"])
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "mkdir -p .scratch" and lines[-1] == "wait" and len(lines) == len(PARALLEL_SPLIT) + 2
-    assert all(f"CUDA_VISIBLE_DEVICES={i}" in line for i, line in enumerate(lines[1:-1]))
-
-
-def test_notebooks_prefer_committed_gpu_results(tmp_path, monkeypatch):
-    from cs336_systems.benchmarking import report
-    from cs336_systems.results import ResultWriter
-
-    monkeypatch.setattr(report, "FIGURES_DIR", tmp_path)
-    fresh = {"timings": pd.DataFrame({"x": [1]})}
-    data, where, source = report.section_results("sec", fresh, ["timings"], smoke=True)
-    assert source == "smoke" and data is fresh
-    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
-    ResultWriter("sec", smoke=False).table(pd.DataFrame({"x": [42]}), "timings")
-    data, where, source = report.section_results("sec", fresh, ["timings"], smoke=True)
-    assert source == "committed" and data["timings"]["x"].iloc[0] == 42 and "measured on" in where
-    data, _, source = report.section_results("sec", fresh, ["timings"], smoke=False)
-    assert source == "fresh" and data is fresh

@@ -38,6 +38,10 @@ def test_values_are_literals_words_or_comma_lists() -> None:
     (["-m", "cs336_systems.benchmarking", "model", "--size", "Smal"], "unknown model preset 'Smal'"),
     (["-m", "cs336_systems.benchmarking", "model", "--size", "small", "--num-heads", "7"],
      "d_model 768 is not divisible by num_heads 7"),
+    (["-m", "cs336_systems.experiments", "benchmarking", "--smoke", "--set", "sizes=Smal"],
+     "unknown model preset 'Smal'"),
+    (["-m", "cs336_systems.experiments", "memory_profiling", "--smoke", "--set", "context_lengths=abc"],
+     "memory_profiling.context_lengths must be int, got 'abc'"),
 ])
 def test_entry_points_end_bad_input_with_one_line(argv, message) -> None:
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
@@ -50,6 +54,7 @@ def test_gpu_grids_are_refused_at_once_without_a_gpu() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = subprocess.run([sys.executable, "-m", "cs336_systems.benchmarking", "pytorch_attention", "--quick"],
+    proc = subprocess.run([sys.executable, "-m", "cs336_systems.experiments", "pytorch_attention", "--quick"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == EXIT_USAGE and "needs a CUDA GPU; on this machine use --smoke" in proc.stderr
+    assert proc.returncode == EXIT_USAGE and proc.stderr.count("\n") == 1
+    assert "pytorch_attention --quick needs a CUDA GPU and this machine has 0: run --smoke" in proc.stderr

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from cs336_systems import course_tests
+from cs336_systems.experiments import course_tests
+from cs336_systems.experiments.__main__ import main as experiments
 
 
 def _fake_checkout(root, test_body: str):
@@ -38,7 +39,8 @@ def test_runs_the_course_suite_against_our_adapters(tmp_path, monkeypatch) -> No
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "out"))
     checkout = _fake_checkout(tmp_path / "course", BODY)
     assert course_tests.course_version(checkout) == "9.9.9"
-    assert course_tests.main([str(checkout), "--edition", "2099"]) == 1  # one test fails
+    # A suite that ran is a result, failures included: they are what the writeup explains.
+    assert experiments(["course_tests", "--set", f"checkout={checkout}", "--set", "edition=2099"]) == 0
     result = json.loads((tmp_path / "out" / "course_tests" / "2099.json").read_text())
     assert result["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
     assert result["tests"]["tests/test_course.py::test_uses_our_adapters"] == "passed"
@@ -46,13 +48,16 @@ def test_runs_the_course_suite_against_our_adapters(tmp_path, monkeypatch) -> No
         "tests/test_course.py::test_fails": "AssertionError: Step 0: Parameter w mismatch"}
     meta = json.loads((tmp_path / "out" / "course_tests" / "2099.meta.json").read_text())
     assert meta["params"]["course_version"] == "9.9.9" and "git_commit" in meta
-    assert course_tests.main([str(checkout), "--edition", "2099-one", "--", "-k", "adapters"]) == 0
+    assert experiments(["course_tests", "--set", f"checkout={checkout}", "--set", "edition=2099-one",
+                        "--set", "pytest_args=['-k', 'adapters']"]) == 0
     one = json.loads((tmp_path / "out" / "course_tests" / "2099-one.json").read_text())
     assert one["counts"] == {"passed": 1}
 
 
-def test_refuses_what_is_not_a_course_checkout(tmp_path, capsys) -> None:
-    assert course_tests.main([str(tmp_path), "--edition", "2025"]) == 2
-    assert "is not a checkout of the course's assignment" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        course_tests.main([str(tmp_path), "--edition", "a b"])
+def test_refuses_what_is_not_a_course_checkout(tmp_path) -> None:
+    with pytest.raises(ValueError, match="is not a checkout of the course's assignment"):
+        experiments(["course_tests", "--set", f"checkout={tmp_path}", "--set", "edition=2025"])
+    with pytest.raises(ValueError, match="edition must be a plain label"):
+        experiments(["course_tests", "--set", f"checkout={tmp_path}", "--set", "edition='a b'"])
+    with pytest.raises(ValueError, match="needs --set checkout="):
+        experiments(["course_tests"])

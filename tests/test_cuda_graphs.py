@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from cs336_systems import cuda_graphs
-from cs336_systems.distributed import benchmark
-from cs336_systems.distributed.equivalence import SGDMomentum, state_vector
-from cs336_systems.distributed.toy_models import make_toy_batch, make_toy_model
+from cs336_systems.benchmarking import ddp_steps as benchmark
+from cs336_systems.checks.equivalence import SGDMomentum, state_vector
+from cs336_systems.checks.toy_models import make_toy_batch, make_toy_model
 
 
 def test_capture_needs_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,7 +112,7 @@ def _captured_cases() -> dict[str, Any]:
     from cs336_systems.distributed.ddp_bucketed import DDPBucketed
     from cs336_systems.distributed.ddp_flat import DataParallelFlat
     from cs336_systems.distributed.ddp_overlap import DDPIndividualParameters
-    from cs336_systems.distributed.equivalence import train_captured_and_compare
+    from cs336_systems.checks.equivalence import train_captured_and_compare
     from cs336_systems.distributed.launch import current_context
 
     device = current_context().device

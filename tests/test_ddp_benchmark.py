@@ -1,11 +1,12 @@
-"""DDP benchmark plumbing: variants, trace reduction, and both command-line entry points on 2 gloo ranks."""
+"""DDP step benchmark plumbing: variants, and the course-style command-line entry points on 2 gloo ranks."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from cs336_systems.distributed import benchmark, ddp_benchmark, naive_ddp_benchmark
+from cs336_systems.benchmarking import ddp_steps as benchmark
+from cs336_systems.experiments import naive_ddp as naive_ddp_benchmark
 
 
 def test_variants_expand_and_validate() -> None:
@@ -32,7 +33,7 @@ def test_ddp_benchmark_cli_smoke(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     argv = ["--mode", "flat", "bucketed", "--bucket-size-mb", "0.05", "1", "--nproc", "2", "--warmup", "0",
             "--steps", "1", "--preset", "tiny", "--context-length", "16", "--profile", "flat", "--check-toy",
             "--allreduce-sizes", "1KB", "8MB"]
-    assert ddp_benchmark.main(argv) == 0
+    assert benchmark.main(argv) == 0
     section = tmp_path / benchmark.SECTION
     df = pd.read_csv(section / "steps_tiny_fp32.csv")
     assert df["variant"].tolist() == ["single", "torch", "flat", "bucketed (0.05MB)", "bucketed (1MB)"]

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from cs336_systems.distributed.ddp_bucketed import DDPBucketed
 from cs336_systems.distributed.ddp_flat import DataParallelFlat
-from cs336_systems.distributed.equivalence import train_and_compare
+from cs336_systems.checks.equivalence import train_and_compare
 from cs336_systems.distributed.launch import spawn
-from cs336_systems.distributed.toy_models import make_toy_batch, make_toy_model
+from cs336_systems.checks.toy_models import make_toy_batch, make_toy_model
 
 SMALL_BUCKETS_MB = 450 / 2**20  # toy model → [fc2], [ln.bias, ln.weight], [fc1]
 
@@ -105,7 +105,7 @@ def test_both_modes_match_single_process_training(rank_results: list[dict[str, A
 
 
 def test_benchmark_runs_copy_and_view_modes_side_by_side() -> None:
-    from cs336_systems.distributed.benchmark import DDPBenchConfig, expand_variants
+    from cs336_systems.benchmarking.ddp_steps import DDPBenchConfig, expand_variants
     from cs336_systems.distributed.strategies import wrap
 
     cfg = DDPBenchConfig(preset="tiny", modes=["single", "naive", "flat", "bucketed"], bucket_sizes_mb=[1.0],

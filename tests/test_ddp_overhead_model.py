@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cs336_systems.distributed import overhead_model as om
+from cs336_systems.benchmarking import ddp_overhead_model as om
 
 # A 1B-parameter fp32 model (s = 4 GB), 100 GB/s algorithm bandwidth, 100 µs per call:
 S, W, O = 4e9, 1e11, 1e-4

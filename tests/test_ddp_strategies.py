@@ -18,9 +18,9 @@ from cs336_systems.distributed.ddp_bucketed import DDPBucketed
 from cs336_systems.distributed.ddp_flat import DataParallelFlat
 from cs336_systems.distributed.ddp_naive import DataParallelNaive
 from cs336_systems.distributed.ddp_overlap import DDPIndividualParameters
-from cs336_systems.distributed.equivalence import train_and_compare
+from cs336_systems.checks.equivalence import train_and_compare
 from cs336_systems.distributed.launch import spawn
-from cs336_systems.distributed.toy_models import make_toy_batch, make_toy_model
+from cs336_systems.checks.toy_models import make_toy_batch, make_toy_model
 from tests import adapters
 
 WORLD_SIZE = 2

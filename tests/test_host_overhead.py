@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cs336_systems.configs import build_model
-from cs336_systems.distributed import host_overhead
+from cs336_systems.benchmarking import ddp_host_overhead as host_overhead
 from cs336_systems.distributed.grad_sync import size_capped_buckets
 
 

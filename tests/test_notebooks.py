@@ -13,19 +13,35 @@ import pytest
 
 from cs336_systems import notebooks
 
+from cs336_systems.experiments import SECTIONS  # noqa: E402
+
 NAMES = notebooks.list_notebooks()
 #: Sections computed in closed form: their full results are exact on any machine, never "smoke".
-ANALYTIC = {"communication_accounting"}
+ANALYTIC = {name for name, s in SECTIONS.items() if s.gpus == 0}
 
 
 def test_one_notebook_per_writeup_section() -> None:
-    """Every section of the writeup has the notebook of its name (course_tests aside: it runs the
-    course's suite, not a measurement); notebooks beyond the sections are the shared model table."""
-    from cs336_systems.report.sections import SECTIONS
+    """Every section has the notebook of its name (course_tests aside: it runs the course's suite against
+    a checkout the user names, not a measurement), and every notebook is a section's."""
+    sections = set(SECTIONS) - {"course_tests"}
+    assert set(NAMES) == sections, f"sections without a notebook: {sorted(sections - set(NAMES))}; " \
+                                   f"notebooks without a section: {sorted(set(NAMES) - sections)}"
 
-    folders = {spec.folder for spec in SECTIONS} - {"course_tests"}
-    assert folders <= set(NAMES), f"sections without a notebook: {sorted(folders - set(NAMES))}"
-    assert set(NAMES) - folders == {"model_sizes"}, f"notebooks no section shows: {sorted(set(NAMES) - folders)}"
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_is_the_thin_section_template(name: str) -> None:
+    """A notebook holds no measurement, default or answer of its own: parameters, then its section's run,
+    derive and answers (so the notebook, the command line and the writeup cannot disagree)."""
+    nb = nbformat.read(notebooks.notebook_path(name), as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert code[1:] == [f"from cs336_systems.experiments.notebook import SectionNotebook\n\n"
+                        f"nb = SectionNotebook({name!r}, preset, overrides, publish)",
+                        "nb.run()  # measure and write the results",
+                        "nb.derive()  # figures and tables computed from the results", "nb.answers()"]
+    namespace: dict = {}
+    exec(code[0], namespace)  # the parameters cell: plain assignments papermill can override
+    assert {k: namespace[k] for k in ("preset", "overrides", "publish")} == {"preset": None, "overrides": {},
+                                                                             "publish": None}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -60,8 +76,8 @@ def test_run_parameters_are_literals_words_or_lists() -> None:
     from cs336_systems.cli import parse_assignment as _parameter
 
     assert _parameter("budget_s=120") == ("budget_s", 120)
-    assert _parameter("kind='quick'") == ("kind", "quick")
-    assert _parameter("kind=quick") == ("kind", "quick")
+    assert _parameter("preset='quick'") == ("preset", "quick")
+    assert _parameter("preset=quick") == ("preset", "quick")
     assert _parameter("size=2.7B") == ("size", "2.7B")
     assert _parameter("bucket_sizes_mb=1,10") == ("bucket_sizes_mb", [1, 10])
     assert _parameter("sizes=small,xl") == ("sizes", ["small", "xl"])

@@ -18,8 +18,9 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from cs336_systems import replot  # noqa: E402
-from cs336_systems.benchmarking import sections  # noqa: E402
-from cs336_systems.distributed import fsdp_benchmark, sharding_benchmark  # noqa: E402
+from cs336_systems.experiments import fsdp as fsdp_benchmark  # noqa: E402
+from cs336_systems.experiments import optimizer_state_sharding as sharding_benchmark  # noqa: E402
+from cs336_systems.experiments import pytorch_attention, torch_compile  # noqa: E402
 from cs336_systems.plotting import grouped_bars  # noqa: E402
 
 DEVICE = "NVIDIA TestGPU"
@@ -147,7 +148,7 @@ def test_sharding_without_allocator_statistics_skips_the_memory_points() -> None
 
 
 def test_attention_heatmaps_mark_oom_cells() -> None:
-    fig = sections.plot_attention_grid(attention_timings(), _meta({"batch_size": 8}))
+    fig = pytorch_attention.plot_attention_grid(attention_timings(), _meta({"batch_size": 8}))
     heatmaps = [ax for ax in fig.axes if ax.get_xlabel()]
     assert len(heatmaps) == 3
     for ax in heatmaps:
@@ -159,12 +160,12 @@ def test_attention_heatmaps_mark_oom_cells() -> None:
 
 def test_compile_speedup_heatmaps_and_model_bars() -> None:
     t = compile_tables()
-    fig = sections.plot_compile_speedup(t["attention_speedup"], t["model_speedup"], _meta({}))
+    fig = torch_compile.plot_compile_speedup(t["attention_speedup"], t["model_speedup"], _meta({}))
     forward, backward, model = [ax for ax in fig.axes if ax.get_title()]
     assert "3.00x" in _texts(forward) and "skipped" in _texts(forward)
     assert model.get_ylabel() == "speed-up (eager / compiled)"
     assert " not run" in _texts(model)  # medium has no training-step measurement
-    without_model = sections.plot_compile_speedup(t["attention_speedup"], pd.DataFrame(), _meta({}))
+    without_model = torch_compile.plot_compile_speedup(t["attention_speedup"], pd.DataFrame(), _meta({}))
     assert len([ax for ax in without_model.axes if ax.get_title()]) == 2
 
 
@@ -220,7 +221,7 @@ def test_replot_writes_figures_with_the_measuring_runs_provenance(section, tmp_p
 
 def test_replot_refuses_unknown_sections_and_missing_results(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
-    with pytest.raises(ValueError, match="no replot for section"):
+    with pytest.raises(ValueError, match="unknown section"):
         replot.replot("benchmarking_typo")
     with pytest.raises(FileNotFoundError, match="nothing to replot"):
         replot.replot("fsdp")

@@ -21,10 +21,12 @@ from cs336_systems.report.build import build_document
 from cs336_systems.report.data import provenance_line
 from cs336_systems.report.document import Figure, Missing, Table
 from cs336_systems.report.html import document_html, markdown_to_html, render_math
-from cs336_systems.report.sections import SECTIONS
+from cs336_systems.experiments import SECTIONS as _SECTIONS
 from cs336_systems.results import ResultWriter
 
-EXPECTED_SECTIONS = ["1.1.3", "1.1.4", "1.1.5", "1.1.6", "1.2.1", "1.3.1", "1.3.2", "2.1.3", "2.2", "2.3.1",
+SECTIONS = list(_SECTIONS.values())
+
+EXPECTED_SECTIONS = ["1.1.2", "1.1.3", "1.1.4", "1.1.5", "1.1.6", "1.2.1", "1.3.1", "1.3.2", "2.1.3", "2.2", "2.3.1",
                      "2.3.2", "2.3.3", "2.4", "3", "3.1", "4"]
 
 
@@ -52,11 +54,11 @@ def _write_benchmarking(root: Path) -> pd.DataFrame:
 def test_every_section_present_and_says_what_is_missing(results: Path) -> None:
     doc = build_document(results, strict=True)
     assert [s.number for s in doc.sections] == EXPECTED_SECTIONS
-    assert [s.folder for s in doc.sections] == [spec.folder for spec in SECTIONS]
+    assert [s.folder for s in doc.sections] == [spec.name for spec in SECTIONS]
     for section, spec in zip(doc.sections, SECTIONS):
         missing = [b for b in section.walk() if isinstance(b, Missing)]
         assert missing, f"§{section.number} has no data but does not say so"
-        assert missing[0].command == spec.produce
+        assert missing[0].command == spec.refresh_command
         assert not [b for b in section.walk() if isinstance(b, (Table, Figure))], "invented a table without data"
     assert doc.inputs == []
 
@@ -301,4 +303,4 @@ def test_readme_maps_every_writeup_section() -> None:
     for spec in SECTIONS:
         row = next((r for r in rows if r.startswith(f"| {spec.number} |")), None)
         assert row is not None, f"§{spec.number} missing from the README's section map"
-        assert f"`figures/{spec.folder}/`" in row, spec.folder
+        assert f"`figures/{spec.name}/`" in row, spec.name

@@ -19,7 +19,7 @@ from torch import nn
 from cs336_basics.optimizer import AdamW as BasicsAdamW
 from cs336_systems.distributed.launch import spawn
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer, greedy_balanced_assignment
-from cs336_systems.distributed.toy_models import make_toy_batch, make_toy_model
+from cs336_systems.checks.toy_models import make_toy_batch, make_toy_model
 from tests.adapters import get_sharded_optimizer
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"torch_adamw": torch.optim.AdamW, "basics_adamw": BasicsAdamW}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cs336_systems.report import staleness
-from cs336_systems.report.sections.common import SectionSpec
+from cs336_systems.experiments.section import Section
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -67,8 +67,7 @@ def test_section_status_lists_stale_results_and_the_refresh_command(repo: Path, 
     root = tmp_path / "figures"
     (root / "sec").mkdir(parents=True)
     first = _git(repo, "rev-parse", "HEAD")
-    spec = SectionSpec("9", "A section", "sec", ("p",), lambda d: [], depends=("lib/kernel.py",),
-                       command="run sec")
+    spec = Section("sec", "9", "A section", ("p",), lambda d: [], depends=("lib/kernel.py",), command="run sec")
     assert staleness.section_status(root, spec, repo).state == "missing"
     (root / "sec" / "a.meta.json").write_text(json.dumps({"git_commit": first}))
     second = _commit(repo, "lib/kernel.py", "x = 5\n")
@@ -105,3 +104,17 @@ def test_a_result_going_stale_stales_the_pdf(tmp_path: Path, monkeypatch: pytest
     marks["sec/b"] = "measured at 012345678; changed since: z.py"
     problems = manifest.check_manifest(pdf, root, tmp_path / "m.json", notebooks)
     assert len(problems) == 1 and "newly stale ['sec/b']" in problems[0]
+
+
+def test_answer_text_below_the_marker_does_not_stale_results(repo: Path) -> None:
+    """A section module measures above ANSWERS_MARKER and only formats sentences below it."""
+    marker = staleness.ANSWERS_MARKER
+    (repo / "lib" / "section.py").write_text("")
+    _git(repo, "add", "lib/section.py")
+    first = _commit(repo, "lib/section.py", f"STEPS = 10\n\n{marker}\n\nTEXT = 'old wording'\n")
+    _commit(repo, "lib/section.py", f"STEPS = 10\n\n{marker}\n\nTEXT = 'new wording'\n")
+    assert staleness.freshness({"git_commit": first}, ["lib/section.py"], repo).state == "fresh"
+    _commit(repo, "lib/section.py", f"STEPS = 20\n\n{marker}\n\nTEXT = 'new wording'\n")
+    verdict = staleness.freshness({"git_commit": first}, ["lib/section.py"], repo)
+    assert verdict.state == "stale" and verdict.changed == ("lib/section.py",)
+    assert staleness.measuring_part("a\n" + marker + "\nb") == "a\n" and staleness.measuring_part("a") == "a"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from cs336_systems.distributed import timeline_analysis as ta
+from cs336_systems.profiling import timeline as ta
 
 # ---------------------------------------------------------------------------------------------------
 # Timeline analysis on a synthetic timeline

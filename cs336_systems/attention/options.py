@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -49,7 +49,7 @@ class Tile(NamedTuple):
 
 #: Candidate tiles per phase: the winners on an H100 for head dims 64 and 128 plus a neighbour or two
 #: (docs/flash_attention/NOTES.md; the wider lists they were chosen from live with the tuning harness,
-#: ``benchmarking.flash.WIDE_CANDIDATES``). Forward and dQ keep BLOCK_M queries resident while BLOCK_N-key
+#: ``experiments.flash_benchmarking.WIDE_CANDIDATES``). Forward and dQ keep BLOCK_M queries resident while BLOCK_N-key
 #: tiles stream past; dK/dV keeps BLOCK_N keys resident while BLOCK_M-query tiles stream past. Each
 #: candidate costs about 0.8 s of compile per shape class on first use; the first is the untuned default.
 DEFAULT_CANDIDATES: dict[str, tuple[Tile, ...]] = {
@@ -147,16 +147,3 @@ def use(options: FlashOptions | None = None, **changes: Any) -> Iterator[FlashOp
         yield _current
     finally:
         set_options(previous)
-
-
-def from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """Option changes from the benchmark CLI's environment variables (``CS336_FLASH_AUTOTUNE=0``,
-    ``CS336_FLASH_POLY_EXP2=...``, ``CS336_FLASH_GLUON=0``); the library itself never reads them."""
-    changes: dict[str, Any] = {}
-    if "CS336_FLASH_AUTOTUNE" in env:
-        changes["autotune"] = env["CS336_FLASH_AUTOTUNE"] != "0"
-    if "CS336_FLASH_POLY_EXP2" in env:
-        changes["poly_exp2"] = env["CS336_FLASH_POLY_EXP2"]
-    if "CS336_FLASH_GLUON" in env:
-        changes["gluon"] = env["CS336_FLASH_GLUON"] != "0"
-    return changes

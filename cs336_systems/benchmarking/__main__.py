@@ -2,14 +2,11 @@
 
 Commands
   model      one end-to-end benchmark (preset or explicit hyperparameters), optionally profiled
-  sweep      a grid of model benchmarks (sizes × modes × contexts × precisions), OOM-tolerant
+  sweep      a grid of model benchmarks (presets × modes × contexts × precisions), OOM-tolerant
   attention  the §1.2.1 attention grid, eager or compiled
   nsys       ``model`` under Nsight Systems (when ``nsys`` is installed)
-  <section>  one writeup section: benchmarking, nsys_profile, mixed_precision, memory_profiling,
-             pytorch_attention, torch_compile (``--quick`` for a few-minute grid, ``--set k=v`` to override)
-  all        every section in sequence, each within its time budget
 
-Results go through ResultWriter (``figures/<section>/`` on a GPU, ``.scratch/figures/`` on CPU smoke runs,
+The writeup's sections run through ``python -m cs336_systems.experiments``. Results go through ResultWriter (``figures/<section>/`` on a GPU, ``.scratch/figures/`` on CPU smoke runs,
 ``CS336_FIGURES_DIR`` overrides). Run ``... <command> --help`` for the options.
 """
 
@@ -18,25 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from ..cli import parse_value
 from .end_to_end import MODES, PRECISIONS
-
-_SECTIONS = (
-    "benchmarking", "nsys_profile", "mixed_precision", "memory_profiling", "pytorch_attention", "torch_compile",
-)
-
-#: How to spread ``all --quick`` over four GPUs of one machine (about equal wall time per GPU).
-PARALLEL_SPLIT = [
-    ["benchmarking", "mixed_precision"],
-    ["nsys_profile"],
-    ["memory_profiling", "pytorch_attention"],
-    ["torch_compile"],
-]
 
 
 def _csv(cast: type = str):
@@ -46,7 +28,8 @@ def _csv(cast: type = str):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="small", help="model preset (tiny, small, medium, large, xl, 2.7B)")
+    p.add_argument("--preset", "--size", dest="size", default="small",
+                   help="model preset (tiny, small, medium, large, xl, 2.7B; --size is the same option)")
     for name in ("d-model", "d-ff", "num-layers", "num-heads", "vocab-size"):
         p.add_argument(f"--{name}", type=int, help="explicit hyperparameter (overrides the preset's)")
     p.add_argument("--mode", choices=MODES, default="forward_backward")
@@ -74,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sweep", help="grid of model benchmarks")
     _add_model_args(s)
-    s.add_argument("--sizes", type=_csv(), default=None, help="comma-separated presets")
+    s.add_argument("--presets", "--sizes", dest="sizes", type=_csv(), default=None, help="comma-separated presets")
     s.add_argument("--modes", type=_csv(), default=None)
     s.add_argument("--context-lengths", type=_csv(int), default=None)
     s.add_argument("--precisions", type=_csv(), default=None)
@@ -97,42 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--output", default=".scratch/nsys/benchmark")
     n.add_argument("model_args", nargs=argparse.REMAINDER, help="arguments for the `model` command")
 
-    for name in _SECTIONS:
-        sp = sub.add_parser(name, help=f"run the {name} section")
-        _add_section_args(sp)
-    al = sub.add_parser("all", help="every section in sequence")
-    _add_section_args(al)
-    al.add_argument("--sections", type=_csv(), default=list(_SECTIONS))
-    al.add_argument("--total-budget", type=float,
-                    help="seconds for all selected sections together, shared in proportion to their defaults")
-    al.add_argument("--print-split", action="store_true", help="print the 4-GPU parallel split and exit")
     return parser
-
-
-def _add_section_args(p: argparse.ArgumentParser) -> None:
-    kind = p.add_mutually_exclusive_group()
-    kind.add_argument("--quick", action="store_const", const="quick", dest="kind",
-                      help="grid that fits a few minutes of one GPU")
-    kind.add_argument("--full", action="store_const", const="full", dest="kind", help="the handout's grid")
-    kind.add_argument("--smoke", action="store_const", const="smoke", dest="kind", help="tiny CPU-sized run")
-    p.add_argument("--budget", type=float, help="time budget in seconds (per section)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a parameter; VALUE is JSON, a word or a comma list (--set sizes=small,xl)")
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = parse_value(value)  # a word, a comma list (sizes=small,xl) or a Python literal
-    if args.budget is not None:
-        out["budget_s"] = args.budget
-    return out
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
@@ -227,59 +175,6 @@ def _cmd_nsys(args: argparse.Namespace) -> None:
     print(f"wrote {report}; summarise with: nsys stats --report cuda_gpu_kern_sum {report}")
 
 
-def section_budgets(sections: Sequence[str], kind: str | None, total_budget_s: float) -> dict[str, float]:
-    """Share ``total_budget_s`` between sections in proportion to their default budgets."""
-    from .sections import section_defaults
-
-    defaults = {name: section_defaults(name, kind)["budget_s"] for name in sections}
-    scale = total_budget_s / sum(defaults.values())
-    return {name: budget * scale for name, budget in defaults.items()}
-
-
-def run_sections(
-    sections: Sequence[str], kind: str | None, overrides: dict[str, Any], total_budget_s: float | None = None
-) -> dict[str, float]:
-    """Run sections in order; returns seconds per section. ``budget_s`` in ``overrides`` applies to each;
-    ``total_budget_s`` instead shares one budget between them (a section that finishes early leaves its
-    remainder to the next ones). A section that raises is reported with its traceback and the remaining
-    sections still run; the command then exits non-zero naming the failed sections."""
-    from .sections import RUNNERS
-
-    unknown = [name for name in sections if name not in RUNNERS]
-    if unknown:
-        raise ValueError(f"unknown section(s) {unknown}; sections: {', '.join(RUNNERS)}")
-    import torch
-
-    if kind in ("quick", "full") and not torch.cuda.is_available():
-        raise ValueError(f"--{kind} runs the GPU grid of {', '.join(sections)} and needs a CUDA GPU; on this machine "
-                         "use --smoke (the default without a GPU) or run on a GPU node")
-    shares = section_budgets(sections, kind, total_budget_s) if total_budget_s else {}
-    deadline = time.monotonic() + total_budget_s if total_budget_s else None
-    seconds: dict[str, float] = {}
-    failed: list[str] = []
-    for i, name in enumerate(sections):
-        start = time.monotonic()
-        section_overrides = dict(overrides)
-        if deadline is not None:
-            left = deadline - start
-            rest = sum(shares[n] for n in sections[i:])
-            section_overrides["budget_s"] = max(left * shares[name] / rest, 1.0)
-        budget = section_overrides.get("budget_s")
-        print(f"== {name} ({kind or 'auto'}, budget {f'{budget:.0f} s' if budget else 'default'}) ==", flush=True)
-        try:
-            RUNNERS[name](kind, **section_overrides)
-        except Exception:  # one broken section must not cost the measurements of the others
-            traceback.print_exc()
-            failed.append(name)
-            print(f"== {name} FAILED ==", flush=True)
-            continue
-        seconds[name] = time.monotonic() - start
-        print(f"== {name} done in {seconds[name]:.0f} s ==", flush=True)
-    if failed:
-        raise SystemExit(f"section(s) failed: {', '.join(failed)}")
-    return seconds
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "model":
@@ -290,20 +185,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         _cmd_attention(args)
     elif args.command == "nsys":
         _cmd_nsys(args)
-    elif args.command == "all":
-        if args.print_split:
-            budget = args.total_budget or 400
-            print("mkdir -p .scratch")
-            for gpu, group in enumerate(PARALLEL_SPLIT):
-                print(f"CUDA_VISIBLE_DEVICES={gpu} python -m cs336_systems.benchmarking all --quick "
-                      f"--sections {','.join(group)} --total-budget {budget:.0f} > .scratch/bench_gpu{gpu}.log 2>&1 &")
-            print("wait")
-            return
-        if args.set and len(args.sections) > 1:
-            raise SystemExit("--set applies to one section's parameters; run sections one at a time to override")
-        run_sections(args.sections, args.kind, _overrides(args), total_budget_s=args.total_budget)
-    else:
-        run_sections([args.command], args.kind, _overrides(args))
 
 
 if __name__ == "__main__":

@@ -103,3 +103,17 @@ def status_grid(df: pd.DataFrame, value: str, index: str, columns: str, fmt: str
     table = labelled.pivot(index=index, columns=columns, values="_cell")
     # keep the sweep's order (pivot sorts, which puts "2.7B" before "small")
     return table.reindex(index=pd.unique(df[index]), columns=pd.unique(df[columns]))
+
+
+#: What a smoke run prints where a GPU-only part of a section is skipped.
+CPU_NOTE = "GPU-only part skipped: no CUDA device (CPU smoke run)."
+
+
+def deadline_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value), never negative: the budget left to a sweep."""
+    return max(deadline - time.monotonic(), 0.0)
+
+
+def ordered(df: pd.DataFrame, column: str, order: Sequence[Any]) -> pd.DataFrame:
+    """``df`` with ``column`` as an ordered categorical in ``order`` (so sorting follows the preset order)."""
+    return df.assign(**{column: pd.Categorical(df[column], categories=list(dict.fromkeys(order)), ordered=True)})

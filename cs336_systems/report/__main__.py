@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {write_html(build_document(args.figures), args.output)}")
         return 0
     if args.command == "status":
-        from cs336_systems.report.sections import SECTIONS
+        from cs336_systems.experiments import SECTIONS
         from cs336_systems.report.staleness import section_status
 
-        statuses = [section_status(args.figures, spec) for spec in SECTIONS]
+        statuses = [section_status(args.figures, spec) for spec in SECTIONS.values()]
         for st in statuses:
             print(st.line())
             if args.verbose:

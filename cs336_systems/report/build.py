@@ -5,13 +5,12 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from cs336_systems.report import manifest as _manifest
 from cs336_systems.report.commentary import notebook_intro
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Document, Missing, Section, Text
-from cs336_systems.report.sections import SECTIONS
-from cs336_systems.report.sections.common import SectionSpec, notebook_command
 from cs336_systems.results import FIGURES_DIR
 
 TITLE = "CS336 Assignment 2 (Systems): writeup"
@@ -32,8 +31,15 @@ def _preamble(root: Path) -> list[Block]:
     ]
 
 
+def sections_() -> list[Any]:
+    """The writeup's sections, in order: every section unit of :mod:`cs336_systems.experiments`."""
+    from cs336_systems.experiments import SECTIONS
+
+    return list(SECTIONS.values())
+
+
 def build_section(
-    spec: SectionSpec, root: Path, strict: bool = False, notebooks: Path = NOTEBOOK_DIR
+    spec: Any, root: Path, strict: bool = False, notebooks: Path = NOTEBOOK_DIR
 ) -> tuple[Section, SectionData]:
     """One section: the spec's answers, then every artefact of its folders that the answers did not use.
 
@@ -41,17 +47,15 @@ def build_section(
     unless ``strict``, the section says in red that its answers could not be formatted, the error is
     printed, and its results still appear generically.
     """
-    data = SectionData(root, spec.folder, command=spec.produce, note=spec.where, alternative=spec.alternative,
-                       depends=spec.depends or None)
+    data = SectionData(root, spec.name, command=spec.refresh_command, note=spec.where, depends=spec.depends or None)
     blocks: list[Block] = []
     if data.empty:
-        blocks.append(Missing(f"no results in `{root.name}/{spec.folder}/`", spec.produce, spec.where,
-                              spec.alternative))
-    intro = notebook_intro(notebooks / f"{spec.folder}.ipynb")
+        blocks.append(Missing(f"no results in `{root.name}/{spec.name}/`", spec.refresh_command, spec.where))
+    intro = notebook_intro(notebooks / f"{spec.name}.ipynb")
     if intro:
-        blocks.append(Text(f"*From `notebooks/{spec.folder}.ipynb`:* {intro}", role="method"))
+        blocks.append(Text(f"*From `notebooks/{spec.name}.ipynb`:* {intro}", role="method"))
     try:
-        blocks.extend(spec.build(data))
+        blocks.extend(spec.answer(data))
     except Exception as exc:
         if strict:
             raise
@@ -60,13 +64,13 @@ def build_section(
         print(f"warning: §{spec.number} answers failed on the data in {data.dir}: {message}", file=sys.stderr)
         blocks.append(Text(f"**The answers of this section could not be formatted from its results** "
                            f"(`{message}`); the results follow unformatted.", role="error"))
-    for folder, rest in [(spec.folder, data.remaining())] + [
+    for folder, rest in [(spec.name, data.remaining())] + [
         (extra, SectionData(root, extra).remaining()) for extra in spec.also
     ]:
         if rest:
             blocks.append(Text(f"Further results in `{root.name}/{folder}/`:", role="further"))
             blocks.extend(rest)
-    return Section(spec.number, spec.title, spec.folder, spec.problems, blocks), data
+    return Section(spec.number, spec.title, spec.name, spec.problems, blocks), data
 
 
 def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Path = NOTEBOOK_DIR) -> Document:
@@ -75,15 +79,15 @@ def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Pa
     root = Path(root)
     sections: list[Section] = []
     known = set()
-    for spec in SECTIONS:
+    for spec in sections_():
         section, _ = build_section(spec, root, strict, notebooks)
         sections.append(section)
-        known.update((spec.folder, *spec.also))
+        known.update((spec.name, *spec.also))
     # Result folders no section claims (e.g. a new notebook) still appear, generically.
     extra = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in known and not p.name.startswith(".")) \
         if root.is_dir() else []
     for i, folder in enumerate(extra, start=1):
-        data = SectionData(root, folder, command=notebook_command(folder))
+        data = SectionData(root, folder, command=f"uv run python -m cs336_systems.notebooks run {folder}")
         blocks = data.remaining()
         if blocks:
             note = Text(f"Results in `{root.name}/{folder}/` that no section of the writeup claims, shown as "

@@ -1,7 +1,7 @@
 """Which results still describe the current code.
 
 Every result's ``.meta.json`` records the commit it was measured at; every writeup section names the
-library paths its measurements depend on (``SectionSpec.depends``). A result is *fresh* when none of those
+library paths its measurements depend on (``Section.depends`` in :mod:`cs336_systems.experiments`). A result is *fresh* when none of those
 paths changed between its commit and the working tree, *stale* otherwise (the changed files are listed), and
 stale too when its commit is unknown to this repository or it was measured with uncommitted library
 changes (``-dirty``): then nobody can say which code it measured.
@@ -24,6 +24,9 @@ from cs336_systems.results import REPO_ROOT
 
 #: What every measured section depends on beyond its own paths: the model and the model presets.
 MODEL = ("cs336-basics/cs336_basics/", "cs336_systems/configs.py")
+#: The timing and sweep machinery every single-GPU measurement runs through.
+TIMING = ("cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/timing.py",
+          "cs336_systems/benchmarking/sweep.py")
 #: For results no section declares dependencies for: any change to the library.
 LIBRARY = ("cs336-basics/cs336_basics/", "cs336_systems/")
 STALE_MARK = "STALE"
@@ -61,8 +64,31 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT)
     out = _git(["diff", "--name-only", commit, "--", *depends], repo)
     if out is None:
         return None
-    # Code only: notes and data files beside the code do not change what it measures.
-    return tuple(sorted(f for f in out.splitlines() if f.endswith(".py")))
+    # Code only: notes and data files beside the code do not change what it measures; nor does the answer
+    # text below a section module's ANSWERS_MARKER.
+    return tuple(sorted(f for f in out.splitlines() if f.endswith(".py") and _measuring_code_changed(commit, f, repo)))
+
+
+#: In a section module (``cs336_systems/experiments/*.py``), the line after which only answer text follows:
+#: code that formats results into sentences, which can change without changing any result.
+ANSWERS_MARKER = "# === Answers: formatting only; changes below this line do not make results stale ==="
+
+
+def measuring_part(source: str | None) -> str | None:
+    """The part of a file's text that can change results: all of it, or what precedes ANSWERS_MARKER."""
+    if source is None:
+        return None
+    head, marker, _ = source.partition(ANSWERS_MARKER)
+    return head if marker else source
+
+
+def _measuring_code_changed(commit: str, path: str, repo: Path) -> bool:
+    now_path = Path(repo) / path
+    now = now_path.read_text(encoding="utf-8") if now_path.exists() else None
+    if now is None or ANSWERS_MARKER not in now:
+        return True
+    then = _git(["show", f"{commit}:{path}"], repo)
+    return measuring_part(then) != measuring_part(now)
 
 
 def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_ROOT) -> Freshness:
@@ -115,21 +141,23 @@ class SectionStatus:
 
 
 def section_status(root: Path, spec: Any, repo: Path = REPO_ROOT) -> SectionStatus:
-    metas = result_metas(Path(root) / spec.folder)
+    metas = result_metas(Path(root) / spec.name)
     if not metas:
-        return SectionStatus(spec.number, spec.title, spec.folder, "missing", {}, (), spec.produce)
+        return SectionStatus(spec.number, spec.title, spec.name, "missing", {}, (), spec.refresh_command)
     verdicts = {name: freshness(meta, spec.depends, repo) for name, meta in metas.items()}
     stale = {name: f for name, f in verdicts.items() if f.stale}
     fresh = tuple(name for name, f in verdicts.items() if not f.stale)
-    return SectionStatus(spec.number, spec.title, spec.folder, "stale" if stale else "fresh", stale, fresh,
-                         spec.produce)
+    return SectionStatus(spec.number, spec.title, spec.name, "stale" if stale else "fresh", stale, fresh,
+                         spec.refresh_command)
 
 
 def depends_by_folder() -> dict[str, tuple[str, ...]]:
     """Each results folder's dependencies: the sections' own, then the folders sections show."""
-    from cs336_systems.report.sections import SECTIONS, SHOWN_FOLDERS
+    from cs336_systems.experiments import SECTIONS
+    from cs336_systems.experiments.ddp_common import DEPENDS
 
-    return {**SHOWN_FOLDERS, **{spec.folder: spec.depends for spec in SECTIONS}}
+    # ddp_benchmark: the DDP step benchmark's own runs, which the bucketed-DDP section shows.
+    return {"ddp_benchmark": DEPENDS, **{s.name: s.depends for s in SECTIONS.values()}}
 
 
 def stale_results(root: Path, repo: Path = REPO_ROOT) -> dict[str, str]:

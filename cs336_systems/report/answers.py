@@ -1,52 +1,13 @@
-"""What every section builder shares: the section registry entry and small lookup helpers."""
+"""What every section's answer code shares: deliverable blocks and small lookups into result tables."""
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import pandas as pd
 
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Figure, Missing, Question, Table
-
-
-def notebook_command(folder: str) -> str:
-    """How a results folder is produced: its notebook, executed with real parameters (on a GPU machine
-    for measured sections; the notebook runner picks real parameters whenever CUDA is present)."""
-    return f"uv run python -m cs336_systems.notebooks run {folder}"
-
-
-@dataclass(frozen=True)
-class SectionSpec:
-    """One writeup section: its number and title in the course writeup, its results folder (the
-    notebook stem), the course problem names it answers, and the builder that writes it."""
-
-    number: str
-    title: str
-    folder: str
-    problems: tuple[str, ...]
-    build: Callable[[SectionData], list[Block]]
-    gpus: int = 1
-    """GPUs the measurement needs (0: analytic, runs anywhere)."""
-    also: tuple[str, ...] = ()
-    """Further results folders shown (generically) at the end of this section."""
-    command: str | None = None
-    alternative: str = ""
-    """The same measurement without papermill (what a bare GPU machine runs)."""
-    depends: tuple[str, ...] = ()
-    """Library paths (repository-relative files or folders) whose change makes this section's results stale
-    (see :mod:`cs336_systems.report.staleness`)."""
-
-    @property
-    def produce(self) -> str:
-        return self.command or notebook_command(self.folder)
-
-    @property
-    def where(self) -> str:
-        machine = {0: "", 1: "on a GPU machine; "}.get(self.gpus, f"on a machine with {self.gpus}+ GPUs; ")
-        return f"({machine}writes `figures/{self.folder}/`)"
 
 
 def col(df: pd.DataFrame | None, *patterns: str) -> str | None:

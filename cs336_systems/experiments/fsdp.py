@@ -1,4 +1,4 @@
-"""FSDP vs DDP benchmark: per-GPU memory and step time for several model sizes, world sizes and
+"""§3.1 Fully sharded data parallelism (FSDP vs DDP): per-GPU memory and step time for several model sizes, world sizes and
 compute dtypes, in one run per world size.
 
 Strategies (all train with ``torch.optim.AdamW`` on fp32 master weights):
@@ -14,10 +14,10 @@ A configuration that runs out of memory is recorded with status ``OOM`` (every r
 so all ranks fail together), which answers "what is the largest size this strategy trains" by
 measurement; :func:`cs336_systems.accounting.largest_trainable_preset` gives the prediction.
 
-Run (writes ``figures/fsdp/``; CPU smoke runs use a tiny model and write to ``.scratch``)::
+Problem ``fsdp``. Run (writes ``figures/fsdp/``; CPU smoke runs use a tiny model and write to ``.scratch``)::
 
-    python -m cs336_systems.distributed.fsdp_benchmark --nproc 2 4 --models xl 2.7B
-    python -m cs336_systems.distributed.fsdp_benchmark --nproc 4 --models 6.7B --append
+    python -m cs336_systems.experiments fsdp --set nproc=2,4 --set models=xl,2.7B
+    python -m cs336_systems.experiments fsdp --set nproc=4 --set models=6.7B --set append=True
 
 Figures and derived tables (:func:`derive`) are written by the run itself and can be redrawn from the
 committed table on any machine with ``python -m cs336_systems.replot fsdp``.
@@ -25,28 +25,35 @@ committed table on any machine with ``python -m cs336_systems.replot fsdp``.
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from typing import Any
 
+import pandas as pd
 import torch
 
 from cs336_systems import accounting
 from cs336_systems.configs import build_model
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.fsdp import FSDP
-from cs336_systems.distributed.sharding_benchmark import (
+from cs336_systems.experiments.optimizer_state_sharding import (
     GIB,
     BenchConfig,
     MemoryProbe,
     init_snapshot,
     measure_training,
     random_batch,
-    smoke_or_real,
 )
-from cs336_systems.replot import Derived, write_derived
+from cs336_systems.experiments.section import Section, param
+from cs336_systems.replot import Derived
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import join_words, question, subset
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Equation, Text
+from cs336_systems.report.staleness import MODEL
+from cs336_systems.results import ResultWriter, has_result, load_table
 
-SECTION = "fsdp"
+SECTION_NAME = "fsdp"
 STRATEGIES = ("ddp", "fsdp", "fsdp2")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREDICTED_AS = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2": "zero3"}
@@ -250,53 +257,137 @@ def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
     return derived
 
 
-def main(argv: list[str] | None = None) -> int:
-    import pandas as pd
+# --------------------------------------------------------------------------------------------------
+# The section
+# --------------------------------------------------------------------------------------------------
 
-    from cs336_systems.results import ResultWriter, has_result, is_smoke_run, load_meta, load_table, results_root
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[2], help="local world sizes (ignored under torchrun)")
-    parser.add_argument("--models", nargs="+", default=None, help="presets or SCALE_LADDER sizes (default xl 2.7B)")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32"])
-    parser.add_argument("--global-batch", type=int, default=None)
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--append", action="store_true", help="add rows to an existing results table")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class Params:
+    models: list[str] = param(["xl", "2.7B"], "presets or accounting.SCALE_LADDER sizes")
+    strategies: list[str] = param(list(STRATEGIES), f"of {', '.join(STRATEGIES)}")
+    dtypes: list[str] = param(["fp32"], f"compute dtypes, of {', '.join(DTYPES)}")
+    nproc: list[int] = param([2], "local world sizes, one run each (ignored under torchrun/srun)")
+    global_batch: int = param(4, "sequences per step, split evenly over the ranks")
+    context_length: int = param(512, "tokens per sequence")
+    warmup: int = param(3, "untimed steps")
+    steps: int = param(10, "timed steps")
+    append: bool = param(False, "add rows to the existing table instead of replacing it")
 
-    smoke = is_smoke_run()
-    defaults = smoke_or_real(smoke)
-    config = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults.items()}
-    models = args.models or (["tiny"] if smoke else ["xl", "2.7B"])
-    for m in models:
-        accounting.ladder_config(m)  # fail early on a bad name
-    config.pop("model")
+    def check(self) -> None:
+        for m in self.models:
+            accounting.ladder_config(m)  # a bad name fails here, in one line
+        for values, known, what in ((self.strategies, STRATEGIES, "strategy"), (self.dtypes, DTYPES, "dtype")):
+            bad = [v for v in values if v not in known]
+            if bad:
+                raise ValueError(f"unknown {what} {bad[0]!r}; known: {', '.join(known)}")
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(models=["xl"], warmup=2, steps=5),
+    "smoke": Params(models=["tiny"], context_length=32, warmup=1, steps=2),
+}
+
+
+def run(p: Params, out: ResultWriter) -> pd.DataFrame | None:
+    """One run per world size; rank 0 writes the ``fsdp_vs_ddp`` table."""
+    config = dict(global_batch=p.global_batch, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
     rows: list[dict[str, Any]] = []
-    world_sizes = [None] if runner.launched_externally() else args.nproc
-    for n in world_sizes:
-        print(f"FSDP benchmark: {n or 'torchrun'} ranks, models {models}, {args.strategies}, {args.dtypes}", flush=True)
-        per_rank = runner.run_on_ranks(fsdp_worker, n or 0, config, models, args.strategies, args.dtypes)
+    for n in [None] if runner.launched_externally() else p.nproc:
+        print(f"FSDP benchmark: {n or 'torchrun'} ranks, models {p.models}, {p.strategies}, {p.dtypes}", flush=True)
+        per_rank = runner.run_on_ranks(fsdp_worker, n or 0, config, list(p.models), list(p.strategies), list(p.dtypes))
         rows += [r for rank_rows in per_rank for r in rank_rows]
     if not runner.is_main_process():
-        return 0
+        return None
     table = summarise(rows)
-    out = ResultWriter(SECTION, params={**config, "models": models, "strategies": args.strategies, "dtypes": args.dtypes})
-    if args.append and has_result(SECTION, "fsdp_vs_ddp", root=results_root(out.smoke)):
-        old = load_table(SECTION, "fsdp_vs_ddp", root=results_root(out.smoke))
+    if p.append and has_result(SECTION_NAME, "fsdp_vs_ddp", root=out.dir.parent):
+        old = load_table(SECTION_NAME, "fsdp_vs_ddp", root=out.dir.parent)
         keys = ["model", "dtype", "world_size", "strategy"]
         old = old[~old.set_index(keys).index.isin(table.set_index(keys).index)]
         table = pd.concat([old, table], ignore_index=True)
-    print(out.banner())
     out.table(table, "fsdp_vs_ddp")
     print(table.to_string(index=False))
-    write_derived(out, derive({"fsdp_vs_ddp": table}, load_meta(SECTION, "fsdp_vs_ddp", root=out.dir.parent)))
-    return 0
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The torchrun / srun form: every rank runs this; the launcher fixes the process count."""
+    from cs336_systems.experiments.__main__ import run_section
+
+    return run_section(SECTION_NAME, None, {}, argv=argv)
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
+                   label: str = "Peak memory per GPU after the optimizer step") -> Text | None:
+    """Memory and time of every strategy for each (model, dtype, world size) they were run on."""
+    need = {"model", "world_size", "strategy", peak, "step_ms"}
+    if df is None or not need <= set(df.columns) or df.empty:
+        return None
+    sentences = []
+    keys = [k for k in ("model", "dtype", "world_size") if k in df.columns]
+    for key, g in df.groupby(keys, sort=False):
+        key = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+        parts = []
+        for _, r in g.iterrows():
+            if str(r.get("status", "ok")) != "ok":
+                parts.append(f"{r['strategy']} {r['status']}")
+            elif pd.notna(r[peak]):
+                parts.append(f"{r['strategy']} ({fmt.sig(r[peak])} GiB, {fmt.ms(r['step_ms'])})")
+        if parts:
+            where = f"{key['model']}" + (f" {key['dtype']}" if "dtype" in key else "") + f" on {key['world_size']} GPUs"
+            sentences.append(f"{where}: " + join_words(parts))
+    if not sentences:
+        return None
+    return Text(f"{label} and time per step: " + "; ".join(sentences) + ".")
+
+
+def answer(d: SectionData) -> list[Block]:
+    return [
+        question(d, "fsdp", "Fully sharded data parallelism: per-layer all-gather of parameters before use, "
+                 "reduce-scatter of gradients after the backward pass.", [
+                     Text("With $P$ ranks and $\\Psi$ parameters, each rank stores $\\Psi/P$ parameters, gradients "
+                          "and optimizer state; a step moves $\\Psi$ per rank in the forward all-gathers, $\\Psi$ in "
+                          "the backward re-gathers and $\\Psi$ in the gradient reduce-scatter:"),
+                     Equation([(r"M_{\mathrm{rank}} = \frac{16\,\Psi}{P} + M_{\mathrm{act}} + "
+                               r"M_{\mathrm{gathered\ layers}},\qquad V_{\mathrm{rank}} \approx 3\,\Psi"
+                               r"\ \mathrm{elements}")]),
+                     _fsdp_sentence(d.frame("relative_to_ddp"), "peak_GiB", "Peak memory per GPU")
+                     or _fsdp_sentence(d.frame("fsdp_vs_ddp")),
+                     d.figure("memory_and_time", caption="Per-GPU memory and step time: DDP, our FSDP and "
+                              "PyTorch's FSDP2."),
+                     d.table("relative_to_ddp", caption="Per-GPU peak memory (GiB, measured and predicted) and "
+                             "step time, and both relative to DDP (all measured columns: `fsdp_vs_ddp.csv`).")
+                     or d.table("fsdp_vs_ddp", frame=subset(d.frame("fsdp_vs_ddp"), "model", "dtype", "world_size",
+                                                            "strategy", "status", "predicted_total", "before_step_peak",
+                                                            "after_step_peak", "step_ms", "tokens_per_s"),
+                                caption="Per-GPU memory (GiB: predicted, and measured peaks before and after the "
+                                "optimizer step) and step time by model, dtype, world size and strategy (all columns: "
+                                "the CSV)."),
+                     d.table("predicted_vs_measured", caption="Predicted vs. measured memory per rank."),
+                     d.table("largest_model", caption="Largest model each strategy can train on one node: predicted "
+                             "by `accounting` and the largest it trained here."),
+                     d.table("largest_model_predicted", caption="Largest model each strategy can train, predicted."),
+                     d.table("largest_model_measured", caption="Largest model each strategy trained, measured."),
+                 ], what="FSDP memory and step time"),
+    ]
+
+
+
+SECTION = Section(
+    name=SECTION_NAME, number="3.1", title="Fully sharded data parallelism", problems=("fsdp",), answer=answer,
+    presets=PRESETS, run=run, derive=derive, derive_inputs=("fsdp_vs_ddp",), gpus=2,
+    depends=(*MODEL, "cs336_systems/distributed/fsdp.py", "cs336_systems/distributed/grad_sync.py",
+             "cs336_systems/distributed/consistency.py", "cs336_systems/distributed/launch.py",
+             "cs336_systems/distributed/runner.py", "cs336_systems/experiments/optimizer_state_sharding.py",
+             "cs336_systems/accounting.py"),
+)
 
 
 if __name__ == "__main__":
     from cs336_systems.cli import run_main
 
-    sys.exit(run_main(main, "python -m cs336_systems.distributed.fsdp_benchmark"))
+    sys.exit(run_main(main, "python -m cs336_systems.experiments.fsdp"))

@@ -1,4 +1,4 @@
-"""Optimizer-state sharding benchmark (§3): memory and time per training step of DDP + AdamW with
+"""§3 Optimizer-state sharding: memory and time per training step of DDP + AdamW with
 
 - ``adamw``: every rank keeps the full AdamW state (plain ``torch.optim.AdamW``);
 - ``sharded``: our :class:`~cs336_systems.distributed.sharded_optimizer.ShardedOptimizer`;
@@ -11,12 +11,13 @@ just before ``optimizer.step()`` (after backward), just after it — as the CUDA
 peak allocation, and broken down by counting tensors: parameters, gradients, optimizer state, and the
 activations saved by the forward pass (allocation growth during forward). The same breakdown is
 predicted by :func:`cs336_systems.accounting.training_memory_per_rank`. The measurement helpers here
-(:class:`MemoryProbe`, :func:`measure_training`) are shared with the FSDP benchmark.
+(:class:`MemoryProbe`, :func:`measure_training`) are shared with the FSDP section.
 
-Run (writes ``figures/optimizer_state_sharding/``, or ``.scratch/...`` for CPU smoke runs)::
+Problem ``optimizer_state_sharding_accounting``. Run (writes ``figures/optimizer_state_sharding/``, or
+``.scratch/...`` for CPU smoke runs)::
 
-    python -m cs336_systems.distributed.sharding_benchmark --nproc 2            # spawns 2 local ranks
-    torchrun --nproc-per-node 2 -m cs336_systems.distributed.sharding_benchmark  # or under torchrun
+    python -m cs336_systems.experiments optimizer_state_sharding --set nproc=2        # spawns 2 local ranks
+    torchrun --nproc-per-node 2 -m cs336_systems.experiments.optimizer_state_sharding  # or under torchrun
 
 Figures and derived tables (:func:`derive`) are written by the run itself and can be redrawn from the
 committed tables on any machine with ``python -m cs336_systems.replot optimizer_state_sharding``.
@@ -24,7 +25,6 @@ committed tables on any machine with ``python -m cs336_systems.replot optimizer_
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 from collections.abc import Callable
@@ -41,9 +41,16 @@ from cs336_systems.benchmarking.timing import time_calls
 from cs336_systems.configs import ModelConfig
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
-from cs336_systems.replot import Derived, write_derived
+from cs336_systems.experiments.section import Section, param
+from cs336_systems.replot import Derived
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import join_words, question
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Text
+from cs336_systems.report.staleness import MODEL
+from cs336_systems.results import ResultWriter
 
-SECTION = "optimizer_state_sharding"
+SECTION_NAME = "optimizer_state_sharding"
 OPTIMIZERS = ("adamw", "sharded", "zero")
 GIB = 2**30
 
@@ -71,13 +78,6 @@ class BenchConfig:
         if self.global_batch % world_size:
             raise ValueError(f"global batch {self.global_batch} does not divide over {world_size} ranks")
         return self.global_batch // world_size
-
-
-def smoke_or_real(smoke: bool) -> dict[str, Any]:
-    """Defaults: the handout's XL setting on GPUs, a tiny model on CPU."""
-    if smoke:
-        return dict(model="tiny", global_batch=4, context_length=32, warmup=1, steps=2)
-    return dict(model="xl", global_batch=4, context_length=512, warmup=3, steps=10)
 
 
 class MemoryProbe:
@@ -421,41 +421,146 @@ def _run_text(meta: dict[str, Any] | None) -> str:
     return f"; {p['model']} model, {p.get('world_size', '?')} ranks, global batch {p.get('global_batch')}, context {p.get('context_length')}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from cs336_systems.results import ResultWriter, is_smoke_run, load_meta
+# --------------------------------------------------------------------------------------------------
+# The section
+# --------------------------------------------------------------------------------------------------
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--model", default=None, help="preset (default xl; tiny in smoke runs)")
-    parser.add_argument("--global-batch", type=int, default=None)
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
-    args = parser.parse_args(argv)
 
-    smoke = is_smoke_run()
-    defaults = smoke_or_real(smoke)
-    config = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in defaults.items()}
-    BenchConfig(**config).model_config()  # fail early on a bad preset
-    rows_per_rank = runner.run_on_ranks(sharding_worker, args.nproc, config, args.optimizers)
+@dataclass(frozen=True)
+class Params:
+    model: str = param("xl", "model preset (or a larger GPT-3-shaped size of accounting.SCALE_LADDER)")
+    global_batch: int = param(4, "sequences per step, split evenly over the ranks")
+    context_length: int = param(512, "tokens per sequence")
+    warmup: int = param(3, "untimed steps")
+    steps: int = param(10, "timed steps")
+    optimizers: list[str] = param(list(OPTIMIZERS), f"of {', '.join(OPTIMIZERS)}")
+    nproc: int = param(2, "local ranks to spawn (ignored under torchrun/srun)")
+
+    def bench_config(self) -> dict[str, Any]:
+        return dict(model=self.model, global_batch=self.global_batch, context_length=self.context_length,
+                    warmup=self.warmup, steps=self.steps)
+
+    def check(self) -> None:
+        bad = [o for o in self.optimizers if o not in OPTIMIZERS]
+        if bad:
+            raise ValueError(f"unknown optimizer {bad[0]!r}; optimizers: {', '.join(OPTIMIZERS)}")
+        BenchConfig(**self.bench_config()).model_config()  # a bad preset fails here, in one line
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(warmup=2, steps=5),
+    "smoke": Params(model="tiny", global_batch=4, context_length=32, warmup=1, steps=2),
+}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """All optimizers on the ranks, one after the other; rank 0 writes the tables."""
+    rows_per_rank = runner.run_on_ranks(sharding_worker, p.nproc, p.bench_config(), list(p.optimizers))
     if not runner.is_main_process():
-        return 0
+        return {}
     rows = [r for rank_rows in rows_per_rank for r in rank_rows]
     memory, breakdown, timing = summarise(rows)
-    out = ResultWriter(SECTION, params={**config, "optimizers": args.optimizers, "world_size": rows[0]["world_size"]})
-    print(out.banner())
+    out.params["world_size"] = rows[0]["world_size"]
     out.table(memory, "memory")
     out.table(breakdown, "memory_breakdown")
     out.table(timing, "timing")
-    measured = {"memory": memory, "memory_breakdown": breakdown, "timing": timing}
-    write_derived(out, derive(measured, load_meta(SECTION, "memory", root=out.dir.parent)))
     print(memory.to_string(index=False))
     print(timing.to_string(index=False))
-    return 0
+    return {"memory": memory, "memory_breakdown": breakdown, "timing": timing}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The torchrun / srun form: every rank runs this; the launcher fixes the process count."""
+    from cs336_systems.experiments.__main__ import run_section
+
+    return run_section(SECTION_NAME, None, {}, argv=argv)
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+_OPTIMIZER_NAMES = {"adamw": "AdamW (replicated state)", "sharded": "our sharded AdamW", "zero": "ZeroRedundancyOptimizer"}
+
+
+def answer(d: SectionData) -> list[Block]:
+    memory = d.frame("memory")
+    breakdown = d.frame("memory_breakdown")
+    timing = d.frame("timing")
+    mem_text = None
+    rank0 = memory[memory["rank"] == 0] if memory is not None and "rank" in memory.columns else None
+    if rank0 is not None and len(rank0) and rank0["after_step_peak"].notna().any():
+        parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])}: {fmt.sig(r['after_init_peak'])} / "
+                 f"{fmt.sig(r['before_step_peak'])} / {fmt.sig(r['after_step_peak'])} GiB"
+                 for _, r in rank0.iterrows()]
+        mem_text = Text("Peak memory on rank 0 after initialization / before the optimizer step / after it: "
+                        + "; ".join(parts) + ". Sharding leaves parameters, gradients and activations unchanged "
+                        "and divides AdamW's two fp32 moments ($8\\Psi$ bytes) by the world size, so the saving "
+                        "appears only from the first optimizer step on, when the state is allocated.")
+    bd = None
+    if breakdown is not None and {"optimizer", "rank", "component", "source", "GiB"} <= set(breakdown.columns):
+        sel = breakdown[breakdown["rank"] == 0]
+        bd = sel.pivot_table(index="component", columns=["optimizer", "source"], values="GiB", sort=False)
+        bd.columns = [f"{o} {s}" for o, s in bd.columns]
+        bd = bd.reset_index()
+    if mem_text is not None and bd is not None and {"adamw measured", "sharded measured"} <= set(bd.columns):
+        st = bd.set_index("component")
+        if "optimizer_state" in st.index:
+            parts = [f"{c} {fmt.sig(st.loc[c, 'adamw measured'])} / {fmt.sig(st.loc[c, 'sharded measured'])} GiB"
+                     for c in ("parameters", "gradients", "optimizer_state", "activations")
+                     if c in st.index and pd.notna(st.loc[c, "adamw measured"])]
+            mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
+                            + "; ".join(parts).replace("_", " ") + ".")
+    time_text = None
+    if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
+        parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
+                 + (f" ({fmt.ratio(r['slowdown_vs_adamw'])})" if "slowdown_vs_adamw" in r else "")
+                 for _, r in timing.iterrows()]
+        time_text = Text("Time per training step (relative to replicated AdamW): " + join_words(parts) + ". The "
+                         "sharded step updates only the local shard, but then broadcasts every parameter from "
+                         "its owner, an extra $\\Psi$ of traffic per step that the replicated optimizer does not "
+                         "need.")
+    return [
+        question(d, "a", "Peak memory after model initialization, before and after the optimizer step, with and "
+                 "without optimizer-state sharding (XL, one node, 2 GPUs), with a breakdown.",
+                 [mem_text, d.table("memory", caption="Allocated and peak memory per rank at the three points "
+                                    "(GiB)."),
+                  d.table("memory_breakdown", frame=bd, caption="Rank 0's memory by component, measured by counting "
+                          "tensors and predicted by `accounting.training_memory_per_rank` (GiB)."),
+                  d.table("savings_vs_adamw", caption="Optimizer-state memory saved against replicated AdamW, "
+                          "and the time it costs."),
+                  d.figure("memory_points", caption="Memory at the three points of a step."),
+                  d.figure("memory_components", "memory_breakdown", caption="Measured and predicted memory by "
+                           "component.")],
+                 what="peak memory with and without sharding"),
+        question(d, "b", "Time per iteration with and without optimizer-state sharding.",
+                 [time_text, d.table("timing", caption="Time per training step (max over ranks)."),
+                  d.figure("step_time", "timing", caption="Time per training step.")],
+                 what="iteration times with and without sharding"),
+        question(d, "c", "How this differs from ZeRO stage 1 ($P_{os}$).", [
+            Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
+                 "memory by the world size $P$. ZeRO-1 partitions a flat buffer at element granularity, so every "
+                 "rank owns exactly $\\Psi/P$ elements, and replaces DDP's all-reduce with a reduce-scatter of "
+                 "gradients and an all-gather of updated parameters, $2\\Psi$ per rank in total, the same volume "
+                 "as DDP. Our sharding assigns whole parameter tensors to ranks (balanced greedily, so shards are "
+                 "only approximately equal), keeps the full gradient all-reduce ($2\\Psi$) and then broadcasts each "
+                 "updated parameter from its owner ($\\Psi$ more), $3\\Psi$ in total: simpler and model-agnostic, "
+                 "but with 1.5× the communication volume of ZeRO-1."),
+            d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step.")]),
+    ]
+
+
+
+SECTION = Section(
+    name=SECTION_NAME, number="3", title="Optimizer-state sharding", problems=("optimizer_state_sharding_accounting",),
+    answer=answer, presets=PRESETS, run=run, derive=derive, derive_inputs=("memory", "memory_breakdown", "timing"),
+    gpus=2, depends=(*MODEL, "cs336_systems/distributed/sharded_optimizer.py", "cs336_systems/distributed/launch.py",
+                     "cs336_systems/distributed/runner.py", "cs336_systems/accounting.py",
+                     "cs336_systems/benchmarking/timing.py"),
+)
 
 
 if __name__ == "__main__":
     from cs336_systems.cli import run_main
 
-    sys.exit(run_main(main, "python -m cs336_systems.distributed.sharding_benchmark"))
+    sys.exit(run_main(main, "python -m cs336_systems.experiments.optimizer_state_sharding"))

@@ -1,6 +1,7 @@
-"""FlashAttention benchmarks: the kernel sweep, the leaderboard configuration, and the model step.
+"""§1.3.2 FlashAttention-2 in Triton: the kernel sweep, the leaderboard configuration, and the model step.
 
-``python -m cs336_systems.benchmarking.flash <command>``:
+Problems ``flash_forward``, ``flash_backward`` and ``flash_benchmarking``. ``python -m
+cs336_systems.experiments flash_benchmarking --set parts=sweep,leaderboard`` runs the parts named:
 
 - ``sweep``: batch 1, one head, causal; every sequence length × head dimension × dtype; forward,
   backward and forward+backward latency of our Triton kernels next to naive PyTorch attention and
@@ -16,7 +17,7 @@
   time, the GPU time and achieved TFLOP/s of each kernel per step (torch.profiler), the tiles the
   autotuner chose and its timing of every candidate. The lab bench behind ``docs/flash_attention/NOTES.md``;
   ``--candidates wide`` widens the candidate tiles.
-- ``all``: leaderboard, sweep and model, in that order.
+The default parts are leaderboard, sweep and model, in that order.
 
 Everything goes through :class:`~cs336_systems.results.ResultWriter` (section ``flash_benchmarking``).
 Without a GPU the commands run a tiny smoke version (PyTorch-tiled flash, naive and SDPA's math path on
@@ -25,13 +26,11 @@ CPU) so that the code path is exercised; the GPU-only baselines are reported as 
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -42,13 +41,25 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..attention import FlashAttentionPytorch, FlashAttentionTriton, flash_triton, naive_attention, options
-from ..cli import parse_assignment
-from ..profiling.torch_profiler import kernel_table, profile_steps
-from ..results import ResultWriter, is_smoke_run
-from .end_to_end import BenchmarkSpec, benchmark_model
-from .sweep import OK, OOM, free_memory, grid, is_oom, run_sweep
-from .timing import TimingStats, do_bench
+from cs336_systems.attention import (
+    FlashAttentionPytorch,
+    FlashAttentionTriton,
+    flash_triton,
+    naive_attention,
+    options,
+)
+from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model
+from cs336_systems.benchmarking.sweep import OK, OOM, free_memory, grid, is_oom, run_sweep
+from cs336_systems.benchmarking.timing import TimingStats, do_bench
+from cs336_systems.configs import attention_flops
+from cs336_systems.experiments.section import Section, param
+from cs336_systems.profiling.torch_profiler import kernel_table, profile_steps
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import join_words, question, subset
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Equation, Text
+from cs336_systems.report.staleness import MODEL
+from cs336_systems.results import ResultWriter
 
 SECTION = "flash_benchmarking"
 PASSES = ("forward", "backward", "forward+backward")
@@ -58,15 +69,6 @@ UNSUPPORTED = "unsupported"
 SWEEP_SEQ_LENS = [2**i for i in range(7, 17)]  # 128 … 65536
 SWEEP_HEAD_DIMS = [16, 32, 64, 128]
 SWEEP_DTYPES = ["bfloat16", "float32"]
-
-#: Times measured before on an H100 for the leaderboard configuration (fwd+bwd), for context only:
-#: every ratio this module reports is against baselines measured in the same run.
-LEADERBOARD_ANCHORS_MS = {
-    "sdpa_flash (earlier H100 run)": 7.09,
-    "sdpa_cudnn (earlier H100 run)": 4.54,
-    "naive eager (earlier H100 run)": 94.5,
-    "2025 course leaderboard, best published": 5.36,
-}
 
 # --------------------------------------------------------------------------------------------------
 # Implementations under test: fn(q, k, v, is_causal) on (batch, heads, seq, d)
@@ -95,15 +97,6 @@ GPU_IMPLS = ["triton", "naive", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"]
 SMOKE_IMPLS = ["flash_pytorch", "naive", "sdpa_math"]
 #: The built-in baselines a speed-up is computed against (the fastest that ran, per cell).
 BUILTIN_IMPLS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
-
-
-def attention_flops(
-    batch_heads: int, n_queries: int, n_keys: int, head_dim: int, is_causal: bool, phase: str
-) -> float:
-    """Matmul FLOPs of attention: forward ``4·n_q·n_k·d`` per head (QKᵀ and PV), halved when causal; the
-    backward does 2.5× the forward (five matmuls against two), the convention FlashAttention papers use."""
-    forward = 4.0 * batch_heads * n_queries * n_keys * head_dim * (0.5 if is_causal else 1.0)
-    return forward * {"forward": 1.0, "backward": 2.5, "forward+backward": 3.5}[phase]
 
 
 def _poly_exp2_label() -> str:
@@ -228,9 +221,8 @@ def _long_format(wide: pd.DataFrame, batch_heads: int, is_causal: bool) -> pd.Da
             status = rec.get(f"{phase}_status", rec["status"])
             status = rec["status"] if (not isinstance(status, str) or rec["status"] != OK) else status
             ms = rec.get(f"{phase}_ms", math.nan)
-            flops = attention_flops(
-                batch_heads, rec["seq_len"], rec["seq_len"], rec["head_dim"], is_causal, phase
-            )
+            flops = attention_flops(batch_heads, rec["seq_len"], rec["seq_len"], rec["head_dim"], is_causal=is_causal,
+                                    phase=phase)
             rows.append({
                 **{key: rec[key] for key in ("impl", "dtype", "head_dim", "seq_len")},
                 "pass": phase, "status": status, "mean_ms": ms,
@@ -350,8 +342,8 @@ def run_leaderboard(
         rows.append(row)
         free_memory()
     table = pd.DataFrame(rows)
-    fwd_bwd = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward+backward")
-    fwd = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward")
+    fwd_bwd = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True, phase="forward+backward")
+    fwd = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True)
     table["fwd_bwd_TFLOP_per_s"] = fwd_bwd / (table["fwd_bwd_sum_ms"] * 1e-3) / 1e12
     table["forward_TFLOP_per_s"] = fwd / (table["forward_ms"] * 1e-3) / 1e12
     ours = table.loc[table["impl"] == impls[0]].iloc[0]
@@ -373,7 +365,6 @@ def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, 
             summary[f"forward_speedup_vs_{impl}"] = by.at[impl, "forward_ms"] / by.at[ours, "forward_ms"]
     summary["ours_fwd_bwd_TFLOP_per_s"] = by.at[ours, "fwd_bwd_TFLOP_per_s"]
     summary["ours_forward_TFLOP_per_s"] = by.at[ours, "forward_TFLOP_per_s"]
-    summary["anchors_ms"] = LEADERBOARD_ANCHORS_MS
     return summary
 
 
@@ -469,12 +460,12 @@ def run_kernel_breakdown(
                                                             grad_to_none=[q, k, v]))  # fmt: skip
     _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
                                                         rep_ms=rep_ms))  # fmt: skip
-    total_flops = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward+backward")
+    total_flops = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True, phase="forward+backward")
     summary["fwd_bwd_TFLOP_per_s"] = total_flops / (summary["fwd_bwd_sum_ms"] * 1e-3) / 1e12
 
     kernels = kernel_table(profile_steps(step, warmup=1, steps=profiled_steps), per=profiled_steps)
     summary["profiled_gpu_ms_per_step"] = kernels["total_ms"].sum()
-    matmul = attention_flops(batch, seq_len, seq_len, head_dim, True, "forward") / 2  # one causal product
+    matmul = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True) / 2  # one causal product
     kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP)
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
     kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
@@ -548,29 +539,70 @@ def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
 
 
 # --------------------------------------------------------------------------------------------------
-# Command line
+# The section
 # --------------------------------------------------------------------------------------------------
 
-#: Parameters per kind of run. ``full`` is the handout's grid; ``smoke`` exercises the code on CPU.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "full": dict(seq_lens=SWEEP_SEQ_LENS, head_dims=SWEEP_HEAD_DIMS, dtypes=SWEEP_DTYPES,
-                 warmup_ms=5, rep_ms=25,
-                 sweep_budget_s=600, lb_batch=16, lb_seq_len=16384, lb_head_dims=[64, 128],
-                 contexts=[1024, 2048, 4096, 8192, 16384], model="small", model_steps=3, model_budget_s=120),
-    "smoke": dict(seq_lens=[32], head_dims=[16], dtypes=["float32"], warmup_ms=1, rep_ms=2,
-                  sweep_budget_s=30, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16],
-                  model="tiny", model_steps=1, model_budget_s=30),
-}  # fmt: skip
+PARTS = ("leaderboard", "sweep", "model", "breakdown")
 
 
-def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) -> dict[str, Any]:
-    """Run the named commands and write their tables and figures; returns what was written."""
+@dataclass(frozen=True)
+class Params:
+    parts: list[str] = param(["leaderboard", "sweep", "model"], f"what to run, of {', '.join(PARTS)}")
+    seq_lens: list[int] = param(SWEEP_SEQ_LENS, "sweep: sequence lengths")
+    head_dims: list[int] = param(SWEEP_HEAD_DIMS, "sweep: head dimensions")
+    dtypes: list[str] = param(SWEEP_DTYPES, "sweep: torch dtype names")
+    warmup_ms: float = param(5.0, "do_bench warm-up per timing")
+    rep_ms: float = param(25.0, "do_bench measuring time per timing")
+    sweep_budget_s: float = param(600.0, "sweep: time budget in seconds")
+    lb_batch: int = param(16, "leaderboard: batch (heads folded in)")
+    lb_seq_len: int = param(16384, "leaderboard: sequence length")
+    lb_head_dims: list[int] = param([64, 128], "leaderboard and breakdown: head dimensions")
+    contexts: list[int] = param([1024, 2048, 4096, 8192, 16384], "model: context lengths")
+    model: str = param("small", "model: preset")
+    model_steps: int = param(3, "model: timed steps per cell")
+    model_budget_s: float = param(120.0, "model: time budget in seconds")
+    candidates: str = param("default", "kernel tiles tried by the autotuner: default | wide")
+    autotune: bool = param(True, "False: each phase's first tile, untuned")
+    poly_exp2: str | None = param(None, "phases on the FMA-pipe exponential: forward,dkdv,dq | all | none "
+                                        "(None: each tile's pin)")
+    gluon: bool = param(True, "the warp-specialized Gluon forward on Hopper (False: the Triton forward)")
+
+    def check(self) -> None:
+        unknown = [x for x in self.parts if x not in PARTS]
+        if unknown:
+            raise ValueError(f"flash_benchmarking: unknown part {unknown[0]!r}; parts: {', '.join(PARTS)}")
+        if self.candidates not in CANDIDATE_SETS:
+            raise ValueError(f"flash_benchmarking: candidates must be one of {', '.join(CANDIDATE_SETS)}")
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(seq_lens=[2**i for i in range(7, 17, 2)], sweep_budget_s=240.0, contexts=[1024, 4096, 16384],
+                    model_budget_s=60.0),
+    "smoke": Params(seq_lens=[32], head_dims=[16], dtypes=["float32"], warmup_ms=1.0, rep_ms=2.0,
+                    sweep_budget_s=30.0, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16],
+                    model="tiny", model_steps=1, model_budget_s=30.0),
+}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """Run the parts ``p.parts`` names under ``p``'s kernel options and write their tables and figures."""
+    changes: dict[str, Any] = {"candidates": CANDIDATE_SETS[p.candidates], "autotune": p.autotune, "gluon": p.gluon}
+    if p.poly_exp2 is not None:
+        changes["poly_exp2"] = p.poly_exp2
+    with options.use(**changes):
+        # Provenance: the kernel options every artefact was measured under.
+        out.params.update(poly_exp2=_poly_exp2_label(), kernel_options=options.current().describe())
+        return _run_parts(p, out)
+
+
+def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    smoke = out.smoke
+    commands, smoke = p.parts, out.smoke
     if "leaderboard" in commands:
-        for head_dim in params["lb_head_dims"]:
+        for head_dim in p.lb_head_dims:
             started = time.monotonic()
-            table = run_leaderboard(params["lb_batch"], params["lb_seq_len"], head_dim)
+            table = run_leaderboard(p.lb_batch, p.lb_seq_len, head_dim)
             suffix = "" if head_dim == 64 else f"_d{head_dim}"
             out.table(table, f"leaderboard{suffix}", params={"head_dim": head_dim})
             summary = leaderboard_summary(table, ours=table["impl"].iloc[0])
@@ -581,8 +613,8 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
     if "sweep" in commands:
         started = time.monotonic()
         long = run_flash_sweep(
-            params["seq_lens"], params["head_dims"], params["dtypes"], warmup_ms=params["warmup_ms"],
-            rep_ms=params["rep_ms"], budget_s=params["sweep_budget_s"],
+            p.seq_lens, p.head_dims, p.dtypes, warmup_ms=p.warmup_ms,
+            rep_ms=p.rep_ms, budget_s=p.sweep_budget_s,
         )  # fmt: skip
         out.table(long, "sweep")
         print(f"sweep took {time.monotonic() - started:.0f} s")
@@ -599,7 +631,7 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
             print("breakdown skipped: it times the Triton kernels, which need a GPU (or TRITON_INTERPRET=1)")
         else:
             started = time.monotonic()
-            parts = [run_kernel_breakdown(params["lb_batch"], params["lb_seq_len"], d) for d in params["lb_head_dims"]]
+            parts = [run_kernel_breakdown(p.lb_batch, p.lb_seq_len, d) for d in p.lb_head_dims]
             summary = pd.DataFrame([p[0] for p in parts])
             kernels = pd.concat([p[1] for p in parts], ignore_index=True)
             tuning = pd.concat([p[2] for p in parts], ignore_index=True)
@@ -618,10 +650,10 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
         started = time.monotonic()
         impls = ("naive", "sdpa", "flash_triton") if not smoke else ("naive", "sdpa", "flash_pytorch")
         table = run_model_comparison(
-            params["contexts"], impls, model=params["model"], budget_s=params["model_budget_s"],
+            p.contexts, impls, model=p.model, budget_s=p.model_budget_s,
             precision="fp32" if smoke else "bf16",
-            warmup=min(2, params["model_steps"]),
-            steps=params["model_steps"],
+            warmup=min(2, p.model_steps),
+            steps=p.model_steps,
         )  # fmt: skip
         out.table(table, "model_step")
         out.figure(plot_model_comparison(table), "model_step")
@@ -636,48 +668,169 @@ def run_all(commands: Sequence[str], params: dict[str, Any], out: ResultWriter) 
     return results
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.flash", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("commands", nargs="+", choices=["sweep", "leaderboard", "model", "breakdown", "all"])
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny CPU-sized parameters (default without CUDA)"
-    )
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=parse_assignment,
-                        help="override a parameter: --set seq_lens=[128,1024] --set sweep_budget_s=100")  # fmt: skip
-    kernel = parser.add_argument_group("kernel options (attention.options; CS336_FLASH_AUTOTUNE, "
-                                       "CS336_FLASH_POLY_EXP2 and CS336_FLASH_GLUON map onto the same)")
-    kernel.add_argument("--candidates", choices=sorted(CANDIDATE_SETS), default="default",
-                        help="candidate tiles: the library's short lists, or every shape worth trying")
-    kernel.add_argument("--no-autotune", action="store_true", help="run each list's first tile, untuned")
-    kernel.add_argument("--poly-exp2", default=None, metavar="PHASES",
-                        help="phases on the FMA-pipe exponential: forward,dkdv,dq | all | none (default: tile pins)")
-    kernel.add_argument("--no-gluon", action="store_true", help="the Triton forward on Hopper too")
-    args = parser.parse_args(argv)
-    changes = options.from_env(os.environ)
-    changes["candidates"] = CANDIDATE_SETS[args.candidates]
-    if args.no_autotune:
-        changes["autotune"] = False
-    if args.poly_exp2 is not None:
-        changes["poly_exp2"] = args.poly_exp2
-    if args.no_gluon:
-        changes["gluon"] = False
-    options.set_options(**changes)
-    smoke = is_smoke_run(True if args.smoke else None)
-    params = dict(DEFAULTS["smoke" if smoke else "full"])
-    for key, value in args.set:
-        if key not in params:
-            raise SystemExit(f"unknown parameter {key!r}; valid: {', '.join(params)}")
-        params[key] = value
-    commands = ["leaderboard", "sweep", "model"] if "all" in args.commands else args.commands
-    # Provenance: which phases of our kernels use the polynomial exp2 (CS336_FLASH_POLY_EXP2).
-    out = ResultWriter(SECTION, params={**params, "poly_exp2": _poly_exp2_label(),
-                                        "kernel_options": options.current().describe()}, smoke=smoke)
-    print(out.banner())
-    run_all(commands, params, out)
 
 
-if __name__ == "__main__":
-    from cs336_systems.cli import run_main
+# === Answers: formatting only; changes below this line do not make results stale ===
 
-    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.flash"))
+
+def answer(d: SectionData) -> list[Block]:
+    return [
+        question(d, "flash_forward", "FlashAttention-2 forward in PyTorch and in Triton, with a causal flag.", [
+            Text("The forward pass tiles $Q$ into row blocks of $B_q$ rows and streams $K, V$ in column blocks of "
+                 "$B_k$ rows, keeping a running row maximum $m$, normalizer $\\ell$ and unnormalized output "
+                 "$\\tilde O$ in on-chip memory; per key block $j$:"),
+            Equation([
+                (r"S^{(j)} = Q_i K_j^\top/\sqrt{d},\quad m^{(j)} = \max\left(m^{(j-1)}, \mathrm{rowmax}\,S^{(j)}\right),"
+                r"\quad \tilde P^{(j)} = \exp\left(S^{(j)} - m^{(j)}\right)"),
+                (r"\ell^{(j)} = e^{m^{(j-1)} - m^{(j)}}\,\ell^{(j-1)} + \mathrm{rowsum}\,\tilde P^{(j)},\quad "
+                r"\tilde O^{(j)} = \mathrm{diag}\left(e^{m^{(j-1)} - m^{(j)}}\right)\tilde O^{(j-1)} + \tilde P^{(j)} V_j"),
+                r"O_i = \mathrm{diag}\left(\ell\right)^{-1}\tilde O,\qquad L_i = m + \log \ell",
+            ]),
+            Text("With the causal flag, key blocks entirely above the diagonal are skipped and the diagonal block "
+                 "is masked with $-10^6$ before the maximum."),
+        ]),
+        question(d, "flash_backward", "The backward pass by recomputation.", [
+            Text("Only $O$ and $L$ are saved. With $D = \\mathrm{rowsum}(O \\circ dO)$ the backward recomputes "
+                 "$P = \\exp(S - L)$ tile by tile:"),
+            Equation([
+                r"dV = P^\top dO,\quad dP = dO\,V^\top,\quad dS = P \circ (dP - D),",
+                r"dQ = dS\,K/\sqrt{d},\quad dK = dS^\top Q/\sqrt{d}",
+            ]),
+            Text("It exists twice: `FlashAttentionPytorch` does it in tiled PyTorch under `torch.compile` (the "
+                 "handout's version), and `FlashAttentionTriton`, the implementation benchmarked below, in three "
+                 "Triton kernels: one computes $D$, one owns a key block and accumulates $dK, dV$ over the query "
+                 "blocks, one owns a query block and accumulates $dQ$ over the key blocks, so no two programs "
+                 "write the same output and no atomics are needed. Its forward is a Triton kernel, or on Hopper "
+                 "a warp-specialized Gluon kernel with TMA loads."),
+        ]),
+        question(d, "flash_benchmarking", "Triton FlashAttention-2 versus PyTorch attention (batch 1, causal) over "
+                 "sequence lengths $2^7$–$2^{16}$, head sizes $2^4$–$2^7$, bf16 and fp32: forward, backward and "
+                 "forward + backward latency.", _flash_sweep(d), what="the FlashAttention benchmark sweep"),
+        question(d, "leaderboard", "Leaderboard timing: forward + backward, batch 1, $T = 16384$, "
+                 "$d_{\\mathrm{model}} = 1024$ in 16 heads, bf16, causal.", _leaderboard(d),
+                 what="the leaderboard timing"),
+        question(d, "model", "The Transformer's training step with each attention implementation.", [
+            _model_step_sentence(d.frame("model_step")),
+            d.table("model_step", frame=subset(d.frame("model_step"), "context_length", "attention_impl", "status",
+                                               "total_mean_ms", "total_std_ms", "peak_memory_GiB"),
+                    caption="Training step (forward, backward, AdamW) by context length and attention."),
+            d.figure("model_step", caption="Step time and peak memory by context length."),
+        ]),
+    ]
+
+
+def _flash_sweep(d: SectionData) -> list[Block | None]:
+    d.frame("sweep")  # the long table; shown through the speed-up table
+    sp = d.frame("sweep_speedup")
+    blocks: list[Block | None] = []
+    if sp is not None and {"dtype", "pass", "speedup_vs_builtin"} <= set(sp.columns) and len(sp):
+        parts = []
+        for (dtype, ph), g in sp.groupby(["dtype", "pass"], sort=False):
+            v = g["speedup_vs_builtin"].dropna()
+            if len(v):
+                parts.append(f"{dtype} {ph}: median {fmt.ratio(v.median())} (range {fmt.sig(v.min())}–"
+                             f"{fmt.sig(v.max())})")
+        naive_text = _naive_sentence(sp)
+        if naive_text is not None:
+            blocks.append(naive_text)
+        blocks.append(Text("Speed-up of our Triton kernels over the fastest built-in PyTorch attention in each cell "
+                           "(built-in time / ours; above 1 means ours is faster): " + "; ".join(parts) + "."))
+        for dtype, g in sp.groupby("dtype", sort=False):
+            values = [v for v in ("ours_ms", "naive_ms", "best_builtin_ms") if v in g.columns]
+            wide = g.pivot_table(index=["seq_len", "head_dim"], columns="pass", values=values, sort=False)
+            label = {"ours_ms": "ours", "naive_ms": "PyTorch", "best_builtin_ms": "best SDPA"}
+            wide.columns = [f"{ph} {label[k]} ms" for k, ph in wide.columns]
+            order = [c for ph in ("forward", "backward", "forward+backward") for c in
+                     (f"{ph} ours ms", f"{ph} PyTorch ms", f"{ph} best SDPA ms") if c in wide.columns]
+            blocks.append(d.table("sweep_speedup", frame=wide[order].reset_index(), caption=f"Latency (ms) of our "
+                                  f"Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
+                                  f"fastest SDPA backend, {dtype}, batch 1, causal; blank: out of memory."))
+    blocks.append(d.figure("sweep_speedup", caption="Speed-up over the fastest built-in per cell."))
+    blocks.append(d.figure("sweep_latency_d64", caption="Latency against sequence length, head size 64."))
+    if len([b for b in blocks if b is not None]) == 0:
+        blocks.append(d.table("sweep", caption="Latency by implementation, dtype, head size, sequence length and pass."))
+    return blocks
+
+
+def _naive_sentence(sp: pd.DataFrame) -> Text | None:
+    """Ours against regular PyTorch attention (what the handout compares with), forward + backward."""
+    if "speedup_vs_naive" not in sp.columns:
+        return None
+    parts = []
+    for dtype, g in sp[sp["pass"] == "forward+backward"].groupby("dtype", sort=False):
+        v = g.dropna(subset=["speedup_vs_naive"])
+        if v.empty:
+            continue
+        slower = v[v["speedup_vs_naive"] < 1]
+        longest = v[v["seq_len"] == v["seq_len"].max()]
+        oom = g[g["naive_ms"].isna() & g["ours_ms"].notna()]
+        text = (f"{dtype}: {fmt.ratio(v['speedup_vs_naive'].median())} faster in the median cell, "
+                f"{fmt.ratio(longest['speedup_vs_naive'].min())}–{fmt.ratio(longest['speedup_vs_naive'].max())} at "
+                f"{int(longest['seq_len'].iloc[0]):,} tokens")
+        if not slower.empty:
+            text += (f"; slower in {len(slower)} of {len(v)} cells, all at or below "
+                     f"{int(slower['seq_len'].max()):,} tokens, where fixed per-call costs outweigh the "
+                     "quadratic work")
+        if not oom.empty:
+            text += f"; PyTorch runs out of memory from {int(oom['seq_len'].min()):,} tokens, ours does not"
+        parts.append(text)
+    if not parts:
+        return None
+    return Text("Against regular PyTorch attention (eager, materializing the $T\\times T$ scores), forward + "
+                "backward: " + "; ".join(parts) + ".")
+
+
+def _model_step_sentence(df: pd.DataFrame | None) -> Text | None:
+    if df is None or not {"context_length", "attention_impl", "total_mean_ms"} <= set(df.columns) or df.empty:
+        return None
+    longest = df[df["context_length"] == df["context_length"].max()]
+    parts = []
+    for _, r in longest.iterrows():
+        if str(r.get("status", "ok")) == "ok":
+            mem = f", {fmt.gib(r['peak_memory_GiB'] * 2**30)}" if pd.notna(r.get("peak_memory_GiB")) else ""
+            parts.append(f"{r['attention_impl']} {fmt.ms(r['total_mean_ms'])}{mem}")
+        else:
+            parts.append(f"{r['attention_impl']} {r['status']}")
+    return Text(f"At context {int(longest['context_length'].iloc[0]):,} a training step takes: "
+                + join_words(parts) + ".")
+
+
+def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
+    ours = summary.get("ours", "triton")
+    ms_ = summary.get(f"{ours}_fwd_bwd_ms")
+    if ms_ is None:
+        return None
+    vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)}" for k, v in summary.items()
+          if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
+    lead = f"{head_dim}our kernels" if head_dim else "Our kernels"
+    return Text(f"{lead} ({ours}) take {fmt.ms(ms_)} for forward + backward"
+                + (f" ({fmt.sig(summary['ours_fwd_bwd_TFLOP_per_s'])} TFLOP/s)"
+                   if "ours_fwd_bwd_TFLOP_per_s" in summary else "")
+                + ("; speed-up over " + join_words(vs) + " measured in the same run." if vs else "."))
+
+
+def _leaderboard(d: SectionData) -> list[Block | None]:
+    summary = d.json("leaderboard_summary", "leaderboard*_summary")
+    text = _leaderboard_sentence(summary) if isinstance(summary, dict) else None
+    d128 = d.json("leaderboard_d128_summary") if "leaderboard_d128_summary" in d.records and \
+        d.frame_name("leaderboard") else None
+    if isinstance(d128, dict) and text is not None:
+        extra = _leaderboard_sentence(d128, "With head size 128, ")
+        text = Text(text.markdown + (" " + extra.markdown if extra else ""))
+    main = d.frame_name("leaderboard", "leaderboard_d*")
+    frame = subset(d.frame(main) if main else None, "impl", "fwd_bwd_sum_ms", "fwd_bwd_sum_median_ms", "forward_ms",
+                   "fwd_bwd_TFLOP_per_s", "forward_TFLOP_per_s")
+    return [text, d.table(main or "", frame=frame, caption="Leaderboard configuration, forward + backward "
+                          "with `o.sum().backward()` and forward alone (heads folded into the batch)."),
+            d.table("leaderboard_d128", frame=subset(d.frame("leaderboard_d128"), "impl", "fwd_bwd_sum_ms",
+                                                     "forward_ms", "fwd_bwd_TFLOP_per_s"),
+                    caption="The same with head size 128.")]
+
+
+
+SECTION = Section(
+    name="flash_benchmarking", number="1.3.2", title="FlashAttention-2 in Triton",
+    problems=("flash_forward", "flash_backward", "flash_benchmarking"), answer=answer, presets=PRESETS, run=run,
+    depends=(*MODEL, "cs336_systems/attention/", "cs336_systems/benchmarking/timing.py",
+             "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py"),
+)

@@ -25,15 +25,27 @@ median step time (``step_ms_median``), which occasional slow steps of a host-bou
 ``torch`` is DDP with its defaults (25 MiB buckets) or, with ``comm_dtype=bf16``, its
 ``bf16_compress_hook`` — the built-in equivalents of our variants.
 
+Command line (the course-style script: under torchrun or srun every rank runs it; without them it spawns
+``--nproc`` local ranks)::
+
+    python -m cs336_systems.benchmarking.ddp_steps --mode flat individual bucketed --bucket-size-mb 25
+    torchrun --nproc-per-node 2 -m cs336_systems.benchmarking.ddp_steps --mode bucketed --bucket-size-mb 1 10 100 1000
+    srun -n 2 python -m cs336_systems.benchmarking.ddp_steps --mode individual
+
+``single`` and ``torch`` are always added as baselines unless ``--no-baselines``. Results go to
+``figures/ddp_benchmark/<name>_<preset>_<autocast>.*`` and to every section folder the modes cover.
+
 Timelines: for the strategies in ``profile``, one step runs under torch.profiler; its Chrome trace is
 reduced to a small table of GPU kernel intervals per stream (compute kernels merged when contiguous;
-NCCL kernels kept), which :func:`~cs336_systems.distributed.timeline_analysis.plot_timeline` draws.
+NCCL kernels kept), which :func:`~cs336_systems.profiling.timeline.plot_timeline` draws.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -44,13 +56,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from cs336_systems.benchmarking.allreduce import parse_size, time_all_reduce
 from cs336_systems.configs import build_model, get_config
 from cs336_systems.distributed import launch
-from cs336_systems.distributed.allreduce import parse_size, time_all_reduce
 from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB
 from cs336_systems.distributed.grad_sync import DataParallel, shard_batch
 from cs336_systems.distributed.strategies import STRATEGIES, wrap
-from cs336_systems.distributed.timeline_analysis import overlap_summary, plot_timeline, profile_timeline
+from cs336_systems.profiling.timeline import overlap_summary, plot_timeline, profile_timeline
 
 SECTION = "ddp_benchmark"  # results folder (figures/ddp_benchmark/) the command-line runs write to
 BASELINES = ("single", "torch")
@@ -357,7 +369,7 @@ def with_overheads(steps: Any) -> Any:
 def check_toy_equivalence(variants: list[Variant]) -> list[dict[str, Any]]:
     """Train each of our strategies (as configured: bucket size, wire dtype) on the toy model and compare
     with single-process training on the full batch; rows report the worst rank."""
-    from cs336_systems.distributed.equivalence import train_and_compare, train_captured_and_compare
+    from cs336_systems.checks.equivalence import train_and_compare, train_captured_and_compare
 
     ctx = launch.current_context()
     rows = []
@@ -520,7 +532,7 @@ def write_section(out: Any, result: dict[str, Any], cfg: DDPBenchConfig, *, name
     """
     import pandas as pd
 
-    from cs336_systems.distributed import overhead_model
+    from cs336_systems.benchmarking import ddp_overhead_model as overhead_model  # noqa: F401 (module alias)
 
     tag = f"{cfg.preset}_{cfg.autocast}"
 
@@ -691,3 +703,20 @@ def run_from_args(args: Any) -> list[Any]:
             if failed:
                 raise RuntimeError(f"strategies that do not match single-process training on the toy model: {failed}")
     return frames
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser, modes_default=["naive", "flat", "individual", "bucketed"])
+    parser.add_argument("--no-baselines", action="store_true", help="do not add single-GPU and torch DDP runs")
+    args = parser.parse_args(argv)
+    if not args.no_baselines:
+        args.mode = [*BASELINES, *[m for m in args.mode if m not in BASELINES]]
+    run_from_args(args)
+    return 0
+
+
+if __name__ == "__main__":
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.ddp_steps"))

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cs336_systems.checks.toy_models import make_toy_batch, make_toy_model
 from cs336_systems.distributed.grad_sync import shard_batch
-from cs336_systems.distributed.toy_models import make_toy_batch, make_toy_model
 
 
 class SGDMomentum:

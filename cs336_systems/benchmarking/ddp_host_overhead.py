@@ -12,7 +12,7 @@ and shrinks its widths:
 - one gloo process. Its collectives move a few kilobytes, so a step's time is compute plus host
   bookkeeping, and the difference to the unwrapped model is the synchronisation's host cost.
 
-    python -m cs336_systems.distributed.host_overhead --repeats 4   # writes figures/ddp_benchmark/host_overhead_cpu*
+    python -m cs336_systems.benchmarking.ddp_host_overhead --repeats 4   # writes figures/ddp_benchmark/host_overhead_cpu*
 
 Each variant runs ``steps`` timed steps (median reported) after ``warmup``. Repeats alternate the order
 of the variants, because timings on a busy host drift.
@@ -134,4 +134,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     from cs336_systems.cli import run_main
 
-    sys.exit(run_main(main, "python -m cs336_systems.distributed.host_overhead"))
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.ddp_host_overhead"))

@@ -21,7 +21,7 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
 - :func:`backward_stretch` — from a step table: how much longer forward+backward got than in a reference
   variant (``flat``, whose communication starts after backward), per collective launched inside backward.
 
-``python -m cs336_systems.distributed.timeline_analysis`` prints all six for the committed H200 results.
+``python -m cs336_systems.profiling.timeline`` prints all six for the committed H200 results.
 """
 
 from __future__ import annotations
@@ -491,4 +491,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     from cs336_systems.cli import run_main
 
-    sys.exit(run_main(main, "python -m cs336_systems.distributed.timeline_analysis"))
+    sys.exit(run_main(main, "python -m cs336_systems.profiling.timeline"))

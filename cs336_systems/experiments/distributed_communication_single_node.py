@@ -14,10 +14,10 @@ Conventions follow nccl-tests (``doc/PERFORMANCE.md``):
 The theoretical ceiling comes from ``nvidia-smi topo -m``: ``NV<k>`` between two GPUs means ``k``
 NVLinks; per-GPU bandwidth is ``links × per-link bandwidth`` (one direction), which is the peak busbw.
 
-Run::
+Problem ``distributed_communication_single_node``. Run::
 
-    python -m cs336_systems.distributed.allreduce --backends nccl gloo --nproc 2 4
-    torchrun --nproc-per-node 8 -m cs336_systems.distributed.allreduce --backends nccl --append
+    python -m cs336_systems.experiments distributed_communication_single_node --set nproc=2,4,6
+    torchrun --nproc-per-node 8 -m cs336_systems.experiments.distributed_communication_single_node --backends nccl --append
 """
 
 from __future__ import annotations
@@ -27,19 +27,32 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import pandas as pd
 import torch
-import torch.distributed as dist
 
-from cs336_systems.distributed import launch, runner
+from cs336_systems.benchmarking.allreduce import (
+    DEFAULT_SIZES,
+    SMOKE_SIZES,
+    benchmark_worker,
+    bus_bandwidth_factor,
+    parse_size,
+    run_allreduce_benchmark,
+    size_label,
+)
+from cs336_systems.distributed import runner
+from cs336_systems.experiments.section import Section, param
+from cs336_systems.replot import Derived
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import join_words, question
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Text
+from cs336_systems.results import ResultWriter
 
-SECTION = "distributed_communication_single_node"
-DEFAULT_SIZES = ["1MB", "10MB", "100MB", "1GB"]
-SMOKE_SIZES = ["1KB", "10KB", "100KB", "1MB"]
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+SECTION_NAME = "distributed_communication_single_node"
+
 
 #: Unidirectional bandwidth of one NVLink, GB/s, by GPU generation (NVLink 2, 3 and 4 all move 25 GB/s
 #: per link and direction; NVLink 5 doubles it). Matched against the device name.
@@ -48,38 +61,6 @@ NVLINK_GBPS_PER_LINK = {"B200": 50.0, "GB200": 50.0, "B100": 50.0, "H200": 25.0,
 DEFAULT_NVLINK_GBPS = 25.0
 #: The most NVLinks any GPU has (Hopper and Blackwell: 18).
 MAX_NVLINKS_PER_GPU = 18
-
-
-# --------------------------------------------------------------------------------------------------
-# Sizes and bandwidth conventions
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_size(text: str | int) -> int:
-    """``"1MB"`` → 1_000_000 (decimal units, as in GB/s), ``"1MiB"`` → 1_048_576, ``"4096"`` → 4096."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS | {"": 1}:
-        raise ValueError(f"cannot parse size {text!r}; use e.g. 1MB, 100MB, 1GB, 64MiB or a byte count")
-    value = int(float(m.group(1)) * _UNITS.get(m.group(2).upper(), 1))
-    if value < 4 or value % 4:
-        raise ValueError(f"size {text!r} must be a positive multiple of 4 bytes (fp32 elements)")
-    return value
-
-
-def size_label(nbytes: int) -> str:
-    for unit in ("GB", "MB", "KB"):
-        if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
-            return f"{nbytes // _UNITS[unit]}{unit}"
-    return f"{nbytes}B"
-
-
-def bus_bandwidth_factor(world_size: int) -> float:
-    """``2(n−1)/n``: bytes each rank sends (and receives) per byte of buffer in a ring all-reduce."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return 2.0 * (world_size - 1) / world_size
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,78 +161,6 @@ def read_topology(gbps_per_link: float | None = None) -> Topology:
     links = parse_topology_matrix(proc.stdout)
     note = f"{gbps_per_link:g} GB/s per NVLink per direction" + ("" if links else "; no GPU matrix found")
     return Topology(True, proc.stdout, gpu_name, links, gbps_per_link, note)
-
-
-# --------------------------------------------------------------------------------------------------
-# Measurement (inside an initialised process group)
-# --------------------------------------------------------------------------------------------------
-
-
-def default_iterations(size_bytes: int, backend: str) -> tuple[int, int]:
-    """(warm-up, timed) iterations: many for small GPU messages, few for gigabyte all-reduces on CPU."""
-    if backend == "nccl":
-        return (5, 50) if size_bytes <= 10**8 else (3, 20)
-    return (2, 10) if size_bytes <= 10**7 else (1, 3)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_all_reduce(size_bytes: int, warmup: int | None = None, iters: int | None = None) -> dict[str, Any]:
-    """Mean seconds per fp32 all-reduce of ``size_bytes`` on this process group (slowest rank)."""
-    ctx = launch.current_context()
-    default_warmup, default_iters = default_iterations(size_bytes, ctx.backend)
-    warmup = default_warmup if warmup is None else warmup
-    iters = default_iters if iters is None else iters
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    data = torch.randn(size_bytes // 4, dtype=torch.float32, device=ctx.device)
-    for _ in range(warmup):
-        dist.all_reduce(data)
-    _sync(ctx.device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(data)
-    _sync(ctx.device)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    seconds = float(elapsed.item())
-    algbw = size_bytes / seconds / 1e9
-    del data
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return {
-        "backend": ctx.backend,
-        "device": "cuda" if ctx.device.type == "cuda" else "cpu",
-        "world_size": ctx.world_size,
-        "size_bytes": size_bytes,
-        "size": size_label(size_bytes),
-        "time_ms": seconds * 1e3,
-        "algbw_GBps": algbw,
-        "busbw_GBps": algbw * bus_bandwidth_factor(ctx.world_size),
-        "iters": iters,
-    }
-
-
-def benchmark_worker(sizes_bytes: list[int], warmup: int | None, iters: int | None) -> list[dict[str, Any]]:
-    """All sizes on the current process group (run on every rank; rows are identical across ranks)."""
-    return [time_all_reduce(s, warmup, iters) for s in sizes_bytes]
-
-
-def run_allreduce_benchmark(
-    backend: str,
-    world_size: int,
-    sizes: list[str | int],
-    warmup: int | None = None,
-    iters: int | None = None,
-) -> list[dict[str, Any]]:
-    """Spawn ``world_size`` local processes on ``backend`` and measure every size."""
-    sizes_bytes = [parse_size(s) for s in sizes]
-    results = launch.spawn(benchmark_worker, world_size, sizes_bytes, warmup, iters, backend=backend)
-    return results[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,8 +284,6 @@ def plot_bandwidth(df: Any, theory: Any = None, metric: str = "busbw_GBps") -> A
 
 def merge_rows(old: Any, new: Any) -> Any:
     """Append new measurements, replacing older rows for the same (backend, world_size, size)."""
-    import pandas as pd
-
     if old is None or not len(old):
         return new.reset_index(drop=True)
     key = ["backend", "world_size", "size_bytes"]
@@ -384,82 +291,90 @@ def merge_rows(old: Any, new: Any) -> Any:
     return merged.sort_values(key).reset_index(drop=True)
 
 
-def write_results(rows: list[dict[str, Any]], topology: Topology, params: dict[str, Any], append: bool) -> Any:
-    """Table ``allreduce`` (+ ``allreduce_theory``), JSON ``topology`` and figure ``allreduce_bandwidth``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    from cs336_systems.results import ResultWriter
-
-    out = ResultWriter(SECTION, params=params)
+def write_measurements(out: ResultWriter, rows: list[dict[str, Any]], topology: Topology, append: bool) -> Any:
+    """The measured table ``allreduce`` (merged into the existing one with ``append``) and the ``topology``
+    the measuring machine reported."""
     new = pd.DataFrame(rows)
     old = pd.read_csv(out.path("allreduce.csv")) if append and out.path("allreduce.csv").exists() else None
     df = merge_rows(old, new)
     out.table(df, "allreduce")
     world_sizes = sorted(df.loc[df["backend"] == "nccl", "world_size"].unique().tolist())
-    theory = pd.DataFrame(theoretical_rows(topology, world_sizes, sorted(df["size_bytes"].unique().tolist())))
-    if len(theory):
-        out.table(theory, "allreduce_theory")
     out.json({**asdict(topology), "peak_busbw_GBps": {n: topology.peak_busbw_gbps(n) for n in world_sizes}}, "topology")
-    fig = plot_bandwidth(df, theory if len(theory) else None)
-    out.figure(fig, "allreduce_bandwidth")
-    plt.close(fig)
-    _write_alpha_beta(out, df, theory, source=None)
     print(df.to_string(index=False))
-    if not topology.available or not len(theory):
+    if not topology.available:
         print(f"theoretical curve omitted: {topology.note}")
-    print(out.banner())
     return df
 
 
-def rederive_theory(publish: bool = False) -> Any:
-    """Recompute the theoretical curve and the figure from committed results (``allreduce`` table and
-    the ``topology`` text captured on the measuring machine), without GPUs, into ``.scratch/figures/``
-    or, with ``publish``, beside the measurements. The measured table is left untouched; the derived
-    artefacts carry the measuring run's provenance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    from cs336_systems.results import ResultWriter, load_json, load_meta, load_table
-
-    df = load_table(SECTION, "allreduce")
-    saved = load_json(SECTION, "topology")
-    source = load_meta(SECTION, "allreduce")
-    topology = Topology(
-        saved["available"], saved["text"], saved["gpu_name"], parse_topology_matrix(saved["text"]),
-        saved["gbps_per_link"], f"{saved['gbps_per_link']:g} GB/s per NVLink per direction",
-    )
-    out = ResultWriter(SECTION, params=source.get("params", {}), smoke=False, publish=publish)
-    world_sizes = sorted(df.loc[df["backend"] == "nccl", "world_size"].unique().tolist())
-    theory = pd.DataFrame(theoretical_rows(topology, world_sizes, sorted(df["size_bytes"].unique().tolist())))
+def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
+    """From the measured table and topology: the theoretical curve, the bandwidth figure and the α–β fit."""
+    df, saved = tables["allreduce"], tables.get("topology")
+    theory = pd.DataFrame()
+    if saved:
+        topology = Topology(
+            saved["available"], saved["text"], saved["gpu_name"], parse_topology_matrix(saved["text"]),
+            saved["gbps_per_link"], f"{saved['gbps_per_link']:g} GB/s per NVLink per direction",
+        )
+        world_sizes = sorted(df.loc[df["backend"] == "nccl", "world_size"].unique().tolist())
+        theory = pd.DataFrame(theoretical_rows(topology, world_sizes, sorted(df["size_bytes"].unique().tolist())))
+    derived = Derived(figures={"allreduce_bandwidth": (plot_bandwidth(df, theory if len(theory) else None), "allreduce")})
     if len(theory):
-        out.table(theory, "allreduce_theory", source=source)
-    peaks = {n: topology.peak_busbw_gbps(n) for n in world_sizes}
-    out.json({**asdict(topology), "peak_busbw_GBps": peaks}, "topology", source=source)
-    fig = plot_bandwidth(df, theory if len(theory) else None)
-    out.figure(fig, "allreduce_bandwidth", source=source)
-    plt.close(fig)
-    _write_alpha_beta(out, df, theory, source=source)
-    return theory
-
-
-def _write_alpha_beta(out: Any, df: Any, theory: Any, source: dict[str, Any] | None) -> None:
-    """Table ``allreduce_alpha_beta`` and its figure: the latency-bandwidth model fitted to ``df``."""
-    import matplotlib.pyplot as plt
-
+        derived.tables["allreduce_theory"] = (theory, "allreduce")
     fit = fit_alpha_beta(df)
-    if not len(fit):
-        return
-    out.table(fit, "allreduce_alpha_beta", source=source)
-    fig = plot_alpha_beta(df, fit, theory if theory is not None and len(theory) else None)
-    out.figure(fig, "allreduce_alpha_beta", source=source)
-    plt.close(fig)
+    if len(fit):
+        derived.tables["allreduce_alpha_beta"] = (fit, "allreduce")
+        derived.figures["allreduce_alpha_beta"] = (plot_alpha_beta(df, fit, theory if len(theory) else None), "allreduce")
+    return derived
+
+
+# --------------------------------------------------------------------------------------------------
+# The section
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Params:
+    backends: list[str] = param(["nccl", "gloo"], "nccl (GPUs) and/or gloo (CPU processes)")
+    nproc: list[int] = param([2, 4, 6], "process counts; NCCL counts above the GPUs present are skipped")
+    sizes: list[str] = param(DEFAULT_SIZES, "message sizes per rank (decimal units: 1MB = 10^6 bytes)")
+    gloo_max_size: str = param("1GB", "skip gloo sizes above this (a CPU all-reduce of 1 GB is slow)")
+    warmup: int | None = param(None, "untimed all-reduces per size (None: by size and backend)")
+    iters: int | None = param(None, "timed all-reduces per size (None: by size and backend)")
+    gbps_per_link: float | None = param(None, "NVLink GB/s per link and direction (None: by GPU generation)")
+    append: bool = param(False, "merge into the existing table instead of replacing it")
+
+    def check(self) -> None:
+        bad = [b for b in self.backends if b not in ("nccl", "gloo")]
+        if bad:
+            raise ValueError(f"backends must be nccl or gloo, got {bad[0]!r}")
+        if any(n < 2 for n in self.nproc):
+            raise ValueError(f"an all-reduce needs at least 2 processes, got nproc={self.nproc}")
+        for size in (*self.sizes, self.gloo_max_size):
+            parse_size(size)
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(nproc=[2, 4]),
+    "smoke": Params(backends=["gloo"], nproc=[2], sizes=SMOKE_SIZES),
+}
+
+
+def run(p: Params, out: ResultWriter) -> Any:
+    """Spawn each (backend, process count) in turn on this machine and time every size."""
+    sizes, gloo_max = [parse_size(s) for s in p.sizes], parse_size(p.gloo_max_size)
+    rows: list[dict[str, Any]] = []
+    for backend in p.backends:
+        for n in p.nproc:
+            if backend == "nccl" and n > torch.cuda.device_count():
+                print(f"skipping nccl with {n} processes: {torch.cuda.device_count()} GPUs here")
+                continue
+            bsizes = [s for s in sizes if backend == "nccl" or s <= gloo_max]
+            print(f"all-reduce: {backend}, {n} processes, sizes {[size_label(s) for s in bsizes]}", flush=True)
+            rows += run_allreduce_benchmark(backend, n, bsizes, p.warmup, p.iters)
+    if not rows:
+        raise ValueError("no (backend, process count) could run here")
+    return write_measurements(out, rows, read_topology(p.gbps_per_link), p.append)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -468,57 +383,98 @@ def _write_alpha_beta(out: Any, df: Any, theory: Any, source: dict[str, Any] | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cs336_systems.results import is_smoke_run
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", choices=["nccl", "gloo"], default=None,
-                        help="default: nccl and gloo with GPUs, gloo without")
-    parser.add_argument("--nproc", nargs="+", type=int, default=[2, 4],
-                        help="process counts to spawn locally (ignored under torchrun/srun)")
-    parser.add_argument("--sizes", nargs="+", default=None, help=f"default {DEFAULT_SIZES} ({SMOKE_SIZES} in smoke runs)")
-    parser.add_argument("--gloo-max-size", default="1GB", help="skip gloo sizes above this (CPU all-reduce of 1 GB is slow)")
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--gbps-per-link", type=float, default=None, help="override NVLink GB/s per link and direction")
+    """The torchrun / srun form (the launcher fixes the process count, one backend per job); spawned runs go
+    through ``python -m cs336_systems.experiments distributed_communication_single_node``."""
+    parser = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", choices=["nccl", "gloo"], default=None)
+    parser.add_argument("--nproc", nargs="+", type=int, default=None, help="process counts when not under torchrun/srun")
+    parser.add_argument("--sizes", nargs="+", default=None)
     parser.add_argument("--append", action="store_true", help="merge into an existing allreduce table")
-    parser.add_argument("--rederive", action="store_true",
-                        help="no measurement: recompute the theoretical curve and figure from committed results "
-                             "(into .scratch/figures/; with --publish into figures/)")
-    parser.add_argument("--publish", action="store_true", help="with --rederive: write into figures/")
     args = parser.parse_args(argv)
-    if args.publish and not args.rederive:
-        parser.error("--publish goes with --rederive (a measured run always writes its results)")
-    if args.rederive:
-        print(rederive_theory(publish=args.publish).to_string(index=False))
-        return 0
+    overrides = {k: v for k, v in (("backends", args.backends), ("nproc", args.nproc), ("sizes", args.sizes))
+                 if v is not None}
+    overrides["append"] = args.append
+    from cs336_systems.experiments.__main__ import run_section
 
-    smoke = is_smoke_run()
-    sizes = [parse_size(s) for s in (args.sizes or (SMOKE_SIZES if smoke else DEFAULT_SIZES))]
-    backends = args.backends or (["nccl", "gloo"] if torch.cuda.is_available() else ["gloo"])
-    gloo_max = parse_size(args.gloo_max_size)
-    params = {"sizes": sizes, "backends": backends, "warmup": args.warmup, "iters": args.iters}
-
-    rows: list[dict[str, Any]] = []
-    if runner.launched_externally():
-        # torchrun / srun: the launcher fixed the process count; one backend per job.
-        if len(backends) != 1:
-            parser.error("under torchrun/srun pass exactly one --backends value")
-        bsizes = [s for s in sizes if backends[0] == "nccl" or s <= gloo_max]
-        rows = runner.run_on_ranks(benchmark_worker, 0, bsizes, args.warmup, args.iters, backend=backends[0])[0]
-        if not runner.is_main_process():
-            return 0
-    else:
-        for backend in backends:
-            for n in args.nproc:
-                bsizes = [s for s in sizes if backend == "nccl" or s <= gloo_max]
-                print(f"all-reduce: {backend}, {n} processes, sizes {[size_label(s) for s in bsizes]}", flush=True)
-                rows += run_allreduce_benchmark(backend, n, bsizes, args.warmup, args.iters)
-    write_results(rows, read_topology(args.gbps_per_link), {**params, "nproc": sorted({r["world_size"] for r in rows})},
-                  args.append)
+    if not runner.launched_externally():
+        return run_section(SECTION_NAME, None, overrides)
+    p = SECTION.params("full", {**overrides, "backends": overrides.get("backends", ["nccl"])})
+    if len(p.backends) != 1:
+        parser.error("under torchrun/srun pass exactly one --backends value")
+    sizes = [s for s in map(parse_size, p.sizes) if p.backends[0] == "nccl" or s <= parse_size(p.gloo_max_size)]
+    rows = runner.run_on_ranks(benchmark_worker, 0, sizes, p.warmup, p.iters, backend=p.backends[0])[0]
+    if runner.is_main_process():
+        out = ResultWriter(SECTION_NAME, params=asdict(p))
+        write_measurements(out, rows, read_topology(p.gbps_per_link), p.append)
+        SECTION.rederive(out)
+        print(out.banner())
     return 0
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+def answer(d: SectionData) -> list[Block]:
+    df = d.frame("allreduce")
+    text = None
+    if df is not None and {"backend", "world_size", "size_bytes", "time_ms"} <= set(df.columns) and len(df):
+        parts = []
+        big = df[df["size_bytes"] == df["size_bytes"].max()]
+        for _, r in big.sort_values(["backend", "world_size"]).iterrows():
+            bw = f" ({fmt.sig(r['busbw_GBps'])} GB/s bus bandwidth)" if "busbw_GBps" in r and pd.notna(r["busbw_GBps"]) else ""
+            parts.append(f"{r['backend']} with {int(r['world_size'])} processes {fmt.ms(r['time_ms'])}{bw}")
+        size = big["size"].iloc[0] if "size" in big.columns else fmt.sig(big["size_bytes"].iloc[0])
+        vs = ""
+        both = big[big["world_size"] == big["world_size"].min()].set_index("backend")["time_ms"]
+        if {"nccl", "gloo"} <= set(both.index):
+            vs = (f" With {int(big['world_size'].min())} processes NCCL (GPU memory, NVLink) is "
+                  f"{fmt.ratio(both['gloo'] / both['nccl'])} faster than Gloo (host memory, CPU reduction).")
+        text = Text(f"All-reducing {size}: " + join_words(parts) + "." + vs + " Small messages are latency bound "
+                    "(the time hardly changes with size), large ones bandwidth bound; bus bandwidth, which scales "
+                    "the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, makes process counts "
+                    "comparable.")
+    fit = d.frame("allreduce_alpha_beta")
+    fit_text = None
+    if fit is not None and len(fit) and {"backend", "world_size", "alpha_us", "bandwidth_GBps"} <= set(fit.columns):
+        parts = [f"{r['backend']} with {int(r['world_size'])} processes $\\alpha$ = {fmt.sig(r['alpha_us'])} µs and "
+                 f"$B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s (worst at {r.get('worst_size', '?')}, "
+                 f"{fmt.pct(r['max_rel_error'])} off)"
+                 for _, r in fit.sort_values(["backend", "world_size"]).iterrows()]
+        fit_text = Text("A ring all-reduce of $n$ bytes per rank over $p$ ranks takes "
+                        "$t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$ ($2(p-1)$ latency steps; each rank "
+                        "sends and receives $2(p-1)/p$ of the data). Fitted to the measured points by least squares "
+                        "on the relative error: " + join_words(parts) + ". One $\\alpha$–$B$ pair per process count is a "
+                        "coarse model of NCCL, which changes algorithm and protocol with the message size, so the "
+                        "misfit of the worst point is part of the answer; the dashed curve keeps the fitted latency "
+                        "and takes $B$ from the link specification.")
+    return [
+        question(d, "all-reduce", "All-reduce latency for Gloo (CPU) and NCCL (GPU), 1 MB–1 GB of float32, "
+                 "2, 4 and 6 processes.", [
+                     text,
+                     fit_text,
+                     d.figure("allreduce_alpha_beta", caption="All-reduce time against the latency–bandwidth model "
+                              "fitted per process count (solid) and with the link specification's bandwidth (dashed)."),
+                     d.table("allreduce_alpha_beta", caption="Latency–bandwidth fit per backend and process count "
+                             "(alpha per ring step, B per rank)."),
+                     d.figure("allreduce_bandwidth", caption="All-reduce bus bandwidth by message size, backend and "
+                              "process count (dashed: the topology's peak)."),
+                     d.table("allreduce", caption="All-reduce time and bandwidth (algorithm bandwidth = bytes per "
+                             "rank / time; bus bandwidth = algorithm bandwidth × 2(n−1)/n)."),
+                 ], what="the all-reduce benchmark"),
+    ]
+
+
+
+SECTION = Section(
+    name=SECTION_NAME, number="2.1.3", title="Single-node collective communication",
+    problems=("distributed_communication_single_node",), answer=answer, presets=PRESETS, run=run, derive=derive,
+    derive_inputs=("allreduce", "topology"), gpus=2,
+    depends=("cs336_systems/benchmarking/allreduce.py", "cs336_systems/distributed/launch.py",
+             "cs336_systems/distributed/runner.py"),
+)
 
 
 if __name__ == "__main__":
     from cs336_systems.cli import run_main
 
-    sys.exit(run_main(main, "python -m cs336_systems.distributed.allreduce"))
+    sys.exit(run_main(main, "python -m cs336_systems.experiments.distributed_communication_single_node"))

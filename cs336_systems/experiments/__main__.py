@@ -1,0 +1,190 @@
+"""``python -m cs336_systems.experiments [SECTION ...] [--smoke | --quick | --full] [--set KEY=VALUE ...]``
+
+Without a section: the list of sections. ``SECTION --help``: its parameters, their types and each preset's
+values. A run measures, writes its results (``figures/SECTION/`` for a measured run on a GPU, or an
+analytic section run with ``--publish``; ``.scratch/figures/SECTION/`` otherwise) and prints the answers
+formatted from them. The preset defaults to ``full`` where the section's hardware is present and ``smoke``
+(a tiny CPU run of the same pipeline) where it is not; ``--quick`` and ``--full`` refuse to start without it.
+
+Under ``torchrun`` / ``srun`` every rank runs the section; rank 0 writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from cs336_systems.experiments.section import PRESETS, CommandLineText, Section
+
+PROG = "python -m cs336_systems.experiments"
+
+
+def _gpus_here() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_preset(section: Section, preset: str | None) -> str:
+    """``preset``, or the default for this machine; refuses a GPU preset where the GPUs are missing."""
+    gpus = _gpus_here()
+    if preset is None:
+        return "full" if gpus >= section.gpus else "smoke"
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if preset != "smoke" and section.gpus > gpus:
+        need = "a CUDA GPU" if section.gpus == 1 else f"{section.gpus} CUDA GPUs"
+        raise ValueError(f"{section.name} --{preset} needs {need} and this machine has {gpus}: run --smoke here "
+                         "(a tiny CPU run of the same pipeline) or run on a GPU node")
+    return preset
+
+
+def writer(section: Section, params: Any, preset: str, publish: bool | None = None) -> Any:
+    """The section's ResultWriter: a measured GPU run publishes unless told not to, an analytic one only
+    when asked, a smoke run never."""
+    from cs336_systems.results import ResultWriter
+
+    if publish is None:
+        publish = section.gpus > 0
+    recorded = {**(asdict(params) if params is not None else {}), "preset": preset}
+    return ResultWriter(section.name, params=recorded, smoke=preset == "smoke", publish=publish)
+
+
+def run_section(name: str, preset: str | None, overrides: dict[str, Any], *, publish: bool | None = None,
+                argv: list[str] | None = None, quiet: bool = False) -> int:
+    """Run one section end to end: parameters, measurement, derived figures, and (on rank 0) the answers.
+    ``argv`` (the torchrun form of a section module) is parsed like this command's own options."""
+    from cs336_systems.distributed import runner
+    from cs336_systems.experiments import get
+
+    if argv:
+        args = build_parser().parse_args([name, *argv])
+        preset, overrides, publish = args.preset, dict(args.set), args.publish
+    section = get(name)
+    preset = resolve_preset(section, preset)
+    params = section.params(preset, overrides)
+    out = writer(section, params, preset, publish)
+    main = runner.is_main_process()
+    if main:
+        print(f"§{section.number} {section.title} [{preset}] — {out.banner()}", flush=True)
+    started = time.monotonic()
+    section.execute(params, out) if main or section.gpus < 2 else section.run(params, out)
+    if main and not quiet:
+        print(summary(section, out.dir.parent))
+        print(f"§{section.number} {section.name}: done in {time.monotonic() - started:.0f} s; results in {out.dir}")
+    return 0
+
+
+def summary(section: Section, root: Path) -> str:
+    """The section's answers as plain text, tables shown by caption only (the CSVs hold them)."""
+    from cs336_systems.report.data import SectionData
+    from cs336_systems.report.document import Figure, Missing, Question, Table, Text
+
+    def lines(blocks: list[Any], indent: str = "") -> list[str]:
+        out: list[str] = []
+        for b in blocks:
+            if isinstance(b, Question):
+                out.append(f"{indent}({b.label}) {b.prompt}")
+                out += lines(b.blocks, indent + "    ")
+            elif isinstance(b, (Table, Figure)):
+                out.append(f"{indent}[{b.source}] {b.caption}")
+            elif isinstance(b, (Text, Missing)):
+                out += textwrap.wrap(b.plain(), 110, initial_indent=indent, subsequent_indent=indent) or [""]
+        return out
+
+    return "\n".join(lines(section.answer(SectionData(root, section.name))))
+
+
+def describe(section: Section) -> str:
+    rows = section.describe_params()
+    if not rows:
+        return "This section has no parameters."
+    width = max(len(name) for name, *_ in rows)
+    lines = ["parameters (--set KEY=VALUE; lists as a,b,c or [a, b]):"]
+    for name, type_, values, help_ in rows:
+        full = values["full"]
+        others = ", ".join(f"{p} {values[p]!r}" for p in PRESETS if p != "full" and values[p] != full)
+        lines.append(f"  {name:<{width}}  {type_}: {full!r}" + (f" ({others})" if others else ""))
+        if help_:
+            lines.append(f"  {'':<{width}}    {help_}")
+    return "\n".join(lines)
+
+
+def listing() -> str:
+    from cs336_systems.experiments import SECTIONS
+
+    lines = ["sections (python -m cs336_systems.experiments SECTION --help for its parameters):"]
+    for s in SECTIONS.values():
+        hw = {0: "any machine", 1: "1 GPU"}.get(s.gpus, f"{s.gpus}+ GPUs")
+        lines.append(f"  §{s.number:<6} {s.name:<40} {s.title} ({hw})")
+    return "\n".join(lines)
+
+
+def assignment(text: str) -> tuple[str, CommandLineText]:
+    """``KEY=VALUE`` for ``--set``; VALUE is read later, by the parameter's type."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a parameter name as KEY, got {text!r}")
+    return key, CommandLineText(value)
+
+
+def build_parser(section: Section | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0] if section is None else f"§{section.number} {section.title}",
+        epilog=listing() if section is None else describe(section), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", metavar="SECTION", help="sections to run, in order")
+    preset = parser.add_mutually_exclusive_group()
+    for name, text in (("smoke", "tiny CPU-sized run of the same pipeline"), ("quick", "a few minutes of the hardware"),
+                       ("full", "the handout's grid (default where the hardware is present)")):
+        preset.add_argument(f"--{name}", dest="preset", action="store_const", const=name, help=text)
+    parser.add_argument("--set", action="append", default=[], type=assignment, metavar="KEY=VALUE",
+                        help="override a parameter (repeatable): --set sizes=small,xl --set budget_s=300")
+    publish = parser.add_mutually_exclusive_group()
+    publish.add_argument("--publish", dest="publish", action="store_const", const=True,
+                         help="write figures/SECTION/ (default for measured GPU sections, not for analytic ones)")
+    publish.add_argument("--no-publish", dest="publish", action="store_const", const=False,
+                         help="write .scratch/figures/SECTION/ instead")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cs336_systems.experiments import SECTIONS, get
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = [a for a in argv if not a.startswith("-") and a in SECTIONS]
+    if ("-h" in argv or "--help" in argv) and len(names) == 1:
+        build_parser(get(names[0])).print_help()
+        return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.sections:
+        print(listing())
+        return 0
+    unknown = [n for n in args.sections if n not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section {unknown[0]!r}; sections: {', '.join(SECTIONS)}")
+    overrides = dict(args.set)
+    # Check every section's parameters before the first one starts measuring.
+    plans = []
+    for name in args.sections:
+        section = get(name)
+        preset = resolve_preset(section, args.preset)
+        section.params(preset, {k: v for k, v in overrides.items() if len(args.sections) == 1 or
+                                k in {f for f, *_ in section.describe_params()}})
+        plans.append((name, preset))
+    for name, preset in plans:
+        mine = {k: v for k, v in overrides.items()
+                if len(plans) == 1 or k in {f for f, *_ in get(name).describe_params()}}
+        run_section(name, preset, mine, publish=args.publish)
+    return 0
+
+
+if __name__ == "__main__":
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, PROG))

@@ -1,0 +1,285 @@
+"""What the four DDP sections share (§2.2 naive, §2.3.1 flat, §2.3.2 overlapping, §2.3.3 bucketed): their
+parameters, the run (one DDP step benchmark per autocast setting, written into the section's folder) and
+the answer pieces about step tables. Each section module chooses the modes it runs and shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from cs336_systems.benchmarking import ddp_steps
+from cs336_systems.benchmarking.ddp_overhead_model import fit_latency_bandwidth, optimal_bucket_size_bytes
+from cs336_systems.configs import get_config, param_counts
+from cs336_systems.experiments.section import param
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import question, subset
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Equation, Text
+from cs336_systems.report.staleness import MODEL
+from cs336_systems.results import ResultWriter
+
+#: What every DDP section's results depend on beyond its own module.
+DEPENDS = (*MODEL, "cs336_systems/distributed/grad_sync.py", "cs336_systems/distributed/consistency.py",
+           "cs336_systems/distributed/strategies.py", "cs336_systems/distributed/launch.py",
+           "cs336_systems/distributed/runner.py", "cs336_systems/benchmarking/ddp_steps.py",
+           "cs336_systems/benchmarking/allreduce.py",
+           "cs336_systems/profiling/timeline.py", "cs336_systems/cuda_graphs.py", "cs336_systems/checks/",
+           "cs336_systems/experiments/ddp_common.py")
+
+
+@dataclass(frozen=True)
+class DDPParams:
+    preset: str = param("xl", "model preset")
+    autocast: list[str] = param(["fp32", "bf16"], "compute precision per run: fp32 and/or bf16 autocast")
+    nproc: int = param(2, "ranks: GPUs with NCCL, or CPU processes with gloo")
+    batch_per_rank: int = param(2, "sequences per rank per step")
+    context_length: int = param(512, "tokens per sequence")
+    warmup: int = param(3, "untimed steps per variant")
+    steps: int = param(10, "timed steps per variant")
+    backend: str | None = param(None, "nccl or gloo (None: nccl with GPUs, else gloo)")
+
+    def check(self) -> None:
+        get_config(self.preset)
+        if self.nproc < 2:
+            raise ValueError(f"data parallelism needs nproc >= 2, got {self.nproc}")
+
+
+def ddp_presets(params_type: type = DDPParams, **smoke: Any) -> dict[str, Any]:
+    """``full``: the handout's XL setup; ``quick``: fewer steps; ``smoke``: the tiny preset on gloo CPU ranks."""
+    return {
+        "full": params_type(),
+        "quick": params_type(warmup=2, steps=5),
+        "smoke": params_type(preset="tiny", autocast=["fp32"], context_length=get_config("tiny").context_length,
+                             warmup=1, steps=2, **smoke),
+    }
+
+
+def run_ddp(section: str, p: DDPParams, out: ResultWriter, run_modes: list[str], **config: Any) -> dict[str, Any]:
+    """Time ``run_modes`` next to each other (one run per autocast setting) and write the section's tables;
+    before timing, every strategy is checked against single-process training on the toy model, and a
+    mismatch fails the run."""
+    shown, timelines = ddp_steps.NOTEBOOK_SECTIONS[section]
+    written = {}
+    for i, ac in enumerate(p.autocast):
+        cfg = ddp_steps.DDPBenchConfig(preset=p.preset, context_length=p.context_length,
+                                       batch_per_rank=p.batch_per_rank, autocast=ac, modes=run_modes,
+                                       warmup=p.warmup, steps=p.steps, profile=timelines, check_toy=i == 0, **config)
+        cfg.validate()
+        result = ddp_steps.run_benchmark(cfg, p.nproc, p.backend)
+        written[ac] = w = ddp_steps.write_section(out, result, cfg, modes=shown, timelines=timelines)
+        plt.close("all")
+        failed = [r["variant"] for r in result.get("equivalence", []) if not r["ok"]]
+        if failed:
+            raise RuntimeError(f"strategies that do not match single-process training on the toy model: {failed}")
+        print(w["steps"][ddp_steps.STEP_COLUMNS].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    return written
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+def allreduce_fit(frame: pd.DataFrame | None, backend: str = "nccl", world_size: int = 2) -> dict | None:
+    """Latency ``o`` (s) and algorithm bandwidth ``w`` (bytes/s) fitted to measured all-reduce times."""
+    if frame is None or not {"backend", "world_size", "size_bytes", "time_ms"} <= set(frame.columns):
+        return None
+    sel = frame[(frame["backend"] == backend) & (frame["world_size"] == world_size)].dropna(subset=["time_ms"])
+    if sel["size_bytes"].nunique() < 2:
+        return None
+    try:
+        o, w = fit_latency_bandwidth(sel["size_bytes"].to_numpy(float), sel["time_ms"].to_numpy(float) / 1e3)
+    except ValueError:
+        return None
+    return {"o": o, "w": w, "backend": backend, "world_size": world_size, "points": len(sel)}
+
+
+def _preferred(names: list[str]) -> list[str]:
+    """Several runs of one table (``<kind>_<preset>_<dtype>``): the XL fp32 one first."""
+    return sorted(names, key=lambda n: ("_xl_" not in n + "_", "fp32" not in n, n))
+
+
+def named(names: list[str], kind: str) -> str | None:
+    """The table/figure of ``kind`` (``overlap``, ``timeline``, ...), named ``kind_*`` or ``*_kind``."""
+    hits = [n for n in names if n.startswith(kind + "_") or n.endswith("_" + kind)]
+    return _preferred(hits)[0] if hits else None
+
+
+def steps_table(d: SectionData) -> tuple[str | None, pd.DataFrame | None]:
+    """The section's step-time table: ``steps_<preset>_<dtype>`` (the XL fp32 one when several)."""
+    names = [n for n in d.tables if n.startswith("steps") and not n.endswith(("_timeline", "_overlap"))]
+    if not names:
+        return None, None
+    name = _preferred(names)[0]
+    return name, d.frame(name)
+
+
+_MODE_ALIASES = {"overlap": ("individual", "overlap")}
+
+
+def row(df: pd.DataFrame | None, mode: str) -> pd.Series | None:
+    if df is None or "mode" not in df.columns:
+        return None
+    sel = df[df["mode"].isin(_MODE_ALIASES.get(mode, (mode,)))]
+    return sel.iloc[0] if len(sel) else None
+
+
+def steps_blocks(d: SectionData, name: str | None, caption: str):
+    if name is None:
+        return None
+    frame = subset(d.frame(name), "variant", "num_buckets", "step_ms", "step_ms_std", "fwd_bwd_ms", "sync_ms",
+                   "optimizer_ms", "overhead_ms", "vs_single")
+    return d.table(name, frame=frame, caption=caption)
+
+
+STEPS_CAPTION = ("Time per training step by strategy, same model and data in one run: `sync` is the "
+                  "communication the backward pass did not hide, `overhead` the step time minus the single-GPU step.")
+
+
+def setup(df: pd.DataFrame | None) -> Text | None:
+    r = df.iloc[0] if df is not None and len(df) else None
+    if r is None or "preset" not in df.columns:
+        return None
+    ws = int(df["world_size"].max()) if "world_size" in df.columns else "?"
+    return Text(f"Setup: the {r['preset']} model, {r.get('autocast', 'fp32')}, {int(r['batch_per_rank'])} sequences "
+                f"of {int(r['context_length'])} tokens per rank, {ws} GPUs on one node, mean over "
+                f"{int(r['steps'])} steps after warm-up; every variant starts from the same weights.")
+
+
+def _has_graph_column(frame: pd.DataFrame | None) -> bool:
+    return frame is not None and {"variant", "mode", "step_ms", "cuda_graph", "autocast"} <= set(frame.columns)
+
+
+def _ratio_range(r: pd.DataFrame) -> str:
+    lo, hi, med = r["ratio_mean"].min(), r["ratio_mean"].max(), r["ratio_mean"].median()
+    return (f"{fmt.ratio(lo)}–{fmt.ratio(hi)} (median {fmt.ratio(med)}; ours faster in "
+            f"{int((r['ratio_mean'] < 1).sum())} of {len(r)})")
+
+
+def captured_steps(bench: SectionData) -> list[Block]:
+    """Beyond the assignment: the DDP benchmark's runs made with the ``cuda_graph`` option
+    (``figures/ddp_benchmark/``), where every step is also captured in a CUDA graph, so that the
+    comparison with torch DDP is about GPU time rather than host launches. Empty without such runs."""
+    from cs336_systems.benchmarking.ddp_steps import with_overheads
+    from cs336_systems.profiling.timeline import busy_by_kind, paired_ratios
+
+    runs = {n: with_overheads(f) for n in bench.tables if _has_graph_column(f := bench.frame(n))}
+    captured_runs = {n: f for n, f in runs.items() if f["cuda_graph"].astype(bool).any()}
+    if not captured_runs:
+        return []
+    ratios = paired_ratios(runs)
+    autocast = ratios["run"].map(lambda n: str(runs[n]["autocast"].iloc[0]))
+    fp32_wire = ~ratios["variant"].str.contains("comm")
+
+    # The run shown: bf16 autocast with eager and captured variants and both wire formats, else the largest.
+    def rank(name: str) -> tuple:
+        f = captured_runs[name]
+        return (str(f["autocast"].iloc[0]) == "bf16", f["cuda_graph"].astype(bool).nunique(),
+                f["comm_dtype"].nunique() if "comm_dtype" in f else 1, len(f), name)
+
+    shown = max(captured_runs, key=rank)
+    f = captured_runs[shown]
+    graphed = f[f["cuda_graph"].astype(bool)]
+    wire = graphed["comm_dtype"].fillna("fp32") if "comm_dtype" in graphed else pd.Series("fp32", index=graphed.index)
+    pick = {m: graphed[(graphed["mode"] == m) & ((wire == "fp32") | (m == "single"))] for m in ("single", "torch", "bucketed")}
+    parts = []
+    if all(len(v) for v in pick.values()):
+        single, torch_ddp, ours = (pick[m].iloc[0] for m in ("single", "torch", "bucketed"))
+        parts.append(f"In `{shown}` ({f['preset'].iloc[0]}, {f['autocast'].iloc[0]} autocast) the captured step takes "
+                     f"{fmt.ms(single['step_ms'])} on one GPU, {fmt.ms(torch_ddp['step_ms'])} with torch DDP and "
+                     f"{fmt.ms(ours['step_ms'])} with {ours['variant']}, {fmt.ratio(ours['step_ms'] / torch_ddp['step_ms'])} "
+                     "torch's.")
+    for ac in ("bf16", "fp32"):
+        cap = ratios[ratios["cuda_graph"] & (autocast == ac)]
+        if len(cap):
+            n_runs = cap["run"].nunique()
+            parts.append(f"Ours over torch DDP in the same run, captured, {ac} autocast, over {len(cap)} pairings in "
+                         f"{n_runs} run{'s' if n_runs != 1 else ''}: {_ratio_range(cap)}.")
+    eager = ratios[~ratios["cuda_graph"] & (autocast == "bf16") & fp32_wire]
+    if len(eager):
+        parts.append(f"Eager under bf16 autocast, one pairing per process ({eager['run'].nunique()} processes): "
+                     f"{_ratio_range(eager)}; that step is launch-bound and moves with host jitter.")
+    blocks: list[Block | None] = [
+        Text("Under bf16 autocast the XL step is launch-bound, so an eager comparison measures the host. These runs "
+             "also capture every variant's whole step (forward, backward with the gradient hooks and their "
+             "all-reduces, synchronisation, optimizer) in one CUDA graph and replay it "
+             "(`cs336_systems/cuda_graphs.py`), in the same process as the eager runs; overheads are against the "
+             "single-GPU step of the same kind. " + " ".join(parts)),
+        bench.table(shown, frame=subset(f, "variant", "num_buckets", "step_ms", "step_ms_std", "overhead_ms", "vs_single"),
+                    caption="Eager and captured steps in one run; a captured step is timed as a whole."),
+    ]
+    for name in bench.tables:
+        tl = bench.frame(name) if name.endswith("_timeline_xl_bf16") else None
+        if tl is None or "variant" not in tl or not tl["variant"].str.contains("CUDA graph").any():
+            continue
+        split = busy_by_kind(tl)
+        blocks += [
+            Text("Where a captured step's time goes (one profiled step, rank 0; union of kernel intervals over all "
+                 "streams): communication overlaps compute almost entirely and the GPU is almost never idle, so "
+                 "what data parallelism still costs is compute slowed by the concurrent all-reduce kernels."),
+            bench.table(name, frame=split[split["variant"].str.contains("CUDA graph")].round(2),
+                        caption="Captured steps split into compute, communication, both at once, and idle time (ms)."),
+        ]
+        break
+    return [question(bench, "c", "Beyond the assignment: the same comparison with every step captured in a "
+                     "CUDA graph.", blocks)]
+
+
+def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | None = None) -> list[Block]:
+    """The overhead model: ``n_b`` buckets of ``s / n_b`` bytes, each all-reduce costing ``o + s/(n_b w)``.
+
+    Instantiated with the bucketed benchmark's own fit (``overhead_model_*``: ``o`` and ``w`` from
+    all-reduces timed in the same run, ``s`` of the benchmarked model) when it exists, else with ``o``
+    and ``w`` fitted to the §2.1.3 NCCL all-reduce times and the XL model's fp32 gradients."""
+    blocks: list[Block] = [
+        Text("Split the $s$ bytes of gradients into $n_b$ equal buckets. One bucket's all-reduce takes "
+             "$o + s/(n_b w)$; by assumption computing one bucket's gradients takes as long as its bandwidth term, "
+             "$s/(n_b w)$, so the backward pass lasts $s/w$. The first bucket is ready after $s/(n_b w)$, and from "
+             "then on the communication stream is the bottleneck (each call costs $o$ more than the compute "
+             "that feeds it), so it ends at $s/(n_b w) + n_b\\,(o + s/(n_b w))$. Subtracting the backward pass "
+             "gives the overhead"),
+        Equation([
+            r"T_{\mathrm{overhead}}(n_b) = n_b\,o + \frac{s}{n_b\,w}.",
+        ]),
+        Text("The per-call latency favours few buckets, the last bucket's transfer favours many. Setting "
+             "$dT/dn_b = o - s/(n_b^2 w) = 0$:"),
+        Equation([
+            (r"n_b^{*} = \sqrt{\frac{s}{w\,o}},\qquad b^{*} = \frac{s}{n_b^{*}} = \sqrt{s\,w\,o},\qquad "
+            r"T_{\mathrm{overhead}}^{*} = 2\sqrt{\frac{s\,o}{w}}."),
+        ]),
+    ]
+    own = named(bucketed.records, "overhead_model") if bucketed is not None else None
+    if own:
+        m = bucketed.json(own)
+        if isinstance(m, dict) and {"o_us", "w_GBps", "s_GB", "optimal_bucket_size_mb"} <= set(m):
+            preset = bucketed.meta(own).get("params", {}).get("preset", "the benchmarked")
+            blocks += [
+                Text(f"Fitted in the bucketed benchmark's own run ({preset} model, `{own}.json`): "
+                     f"$o = {fmt.tex_sig(m['o_us'])}$ µs, $w = {fmt.tex_sig(m['w_GBps'])}$ GB/s, "
+                     f"$s = {fmt.tex_sig(m['s_GB'] * 1e3)}$ MB of gradients:"),
+                Equation([(rf"n_b^* = {fmt.tex_sig(m.get('optimal_num_buckets', float('nan')))},\qquad "
+                          rf"b^* = {fmt.tex_sig(m['optimal_bucket_size_mb'])}\,\mathrm{{MB}},\qquad "
+                          rf"T^*_{{\mathrm{{overhead}}}} = {fmt.tex_sig(m.get('minimal_overhead_ms', float('nan')))}"
+                          r"\,\mathrm{ms}")]),
+                bucketed.table(own, caption="Measured overhead (step time minus the single-GPU step) against "
+                               "the model's prediction, by bucket size."),
+                bucketed.figure(own, caption="Measured and predicted overhead against bucket size."),
+            ]
+            return blocks
+    fit = allreduce_fit(allreduce.frame("allreduce")) if allreduce is not None else None
+    if fit is None:
+        return blocks
+    s_bytes = 4 * param_counts("xl")["total"]
+    o, w = fit["o"], fit["w"]
+    blocks += [
+        Text(f"With $o$ and $w$ fitted to the measured NCCL all-reduce times ({fit['world_size']} GPUs, "
+             f"{fit['points']} message sizes, `{allreduce.folder}/allreduce.csv`): $o = {fmt.tex_sig(o * 1e6)}$ µs, "
+             f"$w = {fmt.tex_sig(w / 1e9)}$ GB/s; the XL model's fp32 gradients are $s = {fmt.tex_sig(s_bytes / 2**20)}$ MiB."),
+        Equation([rf"b^* = \sqrt{{s\,w\,o}} = {fmt.tex_sig(optimal_bucket_size_bytes(s_bytes, w, o) / 2**20)}\,"
+                  rf"\mathrm{{MiB}},\qquad T^*_{{\mathrm{{overhead}}}} = {fmt.tex_sig(2e3 * (s_bytes * o / w) ** 0.5)}"
+                  rf"\,\mathrm{{ms}}" if o > 0 else r"o \approx 0:\ \mathrm{smaller\ buckets\ are\ always\ better}"]),
+    ]
+    return blocks
+

@@ -1,0 +1,245 @@
+"""§1.1.5 Mixed precision: what reduced precision does to sums, which dtypes autocast produces inside a
+model, and what bf16 autocast buys the Transformer.
+
+Problems ``mixed_precision_accumulation`` and ``benchmarking_mixed_precision``.
+:func:`accumulation_experiments` runs the handout's four loops that add 0.01 a thousand times: an fp16
+accumulator loses the small increments once the sum is large (fp16 has 10 mantissa bits), while fp16
+summands accumulated in fp32 only carry 0.01's fp16 representation error. :func:`autocast_dtypes` shows
+the dtype of every intermediate of the course's ToyModel under autocast: parameters stay fp32, matmul
+outputs are low precision, LayerNorm and the loss are computed in fp32, and gradients match their (fp32)
+parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+from torch import nn
+
+from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model, default_device
+from cs336_systems.benchmarking.sweep import OK, run_sweep
+from cs336_systems.checks.toy_models import ToyModel  # the course's toy, shared with the DDP tests
+from cs336_systems.configs import HANDOUT_SIZES
+from cs336_systems.experiments.section import Section, check_positive, check_presets, param
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import join_words, question
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Text
+from cs336_systems.report.staleness import MODEL, TIMING
+from cs336_systems.results import ResultWriter
+
+ACCUMULATION_STEPS = 1000
+
+
+INCREMENT = 0.01
+
+
+def accumulation_experiments(steps: int = ACCUMULATION_STEPS, increment: float = INCREMENT) -> pd.DataFrame:
+    """The four loops: (accumulator, summand) in (fp32, fp32), (fp16, fp16), (fp32, fp16 added as is),
+    (fp32, fp16 cast to fp32 explicitly). Reports the sum, the exact answer and the error."""
+    cases = [
+        ("fp32 += fp32", torch.float32, torch.float32, False),
+        ("fp16 += fp16", torch.float16, torch.float16, False),
+        ("fp32 += fp16", torch.float32, torch.float16, False),
+        ("fp32 += fp16.to(fp32)", torch.float32, torch.float16, True),
+    ]
+    rows = []
+    for label, acc_dtype, x_dtype, cast in cases:
+        s = torch.tensor(0, dtype=acc_dtype)
+        for _ in range(steps):
+            x = torch.tensor(increment, dtype=x_dtype)
+            s += x.type(torch.float32) if cast else x
+        rows.append(
+            {
+                "loop": label,
+                "accumulator": str(acc_dtype).removeprefix("torch."),
+                "summand": str(x_dtype).removeprefix("torch."),
+                "result": s.item(),
+                "exact": steps * increment,
+                "abs_error": abs(s.item() - steps * increment),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether autocast to ``dtype`` runs a Linear on ``device_type`` in this build."""
+    try:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            out = nn.Linear(2, 2).to(device_type)(torch.ones(1, 2, device=device_type))
+        return out.dtype == dtype
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def autocast_dtypes(
+    dtype: torch.dtype = torch.float16, device: str | torch.device | None = None, batch_size: int = 8
+) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Run one forward/backward of :class:`ToyModel` under ``torch.autocast(dtype)`` and record the dtype of
+    the parameters, fc1's output, the LayerNorm output, the logits, the loss and the gradients.
+
+    Returns the table and ``{"device", "requested", "autocast_dtype", "note"}``; on a device whose autocast
+    does not support ``dtype`` (fp16 on some CPU builds) it falls back to bfloat16 and says so in
+    ``note``.
+    """
+    device = torch.device(device) if device else default_device()
+    used, note = dtype, ""
+    if not autocast_supported(device.type, dtype):
+        used = torch.bfloat16
+        note = f"{dtype} autocast is not supported on {device.type} here; used {used} instead"
+    torch.manual_seed(0)
+    model = ToyModel(16, 4).to(device)
+    seen: dict[str, torch.dtype] = {}
+    hooks = [
+        model.fc1.register_forward_hook(lambda m, i, o: seen.__setitem__("fc1 output", o.dtype)),
+        model.ln.register_forward_hook(lambda m, i, o: seen.__setitem__("LayerNorm output", o.dtype)),
+    ]
+    x = torch.randn(batch_size, 16, device=device)
+    y = torch.randint(0, 4, (batch_size,), device=device)
+    try:
+        with torch.autocast(device_type=device.type, dtype=used):
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits, y)
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = [{"quantity": f"parameter {n}", "dtype": p.dtype} for n, p in model.named_parameters()]
+    rows += [{"quantity": k, "dtype": v} for k, v in seen.items()]
+    rows += [{"quantity": "logits", "dtype": logits.dtype}, {"quantity": "loss", "dtype": loss.dtype}]
+    rows += [{"quantity": f"gradient {n}", "dtype": p.grad.dtype} for n, p in model.named_parameters()]
+    table = pd.DataFrame(rows)
+    table["dtype"] = table["dtype"].map(lambda d: str(d).removeprefix("torch."))
+    info = {"device": str(device), "requested": str(dtype), "autocast_dtype": str(used), "note": note}
+    return table, info
+
+
+
+@dataclass(frozen=True)
+class Params:
+    sizes: list[str] = param(list(HANDOUT_SIZES), "model presets timed in fp32 and under bf16 autocast")
+    context_length: int = param(512, "tokens per sequence")
+    warmup: int = param(5, "untimed steps per cell")
+    steps: int = param(10, "timed steps per cell")
+    budget_s: float = param(600.0, "time budget in seconds; cells past it are recorded as skipped")
+
+    def check(self) -> None:
+        check_presets(*self.sizes)
+        check_positive(context_length=self.context_length, steps=self.steps, budget_s=self.budget_s)
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(warmup=3, steps=5, budget_s=120.0),
+    "smoke": Params(sizes=["tiny"], context_length=32, warmup=1, steps=2, budget_s=60.0),
+}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """The accumulation loops, the ToyModel's dtypes under fp16 autocast, fp32 vs bf16 timings."""
+    acc = accumulation_experiments()
+    out.table(acc, "accumulation", floatfmt=".6f")
+    dtypes, info = autocast_dtypes(torch.float16)
+    out.table(dtypes, "toy_model_dtypes", extra=info)
+
+    def one(size: str, precision: str) -> dict[str, Any]:
+        spec = BenchmarkSpec(size, mode="forward_backward", context_length=p.context_length, warmup=p.warmup,
+                             steps=p.steps, precision=precision)
+        row = benchmark_model(spec)
+        return {k: v for k, v in row.items() if k.startswith(("forward_", "backward_")) or k == "peak_memory_GiB"}
+
+    configs = [{"size": s, "precision": pr} for s in p.sizes for pr in ("fp32", "bf16")]
+    timings = run_sweep(one, configs, desc="fp32 vs bf16", budget_s=p.budget_s)
+    out.table(timings, "precision_timings")
+    speedup = pd.DataFrame()
+    ok = timings[timings["status"] == OK]
+    if not ok.empty and set(ok["precision"]) >= {"fp32", "bf16"}:
+        wide = ok.pivot(index="size", columns="precision", values=["forward_mean_ms", "backward_mean_ms"])
+        speedup = pd.DataFrame({
+            "forward_fp32_ms": wide[("forward_mean_ms", "fp32")],
+            "forward_bf16_ms": wide[("forward_mean_ms", "bf16")],
+            "backward_fp32_ms": wide[("backward_mean_ms", "fp32")],
+            "backward_bf16_ms": wide[("backward_mean_ms", "bf16")],
+        }).dropna()
+        speedup["forward_speedup"] = speedup["forward_fp32_ms"] / speedup["forward_bf16_ms"]
+        speedup["backward_speedup"] = speedup["backward_fp32_ms"] / speedup["backward_bf16_ms"]
+        speedup = speedup.reindex([s for s in p.sizes if s in speedup.index]).reset_index()
+        out.table(speedup, "bf16_speedup")
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        long = speedup.melt(id_vars="size", value_vars=["forward_speedup", "backward_speedup"], var_name="phase",
+                            value_name="speedup")
+        sns.barplot(long, x="size", y="speedup", hue="phase", ax=ax)
+        ax.axhline(1, color="black", linewidth=0.8)
+        ax.set(ylabel="fp32 time / bf16 time", title="bf16 autocast speed-up")
+        out.figure(fig, "bf16_speedup")
+        plt.close(fig)
+    return {"accumulation": acc, "toy_model_dtypes": dtypes, "toy_model_dtypes_info": info,
+            "precision_timings": timings, "bf16_speedup": speedup}
+
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+def answer(d: SectionData) -> list[Block]:
+    acc = d.frame("accumulation")
+    dtypes = d.frame("toy_model_dtypes")
+    speed = d.frame("bf16_speedup")
+    acc_text = None
+    if acc is not None and {"loop", "result", "abs_error"} <= set(acc.columns):
+        parts = [f"`{r['loop']}` gives {r['result']:.6f} (error {fmt.sig(r['abs_error'], 2)})" for _, r in acc.iterrows()]
+        acc_text = Text(
+            "Adding 0.01 one thousand times: " + "; ".join(parts) + ". 0.01 is not exactly representable in "
+            "either format, and fp16's 10-bit mantissa makes its spacing near 10 about $2^{-7} \\approx 0.008$, "
+            "so every addition into an fp16 accumulator rounds away a large part of the summand. Keeping the "
+            "accumulator in fp32 leaves only the one-time error of rounding 0.01 to fp16: accumulate in fp32.")
+    dtype_text = None
+    if dtypes is not None and {"quantity", "dtype"} <= set(dtypes.columns):
+        groups = dtypes.groupby("dtype", sort=False)["quantity"].apply(list)
+        dtype_text = Text("Under `torch.autocast(\"cuda\", dtype=torch.float16)`: " + "; ".join(
+            f"{join_words(q)}: `{dt}`" for dt, q in groups.items()) + ". Parameters stay fp32 (autocast casts "
+            "copies for each matmul), so their gradients are fp32 too.")
+    speed_text = None
+    if speed is not None and {"size", "forward_speedup", "backward_speedup"} <= set(speed.columns) and len(speed):
+        first, last = speed.iloc[0], speed.iloc[-1]
+        speed_text = Text(
+            f"bf16 autocast speeds the forward pass up {fmt.ratio(first['forward_speedup'])} for {first['size']} "
+            f"and {fmt.ratio(last['forward_speedup'])} for {last['size']}; the backward pass "
+            f"{fmt.ratio(first['backward_speedup'])} and {fmt.ratio(last['backward_speedup'])}. Larger models "
+            "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
+            "over fp32 (TF32 off), while small models are bound by elementwise kernels and launch overhead that "
+            "autocast does not speed up (and its casts add to).")
+    return [
+        question(d, "mixed_precision_accumulation", "Accumulating 0.01 a thousand times in fp32, fp16 and "
+                 "mixtures.", [acc_text, d.table("accumulation", caption="The four accumulation loops.", digits=7)],
+                 what="the accumulation experiment"),
+        question(d, "a", "Data types inside `torch.autocast(float16)` for the ToyModel.",
+                 [dtype_text, d.table("toy_model_dtypes", caption="ToyModel tensors under fp16 autocast.")],
+                 what="the autocast dtype table"),
+        question(d, "b", "Which parts of layer normalization are sensitive to reduced precision, and whether "
+                 "bf16 changes that.", [Text(
+                     "The reductions: the mean and the variance (RMSNorm: the mean of squares) sum many terms, "
+                     "and $1/\\sqrt{\\sigma^2 + \\epsilon}$ amplifies errors in a small variance. fp16 also "
+                     "overflows on $x^2$ once $|x| > 256$ (its maximum is 65504), so autocast keeps "
+                     "normalization in fp32. bf16 has fp32's exponent range, so overflow is no longer the risk, "
+                     "but its 8-bit significand makes the sums even less precise than fp16's: the statistics "
+                     "still belong in fp32.")]),
+        question(d, "c", "Forward and backward timings with and without bf16 mixed precision, by model size.",
+                 [speed_text, d.table("bf16_speedup", caption="fp32 vs. bf16 autocast, mean time per step and "
+                                      "speed-up (fp32 time / bf16 time)."),
+                  d.figure("bf16_speedup", caption="bf16 autocast speed-up by model size.")],
+                 what="bf16 vs fp32 timings by model size"),
+    ]
+
+
+
+SECTION = Section(
+    name="mixed_precision", number="1.1.5", title="Mixed precision",
+    problems=("mixed_precision_accumulation", "benchmarking_mixed_precision"), answer=answer, presets=PRESETS,
+    run=run, depends=(*MODEL, *TIMING, "cs336_systems/checks/toy_models.py"),
+)

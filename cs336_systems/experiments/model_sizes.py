@@ -1,0 +1,80 @@
+"""§1.1.2 The model presets: parameters, FLOPs per token and training-state memory, from the calculator in
+:mod:`cs336_systems.configs`, checked against the model built on the meta device (no memory allocated).
+
+Analytic: it runs anywhere, in a second, and writes ``figures/model_sizes/`` only when asked to publish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+from cs336_systems import configs
+from cs336_systems.experiments.section import Section, param
+from cs336_systems.report import fmt
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Text
+from cs336_systems.results import ResultWriter
+
+
+@dataclass(frozen=True)
+class Params:
+    sizes: list[str] = param([name for name in configs.PRESETS if name != "xxl"],
+                             "presets described (xxl is the accounting-only feed-forward model of §2.4)")
+    context_length: int = param(512, "tokens per sequence, for attention FLOPs and activation memory")
+
+
+PRESETS = {preset: Params() for preset in ("smoke", "quick", "full")}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """The preset table, with every parameter count checked against the built module."""
+    table = pd.DataFrame(configs.describe_presets(p.sizes, context_length=p.context_length))
+    built = []
+    for name in p.sizes:
+        model = configs.build_model(name, context_length=p.context_length, device="meta")
+        built.append(sum(x.numel() for x in model.parameters()) / 1e6)
+    table["built_params_M"] = built
+    worst = (table["built_params_M"] - table["params_M"]).abs().max()
+    if worst > 1e-9:
+        raise RuntimeError(f"the parameter calculator disagrees with the built model by {worst:g} M parameters")
+    out.table(table, "presets")
+    sns.set_theme(style="whitegrid")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    sns.barplot(data=table, x="size", y="params_M", ax=axes[0], color="tab:blue")
+    axes[0].set(ylabel="parameters (millions)", xlabel="preset", yscale="log", title="Parameters")
+    sns.barplot(data=table, x="size", y="train_GFLOP_per_token", ax=axes[1], color="tab:orange")
+    axes[1].set(ylabel="GFLOP per token", xlabel="preset", yscale="log",
+                title=f"Training FLOPs per token (context {p.context_length})")
+    fig.tight_layout()
+    out.figure(fig, "presets")
+    plt.close(fig)
+    return {"presets": table}
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+def answer(d: SectionData) -> list[Block]:
+    table = d.frame("presets")
+    if table is None or table.empty or not {"size", "params_M"} <= set(table.columns):
+        return []
+    big = table.loc[table["params_M"].idxmax()]
+    text = (f"The largest preset, {big['size']}, has {fmt.sig(big['params_M'])} M parameters"
+            + (f"; its fp32 weights, gradients and AdamW state alone take {fmt.gib(big['weights_grads_adam_GiB'] * 2**30)}"
+               " before any activation" if "weights_grads_adam_GiB" in table.columns else "") + ".")
+    if {"train_GFLOP_per_token", "fwd_GFLOP_per_token"} <= set(table.columns):
+        ratio = table["train_GFLOP_per_token"] / table["fwd_GFLOP_per_token"]
+        text += f" A training step costs {fmt.sig(ratio.iloc[0])}× the forward FLOPs (backward = 2× forward)."
+    return [Text(text), d.table("presets", caption="Model presets: parameters, FLOPs per token and memory."),
+            d.figure("presets", caption="Parameters and training FLOPs per token by preset.")]
+
+
+SECTION = Section(
+    name="model_sizes", number="1.1.2", title="Model sizes", problems=(), answer=answer, presets=PRESETS, run=run,
+    gpus=0, depends=("cs336-basics/cs336_basics/", "cs336_systems/configs.py"),
+)

@@ -1,0 +1,175 @@
+"""§2.2 Naive DDP: check it against single-process training, and time it on the Transformer.
+
+Problems ``naive_ddp`` and ``naive_ddp_benchmarking``. The section runs both (``python -m
+cs336_systems.experiments naive_ddp``); the course-style script form does one or the other::
+
+    python -m cs336_systems.experiments.naive_ddp --model toy            # prints "Naive DDP matches baseline!"
+    python -m cs336_systems.experiments.naive_ddp --model transformer    # XL: time/step and communication
+    torchrun --nproc-per-node 2 -m cs336_systems.experiments.naive_ddp --model toy
+
+``--model toy`` trains the course's ToyModel with :class:`DataParallelNaive` on ``--nproc`` ranks and a
+single process on the full batch, and exits non-zero if any rank's parameters differ. ``--model
+transformer`` times naive DDP next to single-GPU training and torch DDP (the same machinery as
+the DDP sections), writing ``figures/naive_ddp/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from cs336_systems.benchmarking.ddp_steps import add_arguments, run_from_args
+from cs336_systems.checks.equivalence import train_and_compare
+from cs336_systems.distributed import runner
+from cs336_systems.distributed.ddp_naive import DataParallelNaive
+from cs336_systems.experiments import ddp_common
+from cs336_systems.experiments.ddp_common import (
+    STEPS_CAPTION,
+    DDPParams,
+    named,
+    row,
+    setup,
+    steps_blocks,
+    steps_table,
+)
+from cs336_systems.experiments.section import Section, param
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import question, subset
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Text
+from cs336_systems.results import ResultWriter
+
+TOLERANCE = 1e-5
+
+
+def toy_check_worker(steps: int, global_batch: int, kind: str = "toy") -> dict[str, Any]:
+    """Train naive DDP and the single-process reference; time the synchronisation calls."""
+    sync_times: list[float] = []
+
+    def timed_finish(model: DataParallelNaive, optimizer: Any) -> None:
+        t0 = time.perf_counter()
+        model.finish_gradient_synchronization()
+        sync_times.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    res = train_and_compare(DataParallelNaive, kind, steps=steps, global_batch=global_batch, after_backward=timed_finish)
+    elapsed = time.perf_counter() - t0
+    # Every rank must agree with the reference *and* with each other.
+    finals: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(finals, res.pop("final"))
+    res["ranks_agree"] = all(torch.equal(finals[0], f) for f in finals)
+    res["iteration_ms"] = elapsed / steps * 1e3
+    res["sync_ms"] = sum(sync_times) / len(sync_times) * 1e3
+    return res
+
+
+def toy_check(nproc: int, steps: int, global_batch: int, backend: str | None = None) -> pd.DataFrame:
+    """Naive DDP on ``nproc`` ranks against one process on the full batch, on the course's ToyModel: one row
+    per rank with the largest parameter difference, whether the ranks agree, and the time per iteration."""
+    results = runner.run_on_ranks(toy_check_worker, nproc, steps, global_batch, backend=backend or "gloo")
+    table = pd.DataFrame([{"rank": i, **r} for i, r in enumerate(results)])
+    table["matches"] = (table["init_diff"] == 0.0) & table["ranks_agree"] & (table["final_diff"] < TOLERANCE)
+    return table
+
+
+@dataclass(frozen=True)
+class Params(DDPParams):
+    toy_steps: int = param(5, "training steps of the toy-model check")
+    toy_batch: int = param(16, "global batch of the toy-model check")
+
+
+PRESETS = ddp_common.ddp_presets(Params)
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """The toy-model equality check (its printout is the handout's deliverable), then the step timings."""
+    table = toy_check(p.nproc, p.toy_steps, p.toy_batch)
+    out.table(table, "toy_check", extra={"tolerance": TOLERANCE})
+    print(table.to_string(index=False))
+    if not table["matches"].all():
+        raise RuntimeError("Naive DDP does NOT match the single-process baseline on the toy model")
+    print("Naive DDP matches baseline!")
+    return {"toy_check": table, **ddp_common.run_ddp("naive_ddp", p, out, ["single", "torch", "naive"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["toy", "transformer"], default="toy")
+    parser.add_argument("--toy-steps", type=int, default=5)
+    parser.add_argument("--toy-batch", type=int, default=16, help="global batch for the toy check")
+    add_arguments(parser, modes_default=["single", "torch", "naive"])
+    args = parser.parse_args(argv)
+
+    if args.model == "transformer":
+        args.name = "naive" if args.name == "steps" else args.name
+        run_from_args(args)
+        return 0
+
+    results = runner.run_on_ranks(toy_check_worker, args.nproc, args.toy_steps, args.toy_batch, backend=args.backend or "gloo")
+    if not runner.is_main_process():
+        return 0
+    worst = max(r["final_diff"] for r in results)
+    print(f"ranks: {len(results)}, steps: {args.toy_steps}, global batch: {args.toy_batch}")
+    print(f"time per iteration: {max(r['iteration_ms'] for r in results):.2f} ms, "
+          f"communication (gradient all-reduce): {max(r['sync_ms'] for r in results):.2f} ms")
+    print(f"max |DDP - single process| over parameters: {worst:.3g}")
+    ok = all(r["init_diff"] == 0.0 and r["ranks_agree"] for r in results) and worst < TOLERANCE
+    if not ok:
+        print("Naive DDP does NOT match the single-process baseline", file=sys.stderr)
+        return 1
+    print("Naive DDP matches baseline!")
+    return 0
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+def answer(d: SectionData) -> list[Block]:
+    name, df = steps_table(d)
+    naive, single = row(df, "naive"), row(df, "single")
+    text = None
+    if naive is not None:
+        text = Text(f"Naive DDP takes {fmt.ms(naive['step_ms'])} per step, of which {fmt.ms(naive['sync_ms'])} "
+                    f"({fmt.pct(naive['sync_ms'] / naive['step_ms'])}) is spent all-reducing gradients one parameter "
+                    "at a time after backward"
+                    + (f"; the same step on one GPU without communication takes {fmt.ms(single['step_ms'])}."
+                       if single is not None else "."))
+    return [
+        question(d, "naive_ddp", "Data parallelism by all-reducing every gradient after the backward pass.", [
+            Text("Each rank holds a full replica, runs forward and backward on its $1/P$ slice of the batch, then "
+                 "all-reduces (averages) each parameter's gradient before the optimizer step, so every replica "
+                 "takes the same step; the tests compare the trained weights with single-process training, and "
+                 "the benchmark checks every strategy against it before timing."),
+            d.table("toy_check", frame=subset(d.frame("toy_check"), "rank", "init_diff", "final_diff", "ranks_agree",
+                                              "matches", "iteration_ms", "sync_ms"),
+                    caption="The handout's check: naive DDP on each rank against one process on the full batch "
+                            "(ToyModel, gloo); a difference of 0 or below the tolerance prints \"Naive DDP matches "
+                            "baseline!\"."),
+            d.table(named(d.tables, "toy_equivalence") or "", caption="Each strategy against single-process "
+                    "training on the course's ToyModel.")]),
+        question(d, "naive_ddp_benchmarking", "Time per training step and the share spent communicating gradients "
+                 "(XL model, one node, 2 GPUs).", [setup(df), text, steps_blocks(d, name, STEPS_CAPTION),
+                                                   d.figure(name or "", caption="Step time split into phases.")],
+                 what="naive DDP step and communication times"),
+    ]
+
+
+
+SECTION = Section(
+    name="naive_ddp", number="2.2", title="Naive distributed data parallel training",
+    problems=("naive_ddp", "naive_ddp_benchmarking"), answer=answer, presets=PRESETS, run=run, gpus=2,
+    depends=(*ddp_common.DEPENDS, "cs336_systems/distributed/ddp_naive.py"),
+)
+
+
+if __name__ == "__main__":
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.experiments.naive_ddp"))

@@ -1,0 +1,94 @@
+"""What a section notebook runs: parameters → measure → derive → answers, all from the section unit.
+
+Every notebook in ``notebooks/`` is the same four cells around its section's name::
+
+    nb = SectionNotebook("benchmarking", preset, overrides, publish)
+    nb.run()        # measure and write the results (the command line's run, to the same folder)
+    nb.derive()     # figures and tables computed from the results
+    nb.answers()    # the deliverables' answers, formatted from the results
+
+On a machine without the section's GPUs the notebook runs the ``smoke`` preset (the same pipeline on a tiny
+model, into ``.scratch/figures``) and its answers show the committed GPU results from ``figures/`` where
+they exist, saying so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cs336_systems.experiments import get
+from cs336_systems.experiments.__main__ import resolve_preset, writer
+from cs336_systems.results import FIGURES_DIR
+
+
+class SectionNotebook:
+    """One section run from a notebook (papermill or JupyterLab)."""
+
+    def __init__(self, name: str, preset: str | None = None, overrides: dict[str, Any] | None = None,
+                 publish: bool | None = None):
+        self.section = get(name)
+        self.preset = resolve_preset(self.section, preset)
+        self.params = self.section.params(self.preset, overrides or {})
+        self.out = writer(self.section, self.params, self.preset, publish)
+        print(f"§{self.section.number} {self.section.title} [{self.preset}] — {self.out.banner()}")
+        self.results: Any = None
+
+    def run(self) -> None:
+        """Measure and write this section's results."""
+        self.results = self.section.run(self.params, self.out)
+
+    def derive(self) -> None:
+        """Draw the section's figures and derived tables from the results just written."""
+        if self.section.derive is not None:
+            self.section.rederive(self.out)
+
+    def answers_root(self) -> tuple[Path, str]:
+        """Where the answers read from, and a sentence saying so."""
+        if self.preset != "smoke":
+            return self.out.dir.parent, "Answers from the results measured in this run."
+        from cs336_systems.report.staleness import result_metas
+
+        committed = result_metas(FIGURES_DIR / self.section.name)
+        if committed and not all(m.get("smoke", False) for m in committed.values()):
+            return FIGURES_DIR, (f"Smoke run: its results went to {self.out.dir}; the answers below show the "
+                                 f"committed results in figures/{self.section.name}/ (provenance under each table).")
+        return self.out.dir.parent, ("Smoke run and no committed results: the answers below show this run's numbers, "
+                                     "which exercise the pipeline on a tiny model and say nothing about GPU performance.")
+
+    def answers(self) -> None:
+        """Display the deliverables' answers: text as Markdown, tables as DataFrames, figures as images."""
+        from IPython.display import Markdown, display
+
+        from cs336_systems.report.data import SectionData
+
+        root, sentence = self.answers_root()
+        display(Markdown(f"*{sentence}*"))
+        data = SectionData(root, self.section.name, depends=self.section.depends)
+        for block in self.section.answer(data):
+            show(block)
+
+
+def show(block: Any, level: int = 0) -> None:
+    """One writeup block in a notebook."""
+    from IPython.display import Image, Markdown, display
+
+    from cs336_systems.report.data import provenance_line
+    from cs336_systems.report.document import Equation, Figure, Missing, Question, Table, Text
+
+    if isinstance(block, Question):
+        display(Markdown(f"**({block.label})** {block.prompt}"))
+        for inner in block.blocks:
+            show(inner, level + 1)
+    elif isinstance(block, Text):
+        display(Markdown(block.markdown))
+    elif isinstance(block, Equation):
+        display(Markdown("\n\n".join(f"$${line}$$" for line in block.lines)))
+    elif isinstance(block, Table):
+        display(Markdown(f"*{block.caption}* — `{block.source}`; {provenance_line(block.meta)}"))
+        display(block.frame)
+    elif isinstance(block, Figure):
+        display(Markdown(f"*{block.caption}* — `{block.source}`; {provenance_line(block.meta)}"))
+        display(Image(filename=str(block.path)))
+    elif isinstance(block, Missing):
+        display(Markdown(f"*{block.plain()}*"))

@@ -1,0 +1,281 @@
+"""§1.1.4 Profiling the model's kernels (the handout's Nsight Systems questions, answered with
+``torch.profiler`` because the GPU machines have no ``nsys``; ``python -m cs336_systems.benchmarking nsys``
+runs the same model under Nsight Systems where it is installed).
+
+Problem ``nsys_profile``: per size × context, the profiled forward time against the Python timer, the top
+forward kernel and its calls per forward, matmul share in the forward pass vs a full AdamW step, and
+softmax vs matmul time inside attention against their FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, ModelBenchmark
+from cs336_systems.benchmarking.sweep import OK, free_memory, run_sweep
+from cs336_systems.configs import HANDOUT_SIZES, attention_flops, get_config, softmax_flops
+from cs336_systems.experiments.section import Section, check_positive, check_presets, param
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import ok_rows, question, subset
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Text
+from cs336_systems.report.staleness import MODEL, TIMING
+from cs336_systems.results import SCRATCH_DIR, ResultWriter
+
+
+@dataclass(frozen=True)
+class Params:
+    sizes: list[str] = param(list(HANDOUT_SIZES), "model presets to profile")
+    context_lengths: list[int] = param([128, 256, 512, 1024], "contexts per preset")
+    warmup: int = param(2, "untimed steps before the Python-timed forward passes")
+    steps: int = param(5, "Python-timed forward passes per cell")
+    profile_steps: int = param(2, "training steps recorded by the profiler per cell")
+    trace_config: list[str | int] = param(["small", 256], "(preset, context) whose Chrome trace is kept in .scratch")
+    budget_s: float = param(900.0, "time budget in seconds; cells past it are recorded as skipped")
+
+    def check(self) -> None:
+        check_presets(*self.sizes, str(self.trace_config[0]))
+        check_positive(steps=self.steps, profile_steps=self.profile_steps, budget_s=self.budget_s,
+                       **{f"context_length {c}": c for c in self.context_lengths})
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(steps=3, profile_steps=1, budget_s=170.0),
+    "smoke": Params(sizes=["tiny"], context_lengths=[16], warmup=1, steps=1, profile_steps=1,
+                    trace_config=["tiny", 16], budget_s=60.0),
+}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
+    """Profile each (size, context): a Python-timed forward pass and ``profile_steps`` full training steps
+    under ``torch.profiler``, reduced to per-range kernel tables."""
+    from cs336_systems.profiling import category_shares, export_chrome_trace, kernel_table, profile_steps
+
+    top_rows: list[pd.DataFrame] = []
+    models: dict[str, Any] = {}
+    max_ctx = max(p.context_lengths)
+
+    def one(size: str, context_length: int) -> dict[str, Any]:
+        if size not in models:  # one model per size, built for the longest context, reused
+            models.clear()
+            free_memory()
+            models[size] = ModelBenchmark(BenchmarkSpec(size, mode="inference", context_length=max_ctx)).model
+        model = models[size]
+        spec = BenchmarkSpec(size, mode="forward", context_length=context_length, warmup=p.warmup, steps=p.steps)
+        fwd_bench = ModelBenchmark(spec, model)
+        python_fwd = fwd_bench.run()["forward"]
+        train = ModelBenchmark(spec.replace(mode="train"), model)
+        n = p.profile_steps
+        prof = profile_steps(train.step, warmup=1, steps=n)
+        del train
+        if (size, context_length) == tuple(p.trace_config):
+            export_chrome_trace(prof, SCRATCH_DIR / "traces" / f"{size}_ctx{context_length}_train.json")
+        fwd = kernel_table(prof, "forward", per=n)
+        step = kernel_table(prof, "step", per=n)
+        scores = kernel_table(prof, "computing attention scores", per=n)["total_ms"].sum()
+        final = kernel_table(prof, "final matmul", per=n)["total_ms"].sum()
+        softmax = kernel_table(prof, "computing softmax", per=n)["total_ms"].sum()
+        for name, table in (("forward", fwd), ("step", step)):
+            top_rows.append(table.head(10).assign(size=size, context_length=context_length, range=name,
+                                                  rank=range(1, min(10, len(table)) + 1)))
+        cfg = get_config(size)
+        heads = cfg.batch_size * cfg.num_heads
+        matmul_flops = attention_flops(heads, context_length, context_length, cfg.d_model // cfg.num_heads)
+        top = fwd.iloc[0] if not fwd.empty else None
+        non_matmul = fwd[fwd["category"] != "matmul"]
+        return {
+            "python_forward_ms": python_fwd.mean * 1e3,
+            "python_forward_std_ms": python_fwd.std * 1e3,
+            "profiled_forward_kernels_ms": fwd["total_ms"].sum(),
+            "profiled_step_kernels_ms": step["total_ms"].sum(),
+            "top_forward_kernel": top["name"] if top is not None else "",
+            "top_kernel_calls_per_forward": top["calls"] if top is not None else math.nan,
+            "top_kernel_percent": top["percent"] if top is not None else math.nan,
+            "top_non_matmul_kernel": non_matmul.iloc[0]["name"] if not non_matmul.empty else "",
+            "top_non_matmul_percent": non_matmul.iloc[0]["percent"] if not non_matmul.empty else math.nan,
+            "matmul_percent_forward": category_shares(fwd).get("matmul", 0.0),
+            "matmul_percent_train_step": category_shares(step).get("matmul", 0.0),
+            "attention_matmul_ms": scores + final,
+            "attention_softmax_ms": softmax,
+            "softmax_to_matmul_time": softmax / (scores + final) if scores + final else math.nan,
+            "softmax_to_matmul_flops": softmax_flops(heads, context_length, context_length) / matmul_flops,
+        }
+
+    configs = [{"size": s, "context_length": c} for s in p.sizes for c in p.context_lengths]
+    summary = run_sweep(one, configs, desc="profiling", budget_s=p.budget_s)
+    models.clear()
+    free_memory()
+    out.table(summary, "summary", extra={"profiler": "torch.profiler", "ranges": "forward / step (fwd+bwd+AdamW)"})
+    top = pd.concat(top_rows, ignore_index=True) if top_rows else pd.DataFrame()
+    if not top.empty:
+        top = top[["size", "context_length", "range", "rank", "name", "calls", "total_ms", "avg_us", "percent", "category"]]
+    out.table(top, "top_kernels")
+    ok = summary[summary["status"] == OK]
+    if not ok.empty:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        long = pd.concat([
+            ok.assign(where="forward", matmul_percent=ok["matmul_percent_forward"]),
+            ok.assign(where="train step", matmul_percent=ok["matmul_percent_train_step"]),
+        ])
+        long["config"] = long["size"] + "/" + long["context_length"].astype(str)
+        sns.barplot(long, x="config", y="matmul_percent", hue="where", ax=ax)
+        ax.tick_params(axis="x", rotation=60)
+        ax.set(ylabel="% of GPU kernel time in matmuls", xlabel="size / context")
+        out.figure(fig, "matmul_share")
+        plt.close(fig)
+    return {"summary": summary, "top_kernels": top}
+
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+_KERNEL_PARTS = re.compile(r"\b(\w*Functor\w*|\w+_kernel\w*|\w+_sgemm\w*|\w*[Ss]oftmax\w*|\w*[Rr]educe\w*)\b")
+
+
+_GENERIC_KERNEL_PARTS = {"gpu_kernel_impl_nocast", "gpu_kernel_impl", "BinaryFunctor", "AUnaryFunctor",
+                         "BUnaryFunctor", "unrolled_elementwise_kernel", "vectorized_elementwise_kernel"}
+
+
+def short_kernel(name: object, limit: int = 64) -> str:
+    """A readable name for a demangled CUDA kernel: ``void at::native::elementwise_kernel<128, 2,
+    …DivFunctor<float>…>(…)`` → ``elementwise_kernel<DivFunctor>``; long cuBLAS names are cut to
+    ``limit`` characters. The full names stay in the CSV."""
+    text = re.sub(r"^void\s+", "", str(name)).replace("(anonymous namespace)::", "")
+    if "<" in text or "(" in text:
+        head = text.split("<")[0].split("(")[0]
+        base = head.split("::")[-1].strip() or head
+        inner = [m for m in dict.fromkeys(_KERNEL_PARTS.findall(text[len(head):]))
+                 if m != base and m not in _GENERIC_KERNEL_PARTS]
+        text = f"{base}<{', '.join(inner[-2:])}>" if inner else base
+    text = re.sub(r"_stage\d+_warpsize.*$", "", text)  # cuBLAS: keep arch, dtypes, layout and tile
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _largest_ok(df: pd.DataFrame) -> pd.Series | None:
+    """The row of the largest model at its longest context (the summary's most informative row)."""
+    ok = ok_rows(df)
+    if ok.empty:
+        return None
+    order = {name.lower(): i for i, name in enumerate(["tiny", "small", "medium", "large", "xl", "2.7b"])}
+    key = ok.assign(_s=ok["size"].astype(str).str.lower().map(order).fillna(-1),
+                    _c=ok.get("context_length", 0))
+    return ok.loc[key.sort_values(["_s", "_c"]).index[-1]]
+
+
+def answer(d: SectionData) -> list[Block]:
+    summary = d.frame("summary")
+    top = d.frame("top_kernels")
+    row = _largest_ok(summary) if summary is not None else None
+    where = f"{row['size']} at context {int(row['context_length'])}" if row is not None else ""
+
+    def part(caption: str, *cols: str):
+        frame = subset(summary, "size", "context_length", *cols)
+        if frame is not None:
+            frame = frame.copy()
+            for col in ("top_forward_kernel", "top_non_matmul_kernel"):
+                if col in frame.columns:
+                    frame[col] = frame[col].map(short_kernel)
+        return d.table("summary", caption=caption, frame=frame)
+
+    a = b = c = dd = e = None
+    if row is not None:
+        ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
+        a = Text(f"For {where} the profiler's kernels sum to {fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
+                 f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer; over all configurations "
+                 f"the kernel time is {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward "
+                 "pass. Below 100% the GPU idles between kernels (launch overhead, which dominates small models "
+                 "and short contexts), time the Python timer sees and the kernel sum does not"
+                 + ("; above 100% the profiler's own instrumentation slows the kernels it records." if ratios.max() > 1
+                    else "."))
+        step_top = None
+        if top is not None and {"range", "rank", "name"} <= set(top.columns):
+            sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
+                      & (top["range"] == "step") & (top["rank"] == 1)]
+            step_top = sel["name"].iloc[0] if not sel.empty else None
+        same = ("the same kernel also leads the full training step" if step_top == row["top_forward_kernel"]
+                else f"in the full training step `{short_kernel(step_top)}` leads instead" if step_top else "")
+        b = Text(f"For {where} the kernel with the most GPU time in the forward pass is "
+                 f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
+                 f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
+                 + (f"; {same}." if same else "."))
+        c = Text(f"The largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
+                 f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time; elementwise kernels "
+                 "(softmax pieces, SwiGLU's SiLU and product, RMSNorm, RoPE, masking) each read and write whole "
+                 "activations for few FLOPs, so they are memory bound and take time out of proportion to "
+                 "their FLOPs.")
+        mm = ok_rows(summary)
+        fwd_share, step_share = mm["matmul_percent_forward"], mm["matmul_percent_train_step"]
+        dd = Text(f"Matmuls take {fmt.pct(fwd_share.min() / 100)}–{fmt.pct(fwd_share.max() / 100)} of the kernel "
+                  f"time in the forward pass and {fmt.pct(step_share.min() / 100)}–{fmt.pct(step_share.max() / 100)}"
+                  " of a full training step"
+                  + (": the AdamW update (elementwise over every parameter) and the backward of the elementwise "
+                     "ops add non-matmul time." if (step_share < fwd_share).mean() > 0.5 else "."))
+        per_flop = row["softmax_to_matmul_time"] / row["softmax_to_matmul_flops"]
+        e = Text(f"For {where}, attention's softmax takes {fmt.ratio(row['softmax_to_matmul_time'])} the time of "
+                 f"its two matmuls for {fmt.ratio(row['softmax_to_matmul_flops'])} their FLOPs, i.e. "
+                 f"{fmt.sig(per_flop)} times the time per FLOP"
+                 + (f": the matmuls are compute-bound GEMMs ({_gemm_kind(row['top_forward_kernel'])}) that "
+                    "reuse each loaded element many times, while the softmax reads and writes the whole score "
+                    "matrix several times for a few FLOPs per element and is limited by memory bandwidth."
+                    if per_flop > 1 else "."))
+    return [
+        question(d, "a", "Total forward time from the profiler, compared with the Python timer.",
+                 [a, part("Forward time: Python timer vs. the sum of profiled kernels.", "python_forward_ms",
+                          "python_forward_std_ms", "profiled_forward_kernels_ms", "profiled_step_kernels_ms")],
+                 what="profiled forward-pass time"),
+        question(d, "b", "The kernel with the most cumulative GPU time in the forward pass; how often it runs; "
+                 "whether a full training step changes that.",
+                 [b, part("Top kernels of the forward pass.", "top_forward_kernel", "top_kernel_calls_per_forward",
+                          "top_kernel_percent", "top_non_matmul_kernel", "top_non_matmul_percent")],
+                 what="kernel table of the forward pass"),
+        question(d, "c", "Non-matmul kernels with non-trivial runtime in the forward pass.",
+                 [c, _top_kernels(d, top, row)], what="kernel categories of the forward pass"),
+        question(d, "d", "How the matmul share of GPU time changes for a full training step with AdamW.",
+                 [dd, part("Share of kernel time in matmuls (%).", "matmul_percent_forward",
+                           "matmul_percent_train_step"), d.figure("matmul_share", caption="Share of GPU kernel "
+                                                                  "time spent in matmuls.")],
+                 what="kernel shares of a training step"),
+        question(d, "e", "Softmax versus matmul runtime inside self-attention, against their FLOP ratio.",
+                 [e, part("Attention's matmuls vs. its softmax, time and FLOPs.", "attention_matmul_ms",
+                          "attention_softmax_ms", "softmax_to_matmul_time", "softmax_to_matmul_flops")],
+                 what="softmax vs matmul timings inside attention"),
+    ]
+
+
+def _gemm_kind(kernel: object) -> str:
+    """What the profiled GEMM kernel's name says about the hardware path it takes."""
+    name = str(kernel).lower()
+    if "simt" in name or "sgemm" in name:
+        return "fp32 with TF32 off: CUDA-core SIMT sgemm kernels, not tensor cores"
+    if any(tag in name for tag in ("bf16", "f16", "h16", "tf32", "s16816", "wgmma", "sm90_xmma", "tensorop")):
+        return "tensor-core kernels"
+    return "cuBLAS GEMM kernels"
+
+
+def _top_kernels(d: SectionData, top: pd.DataFrame | None, row: pd.Series | None):
+    if top is None or row is None or "range" not in top.columns:
+        return None
+    sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
+              & (top["range"] == "forward")]
+    sel = subset(sel, "rank", "name", "category", "calls", "total_ms", "avg_us", "percent")
+    if sel is not None and "name" in sel.columns:
+        sel = sel.assign(name=sel["name"].map(short_kernel))
+    return d.table("top_kernels", frame=sel, caption=f"The ten kernels with the most forward-pass time, "
+                   f"{row['size']} at context {int(row['context_length'])} (all configurations: the CSV).")
+
+
+
+SECTION = Section(
+    name="nsys_profile", number="1.1.4", title="Profiling the forward and backward passes",
+    problems=("nsys_profile",), answer=answer, presets=PRESETS, run=run,
+    depends=(*MODEL, *TIMING, "cs336_systems/profiling/"),
+)

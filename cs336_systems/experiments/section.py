@@ -1,0 +1,256 @@
+"""What a writeup section is: typed parameters with three presets, a measurement, derived figures and
+the answer text, in one place.
+
+Every module of :mod:`cs336_systems.experiments` defines one :class:`Section`. Its three callers share
+everything it holds:
+
+- the command line (``python -m cs336_systems.experiments SECTION --quick --set sizes=small,xl``);
+- the section's notebook (parameters cell → :meth:`Section.execute` → answers), executed by papermill;
+- the writeup builder, which calls :attr:`Section.answer` on the committed results.
+
+So a default, an answer sentence or a derived figure exists once. Presets: ``full`` is the handout's
+grid, ``quick`` the same questions in a few minutes of one GPU, ``smoke`` a tiny CPU run that exercises
+the pipeline (tests, notebook smoke runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cs336_systems.results import REPO_ROOT
+
+PRESETS = ("smoke", "quick", "full")
+
+
+@dataclass(frozen=True)
+class Section:
+    """One writeup section (a handout problem group) and everything that produces and explains it."""
+
+    name: str
+    """Results folder (``figures/<name>/``), notebook stem and command-line name."""
+    number: str
+    title: str
+    problems: tuple[str, ...]
+    """The handout's problem names this section answers."""
+    answer: Callable[[Any], list[Any]]
+    """``answer(SectionData) -> list[Block]``: the deliverables' answers, formatted from the results."""
+    presets: dict[str, Any] = field(default_factory=dict)
+    """``smoke`` / ``quick`` / ``full`` → a parameters dataclass instance (empty: nothing to run)."""
+    run: Callable[[Any, Any], Any] | None = None
+    """``run(params, out: ResultWriter)``: measure and write the measured tables."""
+    derive: Callable[[dict[str, Any], dict[str, Any]], Any] | None = None
+    """``derive(tables, meta) -> Derived``: figures and tables computed from measured results only, so
+    ``python -m cs336_systems.replot`` can redraw them on any machine."""
+    derive_inputs: tuple[str, ...] = ()
+    """The measured artefacts ``derive`` reads (the first is required)."""
+    gpus: int = 1
+    """GPUs a real (non-smoke) run needs; 0: analytic, runs anywhere."""
+    depends: tuple[str, ...] = ()
+    """Library paths whose change makes this section's results stale (see report.staleness)."""
+    also: tuple[str, ...] = ()
+    """Further results folders the writeup shows at the end of this section."""
+    command: str | None = None
+    """How to refresh the committed results, when it is not the default experiments command."""
+    measured_elsewhere: str = ""
+    """For sections whose measurement is not a preset run (e.g. an external checkout): what to do."""
+
+    def __post_init__(self) -> None:
+        # The section's own module measures too (above its answers marker): a change there stales results.
+        module = getattr(sys.modules.get(self.answer.__module__), "__file__", None)
+        resolved = Path(module).resolve() if module else None
+        path = resolved.relative_to(REPO_ROOT).as_posix() if resolved and resolved.is_relative_to(REPO_ROOT) else None
+        if path and path not in self.depends:
+            object.__setattr__(self, "depends", (*self.depends, path))
+
+    # -- parameters -----------------------------------------------------------------------------------
+
+    @property
+    def params_type(self) -> type | None:
+        return type(self.presets["full"]) if self.presets else None
+
+    def params(self, preset: str = "full", overrides: dict[str, Any] | None = None) -> Any:
+        """The ``preset``'s parameters with ``overrides`` applied, each checked against the field's type;
+        unknown names and wrong types raise ``ValueError`` naming the parameter."""
+        if not self.presets:
+            if overrides:
+                raise ValueError(f"{self.name} takes no parameters")
+            return None
+        if preset not in self.presets:
+            raise ValueError(f"unknown preset {preset!r} for {self.name}; presets: {', '.join(self.presets)}")
+        base = self.presets[preset]
+        fields = {f.name: f for f in dataclasses.fields(base)}
+        changes = {}
+        hints = typing.get_type_hints(type(base))
+        for key, value in (overrides or {}).items():
+            if key not in fields:
+                raise ValueError(f"{self.name} has no parameter {key!r}; parameters: {', '.join(fields)}")
+            what = f"{self.name}.{key}"
+            if isinstance(value, CommandLineText):
+                value = from_text(str(value), hints[key], what)
+            changes[key] = coerce(value, hints[key], what)
+        params = dataclasses.replace(base, **changes)
+        check = getattr(params, "check", None)
+        if check is not None:
+            check()
+        return params
+
+    def describe_params(self) -> list[tuple[str, str, dict[str, Any], str]]:
+        """``(name, type, {preset: value}, help)`` per parameter, for ``--help`` and the README."""
+        if not self.presets:
+            return []
+        hints = typing.get_type_hints(self.params_type)
+        rows = []
+        for f in dataclasses.fields(self.presets["full"]):
+            values = {p: getattr(self.presets[p], f.name) for p in self.presets}
+            rows.append((f.name, type_name(hints[f.name]), values, f.metadata.get("help", "")))
+        return rows
+
+    # -- what the writeup says about it ---------------------------------------------------------------
+
+    @property
+    def refresh_command(self) -> str:
+        if self.command:
+            return self.command
+        return f"uv run python -m cs336_systems.experiments {self.name}" + (" --publish" if self.gpus == 0 else " --full")
+
+    @property
+    def where(self) -> str:
+        machine = {0: "", 1: "on a GPU machine; "}.get(self.gpus, f"on a machine with {self.gpus}+ GPUs; ")
+        return f"({machine}writes `figures/{self.name}/`)"
+
+    @property
+    def notebook(self) -> str:
+        return f"notebooks/{self.name}.ipynb"
+
+    # -- running --------------------------------------------------------------------------------------
+
+    def execute(self, params: Any, out: Any) -> Any:
+        """Measure, then derive: what the command line and the notebook run."""
+        if self.run is None:
+            raise ValueError(f"{self.name} is not measured by a preset run: {self.measured_elsewhere}")
+        results = self.run(params, out)
+        if self.derive is not None:
+            self.rederive(out)
+        return results
+
+    def rederive(self, out: Any, sources: dict[str, dict[str, Any]] | None = None) -> list[Any]:
+        """Run :attr:`derive` on the measured artefacts in ``out.dir`` and write what it returns there."""
+        from cs336_systems.replot import load_inputs, write_derived
+
+        if self.derive is None:
+            return []
+        tables, metas = load_inputs(self, out.dir.parent)
+        return write_derived(out, self.derive(tables, metas[self.derive_inputs[0]]), sources)
+
+
+def param(default: Any, help: str = "") -> Any:  # noqa: A002 - mirrors dataclasses.field
+    """A parameter field with a help text (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict, tuple)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def check_presets(*names: str) -> None:
+    """Every name a model preset (``ValueError`` naming the valid ones otherwise)."""
+    from cs336_systems.configs import get_config
+
+    for name in names:
+        get_config(name)
+
+
+def check_positive(**values: float) -> None:
+    """Every value > 0 (``ValueError`` naming the first that is not)."""
+    for key, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{key} must be positive, got {value!r}")
+
+
+def type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple):
+        args = typing.get_args(hint)
+        return f"list[{type_name(args[0])}]" if args else "list"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+class CommandLineText(str):
+    """A parameter value as typed on the command line: read according to the parameter's type."""
+
+
+def from_text(text: str, hint: Any, what: str) -> Any:
+    """Command-line text as the type ``hint`` wants it: a path or a word stays text where text is wanted;
+    ``a,b,c`` or ``[a, b]`` is a list; ``None`` is None where allowed; numbers and booleans are literals."""
+    import ast
+
+    from cs336_systems.cli import parse_value
+
+    text = text.strip()
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if text == "None" and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return from_text(text, inner[0], what) if len(inner) == 1 else parse_value(text)
+    if origin in (list, tuple):
+        if text.startswith("["):
+            try:
+                return ast.literal_eval(text)
+            except (ValueError, SyntaxError) as exc:
+                raise ValueError(f"{what}: cannot read {text!r} as a list") from exc
+        return [from_text(item, args[0] if args else Any, what) for item in text.split(",") if item.strip()]
+    if hint is str:
+        if text[:1] in ("'", '"'):
+            try:
+                return ast.literal_eval(text)
+            except (ValueError, SyntaxError) as exc:
+                raise ValueError(f"{what}: cannot read {text!r}") from exc
+        return text
+    try:
+        return parse_value(text)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+def coerce(value: Any, hint: Any, what: str) -> Any:
+    """``value`` (from the command line, papermill or Python) as the type ``hint`` names: a single value
+    becomes a one-element list where a list is wanted, ints pass as floats; anything else that does not
+    fit raises ``ValueError`` naming ``what``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, what)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0] if errors else f"{what}: bad value {value!r}")
+    if origin in (list, tuple):
+        (item,) = typing.get_args(hint)[:1] or (Any,)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [coerce(v, item, what) for v in items]
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # a preset named 2.7B arrives as text, but "1024" as a number
+    if hint is bool and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ValueError(f"{what} must be {type_name(hint)}, got {value!r}")
+    return value

@@ -1,0 +1,187 @@
+"""§1.3.1 torch.compile: the §1.2.1 attention grid compiled against eager (same run), and the whole model
+compiled against vanilla for a forward pass and a full training step.
+
+Problem ``torch_compile``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+from cs336_systems.benchmarking.attention import HANDOUT_D_MODELS, HANDOUT_SEQ_LENS
+from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model
+from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, ordered, run_sweep
+from cs336_systems.configs import HANDOUT_SIZES
+from cs336_systems.experiments.pytorch_attention import GRID_AXES, attention_grid, grid_axes
+from cs336_systems.experiments.section import Section, check_positive, check_presets, param
+from cs336_systems.plotting import grouped_bars, measured_on, status_heatmap
+from cs336_systems.replot import Derived
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import failed_rows, join_words, question
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Text
+from cs336_systems.report.staleness import MODEL, TIMING
+from cs336_systems.results import ResultWriter
+
+
+@dataclass(frozen=True)
+class Params:
+    d_models: list[int] = param(HANDOUT_D_MODELS, "attention grid: head dimensions")
+    seq_lens: list[int] = param(HANDOUT_SEQ_LENS, "attention grid: sequence lengths")
+    batch_size: int = param(8, "attention grid: batch size (one head)")
+    n_forward: int = param(100, "attention grid: timed forward passes per cell")
+    n_backward: int = param(100, "attention grid: timed backward passes per cell")
+    sizes: list[str] = param(list(HANDOUT_SIZES), "model presets compiled")
+    context_length: int = param(512, "model: tokens per sequence")
+    warmup: int = param(5, "model: untimed steps (compilation happens here)")
+    steps: int = param(10, "model: timed steps")
+    compile: bool = param(True, "False: eager against eager (smoke runs: Inductor takes minutes on a small CPU)")
+    budget_s: float = param(1200.0, "time budget in seconds; cells past it are recorded as skipped")
+
+    def check(self) -> None:
+        check_presets(*self.sizes)
+        check_positive(batch_size=self.batch_size, n_forward=self.n_forward, n_backward=self.n_backward,
+                       context_length=self.context_length, steps=self.steps, budget_s=self.budget_s)
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(n_forward=50, n_backward=50, sizes=["small", "medium", "large"], warmup=3, steps=5,
+                    budget_s=330.0),
+    "smoke": Params(d_models=[16], seq_lens=[32], batch_size=2, n_forward=2, n_backward=2, sizes=["tiny"],
+                    context_length=32, warmup=1, steps=2, compile=False, budget_s=60.0),
+}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """Attention eager then compiled over the grid; the model eager and compiled, forward and train."""
+    compile = p.compile
+    if not compile:
+        print("torch.compile skipped in the smoke run (inductor compilation takes minutes on a small CPU); "
+              "eager is benchmarked against eager to exercise the pipeline.")
+    deadline = time.monotonic() + p.budget_s
+    eager = attention_grid(p, compile=False, budget_s=0.2 * p.budget_s, desc="attention eager")
+    compiled = attention_grid(p, compile=compile, budget_s=0.3 * p.budget_s, desc="attention compiled")
+    both = pd.concat([eager, compiled], ignore_index=True)
+    out.table(both, "attention_timings")
+    merged = eager.merge(compiled, on=["d_model", "seq_len"], suffixes=("_eager", "_compiled"))
+    ratio = merged[["d_model", "seq_len", "status_eager", "status_compiled"]].copy()
+    for ph in ("forward", "backward"):
+        e, c = merged.get(f"{ph}_mean_ms_eager"), merged.get(f"{ph}_mean_ms_compiled")
+        if e is not None and c is not None:
+            ratio[f"{ph}_eager_ms"], ratio[f"{ph}_compiled_ms"], ratio[f"{ph}_speedup"] = e, c, e / c
+    out.table(ratio, "attention_speedup")
+
+    def one(size: str, mode: str, compiled: bool) -> dict[str, Any]:
+        spec = BenchmarkSpec(size, mode=mode, context_length=p.context_length, warmup=p.warmup,
+                             steps=p.steps, compile=compiled and compile)
+        torch._dynamo.reset()
+        compile_start = time.perf_counter()
+        row = benchmark_model(spec)
+        row["wall_incl_compile_s"] = time.perf_counter() - compile_start
+        return {k: v for k, v in row.items() if k.startswith("total_") or k in ("tokens_per_s", "wall_incl_compile_s")}
+
+    configs = [{"size": s, "mode": m, "compiled": c} for s in p.sizes for m in ("forward", "train")
+               for c in (False, True)]
+    model = run_sweep(one, configs, desc="model compiled vs eager", budget_s=deadline_left(deadline))
+    torch._dynamo.reset()  # compiled graphs hold on to the last model's weights
+    free_memory()
+    out.table(model, "model_timings")
+    ok = model[model["status"] == OK]
+    speed = pd.DataFrame()
+    if not ok.empty and ok["compiled"].nunique() == 2:
+        wide = ok.pivot_table(index=["size", "mode"], columns="compiled", values="total_mean_ms")
+        speed = wide.rename(columns={False: "eager_ms", True: "compiled_ms"}).dropna().reset_index()
+        speed["speedup"] = speed["eager_ms"] / speed["compiled_ms"]
+        speed = ordered(speed, "size", p.sizes).sort_values(["size", "mode"]).reset_index(drop=True)
+        speed["size"] = speed["size"].astype(str)
+        out.table(speed, "model_speedup")
+    return {"attention_timings": both, "attention_speedup": ratio, "model_timings": model, "model_speedup": speed}
+
+
+
+def _pair_status(speedup: pd.DataFrame) -> pd.Series:
+    """One status per cell of the compiled-vs-eager table: ``ok`` only if both ran."""
+    eager, compiled = speedup["status_eager"].astype(str), speedup["status_compiled"].astype(str)
+    return eager.where(eager != OK, compiled)
+
+
+def plot_compile_speedup(attention_speedup: pd.DataFrame, model_speedup: pd.DataFrame | None = None,
+                         meta: dict[str, Any] | None = None) -> Any:
+    """``torch.compile`` speed-up over eager (eager time / compiled time, same run): attention forward and
+    backward over (d, sequence length) as diverging heatmaps centred on 1x, and the whole model's forward
+    pass and training step per size as bars."""
+    has_model = model_speedup is not None and not model_speedup.empty
+    widths = [1, 1, 0.8] if has_model else [1, 1]
+    fig, axes = plt.subplots(1, len(widths), figsize=(6 * sum(widths) + 1, 4.4), width_ratios=widths)
+    cells = attention_speedup.assign(status=_pair_status(attention_speedup))
+    for ax, phase in zip(axes, ("forward", "backward")):
+        status_heatmap(ax, cells, f"{phase}_speedup", **GRID_AXES, fmt="{:.2f}x", center=1.0, cmap="RdBu",
+                       colorbar_label="speed-up (eager / compiled)")
+        grid_axes(ax, f"Attention {phase}: compiled vs eager")
+    if has_model:
+        ax = axes[2]
+        wide = model_speedup.pivot_table(index="size", columns="mode", values="speedup")
+        wide = wide.reindex(index=list(dict.fromkeys(model_speedup["size"])))
+        grouped_bars(ax, wide.rename(columns={"forward": "forward pass", "train": "training step"}), value_fmt="{:.2f}x")
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+        ax.set(xlabel="model size", ylabel="speed-up (eager / compiled)", title="Whole model: compiled vs eager")
+        ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"torch.compile speed-up over eager, {measured_on(meta)}; >1 means compiled is faster")
+    fig.tight_layout()
+    return fig
+
+
+def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
+    """Figures of §1.3.1 from its ``attention_speedup`` (and, when measured, ``model_speedup``) tables."""
+    fig = plot_compile_speedup(tables["attention_speedup"], tables.get("model_speedup"), meta)
+    return Derived(figures={"compile_speedup": (fig, "attention_speedup")})
+
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+
+def answer(d: SectionData) -> list[Block]:
+    att = d.frame("attention_speedup")
+    model = d.frame("model_speedup")
+    d.frame("attention_timings")  # shown through the speed-up table
+    timings = d.frame("model_timings")
+    a_text = b_text = None
+    if att is not None and {"forward_speedup", "backward_speedup"} <= set(att.columns) and att["forward_speedup"].notna().any():
+        a_text = Text(f"Compiling the attention function changes the forward time by a factor of "
+                      f"{fmt.ratio(att['forward_speedup'].min())}–{fmt.ratio(att['forward_speedup'].max())} "
+                      f"(eager / compiled) and the backward by {fmt.ratio(att['backward_speedup'].min())}–"
+                      f"{fmt.ratio(att['backward_speedup'].max())}: Inductor fuses the scaling, masking and "
+                      "softmax into one or two Triton kernels, but the $T\\times T$ matrices are still written "
+                      "to memory.")
+    if model is not None and {"mode", "speedup"} <= set(model.columns) and len(model):
+        parts = [f"{r['size']} {r['mode']} {fmt.ratio(r['speedup'])}" for _, r in model.iterrows()]
+        missing = failed_rows(timings)
+        b_text = Text("Speed-up of the compiled model (eager / compiled time): " + join_words(parts) + "."
+                      + (" Not measured: " + join_words(sorted({f"{r['size']} ({r['status']})"
+                                                                for _, r in missing.iterrows()})) + "."
+                         if not missing.empty else ""))
+    return [
+        question(d, "a", "Compiled versus eager attention, forward and backward.",
+                 [a_text, d.table("attention_speedup", caption="Eager vs. compiled attention (ms) and speed-up.")],
+                 what="compiled vs eager attention timings"),
+        question(d, "b", "The compiled Transformer end to end: forward, and forward + backward + optimizer step.",
+                 [b_text, d.table("model_speedup", caption="Vanilla vs. compiled model (ms per step)."),
+                  d.figure("compile_speedup", caption="Speed-up from torch.compile.")],
+                 what="compiled vs eager model timings"),
+    ]
+
+
+
+SECTION = Section(
+    name="torch_compile", number="1.3.1", title="torch.compile", problems=("torch_compile",), answer=answer,
+    presets=PRESETS, run=run, derive=derive, derive_inputs=("attention_speedup", "model_speedup"),
+    depends=(*MODEL, *TIMING, "cs336_systems/benchmarking/attention.py", "cs336_systems/experiments/pytorch_attention.py"),
+)

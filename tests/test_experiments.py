@@ -1,0 +1,106 @@
+"""Sections as units: typed parameters with presets, one command line, and what it refuses in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from cs336_systems.experiments import SECTIONS, get
+from cs336_systems.experiments.__main__ import main, resolve_preset
+from cs336_systems.experiments.section import PRESETS, CommandLineText, coerce, from_text
+
+
+def test_every_section_is_a_complete_unit() -> None:
+    assert len(SECTIONS) == 17 and list(SECTIONS)[0] == "model_sizes" and list(SECTIONS)[-1] == "course_tests"
+    numbers = [s.number for s in SECTIONS.values()]
+    assert len(set(numbers)) == len(numbers)
+    for name, section in SECTIONS.items():
+        assert set(section.presets) == set(PRESETS), name
+        assert section.run is not None and callable(section.answer), name
+        assert f"cs336_systems/experiments/{name}.py" in section.depends, "its own module measures too"
+        for preset in PRESETS:  # every preset is a valid parameter set of one typed dataclass
+            assert type(section.presets[preset]) is section.params_type
+        if section.derive is not None:
+            assert section.derive_inputs, name
+
+
+def test_parameters_are_typed_and_checked_by_name() -> None:
+    bench = get("benchmarking")
+    p = bench.params("smoke", {"sizes": "small", "budget_s": 30, "fresh_process": "false"})
+    assert p.sizes == ["small"] and p.budget_s == 30.0 and p.fresh_process is False
+    assert bench.params("full").sizes == ["small", "medium", "large", "xl", "2.7B"]
+    with pytest.raises(ValueError, match="benchmarking has no parameter 'size'; parameters: sizes, "):
+        bench.params("full", {"size": "xl"})
+    with pytest.raises(ValueError, match="benchmarking.steps must be int, got 'ten'"):
+        bench.params("full", {"steps": "ten"})
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        bench.params("huge")
+    with pytest.raises(ValueError, match="unknown part 'everything'"):
+        get("flash_benchmarking").params("full", {"parts": ["everything"]})
+    # the presets themselves are not changed by overrides
+    assert bench.presets["smoke"].sizes == ["tiny"]
+
+
+def test_command_line_text_is_read_by_the_parameters_type() -> None:
+    assert from_text("/tmp/a b/course", str, "x") == "/tmp/a b/course"
+    assert from_text("small,2.7B", list[str], "x") == ["small", "2.7B"]
+    assert from_text("[128, 256]", list[int], "x") == [128, 256]
+    assert from_text("None", int | None, "x") is None and from_text("3", int | None, "x") == 3
+    assert coerce(from_text("1,10", list[float], "x"), list[float], "x") == [1.0, 10.0]
+    flash = get("flash_benchmarking").params("full", {"poly_exp2": CommandLineText("None"),
+                                                      "lb_head_dims": CommandLineText("64")})
+    assert flash.poly_exp2 is None and flash.lb_head_dims == [64]
+
+
+def test_gpu_presets_are_refused_without_gpus(monkeypatch) -> None:
+    from cs336_systems.experiments import __main__ as cli
+
+    monkeypatch.setattr(cli, "_gpus_here", lambda: 0)
+    assert resolve_preset(get("benchmarking"), None) == "smoke"
+    assert resolve_preset(get("communication_accounting"), None) == "full"  # analytic: runs anywhere
+    with pytest.raises(ValueError, match="benchmarking --quick needs a CUDA GPU and this machine has 0: run --smoke"):
+        resolve_preset(get("benchmarking"), "quick")
+    monkeypatch.setattr(cli, "_gpus_here", lambda: 1)
+    with pytest.raises(ValueError, match="fsdp --full needs 2 CUDA GPUs and this machine has 1"):
+        resolve_preset(get("fsdp"), "full")
+    assert resolve_preset(get("fsdp"), None) == "smoke"
+
+
+def test_cli_lists_sections_and_describes_parameters(capsys) -> None:
+    assert main([]) == 0
+    listing = capsys.readouterr().out
+    assert "§2.3.3  ddp_bucketed" in listing and "(2+ GPUs)" in listing and "(any machine)" in listing
+    assert main(["torch_compile", "--help"]) == 0
+    described = capsys.readouterr().out
+    assert "list[str]: ['small', 'medium', 'large', 'xl', '2.7B'] (smoke ['tiny'], quick ['small', 'medium', 'large'])" in described
+    assert "budget_s" in described and "time budget" in described
+
+
+def test_cli_rejects_bad_input_in_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["no_such_section"])
+    assert exc.value.code == 2 and "unknown section 'no_such_section'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["benchmarking", "--set", "not-an-assignment"])
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="has no parameter 'sizez'"):
+        main(["benchmarking", "--smoke", "--set", "sizez=tiny"])
+
+
+def test_cli_smoke_run_writes_results_and_prints_answers(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["model_sizes", "mixed_precision", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "(c) Forward and backward timings" in out and "done in" in out
+    meta = json.loads((tmp_path / "mixed_precision" / "precision_timings.meta.json").read_text())
+    assert meta["smoke"] is True and meta["params"]["preset"] == "smoke" and meta["params"]["sizes"] == ["tiny"]
+    presets = json.loads((tmp_path / "model_sizes" / "presets.meta.json").read_text())
+    assert presets["params"]["preset"] == "smoke"
+
+
+def test_params_record_every_field() -> None:
+    """What a result's meta records is the whole typed parameter set, so a rerun can reproduce it."""
+    p = get("pytorch_attention").params("quick")
+    assert set(dataclasses.asdict(p)) == {"d_models", "seq_lens", "batch_size", "n_forward", "n_backward", "budget_s"}
