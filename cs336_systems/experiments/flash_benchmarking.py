@@ -720,7 +720,7 @@ def answer(d: SectionData) -> list[Block]:
 
 
 def _flash_sweep(d: SectionData) -> list[Block | None]:
-    d.frame("sweep")  # the long table; shown through the speed-up table
+    sweep = d.frame("sweep")  # the long table; shown through the speed-up table
     sp = d.frame("sweep_speedup")
     blocks: list[Block | None] = []
     if sp is not None and {"dtype", "pass", "speedup_vs_builtin"} <= set(sp.columns) and len(sp):
@@ -730,7 +730,7 @@ def _flash_sweep(d: SectionData) -> list[Block | None]:
             if len(v):
                 parts.append(f"{dtype} {ph}: median {fmt.ratio(v.median())} (range {fmt.sig(v.min())}–"
                              f"{fmt.sig(v.max())})")
-        naive_text = _naive_sentence(sp)
+        naive_text = _naive_sentence(sp, sweep)
         if naive_text is not None:
             blocks.append(naive_text)
         blocks.append(Text("Speed-up of our Triton kernels over the fastest built-in PyTorch attention in each cell "
@@ -752,10 +752,13 @@ def _flash_sweep(d: SectionData) -> list[Block | None]:
     return blocks
 
 
-def _naive_sentence(sp: pd.DataFrame) -> Text | None:
+def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None:
     """Ours against regular PyTorch attention (what the handout compares with), forward + backward."""
     if "speedup_vs_naive" not in sp.columns:
         return None
+    oom = pd.DataFrame()
+    if sweep is not None and {"impl", "status", "pass"} <= set(sweep.columns):
+        oom = sweep[(sweep["impl"] == "naive") & (sweep["status"] == "OOM") & (sweep["pass"] == "forward+backward")]
     parts = []
     for dtype, g in sp[sp["pass"] == "forward+backward"].groupby("dtype", sort=False):
         v = g.dropna(subset=["speedup_vs_naive"])
@@ -763,16 +766,15 @@ def _naive_sentence(sp: pd.DataFrame) -> Text | None:
             continue
         slower = v[v["speedup_vs_naive"] < 1]
         longest = v[v["seq_len"] == v["seq_len"].max()]
-        oom = g[g["naive_ms"].isna() & g["ours_ms"].notna()]
-        text = (f"{dtype}: {fmt.ratio(v['speedup_vs_naive'].median())} faster in the median cell, "
-                f"{fmt.ratio(longest['speedup_vs_naive'].min())}–{fmt.ratio(longest['speedup_vs_naive'].max())} at "
-                f"{int(longest['seq_len'].iloc[0]):,} tokens")
+        text = (f"{dtype}: in the median cell ours takes {fmt.ratio(1 / v['speedup_vs_naive'].median())} PyTorch's "
+                f"time, at {int(longest['seq_len'].iloc[0]):,} tokens "
+                f"{fmt.ratio(1 / longest['speedup_vs_naive'].max())}–{fmt.ratio(1 / longest['speedup_vs_naive'].min())}")
         if not slower.empty:
-            text += (f"; slower in {len(slower)} of {len(v)} cells, all at or below "
-                     f"{int(slower['seq_len'].max()):,} tokens, where fixed per-call costs outweigh the "
-                     "quadratic work")
-        if not oom.empty:
-            text += f"; PyTorch runs out of memory from {int(oom['seq_len'].min()):,} tokens, ours does not"
+            text += (f"; ours is slower in {len(slower)} of {len(v)} cells, all at or below "
+                     f"{int(slower['seq_len'].max()):,} tokens, where fixed per-call costs outweigh the quadratic work")
+        mine = oom[oom["dtype"] == dtype] if "dtype" in oom.columns else oom
+        if not mine.empty:
+            text += f"; PyTorch runs out of memory from {int(mine['seq_len'].min()):,} tokens, ours does not"
         parts.append(text)
     if not parts:
         return None

@@ -254,8 +254,8 @@ def answer(d: SectionData) -> list[Block]:
 def _gemm_kind(kernel: object) -> str:
     """What the profiled GEMM kernel's name says about the hardware path it takes."""
     name = str(kernel).lower()
-    if "simt" in name or "sgemm" in name:
-        return "fp32 with TF32 off: CUDA-core SIMT sgemm kernels, not tensor cores"
+    if "simt" in name or "sgemm" in name or ("f32f32" in name and "tf32" not in name):
+        return "fp32 with TF32 off: CUDA-core FFMA kernels, not tensor cores"
     if any(tag in name for tag in ("bf16", "f16", "h16", "tf32", "s16816", "wgmma", "sm90_xmma", "tensorop")):
         return "tensor-core kernels"
     return "cuBLAS GEMM kernels"
