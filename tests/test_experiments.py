@@ -104,3 +104,16 @@ def test_params_record_every_field() -> None:
     """What a result's meta records is the whole typed parameter set, so a rerun can reproduce it."""
     p = get("pytorch_attention").params("quick")
     assert set(dataclasses.asdict(p)) == {"d_models", "seq_lens", "batch_size", "n_forward", "n_backward", "budget_s"}
+
+
+def test_torchrun_form_of_a_section_reads_its_own_arguments(tmp_path, monkeypatch) -> None:
+    """``torchrun -m cs336_systems.experiments.fsdp --set ...``: the module's main parses the command line like
+    the experiments command (here without torchrun, so it spawns two gloo ranks)."""
+    from cs336_systems.experiments import fsdp
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    monkeypatch.setattr("sys.argv", ["fsdp", "--smoke", "--set", "strategies=ddp,fsdp", "--set", "steps=1",
+                                     "--set", "warmup=0"])
+    assert fsdp.main() == 0
+    meta = json.loads((tmp_path / "fsdp" / "fsdp_vs_ddp.meta.json").read_text())
+    assert meta["params"]["strategies"] == ["ddp", "fsdp"] and meta["params"]["steps"] == 1

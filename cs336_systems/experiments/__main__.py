@@ -62,7 +62,7 @@ def run_section(name: str, preset: str | None, overrides: dict[str, Any], *, pub
     from cs336_systems.distributed import runner
     from cs336_systems.experiments import get
 
-    if argv:
+    if argv is not None:
         args = build_parser().parse_args([name, *argv])
         preset, overrides, publish = args.preset, dict(args.set), args.publish
     section = get(name)

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     """The torchrun / srun form: every rank runs this; the launcher fixes the process count."""
     from cs336_systems.experiments.__main__ import run_section
 
-    return run_section(SECTION_NAME, None, {}, argv=argv)
+    return run_section(SECTION_NAME, None, {}, argv=list(sys.argv[1:] if argv is None else argv))
 
 
 # === Answers: formatting only; changes below this line do not make results stale ===
