@@ -264,6 +264,17 @@ def test_pdf_renders_end_to_end(results: Path, tmp_path: Path) -> None:
     assert data.startswith(b"%PDF") and pages >= 5  # title, 15 sections of prompts and derivations
     assert mf.check_manifest(pdf, results, tmp_path / "m.json") == []
     assert "45.7 ms" in (tmp_path / "w.html").read_text()
+    again = build(tmp_path / "again.pdf", results, manifest=None, strict=True)
+    assert again.read_bytes() == data, "an unchanged writeup must rebuild byte for byte the same"
+
+
+def test_structure_ids_are_renumbered_in_order() -> None:
+    from cs336_systems.report.pdf import renumber_structure_ids
+
+    pdf = b"/ID (node00000174)>> /ID (node00000009)>> [(node00000009) 5 0 R (node00000174) 6 0 R]"
+    assert renumber_structure_ids(pdf) == (b"/ID (node00000002)>> /ID (node00000001)>> "
+                                           b"[(node00000001) 5 0 R (node00000002) 6 0 R]")
+    assert len(renumber_structure_ids(pdf)) == len(pdf)
 
 
 def test_pdf_dates_come_from_the_inputs_not_the_clock() -> None:

@@ -301,6 +301,21 @@ def _has_missing(section: Section) -> bool:
     return any(isinstance(b, Missing) for b in section.walk())
 
 
+def _newest_measurement(doc: Document) -> str:
+    """The date of the newest result the document shows: taken from the inputs, not the clock, so an
+    unchanged writeup rebuilds byte for byte the same."""
+    import json
+
+    dates = []
+    for path in doc.inputs:
+        if path.name.endswith(".meta.json"):
+            try:
+                dates.append(_dt.datetime.fromisoformat(json.loads(path.read_text())["date"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return max(dates).astimezone(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC") if dates else "(no results)"
+
+
 def document_html(doc: Document) -> str:
     counter = _Counter()
     toc = "".join(
@@ -309,13 +324,13 @@ def document_html(doc: Document) -> str:
         + "</div>"
         for s in doc.sections
     )
-    built = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    as_of = _newest_measurement(doc)
     preamble = "".join(block_html(b, counter) for b in doc.preamble)
     body = "".join(section_html(s, counter) for s in doc.sections)
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(doc.title)}</title><style>{CSS}</style></head><body>"
         f"<h1>{html.escape(doc.title)}</h1>"
-        f'<div class="subtitle">Built {built} from {len(doc.inputs)} committed result files.</div>'
+        f'<div class="subtitle">Results as of {as_of}, from {len(doc.inputs)} committed result files.</div>'
         f"{preamble}<nav class='toc'>{toc}</nav>{body}</body></html>"
     )

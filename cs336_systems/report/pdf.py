@@ -42,6 +42,18 @@ def stamp_dates(pdf: bytes, when: str | None) -> bytes:
     return _PDF_DATE.sub(lambda m: b"/" + m.group(1) + b" (D:" + stamp + b"+00'00')", pdf)
 
 
+_NODE_ID = re.compile(rb"\(node(\d{8})\)")
+
+
+def renumber_structure_ids(pdf: bytes) -> bytes:
+    """Chromium names the tagged PDF's structure elements ``(nodeNNNNNNNN)`` after its accessibility nodes,
+    whose numbers vary between runs; renumber them 1, 2, … in their numeric order. The width stays eight
+    digits (offsets stay valid) and the order is kept (the ID tree stays sorted), so an unchanged document
+    prints byte for byte the same."""
+    rank = {old: i for i, old in enumerate(sorted({int(m) for m in _NODE_ID.findall(pdf)}), start=1)}
+    return _NODE_ID.sub(lambda m: b"(node%08d)" % rank[int(m.group(1))], pdf)
+
+
 def html_to_pdf(html_path: Path, pdf_path: Path, timeout_s: float = 180.0, date: str | None = None) -> Path:
     """Print ``html_path`` to ``pdf_path``, dated ``date`` (see :func:`stamp_dates`); raises ``RuntimeError``
     with the browser's output on failure."""
@@ -66,6 +78,6 @@ def html_to_pdf(html_path: Path, pdf_path: Path, timeout_s: float = 180.0, date:
     if proc.returncode != 0 or not tmp_pdf.exists() or tmp_pdf.stat().st_size == 0:
         tmp_pdf.unlink(missing_ok=True)
         raise RuntimeError(f"{browser} failed to print {html_path} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    tmp_pdf.write_bytes(stamp_dates(tmp_pdf.read_bytes(), date))
+    tmp_pdf.write_bytes(renumber_structure_ids(stamp_dates(tmp_pdf.read_bytes(), date)))
     tmp_pdf.replace(pdf_path)
     return pdf_path
