@@ -87,6 +87,8 @@ def test_cli_rejects_bad_input_in_one_line(capsys) -> None:
     assert "expected KEY=VALUE" in capsys.readouterr().err
     with pytest.raises(ValueError, match="has no parameter 'sizez'"):
         main(["benchmarking", "--smoke", "--set", "sizez=tiny"])
+    with pytest.raises(ValueError, match="no section of benchmarking, mixed_precision has a parameter 'sizez'"):
+        main(["benchmarking", "mixed_precision", "--smoke", "--set", "sizez=tiny"])
 
 
 def test_cli_smoke_run_writes_results_and_prints_answers(tmp_path, monkeypatch, capsys) -> None:

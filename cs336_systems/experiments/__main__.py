@@ -169,17 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown section {unknown[0]!r}; sections: {', '.join(SECTIONS)}")
     overrides = dict(args.set)
-    # Check every section's parameters before the first one starts measuring.
+    # With several sections, each takes the overrides it has a parameter for; a key none has is a typo.
+    # Every section's parameters are checked before the first one starts measuring.
+    fields = {name: {f for f, *_ in get(name).describe_params()} for name in args.sections}
+    stray = sorted(set(overrides) - set().union(*fields.values())) if len(args.sections) > 1 else []
+    if stray:
+        raise ValueError(f"no section of {', '.join(args.sections)} has a parameter {stray[0]!r}")
     plans = []
     for name in args.sections:
-        section = get(name)
-        preset = resolve_preset(section, args.preset)
-        section.params(preset, {k: v for k, v in overrides.items() if len(args.sections) == 1 or
-                                k in {f for f, *_ in section.describe_params()}})
-        plans.append((name, preset))
-    for name, preset in plans:
-        mine = {k: v for k, v in overrides.items()
-                if len(plans) == 1 or k in {f for f, *_ in get(name).describe_params()}}
+        mine = overrides if len(args.sections) == 1 else {k: v for k, v in overrides.items() if k in fields[name]}
+        preset = resolve_preset(get(name), args.preset)
+        get(name).params(preset, mine)
+        plans.append((name, preset, mine))
+    for name, preset, mine in plans:
         run_section(name, preset, mine, publish=args.publish)
     return 0
 

@@ -14,7 +14,7 @@ import pandas as pd
 from cs336_systems.benchmarking import ddp_steps
 from cs336_systems.benchmarking.ddp_overhead_model import fit_latency_bandwidth, optimal_bucket_size_bytes
 from cs336_systems.configs import get_config, param_counts
-from cs336_systems.experiments.section import param
+from cs336_systems.experiments.section import check_presets, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import question, subset
 from cs336_systems.report.data import SectionData
@@ -43,7 +43,7 @@ class DDPParams:
     backend: str | None = param(None, "nccl or gloo (None: nccl with GPUs, else gloo)")
 
     def check(self) -> None:
-        get_config(self.preset)
+        check_presets(self.preset)
         if self.nproc < 2:
             raise ValueError(f"data parallelism needs nproc >= 2, got {self.nproc}")
 
