@@ -19,7 +19,7 @@ from cs336_systems.report import manifest as mf
 from cs336_systems.report.__main__ import main as report_main
 from cs336_systems.report.build import build_document
 from cs336_systems.report.data import provenance_line
-from cs336_systems.report.document import Figure, Missing, Table
+from cs336_systems.report.document import Figure, Missing, Table, Text
 from cs336_systems.report.html import document_html, markdown_to_html, render_math
 from cs336_systems.experiments import SECTIONS as _SECTIONS
 from cs336_systems.results import ResultWriter
@@ -79,7 +79,7 @@ def test_numbers_and_provenance_come_from_the_results(results: Path) -> None:
     assert {p.name for p in doc.inputs} == {"timings.csv", "timings.md", "timings.meta.json"}
 
 
-def test_unclaimed_results_are_shown_generically(results: Path) -> None:
+def test_uncited_results_go_to_the_index_not_the_writeup(results: Path) -> None:
     out = ResultWriter("benchmarking", smoke=True)
     out.table(pd.DataFrame({"x": [1, 2]}), "extra_table")
     fig, ax = plt.subplots(figsize=(2, 2))
@@ -88,15 +88,44 @@ def test_unclaimed_results_are_shown_generically(results: Path) -> None:
     plt.close(fig)
     ResultWriter("brand_new_notebook", smoke=True).json({"answer": 42, "unit": "ms"}, "summary")
     doc = build_document(results, strict=True)
-    bench = doc.section("1.1.3").walk()
-    assert any(isinstance(b, Table) and b.source.endswith("extra_table.csv") for b in bench)
-    assert any(isinstance(b, Figure) and b.source.endswith("extra_plot.png") for b in bench)
-    appendix = doc.sections[-1]
+    bench = doc.section("1.1.3")
+    # The writeup says they exist and where; the index shows them in full.
+    assert not any(isinstance(b, (Table, Figure)) and "extra" in b.source for b in bench.walk())
+    assert "2 further tables and figures" in bench.plain() and "figures/index.html" in bench.plain()
+    assert any(isinstance(b, Table) and b.source.endswith("extra_table.csv") for b in bench.further)
+    assert any(isinstance(b, Figure) and b.source.endswith("extra_plot.png") for b in bench.further)
+    assert [s.folder for s in doc.sections if s.number.startswith("A.")] == []
+    (appendix,) = doc.unclaimed
     assert appendix.folder == "brand_new_notebook" and appendix.number == "A.1"
-    (table,) = [b for b in appendix.walk() if isinstance(b, Table)]
+    (table,) = [b for b in appendix.further if isinstance(b, Table)]
     assert table.frame.set_index("quantity")["value"]["answer"] == 42
     line = provenance_line(table.meta)  # its commit (0123456789abcdef) is unknown here: stale as well
     assert line.startswith("STALE") and "SMOKE RUN, not a GPU measurement" in line
+
+    from cs336_systems.report.build import write_html, write_index
+
+    page = write_html(doc, results.parent / "writeup.html").read_text()
+    assert "extra_plot" not in page and 'src="figures/benchmarking/' not in page  # nothing cited has a figure
+    index = write_index(doc, results, results.parent / "writeup.html").read_text()
+    assert 'src="benchmarking/extra_plot.png"' in index  # linked relative to the index, not embedded
+    assert 'id="brand_new_notebook"' in index and "42" in index
+    assert 'href="../writeup.html#sec-1-1-3"' in index and "data:image/png" not in index
+
+
+def test_html_writeup_links_its_figures(results: Path, tmp_path: Path) -> None:
+    out = ResultWriter("model_sizes", smoke=True)
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([0, 1], [0, 1])
+    out.figure(fig, "anything")
+    plt.close(fig)
+    doc = build_document(results)
+    figures = [b for s in doc.sections for b in [*s.walk(), *s.further] if isinstance(b, Figure)]
+    assert figures
+    from cs336_systems.report.html import figure_html
+
+    linked = figure_html(figures[0], 1, link_from=results.parent)
+    assert 'src="figures/model_sizes/anything.png"' in linked
+    assert "data:image/png;base64," in figure_html(figures[0], 1)
 
 
 def test_html_typesets_math_and_embeds_everything(results: Path) -> None:
@@ -160,6 +189,9 @@ def test_committed_writeup_is_up_to_date() -> None:
     recorded = json.loads(mf.DEFAULT_MANIFEST.read_text())
     assert recorded["pdf"]["path"] == "writeup.pdf"
     assert mf.DEFAULT_PDF.read_bytes().startswith(b"%PDF")
+    # The main body stays short; exploratory results live in the index beside it.
+    assert recorded["pdf"]["pages"] <= 50, f"writeup.pdf has {recorded['pdf']['pages']} pages"
+    assert set(recorded["outputs"]) == {"writeup.html", "figures/index.html"}
 
 
 def test_ddp_answers_and_bucket_size_come_from_the_measurements(results: Path) -> None:
@@ -256,15 +288,19 @@ def test_pdf_renders_end_to_end(results: Path, tmp_path: Path) -> None:
     from cs336_systems.report.build import build
 
     _write_benchmarking(results)
-    pdf = build(tmp_path / "w.pdf", results, manifest=tmp_path / "m.json", html_path=tmp_path / "w.html", strict=True)
+    pdf, html_path, index, _ = build(tmp_path / "w.pdf", results, manifest=tmp_path / "m.json", strict=True)
+    assert html_path == tmp_path / "w.html" and index == results / "index.html"
     data = pdf.read_bytes()
     import re
 
     pages = len(re.findall(rb"/Type\s*/Page(?!s)", data))
     assert data.startswith(b"%PDF") and pages >= 5  # title, 15 sections of prompts and derivations
     assert mf.check_manifest(pdf, results, tmp_path / "m.json") == []
-    assert "45.7 ms" in (tmp_path / "w.html").read_text()
-    again = build(tmp_path / "again.pdf", results, manifest=None, strict=True)
+    assert json.loads((tmp_path / "m.json").read_text())["pdf"]["pages"] == pages
+    assert "45.7 ms" in html_path.read_text()
+    index.write_text(index.read_text() + " ")
+    assert mf.check_manifest(pdf, results, tmp_path / "m.json") == [f"{index} is not the one built with the PDF"]
+    again = build(tmp_path / "again.pdf", results, manifest=None, strict=True)[0]
     assert again.read_bytes() == data, "an unchanged writeup must rebuild byte for byte the same"
 
 
@@ -315,3 +351,15 @@ def test_readme_maps_every_writeup_section() -> None:
         row = next((r for r in rows if r.startswith(f"| {spec.number} |")), None)
         assert row is not None, f"§{spec.number} missing from the README's section map"
         assert f"`figures/{spec.name}/`" in row, spec.name
+
+
+def test_results_cited_by_another_section_are_not_listed_again() -> None:
+    from cs336_systems.report.build import _drop_cited
+
+    def table(src: str) -> Table:
+        return Table(pd.DataFrame({"x": [1]}), src, src, {})
+
+    further = [Text("Further results in `a/`:", role="further"), table("a/x.csv"), table("a/y.csv"),
+               Text("Further results in `b/`:", role="further"), table("b/z.csv")]
+    kept = _drop_cited(further, {"a/x.csv", "b/z.csv"})
+    assert [getattr(b, "source", b.plain()) for b in kept] == ["Further results in `a/`:", "a/y.csv"]

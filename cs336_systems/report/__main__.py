@@ -13,16 +13,18 @@ from cs336_systems.results import FIGURES_DIR
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cs336_systems.report", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="render writeup.pdf from the results and update the manifest")
+    build = sub.add_parser("build", help="render writeup.pdf, writeup.html beside it and figures/index.html from "
+                                         "the results, and update the manifest")
     build.add_argument("--figures", type=Path, default=FIGURES_DIR, help="results root (default: figures/)")
     build.add_argument("--output", type=Path, default=_manifest.DEFAULT_PDF, help="PDF path (default: writeup.pdf)")
-    build.add_argument("--html", type=Path, default=None, help="also keep the intermediate HTML here")
     build.add_argument("--strict", action="store_true", help="fail when a section cannot format its answers")
     build.add_argument("--no-manifest", action="store_true",
                        help="preview only: do not update the manifest (use with --figures .scratch/figures)")
-    html = sub.add_parser("html", help="write only the HTML (no browser needed)")
+    html = sub.add_parser("html", help="write only the HTML writeup (no browser needed, no manifest)")
     html.add_argument("--figures", type=Path, default=FIGURES_DIR)
-    html.add_argument("--output", type=Path, default=Path("writeup.html"))
+    # Not the committed writeup.html: that one changes only with the PDF and the manifest, through `build`.
+    html.add_argument("--output", type=Path, default=Path("executed/writeup.html"),
+                      help="where to write it (default: executed/writeup.html, an ignored folder)")
     status = sub.add_parser("status", help="every section: fresh / stale (files changed since) / missing, with the "
                                            "command that refreshes it; exit 1 while any result shown is stale")
     status.add_argument("--figures", type=Path, default=FIGURES_DIR)
@@ -42,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                          "pass --output elsewhere and --no-manifest for a preview")
         manifest = None if args.no_manifest else (_manifest.DEFAULT_MANIFEST if default_root
                                                   else args.figures / _manifest.MANIFEST_NAME)
-        out = build_pdf(args.output, args.figures, manifest, args.html, strict=args.strict)
-        print(f"wrote {out}" + (f" and {manifest}" if manifest else ""))
+        written = build_pdf(args.output, args.figures, manifest, strict=args.strict)
+        print("wrote", *written, sep="\n  ")
         pending = _manifest.uncommitted_inputs(args.figures) if manifest else []
         if pending:
             print("note: built from inputs that are not committed; commit them with the PDF and manifest, or a "

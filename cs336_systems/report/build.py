@@ -1,4 +1,5 @@
-"""Results folders → :class:`Document` → HTML → ``writeup.pdf`` (+ manifest)."""
+"""Results folders → :class:`Document` → ``writeup.pdf``, ``writeup.html`` and ``figures/index.html``
+(+ manifest)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from typing import Any
 from cs336_systems.report import manifest as _manifest
 from cs336_systems.report.commentary import notebook_intro
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Document, Missing, Section, Text
+from cs336_systems.report.document import Block, Document, Figure, Missing, Section, Table, Text
 from cs336_systems.results import FIGURES_DIR
 
 TITLE = "CS336 Assignment 2 (Systems): writeup"
 NOTEBOOK_DIR = _manifest.NOTEBOOK_DIR
+INDEX_NAME = _manifest.INDEX_NAME
 
 
 def _preamble(root: Path) -> list[Block]:
@@ -25,8 +27,10 @@ def _preamble(root: Path) -> list[Block]:
             "figure names the device, software versions, date and commit it was measured on. A result whose "
             "code changed since that commit opens its provenance line with **STALE** and the files that changed "
             "(`python -m cs336_systems.report status` lists them per section with the command that refreshes "
-            "them). A section without results says so and names the command that produces them. Rebuild with "
-            f"`{_manifest.REBUILD_COMMAND}`."
+            "them). A section without results says so and names the command that produces them. The writeup "
+            "prints what its answers cite; every other committed result (exploratory sweeps, lab runs) is in the "
+            f"results index `{root.name}/{INDEX_NAME}`, and `writeup.html` is this document as a web page. "
+            f"Rebuild all three with `{_manifest.REBUILD_COMMAND}`."
         )
     ]
 
@@ -41,7 +45,8 @@ def sections_() -> list[Any]:
 def build_section(
     spec: Any, root: Path, strict: bool = False, notebooks: Path = NOTEBOOK_DIR
 ) -> tuple[Section, SectionData]:
-    """One section: the spec's answers, then every artefact of its folders that the answers did not use.
+    """One section: the spec's answers, and (as ``further``, for the results index) every artefact of its
+    folders that the answers did not use.
 
     A builder that fails on unexpected data (a renamed column, say) must not cost the whole writeup:
     unless ``strict``, the section says in red that its answers could not be formatted, the error is
@@ -54,9 +59,11 @@ def build_section(
     intro = notebook_intro(notebooks / f"{spec.name}.ipynb")
     if intro:
         blocks.append(Text(f"*From `notebooks/{spec.name}.ipynb`:* {intro}", role="method"))
+    failed = False
     try:
         blocks.extend(spec.answer(data))
     except Exception as exc:
+        failed = True
         if strict:
             raise
         data.forget_usage()
@@ -64,13 +71,30 @@ def build_section(
         print(f"warning: §{spec.number} answers failed on the data in {data.dir}: {message}", file=sys.stderr)
         blocks.append(Text(f"**The answers of this section could not be formatted from its results** "
                            f"(`{message}`); the results follow unformatted.", role="error"))
+    further: list[Block] = []
     for folder, rest in [(spec.name, data.remaining())] + [
         (extra, SectionData(root, extra).remaining()) for extra in spec.also
     ]:
         if rest:
-            blocks.append(Text(f"Further results in `{root.name}/{folder}/`:", role="further"))
-            blocks.extend(rest)
-    return Section(spec.number, spec.title, spec.name, spec.problems, blocks), data
+            further.append(Text(f"Further results in `{root.name}/{folder}/`:", role="further"))
+            further.extend(rest)
+    if failed:  # without answers, the results themselves are the section
+        blocks.extend(further)
+        further = []
+    return Section(spec.number, spec.title, spec.name, spec.problems, blocks, further), data
+
+
+def _artefact(block: Block) -> str | None:
+    return block.source if isinstance(block, (Table, Figure)) else None
+
+
+def _drop_cited(further: list[Block], cited: set[str]) -> list[Block]:
+    """``further`` without the artefacts some section cites (a folder read by two sections), and without
+    folder headings left with nothing under them."""
+    kept = [b for b in further if _artefact(b) not in cited]
+    return [b for i, b in enumerate(kept)
+            if not (isinstance(b, Text) and b.role == "further"
+                    and (i + 1 == len(kept) or (isinstance(kept[i + 1], Text) and kept[i + 1].role == "further")))]
 
 
 def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Path = NOTEBOOK_DIR) -> Document:
@@ -83,24 +107,46 @@ def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Pa
         section, _ = build_section(spec, root, strict, notebooks)
         sections.append(section)
         known.update((spec.name, *spec.also))
-    # Result folders no section claims (e.g. a new notebook) still appear, generically.
+    cited = {src for s in sections for b in s.walk() if (src := _artefact(b))}
+    for section in sections:
+        section.further = _drop_cited(section.further, cited)
+        shown = sum(_artefact(b) is not None for b in section.further)
+        if shown:
+            section.blocks.append(Text(
+                f"{shown} further tables and figures of this section's folders (exploratory runs no answer "
+                f"cites) are in the results index `{root.name}/{INDEX_NAME}`.", role="further"))
+    # Result folders no section claims (e.g. a new notebook) still appear, generically, in the index.
     extra = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in known and not p.name.startswith(".")) \
         if root.is_dir() else []
+    unclaimed: list[Section] = []
     for i, folder in enumerate(extra, start=1):
         data = SectionData(root, folder, command=f"uv run python -m cs336_systems.notebooks run {folder}")
         blocks = data.remaining()
         if blocks:
-            note = Text(f"Results in `{root.name}/{folder}/` that no section of the writeup claims, shown as "
-                        "committed.", role="further")
-            sections.append(Section(f"A.{i}", f"Other results: {folder}", folder, (folder,), [note, *blocks]))
-    return Document(TITLE, _preamble(root), sections, _manifest.result_files(root))
+            unclaimed.append(Section(f"A.{i}", f"Other results: {folder}", folder, (folder,), [], blocks))
+    return Document(TITLE, _preamble(root), sections, _manifest.result_files(root), unclaimed)
 
 
-def write_html(doc: Document, path: Path) -> Path:
+def write_html(doc: Document, path: Path, embed: bool = False) -> Path:
+    """The writeup as HTML at ``path``: figures linked relative to it (the HTML writeup beside the PDF),
+    or embedded (``embed``: one self-contained file, what the PDF printer reads)."""
     from cs336_systems.report.html import document_html
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(document_html(doc), encoding="utf-8")
+    path.write_text(document_html(doc, link_from=None if embed else path.parent), encoding="utf-8")
+    return path
+
+
+def write_index(doc: Document, root: Path, writeup_html: Path | None) -> Path:
+    """The results index ``<root>/index.html`` (see :mod:`cs336_systems.report.index`)."""
+    import os
+
+    from cs336_systems.report.index import index_html
+
+    root = Path(root)
+    link = Path(os.path.relpath(Path(writeup_html).resolve(), root.resolve())).as_posix() if writeup_html else None
+    path = root / INDEX_NAME
+    path.write_text(index_html(doc, root, link), encoding="utf-8")
     return path
 
 
@@ -108,19 +154,25 @@ def build(
     output: Path = _manifest.DEFAULT_PDF,
     root: Path = FIGURES_DIR,
     manifest: Path | None = _manifest.DEFAULT_MANIFEST,
-    html_path: Path | None = None,
     strict: bool = False,
-) -> Path:
-    """Render the writeup to ``output`` and, unless ``manifest`` is None, record its inputs."""
+) -> list[Path]:
+    """Render the writeup: ``output`` (PDF), the HTML writeup beside it (same name, ``.html``), and the
+    results index ``<root>/index.html``; unless ``manifest`` is None, record their inputs. Returns the
+    paths written."""
     from cs336_systems.report.pdf import html_to_pdf
 
+    output, root = Path(output), Path(root)
     doc = build_document(root, strict)
+    html_path = write_html(doc, output.with_suffix(".html"))
+    index = write_index(doc, root, html_path)
     with tempfile.TemporaryDirectory(prefix="cs336-writeup-") as tmp:
-        html = write_html(doc, Path(html_path) if html_path else Path(tmp) / "writeup.html")
-        html_to_pdf(html, Path(output), date=_manifest.inputs_date(root))
+        printable = write_html(doc, Path(tmp) / "writeup.html", embed=True)
+        html_to_pdf(printable, output, date=_manifest.inputs_date(root))
+    written = [output, html_path, index]
     if manifest is not None:
-        _manifest.write_manifest(Path(output), root, Path(manifest))
-    return Path(output)
+        _manifest.write_manifest(output, root, Path(manifest), outputs=[html_path, index])
+        written.append(Path(manifest))
+    return written
 
 
-__all__ = ["build", "build_document", "write_html"]
+__all__ = ["build", "build_document", "write_html", "write_index"]

@@ -1,6 +1,6 @@
 """The writeup's document model: sections made of a few kinds of blocks.
 
-Section builders (``cs336_systems.report.sections``) produce these plain objects from the results
+The section units' ``answer`` functions (``cs336_systems.experiments``) produce these plain objects from the results
 folders; the HTML renderer turns them into pages. Keeping the model separate from rendering means
 the tests can check *what* the writeup says (sections present, numbers, missing-data notes) without
 a browser, and the renderer can change without touching any section.
@@ -109,6 +109,9 @@ class Section:
     folder: str
     problems: tuple[str, ...]
     blocks: list[Block] = field(default_factory=list)
+    further: list[Block] = field(default_factory=list)
+    """Artefacts of the section's folders that no answer cites (exploratory runs): listed in the results
+    index (``figures/index.html``), not printed in the writeup."""
 
     @property
     def anchor(self) -> str:
@@ -134,6 +137,8 @@ class Document:
     sections: list[Section]
     inputs: list[Path]
     """Every results file the document was made from (what the manifest hashes)."""
+    unclaimed: list[Section] = field(default_factory=list)
+    """Result folders no section claims, shown generically in the results index only."""
 
     def plain(self) -> str:
         return "\n\n".join([*(b.plain() for b in self.preamble), *(s.plain() for s in self.sections)])

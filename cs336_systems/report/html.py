@@ -12,7 +12,9 @@ import datetime as _dt
 import functools
 import html
 import io
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import markdown as _markdown
@@ -97,6 +99,15 @@ div.further { break-after: avoid; }
 div.further p { font-size: 9.5pt; color: #333; margin-top: 4mm; break-after: avoid; }
 """
 
+#: On a screen (the HTML writeup, the results index) the page is a readable column rather than A4 sheets.
+SCREEN_CSS = """
+@media screen {
+  body { max-width: 185mm; margin: 0 auto; padding: 8mm 6mm 20mm 6mm; }
+  figure img { max-height: none; }
+  figure.landscape img { max-width: 100%; }
+}
+"""
+
 
 # -- math --------------------------------------------------------------------------------------------
 
@@ -175,9 +186,14 @@ def markdown_to_html(text: str, lenient: bool = False) -> str:
 
 
 class _Counter:
-    def __init__(self) -> None:
+    """Table and figure numbers, and how figures are referenced: embedded as data URIs (``link_from``
+    None: the file alone is the document, as the PDF printer needs) or linked by a relative path from the
+    folder ``link_from`` where the HTML file is written (small files that a browser opens in place)."""
+
+    def __init__(self, link_from: Path | None = None) -> None:
         self.tables = 0
         self.figures = 0
+        self.link_from = link_from
 
 
 def _prov_html(meta: dict[str, Any], source: str) -> str:
@@ -243,11 +259,14 @@ LANDSCAPE_ASPECT = 2.0
 LANDSCAPE_MIN_PX = 1900
 
 
-def figure_html(block: Figure, n: int) -> str:
+def figure_html(block: Figure, n: int, link_from: Path | None = None) -> str:
     data = block.path.read_bytes()
     w, h = _png_size(data)
     cls = ' class="landscape"' if h and w / h > LANDSCAPE_ASPECT and w > LANDSCAPE_MIN_PX else ""
-    uri = "data:image/png;base64," + base64.b64encode(data).decode()
+    if link_from is None:
+        uri = "data:image/png;base64," + base64.b64encode(data).decode()
+    else:
+        uri = html.escape(Path(os.path.relpath(block.path.resolve(), Path(link_from).resolve())).as_posix())
     caption = f"<b>Figure {n}.</b> {markdown_inline(block.caption)}" + _prov_html(block.meta, block.source)
     return (f'<figure{cls}><img src="{uri}" alt="{html.escape(block.caption)}">'
             f"<figcaption>{caption}</figcaption></figure>")
@@ -269,7 +288,7 @@ def block_html(block: Block, counter: _Counter) -> str:
         return table_html(block, counter.tables)
     if isinstance(block, Figure):
         counter.figures += 1
-        return figure_html(block, counter.figures)
+        return figure_html(block, counter.figures, counter.link_from)
     if isinstance(block, Missing):
         return (
             f'<div class="missing"><b>Not measured yet:</b> {markdown_inline(block.what)}. '
@@ -316,8 +335,10 @@ def _newest_measurement(doc: Document) -> str:
     return max(dates).astimezone(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC") if dates else "(no results)"
 
 
-def document_html(doc: Document) -> str:
-    counter = _Counter()
+def document_html(doc: Document, link_from: Path | None = None) -> str:
+    """The writeup as one HTML page; figures embedded, or linked relative to ``link_from`` (the folder the
+    page is written to)."""
+    counter = _Counter(link_from)
     toc = "".join(
         f'<div><a href="#{s.anchor}">§{s.number} {html.escape(s.title)}</a>'
         + (' <span class="missing-mark">(data pending)</span>' if _has_missing(s) else "")
@@ -329,7 +350,7 @@ def document_html(doc: Document) -> str:
     body = "".join(section_html(s, counter) for s in doc.sections)
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{html.escape(doc.title)}</title><style>{CSS}</style></head><body>"
+        f"<title>{html.escape(doc.title)}</title><style>{CSS}{SCREEN_CSS}</style></head><body>"
         f"<h1>{html.escape(doc.title)}</h1>"
         f'<div class="subtitle">Results as of {as_of}, from {len(doc.inputs)} committed result files.</div>'
         f"{preamble}<nav class='toc'>{toc}</nav>{body}</body></html>"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from cs336_systems.report.staleness import stale_results
 from cs336_systems.results import FIGURES_DIR, REPO_ROOT
 
 MANIFEST_NAME = "writeup_manifest.json"
+#: The results index the build writes into the results root (an output, not a result).
+INDEX_NAME = "index.html"
 DEFAULT_PDF = REPO_ROOT / "writeup.pdf"
 DEFAULT_MANIFEST = FIGURES_DIR / MANIFEST_NAME
 REBUILD_COMMAND = "uv run python -m cs336_systems.report build"
@@ -57,7 +60,7 @@ def result_files(root: Path) -> list[Path]:
         p
         for p in root.rglob("*")
         if p.is_file()
-        and p.name != MANIFEST_NAME
+        and p.relative_to(root).as_posix() not in (MANIFEST_NAME, INDEX_NAME)
         and not any(part.startswith(".") for part in p.relative_to(root).parts)
     )
 
@@ -98,12 +101,20 @@ def inputs_date(root: Path) -> str | None:
     return max(dates).isoformat(timespec="seconds") if dates else None
 
 
-def write_manifest(pdf: Path, root: Path, manifest: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, Any]:
+def pdf_pages(pdf: Path) -> int:
+    """The number of pages of a PDF (its page objects; Chromium writes no object streams)."""
+    return len(re.findall(rb"/Type\s*/Page(?![a-zA-Z])", Path(pdf).read_bytes()))
+
+
+def write_manifest(pdf: Path, root: Path, manifest: Path, notebooks: Path = NOTEBOOK_DIR,
+                   outputs: list[Path] = ()) -> dict[str, Any]:
     data: dict[str, Any] = {
         "rebuild": REBUILD_COMMAND,
         # No wall-clock build time: a rebuild from unchanged inputs writes the same manifest.
         "inputs_date": inputs_date(root),
-        "pdf": {"path": _key(Path(pdf), REPO_ROOT), "sha256": sha256(Path(pdf))},
+        "pdf": {"path": _key(Path(pdf), REPO_ROOT), "sha256": sha256(Path(pdf)), "pages": pdf_pages(Path(pdf))},
+        # The other renderings of the same document (the HTML writeup, the results index).
+        "outputs": {_key(Path(p), REPO_ROOT): sha256(Path(p)) for p in outputs},
         **fingerprint(root, notebooks),
     }
     manifest.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +133,7 @@ def uncommitted_inputs(root: Path, notebooks: Path = NOTEBOOK_DIR) -> list[str]:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    skip = {MANIFEST_NAME, DEFAULT_PDF.name}
+    skip = {MANIFEST_NAME, DEFAULT_PDF.name, INDEX_NAME}
     return [line[3:] for line in out.splitlines() if line[3:] and Path(line[3:]).name not in skip
             and "__pycache__" not in line]
 
@@ -152,6 +163,12 @@ def check_manifest(
         problems.append(f"{_key(pdf, REPO_ROOT)} does not exist")
     elif sha256(pdf) != recorded.get("pdf", {}).get("sha256"):
         problems.append(f"{_key(pdf, REPO_ROOT)} is not the PDF the manifest was written for")
+    for key, digest in recorded.get("outputs", {}).items():
+        path = Path(key) if Path(key).is_absolute() else REPO_ROOT / key
+        if not path.exists():
+            problems.append(f"{key} does not exist")
+        elif sha256(path) != digest:
+            problems.append(f"{key} is not the one built with the PDF")
     now = fingerprint(root, notebooks)
     problems += _diff("result", recorded.get("results", {}), now["results"])
     problems += _diff("notebook", recorded.get("notebooks", {}), now["notebooks"])
