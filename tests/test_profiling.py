@@ -29,6 +29,7 @@ from cs336_systems.profiling import (
     load_snapshot,
     nsys_command,
     plot_active_memory_timeline,
+    plot_memory_timelines,
     profile_steps,
     range_names,
     record_memory_snapshot,
@@ -212,6 +213,16 @@ def test_plot_and_largest_allocations(tmp_path):
     fig = plot_active_memory_timeline(snap, title="synthetic")
     fig.savefig(tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 1000
+    # A grid shares one legend (each origin once, same colour in every panel) instead of one per panel.
+    grid = plot_memory_timelines({"a": snap, "b": snap, "c": None}, ncols=3, top=1)
+    assert len(grid.legends) == 1 and not any(ax.get_legend() for ax in grid.axes)
+    labels = [t.get_text() for t in grid.legends[0].get_texts()]
+    assert labels == ["model.py:120 forward", OTHER, BEFORE_RECORDING]
+    assert grid.legends[0].get_texts()[0].get_fontsize() >= 10
+    colours = [tuple(ax.collections[-1].get_facecolor()[0]) for ax in grid.axes[:2]]
+    assert colours[0] == colours[1]
+    with pytest.raises(ValueError, match="no snapshots"):
+        plot_memory_timelines({"a": None}, ncols=1)
     big = largest_allocations(snap, n=2)
     assert list(big["size_MiB"]) == [16, 4]
     assert big.iloc[0]["origin"] == "model.py:120 forward" and big.iloc[0]["lifetime_events"] == 4

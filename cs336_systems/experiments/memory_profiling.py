@@ -78,7 +78,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     """Snapshot each (precision, mode, context) cell with the CUDA caching allocator's history."""
     from cs336_systems.profiling import (
         largest_allocations,
-        plot_active_memory_timeline,
+        plot_memory_timelines,
         record_memory_snapshot,
     )
 
@@ -123,15 +123,9 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         cells = [(m, c) for m in p.modes for c in p.context_lengths if (precision, c, m) in snapshots]
         if not cells:
             continue
-        fig, axes = plt.subplots(len(p.modes), len(p.context_lengths), figsize=(6 * len(p.context_lengths), 3.6 * len(p.modes)), squeeze=False)
-        for i, m in enumerate(p.modes):
-            for j, c in enumerate(p.context_lengths):
-                ax = axes[i][j]
-                if (precision, c, m) in snapshots:
-                    plot_active_memory_timeline(snapshots[(precision, c, m)], ax=ax, top=6, title=f"{size} {m}, ctx {c}, {precision}")
-                else:
-                    ax.set_axis_off()
-        fig.tight_layout()
+        panels = {f"{size} {m}, ctx {c}, {precision}": snapshots.get((precision, c, m))
+                  for m in p.modes for c in p.context_lengths}
+        fig = plot_memory_timelines(panels, ncols=len(p.context_lengths), top=6)
         out.figure(fig, f"timeline_{precision}")
         plt.close(fig)
     # (e) asks about the forward pass: its largest allocations are attention's seq × seq score and

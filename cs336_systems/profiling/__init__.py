@@ -13,6 +13,7 @@ from .memory import (
     largest_allocations,
     load_snapshot,
     plot_active_memory_timeline,
+    plot_memory_timelines,
     record_memory_snapshot,
 )
 from .nsys import nsys_available, nsys_command, run_nsys
@@ -42,6 +43,7 @@ __all__ = [
     "nsys_available",
     "nsys_command",
     "plot_active_memory_timeline",
+    "plot_memory_timelines",
     "profile_steps",
     "range_intervals",
     "range_names",

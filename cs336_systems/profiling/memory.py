@@ -34,6 +34,8 @@ import torch
 _ALLOC, _FREE = "alloc", "free_completed"
 BEFORE_RECORDING = "allocated before recording"
 OTHER = "other"
+#: Allocations with no Python frame on their stack: made inside autograd's backward or optimizer C++ code.
+NO_USER_FRAME = "(no user frame)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,7 +167,7 @@ def allocation_events(snapshot: dict[str, Any], device: int | None = None) -> pd
             "size": int(entry["size"]),
             "delta": int(entry["size"]) if action == _ALLOC else -int(entry["size"]),
             "time_us": entry.get("time_us"),
-            "origin": stack[0] if stack else "(no user frame)",
+            "origin": stack[0] if stack else NO_USER_FRAME,
             "stack": " <- ".join(stack),
             "alloc_event": None,
         }
@@ -221,29 +223,73 @@ def active_memory_timeline(
     return timeline
 
 
-def plot_active_memory_timeline(
-    snapshot: dict[str, Any], *, title: str = "Active memory timeline", top: int = 8, ax: Any = None
-) -> plt.Figure:
-    """Stacked area plot of :func:`active_memory_timeline` in GiB, pre-recording memory at the bottom."""
-    timeline = active_memory_timeline(snapshot, top=top)
+_GREYS = {BEFORE_RECORDING: "#bbbbbb", OTHER: "#dddddd"}
+
+
+def _stack_timeline(ax: Any, timeline: pd.DataFrame, colors: dict[str, Any], title: str) -> None:
     order = [BEFORE_RECORDING, OTHER] + [c for c in timeline.columns if c not in (BEFORE_RECORDING, OTHER)][::-1]
     gib = timeline[order] / 2**30
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(11, 4.5))
-    else:
-        fig = ax.figure
-    colors = ["#bbbbbb", "#dddddd"] + list(plt.get_cmap("tab10").colors)
-    ax.stackplot(gib.index, *(gib[c].to_numpy() for c in order), labels=order, colors=colors[: len(order)],
+    ax.stackplot(gib.index, *(gib[c].to_numpy() for c in order), labels=order, colors=[colors[c] for c in order],
                  linewidth=0)
     peak = gib.sum(axis=1).max()
     ax.axhline(peak, color="black", linewidth=0.8, linestyle="--")
-    ax.text(gib.index[0], peak, f" peak {peak:.2f} GiB", va="bottom", fontsize=8)
+    ax.text(gib.index[0], peak, f" peak {peak:.2f} GiB", va="bottom", fontsize=9)
     ax.set_xlabel("allocator event")
     ax.set_ylabel("active memory (GiB)")
     ax.set_title(title)
-    handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.margins(x=0)
+
+
+def _origin_colors(timelines: Sequence[pd.DataFrame]) -> dict[str, Any]:
+    """One colour per origin across all panels (greys for the two catch-all bands)."""
+    colors: dict[str, Any] = dict(_GREYS)
+    palette = list(plt.get_cmap("tab20").colors)
+    for t in timelines:
+        for c in t.columns:
+            if c not in colors:
+                colors[c] = palette[(len(colors) - len(_GREYS)) % len(palette)]
+    return colors
+
+
+def plot_active_memory_timeline(
+    snapshot: dict[str, Any], *, title: str = "Active memory timeline", top: int = 8, ax: Any = None
+) -> plt.Figure:
+    """Stacked area plot of :func:`active_memory_timeline` in GiB, pre-recording memory at the bottom, with
+    its legend below the axes."""
+    timeline = active_memory_timeline(snapshot, top=top)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9, 5))
+    else:
+        fig = ax.figure
+    _stack_timeline(ax, timeline, _origin_colors([timeline]), title)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2,
+              frameon=False)
+    return fig
+
+
+def plot_memory_timelines(
+    panels: dict[str, dict[str, Any] | None], *, ncols: int, top: int = 6, panel_size: tuple[float, float] = (5.0, 3.4)
+) -> plt.Figure:
+    """A grid of :func:`active_memory_timeline` panels (title → snapshot, row by row; None leaves a panel
+    empty) sharing one colour per origin and one legend under the grid, in type a page can print legibly."""
+    titles = list(panels)
+    timelines = {t: active_memory_timeline(s, top=top) for t, s in panels.items() if s is not None}
+    if not timelines:
+        raise ValueError("no snapshots to plot")
+    nrows = -(-len(titles) // ncols)
+    colors = _origin_colors(list(timelines.values()))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_size[0] * ncols, panel_size[1] * nrows), squeeze=False)
+    for k, ax in enumerate(axes.flat):
+        if k < len(titles) and titles[k] in timelines:
+            _stack_timeline(ax, timelines[titles[k]], colors, titles[k])
+        else:
+            ax.set_axis_off()
+    used = [c for c in colors if any(c in t.columns for t in timelines.values())]
+    legend = [c for c in used if c not in _GREYS] + [c for c in (OTHER, BEFORE_RECORDING) if c in used]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[c]) for c in legend]
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * (-(-len(legend) // 3)) / nrows, 1, 1))
+    fig.legend(handles, legend, loc="lower center", ncol=3, fontsize=10, frameon=False)
     return fig
 
 
