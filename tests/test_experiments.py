@@ -119,3 +119,24 @@ def test_torchrun_form_of_a_section_reads_its_own_arguments(tmp_path, monkeypatc
     assert fsdp.main() == 0
     meta = json.loads((tmp_path / "fsdp" / "fsdp_vs_ddp.meta.json").read_text())
     assert meta["params"]["strategies"] == ["ddp", "fsdp"] and meta["params"]["steps"] == 1
+
+
+def test_ddp_sections_take_several_world_sizes_and_report_scaling(tmp_path, monkeypatch, capsys) -> None:
+    flat = get("ddp_flat")
+    with pytest.raises(ValueError, match=r"world sizes >= 2, got nproc=\[1, 2\]"):
+        flat.params("smoke", {"nproc": [1, 2]})
+    with pytest.raises(ValueError, match="nproc lists a world size twice"):
+        flat.params("smoke", {"nproc": [2, 2]})
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["ddp_flat", "--smoke", "--set", "nproc=2,3"]) == 0
+    out = capsys.readouterr().out
+    assert "world size 3, fp32:" in out and "Weak scaling over 2 and 3 GPUs" in out
+    import pandas as pd
+
+    scaling = pd.read_csv(tmp_path / "ddp_flat" / "scaling.csv")
+    assert sorted(scaling["world_size"].unique()) == [2, 3]
+    assert set(scaling["variant"]) == {"torch", "naive", "flat"}  # the single-process row is the reference
+    assert (scaling["sequences_per_s"] > 0).all() and (scaling["scaling_efficiency"] > 0).all()
+    # The first world size writes the tables the answers read; the others carry theirs in the name.
+    assert (tmp_path / "ddp_flat" / "steps_tiny_fp32.csv").exists()
+    assert (tmp_path / "ddp_flat" / "np3_tiny_fp32.csv").exists()

@@ -94,6 +94,7 @@ def answer(d: SectionData) -> list[Block]:
                  ddp_common.bucket_model(SectionData(d.root, "distributed_communication_single_node"), d)),
         *ddp_common.captured_steps(SectionData(d.root, "ddp_benchmark",
                                     command="python -m cs336_systems.benchmarking.ddp_steps ... --cuda-graph both")),
+        *ddp_common.scaling_blocks(d),
     ]
 
 

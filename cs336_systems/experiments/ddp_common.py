@@ -16,7 +16,7 @@ from cs336_systems.benchmarking.ddp_overhead_model import fit_latency_bandwidth,
 from cs336_systems.configs import get_config, param_counts
 from cs336_systems.experiments.section import check_presets, param
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import question, subset
+from cs336_systems.report.answers import join_words, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
 from cs336_systems.report.staleness import MODEL
@@ -35,7 +35,8 @@ DEPENDS = (*MODEL, "cs336_systems/distributed/grad_sync.py", "cs336_systems/dist
 class DDPParams:
     preset: str = param("xl", "model preset")
     autocast: list[str] = param(["fp32", "bf16"], "compute precision per run: fp32 and/or bf16 autocast")
-    nproc: int = param(2, "ranks: GPUs with NCCL, or CPU processes with gloo")
+    nproc: list[int] = param([2], "world sizes, one run each (GPUs with NCCL, or CPU processes with gloo); the "
+                                  "first is the run the answers discuss, several add a scaling table")
     batch_per_rank: int = param(2, "sequences per rank per step")
     context_length: int = param(512, "tokens per sequence")
     warmup: int = param(3, "untimed steps per variant")
@@ -44,8 +45,10 @@ class DDPParams:
 
     def check(self) -> None:
         check_presets(self.preset)
-        if self.nproc < 2:
-            raise ValueError(f"data parallelism needs nproc >= 2, got {self.nproc}")
+        if not self.nproc or any(n < 2 for n in self.nproc):
+            raise ValueError(f"data parallelism needs world sizes >= 2, got nproc={self.nproc}")
+        if len(set(self.nproc)) != len(self.nproc):
+            raise ValueError(f"nproc lists a world size twice: {self.nproc}")
 
 
 def ddp_presets(params_type: type = DDPParams, **smoke: Any) -> dict[str, Any]:
@@ -63,20 +66,62 @@ def run_ddp(section: str, p: DDPParams, out: ResultWriter, run_modes: list[str],
     before timing, every strategy is checked against single-process training on the toy model, and a
     mismatch fails the run."""
     shown, timelines = ddp_steps.NOTEBOOK_SECTIONS[section]
-    written = {}
-    for i, ac in enumerate(p.autocast):
-        cfg = ddp_steps.DDPBenchConfig(preset=p.preset, context_length=p.context_length,
-                                       batch_per_rank=p.batch_per_rank, autocast=ac, modes=run_modes,
-                                       warmup=p.warmup, steps=p.steps, profile=timelines, check_toy=i == 0, **config)
-        cfg.validate()
-        result = ddp_steps.run_benchmark(cfg, p.nproc, p.backend)
-        written[ac] = w = ddp_steps.write_section(out, result, cfg, modes=shown, timelines=timelines)
-        plt.close("all")
-        failed = [r["variant"] for r in result.get("equivalence", []) if not r["ok"]]
-        if failed:
-            raise RuntimeError(f"strategies that do not match single-process training on the toy model: {failed}")
-        print(w["steps"][ddp_steps.STEP_COLUMNS].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    written: dict[str, Any] = {}
+    scaling = []
+    for n in p.nproc:
+        for i, ac in enumerate(p.autocast):
+            cfg = ddp_steps.DDPBenchConfig(preset=p.preset, context_length=p.context_length,
+                                           batch_per_rank=p.batch_per_rank, autocast=ac, modes=run_modes,
+                                           warmup=p.warmup, steps=p.steps, profile=timelines,
+                                           check_toy=i == 0 and n == p.nproc[0], **config)
+            cfg.validate()
+            result = ddp_steps.run_benchmark(cfg, n, p.backend)
+            # The first world size writes the tables the answers read; the others are tagged with theirs.
+            name = "steps" if n == p.nproc[0] else f"np{n}"
+            w = ddp_steps.write_section(out, result, cfg, name=name, modes=shown, timelines=timelines)
+            written[ac if n == p.nproc[0] else f"{ac}_np{n}"] = w
+            plt.close("all")
+            failed = [r["variant"] for r in result.get("equivalence", []) if not r["ok"]]
+            if failed:
+                raise RuntimeError(f"strategies that do not match single-process training on the toy model: {failed}")
+            scaling.append(w["steps"].assign(world_size=n, autocast=ac))
+            print(f"world size {n}, {ac}:")
+            print(w["steps"][ddp_steps.STEP_COLUMNS].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    if len(p.nproc) > 1:
+        written["scaling"] = table = scaling_table(pd.concat(scaling, ignore_index=True))
+        out.table(table, "scaling", extra={"throughput": "sequences per second over all ranks"})
+        fig = plot_scaling(table, f"{p.preset}, {p.batch_per_rank}x{p.context_length} tokens per rank")
+        out.figure(fig, "scaling")
+        plt.close(fig)
     return written
+
+
+def scaling_table(steps: pd.DataFrame) -> pd.DataFrame:
+    """Step time and throughput by world size, one row per (autocast, variant, world size): weak scaling,
+    the batch per rank fixed, so an ideal strategy keeps the step time and multiplies the throughput."""
+    need = {"variant", "mode", "step_ms", "world_size", "autocast", "batch_per_rank"}
+    if not need <= set(steps.columns):
+        raise ValueError(f"step tables lack {sorted(need - set(steps.columns))}")
+    d = steps[steps["mode"] != "single"].copy()
+    d["sequences_per_s"] = d["world_size"] * d["batch_per_rank"] * 1e3 / d["step_ms"]
+    single = steps[steps["mode"] == "single"].groupby(["autocast", "world_size"])["step_ms"].first()
+    d["scaling_efficiency"] = [single.get((a, n), float("nan")) / t for a, n, t in
+                               zip(d["autocast"], d["world_size"], d["step_ms"])]
+    cols = ["autocast", "variant", "world_size", "step_ms", "sequences_per_s", "scaling_efficiency"]
+    return d[cols].sort_values(["autocast", "variant", "world_size"]).reset_index(drop=True)
+
+
+def plot_scaling(table: pd.DataFrame, title: str) -> plt.Figure:
+    """Throughput against world size, one line per variant and autocast setting, with ideal scaling dotted."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (ac, variant), g in table.groupby(["autocast", "variant"], sort=False):
+        ax.plot(g["world_size"], g["sequences_per_s"], marker="o", label=f"{variant} ({ac})")
+    ax.set_xlabel("GPUs (world size)")
+    ax.set_ylabel("sequences per second")
+    ax.set_xticks(sorted(table["world_size"].unique()))
+    ax.set_title(title, loc="left")
+    ax.legend(fontsize=9)
+    return fig
 
 
 # === Answers: formatting only; changes below this line do not make results stale ===
@@ -136,6 +181,24 @@ def steps_blocks(d: SectionData, name: str | None, caption: str):
 
 STEPS_CAPTION = ("Time per training step by strategy, same model and data in one run: `sync` is the "
                   "communication the backward pass did not hide, `overhead` the step time minus the single-GPU step.")
+
+
+def scaling_blocks(d: SectionData) -> list[Block]:
+    """With several world sizes (``--set nproc=2,4,8``): the scaling table and figure, after the answers;
+    empty without them."""
+    table = d.frame("scaling")
+    if table is None or not {"variant", "world_size", "sequences_per_s", "scaling_efficiency"} <= set(table.columns):
+        return []
+    sizes = sorted(table["world_size"].unique())
+    best = table.loc[table.groupby("world_size")["sequences_per_s"].idxmax()]
+    text = Text(f"Weak scaling over {join_words([str(n) for n in sizes])} GPUs (the batch per rank fixed): "
+                + join_words([f"{int(r['world_size'])} GPUs {fmt.sig(r['sequences_per_s'], 3)} sequences/s with "
+                              f"{r['variant']} ({r['autocast']}, {fmt.pct(r['scaling_efficiency'])} of the "
+                              "single-GPU step rate per GPU)" for _, r in best.iterrows()]) + ".")
+    return [question(d, "scaling", "Beyond the handout: the same step on more GPUs.", [
+        text, d.table("scaling", caption="Step time and throughput by world size; efficiency is the single-GPU "
+                      "step time over the step time (1 is perfect weak scaling)."),
+        d.figure("scaling", caption="Throughput against the number of GPUs.")])]
 
 
 def setup(df: pd.DataFrame | None) -> Text | None:

@@ -50,6 +50,7 @@ def answer(d: SectionData) -> list[Block]:
                  [setup(df), text, steps_blocks(d, name, STEPS_CAPTION), d.figure(name or "", caption="Step time "
                                                                                       "split into phases.")],
                  what="flat vs per-parameter all-reduce timings"),
+        *ddp_common.scaling_blocks(d),
     ]
 
 

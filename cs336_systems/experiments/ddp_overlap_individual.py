@@ -63,6 +63,7 @@ def answer(d: SectionData) -> list[Block]:
                  [ov_text, *timelines, d.table(overlap_name or "", caption="Communication kernel time and the part "
                                                "of it inside the backward pass.")],
                  what="the overlap timelines"),
+        *ddp_common.scaling_blocks(d),
     ]
 
 

@@ -90,7 +90,7 @@ PRESETS = ddp_common.ddp_presets(Params)
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     """The toy-model equality check (its printout is the handout's deliverable), then the step timings."""
-    table = toy_check(p.nproc, p.toy_steps, p.toy_batch)
+    table = toy_check(p.nproc[0], p.toy_steps, p.toy_batch)
     out.table(table, "toy_check", extra={"tolerance": TOLERANCE})
     print(table.to_string(index=False))
     if not table["matches"].all():
@@ -158,6 +158,7 @@ def answer(d: SectionData) -> list[Block]:
                  "(XL model, one node, 2 GPUs).", [setup(df), text, steps_blocks(d, name, STEPS_CAPTION),
                                                    d.figure(name or "", caption="Step time split into phases.")],
                  what="naive DDP step and communication times"),
+        *ddp_common.scaling_blocks(d),
     ]
 
 
