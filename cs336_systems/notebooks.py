@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,21 @@ def notebook_path(name: str) -> Path:
     if not path.exists():
         raise ValueError(f"no notebook {name!r}; available: {', '.join(list_notebooks())}")
     return path
+
+
+def _local_kernel_manager() -> type:
+    from jupyter_client.manager import AsyncKernelManager
+
+    class LocalKernelManager(AsyncKernelManager):
+        """The kernel on local IPC sockets in a private temporary folder rather than TCP on loopback:
+        nothing listens on a port, and ipykernel has no reason to warn about unencrypted TCP."""
+
+        def __init__(self, **kwargs: Any) -> None:
+            kwargs.setdefault("transport", "ipc")
+            kwargs.setdefault("ip", os.path.join(tempfile.mkdtemp(prefix="cs336-kernel-"), "kernel"))
+            super().__init__(**kwargs)
+
+    return LocalKernelManager
 
 
 def execute(
@@ -74,6 +90,7 @@ def execute(
             execution_timeout=timeout_s,
             log_output=log_output,
             progress_bar=False,
+            kernel_manager_class=_local_kernel_manager(),
         )
     finally:
         if old is None:

@@ -54,12 +54,17 @@ def test_notebook_is_committed_clean(name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_smoke_run(name: str, tmp_path, monkeypatch) -> None:
+def test_notebook_smoke_run(name: str, tmp_path, monkeypatch, capfd) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "figures"))
     executed = notebooks.execute(name, smoke=True, output_dir=tmp_path, timeout_s=300)
     nb = json.loads(executed.read_text())
     errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
+    # Neither the kernel (IPC, not TCP) nor progress bars (text, not widgets) warn.
+    assert "without encryption" not in capfd.readouterr().err
+    stderr = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", [])
+                     if o.get("name") == "stderr")
+    assert "IProgress not found" not in stderr and "TqdmWarning" not in stderr
     produced = list((tmp_path / "figures").rglob("*.meta.json"))
     assert produced, "a notebook must export at least one result with provenance"
     for meta_path in produced:
