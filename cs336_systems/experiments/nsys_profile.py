@@ -277,5 +277,5 @@ def _top_kernels(d: SectionData, top: pd.DataFrame | None, row: pd.Series | None
 SECTION = Section(
     name="nsys_profile", number="1.1.4", title="Profiling the forward and backward passes",
     problems=("nsys_profile",), answer=answer, presets=PRESETS, run=run,
-    depends=(*MODEL, *TIMING, "cs336_systems/profiling/"),
+    depends=(*MODEL, *TIMING, "cs336_systems/profiling/torch_profiler.py"),
 )
