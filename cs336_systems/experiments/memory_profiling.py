@@ -210,7 +210,8 @@ def answer(d: SectionData) -> list[Block]:
             timeline,
             None if timeline is None else Text(
                 "In the forward pass memory climbs in a staircase, one step per block as its activations are "
-                "saved, and peaks at the logits. The training-step panels start higher: the snapshot is taken "
+                "saved, and peaks at the end of the forward pass, when every block's saved activations and the logits are "
+                "resident together. The training-step panels start higher: the snapshot is taken "
                 "after one warm-up step, so AdamW's two moment buffers are already resident from the first "
                 "event. The step then repeats the forward ramp, falls as backward frees each block's "
                 "activations while the gradients appear, and ends with the optimizer's update, whose "
