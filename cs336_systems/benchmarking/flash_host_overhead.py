@@ -1,0 +1,223 @@
+"""Host (CPU) time and GPU time per attention call: our FlashAttention-2 against SDPA's flash and cuDNN.
+
+A call costs the larger of two times: what the host spends issuing it (Python, the dispatcher, kernel
+launches) and what the GPU spends running it. At short sequences the kernels finish in tens of
+microseconds, so the host path decides the speed a user sees. Per implementation, alternating between
+implementations in one process, and per round:
+
+- **host µs** per forward+backward: the GPU is first handed a long ``torch.cuda._sleep``, so each call only
+  enqueues work; the host time of ``calls`` calls divided by ``calls`` is the issuing cost alone (few
+  enough calls not to fill the launch queue, which would block the host);
+- **GPU µs** per forward+backward: the device time of the kernels the calls launched (torch.profiler);
+- **wall µs** per forward+backward back to back (CUDA events around ``calls`` calls): about the larger of the
+  two.
+
+    python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --causal
+    python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --profile   # + cProfile of ours
+
+Forward and backward run as ``torch.autograd.grad(o, (q, k, v), do)``, so no gradient accumulates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
+#: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
+_SLEEP_S = 0.2
+
+
+@contextlib.contextmanager
+def _backend(impl: str) -> Iterator[None]:
+    """SDPA pinned to one backend for the whole measurement (entering the context per call would add its
+    own host cost to SDPA's)."""
+    if impl == "ours":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+    with sdpa_kernel(backend):
+        yield
+
+
+def attention_fn(impl: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
+    if impl == "ours":
+        from cs336_systems.attention.flash_triton import FlashAttentionTriton
+
+        return FlashAttentionTriton.apply
+    if impl in IMPLS:
+        return lambda q, k, v, causal: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+
+
+def make_step(impl: str, shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool) -> Callable[[], None]:
+    """One forward+backward of ``impl`` on fixed random inputs of ``shape`` = (batch, heads, seq, head_dim)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    do = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    fn = attention_fn(impl)
+
+    def step() -> None:
+        o = fn(q, k, v, causal)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    return step
+
+
+def _sleep_cycles(seconds: float) -> int:
+    """``torch.cuda._sleep`` counts clock cycles; the SM clock is read from the device (1.98 GHz on an H100
+    at boost), defaulting to 2 GHz."""
+    try:
+        rate_khz = torch.cuda.get_device_properties(0).clock_rate  # type: ignore[attr-defined]
+    except AttributeError:
+        rate_khz = 2_000_000
+    return int(seconds * rate_khz * 1e3)
+
+
+def host_us(step: Callable[[], None], calls: int) -> float:
+    """Host microseconds per call while the GPU is busy sleeping (see the module docstring)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_sleep_cycles(_SLEEP_S))
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    elapsed = time.perf_counter() - start
+    still_asleep = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    if not still_asleep:
+        raise RuntimeError(f"the GPU finished its {_SLEEP_S} s sleep before the host issued {calls} calls: "
+                           "the measurement may include waits; use fewer calls")
+    return elapsed / calls * 1e6
+
+
+def gpu_us(step: Callable[[], None], calls: int) -> float:
+    """Kernel device time per call, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cs336_systems.profiling.torch_profiler import kernel_records
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    return float(kernel_records(prof)["duration_us"].sum()) / calls
+
+
+def wall_us(step: Callable[[], None], calls: int) -> float:
+    """Back-to-back microseconds per call between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def measure(shape: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16, causal: bool = True,
+            impls: tuple[str, ...] = IMPLS, rounds: int = 5, calls: int = 20, warmup: int = 10) -> pd.DataFrame:
+    """One row per (round, implementation): ``host_us``, ``gpu_us``, ``wall_us`` per forward+backward.
+    Implementations alternate within each round, in an order that rotates from round to round."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the host-overhead benchmark needs a CUDA GPU")
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(f"shape must be four positive sizes (batch, heads, seq, head_dim), got {shape}")
+    steps = {impl: make_step(impl, shape, dtype, causal) for impl in impls}
+    for impl, step in steps.items():
+        with _backend(impl):
+            for _ in range(warmup):  # compiles, autotunes and caches
+                step()
+    torch.cuda.synchronize()
+    rows = []
+    for r in range(rounds):
+        order = list(impls[r % len(impls):]) + list(impls[: r % len(impls)])
+        for impl in order:
+            with _backend(impl):
+                step = steps[impl]
+                rows.append({"round": r, "impl": impl, "host_us": host_us(step, calls),
+                             "gpu_us": gpu_us(step, calls), "wall_us": wall_us(step, calls)})
+    batch, heads, seq, d = shape
+    return pd.DataFrame(rows).assign(batch=batch, heads=heads, seq_len=seq, head_dim=d,
+                                     dtype=str(dtype).removeprefix("torch."), causal=causal)
+
+
+def summarize(rows: pd.DataFrame) -> pd.DataFrame:
+    """Median over rounds per implementation, with the spread (max - min) of the host time."""
+    g = rows.groupby("impl", sort=False)
+    out = g[["host_us", "gpu_us", "wall_us"]].median()
+    out["host_spread_us"] = g["host_us"].max() - g["host_us"].min()
+    return out.reset_index()
+
+
+def profile_host(step: Callable[[], None], calls: int = 200, top: int = 30) -> str:
+    """cProfile of ``calls`` forward+backward calls (GPU kept busy, as in :func:`host_us`), top functions by
+    own time."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_sleep_cycles(2.0))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+__all__ = ["IMPLS", "gpu_us", "host_us", "measure", "profile_host", "summarize", "wall_us"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.flash_host_overhead",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", action="append", default=None,
+                        help="batch,heads,seq,head_dim (repeatable; default 1,16,1024,64)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=20, help="calls per measurement")
+    parser.add_argument("--profile", action="store_true", help="also print a cProfile of our host path")
+    parser.add_argument("--csv", help="write every round's rows here")
+    args = parser.parse_args(argv)
+    try:
+        shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shape or ["1,16,1024,64"])]
+    except ValueError:
+        parser.error(f"--shape takes four integers batch,heads,seq,head_dim, got {args.shape}")
+    impls = tuple(x for x in args.impls.split(",") if x)
+    for impl in impls:
+        attention_fn(impl)  # unknown names fail here, in one line
+    dtype = getattr(torch, args.dtype)
+    frames = []
+    for shape in shapes:
+        rows = measure(shape, dtype, args.causal, impls, args.rounds, args.calls)  # type: ignore[arg-type]
+        frames.append(rows)
+        s = summarize(rows)
+        print(f"shape {shape}, {args.dtype}, causal={args.causal}: median of {args.rounds} rounds, µs per fwd+bwd")
+        print(s.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+        if args.profile and "ours" in impls:
+            print(profile_host(make_step("ours", shape, dtype, args.causal)))  # type: ignore[arg-type]
+    if args.csv:
+        pd.concat(frames, ignore_index=True).to_csv(args.csv, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.flash_host_overhead"))
