@@ -386,6 +386,41 @@ def test_under_torch_compile(impl_name: str) -> None:
         torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_eager_calls_skip_the_custom_operators_and_tracers_see_them(monkeypatch) -> None:
+    """Eager calls launch the kernels directly (the operators' Python dispatch costs more host time than
+    the kernels at short sequences); under a dispatch mode, as when tracing, the operators are what runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cs336_systems.attention import flash_triton
+
+    calls = []
+    for name in ("flash_attention_forward", "flash_attention_backward"):
+        op = getattr(flash_triton, name)
+        monkeypatch.setattr(flash_triton, name, lambda *a, _op=op, _n=name: calls.append(_n) or _op(*a))
+    case = Case(24, 24, 16, True, 2)
+    q, k, v, do = _inputs(case, torch.float32)
+    eager = _run(FlashAttentionTriton.apply, q, k, v, do, True, read_lse=False)
+    assert calls == []
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder() as rec:
+        traced = _run(FlashAttentionTriton.apply, q, k, v, do, True, read_lse=False)
+    assert calls == ["flash_attention_forward", "flash_attention_backward"]
+    assert "cs336_systems.flash_attention_forward.default" in rec.ops
+    assert "cs336_systems.flash_attention_backward.default" in rec.ops
+    for a, b in zip(eager, traced):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_adapters_return_the_library_functions() -> None:
     assert get_flashattention_autograd_function_pytorch() is FlashAttentionPytorch
     assert get_flashattention_autograd_function_triton() is FlashAttentionTriton

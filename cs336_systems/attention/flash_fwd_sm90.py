@@ -39,7 +39,9 @@ kernel by compiling it for sm_90 offline (:func:`compile_for_hopper`); the GPU t
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -259,14 +261,21 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
     return None
 
 
+@functools.cache
+def _layouts(dtype: torch.dtype, d: int) -> tuple[Any, Any]:
+    """Shared-memory layouts of the Q and K/V tiles (computed once per dtype and head dim: host time)."""
+    block_n = TILES[d][1]
+    gl_dtype = _GLUON_DTYPES[dtype]
+    return (gl.NVMMASharedLayout.get_default_for([ROWS.value, d], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype))
+
+
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     """``(O, L)`` for inputs that :func:`ineligibility` accepts; L is float32 ``(batch, heads, n_queries)``."""
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     block_m, block_n, stages = TILES[d]
-    dtype = _GLUON_DTYPES[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS.value, d], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], dtype)
+    q_layout, kv_layout = _layouts(q.dtype, d)
     q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [ROWS.value, d], q_layout)
     k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], kv_layout)

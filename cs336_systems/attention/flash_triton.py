@@ -9,6 +9,8 @@ Layers, outside in:
   Registering them with ``torch.library.custom_op`` (plus a shape-only "fake" implementation) makes them
   opaque to ``torch.compile``: Dynamo and AOTAutograd trace the autograd function around them and call the
   operators as they are, whichever way the kernels were built (compiled for a GPU, or interpreted on CPU).
+  Plain eager calls run the same launch code (``_forward``, ``_backward``) without the operators' Python
+  dispatch, which costs more host time than the kernels take at short sequences (see :func:`_eager`).
 - The kernels themselves live in :mod:`.triton_kernels`, imported on first launch (see :func:`_kernels`).
   On Hopper GPUs the forward of 16-bit inputs at head dims 64 and 128 runs the warp-specialized Gluon
   kernel of :mod:`.flash_fwd_sm90` instead (same outputs; :func:`forward_kernel_name` says which one a
@@ -28,6 +30,7 @@ float32 inputs follow ``torch.get_float32_matmul_precision()``, as PyTorch's own
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import os
@@ -35,6 +38,7 @@ from types import ModuleType
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import options
 from ._validation import validate_attention_inputs
@@ -153,11 +157,16 @@ def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor) -> ModuleType | None:
     (including ``options.current().gluon``) is decided in one place, ``flash_fwd_sm90.ineligibility``."""
     if q.device.type != "cuda" or interpreter_enabled():
         return None
-    capability = torch.cuda.get_device_capability(q.device)
+    capability = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if capability != (9, 0):
         return None
     module = importlib.import_module(".flash_fwd_sm90", __package__)
     return module if module.ineligibility(q, k, v, capability) is None else None
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
@@ -168,8 +177,7 @@ def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
     return "gluon" if _gluon_forward_module(q, k, v) is not None else "triton"
 
 
-@torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
-def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     """``(O, L)`` for ``(batch, heads, n, d)`` inputs; ``L`` is float32 ``(batch, heads, n_queries)``."""
     gluon = _gluon_forward_module(q, k, v)
     if gluon is not None:
@@ -196,13 +204,18 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) ->
     return o, lse
 
 
+@torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """The forward as a custom operator: what ``torch.compile`` and other tracers see."""
+    return _forward(q, k, v, is_causal)
+
+
 @flash_attention_forward.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
-def flash_attention_backward(
+def _backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics)."""
@@ -237,6 +250,14 @@ def flash_attention_backward(
     return dq, dk, dv
 
 
+@torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
+def flash_attention_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward as a custom operator: what ``torch.compile`` and other tracers see."""
+    return _backward(do, q, k, v, o, lse, is_causal)
+
+
 @flash_attention_backward.register_fake
 def _(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
@@ -246,6 +267,16 @@ def _(
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _eager(t: Tensor) -> bool:
+    """Whether a call may run the kernels directly instead of through the custom operators.
+
+    A custom operator's Python path (dispatcher, aliasing check, Dynamo guard) costs several hundred
+    microseconds of host time per call, more than the kernels take at short sequences. Plain eager calls
+    skip it; anything that traces (``torch.compile``, a fake or functional tensor, a dispatch mode such as
+    ``make_fx``'s) still sees the operators, whose kernels cannot be traced into."""
+    return type(t) is Tensor and not torch.compiler.is_compiling() and _current_dispatch_mode() is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,10 +300,11 @@ class FlashAttentionTriton(torch.autograd.Function):
         )
         _check_device(q)
         q, k, v = (_unit_stride_d(t) for t in (q, k, v))
+        forward = _forward if _eager(q) else flash_attention_forward
         if shape.has_heads:
-            o, lse = flash_attention_forward(q, k, v, is_causal)
+            o, lse = forward(q, k, v, is_causal)
         else:
-            o, lse = flash_attention_forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal)
+            o, lse = forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal)
             o, lse = o.squeeze(1), lse.squeeze(1)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal = is_causal
@@ -282,7 +314,8 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
         q, k, v, o, lse = ctx.saved_tensors
         do = _unit_stride_d(do)
+        backward = _backward if _eager(do) else flash_attention_backward
         if q.dim() == 4:
-            return (*flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal), None)
-        dq, dk, dv = flash_attention_backward(*(t.unsqueeze(1) for t in (do, q, k, v, o, lse)), ctx.is_causal)
+            return (*backward(do, q, k, v, o, lse, ctx.is_causal), None)
+        dq, dk, dv = backward(*(t.unsqueeze(1) for t in (do, q, k, v, o, lse)), ctx.is_causal)
         return dq.squeeze(1), dk.squeeze(1), dv.squeeze(1), None
