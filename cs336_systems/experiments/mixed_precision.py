@@ -185,6 +185,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.report.answers import mfu_note, model_tflops, with_mfu  # noqa: E402 (answers only)
+
 
 def answer(d: SectionData) -> list[Block]:
     acc = d.frame("accumulation")
@@ -232,10 +234,34 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "c", "Forward and backward timings with and without bf16 mixed precision, by model size.",
                  [speed_text, d.table("bf16_speedup", caption="fp32 vs. bf16 autocast, mean time per step and "
                                       "speed-up (fp32 time / bf16 time)."),
+                  _mfu_table(d),
                   d.figure("bf16_speedup", caption="bf16 autocast speed-up by model size.")],
                  what="bf16 vs fp32 timings by model size"),
     ]
 
+
+
+
+def _mfu_table(d: SectionData):
+    """Forward + backward throughput in model TFLOP/s and MFU, fp32 against bf16, from the speed-up table."""
+    speed = d.frame("bf16_speedup")
+    need = {"size", "forward_fp32_ms", "backward_fp32_ms", "forward_bf16_ms", "backward_bf16_ms"}
+    if speed is None or not need <= set(speed.columns):
+        return None
+    meta = d.meta("bf16_speedup")
+    ctx = int((meta.get("params") or {}).get("context_length", 512))
+    rows = []
+    for _, r in speed.iterrows():
+        row = {"size": r["size"]}
+        for p in ("fp32", "bf16"):
+            ms = r[f"forward_{p}_ms"] + r[f"backward_{p}_ms"]
+            row[f"{p}_TFLOP_per_s"] = model_tflops(str(r["size"]), ms, ctx, "train")
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    for p in ("fp32", "bf16"):
+        frame[f"{p}_MFU_pct"] = with_mfu(frame.rename(columns={f"{p}_TFLOP_per_s": "TFLOP_per_s"}), meta, p)["MFU_pct"]
+    return d.table("bf16_speedup", frame=frame, caption="The same steps as model TFLOP/s and MFU, forward + "
+                   "backward." + mfu_note(meta, ("fp32", "bf16")))
 
 
 SECTION = Section(

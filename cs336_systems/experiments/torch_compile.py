@@ -147,6 +147,8 @@ def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.report.answers import mfu_note, model_tflops, with_mfu  # noqa: E402 (answers only)
+
 
 def answer(d: SectionData) -> list[Block]:
     att = d.frame("attention_speedup")
@@ -173,10 +175,23 @@ def answer(d: SectionData) -> list[Block]:
                  [a_text, d.table("attention_speedup", caption="Eager vs. compiled attention (ms) and speed-up.")],
                  what="compiled vs eager attention timings"),
         question(d, "b", "The compiled Transformer end to end: forward, and forward + backward + optimizer step.",
-                 [b_text, d.table("model_speedup", caption="Vanilla vs. compiled model (ms per step)."),
+                 [b_text, d.table("model_speedup", frame=_with_mfu(model, d.meta("model_speedup")),
+                                  caption="Vanilla vs. compiled model (ms per step), fp32, and both as model "
+                                          "TFLOP/s and MFU." + mfu_note(d.meta("model_speedup"))),
                   d.figure("compile_speedup", caption="Speed-up from torch.compile.")],
                  what="compiled vs eager model timings"),
     ]
+
+
+def _with_mfu(model: pd.DataFrame | None, meta: dict) -> pd.DataFrame | None:
+    if model is None or not {"size", "mode", "eager_ms", "compiled_ms"} <= set(model.columns):
+        return model
+    ctx = int((meta.get("params") or {}).get("context_length", 512))
+    out = model.copy()
+    for kind in ("eager", "compiled"):
+        tflops = [model_tflops(str(s), ms, ctx, str(m)) for s, m, ms in zip(model["size"], model["mode"], model[f"{kind}_ms"])]
+        out[f"{kind}_MFU_pct"] = with_mfu(pd.DataFrame({"TFLOP_per_s": tflops}), meta, "fp32")["MFU_pct"].to_numpy()
+    return out
 
 
 

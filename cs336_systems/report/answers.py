@@ -68,3 +68,43 @@ def subset(df: pd.DataFrame | None, *columns: str) -> pd.DataFrame | None:
         return None
     keep = [c for c in columns if c in df.columns]
     return df[keep] if keep else None
+
+
+def with_mfu(df: pd.DataFrame | None, meta: dict, precision: str | None = None) -> pd.DataFrame | None:
+    """``df`` with ``MFU_pct``: its ``TFLOP_per_s`` over the measuring device's dense peak in the precision the
+    matmuls ran in (``precision``, else the frame's ``precision`` column; fp32 at the run's
+    ``float32_matmul_precision``). NaN where the device has no known peak (see :mod:`cs336_systems.hardware`)."""
+    from cs336_systems.hardware import matmul_precision, mfu
+
+    if df is None or "TFLOP_per_s" not in df.columns:
+        return df
+    fmp = meta.get("float32_matmul_precision")
+    precisions = df["precision"] if precision is None and "precision" in df.columns else [precision or "fp32"] * len(df)
+    out = df.copy()
+    out["MFU_pct"] = [100 * mfu(t, meta.get("device"), matmul_precision(str(p), fmp))
+                      for t, p in zip(df["TFLOP_per_s"], precisions)]
+    return out
+
+
+def mfu_note(meta: dict, precisions: tuple[str, ...] = ("fp32",)) -> str:
+    """One sentence stating the MFU convention and the peaks used, for a caption."""
+    from cs336_systems.hardware import matmul_precision, peak_tflops
+
+    fmp = meta.get("float32_matmul_precision")
+    peaks = [(matmul_precision(p, fmp), peak_tflops(meta.get("device"), matmul_precision(p, fmp))) for p in precisions]
+    known = [f"{p} {v:g}" for p, v in dict(peaks).items() if v]
+    if not known:
+        return ""
+    return (" TFLOP/s counts the model's FLOPs (6 × matmul parameters × tokens for forward + backward, 2 × for a "
+            "forward pass, plus attention's two sequence × sequence products); MFU divides by the device's dense "
+            f"peak from its data sheet ({', '.join(known)} TFLOP/s; fp32 matmuls at PyTorch's default "
+            "\"highest\" precision run on the FP32 units, not tensor cores).")
+
+
+def model_tflops(size: str, ms: float, context_length: int, mode: str = "train", batch_size: int | None = None) -> float:
+    """The model's TFLOP/s for one ``mode`` step (``forward`` or ``train``) of preset ``size`` taking ``ms``
+    (batch: the preset's), counted as :func:`cs336_systems.configs.step_flops` counts."""
+    from cs336_systems.configs import get_config, step_flops
+
+    batch = batch_size or get_config(size).batch_size
+    return step_flops(size, batch, context_length, mode) / (ms * 1e-3) / 1e12

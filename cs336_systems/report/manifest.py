@@ -29,11 +29,13 @@ REBUILD_COMMAND = "uv run python -m cs336_systems.report build"
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
 #: Source files whose change alters the document: the builder package, the sections (their answer text)
-#: and the analytic models whose numbers the answers compute (the preset calculator, the DDP overhead model).
+#: and the analytic models whose numbers the answers compute (the preset calculator, the data-sheet peaks,
+#: the DDP overhead model).
 BUILDER_ROOTS = (
     REPO_ROOT / "cs336_systems" / "report",
     REPO_ROOT / "cs336_systems" / "experiments",
     REPO_ROOT / "cs336_systems" / "configs.py",
+    REPO_ROOT / "cs336_systems" / "hardware.py",
     REPO_ROOT / "cs336_systems" / "benchmarking" / "ddp_overhead_model.py",
 )
 
