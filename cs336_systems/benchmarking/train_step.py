@@ -1,0 +1,224 @@
+"""Our training step against a torch-native reference of the same shapes, side by side in one process.
+
+A step is forward, loss, backward, optimizer step and ``zero_grad(set_to_none=True)``, with no
+synchronisation inside it (a per-phase sync would keep the host from running ahead of the GPU, which a
+real training loop does). Each round times ``steps`` consecutive steps of every stack between two
+CUDA events (``perf_counter`` and a final sync on CPU), the stacks alternating in an order that rotates
+from round to round; the report is the median over rounds with the spread (max - min), model TFLOP/s
+(:func:`cs336_systems.configs.step_flops`) and MFU against the device's data-sheet peak
+(:mod:`cs336_systems.hardware`).
+
+- ``ours``: :class:`cs336_basics.model.BasicsTransformerLM` with the chosen registered attention,
+  ``cs336_basics`` cross-entropy and AdamW;
+- ``reference``: :class:`~cs336_systems.benchmarking.torch_native_lm.TorchNativeLM`, ``F.cross_entropy``
+  and ``torch.optim.AdamW`` (``fused=True`` on CUDA), SDPA pinned to ``--reference-sdpa`` (cuDNN by default).
+
+Both use the same batch, autocast and ``--compile`` (``torch.compile`` of the model).
+
+    python -m cs336_systems.benchmarking.train_step --preset xl --context-length 1024 --batch-size 4 \\
+        --precision bf16 --compile --attention flash_triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from cs336_systems.benchmarking.end_to_end import PRECISIONS, autocast_context, default_device
+from cs336_systems.configs import get_config, step_flops
+from cs336_systems.hardware import matmul_precision, mfu
+
+STACKS = ("ours", "reference")
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    preset: str = "small"
+    context_length: int = 1024
+    batch_size: int = 4
+    precision: str = "bf16"
+    compile: bool = False
+    attention: str = "sdpa"
+    reference_sdpa: str = "cudnn"
+    lr: float = 1e-4
+
+    def check(self) -> None:
+        from cs336_basics.model import available_attention_impls
+
+        get_config(self.preset)  # unknown presets fail in one line
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.attention not in available_attention_impls():
+            raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
+        if self.reference_sdpa not in SDPA_BACKENDS:
+            raise ValueError(f"reference_sdpa must be one of {', '.join(SDPA_BACKENDS)}, got {self.reference_sdpa!r}")
+        if min(self.context_length, self.batch_size) < 1:
+            raise ValueError(f"context_length and batch_size must be positive, got {self.context_length}, "
+                             f"{self.batch_size}")
+
+
+@contextlib.contextmanager
+def _sdpa_backend(name: str, device: torch.device) -> Iterator[None]:
+    if device.type != "cuda":  # CPU runs are smoke runs: SDPA picks its CPU kernel
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    with sdpa_kernel(backend):
+        yield
+
+
+class TrainStep:
+    """One stack's model, optimizer, batch and step function (see the module docstring)."""
+
+    def __init__(self, stack: str, spec: StepSpec, device: torch.device, seed: int = 0):
+        if stack not in STACKS:
+            raise ValueError(f"unknown stack {stack!r}; choose from {', '.join(STACKS)}")
+        self.stack, self.spec, self.device = stack, spec, device
+        cfg = get_config(spec.preset)
+        torch.manual_seed(seed)
+        if stack == "ours":
+            from cs336_basics.model import BasicsTransformerLM
+            from cs336_basics.nn_utils import cross_entropy
+            from cs336_basics.optimizer import AdamW
+
+            kwargs = {**cfg.model_kwargs(), "context_length": spec.context_length}
+            self.model = BasicsTransformerLM(**kwargs, attention_impl=spec.attention, device=device)
+            self.optimizer: torch.optim.Optimizer = AdamW(self.model.parameters(), lr=spec.lr)
+            self.loss_fn: Callable = cross_entropy
+            self.context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        else:
+            from cs336_systems.benchmarking.torch_native_lm import TorchNativeLM
+
+            self.model = TorchNativeLM.from_config(cfg, spec.context_length).to(device)
+            fused = device.type == "cuda"
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, fused=fused, foreach=not fused)
+            self.loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, -2), y.flatten())
+            self.context = lambda: _sdpa_backend(spec.reference_sdpa, device)
+        self.forward = torch.compile(self.model) if spec.compile else self.model
+        shape = (spec.batch_size, spec.context_length)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.inputs = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
+        self.targets = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def step(self) -> torch.Tensor:
+        with autocast_context(self.spec.precision, self.device):
+            logits = self.forward(self.inputs)
+        loss = self.loss_fn(logits, self.targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def time_ms(self, steps: int) -> float:
+        """Milliseconds per step over ``steps`` back-to-back steps."""
+        with self.context():
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(self.device)
+                start.record()
+                for _ in range(steps):
+                    self.step()
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / steps
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self.step()
+            return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def compare(spec: StepSpec, rounds: int = 5, steps: int = 10, warmup: int = 3,
+            stacks: tuple[str, ...] = STACKS, device: torch.device | None = None) -> pd.DataFrame:
+    """One row per (round, stack): ``step_ms``. Stacks alternate; both are built before any timing."""
+    spec.check()
+    if rounds < 1 or steps < 1 or warmup < 0:
+        raise ValueError(f"need rounds >= 1, steps >= 1, warmup >= 0; got {rounds}, {steps}, {warmup}")
+    device = device or default_device()
+    runs = {s: TrainStep(s, spec, device) for s in stacks}
+    for run in runs.values():
+        with run.context():
+            for _ in range(warmup):  # compilation and autotuning happen here
+                run.step()
+    rows = []
+    for r in range(rounds):
+        order = list(stacks[r % len(stacks):]) + list(stacks[: r % len(stacks)])
+        for s in order:
+            rows.append({"round": r, "stack": s, "step_ms": runs[s].time_ms(steps)})
+    frame = pd.DataFrame(rows)
+    frame["num_params"] = frame["stack"].map({s: run.num_params for s, run in runs.items()})
+    return frame
+
+
+def summarize(rows: pd.DataFrame, spec: StepSpec, device_name: str | None = None,
+              float32_matmul_precision: str | None = None) -> pd.DataFrame:
+    """Median step time per stack with its spread, tokens/s, model TFLOP/s, MFU and the ratio to the
+    reference (reference time / stack time: above 1 is faster than the reference)."""
+    g = rows.groupby("stack", sort=False)["step_ms"]
+    out = pd.DataFrame({"step_ms": g.median(), "spread_ms": g.max() - g.min()}).reset_index()
+    tokens = spec.batch_size * spec.context_length
+    out["tokens_per_s"] = tokens / (out["step_ms"] * 1e-3)
+    flops = step_flops(spec.preset, spec.batch_size, spec.context_length, "train")
+    out["TFLOP_per_s"] = flops / (out["step_ms"] * 1e-3) / 1e12
+    fmp = float32_matmul_precision or torch.get_float32_matmul_precision()
+    out["MFU_pct"] = [100 * mfu(t, device_name, matmul_precision(spec.precision, fmp)) for t in out["TFLOP_per_s"]]
+    if "reference" in set(out["stack"]):
+        ref = float(out.loc[out["stack"] == "reference", "step_ms"].iloc[0])
+        out["vs_reference"] = ref / out["step_ms"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.train_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", "--size", dest="preset", default="small")
+    parser.add_argument("--context-length", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--attention", default="sdpa", help="our model's registered attention")
+    parser.add_argument("--reference-sdpa", choices=SDPA_BACKENDS, default="cudnn")
+    parser.add_argument("--stacks", default=",".join(STACKS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--csv", help="write every round's rows here")
+    args = parser.parse_args(argv)
+    spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
+                    args.attention, args.reference_sdpa)
+    stacks = tuple(s for s in args.stacks.split(",") if s)
+    unknown = [s for s in stacks if s not in STACKS]
+    if unknown:
+        parser.error(f"unknown stack {unknown[0]!r}; choose from {', '.join(STACKS)}")
+    device = default_device()
+    rows = compare(spec, args.rounds, args.steps, args.warmup, stacks, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    table = summarize(rows, spec, name)
+    print(f"{spec.preset}, context {spec.context_length}, batch {spec.batch_size}, {spec.precision}, "
+          f"compile={spec.compile}, ours with {spec.attention}, reference SDPA {spec.reference_sdpa}, on {name}: "
+          f"median of {args.rounds} rounds of {args.steps} steps")
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if args.csv:
+        rows.to_csv(args.csv, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.train_step"))

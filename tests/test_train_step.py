@@ -1,0 +1,65 @@
+"""The torch-native reference LM and the side-by-side training-step benchmark (CPU smoke)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cs336_basics.model import BasicsTransformerLM
+
+from cs336_systems.benchmarking import train_step
+from cs336_systems.benchmarking.torch_native_lm import TorchNativeLM
+from cs336_systems.configs import get_config, param_counts
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_reference_has_our_parameter_count(preset: str) -> None:
+    cfg = get_config(preset)
+    ours = sum(p.numel() for p in BasicsTransformerLM(**cfg.model_kwargs(), device="meta").parameters())
+    with torch.device("meta"):
+        ref = sum(p.numel() for p in TorchNativeLM.from_config(cfg).parameters())
+    assert ref == ours == param_counts(preset)["total"]
+
+
+def test_reference_is_a_causal_language_model() -> None:
+    torch.manual_seed(0)
+    model = TorchNativeLM.from_config("tiny", context_length=16)
+    tokens = torch.randint(0, get_config("tiny").vocab_size, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, get_config("tiny").vocab_size) and torch.isfinite(logits).all()
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % get_config("tiny").vocab_size
+    torch.testing.assert_close(model(changed)[:, :10], logits[:, :10])  # the future does not leak back
+    assert not torch.allclose(model(changed)[:, 10:], logits[:, 10:])
+    with pytest.raises(ValueError, match="exceeds context_length=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_both_stacks_train_and_are_compared_side_by_side() -> None:
+    spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
+    rows = train_step.compare(spec, rounds=2, steps=2, warmup=1, device=torch.device("cpu"))
+    assert list(rows["stack"]) == ["ours", "reference", "reference", "ours"]  # alternating, rotating order
+    assert rows["num_params"].nunique() == 1 and (rows["step_ms"] > 0).all()
+    table = train_step.summarize(rows, spec, "CPU")
+    assert set(table["stack"]) == {"ours", "reference"}
+    assert table.loc[table["stack"] == "reference", "vs_reference"].item() == 1.0
+    assert math.isnan(table["MFU_pct"].iloc[0])  # no data-sheet peak for a CPU
+    h100 = train_step.summarize(rows, spec, "NVIDIA H100 80GB HBM3", "highest")
+    assert (h100["MFU_pct"] > 0).all()
+    step = train_step.TrainStep("reference", spec, torch.device("cpu"))
+    first = step.step().item()
+    for _ in range(5):
+        last = step.step().item()
+    assert last < first  # the reference's fused/foreach AdamW step trains the same batch down
+
+
+def test_bad_arguments_fail_in_one_line() -> None:
+    with pytest.raises(ValueError, match="unknown attention 'nope'"):
+        train_step.StepSpec(attention="nope").check()
+    with pytest.raises(ValueError, match="reference_sdpa must be one of"):
+        train_step.StepSpec(reference_sdpa="fast").check()
+    with pytest.raises(ValueError, match="unknown stack 'theirs'"):
+        train_step.TrainStep("theirs", train_step.StepSpec("tiny"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="need rounds >= 1"):
+        train_step.compare(train_step.StepSpec("tiny", 16, 2, "fp32"), rounds=0, device=torch.device("cpu"))
