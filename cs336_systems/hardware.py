@@ -21,6 +21,9 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H200", {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
 )
 
+#: Peak memory bandwidth, TB/s (data sheets, as above): the floor of memory-bound kernels such as an optimizer step.
+PEAK_TBPS: tuple[tuple[str, float], ...] = (("H100 PCIe", 2.0), ("H100", 3.35), ("H200", 4.8))
+
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -47,10 +50,18 @@ def peak_tflops(device_name: str | None, precision: str) -> float | None:
     return None
 
 
+def peak_tbps(device_name: str | None) -> float | None:
+    """Peak memory bandwidth of ``device_name`` in TB/s; None when unknown."""
+    for pattern, tbps in PEAK_TBPS:
+        if device_name and pattern in device_name:
+            return tbps
+    return None
+
+
 def mfu(tflop_per_s: float, device_name: str | None, precision: str) -> float:
     """Model FLOPs utilization: achieved TFLOP/s over the device's peak (NaN when the peak is unknown)."""
     peak = peak_tflops(device_name, precision)
     return tflop_per_s / peak if peak and not math.isnan(tflop_per_s) else math.nan
 
 
-__all__ = ["PEAK_TFLOPS", "matmul_precision", "mfu", "peak_tflops"]
+__all__ = ["PEAK_TBPS", "PEAK_TFLOPS", "matmul_precision", "mfu", "peak_tbps", "peak_tflops"]

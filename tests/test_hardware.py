@@ -49,3 +49,10 @@ def test_model_tflops_counts_like_the_calculator() -> None:
     assert model_tflops("small", 1000.0, 512, "train") == pytest.approx(flops / 1e12)
     assert model_tflops("small", 500.0, 512, "forward", batch_size=8) == pytest.approx(
         step_flops("small", 8, 512, "forward") / 0.5 / 1e12)
+
+
+def test_peak_bandwidth() -> None:
+    from cs336_systems.hardware import peak_tbps
+
+    assert peak_tbps(H100) == 3.35 and peak_tbps("NVIDIA H100 PCIe") == 2.0 and peak_tbps("NVIDIA H200") == 4.8
+    assert peak_tbps("CPU (x86_64)") is None

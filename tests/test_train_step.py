@@ -57,9 +57,23 @@ def test_both_stacks_train_and_are_compared_side_by_side() -> None:
 def test_bad_arguments_fail_in_one_line() -> None:
     with pytest.raises(ValueError, match="unknown attention 'nope'"):
         train_step.StepSpec(attention="nope").check()
+    with pytest.raises(ValueError, match="optimizer must be 'flat'"):
+        train_step.StepSpec(optimizer="sgd").check()
     with pytest.raises(ValueError, match="reference_sdpa must be one of"):
         train_step.StepSpec(reference_sdpa="fast").check()
     with pytest.raises(ValueError, match="unknown stack 'theirs'"):
         train_step.TrainStep("theirs", train_step.StepSpec("tiny"), torch.device("cpu"))
     with pytest.raises(ValueError, match="need rounds >= 1"):
         train_step.compare(train_step.StepSpec("tiny", 16, 2, "fp32"), rounds=0, device=torch.device("cpu"))
+
+
+def test_optimizer_step_benchmark_runs_and_reports_the_floor() -> None:
+    from cs336_systems.benchmarking import optimizer_step
+
+    table = optimizer_step.measure("tiny", ("flat", "basics", "torch_fused"), rounds=1, steps=1,
+                                   device=torch.device("cpu"))
+    assert list(table["optimizer"]) == ["flat", "basics"]  # torch's fused kernel needs CUDA
+    assert (table["params"] == param_counts("tiny")["total"]).all() and (table["GB_per_s"] > 0).all()
+    assert table["floor_ms"].isna().all()  # no data-sheet bandwidth for a CPU
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
+        optimizer_step.measure("tiny", ("sgd",), device=torch.device("cpu"))

@@ -9,7 +9,8 @@ from round to round; the report is the median over rounds with the spread (max -
 (:mod:`cs336_systems.hardware`).
 
 - ``ours``: :class:`cs336_basics.model.BasicsTransformerLM` with the chosen registered attention,
-  ``cs336_basics`` cross-entropy and AdamW;
+  ``cs336_basics`` cross-entropy, and :class:`~cs336_systems.flat_adamw.FlatAdamW` (``--optimizer basics``:
+  ``cs336_basics``' per-parameter AdamW);
 - ``reference``: :class:`~cs336_systems.benchmarking.torch_native_lm.TorchNativeLM`, ``F.cross_entropy``
   and ``torch.optim.AdamW`` (``fused=True`` on CUDA), SDPA pinned to ``--reference-sdpa`` (cuDNN by default).
 
@@ -49,6 +50,7 @@ class StepSpec:
     compile: bool = False
     attention: str = "sdpa"
     reference_sdpa: str = "cudnn"
+    optimizer: str = "flat"
     lr: float = 1e-4
 
     def check(self) -> None:
@@ -61,6 +63,8 @@ class StepSpec:
             raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
         if self.reference_sdpa not in SDPA_BACKENDS:
             raise ValueError(f"reference_sdpa must be one of {', '.join(SDPA_BACKENDS)}, got {self.reference_sdpa!r}")
+        if self.optimizer not in ("flat", "basics"):
+            raise ValueError(f"optimizer must be 'flat' (FlatAdamW) or 'basics' (cs336_basics AdamW), got {self.optimizer!r}")
         if min(self.context_length, self.batch_size) < 1:
             raise ValueError(f"context_length and batch_size must be positive, got {self.context_length}, "
                              f"{self.batch_size}")
@@ -95,7 +99,12 @@ class TrainStep:
 
             kwargs = {**cfg.model_kwargs(), "context_length": spec.context_length}
             self.model = BasicsTransformerLM(**kwargs, attention_impl=spec.attention, device=device)
-            self.optimizer: torch.optim.Optimizer = AdamW(self.model.parameters(), lr=spec.lr)
+            if spec.optimizer == "flat":
+                from cs336_systems.flat_adamw import FlatAdamW
+
+                self.optimizer: torch.optim.Optimizer = FlatAdamW(self.model.parameters(), lr=spec.lr)
+            else:
+                self.optimizer = AdamW(self.model.parameters(), lr=spec.lr)
             self.loss_fn: Callable = cross_entropy
             self.context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         else:
@@ -193,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("--attention", default="sdpa", help="our model's registered attention")
     parser.add_argument("--reference-sdpa", choices=SDPA_BACKENDS, default="cudnn")
+    parser.add_argument("--optimizer", choices=["flat", "basics"], default="flat", help="our stack's AdamW")
     parser.add_argument("--stacks", default=",".join(STACKS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", help="write every round's rows here")
     args = parser.parse_args(argv)
     spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
-                    args.attention, args.reference_sdpa)
+                    args.attention, args.reference_sdpa, args.optimizer)
     stacks = tuple(s for s in args.stacks.split(",") if s)
     unknown = [s for s in stacks if s not in STACKS]
     if unknown:
