@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import seaborn as sns
 import torch
@@ -278,6 +279,112 @@ def plot_latency(long: pd.DataFrame, head_dim: int) -> plt.Figure:
     g.set_axis_labels("sequence length", "latency (ms)")
     g.figure.suptitle(f"Attention latency, head dim {head_dim} (causal, batch 1)", y=1.02)
     return g.figure
+
+
+# --------------------------------------------------------------------------------------------------
+# Every shape: ours against SDPA's flash and cuDNN backends over (batch, heads, seq, d) × dtype × causal
+# --------------------------------------------------------------------------------------------------
+
+#: (batch, heads, seq_len) triples of the shapes grid: batch 1-8, heads 8-32, sequences 256-65536, including
+#: lengths that are not multiples of any tile (1000, 3000, 12345). Each runs at head dims 64 and 128.
+SHAPES_BHN: list[list[int]] = [
+    [8, 32, 256], [8, 16, 1000], [8, 16, 2048], [4, 32, 3000], [4, 32, 4096], [2, 16, 8192],
+    [1, 16, 12345], [1, 16, 16384], [1, 8, 32768], [1, 8, 65536],
+]
+SHAPES_IMPLS = ("triton", "sdpa_flash", "sdpa_cudnn")
+SHAPES_SMOKE_IMPLS = ("flash_pytorch", "sdpa_math")
+
+
+def run_shapes(
+    bhn: Sequence[Sequence[int]], head_dims: Sequence[int], dtypes: Sequence[str], causal: Sequence[bool],
+    impls: Sequence[str], *, warmup_ms: float = 5, rep_ms: float = 25, budget_s: float | None = None,
+    device: str | None = None,
+) -> pd.DataFrame:
+    """Long table: one row per (impl, dtype, batch, heads, seq_len, head_dim, causal, pass) for the passes
+    ``forward`` and ``forward+backward``, with mean/median ms, TFLOP/s and status."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    for shape in bhn:
+        if len(shape) != 3 or min(shape) < 1:
+            raise ValueError(f"a shape is [batch, heads, seq_len] of positive sizes, got {list(shape)}")
+
+    def cell(dtype: str, shape: tuple[int, int, int], head_dim: int, is_causal: bool, impl: str) -> dict[str, Any]:
+        batch, heads, seq = shape
+        q, k, v, do = _random_qkvdo(batch, heads, seq, head_dim, getattr(torch, dtype), device)
+        return time_attention_passes(IMPLEMENTATIONS[impl], q, k, v, do, is_causal=is_causal,
+                                     passes=("forward", "forward+backward"), warmup_ms=warmup_ms, rep_ms=rep_ms)
+
+    configs = grid(dtype=list(dtypes), shape=[tuple(s) for s in bhn], head_dim=list(head_dims),
+                   is_causal=list(causal), impl=list(impls))
+    wide = run_sweep(cell, configs, desc="shapes", budget_s=budget_s)
+    rows = []
+    for rec in wide.to_dict("records"):
+        batch, heads, seq = rec["shape"]
+        for phase in ("forward", "forward+backward"):
+            status = rec.get(f"{phase}_status", rec["status"])
+            status = rec["status"] if (not isinstance(status, str) or rec["status"] != OK) else status
+            ms = rec.get(f"{phase}_ms", math.nan)
+            flops = attention_flops(batch * heads, seq, seq, rec["head_dim"], is_causal=rec["is_causal"], phase=phase)
+            rows.append({"impl": rec["impl"], "dtype": rec["dtype"], "batch": batch, "heads": heads, "seq_len": seq,
+                         "head_dim": rec["head_dim"], "causal": rec["is_causal"], "pass": phase, "status": status,
+                         "mean_ms": ms, "median_ms": rec.get(f"{phase}_median_ms", math.nan),
+                         "TFLOP_per_s": math.nan if math.isnan(ms) else flops / (ms * 1e-3) / 1e12})
+    return pd.DataFrame(rows)
+
+
+SHAPE_KEYS = ["dtype", "batch", "heads", "seq_len", "head_dim", "causal", "pass"]
+
+
+def shapes_ratio(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
+    """Per shape and pass: each implementation's median ms (column ``<impl>_ms``) and ``vs_<impl>`` = its time
+    over ours (above 1: ours is faster); ``vs_best`` against the fastest other implementation that ran."""
+    ok = long[long["status"] == OK]
+    wide = ok.pivot_table(index=SHAPE_KEYS, columns="impl", values="median_ms").reset_index()
+    others = [c for c in wide.columns if c not in SHAPE_KEYS and c != ours]
+    table = wide[SHAPE_KEYS].copy()
+    table[f"{ours}_ms"] = wide.get(ours, math.nan)
+    for impl in others:
+        table[f"{impl}_ms"] = wide[impl]
+        table[f"vs_{impl}"] = wide[impl] / table[f"{ours}_ms"]
+    table["vs_best"] = wide[others].min(axis=1) / table[f"{ours}_ms"] if others else math.nan
+    return table
+
+
+def shapes_summary(ratio: pd.DataFrame, baseline: str = "sdpa_cudnn") -> dict[str, Any]:
+    """Geometric mean and minimum of ``vs_<baseline>`` per pass, and the shapes below 0.9× and 1.0×."""
+    col = f"vs_{baseline}"
+    out: dict[str, Any] = {"baseline": baseline}
+    if col not in ratio.columns:
+        return out
+    for phase, g in ratio.dropna(subset=[col]).groupby("pass"):
+        r = g[col]
+        worst = g.loc[r.idxmin()]
+        out[phase] = {"cells": int(len(r)), "geomean": float(np.exp(np.log(r).mean())), "min": float(r.min()),
+                      "below_0.9": int((r < 0.9).sum()), "below_1.0": int((r < 1.0).sum()),
+                      "worst": f"{worst['dtype']} {int(worst['batch'])}x{int(worst['heads'])}x"
+                               f"{int(worst['seq_len'])}x{int(worst['head_dim'])}"
+                               f"{' causal' if worst['causal'] else ''}"}
+    return out
+
+
+def plot_shapes(ratio: pd.DataFrame, column: str = "vs_sdpa_cudnn") -> plt.Figure:
+    """Heatmaps of ``column`` (baseline time / ours): rows are shapes, columns dtype × causal; one panel per
+    pass; centred on 1× (blue: ours faster)."""
+    data = ratio.dropna(subset=[column]).copy()
+    data["shape"] = [f"{int(b)}x{int(h)}x{int(n)} d{int(d)}" for b, h, n, d in
+                     zip(data["batch"], data["heads"], data["seq_len"], data["head_dim"])]
+    data["setting"] = data["dtype"].astype(str) + np.where(data["causal"], " causal", " full")
+    passes = list(dict.fromkeys(data["pass"]))
+    fig, axes = plt.subplots(1, max(len(passes), 1), figsize=(5.5 * max(len(passes), 1), 0.32 * data["shape"].nunique() + 2),
+                             squeeze=False)
+    for ax, phase in zip(axes[0], passes):
+        wide = data[data["pass"] == phase].pivot_table(index="shape", columns="setting", values=column, sort=False)
+        sns.heatmap(wide, ax=ax, annot=True, fmt=".2f", cmap="RdBu", center=1.0, cbar=ax is axes[0][-1],
+                    annot_kws={"fontsize": 7})
+        ax.set_title(f"{phase}: {column.removeprefix('vs_')} time / ours")
+        ax.set_xlabel("")
+        ax.set_ylabel("batch x heads x seq, head dim")
+    fig.tight_layout()
+    return fig
 
 
 # --------------------------------------------------------------------------------------------------
@@ -542,7 +649,7 @@ def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
 # The section
 # --------------------------------------------------------------------------------------------------
 
-PARTS = ("leaderboard", "sweep", "model", "breakdown")
+PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes")
 
 
 @dataclass(frozen=True)
@@ -561,6 +668,11 @@ class Params:
     model: str = param("small", "model: preset")
     model_steps: int = param(3, "model: timed steps per cell")
     model_budget_s: float = param(120.0, "model: time budget in seconds")
+    shapes: list[list[int]] = param(SHAPES_BHN, "shapes: [batch, heads, seq_len] triples")
+    shapes_head_dims: list[int] = param([64, 128], "shapes: head dimensions")
+    shapes_dtypes: list[str] = param(["bfloat16", "float16"], "shapes: torch dtype names")
+    shapes_causal: list[bool] = param([True, False], "shapes: causal settings")
+    shapes_budget_s: float = param(540.0, "shapes: time budget in seconds")
     candidates: str = param("default", "kernel tiles tried by the autotuner: default | wide")
     autotune: bool = param(True, "False: each phase's first tile, untuned")
     poly_exp2: str | None = param(None, "phases on the FMA-pipe exponential: forward,dkdv,dq | all | none "
@@ -580,6 +692,8 @@ PRESETS = {
     "quick": Params(seq_lens=[2**i for i in range(7, 17, 2)], sweep_budget_s=240.0, contexts=[1024, 4096, 16384],
                     model_budget_s=60.0),
     "smoke": Params(seq_lens=[32], head_dims=[16], dtypes=["float32"], warmup_ms=1.0, rep_ms=2.0,
+                    shapes=[[2, 2, 24], [1, 2, 40]], shapes_head_dims=[16], shapes_dtypes=["float32"],
+                    shapes_causal=[True, False], shapes_budget_s=30.0,
                     sweep_budget_s=30.0, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16],
                     model="tiny", model_steps=1, model_budget_s=30.0),
 }
@@ -646,6 +760,23 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
             print(tuning.to_markdown(index=False, floatfmt=".4g"))
             print(f"breakdown took {time.monotonic() - started:.0f} s")
             results.update(kernel_breakdown=summary, kernel_breakdown_kernels=kernels, kernel_breakdown_tuning=tuning)
+    if "shapes" in commands:
+        started = time.monotonic()
+        impls = SHAPES_IMPLS if torch.cuda.is_available() else SHAPES_SMOKE_IMPLS
+        long = run_shapes(p.shapes, p.shapes_head_dims, p.shapes_dtypes, p.shapes_causal, impls,
+                          warmup_ms=p.warmup_ms, rep_ms=p.rep_ms, budget_s=p.shapes_budget_s)
+        out.table(long, "shapes")
+        ratio = shapes_ratio(long, ours=impls[0])
+        out.table(ratio, "shapes_ratio")
+        baseline = "sdpa_cudnn" if "sdpa_cudnn" in impls else impls[-1]
+        summary = shapes_summary(ratio, baseline)
+        out.json(summary, "shapes_summary")
+        if ratio[f"vs_{baseline}"].notna().any():
+            out.figure(plot_shapes(ratio, f"vs_{baseline}"), "shapes_ratio")
+        print(ratio.to_markdown(index=False, floatfmt=".3g"))
+        print(summary)
+        print(f"shapes took {time.monotonic() - started:.0f} s")
+        results.update(shapes=long, shapes_ratio=ratio, shapes_summary=summary)
     if "model" in commands:
         started = time.monotonic()
         impls = ("naive", "sdpa", "flash_triton") if not smoke else ("naive", "sdpa", "flash_pytorch")
@@ -716,7 +847,34 @@ def answer(d: SectionData) -> list[Block]:
                     caption="Training step (forward, backward, AdamW) by context length and attention."),
             d.figure("model_step", caption="Step time and peak memory by context length."),
         ]),
+        *_shapes(d),
     ]
+
+
+def _shapes(d: SectionData) -> list[Block]:
+    """Beyond the handout: the shapes grid against SDPA's flash and cuDNN backends (empty without results)."""
+    summary = d.json("shapes_summary")
+    if not isinstance(summary, dict) or "baseline" not in summary:
+        return []
+    baseline = summary["baseline"]
+    parts = []
+    for phase in ("forward+backward", "forward"):
+        g = summary.get(phase)
+        if isinstance(g, dict):
+            parts.append(f"{phase}: geometric mean {fmt.ratio(g['geomean'])} of {baseline}'s speed over "
+                         f"{g['cells']} shapes, lowest {fmt.ratio(g['min'])} ({g['worst']}), "
+                         f"{g['below_0.9']} below 0.9× and {g['below_1.0']} below 1.0×")
+    d.frame("shapes")  # the heatmap's data
+    return [question(d, "shapes", "Beyond the handout: every shape, against SDPA's flash and cuDNN backends "
+                     "(batch 1-8, heads 8-32, sequences 256-65536 including lengths that are no multiple of a "
+                     "tile, head dims 64 and 128, bf16 and fp16, causal and not).", [
+        Text("Ours against " + baseline + ", as its time over ours (above 1: ours faster): " + "; ".join(parts)
+             + "."),
+        d.figure("shapes_ratio", caption=f"{baseline} time over ours per shape, dtype and masking."),
+        d.table("shapes_ratio", frame=subset(d.frame("shapes_ratio"), *SHAPE_KEYS, "vs_sdpa_flash",
+                                            "vs_sdpa_cudnn", "vs_sdpa_math", "vs_best"),
+                caption="Per shape: each backend's time over ours (medians of `do_bench`)."),
+    ])]
 
 
 def _flash_sweep(d: SectionData) -> list[Block | None]:

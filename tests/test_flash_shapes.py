@@ -1,0 +1,55 @@
+"""The flash section's shapes benchmark: ratios, summary and a CPU smoke run of the part."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cs336_systems.experiments import flash_benchmarking as fb
+from cs336_systems.experiments.__main__ import main
+
+
+def _long() -> pd.DataFrame:
+    rows = []
+    times = {("triton", 1024): 2.0, ("sdpa_flash", 1024): 3.0, ("sdpa_cudnn", 1024): 1.0,
+             ("triton", 4096): 4.0, ("sdpa_flash", 4096): 6.0, ("sdpa_cudnn", 4096): 4.4}
+    for (impl, seq), ms in times.items():
+        rows.append({"impl": impl, "dtype": "bfloat16", "batch": 1, "heads": 8, "seq_len": seq, "head_dim": 64,
+                     "causal": True, "pass": "forward+backward", "status": "ok", "mean_ms": ms, "median_ms": ms})
+    rows.append({**rows[-1], "impl": "sdpa_cudnn", "seq_len": 8192, "status": "OOM", "median_ms": math.nan})
+    return pd.DataFrame(rows)
+
+
+def test_ratios_are_baseline_time_over_ours() -> None:
+    ratio = fb.shapes_ratio(_long())
+    r = ratio.set_index("seq_len")
+    assert r.loc[1024, "vs_sdpa_cudnn"] == 0.5 and r.loc[1024, "vs_sdpa_flash"] == 1.5
+    assert r.loc[4096, "vs_sdpa_cudnn"] == pytest.approx(1.1) and r.loc[1024, "vs_best"] == 0.5
+    assert 8192 not in r.index  # a cell that did not run has no ratio
+    summary = fb.shapes_summary(ratio)
+    fb_ = summary["forward+backward"]
+    assert fb_["cells"] == 2 and fb_["min"] == 0.5 and fb_["below_0.9"] == 1 and fb_["below_1.0"] == 1
+    assert fb_["geomean"] == pytest.approx(np.sqrt(0.5 * 1.1)) and fb_["worst"] == "bfloat16 1x8x1024x64 causal"
+    fig = fb.plot_shapes(ratio)
+    assert len(fig.axes) >= 1
+
+
+def test_bad_shape_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"a shape is \[batch, heads, seq_len\] of positive sizes, got \[1, 0, 8\]"):
+        fb.run_shapes([[1, 0, 8]], [16], ["float32"], [True], ["sdpa_math"])
+
+
+def test_shapes_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["flash_benchmarking", "--smoke", "--set", "parts=shapes"]) == 0
+    out = capsys.readouterr().out
+    assert "(shapes) Beyond the handout" in out and "geometric mean" in out
+    long = pd.read_csv(tmp_path / "flash_benchmarking" / "shapes.csv")
+    assert set(long["impl"]) == {"flash_pytorch", "sdpa_math"} and set(long["pass"]) == {"forward", "forward+backward"}
+    assert len(long) == 2 * 2 * 2 * 2  # shapes × causal × impls × passes
+    summary = json.loads((tmp_path / "flash_benchmarking" / "shapes_summary.json").read_text())
+    assert summary["baseline"] == "sdpa_math" and summary["forward"]["cells"] == 4
