@@ -1,0 +1,95 @@
+"""Activation checkpointing for any ``cs336_basics`` model: flat or nested segments of its blocks.
+
+With ``N`` identical blocks and checkpoint segments of ``k`` blocks, a training step keeps one input per
+segment (``N/k`` residual-stream tensors) plus, while a segment is recomputed in the backward, the full
+activations of its ``k`` blocks: peak ``≈ N/k + k`` block-activations, smallest at ``k = √N``, for one
+extra forward. Nesting applies the same split inside each segment: with levels ``[k₁, k₂, …]`` a
+segment of ``k₁`` blocks is recomputed as segments of ``k₂``, and so on, which trades further forwards for
+memory (``L`` levels: about ``L·N^(1/(L+1))`` block-activations for ``L`` extra forwards; with ``log N``
+levels, ``O(log N)`` memory for ``O(N log N)`` compute).
+
+:func:`checkpoint_layers` installs it on a model in place: ``model.layers`` becomes a
+:class:`SegmentedLayers` holding the same blocks under the same names (state dicts, ``model.layers[i]``
+and parameter order are unchanged), whose iteration yields checkpointed segments, so the model's own
+``for layer in self.layers: x = layer(x)`` runs them. ``torch.utils.checkpoint`` (non-reentrant) replays
+each segment's forward in the backward, RNG state included.
+
+    checkpoint_layers(model, [4])       # flat: 48 blocks as 12 segments of 4
+    checkpoint_layers(model, [8, 2])    # nested: segments of 8, each recomputed as segments of 2
+    checkpoint_layers(model, [])        # off again
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _run(blocks: Sequence[nn.Module], levels: Sequence[int], x: Tensor) -> Tensor:
+    """Run ``blocks`` on ``x``, checkpointing segments of ``levels[0]`` blocks, each recursively with the
+    remaining levels."""
+    if not levels:
+        for block in blocks:
+            x = block(x)
+        return x
+    size, inner = levels[0], levels[1:]
+    for start in range(0, len(blocks), size):
+        segment = blocks[start:start + size]
+        x = checkpoint(_run, segment, inner, x, use_reentrant=False)
+    return x
+
+
+class SegmentedLayers(nn.ModuleList):
+    """A ``ModuleList`` of blocks whose iteration yields checkpointed segments (callables ``x -> x``) of
+    ``levels[0]`` blocks; indexing, ``len`` and the module tree are those of the plain list."""
+
+    def __init__(self, blocks: Sequence[nn.Module], levels: Sequence[int]):
+        super().__init__(blocks)
+        self.levels = list(levels)
+
+    def __iter__(self) -> Iterator[Callable[[Tensor], Tensor]]:
+        blocks = list(self._modules.values())
+        if not self.levels or not torch.is_grad_enabled():  # nothing to save memory on without a backward
+            yield from blocks
+            return
+        size, inner = self.levels[0], self.levels[1:]
+        for start in range(0, len(blocks), size):
+            segment = blocks[start:start + size]
+            yield lambda x, segment=segment: checkpoint(_run, segment, inner, x, use_reentrant=False)
+
+    def extra_repr(self) -> str:
+        return f"checkpoint levels={self.levels}"
+
+
+def checkpoint_layers(model: nn.Module, levels: Sequence[int]) -> nn.Module:
+    """Checkpoint ``model.layers`` in segments (see the module docstring); ``levels`` empty turns it off.
+    Returns the model (changed in place)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"checkpoint_layers needs a model with a ModuleList `layers`, got {type(model).__name__}")
+    levels = [int(k) for k in levels]
+    if any(k < 1 for k in levels):
+        raise ValueError(f"segment sizes must be positive, got {levels}")
+    if any(inner > outer for outer, inner in zip(levels, levels[1:])):
+        raise ValueError(f"nested segment sizes must not grow inward, got {levels}")
+    if levels and levels[0] > len(layers):
+        raise ValueError(f"segments of {levels[0]} blocks exceed the model's {len(layers)} blocks")
+    model.layers = SegmentedLayers(list(layers._modules.values()), levels)
+    return model
+
+
+def stored_block_activations(num_blocks: int, levels: Sequence[int]) -> int:
+    """Peak number of block-activation sets held by :func:`checkpoint_layers`' schedule (the count the
+    module docstring estimates): the stored segment inputs at each level plus the innermost segment's
+    blocks, recomputed in full. ``levels=[]``: all ``num_blocks``."""
+    held, span = 0, num_blocks
+    for size in levels:
+        held += -(-span // size)  # segment inputs kept at this level
+        span = size
+    return held + span
+
+
+__all__ = ["SegmentedLayers", "checkpoint_layers", "stored_block_activations"]

@@ -1,0 +1,78 @@
+"""Activation checkpointing (flat and nested) and the saved-residuals accounting, on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cs336_basics.model import BasicsTransformerLM, TransformerBlock
+
+from cs336_systems.checkpointing import SegmentedLayers, checkpoint_layers, stored_block_activations
+from cs336_systems.profiling.residuals import FROM_OUTSIDE, residuals_by_op, saved_residuals
+
+
+def _model(seed: int = 0) -> BasicsTransformerLM:
+    torch.manual_seed(seed)
+    return BasicsTransformerLM(vocab_size=64, context_length=16, d_model=32, num_layers=8, num_heads=4, d_ff=64,
+                               attention_impl="sdpa")
+
+
+def _grads(model: BasicsTransformerLM, tokens: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(tokens).logsumexp(-1).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _saved_bytes(model: BasicsTransformerLM, tokens: torch.Tensor) -> int:
+    return int(saved_residuals(lambda: model(tokens))["bytes"].sum())
+
+
+@pytest.mark.parametrize("levels", [[1], [3], [4, 2], [8, 4, 2]])
+def test_checkpointed_model_has_the_same_gradients_and_saves_less(levels: list[int]) -> None:
+    tokens = torch.randint(0, 64, (2, 16))
+    plain, ckpt = _model(), _model()
+    want = _grads(plain, tokens)
+    before = _saved_bytes(ckpt, tokens)
+    keys = list(ckpt.state_dict())
+    checkpoint_layers(ckpt, levels)
+    assert isinstance(ckpt.layers, SegmentedLayers) and list(ckpt.state_dict()) == keys  # same names
+    assert isinstance(ckpt.layers[0], TransformerBlock) and len(ckpt.layers) == 8
+    for a, b in zip(_grads(ckpt, tokens), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert _saved_bytes(ckpt, tokens) < before / 2  # only segment inputs (and the head's) stay saved
+    with torch.no_grad():
+        torch.testing.assert_close(ckpt(tokens), plain(tokens))
+    checkpoint_layers(ckpt, [])  # off again
+    assert _saved_bytes(ckpt, tokens) == before
+
+
+def test_peak_block_activations_of_a_schedule() -> None:
+    assert stored_block_activations(48, []) == 48
+    assert stored_block_activations(48, [1]) == 48 + 1
+    assert stored_block_activations(48, [6]) == 8 + 6  # N/k + k, least near k = sqrt(N)
+    assert min(range(1, 49), key=lambda k: stored_block_activations(48, [k])) in (6, 7, 8)
+    assert stored_block_activations(48, [12, 3]) == 4 + 4 + 3
+
+
+def test_bad_checkpoint_arguments() -> None:
+    with pytest.raises(ValueError, match="segment sizes must be positive"):
+        checkpoint_layers(_model(), [0])
+    with pytest.raises(ValueError, match="must not grow inward"):
+        checkpoint_layers(_model(), [2, 4])
+    with pytest.raises(ValueError, match="exceed the model's 8 blocks"):
+        checkpoint_layers(_model(), [9])
+    with pytest.raises(ValueError, match="ModuleList `layers`"):
+        checkpoint_layers(torch.nn.Linear(2, 2), [1])
+
+
+def test_saved_residuals_of_a_linear_and_a_block() -> None:
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(5, 8, requires_grad=True)
+    table = saved_residuals(lambda: torch.relu(lin(x)))
+    # relu saves its output (made by relu); addmm saves x (and the weight): both from outside
+    assert set(table["op"]) == {"relu", FROM_OUTSIDE}
+    assert table.loc[table["op"] == "relu", "bytes"].item() == 5 * 4 * 4
+    block = _model().layers[0]
+    h = torch.randn(2, 16, 32, requires_grad=True)
+    by_op = residuals_by_op(saved_residuals(lambda: block(h)), top=5)
+    assert len(by_op) <= 5 and by_op["share"].sum() <= 1.0 + 1e-9 and by_op["bytes"].is_monotonic_decreasing
+    assert FROM_OUTSIDE not in set(by_op["op"])
