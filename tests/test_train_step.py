@@ -77,3 +77,22 @@ def test_optimizer_step_benchmark_runs_and_reports_the_floor() -> None:
     assert table["floor_ms"].isna().all()  # no data-sheet bandwidth for a CPU
     with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
         optimizer_step.measure("tiny", ("sgd",), device=torch.device("cpu"))
+
+
+def test_bisection_finds_the_boundary() -> None:
+    from cs336_systems.benchmarking.max_context import bisect_longest
+
+    best, tried = bisect_longest(lambda c: c <= 5000, 256, 131072, 256)
+    assert best == 4864 and tried[:2] == [256, 131072] and len(tried) <= 12
+    assert bisect_longest(lambda c: True, 256, 1024, 256) == (1024, [256, 1024])
+    assert bisect_longest(lambda c: False, 256, 1024, 256) == (None, [256])
+    with pytest.raises(ValueError, match="need 1 <= granularity <= low <= high"):
+        bisect_longest(lambda c: True, 100, 50, 10)
+
+
+def test_longest_context_search_runs_our_step_with_checkpointing() -> None:
+    from cs336_systems.benchmarking.max_context import longest_contexts
+
+    base = train_step.StepSpec(batch_size=1, precision="fp32", checkpoint=(1,))
+    table = longest_contexts(["tiny"], base, low=16, high=32, granularity=16, device=torch.device("cpu"))
+    assert list(table["context_length"]) == [16, 32] and table["fits"].all() and (table["longest"] == 32).all()

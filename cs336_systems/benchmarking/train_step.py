@@ -51,6 +51,8 @@ class StepSpec:
     attention: str = "sdpa"
     reference_sdpa: str = "cudnn"
     optimizer: str = "flat"
+    checkpoint: tuple[int, ...] = ()
+    """Our model's activation checkpointing (:func:`cs336_systems.checkpointing.checkpoint_layers` levels)."""
     lr: float = 1e-4
 
     def check(self) -> None:
@@ -99,6 +101,10 @@ class TrainStep:
 
             kwargs = {**cfg.model_kwargs(), "context_length": spec.context_length}
             self.model = BasicsTransformerLM(**kwargs, attention_impl=spec.attention, device=device)
+            if spec.checkpoint:
+                from cs336_systems.checkpointing import checkpoint_layers
+
+                checkpoint_layers(self.model, spec.checkpoint)
             if spec.optimizer == "flat":
                 from cs336_systems.flat_adamw import FlatAdamW
 
@@ -203,14 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="sdpa", help="our model's registered attention")
     parser.add_argument("--reference-sdpa", choices=SDPA_BACKENDS, default="cudnn")
     parser.add_argument("--optimizer", choices=["flat", "basics"], default="flat", help="our stack's AdamW")
+    parser.add_argument("--checkpoint", default="", help="our model's checkpoint levels, e.g. 4 or 8,2 (empty: off)")
     parser.add_argument("--stacks", default=",".join(STACKS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--csv", help="write every round's rows here")
     args = parser.parse_args(argv)
+    try:
+        levels = tuple(int(x) for x in args.checkpoint.split(",") if x)
+    except ValueError:
+        parser.error(f"--checkpoint takes comma-separated positive integers, got {args.checkpoint!r}")
     spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
-                    args.attention, args.reference_sdpa, args.optimizer)
+                    args.attention, args.reference_sdpa, args.optimizer, levels)
     stacks = tuple(s for s in args.stacks.split(",") if s)
     unknown = [s for s in stacks if s not in STACKS]
     if unknown:
