@@ -23,6 +23,7 @@ MODULES = (
     "pytorch_attention",
     "torch_compile",
     "flash_benchmarking",
+    "training_step",
     "distributed_communication_single_node",
     "naive_ddp",
     "ddp_flat",

@@ -1,0 +1,167 @@
+"""§1.4 The training step at the limit (beyond the handout): our stack against a torch-native reference of
+the same shapes, with MFU, and the longest context each preset trains at.
+
+Per (preset, context) our training step (``cs336_basics`` model with the chosen attention, FlatAdamW,
+optional activation checkpointing, ``torch.compile``) and the reference (``nn.Linear``/``nn.RMSNorm``/SDPA
+pinned to cuDNN, ``AdamW(fused=True)``, the same compile) are timed alternately in one process
+(:mod:`cs336_systems.benchmarking.train_step`); each step holds ``tokens_per_step`` tokens. Then
+:mod:`cs336_systems.benchmarking.max_context` bisects for the longest context of a batch-1 step.
+
+    python -m cs336_systems.experiments training_step --full
+    python -m cs336_systems.experiments training_step --set presets=xl --set contexts=4096 --set checkpoint=4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+
+from cs336_systems.benchmarking import train_step
+from cs336_systems.benchmarking.end_to_end import default_device
+from cs336_systems.benchmarking.sweep import OK, run_sweep
+from cs336_systems.experiments.section import Section, check_positive, check_presets, param
+from cs336_systems.report.staleness import MODEL
+from cs336_systems.results import ResultWriter
+
+
+@dataclass(frozen=True)
+class Params:
+    presets: list[str] = param(["small", "medium", "large", "xl", "2.7B"], "model presets")
+    contexts: list[int] = param([1024, 4096], "context lengths")
+    tokens_per_step: int = param(8192, "tokens per step (batch = tokens_per_step / context)")
+    precision: str = param("bf16", "autocast dtype of both stacks (fp32: none)")
+    compile: bool = param(True, "torch.compile both models")
+    attention: str = param("flash_triton", "our model's registered attention")
+    optimizer: str = param("flat", "our AdamW: flat (FlatAdamW) or basics (cs336_basics, per parameter)")
+    checkpoint: list[int] = param([], "our model's activation-checkpoint levels ([]: off)")
+    rounds: int = param(3, "alternating rounds per cell")
+    steps: int = param(5, "timed steps per stack and round")
+    warmup: int = param(3, "untimed steps per stack (compilation happens here)")
+    budget_s: float = param(420.0, "time budget of the comparison; cells past it are recorded as skipped")
+    longest_presets: list[str] = param(["small", "medium", "large", "xl", "2.7B"],
+                                       "presets whose longest trainable context is searched ([]: none)")
+    longest_checkpoint: list[int] = param([4], "checkpoint levels for the longest-context search")
+    longest_high: int = param(131072, "longest context tried")
+
+    def check(self) -> None:
+        check_presets(*self.presets, *self.longest_presets)
+        check_positive(tokens_per_step=self.tokens_per_step, rounds=self.rounds, steps=self.steps,
+                       budget_s=self.budget_s, longest_high=self.longest_high,
+                       **{f"contexts[{i}]": c for i, c in enumerate(self.contexts)})
+        bad = [c for c in self.contexts if self.tokens_per_step % c]
+        if bad:
+            raise ValueError(f"tokens_per_step={self.tokens_per_step} is not a multiple of context {bad[0]}")
+        train_step.StepSpec(attention=self.attention, precision=self.precision, optimizer=self.optimizer,
+                            checkpoint=tuple(self.checkpoint)).check()
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(presets=["small", "xl"], contexts=[1024], rounds=2, budget_s=240.0, longest_presets=["xl"]),
+    "smoke": Params(presets=["tiny"], contexts=[16, 32], tokens_per_step=64, precision="fp32", compile=False,
+                    attention="sdpa", rounds=1, steps=1, warmup=0, budget_s=60.0, longest_presets=["tiny"],
+                    longest_checkpoint=[1], longest_high=32),
+}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """Both stacks per (preset, context), then the longest-context search."""
+    device = default_device()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+    def cell(preset: str, context_length: int) -> dict[str, Any]:
+        spec = train_step.StepSpec(preset, context_length, p.tokens_per_step // context_length, p.precision,
+                                   p.compile, p.attention, "cudnn", p.optimizer, tuple(p.checkpoint))
+        rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device)
+        table = train_step.summarize(rows, spec, name).set_index("stack")
+        torch._dynamo.reset()  # compiled graphs hold the models
+        return {f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}
+
+    configs = [{"preset": pr, "context_length": c} for pr in p.presets for c in p.contexts]
+    wide = run_sweep(cell, configs, desc="training step", budget_s=p.budget_s)
+    wide["batch_size"] = p.tokens_per_step // wide["context_length"]
+    out.table(wide, "steps", extra={"vs_reference": "reference step time / ours (above 1: ours faster)"})
+    result: dict[str, Any] = {"steps": wide}
+    if (wide["status"] == OK).any():
+        fig = plot_mfu(wide)
+        out.figure(fig, "mfu")
+        plt.close(fig)
+    if p.longest_presets:
+        from cs336_systems.benchmarking.max_context import longest_contexts
+
+        base = train_step.StepSpec(batch_size=1, precision=p.precision, attention=p.attention,
+                                   optimizer=p.optimizer, checkpoint=tuple(p.longest_checkpoint))
+        longest = longest_contexts(p.longest_presets, base, low=min(256, p.longest_high), high=p.longest_high,
+                                   granularity=min(256, p.longest_high), device=device)
+        out.table(longest, "longest_context")
+        result["longest_context"] = longest
+    return result
+
+
+def plot_mfu(wide: pd.DataFrame) -> plt.Figure:
+    """MFU of both stacks per preset, a panel per context length."""
+    ok = wide[wide["status"] == OK]
+    long = pd.concat([ok.assign(stack=s, MFU=ok[f"{s}_MFU_pct"]) for s in ("ours", "reference")
+                      if f"{s}_MFU_pct" in ok], ignore_index=True)
+    g = sns.catplot(data=long, x="preset", y="MFU", hue="stack", col="context_length", kind="bar", height=3.4,
+                    aspect=1.2)
+    g.set_axis_labels("preset", "MFU (% of the data-sheet peak)")
+    return g.figure
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+from cs336_systems.report import fmt  # noqa: E402
+from cs336_systems.report.answers import join_words, ok_rows, question, subset  # noqa: E402
+from cs336_systems.report.data import SectionData  # noqa: E402
+from cs336_systems.report.document import Block, Text  # noqa: E402
+
+
+def answer(d: SectionData) -> list[Block]:
+    steps = ok_rows(d.frame("steps"))
+    text = None
+    if not steps.empty and {"ours_step_ms", "reference_step_ms"} <= set(steps.columns):
+        parts = [f"{r['preset']} at {int(r['context_length'])}: {fmt.ms(r['ours_step_ms'])} against "
+                 f"{fmt.ms(r['reference_step_ms'])} ({fmt.ratio(r['reference_step_ms'] / r['ours_step_ms'])}"
+                 + (f", MFU {r['ours_MFU_pct']:.0f}% vs {r['reference_MFU_pct']:.0f}%" if "ours_MFU_pct" in r
+                    and pd.notna(r["ours_MFU_pct"]) else "") + ")" for _, r in steps.iterrows()]
+        text = Text("Step time, ours against the torch-native reference (reference time / ours): "
+                    + join_words(parts) + ".")
+    longest = d.frame("longest_context")
+    long_text = None
+    if longest is not None and {"preset", "longest"} <= set(longest.columns):
+        best = longest.groupby("preset", sort=False)["longest"].first()
+        long_text = Text("Longest context of a batch-1 training step: " + join_words(
+            [f"{k} {int(v):,}" if pd.notna(v) else f"{k} none" for k, v in best.items()]) + ".")
+    return [
+        question(d, "steps", "Our training step against a torch-native reference of the same shapes, with MFU.", [
+            text,
+            d.table("steps", frame=subset(d.frame("steps"), "preset", "context_length", "batch_size", "status",
+                                          "ours_step_ms", "ours_spread_ms", "reference_step_ms",
+                                          "reference_spread_ms", "ours_vs_reference", "ours_MFU_pct",
+                                          "reference_MFU_pct"),
+                    caption="Median step time over alternating rounds, spread (max - min), ours over the reference "
+                            "and MFU against the data-sheet peak."),
+            d.figure("mfu", caption="MFU of both stacks by preset and context."),
+        ], what="the training-step comparison"),
+        question(d, "longest", "The longest context each preset trains at on this GPU.", [
+            long_text,
+            d.table("longest_context", caption="Every context tried by the bisection, whether two full steps "
+                    "fitted, and their peak memory."),
+        ], what="the longest-context search"),
+    ]
+
+
+SECTION = Section(
+    name="training_step", number="1.4", title="The training step at the limit (beyond the handout)",
+    problems=("beyond the handout",), answer=answer, presets=PRESETS, run=run,
+    depends=(*MODEL, "cs336_systems/benchmarking/train_step.py", "cs336_systems/benchmarking/torch_native_lm.py",
+             "cs336_systems/benchmarking/max_context.py", "cs336_systems/benchmarking/end_to_end.py",
+             "cs336_systems/benchmarking/sweep.py", "cs336_systems/flat_adamw.py", "cs336_systems/checkpointing.py",
+             "cs336_systems/hardware.py", "cs336_systems/attention/"),
+)
