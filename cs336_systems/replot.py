@@ -88,16 +88,22 @@ def load_inputs(section: Any, root: Path | None = None) -> tuple[dict[str, Any],
     root = root or results_root(smoke=False)
     tables: dict[str, Any] = {}
     metas: dict[str, dict[str, Any]] = {}
-    for i, name in enumerate(section.derive_inputs):
+    for name in section.derive_inputs:
         if not has_result(section.name, name, root=root):
-            if i == 0:
-                raise FileNotFoundError(f"no measured {name!r} in {section_dir(section.name, root)}: nothing to replot")
             continue
         meta = load_meta(section.name, name, root=root)
         is_csv = (section_dir(section.name, root) / f"{name}.csv").exists()
         tables[name] = load_table(section.name, name, root=root) if is_csv else load_json(section.name, name, root=root)
         metas[name] = meta
+    if not metas:
+        raise FileNotFoundError(f"no measured {' or '.join(map(repr, section.derive_inputs))} in "
+                                f"{section_dir(section.name, root)}: nothing to replot")
     return tables, metas
+
+
+def primary_meta(section: Any, metas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The provenance derived artefacts inherit: the first of the section's inputs that was measured."""
+    return next(metas[name] for name in section.derive_inputs if name in metas)
 
 
 def replot(section: str, publish: bool = False) -> list[Path]:
@@ -106,7 +112,7 @@ def replot(section: str, publish: bool = False) -> list[Path]:
     ``CS336_FIGURES_DIR`` overrides both)."""
     spec = _section(section)
     tables, metas = load_inputs(spec)
-    primary = metas[spec.derive_inputs[0]]
+    primary = primary_meta(spec, metas)
     if primary.get("smoke", False):
         print(f"warning: {section} results come from a smoke run; the figures show no GPU numbers", file=sys.stderr)
     params = {**(primary.get("params") or {}), "replot_of": sorted(metas)}

@@ -53,3 +53,20 @@ def test_shapes_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     assert len(long) == 2 * 2 * 2 * 2  # shapes × causal × impls × passes
     summary = json.loads((tmp_path / "flash_benchmarking" / "shapes_summary.json").read_text())
     assert summary["baseline"] == "sdpa_math" and summary["forward"]["cells"] == 4
+
+
+def test_sweep_is_derived_from_whichever_dtype_tables_exist() -> None:
+    def long(dtype: str) -> pd.DataFrame:
+        return pd.DataFrame([{"impl": impl, "dtype": dtype, "head_dim": 64, "seq_len": 1024, "pass": "forward",
+                              "status": "ok", "mean_ms": ms, "median_ms": ms}
+                             for impl, ms in (("triton", 1.0), ("sdpa_flash", 2.0), ("naive", 4.0))])
+
+    both = fb.derive({"sweep_bfloat16": long("bfloat16"), "sweep_float32": long("float32")}, {})
+    table = both.table("sweep_speedup")
+    assert sorted(table["dtype"]) == ["bfloat16", "float32"] and (table["speedup_vs_builtin"] == 2.0).all()
+    assert both.tables["sweep_speedup"][1] == "sweep_bfloat16" and set(both.figures) == {"sweep_speedup", "sweep_latency_d64"}
+    only_fp32 = fb.derive({"sweep_float32": long("float32")}, {})
+    assert list(only_fp32.table("sweep_speedup")["dtype"]) == ["float32"]
+    assert only_fp32.tables["sweep_speedup"][1] == "sweep_float32"  # provenance from the table that exists
+    with pytest.raises(ValueError, match="no sweep table"):
+        fb.derive({}, {})

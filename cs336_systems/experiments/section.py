@@ -49,7 +49,8 @@ class Section:
     """``derive(tables, meta) -> Derived``: figures and tables computed from measured results only, so
     ``python -m cs336_systems.replot`` can redraw them on any machine."""
     derive_inputs: tuple[str, ...] = ()
-    """The measured artefacts ``derive`` reads (the first is required)."""
+    """The measured artefacts ``derive`` reads (at least one must exist; the first present gives the derived
+    artefacts their provenance)."""
     gpus: int = 1
     """GPUs a real (non-smoke) run needs; 0: analytic, runs anywhere."""
     depends: tuple[str, ...] = ()
@@ -142,12 +143,15 @@ class Section:
 
     def rederive(self, out: Any, sources: dict[str, dict[str, Any]] | None = None) -> list[Any]:
         """Run :attr:`derive` on the measured artefacts in ``out.dir`` and write what it returns there."""
-        from cs336_systems.replot import load_inputs, write_derived
+        from cs336_systems.replot import load_inputs, primary_meta, write_derived
 
         if self.derive is None:
             return []
-        tables, metas = load_inputs(self, out.dir.parent)
-        return write_derived(out, self.derive(tables, metas[self.derive_inputs[0]]), sources)
+        try:
+            tables, metas = load_inputs(self, out.dir.parent)
+        except FileNotFoundError:  # this run measured none of derive's inputs (e.g. other parts only)
+            return []
+        return write_derived(out, self.derive(tables, primary_meta(self, metas)), sources)
 
 
 def param(default: Any, help: str = "") -> Any:  # noqa: A002 - mirrors dataclasses.field
