@@ -299,3 +299,23 @@ def test_cuda_kernel_attribution_by_launch_time():
     whole = kernel_table(prof)
     assert whole["total_ms"].sum() == pytest.approx(0.130)
     assert set(range_names(prof)) == {"forward", "backward"}
+
+
+def test_step_time_split_buckets_kernels_and_leaves_the_rest_to_the_host() -> None:
+    from cs336_systems.profiling.step_split import bucket, step_time_split
+
+    assert bucket("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
+    assert bucket("flash_backward_dkdv_kernel") == "attention" and bucket("cudnn_generated_fort_native_sdpa_sm90") == "attention"
+    assert bucket("triton_poi_fused_mul_silu_0") == "norms & elementwise"
+    records = pd.DataFrame({
+        "name": ["ampere_sgemm_128x64_tn", "flash_forward_kernel", "vectorized_elementwise_kernel", "adamw_kernel",
+                 "ampere_sgemm_128x64_tn"],
+        "duration_us": [4000.0, 2000.0, 1000.0, 3000.0, 4000.0],
+        "launch_us": [10.0, 20.0, 30.0, 105.0, 110.0],
+    })
+    table = step_time_split(records, [(100.0, 200.0)], steps=2, step_ms=10.0).set_index("bucket")["ms_per_step"]
+    # the second GEMM was launched inside the optimizer range: it is optimizer time
+    assert table.to_dict() == {"matmul": 2.0, "attention": 1.0, "norms & elementwise": 0.5, "optimizer": 3.5,
+                               "host / idle": 3.0}
+    with pytest.raises(ValueError, match="need steps >= 1"):
+        step_time_split(records, [], steps=0, step_ms=1.0)

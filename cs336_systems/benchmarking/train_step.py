@@ -136,9 +136,27 @@ class TrainStep:
             logits = self.forward(self.inputs)
         loss = self.loss_fn(logits, self.targets)
         loss.backward()
-        self.optimizer.step()
+        with torch.profiler.record_function("optimizer"):  # for time_split; free without a profiler
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def time_split(self, steps: int = 3) -> pd.DataFrame:
+        """Where ``steps`` steps spend their time (:func:`cs336_systems.profiling.step_split.step_time_split`),
+        against the unprofiled step time of the same steps."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from cs336_systems.profiling.step_split import step_time_split
+        from cs336_systems.profiling.torch_profiler import kernel_records, range_intervals
+
+        step_ms = self.time_ms(steps)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with self.context(), profile(activities=activities) as prof:
+            for _ in range(steps):
+                self.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return step_time_split(kernel_records(prof), range_intervals(prof, "optimizer"), steps, step_ms)
 
     def time_ms(self, steps: int) -> float:
         """Milliseconds per step over ``steps`` back-to-back steps."""
@@ -159,8 +177,10 @@ class TrainStep:
 
 
 def compare(spec: StepSpec, rounds: int = 5, steps: int = 10, warmup: int = 3,
-            stacks: tuple[str, ...] = STACKS, device: torch.device | None = None) -> pd.DataFrame:
-    """One row per (round, stack): ``step_ms``. Stacks alternate; both are built before any timing."""
+            stacks: tuple[str, ...] = STACKS, device: torch.device | None = None,
+            split_steps: int = 0) -> pd.DataFrame:
+    """One row per (round, stack): ``step_ms``. Stacks alternate; both are built before any timing. With
+    ``split_steps``, ``frame.attrs["split"]`` holds each stack's :meth:`TrainStep.time_split` (long table)."""
     spec.check()
     if rounds < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"need rounds >= 1, steps >= 1, warmup >= 0; got {rounds}, {steps}, {warmup}")
@@ -177,6 +197,9 @@ def compare(spec: StepSpec, rounds: int = 5, steps: int = 10, warmup: int = 3,
             rows.append({"round": r, "stack": s, "step_ms": runs[s].time_ms(steps)})
     frame = pd.DataFrame(rows)
     frame["num_params"] = frame["stack"].map({s: run.num_params for s, run in runs.items()})
+    if split_steps:
+        frame.attrs["split"] = pd.concat([runs[s].time_split(split_steps).assign(stack=s) for s in stacks],
+                                         ignore_index=True)
     return frame
 
 

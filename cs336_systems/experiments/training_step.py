@@ -43,6 +43,7 @@ class Params:
     steps: int = param(5, "timed steps per stack and round")
     warmup: int = param(3, "untimed steps per stack (compilation happens here)")
     budget_s: float = param(420.0, "time budget of the comparison; cells past it are recorded as skipped")
+    split_steps: int = param(3, "profiled steps per stack for the time split of each cell (0: none)")
     longest_presets: list[str] = param(["small", "medium", "large", "xl", "2.7B"],
                                        "presets whose longest trainable context is searched ([]: none)")
     longest_checkpoint: list[int] = param([4], "checkpoint levels for the longest-context search")
@@ -50,6 +51,8 @@ class Params:
 
     def check(self) -> None:
         check_presets(*self.presets, *self.longest_presets)
+        if self.split_steps < 0:
+            raise ValueError(f"split_steps must be >= 0, got {self.split_steps}")
         check_positive(tokens_per_step=self.tokens_per_step, rounds=self.rounds, steps=self.steps,
                        budget_s=self.budget_s, longest_high=self.longest_high,
                        **{f"contexts[{i}]": c for i, c in enumerate(self.contexts)})
@@ -64,7 +67,7 @@ PRESETS = {
     "full": Params(),
     "quick": Params(presets=["small", "xl"], contexts=[1024], rounds=2, budget_s=240.0, longest_presets=["xl"]),
     "smoke": Params(presets=["tiny"], contexts=[16, 32], tokens_per_step=64, precision="fp32", compile=False,
-                    attention="sdpa", rounds=1, steps=1, warmup=0, budget_s=60.0, longest_presets=["tiny"],
+                    attention="sdpa", rounds=1, steps=1, warmup=0, budget_s=60.0, split_steps=1, longest_presets=["tiny"],
                     longest_checkpoint=[1], longest_high=32),
 }
 
@@ -77,11 +80,14 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     def cell(preset: str, context_length: int) -> dict[str, Any]:
         spec = train_step.StepSpec(preset, context_length, p.tokens_per_step // context_length, p.precision,
                                    p.compile, p.attention, "cudnn", p.optimizer, tuple(p.checkpoint))
-        rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device)
+        rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps)
         table = train_step.summarize(rows, spec, name).set_index("stack")
         torch._dynamo.reset()  # compiled graphs hold the models
+        if "split" in rows.attrs:
+            splits.append(rows.attrs["split"].assign(preset=preset, context_length=context_length))
         return {f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}
 
+    splits: list[pd.DataFrame] = []
     configs = [{"preset": pr, "context_length": c} for pr in p.presets for c in p.contexts]
     wide = run_sweep(cell, configs, desc="training step", budget_s=p.budget_s)
     wide["batch_size"] = p.tokens_per_step // wide["context_length"]
@@ -91,6 +97,13 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         fig = plot_mfu(wide)
         out.figure(fig, "mfu")
         plt.close(fig)
+    if splits:
+        split = pd.concat(splits, ignore_index=True)
+        out.table(split, "time_split", extra={"host / idle": "measured step time minus the kernels' time"})
+        fig = plot_time_split(split)
+        out.figure(fig, "time_split")
+        plt.close(fig)
+        result["time_split"] = split
     if p.longest_presets:
         from cs336_systems.benchmarking.max_context import longest_contexts
 
@@ -101,6 +114,21 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         out.table(longest, "longest_context")
         result["longest_context"] = longest
     return result
+
+
+def plot_time_split(split: pd.DataFrame) -> plt.Figure:
+    """One stacked bar per (preset, context, stack): milliseconds per step in each bucket."""
+    from cs336_systems.profiling.step_split import BUCKETS
+
+    wide = split.pivot_table(index=["preset", "context_length", "stack"], columns="bucket", values="ms_per_step",
+                             sort=False).reindex(columns=list(BUCKETS)).fillna(0.0)
+    wide.index = [f"{pr} {c} {s}" for pr, c, s in wide.index]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(wide) + 1.5))
+    wide.plot.barh(stacked=True, ax=ax, width=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per training step")
+    ax.legend(fontsize=9, loc="lower right")
+    return fig
 
 
 def plot_mfu(wide: pd.DataFrame) -> plt.Figure:
@@ -148,6 +176,9 @@ def answer(d: SectionData) -> list[Block]:
                     caption="Median step time over alternating rounds, spread (max - min), ours over the reference "
                             "and MFU against the data-sheet peak."),
             d.figure("mfu", caption="MFU of both stacks by preset and context."),
+            d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
+                     "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
+            d.table("time_split", caption="The same split in milliseconds per step and as a share of the step."),
         ], what="the training-step comparison"),
         question(d, "longest", "The longest context each preset trains at on this GPU.", [
             long_text,
@@ -163,5 +194,6 @@ SECTION = Section(
     depends=(*MODEL, "cs336_systems/benchmarking/train_step.py", "cs336_systems/benchmarking/torch_native_lm.py",
              "cs336_systems/benchmarking/max_context.py", "cs336_systems/benchmarking/end_to_end.py",
              "cs336_systems/benchmarking/sweep.py", "cs336_systems/flat_adamw.py", "cs336_systems/checkpointing.py",
-             "cs336_systems/hardware.py", "cs336_systems/attention/"),
+             "cs336_systems/hardware.py", "cs336_systems/attention/",
+             "cs336_systems/profiling/step_split.py", "cs336_systems/profiling/torch_profiler.py"),
 )
