@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from cs336_basics.optimizer import AdamW
 
 _BLOCK = 2048
 
@@ -65,27 +66,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-class FlatAdamW(torch.optim.Optimizer):
+class FlatAdamW(AdamW):
     """``FlatAdamW(model.parameters(), lr=..., betas=..., eps=..., weight_decay=...)``: AdamW on flat
-    buffers (see the module docstring). Hyperparameters are validated as ``cs336_basics``' AdamW does."""
+    buffers (see the module docstring); hyperparameters and their validation are ``cs336_basics``' AdamW's."""
 
-    def __init__(
-        self,
-        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-    ) -> None:
-        if lr < 0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"Invalid betas: {betas}")
-        if eps < 0:
-            raise ValueError(f"Invalid eps: {eps}")
-        if weight_decay < 0:
-            raise ValueError(f"Invalid weight_decay: {weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+    def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], **hyperparameters: Any) -> None:
+        super().__init__(params, **hyperparameters)  # lr, betas, eps, weight_decay: AdamW's, validated there
         self._flat: list[dict[str, Any]] = [self._flatten(i, g) for i, g in enumerate(self.param_groups)]
 
     @torch.no_grad()

@@ -118,14 +118,9 @@ def gpu_us(step: Callable[[], None], calls: int) -> float:
 
 def wall_us(step: Callable[[], None], calls: int) -> float:
     """Back-to-back microseconds per call between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(calls):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
+    from cs336_systems.benchmarking.train_step import ms_per_call
+
+    return ms_per_call(step, calls, torch.device("cuda")) * 1e3
 
 
 def measure(shape: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16, causal: bool = True,

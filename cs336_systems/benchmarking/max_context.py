@@ -20,7 +20,7 @@ import torch
 
 from cs336_systems.benchmarking.end_to_end import PRECISIONS, default_device
 from cs336_systems.benchmarking.sweep import free_memory, is_oom
-from cs336_systems.benchmarking.train_step import StepSpec, TrainStep
+from cs336_systems.benchmarking.train_step import StepSpec, TrainStep, parse_levels
 from cs336_systems.configs import get_config
 
 
@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", help="write every trial here")
     args = parser.parse_args(argv)
     try:
-        levels = tuple(int(x) for x in args.checkpoint.split(",") if x)
-    except ValueError:
-        parser.error(f"--checkpoint takes comma-separated positive integers, got {args.checkpoint!r}")
+        levels = parse_levels(args.checkpoint)
+    except ValueError as exc:
+        parser.error(f"--checkpoint: {exc}")
     base = StepSpec(batch_size=args.batch_size, precision=args.precision, attention=args.attention, checkpoint=levels)
     table = longest_contexts([p for p in args.presets.split(",") if p], base, args.low, args.high, args.granularity)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))

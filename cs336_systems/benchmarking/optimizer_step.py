@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import pandas as pd
 import torch
 
 from cs336_systems.benchmarking.end_to_end import default_device
+from cs336_systems.benchmarking.train_step import ms_per_call
 from cs336_systems.configs import get_config
 from cs336_systems.hardware import peak_tbps
 
@@ -58,22 +58,6 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optim
     raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
-def _time_ms(opt: torch.optim.Optimizer, steps: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        for _ in range(steps):
-            opt.step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / steps
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    return (time.perf_counter() - t0) * 1e3 / steps
-
-
 def measure(preset: str, optimizers: tuple[str, ...] = OPTIMIZERS, rounds: int = 5, steps: int = 5,
             device: torch.device | None = None) -> pd.DataFrame:
     """Median step time per optimizer over ``rounds`` (alternating), with bandwidth and the ratio to the floor."""
@@ -86,11 +70,11 @@ def measure(preset: str, optimizers: tuple[str, ...] = OPTIMIZERS, rounds: int =
     opts = {name: _optimizer(name, _parameters(preset, device)) for name in optimizers}
     n = sum(p.numel() for group in next(iter(opts.values())).param_groups for p in group["params"])
     for opt in opts.values():
-        _time_ms(opt, 1, device)  # compile, allocate state
+        ms_per_call(opt.step, 1, device)  # compile, allocate state
     rows = []
     for r in range(rounds):
         order = list(optimizers[r % len(optimizers):]) + list(optimizers[: r % len(optimizers)])
-        rows += [{"round": r, "optimizer": o, "step_ms": _time_ms(opts[o], steps, device)} for o in order]
+        rows += [{"round": r, "optimizer": o, "step_ms": ms_per_call(opts[o].step, steps, device)} for o in order]
     frame = pd.DataFrame(rows)
     g = frame.groupby("optimizer", sort=False)["step_ms"]
     out = pd.DataFrame({"step_ms": g.median(), "spread_ms": g.max() - g.min()}).reset_index()

@@ -72,6 +72,32 @@ class StepSpec:
                              f"{self.batch_size}")
 
 
+def ms_per_call(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Milliseconds per call over ``calls`` back-to-back calls: CUDA events around them on a GPU (the host
+    may run ahead; the GPU's time is what counts), ``perf_counter`` on CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    """``"8,2"`` → ``(8, 2)``: checkpoint levels as given on a command line (``""``: none)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise ValueError(f"checkpoint levels are comma-separated positive integers, got {text!r}") from None
+
+
 @contextlib.contextmanager
 def _sdpa_backend(name: str, device: torch.device) -> Iterator[None]:
     if device.type != "cuda":  # CPU runs are smoke runs: SDPA picks its CPU kernel
@@ -161,19 +187,7 @@ class TrainStep:
     def time_ms(self, steps: int) -> float:
         """Milliseconds per step over ``steps`` back-to-back steps."""
         with self.context():
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(self.device)
-                start.record()
-                for _ in range(steps):
-                    self.step()
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / steps
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                self.step()
-            return (time.perf_counter() - t0) * 1e3 / steps
+            return ms_per_call(self.step, steps, self.device)
 
 
 def compare(spec: StepSpec, rounds: int = 5, steps: int = 10, warmup: int = 3,
@@ -240,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", help="write every round's rows here")
     args = parser.parse_args(argv)
     try:
-        levels = tuple(int(x) for x in args.checkpoint.split(",") if x)
-    except ValueError:
-        parser.error(f"--checkpoint takes comma-separated positive integers, got {args.checkpoint!r}")
+        levels = parse_levels(args.checkpoint)
+    except ValueError as exc:
+        parser.error(f"--checkpoint: {exc}")
     spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
                     args.attention, args.reference_sdpa, args.optimizer, levels)
     stacks = tuple(s for s in args.stacks.split(",") if s)
