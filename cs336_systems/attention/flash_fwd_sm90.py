@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import options
+from .launch_cache import FLASH_LAUNCHES
 
 _LOG2_E = 1.4426950408889634
 
@@ -282,11 +283,10 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Ten
     o = torch.empty_like(q)
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
     grid = (-(-n_queries // block_m) * batch * heads,)
-    flash_forward_gluon_kernel[grid](
+    FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, grid, (
         q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E / math.sqrt(d),
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
-        num_warps=_CONSUMER_WARPS.value,
-    )  # fmt: skip
+    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
+            num_warps=_CONSUMER_WARPS.value))  # fmt: skip
     return o, lse
 
 

@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import options
 from ._validation import validate_attention_inputs
+from .launch_cache import FLASH_LAUNCHES
 
 #: Head dimensions the kernels are instantiated for (tl.dot needs >= 16; powers of two keep tiles aligned).
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -195,12 +196,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, 
 
     with _device_guard(q):
         _set_descriptor_allocator(q.device)
-        kernels.tuned("forward", options.current())[grid](
+        FLASH_LAUNCHES.launch(kernels.tuned("forward", options.current()), grid, (
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
             heads, n_queries, n_keys, _LOG2_E / math.sqrt(d), _seq_class(n_queries, n_keys),
-            HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
-        )  # fmt: skip
+        ), dict(HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
     return o, lse
 
 
@@ -231,22 +231,28 @@ def _backward(
     precision = _dot_precision(q.dtype)
     opts = options.current()
 
+    constexprs = dict(HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision)
+
+    def key_tiles(meta: dict) -> tuple[int]:
+        return (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)
+
+    def query_tiles(meta: dict) -> tuple[int]:
+        return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
+
     with _device_guard(q):
-        kernels.flash_backward_preprocess_kernel[(_cdiv(n_queries, block) * batch * heads,)](
+        FLASH_LAUNCHES.launch(kernels.flash_backward_preprocess_kernel, (_cdiv(n_queries, block) * batch * heads,), (
             o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n_queries,
-            HEAD_DIM=d, BLOCK_M=block,
-        )
+        ), dict(HEAD_DIM=d, BLOCK_M=block))  # fmt: skip
         _set_descriptor_allocator(q.device)
-        kernels.tuned("dkdv", opts)[lambda meta: (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)](
+        FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
             q, k, v, do, ld, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dk.stride(), *dv.stride(),
-            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
-        )  # fmt: skip
-        kernels.tuned("dq", opts)[lambda meta: (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)](
+            *shape_args,
+        ), constexprs)  # fmt: skip
+        FLASH_LAUNCHES.launch(kernels.tuned("dq", opts), query_tiles, (
             q, k, v, do, ld, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(),
-            *shape_args, HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision,
-        )  # fmt: skip
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(), *shape_args,
+        ), constexprs)  # fmt: skip
     return dq, dk, dv
 
 

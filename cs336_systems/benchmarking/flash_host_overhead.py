@@ -14,6 +14,7 @@ implementations in one process, and per round:
 
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --causal
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --profile   # + cProfile of ours
+    python -m cs336_systems.benchmarking.flash_host_overhead --impls ours,ours_uncached,sdpa_cudnn  # launch cache A/B
 
 Forward and backward run as ``torch.autograd.grad(o, (q, k, v), do)``, so no gradient accumulates.
 """
@@ -34,6 +35,8 @@ import torch
 from torch import Tensor
 
 IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
+#: Also measurable: ours with every launch through Triton's own Python path (launch cache off), for A/B.
+UNCACHED = "ours_uncached"
 #: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
 _SLEEP_S = 0.2
 
@@ -45,6 +48,12 @@ def _backend(impl: str) -> Iterator[None]:
     if impl == "ours":
         yield
         return
+    if impl == UNCACHED:
+        from cs336_systems.attention.launch_cache import disabled
+
+        with disabled():
+            yield
+        return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
@@ -53,13 +62,13 @@ def _backend(impl: str) -> Iterator[None]:
 
 
 def attention_fn(impl: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
-    if impl == "ours":
+    if impl in ("ours", UNCACHED):
         from cs336_systems.attention.flash_triton import FlashAttentionTriton
 
         return FlashAttentionTriton.apply
     if impl in IMPLS:
         return lambda q, k, v, causal: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join((*IMPLS, UNCACHED))}")
 
 
 def make_step(impl: str, shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool) -> Callable[[], None]:
@@ -174,7 +183,7 @@ def profile_host(step: Callable[[], None], calls: int = 200, top: int = 30) -> s
     return buf.getvalue()
 
 
-__all__ = ["IMPLS", "gpu_us", "host_us", "measure", "profile_host", "summarize", "wall_us"]
+__all__ = ["IMPLS", "UNCACHED", "gpu_us", "host_us", "measure", "profile_host", "summarize", "wall_us"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch,heads,seq,head_dim (repeatable; default 1,16,1024,64)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join((*IMPLS, UNCACHED))}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20, help="calls per measurement")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of our host path")

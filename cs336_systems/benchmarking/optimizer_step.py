@@ -30,11 +30,15 @@ OPTIMIZERS = ("flat", "basics", "torch_fused")
 BYTES_PER_PARAM = 28  # float32: read p, g, m, v; write p, m, v
 
 
-def _parameters(preset: str, device: torch.device) -> list[torch.nn.Parameter]:
+def _shapes(preset: str) -> list[torch.Size]:
     from cs336_basics.model import BasicsTransformerLM
 
     with torch.device("meta"):
-        shapes = [p.shape for p in BasicsTransformerLM(**get_config(preset).model_kwargs()).parameters()]
+        return [p.shape for p in BasicsTransformerLM(**get_config(preset).model_kwargs()).parameters()]
+
+
+def _parameters(preset: str, device: torch.device) -> list[torch.nn.Parameter]:
+    shapes = _shapes(preset)
     gen = torch.Generator(device=device).manual_seed(0)
     params = []
     for shape in shapes:
@@ -67,14 +71,23 @@ def measure(preset: str, optimizers: tuple[str, ...] = OPTIMIZERS, rounds: int =
     for name in optimizers:
         if name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
-    opts = {name: _optimizer(name, _parameters(preset, device)) for name in optimizers}
-    n = sum(p.numel() for group in next(iter(opts.values())).param_groups for p in group["params"])
-    for opt in opts.values():
+
+    def timed(name: str) -> float:
+        # Fresh parameters per measurement: three optimizers' states at once would not fit beside xl's
+        # (2 B parameters: 32 GB of parameters, gradients and moments each).
+        opt = _optimizer(name, _parameters(preset, device))
         ms_per_call(opt.step, 1, device)  # compile, allocate state
+        ms = ms_per_call(opt.step, steps, device)
+        del opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return ms
+
+    n = sum(shape.numel() for shape in _shapes(preset))
     rows = []
     for r in range(rounds):
         order = list(optimizers[r % len(optimizers):]) + list(optimizers[: r % len(optimizers)])
-        rows += [{"round": r, "optimizer": o, "step_ms": ms_per_call(opts[o].step, steps, device)} for o in order]
+        rows += [{"round": r, "optimizer": o, "step_ms": timed(o)} for o in order]
     frame = pd.DataFrame(rows)
     g = frame.groupby("optimizer", sort=False)["step_ms"]
     out = pd.DataFrame({"step_ms": g.median(), "spread_ms": g.max() - g.min()}).reset_index()

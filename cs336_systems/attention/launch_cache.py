@@ -1,0 +1,156 @@
+"""Repeat Triton launches without Triton's Python launch path.
+
+``kernel[grid](*args, **constexprs)`` costs tens of microseconds of host time on every call: Triton binds
+and specializes each argument (dtype, 16-byte alignment, integers equal to 1 or divisible by 16), builds a
+cache key, looks up the compiled kernel, and an autotuner first builds its own key and looks up its chosen
+config. At short sequences our attention kernels run for less time than that. But a call whose
+arguments agree with an earlier one in everything Triton specializes on (and in every integer, which fixes
+the grid) picks the same compiled kernel and config, so :class:`LaunchCache` remembers, per such
+signature, the compiled kernel, its grid and its constexpr values, and launches it directly through the
+compiled kernel's launcher (``CompiledKernel.run``, the call Triton's own ``JITFunction.run`` ends with).
+
+The first call per signature goes through Triton unchanged (compiling and autotuning as needed). Nothing is
+remembered when Triton returns no compiled kernel: under ``TRITON_INTERPRET=1``, or a launcher we do not
+recognise (then every call takes Triton's path, as before). ``enabled=False`` (or :func:`disabled`) turns
+the cache off, for A/B measurements of the host path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+Grid = tuple[int, ...] | Callable[[dict[str, Any]], tuple[int, ...]]
+
+#: Triton's tensor-pointer specialization: whether the address is a multiple of 16 bytes.
+_ALIGN = 16
+
+
+def _arg_key(arg: Any) -> Any:
+    """What Triton's specialization (and our grids) can depend on, for one runtime argument."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % _ALIGN == 0)
+    if isinstance(arg, bool | int):
+        return (type(arg), arg)  # integers fix the grid (shapes) and Triton's ==1 / %16 specialization
+    if isinstance(arg, float):
+        return float
+    desc = getattr(arg, "base", None)
+    if isinstance(desc, torch.Tensor):  # a host-side TensorDescriptor: block shape, layout and dtype matter
+        return (desc.dtype, desc.data_ptr() % _ALIGN == 0, tuple(arg.shape), tuple(arg.strides),
+                tuple(arg.block_shape), repr(getattr(arg, "layout", None)))
+    return (type(arg), arg)  # anything else must be hashable and compare by value, or it is not cached
+
+
+@functools.cache
+def _triton_runtime() -> tuple[Any, Any]:
+    """Triton's runtime knobs (launch hooks, read at every launch as Triton does) and driver config."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    return knobs.runtime, driver
+
+
+class LaunchCache:
+    """Remembers, per launch signature, what Triton chose; see the module docstring.
+
+    Bounded (least recently used entries are dropped beyond ``max_entries``): every distinct shape is an
+    entry, and a long-running process may see many.
+    """
+
+    #: Tensors on other devices (CPU tensors under the interpreter) always take Triton's path.
+    device_type = "cuda"
+
+    def __init__(self, max_entries: int = 1024, enabled: bool = True) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.enabled = enabled
+        self._entries: OrderedDict[tuple, tuple[Any, tuple[int, int, int], tuple]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.hits = self.misses = 0
+
+    def launch(self, fn: Any, grid: Grid, args: Sequence[Any], constexprs: dict[str, Any]) -> None:
+        """``fn[grid](*args, **constexprs)`` on the current stream of the first tensor argument's device
+        (which the caller makes the current device, as Triton launches there). ``fn`` is a
+        ``JITFunction`` or an autotuner around one; ``args`` are its leading parameters in order and
+        ``constexprs`` the rest by name (an autotuner's config supplies its own). Calls on CPU tensors
+        (the interpreter) always take Triton's path."""
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if not self.enabled or device is None or device.type != self.device_type:  # interpreter: nothing to skip
+            fn[grid](*args, **constexprs)
+            return
+        try:
+            key = (id(fn), device.index, tuple(map(_arg_key, args)), tuple(constexprs.items()))
+            hash(key)
+        except TypeError:  # an unhashable argument: never cached
+            fn[grid](*args, **constexprs)
+            return
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            kernel = fn[grid](*args, **constexprs)
+            entry = self._remember(fn, grid, args, constexprs, kernel)
+            if entry is not None:
+                self._entries[key] = entry
+                if len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+            return
+        self.hits += 1
+        self._entries.move_to_end(key)
+        kernel, (gx, gy, gz), tail = entry
+        stream = self._stream(device)
+        full = (*args, *tail)
+        runtime = _triton_runtime()[0]
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        metadata = kernel.launch_metadata((gx, gy, gz), stream, *full) if enter is not None else None
+        kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *full)
+
+    @staticmethod
+    def _stream(device: torch.device) -> int:
+        """The raw current stream of ``device``, as Triton's own launch path reads it."""
+        return _triton_runtime()[1].active.get_current_stream(device.index)
+
+    @staticmethod
+    def _remember(fn: Any, grid: Grid, args: Sequence[Any], constexprs: dict[str, Any], kernel: Any):
+        """``(kernel, grid, constexpr tail)`` for replaying this launch, or None if it cannot be replayed."""
+        if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+            return None  # the interpreter, or a Triton whose launch path we do not know
+        config = getattr(fn, "best_config", None)
+        if config is not None and getattr(config, "pre_hook", None) is not None:
+            return None  # a pre-hook must run before every launch
+        names = list(fn.arg_names)  # a JITFunction's parameters; an autotuner copies its function's
+        meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
+        try:
+            tail = tuple(meta[name] for name in names[len(args):])
+        except KeyError:
+            return None
+        if callable(grid):
+            grid = grid({**dict(zip(names, args)), **meta})
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        return kernel, grid[:3], tail
+
+
+#: The cache the attention kernels launch through.
+FLASH_LAUNCHES = LaunchCache()
+
+
+@contextlib.contextmanager
+def disabled(cache: LaunchCache = FLASH_LAUNCHES) -> Iterator[None]:
+    """Every launch through ``cache`` takes Triton's own path inside this block (an A/B switch)."""
+    previous, cache.enabled = cache.enabled, False
+    try:
+        yield
+    finally:
+        cache.enabled = previous

@@ -1,0 +1,173 @@
+"""LaunchCache: the first launch per signature goes through Triton, repeats replay its compiled kernel.
+
+On CPU the mechanism runs against stand-ins for Triton's objects (a JIT function, an autotuner's chosen
+config, a compiled kernel that records its launches) and meta tensors; on a GPU the attention kernels run
+through it and must give exactly what Triton's own launch path gives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cs336_systems.attention import launch_cache
+from cs336_systems.attention.launch_cache import LaunchCache
+
+
+class RecordingKernel:
+    """A compiled kernel's launch surface; records ``run``'s arguments."""
+
+    function = "fn-handle"
+    packed_metadata = "packed"
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+
+    def launch_metadata(self, grid, stream, *args):  # noqa: ANN001, ANN002
+        return None
+
+    def run(self, *args) -> None:  # noqa: ANN002
+        self.launches.append(args)
+
+
+class Config:
+    def __init__(self, kwargs: dict, pre_hook=None) -> None:  # noqa: ANN001
+        self.kwargs, self.pre_hook = kwargs, pre_hook
+
+    def all_kwargs(self) -> dict:
+        return {**self.kwargs, "num_warps": 4, "num_stages": 3}
+
+
+class FakeJit:
+    """``fn[grid](*args, **kw)`` as Triton spells it; ``best_config`` makes it look like an autotuner."""
+
+    arg_names = ["X", "n", "stride", "scale", "HEAD_DIM", "BLOCK_M"]
+
+    def __init__(self, config: Config | None = None, compiled: bool = True) -> None:
+        self.best_config = config
+        self.kernel = RecordingKernel() if compiled else None
+        self.slow_calls: list[tuple] = []
+
+    def __getitem__(self, grid):  # noqa: ANN001
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003
+            self.slow_calls.append((grid, args, kwargs))
+            return self.kernel
+
+        return call
+
+
+class MetaLaunchCache(LaunchCache):
+    device_type = "meta"
+
+    @staticmethod
+    def _stream(device: torch.device) -> int:
+        return 7
+
+
+def _args(n: int = 128, stride: int = 64, dtype: torch.dtype = torch.float16) -> tuple:
+    return (torch.empty(n, stride, device="meta", dtype=dtype), n, stride, 0.125)
+
+
+def _grid(meta: dict) -> tuple[int]:
+    return (-(-meta["n"] // meta["BLOCK_M"]),)
+
+
+def test_repeat_launch_replays_the_compiled_kernel_with_the_autotuned_config() -> None:
+    fn = FakeJit(Config({"BLOCK_M": 32}))
+    cache = MetaLaunchCache()
+    args = _args()
+    cache.launch(fn, _grid, args, {"HEAD_DIM": 64})
+    assert len(fn.slow_calls) == 1 and fn.kernel.launches == []
+    cache.launch(fn, _grid, args, {"HEAD_DIM": 64})
+    assert len(fn.slow_calls) == 1 and (cache.hits, cache.misses) == (1, 1)
+    (launch,) = fn.kernel.launches
+    # grid (128 / 32 = 4, padded to 3-D), stream, handle, metadata, hooks, then every parameter in order
+    assert launch[:4] == (4, 1, 1, 7)
+    assert launch[4:7] == ("fn-handle", "packed", None)
+    assert launch[9:] == (*args, 64, 32)
+
+
+def test_anything_triton_specializes_on_is_part_of_the_signature() -> None:
+    fn = FakeJit(Config({"BLOCK_M": 32}))
+    cache = MetaLaunchCache()
+    cache.launch(fn, _grid, _args(), {"HEAD_DIM": 64})
+    for args, constexprs in [(_args(n=256), {"HEAD_DIM": 64}),       # a size (and the grid)
+                             (_args(stride=65), {"HEAD_DIM": 64}),   # a stride (divisibility by 16)
+                             (_args(dtype=torch.bfloat16), {"HEAD_DIM": 64}),  # a dtype
+                             (_args(), {"HEAD_DIM": 128})]:          # a constexpr
+        cache.launch(fn, _grid, args, constexprs)
+    assert len(fn.slow_calls) == 5 and fn.kernel.launches == [] and len(cache) == 5
+    cache.launch(fn, _grid, _args(n=256), {"HEAD_DIM": 64})
+    assert len(fn.slow_calls) == 5 and len(fn.kernel.launches) == 1
+    assert fn.kernel.launches[0][:3] == (8, 1, 1)
+
+
+def test_plain_jit_function_takes_its_constexprs_from_the_call() -> None:
+    fn = FakeJit(config=None)
+    cache = MetaLaunchCache()
+    for _ in range(2):
+        cache.launch(fn, (3, 2), _args(), {"HEAD_DIM": 64, "BLOCK_M": 16, "num_warps": 8})
+    assert fn.kernel.launches[0][:3] == (3, 2, 1)
+    assert fn.kernel.launches[0][-2:] == (64, 16)  # num_warps is a compile option, not a parameter
+
+
+def test_nothing_is_replayed_where_replay_would_be_wrong() -> None:
+    interpreted = FakeJit(Config({"BLOCK_M": 32}), compiled=False)  # Triton returned no compiled kernel
+    hooked = FakeJit(Config({"BLOCK_M": 32}, pre_hook=lambda args: None))  # must run before every launch
+    missing = FakeJit(Config({}))  # BLOCK_M comes from nowhere: cannot rebuild the parameter list
+    cache = MetaLaunchCache()
+    for fn in (interpreted, hooked, missing):
+        for _ in range(3):
+            cache.launch(fn, (1,), _args(), {"HEAD_DIM": 64})
+        assert len(fn.slow_calls) == 3
+    assert len(cache) == 0
+    cpu = FakeJit(Config({"BLOCK_M": 32}))  # CPU tensors (the interpreter's) are never cached
+    for _ in range(2):
+        cache.launch(cpu, _grid, (torch.empty(4, 4), 128, 64, 0.1), {"HEAD_DIM": 64})
+    assert len(cpu.slow_calls) == 2
+
+
+def test_disabled_cache_and_lru_bound() -> None:
+    fn = FakeJit(Config({"BLOCK_M": 32}))
+    cache = MetaLaunchCache(max_entries=2)
+    with launch_cache.disabled(cache):
+        for _ in range(2):
+            cache.launch(fn, _grid, _args(), {"HEAD_DIM": 64})
+    assert len(fn.slow_calls) == 2 and len(cache) == 0 and cache.enabled
+    for n in (64, 128, 256):
+        cache.launch(fn, _grid, _args(n=n), {"HEAD_DIM": 64})
+    assert len(cache) == 2
+    cache.launch(fn, _grid, _args(n=64), {"HEAD_DIM": 64})  # the oldest was dropped: Triton's path again
+    assert len(fn.slow_calls) == 6
+    with pytest.raises(ValueError, match="max_entries"):
+        LaunchCache(max_entries=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 4, 200, 64), (1, 2, 1024, 128)])
+def test_attention_through_the_cache_matches_tritons_own_launches(shape: tuple, dtype: torch.dtype) -> None:
+    from cs336_systems.attention import FlashAttentionTriton
+    from cs336_systems.attention.launch_cache import FLASH_LAUNCHES
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    do = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        o = FlashAttentionTriton.apply(q, k, v, True)
+        return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
+
+    with launch_cache.disabled():
+        expected = run()
+    hits = FLASH_LAUNCHES.hits
+    run()  # first time through the cache for these shapes (may be a miss)
+    got = run()
+    assert FLASH_LAUNCHES.hits >= hits + 4  # forward, preprocess, dK/dV and dQ replayed
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
