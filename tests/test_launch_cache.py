@@ -171,3 +171,11 @@ def test_attention_through_the_cache_matches_tritons_own_launches(shape: tuple, 
     assert FLASH_LAUNCHES.hits >= hits + 4  # forward, preprocess, dK/dV and dQ replayed
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_signature_keeps_apart_what_triton_compiles_differently() -> None:
+    sig = launch_cache._signature
+    assert sig((True,)) != sig((1,))  # i1 and i32 parameters
+    assert sig((1.0,)) == sig((2.0,))  # float values are runtime arguments, not specialized
+    base = torch.empty(64, device="meta", dtype=torch.float16)
+    assert sig((base, 16)) != sig((base.float(), 16)) and sig((base, 16)) != sig((base, 17))

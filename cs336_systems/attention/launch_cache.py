@@ -31,19 +31,29 @@ Grid = tuple[int, ...] | Callable[[dict[str, Any]], tuple[int, ...]]
 _ALIGN = 16
 
 
-def _arg_key(arg: Any) -> Any:
-    """What Triton's specialization (and our grids) can depend on, for one runtime argument."""
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % _ALIGN == 0)
-    if isinstance(arg, bool | int):
-        return (type(arg), arg)  # integers fix the grid (shapes) and Triton's ==1 / %16 specialization
-    if isinstance(arg, float):
-        return float
-    desc = getattr(arg, "base", None)
-    if isinstance(desc, torch.Tensor):  # a host-side TensorDescriptor: block shape, layout and dtype matter
-        return (desc.dtype, desc.data_ptr() % _ALIGN == 0, tuple(arg.shape), tuple(arg.strides),
-                tuple(arg.block_shape), repr(getattr(arg, "layout", None)))
-    return (type(arg), arg)  # anything else must be hashable and compare by value, or it is not cached
+def _signature(args: Sequence[Any]) -> tuple:
+    """What Triton's specialization (and our grids) can depend on, per runtime argument: a tensor's dtype
+    and 16-byte alignment, every integer's value (sizes fix the grid; Triton specializes on ==1 and
+    divisibility by 16), a float's type. One inline loop: this runs on every launch, so it must cost far
+    less than the Triton path it replaces."""
+    out = []
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            out.append(a)
+        elif kind is torch.Tensor or isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % _ALIGN == 0))
+        elif kind is float:
+            out.append(float)
+        elif kind is bool:
+            out.append((bool, a))  # True == 1 as a key: keep the type apart
+        elif isinstance(getattr(a, "base", None), torch.Tensor):  # a host-side TensorDescriptor
+            base = a.base
+            out.append((base.dtype, base.data_ptr() % _ALIGN == 0, tuple(a.shape), tuple(a.strides),
+                        tuple(a.block_shape), repr(getattr(a, "layout", None))))
+        else:
+            out.append((kind, a))  # must be hashable and compare by value, or the call is not cached
+    return tuple(out)
 
 
 @functools.cache
@@ -92,7 +102,7 @@ class LaunchCache:
             fn[grid](*args, **constexprs)
             return
         try:
-            key = (id(fn), device.index, tuple(map(_arg_key, args)), tuple(constexprs.items()))
+            key = (id(fn), device.index, _signature(args), tuple(constexprs.items()))
             hash(key)
         except TypeError:  # an unhashable argument: never cached
             fn[grid](*args, **constexprs)
