@@ -274,8 +274,9 @@ class _Event:
 
 
 class _CudaProf:
-    """Two ranges on the main thread; the backward's kernels are launched from autograd's thread, inside
-    the backward range in time. The annotation's GPU-side span is linked like a kernel and must be ignored."""
+    """Three ranges on the main thread; the backward's kernels are launched from autograd's thread, inside
+    the backward range in time. An annotation's GPU-side span is linked like a kernel and must be ignored;
+    a kernel launched with no operator around it but a range is linked to the range and must count."""
 
     def events(self):
         return [
@@ -284,6 +285,9 @@ class _CudaProf:
             _Event("aten::exp", 30, 35, kernels=[_Kernel("vectorized_elementwise_kernel", 10.0)]),
             _Event("backward", 100, 200, annotation=True),
             _Event("aten::mm", 120, 130, kernels=[_Kernel("sm90_xmma_gemm_tn", 80.0)], thread=2),
+            # a Triton kernel launched from Python inside a range: linked to the range itself
+            _Event("optimizer", 210, 260, kernels=[_Kernel("optimizer", 55.0), _Kernel("adamw_kernel", 50.0)],
+                   annotation=True),
         ]
 
 
@@ -297,8 +301,10 @@ def test_cuda_kernel_attribution_by_launch_time():
     bwd = kernel_table(prof, "backward")
     assert list(bwd["name"]) == ["sm90_xmma_gemm_tn"] and bwd["total_ms"].iloc[0] == pytest.approx(0.080)
     whole = kernel_table(prof)
-    assert whole["total_ms"].sum() == pytest.approx(0.130)
-    assert set(range_names(prof)) == {"forward", "backward"}
+    assert whole["total_ms"].sum() == pytest.approx(0.180)
+    assert set(range_names(prof)) == {"forward", "backward", "optimizer"}
+    adamw = records.set_index("name").loc["adamw_kernel"]
+    assert adamw["op"] == "optimizer" and adamw["duration_us"] == 50.0
 
 
 def test_step_time_split_buckets_kernels_and_leaves_the_rest_to_the_host() -> None:

@@ -107,14 +107,16 @@ def kernel_records(prof: Any) -> pd.DataFrame:
     events = _events(prof)
     cpu_ops = [e for e in events if _is_cpu(e) and not getattr(e, "is_async", False)]
     # With CUDA activity a record_function range also yields a GPU-side "user annotation" spanning its
-    # kernels; it can be linked to the range like a kernel, so drop anything named like a range.
+    # kernels; it can be linked to the range like a kernel, so drop anything named like a range. Real
+    # kernels linked to a range are kept: a kernel launched straight from Python (a Triton kernel, such as
+    # FlatAdamW's inside the optimizer's range) has no operator around it, only the range.
     range_names_ = {e.name for e in cpu_ops if _is_annotation(e)}
     rows = [
         {"name": k.name, "duration_us": float(k.duration), "launch_us": e.time_range.start, "device": "cuda",
          "op": e.name}
         for e in cpu_ops
         for k in getattr(e, "kernels", [])
-        if k.name not in range_names_ and not _is_annotation(e)
+        if k.name not in range_names_
     ]
     if not rows:  # CPU-only profile: operators' self time is the work
         rows = [
