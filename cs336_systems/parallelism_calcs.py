@@ -205,7 +205,9 @@ def _dsilu(x: torch.Tensor) -> torch.Tensor:
 
 
 def ffn_step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, dy: torch.Tensor):
-    """The handout's forward (20)-(23) and backward (24)-(30): ``y, dx, (dW1, dW2, dW3)``."""
+    """The handout's forward (20)-(23) and backward (24)-(30): ``y, dx, (dW1, dW2, dW3)``. On one TP rank's
+    shards (``dy`` replicated) the same equations give that rank's partial ``y`` and ``dx`` (summed by the
+    forward and backward all-reduces) and its own weight gradients: the TP backward of tp_calcs (a)."""
     x1, x2 = x @ w1, x @ w2
     z = _silu(x1) * x2
     y = z @ w3
@@ -214,18 +216,6 @@ def ffn_step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tens
     dx1 = dz * _dsilu(x1) * x2
     dx = dx1 @ w1.T + dx2 @ w2.T
     return y, dx, (x.T @ dx1, x.T @ dx2, z.T @ dy)
-
-
-def _tp_device(x, w1, w2, w3, dy):  # noqa: ANN001, ANN202 - shards of one TP rank
-    """One TP rank: forward to its partial y, backward to its weight gradients and its partial dx."""
-    x1, x2 = x @ w1, x @ w2
-    z = _silu(x1) * x2
-    y_part = z @ w3
-    dz = dy @ w3.T  # dy is replicated (y was all-reduced)
-    dx2 = dz * _silu(x1)
-    dx1 = dz * _dsilu(x1) * x2
-    dx_part = dx1 @ w1.T + dx2 @ w2.T  # summed over ranks by the backward all-reduce
-    return y_part, dx_part, (x.T @ dx1, x.T @ dx2, z.T @ dy)
 
 
 @dataclass
@@ -278,7 +268,7 @@ def sharded_ffn_step(strategy_name: str, n: int, x: torch.Tensor, w1: torch.Tens
         fwd, bwd, y_parts, dx_parts, shards = [], [], [], [], []
         for a, b_, c in zip(w1.chunk(n, dim=1), w2.chunk(n, dim=1), w3.chunk(n, dim=0), strict=True):
             (y_part,), f_flops = _flops(lambda a=a, b_=b_, c=c: ((_silu(x @ a) * (x @ b_)) @ c,))
-            (_, dx_part, g), total = _flops(lambda a=a, b_=b_, c=c: _tp_device(x, a, b_, c, dy))
+            (_, dx_part, g), total = _flops(lambda a=a, b_=b_, c=c: ffn_step(x, a, b_, c, dy))
             fwd.append(f_flops)
             bwd.append(total - f_flops)
             y_parts.append(y_part)
