@@ -146,8 +146,11 @@ def test_sweep_records_oom_and_continues():
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return {"time_ms": float(context_length)}
 
-    df = run_sweep(fake_step, grid(size=["small", "big"], context_length=[128, 1024]), progress=False)
+    seen: list[list[str]] = []
+    df = run_sweep(fake_step, grid(size=["small", "big"], context_length=[128, 1024]), progress=False,
+                   on_row=lambda rows: seen.append(list(rows["status"])))
     assert list(df["status"]) == ["ok", "ok", "ok", "OOM"]
+    assert seen == [["ok"], ["ok", "ok"], ["ok", "ok", "ok"], ["ok", "ok", "ok", "OOM"]]  # the table as it grows
     assert math.isnan(df["time_ms"].iloc[3]) and df["time_ms"].iloc[2] == 128.0
     table = status_grid(df, "time_ms", "size", "context_length", "{:.0f}")
     assert list(table.index) == ["small", "big"]  # sweep order, not sorted

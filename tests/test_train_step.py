@@ -54,6 +54,28 @@ def test_both_stacks_train_and_are_compared_side_by_side() -> None:
     assert last < first  # the reference's fused/foreach AdamW step trains the same batch down
 
 
+def test_one_resident_stack_at_a_time_still_alternates() -> None:
+    spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
+    rows = train_step.compare(spec, rounds=2, steps=1, warmup=0, device=torch.device("cpu"), split_steps=1,
+                              resident="one")
+    assert rows.attrs["resident"] == "one"
+    assert list(rows["stack"]) == ["ours", "reference", "reference", "ours"] and (rows["step_ms"] > 0).all()
+    assert set(rows.attrs["split"]["stack"]) == {"ours", "reference"}
+    both = train_step.compare(spec, rounds=1, steps=1, warmup=0, device=torch.device("cpu"))
+    assert both.attrs["resident"] == "both"  # auto, on a CPU
+
+
+def test_residency_follows_the_memory_calculator() -> None:
+    h100 = 80 * 2**30
+    assert train_step.both_fit(train_step.StepSpec("small", 1024, 8, attention="flash_triton"), h100)
+    # xl: 32 GB of weights, gradients and AdamW state per stack; two stacks do not fit in 80 GB
+    assert not train_step.both_fit(train_step.StepSpec("xl", 1024, 8, attention="flash_triton"), h100)
+    assert train_step.both_fit(train_step.StepSpec("xl", 1024, 8), h100, stacks=1)
+    # naive attention saves its score matrices: medium at 4096 tokens of context no longer fits twice
+    assert train_step.both_fit(train_step.StepSpec("medium", 4096, 2, attention="sdpa"), h100)
+    assert not train_step.both_fit(train_step.StepSpec("medium", 4096, 2, attention="naive"), h100)
+
+
 def test_bad_arguments_fail_in_one_line() -> None:
     with pytest.raises(ValueError, match="unknown attention 'nope'"):
         train_step.StepSpec(attention="nope").check()
@@ -63,6 +85,8 @@ def test_bad_arguments_fail_in_one_line() -> None:
         train_step.StepSpec(reference_sdpa="fast").check()
     with pytest.raises(ValueError, match="unknown stack 'theirs'"):
         train_step.TrainStep("theirs", train_step.StepSpec("tiny"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="resident must be one of auto, both, one"):
+        train_step.compare(train_step.StepSpec("tiny", 16, 2, "fp32"), resident="all", device=torch.device("cpu"))
     with pytest.raises(ValueError, match="need rounds >= 1"):
         train_step.compare(train_step.StepSpec("tiny", 16, 2, "fp32"), rounds=0, device=torch.device("cpu"))
 

@@ -63,11 +63,14 @@ def run_sweep(
     desc: str = "sweep",
     budget_s: float | None = None,
     progress: bool = True,
+    on_row: Callable[[pd.DataFrame], None] | None = None,
 ) -> pd.DataFrame:
     """Call ``fn(**config)`` for each config and collect one row per config.
 
     A row is the config, then ``status`` (``ok`` / ``OOM`` / ``skipped (time budget)``), then the mapping
     ``fn`` returned. Exceptions other than OOM propagate: a bug must not be reported as a result.
+    ``on_row(rows_so_far)`` runs after every measured configuration, so a caller can write its table as it
+    grows and a job killed mid-sweep (by a scheduler's time limit) leaves what it measured.
     """
     deadline = None if budget_s is None else time.monotonic() + budget_s
     rows = []
@@ -85,9 +88,11 @@ def run_sweep(
             del exc
             free_memory()
             rows.append({**config, "status": OOM})
-            continue
-        rows.append({**config, "status": OK, **result})
-        free_memory()
+        else:
+            rows.append({**config, "status": OK, **result})
+            free_memory()
+        if on_row is not None:
+            on_row(pd.DataFrame(rows))
     return pd.DataFrame(rows)
 
 

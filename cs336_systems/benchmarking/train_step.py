@@ -190,30 +190,79 @@ class TrainStep:
             return ms_per_call(self.step, steps, self.device)
 
 
+RESIDENCY = ("auto", "both", "one")
+
+
+def both_fit(spec: StepSpec, memory_bytes: float, stacks: int = 2) -> bool:
+    """Whether ``stacks`` stacks' training state (fp32 weights, gradients and AdamW moments: 16 B per
+    parameter each) plus one step's saved activations fit in 85% of ``memory_bytes``, by the calculator
+    (:func:`cs336_systems.configs.memory_breakdown`; a flash or SDPA attention saves no score matrix)."""
+    from cs336_systems.configs import memory_breakdown
+
+    act_dtype = "fp32" if spec.precision == "fp32" else "bf16"
+    mem = memory_breakdown(spec.preset, spec.batch_size, spec.context_length, activation_dtype=act_dtype)
+    cfg = get_config(spec.preset)
+    activations = mem["activations"]
+    if spec.attention != "naive":
+        scores = 2 * spec.batch_size * cfg.num_heads * spec.context_length ** 2 * cfg.num_layers
+        activations -= scores * (4 if act_dtype == "fp32" else 2)
+    state = mem["parameters"] + mem["gradients"] + mem["optimizer_state"]
+    return stacks * state + activations <= 0.85 * memory_bytes
+
+
 def compare(spec: StepSpec, rounds: int = 5, steps: int = 10, warmup: int = 3,
             stacks: tuple[str, ...] = STACKS, device: torch.device | None = None,
-            split_steps: int = 0) -> pd.DataFrame:
-    """One row per (round, stack): ``step_ms``. Stacks alternate; both are built before any timing. With
-    ``split_steps``, ``frame.attrs["split"]`` holds each stack's :meth:`TrainStep.time_split` (long table)."""
+            split_steps: int = 0, resident: str = "auto") -> pd.DataFrame:
+    """One row per (round, stack): ``step_ms``, the stacks alternating in an order that rotates by round.
+
+    ``resident="both"`` builds every stack once and keeps them all on the device (fastest: one compile
+    each). ``"one"`` keeps a single stack resident: each (round, stack) builds it afresh, warms it up
+    (a compile after the first is a cache hit in Inductor's caches), times it and frees it, so a model whose
+    two stacks do not fit together (xl at 8192 tokens, 2.7B: 32–44 GB of state each) is still compared
+    alternately. ``"auto"`` picks ``both`` when :func:`both_fit` says so. ``frame.attrs["resident"]`` says
+    which ran. With ``split_steps``, ``frame.attrs["split"]`` holds each stack's :meth:`TrainStep.time_split`
+    (long table), taken from the stack's last build."""
+    from cs336_systems.benchmarking.sweep import free_memory
+
     spec.check()
     if rounds < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"need rounds >= 1, steps >= 1, warmup >= 0; got {rounds}, {steps}, {warmup}")
+    if resident not in RESIDENCY:
+        raise ValueError(f"resident must be one of {', '.join(RESIDENCY)}, got {resident!r}")
     device = device or default_device()
-    runs = {s: TrainStep(s, spec, device) for s in stacks}
-    for run in runs.values():
+    if resident == "auto":
+        fits = device.type != "cuda" or both_fit(spec, torch.cuda.get_device_properties(device).total_memory,
+                                                  len(stacks))
+        resident = "both" if fits else "one"
+
+    def build(stack: str) -> TrainStep:
+        run = TrainStep(stack, spec, device)
         with run.context():
             for _ in range(warmup):  # compilation and autotuning happen here
                 run.step()
-    rows = []
+        return run
+
+    runs = {s: build(s) for s in stacks} if resident == "both" else {}
+    rows, num_params, splits = [], {}, {}
     for r in range(rounds):
         order = list(stacks[r % len(stacks):]) + list(stacks[: r % len(stacks)])
         for s in order:
-            rows.append({"round": r, "stack": s, "step_ms": runs[s].time_ms(steps)})
+            run = runs[s] if resident == "both" else build(s)
+            rows.append({"round": r, "stack": s, "step_ms": run.time_ms(steps)})
+            num_params[s] = run.num_params
+            if resident == "one":
+                if split_steps and r == rounds - 1:
+                    splits[s] = run.time_split(split_steps).assign(stack=s)
+                del run
+                torch._dynamo.reset()  # the compiled graph holds the model
+                free_memory()
+    if split_steps and resident == "both":
+        splits = {s: runs[s].time_split(split_steps).assign(stack=s) for s in stacks}
     frame = pd.DataFrame(rows)
-    frame["num_params"] = frame["stack"].map({s: run.num_params for s, run in runs.items()})
+    frame["num_params"] = frame["stack"].map(num_params)
+    frame.attrs["resident"] = resident
     if split_steps:
-        frame.attrs["split"] = pd.concat([runs[s].time_split(split_steps).assign(stack=s) for s in stacks],
-                                         ignore_index=True)
+        frame.attrs["split"] = pd.concat([splits[s] for s in stacks], ignore_index=True)
     return frame
 
 
@@ -251,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--resident", choices=RESIDENCY, default="auto",
+                        help="keep both stacks on the device, or one at a time (rebuilt per round)")
     parser.add_argument("--csv", help="write every round's rows here")
     args = parser.parse_args(argv)
     try:
@@ -264,12 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown stack {unknown[0]!r}; choose from {', '.join(STACKS)}")
     device = default_device()
-    rows = compare(spec, args.rounds, args.steps, args.warmup, stacks, device)
+    rows = compare(spec, args.rounds, args.steps, args.warmup, stacks, device, resident=args.resident)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     table = summarize(rows, spec, name)
     print(f"{spec.preset}, context {spec.context_length}, batch {spec.batch_size}, {spec.precision}, "
           f"compile={spec.compile}, ours with {spec.attention}, reference SDPA {spec.reference_sdpa}, on {name}: "
-          f"median of {args.rounds} rounds of {args.steps} steps")
+          f"median of {args.rounds} rounds of {args.steps} steps, {rows.attrs['resident']} resident")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     if args.csv:
         rows.to_csv(args.csv, index=False)

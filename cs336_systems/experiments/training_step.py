@@ -9,10 +9,14 @@ pinned to cuDNN, ``AdamW(fused=True)``, the same compile) are timed alternately 
 
     python -m cs336_systems.experiments training_step --full
     python -m cs336_systems.experiments training_step --set presets=xl --set contexts=4096 --set checkpoint=4
+    python -m cs336_systems.experiments training_step --set presets=2.7B --set 'longest_presets=[]'
+
+Each preset writes its own tables as its cells finish, so the grid can be measured over several jobs.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +27,8 @@ import torch
 
 from cs336_systems.benchmarking import train_step
 from cs336_systems.benchmarking.end_to_end import default_device
-from cs336_systems.benchmarking.sweep import OK, run_sweep
+from cs336_systems.benchmarking.sweep import OK, deadline_left, run_sweep
+from cs336_systems.configs import PRESETS as ALL_PRESETS
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report.staleness import MODEL
 from cs336_systems.results import ResultWriter
@@ -43,6 +48,7 @@ class Params:
     steps: int = param(5, "timed steps per stack and round")
     warmup: int = param(3, "untimed steps per stack (compilation happens here)")
     budget_s: float = param(420.0, "time budget of the comparison; cells past it are recorded as skipped")
+    resident: str = param("auto", "both stacks on the device at once, one at a time (rebuilt per round), or auto")
     split_steps: int = param(3, "profiled steps per stack for the time split of each cell (0: none)")
     longest_presets: list[str] = param(["small", "medium", "large", "xl", "2.7B"],
                                        "presets whose longest trainable context is searched ([]: none)")
@@ -51,6 +57,8 @@ class Params:
 
     def check(self) -> None:
         check_presets(*self.presets, *self.longest_presets)
+        if self.resident not in train_step.RESIDENCY:
+            raise ValueError(f"resident must be one of {', '.join(train_step.RESIDENCY)}, got {self.resident!r}")
         if self.split_steps < 0:
             raise ValueError(f"split_steps must be >= 0, got {self.split_steps}")
         check_positive(tokens_per_step=self.tokens_per_step, rounds=self.rounds, steps=self.steps,
@@ -73,37 +81,46 @@ PRESETS = {
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
-    """Both stacks per (preset, context), then the longest-context search."""
+    """Both stacks per (preset, context), then the longest-context search.
+
+    Each preset's cells go to their own tables (``steps_<preset>``, ``time_split_<preset>``), rewritten after
+    every cell: the full grid is longer than one GPU job may run, so presets can be measured in separate
+    jobs (``--set presets=small,medium``, then ``--set presets=xl``), and a job killed mid-grid keeps what
+    it finished. :func:`derive` combines whichever preset tables exist."""
     device = default_device()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    deadline = time.monotonic() + p.budget_s
+    result: dict[str, Any] = {}
 
-    def cell(preset: str, context_length: int) -> dict[str, Any]:
-        spec = train_step.StepSpec(preset, context_length, p.tokens_per_step // context_length, p.precision,
-                                   p.compile, p.attention, "cudnn", p.optimizer, tuple(p.checkpoint))
-        rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps)
-        table = train_step.summarize(rows, spec, name).set_index("stack")
-        torch._dynamo.reset()  # compiled graphs hold the models
-        if "split" in rows.attrs:
-            splits.append(rows.attrs["split"].assign(preset=preset, context_length=context_length))
-        return {f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}
+    for preset in p.presets:
+        splits: list[pd.DataFrame] = []
 
-    splits: list[pd.DataFrame] = []
-    configs = [{"preset": pr, "context_length": c} for pr in p.presets for c in p.contexts]
-    wide = run_sweep(cell, configs, desc="training step", budget_s=p.budget_s)
-    wide["batch_size"] = p.tokens_per_step // wide["context_length"]
-    out.table(wide, "steps", extra={"vs_reference": "reference step time / ours (above 1: ours faster)"})
-    result: dict[str, Any] = {"steps": wide}
-    if (wide["status"] == OK).any():
-        fig = plot_mfu(wide)
-        out.figure(fig, "mfu")
-        plt.close(fig)
-    if splits:
-        split = pd.concat(splits, ignore_index=True)
-        out.table(split, "time_split", extra={"host / idle": "measured step time minus the kernels' time"})
-        fig = plot_time_split(split)
-        out.figure(fig, "time_split")
-        plt.close(fig)
-        result["time_split"] = split
+        def cell(context_length: int, preset: str = preset, splits: list = splits) -> dict[str, Any]:
+            spec = train_step.StepSpec(preset, context_length, p.tokens_per_step // context_length, p.precision,
+                                       p.compile, p.attention, "cudnn", p.optimizer, tuple(p.checkpoint))
+            rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps,
+                                      resident=p.resident)
+            table = train_step.summarize(rows, spec, name).set_index("stack")
+            torch._dynamo.reset()  # compiled graphs hold the models
+            if "split" in rows.attrs:
+                splits.append(rows.attrs["split"].assign(preset=preset, context_length=context_length))
+            return {"resident": rows.attrs["resident"],
+                    **{f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}}
+
+        def write(rows: pd.DataFrame, preset: str = preset, splits: list = splits) -> None:
+            rows = rows.assign(preset=preset)[["preset", *rows.columns]]
+            rows["batch_size"] = p.tokens_per_step // rows["context_length"]
+            out.table(rows, f"steps_{preset}",
+                      extra={"vs_reference": "reference step time / ours (above 1: ours faster)"})
+            result[f"steps_{preset}"] = rows
+            if splits:
+                split = pd.concat(splits, ignore_index=True)
+                out.table(split, f"time_split_{preset}",
+                          extra={"host / idle": "measured step time minus the kernels' time"})
+                result[f"time_split_{preset}"] = split
+
+        configs = [{"context_length": c} for c in p.contexts]
+        run_sweep(cell, configs, desc=f"training step {preset}", budget_s=deadline_left(deadline), on_row=write)
     if p.longest_presets:
         from cs336_systems.benchmarking.max_context import longest_contexts
 
@@ -114,6 +131,30 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         out.table(longest, "longest_context")
         result["longest_context"] = longest
     return result
+
+
+#: Every preset's measured tables (the order of the combined tables).
+STEP_TABLES = tuple(f"steps_{name}" for name in ALL_PRESETS)
+SPLIT_TABLES = tuple(f"time_split_{name}" for name in ALL_PRESETS)
+
+
+def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Any:
+    """The combined ``steps`` and ``time_split`` tables and their figures, from whichever presets were measured."""
+    from cs336_systems.replot import Derived
+
+    steps = [(n, tables[n]) for n in STEP_TABLES if tables.get(n) is not None]
+    splits = [(n, tables[n]) for n in SPLIT_TABLES if tables.get(n) is not None]
+    derived = Derived()
+    if steps:
+        wide = pd.concat([t for _, t in steps], ignore_index=True)
+        derived.tables["steps"] = (wide, steps[0][0])
+        if (wide["status"] == OK).any():
+            derived.figures["mfu"] = (plot_mfu(wide), steps[0][0])
+    if splits:
+        split = pd.concat([t for _, t in splits], ignore_index=True)
+        derived.tables["time_split"] = (split, splits[0][0])
+        derived.figures["time_split"] = (plot_time_split(split), splits[0][0])
+    return derived
 
 
 def plot_time_split(split: pd.DataFrame) -> plt.Figure:
@@ -169,7 +210,7 @@ def answer(d: SectionData) -> list[Block]:
     return [
         question(d, "steps", "Our training step against a torch-native reference of the same shapes, with MFU.", [
             text,
-            d.table("steps", frame=subset(d.frame("steps"), "preset", "context_length", "batch_size", "status",
+            d.table("steps", frame=subset(d.frame("steps"), "preset", "context_length", "batch_size", "status", "resident",
                                           "ours_step_ms", "ours_spread_ms", "reference_step_ms",
                                           "reference_spread_ms", "ours_vs_reference", "ours_MFU_pct",
                                           "reference_MFU_pct"),
@@ -190,7 +231,8 @@ def answer(d: SectionData) -> list[Block]:
 
 SECTION = Section(
     name="training_step", number="1.4", title="The training step at the limit (beyond the handout)",
-    problems=("beyond the handout",), answer=answer, presets=PRESETS, run=run,
+    problems=("beyond the handout",), answer=answer, presets=PRESETS, run=run, derive=derive,
+    derive_inputs=(*STEP_TABLES, *SPLIT_TABLES),
     depends=(*MODEL, "cs336_systems/benchmarking/train_step.py", "cs336_systems/benchmarking/torch_native_lm.py",
              "cs336_systems/benchmarking/max_context.py", "cs336_systems/benchmarking/end_to_end.py",
              "cs336_systems/benchmarking/sweep.py", "cs336_systems/flat_adamw.py", "cs336_systems/checkpointing.py",
