@@ -54,13 +54,18 @@ def test_both_stacks_train_and_are_compared_side_by_side() -> None:
     assert last < first  # the reference's fused/foreach AdamW step trains the same batch down
 
 
-def test_one_resident_stack_at_a_time_still_alternates() -> None:
+def test_one_resident_stack_at_a_time_still_alternates(monkeypatch) -> None:
     spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
-    rows = train_step.compare(spec, rounds=2, steps=1, warmup=0, device=torch.device("cpu"), split_steps=1,
+    built = []
+    init = train_step.TrainStep.__init__
+    monkeypatch.setattr(train_step.TrainStep, "__init__", lambda self, stack, *a, **k: built.append(stack) or
+                        init(self, stack, *a, **k))
+    rows = train_step.compare(spec, rounds=3, steps=1, warmup=0, device=torch.device("cpu"), split_steps=1,
                               resident="one")
     assert rows.attrs["resident"] == "one"
-    assert list(rows["stack"]) == ["ours", "reference", "reference", "ours"] and (rows["step_ms"] > 0).all()
-    assert set(rows.attrs["split"]["stack"]) == {"ours", "reference"}
+    assert built == ["ours", "reference", "ours", "reference"]  # ours | ref, ref | ours, ours | ref: adjacent turns share
+    assert list(rows["stack"]) == ["ours", "reference", "reference", "ours", "ours", "reference"]
+    assert (rows["step_ms"] > 0).all() and set(rows.attrs["split"]["stack"]) == {"ours", "reference"}
     both = train_step.compare(spec, rounds=1, steps=1, warmup=0, device=torch.device("cpu"))
     assert both.attrs["resident"] == "both"  # auto, on a CPU
 

@@ -216,12 +216,13 @@ def compare(spec: StepSpec, rounds: int = 5, steps: int = 10, warmup: int = 3,
     """One row per (round, stack): ``step_ms``, the stacks alternating in an order that rotates by round.
 
     ``resident="both"`` builds every stack once and keeps them all on the device (fastest: one compile
-    each). ``"one"`` keeps a single stack resident: each (round, stack) builds it afresh, warms it up
-    (a compile after the first is a cache hit in Inductor's caches), times it and frees it, so a model whose
+    each). ``"one"`` keeps a single stack resident: each turn builds it afresh (two turns of one stack in a
+    row share a build), warms it up (a compile after the first is a cache hit in Inductor's caches), times
+    it and frees it, so a model whose
     two stacks do not fit together (xl at 8192 tokens, 2.7B: 32–44 GB of state each) is still compared
     alternately. ``"auto"`` picks ``both`` when :func:`both_fit` says so. ``frame.attrs["resident"]`` says
     which ran. With ``split_steps``, ``frame.attrs["split"]`` holds each stack's :meth:`TrainStep.time_split`
-    (long table), taken from the stack's last build."""
+    (long table), taken after the stack's last timed turn."""
     from cs336_systems.benchmarking.sweep import free_memory
 
     spec.check()
@@ -242,22 +243,23 @@ def compare(spec: StepSpec, rounds: int = 5, steps: int = 10, warmup: int = 3,
                 run.step()
         return run
 
+    schedule = [(r, s) for r in range(rounds) for s in stacks[r % len(stacks):] + stacks[:r % len(stacks)]]
     runs = {s: build(s) for s in stacks} if resident == "both" else {}
     rows, num_params, splits = [], {}, {}
-    for r in range(rounds):
-        order = list(stacks[r % len(stacks):]) + list(stacks[: r % len(stacks)])
-        for s in order:
-            run = runs[s] if resident == "both" else build(s)
-            rows.append({"round": r, "stack": s, "step_ms": run.time_ms(steps)})
-            num_params[s] = run.num_params
-            if resident == "one":
-                if split_steps and r == rounds - 1:
-                    splits[s] = run.time_split(split_steps).assign(stack=s)
-                del run
-                torch._dynamo.reset()  # the compiled graph holds the model
-                free_memory()
-    if split_steps and resident == "both":
-        splits = {s: runs[s].time_split(split_steps).assign(stack=s) for s in stacks}
+    for i, (r, s) in enumerate(schedule):
+        if s not in runs:  # one resident: build it (the rotation puts a stack twice in a row at a round's end)
+            runs = {s: build(s)}
+        run = runs[s]
+        rows.append({"round": r, "stack": s, "step_ms": run.time_ms(steps)})
+        num_params[s] = run.num_params
+        last_use = all(t != s for _, t in schedule[i + 1:])
+        if split_steps and last_use:
+            splits[s] = run.time_split(split_steps).assign(stack=s)
+        if resident == "one" and (i + 1 == len(schedule) or schedule[i + 1][1] != s):
+            del run
+            runs.clear()
+            torch._dynamo.reset()  # the compiled graph holds the model
+            free_memory()
     frame = pd.DataFrame(rows)
     frame["num_params"] = frame["stack"].map(num_params)
     frame.attrs["resident"] = resident
