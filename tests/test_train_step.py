@@ -125,3 +125,27 @@ def test_longest_context_search_runs_our_step_with_checkpointing() -> None:
     base = train_step.StepSpec(batch_size=1, precision="fp32", checkpoint=(1,))
     table = longest_contexts(["tiny"], base, low=16, high=32, granularity=16, device=torch.device("cpu"))
     assert list(table["context_length"]) == [16, 32] and table["fits"].all() and (table["longest"] == 32).all()
+
+
+def test_a_preset_measured_in_two_runs_combines_only_at_one_commit(tmp_path, monkeypatch) -> None:
+    from cs336_systems import results
+    from cs336_systems.experiments import get, training_step
+    from cs336_systems.experiments.__main__ import writer
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    monkeypatch.setattr(results, "git_commit", lambda: "a" * 40)
+    section = get("training_step")
+    base = dict(presets=["tiny"], split_steps=0, longest_presets=[])
+
+    def measure(contexts: list[int]) -> list[int]:
+        p = section.params("smoke", {**base, "contexts": contexts})
+        training_step.run(p, writer(section, p, "smoke", publish=True))
+        return list(results.load_table("training_step", "steps_tiny", root=tmp_path)["context_length"])
+
+    assert measure([32]) == [32]
+    assert measure([16]) == [16, 32]  # same commit and settings: the other context's row stays
+    assert measure([16]) == [16, 32]  # a context measured again replaces its row
+    monkeypatch.setattr(results, "git_commit", lambda: "b" * 40)
+    assert measure([16]) == [16]  # other code: the table starts over
+    base["rounds"] = 2
+    assert measure([32]) == [32]  # other settings: likewise

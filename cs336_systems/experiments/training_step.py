@@ -107,14 +107,17 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
             return {"resident": rows.attrs["resident"],
                     **{f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}}
 
+        earlier = {name: earlier_rows(out, f"{name}_{preset}", p) for name in ("steps", "time_split")}
+
         def write(rows: pd.DataFrame, preset: str = preset, splits: list = splits) -> None:
             rows = rows.assign(preset=preset)[["preset", *rows.columns]]
             rows["batch_size"] = p.tokens_per_step // rows["context_length"]
-            out.table(rows, f"steps_{preset}",
+            rows = with_earlier(rows, earlier["steps"])
+            out.table(rows, f"steps_{preset}", params={"contexts": sorted(rows["context_length"].unique().tolist())},
                       extra={"vs_reference": "reference step time / ours (above 1: ours faster)"})
             result[f"steps_{preset}"] = rows
-            if splits:
-                split = pd.concat(splits, ignore_index=True)
+            if splits or earlier["time_split"] is not None:
+                split = with_earlier(pd.concat(splits, ignore_index=True) if splits else None, earlier["time_split"])
                 out.table(split, f"time_split_{preset}",
                           extra={"host / idle": "measured step time minus the kernels' time"})
                 result[f"time_split_{preset}"] = split
@@ -131,6 +134,45 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         out.table(longest, "longest_context")
         result["longest_context"] = longest
     return result
+
+
+#: Parameters that change what a cell measures: rows of runs that agree on them (and on the commit) combine.
+STEP_PARAMS = ("tokens_per_step", "precision", "compile", "attention", "optimizer", "checkpoint", "rounds", "steps",
+               "warmup", "split_steps", "resident")
+
+
+def earlier_rows(out: ResultWriter, name: str, p: Params) -> pd.DataFrame | None:
+    """The rows of an existing table ``name`` measured at this commit, on this device, with the same step
+    parameters, or None.
+
+    One preset's contexts may take longer than a GPU job may run (xl: about 5 minutes a context with one stack
+    resident), so a run of other contexts adds its rows to them; a table from other code or other settings is
+    replaced, so every table keeps a single provenance."""
+    from dataclasses import asdict
+
+    from cs336_systems.results import device_description, git_commit, load_meta, load_table
+
+    path = out.dir / f"{name}.meta.json"
+    if not path.exists():
+        return None
+    meta = load_meta(out.section, name, root=out.dir.parent)
+    params = meta.get("params") or {}
+    mine = asdict(p)
+    same_run = (meta.get("git_commit"), meta.get("device"), meta.get("smoke"))
+    if same_run != (git_commit(), device_description()["device"], out.smoke) or any(
+            params.get(k) != mine[k] for k in STEP_PARAMS):
+        return None
+    return load_table(out.section, name, root=out.dir.parent)
+
+
+def with_earlier(rows: pd.DataFrame | None, earlier: pd.DataFrame | None) -> pd.DataFrame:
+    """``rows`` after the earlier rows of the contexts ``rows`` does not measure, ordered by context."""
+    if earlier is None:
+        return rows
+    if rows is None:
+        return earlier
+    kept = earlier[~earlier["context_length"].isin(set(rows["context_length"]))]
+    return pd.concat([kept, rows], ignore_index=True).sort_values("context_length", kind="stable").reset_index(drop=True)
 
 
 #: Every preset's measured tables (the order of the combined tables).
