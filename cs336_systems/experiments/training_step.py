@@ -257,7 +257,9 @@ def answer(d: SectionData) -> list[Block]:
                                           "reference_spread_ms", "ours_vs_reference", "ours_MFU_pct",
                                           "reference_MFU_pct"),
                     caption="Median step time over alternating rounds, spread (max - min), ours over the reference "
-                            "and MFU against the data-sheet peak."),
+                            "and MFU against the data-sheet peak. Combined from one table per preset (steps_<preset>), "
+                            "each measured by its own job; the run parameters shown are the first preset's, and each "
+                            "preset's own are in its table's record."),
             d.figure("mfu", caption="MFU of both stacks by preset and context."),
             d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
                      "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
