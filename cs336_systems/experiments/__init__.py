@@ -30,6 +30,7 @@ MODULES = (
     "ddp_overlap_individual",
     "ddp_bucketed",
     "communication_accounting",
+    "parallelism_strategies",
     "optimizer_state_sharding",
     "fsdp",
     "course_tests",
