@@ -27,7 +27,7 @@ from cs336_systems.results import ResultWriter
 SECTIONS = list(_SECTIONS.values())
 
 EXPECTED_SECTIONS = ["1.1.2", "1.1.3", "1.1.4", "1.1.5", "1.1.6", "1.2.1", "1.3.1", "1.3.2", "1.4", "2.1.3", "2.2", "2.3.1",
-                     "2.3.2", "2.3.3", "2.4", "3", "3.1", "4"]
+                     "2.3.2", "2.3.3", "2.4", "2.5", "3", "3.1", "4"]
 
 
 @pytest.fixture

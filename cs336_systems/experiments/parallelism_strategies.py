@@ -207,11 +207,14 @@ def _eq(formulas: pd.DataFrame | None, problem: str, quantity: str, pass_: str =
         return None
     sel = formulas[(formulas["problem"] == problem) & (formulas["quantity"] == quantity)
                    & (formulas["pass"].fillna("") == pass_)]
-    return Equation([str(sel["latex"].iloc[0])]) if len(sel) else None
+    if not len(sel):
+        return None
+    label = f"\\mathrm{{{pass_}}}:\\quad " if pass_ else ""
+    return Equation([label + str(sel["latex"].iloc[0])])
 
 
 def answer(d: SectionData) -> list[Block]:
-    fx = d.frame("formulas")
+    fx = d.frame("formulas")  # shown as equations; the table itself is in figures/index.html
     ring = d.frame("ring_check")
     checks = d.frame("strategy_check")
     bounds = d.frame("bounds")
@@ -304,7 +307,7 @@ def answer(d: SectionData) -> list[Block]:
             Equation([r"dz^{(i)} = dy\,W_3^{(i)\top},\quad dx_2^{(i)} = dz^{(i)} * f(x_1^{(i)}),"
                       r"\quad dx_1^{(i)} = dz^{(i)} * f'(x_1^{(i)}) * x_2^{(i)}",
                       r"dW_3^{(i)} = z^{(i)\top} dy,\quad dW_2^{(i)} = x^\top dx_2^{(i)},\quad "
-                      r"dW_1^{(i)} = x^\top dx_1^{(i)}",
+                      r"dW_1^{(i)} = x^\top dx_1^{(i)},",
                       r"dx = \mathrm{AllReduce}_i\left(dx_1^{(i)} W_1^{(i)\top} + dx_2^{(i)} W_2^{(i)\top}\right)"]),
             _eq(fx, "tp_calcs", "FLOPs per device", "forward"), _eq(fx, "tp_calcs", "FLOPs per device", "backward"),
             Text(just["tp_b"]),
@@ -328,8 +331,6 @@ def answer(d: SectionData) -> list[Block]:
             d.table("bounds", caption="The largest compute-bound device count of each strategy at the example "
                     "numbers, per FFN shape."),
             d.figure("bounds_vs_batch", caption="The same bounds against the batch, for one FFN shape."),
-            d.table("formulas", caption="Every closed form; 'derived' says whether sympy re-derives the bound "
-                    "from the two times."),
         ], what="the bounds"),
     ]
 
