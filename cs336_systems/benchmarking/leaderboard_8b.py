@@ -1,0 +1,275 @@
+"""The 2026 leaderboard's training step: an 8B model (vocab 151,936, d 4096, d_ff 11008, 34 layers, 32 heads) at
+batch 2 and context 32,768 in bf16, timed with ``triton.testing.do_bench`` over forward, loss, backward and AdamW.
+
+Two parts:
+
+- :func:`memory_plan`: what the full shape needs per GPU, step by step from the handout's plain model to one that
+  fits (flash attention instead of score matrices, the fused LM head + cross-entropy instead of
+  ``[batch, seq, vocab]`` logits, activation checkpointing of the fewest blocks that make it fit, FSDP over the
+  GPUs), from the calculator in :mod:`cs336_systems.configs` (parameters, activations saved per block).
+- :func:`time_step`: the step at any shape (scale layers and context down to fit one GPU), with our options
+  (attention, fused head, checkpointing, optimizer, compile), the wall time from the first line to the last
+  (compilation and autotuning included) checked against the 10-minute rule.
+
+    python -m cs336_systems.benchmarking.leaderboard_8b --plan-only
+    python -m cs336_systems.benchmarking.leaderboard_8b --layers 4 --context 8192 --checkpoint 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import pandas as pd
+import torch
+
+from cs336_systems.configs import ModelConfig, activation_elements_per_layer, param_counts
+
+#: The 10-minute rule: a benchmarking run from an empty cache must finish within it.
+TIME_LIMIT_S = 600.0
+OPTIMIZERS = ("torch_fused", "basics")
+
+
+@dataclass(frozen=True)
+class LeaderboardShape:
+    """The handout's ``Config`` (defaults), or a scaled-down copy of it."""
+
+    context_length: int = 32768
+    vocab_size: int = 151936
+    d_model: int = 4096
+    d_ff: int = 11008
+    num_layers: int = 34
+    num_heads: int = 32
+    batch_size: int = 2
+
+    def config(self) -> ModelConfig:
+        """As a :class:`~cs336_systems.configs.ModelConfig` (which checks the shape in one line)."""
+        return ModelConfig("leaderboard_8b", d_model=self.d_model, d_ff=self.d_ff, num_layers=self.num_layers,
+                           num_heads=self.num_heads, vocab_size=self.vocab_size, context_length=self.context_length,
+                           batch_size=self.batch_size)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    attention: str = "flash_triton"
+    fused_head: bool = True
+    """The LM head and cross-entropy as :func:`cs336_systems.lm_head_loss.linear_cross_entropy` (no logits)."""
+    checkpoint: tuple[int, ...] = ()
+    """Activation-checkpoint levels (:func:`cs336_systems.checkpointing.checkpoint_layers`)."""
+    optimizer: str = "torch_fused"
+    compile: bool = False
+    chunk_size: int = 4096
+
+    def check(self) -> None:
+        from cs336_basics.model import available_attention_impls
+
+        if self.attention not in available_attention_impls():
+            raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.chunk_size < 1 or any(level < 1 for level in self.checkpoint):
+            raise ValueError(f"chunk_size and checkpoint levels must be positive, got {self.chunk_size}, "
+                             f"{self.checkpoint}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory plan of the full shape
+# --------------------------------------------------------------------------------------------------
+
+BYTES = 2  # bf16 weights, gradients, AdamW moments (``zeros_like`` the parameters) and activations
+
+
+def memory_plan(shape: LeaderboardShape = LeaderboardShape(), gpus: int = 2, gpu_gb: float = 180.0,
+                chunk_size: int = 4096) -> pd.DataFrame:
+    """Per-GPU memory (GB) of the training step, one row per measure, each adding to the ones above it.
+
+    Counted: bf16 weights, gradients and AdamW's two moments; the activations each block saves for backward
+    (:func:`~cs336_systems.configs.activation_elements_per_layer`); the logits with their float32 log-softmax,
+    or one chunk of them with the fused head. With FSDP the weights, gradients and moments are split over the
+    GPUs and each GPU holds ``batch / gpus`` sequences; a gathered block's weights are counted once. With
+    checkpointing, a checkpointed block keeps only its input, and one block's activations are live while it is
+    recomputed; the row "checkpoint k of L blocks" uses the fewest ``k`` that fits ``gpu_gb``.
+    """
+    if gpus < 1 or gpu_gb <= 0:
+        raise ValueError(f"need gpus >= 1 and gpu_gb > 0, got {gpus}, {gpu_gb}")
+    cfg = shape.config()
+    n_params = param_counts(cfg)["total"]
+    block_params = 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
+    tokens = shape.batch_size * shape.context_length
+
+    def per_gpu(*, flash: bool, fused: bool, checkpointed: int, shards: int) -> dict[str, float]:
+        batch = shape.batch_size / shards
+        acts = activation_elements_per_layer(cfg, 1, shape.context_length)
+        block = sum(v for k, v in acts.items() if not (flash and k == "attention_scores")) * batch * BYTES
+        block_input = batch * shape.context_length * cfg.d_model * BYTES
+        live = (cfg.num_layers - checkpointed) * block + checkpointed * block_input + (block if checkpointed else 0)
+        logit_rows = min(chunk_size, tokens / shards) if fused else tokens / shards
+        state = n_params * BYTES / shards
+        return {"weights": state + (block_params * BYTES if shards > 1 else 0.0), "gradients": state,
+                "adamw_moments": 2 * state, "activations": live, "logits": logit_rows * cfg.vocab_size * (BYTES + 4)}
+
+    steps: list[tuple[str, dict[str, float]]] = [
+        ("the handout's model on one GPU (score matrices, full logits)",
+         per_gpu(flash=False, fused=False, checkpointed=0, shards=1)),
+        ("+ flash attention (no score matrices)", per_gpu(flash=True, fused=False, checkpointed=0, shards=1)),
+        ("+ fused LM head and cross-entropy (one chunk of logits)",
+         per_gpu(flash=True, fused=True, checkpointed=0, shards=1)),
+        (f"+ FSDP over {gpus} GPUs", per_gpu(flash=True, fused=True, checkpointed=0, shards=gpus)),
+    ]
+    fewest = next((k for k in range(cfg.num_layers + 1)
+                   if sum(per_gpu(flash=True, fused=True, checkpointed=k, shards=gpus).values()) <= gpu_gb * 1e9),
+                  None)
+    if fewest:
+        steps.append((f"+ checkpoint {fewest} of {cfg.num_layers} blocks",
+                      per_gpu(flash=True, fused=True, checkpointed=fewest, shards=gpus)))
+    elif fewest is None:
+        steps.append((f"+ checkpoint all {cfg.num_layers} blocks (still does not fit)",
+                      per_gpu(flash=True, fused=True, checkpointed=cfg.num_layers, shards=gpus)))
+    rows = []
+    for measure, parts in steps:
+        total = sum(parts.values())
+        rows.append({"measure": measure, **{f"{k}_GB": v / 1e9 for k, v in parts.items()}, "total_GB": total / 1e9,
+                     "fits": total <= gpu_gb * 1e9})
+    table = pd.DataFrame(rows)
+    table.attrs.update(params=n_params, gpus=gpus, gpu_gb=gpu_gb, checkpointed_blocks=fewest)
+    return table
+
+
+# --------------------------------------------------------------------------------------------------
+# The timed step
+# --------------------------------------------------------------------------------------------------
+
+
+def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.device,
+               seed: int = 0) -> Callable[[], torch.Tensor]:
+    """The handout's ``train_step`` (zero_grad, forward, loss, backward, AdamW) on a bf16 model of ``shape``."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_basics.nn_utils import cross_entropy
+
+    options.check()
+    cfg = shape.config()
+    torch.manual_seed(seed)
+    model = BasicsTransformerLM(**cfg.model_kwargs(), attention_impl=options.attention, device=device,
+                                dtype=torch.bfloat16)
+    if options.checkpoint:
+        from cs336_systems.checkpointing import checkpoint_layers
+
+        checkpoint_layers(model, options.checkpoint)
+    if options.optimizer == "basics":
+        from cs336_basics.optimizer import AdamW
+
+        optimizer: torch.optim.Optimizer = AdamW(model.parameters())
+    else:
+        fused = device.type == "cuda"
+        optimizer = torch.optim.AdamW(model.parameters(), fused=fused, foreach=not fused)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inputs, targets = torch.randint(0, cfg.vocab_size, (2, shape.batch_size, shape.context_length), device=device,
+                                    generator=gen)
+
+    def hidden(ids: torch.Tensor) -> torch.Tensor:
+        """The model's forward up to (not including) the LM head."""
+        x = model.token_embeddings(ids)
+        for layer in model.layers:
+            x = layer(x)
+        return model.ln_final(x)
+
+    if options.fused_head:
+        from cs336_systems.lm_head_loss import linear_cross_entropy
+
+        body = torch.compile(hidden) if options.compile else hidden
+
+        def loss_fn() -> torch.Tensor:
+            return linear_cross_entropy(body(inputs), model.lm_head.weight, targets, options.chunk_size)
+    else:
+        forward = torch.compile(model) if options.compile else model
+
+        def loss_fn() -> torch.Tensor:
+            return cross_entropy(forward(inputs), targets).sum()
+
+    def train_step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    train_step.model = model  # type: ignore[attr-defined]  # for tests and inspection
+    return train_step
+
+
+def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.device | None = None,
+              warmup_ms: float = 10_000.0, rep_ms: float = 30_000.0) -> dict[str, object]:
+    """Build and time the step: ``do_bench`` (median ms) on a GPU, a ``perf_counter`` mean on CPU (smoke runs),
+    with peak memory, the whole run's wall time and whether it kept the 10-minute rule."""
+    from cs336_systems.benchmarking.end_to_end import default_device
+
+    started = time.perf_counter()
+    device = device or default_device()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step = build_step(shape, options, device)
+    if device.type == "cuda":
+        import triton.testing
+
+        ms = float(triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        step()  # warm-up
+        calls = max(1, math.ceil(rep_ms / 1000))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        ms, peak = (time.perf_counter() - t0) * 1e3 / calls, float("nan")
+    wall = time.perf_counter() - started
+    return {"step_ms": ms, "peak_GiB": peak, "wall_s": wall, "within_10_min": wall <= TIME_LIMIT_S,
+            "params": sum(p.numel() for p in step.model.parameters())}  # type: ignore[attr-defined]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cs336_systems.benchmarking.train_step import parse_levels
+
+    full = LeaderboardShape()
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.leaderboard_8b", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=full.num_layers)
+    parser.add_argument("--context", type=int, default=full.context_length)
+    parser.add_argument("--batch-size", type=int, default=full.batch_size)
+    parser.add_argument("--attention", default="flash_triton")
+    parser.add_argument("--unfused-head", action="store_true", help="materialize the logits (the handout's model)")
+    parser.add_argument("--checkpoint", default="", help="checkpoint levels, e.g. 1 (every block) or 6,2")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="torch_fused")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--warmup-ms", type=float, default=10_000.0)
+    parser.add_argument("--rep-ms", type=float, default=30_000.0)
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs of the memory plan")
+    parser.add_argument("--gpu-gb", type=float, default=180.0, help="memory per GPU of the plan (B200: 180 GB)")
+    parser.add_argument("--plan-only", action="store_true", help="print the full shape's memory plan and stop")
+    args = parser.parse_args(argv)
+    try:
+        levels = parse_levels(args.checkpoint)
+        plan = memory_plan(full, args.gpus, args.gpu_gb)
+        shape = replace(full, num_layers=args.layers, context_length=args.context, batch_size=args.batch_size)
+        shape.config()
+        options = StepOptions(args.attention, not args.unfused_head, levels, args.optimizer, args.compile)
+        options.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(f"Memory plan of the full shape ({plan.attrs['params'] / 1e9:.2f} B parameters) on {args.gpus} GPUs of "
+          f"{args.gpu_gb:g} GB:")
+    print(plan.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+    if args.plan_only:
+        return 0
+    result = time_step(shape, options, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    print(f"\n{shape}, {options}:")
+    print(pd.DataFrame([result]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+if __name__ == "__main__":
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.leaderboard_8b"))

@@ -1,0 +1,58 @@
+"""The 2026 leaderboard harness: the full shape's memory plan and the step at a tiny shape (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cs336_systems.benchmarking import leaderboard_8b as lb
+from cs336_systems.configs import param_counts
+
+TINY = lb.LeaderboardShape(context_length=16, vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4,
+                           batch_size=2)
+
+
+def test_memory_plan_of_the_full_shape_says_what_it_takes_to_fit() -> None:
+    plan = lb.memory_plan(lb.LeaderboardShape(), gpus=2, gpu_gb=180.0)
+    assert plan.attrs["params"] == param_counts(lb.LeaderboardShape().config())["total"]
+    assert 8.0e9 < plan.attrs["params"] < 8.3e9  # "an 8B model"
+    assert (plan["total_GB"].diff().dropna() < 0).all()  # every measure saves memory
+    assert not plan["fits"].iloc[:-1].any() and plan["fits"].iloc[-1]  # only the last row fits
+    k = plan.attrs["checkpointed_blocks"]
+    assert 0 < k < 34 and plan["measure"].iloc[-1] == f"+ checkpoint {k} of 34 blocks"
+    # bf16 weights + gradients + two AdamW moments: 8 bytes per parameter, halved by FSDP over two GPUs
+    one_gpu = plan.iloc[0][["weights_GB", "gradients_GB", "adamw_moments_GB"]].sum()
+    assert one_gpu == pytest.approx(8 * plan.attrs["params"] / 1e9)
+    roomy = lb.memory_plan(lb.LeaderboardShape(), gpus=8, gpu_gb=1000.0)
+    assert roomy["fits"].iloc[-1] and not roomy["measure"].str.contains("checkpoint").any()
+    tight = lb.memory_plan(lb.LeaderboardShape(), gpus=2, gpu_gb=10.0)
+    assert "still does not fit" in tight["measure"].iloc[-1] and not tight["fits"].any()
+    with pytest.raises(ValueError, match="need gpus >= 1"):
+        lb.memory_plan(gpus=0)
+
+
+def test_the_step_trains_and_the_fused_head_gives_the_same_loss() -> None:
+    cpu = torch.device("cpu")
+    fused = lb.build_step(TINY, lb.StepOptions(attention="sdpa", fused_head=True), cpu)
+    plain = lb.build_step(TINY, lb.StepOptions(attention="sdpa", fused_head=False), cpu)
+    first_fused, first_plain = fused().item(), plain().item()
+    assert first_fused == pytest.approx(first_plain, rel=2e-2)  # same seed, same model; bf16 logits
+    assert next(fused.model.parameters()).dtype == torch.bfloat16
+    losses = [fused().item() for _ in range(4)]
+    assert losses[-1] < first_fused  # AdamW trains the one batch down
+    result = lb.time_step(TINY, lb.StepOptions(attention="sdpa", checkpoint=(1,), optimizer="basics"), cpu,
+                          warmup_ms=0, rep_ms=1000)
+    assert result["step_ms"] > 0 and result["within_10_min"]
+    assert result["params"] == param_counts(TINY.config())["total"]
+
+
+def test_bad_options_fail_in_one_line(capsys) -> None:
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        lb.StepOptions(optimizer="sgd").check()
+    with pytest.raises(ValueError, match="unknown attention"):
+        lb.StepOptions(attention="nope").check()
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        lb.LeaderboardShape(d_model=4100).config()
+    with pytest.raises(SystemExit):
+        lb.main(["--layers", "0"])
+    assert "num_layers must be a positive integer" in capsys.readouterr().err
