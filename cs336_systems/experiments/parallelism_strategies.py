@@ -213,6 +213,16 @@ def _eq(formulas: pd.DataFrame | None, problem: str, quantity: str, pass_: str =
     return Equation([label + str(sel["latex"].iloc[0])])
 
 
+def _parts(fx: pd.DataFrame | None, problem: str,
+           parts: list[tuple[str, tuple[str, ...], str]]) -> list[Block | None]:
+    """Per (quantity, passes, justification): the quantity's equation for each pass, then the justification."""
+    blocks: list[Block | None] = []
+    for quantity, passes, why in parts:
+        blocks += [_eq(fx, problem, quantity, p) for p in passes]
+        blocks.append(Text(why))
+    return blocks
+
+
 def answer(d: SectionData) -> list[Block]:
     fx = d.frame("formulas")  # shown as equations; the table itself is in figures/index.html
     ring = d.frame("ring_check")
@@ -278,6 +288,7 @@ def answer(d: SectionData) -> list[Block]:
                 "conditions, re-derived by sympy) balances the two terms: $3 D_{FF} N_{FSDP} = 2 B N_{TP}$, "
                 "each axis at half its overlapped limit, so $N$ is a quarter of (c)'s large-$N$ bound.",
     }
+    fwd, bwd, both = ("forward",), ("backward",), ("forward", "backward")
     return [
         question(d, "alternate_ring_all_reduce", "How long does the alternate all-reduce take?", [
             _eq(fx, "alternate_ring_all_reduce", "time"),
@@ -288,18 +299,15 @@ def answer(d: SectionData) -> list[Block]:
         ], what="the collective simulation"),
         question(d, "data_parallel_calcs", "Data parallel: backward FLOPs, backward communication time, and the "
                  "largest $N_{DP}$ that stays compute bound.", [
-            _eq(fx, "data_parallel_calcs", "FLOPs per device", "backward"), Text(just["dp_a"]),
-            _eq(fx, "data_parallel_calcs", "communication time", "backward"), Text(just["dp_b"]),
-            _eq(fx, "data_parallel_calcs", "compute bound while", "backward"), Text(just["dp_c"]),
+            *_parts(fx, "data_parallel_calcs", [("FLOPs per device", bwd, just["dp_a"]),
+                                                ("communication time", bwd, just["dp_b"]),
+                                                ("compute bound while", bwd, just["dp_c"])]),
         ]),
         question(d, "fsdp_calcs", "FSDP: FLOPs and communication time of both passes, and the largest "
                  "$N_{FSDP}$ for each.", [
-            _eq(fx, "fsdp_calcs", "FLOPs per device", "forward"), _eq(fx, "fsdp_calcs", "FLOPs per device", "backward"),
-            Text(just["fsdp_a"]),
-            _eq(fx, "fsdp_calcs", "communication time", "forward"),
-            _eq(fx, "fsdp_calcs", "communication time", "backward"), Text(just["fsdp_b"]),
-            _eq(fx, "fsdp_calcs", "compute bound while", "forward"),
-            _eq(fx, "fsdp_calcs", "compute bound while", "backward"), Text(just["fsdp_c"]),
+            *_parts(fx, "fsdp_calcs", [("FLOPs per device", both, just["fsdp_a"]),
+                                       ("communication time", both, just["fsdp_b"]),
+                                       ("compute bound while", both, just["fsdp_c"])]),
         ]),
         question(d, "tp_calcs", "Tensor parallel: the backward pass, FLOPs and communication of both passes, and "
                  "the largest $N_{TP}$ for each.", [
@@ -309,13 +317,9 @@ def answer(d: SectionData) -> list[Block]:
                       r"dW_3^{(i)} = z^{(i)\top} dy,\quad dW_2^{(i)} = x^\top dx_2^{(i)},\quad "
                       r"dW_1^{(i)} = x^\top dx_1^{(i)},",
                       r"dx = \mathrm{AllReduce}_i\left(dx_1^{(i)} W_1^{(i)\top} + dx_2^{(i)} W_2^{(i)\top}\right)"]),
-            _eq(fx, "tp_calcs", "FLOPs per device", "forward"), _eq(fx, "tp_calcs", "FLOPs per device", "backward"),
-            Text(just["tp_b"]),
-            _eq(fx, "tp_calcs", "communication time", "forward"),
-            _eq(fx, "tp_calcs", "communication time", "backward"), Text(just["tp_c"]),
-            _eq(fx, "tp_calcs", "compute bound while", "forward"),
-            _eq(fx, "tp_calcs", "compute bound while", "backward"),
-            Text(just["tp_d"]),
+            *_parts(fx, "tp_calcs", [("FLOPs per device", both, just["tp_b"]),
+                                     ("communication time", both, just["tp_c"]),
+                                     ("compute bound while", both, just["tp_d"])]),
             check_text,
             d.table("strategy_check", caption="DP, FSDP and TP run device by device: the most FLOPs any device "
                     "counts against the formula, collective bytes, and the largest difference from the unsharded "
@@ -323,10 +327,10 @@ def answer(d: SectionData) -> list[Block]:
         ], what="the strategy simulation"),
         question(d, "fsdp_tp_calcs", "FSDP × TP: forward FLOPs and communication time, and the largest "
                  "$N = N_{FSDP} N_{TP}$ with overlapped and with shared collectives.", [
-            _eq(fx, "fsdp_tp_calcs", "FLOPs per device", "forward"), Text(just["2d_a"]),
-            _eq(fx, "fsdp_tp_calcs", "communication time", "forward"), Text(just["2d_b"]),
-            _eq(fx, "fsdp_tp_calcs", "compute bound while (overlapped)", "forward"), Text(just["2d_c"]),
-            _eq(fx, "fsdp_tp_calcs", "compute bound while (shared network)", "forward"), Text(just["2d_d"]),
+            *_parts(fx, "fsdp_tp_calcs", [("FLOPs per device", fwd, just["2d_a"]),
+                                          ("communication time", fwd, just["2d_b"]),
+                                          ("compute bound while (overlapped)", fwd, just["2d_c"]),
+                                          ("compute bound while (shared network)", fwd, just["2d_d"])]),
             bound_text,
             d.table("bounds", caption="The largest compute-bound device count of each strategy at the example "
                     "numbers, per FFN shape."),
