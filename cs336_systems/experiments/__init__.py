@@ -20,6 +20,7 @@ MODULES = (
     "nsys_profile",
     "mixed_precision",
     "memory_profiling",
+    "gradient_checkpointing",
     "pytorch_attention",
     "torch_compile",
     "flash_benchmarking",

@@ -1,0 +1,258 @@
+"""§1.1.7 Autograd residuals and gradient checkpointing (the 2026 handout's §3, "Single-GPU memory").
+
+Two measurements on the 2026 handout's xl shape (d_model 2560, d_ff 10240, 32 layers, 32 heads; batch 4,
+context 2048, float32):
+
+- ``residuals``: what one TransformerBlock saves for backward, tensor by tensor, through
+  ``torch.autograd.graph.saved_tensors_hooks`` (:mod:`cs336_systems.profiling.residuals`), eager and under
+  ``torch.compile``, grouped by the op that produced each tensor (``residuals_by_op``).
+- ``checkpointing``: the peak memory and time of a full training step (forward, backward, AdamW) with the
+  blocks checkpointed in flat segments of ``k`` blocks (:func:`cs336_systems.checkpointing.checkpoint_layers`),
+  for every ``k`` in ``block_sizes`` (0: no checkpointing), next to the calculator's count of block-activation
+  sets held at the peak (:func:`~cs336_systems.checkpointing.stored_block_activations`).
+
+Problems ``gradient_checkpointing`` (and ``memory_profiling`` (f) of 2026, from the residual table).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+from cs336_systems.benchmarking.end_to_end import default_device
+from cs336_systems.benchmarking.sweep import CPU_NOTE, OK, free_memory, run_sweep
+from cs336_systems.configs import ModelConfig
+from cs336_systems.experiments.section import Section, check_positive, param
+from cs336_systems.report.staleness import MODEL
+from cs336_systems.results import ResultWriter
+
+
+@dataclass(frozen=True)
+class Params:
+    shape: list[int] = param([2560, 10240, 32, 32], "[d_model, d_ff, num_layers, num_heads] (2026's xl)")
+    vocab_size: int = param(10_000, "vocabulary")
+    batch_size: int = param(4, "sequences per step")
+    context_length: int = param(2048, "tokens per sequence")
+    attention: str = param("naive", "registered attention of the model (the handout's model: naive)")
+    block_sizes: list[int] = param([0, 1, 2, 4, 8, 16, 32], "checkpoint segment sizes (0: none)")
+    top: int = param(5, "producing ops listed per residual table")
+    budget_s: float = param(480.0, "time budget of the checkpointing sweep")
+
+    def config(self) -> ModelConfig:
+        d, f, layers, heads = self.shape
+        return ModelConfig("xl@2026", d_model=d, d_ff=f, num_layers=layers, num_heads=heads,
+                           vocab_size=self.vocab_size, context_length=self.context_length, batch_size=self.batch_size)
+
+    def check(self) -> None:
+        from cs336_basics.model import available_attention_impls
+
+        if len(self.shape) != 4:
+            raise ValueError(f"shape is [d_model, d_ff, num_layers, num_heads], got {self.shape}")
+        self.config()  # shapes fail in one line
+        check_positive(top=self.top, budget_s=self.budget_s)
+        if self.attention not in available_attention_impls():
+            raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
+        bad = [k for k in self.block_sizes if k < 0]
+        if bad:
+            raise ValueError(f"block sizes are >= 0 (0: no checkpointing), got {bad[0]}")
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(block_sizes=[0, 4, 8], budget_s=240.0),
+    "smoke": Params(shape=[32, 64, 4, 4], vocab_size=64, batch_size=2, context_length=16, block_sizes=[0, 1, 2, 4],
+                    budget_s=60.0),
+}
+
+
+def block_residuals(p: Params, device: torch.device, compiled: bool) -> pd.DataFrame:
+    """Every tensor one TransformerBlock of ``p``'s shape saves for backward (eager or compiled)."""
+    from cs336_basics.model import RotaryEmbedding, TransformerBlock
+
+    from cs336_systems.profiling.residuals import FROM_OUTSIDE, saved_residuals
+
+    cfg = p.config()
+    rope = RotaryEmbedding(cfg.context_length, cfg.d_head, cfg.rope_theta, device=device)
+    block = TransformerBlock(cfg.d_model, cfg.num_heads, cfg.d_ff, rope, p.attention, device=device)
+    x = torch.randn(cfg.batch_size, cfg.context_length, cfg.d_model, device=device, requires_grad=True)
+    if compiled:
+        # A dispatch mode naming each producer would run under the compiled graph's tracing; only the saved
+        # tensors themselves are recorded, by storage.
+        fn = torch.compile(block)
+        fn(x)  # compile outside the hooks
+        seen: dict[int, dict[str, Any]] = {}
+        outside = {t.untyped_storage().data_ptr() for t in (x, *block.parameters(), *block.buffers(),
+                                                            *rope.buffers())}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage().data_ptr()
+            op = FROM_OUTSIDE if key in outside else "(compiled graph)"
+            seen.setdefault(key, {"op": op, "shape": tuple(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                                  "bytes": t.untyped_storage().nbytes(), "saves": 0})["saves"] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x)
+        table = pd.DataFrame(list(seen.values()), columns=["op", "shape", "dtype", "bytes", "saves"])
+    else:
+        table = saved_residuals(lambda: block(x))
+    torch._dynamo.reset()  # the compiled graph holds the block
+    return table
+
+
+def checkpointed_step(p: Params, block_size: int, device: torch.device) -> dict[str, Any]:
+    """Peak memory (of the second step, after AdamW's state exists) and time of one training step."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_basics.nn_utils import cross_entropy
+
+    from cs336_systems.checkpointing import checkpoint_layers, stored_block_activations
+
+    cfg = p.config()
+    levels = [block_size] if block_size else []
+    model = BasicsTransformerLM(**cfg.model_kwargs(), attention_impl=p.attention, device=device)
+    checkpoint_layers(model, levels)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), fused=fused, foreach=not fused)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.batch_size, cfg.context_length), device=device)
+
+    def step() -> None:
+        cross_entropy(model(ids[0]), ids[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    ms = (time.perf_counter() - t0) * 1e3
+    peak = torch.cuda.max_memory_allocated(device) if cuda else float("nan")
+    return {"levels": str(levels), "held_block_activations": stored_block_activations(cfg.num_layers, levels),
+            "step_ms": ms, "peak_GiB": peak / 2**30,
+            "activation_peak_GiB": (peak - before) / 2**30 if cuda else float("nan")}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """Residuals of one block (eager and compiled), then the checkpointing sweep."""
+    device = default_device()
+    extra = {"model": p.config().name, "shape": p.shape, "batch_size": p.batch_size,
+             "context_length": p.context_length}
+    result: dict[str, Any] = {}
+    for compiled in (False, True):
+        name = "residuals_compiled" if compiled else "residuals"
+        table = block_residuals(p, device, compiled)
+        out.table(table, name, extra=extra)
+        result[name] = table
+        free_memory()
+    wide = run_sweep(lambda block_size: checkpointed_step(p, block_size, device),
+                     [{"block_size": k} for k in p.block_sizes], desc="checkpointing", budget_s=p.budget_s)
+    out.table(wide, "checkpointing", extra=extra)
+    result["checkpointing"] = wide
+    if device.type != "cuda":
+        print(CPU_NOTE)
+    elif (wide["status"] == OK).any():
+        fig = plot_checkpointing(wide)
+        out.figure(fig, "checkpointing")
+        plt.close(fig)
+    return result
+
+
+def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
+    """Peak memory and step time against the checkpoint segment size."""
+    ok = wide[wide["status"] == OK]
+    labels = ["none" if k == 0 else str(k) for k in ok["block_size"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
+    a.bar(labels, ok["peak_GiB"])
+    a.set(xlabel="blocks per checkpoint segment", ylabel="peak memory (GiB)")
+    b.bar(labels, ok["step_ms"], color="tab:orange")
+    b.set(xlabel="blocks per checkpoint segment", ylabel="step time (ms)")
+    fig.tight_layout()
+    return fig
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+from cs336_systems.report import fmt  # noqa: E402
+from cs336_systems.report.answers import ok_rows, question, subset  # noqa: E402
+from cs336_systems.report.data import SectionData  # noqa: E402
+from cs336_systems.report.document import Block, Text  # noqa: E402
+
+
+def _top(d: SectionData, name: str, top: int = 5) -> tuple[pd.DataFrame | None, float | None]:
+    from cs336_systems.profiling.residuals import residuals_by_op
+
+    table = d.frame(name)
+    if table is None or "bytes" not in table.columns:
+        return None, None
+    by = residuals_by_op(table)
+    return by.head(top), float(by["bytes"].sum())
+
+
+def answer(d: SectionData) -> list[Block]:
+    top, total = _top(d, "residuals")
+    _, total_c = _top(d, "residuals_compiled")
+    res_text = None
+    if top is not None and len(top):
+        ops = ", ".join(f"{r['op']} {fmt.sig(r['bytes'] / 2**20)} MiB ({r['share']:.0%})" for _, r in top.iterrows())
+        res_text = Text(f"One block saves {fmt.sig(total / 2**20)} MiB for backward (its input and weights "
+                        f"excluded); the largest producers are {ops}."
+                        + (f" Compiled with `torch.compile`, the same block saves {fmt.sig(total_c / 2**20)} MiB."
+                           if total_c else ""))
+    sweep = ok_rows(d.frame("checkpointing"))
+    best_text = None
+    if not sweep.empty and sweep["peak_GiB"].notna().any():
+        best = sweep.loc[sweep["peak_GiB"].idxmin()]
+        best_text = Text(f"Measured: the lowest peak, {fmt.sig(best['peak_GiB'])} GiB, comes with segments of "
+                         f"{int(best['block_size'])} blocks (table).")
+    return [
+        question(d, "residuals", "What one TransformerBlock saves for backward: the five largest producing "
+                 "ops and their share, eager and compiled.", [
+            res_text,
+            d.table("residuals", caption="The largest producing ops of what one block saves for backward (eager); "
+                    "residuals.csv lists every tensor.",
+                    frame=top if top is not None else None),
+        ], what="the residual table"),
+        question(d, "gradient_checkpointing_a", "The checkpointing strategy that minimizes peak activation memory, "
+                 "its asymptotic memory and compute.", [
+            Text("Nest checkpoints recursively: split the $N$ blocks into two halves, checkpoint each half, and "
+                 "inside each half apply the same rule, down to single blocks. At any moment the backward holds one "
+                 "saved input per level of the recursion plus one block's residuals, so peak activation memory is "
+                 "$O(\\log N)$ block inputs plus one block. The price is compute: a block at depth $\\ell$ is "
+                 "re-run once per enclosing level, $O(N \\log N)$ block forwards in all instead of $N$. "
+                 "`checkpoint_layers(model, [N // 2, N // 4, …, 1])` is that schedule; with one level the best "
+                 "flat segment size is $k \\approx \\sqrt{N}$ ($N/k$ saved inputs plus $k$ blocks re-run at a time)."),
+        ]),
+        question(d, "gradient_checkpointing_b", "2026 xl, batch 4, context 2048, one level of recomputation: the "
+                 "best segment size, and the peak memory of it and of its neighbours.", [
+            Text("With one level, segments of $k$ blocks keep $N/k$ segment inputs (one residual-stream tensor "
+                 "each) plus, during a segment's recomputation, $k$ blocks' residuals. One block's residuals are "
+                 "far larger than its input, so the balance lies below $\\sqrt{N}$: the calculator's "
+                 "`held_block_activations` counts the sets, and the measured peak decides."),
+            best_text,
+            d.table("checkpointing", frame=subset(d.frame("checkpointing"), "block_size", "status", "levels",
+                                                  "held_block_activations", "peak_GiB", "activation_peak_GiB",
+                                                  "step_ms"),
+                    caption="A full training step (forward, backward, AdamW) per checkpoint segment size "
+                            "(0: none): peak memory and its part above the model and optimizer state."),
+            d.figure("checkpointing", caption="Peak memory and step time against the segment size."),
+        ], what="the checkpointing sweep"),
+    ]
+
+
+SECTION = Section(
+    name="gradient_checkpointing", number="1.1.7",
+    title="Autograd residuals and gradient checkpointing (2026 handout)",
+    problems=("gradient_checkpointing", "memory_profiling (f), 2026"), answer=answer, presets=PRESETS, run=run,
+    depends=(*MODEL, "cs336_systems/checkpointing.py", "cs336_systems/profiling/residuals.py",
+             "cs336_systems/benchmarking/sweep.py"),
+)
