@@ -1,7 +1,11 @@
 """Model presets and the analytic parameter / FLOP / memory calculator every notebook reuses.
 
-Presets follow the handout's table (vocab 10,000, batch 4). ``xxl`` exists for accounting only;
-``tiny`` is for CPU smoke runs.
+Presets follow the handouts' tables (vocab 10,000, batch 4). The two editions differ at the top: 2025's
+``xl`` is 1600/6400/48 layers/25 heads and its largest is ``2.7B``; 2026's ``xl`` is 2560/10240/32/32 (2025's
+``2.7B``) and its largest is ``10B``. So a name never means two models, a bare name is the 2025 table's and
+``NAME@2026`` names the 2026 table's: ``xl@2026``, ``10B@2026``; ``small@2026`` is ``small`` (both tables
+agree below xl) and ``xl@2025`` is ``xl``. :data:`HANDOUT_SIZES_BY_EDITION` lists each table.
+``xxl`` exists for accounting only; ``tiny`` is for CPU smoke runs.
 
 The calculator counts our own ``BasicsTransformerLM`` exactly (see ``tests/test_configs.py``, which
 checks it against a built model): per block ``4 d²`` attention projections, ``3 d d_ff`` SwiGLU, two
@@ -77,21 +81,44 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig("2.7B", d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
         # Accounting only (§2.4): far too large to build on one node.
         ModelConfig("xxl", d_model=16384, d_ff=53248, num_layers=126, num_heads=128),
+        # The 2026 handout's table where it differs from 2025's.
+        ModelConfig("xl@2026", d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+        ModelConfig("10B@2026", d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
     ]
 }
 
-#: The five sizes the handout benchmarks, in order.
-HANDOUT_SIZES = ["small", "medium", "large", "xl", "2.7B"]
+#: The five sizes each edition's handout benchmarks, in order.
+HANDOUT_SIZES_BY_EDITION = {
+    "2025": ["small", "medium", "large", "xl", "2.7B"],
+    "2026": ["small", "medium", "large", "xl@2026", "10B@2026"],
+}
+#: The 2025 handout's sizes (the default edition of every section).
+HANDOUT_SIZES = HANDOUT_SIZES_BY_EDITION["2025"]
+
+
+def _preset_key(name: str) -> str:
+    """The :data:`PRESETS` key ``name`` means (case-insensitive; ``NAME@EDITION`` as the module docstring says)."""
+    lower = {k.lower(): k for k in PRESETS}
+    if name.lower() in lower:
+        return lower[name.lower()]
+    base, at, edition = name.partition("@")
+    if at and edition in HANDOUT_SIZES_BY_EDITION:
+        sizes = {n.partition("@")[0].lower(): n for n in HANDOUT_SIZES_BY_EDITION[edition]}
+        if base.lower() in sizes:
+            return sizes[base.lower()]
+        raise ValueError(f"the {edition} handout has no {base!r} model; its sizes: "
+                         f"{', '.join(HANDOUT_SIZES_BY_EDITION[edition])}")
+    if at:
+        raise ValueError(f"unknown edition {edition!r} in {name!r}; editions: {', '.join(HANDOUT_SIZES_BY_EDITION)}")
+    raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
 
 
 def get_config(name: str | ModelConfig, **overrides: Any) -> ModelConfig:
-    """A preset by name (case-insensitive), with optional field overrides such as ``context_length``."""
+    """A preset by name (case-insensitive; ``xl@2026`` for the 2026 table, see the module docstring), with
+    optional field overrides such as ``context_length``."""
     if isinstance(name, ModelConfig):
         return name.replace(**overrides) if overrides else name
-    key = {k.lower(): k for k in PRESETS}.get(str(name).lower())
-    if key is None:
-        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
-    cfg = PRESETS[key]
+    cfg = PRESETS[_preset_key(str(name))]
     unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)} - {"name"}
     if unknown:
         raise ValueError(f"unknown model field(s) {sorted(unknown)}; valid: "

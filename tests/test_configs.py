@@ -15,6 +15,22 @@ def test_presets_match_the_handout() -> None:
     assert all(configs.PRESETS[n].vocab_size == 10_000 and configs.PRESETS[n].batch_size == 4 for n in configs.HANDOUT_SIZES)
 
 
+def test_editions_never_share_a_name() -> None:
+    assert configs.get_config("xl").d_model == 1600 and configs.get_config("xl@2025").name == "xl"
+    xl26 = configs.get_config("XL@2026")
+    assert (xl26.d_model, xl26.d_ff, xl26.num_layers, xl26.num_heads) == (2560, 10240, 32, 32)
+    ten = configs.get_config("10B@2026")
+    assert (ten.d_model, ten.d_ff, ten.num_layers, ten.num_heads) == (4608, 12288, 50, 36)
+    assert 12.5e9 < configs.param_counts("10B@2026")["total"] < 13e9  # the handout calls it 10B; counted: 12.8 B
+    assert configs.get_config("small@2026") == configs.get_config("small")  # the tables agree below xl
+    assert [configs.get_config(n).name for n in configs.HANDOUT_SIZES_BY_EDITION["2026"]] == [
+        "small", "medium", "large", "xl@2026", "10B@2026"]
+    with pytest.raises(ValueError, match="the 2026 handout has no '2.7B' model; its sizes: small"):
+        configs.get_config("2.7B@2026")
+    with pytest.raises(ValueError, match="unknown edition '2027'"):
+        configs.get_config("xl@2027")
+
+
 def test_unknown_preset_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="valid presets: tiny, small"):
         configs.get_config("huge")

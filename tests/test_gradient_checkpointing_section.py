@@ -20,13 +20,13 @@ def test_a_blocks_residuals_eager_and_compiled() -> None:
     compiled = gc.block_residuals(SMOKE, torch.device("cpu"), compiled=True)
     assert set(compiled["op"]) <= {"(compiled graph)", FROM_OUTSIDE}
     assert (compiled["op"] == FROM_OUTSIDE).any()  # the block's input and weights are saved, and left out
-    d, _, _, _ = SMOKE.shape
+    d = SMOKE.config().d_model
     inputs = compiled[compiled["op"] == FROM_OUTSIDE]
     assert (inputs["bytes"] == SMOKE.batch_size * SMOKE.context_length * d * 4).any()  # x itself, fp32
 
 
 def test_checkpointed_steps_count_what_they_hold() -> None:
-    n = SMOKE.shape[2]
+    n = SMOKE.config().num_layers
     plain = gc.checkpointed_step(SMOKE, 0, torch.device("cpu"))
     segments = gc.checkpointed_step(SMOKE, 2, torch.device("cpu"))
     assert plain["levels"] == "[]" and plain["held_block_activations"] == n
@@ -38,7 +38,6 @@ def test_bad_parameters_fail_in_one_line() -> None:
     section = gc.SECTION
     with pytest.raises(ValueError, match="block sizes are >= 0"):
         section.params("smoke", {"block_sizes": [-1]})
-    with pytest.raises(ValueError, match=r"shape is \[d_model, d_ff, num_layers, num_heads\]"):
-        section.params("smoke", {"shape": [32, 64, 4]})
-    with pytest.raises(ValueError, match="not divisible by num_heads"):
-        section.params("smoke", {"shape": [30, 64, 4, 4]})
+    with pytest.raises(ValueError, match="the 2026 handout has no '2.7B' model"):
+        section.params("smoke", {"preset": "2.7B@2026"})
+    assert section.params("full").config().d_model == 2560  # 2026's xl, not 2025's

@@ -26,7 +26,7 @@ import torch
 
 from cs336_systems.benchmarking.end_to_end import default_device
 from cs336_systems.benchmarking.sweep import CPU_NOTE, OK, free_memory, run_sweep
-from cs336_systems.configs import ModelConfig
+from cs336_systems.configs import ModelConfig, get_config
 from cs336_systems.experiments.section import Section, check_positive, param
 from cs336_systems.report.staleness import MODEL
 from cs336_systems.results import ResultWriter
@@ -34,8 +34,7 @@ from cs336_systems.results import ResultWriter
 
 @dataclass(frozen=True)
 class Params:
-    shape: list[int] = param([2560, 10240, 32, 32], "[d_model, d_ff, num_layers, num_heads] (2026's xl)")
-    vocab_size: int = param(10_000, "vocabulary")
+    preset: str = param("xl@2026", "model preset (2026's xl: d_model 2560, d_ff 10240, 32 layers, 32 heads)")
     batch_size: int = param(4, "sequences per step")
     context_length: int = param(2048, "tokens per sequence")
     attention: str = param("naive", "registered attention of the model (the handout's model: naive)")
@@ -44,16 +43,12 @@ class Params:
     budget_s: float = param(480.0, "time budget of the checkpointing sweep")
 
     def config(self) -> ModelConfig:
-        d, f, layers, heads = self.shape
-        return ModelConfig("xl@2026", d_model=d, d_ff=f, num_layers=layers, num_heads=heads,
-                           vocab_size=self.vocab_size, context_length=self.context_length, batch_size=self.batch_size)
+        return get_config(self.preset, context_length=self.context_length, batch_size=self.batch_size)
 
     def check(self) -> None:
         from cs336_basics.model import available_attention_impls
 
-        if len(self.shape) != 4:
-            raise ValueError(f"shape is [d_model, d_ff, num_layers, num_heads], got {self.shape}")
-        self.config()  # shapes fail in one line
+        self.config()  # unknown presets and impossible shapes fail in one line
         check_positive(top=self.top, budget_s=self.budget_s)
         if self.attention not in available_attention_impls():
             raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
@@ -65,8 +60,7 @@ class Params:
 PRESETS = {
     "full": Params(),
     "quick": Params(block_sizes=[0, 4, 8], budget_s=240.0),
-    "smoke": Params(shape=[32, 64, 4, 4], vocab_size=64, batch_size=2, context_length=16, block_sizes=[0, 1, 2, 4],
-                    budget_s=60.0),
+    "smoke": Params(preset="tiny", batch_size=2, context_length=16, block_sizes=[0, 1, 2], budget_s=60.0),
 }
 
 
@@ -145,8 +139,9 @@ def checkpointed_step(p: Params, block_size: int, device: torch.device) -> dict[
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     """Residuals of one block (eager and compiled), then the checkpointing sweep."""
     device = default_device()
-    extra = {"model": p.config().name, "shape": p.shape, "batch_size": p.batch_size,
-             "context_length": p.context_length}
+    cfg = p.config()
+    extra = {"model": cfg.name, "shape": [cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.num_heads],
+             "batch_size": p.batch_size, "context_length": p.context_length}
     result: dict[str, Any] = {}
     for compiled in (False, True):
         name = "residuals_compiled" if compiled else "residuals"
