@@ -50,6 +50,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     sns.barplot(data=table, x="size", y="train_GFLOP_per_token", ax=axes[1], color="tab:orange")
     axes[1].set(ylabel="GFLOP per token", xlabel="preset", yscale="log",
                 title=f"Training FLOPs per token (context {p.context_length})")
+    for ax in axes:  # names like "10B@2026" overlap when level
+        ax.tick_params(axis="x", rotation=35)
     fig.tight_layout()
     out.figure(fig, "presets")
     plt.close(fig)
