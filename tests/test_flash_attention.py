@@ -31,6 +31,7 @@ from cs336_systems.attention import (
     options,
     reference_attention,
 )
+from cs336_systems.attention.flash_triton import padded_head_dim
 from tests.adapters import (
     get_flashattention_autograd_function_pytorch,
     get_flashattention_autograd_function_triton,
@@ -72,6 +73,10 @@ def _cases() -> list[Case]:
         Case(17, 45, 64, True, 1),  # more keys than queries: the last keys are seen by nobody
         Case(32, 32, 16, False, None),  # exact tile multiples
         Case(33, 50, 128, False, 2),
+        # head dims the kernels pad to the next supported one (the 2.7B / 2026-xl models' 80, and odd ones)
+        Case(33, 41, 80, True, 2),
+        Case(20, 20, 24, False, None),
+        Case(17, 29, 40, True, None),
     ]
     rng = random.Random(0)
     for d in SUPPORTED_HEAD_DIMS:
@@ -86,6 +91,7 @@ _GPU_SHAPES = (
     [Case(128, 128, 64, c, None, batch=4) for c in (False, True)]
     + [Case(257, 1000, d, c, 3) for d in SUPPORTED_HEAD_DIMS for c in (False, True)]
     + [Case(1000, 257, 64, True, 2), Case(2048, 2048, 128, True, 4, batch=1)]
+    + [Case(257, 1000, 80, c, 3) for c in (False, True)]
 )
 #: bf16 on every shape; fp16 and fp32 on head dim 64 only, which bounds the number of compiled variants.
 GPU_MATRIX = [
@@ -492,11 +498,12 @@ def test_devices_differ_raises() -> None:
             impl.apply(q, k, k, False)
 
 
-def test_triton_rejects_unsupported_head_dim() -> None:
-    q = _t(2, 8, 24)
-    with pytest.raises(ValueError, match="head dimension 24"):
+def test_triton_rejects_head_dims_past_the_largest_kernel() -> None:
+    q = _t(2, 8, 160)
+    with pytest.raises(ValueError, match=r"head dimension 160 is not supported; supported: 1\.\.128"):
         FlashAttentionTriton.apply(q, q, q, False)
     FlashAttentionPytorch.apply(q, q, q, False)  # the PyTorch version takes any head dim
+    assert [padded_head_dim(d) for d in (16, 24, 80, 96, 128)] == [16, 32, 128, 128, 128]
 
 
 def test_triton_on_cpu_without_interpreter_raises(monkeypatch: pytest.MonkeyPatch) -> None:

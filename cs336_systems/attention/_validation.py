@@ -80,7 +80,7 @@ def validate_attention_inputs(
         )
     if head_dims is not None and d not in head_dims:
         raise ValueError(
-            f"{implementation}: head dimension {d} is not supported; supported: {sorted(head_dims)}"
+            f"{implementation}: head dimension {d} is not supported; supported: {_describe(head_dims)}"
         )
     if d == 0 or q.shape[-2] == 0 or k.shape[-2] == 0 or q.numel() == 0:
         raise ValueError(
@@ -105,3 +105,10 @@ def validate_attention_inputs(
     else:
         (batch, n_queries, _), heads = q.shape, 1
     return AttentionShape(batch, heads, n_queries, k.shape[-2], d, has_heads=q.dim() == 4)
+
+
+def _describe(values: Collection[int]) -> str:
+    """``[16, 32, 64]``, or ``1..128`` for a range."""
+    if isinstance(values, range) and values.step == 1:
+        return f"{values.start}..{values.stop - 1}"
+    return str(sorted(values))

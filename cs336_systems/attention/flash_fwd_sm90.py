@@ -271,8 +271,10 @@ def _layouts(dtype: torch.dtype, d: int) -> tuple[Any, Any]:
             gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype))
 
 
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
-    """``(O, L)`` for inputs that :func:`ineligibility` accepts; L is float32 ``(batch, heads, n_queries)``."""
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+                  scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """``(O, L)`` for inputs that :func:`ineligibility` accepts; L is float32 ``(batch, heads, n_queries)``.
+    ``scale`` multiplies the scores (default ``1/sqrt(d)``)."""
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     block_m, block_n, stages = TILES[d]
@@ -284,7 +286,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Ten
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
     grid = (-(-n_queries // block_m) * batch * heads,)
     FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, grid, (
-        q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E / math.sqrt(d),
+        q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E * (scale or 1.0 / math.sqrt(d)),
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
             num_warps=_CONSUMER_WARPS.value))  # fmt: skip
     return o, lse

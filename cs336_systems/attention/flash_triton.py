@@ -37,6 +37,7 @@ import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
@@ -46,6 +47,16 @@ from .launch_cache import FLASH_LAUNCHES
 
 #: Head dimensions the kernels are instantiated for (tl.dot needs >= 16; powers of two keep tiles aligned).
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+#: Head dimensions the autograd function takes: the kernels' own, and the others up to the largest padded.
+HEAD_DIMS = range(1, SUPPORTED_HEAD_DIMS[-1] + 1)
+
+
+def padded_head_dim(d: int) -> int:
+    """The kernel head dimension that runs ``d``: the smallest of :data:`SUPPORTED_HEAD_DIMS` that holds it."""
+    fits = [s for s in SUPPORTED_HEAD_DIMS if s >= d]
+    if d < 1 or not fits:
+        raise ValueError(f"{_IMPL_NAME}: head dimension {d} is not supported; supported: 1..{SUPPORTED_HEAD_DIMS[-1]}")
+    return fits[0]
 
 _LOG2_E = 1.4426950408889634
 _IMPL_NAME = "FlashAttention (Triton)"
@@ -178,12 +189,13 @@ def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
     return "gluon" if _gluon_forward_module(q, k, v) is not None else "triton"
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
-    """``(O, L)`` for ``(batch, heads, n, d)`` inputs; ``L`` is float32 ``(batch, heads, n_queries)``."""
+def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """``(O, L)`` for ``(batch, heads, n, d)`` inputs, scores scaled by ``scale``; ``L`` is float32
+    ``(batch, heads, n_queries)``."""
     gluon = _gluon_forward_module(q, k, v)
     if gluon is not None:
         with _device_guard(q):
-            return gluon.flash_forward(q, k, v, is_causal)
+            return gluon.flash_forward(q, k, v, is_causal, scale)
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
@@ -199,24 +211,25 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, 
         FLASH_LAUNCHES.launch(kernels.tuned("forward", options.current()), grid, (
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-            heads, n_queries, n_keys, _LOG2_E / math.sqrt(d), _seq_class(n_queries, n_keys),
+            heads, n_queries, n_keys, _LOG2_E * scale, _seq_class(n_queries, n_keys),
         ), dict(HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
     return o, lse
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
-def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
+                            scale: float) -> tuple[Tensor, Tensor]:
     """The forward as a custom operator: what ``torch.compile`` and other tracers see."""
-    return _forward(q, k, v, is_causal)
+    return _forward(q, k, v, is_causal, scale)
 
 
 @flash_attention_forward.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics)."""
     kernels = _kernels()
@@ -225,7 +238,6 @@ def _backward(
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    scale = 1.0 / math.sqrt(d)
     shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
     block = kernels.PREPROCESS_BLOCK
     precision = _dot_precision(q.dtype)
@@ -258,15 +270,15 @@ def _backward(
 
 @torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
 def flash_attention_backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward as a custom operator: what ``torch.compile`` and other tracers see."""
-    return _backward(do, q, k, v, o, lse, is_causal)
+    return _backward(do, q, k, v, o, lse, is_causal, scale)
 
 
 @flash_attention_backward.register_fake
 def _(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -293,35 +305,45 @@ def _eager(t: Tensor) -> bool:
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 on Triton kernels: ``FlashAttentionTriton.apply(Q, K, V, is_causal=False)``.
 
-    Accepts ``(batch, n, d)`` or ``(batch, heads, n, d)``, float32/float16/bfloat16, head dimension in
-    :data:`SUPPORTED_HEAD_DIMS`, any lengths and strides; saves ``Q, K, V, O, L``.
+    Accepts ``(batch, n, d)`` or ``(batch, heads, n, d)``, float32/float16/bfloat16, any head dimension up to
+    128, any lengths and strides; saves ``Q, K, V, O, L``. The kernels take ``d`` in
+    :data:`SUPPORTED_HEAD_DIMS`; another ``d`` (80 for the 2.7B / 2026-xl models, 96, …) runs as the next
+    supported one with zero columns appended to ``Q, K, V`` and cut from the results (zeros add nothing to
+    ``QKᵀ`` and give zero output columns; scores keep the ``1/sqrt(d)`` of the true ``d``), as FlashAttention's
+    own kernels round ``d`` up to a tile.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False
     ) -> Tensor:
-        shape = validate_attention_inputs(
-            q, k, v, is_causal, head_dims=SUPPORTED_HEAD_DIMS, implementation=_IMPL_NAME
-        )
+        shape = validate_attention_inputs(q, k, v, is_causal, head_dims=HEAD_DIMS, implementation=_IMPL_NAME)
         _check_device(q)
-        q, k, v = (_unit_stride_d(t) for t in (q, k, v))
+        d = q.shape[-1]
+        padded = padded_head_dim(d)
+        q, k, v = (_unit_stride_d(t) if padded == d else F.pad(t, (0, padded - d)) for t in (q, k, v))
+        scale = 1.0 / math.sqrt(d)
         forward = _forward if _eager(q) else flash_attention_forward
         if shape.has_heads:
-            o, lse = forward(q, k, v, is_causal)
+            o, lse = forward(q, k, v, is_causal, scale)
         else:
-            o, lse = forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal)
+            o, lse = forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal, scale)
             o, lse = o.squeeze(1), lse.squeeze(1)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = is_causal
-        return o
+        ctx.is_causal, ctx.scale, ctx.head_dim = is_causal, scale, d
+        return o if padded == d else o[..., :d].contiguous()
 
     @staticmethod
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
         q, k, v, o, lse = ctx.saved_tensors
-        do = _unit_stride_d(do)
+        d, padded = ctx.head_dim, q.shape[-1]
+        do = _unit_stride_d(do) if padded == d else F.pad(do, (0, padded - d))
         backward = _backward if _eager(do) else flash_attention_backward
         if q.dim() == 4:
-            return (*backward(do, q, k, v, o, lse, ctx.is_causal), None)
-        dq, dk, dv = backward(*(t.unsqueeze(1) for t in (do, q, k, v, o, lse)), ctx.is_causal)
-        return dq.squeeze(1), dk.squeeze(1), dv.squeeze(1), None
+            grads = backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale)
+        else:
+            grads = backward(*(t.unsqueeze(1) for t in (do, q, k, v, o, lse)), ctx.is_causal, ctx.scale)
+            grads = tuple(g.squeeze(1) for g in grads)
+        if padded != d:
+            grads = tuple(g[..., :d] for g in grads)
+        return (*grads, None)
