@@ -267,9 +267,9 @@ class _Kernel:
 
 
 class _Event:
-    def __init__(self, name, start, end, kernels=(), annotation=False, thread=1):
+    def __init__(self, name, start, end, kernels=(), annotation=False, thread=1, device_type="DeviceType.CPU"):
         self.name, self.time_range, self.kernels = name, _Range(start, end), list(kernels)
-        self.is_user_annotation, self.device_type, self.is_async = annotation, "DeviceType.CPU", False
+        self.is_user_annotation, self.device_type, self.is_async = annotation, device_type, False
         self.thread, self.self_cpu_time_total = thread, end - start
 
 
@@ -305,6 +305,36 @@ def test_cuda_kernel_attribution_by_launch_time():
     assert set(range_names(prof)) == {"forward", "backward", "optimizer"}
     adamw = records.set_index("name").loc["adamw_kernel"]
     assert adamw["op"] == "optimizer" and adamw["duration_us"] == 50.0
+
+
+class _CudaProfWithDeviceRecords(_CudaProf):
+    """As above, plus the GPU's own activity records: the GEMM's record appears once although two operators
+    claim it, and a Triton kernel launched through the driver API is linked to no operator at all."""
+
+    def events(self):
+        cpu = super().events()
+        cpu.append(_Event("aten::mm", 12, 14, kernels=[_Kernel("sm90_xmma_gemm_tn", 40.0)]))  # a duplicate link
+
+        def gpu(name, start, us, annotation=False):
+            return _Event(name, start, start + us, annotation=annotation, device_type="DeviceType.CUDA")
+
+        return cpu + [gpu("forward", 500, 95.0, annotation=True), gpu("sm90_xmma_gemm_tn", 500, 40.0),
+                      gpu("vectorized_elementwise_kernel", 540, 10.0), gpu("sm90_xmma_gemm_tn", 600, 80.0),
+                      gpu("adamw_kernel", 700, 50.0), gpu("triton_adamw_flat_kernel", 760, 30.0)]
+
+
+def test_cuda_kernel_records_agree_with_the_gpus_own_records():
+    records = kernel_records(_CudaProfWithDeviceRecords())
+    assert sorted(records["name"]) == sorted(["sm90_xmma_gemm_tn", "vectorized_elementwise_kernel",
+                                              "sm90_xmma_gemm_tn", "adamw_kernel", "triton_adamw_flat_kernel"])
+    assert records["duration_us"].sum() == pytest.approx(40 + 10 + 80 + 50 + 30)  # each kernel once
+    unlinked = records[records["launch_us"].isna()]
+    assert list(unlinked["name"]) == ["triton_adamw_flat_kernel"]
+    from cs336_systems.profiling.step_split import step_time_split
+
+    split = step_time_split(records, [(210.0, 260.0)], steps=1, step_ms=1.0).set_index("bucket")["ms_per_step"]
+    assert split["optimizer"] == pytest.approx(0.080)  # by launch range and, unlinked, by name
+    assert split["matmul"] == pytest.approx(0.120)
 
 
 def test_step_time_split_buckets_kernels_and_leaves_the_rest_to_the_host() -> None:

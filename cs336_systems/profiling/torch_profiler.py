@@ -103,7 +103,9 @@ _ANNOTATION_NAMES = {"step", "warmup", "measured", "forward", "backward", "optim
 
 def kernel_records(prof: Any) -> pd.DataFrame:
     """One row per device activity: ``name``, ``duration_us``, ``launch_us`` (host time of the launching
-    operator), ``device`` (``cuda`` or ``cpu``), ``op`` (launching operator)."""
+    operator; NaN where the profiler could not link the kernel to one), ``device`` (``cuda`` or ``cpu``),
+    ``op`` (launching operator). On a GPU the rows are reconciled with the GPU's activity records: each kernel
+    the GPU ran appears exactly once."""
     events = _events(prof)
     cpu_ops = [e for e in events if _is_cpu(e) and not getattr(e, "is_async", False)]
     # With CUDA activity a record_function range also yields a GPU-side "user annotation" spanning its
@@ -118,6 +120,10 @@ def kernel_records(prof: Any) -> pd.DataFrame:
         for k in getattr(e, "kernels", [])
         if k.name not in range_names_
     ]
+    device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA") and not _is_annotation(e)
+              and e.name not in range_names_]
+    if device:
+        rows = _reconciled(rows, device)
     if not rows:  # CPU-only profile: operators' self time is the work
         rows = [
             {"name": e.name, "duration_us": float(e.self_cpu_time_total), "launch_us": e.time_range.start,
@@ -126,6 +132,25 @@ def kernel_records(prof: Any) -> pd.DataFrame:
             if not _is_annotation(e) and e.self_cpu_time_total > 0
         ]
     return pd.DataFrame(rows, columns=["name", "duration_us", "launch_us", "device", "op"])
+
+
+def _reconciled(linked: list[dict[str, Any]], device: list[Any]) -> list[dict[str, Any]]:
+    """The linked kernel rows made to agree with the GPU's own activity records, kernel by kernel (same name
+    and duration): a kernel linked to more than one operator is kept once, and a kernel linked to none (a
+    launch the profiler could not tie to an operator) is added with an unknown launch time (``NaN``), so the
+    table holds every kernel the GPU ran, each once."""
+    from collections import Counter
+
+    ran = Counter((e.name, float(e.time_range.end - e.time_range.start)) for e in device)
+    kept = []
+    for row in linked:
+        key = (row["name"], row["duration_us"])
+        if ran[key] > 0:
+            ran[key] -= 1
+            kept.append(row)
+    unlinked = [{"name": name, "duration_us": us, "launch_us": float("nan"), "device": "cuda", "op": ""}
+                for (name, us), n in ran.items() for _ in range(n)]
+    return kept + unlinked
 
 
 def range_intervals(prof: Any, pattern: str) -> list[tuple[float, float]]:
