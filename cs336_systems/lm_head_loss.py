@@ -99,4 +99,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_
     return LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk_size)
 
 
-__all__ = ["DEFAULT_CHUNK", "LinearCrossEntropy", "linear_cross_entropy"]
+def hidden_states(model: torch.nn.Module, token_ids: Tensor) -> Tensor:
+    """A ``cs336_basics`` LM's forward up to, not including, its LM head: the ``hidden`` that
+    :func:`linear_cross_entropy` takes with ``model.lm_head.weight``."""
+    x = model.token_embeddings(token_ids)
+    for layer in model.layers:
+        x = layer(x)
+    return model.ln_final(x)
+
+
+__all__ = ["DEFAULT_CHUNK", "LinearCrossEntropy", "hidden_states", "linear_cross_entropy"]

@@ -54,6 +54,17 @@ def test_both_stacks_train_and_are_compared_side_by_side() -> None:
     assert last < first  # the reference's fused/foreach AdamW step trains the same batch down
 
 
+def test_our_fused_head_gives_the_same_loss_without_logits() -> None:
+    plain = train_step.TrainStep("ours", train_step.StepSpec("tiny", 16, 2, "fp32"), torch.device("cpu"))
+    fused = train_step.TrainStep("ours", train_step.StepSpec("tiny", 16, 2, "fp32", fused_head=True),
+                                 torch.device("cpu"))
+    torch.testing.assert_close(fused.step(), plain.step())  # same seed and batch: same loss
+    torch.testing.assert_close(fused.step(), plain.step(), rtol=1e-4, atol=1e-5)  # and the same update
+    cfg = get_config("tiny")
+    assert fused.forward(fused.inputs).shape[-1] == cfg.d_model  # hidden states: the logits are never formed
+    assert plain.forward(plain.inputs).shape[-1] == cfg.vocab_size
+
+
 def test_one_resident_stack_at_a_time_still_alternates(monkeypatch) -> None:
     spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
     built = []

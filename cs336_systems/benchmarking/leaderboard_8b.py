@@ -170,16 +170,12 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
     inputs, targets = torch.randint(0, cfg.vocab_size, (2, shape.batch_size, shape.context_length), device=device,
                                     generator=gen)
 
-    def hidden(ids: torch.Tensor) -> torch.Tensor:
-        """The model's forward up to (not including) the LM head."""
-        x = model.token_embeddings(ids)
-        for layer in model.layers:
-            x = layer(x)
-        return model.ln_final(x)
-
     if options.fused_head:
-        from cs336_systems.lm_head_loss import linear_cross_entropy
+        from functools import partial
 
+        from cs336_systems.lm_head_loss import hidden_states, linear_cross_entropy
+
+        hidden = partial(hidden_states, model)
         body = torch.compile(hidden) if options.compile else hidden
 
         def loss_fn() -> torch.Tensor:

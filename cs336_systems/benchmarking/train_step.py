@@ -53,6 +53,8 @@ class StepSpec:
     optimizer: str = "flat"
     checkpoint: tuple[int, ...] = ()
     """Our model's activation checkpointing (:func:`cs336_systems.checkpointing.checkpoint_layers` levels)."""
+    fused_head: bool = False
+    """Our model's LM head and loss as :func:`cs336_systems.lm_head_loss.linear_cross_entropy` (no logits)."""
     lr: float = 1e-4
 
     def check(self) -> None:
@@ -139,6 +141,14 @@ class TrainStep:
                 self.optimizer = AdamW(self.model.parameters(), lr=spec.lr)
             self.loss_fn: Callable = cross_entropy
             self.context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+            if spec.fused_head:
+                from functools import partial
+
+                from cs336_systems.lm_head_loss import hidden_states, linear_cross_entropy
+
+                hidden = partial(hidden_states, self.model)
+                self.forward = torch.compile(hidden) if spec.compile else hidden
+                self.loss_fn = lambda h, y: linear_cross_entropy(h, self.model.lm_head.weight, y)
         else:
             from cs336_systems.benchmarking.torch_native_lm import TorchNativeLM
 
@@ -147,7 +157,8 @@ class TrainStep:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, fused=fused, foreach=not fused)
             self.loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, -2), y.flatten())
             self.context = lambda: _sdpa_backend(spec.reference_sdpa, device)
-        self.forward = torch.compile(self.model) if spec.compile else self.model
+        if not (stack == "ours" and spec.fused_head):
+            self.forward = torch.compile(self.model) if spec.compile else self.model
         shape = (spec.batch_size, spec.context_length)
         gen = torch.Generator(device=device).manual_seed(seed)
         self.inputs = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
@@ -158,9 +169,12 @@ class TrainStep:
         return sum(p.numel() for p in self.model.parameters())
 
     def step(self) -> torch.Tensor:
+        fused = self.stack == "ours" and self.spec.fused_head
         with autocast_context(self.spec.precision, self.device):
-            logits = self.forward(self.inputs)
-        loss = self.loss_fn(logits, self.targets)
+            out = self.forward(self.inputs)
+            loss = self.loss_fn(out, self.targets) if fused else None  # the head's GEMM belongs under autocast
+        if loss is None:
+            loss = self.loss_fn(out, self.targets)
         loss.backward()
         with torch.profiler.record_function("optimizer"):  # for time_split; free without a profiler
             self.optimizer.step()
@@ -298,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-sdpa", choices=SDPA_BACKENDS, default="cudnn")
     parser.add_argument("--optimizer", choices=["flat", "basics"], default="flat", help="our stack's AdamW")
     parser.add_argument("--checkpoint", default="", help="our model's checkpoint levels, e.g. 4 or 8,2 (empty: off)")
+    parser.add_argument("--fused-head", action="store_true", help="our LM head + cross-entropy without logits")
     parser.add_argument("--stacks", default=",".join(STACKS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
@@ -311,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--checkpoint: {exc}")
     spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
-                    args.attention, args.reference_sdpa, args.optimizer, levels)
+                    args.attention, args.reference_sdpa, args.optimizer, levels, args.fused_head)
     stacks = tuple(s for s in args.stacks.split(",") if s)
     unknown = [s for s in stacks if s not in STACKS]
     if unknown:

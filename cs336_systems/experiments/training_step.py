@@ -44,6 +44,7 @@ class Params:
     attention: str = param("flash_triton", "our model's registered attention")
     optimizer: str = param("flat", "our AdamW: flat (FlatAdamW) or basics (cs336_basics, per parameter)")
     checkpoint: list[int] = param([], "our model's activation-checkpoint levels ([]: off)")
+    fused_head: bool = param(False, "our LM head + cross-entropy without logits (lm_head_loss)")
     rounds: int = param(3, "alternating rounds per cell")
     steps: int = param(5, "timed steps per stack and round")
     warmup: int = param(3, "untimed steps per stack (compilation happens here)")
@@ -97,7 +98,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
         def cell(context_length: int, preset: str = preset, splits: list = splits) -> dict[str, Any]:
             spec = train_step.StepSpec(preset, context_length, p.tokens_per_step // context_length, p.precision,
-                                       p.compile, p.attention, "cudnn", p.optimizer, tuple(p.checkpoint))
+                                       p.compile, p.attention, "cudnn", p.optimizer, tuple(p.checkpoint),
+                                       p.fused_head)
             rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps,
                                       resident=p.resident)
             table = train_step.summarize(rows, spec, name).set_index("stack")
@@ -137,8 +139,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 
 #: Parameters that change what a cell measures: rows of runs that agree on them (and on the commit) combine.
-STEP_PARAMS = ("tokens_per_step", "precision", "compile", "attention", "optimizer", "checkpoint", "rounds", "steps",
-               "warmup", "split_steps", "resident")
+STEP_PARAMS = ("tokens_per_step", "precision", "compile", "attention", "optimizer", "checkpoint", "fused_head",
+               "rounds", "steps", "warmup", "split_steps", "resident")
 
 
 def earlier_rows(out: ResultWriter, name: str, p: Params) -> pd.DataFrame | None:
