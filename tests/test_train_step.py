@@ -183,3 +183,19 @@ def test_time_split_on_a_gpu_partitions_the_step() -> None:
         assert split["optimizer"] > 0.5, (stack, split.to_dict())
         assert split.drop("host / idle").sum() <= 1.1 * step_ms, (stack, split.to_dict(), step_ms)
         del run
+
+
+def test_matmul_ceiling_is_measured_and_gives_a_second_mfu() -> None:
+    from cs336_systems.benchmarking import matmul_ceiling
+
+    table = matmul_ceiling.measure("fp32", (32, 64), torch.device("cpu"))
+    assert list(table["n"]) == [32, 64] and (table["TFLOP_per_s"] > 0).all()
+    ceiling = matmul_ceiling.ceiling_tflops(table)
+    assert ceiling == table["TFLOP_per_s"].max()
+    spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
+    rows = train_step.compare(spec, rounds=1, steps=1, warmup=0, device=torch.device("cpu"))
+    out = train_step.summarize(rows, spec, "CPU", ceiling_tflops=2.0)
+    assert (out["MFU_of_ceiling_pct"] == 100 * out["TFLOP_per_s"] / 2.0).all()
+    assert "MFU_of_ceiling_pct" not in train_step.summarize(rows, spec, "CPU")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        matmul_ceiling.measure("int8", (32,))

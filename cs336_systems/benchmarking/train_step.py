@@ -283,9 +283,11 @@ def compare(spec: StepSpec, rounds: int = 5, steps: int = 10, warmup: int = 3,
 
 
 def summarize(rows: pd.DataFrame, spec: StepSpec, device_name: str | None = None,
-              float32_matmul_precision: str | None = None) -> pd.DataFrame:
-    """Median step time per stack with its spread, tokens/s, model TFLOP/s, MFU and the ratio to the
-    reference (reference time / stack time: above 1 is faster than the reference)."""
+              float32_matmul_precision: str | None = None, ceiling_tflops: float | None = None) -> pd.DataFrame:
+    """Median step time per stack with its spread, tokens/s, model TFLOP/s, MFU (against the data sheet and,
+    given ``ceiling_tflops``, against the measured matmul ceiling:
+    :mod:`cs336_systems.benchmarking.matmul_ceiling`) and the ratio to the reference (reference time / stack
+    time: above 1 is faster than the reference)."""
     g = rows.groupby("stack", sort=False)["step_ms"]
     out = pd.DataFrame({"step_ms": g.median(), "spread_ms": g.max() - g.min()}).reset_index()
     tokens = spec.batch_size * spec.context_length
@@ -294,6 +296,8 @@ def summarize(rows: pd.DataFrame, spec: StepSpec, device_name: str | None = None
     out["TFLOP_per_s"] = flops / (out["step_ms"] * 1e-3) / 1e12
     fmp = float32_matmul_precision or torch.get_float32_matmul_precision()
     out["MFU_pct"] = [100 * mfu(t, device_name, matmul_precision(spec.precision, fmp)) for t in out["TFLOP_per_s"]]
+    if ceiling_tflops:
+        out["MFU_of_ceiling_pct"] = 100 * out["TFLOP_per_s"] / ceiling_tflops
     if "reference" in set(out["stack"]):
         ref = float(out.loc[out["stack"] == "reference", "step_ms"].iloc[0])
         out["vs_reference"] = ref / out["step_ms"]

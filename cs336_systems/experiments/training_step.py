@@ -55,6 +55,7 @@ class Params:
                                        "presets whose longest trainable context is searched ([]: none)")
     longest_checkpoint: list[int] = param([4], "checkpoint levels for the longest-context search")
     longest_high: int = param(131072, "longest context tried")
+    ceiling_sizes: list[int] = param([4096, 8192, 16384], "square matmul sizes of the measured ceiling ([]: none)")
 
     def check(self) -> None:
         check_presets(*self.presets, *self.longest_presets)
@@ -77,7 +78,7 @@ PRESETS = {
     "quick": Params(presets=["small", "xl"], contexts=[1024], rounds=2, budget_s=240.0, longest_presets=["xl"]),
     "smoke": Params(presets=["tiny"], contexts=[16, 32], tokens_per_step=64, precision="fp32", compile=False,
                     attention="sdpa", rounds=1, steps=1, warmup=0, budget_s=60.0, split_steps=1, longest_presets=["tiny"],
-                    longest_checkpoint=[1], longest_high=32),
+                    longest_checkpoint=[1], longest_high=32, ceiling_sizes=[64]),
 }
 
 
@@ -92,6 +93,15 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     deadline = time.monotonic() + p.budget_s
     result: dict[str, Any] = {}
+    ceiling = None
+    if p.presets and p.ceiling_sizes:  # the throughput real GEMMs reach here: the second MFU denominator
+        from cs336_systems.benchmarking import matmul_ceiling
+
+        dtype = "fp32" if p.precision == "fp32" else p.precision
+        table = matmul_ceiling.measure(dtype, tuple(p.ceiling_sizes), device)
+        out.table(table, "matmul_ceiling")
+        ceiling = matmul_ceiling.ceiling_tflops(table)
+        result["matmul_ceiling"] = table
 
     for preset in p.presets:
         splits: list[pd.DataFrame] = []
@@ -102,11 +112,11 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
                                        p.fused_head)
             rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps,
                                       resident=p.resident)
-            table = train_step.summarize(rows, spec, name).set_index("stack")
+            table = train_step.summarize(rows, spec, name, ceiling_tflops=ceiling).set_index("stack")
             torch._dynamo.reset()  # compiled graphs hold the models
             if "split" in rows.attrs:
                 splits.append(rows.attrs["split"].assign(preset=preset, context_length=context_length))
-            return {"resident": rows.attrs["resident"],
+            return {"resident": rows.attrs["resident"], "matmul_ceiling_TFLOP_per_s": ceiling,
                     **{f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}}
 
         earlier = {name: earlier_rows(out, f"{name}_{preset}", p) for name in ("steps", "time_split")}
@@ -257,15 +267,19 @@ def answer(d: SectionData) -> list[Block]:
             d.table("steps", frame=subset(d.frame("steps"), "preset", "context_length", "batch_size", "status", "resident",
                                           "ours_step_ms", "ours_spread_ms", "reference_step_ms",
                                           "reference_spread_ms", "ours_vs_reference", "ours_MFU_pct",
-                                          "reference_MFU_pct"),
+                                          "reference_MFU_pct", "ours_MFU_of_ceiling_pct",
+                                          "reference_MFU_of_ceiling_pct"),
                     caption="Median step time over alternating rounds, spread (max - min), ours over the reference "
-                            "and MFU against the data-sheet peak. Combined from one table per preset (steps_<preset>), "
+                            "and MFU against the data-sheet peak and against the matmul ceiling measured in the same "
+                            "job (matmul_ceiling). Combined from one table per preset (steps_<preset>), "
                             "each measured by its own job; the run parameters shown are the first preset's, and each "
                             "preset's own are in its table's record."),
             d.figure("mfu", caption="MFU of both stacks by preset and context."),
             d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
                      "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
             d.table("time_split", caption="The same split in milliseconds per step and as a share of the step."),
+            d.table("matmul_ceiling", caption="The measured matmul ceiling: square matmuls in the step's precision, "
+                    "`do_bench` medians; its best TFLOP/s is the second MFU denominator."),
         ], what="the training-step comparison"),
         question(d, "longest", "The longest context each preset trains at on this GPU.", [
             long_text,
