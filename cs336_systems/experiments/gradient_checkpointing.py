@@ -68,31 +68,17 @@ def block_residuals(p: Params, device: torch.device, compiled: bool) -> pd.DataF
     """Every tensor one TransformerBlock of ``p``'s shape saves for backward (eager or compiled)."""
     from cs336_basics.model import RotaryEmbedding, TransformerBlock
 
-    from cs336_systems.profiling.residuals import FROM_OUTSIDE, saved_residuals
+    from cs336_systems.profiling.residuals import saved_residuals
 
     cfg = p.config()
     rope = RotaryEmbedding(cfg.context_length, cfg.d_head, cfg.rope_theta, device=device)
     block = TransformerBlock(cfg.d_model, cfg.num_heads, cfg.d_ff, rope, p.attention, device=device)
     x = torch.randn(cfg.batch_size, cfg.context_length, cfg.d_model, device=device, requires_grad=True)
     if compiled:
-        # A dispatch mode naming each producer would run under the compiled graph's tracing; only the saved
-        # tensors themselves are recorded, by storage.
         fn = torch.compile(block)
         fn(x)  # compile outside the hooks
-        seen: dict[int, dict[str, Any]] = {}
-        outside = {t.untyped_storage().data_ptr() for t in (x, *block.parameters(), *block.buffers(),
-                                                            *rope.buffers())}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = t.untyped_storage().data_ptr()
-            op = FROM_OUTSIDE if key in outside else "(compiled graph)"
-            seen.setdefault(key, {"op": op, "shape": tuple(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                                  "bytes": t.untyped_storage().nbytes(), "saves": 0})["saves"] += 1
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(x)
-        table = pd.DataFrame(list(seen.values()), columns=["op", "shape", "dtype", "bytes", "saves"])
+        outside = (x, *block.parameters(), *block.buffers(), *rope.buffers())
+        table = saved_residuals(lambda: fn(x), producers=False, outside=outside)
     else:
         table = saved_residuals(lambda: block(x))
     torch._dynamo.reset()  # the compiled graph holds the block

@@ -13,7 +13,8 @@ three projections) is counted once, by storage.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pandas as pd
@@ -23,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 #: What a saved tensor was produced by when no operator inside the measured call made it.
 FROM_OUTSIDE = "(input or parameter)"
+#: The producer of a saved tensor when producers are not recorded (a compiled graph's tensors).
+UNNAMED = "(compiled graph)"
 
 
 class _ProducerLog(TorchDispatchMode):
@@ -45,21 +48,31 @@ class _ProducerLog(TorchDispatchMode):
         return out
 
 
-def saved_residuals(fn: Callable[[], Any]) -> pd.DataFrame:
+def saved_residuals(fn: Callable[[], Any], *, producers: bool = True,
+                    outside: Iterable[torch.Tensor] = ()) -> pd.DataFrame:
     """Run ``fn`` (a forward with autograd recording) and list each distinct storage saved for backward:
     ``op`` (producer, or :data:`FROM_OUTSIDE`), ``shape``, ``dtype``, ``bytes`` (the storage's, counted
-    once), ``saves`` (how many times nodes saved it). The result of ``fn`` is discarded."""
-    log = _ProducerLog()
+    once), ``saves`` (how many times nodes saved it). The result of ``fn`` is discarded.
+
+    ``producers=False`` records no producer (``op`` is :data:`UNNAMED`): for a ``torch.compile``d ``fn``, whose
+    graph a dispatch mode would intercept while it runs. Tensors sharing a storage with ``outside`` (the
+    inputs, the parameters) are then marked :data:`FROM_OUTSIDE`."""
+    log = _ProducerLog() if producers else contextlib.nullcontext()
+    known = {t.untyped_storage().data_ptr() for t in outside}
     seen: dict[int, dict[str, Any]] = {}
+
+    def producer(key: int) -> str:
+        if key in known:
+            return FROM_OUTSIDE
+        return log.producer.get(key, FROM_OUTSIDE) if producers else UNNAMED
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
         if key in seen:
             seen[key]["saves"] += 1
         else:
-            seen[key] = {"op": log.producer.get(key, FROM_OUTSIDE), "shape": tuple(t.shape),
-                         "dtype": str(t.dtype).removeprefix("torch."), "bytes": t.untyped_storage().nbytes(),
-                         "saves": 1}
+            seen[key] = {"op": producer(key), "shape": tuple(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                         "bytes": t.untyped_storage().nbytes(), "saves": 1}
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), log:
@@ -78,4 +91,4 @@ def residuals_by_op(table: pd.DataFrame, top: int | None = None, include_outside
     return by.head(top) if top else by
 
 
-__all__ = ["FROM_OUTSIDE", "residuals_by_op", "saved_residuals"]
+__all__ = ["FROM_OUTSIDE", "UNNAMED", "residuals_by_op", "saved_residuals"]
