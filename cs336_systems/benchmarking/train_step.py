@@ -139,15 +139,15 @@ class TrainStep:
                 self.optimizer: torch.optim.Optimizer = FlatAdamW(self.model.parameters(), lr=spec.lr)
             else:
                 self.optimizer = AdamW(self.model.parameters(), lr=spec.lr)
+            body: Callable = self.model
             self.loss_fn: Callable = cross_entropy
             self.context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-            if spec.fused_head:
+            if spec.fused_head:  # the body stops before the LM head, whose GEMM the loss does under autocast
                 from functools import partial
 
                 from cs336_systems.lm_head_loss import hidden_states, linear_cross_entropy
 
-                hidden = partial(hidden_states, self.model)
-                self.forward = torch.compile(hidden) if spec.compile else hidden
+                body = partial(hidden_states, self.model)
                 self.loss_fn = lambda h, y: linear_cross_entropy(h, self.model.lm_head.weight, y)
         else:
             from cs336_systems.benchmarking.torch_native_lm import TorchNativeLM
@@ -157,8 +157,9 @@ class TrainStep:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, fused=fused, foreach=not fused)
             self.loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, -2), y.flatten())
             self.context = lambda: _sdpa_backend(spec.reference_sdpa, device)
-        if not (stack == "ours" and spec.fused_head):
-            self.forward = torch.compile(self.model) if spec.compile else self.model
+            body = self.model
+        self.forward = torch.compile(body) if spec.compile else body
+        self.loss_under_autocast = stack == "ours" and spec.fused_head
         shape = (spec.batch_size, spec.context_length)
         gen = torch.Generator(device=device).manual_seed(seed)
         self.inputs = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
@@ -169,10 +170,9 @@ class TrainStep:
         return sum(p.numel() for p in self.model.parameters())
 
     def step(self) -> torch.Tensor:
-        fused = self.stack == "ours" and self.spec.fused_head
         with autocast_context(self.spec.precision, self.device):
             out = self.forward(self.inputs)
-            loss = self.loss_fn(out, self.targets) if fused else None  # the head's GEMM belongs under autocast
+            loss = self.loss_fn(out, self.targets) if self.loss_under_autocast else None
         if loss is None:
             loss = self.loss_fn(out, self.targets)
         loss.backward()
@@ -211,15 +211,14 @@ def both_fit(spec: StepSpec, memory_bytes: float, stacks: int = 2) -> bool:
     """Whether ``stacks`` stacks' training state (fp32 weights, gradients and AdamW moments: 16 B per
     parameter each) plus one step's saved activations fit in 85% of ``memory_bytes``, by the calculator
     (:func:`cs336_systems.configs.memory_breakdown`; a flash or SDPA attention saves no score matrix)."""
-    from cs336_systems.configs import memory_breakdown
+    from cs336_systems.configs import activation_elements_per_layer, dtype_bytes, memory_breakdown
 
     act_dtype = "fp32" if spec.precision == "fp32" else "bf16"
     mem = memory_breakdown(spec.preset, spec.batch_size, spec.context_length, activation_dtype=act_dtype)
-    cfg = get_config(spec.preset)
     activations = mem["activations"]
     if spec.attention != "naive":
-        scores = 2 * spec.batch_size * cfg.num_heads * spec.context_length ** 2 * cfg.num_layers
-        activations -= scores * (4 if act_dtype == "fp32" else 2)
+        per_layer = activation_elements_per_layer(spec.preset, spec.batch_size, spec.context_length)
+        activations -= per_layer["attention_scores"] * get_config(spec.preset).num_layers * dtype_bytes(act_dtype)
     state = mem["parameters"] + mem["gradients"] + mem["optimizer_state"]
     return stacks * state + activations <= 0.85 * memory_bytes
 

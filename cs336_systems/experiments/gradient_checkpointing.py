@@ -86,38 +86,29 @@ def block_residuals(p: Params, device: torch.device, compiled: bool) -> pd.DataF
 
 
 def checkpointed_step(p: Params, block_size: int, device: torch.device) -> dict[str, Any]:
-    """Peak memory (of the second step, after AdamW's state exists) and time of one training step."""
-    from cs336_basics.model import BasicsTransformerLM
-    from cs336_basics.nn_utils import cross_entropy
+    """Peak memory (of the second step, after AdamW's state exists) and time of one training step: our
+    stack of :class:`~cs336_systems.benchmarking.train_step.TrainStep` in float32, its blocks checkpointed in
+    segments of ``block_size`` (0: none)."""
+    from cs336_systems.benchmarking.train_step import StepSpec, TrainStep
+    from cs336_systems.checkpointing import stored_block_activations
 
-    from cs336_systems.checkpointing import checkpoint_layers, stored_block_activations
-
-    cfg = p.config()
-    levels = [block_size] if block_size else []
-    model = BasicsTransformerLM(**cfg.model_kwargs(), attention_impl=p.attention, device=device)
-    checkpoint_layers(model, levels)
-    fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), fused=fused, foreach=not fused)
-    ids = torch.randint(0, cfg.vocab_size, (2, cfg.batch_size, cfg.context_length), device=device)
-
-    def step() -> None:
-        cross_entropy(model(ids[0]), ids[1]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
+    levels = (block_size,) if block_size else ()
+    spec = StepSpec(p.preset, p.context_length, p.batch_size, "fp32", attention=p.attention, checkpoint=levels)
+    run = TrainStep("ours", spec, device)
+    run.step()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
-    step()
+    run.step()
     if cuda:
         torch.cuda.synchronize(device)
     ms = (time.perf_counter() - t0) * 1e3
     peak = torch.cuda.max_memory_allocated(device) if cuda else float("nan")
-    return {"levels": str(levels), "held_block_activations": stored_block_activations(cfg.num_layers, levels),
+    return {"levels": str(list(levels)),
+            "held_block_activations": stored_block_activations(p.config().num_layers, list(levels)),
             "step_ms": ms, "peak_GiB": peak / 2**30,
             "activation_peak_GiB": (peak - before) / 2**30 if cuda else float("nan")}
 
