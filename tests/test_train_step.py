@@ -164,10 +164,6 @@ def test_a_preset_measured_in_two_runs_combines_only_at_one_commit(tmp_path, mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.xfail(strict=True, reason="on a GPU the split found no FlatAdamW kernels in the optimizer range and "
-                   "counted the reference's optimizer past its step at xl; kernel_records now reconciles with the "
-                   "GPU's records and the split names Adam kernels, not yet run on a GPU: drop this mark when it "
-                   "passes there (docs/training_step/NOTES.md)")
 def test_time_split_on_a_gpu_partitions_the_step() -> None:
     """Each stack's optimizer kernels land in the optimizer bucket, and no kernel is counted twice: the kernel
     buckets add up to at most the measured step."""

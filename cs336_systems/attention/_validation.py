@@ -78,7 +78,7 @@ def validate_attention_inputs(
             f"{implementation}: Q, K, V must have the same head dimension, got "
             f"{q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}"
         )
-    if head_dims is not None and d not in head_dims:
+    if head_dims is not None and not _contains(head_dims, d):
         raise ValueError(
             f"{implementation}: head dimension {d} is not supported; supported: {_describe(head_dims)}"
         )
@@ -105,6 +105,14 @@ def validate_attention_inputs(
     else:
         (batch, n_queries, _), heads = q.shape, 1
     return AttentionShape(batch, heads, n_queries, k.shape[-2], d, has_heads=q.dim() == 4)
+
+
+def _contains(values: Collection[int], d: int) -> bool:
+    # A range is tested by its bounds: under torch.compile with dynamic shapes ``d`` is symbolic, and
+    # ``in range(...)`` would need its value, while two comparisons only add guards.
+    if isinstance(values, range) and values.step == 1:
+        return values.start <= d < values.stop
+    return d in values
 
 
 def _describe(values: Collection[int]) -> str:
