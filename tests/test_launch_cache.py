@@ -107,6 +107,23 @@ def test_anything_triton_specializes_on_is_part_of_the_signature() -> None:
     assert fn.kernel.launches[0][:3] == (8, 1, 1)
 
 
+def test_the_grid_is_the_callers_on_every_launch() -> None:
+    """A grid may depend on sizes no argument carries (the attention kernels fold the batch into the grid
+    only): a repeat launch with equal arguments but another batch runs the caller's grid, not the first
+    call's, whether the grid is a tuple or a function of the config. The cache keeps no tensor alive."""
+    fn = FakeJit(Config({"BLOCK_M": 32}))
+    cache = MetaLaunchCache()
+    args = _args()
+    for batch in (16, 16, 1, 4):
+        cache.launch(fn, lambda meta, b=batch: (-(-meta["n"] // meta["BLOCK_M"]) * b,), args, {"HEAD_DIM": 64})
+    assert len(fn.slow_calls) == 1 and [g[:3] for g in fn.kernel.launches] == [(64, 1, 1), (4, 1, 1), (16, 1, 1)]
+    plain = FakeJit(config=None)
+    for grid in ((3, 2), (5,)):
+        cache.launch(plain, grid, args, {"HEAD_DIM": 64, "BLOCK_M": 16})
+    assert plain.kernel.launches[0][:3] == (5, 1, 1)
+    assert not any(isinstance(v, torch.Tensor) for entry in cache._entries.values() for v in entry[1].values())
+
+
 def test_plain_jit_function_takes_its_constexprs_from_the_call() -> None:
     fn = FakeJit(config=None)
     cache = MetaLaunchCache()
@@ -148,6 +165,7 @@ def test_disabled_cache_and_lru_bound() -> None:
         LaunchCache(max_entries=0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(2, 4, 200, 64), (1, 2, 1024, 128)])
@@ -171,6 +189,32 @@ def test_attention_through_the_cache_matches_tritons_own_launches(shape: tuple, 
     assert FLASH_LAUNCHES.hits >= hits + 4  # forward, preprocess, dK/dV and dQ replayed
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_after_a_larger_batch_of_the_same_shape() -> None:
+    """Batch only sizes the grid, so a batch-1 call after a batch-8 one has equal kernel arguments: through
+    the cache it must still run its own grid (a replayed batch-8 grid ran past the tensors: CUDA's 'illegal
+    instruction' in the dK/dV kernel after the leaderboard's batch-16 run)."""
+    from cs336_systems.attention import FlashAttentionTriton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch in (8, 1, 3):
+        q, k, v = (torch.randn(batch, 1, 1024, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   .requires_grad_() for _ in range(3))
+        do = torch.randn_like(q)
+
+        def run() -> list[torch.Tensor]:
+            o = FlashAttentionTriton.apply(q, k, v, True)
+            return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
+
+        got = run()
+        torch.cuda.synchronize()
+        with launch_cache.disabled():
+            expected = run()
+        for e, g in zip(expected, got, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
 def test_signature_keeps_apart_what_triton_compiles_differently() -> None:

@@ -4,10 +4,13 @@
 and specializes each argument (dtype, 16-byte alignment, integers equal to 1 or divisible by 16), builds a
 cache key, looks up the compiled kernel, and an autotuner first builds its own key and looks up its chosen
 config. At short sequences our attention kernels run for less time than that. But a call whose
-arguments agree with an earlier one in everything Triton specializes on (and in every integer, which fixes
-the grid) picks the same compiled kernel and config, so :class:`LaunchCache` remembers, per such
-signature, the compiled kernel, its grid and its constexpr values, and launches it directly through the
-compiled kernel's launcher (``CompiledKernel.run``, the call Triton's own ``JITFunction.run`` ends with).
+arguments agree with an earlier one in everything Triton specializes on (and in every integer) picks the
+same compiled kernel and config, so :class:`LaunchCache` remembers, per such signature, the compiled
+kernel and its constexpr values, and launches it directly through the compiled kernel's launcher
+(``CompiledKernel.run``, the call Triton's own ``JITFunction.run`` ends with). The grid is not remembered:
+it is the caller's, evaluated on every launch (with the remembered config where it is a function of it),
+because a grid may depend on sizes that are no kernel argument. The attention kernels fold the batch into
+the grid only; a remembered grid of another batch would run programs past the tensors' end.
 
 The first call per signature goes through Triton unchanged (compiling and autotuning as needed). Nothing is
 remembered when Triton returns no compiled kernel: under ``TRITON_INTERPRET=1``, or a launcher we do not
@@ -32,9 +35,8 @@ _ALIGN = 16
 
 
 def _signature(args: Sequence[Any]) -> tuple:
-    """What Triton's specialization (and our grids) can depend on, per runtime argument: a tensor's dtype
-    and 16-byte alignment, every integer's value (sizes fix the grid; Triton specializes on ==1 and
-    divisibility by 16), a float's type. One inline loop: this runs on every launch, so it must cost far
+    """What Triton's specialization can depend on, per runtime argument: a tensor's dtype and 16-byte
+    alignment, every integer's value (Triton specializes on ==1 and divisibility by 16), a float's type. One inline loop: this runs on every launch, so it must cost far
     less than the Triton path it replaces."""
     out = []
     for a in args:
@@ -80,7 +82,7 @@ class LaunchCache:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         self.max_entries = max_entries
         self.enabled = enabled
-        self._entries: OrderedDict[tuple, tuple[Any, tuple[int, int, int], tuple]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[Any, dict[str, Any], tuple]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -111,7 +113,7 @@ class LaunchCache:
         if entry is None:
             self.misses += 1
             kernel = fn[grid](*args, **constexprs)
-            entry = self._remember(fn, grid, args, constexprs, kernel)
+            entry = self._remember(fn, args, constexprs, kernel)
             if entry is not None:
                 self._entries[key] = entry
                 if len(self._entries) > self.max_entries:
@@ -119,7 +121,8 @@ class LaunchCache:
             return
         self.hits += 1
         self._entries.move_to_end(key)
-        kernel, (gx, gy, gz), tail = entry
+        kernel, meta, tail = entry
+        gx, gy, gz = _grid3(grid(meta) if callable(grid) else grid)
         stream = self._stream(device)
         full = (*args, *tail)
         runtime = _triton_runtime()[0]
@@ -133,8 +136,10 @@ class LaunchCache:
         return _triton_runtime()[1].active.get_current_stream(device.index)
 
     @staticmethod
-    def _remember(fn: Any, grid: Grid, args: Sequence[Any], constexprs: dict[str, Any], kernel: Any):
-        """``(kernel, grid, constexpr tail)`` for replaying this launch, or None if it cannot be replayed."""
+    def _remember(fn: Any, args: Sequence[Any], constexprs: dict[str, Any], kernel: Any):
+        """``(kernel, grid meta, constexpr tail)`` for replaying this launch, or None if it cannot be
+        replayed. The grid meta is what a callable grid reads: the scalar arguments by name (tensors are
+        left out, so the cache keeps none alive) and the config."""
         if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
             return None  # the interpreter, or a Triton whose launch path we do not know
         config = getattr(fn, "best_config", None)
@@ -146,10 +151,13 @@ class LaunchCache:
             tail = tuple(meta[name] for name in names[len(args):])
         except KeyError:
             return None
-        if callable(grid):
-            grid = grid({**dict(zip(names, args)), **meta})
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        return kernel, grid[:3], tail
+        scalars = {name: a for name, a in zip(names, args) if not isinstance(a, torch.Tensor)}
+        return kernel, {**scalars, **meta}, tail
+
+
+def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
+    grid = tuple(grid)
+    return (*grid, *(1,) * (3 - len(grid)))[:3]  # type: ignore[return-value]
 
 
 #: The cache the attention kernels launch through.
