@@ -180,12 +180,8 @@ def answer(d: SectionData) -> list[Block]:
                         f"excluded); the largest producers are {ops}."
                         + (f" Compiled with `torch.compile`, the same block saves {fmt.sig(total_c / 2**20)} MiB."
                            if total_c else ""))
+    best_text = _best_segment(d.frame("checkpointing"), total, _block_input_bytes(d.frame("residuals")))
     sweep = ok_rows(d.frame("checkpointing"))
-    best_text = None
-    if not sweep.empty and sweep["peak_GiB"].notna().any():
-        best = sweep.loc[sweep["peak_GiB"].idxmin()]
-        best_text = Text(f"Measured: the lowest peak, {fmt.sig(best['peak_GiB'])} GiB, comes with segments of "
-                         f"{int(best['block_size'])} blocks (table).")
     return [
         question(d, "residuals", "What one TransformerBlock saves for backward: the five largest producing "
                  "ops and their share, eager and compiled.", [
@@ -216,9 +212,47 @@ def answer(d: SectionData) -> list[Block]:
                                                   "step_ms"),
                     caption="A full training step (forward, backward, AdamW) per checkpoint segment size "
                             "(0: none): peak memory and its part above the model and optimizer state."),
-            d.figure("checkpointing", caption="Peak memory and step time against the segment size."),
+            # one fitting size makes a plot of one point: the table says it all
+            d.figure("checkpointing", caption="Peak memory and step time against the segment size.")
+            if len(sweep) > 1 else None,
         ], what="the checkpointing sweep"),
     ]
+
+
+def _block_input_bytes(residuals: pd.DataFrame | None) -> float | None:
+    """The block input's size: the saved (batch, sequence, d_model) tensor that no op of the block produced."""
+    if residuals is None or not {"op", "shape", "bytes"} <= set(residuals.columns):
+        return None
+    inputs = residuals[(residuals["op"] == "(input or parameter)") & (residuals["shape"].str.count(",") == 2)]
+    return float(inputs["bytes"].max()) if len(inputs) else None
+
+
+def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
+                  input_bytes: float | None = None) -> Text | None:
+    """The direct answer to (b): the measured best segment size and what its neighbours in the sweep did."""
+    sweep = ok_rows(table)
+    if sweep.empty or not sweep["peak_GiB"].notna().any():
+        return None
+    best = sweep.loc[sweep["peak_GiB"].idxmin()]
+    k = int(best["block_size"])
+    sizes = sorted(int(x) for x in table["block_size"])
+    at = sizes.index(k)
+    neighbours = []
+    for j in (at - 1, at + 1):
+        if 0 <= j < len(sizes):
+            row = table[table["block_size"] == sizes[j]].iloc[0]
+            name = "no checkpointing" if sizes[j] == 0 else f"segments of {sizes[j]}"
+            neighbours.append(f"{name}: {fmt.sig(row['peak_GiB'])} GiB" if row["status"] == "ok"
+                              else f"{name}: out of memory")
+    state = best["peak_GiB"] - best["activation_peak_GiB"]
+    return Text(f"Best: segments of {k} block{'s' if k != 1 else ''}, measured peak {fmt.sig(best['peak_GiB'])} "
+                f"GiB ({fmt.sig(best['activation_peak_GiB'])} GiB of it activations above the "
+                f"{fmt.sig(state)} GiB of fp32 weights, gradients and AdamW state), one step in "
+                f"{fmt.sig(best['step_ms'] / 1e3)} s. Its neighbours: {'; '.join(neighbours)}."
+                + (f" Why: segments of $k$ hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus $k$ "
+                   f"blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB each, which is least at "
+                   f"$k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / {block_bytes / 2**20:.0f}}}$, "
+                   "rounded up to a whole block." if block_bytes and input_bytes else ""))
 
 
 SECTION = Section(
