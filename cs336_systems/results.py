@@ -312,3 +312,37 @@ def load_json(section: str, name: str, root: Path | None = None) -> Any:
 
 def has_result(section: str, name: str, root: Path | None = None) -> bool:
     return (section_dir(section, root) / f"{name}.meta.json").exists()
+
+
+def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same: tuple[str, ...]) -> Any:
+    """The existing table ``name`` of ``out`` if it was measured at this commit, on this device, with equal
+    values of the parameters named in ``same``; otherwise None.
+
+    A grid too long for one GPU job is measured in several (other contexts, other model sizes), each adding
+    its rows to the table; a table from other code, another device or other settings is replaced instead,
+    so every table keeps a single provenance."""
+    if not (out.dir / f"{name}.meta.json").exists():
+        return None
+    meta = load_meta(out.section, name, root=out.dir.parent)
+    earlier = meta.get("params") or {}
+    if (meta.get("git_commit"), meta.get("device"), meta.get("smoke")) != (
+            git_commit(), device_description()["device"], out.smoke):
+        return None
+    if any(earlier.get(k) != params[k] for k in same):
+        return None
+    return load_table(out.section, name, root=out.dir.parent)
+
+
+def merge_rows(rows: Any, earlier: Any, key: str, order: list[Any] | None = None) -> Any:
+    """``rows`` with the rows of ``earlier`` whose ``key`` value ``rows`` does not measure, ordered by ``key``
+    (by its position in ``order`` when given; values not in it go last)."""
+    import pandas as pd
+
+    if earlier is None:
+        return rows
+    if rows is None:
+        return earlier
+    kept = earlier[~earlier[key].isin(set(rows[key]))]
+    both = pd.concat([kept, rows], ignore_index=True)
+    rank = both[key] if order is None else both[key].map({v: i for i, v in enumerate(order)}).fillna(len(order))
+    return both.iloc[rank.argsort(kind="stable")].reset_index(drop=True)

@@ -140,3 +140,33 @@ def test_ddp_sections_take_several_world_sizes_and_report_scaling(tmp_path, monk
     # The first world size writes the tables the answers read; the others carry theirs in the name.
     assert (tmp_path / "ddp_flat" / "steps_tiny_fp32.csv").exists()
     assert (tmp_path / "ddp_flat" / "np3_tiny_fp32.csv").exists()
+
+
+def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path, monkeypatch) -> None:
+    """The whole model at every size takes longer than one GPU job, so jobs of other sizes add their rows
+    (in preset order) at one commit and settings; other settings start the table over."""
+    from cs336_systems import results
+    from cs336_systems.experiments import get, torch_compile
+    from cs336_systems.experiments.__main__ import writer
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    monkeypatch.setattr(results, "git_commit", lambda: "a" * 40)
+    monkeypatch.setattr(torch_compile, "benchmark_model",
+                        lambda spec: {"total_mean_ms": 2.0 if not spec.compile else 1.0, "tokens_per_s": 1.0})
+    section = get("torch_compile")
+    base: dict = {"parts": ["model"], "compile": True}
+
+    def measure(sizes: list[str]) -> tuple[list[str], list[str]]:
+        p = section.params("smoke", {**base, "sizes": sizes})
+        section.run(p, writer(section, p, "smoke", publish=True))
+        timings = results.load_table("torch_compile", "model_timings", root=tmp_path)
+        speed = results.load_table("torch_compile", "model_speedup", root=tmp_path)
+        return list(dict.fromkeys(timings["size"])), list(dict.fromkeys(speed["size"]))
+
+    assert measure(["small"]) == (["small"], ["small"])
+    assert measure(["tiny"]) == (["tiny", "small"], ["tiny", "small"])
+    assert not (tmp_path / "torch_compile" / "attention_timings.csv").exists()  # the attention part did not run
+    base["steps"] = 3
+    assert measure(["tiny"]) == (["tiny"], ["tiny"])
+    with pytest.raises(ValueError, match="unknown part 'graphs'"):
+        section.params("smoke", {"parts": ["graphs"]})

@@ -7,7 +7,7 @@ Problem ``torch_compile``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -18,6 +18,7 @@ from cs336_systems.benchmarking.attention import HANDOUT_D_MODELS, HANDOUT_SEQ_L
 from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model
 from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, ordered, run_sweep
 from cs336_systems.configs import HANDOUT_SIZES
+from cs336_systems.configs import PRESETS as ALL_PRESETS
 from cs336_systems.experiments.pytorch_attention import GRID_AXES, attention_grid, grid_axes
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.plotting import grouped_bars, measured_on, status_heatmap
@@ -27,7 +28,15 @@ from cs336_systems.report.answers import failed_rows, join_words, question
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.report.staleness import MODEL, TIMING
-from cs336_systems.results import ResultWriter
+from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
+
+
+#: What a run measures; the whole model at every size takes longer than one GPU job may, so the model part
+#: also runs size by size (``--set sizes=xl``) in jobs of its own.
+PARTS = ("attention", "model")
+
+#: Settings the model rows of two jobs must share for one table to hold them.
+MODEL_PARAMS = ("context_length", "warmup", "steps", "compile")
 
 
 @dataclass(frozen=True)
@@ -43,9 +52,14 @@ class Params:
     steps: int = param(10, "model: timed steps")
     compile: bool = param(True, "False: eager against eager (smoke runs: Inductor takes minutes on a small CPU)")
     budget_s: float = param(1200.0, "time budget in seconds; cells past it are recorded as skipped")
+    parts: list[str] = param(list(PARTS), "what to run: attention (the grid), model (the sizes); a job of model "
+                                          "sizes adds its rows to the model tables of the same commit and settings")
 
     def check(self) -> None:
         check_presets(*self.sizes)
+        unknown = [x for x in self.parts if x not in PARTS]
+        if unknown:
+            raise ValueError(f"torch_compile: unknown part {unknown[0]!r}; parts: {', '.join(PARTS)}")
         check_positive(batch_size=self.batch_size, n_forward=self.n_forward, n_backward=self.n_backward,
                        context_length=self.context_length, steps=self.steps, budget_s=self.budget_s)
 
@@ -66,17 +80,30 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         print("torch.compile skipped in the smoke run (inductor compilation takes minutes on a small CPU); "
               "eager is benchmarked against eager to exercise the pipeline.")
     deadline = time.monotonic() + p.budget_s
-    eager = attention_grid(p, compile=False, budget_s=0.2 * p.budget_s, desc="attention eager")
-    compiled = attention_grid(p, compile=compile, budget_s=0.3 * p.budget_s, desc="attention compiled")
-    both = pd.concat([eager, compiled], ignore_index=True)
-    out.table(both, "attention_timings")
-    merged = eager.merge(compiled, on=["d_model", "seq_len"], suffixes=("_eager", "_compiled"))
-    ratio = merged[["d_model", "seq_len", "status_eager", "status_compiled"]].copy()
-    for ph in ("forward", "backward"):
-        e, c = merged.get(f"{ph}_mean_ms_eager"), merged.get(f"{ph}_mean_ms_compiled")
-        if e is not None and c is not None:
-            ratio[f"{ph}_eager_ms"], ratio[f"{ph}_compiled_ms"], ratio[f"{ph}_speedup"] = e, c, e / c
-    out.table(ratio, "attention_speedup")
+    results: dict[str, Any] = {}
+    if "attention" in p.parts:
+        share = 1.0 if "model" not in p.parts else 0.5
+        eager = attention_grid(p, compile=False, budget_s=0.4 * share * p.budget_s, desc="attention eager")
+        compiled = attention_grid(p, compile=compile, budget_s=0.6 * share * p.budget_s, desc="attention compiled")
+        both = pd.concat([eager, compiled], ignore_index=True)
+        out.table(both, "attention_timings")
+        merged = eager.merge(compiled, on=["d_model", "seq_len"], suffixes=("_eager", "_compiled"))
+        ratio = merged[["d_model", "seq_len", "status_eager", "status_compiled"]].copy()
+        for ph in ("forward", "backward"):
+            e, c = merged.get(f"{ph}_mean_ms_eager"), merged.get(f"{ph}_mean_ms_compiled")
+            if e is not None and c is not None:
+                ratio[f"{ph}_eager_ms"], ratio[f"{ph}_compiled_ms"], ratio[f"{ph}_speedup"] = e, c, e / c
+        out.table(ratio, "attention_speedup")
+        results.update(attention_timings=both, attention_speedup=ratio)
+    if "model" in p.parts:
+        results.update(model_part(p, out, deadline))
+    return results
+
+
+def model_part(p: Params, out: ResultWriter, deadline: float) -> dict[str, Any]:
+    """The whole model eager and compiled, forward and training step, per size; rows of sizes this run does
+    not measure are kept from an earlier job of the same commit, device and settings."""
+    compile = p.compile
 
     def one(size: str, mode: str, compiled: bool) -> dict[str, Any]:
         spec = BenchmarkSpec(size, mode=mode, context_length=p.context_length, warmup=p.warmup,
@@ -89,20 +116,23 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
     configs = [{"size": s, "mode": m, "compiled": c} for s in p.sizes for m in ("forward", "train")
                for c in (False, True)]
+    earlier = rows_of_this_run(out, "model_timings", asdict(p), MODEL_PARAMS)
     model = run_sweep(one, configs, desc="model compiled vs eager", budget_s=deadline_left(deadline))
     torch._dynamo.reset()  # compiled graphs hold on to the last model's weights
     free_memory()
-    out.table(model, "model_timings")
+    model = merge_rows(model, earlier, "size", order=list(ALL_PRESETS))
+    sizes = list(dict.fromkeys(model["size"]))
+    out.table(model, "model_timings", params={"sizes": sizes})
     ok = model[model["status"] == OK]
     speed = pd.DataFrame()
     if not ok.empty and ok["compiled"].nunique() == 2:
         wide = ok.pivot_table(index=["size", "mode"], columns="compiled", values="total_mean_ms")
         speed = wide.rename(columns={False: "eager_ms", True: "compiled_ms"}).dropna().reset_index()
         speed["speedup"] = speed["eager_ms"] / speed["compiled_ms"]
-        speed = ordered(speed, "size", p.sizes).sort_values(["size", "mode"]).reset_index(drop=True)
+        speed = ordered(speed, "size", sizes).sort_values(["size", "mode"]).reset_index(drop=True)
         speed["size"] = speed["size"].astype(str)
-        out.table(speed, "model_speedup")
-    return {"attention_timings": both, "attention_speedup": ratio, "model_timings": model, "model_speedup": speed}
+        out.table(speed, "model_speedup", params={"sizes": sizes})
+    return {"model_timings": model, "model_speedup": speed}
 
 
 

@@ -31,7 +31,7 @@ from cs336_systems.benchmarking.sweep import OK, deadline_left, run_sweep
 from cs336_systems.configs import PRESETS as ALL_PRESETS
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report.staleness import MODEL
-from cs336_systems.results import ResultWriter
+from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
 
 @dataclass(frozen=True)
@@ -154,37 +154,17 @@ STEP_PARAMS = ("tokens_per_step", "precision", "compile", "attention", "optimize
 
 
 def earlier_rows(out: ResultWriter, name: str, p: Params) -> pd.DataFrame | None:
-    """The rows of an existing table ``name`` measured at this commit, on this device, with the same step
-    parameters, or None.
-
-    One preset's contexts may take longer than a GPU job may run (xl: about 5 minutes a context with one stack
-    resident), so a run of other contexts adds its rows to them; a table from other code or other settings is
-    replaced, so every table keeps a single provenance."""
+    """The rows of table ``name`` from an earlier job of this commit, device and step parameters (one preset's
+    contexts may take longer than a GPU job may run: xl takes about 5 minutes a context with one stack
+    resident), or None."""
     from dataclasses import asdict
 
-    from cs336_systems.results import device_description, git_commit, load_meta, load_table
-
-    path = out.dir / f"{name}.meta.json"
-    if not path.exists():
-        return None
-    meta = load_meta(out.section, name, root=out.dir.parent)
-    params = meta.get("params") or {}
-    mine = asdict(p)
-    same_run = (meta.get("git_commit"), meta.get("device"), meta.get("smoke"))
-    if same_run != (git_commit(), device_description()["device"], out.smoke) or any(
-            params.get(k) != mine[k] for k in STEP_PARAMS):
-        return None
-    return load_table(out.section, name, root=out.dir.parent)
+    return rows_of_this_run(out, name, asdict(p), STEP_PARAMS)
 
 
 def with_earlier(rows: pd.DataFrame | None, earlier: pd.DataFrame | None) -> pd.DataFrame:
     """``rows`` after the earlier rows of the contexts ``rows`` does not measure, ordered by context."""
-    if earlier is None:
-        return rows
-    if rows is None:
-        return earlier
-    kept = earlier[~earlier["context_length"].isin(set(rows["context_length"]))]
-    return pd.concat([kept, rows], ignore_index=True).sort_values("context_length", kind="stable").reset_index(drop=True)
+    return merge_rows(rows, earlier, "context_length")
 
 
 #: Every preset's measured tables (the order of the combined tables).
