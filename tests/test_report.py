@@ -63,6 +63,33 @@ def test_every_section_present_and_says_what_is_missing(results: Path) -> None:
     assert doc.inputs == []
 
 
+def test_the_2026_writeup_follows_its_handout(results: Path) -> None:
+    """The 2026 document: the 2026 handout's numbers and problem names in its order, each backed by a workbook
+    section (or saying that none measures it yet), every 2026 problem present once, notes at the top."""
+    from cs336_systems.report.editions import EDITION_2026, entries
+
+    _write_benchmarking(results)
+    doc = build_document(results, strict=True, edition="2026")
+    assert [s.number for s in doc.sections] == [e.number for e in EDITION_2026]
+    problems = [p for s in doc.sections for p in s.problems]
+    for name in ("benchmarking_script", "nsys_profile", "memory_profiling", "gradient_checkpointing",
+                 "pytorch_attention", "torch_compile", "flash_benchmarking", "distributed_communication_single_node",
+                 "naive_ddp", "minimal_ddp_flat_benchmarking", "ddp_overlap_individual_parameters",
+                 "optimizer_state_sharding", "fsdp", "fsdp_accounting", "alternate_ring_all_reduce", "tp_calcs",
+                 "fsdp_tp_calcs", "leaderboard"):
+        assert problems.count(name) == 1, name
+    assert {e.section for e in EDITION_2026} - {None} <= {spec.name for spec in SECTIONS}
+    bench = doc.section("2.1.3")
+    assert bench.blocks[0].markdown.startswith("**The 2026 handout:**")
+    assert any(isinstance(b, Table) for b in bench.walk())  # the same results as the workbook's §1.1.3
+    leaderboard = doc.section("9")
+    assert any(isinstance(b, Missing) for b in leaderboard.walk())
+    assert "§2.1.3 | benchmarking_script | §1.1.3 End-to-end benchmarking" in doc.preamble[-1].markdown
+    assert doc.title.endswith("(2026 edition)") and entries("2025") is None
+    with pytest.raises(ValueError, match="unknown edition '2027'"):
+        build_document(results, edition="2027")
+
+
 def test_numbers_and_provenance_come_from_the_results(results: Path) -> None:
     _write_benchmarking(results)
     doc = build_document(results, strict=True)
@@ -191,7 +218,7 @@ def test_committed_writeup_is_up_to_date() -> None:
     assert mf.DEFAULT_PDF.read_bytes().startswith(b"%PDF")
     # The main body stays short; exploratory results live in the index beside it.
     assert recorded["pdf"]["pages"] <= 50, f"writeup.pdf has {recorded['pdf']['pages']} pages"
-    assert set(recorded["outputs"]) == {"writeup.html", "figures/index.html"}
+    assert set(recorded["outputs"]) == {"writeup.html", "figures/index.html", "writeup-2026.pdf", "writeup-2026.html"}
 
 
 def test_ddp_answers_and_bucket_size_come_from_the_measurements(results: Path) -> None:
@@ -288,8 +315,11 @@ def test_pdf_renders_end_to_end(results: Path, tmp_path: Path) -> None:
     from cs336_systems.report.build import build
 
     _write_benchmarking(results)
-    pdf, html_path, index, _ = build(tmp_path / "w.pdf", results, manifest=tmp_path / "m.json", strict=True)
+    pdf, html_path, index, pdf26, html26, _ = build(tmp_path / "w.pdf", results, manifest=tmp_path / "m.json",
+                                                    strict=True)
     assert html_path == tmp_path / "w.html" and index == results / "index.html"
+    assert (pdf26, html26) == (tmp_path / "w-2026.pdf", tmp_path / "w-2026.html")
+    assert pdf26.read_bytes().startswith(b"%PDF") and "2026 edition" in html26.read_text()
     data = pdf.read_bytes()
     import re
 

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cs336_systems.report import editions
 from cs336_systems.report import manifest as _manifest
 from cs336_systems.report.commentary import notebook_intro
 from cs336_systems.report.data import SectionData
@@ -19,7 +20,7 @@ NOTEBOOK_DIR = _manifest.NOTEBOOK_DIR
 INDEX_NAME = _manifest.INDEX_NAME
 
 
-def _preamble(root: Path) -> list[Block]:
+def _preamble(root: Path, html: str = "writeup.html") -> list[Block]:
     return [
         Text(
             "Every number, table and figure below is read from the committed results under "
@@ -29,7 +30,7 @@ def _preamble(root: Path) -> list[Block]:
             "(`python -m cs336_systems.report status` lists them per section with the command that refreshes "
             "them). A section without results says so and names the command that produces them. The writeup "
             "prints what its answers cite; every other committed result (exploratory sweeps, lab runs) is in the "
-            f"results index `{root.name}/{INDEX_NAME}`, and `writeup.html` is this document as a web page. "
+            f"results index `{root.name}/{INDEX_NAME}`, and `{html}` is this document as a web page. "
             f"Rebuild all three with `{_manifest.REBUILD_COMMAND}`."
         )
     ]
@@ -97,10 +98,50 @@ def _drop_cited(further: list[Block], cited: set[str]) -> list[Block]:
                     and (i + 1 == len(kept) or (isinstance(kept[i + 1], Text) and kept[i + 1].role == "further")))]
 
 
-def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Path = NOTEBOOK_DIR) -> Document:
+def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -> Document:
+    """The writeup of another edition of the handout (:mod:`cs336_systems.report.editions`): the same
+    sections' answers under that handout's numbers and problem names, each with its note, and an entry for
+    every problem no section measures yet."""
+    from cs336_systems.experiments import SECTIONS
+
+    sections: list[Section] = []
+    rows = ["| this handout | problems | workbook section (`writeup.pdf`) |", "|---|---|---|"]
+    for entry in editions.entries(edition) or ():
+        note = [Text(f"**The {edition} handout:** {entry.note}")] if entry.note else []
+        if entry.section is None:
+            blocks: list[Block] = [*note, Missing(f"{', '.join(entry.problems)} ({edition} handout)",
+                                                  "see the note above")]
+            sections.append(Section(entry.number, entry.title or entry.problems[0], f"{edition}-{entry.number}",
+                                    entry.problems, blocks))
+            rows.append(f"| §{entry.number} | {', '.join(entry.problems)} | (none yet) |")
+            continue
+        spec = SECTIONS[entry.section]
+        section, _ = build_section(spec, root, strict, notebooks)
+        section.number, section.problems = entry.number, entry.problems
+        section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
+        section.blocks[:0] = note
+        section.further = []  # the results index belongs to the workbook's own writeup
+        sections.append(section)
+        rows.append(f"| §{entry.number} | {', '.join(entry.problems) or '(context)'} | §{spec.number} {spec.title} |")
+    preamble = _preamble(root, f"writeup-{edition}.html") + [
+        Text(f"This document answers the {edition} edition of the handout, in its order and under its numbers. "
+             "It reads the same results as `writeup.pdf`, the workbook's full writeup; where a result answers "
+             f"the other edition's wording, a note at the top of the section says how, and how to refresh it. "
+             "Answers cite other sections by the workbook's numbers:"),
+        Text("\n".join(rows)),
+    ]
+    inputs = _manifest.result_files(root)
+    return Document(f"{TITLE} ({edition} edition)", preamble, sections, inputs)
+
+
+def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Path = NOTEBOOK_DIR,
+                   edition: str = "2025") -> Document:
     """The whole writeup from the results under ``root`` and the commentary of the notebooks in
-    ``notebooks`` (no rendering, no browser)."""
+    ``notebooks`` (no rendering, no browser); ``edition``: which handout's writeup (2025: the workbook's
+    own, every section)."""
     root = Path(root)
+    if editions.entries(edition) is not None:
+        return _edition_document(edition, root, strict, notebooks)
     sections: list[Section] = []
     known = set()
     for spec in sections_():
@@ -165,12 +206,19 @@ def build(
     doc = build_document(root, strict)
     html_path = write_html(doc, output.with_suffix(".html"))
     index = write_index(doc, root, html_path)
+    date = _manifest.inputs_date(root)
     with tempfile.TemporaryDirectory(prefix="cs336-writeup-") as tmp:
         printable = write_html(doc, Path(tmp) / "writeup.html", embed=True)
-        html_to_pdf(printable, output, date=_manifest.inputs_date(root))
-    written = [output, html_path, index]
+        html_to_pdf(printable, output, date=date)
+        others: list[Path] = []
+        for edition in editions.EDITIONS[1:]:  # the other handouts' writeups, beside it: writeup-2026.pdf
+            pdf = output.with_name(f"{output.stem}-{edition}.pdf")
+            edition_doc = build_document(root, strict, edition=edition)
+            others += [pdf, write_html(edition_doc, pdf.with_suffix(".html"))]
+            html_to_pdf(write_html(edition_doc, Path(tmp) / f"writeup-{edition}.html", embed=True), pdf, date=date)
+    written = [output, html_path, index, *others]
     if manifest is not None:
-        _manifest.write_manifest(output, root, Path(manifest), outputs=[html_path, index])
+        _manifest.write_manifest(output, root, Path(manifest), outputs=[html_path, index, *others])
         written.append(Path(manifest))
     return written
 

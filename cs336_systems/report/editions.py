@@ -1,0 +1,87 @@
+"""The writeup per edition of the handout: which sections answer which problems, under which numbers.
+
+The 2025 writeup (``writeup.pdf``) is every section in the workbook's own order. The 2026 handout renumbers
+the assignment, drops and adds problems, and asks some of the same questions of other models; its writeup
+(``writeup-2026.pdf``) shows the same sections' answers under the 2026 numbers and problem names, with a
+note wherever the committed results answer the 2025 wording rather than the 2026 one, and an entry for
+every 2026 problem no section measures yet. Nothing is answered twice: both documents read the same results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EDITIONS = ("2025", "2026")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One section of an edition's writeup."""
+
+    number: str
+    """The handout's section number."""
+    problems: tuple[str, ...]
+    """The handout's problem names the section answers (empty: context, such as the model table)."""
+    section: str | None
+    """The workbook section (``cs336_systems.experiments``) whose answers it shows; None: not built yet."""
+    title: str | None = None
+    """The title, when the workbook section's own does not fit this edition."""
+    note: str = ""
+    """How the committed results differ from what this edition asks, and how to close the gap."""
+
+
+_SIZES_2026 = "`--set sizes=small,medium,large,xl@2026,10B@2026`"
+
+#: The 2026 handout (26.1.x) in its own order.
+EDITION_2026: tuple[Entry, ...] = (
+    Entry("2.1.2", (), "model_sizes"),
+    Entry("2.1.3", ("benchmarking_script",), "benchmarking",
+          note="The 2026 handout times its own model table (xl = 2560/10240/32/32, a new 10B) and the full step "
+               "with AdamW as well; the tables below time the 2025 table's forward and backward passes. "
+               f"Refresh on the 2026 models with {_SIZES_2026}; the full step with the optimizer is in §1.4's "
+               "tables (`training_step`)."),
+    Entry("2.1.4", ("nsys_profile",), "nsys_profile",
+          note="2026 asks for two sizes at three contexts each, up to the longest that fits; the results below "
+               "are the 2025 grid (every size at contexts 128 to 1024). Refresh with, e.g., "
+               "`--set sizes=small,xl@2026 --set context_lengths=512,2048,8192`."),
+    Entry("2.1.5", ("mixed_precision_accumulation", "benchmarking_mixed_precision"), "mixed_precision"),
+    Entry("2.1.6", ("memory_profiling",), "memory_profiling",
+          note="2026 profiles its xl, the same model as 2025's 2.7B (2560/10240/32/32) profiled below, at "
+               "contexts 128 and 2048 instead of 128, 256 and 512: refresh with "
+               "`--set size=xl@2026 --set context_lengths=128,2048`. Part (f), the residuals of one block, is "
+               "answered in §3 below."),
+    Entry("3", ("memory_profiling (f)", "gradient_checkpointing"), "gradient_checkpointing",
+          title="Single-GPU memory: autograd residuals and gradient checkpointing"),
+    Entry("4.1.1", ("pytorch_attention",), "pytorch_attention"),
+    Entry("4.2", ("torch_compile",), "torch_compile"),
+    Entry("4.2.2", ("flash_forward", "flash_backward", "flash_benchmarking"), "flash_benchmarking"),
+    Entry("5.1", ("distributed_communication_single_node",), "distributed_communication_single_node",
+          note="2026 measures NCCL only, on 2, 4 and 6 GPUs; the results below include gloo and stop where the "
+               "machine did."),
+    Entry("5.2", ("naive_ddp", "naive_ddp_benchmarking"), "naive_ddp"),
+    Entry("5.3.1", ("minimal_ddp_flat_benchmarking",), "ddp_flat"),
+    Entry("5.3.2", ("ddp_overlap_individual_parameters", "ddp_overlap_individual_parameters_benchmarking"),
+          "ddp_overlap_individual"),
+    Entry("5.3.3", ("beyond the 2026 handout",), "ddp_bucketed",
+          note="The 2026 handout dropped bucketed DDP; the workbook keeps it, and `get_ddp` returns it."),
+    Entry("6", ("optimizer_state_sharding", "optimizer_state_sharding_accounting"), "optimizer_state_sharding"),
+    Entry("7", ("fsdp", "fsdp_accounting"), "fsdp",
+          note="fsdp_accounting (b), whether the all-gather finishes in time on two GPUs for the 2026 xl, "
+               "needs a two-GPU profile not yet taken."),
+    Entry("8", ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs"),
+          "parallelism_strategies"),
+    Entry("9", ("leaderboard",), None, title="Leaderboard: a full training step of an 8B model on two GPUs",
+          note="The harness and its memory plan are `python -m cs336_systems.benchmarking.leaderboard_8b` "
+               "(README, \"The 2026 leaderboard step\"); it needs two GPUs of 141 GB or more and has no timing "
+               "yet."),
+    Entry("10", ("beyond the handout",), "training_step"),
+    Entry("11", ("the course's tests",), "course_tests"),
+)
+
+
+def entries(edition: str) -> tuple[Entry, ...] | None:
+    """The edition's sections in order, or None for the workbook's own order (2025)."""
+    if edition not in EDITIONS:
+        raise ValueError(f"unknown edition {edition!r}; editions: {', '.join(EDITIONS)}")
+    return EDITION_2026 if edition == "2026" else None
+
