@@ -264,7 +264,7 @@ class _Regather:
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage of their own (tracing)
         return False
 
 

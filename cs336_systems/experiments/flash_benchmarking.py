@@ -53,7 +53,7 @@ from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model
 from cs336_systems.benchmarking.sweep import OK, OOM, free_memory, grid, is_oom, run_sweep
 from cs336_systems.benchmarking.timing import TimingStats, do_bench
 from cs336_systems.configs import attention_flops
-from cs336_systems.experiments.section import Section, param
+from cs336_systems.experiments.section import Section, check_parts, param
 from cs336_systems.profiling.torch_profiler import kernel_table, profile_steps
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question, subset
@@ -680,9 +680,7 @@ class Params:
     gluon: bool = param(True, "the warp-specialized Gluon forward on Hopper (False: the Triton forward)")
 
     def check(self) -> None:
-        unknown = [x for x in self.parts if x not in PARTS]
-        if unknown:
-            raise ValueError(f"flash_benchmarking: unknown part {unknown[0]!r}; parts: {', '.join(PARTS)}")
+        check_parts("flash_benchmarking", self.parts, PARTS)
         if self.candidates not in CANDIDATE_SETS:
             raise ValueError(f"flash_benchmarking: candidates must be one of {', '.join(CANDIDATE_SETS)}")
 

@@ -169,6 +169,13 @@ def check_presets(*names: str) -> None:
         get_config(name)
 
 
+def check_parts(section: str, parts: list[str], allowed: tuple[str, ...]) -> None:
+    """Every part one of ``allowed`` (``ValueError`` naming the first that is not, and the valid ones)."""
+    unknown = [x for x in parts if x not in allowed]
+    if unknown:
+        raise ValueError(f"{section}: unknown part {unknown[0]!r}; parts: {', '.join(allowed)}")
+
+
 def check_positive(**values: float) -> None:
     """Every value > 0 (``ValueError`` naming the first that is not)."""
     for key, value in values.items():

@@ -20,7 +20,7 @@ from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, ord
 from cs336_systems.configs import HANDOUT_SIZES
 from cs336_systems.configs import PRESETS as ALL_PRESETS
 from cs336_systems.experiments.pytorch_attention import GRID_AXES, attention_grid, grid_axes
-from cs336_systems.experiments.section import Section, check_positive, check_presets, param
+from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, param
 from cs336_systems.plotting import grouped_bars, measured_on, status_heatmap
 from cs336_systems.replot import Derived
 from cs336_systems.report import fmt
@@ -57,9 +57,7 @@ class Params:
 
     def check(self) -> None:
         check_presets(*self.sizes)
-        unknown = [x for x in self.parts if x not in PARTS]
-        if unknown:
-            raise ValueError(f"torch_compile: unknown part {unknown[0]!r}; parts: {', '.join(PARTS)}")
+        check_parts("torch_compile", self.parts, PARTS)
         check_positive(batch_size=self.batch_size, n_forward=self.n_forward, n_backward=self.n_backward,
                        context_length=self.context_length, steps=self.steps, budget_s=self.budget_s)
 

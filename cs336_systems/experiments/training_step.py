@@ -17,7 +17,7 @@ Each preset writes its own tables as its cells finish, so the grid can be measur
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -119,17 +119,21 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
             return {"resident": rows.attrs["resident"], "matmul_ceiling_TFLOP_per_s": ceiling,
                     **{f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}}
 
-        earlier = {name: earlier_rows(out, f"{name}_{preset}", p) for name in ("steps", "time_split")}
+        # one preset's contexts may take longer than a GPU job (xl: about 5 minutes a context with one stack
+        # resident): rows of an earlier job of this commit, device and step parameters stay
+        earlier = {name: rows_of_this_run(out, f"{name}_{preset}", asdict(p), STEP_PARAMS)
+                   for name in ("steps", "time_split")}
 
         def write(rows: pd.DataFrame, preset: str = preset, splits: list = splits) -> None:
             rows = rows.assign(preset=preset)[["preset", *rows.columns]]
             rows["batch_size"] = p.tokens_per_step // rows["context_length"]
-            rows = with_earlier(rows, earlier["steps"])
+            rows = merge_rows(rows, earlier["steps"], "context_length")
             out.table(rows, f"steps_{preset}", params={"contexts": sorted(rows["context_length"].unique().tolist())},
                       extra={"vs_reference": "reference step time / ours (above 1: ours faster)"})
             result[f"steps_{preset}"] = rows
             if splits or earlier["time_split"] is not None:
-                split = with_earlier(pd.concat(splits, ignore_index=True) if splits else None, earlier["time_split"])
+                split = merge_rows(pd.concat(splits, ignore_index=True) if splits else None, earlier["time_split"],
+                                   "context_length")
                 out.table(split, f"time_split_{preset}",
                           extra={"host / idle": "measured step time minus the kernels' time"})
                 result[f"time_split_{preset}"] = split
@@ -151,20 +155,6 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 #: Parameters that change what a cell measures: rows of runs that agree on them (and on the commit) combine.
 STEP_PARAMS = ("tokens_per_step", "precision", "compile", "attention", "optimizer", "checkpoint", "fused_head",
                "rounds", "steps", "warmup", "split_steps", "resident")
-
-
-def earlier_rows(out: ResultWriter, name: str, p: Params) -> pd.DataFrame | None:
-    """The rows of table ``name`` from an earlier job of this commit, device and step parameters (one preset's
-    contexts may take longer than a GPU job may run: xl takes about 5 minutes a context with one stack
-    resident), or None."""
-    from dataclasses import asdict
-
-    return rows_of_this_run(out, name, asdict(p), STEP_PARAMS)
-
-
-def with_earlier(rows: pd.DataFrame | None, earlier: pd.DataFrame | None) -> pd.DataFrame:
-    """``rows`` after the earlier rows of the contexts ``rows`` does not measure, ordered by context."""
-    return merge_rows(rows, earlier, "context_length")
 
 
 #: Every preset's measured tables (the order of the combined tables).
