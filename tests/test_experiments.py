@@ -30,7 +30,10 @@ def test_parameters_are_typed_and_checked_by_name() -> None:
     bench = get("benchmarking")
     p = bench.params("smoke", {"sizes": "small", "budget_s": 30, "fresh_process": "false"})
     assert p.sizes == ["small"] and p.budget_s == 30.0 and p.fresh_process is False
-    assert bench.params("full").sizes == ["small", "medium", "large", "xl", "2.7B"]
+    # both handouts' tables, each model once: 2026's xl is 2025's 2.7B, so 2026 adds only its 10B
+    assert bench.params("full").sizes == ["small", "medium", "large", "xl", "2.7B", "10B@2026"]
+    with pytest.raises(ValueError, match="mode must be one of inference, forward, forward_backward, train, got 'step'"):
+        bench.params("full", {"mode": "step"})
     with pytest.raises(ValueError, match="benchmarking has no parameter 'size'; parameters: sizes, "):
         bench.params("full", {"size": "xl"})
     with pytest.raises(ValueError, match="benchmarking.steps must be int, got 'ten'"):
@@ -170,3 +173,28 @@ def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path,
     assert measure(["tiny"]) == (["tiny"], ["tiny"])
     with pytest.raises(ValueError, match="unknown part 'graphs'"):
         section.params("smoke", {"parts": ["graphs"]})
+
+
+def test_benchmarking_times_each_phase_of_a_full_step_and_says_why_a_size_does_not_fit(tmp_path, monkeypatch) -> None:
+    """The 2026 handout asks for the optimizer step as well: the default mode times forward, backward and
+    AdamW separately, and a size that runs out of memory is explained by what its state alone needs."""
+    import pandas as pd
+
+    from cs336_systems.experiments.benchmarking import _timing_sentence
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["benchmarking", "--smoke", "--set", "warmup_study=[0]"]) == 0
+    meta = json.loads((tmp_path / "benchmarking" / "timings.meta.json").read_text())
+    assert meta["params"]["mode"] == "train"
+    timings = pd.read_csv(tmp_path / "benchmarking" / "timings.csv")
+    row = timings.iloc[0]
+    for phase in ("forward", "backward", "optimizer"):
+        assert row[f"{phase}_mean_ms"] > 0
+    assert row["total_mean_ms"] >= row["forward_mean_ms"] + row["backward_mean_ms"] + row["optimizer_mean_ms"] - 1e-6
+    oom = pd.concat([timings, pd.DataFrame([{"size": "10B@2026", "status": "OOM"}])], ignore_index=True)
+    text = _timing_sentence(oom, meta).markdown
+    assert "Forward / backward / optimizer time per step: tiny " in text
+    assert "10B@2026 (OOM: 12.8 B parameters need 205 GB for fp32 weights, gradients and AdamW moments)" in text
+    # a run of the earlier forward + backward grid says what it lacks
+    old = _timing_sentence(timings.drop(columns=[c for c in timings if c.startswith("optimizer_")]), {"params": {}})
+    assert "timed forward_backward steps, without the optimizer" in old.markdown

@@ -1,6 +1,10 @@
-"""§1.1.3 End-to-end benchmarking: forward and backward time per model size, and what warm-up steps do.
+"""§1.1.3 End-to-end benchmarking: forward, backward and optimizer-step time per model size, and what warm-up
+steps do.
 
-Problem ``benchmarking_script``. The model preset table of §1.1.2 (``model_sizes``) is shown with it.
+Problem ``benchmarking_script`` of both handouts: 2025 asks for the forward and backward passes of its model
+table, 2026 for the forward, backward and optimizer step of its own. One grid answers both: full AdamW steps
+with each phase timed, over both tables with every model once (2026's ``xl`` is 2025's ``2.7B``, so 2026
+adds only ``10B@2026``). The model preset table of §1.1.2 (``model_sizes``) is shown with it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ import pandas as pd
 import seaborn as sns
 import torch
 
-from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model
+from cs336_systems.benchmarking.end_to_end import MODES, BenchmarkSpec, benchmark_model
 from cs336_systems.benchmarking.sweep import OK, deadline_left, run_sweep
-from cs336_systems.configs import HANDOUT_SIZES, get_config
+from cs336_systems.configs import HANDOUT_SIZES, HANDOUT_SIZES_BY_EDITION, ModelConfig, get_config
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import failed_rows, join_words, ok_rows, question
@@ -29,9 +33,21 @@ from cs336_systems.report.staleness import MODEL, TIMING
 from cs336_systems.results import ResultWriter
 
 
+def _shape(cfg: ModelConfig) -> ModelConfig:
+    return cfg.replace(name="")
+
+
+#: Both handouts' tables, each model once: the 2025 table, then the 2026 models it lacks (``10B@2026``).
+BOTH_EDITIONS_SIZES = list(HANDOUT_SIZES) + [
+    s for s in HANDOUT_SIZES_BY_EDITION["2026"]
+    if _shape(get_config(s)) not in {_shape(get_config(t)) for t in HANDOUT_SIZES}]
+
+
 @dataclass(frozen=True)
 class Params:
-    sizes: list[str] = param(list(HANDOUT_SIZES), "model presets to time")
+    sizes: list[str] = param(BOTH_EDITIONS_SIZES, "model presets to time (default: both handouts' tables)")
+    mode: str = param("train", f"what a timed step runs, of {', '.join(MODES)} (train: forward, backward and "
+                               "AdamW, each phase timed)")
     context_length: int = param(512, "tokens per sequence")
     warmup: int = param(5, "untimed steps before the timed ones")
     steps: int = param(10, "timed steps per size")
@@ -42,6 +58,8 @@ class Params:
 
     def check(self) -> None:
         check_presets(*self.sizes, *self.warmup_study_sizes)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         check_positive(context_length=self.context_length, steps=self.steps, budget_s=self.budget_s)
 
 
@@ -74,22 +92,21 @@ def run_model_in_subprocess(spec: BenchmarkSpec, timeout_s: float = 300) -> dict
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
-    """Forward and backward time (mean ± std) per size; the warm-up study for each warm-up count, each
-    setting in a fresh process (``fresh_process``; smoke runs stay in-process to be quick, so their
-    warm-up study only exercises the pipeline)."""
+    """Time per phase (mean ± std) of a ``mode`` step per size; the warm-up study (forward and backward) for
+    each warm-up count, each setting in a fresh process (``fresh_process``; smoke runs stay in-process to be
+    quick, so their warm-up study only exercises the pipeline)."""
     deadline = time.monotonic() + p.budget_s
 
     def one(size: str) -> dict[str, Any]:
-        spec = BenchmarkSpec(size, mode="forward_backward", context_length=p.context_length,
-                             warmup=p.warmup, steps=p.steps)
+        spec = BenchmarkSpec(size, mode=p.mode, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
         return benchmark_model(spec)
 
-    timings = run_sweep(one, [{"size": s} for s in p.sizes], desc="fwd+bwd timings",
-                        budget_s=0.7 * p.budget_s)
-    keep = ["size", "status"] + [c for c in timings.columns if c.startswith(("forward_", "backward_", "total_"))
+    timings = run_sweep(one, [{"size": s} for s in p.sizes], desc=f"{p.mode} timings", budget_s=0.7 * p.budget_s)
+    phases = ("forward_", "backward_", "optimizer_", "total_")
+    keep = ["size", "status"] + [c for c in timings.columns if c.startswith(phases)
                                  or c in ("tokens_per_s", "TFLOP_per_s", "peak_memory_GiB")]
     timings = timings[[c for c in keep if c in timings.columns]]
-    out.table(timings, "timings", extra={"mode": "forward_backward", "context_length": p.context_length})
+    out.table(timings, "timings", extra={"mode": p.mode, "context_length": p.context_length})
 
     def warm(size: str, warmup: int) -> dict[str, Any]:
         spec = BenchmarkSpec(size, mode="forward_backward", context_length=p.context_length, warmup=warmup,
@@ -104,13 +121,15 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
     ok = timings[timings["status"] == OK]
     if not ok.empty:
         fig, ax = plt.subplots(figsize=(7, 3.5))
+        timed = [ph for ph in ("forward", "backward", "optimizer") if f"{ph}_mean_ms" in ok]
         long = pd.concat(
-            [ok.assign(phase=ph, mean_ms=ok[f"{ph}_mean_ms"], std_ms=ok[f"{ph}_std_ms"]) for ph in ("forward", "backward")]
+            [ok.assign(phase=ph, mean_ms=ok[f"{ph}_mean_ms"], std_ms=ok[f"{ph}_std_ms"]) for ph in timed]
         )
         sns.barplot(long, x="size", y="mean_ms", hue="phase", ax=ax)
+        # seaborn draws the bars hue by hue, in the order of ``long``'s rows
         for bar, (_, r) in zip(ax.patches, long.iterrows(), strict=False):
             ax.errorbar(bar.get_x() + bar.get_width() / 2, r["mean_ms"], yerr=r["std_ms"], color="black", capsize=3)
-        ax.set(ylabel="ms per step (mean ± std)", title=f"Forward and backward time, context {p.context_length}")
+        ax.set(ylabel="ms per step (mean ± std)", title=f"Time per phase, context {p.context_length}")
         out.figure(fig, "timings")
         plt.close(fig)
     study_ok = study[study["status"] == OK] if "status" in study else study
@@ -126,6 +145,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.configs import param_counts  # noqa: E402 (answers only)
 from cs336_systems.report.answers import mfu_note, subset, with_mfu  # noqa: E402 (answers only)
 
 
@@ -133,21 +153,24 @@ def answer(d: SectionData) -> list[Block]:
     timings = d.frame("timings")
     study = d.frame("warmup_study")
     return [
-        question(d, "a", "A script for end-to-end benchmarking of the forward and backward passes.", [
-            Text("`python -m cs336_systems.benchmarking model --size SIZE --mode forward_backward` builds a "
-                 "preset, draws a random batch, runs `--warmup` untimed steps and then times each phase "
-                 "(forward, backward, optimizer) with `timeit.default_timer`, calling "
-                 "`torch.cuda.synchronize()` after each; `python -m cs336_systems.experiments benchmarking` "
-                 "runs this section's whole sweep.")]),
-        question(d, "b", "Forward and backward timings for the model sizes of §1.1.2 (5 warm-up, 10 measured "
-                 "steps).", [_timing_sentence(timings),
+        question(d, "a", "A script for end-to-end benchmarking: forward only, forward and backward, or full "
+                 "training steps with the optimizer.", [
+            Text("`python -m cs336_systems.benchmarking model --preset SIZE --mode MODE` builds a preset, draws a "
+                 "random batch, runs `--warmup` untimed steps and then times `--steps` steps of MODE: `forward`, "
+                 "`forward_backward`, or `train` (forward, backward and the AdamW step). Each phase is timed on "
+                 "its own with `timeit.default_timer`, with `torch.cuda.synchronize()` after it; "
+                 "`python -m cs336_systems.experiments benchmarking` runs this section's whole sweep.")]),
+        question(d, "b", "Forward, backward and optimizer-step timings for the model sizes of §1.1.2 (5 warm-up, "
+                 "10 measured steps).", [_timing_sentence(timings, d.meta("timings")),
                              d.table("timings", frame=subset(with_mfu(timings, d.meta("timings")), "size", "status",
                                                              "forward_mean_ms", "forward_std_ms", "backward_mean_ms",
-                                                             "backward_std_ms", "total_mean_ms", "tokens_per_s",
+                                                             "backward_std_ms", "optimizer_mean_ms",
+                                                             "optimizer_std_ms", "total_mean_ms", "tokens_per_s",
                                                              "TFLOP_per_s", "MFU_pct", "peak_memory_GiB"),
-                                     caption="Time per step by model size, forward + backward mode."
+                                     caption=f"Time per step by model size and phase ({_mode(d.meta('timings'))} "
+                                             "steps); the 2026 table's xl is the row 2.7B."
                                              + mfu_note(d.meta("timings"))),
-                             d.figure("timings", caption="Forward and backward time per step (error bars: one "
+                             d.figure("timings", caption="Time per step and phase (error bars: one "
                                       "standard deviation).")], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             _warmup_sentence(study),
@@ -164,23 +187,40 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
-def _timing_sentence(df: pd.DataFrame | None) -> Text | None:
+def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -> Text | None:
     ok = ok_rows(df)
     if ok.empty or not {"forward_mean_ms", "backward_mean_ms"} <= set(ok.columns):
         return None
-    parts = [f"{r['size']} {fmt.ms(r['forward_mean_ms'])} / {fmt.ms(r['backward_mean_ms'])}" for _, r in ok.iterrows()]
-    text = f"Forward / backward time per step: {join_words(parts)}."
-    if {"forward_std_ms", "backward_std_ms"} <= set(ok.columns):
-        cv = pd.concat([ok["forward_std_ms"] / ok["forward_mean_ms"], ok["backward_std_ms"] / ok["backward_mean_ms"]],
-                       keys=["forward", "backward"])
+    phases = [ph for ph in ("forward", "backward", "optimizer") if f"{ph}_mean_ms" in ok.columns]
+    parts = [f"{r['size']} " + " / ".join(fmt.ms(r[f"{ph}_mean_ms"]) for ph in phases) for _, r in ok.iterrows()]
+    text = f"{' / '.join(phases).capitalize()} time per step: {join_words(parts)}."
+    if all(f"{ph}_std_ms" in ok.columns for ph in phases):
+        cv = pd.concat([ok[f"{ph}_std_ms"] / ok[f"{ph}_mean_ms"] for ph in phases], keys=phases)
         phase, idx = cv.idxmax()
         text += (f" The standard deviation is a median {fmt.pct(cv.median(), 2)} of the mean and at most "
                  f"{fmt.pct(cv.max(), 2)} ({ok.loc[idx, 'size']} {phase})"
                  + (": after warm-up the variability is low." if cv.median() < 0.05 else "."))
     failed = failed_rows(df)
     if not failed.empty:
-        text += " Not measured: " + join_words([f"{r['size']} ({r['status']})" for _, r in failed.iterrows()]) + "."
+        text += " Not measured: " + join_words([f"{r['size']} ({r['status']}{_state_note(r['size'], r['status'])})"
+                                                for _, r in failed.iterrows()]) + "."
+    if "optimizer" not in phases:
+        text += (f" This run timed {_mode(meta)} steps, without the optimizer; the 2026 handout's optimizer step is timed "
+                 "by the section's default `mode=train`.")
     return Text(text)
+
+
+def _mode(meta: dict[str, Any] | None) -> str:
+    """The timed mode of a run (runs before the ``mode`` parameter timed forward + backward)."""
+    return ((meta or {}).get("params") or {}).get("mode", "forward_backward")
+
+
+def _state_note(size: str, status: str) -> str:
+    """For a size that ran out of memory: what its fp32 weights, gradients and AdamW moments need alone."""
+    if "oom" not in status.lower():
+        return ""
+    n = param_counts(size)["total"]
+    return f": {n / 1e9:.1f} B parameters need {fmt.sig(16 * n / 1e9, 3)} GB for fp32 weights, gradients and AdamW moments"
 
 
 def _warmup_sentence(df: pd.DataFrame | None) -> Text | None:

@@ -36,10 +36,10 @@ _SIZES_2026 = "`--set sizes=small,medium,large,xl@2026,10B@2026`"
 EDITION_2026: tuple[Entry, ...] = (
     Entry("2.1.2", (), "model_sizes"),
     Entry("2.1.3", ("benchmarking_script",), "benchmarking",
-          note="The 2026 handout times its own model table (xl = 2560/10240/32/32, a new 10B) and the full step "
-               "with AdamW as well; the tables below time the 2025 table's forward and backward passes. "
-               f"Refresh on the 2026 models with {_SIZES_2026}; the full step with the optimizer is in §1.4's "
-               "tables (`training_step`)."),
+          note="One grid answers both handouts: it times forward, backward and the AdamW step of every model of "
+               "both tables, each once. The 2026 table's xl (2560/10240/32/32) is the row 2.7B and its 10B the "
+               "row 10B@2026; small, medium and large are the same in both. "
+               f"`--set sizes=...` (e.g. {_SIZES_2026}) times any other list."),
     Entry("2.1.4", ("nsys_profile",), "nsys_profile",
           note="2026 asks for two sizes at three contexts each, up to the longest that fits; the results below "
                "are the 2025 grid (every size at contexts 128 to 1024). Refresh with, e.g., "
