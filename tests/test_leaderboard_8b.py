@@ -56,3 +56,36 @@ def test_bad_options_fail_in_one_line(capsys) -> None:
     with pytest.raises(SystemExit):
         lb.main(["--layers", "0"])
     assert "num_layers must be a positive integer" in capsys.readouterr().err
+
+
+def test_the_leaderboard_section_writes_the_plan_and_the_timed_step(tmp_path, monkeypatch) -> None:
+    """§1.5 as a unit: the full shape's plan and a step at the smoke shape, each a result the writeup reads."""
+    import json
+
+    import pandas as pd
+
+    from cs336_systems.experiments import get
+    from cs336_systems.experiments.__main__ import main
+    from cs336_systems.experiments.leaderboard import _plan_sentence, _step_sentence
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["leaderboard", "--smoke"]) == 0
+    folder = tmp_path / "leaderboard"
+    plan = pd.read_csv(folder / "memory_plan.csv")
+    assert plan["fits"].tolist() == lb.memory_plan(lb.LeaderboardShape())["fits"].tolist()  # always the full shape
+    step = pd.read_csv(folder / "step.csv")
+    assert step.loc[0, "status"] == "ok" and step.loc[0, "step_ms"] > 0 and bool(step.loc[0, "within_10_min"])
+    assert step.loc[0, "shape"] == "2 layers, context 16, batch 2"
+    meta = json.loads((folder / "step.meta.json").read_text())
+    assert meta["extra"]["options"]["checkpoint"] == [1] and meta["extra"]["shape"]["num_layers"] == 2
+    text = _plan_sentence(plan, json.loads((folder / "memory_plan.meta.json").read_text())).markdown
+    k = plan["measure"].iloc[-1].removeprefix("+ ")
+    assert "The full shape has 8.13 B parameters" in text and f"FSDP, and {k} (" in text
+    said = _step_sentence(step, meta).markdown
+    assert "at 2 layers, context 16, batch 2" in said and "within the 10-minute rule" in said
+    oom = step.assign(status="OOM")
+    assert _step_sentence(oom, meta).markdown == "The reduced step did not run: OOM."
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        get("leaderboard").params("full", {"optimizer": "sgd"})
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        get("leaderboard").params("full", {"d_model": 4100})

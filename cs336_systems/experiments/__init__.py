@@ -25,6 +25,7 @@ MODULES = (
     "torch_compile",
     "flash_benchmarking",
     "training_step",
+    "leaderboard",
     "distributed_communication_single_node",
     "naive_ddp",
     "ddp_flat",

@@ -1,0 +1,167 @@
+"""§1.5 The 2026 leaderboard: a full training step of an 8B model on two GPUs, and what it takes to fit.
+
+The 2026 handout's leaderboard times one training step (zero_grad, forward, loss, backward, AdamW) of an
+8B model (vocab 151,936, d 4096, d_ff 11008, 34 layers, 32 heads) at batch 2 and context 32,768 in bf16 on
+two GPUs with ``triton.testing.do_bench``; a run from an empty cache must finish within 10 minutes.
+Two results (:mod:`cs336_systems.benchmarking.leaderboard_8b`):
+
+- ``memory_plan``: per-GPU memory of the full shape, measure by measure, from the calculator (analytic):
+  what must be fused, sharded and checkpointed before it fits two GPUs.
+- ``step``: the same step, timed on one GPU at a reduced shape that fits it (fewer layers, a shorter
+  context), with its peak memory and the whole run's wall time against the 10-minute rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import pandas as pd
+
+from cs336_systems.benchmarking.leaderboard_8b import (
+    TIME_LIMIT_S,
+    LeaderboardShape,
+    StepOptions,
+    memory_plan,
+    time_step,
+)
+from cs336_systems.benchmarking.sweep import run_sweep
+from cs336_systems.experiments.section import Section, check_positive, param
+from cs336_systems.report.staleness import MODEL
+from cs336_systems.results import ResultWriter
+
+_FULL = LeaderboardShape()
+
+
+@dataclass(frozen=True)
+class Params:
+    num_layers: int = param(4, "timed step: layers (the full model has 34)")
+    context_length: int = param(8192, "timed step: tokens per sequence (the full shape: 32768)")
+    batch_size: int = param(_FULL.batch_size, "timed step: sequences per step")
+    d_model: int = param(_FULL.d_model, "timed step: model width")
+    d_ff: int = param(_FULL.d_ff, "timed step: SwiGLU width")
+    num_heads: int = param(_FULL.num_heads, "timed step: attention heads")
+    vocab_size: int = param(_FULL.vocab_size, "timed step: vocabulary")
+    attention: str = param("flash_triton", "registered attention of the model")
+    fused_head: bool = param(True, "LM head + cross-entropy without the [batch, seq, vocab] logits")
+    checkpoint: list[int] = param([1], "activation-checkpoint levels ([]: none; [1]: every block)")
+    optimizer: str = param("torch_fused", "torch_fused (torch.optim.AdamW(fused=True)) or basics (ours)")
+    compile: bool = param(False, "torch.compile the model body")
+    warmup_ms: float = param(10_000.0, "do_bench warm-up")
+    rep_ms: float = param(30_000.0, "do_bench measuring time")
+    plan_gpus: int = param(2, "memory plan: GPUs the full shape is spread over")
+    plan_gpu_gb: float = param(180.0, "memory plan: memory per GPU in GB (B200: 180)")
+
+    def shape(self) -> LeaderboardShape:
+        return replace(_FULL, num_layers=self.num_layers, context_length=self.context_length,
+                       batch_size=self.batch_size, d_model=self.d_model, d_ff=self.d_ff, num_heads=self.num_heads,
+                       vocab_size=self.vocab_size)
+
+    def options(self) -> StepOptions:
+        return StepOptions(self.attention, self.fused_head, tuple(self.checkpoint), self.optimizer, self.compile)
+
+    def check(self) -> None:
+        self.shape().config()  # impossible shapes fail in one line
+        self.options().check()
+        check_positive(warmup_ms=self.warmup_ms, rep_ms=self.rep_ms, plan_gpus=self.plan_gpus,
+                       plan_gpu_gb=self.plan_gpu_gb)
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(num_layers=2, context_length=4096, warmup_ms=2_000.0, rep_ms=5_000.0),
+    "smoke": Params(num_layers=2, context_length=16, d_model=32, d_ff=64, num_heads=4, vocab_size=64,
+                    attention="sdpa", warmup_ms=1.0, rep_ms=1_000.0),
+}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
+    """The full shape's memory plan, then the step at ``p``'s shape (an out-of-memory step is a row, not a crash)."""
+    plan = memory_plan(_FULL, p.plan_gpus, p.plan_gpu_gb)
+    out.table(plan, "memory_plan", extra={"params_total": plan.attrs["params"], "gpus": p.plan_gpus,
+                                          "gpu_gb": p.plan_gpu_gb, "checkpointed_blocks": plan.attrs["checkpointed_blocks"]})
+    shape, options = p.shape(), p.options()
+
+    def one() -> dict[str, Any]:
+        return time_step(shape, options, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms)
+
+    step = run_sweep(one, [{}], desc="leaderboard step", budget_s=TIME_LIMIT_S)
+    step.insert(0, "shape", f"{shape.num_layers} layers, context {shape.context_length}, batch {shape.batch_size}")
+    out.table(step, "step", extra={"shape": asdict(shape), "options": asdict(options)})
+    return {"memory_plan": plan, "step": step}
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+from cs336_systems.report import fmt  # noqa: E402
+from cs336_systems.report.answers import ok_rows, question  # noqa: E402
+from cs336_systems.report.data import SectionData  # noqa: E402
+from cs336_systems.report.document import Block, Text  # noqa: E402
+
+
+def answer(d: SectionData) -> list[Block]:
+    return [
+        question(d, "leaderboard", "A full training step of the 8B model (batch 2, context 32,768, bf16, AdamW) "
+                 "on two GPUs, timed with `do_bench` within 10 minutes from an empty cache.", [
+            _plan_sentence(d.frame("memory_plan"), d.meta("memory_plan")),
+            d.table("memory_plan", caption="Per-GPU memory (GB) of the full shape, each measure added to the ones "
+                    "above it (bf16 weights, gradients and AdamW moments; the activations each block saves; the "
+                    "logits with their float32 log-softmax)."),
+            _step_sentence(d.frame("step"), d.meta("step")),
+            d.table("step", caption="The same step on one GPU at a reduced shape: `do_bench` median, peak memory, "
+                    "and the run's wall time from the first line (compilation and autotuning included)."),
+        ], what="the memory plan and the timed step"),
+    ]
+
+
+def _plan_sentence(plan: pd.DataFrame | None, meta: dict[str, Any] | None) -> Text | None:
+    if plan is None or plan.empty or not {"measure", "total_GB", "fits"} <= set(plan.columns):
+        return None
+    extra = (meta or {}).get("extra") or {}
+    first, last = plan.iloc[0], plan.iloc[-1]
+    gpus, gb = extra.get("gpus", "?"), extra.get("gpu_gb", "?")
+    text = (f"The full shape has {_count(extra.get('params_total', 0))} parameters. The handout's model on one GPU "
+            f"would need {fmt.sig(first['total_GB'])} GB")
+    if len(plan) > 1 and "flash" in str(plan.iloc[1]["measure"]):
+        scores = (first["total_GB"] - plan.iloc[1]["total_GB"]) / first["total_GB"]
+        text += f", {fmt.pct(scores)} of it attention's score matrices"
+    text += f". On {gpus} GPUs of {gb:g} GB " if isinstance(gb, (int, float)) else f". On {gpus} GPUs of {gb} GB "
+    if bool(last["fits"]):
+        text += (f"it fits only with every measure of the table: flash attention, the LM head fused with the "
+                 f"cross-entropy, FSDP, and {last['measure'].removeprefix('+ ')} ({fmt.sig(last['total_GB'])} GB "
+                 "per GPU).")
+    else:
+        text += f"it does not fit even with every measure of the table ({fmt.sig(last['total_GB'])} GB per GPU)."
+    return Text(text)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.3g} M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None) -> Text | None:
+    ok = ok_rows(step)
+    if ok.empty:
+        return None if step is None or step.empty else Text(f"The reduced step did not run: {step.iloc[0]['status']}.")
+    r = ok.iloc[0]
+    options = ((meta or {}).get("extra") or {}).get("options") or {}
+    how = [options.get("attention", "?") + " attention"]
+    if options.get("fused_head"):
+        how.append("the fused LM head")
+    if options.get("checkpoint"):
+        how.append(f"checkpoint levels {options['checkpoint']}")
+    how.append(f"AdamW ({options.get('optimizer', '?')})")
+    peak = "" if pd.isna(r.get("peak_GiB")) else f", peak {fmt.sig(r['peak_GiB'])} GiB"
+    device = (meta or {}).get("device", "one GPU")
+    return Text(f"Timed on {device} at {r['shape']} ({_count(r['params'])} parameters; {', '.join(how)}): "
+                f"{fmt.ms(r['step_ms'])} per step{peak}; the whole run took {fmt.sig(r['wall_s'])} s, "
+                + ("within" if bool(r["within_10_min"]) else "over")
+                + " the 10-minute rule. The full shape on two GPUs is not timed here.")
+
+
+SECTION = Section(
+    name="leaderboard", number="1.5", title="The 2026 leaderboard: an 8B training step on two GPUs (2026 handout)",
+    problems=("leaderboard, 2026",), answer=answer, presets=PRESETS, run=run,
+    depends=(*MODEL, "cs336_systems/benchmarking/leaderboard_8b.py", "cs336_systems/lm_head_loss.py",
+             "cs336_systems/checkpointing.py", "cs336_systems/attention/", "cs336_systems/benchmarking/sweep.py"),
+)
