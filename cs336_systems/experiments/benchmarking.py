@@ -106,7 +106,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
     keep = ["size", "status"] + [c for c in timings.columns if c.startswith(phases)
                                  or c in ("tokens_per_s", "TFLOP_per_s", "peak_memory_GiB")]
     timings = timings[[c for c in keep if c in timings.columns]]
-    out.table(timings, "timings", extra={"mode": p.mode, "context_length": p.context_length})
+    out.table(timings, "timings", extra={"context_length": p.context_length})  # the mode is in the params
 
     def warm(size: str, warmup: int) -> dict[str, Any]:
         spec = BenchmarkSpec(size, mode="forward_backward", context_length=p.context_length, warmup=warmup,
@@ -220,7 +220,7 @@ def _state_note(size: str, status: str) -> str:
     if "oom" not in status.lower():
         return ""
     n = param_counts(size)["total"]
-    return f": {n / 1e9:.1f} B parameters need {fmt.sig(16 * n / 1e9, 3)} GB for fp32 weights, gradients and AdamW moments"
+    return f": {fmt.params(n)} parameters need {fmt.sig(16 * n / 1e9, 3)} GB for fp32 weights, gradients and AdamW moments"
 
 
 def _warmup_sentence(df: pd.DataFrame | None) -> Text | None:

@@ -120,7 +120,7 @@ def _plan_sentence(plan: pd.DataFrame | None, meta: dict[str, Any] | None) -> Te
     extra = (meta or {}).get("extra") or {}
     first, last = plan.iloc[0], plan.iloc[-1]
     gpus, gb = extra.get("gpus", "?"), extra.get("gpu_gb", "?")
-    text = (f"The full shape has {_count(extra.get('params_total', 0))} parameters. The handout's model on one GPU "
+    text = (f"The full shape has {fmt.params(extra.get('params_total', 0))} parameters. The handout's model on one GPU "
             f"would need {fmt.sig(first['total_GB'])} GB")
     if len(plan) > 1 and "flash" in str(plan.iloc[1]["measure"]):
         scores = (first["total_GB"] - plan.iloc[1]["total_GB"]) / first["total_GB"]
@@ -133,10 +133,6 @@ def _plan_sentence(plan: pd.DataFrame | None, meta: dict[str, Any] | None) -> Te
     else:
         text += f"it does not fit even with every measure of the table ({fmt.sig(last['total_GB'])} GB per GPU)."
     return Text(text)
-
-
-def _count(n: float) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.3g} M" if n >= 1e6 else f"{n:,.0f}"
 
 
 def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None) -> Text | None:
@@ -153,7 +149,7 @@ def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None) -> Te
     how.append(f"AdamW ({options.get('optimizer', '?')})")
     peak = "" if pd.isna(r.get("peak_GiB")) else f", peak {fmt.sig(r['peak_GiB'])} GiB"
     device = (meta or {}).get("device", "one GPU")
-    return Text(f"Timed on {device} at {r['shape']} ({_count(r['params'])} parameters; {', '.join(how)}): "
+    return Text(f"Timed on {device} at {r['shape']} ({fmt.params(r['params'])} parameters; {', '.join(how)}): "
                 f"{fmt.ms(r['step_ms'])} per step{peak}; the whole run took {fmt.sig(r['wall_s'])} s, "
                 + ("within" if bool(r["within_10_min"]) else "over")
                 + " the 10-minute rule. The full shape on two GPUs is not timed here.")

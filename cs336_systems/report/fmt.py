@@ -35,6 +35,12 @@ def count(x: Any) -> str:
     return "n/a" if math.isnan(v) else f"{round(v):,}"
 
 
+def params(n: Any) -> str:
+    """A parameter count: "12.8 B", "124 M", or the integer below a million."""
+    v = float(n)
+    return f"{sig(v / 1e9)} B" if v >= 1e9 else f"{sig(v / 1e6)} M" if v >= 1e6 else count(v)
+
+
 def ms(x: Any, digits: int = 3) -> str:
     return f"{sig(x, digits)} ms"
 
