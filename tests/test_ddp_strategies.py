@@ -186,3 +186,33 @@ def test_wrapping_without_process_group_is_a_clear_error() -> None:
         DDPBucketed(make_toy_model("toy"), 1.0)
     with pytest.raises(ValueError, match="comm_dtype"):
         grad_sync.check_comm_dtype(torch.int8)
+
+
+class _SyncingProcessGroup:
+    """Stands in for NCCL, whose synchronous all-reduce (``asyncOp=False``) synchronises in C++ and returns
+    no work handle; an asynchronous one returns a handle that records its ``wait``."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        if not getattr(opts, "asyncOp", True):
+            return None
+        group = self
+
+        class _Work:
+            def wait(self) -> None:
+                group.waited += 1
+
+        return _Work()
+
+
+def test_synchronous_all_reduce_without_a_work_handle() -> None:
+    reduce = grad_sync.MeanAllReduce.__new__(grad_sync.MeanAllReduce)
+    reduce.process_group = group = _SyncingProcessGroup()
+    reduce._options = {a: type("Opts", (), {"asyncOp": a})() for a in (True, False)}
+    reduce.post_divide = 1
+    t = torch.ones(3)
+    assert reduce(t, async_op=False).wait() is t and group.waited == 0
+    reduce(t, async_op=True).wait()
+    assert group.waited == 1

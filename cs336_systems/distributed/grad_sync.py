@@ -148,7 +148,8 @@ class MeanAllReduce:
         work = self.process_group.allreduce([tensor], self._options[async_op])
         if async_op:
             return work
-        work.wait()
+        if work is not None:  # NCCL with asyncOp=False has already synchronised in C++ and returns None
+            work.wait()
         return None
 
     def __call__(
