@@ -233,7 +233,15 @@ def _warmup_sentence(df: pd.DataFrame | None) -> Text | None:
         parts = [f"{fmt.ms(r['forward_mean_ms'])} ± {fmt.sig(r['forward_std_ms'], 2)} after {int(r['warmup'])}"
                  for _, r in g.iterrows()]
         sentences.append(f"{size}: forward {join_words(parts)} warm-up steps")
-    return Text("Forward time (mean ± standard deviation) by warm-up steps: " + "; ".join(sentences) + ".")
+    failed = df[df["status"] != "ok"] if "status" in df.columns else df.iloc[:0]
+    note = ""
+    if len(failed):
+        note = (" Not measured: " + join_words([f"{r['size']} after {int(r['warmup'])} ({r['status']})"
+                                                 for _, r in failed.iterrows()])
+                + "; the fresh process reported the failure, and the run keeps no further message"
+                + (", while the same model ran after the other warm-up counts."
+                   if failed["size"].isin(ok["size"]).all() else "."))
+    return Text("Forward time (mean ± standard deviation) by warm-up steps: " + "; ".join(sentences) + "." + note)
 
 
 

@@ -429,6 +429,12 @@ def answer(d: SectionData) -> list[Block]:
         if {"nccl", "gloo"} <= set(both.index):
             vs = (f" With {int(big['world_size'].min())} processes NCCL (GPU memory, NVLink) is "
                   f"{fmt.ratio(both['gloo'] / both['nccl'])} faster than Gloo (host memory, CPU reduction).")
+        meta = d.meta("allreduce")
+        asked = meta.get("params", {}).get("nproc") or []
+        missing = [n for n in asked if n not in set(df.loc[df["backend"] == "nccl", "world_size"])]
+        if missing and "nccl" in set(df["backend"]):
+            vs += (f" NCCL with {join_words([str(n) for n in missing])} processes is not measured: the machine had "
+                   f"{meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own.")
         text = Text(f"All-reducing {size}: " + join_words(parts) + "." + vs + " Small messages are latency bound "
                     "(the time hardly changes with size), large ones bandwidth bound; bus bandwidth, which scales "
                     "the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, makes process counts "
@@ -452,14 +458,14 @@ def answer(d: SectionData) -> list[Block]:
                  "2, 4 and 6 processes.", [
                      text,
                      fit_text,
-                     d.figure("allreduce_alpha_beta", caption="All-reduce time against the latency–bandwidth model "
-                              "fitted per process count (solid) and with the link specification's bandwidth (dashed)."),
                      d.table("allreduce_alpha_beta", caption="Latency–bandwidth fit per backend and process count "
                              "(alpha per ring step, B per rank)."),
-                     d.figure("allreduce_bandwidth", caption="All-reduce bus bandwidth by message size, backend and "
-                              "process count (dashed: the topology's peak)."),
                      d.table("allreduce", caption="All-reduce time and bandwidth (algorithm bandwidth = bytes per "
                              "rank / time; bus bandwidth = algorithm bandwidth × 2(n−1)/n)."),
+                     d.figure("allreduce_alpha_beta", caption="All-reduce time against the latency–bandwidth model "
+                              "fitted per process count (solid) and with the link specification's bandwidth (dashed)."),
+                     d.figure("allreduce_bandwidth", caption="All-reduce bus bandwidth by message size, backend and "
+                              "process count (dashed: the topology's peak)."),
                  ], what="the all-reduce benchmark"),
     ]
 
