@@ -29,11 +29,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
 from cs336_systems import accounting
-from cs336_systems.configs import build_model
+from cs336_systems.configs import build_model, param_counts
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.experiments.optimizer_state_sharding import (
@@ -45,6 +46,8 @@ from cs336_systems.experiments.optimizer_state_sharding import (
     random_batch,
 )
 from cs336_systems.experiments.section import Section, param
+from cs336_systems.profiling.gather_waits import gather_summary, gather_waits
+from cs336_systems.profiling.timeline import plot_timeline, profile_timeline
 from cs336_systems.replot import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question, subset
@@ -57,6 +60,7 @@ SECTION_NAME = "fsdp"
 STRATEGIES = ("ddp", "fsdp", "fsdp2")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREDICTED_AS = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2": "zero3"}
+PARTS = ("compare", "gathers")
 STRATEGY_LABELS = {"ddp": "torch DDP", "fsdp": "our FSDP", "fsdp2": "torch FSDP2"}
 
 
@@ -121,6 +125,64 @@ def fsdp_worker(config: dict[str, Any], models: list[str], strategies: list[str]
                 del wrapped, optimizer, batch
     probe.release()
     return rows
+
+
+def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> list[dict[str, Any]]:
+    """fsdp_accounting (b): one profiled training step of our FSDP (bf16 compute, our AdamW on each shard)
+    reduced to kernel intervals; every rank profiles (the collectives need all of them), rank 0's rows
+    are kept."""
+    from torch.profiler import record_function
+
+    from cs336_basics.optimizer import AdamW
+
+    ctx = launch.current_context()
+    cfg = BenchConfig(**{**config, "model": model_name})
+    mcfg = cfg.model_config()
+    torch.manual_seed(0)
+    fsdp = FSDP(build_model(mcfg, device=ctx.device), compute_dtype=DTYPES[dtype_name])
+    optimizer = AdamW(fsdp.parameters(), lr=cfg.lr)
+    x, y = random_batch(mcfg, cfg.per_rank_batch(ctx.world_size), ctx.device, seed=ctx.rank)
+
+    def step() -> None:
+        with record_function("forward"):
+            logits = fsdp(x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        with record_function("backward"):
+            loss.backward()
+        with record_function("grad_sync"):
+            fsdp.finish_gradient_synchronization()
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(cfg.warmup):
+        step()
+    label = f"{model_name}, {dtype_name} compute, {ctx.world_size} ranks (rank {ctx.rank})"
+    rows = profile_timeline(step, ctx.device, label, export=ctx.rank == 0)
+    return rows
+
+
+def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
+    """Profile one FSDP step of ``gathers_model`` and write its timeline, the per-gather waits of the
+    forward and their summary (rank 0)."""
+    config = dict(global_batch=p.global_batch, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
+    n = None if runner.launched_externally() else p.nproc[0]
+    print(f"FSDP all-gather profile: {n or 'torchrun'} ranks, {p.gathers_model}, {p.gathers_dtype}", flush=True)
+    rows = runner.run_on_ranks(gathers_worker, n or 0, config, p.gathers_model, p.gathers_dtype)[0]
+    if not runner.is_main_process():
+        return None
+    timeline = pd.DataFrame(rows)
+    extra = {"model": p.gathers_model, "compute_dtype": p.gathers_dtype}
+    out.table(timeline, "gathers_timeline", floatfmt=".4f", extra=extra)
+    waits = gather_waits(timeline)
+    out.table(waits, "gathers_forward", extra=extra)
+    summary = gather_summary(timeline)
+    out.table(summary, "gathers_summary", extra=extra)
+    fig = plot_timeline(timeline)
+    out.figure(fig, "gathers_timeline")
+    plt.close(fig)
+    print(summary.to_string(index=False))
+    return summary
 
 
 def summarise(rows: list[dict[str, Any]]) -> Any:
@@ -273,8 +335,18 @@ class Params:
     warmup: int = param(3, "untimed steps")
     steps: int = param(10, "timed steps")
     append: bool = param(False, "add rows to the existing table instead of replacing it")
+    parts: list[str] = param(list(PARTS), "compare: FSDP against DDP and FSDP2; gathers: fsdp_accounting (b), a "
+                                          "profile of the forward's all-gathers (on the first world size)")
+    gathers_model: str = param("xl@2026", "gathers: the profiled model (2026's xl by default)")
+    gathers_dtype: str = param("bf16", f"gathers: compute dtype, of {', '.join(DTYPES)}")
 
     def check(self) -> None:
+        bad = [x for x in self.parts if x not in PARTS]
+        if bad or not self.parts:
+            raise ValueError(f"unknown or no parts {bad or self.parts}; known: {', '.join(PARTS)}")
+        if self.gathers_dtype not in DTYPES:
+            raise ValueError(f"unknown gathers_dtype {self.gathers_dtype!r}; known: {', '.join(DTYPES)}")
+        accounting.ladder_config(self.gathers_model)
         for m in self.models:
             accounting.ladder_config(m)  # a bad name fails here, in one line
         for values, known, what in ((self.strategies, STRATEGIES, "strategy"), (self.dtypes, DTYPES, "dtype")):
@@ -286,11 +358,20 @@ class Params:
 PRESETS = {
     "full": Params(),
     "quick": Params(models=["xl"], warmup=2, steps=5),
-    "smoke": Params(models=["tiny"], context_length=32, warmup=1, steps=2),
+    "smoke": Params(models=["tiny"], context_length=32, warmup=1, steps=2, gathers_model="tiny",
+                    gathers_dtype="fp32"),
 }
 
 
 def run(p: Params, out: ResultWriter) -> pd.DataFrame | None:
+    """The parts in ``p.parts``: ``compare`` (:func:`run_compare`), then ``gathers`` (:func:`run_gathers`)."""
+    table = run_compare(p, out) if "compare" in p.parts else None
+    if "gathers" in p.parts:
+        run_gathers(p, out)
+    return table
+
+
+def run_compare(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     """One run per world size; rank 0 writes the ``fsdp_vs_ddp`` table."""
     config = dict(global_batch=p.global_batch, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
     rows: list[dict[str, Any]] = []
@@ -345,6 +426,50 @@ def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
     return Text(f"{label} and time per step: " + "; ".join(sentences) + ".")
 
 
+def _gathers_blocks(d: SectionData) -> list[Block | None]:
+    """fsdp_accounting (b): does the forward's all-gather finish in time? From the profiled step."""
+    summary = d.frame("gathers_summary")
+    text = None
+    if summary is not None and len(summary) and {"span_ms", "gathers", "late_gathers", "wait_ms"} <= set(summary.columns):
+        r = summary.iloc[0]
+        meta = d.meta("gathers_summary")
+        params, extra = meta.get("params", {}), meta.get("extra", {})
+        ws = (params.get("nproc") or ["?"])[0]
+        model = extra.get("model", params.get("gathers_model", "?"))
+        waits = d.frame("gathers_forward")
+        first_late = waits is not None and len(waits) and bool(waits.sort_values("start_ms")["late"].iloc[0])
+        share = r["wait_ms"] / r["span_ms"] if r["span_ms"] else float("nan")
+        if r["gathers"] == 0:
+            verdict = ("The timeline shows no all-gather kernel in the forward, so it cannot answer the question: "
+                       "on CPU processes gloo's collectives are host operators, merged with the compute around them.")
+        elif r["late_gathers"] == 0:
+            verdict = ("Yes: every all-gather ended while compute was still busy with an earlier layer, so the "
+                       "prefetch hides the forward's communication completely.")
+        else:
+            verdict = (("Yes, except where nothing can hide it" if r["late_gathers"] == 1 and first_late else
+                        "Mostly" if share < 0.05 else "No")
+                       + f": compute waited for {int(r['late_gathers'])} of them"
+                       + (" (the first, which no compute precedes)" if first_late and r["late_gathers"] == 1 else
+                          ", including the first, which no compute precedes," if first_late else "")
+                       + f" {fmt.ms(r['wait_ms'])} in all ({fmt.pct(share)} of the forward; the longest wait "
+                       f"{fmt.ms(r['max_wait_ms'])}).")
+        text = Text(
+            f"One training step of {model} ({fmt.params(param_counts(accounting.ladder_config(model))['total'])} "
+            f"parameters) with our FSDP on {ws} {'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, "
+            f"{extra.get('compute_dtype', '?')} compute, {params.get('global_batch', '?')} sequences of "
+            f"{params.get('context_length', '?')} tokens per step, profiled on rank 0: the forward ran "
+            f"{fmt.ms(r['span_ms'])} on the GPU and issued {int(r['gathers'])} all-gathers, {fmt.ms(r['gather_ms'])} "
+            f"of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it beside compute. " + verdict)
+    return [
+        text,
+        d.figure("gathers_timeline", caption="Kernels of one FSDP training step on rank 0 by stream (compute grey, "
+                 "communication red) under the phases the GPU ran; the forward's all-gathers are the red bars "
+                 "beside its compute."),
+        d.table("gathers_summary", caption="The forward's all-gathers: kernel time, the part beside compute, and "
+                "how long compute waited for a gather (it resumed within 30 µs of the gather's end)."),
+    ]
+
+
 def answer(d: SectionData) -> list[Block]:
     return [
         question(d, "fsdp", "Fully sharded data parallelism: per-layer all-gather of parameters before use, "
@@ -373,12 +498,16 @@ def answer(d: SectionData) -> list[Block]:
                      d.table("largest_model_predicted", caption="Largest model each strategy can train, predicted."),
                      d.table("largest_model_measured", caption="Largest model each strategy trained, measured."),
                  ], what="FSDP memory and step time"),
+        question(d, "fsdp_accounting (b)", "Profile the xl model (2026 table) on two GPUs: does the all-gather of "
+                 "weights finish in time for the forward pass?", _gathers_blocks(d),
+                 what="the all-gather profile (`--set parts=gathers`)"),
     ]
 
 
 
 SECTION = Section(
-    name=SECTION_NAME, number="3.1", title="Fully sharded data parallelism", problems=("fsdp",), answer=answer,
+    name=SECTION_NAME, number="3.1", title="Fully sharded data parallelism", problems=("fsdp", "fsdp_accounting"),
+    answer=answer,
     presets=PRESETS, run=run, derive=derive, derive_inputs=("fsdp_vs_ddp",), gpus=2,
     depends=(*MODEL, "cs336_systems/distributed/fsdp.py", "cs336_systems/distributed/grad_sync.py",
              "cs336_systems/distributed/consistency.py", "cs336_systems/distributed/launch.py",

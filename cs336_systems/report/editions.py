@@ -66,8 +66,8 @@ EDITION_2026: tuple[Entry, ...] = (
           note="The 2026 handout dropped bucketed DDP; the workbook keeps it, and `get_ddp` returns it."),
     Entry("6", ("optimizer_state_sharding", "optimizer_state_sharding_accounting"), "optimizer_state_sharding"),
     Entry("7", ("fsdp", "fsdp_accounting"), "fsdp",
-          note="fsdp_accounting (b), whether the all-gather finishes in time on two GPUs for the 2026 xl, "
-               "needs a two-GPU profile not yet taken."),
+          note="The comparison below runs 2025's xl and 2.7B; fsdp_accounting (b) profiles 2026's xl "
+               "(`python -m cs336_systems.experiments fsdp --set parts=gathers`, two GPUs)."),
     Entry("8", ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs"),
           "parallelism_strategies"),
     Entry("9", ("leaderboard",), "leaderboard", title="Leaderboard: a full training step of an 8B model on two GPUs",

@@ -1,0 +1,92 @@
+"""Did each FSDP all-gather arrive before the compute stream needed it? Read from a kernel timeline.
+
+Our FSDP launches layer ``k+1``'s all-gather on NCCL's stream when layer ``k`` starts; the compute stream
+waits for it only when layer ``k+1`` begins. On the GPU a gather that arrives late shows as the compute
+stream running dry and resuming the moment the gather's kernel ends; a gather in time ends while compute
+is still busy with earlier layers. The rows are those of :func:`cs336_systems.profiling.timeline.profile_timeline`
+(``variant, lane, kind, name, start_ms, dur_ms``; compute kernels closer than 5 µs merged), so the same
+reading works on any profiled step.
+
+- :func:`gather_waits` — one row per all-gather kernel that starts in a phase (``forward`` by default):
+  when it ended, whether compute was busy then, and how long compute waited for it.
+- :func:`gather_summary` — per variant and phase: the phase's GPU span, the gathers' kernel time and how
+  much of it ran beside compute, the gathers compute waited for, and the total and longest wait.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from cs336_systems.profiling.timeline import _check, _intersection, _length, _phases, _union
+
+GATHER_KERNEL = re.compile(r"all_?gather", re.IGNORECASE)
+
+#: A compute stream that resumes within this long after a gather ends is taken to have waited for it.
+RESUME_US = 30.0
+
+
+def _compute(sub: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    rows = sub[(sub["kind"] == "compute") & ~sub["name"].str.contains(GATHER_KERNEL)]
+    start = rows["start_ms"].to_numpy(float)
+    return _union(start, start + rows["dur_ms"].to_numpy(float))
+
+
+def gather_waits(tl: pd.DataFrame, phase: str = "forward", resume_us: float = RESUME_US) -> pd.DataFrame:
+    """Per all-gather kernel starting inside ``phase`` (per variant): ``start_ms``, ``end_ms``,
+    ``dur_ms``, ``compute_busy_at_end`` (a compute kernel was running when it ended: in time),
+    ``waited_ms`` (compute idle from its last kernel until the gather ended, counted only when compute
+    resumed within ``resume_us`` of that end; otherwise the idle time had another cause, such as the host,
+    and the gather counts as in time) and ``late`` (``waited_ms > 0``)."""
+    _check(tl)
+    if resume_us < 0:
+        raise ValueError(f"resume_us must be >= 0, got {resume_us}")
+    rows = []
+    for variant, sub in tl.groupby("variant", sort=False):
+        window = _phases(sub).get(phase)
+        if window is None:
+            continue
+        lo, hi = window
+        cs, ce = _compute(sub)
+        gathers = sub[sub["name"].str.contains(GATHER_KERNEL) & (sub["kind"] != "phase")]
+        gathers = gathers[(gathers["start_ms"] >= lo) & (gathers["start_ms"] < hi)].sort_values("start_ms")
+        for i, g in enumerate(gathers.itertuples()):
+            end = g.start_ms + g.dur_ms
+            busy = bool(((cs < end) & (end < ce)).any())  # a kernel starting exactly then was waiting
+            waited = 0.0
+            if not busy:
+                after = cs[cs >= end]
+                before = ce[ce <= end]
+                if len(after) and (after.min() - end) * 1e3 <= resume_us:
+                    waited = end - (before.max() if len(before) else lo)
+            rows.append({"variant": variant, "phase": phase, "gather": i, "start_ms": g.start_ms, "end_ms": end,
+                         "dur_ms": g.dur_ms, "compute_busy_at_end": busy, "waited_ms": max(waited, 0.0),
+                         "late": waited > 0})
+    return pd.DataFrame(rows, columns=["variant", "phase", "gather", "start_ms", "end_ms", "dur_ms",
+                                       "compute_busy_at_end", "waited_ms", "late"])
+
+
+def gather_summary(tl: pd.DataFrame, phase: str = "forward", resume_us: float = RESUME_US) -> pd.DataFrame:
+    """Per variant: ``span_ms`` (the phase on the GPU), ``compute_ms`` (compute kernels' busy time in it),
+    ``gathers``, ``gather_ms`` (their kernel time), ``gather_beside_compute_ms`` (of it, while compute ran),
+    ``late_gathers``, ``wait_ms`` (total compute wait for gathers) and ``max_wait_ms``."""
+    waits = gather_waits(tl, phase, resume_us)
+    rows = []
+    for variant, sub in tl.groupby("variant", sort=False):
+        window = _phases(sub).get(phase)
+        if window is None:
+            continue
+        lo, hi = window
+        cs, ce = _compute(sub)
+        cs, ce = np.clip(cs, lo, hi), np.clip(ce, lo, hi)
+        w = waits[waits["variant"] == variant]
+        gs = w["start_ms"].to_numpy(float)
+        gathers = _union(gs, w["end_ms"].to_numpy(float))
+        rows.append({"variant": variant, "phase": phase, "span_ms": hi - lo, "compute_ms": _length(cs, ce),
+                     "gathers": len(w), "gather_ms": float(w["dur_ms"].sum()),
+                     "gather_beside_compute_ms": _intersection((cs, ce), gathers),
+                     "late_gathers": int(w["late"].sum()), "wait_ms": float(w["waited_ms"].sum()),
+                     "max_wait_ms": float(w["waited_ms"].max()) if len(w) else 0.0})
+    return pd.DataFrame(rows)
