@@ -512,7 +512,8 @@ SECTION = Section(
     depends=(*MODEL, "cs336_systems/distributed/fsdp.py", "cs336_systems/distributed/grad_sync.py",
              "cs336_systems/distributed/consistency.py", "cs336_systems/distributed/launch.py",
              "cs336_systems/distributed/runner.py", "cs336_systems/experiments/optimizer_state_sharding.py",
-             "cs336_systems/accounting.py"),
+             "cs336_systems/accounting.py", "cs336_systems/profiling/gather_waits.py",
+             "cs336_systems/profiling/timeline.py"),
 )
 
 

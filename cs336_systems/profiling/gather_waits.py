@@ -16,6 +16,7 @@ reading works on any profiled step.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
@@ -34,22 +35,25 @@ def _compute(sub: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return _union(start, start + rows["dur_ms"].to_numpy(float))
 
 
+def _windows(tl: pd.DataFrame, phase: str) -> Iterator[tuple[str, pd.DataFrame, float, float, np.ndarray, np.ndarray]]:
+    """``(variant, its rows, phase start, phase end, compute starts, compute ends)`` per variant with ``phase``."""
+    _check(tl)
+    for variant, sub in tl.groupby("variant", sort=False):
+        window = _phases(sub).get(phase)
+        if window is not None:
+            yield (variant, sub, *window, *_compute(sub))
+
+
 def gather_waits(tl: pd.DataFrame, phase: str = "forward", resume_us: float = RESUME_US) -> pd.DataFrame:
     """Per all-gather kernel starting inside ``phase`` (per variant): ``start_ms``, ``end_ms``,
     ``dur_ms``, ``compute_busy_at_end`` (a compute kernel was running when it ended: in time),
     ``waited_ms`` (compute idle from its last kernel until the gather ended, counted only when compute
     resumed within ``resume_us`` of that end; otherwise the idle time had another cause, such as the host,
     and the gather counts as in time) and ``late`` (``waited_ms > 0``)."""
-    _check(tl)
     if resume_us < 0:
         raise ValueError(f"resume_us must be >= 0, got {resume_us}")
     rows = []
-    for variant, sub in tl.groupby("variant", sort=False):
-        window = _phases(sub).get(phase)
-        if window is None:
-            continue
-        lo, hi = window
-        cs, ce = _compute(sub)
+    for variant, sub, lo, hi, cs, ce in _windows(tl, phase):
         gathers = sub[sub["name"].str.contains(GATHER_KERNEL) & (sub["kind"] != "phase")]
         gathers = gathers[(gathers["start_ms"] >= lo) & (gathers["start_ms"] < hi)].sort_values("start_ms")
         for i, g in enumerate(gathers.itertuples()):
@@ -74,12 +78,7 @@ def gather_summary(tl: pd.DataFrame, phase: str = "forward", resume_us: float = 
     ``late_gathers``, ``wait_ms`` (total compute wait for gathers) and ``max_wait_ms``."""
     waits = gather_waits(tl, phase, resume_us)
     rows = []
-    for variant, sub in tl.groupby("variant", sort=False):
-        window = _phases(sub).get(phase)
-        if window is None:
-            continue
-        lo, hi = window
-        cs, ce = _compute(sub)
+    for variant, _, lo, hi, cs, ce in _windows(tl, phase):
         cs, ce = np.clip(cs, lo, hi), np.clip(ce, lo, hi)
         w = waits[waits["variant"] == variant]
         gs = w["start_ms"].to_numpy(float)
