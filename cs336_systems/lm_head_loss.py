@@ -108,4 +108,18 @@ def hidden_states(model: torch.nn.Module, token_ids: Tensor) -> Tensor:
     return model.ln_final(x)
 
 
-__all__ = ["DEFAULT_CHUNK", "LinearCrossEntropy", "hidden_states", "linear_cross_entropy"]
+class FusedLMLoss(torch.nn.Module):
+    """A ``cs336_basics`` LM whose forward returns the mean cross-entropy through the fused head:
+    ``loss = FusedLMLoss(lm)(token_ids, targets)``. One module for wrappers that must see the whole step's
+    forward, such as FSDP (keep ``"lm.lm_head"`` replicated there: the fused loss reads its weight directly)."""
+
+    def __init__(self, lm: torch.nn.Module, chunk_size: int = DEFAULT_CHUNK):
+        super().__init__()
+        self.lm, self.chunk_size = lm, chunk_size
+
+    def forward(self, token_ids: Tensor, targets: Tensor) -> Tensor:
+        return linear_cross_entropy(hidden_states(self.lm, token_ids), self.lm.lm_head.weight, targets,
+                                    self.chunk_size)
+
+
+__all__ = ["DEFAULT_CHUNK", "FusedLMLoss", "LinearCrossEntropy", "hidden_states", "linear_cross_entropy"]

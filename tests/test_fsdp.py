@@ -167,6 +167,47 @@ def _wrapper_contract() -> dict:
     return {}
 
 
+def _checkpointed_blocks_with_fused_head() -> dict:
+    """The 2026 leaderboard's combination on a tiny LM: every block checkpointed (recomputed, so gathered
+    again, in backward) and the fused LM-head loss, whose head stays replicated; against micro-batched
+    training of the plain model."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems.checkpointing import checkpoint_layers
+    from cs336_systems.lm_head_loss import FusedLMLoss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(7)
+    base = BasicsTransformerLM(vocab_size=32, context_length=8, d_model=16, num_layers=3, num_heads=2, d_ff=32,
+                               rope_theta=10000.0)
+    fsdp = FSDP(FusedLMLoss(checkpoint_layers(copy.deepcopy(base), [1]), chunk_size=5),
+                replicated_modules=("lm.lm_head",))
+    micro = FusedLMLoss(copy.deepcopy(base), chunk_size=5)
+    head = fsdp.module.lm.lm_head.weight
+    assert any(p is head for p in fsdp.replicated_parameters) and head.dim() == 2
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fsdp, micro)]
+    x, y = torch.randint(0, 32, (2, 4, 8), generator=torch.Generator().manual_seed(3))
+    local = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    for step in range(2):
+        fsdp(x[local], y[local]).backward()
+        fsdp.finish_gradient_synchronization()
+        opts[0].step()
+        for r in range(world):
+            part = slice(r * 4 // world, (r + 1) * 4 // world)
+            micro(x[part], y[part]).backward()
+        for p in micro.parameters():
+            p.grad.div_(world)
+        opts[1].step()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        got, ref = fsdp.gather_full_params(), dict(micro.named_parameters())
+        assert got.keys() == ref.keys()
+        for name, value in got.items():
+            assert torch.allclose(value, ref[name].detach(), atol=1e-6, rtol=0), f"step {step} {name}"
+    with pytest.raises(ValueError, match=r"replicated_modules names no submodule: \['head'\]"):
+        FSDP(FusedLMLoss(copy.deepcopy(base)), replicated_modules=("head",))
+    return dict(fsdp.stats)
+
+
 _sgd = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
 _adamw = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
 
@@ -178,6 +219,7 @@ CHECKS = {
     "odd_shapes_fp32_adamw": lambda: _train_and_compare(OddShapesModel, None, _adamw),
     "odd_shapes_bf16_adamw": lambda: _train_and_compare(OddShapesModel, torch.bfloat16, _adamw, steps=2),
     "wrapper_contract": _wrapper_contract,
+    "checkpointed_blocks_fused_head": _checkpointed_blocks_with_fused_head,
 }
 
 

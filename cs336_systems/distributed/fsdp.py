@@ -329,6 +329,9 @@ class FSDP(nn.Module):
         opt.step(); opt.zero_grad()
 
     All ranks must hold the same initial module; rank 0's values are broadcast before sharding.
+    ``replicated_modules`` (names as in ``named_modules()``) stay whole on every rank, their gradients
+    all-reduced as for norms: for a weight used outside its module's forward, such as an LM head whose
+    weight a fused cross-entropy reads directly.
     """
 
     def __init__(
@@ -340,6 +343,7 @@ class FSDP(nn.Module):
         prefetch: bool = True,
         max_reductions_in_flight: int = 2,
         sharded_module_types: tuple[type[nn.Module], ...] = SHARDED_MODULE_TYPES,
+        replicated_modules: tuple[str, ...] = (),
         check_every: CheckEvery = "auto",
     ):
         super().__init__()
@@ -358,6 +362,9 @@ class FSDP(nn.Module):
         for p in module.parameters():
             if p.requires_grad and not p.is_floating_point():
                 raise ValueError("FSDP shards floating-point parameters only")
+        unknown = [n for n in replicated_modules if n not in dict(module.named_modules())]
+        if unknown:
+            raise ValueError(f"replicated_modules names no submodule: {unknown} (names as in named_modules())")
         every = resolve_check_every(check_every, group)
         check_same_parameters(module, group, wrapper="FSDP")  # before any collective over the parameters
         broadcast_module_state(module, src=0, group=group)
@@ -366,7 +373,7 @@ class FSDP(nn.Module):
         shards: dict[nn.Parameter, FlatShard] = {}  # a weight shared by two layers is sharded once
         me = weakref.proxy(self)
         for name, sub in module.named_modules():
-            if not isinstance(sub, sharded_module_types):
+            if not isinstance(sub, sharded_module_types) or name in replicated_modules:
                 continue
             layer_shards = {}
             for pname, p in sub.named_parameters(recurse=False):
