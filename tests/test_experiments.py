@@ -198,3 +198,15 @@ def test_benchmarking_times_each_phase_of_a_full_step_and_says_why_a_size_does_n
     # a run of the earlier forward + backward grid says what it lacks
     old = _timing_sentence(timings.drop(columns=[c for c in timings if c.startswith("optimizer_")]), {"params": {}})
     assert "timed forward_backward steps, without the optimizer" in old.markdown
+
+
+def test_leaderboard_step_on_two_ranks_writes_its_own_table(tmp_path, monkeypatch, capsys) -> None:
+    """§1.5 with ``nproc=2``: the FSDP step (gloo ranks here) lands in ``step_2ranks`` beside the one-GPU
+    ``step``, and the answer reports it; a batch that does not split is refused before anything runs."""
+    with pytest.raises(ValueError, match="does not split over nproc=2"):
+        get("leaderboard").params("smoke", {"nproc": 2, "batch_size": 3})
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["leaderboard", "--smoke", "--set", "nproc=2"]) == 0
+    assert (tmp_path / "leaderboard" / "step_2ranks.csv").exists()
+    assert not (tmp_path / "leaderboard" / "step.csv").exists()
+    assert "under our FSDP at 2 layers, context 16, batch 2" in capsys.readouterr().out

@@ -89,3 +89,43 @@ def test_the_leaderboard_section_writes_the_plan_and_the_timed_step(tmp_path, mo
         get("leaderboard").params("full", {"optimizer": "sgd"})
     with pytest.raises(ValueError, match="not divisible by num_heads"):
         get("leaderboard").params("full", {"d_model": 4100})
+
+
+def _two_rank_losses(fused: bool) -> list[float]:
+    step = lb.build_step(TINY, lb.StepOptions(attention="sdpa", fused_head=fused, checkpoint=(1,)), torch.device("cpu"))
+    return [step().item() for _ in range(4)]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_two_rank_step_is_the_one_gpu_step_under_fsdp(fused: bool) -> None:
+    """Each rank trains its half of the batch under FSDP (every block checkpointed); the ranks' first losses
+    average to the one-process loss of the whole batch, and the step trains."""
+    from cs336_systems.distributed.launch import spawn
+
+    ranks = spawn(_two_rank_losses, 2, fused, backend="gloo", timeout_s=120)
+    single = lb.build_step(TINY, lb.StepOptions(attention="sdpa", fused_head=fused, checkpoint=(1,)),
+                           torch.device("cpu"))().item()
+    first = sum(r[0] for r in ranks) / 2  # both losses are means over a rank's tokens: the halves average
+    assert first == pytest.approx(single, rel=2e-2)
+    assert all(r[-1] < r[0] for r in ranks)
+
+
+def test_the_step_on_two_ranks_is_timed_with_agreed_counts() -> None:
+    result = lb.time_step_on_ranks(TINY, lb.StepOptions(attention="sdpa", checkpoint=(1,)), 2, warmup_ms=0,
+                                   rep_ms=200)
+    assert result["gpus"] == 2 and result["step_ms"] > 0 and result["within_10_min"]
+    assert result["params"] == param_counts(TINY.config())["total"]
+    with pytest.raises(ValueError, match="needs nproc >= 2"):
+        lb.time_step_on_ranks(TINY, lb.StepOptions(attention="sdpa"), 1)
+
+
+def _odd_batch() -> None:
+    lb.build_step(lb.LeaderboardShape(**{**TINY.__dict__, "batch_size": 3}), lb.StepOptions(attention="sdpa"),
+                  torch.device("cpu"))
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_refused() -> None:
+    from cs336_systems.distributed.launch import spawn
+
+    with pytest.raises(Exception, match="batch 3 does not split over 2 ranks"):
+        spawn(_odd_batch, 2, backend="gloo", timeout_s=60)

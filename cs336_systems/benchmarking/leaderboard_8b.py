@@ -11,8 +11,15 @@ Two parts:
   (attention, fused head, checkpointing, optimizer, compile), the wall time from the first line to the last
   (compilation and autotuning included) checked against the 10-minute rule.
 
+On several ranks (``--nproc 2``, or under ``torchrun``) the step runs under our FSDP: each rank holds half
+of the batch and a shard of every weight, the LM head stays replicated when the fused loss reads it, and the
+step is timed by :func:`collective_bench`, ``do_bench``'s protocol with step counts every rank agrees on
+(``do_bench`` sizes its loops from each process's own estimate, and ranks that ran different numbers of
+collective steps would hang).
+
     python -m cs336_systems.benchmarking.leaderboard_8b --plan-only
     python -m cs336_systems.benchmarking.leaderboard_8b --layers 4 --context 8192 --checkpoint 1
+    python -m cs336_systems.benchmarking.leaderboard_8b --nproc 2 --checkpoint 1      # the handout's step
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pandas as pd
 import torch
@@ -144,14 +152,28 @@ def memory_plan(shape: LeaderboardShape = LeaderboardShape(), gpus: int = 2, gpu
 # --------------------------------------------------------------------------------------------------
 
 
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.device,
                seed: int = 0) -> Callable[[], torch.Tensor]:
-    """The handout's ``train_step`` (zero_grad, forward, loss, backward, AdamW) on a bf16 model of ``shape``."""
+    """The handout's ``train_step`` (zero_grad, forward, loss, backward, AdamW) on a bf16 model of ``shape``;
+    under an initialised process group of several ranks, with our FSDP and this rank's part of the batch."""
     from cs336_basics.model import BasicsTransformerLM
     from cs336_basics.nn_utils import cross_entropy
 
     options.check()
     cfg = shape.config()
+    rank, world = _world()
+    if shape.batch_size % world:
+        raise ValueError(f"batch {shape.batch_size} does not split over {world} ranks")
+    if world > 1 and options.compile:
+        raise ValueError("--compile is not supported with FSDP here (its gathers run from Python hooks)")
     torch.manual_seed(seed)
     model = BasicsTransformerLM(**cfg.model_kwargs(), attention_impl=options.attention, device=device,
                                 dtype=torch.bfloat16)
@@ -159,16 +181,12 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
         from cs336_systems.checkpointing import checkpoint_layers
 
         checkpoint_layers(model, options.checkpoint)
-    if options.optimizer == "basics":
-        from cs336_basics.optimizer import AdamW
-
-        optimizer: torch.optim.Optimizer = AdamW(model.parameters())
-    else:
-        fused = device.type == "cuda"
-        optimizer = torch.optim.AdamW(model.parameters(), fused=fused, foreach=not fused)
     gen = torch.Generator(device=device).manual_seed(seed)
     inputs, targets = torch.randint(0, cfg.vocab_size, (2, shape.batch_size, shape.context_length), device=device,
                                     generator=gen)
+    if world > 1:
+        return _fsdp_step(model, options, inputs, targets, rank, world)
+    optimizer = _optimizer(model.parameters(), options, device)
 
     if options.fused_head:
         from functools import partial
@@ -197,6 +215,95 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
     return train_step
 
 
+def _optimizer(params: Any, options: StepOptions, device: torch.device) -> torch.optim.Optimizer:
+    if options.optimizer == "basics":
+        from cs336_basics.optimizer import AdamW
+
+        return AdamW(params)
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(params, fused=fused, foreach=not fused)
+
+
+def _fsdp_step(model: torch.nn.Module, options: StepOptions, inputs: torch.Tensor, targets: torch.Tensor,
+               rank: int, world: int) -> Callable[[], torch.Tensor]:
+    """The step under our FSDP: weights, gradients and AdamW state sharded over the ranks, each rank on
+    ``batch / world`` sequences; with the fused head the LM head stays replicated (the loss reads its weight
+    outside the head's forward)."""
+    from cs336_basics.nn_utils import cross_entropy
+    from cs336_systems.distributed.fsdp import FSDP
+    from cs336_systems.lm_head_loss import FusedLMLoss
+
+    part = slice(rank * inputs.shape[0] // world, (rank + 1) * inputs.shape[0] // world)
+    x, y = inputs[part], targets[part]
+    if options.fused_head:
+        net = FSDP(FusedLMLoss(model, options.chunk_size), replicated_modules=("lm.lm_head",))
+
+        def loss_fn() -> torch.Tensor:
+            return net(x, y)
+    else:
+        net = FSDP(model)
+
+        def loss_fn() -> torch.Tensor:
+            return cross_entropy(net(x), y).sum()
+    optimizer = _optimizer(net.parameters(), options, x.device)
+
+    def train_step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        net.finish_gradient_synchronization()
+        optimizer.step()
+        return loss.detach()
+
+    train_step.model = net  # type: ignore[attr-defined]
+    return train_step
+
+
+def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, device: torch.device) -> float:
+    """``triton.testing.do_bench``'s protocol (estimate from 5 calls, warm up for ``warmup_ms``, then the
+    median of ``rep_ms`` worth of timed calls), with the call counts agreed over the ranks (from the slowest
+    rank's estimate) and the slowest rank's median returned. On CPU, ``perf_counter`` replaces CUDA events."""
+    import statistics
+
+    import torch.distributed as dist
+
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def agree(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        fn()
+    sync()
+    estimate = agree((time.perf_counter() - t0) * 1e3 / 5)
+    n_warmup, n_repeat = max(1, int(warmup_ms / estimate)), max(1, int(rep_ms / estimate))
+    for _ in range(n_warmup):
+        fn()
+    times = []
+    for _ in range(n_repeat):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            sync()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return agree(statistics.median(times))
+
+
 def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.device | None = None,
               warmup_ms: float = 10_000.0, rep_ms: float = 30_000.0) -> dict[str, object]:
     """Build and time the step: ``do_bench`` (median ms) on a GPU, a ``perf_counter`` mean on CPU (smoke runs),
@@ -208,7 +315,11 @@ def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.devic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step = build_step(shape, options, device)
-    if device.type == "cuda":
+    rank, world = _world()
+    if world > 1:
+        ms = collective_bench(step, warmup_ms, rep_ms, device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    elif device.type == "cuda":
         import triton.testing
 
         ms = float(triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
@@ -221,8 +332,36 @@ def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.devic
             step()
         ms, peak = (time.perf_counter() - t0) * 1e3 / calls, float("nan")
     wall = time.perf_counter() - started
+    model = step.model  # type: ignore[attr-defined]
+    params = param_counts(shape.config())["total"] if world > 1 else sum(p.numel() for p in model.parameters())
     return {"step_ms": ms, "peak_GiB": peak, "wall_s": wall, "within_10_min": wall <= TIME_LIMIT_S,
-            "params": sum(p.numel() for p in step.model.parameters())}  # type: ignore[attr-defined]
+            "params": params, "gpus": world}
+
+
+def _rank_worker(shape: LeaderboardShape, options: StepOptions, warmup_ms: float, rep_ms: float) -> dict[str, object]:
+    from cs336_systems.distributed import launch
+
+    return time_step(shape, options, launch.current_context().device, warmup_ms, rep_ms)
+
+
+def time_step_on_ranks(shape: LeaderboardShape, options: StepOptions, nproc: int, warmup_ms: float = 10_000.0,
+                       rep_ms: float = 30_000.0) -> dict[str, object]:
+    """:func:`time_step` under FSDP on ``nproc`` spawned ranks (or on the ranks of ``torchrun``/``srun``, which
+    fix the count): rank 0's result (the step time is already the slowest rank's), with the wall time of the
+    whole run, process start-up included, against the 10-minute rule."""
+    from cs336_systems.distributed import runner
+
+    started = time.perf_counter()
+    external = runner.launched_externally()
+    if not external and nproc < 2:
+        raise ValueError(f"time_step_on_ranks needs nproc >= 2, got {nproc}")
+    # A collective may wait for a rank's whole first step (minutes at the full shape), so no short timeout.
+    result = dict(runner.run_on_ranks(_rank_worker, 0 if external else nproc, shape, options, warmup_ms, rep_ms,
+                                      timeout_s=TIME_LIMIT_S)[0])
+    if not external:
+        result["wall_s"] = time.perf_counter() - started
+        result["within_10_min"] = result["wall_s"] <= TIME_LIMIT_S
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--warmup-ms", type=float, default=10_000.0)
     parser.add_argument("--rep-ms", type=float, default=30_000.0)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks of the timed step (2: FSDP over two GPUs, "
+                        "spawned here; under torchrun the launcher's count)")
     parser.add_argument("--gpus", type=int, default=2, help="GPUs of the memory plan")
     parser.add_argument("--gpu-gb", type=float, default=180.0, help="memory per GPU of the plan (B200: 180 GB)")
     parser.add_argument("--plan-only", action="store_true", help="print the full shape's memory plan and stop")
@@ -259,7 +400,14 @@ def main(argv: list[str] | None = None) -> int:
     print(plan.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
     if args.plan_only:
         return 0
-    result = time_step(shape, options, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    from cs336_systems.distributed import runner
+
+    if args.nproc > 1 or runner.launched_externally():
+        result = time_step_on_ranks(shape, options, args.nproc, args.warmup_ms, args.rep_ms)
+        if not runner.is_main_process():
+            return 0
+    else:
+        result = time_step(shape, options, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     print(f"\n{shape}, {options}:")
     print(pd.DataFrame([result]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0

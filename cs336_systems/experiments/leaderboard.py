@@ -24,8 +24,10 @@ from cs336_systems.benchmarking.leaderboard_8b import (
     StepOptions,
     memory_plan,
     time_step,
+    time_step_on_ranks,
 )
 from cs336_systems.benchmarking.sweep import run_sweep
+from cs336_systems.distributed import runner
 from cs336_systems.experiments.section import Section, check_positive, param
 from cs336_systems.report.staleness import MODEL
 from cs336_systems.results import ResultWriter
@@ -49,6 +51,8 @@ class Params:
     compile: bool = param(False, "torch.compile the model body")
     warmup_ms: float = param(10_000.0, "do_bench warm-up")
     rep_ms: float = param(30_000.0, "do_bench measuring time")
+    nproc: int = param(1, "timed step: ranks (2 or more: FSDP over that many GPUs, each with batch / nproc "
+                          "sequences; the full shape needs it)")
     plan_gpus: int = param(2, "memory plan: GPUs the full shape is spread over")
     plan_gpu_gb: float = param(180.0, "memory plan: memory per GPU in GB (B200: 180)")
 
@@ -64,7 +68,9 @@ class Params:
         self.shape().config()  # impossible shapes fail in one line
         self.options().check()
         check_positive(warmup_ms=self.warmup_ms, rep_ms=self.rep_ms, plan_gpus=self.plan_gpus,
-                       plan_gpu_gb=self.plan_gpu_gb)
+                       plan_gpu_gb=self.plan_gpu_gb, nproc=self.nproc)
+        if self.batch_size % self.nproc:
+            raise ValueError(f"batch_size {self.batch_size} does not split over nproc={self.nproc} ranks")
 
 
 PRESETS = {
@@ -82,13 +88,21 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
                                           "gpu_gb": p.plan_gpu_gb, "checkpointed_blocks": plan.attrs["checkpointed_blocks"]})
     shape, options = p.shape(), p.options()
 
+    ranks = p.nproc > 1 or runner.launched_externally()
+
     def one() -> dict[str, Any]:
+        if ranks:
+            return time_step_on_ranks(shape, options, p.nproc, p.warmup_ms, p.rep_ms)
         return time_step(shape, options, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms)
 
     step = run_sweep(one, [{}], desc="leaderboard step", budget_s=TIME_LIMIT_S)
+    if not runner.is_main_process():
+        return {"memory_plan": plan}
     step.insert(0, "shape", f"{shape.num_layers} layers, context {shape.context_length}, batch {shape.batch_size}")
-    out.table(step, "step", extra={"shape": asdict(shape), "options": asdict(options)})
-    return {"memory_plan": plan, "step": step}
+    # one GPU and several write apart, so the reduced one-GPU step and the handout's two-GPU step coexist
+    name = f"step_{int(step['gpus'].iloc[0])}ranks" if ranks and "gpus" in step else "step"
+    out.table(step, name, extra={"shape": asdict(shape), "options": asdict(options)})
+    return {"memory_plan": plan, name: step}
 
 
 # === Answers: formatting only; changes below this line do not make results stale ===
@@ -107,7 +121,8 @@ def answer(d: SectionData) -> list[Block]:
             d.table("memory_plan", caption="Per-GPU memory (GB) of the full shape, each measure added to the ones "
                     "above it (bf16 weights, gradients and AdamW moments; the activations each block saves; the "
                     "logits with their float32 log-softmax)."),
-            _step_sentence(d.frame("step"), d.meta("step")),
+            *_ranks_blocks(d),
+            _step_sentence(d.frame("step"), d.meta("step"), taken_on_ranks=bool(_ranks_tables(d))),
             d.table("step", caption="The same step on one GPU at a reduced shape: `do_bench` median, peak memory, "
                     "and the run's wall time from the first line (compilation and autotuning included)."),
         ], what="the memory plan and the timed step"),
@@ -135,7 +150,36 @@ def _plan_sentence(plan: pd.DataFrame | None, meta: dict[str, Any] | None) -> Te
     return Text(text)
 
 
-def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None) -> Text | None:
+def _ranks_tables(d: SectionData) -> list[str]:
+    return sorted(n for n in d.tables if n.startswith("step_") and n.endswith("ranks"))
+
+
+def _ranks_blocks(d: SectionData) -> list[Block | None]:
+    """The step timed on several GPUs under FSDP (``--set nproc=2``), when it was."""
+    blocks: list[Block | None] = []
+    for name in _ranks_tables(d):
+        ok = ok_rows(d.frame(name))
+        if ok.empty:
+            continue
+        r, meta = ok.iloc[0], d.meta(name)
+        shape = ((meta.get("extra") or {}).get("shape")) or {}
+        handout = all(shape.get(k) == v for k, v in asdict(_FULL).items())
+        peak = "" if pd.isna(r.get("peak_GiB")) else f", peak {fmt.sig(r['peak_GiB'])} GiB per GPU"
+        blocks += [
+            Text(f"On {int(r['gpus'])} × {meta.get('device', 'GPU')} under our FSDP at {r['shape']} "
+                 f"({fmt.params(r['params'])} parameters"
+                 + ("; the handout's shape" if handout else "") + f"): {fmt.ms(r['step_ms'])} per step (the "
+                 f"slowest rank's median){peak}; the whole run, process start-up included, took "
+                 f"{fmt.sig(r['wall_s'])} s, " + ("within" if bool(r["within_10_min"]) else "over")
+                 + " the 10-minute rule."),
+            d.table(name, caption="The step on several GPUs under FSDP: each rank on its share of the batch, "
+                    "weights, gradients and AdamW state sharded, the fused head's weight replicated; timed with "
+                    "`do_bench`'s protocol and step counts agreed over the ranks."),
+        ]
+    return blocks
+
+
+def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None, taken_on_ranks: bool = False) -> Text | None:
     ok = ok_rows(step)
     if ok.empty:
         return None if step is None or step.empty else Text(f"The reduced step did not run: {step.iloc[0]['status']}.")
@@ -152,12 +196,15 @@ def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None) -> Te
     return Text(f"Timed on {device} at {r['shape']} ({fmt.params(r['params'])} parameters; {', '.join(how)}): "
                 f"{fmt.ms(r['step_ms'])} per step{peak}; the whole run took {fmt.sig(r['wall_s'])} s, "
                 + ("within" if bool(r["within_10_min"]) else "over")
-                + " the 10-minute rule. The full shape on two GPUs is not timed here.")
+                + " the 10-minute rule." + ("" if taken_on_ranks else " The full shape on two GPUs is not timed here "
+                                            "(`--set nproc=2 --set num_layers=34 --set context_length=32768`)."))
 
 
 SECTION = Section(
     name="leaderboard", number="1.5", title="The 2026 leaderboard: an 8B training step on two GPUs (2026 handout)",
     problems=("leaderboard, 2026",), answer=answer, presets=PRESETS, run=run,
     depends=(*MODEL, "cs336_systems/benchmarking/leaderboard_8b.py", "cs336_systems/lm_head_loss.py",
-             "cs336_systems/checkpointing.py", "cs336_systems/attention/", "cs336_systems/benchmarking/sweep.py"),
+             "cs336_systems/checkpointing.py", "cs336_systems/attention/", "cs336_systems/benchmarking/sweep.py",
+             "cs336_systems/distributed/fsdp.py", "cs336_systems/distributed/launch.py",
+             "cs336_systems/distributed/runner.py"),
 )
