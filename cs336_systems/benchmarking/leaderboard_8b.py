@@ -204,10 +204,19 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
         def loss_fn() -> torch.Tensor:
             return cross_entropy(forward(inputs), targets).sum()
 
+    return _train_step(loss_fn, optimizer, model)
+
+
+def _train_step(loss_fn: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                after_backward: Callable[[], None] | None = None) -> Callable[[], torch.Tensor]:
+    """zero_grad, loss, backward (then ``after_backward``, e.g. FSDP's gradient synchronisation), AdamW."""
+
     def train_step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn()
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         optimizer.step()
         return loss.detach()
 
@@ -245,18 +254,8 @@ def _fsdp_step(model: torch.nn.Module, options: StepOptions, inputs: torch.Tenso
 
         def loss_fn() -> torch.Tensor:
             return cross_entropy(net(x), y).sum()
-    optimizer = _optimizer(net.parameters(), options, x.device)
-
-    def train_step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn()
-        loss.backward()
-        net.finish_gradient_synchronization()
-        optimizer.step()
-        return loss.detach()
-
-    train_step.model = net  # type: ignore[attr-defined]
-    return train_step
+    return _train_step(loss_fn, _optimizer(net.parameters(), options, x.device), net,
+                       net.finish_gradient_synchronization)
 
 
 def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, device: torch.device) -> float:
@@ -315,7 +314,7 @@ def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.devic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step = build_step(shape, options, device)
-    rank, world = _world()
+    _, world = _world()
     if world > 1:
         ms = collective_bench(step, warmup_ms, rep_ms, device)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -332,10 +331,9 @@ def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.devic
             step()
         ms, peak = (time.perf_counter() - t0) * 1e3 / calls, float("nan")
     wall = time.perf_counter() - started
-    model = step.model  # type: ignore[attr-defined]
-    params = param_counts(shape.config())["total"] if world > 1 else sum(p.numel() for p in model.parameters())
+    # the model's parameters (under FSDP a rank holds shards of them, so count from the shape)
     return {"step_ms": ms, "peak_GiB": peak, "wall_s": wall, "within_10_min": wall <= TIME_LIMIT_S,
-            "params": params, "gpus": world}
+            "params": param_counts(shape.config())["total"], "gpus": world}
 
 
 def _rank_worker(shape: LeaderboardShape, options: StepOptions, warmup_ms: float, rep_ms: float) -> dict[str, object]:

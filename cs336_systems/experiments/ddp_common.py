@@ -226,9 +226,16 @@ def _captured(frame: pd.DataFrame) -> pd.Series:
     return frame["cuda_graph"].fillna(False).astype(bool)
 
 
-def eager_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """The rows timed eagerly (all rows of a run without the ``cuda_graph`` option)."""
-    return frame[~_captured(frame)] if "cuda_graph" in frame.columns else frame
+def eager_rows(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The rows timed eagerly: by the ``cuda_graph`` column, else by the variant's name (tables derived from
+    the step table, such as the overhead model's, keep only the name); all rows of a run without captures."""
+    if frame is None:
+        return None
+    if "cuda_graph" in frame.columns:
+        return frame[~_captured(frame)]
+    if "variant" in frame.columns:
+        return frame[~frame["variant"].astype(str).str.contains("CUDA graph")]
+    return frame
 
 
 def captured_steps(d: SectionData) -> list[Block]:
@@ -272,12 +279,6 @@ def captured_steps(d: SectionData) -> list[Block]:
              "pairs ours with torch DDP timed in the same process with the same gradient wire format. "
              + " ".join(parts)),
         table])]
-
-
-def _eager_variants(frame: pd.DataFrame | None) -> pd.DataFrame | None:
-    if frame is None or "variant" not in frame.columns:
-        return frame
-    return frame[~frame["variant"].astype(str).str.contains("CUDA graph")]
 
 
 def overhead_split(steps: pd.DataFrame | None) -> Text | None:
@@ -343,7 +344,7 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
                           rf"b^* = {fmt.tex_sig(m['optimal_bucket_size_mb'])}\,\mathrm{{MB}},\qquad "
                           rf"T^*_{{\mathrm{{overhead}}}} = {fmt.tex_sig(m.get('minimal_overhead_ms', float('nan')))}"
                           r"\,\mathrm{ms}")]),
-                bucketed.table(own, frame=_eager_variants(bucketed.frame(own)),
+                bucketed.table(own, frame=eager_rows(bucketed.frame(own)),
                                caption="Measured overhead (step time minus the single-GPU step) against the model's "
                                "prediction, by bucket size, eager steps (the CSV also has the captured ones)."),
                 overhead_split(steps_table(bucketed)[1]),

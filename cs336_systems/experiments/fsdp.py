@@ -158,8 +158,7 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> 
     for _ in range(cfg.warmup):
         step()
     label = f"{model_name}, {dtype_name} compute, {ctx.world_size} ranks (rank {ctx.rank})"
-    rows = profile_timeline(step, ctx.device, label, export=ctx.rank == 0)
-    return rows
+    return profile_timeline(step, ctx.device, label, export=ctx.rank == 0)
 
 
 def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
