@@ -100,7 +100,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
         return {"memory_plan": plan}
     step.insert(0, "shape", f"{shape.num_layers} layers, context {shape.context_length}, batch {shape.batch_size}")
     # one GPU and several write apart, so the reduced one-GPU step and the handout's two-GPU step coexist
-    name = f"step_{int(step['gpus'].iloc[0])}ranks" if ranks and "gpus" in step else "step"
+    world = int(step["gpus"].iloc[0]) if "gpus" in step and step["gpus"].notna().iloc[0] else p.nproc
+    name = f"step_{world}ranks" if ranks else "step"  # a failed multi-rank row must not replace the one-GPU table
     out.table(step, name, extra={"shape": asdict(shape), "options": asdict(options)})
     return {"memory_plan": plan, name: step}
 
