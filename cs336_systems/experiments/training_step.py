@@ -219,12 +219,16 @@ def answer(d: SectionData) -> list[Block]:
     steps = ok_rows(d.frame("steps"))
     text = None
     if not steps.empty and {"ours_step_ms", "reference_step_ms"} <= set(steps.columns):
-        parts = [f"{r['preset']} at {int(r['context_length'])}: {fmt.ms(r['ours_step_ms'])} against "
-                 f"{fmt.ms(r['reference_step_ms'])} ({fmt.ratio(r['reference_step_ms'] / r['ours_step_ms'])}"
-                 + (f", MFU {r['ours_MFU_pct']:.0f}% vs {r['reference_MFU_pct']:.0f}%" if "ours_MFU_pct" in r
-                    and pd.notna(r["ours_MFU_pct"]) else "") + ")" for _, r in steps.iterrows()]
-        text = Text("Step time, ours against the torch-native reference (reference time / ours): "
-                    + join_words(parts) + ".")
+        ratio = steps["reference_step_ms"] / steps["ours_step_ms"]
+        lo, hi = steps.loc[ratio.idxmin()], steps.loc[ratio.idxmax()]
+        cell = lambda r: f"{r['preset']} at {int(r['context_length'])}"  # noqa: E731
+        text = Text(f"Ours runs at {fmt.ratio(ratio.min())}–{fmt.ratio(ratio.max())} the reference's speed "
+                    f"(reference time / ours; {cell(lo)} the slowest, {cell(hi)} the closest)"
+                    + (", behind it in every cell" if (ratio < 1).all() else "")
+                    + (f". Our best MFU is {steps['ours_MFU_pct'].max():.1f}% of the data sheet "
+                       f"({cell(steps.loc[steps['ours_MFU_pct'].idxmax()])}) against the reference's "
+                       f"{steps['reference_MFU_pct'].max():.1f}%" if "ours_MFU_pct" in steps.columns else "")
+                    + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does.")
     longest = d.frame("longest_context")
     long_text = None
     if longest is not None and {"preset", "longest"} <= set(longest.columns):
@@ -247,7 +251,7 @@ def answer(d: SectionData) -> list[Block]:
             d.figure("mfu", caption="MFU of both stacks by preset and context."),
             d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
                      "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
-            d.table("time_split", caption="The same split in milliseconds per step and as a share of the step."),
+            _split_text(d.frame("time_split")),
             d.table("matmul_ceiling", caption="The measured matmul ceiling: square matmuls in the step's precision, "
                     "`do_bench` medians; its best TFLOP/s is the second MFU denominator."),
         ], what="the training-step comparison"),
@@ -257,6 +261,42 @@ def answer(d: SectionData) -> list[Block]:
                     "fitted, and their peak memory."),
         ], what="the longest-context search"),
     ]
+
+
+def _split_wide(split: pd.DataFrame | None) -> pd.DataFrame | None:
+    """One row per (preset, context, stack), one column per bucket: 5x fewer rows than the long table."""
+    if split is None or not {"bucket", "ms_per_step", "stack", "preset", "context_length"} <= set(split.columns):
+        return split
+    wide = split.pivot_table(index=["preset", "context_length", "stack"], columns="bucket", values="ms_per_step",
+                             sort=False).reset_index()
+    wide.columns.name = None
+    return wide
+
+
+def _split_text(split: pd.DataFrame | None) -> Text | None:
+    """Which buckets hold the gap between our step and the reference's, summed over every cell."""
+    wide = _split_wide(split)
+    if wide is None or "stack" not in wide.columns or set(wide["stack"]) != {"ours", "reference"}:
+        return None
+    buckets = [c for c in wide.columns if c not in ("preset", "context_length", "stack")]
+    keyed = wide.set_index(["preset", "context_length", "stack"])[buckets]
+    gap = (keyed.xs("ours", level="stack") - keyed.xs("reference", level="stack")).dropna()
+    if gap.empty:
+        return None
+    total = gap.sum()
+    worst = total.sort_values(ascending=False)
+    share = worst / worst[worst > 0].sum()
+    lead = [f"{fmt.pct(share[b])} in {b}" for b in worst.index if worst[b] > 0][:3]
+    lead[0] = lead[0].replace(" in ", " lies in ", 1)
+    ahead = [b for b in worst.index if worst[b] < 0]
+    per_cell = gap[worst.index[0]]
+    return Text(f"Of the time by which our step trails the reference, summed over the {len(gap)} cells, "
+                + join_words(lead) + f"; {worst.index[0]} alone costs us "
+                f"{fmt.ms(per_cell.min())}–{fmt.ms(per_cell.max())} per step more"
+                + (f", while our {join_words(ahead)} is faster (by {fmt.ms(-total[ahead[0]] / len(gap))} a step "
+                   "on average)" if ahead else "") + ". "
+                + (f"Matmuls differ by {fmt.ms(gap['matmul'].abs().max())} at most: the GEMMs are not where "
+                   "we lose." if "matmul" in gap.columns else ""))
 
 
 SECTION = Section(
