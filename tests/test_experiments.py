@@ -210,3 +210,26 @@ def test_leaderboard_step_on_two_ranks_writes_its_own_table(tmp_path, monkeypatc
     assert (tmp_path / "leaderboard" / "step_2ranks.csv").exists()
     assert not (tmp_path / "leaderboard" / "step.csv").exists()
     assert "under our FSDP at 2 layers, context 16, batch 2" in capsys.readouterr().out
+
+
+def test_an_edition_grid_is_a_parameter_set_and_a_folder_of_its_own(tmp_path, monkeypatch, capsys) -> None:
+    nsys, memory = get("nsys_profile"), get("memory_profiling")
+    assert nsys.params("full", edition="2026").sizes == ["small", "large"]
+    assert nsys.params("full", {"sizes": "small"}, edition="2026").sizes == ["small"]  # --set wins
+    assert nsys.params("smoke", edition="2026") == nsys.params("smoke")  # smoke stays tiny
+    assert memory.params("quick", edition="2026").size == "xl@2026"
+    assert memory.params("full", edition="2026").context_lengths == [128, 2048]
+    assert memory.results_folder("2026") == "memory_profiling/2026" and memory.results_folder() == "memory_profiling"
+    assert memory.command_for("2026").endswith("memory_profiling --full --edition 2026")
+    with pytest.raises(ValueError, match="benchmarking has no grid of its own for edition '2026' "
+                                         r"\(editions with one: none\); its results answer every edition"):
+        main(["benchmarking", "--smoke", "--edition", "2026"])
+    assert main(["nsys_profile", "--help"]) == 0
+    assert "--edition 2026: the 2026 handout's grid (sizes=['small', 'large']" in capsys.readouterr().out
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["memory_profiling", "--smoke", "--edition", "2026"]) == 0
+    assert "(d) Size of one residual-stream activation of the tiny model" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "memory_profiling" / "2026" / "residual_stream.meta.json").read_text())
+    assert meta["params"]["edition"] == "2026" and meta["section"] == "memory_profiling/2026"
+    assert not (tmp_path / "memory_profiling" / "residual_stream.json").exists()  # the workbook's grid untouched

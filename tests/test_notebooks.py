@@ -34,14 +34,18 @@ def test_notebook_is_the_thin_section_template(name: str) -> None:
     derive and answers (so the notebook, the command line and the writeup cannot disagree)."""
     nb = nbformat.read(notebooks.notebook_path(name), as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
+    # A section with another edition's grid takes that edition as a parameter too (and only such a section).
+    args = "preset, overrides, publish" + (", edition" if SECTIONS[name].editions else "")
     assert code[1:] == [f"from cs336_systems.experiments.notebook import SectionNotebook\n\n"
-                        f"nb = SectionNotebook({name!r}, preset, overrides, publish)",
+                        f"nb = SectionNotebook({name!r}, {args})",
                         "nb.run()  # measure and write the results",
                         "nb.derive()  # figures and tables computed from the results", "nb.answers()"]
     namespace: dict = {}
     exec(code[0], namespace)  # the parameters cell: plain assignments papermill can override
-    assert {k: namespace[k] for k in ("preset", "overrides", "publish")} == {"preset": None, "overrides": {},
-                                                                             "publish": None}
+    expected = {"preset": None, "overrides": {}, "publish": None}
+    if SECTIONS[name].editions:
+        expected["edition"] = None
+    assert {k: namespace[k] for k in expected} == expected
 
 
 @pytest.mark.parametrize("name", NAMES)

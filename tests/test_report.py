@@ -90,6 +90,31 @@ def test_the_2026_writeup_follows_its_handout(results: Path) -> None:
         build_document(results, edition="2027")
 
 
+def test_an_edition_grid_answers_its_edition_and_stays_out_of_the_other(results: Path) -> None:
+    """Results of nsys_profile's 2026 grid (figures/nsys_profile/2026/) answer the 2026 writeup's §2.1.4 in
+    place of the workbook's grid, whose note then goes; the 2025 writeup keeps its own grid and lists the
+    2026 one among the further results of the index only."""
+    committed = pd.read_csv(Path(__file__).parents[1] / "figures" / "nsys_profile" / "summary.csv")
+    own = committed.head(2)
+    grid = committed.head(3).assign(size=["small", "large", "large"], context_length=[4096, 1024, 2048],
+                                    status=["ok", "ok", "OOM"])
+    ResultWriter("nsys_profile", params={"sizes": ["small"]}, smoke=False).table(own, "summary")
+    ResultWriter("nsys_profile/2026", params={"edition": "2026"}, smoke=False).table(grid, "summary")
+    doc26 = build_document(results, edition="2026")
+    section = doc26.section("2.1.4")
+    assert section.blocks[0].markdown.startswith("**The 2026 handout:** measured on its own grid")
+    assert "--edition 2026" in section.blocks[0].markdown
+    sources = {b.source for b in section.walk() if isinstance(b, Table)}
+    assert sources and all("/nsys_profile/2026/" in src for src in sources), sources
+    text = " ".join(b.markdown for b in section.walk() if isinstance(b, Text))
+    assert "large up to 1,024 (2,048: out of memory)" in text
+    doc25 = build_document(results)
+    mine = doc25.section("1.1.4")
+    assert all("/nsys_profile/summary.csv" in b.source for b in mine.walk() if isinstance(b, Table))
+    further = [b.source for b in mine.further if isinstance(b, Table)]
+    assert len(further) == 1 and further[0].endswith("/nsys_profile/2026/summary.csv")
+
+
 def test_numbers_and_provenance_come_from_the_results(results: Path) -> None:
     _write_benchmarking(results)
     doc = build_document(results, strict=True)

@@ -118,3 +118,29 @@ def test_answer_text_below_the_marker_does_not_stale_results(repo: Path) -> None
     verdict = staleness.freshness({"git_commit": first}, ["lib/section.py"], repo)
     assert verdict.state == "stale" and verdict.changed == ("lib/section.py",)
     assert staleness.measuring_part("a\n" + marker + "\nb") == "a\n" and staleness.measuring_part("a") == "a"
+
+
+def test_an_edition_grid_has_its_own_status_and_stale_marks(repo: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """figures/<name>/<edition>/ is judged by its section's dependencies, listed on a line of its own."""
+    root = tmp_path / "figures"
+    (root / "sec" / "2026").mkdir(parents=True)
+    first = _git(repo, "rev-parse", "HEAD")
+    spec = Section("sec", "9", "A section", ("p",), lambda d: [], depends=("lib/kernel.py",),
+                   editions={"2026": {}})
+    (root / "sec" / "a.meta.json").write_text(json.dumps({"git_commit": first}))
+    assert staleness.section_status(root, spec, repo, edition="2026").line().startswith(
+        "§9 A section [2026 grid]: missing (no results in sec/2026/)")
+    (root / "sec" / "2026" / "g.meta.json").write_text(json.dumps({"git_commit": first}))
+    assert staleness.section_status(root, spec, repo, edition="2026").state == "fresh"
+    _commit(repo, "lib/kernel.py", "x = 6\n")
+    status = staleness.section_status(root, spec, repo, edition="2026")
+    assert status.state == "stale" and list(status.stale) == ["g"]
+    assert status.line().endswith("--edition 2026")
+    with pytest.raises(ValueError, match="sec has no grid of its own for edition '2027'"):
+        staleness.section_status(root, spec, repo, edition="2027")
+    # The writeup's marks reach into the subfolder, with the section's dependencies (not the whole library).
+    monkeypatch.setattr(staleness, "depends_by_folder", lambda: {"sec": ("lib/kernel.py",)})
+    monkeypatch.setattr(staleness, "REPO_ROOT", repo)
+    assert set(staleness.stale_results(root, repo)) == {"sec/a", "sec/2026/g"}
+    assert staleness.depends_of("sec/2026") == ("lib/kernel.py",)

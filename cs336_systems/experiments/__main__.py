@@ -44,44 +44,49 @@ def resolve_preset(section: Section, preset: str | None) -> str:
     return preset
 
 
-def writer(section: Section, params: Any, preset: str, publish: bool | None = None) -> Any:
+def writer(section: Section, params: Any, preset: str, publish: bool | None = None,
+           edition: str | None = None) -> Any:
     """The section's ResultWriter: a measured GPU run publishes unless told not to, an analytic one only
-    when asked, a smoke run never."""
+    when asked, a smoke run never. An ``edition`` grid writes to its own subfolder."""
     from cs336_systems.results import ResultWriter
 
     if publish is None:
         publish = section.gpus > 0
     recorded = {**(asdict(params) if params is not None else {}), "preset": preset}
-    return ResultWriter(section.name, params=recorded, smoke=preset == "smoke", publish=publish)
+    if edition is not None:
+        recorded["edition"] = edition
+    return ResultWriter(section.results_folder(edition), params=recorded, smoke=preset == "smoke", publish=publish)
 
 
 def run_section(name: str, preset: str | None, overrides: dict[str, Any], *, publish: bool | None = None,
-                argv: list[str] | None = None, quiet: bool = False) -> int:
+                argv: list[str] | None = None, quiet: bool = False, edition: str | None = None) -> int:
     """Run one section end to end: parameters, measurement, derived figures, and (on rank 0) the answers.
-    ``argv`` (the torchrun form of a section module) is parsed like this command's own options."""
+    ``argv`` (the torchrun form of a section module) is parsed like this command's own options;
+    ``edition``: measure the grid that edition of the handout asks for (:attr:`Section.editions`)."""
     from cs336_systems.distributed import runner
     from cs336_systems.experiments import get
 
     if argv is not None:
         args = build_parser().parse_args([name, *argv])
-        preset, overrides, publish = args.preset, dict(args.set), args.publish
+        preset, overrides, publish, edition = args.preset, dict(args.set), args.publish, args.edition
     section = get(name)
     preset = resolve_preset(section, preset)
-    params = section.params(preset, overrides)
-    out = writer(section, params, preset, publish)
+    params = section.params(preset, overrides, edition)
+    out = writer(section, params, preset, publish, edition)
     main = runner.is_main_process()
     if main:
         print(f"§{section.number} {section.title} [{preset}] — {out.banner()}", flush=True)
     started = time.monotonic()
     section.execute(params, out) if main or section.gpus < 2 else section.run(params, out)
     if main and not quiet:
-        print(summary(section, out.dir.parent))
+        print(summary(section, out.dir.parent.parent if edition else out.dir.parent, edition))
         print(f"§{section.number} {section.name}: done in {time.monotonic() - started:.0f} s; results in {out.dir}")
     return 0
 
 
-def summary(section: Section, root: Path) -> str:
-    """The section's answers as plain text, tables shown by caption only (the CSVs hold them)."""
+def summary(section: Section, root: Path, edition: str | None = None) -> str:
+    """The section's answers (from its ``edition`` grid's results, if given) as plain text, tables shown
+    by caption only (the CSVs hold them)."""
     from cs336_systems.report.data import SectionData
     from cs336_systems.report.document import Figure, Missing, Question, Table, Text
 
@@ -97,7 +102,7 @@ def summary(section: Section, root: Path) -> str:
                 out += textwrap.wrap(b.plain(), 110, initial_indent=indent, subsequent_indent=indent) or [""]
         return out
 
-    return "\n".join(lines(section.answer(SectionData(root, section.name))))
+    return "\n".join(lines(section.answer(SectionData(root, section.results_folder(edition)))))
 
 
 def describe(section: Section) -> str:
@@ -112,6 +117,10 @@ def describe(section: Section) -> str:
         lines.append(f"  {name:<{width}}  {type_}: {full!r}" + (f" ({others})" if others else ""))
         if help_:
             lines.append(f"  {'':<{width}}    {help_}")
+    for edition, grid in section.editions.items():
+        values = ", ".join(f"{k}={v!r}" for k, v in grid.items())
+        lines.append(f"--edition {edition}: the {edition} handout's grid ({values}), written to "
+                     f"figures/{section.results_folder(edition)}/")
     return "\n".join(lines)
 
 
@@ -144,6 +153,9 @@ def build_parser(section: Section | None = None) -> argparse.ArgumentParser:
         preset.add_argument(f"--{name}", dest="preset", action="store_const", const=name, help=text)
     parser.add_argument("--set", action="append", default=[], type=assignment, metavar="KEY=VALUE",
                         help="override a parameter (repeatable): --set sizes=small,xl --set budget_s=300")
+    parser.add_argument("--edition", metavar="EDITION",
+                        help="measure the grid this edition of the handout asks for, where it differs from the "
+                             "workbook's (e.g. nsys_profile --edition 2026); results go to figures/SECTION/EDITION/")
     publish = parser.add_mutually_exclusive_group()
     publish.add_argument("--publish", dest="publish", action="store_const", const=True,
                          help="write figures/SECTION/ (default for measured GPU sections, not for analytic ones)")
@@ -179,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.sections:
         mine = overrides if len(args.sections) == 1 else {k: v for k, v in overrides.items() if k in fields[name]}
         preset = resolve_preset(get(name), args.preset)
-        get(name).params(preset, mine)
+        get(name).params(preset, mine, args.edition)
         plans.append((name, preset, mine))
     for name, preset, mine in plans:
-        run_section(name, preset, mine, publish=args.publish)
+        run_section(name, preset, mine, publish=args.publish, edition=args.edition)
     return 0
 
 

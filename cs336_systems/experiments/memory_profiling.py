@@ -134,9 +134,10 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
     biggest = pd.DataFrame()
     for mode, name in (("forward", "largest_allocations"), ("train", "largest_allocations_train")):
-        key = ("fp32", max(p.context_lengths), mode)
-        if key not in snapshots:
+        ran = [c for c in p.context_lengths if ("fp32", c, mode) in snapshots]
+        if not ran:  # every fp32 cell of this mode ran out of memory (or was skipped)
             continue
+        key = ("fp32", max(ran), mode)  # the longest context that ran
         table = largest_allocations(snapshots[key], n=20)
         out.table(table, name, extra={"config": list(key)})
         biggest = table if mode == "forward" else biggest
@@ -165,19 +166,45 @@ def _peak_pivot(peaks: pd.DataFrame, precision: str) -> pd.DataFrame | None:
     return wide
 
 
+def _failed_cells(peaks: pd.DataFrame | None) -> str:
+    """A sentence naming the cells that did not run (out of memory, skipped), or ''."""
+    if peaks is None or "status" not in peaks.columns:
+        return ""
+    bad = peaks[peaks["status"] != "ok"]
+    if bad.empty:
+        return ""
+    groups = bad.groupby(["status", "context_length"], sort=True)
+    parts = [f"{join_words(sorted({f'{pr} {m}' for pr, m in zip(g['precision'], g['mode'])}))} at context {int(c)} "
+             f"({'out of memory' if status == 'OOM' else status})" for (status, c), g in groups]
+    return " Did not run: " + "; ".join(parts) + "."
+
+
 def answer(d: SectionData) -> list[Block]:
-    cfg = get_config("2.7B")
+    meta = d.meta("peak_memory") or d.meta("residual_stream")
+    size = str((meta.get("params") or {}).get("size", "2.7B"))
+    device = meta.get("device", "the GPU")
+    cfg = get_config(size)
     act = residual_stream_bytes(cfg, cfg.batch_size, cfg.context_length, "fp32")
     peaks = d.frame("peak_memory")
     fp32 = _peak_pivot(peaks, "fp32") if peaks is not None else None
     bf16 = _peak_pivot(peaks, "bf16") if peaks is not None else None
     b_text = c_text = None
+    failed = _failed_cells(peaks)
     if fp32 is not None and {"forward_peak_GiB", "train_peak_GiB"} <= set(fp32.columns):
-        b_text = Text("Peak memory of the 2.7B model: " + join_words([
-            f"{fmt.gib(r['forward_peak_GiB'] * 2**30)} forward / {fmt.gib(r['train_peak_GiB'] * 2**30)} training "
-            f"step at context {int(r['context_length'])}" for _, r in fp32.iterrows()]) + ". The training step "
-            "adds gradients and AdamW's two moments (three more copies of the weights) to the forward pass's "
-            "weights and activations.")
+        def cell(r: pd.Series) -> str:
+            done = [f"{fmt.gib(r[f'{m}_peak_GiB'] * 2**30)} {what}" for m, what in
+                    (("forward", "forward"), ("train", "training step")) if pd.notna(r[f"{m}_peak_GiB"])]
+            return " / ".join(done) + f" at context {int(r['context_length'])}"
+
+        b_text = Text(f"Peak memory of the {size} model: " + join_words([
+            cell(r) for _, r in fp32.iterrows()]) + ". The training "
+            "step adds gradients and AdamW's two moments (three more copies of the weights) to the forward pass's "
+            f"weights and activations.{failed}" + (f" The GPU ({device}) holds the cells that ran; naive attention "
+                                                   "keeps batch × heads × context² scores per block."
+                                                   if failed else ""))
+    elif failed:
+        b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {size} model on "
+                      f"{device}.{failed}")
     if fp32 is not None and bf16 is not None:
         m = fp32.merge(bf16, on="context_length", suffixes=("_fp32", "_bf16"))
         parts, ratios = [], []
@@ -196,8 +223,8 @@ def answer(d: SectionData) -> list[Block]:
                           "matmuls, so only the activations saved for backward shrink"
                           + ("; where the peak grows, those weight copies outweigh the smaller activations." if grows
                              else "; the saving grows with context length, where activations dominate."))
-    timeline = d.figure("timeline_fp32", caption="Active memory over allocation events, 2.7B, fp32: forward pass "
-                        "(top) and training step (bottom) by context length.")
+    timeline = d.figure("timeline_fp32", caption=f"Active memory over allocation events, {size}, fp32: forward "
+                        "pass (top) and training step (bottom) by context length.")
     rs = d.json("residual_stream")
     rs_text = None
     if isinstance(rs, dict) and "measured_bytes" in rs:
@@ -206,7 +233,7 @@ def answer(d: SectionData) -> list[Block]:
                        + ("matching the formula." if rs.get("measured_bytes") == rs.get("predicted_bytes") else
                           f"against {int(rs.get('predicted_bytes', 0)):,} predicted."))
     return [
-        question(d, "a", "Memory timelines of the 2.7B model: forward pass and full training step.", [
+        question(d, "a", f"Memory timelines of the {size} model: forward pass and full training step.", [
             timeline,
             None if timeline is None else Text(
                 "In the forward pass memory climbs in a staircase, one step per block as its activations are "
@@ -218,14 +245,14 @@ def answer(d: SectionData) -> list[Block]:
                 "temporaries are small: the phases are recognizable from the shape alone."),
         ], what="memory timelines"),
         question(d, "b", "Peak memory by context length, forward pass and full training step.",
-                 [b_text, d.table("peak_memory", frame=fp32, caption="Peak allocated memory of the 2.7B model, "
+                 [b_text, d.table("peak_memory", frame=fp32, caption=f"Peak allocated memory of the {size} model, "
                                   "fp32 (GiB).")], what="peak memory by context length"),
         question(d, "c", "Peak memory with bf16 mixed precision.",
-                 [c_text, d.table("peak_memory", frame=bf16, caption="Peak allocated memory of the 2.7B model "
+                 [c_text, d.table("peak_memory", frame=bf16, caption=f"Peak allocated memory of the {size} model "
                                   "under bf16 autocast (GiB)."),
                   d.figure("timeline_bf16", caption="Active memory timelines under bf16 autocast.")],
                  what="peak memory with mixed precision"),
-        question(d, "d", "Size of one residual-stream activation of the 2.7B model in fp32.", [
+        question(d, "d", f"Size of one residual-stream activation of the {size} model in fp32.", [
             Equation([
                 (r"B \cdot T \cdot d_{\mathrm{model}} \cdot 4\,\mathrm{bytes} = "
                 rf"{cfg.batch_size} \cdot {cfg.context_length} \cdot {cfg.d_model} \cdot 4 = {fmt.tex_int(act)}\,\mathrm{{B}}"
@@ -240,13 +267,18 @@ def answer(d: SectionData) -> list[Block]:
                  [_largest_text(d.frame("largest_allocations")),
                   d.table("largest_allocations", frame=subset(d.frame("largest_allocations"), "size_MiB", "count",
                                                               "origin"),
-                          caption="Largest allocations of the fp32 forward pass at the longest context (stacks: "
-                                  "the CSV)."),
+                          caption="Largest allocations of the fp32 forward pass at the longest context that ran"
+                                  f"{_config_context(d, 'largest_allocations')} (stacks: the CSV)."),
                   d.table("largest_allocations_train",
                           frame=subset(d.frame("largest_allocations_train"), "size_MiB", "count", "origin"),
                           caption="For comparison, the largest allocations of the full training step.")],
                  what="the largest allocations"),
     ]
+
+
+def _config_context(d: SectionData, name: str) -> str:
+    config = ((d.meta(name) or {}).get("extra") or {}).get("config")
+    return f", {int(config[1])}" if isinstance(config, list) and len(config) == 3 else ""
 
 
 def _largest_text(df: pd.DataFrame | None) -> Text | None:
@@ -271,5 +303,7 @@ def _largest_text(df: pd.DataFrame | None) -> Text | None:
 
 SECTION = Section(
     name="memory_profiling", number="1.1.6", title="Memory profiling", problems=("memory_profiling",),
-    answer=answer, presets=PRESETS, run=run, depends=(*MODEL, *TIMING, "cs336_systems/profiling/memory.py"),
+    answer=answer, presets=PRESETS, run=run,
+    editions={"2026": {"size": "xl@2026", "context_lengths": [128, 2048]}},  # the 2026 handout's xl and contexts
+    depends=(*MODEL, *TIMING, "cs336_systems/profiling/memory.py"),
 )

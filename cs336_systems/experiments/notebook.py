@@ -26,11 +26,13 @@ class SectionNotebook:
     """One section run from a notebook (papermill or JupyterLab)."""
 
     def __init__(self, name: str, preset: str | None = None, overrides: dict[str, Any] | None = None,
-                 publish: bool | None = None):
+                 publish: bool | None = None, edition: str | None = None):
         self.section = get(name)
+        self.edition = edition
+        self.folder = self.section.results_folder(edition)
         self.preset = resolve_preset(self.section, preset)
-        self.params = self.section.params(self.preset, overrides or {})
-        self.out = writer(self.section, self.params, self.preset, publish)
+        self.params = self.section.params(self.preset, overrides or {}, edition)
+        self.out = writer(self.section, self.params, self.preset, publish, edition)
         print(f"§{self.section.number} {self.section.title} [{self.preset}] — {self.out.banner()}")
         self.results: Any = None
 
@@ -45,15 +47,16 @@ class SectionNotebook:
 
     def answers_root(self) -> tuple[Path, str]:
         """Where the answers read from, and a sentence saying so."""
+        root = self.out.dir.parent.parent if self.edition else self.out.dir.parent
         if self.preset != "smoke":
-            return self.out.dir.parent, "Answers from the results measured in this run."
+            return root, "Answers from the results measured in this run."
         from cs336_systems.report.staleness import result_metas
 
-        committed = result_metas(FIGURES_DIR / self.section.name)
+        committed = result_metas(FIGURES_DIR / self.folder)
         if committed and not all(m.get("smoke", False) for m in committed.values()):
             return FIGURES_DIR, (f"Smoke run: its results went to {self.out.dir}; the answers below show the "
-                                 f"committed results in figures/{self.section.name}/ (provenance under each table).")
-        return self.out.dir.parent, ("Smoke run and no committed results: the answers below show this run's numbers, "
+                                 f"committed results in figures/{self.folder}/ (provenance under each table).")
+        return root, ("Smoke run and no committed results: the answers below show this run's numbers, "
                                      "which exercise the pipeline on a tiny model and say nothing about GPU performance.")
 
     def answers(self) -> None:
@@ -64,7 +67,7 @@ class SectionNotebook:
 
         root, sentence = self.answers_root()
         display(Markdown(f"*{sentence}*"))
-        data = SectionData(root, self.section.name, depends=self.section.depends)
+        data = SectionData(root, self.folder, depends=self.section.depends)
         for block in self.section.answer(data):
             show(block)
 

@@ -165,10 +165,36 @@ def _largest_ok(df: pd.DataFrame) -> pd.Series | None:
     ok = ok_rows(df)
     if ok.empty:
         return None
-    order = {name.lower(): i for i, name in enumerate(["tiny", "small", "medium", "large", "xl", "2.7b"])}
-    key = ok.assign(_s=ok["size"].astype(str).str.lower().map(order).fillna(-1),
-                    _c=ok.get("context_length", 0))
+    key = ok.assign(_s=ok["size"].map(_parameters), _c=ok.get("context_length", 0))
     return ok.loc[key.sort_values(["_s", "_c"]).index[-1]]
+
+
+def _parameters(size: object) -> float:
+    from cs336_systems.configs import param_counts
+
+    try:
+        return float(param_counts(str(size))["total"])
+    except (KeyError, ValueError):
+        return -1.0
+
+
+def _longest_fit(df: pd.DataFrame | None) -> str:
+    """Per size, the longest context that ran and the shortest that did not (the grid's memory limit)."""
+    from cs336_systems.report.answers import join_words
+
+    if df is None or not {"size", "context_length", "status"} <= set(df.columns):
+        return ""
+    parts = []
+    for size, g in df.groupby("size", sort=False):
+        ran = g[g["status"] == "ok"]["context_length"]
+        failed = g[(g["status"] != "ok") & (g["context_length"] > (ran.max() if not ran.empty else 0))]
+        if failed.empty:
+            continue  # every context ran: the grid did not reach this size's limit
+        first = failed.sort_values("context_length").iloc[0]
+        why = "out of memory" if first["status"] == "OOM" else str(first["status"])
+        parts.append(f"{size} up to {int(ran.max()):,} ({int(first['context_length']):,}: {why})" if not ran.empty
+                     else f"{size} at none of its contexts ({why})")
+    return ("The longest context each size trained at on this GPU: " + join_words(parts) + ".") if parts else ""
 
 
 def answer(d: SectionData) -> list[Block]:
@@ -195,7 +221,7 @@ def answer(d: SectionData) -> list[Block]:
                  "pass. Below 100% the GPU idles between kernels (launch overhead, which dominates small models "
                  "and short contexts), time the Python timer sees and the kernel sum does not"
                  + ("; above 100% the profiler's own instrumentation slows the kernels it records." if ratios.max() > 1
-                    else "."))
+                    else ".") + (" " + _longest_fit(summary) if _longest_fit(summary) else ""))
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
             sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
@@ -277,5 +303,8 @@ def _top_kernels(d: SectionData, top: pd.DataFrame | None, row: pd.Series | None
 SECTION = Section(
     name="nsys_profile", number="1.1.4", title="Profiling the forward and backward passes",
     problems=("nsys_profile",), answer=answer, presets=PRESETS, run=run,
+    # 2026: two sizes at three power-of-two contexts above 128 each, up to the longest that fits. large is
+    # the largest 2026 size with three such contexts on 80 GB (xl@2026 fits 256 and 512 only).
+    editions={"2026": {"sizes": ["small", "large"], "context_lengths": [256, 512, 1024, 2048, 4096]}},
     depends=(*MODEL, *TIMING, "cs336_systems/profiling/torch_profiler.py"),
 )

@@ -61,6 +61,11 @@ class Section:
     """How to refresh the committed results, when it is not the default experiments command."""
     measured_elsewhere: str = ""
     """For sections whose measurement is not a preset run (e.g. an external checkout): what to do."""
+    editions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Other editions of the handout that ask this section's questions of another grid: edition → the
+    parameter values of that grid, applied over the ``quick`` and ``full`` presets (``smoke`` stays tiny).
+    Its results go to ``figures/<name>/<edition>/`` beside the workbook's own, so measuring one edition's
+    grid never replaces the other's; that edition's writeup reads them."""
 
     def __post_init__(self) -> None:
         # The section's own module measures too (above its answers marker): a change there stales results.
@@ -69,6 +74,8 @@ class Section:
         path = resolved.relative_to(REPO_ROOT).as_posix() if resolved and resolved.is_relative_to(REPO_ROOT) else None
         if path and path not in self.depends:
             object.__setattr__(self, "depends", (*self.depends, path))
+        if self.editions and self.derive is not None:  # replot reads figures/<name>/ only
+            raise ValueError(f"{self.name}: a section with derived artefacts cannot have edition grids")
 
     # -- parameters -----------------------------------------------------------------------------------
 
@@ -76,9 +83,26 @@ class Section:
     def params_type(self) -> type | None:
         return type(self.presets["full"]) if self.presets else None
 
-    def params(self, preset: str = "full", overrides: dict[str, Any] | None = None) -> Any:
-        """The ``preset``'s parameters with ``overrides`` applied, each checked against the field's type;
-        unknown names and wrong types raise ``ValueError`` naming the parameter."""
+    def check_edition(self, edition: str | None) -> None:
+        """``edition`` None or one with a grid of its own here (``ValueError`` naming the valid ones)."""
+        if edition is not None and edition not in self.editions:
+            have = ", ".join(self.editions) or "none"
+            raise ValueError(f"{self.name} has no grid of its own for edition {edition!r} "
+                             f"(editions with one: {have}); its results answer every edition")
+
+    def results_folder(self, edition: str | None = None) -> str:
+        """The results folder under ``figures/``: the section's, or its edition grid's subfolder."""
+        self.check_edition(edition)
+        return self.name if edition is None else f"{self.name}/{edition}"
+
+    def params(self, preset: str = "full", overrides: dict[str, Any] | None = None,
+               edition: str | None = None) -> Any:
+        """The ``preset``'s parameters with ``edition``'s grid (unless smoke) and then ``overrides``
+        applied, each checked against the field's type; unknown names and wrong types raise ``ValueError``
+        naming the parameter."""
+        self.check_edition(edition)
+        if edition is not None and preset != "smoke":
+            overrides = {**self.editions[edition], **(overrides or {})}
         if not self.presets:
             if overrides:
                 raise ValueError(f"{self.name} takes no parameters")
@@ -117,9 +141,15 @@ class Section:
 
     @property
     def refresh_command(self) -> str:
-        if self.command:
+        return self.command_for(None)
+
+    def command_for(self, edition: str | None) -> str:
+        """How to refresh the results of the section, or of its ``edition`` grid."""
+        self.check_edition(edition)
+        if self.command and edition is None:
             return self.command
-        return f"uv run python -m cs336_systems.experiments {self.name}" + (" --publish" if self.gpus == 0 else " --full")
+        return (f"uv run python -m cs336_systems.experiments {self.name}"
+                + (" --publish" if self.gpus == 0 else " --full") + (f" --edition {edition}" if edition else ""))
 
     @property
     def where(self) -> str:

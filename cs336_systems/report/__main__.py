@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         from cs336_systems.experiments import SECTIONS
         from cs336_systems.report.staleness import section_status
 
-        statuses = [section_status(args.figures, spec) for spec in SECTIONS.values()]
+        statuses = [section_status(args.figures, spec, edition=edition) for spec in SECTIONS.values()
+                    for edition in (None, *spec.editions)]
         for st in statuses:
             print(st.line())
             if args.verbose:
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"    {name}: {verdict.reason}")
         counts = {state: sum(st.state == state for st in statuses) for state in ("fresh", "stale", "missing")}
         print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['missing']} missing "
-              f"(of {len(statuses)} sections)")
+              f"(of {len(SECTIONS)} sections" + (f" and {len(statuses) - len(SECTIONS)} edition grids)"
+                                                  if len(statuses) > len(SECTIONS) else ")"))
         return 1 if counts["stale"] else 0
     problems = _manifest.check_manifest(args.pdf, args.figures, args.manifest)
     if problems:

@@ -44,19 +44,20 @@ def sections_() -> list[Any]:
 
 
 def build_section(
-    spec: Any, root: Path, strict: bool = False, notebooks: Path = NOTEBOOK_DIR
+    spec: Any, root: Path, strict: bool = False, notebooks: Path = NOTEBOOK_DIR, edition: str | None = None
 ) -> tuple[Section, SectionData]:
-    """One section: the spec's answers, and (as ``further``, for the results index) every artefact of its
-    folders that the answers did not use.
+    """One section: the spec's answers (from its ``edition`` grid's results, if given), and (as ``further``,
+    for the results index) every artefact of its folders that the answers did not use.
 
     A builder that fails on unexpected data (a renamed column, say) must not cost the whole writeup:
     unless ``strict``, the section says in red that its answers could not be formatted, the error is
     printed, and its results still appear generically.
     """
-    data = SectionData(root, spec.name, command=spec.refresh_command, note=spec.where, depends=spec.depends or None)
+    folder, command = spec.results_folder(edition), spec.command_for(edition)
+    data = SectionData(root, folder, command=command, note=spec.where, depends=spec.depends or None)
     blocks: list[Block] = []
     if data.empty:
-        blocks.append(Missing(f"no results in `{root.name}/{spec.name}/`", spec.refresh_command, spec.where))
+        blocks.append(Missing(f"no results in `{root.name}/{folder}/`", command, spec.where))
     intro = notebook_intro(notebooks / f"{spec.name}.ipynb")
     if intro:
         blocks.append(Text(f"*From `notebooks/{spec.name}.ipynb`:* {intro}", role="method"))
@@ -73,8 +74,11 @@ def build_section(
         blocks.append(Text(f"**The answers of this section could not be formatted from its results** "
                            f"(`{message}`); the results follow unformatted.", role="error"))
     further: list[Block] = []
-    for folder, rest in [(spec.name, data.remaining())] + [
-        (extra, SectionData(root, extra).remaining()) for extra in spec.also
+    # The results index lists the edition grids' results under the workbook's own section (the other
+    # edition's writeup shows them as answers).
+    grids = [spec.results_folder(e) for e in spec.editions] if edition is None else []
+    for folder, rest in [(folder, data.remaining())] + [
+        (extra, SectionData(root, extra).remaining()) for extra in (*spec.also, *grids)
     ]:
         if rest:
             further.append(Text(f"Further results in `{root.name}/{folder}/`:", role="further"))
@@ -107,7 +111,8 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
     sections: list[Section] = []
     rows = ["| this handout | problems | workbook section (`writeup.pdf`) |", "|---|---|---|"]
     for entry in editions.entries(edition) or ():
-        note = [Text(f"**The {edition} handout:** {entry.note}")] if entry.note else []
+        said = " ".join(x for x in (entry.note, entry.remark) if x)
+        note = [Text(f"**The {edition} handout:** {said}")] if said else []
         if entry.section is None:
             blocks: list[Block] = [*note, Missing(f"{', '.join(entry.problems)} ({edition} handout)",
                                                   "see the note above")]
@@ -116,9 +121,14 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
             rows.append(f"| §{entry.number} | {', '.join(entry.problems)} | (none yet) |")
             continue
         spec = SECTIONS[entry.section]
-        section, _ = build_section(spec, root, strict, notebooks)
+        own = edition in spec.editions and not SectionData(root, spec.results_folder(edition)).empty
+        section, _ = build_section(spec, root, strict, notebooks, edition if own else None)
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
+        if own:  # measured on this edition's grid: the note on the other grid's results no longer applies
+            note = [Text(f"**The {edition} handout:** measured on its own grid (`{spec.command_for(edition)}`, "
+                         f"results in `{root.name}/{spec.results_folder(edition)}/`)."
+                         + (f" {entry.remark}" if entry.remark else ""))]
         section.blocks[:0] = note
         section.further = []  # the results index belongs to the workbook's own writeup
         sections.append(section)

@@ -104,7 +104,7 @@ class SectionData:
             return {}
         from cs336_systems.report import staleness
 
-        depends = self.depends or staleness.depends_by_folder().get(self.folder, staleness.LIBRARY)
+        depends = self.depends or staleness.depends_of(self.folder)
         verdict = staleness.freshness(meta, depends)
         if verdict.stale:
             meta["stale"] = verdict.reason

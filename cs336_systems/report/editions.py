@@ -27,7 +27,10 @@ class Entry:
     title: str | None = None
     """The title, when the workbook section's own does not fit this edition."""
     note: str = ""
-    """How the committed results differ from what this edition asks, and how to close the gap."""
+    """How the committed results differ from what this edition asks, and how to close the gap (not shown
+    once the section's own grid for this edition is measured)."""
+    remark: str = ""
+    """What this edition's readers should know either way (shown after the note)."""
 
 
 _SIZES_2026 = "`--set sizes=small,medium,large,xl@2026,10B@2026`"
@@ -41,15 +44,16 @@ EDITION_2026: tuple[Entry, ...] = (
                "row 10B@2026; small, medium and large are the same in both. "
                f"`--set sizes=...` (e.g. {_SIZES_2026}) times any other list."),
     Entry("2.1.4", ("nsys_profile",), "nsys_profile",
-          note="2026 asks for two sizes at three contexts each, up to the longest that fits; the results below "
-               "are the 2025 grid (every size at contexts 128 to 1024). Refresh with, e.g., "
-               "`--set sizes=small,xl@2026 --set context_lengths=512,2048,8192`."),
+          note="2026 asks for two sizes at three power-of-two contexts above 128 each, up to the longest that "
+               "fits; until that grid is measured (`python -m cs336_systems.experiments nsys_profile --full "
+               "--edition 2026`: small and large at 256 to 4096) the results below are the 2025 grid (every "
+               "size at contexts 128 to 1024)."),
     Entry("2.1.5", ("mixed_precision_accumulation", "benchmarking_mixed_precision"), "mixed_precision"),
     Entry("2.1.6", ("memory_profiling",), "memory_profiling",
-          note="2026 profiles its xl, the same model as 2025's 2.7B (2560/10240/32/32) profiled below, at "
-               "contexts 128 and 2048 instead of 128, 256 and 512: refresh with "
-               "`--set size=xl@2026 --set context_lengths=128,2048`. Part (f), the residuals of one block, is "
-               "answered in §3 below."),
+          note="2026 profiles its xl, the same model as 2025's 2.7B (2560/10240/32/32), at contexts 128 and "
+               "2048; until that grid is measured (`python -m cs336_systems.experiments memory_profiling --full "
+               "--edition 2026`) the results below are 2025's contexts 128, 256 and 512.",
+          remark="Part (f), the residuals of one block, is answered in §3 below."),
     Entry("3", ("memory_profiling (f)", "gradient_checkpointing"), "gradient_checkpointing",
           title="Single-GPU memory: autograd residuals and gradient checkpointing"),
     Entry("4.1.1", ("pytorch_attention",), "pytorch_attention"),

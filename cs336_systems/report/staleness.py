@@ -140,15 +140,18 @@ class SectionStatus:
                 + f" — refresh: {self.command}")
 
 
-def section_status(root: Path, spec: Any, repo: Path = REPO_ROOT) -> SectionStatus:
-    metas = result_metas(Path(root) / spec.name)
+def section_status(root: Path, spec: Any, repo: Path = REPO_ROOT, edition: str | None = None) -> SectionStatus:
+    """The state of a section's results, or of its ``edition`` grid's (``figures/<name>/<edition>/``)."""
+    folder = spec.results_folder(edition) if edition else spec.name
+    title = f"{spec.title} [{edition} grid]" if edition else spec.title
+    command = spec.command_for(edition) if edition else spec.refresh_command
+    metas = result_metas(Path(root) / folder)
     if not metas:
-        return SectionStatus(spec.number, spec.title, spec.name, "missing", {}, (), spec.refresh_command)
+        return SectionStatus(spec.number, title, folder, "missing", {}, (), command)
     verdicts = {name: freshness(meta, spec.depends, repo) for name, meta in metas.items()}
     stale = {name: f for name, f in verdicts.items() if f.stale}
     fresh = tuple(name for name, f in verdicts.items() if not f.stale)
-    return SectionStatus(spec.number, spec.title, spec.name, "stale" if stale else "fresh", stale, fresh,
-                         spec.refresh_command)
+    return SectionStatus(spec.number, title, folder, "stale" if stale else "fresh", stale, fresh, command)
 
 
 def depends_by_folder() -> dict[str, tuple[str, ...]]:
@@ -160,13 +163,22 @@ def depends_by_folder() -> dict[str, tuple[str, ...]]:
     return {"ddp_benchmark": DEPENDS, **{s.name: s.depends for s in SECTIONS.values()}}
 
 
+def depends_of(folder: str) -> tuple[str, ...]:
+    """The dependencies of a results folder (``name`` or an edition grid's ``name/edition``)."""
+    return depends_by_folder().get(folder.split("/")[0], LIBRARY)
+
+
 def stale_results(root: Path, repo: Path = REPO_ROOT) -> dict[str, str]:
-    """``{"folder/name": reason}`` for every stale result under ``root`` (what the writeup marks)."""
-    depends = depends_by_folder()
+    """``{"folder/name": reason}`` for every stale result under ``root`` (what the writeup marks), edition
+    grids' subfolders (``folder/edition/name``) included."""
+    root = Path(root)
     out = {}
-    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() else []:
+    folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    folders += [sub for p in folders for sub in p.iterdir() if sub.is_dir() and not sub.name.startswith(".")]
+    for folder in sorted(folders):
+        rel = folder.relative_to(root).as_posix()
         for name, meta in result_metas(folder).items():
-            verdict = freshness(meta, depends.get(folder.name, LIBRARY), repo)
+            verdict = freshness(meta, depends_of(rel), repo)
             if verdict.stale:
-                out[f"{folder.name}/{name}"] = verdict.reason
+                out[f"{rel}/{name}"] = verdict.reason
     return out
