@@ -179,12 +179,29 @@ def _failed_cells(peaks: pd.DataFrame | None) -> str:
     return " Did not run: " + "; ".join(parts) + "."
 
 
+def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str:
+    """What the calculator predicts for the shortest context that ran out of memory."""
+    if peaks is None or "status" not in peaks.columns or not (peaks["status"] == "OOM").any():
+        return ""
+    c = int(peaks[peaks["status"] == "OOM"]["context_length"].min())
+    need = memory_breakdown(cfg, cfg.batch_size, c)
+    scores = cfg.batch_size * cfg.num_heads * c * c * 4
+    return (f" At context {c} the calculator predicts {fmt.gib(need['total'])} for an fp32 training step, "
+            f"{fmt.gib(need['activations'])} of it activations, against the {device}'s memory: naive attention "
+            f"keeps batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block.")
+
+
 def answer(d: SectionData) -> list[Block]:
     meta = d.meta("peak_memory") or d.meta("residual_stream")
     size = str((meta.get("params") or {}).get("size", "2.7B"))
     device = meta.get("device", "the GPU")
     cfg = get_config(size)
-    act = residual_stream_bytes(cfg, cfg.batch_size, cfg.context_length, "fp32")
+    rs = d.json("residual_stream")
+    shape = rs.get("shape") if isinstance(rs, dict) else None
+    # The derivation at the shape the run measured (the reference batch, the grid's longest context).
+    batch, context = (int(shape[0]), int(shape[1])) if shape and len(shape) == 3 else (cfg.batch_size,
+                                                                                        cfg.context_length)
+    act = residual_stream_bytes(cfg, batch, context, "fp32")
     peaks = d.frame("peak_memory")
     fp32 = _peak_pivot(peaks, "fp32") if peaks is not None else None
     bf16 = _peak_pivot(peaks, "bf16") if peaks is not None else None
@@ -199,9 +216,7 @@ def answer(d: SectionData) -> list[Block]:
         b_text = Text(f"Peak memory of the {size} model: " + join_words([
             cell(r) for _, r in fp32.iterrows()]) + ". The training "
             "step adds gradients and AdamW's two moments (three more copies of the weights) to the forward pass's "
-            f"weights and activations.{failed}" + (f" The GPU ({device}) holds the cells that ran; naive attention "
-                                                   "keeps batch × heads × context² scores per block."
-                                                   if failed else ""))
+            f"weights and activations.{failed}" + _why_out_of_memory(peaks, cfg, device))
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {size} model on "
                       f"{device}.{failed}")
@@ -215,7 +230,8 @@ def answer(d: SectionData) -> list[Block]:
                 if not r.empty:
                     ratios.append(r)
                     parts.append(f"{'forward' if mode == 'forward' else 'training-step'} peaks by a factor of "
-                                 f"{fmt.sig(r.min(), 2)}–{fmt.sig(r.max(), 2)}")
+                                 + (f"{fmt.sig(r.min(), 2)}–{fmt.sig(r.max(), 2)}" if fmt.sig(r.min(), 2) !=
+                                    fmt.sig(r.max(), 2) else fmt.sig(r.min(), 2)))
         if parts:
             grows = any(x.max() > 1 for x in ratios)
             c_text = Text("bf16 autocast changes the " + join_words(parts) + " (bf16 / fp32). Autocast keeps the "
@@ -225,7 +241,6 @@ def answer(d: SectionData) -> list[Block]:
                              else "; the saving grows with context length, where activations dominate."))
     timeline = d.figure("timeline_fp32", caption=f"Active memory over allocation events, {size}, fp32: forward "
                         "pass (top) and training step (bottom) by context length.")
-    rs = d.json("residual_stream")
     rs_text = None
     if isinstance(rs, dict) and "measured_bytes" in rs:
         rs_text = Text(f"Measured in a forward pass (the first block's output, shape {tuple(rs.get('shape', []))}, "
@@ -255,10 +270,10 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "d", f"Size of one residual-stream activation of the {size} model in fp32.", [
             Equation([
                 (r"B \cdot T \cdot d_{\mathrm{model}} \cdot 4\,\mathrm{bytes} = "
-                rf"{cfg.batch_size} \cdot {cfg.context_length} \cdot {cfg.d_model} \cdot 4 = {fmt.tex_int(act)}\,\mathrm{{B}}"
+                rf"{batch} \cdot {context} \cdot {cfg.d_model} \cdot 4 = {fmt.tex_int(act)}\,\mathrm{{B}}"
                 rf" = {act / 2**20:g}\,\mathrm{{MiB}}"),
             ]),
-            Text(f"At the reference batch size {cfg.batch_size} and context length {cfg.context_length} one "
+            Text(f"At the reference batch size {batch} and context length {context} one "
                  f"residual-stream tensor is {fmt.mib(act, 4)}."),
             rs_text,
         ]),

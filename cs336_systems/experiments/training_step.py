@@ -228,7 +228,8 @@ def answer(d: SectionData) -> list[Block]:
                     + (f". Our best MFU is {steps['ours_MFU_pct'].max():.1f}% of the data sheet "
                        f"({cell(steps.loc[steps['ours_MFU_pct'].idxmax()])}) against the reference's "
                        f"{steps['reference_MFU_pct'].max():.1f}%" if "ours_MFU_pct" in steps.columns else "")
-                    + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does.")
+                    + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does."
+                    + _tokens_text(steps))
     longest = d.frame("longest_context")
     long_text = None
     if longest is not None and {"preset", "longest"} <= set(longest.columns):
@@ -248,12 +249,10 @@ def answer(d: SectionData) -> list[Block]:
                             "job (matmul_ceiling). Combined from one table per preset (steps_<preset>), "
                             "each measured by its own job; the run parameters shown are the first preset's, and each "
                             "preset's own are in its table's record."),
-            d.figure("mfu", caption="MFU of both stacks by preset and context."),
             d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
                      "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
             _split_text(d.frame("time_split")),
-            d.table("matmul_ceiling", caption="The measured matmul ceiling: square matmuls in the step's precision, "
-                    "`do_bench` medians; its best TFLOP/s is the second MFU denominator."),
+            _ceiling_text(steps),
         ], what="the training-step comparison"),
         question(d, "longest", "The longest context each preset trains at on this GPU.", [
             long_text,
@@ -261,6 +260,28 @@ def answer(d: SectionData) -> list[Block]:
                     "fitted, and their peak memory."),
         ], what="the longest-context search"),
     ]
+
+
+def _ceiling_text(steps: pd.DataFrame) -> Text | None:
+    """The measured matmul ceilings in a sentence (each job's table is in the results index)."""
+    col = "matmul_ceiling_TFLOP_per_s"
+    if col not in steps.columns or steps[col].isna().all():
+        return None
+    lo, hi = steps[col].min(), steps[col].max()
+    return Text("The second MFU denominator is the bf16 matmul ceiling each job measures before its cells (the best "
+                "of square matmuls, `do_bench` medians): " + (f"{lo:.0f}–{hi:.0f}" if round(lo) != round(hi)
+                                                               else f"{hi:.0f}") + " TFLOP/s over the jobs.")
+
+
+def _tokens_text(steps: pd.DataFrame) -> str:
+    """Tokens per step, naming the presets measured with another number than most."""
+    if "batch_size" not in steps.columns:
+        return ""
+    tokens = (steps["batch_size"] * steps["context_length"]).astype(int)
+    usual = tokens.mode().iloc[0]
+    other = {pr: t for pr, t in zip(steps["preset"], tokens) if t != usual}
+    return f" Each step holds {usual:,} tokens" + (
+        " (" + ", ".join(f"{pr}: {t:,}" for pr, t in other.items()) + ")" if other else "") + "."
 
 
 def _split_wide(split: pd.DataFrame | None) -> pd.DataFrame | None:
