@@ -1,0 +1,150 @@
+"""Which kernels make one stack's training step slower than the other's: a per-kernel table of both.
+
+The §1.4 time split says *which kind* of work our step loses time in (norms and elementwise, host);
+this says *which kernels*. Each stack (:class:`~cs336_systems.benchmarking.train_step.TrainStep`) is built
+alone (so xl fits), warmed up (compilation happens there), then ``steps`` steps run under
+``torch.profiler``. Kernels are grouped by a short name (:func:`short_name`: Inductor's generated
+``triton_poi_fused_add_mul_3`` and ``triton_poi_fused_add_mul_7`` are one *kind* of fusion) into
+milliseconds and launches per step, in the split's buckets, side by side:
+
+    python -m cs336_systems.benchmarking.step_kernels --preset small --context-length 1024 --batch-size 8 \\
+        --compile --attention flash_triton --top 20 --csv .scratch/step_kernels_small.csv
+
+Launches per step is the other half of the story: a compiled step that launches twice the kernels of the
+other waits twice as often on the host, which the split books as ``host / idle``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import pandas as pd
+import torch
+
+from cs336_systems.benchmarking.end_to_end import PRECISIONS, default_device
+from cs336_systems.benchmarking.train_step import STACKS, StepSpec, TrainStep, parse_levels
+
+#: Inductor names a generated kernel after what it fuses and numbers it; the number is not the kind.
+_INDUCTOR = re.compile(r"^(triton_(?:poi|red|per|tem|for)_fused_\w*?)_\d+$")
+
+
+def short_name(name: str, limit: int = 90) -> str:
+    """A kernel name without template arguments or Inductor's serial number, cut to ``limit``."""
+    text = re.sub(r"^void\s+", "", str(name)).split("(")[0]
+    match = _INDUCTOR.match(text)
+    if match:
+        text = match.group(1)
+    text = re.sub(r"<.*", "", text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def kernel_summary(records: pd.DataFrame, steps: int, optimizer_intervals: list[tuple[float, float]] = ()
+                   ) -> pd.DataFrame:
+    """Per (bucket, kernel kind): ``ms_per_step``, ``launches_per_step`` and ``us_per_launch``, the largest
+    first, from :func:`~cs336_systems.profiling.torch_profiler.kernel_records` of ``steps`` steps."""
+    from cs336_systems.profiling.step_split import _OPTIMIZER, bucket
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    columns = ["bucket", "kernel", "ms_per_step", "launches_per_step", "us_per_launch"]
+    if records.empty:
+        return pd.DataFrame(columns=columns)
+    in_optimizer = records["name"].str.contains(_OPTIMIZER)
+    for start, end in optimizer_intervals:
+        in_optimizer |= records["launch_us"].between(start, end)
+    table = records.assign(bucket=records["name"].map(bucket).where(~in_optimizer, "optimizer"),
+                           kernel=records["name"].map(short_name))
+    out = table.groupby(["bucket", "kernel"], as_index=False).agg(us=("duration_us", "sum"),
+                                                                 launches=("duration_us", "size"))
+    out["ms_per_step"] = out["us"] / 1e3 / steps
+    out["launches_per_step"] = out["launches"] / steps
+    out["us_per_launch"] = out["us"] / out["launches"]
+    return out.sort_values("ms_per_step", ascending=False, ignore_index=True)[columns]
+
+
+def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int = 3,
+                  warmup: int = 3) -> pd.DataFrame:
+    """:func:`kernel_summary` of ``steps`` profiled steps of one freshly built stack."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cs336_systems.profiling.torch_profiler import kernel_records, range_intervals
+
+    run = TrainStep(stack, spec, device)
+    try:
+        with run.context():
+            for _ in range(warmup):
+                run.step()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with run.context(), profile(activities=activities) as prof:
+            for _ in range(steps):
+                run.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return kernel_summary(kernel_records(prof), steps, range_intervals(prof, "optimizer")).assign(stack=stack)
+    finally:
+        del run
+        torch._dynamo.reset()  # compiled graphs hold the model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def side_by_side(tables: pd.DataFrame) -> pd.DataFrame:
+    """Per bucket and stack: milliseconds, launches and distinct kernel kinds per step."""
+    return (tables.groupby(["bucket", "stack"])
+            .agg(ms_per_step=("ms_per_step", "sum"), launches_per_step=("launches_per_step", "sum"),
+                 kinds=("kernel", "nunique"))
+            .unstack("stack"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.step_kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", "--size", dest="preset", default="small")
+    parser.add_argument("--context-length", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--attention", default="sdpa", help="our model's registered attention")
+    parser.add_argument("--optimizer", choices=["flat", "basics"], default="flat", help="our stack's AdamW")
+    parser.add_argument("--checkpoint", default="", help="our model's checkpoint levels (empty: off)")
+    parser.add_argument("--fused-head", action="store_true", help="our LM head + cross-entropy without logits")
+    parser.add_argument("--stacks", default=",".join(STACKS))
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps per stack")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--top", type=int, default=15, help="kernel kinds listed per stack and bucket")
+    parser.add_argument("--bucket", default="norms & elementwise", help="the bucket whose kernels are listed")
+    parser.add_argument("--csv", help="write every stack's per-kernel table here")
+    args = parser.parse_args(argv)
+    try:
+        levels = parse_levels(args.checkpoint)
+    except ValueError as exc:
+        parser.error(f"--checkpoint: {exc}")
+    if args.steps < 1 or args.warmup < 0 or args.top < 1:
+        parser.error("--steps and --top must be >= 1 and --warmup >= 0")
+    stacks = [s for s in args.stacks.split(",") if s]
+    unknown = [s for s in stacks if s not in STACKS]
+    if unknown:
+        parser.error(f"unknown stack {unknown[0]!r}; choose from {', '.join(STACKS)}")
+    spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
+                    args.attention, "cudnn", args.optimizer, levels, args.fused_head)
+    spec.check()
+    device = default_device()
+    tables = pd.concat([profile_stack(s, spec, device, args.steps, args.warmup) for s in stacks], ignore_index=True)
+    print(f"{spec.preset}, context {spec.context_length}, batch {spec.batch_size}, {spec.precision}, "
+          f"compile={spec.compile}, ours with {spec.attention}; {args.steps} profiled steps per stack")
+    print(side_by_side(tables).to_string(float_format=lambda v: f"{v:.3g}"))
+    for stack in stacks:
+        mine = tables[(tables["stack"] == stack) & (tables["bucket"] == args.bucket)].head(args.top)
+        print(f"\n{stack}: the {len(mine)} largest {args.bucket} kernel kinds")
+        print(mine.drop(columns=["stack", "bucket"]).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if args.csv:
+        tables.to_csv(args.csv, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.step_kernels"))

@@ -1,0 +1,50 @@
+"""The per-kernel comparison of two training-step stacks: names grouped by kind, buckets as the split's."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from cs336_systems.benchmarking.step_kernels import kernel_summary, main, short_name, side_by_side
+
+
+def test_short_names_group_inductor_serials_and_drop_templates() -> None:
+    assert short_name("triton_poi_fused_add_mul_3") == short_name("triton_poi_fused_add_mul_17") \
+        == "triton_poi_fused_add_mul"
+    assert short_name("triton_red_fused__to_copy_mean_pow_0") == "triton_red_fused__to_copy_mean_pow"
+    assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int)") \
+        == "at::native::vectorized_elementwise_kernel"
+    assert short_name("adamw_kernel") == "adamw_kernel" and len(short_name("x" * 200, limit=20)) == 20
+
+
+def test_kernel_summary_sums_per_step_and_puts_optimizer_launches_in_their_bucket() -> None:
+    records = pd.DataFrame({
+        "name": ["triton_poi_fused_add_1", "triton_poi_fused_add_2", "sm90_xmma_gemm_bf16", "adamw_kernel",
+                 "triton_poi_fused_mul_0"],
+        "duration_us": [10.0, 30.0, 400.0, 50.0, 20.0],
+        "launch_us": [1.0, 2.0, 3.0, float("nan"), 105.0],
+    })
+    table = kernel_summary(records, steps=2, optimizer_intervals=[(100.0, 110.0)])
+    rows = {(r.bucket, r.kernel): r for r in table.itertuples()}
+    add = rows[("norms & elementwise", "triton_poi_fused_add")]
+    assert add.ms_per_step == pytest.approx(0.02) and add.launches_per_step == 1 and add.us_per_launch == 20
+    assert ("optimizer", "adamw_kernel") in rows and ("optimizer", "triton_poi_fused_mul") in rows  # by name, by range
+    assert rows[("matmul", "sm90_xmma_gemm_bf16")].ms_per_step == pytest.approx(0.2)
+    assert table["ms_per_step"].is_monotonic_decreasing
+    both = side_by_side(pd.concat([table.assign(stack="ours"), table.assign(stack="reference")]))
+    assert both.loc["matmul", ("ms_per_step", "ours")] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        kernel_summary(records, steps=0)
+
+
+def test_command_profiles_both_stacks_on_cpu(tmp_path, capsys) -> None:
+    csv = tmp_path / "k.csv"
+    assert main(["--preset", "tiny", "--context-length", "16", "--batch-size", "2", "--precision", "fp32",
+                 "--steps", "1", "--warmup", "1", "--top", "3", "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "ours: the 3 largest norms & elementwise kernel kinds" in out and "reference:" in out
+    assert set(pd.read_csv(csv)["stack"]) == {"ours", "reference"}
+    torch._dynamo.reset()
+    with pytest.raises(SystemExit):
+        main(["--stacks", "ours,theirs"])
