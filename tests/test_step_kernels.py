@@ -13,8 +13,10 @@ def test_short_names_group_inductor_serials_and_drop_templates() -> None:
     assert short_name("triton_poi_fused_add_mul_3") == short_name("triton_poi_fused_add_mul_17") \
         == "triton_poi_fused_add_mul"
     assert short_name("triton_red_fused__to_copy_mean_pow_0") == "triton_red_fused__to_copy_mean_pow"
-    assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int)") \
-        == "at::native::vectorized_elementwise_kernel"
+    # ATen's kernels are told apart by their functors, not by the shared template
+    assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+                      "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)") \
+        == "vectorized_elementwise_kernel<FillFunctor>"
     assert short_name("adamw_kernel") == "adamw_kernel" and len(short_name("x" * 200, limit=20)) == 20
 
 

@@ -31,12 +31,13 @@ _INDUCTOR = re.compile(r"^(triton_(?:poi|red|per|tem|for)_fused_\w*?)_\d+$")
 
 
 def short_name(name: str, limit: int = 90) -> str:
-    """A kernel name without template arguments or Inductor's serial number, cut to ``limit``."""
-    text = re.sub(r"^void\s+", "", str(name)).split("(")[0]
-    match = _INDUCTOR.match(text)
-    if match:
-        text = match.group(1)
-    text = re.sub(r"<.*", "", text)
+    """A kernel's kind: Inductor's kernels without their serial number, the others as
+    §1.1.4's kernel tables name them (:func:`~cs336_systems.experiments.nsys_profile.short_kernel`: an ATen
+    kernel by its functors, ``vectorized_elementwise_kernel<FillFunctor>``), cut to ``limit``."""
+    from cs336_systems.experiments.nsys_profile import short_kernel
+
+    match = _INDUCTOR.match(str(name))
+    text = match.group(1) if match else short_kernel(name, limit=10_000)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
