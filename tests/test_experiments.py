@@ -233,3 +233,18 @@ def test_an_edition_grid_is_a_parameter_set_and_a_folder_of_its_own(tmp_path, mo
     meta = json.loads((tmp_path / "memory_profiling" / "2026" / "residual_stream.meta.json").read_text())
     assert meta["params"]["edition"] == "2026" and meta["section"] == "memory_profiling/2026"
     assert not (tmp_path / "memory_profiling" / "residual_stream.json").exists()  # the workbook's grid untouched
+
+
+def test_warmup_answer_names_an_out_of_memory_timing_before_a_failed_first_cell() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.benchmarking import _warmup_sentence
+
+    study = pd.DataFrame({"size": ["small", "small"], "warmup": [0, 1], "status": ["OOM", "ok"],
+                          "forward_mean_ms": [None, 20.0], "forward_std_ms": [None, 0.1]})
+    timings = pd.DataFrame({"size": ["small", "10B@2026"], "status": ["ok", "OOM"]})
+    text = _warmup_sentence(study, timings).markdown
+    assert "the first to run after 10B@2026 ran out of memory in the measuring process" in text
+    assert "after the handler" in text
+    assert "ran out of memory in the measuring" not in _warmup_sentence(study, timings.iloc[:1]).markdown
+    assert "ran out of memory in the measuring" not in _warmup_sentence(study.iloc[::-1], timings).markdown

@@ -173,7 +173,7 @@ def answer(d: SectionData) -> list[Block]:
                              d.figure("timings", caption="Time per step and phase (error bars: one "
                                       "standard deviation).")], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
-            _warmup_sentence(study),
+            _warmup_sentence(study, timings),
             d.table("warmup_study", caption="Timings after 0, 1, 2 and 5 warm-up steps, each setting in a "
                     "fresh process."),
             d.figure("warmup_study", caption="Spread of the forward time against the number of warm-up steps."),
@@ -223,7 +223,7 @@ def _state_note(size: str, status: str) -> str:
     return f": {fmt.params(n)} parameters need {fmt.sig(16 * n / 1e9, 3)} GB for fp32 weights, gradients and AdamW moments"
 
 
-def _warmup_sentence(df: pd.DataFrame | None) -> Text | None:
+def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = None) -> Text | None:
     ok = ok_rows(df)
     if ok.empty or not {"warmup", "forward_mean_ms", "forward_std_ms"} <= set(ok.columns):
         return None
@@ -240,9 +240,22 @@ def _warmup_sentence(df: pd.DataFrame | None) -> Text | None:
                                                  for _, r in failed.iterrows()])
                 + "; the fresh process reported the failure, and the run keeps no further message"
                 + (", while the same model ran after the other warm-up counts."
-                   if failed["size"].isin(ok["size"]).all() else "."))
+                   if failed["size"].isin(ok["size"]).all() else ".") + _after_oom(df, timings))
     return Text("Forward time (mean ± standard deviation) by warm-up steps: " + "; ".join(sentences) + "." + note)
 
+
+
+def _after_oom(study: pd.DataFrame, timings: pd.DataFrame | None) -> str:
+    """The likely cause when the warm-up study's first cell failed right after a timing ran out of memory."""
+    oom = timings[timings["status"] == "OOM"] if timings is not None and "status" in timings.columns else None
+    if oom is None or oom.empty or study.empty or study.iloc[0]["status"] == "ok" or timings.iloc[-1]["status"] != "OOM":
+        return ""
+    return (f" The failed cell is the first to run after {timings.iloc[-1]['size']} ran out of memory in the "
+            "measuring process, and the only one: most likely that process still held the failed attempt's memory "
+            "when the fresh process started. The sweep empties the allocator's cache inside its exception handler, "
+            "where the handled exception still references the attempt's tensors (Python keeps it until the handler "
+            "exits, `del` or not), so the cache is only emptied after the next cell. The fix, emptying the cache "
+            "after the handler, changes the measuring code and lands with this section's next GPU run.")
 
 
 SECTION = Section(
