@@ -142,9 +142,8 @@ class SectionStatus:
 
 def section_status(root: Path, spec: Any, repo: Path = REPO_ROOT, edition: str | None = None) -> SectionStatus:
     """The state of a section's results, or of its ``edition`` grid's (``figures/<name>/<edition>/``)."""
-    folder = spec.results_folder(edition) if edition else spec.name
+    folder, command = spec.results_folder(edition), spec.command_for(edition)
     title = f"{spec.title} [{edition} grid]" if edition else spec.title
-    command = spec.command_for(edition) if edition else spec.refresh_command
     metas = result_metas(Path(root) / folder)
     if not metas:
         return SectionStatus(spec.number, title, folder, "missing", {}, (), command)
