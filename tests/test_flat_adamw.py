@@ -80,6 +80,48 @@ def test_gradients_freed_by_other_code_are_taken_back() -> None:
     assert ours[0].weight.grad.data_ptr() == opt_ours._flat[0]["g"].data_ptr()  # re-attached
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_drops_or_keeps_the_views_and_accumulation_works_either_way(set_to_none: bool) -> None:
+    """set_to_none: autograd's fresh gradients, copied into the buffer at the step; otherwise the views stay
+    and backward accumulates into them. Two backward passes per step sum their gradients in both cases."""
+    ours, theirs = _model(), _model()
+    opt_ours, opt_theirs = FlatAdamW(ours.parameters(), **HP), AdamW(theirs.parameters(), **HP)
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randn(8, 12, generator=gen).to(DEVICE) for _ in range(6)]
+    g = opt_ours._flat[0]["g"]
+    for step in range(3):
+        opt_ours.zero_grad(set_to_none=set_to_none)
+        opt_theirs.zero_grad(set_to_none=True)
+        if set_to_none:
+            assert all(p.grad is None for p in ours.parameters())
+        else:
+            assert all(p.grad is not None and p.grad.data_ptr() >= g.data_ptr() for p in ours.parameters())
+            assert not g.any()
+        for x in batches[2 * step: 2 * step + 2]:  # two micro-batches per step
+            ours(x).square().mean().backward()
+            theirs(x).square().mean().backward()
+        offsets = opt_ours._flat[0]["offsets"]
+        views = [p.grad.data_ptr() == g.data_ptr() + 4 * o for p, o in zip(ours.parameters(), offsets)]
+        assert all(views) is (not set_to_none)
+        opt_ours.step()
+        opt_theirs.step()
+        assert ours[0].weight.grad.data_ptr() == g.data_ptr()  # a view again after the step
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+
+
+def test_a_parameter_without_a_gradient_steps_on_zeros_not_on_a_stale_gradient() -> None:
+    model = _model()
+    opt = FlatAdamW(model.parameters(), **HP)
+    _train(model, opt, steps=1)
+    opt.zero_grad()
+    model[2].weight.grad = torch.ones_like(model[2].weight)  # only this parameter has a gradient
+    opt.step()
+    offset = opt._flat[0]["offsets"][0]
+    assert not opt._flat[0]["g"][offset:offset + model[0].weight.numel()].any()
+    assert bool((model[2].weight.grad == 1).all())
+
+
 def test_state_dict_round_trip_continues_identically() -> None:
     straight, resumed = _model(), _model()
     opt = FlatAdamW(straight.parameters(), **HP)
