@@ -3,20 +3,19 @@
 ``cs336_basics.optimizer.AdamW`` updates parameter by parameter, eight small kernels each: for the xl
 preset's 2.0 B parameters in 582 tensors that is about 4,700 launches per step, and the step runs at the
 host's pace (61 ms measured on an H100, against about 17 ms to move the 56 GB it must: read p, g, m, v,
-write p, m, v in float32). This optimizer instead keeps each group's parameters, gradients and both
-moments in four flat float32 buffers, the parameters and gradients being *views* into them, and updates
-a whole group with one Triton kernel that reads and writes each element once.
+write p, m, v in float32). This optimizer instead keeps each group's parameters and both moments in
+three flat float32 buffers, the parameters being *views* into them, and updates a whole group
+with one Triton kernel that reads and writes each element once.
 
 - The update is ``cs336_basics``'s, operation for operation (decoupled weight decay first, then the
   bias-corrected step with ``eps`` added to ``sqrt(v̂)``, as ``torch.optim.AdamW``): results agree to
   float32 rounding (the kernel uses correctly rounded square root and division).
-- Gradients: :meth:`zero_grad` drops them (``set_to_none=True``, the default), so the next backward
-  allocates each one fresh and autograd hands it over with no kernel; :meth:`step` then copies them into the
-  flat buffer with one multi-tensor copy (8 bytes per parameter) and leaves ``p.grad`` a view of it. Keeping
-  the views instead (``zero_grad(set_to_none=False)``: one fill) makes every backward accumulate into them,
-  an add per parameter that reads the zeros back (16 bytes per parameter in all, and a launch per
-  parameter): at the xl preset about twice the traffic of the copy. Gradients accumulated over several
-  backward passes work either way.
+- Gradients stay where autograd puts them (``p.grad``, freed by ``zero_grad()`` as in torch); the kernel
+  reads each one in place through a small device table of their addresses (multi-tensor apply), rebuilt
+  only when the addresses change. Keeping ``p.grad`` as views of a flat buffer instead (this optimizer's
+  first design) made every backward *accumulate* into them: an add per parameter that read zeros back
+  (16 more bytes per parameter and a launch each), and a buffer held through the backward's activation
+  peak. A parameter without a gradient is updated as with a zero one.
 - Parameters must be float32 and, within a group, on one device. Build the optimizer after moving the
   model to its device: moving it later replaces the views.
 - On CPU tensors the same arithmetic runs as a handful of PyTorch operations on the flat buffers (the
@@ -35,6 +34,7 @@ import torch
 from cs336_basics.optimizer import AdamW
 
 _BLOCK = 2048
+_ALIGN = 16  # elements: where each parameter starts in the flat buffers
 
 
 @functools.cache
@@ -45,12 +45,22 @@ def _kernel(interpret: bool) -> Any:
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, one_minus_beta1, beta2, one_minus_beta2,
-                     rsqrt_bias2, eps, step_size, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+    def adamw_kernel(p_ptr, m_ptr, v_ptr, grad_ptrs, block_param, block_start, param_offset, param_numel,
+                     decay, one_minus_beta1, beta2, one_minus_beta2, rsqrt_bias2, eps, step_size,
+                     BLOCK: tl.constexpr):
+        # Program i updates one BLOCK of one parameter: p, m and v at the parameter's offset in the flat
+        # buffers, its gradient wherever autograd left it (an address from the table, as multi-tensor
+        # apply does), so no gradient is copied.
+        block = tl.program_id(0)
+        i = tl.load(block_param + block)
+        start = tl.load(block_start + block)
+        n = tl.load(param_numel + i)
+        local = start + tl.arange(0, BLOCK)
+        mask = local < n
+        offs = tl.multiple_of(tl.load(param_offset + i), 16) + local  # _ALIGN
+        grad = tl.load(grad_ptrs + i).to(tl.pointer_type(tl.float32))
         p = tl.load(p_ptr + offs, mask=mask)
-        g = tl.load(g_ptr + offs, mask=mask)
+        g = tl.load(grad + local, mask=mask)
         m = tl.load(m_ptr + offs, mask=mask)
         v = tl.load(v_ptr + offs, mask=mask)
         p = p * decay
@@ -92,54 +102,52 @@ class FlatAdamW(AdamW):
                              f"{sorted(map(str, devices))}")
         if len({id(p) for p in params}) != len(params):
             raise ValueError(f"FlatAdamW: group {index} lists a parameter twice")
-        device, total = params[0].device, sum(p.numel() for p in params)
-        flat = {name: torch.zeros(total, dtype=torch.float32, device=device) for name in ("p", "g", "m", "v")}
-        offsets, offset = [], 0
-        for p in params:
+        # Each parameter starts on a 16-element (64-byte) boundary, so the kernel's accesses to p, m and v
+        # can be vectorized; the padding between parameters is never read as a parameter.
+        starts = [0]
+        for p in params[:-1]:
+            starts.append(starts[-1] + triton_cdiv(p.numel(), _ALIGN) * _ALIGN)
+        device, total = params[0].device, starts[-1] + params[-1].numel()
+        flat = {name: torch.zeros(total, dtype=torch.float32, device=device) for name in ("p", "m", "v")}
+        offsets = []
+        for p, offset in zip(params, starts):
             n = p.numel()
             flat["p"][offset:offset + n].copy_(p.reshape(-1))
-            if p.grad is not None:
-                flat["g"][offset:offset + n].copy_(p.grad.reshape(-1))
             p.data = flat["p"][offset:offset + n].view_as(p)
-            p.grad = flat["g"][offset:offset + n].view_as(p)
             self.state[p] = {"step": 0, "exp_avg": flat["m"][offset:offset + n].view_as(p),
                              "exp_avg_sq": flat["v"][offset:offset + n].view_as(p)}
             offsets.append(offset)
-            offset += n
-        return {**flat, "params": params, "offsets": offsets, "step": 0}
+        # Which parameter and which of its elements each program of the kernel updates (fixed by the shapes).
+        numels = [p.numel() for p in params]
+        blocks = [triton_cdiv(n, _BLOCK) for n in numels]
+        block_param = torch.repeat_interleave(torch.arange(len(params)), torch.tensor(blocks))
+        first_block = torch.tensor([0, *blocks[:-1]]).cumsum(0)
+        block_start = (torch.arange(len(block_param)) - first_block[block_param]) * _BLOCK
+        tables = {"block_param": block_param.to(torch.int32), "block_start": block_start,
+                  "param_offset": torch.tensor(offsets), "param_numel": torch.tensor(numels)}
+        tables = {k: t.to(device) for k, t in tables.items()}
+        return {**flat, **tables, "params": params, "offsets": offsets, "step": 0, "grad_ptrs": None}
 
-    @torch.no_grad()
-    def _reattach(self, flat: dict[str, Any]) -> None:
-        """Copy gradients that are not views of the flat buffer into it (one multi-tensor copy), zero the
-        slots of parameters without one, and make every ``p.grad`` a view of the buffer again."""
-        views, grads, empty = [], [], []
-        for p, offset in zip(flat["params"], flat["offsets"]):
-            view = flat["g"][offset:offset + p.numel()]
-            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-                continue
-            if p.grad is None:
-                empty.append(view)
-            else:
-                views.append(view)
-                grads.append(p.grad.reshape(-1))
-            p.grad = view.view_as(p)
-        if grads:
-            torch._foreach_copy_(views, grads)
-        if empty:
-            torch._foreach_zero_(empty)
+    def _gradients(self, flat: dict[str, Any]) -> list[torch.Tensor]:
+        """Each parameter's gradient as a contiguous float32 tensor (zeros where a parameter has none)."""
+        grads = []
+        for p in flat["params"]:
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+            elif g.dtype != torch.float32 or not g.is_contiguous():
+                g = g.float().contiguous()
+            grads.append(g)
+        return grads
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients (``set_to_none``: the next backward hands fresh ones over for :meth:`step` to
-        copy), or zero the flat gradient buffers in place and keep ``p.grad`` their views."""
-        for flat in self._flat:
-            if not flat["params"]:
-                continue
-            if set_to_none:
-                for p in flat["params"]:
-                    p.grad = None
-            else:
-                flat["g"].zero_()
-                self._reattach(flat)
+    def _grad_table(self, flat: dict[str, Any], grads: list[torch.Tensor]) -> torch.Tensor:
+        """The gradients' addresses on the device; the caching allocator often hands a step's gradients the
+        previous step's addresses, and then the table on the device is reused as it is."""
+        ptrs = tuple(g.data_ptr() for g in grads)
+        if flat["grad_ptrs"] is None or flat["grad_ptrs"][0] != ptrs:
+            table = torch.tensor(ptrs, dtype=torch.int64)
+            flat["grad_ptrs"] = (ptrs, table.to(flat["p"].device, non_blocking=True) if flat["p"].is_cuda else table)
+        return flat["grad_ptrs"][1]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -150,7 +158,7 @@ class FlatAdamW(AdamW):
         for group, flat in zip(self.param_groups, self._flat):
             if not flat["params"]:
                 continue
-            self._reattach(flat)
+            grads = self._gradients(flat)
             flat["step"] += 1
             t = flat["step"]
             for p in flat["params"]:
@@ -158,16 +166,21 @@ class FlatAdamW(AdamW):
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             args = dict(decay=1 - lr * wd, one_minus_beta1=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
                         rsqrt_bias2=1 / math.sqrt(1 - beta2**t), eps=eps, step_size=-lr / (1 - beta1**t))
-            self._update(flat, **args)
+            self._update(flat, grads, **args)
         return loss
 
-    def _update(self, flat: dict[str, Any], **a: float) -> None:
-        p, g, m, v = flat["p"], flat["g"], flat["m"], flat["v"]
+    def _update(self, flat: dict[str, Any], grads: list[torch.Tensor], **a: float) -> None:
+        p, m, v = flat["p"], flat["m"], flat["v"]
         if p.device.type == "cuda" or _interpreting():
-            n = p.numel()
-            _kernel(_interpreting())[(triton_cdiv(n, _BLOCK),)](p, g, m, v, n, *a.values(), BLOCK=_BLOCK)
+            table = self._grad_table(flat, grads)
+            _kernel(_interpreting())[(len(flat["block_param"]),)](
+                p, m, v, table, flat["block_param"], flat["block_start"], flat["param_offset"],
+                flat["param_numel"], *a.values(), BLOCK=_BLOCK)
             return
         # CPU without Triton's interpreter: the same arithmetic as whole-buffer PyTorch operations.
+        g = torch.zeros_like(p)
+        for x, offset in zip(grads, flat["offsets"]):
+            g[offset:offset + x.numel()].copy_(x.reshape(-1))
         p.mul_(a["decay"])
         m.add_(g.sub(m).mul_(a["one_minus_beta1"]))
         v.mul_(a["beta2"]).add_(g.mul(g).mul_(a["one_minus_beta2"]))
