@@ -23,8 +23,8 @@ import sys
 import pandas as pd
 import torch
 
-from cs336_systems.benchmarking.end_to_end import PRECISIONS, default_device
-from cs336_systems.benchmarking.train_step import STACKS, StepSpec, TrainStep, parse_levels
+from cs336_systems.benchmarking.end_to_end import default_device
+from cs336_systems.benchmarking.train_step import StepSpec, TrainStep, add_step_arguments, step_from_args
 
 #: Inductor names a generated kernel after what it fuses and numbers it; the number is not the kind.
 _INDUCTOR = re.compile(r"^(triton_(?:poi|red|per|tem|for)_fused_\w*?)_\d+$")
@@ -102,35 +102,16 @@ def side_by_side(tables: pd.DataFrame) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.step_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", "--size", dest="preset", default="small")
-    parser.add_argument("--context-length", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
-    parser.add_argument("--attention", default="sdpa", help="our model's registered attention")
-    parser.add_argument("--optimizer", choices=["flat", "basics"], default="flat", help="our stack's AdamW")
-    parser.add_argument("--checkpoint", default="", help="our model's checkpoint levels (empty: off)")
-    parser.add_argument("--fused-head", action="store_true", help="our LM head + cross-entropy without logits")
-    parser.add_argument("--stacks", default=",".join(STACKS))
+    add_step_arguments(parser)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per stack")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--top", type=int, default=15, help="kernel kinds listed per stack and bucket")
     parser.add_argument("--bucket", default="norms & elementwise", help="the bucket whose kernels are listed")
     parser.add_argument("--csv", help="write every stack's per-kernel table here")
     args = parser.parse_args(argv)
-    try:
-        levels = parse_levels(args.checkpoint)
-    except ValueError as exc:
-        parser.error(f"--checkpoint: {exc}")
+    spec, stacks = step_from_args(parser, args)
     if args.steps < 1 or args.warmup < 0 or args.top < 1:
         parser.error("--steps and --top must be >= 1 and --warmup >= 0")
-    stacks = [s for s in args.stacks.split(",") if s]
-    unknown = [s for s in stacks if s not in STACKS]
-    if unknown:
-        parser.error(f"unknown stack {unknown[0]!r}; choose from {', '.join(STACKS)}")
-    spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
-                    args.attention, "cudnn", args.optimizer, levels, args.fused_head)
-    spec.check()
     device = default_device()
     tables = pd.concat([profile_stack(s, spec, device, args.steps, args.warmup) for s in stacks], ignore_index=True)
     print(f"{spec.preset}, context {spec.context_length}, batch {spec.batch_size}, {spec.precision}, "

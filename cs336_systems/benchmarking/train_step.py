@@ -303,9 +303,8 @@ def summarize(rows: pd.DataFrame, spec: StepSpec, device_name: str | None = None
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.train_step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that make a :class:`StepSpec` and pick the stacks (this command's and ``step_kernels``')."""
     parser.add_argument("--preset", "--size", dest="preset", default="small")
     parser.add_argument("--context-length", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -317,6 +316,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default="", help="our model's checkpoint levels, e.g. 4 or 8,2 (empty: off)")
     parser.add_argument("--fused-head", action="store_true", help="our LM head + cross-entropy without logits")
     parser.add_argument("--stacks", default=",".join(STACKS))
+
+
+def step_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[StepSpec, tuple[str, ...]]:
+    """The checked :class:`StepSpec` and stacks of :func:`add_step_arguments`' options (bad ones end the
+    command with one line)."""
+    try:
+        levels = parse_levels(args.checkpoint)
+    except ValueError as exc:
+        parser.error(f"--checkpoint: {exc}")
+    spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
+                    args.attention, args.reference_sdpa, args.optimizer, levels, args.fused_head)
+    spec.check()
+    stacks = tuple(s for s in args.stacks.split(",") if s)
+    unknown = [s for s in stacks if s not in STACKS]
+    if unknown:
+        parser.error(f"unknown stack {unknown[0]!r}; choose from {', '.join(STACKS)}")
+    return spec, stacks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.train_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -324,16 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep both stacks on the device, or one at a time (rebuilt per round)")
     parser.add_argument("--csv", help="write every round's rows here")
     args = parser.parse_args(argv)
-    try:
-        levels = parse_levels(args.checkpoint)
-    except ValueError as exc:
-        parser.error(f"--checkpoint: {exc}")
-    spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
-                    args.attention, args.reference_sdpa, args.optimizer, levels, args.fused_head)
-    stacks = tuple(s for s in args.stacks.split(",") if s)
-    unknown = [s for s in stacks if s not in STACKS]
-    if unknown:
-        parser.error(f"unknown stack {unknown[0]!r}; choose from {', '.join(STACKS)}")
+    spec, stacks = step_from_args(parser, args)
     device = default_device()
     rows = compare(spec, args.rounds, args.steps, args.warmup, stacks, device, resident=args.resident)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
