@@ -181,7 +181,9 @@ class ResultWriter:
         self.section = section
         self.smoke = is_smoke_run(smoke)
         self.params = dict(params or {})
-        self.dir = results_root(self.smoke, publish) / section
+        self.root = results_root(self.smoke, publish)
+        """The results root (``figures/`` or ``.scratch/figures/``); ``section`` may be a subfolder path."""
+        self.dir = self.root / section
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def path(self, filename: str) -> Path:

@@ -199,7 +199,7 @@ def test_matmul_ceiling_is_measured_and_gives_a_second_mfu() -> None:
 
 
 def test_time_split_answer_names_the_buckets_where_our_step_loses():
-    from cs336_systems.experiments.training_step import _split_text, _split_wide
+    from cs336_systems.experiments.training_step import _split_text, split_by_bucket
 
     rows = []
     for preset, extra in (("small", 5.0), ("xl", 10.0)):
@@ -209,7 +209,7 @@ def test_time_split_answer_names_the_buckets_where_our_step_loses():
                 rows.append({"bucket": bucket, "ms_per_step": ms, "share": 0.0, "stack": stack,
                              "preset": preset, "context_length": 1024})
     split = pd.DataFrame(rows)
-    wide = _split_wide(split)
+    wide = split_by_bucket(split)
     assert len(wide) == 4 and {"matmul", "optimizer"} <= set(wide.columns)
     text = _split_text(split).markdown
     # 15 ms of the 16 ms gap is elementwise, 1 ms host; our optimizer is 1 ms faster per step.

@@ -79,7 +79,7 @@ def run_section(name: str, preset: str | None, overrides: dict[str, Any], *, pub
     started = time.monotonic()
     section.execute(params, out) if main or section.gpus < 2 else section.run(params, out)
     if main and not quiet:
-        print(summary(section, out.dir.parent.parent if edition else out.dir.parent, edition))
+        print(summary(section, out.root, edition))
         print(f"§{section.number} {section.name}: done in {time.monotonic() - started:.0f} s; results in {out.dir}")
     return 0
 

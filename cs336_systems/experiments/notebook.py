@@ -28,7 +28,6 @@ class SectionNotebook:
     def __init__(self, name: str, preset: str | None = None, overrides: dict[str, Any] | None = None,
                  publish: bool | None = None, edition: str | None = None):
         self.section = get(name)
-        self.edition = edition
         self.folder = self.section.results_folder(edition)
         self.preset = resolve_preset(self.section, preset)
         self.params = self.section.params(self.preset, overrides or {}, edition)
@@ -47,7 +46,7 @@ class SectionNotebook:
 
     def answers_root(self) -> tuple[Path, str]:
         """Where the answers read from, and a sentence saying so."""
-        root = self.out.dir.parent.parent if self.edition else self.out.dir.parent
+        root = self.out.root
         if self.preset != "smoke":
             return root, "Answers from the results measured in this run."
         from cs336_systems.report.staleness import result_metas

@@ -181,18 +181,24 @@ def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Any:
     return derived
 
 
-def plot_time_split(split: pd.DataFrame) -> plt.Figure:
-    """One stacked bar per (preset, context, stack): milliseconds per step in each bucket."""
+def split_by_bucket(split: pd.DataFrame) -> pd.DataFrame:
+    """The long time split as one row per (preset, context, stack) and one column per bucket (ms per step)."""
     from cs336_systems.profiling.step_split import BUCKETS
 
     wide = split.pivot_table(index=["preset", "context_length", "stack"], columns="bucket", values="ms_per_step",
-                             sort=False).reindex(columns=list(BUCKETS)).fillna(0.0)
+                             sort=False)
+    return wide.reindex(columns=[b for b in BUCKETS if b in wide.columns])
+
+
+def plot_time_split(split: pd.DataFrame) -> plt.Figure:
+    """One stacked bar per (preset, context, stack): milliseconds per step in each bucket."""
+    wide = split_by_bucket(split).fillna(0.0)
     wide.index = [f"{pr} {c} {s}" for pr, c, s in wide.index]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(wide) + 1.5))
     wide.plot.barh(stacked=True, ax=ax, width=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("ms per training step")
-    ax.legend(fontsize=9, loc="lower right")
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     return fig
 
 
@@ -284,23 +290,12 @@ def _tokens_text(steps: pd.DataFrame) -> str:
         " (" + ", ".join(f"{pr}: {t:,}" for pr, t in other.items()) + ")" if other else "") + "."
 
 
-def _split_wide(split: pd.DataFrame | None) -> pd.DataFrame | None:
-    """One row per (preset, context, stack), one column per bucket: 5x fewer rows than the long table."""
-    if split is None or not {"bucket", "ms_per_step", "stack", "preset", "context_length"} <= set(split.columns):
-        return split
-    wide = split.pivot_table(index=["preset", "context_length", "stack"], columns="bucket", values="ms_per_step",
-                             sort=False).reset_index()
-    wide.columns.name = None
-    return wide
-
-
 def _split_text(split: pd.DataFrame | None) -> Text | None:
     """Which buckets hold the gap between our step and the reference's, summed over every cell."""
-    wide = _split_wide(split)
-    if wide is None or "stack" not in wide.columns or set(wide["stack"]) != {"ours", "reference"}:
+    if split is None or not {"bucket", "ms_per_step", "stack", "preset", "context_length"} <= set(split.columns) \
+            or set(split["stack"]) != {"ours", "reference"}:
         return None
-    buckets = [c for c in wide.columns if c not in ("preset", "context_length", "stack")]
-    keyed = wide.set_index(["preset", "context_length", "stack"])[buckets]
+    keyed = split_by_bucket(split)
     gap = (keyed.xs("ours", level="stack") - keyed.xs("reference", level="stack")).dropna()
     if gap.empty:
         return None

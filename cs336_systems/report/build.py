@@ -111,10 +111,12 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
     sections: list[Section] = []
     rows = ["| this handout | problems | workbook section (`writeup.pdf`) |", "|---|---|---|"]
     for entry in editions.entries(edition) or ():
-        said = " ".join(x for x in (entry.note, entry.remark) if x)
-        note = [Text(f"**The {edition} handout:** {said}")] if said else []
+        def note(gap: str, entry: editions.Entry = entry) -> list[Block]:
+            said = " ".join(x for x in (gap, entry.remark) if x)
+            return [Text(f"**The {edition} handout:** {said}")] if said else []
+
         if entry.section is None:
-            blocks: list[Block] = [*note, Missing(f"{', '.join(entry.problems)} ({edition} handout)",
+            blocks: list[Block] = [*note(entry.note), Missing(f"{', '.join(entry.problems)} ({edition} handout)",
                                                   "see the note above")]
             sections.append(Section(entry.number, entry.title or entry.problems[0], f"{edition}-{entry.number}",
                                     entry.problems, blocks))
@@ -125,11 +127,9 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         section, _ = build_section(spec, root, strict, notebooks, edition if own else None)
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
-        if own:  # measured on this edition's grid: the note on the other grid's results no longer applies
-            note = [Text(f"**The {edition} handout:** measured on its own grid (`{spec.command_for(edition)}`, "
-                         f"results in `{root.name}/{spec.results_folder(edition)}/`)."
-                         + (f" {entry.remark}" if entry.remark else ""))]
-        section.blocks[:0] = note
+        # Measured on this edition's grid: the note on the other grid's results no longer applies.
+        section.blocks[:0] = note(f"measured on its own grid (`{spec.command_for(edition)}`, results in "
+                                  f"`{root.name}/{spec.results_folder(edition)}/`)." if own else entry.note)
         section.further = []  # the results index belongs to the workbook's own writeup
         sections.append(section)
         rows.append(f"| §{entry.number} | {', '.join(entry.problems) or '(context)'} | §{spec.number} {spec.title} |")
