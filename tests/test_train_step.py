@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pandas as pd
@@ -62,8 +63,8 @@ def test_our_fused_head_gives_the_same_loss_without_logits() -> None:
     torch.testing.assert_close(fused.step(), plain.step())  # same seed and batch: same loss
     torch.testing.assert_close(fused.step(), plain.step(), rtol=1e-4, atol=1e-5)  # and the same update
     cfg = get_config("tiny")
-    assert fused.forward(fused.inputs).shape[-1] == cfg.d_model  # hidden states: the logits are never formed
-    assert plain.forward(plain.inputs).shape[-1] == cfg.vocab_size
+    assert fused.body(fused.inputs).shape[-1] == cfg.d_model  # hidden states: the logits are never formed
+    assert plain.body(plain.inputs).shape[-1] == cfg.vocab_size
 
 
 def test_one_resident_stack_at_a_time_still_alternates(monkeypatch) -> None:
@@ -217,3 +218,13 @@ def test_time_split_answer_names_the_buckets_where_our_step_loses():
     assert "5.00 ms–10.0 ms per step more" in text and "our optimizer is faster (by 1.00 ms a step" in text
     assert "Matmuls differ by 0" in text
     assert _split_text(split[split["stack"] == "ours"]) is None
+
+
+@pytest.mark.parametrize("stack", train_step.STACKS)
+def test_compiled_model_and_loss_match_the_eager_step(stack: str) -> None:
+    spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
+    eager = train_step.TrainStep(stack, spec, torch.device("cpu"))
+    compiled = train_step.TrainStep(stack, dataclasses.replace(spec, compile=True), torch.device("cpu"))
+    assert compiled.forward_loss is not compiled._forward_loss  # the loss is inside the compiled region
+    for _ in range(2):  # same seed and batch: the same losses, so the same updates in between
+        torch.testing.assert_close(compiled.step(), eager.step(), rtol=1e-4, atol=1e-5)
