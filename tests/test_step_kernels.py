@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import pandas as pd
 import pytest
 import torch
@@ -43,10 +46,31 @@ def test_kernel_summary_sums_per_step_and_puts_optimizer_launches_in_their_bucke
 def test_command_profiles_both_stacks_on_cpu(tmp_path, capsys) -> None:
     csv = tmp_path / "k.csv"
     assert main(["--preset", "tiny", "--context-length", "16", "--batch-size", "2", "--precision", "fp32",
-                 "--steps", "1", "--warmup", "1", "--top", "3", "--csv", str(csv)]) == 0
+                 "--steps", "1", "--warmup", "1", "--top", "3", "--host-profile", "5", "--csv", str(csv)]) == 0
     out = capsys.readouterr().out
     assert "ours: the 3 largest norms & elementwise kernel kinds" in out and "reference:" in out
+    assert re.search(r"^ours: host [\d.]+ ms to issue a step, GPU kernels [\d.]+ ms$", out, re.M)
+    assert "reference: host profile of 1 steps" in out and "tottime" in out
     assert set(pd.read_csv(csv)["stack"]) == {"ours", "reference"}
     torch._dynamo.reset()
     with pytest.raises(SystemExit):
         main(["--stacks", "ours,theirs"])
+
+
+def test_host_time_counts_the_issuing_and_flags_a_wait() -> None:
+    from cs336_systems.benchmarking.step_kernels import host_ms_per_step
+
+    ms, waited = host_ms_per_step(lambda: time.sleep(0.01), 3, torch.device("cpu"))
+    assert 9 <= ms < 200 and not waited  # a CPU step runs where it is issued
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_synchronizing_step_is_flagged_on_a_gpu() -> None:
+    from cs336_systems.benchmarking.step_kernels import host_ms_per_step
+
+    x = torch.ones(1024, device="cuda")
+    fast, waited = host_ms_per_step(lambda: x.mul_(1.0), 5, torch.device("cuda"))
+    assert not waited and fast < 50  # queued behind the sleep: only the launch is timed
+    slow, waited = host_ms_per_step(lambda: x.sum().item(), 1, torch.device("cuda"))
+    assert waited and slow > 500  # .item() waits for the 2 s sleep

@@ -11,14 +11,21 @@ milliseconds and launches per step, in the split's buckets, side by side:
         --compile --attention flash_triton --top 20 --csv .scratch/step_kernels_small.csv
 
 Launches per step is the other half of the story: a compiled step that launches twice the kernels of the
-other waits twice as often on the host, which the split books as ``host / idle``.
+other waits twice as often on the host, which the split books as ``host / idle``. So each stack's host time
+to issue a step is measured too (the GPU kept asleep meanwhile), against its kernels' time: a step whose
+host time exceeds its GPU time is host-bound. ``--host-profile N`` prints where that host time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import re
 import sys
+import time
+from collections.abc import Callable
 
 import pandas as pd
 import torch
@@ -65,9 +72,57 @@ def kernel_summary(records: pd.DataFrame, steps: int, optimizer_intervals: list[
     return out.sort_values("ms_per_step", ascending=False, ignore_index=True)[columns]
 
 
+#: GPU sleep under a host measurement: far longer than the host takes to issue a few steps of any preset.
+HOST_SLEEP_S = 2.0
+
+
+def host_ms_per_step(step: Callable[[], object], steps: int, device: torch.device) -> tuple[float, bool]:
+    """CPU milliseconds to issue one step, and whether the host waited on the GPU while issuing them.
+
+    On a GPU, the steps are queued behind a long ``torch.cuda._sleep``, so they cost only their host work,
+    unless something in them synchronizes: then the GPU is found awake at the end (``waited``), and the time
+    includes that wait. On a CPU every step runs where it is issued: the time is the step's."""
+    from cs336_systems.benchmarking.flash_host_overhead import _sleep_cycles
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(_sleep_cycles(HOST_SLEEP_S))
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    elapsed = time.perf_counter() - start
+    waited = device.type == "cuda" and torch.cuda.current_stream(device).query()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return elapsed * 1e3 / steps, bool(waited)
+
+
+def host_profile(step: Callable[[], object], steps: int, top: int) -> str:
+    """cProfile of ``steps`` steps issued while the GPU sleeps (on a CPU: as they run), the ``top``
+    functions by own time. A synchronization shows up as one call that owns the rest of the sleep."""
+    from cs336_systems.benchmarking.flash_host_overhead import _sleep_cycles
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(_sleep_cycles(HOST_SLEEP_S))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int = 3,
-                  warmup: int = 3) -> pd.DataFrame:
-    """:func:`kernel_summary` of ``steps`` profiled steps of one freshly built stack."""
+                  warmup: int = 3, profile_top: int = 0) -> pd.DataFrame:
+    """:func:`kernel_summary` of ``steps`` profiled steps of one freshly built stack; its ``attrs`` hold
+    :func:`host_ms_per_step` of as many unprofiled steps (``host_ms``, ``host_waited``) and, with
+    ``profile_top``, :func:`host_profile`'s table (``host_profile``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from cs336_systems.profiling.torch_profiler import kernel_records, range_intervals
@@ -77,13 +132,17 @@ def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int =
         with run.context():
             for _ in range(warmup):
                 run.step()
+            host_ms, waited = host_ms_per_step(run.step, steps, device)
+            text = host_profile(run.step, steps, profile_top) if profile_top else ""
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with run.context(), profile(activities=activities) as prof:
             for _ in range(steps):
                 run.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        return kernel_summary(kernel_records(prof), steps, range_intervals(prof, "optimizer")).assign(stack=stack)
+        table = kernel_summary(kernel_records(prof), steps, range_intervals(prof, "optimizer")).assign(stack=stack)
+        table.attrs.update(host_ms=host_ms, host_waited=waited, host_profile=text)
+        return table
     finally:
         del run
         torch._dynamo.reset()  # compiled graphs hold the model
@@ -107,16 +166,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--top", type=int, default=15, help="kernel kinds listed per stack and bucket")
     parser.add_argument("--bucket", default="norms & elementwise", help="the bucket whose kernels are listed")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also print a cProfile of each stack's steps, the N functions of most own time")
     parser.add_argument("--csv", help="write every stack's per-kernel table here")
     args = parser.parse_args(argv)
     spec, stacks = step_from_args(parser, args)
-    if args.steps < 1 or args.warmup < 0 or args.top < 1:
-        parser.error("--steps and --top must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.top < 1 or args.host_profile < 0:
+        parser.error("--steps and --top must be >= 1, --warmup and --host-profile >= 0")
     device = default_device()
-    tables = pd.concat([profile_stack(s, spec, device, args.steps, args.warmup) for s in stacks], ignore_index=True)
+    per_stack = [profile_stack(s, spec, device, args.steps, args.warmup, args.host_profile) for s in stacks]
+    tables = pd.concat(per_stack, ignore_index=True)
     print(f"{spec.preset}, context {spec.context_length}, batch {spec.batch_size}, {spec.precision}, "
           f"compile={spec.compile}, ours with {spec.attention}; {args.steps} profiled steps per stack")
     print(side_by_side(tables).to_string(float_format=lambda v: f"{v:.3g}"))
+    for stack, table in zip(stacks, per_stack):
+        gpu_ms = table["ms_per_step"].sum()
+        wait = " (it waited on the GPU: a synchronization inside the step)" if table.attrs["host_waited"] else ""
+        print(f"{stack}: host {table.attrs['host_ms']:.3g} ms to issue a step, GPU kernels {gpu_ms:.3g} ms{wait}")
+    for stack, table in zip(stacks, per_stack):
+        if table.attrs["host_profile"]:
+            print(f"\n{stack}: host profile of {args.steps} steps\n{table.attrs['host_profile']}")
     for stack in stacks:
         mine = tables[(tables["stack"] == stack) & (tables["bucket"] == args.bucket)].head(args.top)
         print(f"\n{stack}: the {len(mine)} largest {args.bucket} kernel kinds")
