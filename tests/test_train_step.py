@@ -101,6 +101,8 @@ def test_bad_arguments_fail_in_one_line() -> None:
         train_step.StepSpec(optimizer="sgd").check()
     with pytest.raises(ValueError, match="reference_sdpa must be one of"):
         train_step.StepSpec(reference_sdpa="fast").check()
+    with pytest.raises(ValueError, match="compile_mode must be one of default, reduce-overhead"):
+        train_step.StepSpec(compile_mode="fastest").check()
     with pytest.raises(ValueError, match="unknown stack 'theirs'"):
         train_step.TrainStep("theirs", train_step.StepSpec("tiny"), torch.device("cpu"))
     with pytest.raises(ValueError, match="resident must be one of auto, both, one"):
@@ -228,3 +230,15 @@ def test_compiled_model_and_loss_match_the_eager_step(stack: str) -> None:
     assert compiled.forward_loss is not compiled._forward_loss  # the loss is inside the compiled region
     for _ in range(2):  # same seed and batch: the same losses, so the same updates in between
         torch.testing.assert_close(compiled.step(), eager.step(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_steps_train_as_the_plain_compiled_ones() -> None:
+    device = torch.device("cuda")
+    spec = train_step.StepSpec("tiny", 64, 2, "bf16", compile=True, attention="flash_triton")
+    plain = train_step.TrainStep("ours", spec, device)
+    graphs = train_step.TrainStep("ours", dataclasses.replace(spec, compile_mode="reduce-overhead"), device)
+    assert graphs.cuda_graphs and not plain.cuda_graphs
+    for _ in range(4):  # warm-up, recording, then replays: each returns its own step's loss
+        torch.testing.assert_close(graphs.step(), plain.step(), rtol=2e-2, atol=2e-2)

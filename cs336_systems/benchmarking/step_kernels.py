@@ -80,8 +80,9 @@ def host_ms_per_step(step: Callable[[], object], steps: int, device: torch.devic
     """CPU milliseconds to issue one step, and whether the host waited on the GPU while issuing them.
 
     On a GPU, the steps are queued behind a long ``torch.cuda._sleep``, so they cost only their host work,
-    unless something in them synchronizes: then the GPU is found awake at the end (``waited``), and the time
-    includes that wait. On a CPU every step runs where it is issued: the time is the step's."""
+    unless something in them synchronizes, or they launch more kernels than the launch queue holds (about a
+    thousand: one step of a small model, not of xl): then ``waited`` is set and the time includes the wait.
+    On a CPU every step runs where it is issued: the time is the step's."""
     from cs336_systems.benchmarking.flash_host_overhead import _sleep_cycles
 
     if device.type == "cuda":
@@ -91,7 +92,9 @@ def host_ms_per_step(step: Callable[[], object], steps: int, device: torch.devic
     for _ in range(steps):
         step()
     elapsed = time.perf_counter() - start
-    waited = device.type == "cuda" and torch.cuda.current_stream(device).query()
+    # awake already: a synchronization; most of the sleep gone: the launch queue (about a thousand
+    # kernels deep) filled, and launches blocked until the GPU drained it
+    waited = device.type == "cuda" and (torch.cuda.current_stream(device).query() or elapsed > HOST_SLEEP_S / 2)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return elapsed * 1e3 / steps, bool(waited)
@@ -121,7 +124,7 @@ def host_profile(step: Callable[[], object], steps: int, top: int) -> str:
 def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int = 3,
                   warmup: int = 3, profile_top: int = 0) -> pd.DataFrame:
     """:func:`kernel_summary` of ``steps`` profiled steps of one freshly built stack; its ``attrs`` hold
-    :func:`host_ms_per_step` of as many unprofiled steps (``host_ms``, ``host_waited``) and, with
+    :func:`host_ms_per_step` of one unprofiled step (``host_ms``, ``host_waited``) and, with
     ``profile_top``, :func:`host_profile`'s table (``host_profile``)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -132,8 +135,8 @@ def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int =
         with run.context():
             for _ in range(warmup):
                 run.step()
-            host_ms, waited = host_ms_per_step(run.step, steps, device)
-            text = host_profile(run.step, steps, profile_top) if profile_top else ""
+            host_ms, waited = host_ms_per_step(run.step, 1, device)  # one step: the launch queue holds it
+            text = host_profile(run.step, 1, profile_top) if profile_top else ""
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with run.context(), profile(activities=activities) as prof:
             for _ in range(steps):
@@ -181,11 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     print(side_by_side(tables).to_string(float_format=lambda v: f"{v:.3g}"))
     for stack, table in zip(stacks, per_stack):
         gpu_ms = table["ms_per_step"].sum()
-        wait = " (it waited on the GPU: a synchronization inside the step)" if table.attrs["host_waited"] else ""
+        wait = " (it waited on the GPU: a synchronization, or a full launch queue)" if table.attrs["host_waited"] else ""
         print(f"{stack}: host {table.attrs['host_ms']:.3g} ms to issue a step, GPU kernels {gpu_ms:.3g} ms{wait}")
     for stack, table in zip(stacks, per_stack):
         if table.attrs["host_profile"]:
-            print(f"\n{stack}: host profile of {args.steps} steps\n{table.attrs['host_profile']}")
+            print(f"\n{stack}: host profile of one step\n{table.attrs['host_profile']}")
     for stack in stacks:
         mine = tables[(tables["stack"] == stack) & (tables["bucket"] == args.bucket)].head(args.top)
         print(f"\n{stack}: the {len(mine)} largest {args.bucket} kernel kinds")

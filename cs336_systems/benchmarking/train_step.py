@@ -39,6 +39,9 @@ from cs336_systems.hardware import matmul_precision, mfu
 
 STACKS = ("ours", "reference")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: The modes whose compiled graphs replay as CUDA graphs (``torch.compile`` skips that on a CPU).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class StepSpec:
     batch_size: int = 4
     precision: str = "bf16"
     compile: bool = False
+    compile_mode: str = "default"
+    """``torch.compile``'s mode for both stacks; ``reduce-overhead`` replays each graph as a CUDA graph."""
     attention: str = "sdpa"
     reference_sdpa: str = "cudnn"
     optimizer: str = "flat"
@@ -67,6 +72,8 @@ class StepSpec:
             raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
         if self.reference_sdpa not in SDPA_BACKENDS:
             raise ValueError(f"reference_sdpa must be one of {', '.join(SDPA_BACKENDS)}, got {self.reference_sdpa!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.optimizer not in ("flat", "basics"):
             raise ValueError(f"optimizer must be 'flat' (FlatAdamW) or 'basics' (cs336_basics AdamW), got {self.optimizer!r}")
         if min(self.context_length, self.batch_size) < 1:
@@ -162,7 +169,9 @@ class TrainStep:
         self.loss_under_autocast = stack == "ours" and spec.fused_head
         # The loss is compiled with the model: left eager, a plain cross-entropy makes several logits-sized
         # passes (about 1 ms each at 8192 tokens x 10k vocab) outside the graph, where Inductor fuses them.
-        self.forward_loss = torch.compile(self._forward_loss) if spec.compile else self._forward_loss
+        mode = None if spec.compile_mode == "default" else spec.compile_mode
+        self.forward_loss = torch.compile(self._forward_loss, mode=mode) if spec.compile else self._forward_loss
+        self.cuda_graphs = spec.compile and spec.compile_mode in CUDA_GRAPH_MODES
         shape = (spec.batch_size, spec.context_length)
         gen = torch.Generator(device=device).manual_seed(seed)
         self.inputs = torch.randint(0, cfg.vocab_size, shape, device=device, generator=gen)
@@ -180,12 +189,14 @@ class TrainStep:
         return self.loss_fn(out, targets)
 
     def step(self) -> torch.Tensor:
+        if self.cuda_graphs:  # a new iteration: the graphs may overwrite the last step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         loss = self.forward_loss(self.inputs, self.targets)
         loss.backward()
         with torch.profiler.record_function("optimizer"):  # for time_split; free without a profiler
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone() if self.cuda_graphs else loss.detach()  # a replay would overwrite it
 
     def time_split(self, steps: int = 3) -> pd.DataFrame:
         """Where ``steps`` steps spend their time (:func:`cs336_systems.profiling.step_split.step_time_split`),
@@ -316,6 +327,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models with their losses")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                        help="torch.compile's mode (reduce-overhead: CUDA graphs)")
     parser.add_argument("--attention", default="sdpa", help="our model's registered attention")
     parser.add_argument("--reference-sdpa", choices=SDPA_BACKENDS, default="cudnn")
     parser.add_argument("--optimizer", choices=["flat", "basics"], default="flat", help="our stack's AdamW")
@@ -332,7 +345,7 @@ def step_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except ValueError as exc:
         parser.error(f"--checkpoint: {exc}")
     spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
-                    args.attention, args.reference_sdpa, args.optimizer, levels, args.fused_head)
+                    args.compile_mode, args.attention, args.reference_sdpa, args.optimizer, levels, args.fused_head)
     spec.check()
     stacks = tuple(s for s in args.stacks.split(",") if s)
     unknown = [s for s in stacks if s not in STACKS]

@@ -108,8 +108,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
         def cell(context_length: int, preset: str = preset, splits: list = splits) -> dict[str, Any]:
             spec = train_step.StepSpec(preset, context_length, p.tokens_per_step // context_length, p.precision,
-                                       p.compile, p.attention, "cudnn", p.optimizer, tuple(p.checkpoint),
-                                       p.fused_head)
+                                       compile=p.compile, attention=p.attention, optimizer=p.optimizer,
+                                       checkpoint=tuple(p.checkpoint), fused_head=p.fused_head)
             rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps,
                                       resident=p.resident)
             table = train_step.summarize(rows, spec, name, ceiling_tflops=ceiling).set_index("stack")
