@@ -101,6 +101,10 @@ def test_bad_arguments_fail_in_one_line() -> None:
         train_step.StepSpec(optimizer="sgd").check()
     with pytest.raises(ValueError, match="reference_sdpa must be one of"):
         train_step.StepSpec(reference_sdpa="fast").check()
+    with pytest.raises(ValueError, match="reference_sdpa 'cudnn' has no float32 kernel"):
+        train_step.StepSpec(precision="fp32", reference_sdpa="cudnn").check()
+    assert train_step.StepSpec(precision="fp32").reference_backend == "efficient"
+    assert train_step.StepSpec(precision="bf16").reference_backend == "cudnn"
     with pytest.raises(ValueError, match="compile_mode must be one of default, reduce-overhead"):
         train_step.StepSpec(compile_mode="fastest").check()
     with pytest.raises(ValueError, match="unknown stack 'theirs'"):

@@ -12,7 +12,8 @@ from round to round; the report is the median over rounds with the spread (max -
   ``cs336_basics`` cross-entropy, and :class:`~cs336_systems.flat_adamw.FlatAdamW` (``--optimizer basics``:
   ``cs336_basics``' per-parameter AdamW);
 - ``reference``: :class:`~cs336_systems.benchmarking.torch_native_lm.TorchNativeLM`, ``F.cross_entropy``
-  and ``torch.optim.AdamW`` (``fused=True`` on CUDA), SDPA pinned to ``--reference-sdpa`` (cuDNN by default).
+  and ``torch.optim.AdamW`` (``fused=True`` on CUDA), SDPA pinned to ``--reference-sdpa`` (cuDNN by default;
+  memory-efficient in fp32, where cuDNN has no kernel).
 
 Both use the same batch, autocast and ``--compile`` (``torch.compile`` of the model and its loss together).
 
@@ -38,7 +39,9 @@ from cs336_systems.configs import get_config, step_flops
 from cs336_systems.hardware import matmul_precision, mfu
 
 STACKS = ("ours", "reference")
-SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+#: SDPA backends without a float32 kernel.
+HALF_ONLY_BACKENDS = ("cudnn", "flash")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: The modes whose compiled graphs replay as CUDA graphs (``torch.compile`` skips that on a CPU).
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -54,13 +57,21 @@ class StepSpec:
     compile_mode: str = "default"
     """``torch.compile``'s mode for both stacks; ``reduce-overhead`` replays each graph as a CUDA graph."""
     attention: str = "sdpa"
-    reference_sdpa: str = "cudnn"
+    reference_sdpa: str = "auto"
+    """The reference's SDPA backend; ``auto``: cuDNN in bf16/fp16, memory-efficient in fp32 (no cuDNN kernel)."""
     optimizer: str = "flat"
     checkpoint: tuple[int, ...] = ()
     """Our model's activation checkpointing (:func:`cs336_systems.checkpointing.checkpoint_layers` levels)."""
     fused_head: bool = False
     """Our model's LM head and loss as :func:`cs336_systems.lm_head_loss.linear_cross_entropy` (no logits)."""
     lr: float = 1e-4
+
+    @property
+    def reference_backend(self) -> str:
+        """The SDPA backend the reference is pinned to (``auto`` resolved)."""
+        if self.reference_sdpa != "auto":
+            return self.reference_sdpa
+        return "efficient" if self.precision == "fp32" else "cudnn"
 
     def check(self) -> None:
         from cs336_basics.model import available_attention_impls
@@ -72,6 +83,9 @@ class StepSpec:
             raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
         if self.reference_sdpa not in SDPA_BACKENDS:
             raise ValueError(f"reference_sdpa must be one of {', '.join(SDPA_BACKENDS)}, got {self.reference_sdpa!r}")
+        if self.precision == "fp32" and self.reference_sdpa in HALF_ONLY_BACKENDS:
+            raise ValueError(f"reference_sdpa {self.reference_sdpa!r} has no float32 kernel; use auto, efficient "
+                             "or math with precision fp32")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
         if self.optimizer not in ("flat", "basics"):
@@ -163,7 +177,7 @@ class TrainStep:
             fused = device.type == "cuda"
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, fused=fused, foreach=not fused)
             self.loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, -2), y.flatten())
-            self.context = lambda: _sdpa_backend(spec.reference_sdpa, device)
+            self.context = lambda: _sdpa_backend(spec.reference_backend, device)
             body = self.model
         self.body: Callable = body
         self.loss_under_autocast = stack == "ours" and spec.fused_head
@@ -330,7 +344,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                         help="torch.compile's mode (reduce-overhead: CUDA graphs)")
     parser.add_argument("--attention", default="sdpa", help="our model's registered attention")
-    parser.add_argument("--reference-sdpa", choices=SDPA_BACKENDS, default="cudnn")
+    parser.add_argument("--reference-sdpa", choices=SDPA_BACKENDS, default="auto",
+                        help="the reference's SDPA backend (auto: cuDNN in bf16/fp16, efficient in fp32)")
     parser.add_argument("--optimizer", choices=["flat", "basics"], default="flat", help="our stack's AdamW")
     parser.add_argument("--checkpoint", default="", help="our model's checkpoint levels, e.g. 4 or 8,2 (empty: off)")
     parser.add_argument("--fused-head", action="store_true", help="our LM head + cross-entropy without logits")
@@ -371,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     table = summarize(rows, spec, name)
     print(f"{spec.preset}, context {spec.context_length}, batch {spec.batch_size}, {spec.precision}, "
-          f"compile={spec.compile}, ours with {spec.attention}, reference SDPA {spec.reference_sdpa}, on {name}: "
+          f"compile={spec.compile}, ours with {spec.attention}, reference SDPA {spec.reference_backend}, on {name}: "
           f"median of {args.rounds} rounds of {args.steps} steps, {rows.attrs['resident']} resident")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     if args.csv:

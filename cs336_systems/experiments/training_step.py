@@ -4,7 +4,10 @@ the same shapes, with MFU, and the longest context each preset trains at.
 Per (preset, context) our training step (``cs336_basics`` model with the chosen attention, FlatAdamW,
 optional activation checkpointing, ``torch.compile``) and the reference (``nn.Linear``/``nn.RMSNorm``/SDPA
 pinned to cuDNN, ``AdamW(fused=True)``, the same compile) are timed alternately in one process
-(:mod:`cs336_systems.benchmarking.train_step`); each step holds ``tokens_per_step`` tokens. Then
+(:mod:`cs336_systems.benchmarking.train_step`); each step holds ``tokens_per_step`` tokens. Both compile in
+``reduce-overhead`` mode by default: their graphs replay as CUDA graphs, so the comparison is of GPU work,
+not of how fast this host issues kernels (in the default mode our step, with more and smaller launches,
+waits on the host at small and medium). Then
 :mod:`cs336_systems.benchmarking.max_context` bisects for the longest context of a batch-1 step.
 
     python -m cs336_systems.experiments training_step --full
@@ -40,7 +43,9 @@ class Params:
     contexts: list[int] = param([1024, 4096], "context lengths")
     tokens_per_step: int = param(8192, "tokens per step (batch = tokens_per_step / context)")
     precision: str = param("bf16", "autocast dtype of both stacks (fp32: none)")
-    compile: bool = param(True, "torch.compile both models")
+    compile: bool = param(True, "torch.compile both models with their losses")
+    compile_mode: str = param("reduce-overhead", "torch.compile mode of both (reduce-overhead: CUDA graphs, "
+                              "so neither step waits on its host)")
     attention: str = param("flash_triton", "our model's registered attention")
     optimizer: str = param("flat", "our AdamW: flat (FlatAdamW) or basics (cs336_basics, per parameter)")
     checkpoint: list[int] = param([], "our model's activation-checkpoint levels ([]: off)")
@@ -70,7 +75,7 @@ class Params:
         if bad:
             raise ValueError(f"tokens_per_step={self.tokens_per_step} is not a multiple of context {bad[0]}")
         train_step.StepSpec(attention=self.attention, precision=self.precision, optimizer=self.optimizer,
-                            checkpoint=tuple(self.checkpoint)).check()
+                            checkpoint=tuple(self.checkpoint), compile_mode=self.compile_mode).check()
 
 
 PRESETS = {
@@ -108,7 +113,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
         def cell(context_length: int, preset: str = preset, splits: list = splits) -> dict[str, Any]:
             spec = train_step.StepSpec(preset, context_length, p.tokens_per_step // context_length, p.precision,
-                                       compile=p.compile, attention=p.attention, optimizer=p.optimizer,
+                                       compile=p.compile, compile_mode=p.compile_mode, attention=p.attention,
+                                       optimizer=p.optimizer,
                                        checkpoint=tuple(p.checkpoint), fused_head=p.fused_head)
             rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps,
                                       resident=p.resident)
@@ -153,7 +159,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 
 #: Parameters that change what a cell measures: rows of runs that agree on them (and on the commit) combine.
-STEP_PARAMS = ("tokens_per_step", "precision", "compile", "attention", "optimizer", "checkpoint", "fused_head",
+STEP_PARAMS = ("tokens_per_step", "precision", "compile", "compile_mode", "attention", "optimizer", "checkpoint", "fused_head",
                "rounds", "steps", "warmup", "split_steps", "resident")
 
 
