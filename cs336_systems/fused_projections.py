@@ -1,0 +1,123 @@
+"""Fused input projections for a ``cs336_basics`` model: Q, K, V as one weight, and SwiGLU's W1, W3 as one.
+
+The ``cs336_basics`` blocks keep five separate input weights per layer (``q_proj``, ``k_proj``, ``v_proj``,
+``w1``, ``w3``), each a GEMM of its own and, under autocast, a bf16 cast of its own in the forward and again in
+the backward. A block that multiplies by ``[W_q; W_k; W_v]`` and ``[W_1; W_3]`` instead does the same FLOPs in
+two larger GEMMs, which run closer to the matmul ceiling, and casts two weights instead of five. §1.4's
+per-kernel profile (``docs/training_step/NOTES.md``) puts half of what our training step still loses to the
+torch-native reference, which fuses exactly these, in the matmuls.
+
+:func:`fuse_projections` swaps each block's attention and feed-forward modules for fused ones in place,
+keeping the weights' values, the attention implementation and the rotary embedding. State dicts keep the
+unfused names (``attn.q_proj.weight`` …, ``ffn.w1.weight`` …) both ways, so checkpoints load into either
+model:
+
+    model = fuse_projections(BasicsTransformerLM(**cfg.model_kwargs(), attention_impl="flash_triton"))
+    optimizer = FlatAdamW(model.parameters())     # build optimizers after fusing: the parameters are new
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cs336_basics import nvtx
+from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, SwiGLU, get_attention
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+_W13 = ("w1", "w3")
+
+
+def _stacked(linears: list[Linear]) -> Linear:
+    """One ``Linear`` whose weight is the given weights stacked along the output dimension."""
+    first = linears[0]
+    fused = Linear(first.d_in, sum(lin.d_out for lin in linears), device=first.weight.device,
+                   dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+    return fused
+
+
+def _store_unfused(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
+    """State-dict hooks: ``module``'s ``<fused>.weight`` is saved as the equal row blocks ``<part>.weight``, and
+    loads from either form."""
+
+    def save(mod: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        weight = state.pop(f"{prefix}{fused}.weight")
+        for name, piece in zip(parts, weight.split(weight.shape[0] // len(parts))):
+            state[f"{prefix}{name}.weight"] = piece
+
+    def load(mod: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        names = [f"{prefix}{name}.weight" for name in parts]
+        if all(n in state for n in names):
+            state[f"{prefix}{fused}.weight"] = torch.cat([state.pop(n) for n in names])
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
+
+
+class FusedQKVSelfAttention(nn.Module):
+    """Causal multi-head self-attention as ``cs336_basics``' ``CausalMultiHeadSelfAttention`` computes it,
+    with Q, K and V from one ``(3·d_model, d_model)`` weight: one GEMM instead of three."""
+
+    def __init__(self, attn: CausalMultiHeadSelfAttention):
+        super().__init__()
+        self.d_model, self.num_heads, self.d_head = attn.d_model, attn.num_heads, attn.d_head
+        self.qkv_proj = _stacked([getattr(attn, name) for name in _QKV])
+        self.output_proj = attn.output_proj
+        self.positional_encoder = attn.positional_encoder
+        self.attention_impl = attn.attention_impl
+        _store_unfused(self, "qkv_proj", _QKV)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        *lead, seq, _ = x.shape
+        return x.reshape(*lead, seq, self.num_heads, self.d_head).transpose(-3, -2)
+
+    def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
+        q, k, v = (self._split_heads(t) for t in self.qkv_proj(x).split(self.d_model, dim=-1))
+        if self.positional_encoder is not None:
+            q = self.positional_encoder(q, token_positions)
+            k = self.positional_encoder(k, token_positions)
+        with nvtx.range(f"attention ({self.attention_impl})"):
+            out = get_attention(self.attention_impl)(q, k, v, True)
+        return self.output_proj(out.transpose(-3, -2).reshape(*x.shape[:-1], self.d_model))
+
+
+class FusedSwiGLU(nn.Module):
+    """``W2 (SiLU(W1 x) * W3 x)`` with ``[W1; W3]`` as one ``(2·d_ff, d_model)`` weight."""
+
+    def __init__(self, ffn: SwiGLU):
+        super().__init__()
+        self.d_ff = ffn.w1.d_out
+        self.w13 = _stacked([ffn.w1, ffn.w3])
+        self.w2 = ffn.w2
+        _store_unfused(self, "w13", _W13)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.d_ff, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Replace, in place, every ``CausalMultiHeadSelfAttention`` and ``SwiGLU`` submodule of ``model`` (a
+    ``cs336_basics`` LM or any module holding them) by its fused form; returns ``model``. Modules already
+    fused are left alone. Build optimizers, wrappers (DDP, FSDP, checkpointing) and ``torch.compile`` after
+    this call: the fused weights are new parameters."""
+    swaps = {CausalMultiHeadSelfAttention: FusedQKVSelfAttention, SwiGLU: FusedSwiGLU}
+    targets = [(name, module) for name, module in model.named_modules() if type(module) in swaps]
+    if any(name == "" for name, _ in targets):
+        raise ValueError(f"fuse_projections: pass the module that holds the {type(model).__name__}, not the "
+                         "module itself (it is replaced in its parent)")
+    if not targets and not any(isinstance(m, (FusedQKVSelfAttention, FusedSwiGLU)) for m in model.modules()):
+        raise ValueError(f"fuse_projections: {type(model).__name__} holds no CausalMultiHeadSelfAttention or "
+                         "SwiGLU to fuse")
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, swaps[type(module)](module))
+    return model
+
+
+__all__ = ["FusedQKVSelfAttention", "FusedSwiGLU", "fuse_projections"]
