@@ -85,7 +85,7 @@ def make_step(impl: str, shape: tuple[int, int, int, int], dtype: torch.dtype, c
     return step
 
 
-def _sleep_cycles(seconds: float) -> int:
+def sleep_cycles(seconds: float) -> int:
     """``torch.cuda._sleep`` counts clock cycles; the SM clock is read from the device (1.98 GHz on an H100
     at boost), defaulting to 2 GHz."""
     try:
@@ -98,7 +98,7 @@ def _sleep_cycles(seconds: float) -> int:
 def host_us(step: Callable[[], None], calls: int) -> float:
     """Host microseconds per call while the GPU is busy sleeping (see the module docstring)."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(_sleep_cycles(_SLEEP_S))
+    torch.cuda._sleep(sleep_cycles(_SLEEP_S))
     start = time.perf_counter()
     for _ in range(calls):
         step()
@@ -167,23 +167,28 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def profile_host(step: Callable[[], None], calls: int = 200, top: int = 30) -> str:
-    """cProfile of ``calls`` forward+backward calls (GPU kept busy, as in :func:`host_us`), top functions by
-    own time."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(_sleep_cycles(2.0))
+def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) -> str:
+    """cProfile of ``calls`` calls issued while the GPU sleeps (as in :func:`host_us`; on a machine without
+    one, as they run), the ``top`` functions by own time. A synchronization shows up as one call that owns the
+    rest of the sleep."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles(2.0))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
         step()
     prof.disable()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     return buf.getvalue()
 
 
-__all__ = ["IMPLS", "UNCACHED", "gpu_us", "host_us", "measure", "profile_host", "summarize", "wall_us"]
+__all__ = ["IMPLS", "UNCACHED", "gpu_us", "host_us", "measure", "profile_host", "sleep_cycles", "summarize",
+           "wall_us"]
 
 
 def main(argv: list[str] | None = None) -> int:

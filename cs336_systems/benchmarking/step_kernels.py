@@ -19,9 +19,6 @@ host time exceeds its GPU time is host-bound. ``--host-profile N`` prints where 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import re
 import sys
 import time
@@ -83,11 +80,11 @@ def host_ms_per_step(step: Callable[[], object], steps: int, device: torch.devic
     unless something in them synchronizes, or they launch more kernels than the launch queue holds (about a
     thousand: one step of a small model, not of xl): then ``waited`` is set and the time includes the wait.
     On a CPU every step runs where it is issued: the time is the step's."""
-    from cs336_systems.benchmarking.flash_host_overhead import _sleep_cycles
+    from cs336_systems.benchmarking.flash_host_overhead import sleep_cycles
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda._sleep(_sleep_cycles(HOST_SLEEP_S))
+        torch.cuda._sleep(sleep_cycles(HOST_SLEEP_S))
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -100,33 +97,15 @@ def host_ms_per_step(step: Callable[[], object], steps: int, device: torch.devic
     return elapsed * 1e3 / steps, bool(waited)
 
 
-def host_profile(step: Callable[[], object], steps: int, top: int) -> str:
-    """cProfile of ``steps`` steps issued while the GPU sleeps (on a CPU: as they run), the ``top``
-    functions by own time. A synchronization shows up as one call that owns the rest of the sleep."""
-    from cs336_systems.benchmarking.flash_host_overhead import _sleep_cycles
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda._sleep(_sleep_cycles(HOST_SLEEP_S))
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    if cuda:
-        torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return buf.getvalue()
-
-
 def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int = 3,
                   warmup: int = 3, profile_top: int = 0) -> pd.DataFrame:
     """:func:`kernel_summary` of ``steps`` profiled steps of one freshly built stack; its ``attrs`` hold
     :func:`host_ms_per_step` of one unprofiled step (``host_ms``, ``host_waited``) and, with
-    ``profile_top``, :func:`host_profile`'s table (``host_profile``)."""
+    ``profile_top``, a cProfile of one more step's host work (``host_profile``: the ``profile_top`` functions
+    of most own time, :func:`~cs336_systems.benchmarking.flash_host_overhead.profile_host`)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from cs336_systems.benchmarking.flash_host_overhead import profile_host
 
     from cs336_systems.profiling.torch_profiler import kernel_records, range_intervals
 
@@ -136,7 +115,7 @@ def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int =
             for _ in range(warmup):
                 run.step()
             host_ms, waited = host_ms_per_step(run.step, 1, device)  # one step: the launch queue holds it
-            text = host_profile(run.step, 1, profile_top) if profile_top else ""
+            text = profile_host(run.step, 1, profile_top) if profile_top else ""
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with run.context(), profile(activities=activities) as prof:
             for _ in range(steps):
