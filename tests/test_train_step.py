@@ -251,3 +251,14 @@ def test_cuda_graph_steps_train_as_the_plain_compiled_ones() -> None:
     assert graphs.cuda_graphs and not plain.cuda_graphs
     for _ in range(4):  # warm-up, recording, then replays: each returns its own step's loss
         torch.testing.assert_close(graphs.step(), plain.step(), rtol=2e-2, atol=2e-2)
+
+
+def test_steps_answer_calls_a_difference_within_the_spread_no_difference() -> None:
+    from cs336_systems.experiments.training_step import _ties_text
+
+    steps = pd.DataFrame({"preset": ["small", "xl"], "context_length": [1024, 4096],
+                          "ours_step_ms": [20.0, 270.0], "reference_step_ms": [18.0, 269.0],
+                          "ours_spread_ms": [0.5, 2.0], "reference_spread_ms": [0.4, 0.3]})
+    assert _ties_text(steps) == (" In 1 of the 2 cells (xl at 4096) the two differ by less than the spread of "
+                                 "their rounds: no difference.")
+    assert _ties_text(steps.assign(ours_spread_ms=[0.5, 0.5])) == ""

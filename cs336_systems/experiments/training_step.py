@@ -241,7 +241,7 @@ def answer(d: SectionData) -> list[Block]:
                        f"({cell(steps.loc[steps['ours_MFU_pct'].idxmax()])}) against the reference's "
                        f"{steps['reference_MFU_pct'].max():.1f}%" if "ours_MFU_pct" in steps.columns else "")
                     + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does."
-                    + _tokens_text(steps) + _mode_text(d.meta("steps")) + _missing_text(steps))
+                    + _ties_text(steps) + _tokens_text(steps) + _mode_text(d.meta("steps")) + _missing_text(steps))
     longest = d.frame("longest_context")
     long_text = None
     if longest is not None and {"preset", "longest"} <= set(longest.columns):
@@ -294,6 +294,20 @@ def _tokens_text(steps: pd.DataFrame) -> str:
     other = {pr: t for pr, t in zip(steps["preset"], tokens) if t != usual}
     return f" Each step holds {usual:,} tokens" + (
         " (" + ", ".join(f"{pr}: {t:,}" for pr, t in other.items()) + ")" if other else "") + "."
+
+
+def _ties_text(steps: pd.DataFrame) -> str:
+    """The cells where the two stacks differ by less than the larger spread of their rounds: no difference."""
+    need = {"ours_step_ms", "reference_step_ms", "ours_spread_ms", "reference_spread_ms"}
+    if not need <= set(steps.columns):
+        return ""
+    diff = (steps["ours_step_ms"] - steps["reference_step_ms"]).abs()
+    tie = diff <= steps[["ours_spread_ms", "reference_spread_ms"]].max(axis=1)
+    if not tie.any():
+        return ""
+    cells = [f"{r['preset']} at {int(r['context_length'])}" for _, r in steps[tie].iterrows()]
+    return (f" In {len(cells)} of the {len(steps)} cells ({join_words(cells)}) the two differ by less than the "
+            "spread of their rounds: no difference.")
 
 
 def _mode_text(meta: dict[str, Any]) -> str:
