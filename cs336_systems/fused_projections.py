@@ -72,9 +72,7 @@ class FusedQKVSelfAttention(nn.Module):
         self.attention_impl = attn.attention_impl
         _store_unfused(self, "qkv_proj", _QKV)
 
-    def _split_heads(self, x: Tensor) -> Tensor:
-        *lead, seq, _ = x.shape
-        return x.reshape(*lead, seq, self.num_heads, self.d_head).transpose(-3, -2)
+    _split_heads = CausalMultiHeadSelfAttention._split_heads  # a column slice of the QKV output views alike
 
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
         q, k, v = (self._split_heads(t) for t in self.qkv_proj(x).split(self.d_model, dim=-1))

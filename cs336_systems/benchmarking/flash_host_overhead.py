@@ -95,17 +95,28 @@ def sleep_cycles(seconds: float) -> int:
     return int(seconds * rate_khz * 1e3)
 
 
-def host_us(step: Callable[[], None], calls: int) -> float:
-    """Host microseconds per call while the GPU is busy sleeping (see the module docstring)."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(sleep_cycles(_SLEEP_S))
+def issue_seconds(step: Callable[[], object], calls: int, sleep_s: float) -> tuple[float, bool]:
+    """Seconds the host takes to issue ``calls`` calls queued behind a ``sleep_s`` GPU sleep, and whether
+    the GPU was awake when the host finished (then the calls waited on it somewhere). Without a GPU, the
+    calls' own time, never awake."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles(sleep_s))
     start = time.perf_counter()
     for _ in range(calls):
         step()
     elapsed = time.perf_counter() - start
-    still_asleep = not torch.cuda.current_stream().query()
-    torch.cuda.synchronize()
-    if not still_asleep:
+    awake = cuda and torch.cuda.current_stream().query()
+    if cuda:
+        torch.cuda.synchronize()
+    return elapsed, bool(awake)
+
+
+def host_us(step: Callable[[], None], calls: int) -> float:
+    """Host microseconds per call while the GPU is busy sleeping (see the module docstring)."""
+    elapsed, awake = issue_seconds(step, calls, _SLEEP_S)
+    if awake:
         raise RuntimeError(f"the GPU finished its {_SLEEP_S} s sleep before the host issued {calls} calls: "
                            "the measurement may include waits; use fewer calls")
     return elapsed / calls * 1e6
@@ -187,8 +198,8 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
     return buf.getvalue()
 
 
-__all__ = ["IMPLS", "UNCACHED", "gpu_us", "host_us", "measure", "profile_host", "sleep_cycles", "summarize",
-           "wall_us"]
+__all__ = ["IMPLS", "UNCACHED", "gpu_us", "host_us", "issue_seconds", "measure", "profile_host", "sleep_cycles",
+           "summarize", "wall_us"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import time
 from collections.abc import Callable
 
 import pandas as pd
@@ -80,21 +79,13 @@ def host_ms_per_step(step: Callable[[], object], steps: int, device: torch.devic
     unless something in them synchronizes, or they launch more kernels than the launch queue holds (about a
     thousand: one step of a small model, not of xl): then ``waited`` is set and the time includes the wait.
     On a CPU every step runs where it is issued: the time is the step's."""
-    from cs336_systems.benchmarking.flash_host_overhead import sleep_cycles
+    from cs336_systems.benchmarking.flash_host_overhead import issue_seconds
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda._sleep(sleep_cycles(HOST_SLEEP_S))
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    elapsed = time.perf_counter() - start
+    elapsed, awake = issue_seconds(step, steps, HOST_SLEEP_S)
     # awake already: a synchronization; most of the sleep gone: the launch queue (about a thousand
     # kernels deep) filled, and launches blocked until the GPU drained it
-    waited = device.type == "cuda" and (torch.cuda.current_stream(device).query() or elapsed > HOST_SLEEP_S / 2)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return elapsed * 1e3 / steps, bool(waited)
+    waited = device.type == "cuda" and (awake or elapsed > HOST_SLEEP_S / 2)
+    return elapsed * 1e3 / steps, waited
 
 
 def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int = 3,
