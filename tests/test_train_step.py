@@ -67,6 +67,19 @@ def test_our_fused_head_gives_the_same_loss_without_logits() -> None:
     assert plain.body(plain.inputs).shape[-1] == cfg.vocab_size
 
 
+def test_our_fused_projections_train_as_the_unfused_model() -> None:
+    cpu = torch.device("cpu")
+    plain = train_step.TrainStep("ours", train_step.StepSpec("tiny", 16, 2, "fp32"), cpu)
+    fused = train_step.TrainStep("ours", train_step.StepSpec("tiny", 16, 2, "fp32", fused_projections=True,
+                                                             checkpoint=(1,)), cpu)
+    names = {n for n, _ in fused.model.named_parameters()}
+    assert any(n.endswith("qkv_proj.weight") for n in names) and not any(n.endswith("q_proj.weight") for n in names)
+    assert fused.num_params == plain.num_params
+    for _ in range(3):  # same seed, batch and optimizer: the same losses step after step
+        torch.testing.assert_close(fused.step(), plain.step(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.model.state_dict(), plain.model.state_dict(), rtol=1e-5, atol=1e-6)
+
+
 def test_one_resident_stack_at_a_time_still_alternates(monkeypatch) -> None:
     spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
     built = []

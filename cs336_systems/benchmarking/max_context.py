@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--checkpoint", default="", help="checkpoint levels, e.g. 4 or 8,2 (empty: off)")
+    parser.add_argument("--fused-projections", action="store_true", help="Q/K/V and W1/W3 as one GEMM each")
     parser.add_argument("--low", type=int, default=256)
     parser.add_argument("--high", type=int, default=131072)
     parser.add_argument("--granularity", type=int, default=256)
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         levels = parse_levels(args.checkpoint)
     except ValueError as exc:
         parser.error(f"--checkpoint: {exc}")
-    base = StepSpec(batch_size=args.batch_size, precision=args.precision, attention=args.attention, checkpoint=levels)
+    base = StepSpec(batch_size=args.batch_size, precision=args.precision, attention=args.attention, checkpoint=levels,
+                    fused_projections=args.fused_projections)
     table = longest_contexts([p for p in args.presets.split(",") if p], base, args.low, args.high, args.granularity)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     if args.csv:

@@ -8,9 +8,9 @@ from round to round; the report is the median over rounds with the spread (max -
 (:func:`cs336_systems.configs.step_flops`) and MFU against the device's data-sheet peak
 (:mod:`cs336_systems.hardware`).
 
-- ``ours``: :class:`cs336_basics.model.BasicsTransformerLM` with the chosen registered attention,
-  ``cs336_basics`` cross-entropy, and :class:`~cs336_systems.flat_adamw.FlatAdamW` (``--optimizer basics``:
-  ``cs336_basics``' per-parameter AdamW);
+- ``ours``: :class:`cs336_basics.model.BasicsTransformerLM` with the chosen registered attention (and,
+  with ``--fused-projections``, its Q/K/V and W1/W3 weights stacked), ``cs336_basics`` cross-entropy, and
+  :class:`~cs336_systems.flat_adamw.FlatAdamW` (``--optimizer basics``: ``cs336_basics``' per-parameter AdamW);
 - ``reference``: :class:`~cs336_systems.benchmarking.torch_native_lm.TorchNativeLM`, ``F.cross_entropy``
   and ``torch.optim.AdamW`` (``fused=True`` on CUDA), SDPA pinned to ``--reference-sdpa`` (cuDNN by default;
   memory-efficient in fp32, where cuDNN has no kernel).
@@ -64,6 +64,9 @@ class StepSpec:
     """Our model's activation checkpointing (:func:`cs336_systems.checkpointing.checkpoint_layers` levels)."""
     fused_head: bool = False
     """Our model's LM head and loss as :func:`cs336_systems.lm_head_loss.linear_cross_entropy` (no logits)."""
+    fused_projections: bool = False
+    """Our model's Q/K/V and SwiGLU W1/W3 as one GEMM each, as the reference has them
+    (:func:`cs336_systems.fused_projections.fuse_projections`)."""
     lr: float = 1e-4
 
     @property
@@ -150,6 +153,10 @@ class TrainStep:
 
             kwargs = {**cfg.model_kwargs(), "context_length": spec.context_length}
             self.model = BasicsTransformerLM(**kwargs, attention_impl=spec.attention, device=device)
+            if spec.fused_projections:  # before checkpointing and the optimizer: the fused weights are new
+                from cs336_systems.fused_projections import fuse_projections
+
+                fuse_projections(self.model)
             if spec.checkpoint:
                 from cs336_systems.checkpointing import checkpoint_layers
 
@@ -349,6 +356,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=["flat", "basics"], default="flat", help="our stack's AdamW")
     parser.add_argument("--checkpoint", default="", help="our model's checkpoint levels, e.g. 4 or 8,2 (empty: off)")
     parser.add_argument("--fused-head", action="store_true", help="our LM head + cross-entropy without logits")
+    parser.add_argument("--fused-projections", action="store_true",
+                        help="our Q/K/V and SwiGLU W1/W3 projections as one GEMM each")
     parser.add_argument("--stacks", default=",".join(STACKS))
 
 
@@ -360,7 +369,8 @@ def step_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except ValueError as exc:
         parser.error(f"--checkpoint: {exc}")
     spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
-                    args.compile_mode, args.attention, args.reference_sdpa, args.optimizer, levels, args.fused_head)
+                    args.compile_mode, args.attention, args.reference_sdpa, args.optimizer, levels, args.fused_head,
+                    args.fused_projections)
     spec.check()
     stacks = tuple(s for s in args.stacks.split(",") if s)
     unknown = [s for s in stacks if s not in STACKS]

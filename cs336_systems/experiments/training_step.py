@@ -50,6 +50,8 @@ class Params:
     optimizer: str = param("flat", "our AdamW: flat (FlatAdamW) or basics (cs336_basics, per parameter)")
     checkpoint: list[int] = param([], "our model's activation-checkpoint levels ([]: off)")
     fused_head: bool = param(False, "our LM head + cross-entropy without logits (lm_head_loss)")
+    fused_projections: bool = param(True, "our Q/K/V and SwiGLU W1/W3 as one GEMM each, as the reference has "
+                                    "them (fused_projections)")
     rounds: int = param(3, "alternating rounds per cell")
     steps: int = param(5, "timed steps per stack and round")
     warmup: int = param(3, "untimed steps per stack (compilation happens here)")
@@ -115,7 +117,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
             spec = train_step.StepSpec(preset, context_length, p.tokens_per_step // context_length, p.precision,
                                        compile=p.compile, compile_mode=p.compile_mode, attention=p.attention,
                                        optimizer=p.optimizer,
-                                       checkpoint=tuple(p.checkpoint), fused_head=p.fused_head)
+                                       checkpoint=tuple(p.checkpoint), fused_head=p.fused_head,
+                                       fused_projections=p.fused_projections)
             rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps,
                                       resident=p.resident)
             table = train_step.summarize(rows, spec, name, ceiling_tflops=ceiling).set_index("stack")
@@ -150,7 +153,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         from cs336_systems.benchmarking.max_context import longest_contexts
 
         base = train_step.StepSpec(batch_size=1, precision=p.precision, attention=p.attention,
-                                   optimizer=p.optimizer, checkpoint=tuple(p.longest_checkpoint))
+                                   optimizer=p.optimizer, checkpoint=tuple(p.longest_checkpoint),
+                                   fused_projections=p.fused_projections)
         longest = longest_contexts(p.longest_presets, base, low=min(256, p.longest_high), high=p.longest_high,
                                    granularity=min(256, p.longest_high), device=device)
         out.table(longest, "longest_context")
@@ -159,8 +163,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 
 #: Parameters that change what a cell measures: rows of runs that agree on them (and on the commit) combine.
-STEP_PARAMS = ("tokens_per_step", "precision", "compile", "compile_mode", "attention", "optimizer", "checkpoint", "fused_head",
-               "rounds", "steps", "warmup", "split_steps", "resident")
+STEP_PARAMS = ("tokens_per_step", "precision", "compile", "compile_mode", "attention", "optimizer", "checkpoint",
+               "fused_head", "fused_projections", "rounds", "steps", "warmup", "split_steps", "resident")
 
 
 #: Every preset's measured tables (the order of the combined tables).
