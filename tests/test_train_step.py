@@ -241,7 +241,14 @@ def test_time_split_answer_names_the_buckets_where_our_step_loses():
     slower = split.assign(ms_per_step=split["ms_per_step"].where(
         (split["stack"] != "ours") | (split["bucket"] != "matmul"), 12.0))
     text = _split_text(slower).markdown
-    assert "Matmuls differ" not in text and "fuses the Q, K, V projections" in text
+    assert "Matmuls differ" not in text and "fuses the Q, K, V projections" in text and "off" in text
+    fused = _split_text(slower, {"fused_projections": True}).markdown
+    assert "Both models run Q, K, V as one GEMM" in fused and "fuses the Q, K, V" not in fused
+    # a bucket we lose overall but win in one cell reads as a range from less to more, not a negative "more"
+    mixed = split.assign(ms_per_step=split["ms_per_step"].where(
+        (split["stack"] != "ours") | (split["bucket"] != "norms & elementwise") | (split["preset"] != "small"),
+        5.5))
+    assert "from 0.500 ms per step less to 10.0 ms more, by cell" in _split_text(mixed).markdown
 
 
 @pytest.mark.parametrize("stack", train_step.STACKS)

@@ -267,7 +267,7 @@ def answer(d: SectionData) -> list[Block]:
                             "preset's own are in its table's record."),
             d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
                      "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
-            _split_text(d.frame("time_split")),
+            _split_text(d.frame("time_split"), d.meta("steps").get("params")),
             _ceiling_text(steps),
         ], what="the training-step comparison"),
         question(d, "longest", "The longest context each preset trains at on this GPU.", [
@@ -334,8 +334,9 @@ def _missing_text(steps: pd.DataFrame) -> str:
     return f" Not measured in these runs: {join_words(missing)}." if missing else ""
 
 
-def _split_text(split: pd.DataFrame | None) -> Text | None:
-    """Which buckets hold the gap between our step and the reference's, summed over every cell."""
+def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None) -> Text | None:
+    """Which buckets hold the gap between our step and the reference's, summed over every cell; ``params``
+    (the run's) say whether our projections were fused."""
     if split is None or not {"bucket", "ms_per_step", "stack", "preset", "context_length"} <= set(split.columns) \
             or set(split["stack"]) != {"ours", "reference"}:
         return None
@@ -350,16 +351,23 @@ def _split_text(split: pd.DataFrame | None) -> Text | None:
     lead[0] = lead[0].replace(" in ", " lies in ", 1)
     ahead = [b for b in worst.index if worst[b] < 0]
     per_cell = gap[worst.index[0]]
+    spread = (f"{fmt.ms(per_cell.min())}–{fmt.ms(per_cell.max())} per step more" if per_cell.min() >= 0 else
+              f"from {fmt.ms(-per_cell.min())} per step less to {fmt.ms(per_cell.max())} more, by cell")
+    fused = bool((params or {}).get("fused_projections"))
     return Text(f"Of the time by which our step trails the reference, summed over the {len(gap)} cells, "
-                + join_words(lead) + f"; {worst.index[0]} alone costs us "
-                f"{fmt.ms(per_cell.min())}–{fmt.ms(per_cell.max())} per step more"
+                + join_words(lead) + f"; {worst.index[0]} alone costs us {spread}"
                 + (", while ours is faster in " + join_words(
                     [f"{b} (by {fmt.ms(-total[b] / len(gap))} a step on average)" for b in ahead]) if ahead else "")
                 + "."
                 + (f" Matmuls differ by {fmt.ms(gap['matmul'].abs().max())} at most: the GEMMs are not where "
                    "we lose." if "matmul" in gap.columns and share.get("matmul", 0) < 0.1 else "")
-                + (" The reference fuses the Q, K, V projections into one weight and W1, W3 into another; our "
-                   "model keeps five separate weights, so each layer runs more and smaller GEMMs (and casts)."
+                + ((" Both models run Q, K, V as one GEMM and W1, W3 as another (`fused_projections`)."
+                    if fused else
+                    " The reference fuses the Q, K, V projections into one weight and W1, W3 into another; our "
+                    "model, run with `fused_projections` off, keeps five separate weights, so each layer runs more "
+                    "and smaller GEMMs. Fusing them (`cs336_systems.fused_projections`) saves matmul time but, "
+                    "with our attention, costs more in the backward, where Inductor concatenates dQ, dK and dV "
+                    "for the fused weight's gradient: slower overall on the H100 (`docs/training_step/NOTES.md`).")
                    if share.get("matmul", 0) >= 0.1 else "")
                 + (" Our attention is slower than cuDNN at most shapes of §1.3.2's grid, and runs head "
                    "dimension 80 (2.7B) padded to 128." if share.get("attention", 0) >= 0.1 else ""))
