@@ -169,8 +169,12 @@ def answer(d: SectionData) -> list[Block]:
             "The 2026 `test_fsdp_correctness[fp32]` compares FSDP with full-batch training bit for bit. Each rank's "
             "weight gradient is a product over its half of the batch, and two such products added are not "
             "bit-identical to one product over the whole batch in float32, so any data-parallel run matches that "
-            "reference only up to rounding (the differences above are one or two float32 roundings). Our own suite "
-            "checks FSDP bit for bit against micro-batched training instead."))
+            "reference only up to rounding (the differences above are one or two float32 roundings). "
+            "`python -m cs336_systems.distributed.split_batch_rounding` reproduces the gap at the test's shape "
+            "without FSDP or any other wrapper: the per-rank products summed against the full-batch product, and "
+            "a plain linear layer's averaged per-rank gradients against its full-batch gradient, each a few "
+            "epsilons of the largest entry in float32 and in float64 alike. Our own suite checks FSDP bit for bit "
+            "against micro-batched training instead."))
     return blocks
 
 
