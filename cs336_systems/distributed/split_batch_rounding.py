@@ -68,9 +68,7 @@ def split_batch_gaps(tokens: int = 160, d_in: int = 64, d_out: int = 128, world_
         rows.append({"computation": "gemm", "dtype": name, **_gap(per_rank, g.T @ x)})
         averaged = sum(_linear_ce_grad(w, x[s], y[s]) for s in shards) / world_size
         rows.append({"computation": "data_parallel", "dtype": name, **_gap(averaged, _linear_ce_grad(w, x, y))})
-    frame = pd.DataFrame(rows)
-    frame.attrs.update(tokens=tokens, d_in=d_in, d_out=d_out, world_size=world_size, device=str(device))
-    return frame
+    return pd.DataFrame(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
