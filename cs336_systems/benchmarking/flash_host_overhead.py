@@ -15,8 +15,12 @@ implementations in one process, and per round:
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --causal
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --profile   # + cProfile of ours
     python -m cs336_systems.benchmarking.flash_host_overhead --impls ours,ours_uncached,sdpa_cudnn  # launch cache A/B
+    python -m cs336_systems.benchmarking.flash_host_overhead --shape 8,12,1024,64 --layout bshd --kernels
 
 Forward and backward run as ``torch.autograd.grad(o, (q, k, v), do)``, so no gradient accumulates.
+``--layout bshd`` gives every implementation what a Transformer block hands its attention: ``(batch, heads,
+seq, d)`` views of ``(batch, seq, heads, d)`` tensors (the heads split off a projection's output), not
+contiguous ``(batch, heads, seq, d)`` tensors. ``--kernels`` adds the GPU time per call of each kernel.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import torch
 from torch import Tensor
 
 IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
+#: Memory layouts of the inputs: contiguous ``(batch, heads, seq, d)``, or heads-inside-a-token views.
+LAYOUTS = ("bhsd", "bshd")
 #: Also measurable: ours with every launch through Triton's own Python path (launch cache off), for A/B.
 UNCACHED = "ours_uncached"
 #: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
@@ -71,11 +77,28 @@ def attention_fn(impl: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join((*IMPLS, UNCACHED))}")
 
 
-def make_step(impl: str, shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool) -> Callable[[], None]:
+def make_inputs(shape: tuple[int, int, int, int], dtype: torch.dtype, layout: str = "bhsd",
+                generator: torch.Generator | None = None, device: str = "cuda") -> tuple[Tensor, ...]:
+    """Random ``q, k, v`` (requiring grad) and ``do`` of ``shape`` = (batch, heads, seq, head_dim), laid out as
+    ``layout`` says (:data:`LAYOUTS`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    batch, heads, seq, d = shape
+    stored = shape if layout == "bhsd" else (batch, seq, heads, d)
+
+    def one(grad: bool) -> Tensor:
+        t = torch.randn(stored, device=device, dtype=dtype, generator=generator)
+        t = t if layout == "bhsd" else t.transpose(1, 2)
+        return t.requires_grad_() if grad else t
+
+    return one(True), one(True), one(True), one(False)
+
+
+def make_step(impl: str, shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool,
+              layout: str = "bhsd") -> Callable[[], None]:
     """One forward+backward of ``impl`` on fixed random inputs of ``shape`` = (batch, heads, seq, head_dim)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
-    do = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    q, k, v, do = make_inputs(shape, dtype, layout, gen)
     fn = attention_fn(impl)
 
     def step() -> None:
@@ -122,8 +145,8 @@ def host_us(step: Callable[[], None], calls: int) -> float:
     return elapsed / calls * 1e6
 
 
-def gpu_us(step: Callable[[], None], calls: int) -> float:
-    """Kernel device time per call, from torch.profiler."""
+def kernel_us(step: Callable[[], None], calls: int) -> pd.Series:
+    """Device time per call of each kernel ``step`` launches (by kernel name), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     from cs336_systems.profiling.torch_profiler import kernel_records
@@ -133,7 +156,12 @@ def gpu_us(step: Callable[[], None], calls: int) -> float:
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    return float(kernel_records(prof)["duration_us"].sum()) / calls
+    return kernel_records(prof).groupby("name")["duration_us"].sum() / calls
+
+
+def gpu_us(step: Callable[[], None], calls: int) -> float:
+    """Kernel device time per call, from torch.profiler."""
+    return float(kernel_us(step, calls).sum())
 
 
 def wall_us(step: Callable[[], None], calls: int) -> float:
@@ -144,14 +172,16 @@ def wall_us(step: Callable[[], None], calls: int) -> float:
 
 
 def measure(shape: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16, causal: bool = True,
-            impls: tuple[str, ...] = IMPLS, rounds: int = 5, calls: int = 20, warmup: int = 10) -> pd.DataFrame:
-    """One row per (round, implementation): ``host_us``, ``gpu_us``, ``wall_us`` per forward+backward.
-    Implementations alternate within each round, in an order that rotates from round to round."""
+            impls: tuple[str, ...] = IMPLS, rounds: int = 5, calls: int = 20, warmup: int = 10,
+            layout: str = "bhsd", kernels: bool = False) -> pd.DataFrame:
+    """One row per (round, implementation): ``host_us``, ``gpu_us``, ``wall_us`` per forward+backward, and
+    with ``kernels`` one ``kernel: <name>`` column per kernel (µs per call). Implementations alternate
+    within each round, in an order that rotates from round to round."""
     if not torch.cuda.is_available():
         raise RuntimeError("the host-overhead benchmark needs a CUDA GPU")
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(f"shape must be four positive sizes (batch, heads, seq, head_dim), got {shape}")
-    steps = {impl: make_step(impl, shape, dtype, causal) for impl in impls}
+    steps = {impl: make_step(impl, shape, dtype, causal, layout) for impl in impls}
     for impl, step in steps.items():
         with _backend(impl):
             for _ in range(warmup):  # compiles, autotunes and caches
@@ -163,11 +193,24 @@ def measure(shape: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat1
         for impl in order:
             with _backend(impl):
                 step = steps[impl]
-                rows.append({"round": r, "impl": impl, "host_us": host_us(step, calls),
-                             "gpu_us": gpu_us(step, calls), "wall_us": wall_us(step, calls)})
+                per_kernel = kernel_us(step, calls)
+                row = {"round": r, "impl": impl, "host_us": host_us(step, calls),
+                       "gpu_us": float(per_kernel.sum()), "wall_us": wall_us(step, calls)}
+                if kernels:
+                    row.update({f"kernel: {name}": us for name, us in per_kernel.items()})
+                rows.append(row)
     batch, heads, seq, d = shape
     return pd.DataFrame(rows).assign(batch=batch, heads=heads, seq_len=seq, head_dim=d,
-                                     dtype=str(dtype).removeprefix("torch."), causal=causal)
+                                     dtype=str(dtype).removeprefix("torch."), causal=causal, layout=layout)
+
+
+def kernel_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Median µs per call of each kernel (rows) per implementation (columns), from :func:`measure`'s
+    ``kernels`` columns; kernel names shortened to 60 characters."""
+    cols = [c for c in rows.columns if c.startswith("kernel: ")]
+    table = rows.groupby("impl", sort=False)[cols].median().T.dropna(how="all")
+    table.index = [c.removeprefix("kernel: ")[:60] for c in table.index]
+    return table
 
 
 def summarize(rows: pd.DataFrame) -> pd.DataFrame:
@@ -198,8 +241,8 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
     return buf.getvalue()
 
 
-__all__ = ["IMPLS", "UNCACHED", "gpu_us", "host_us", "issue_seconds", "measure", "profile_host", "sleep_cycles",
-           "summarize", "wall_us"]
+__all__ = ["IMPLS", "LAYOUTS", "UNCACHED", "gpu_us", "host_us", "issue_seconds", "kernel_table", "kernel_us",
+           "make_inputs", "measure", "profile_host", "sleep_cycles", "summarize", "wall_us"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch,heads,seq,head_dim (repeatable; default 1,16,1024,64)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--layout", default="bhsd", choices=LAYOUTS,
+                        help="bhsd: contiguous (batch, heads, seq, d); bshd: views of (batch, seq, heads, d), as in a model")
+    parser.add_argument("--kernels", action="store_true", help="also print each kernel's GPU µs per call")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join((*IMPLS, UNCACHED))}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20, help="calls per measurement")
@@ -225,13 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     frames = []
     for shape in shapes:
-        rows = measure(shape, dtype, args.causal, impls, args.rounds, args.calls)  # type: ignore[arg-type]
+        rows = measure(shape, dtype, args.causal, impls, args.rounds, args.calls,  # type: ignore[arg-type]
+                       layout=args.layout, kernels=args.kernels)
         frames.append(rows)
         s = summarize(rows)
-        print(f"shape {shape}, {args.dtype}, causal={args.causal}: median of {args.rounds} rounds, µs per fwd+bwd")
+        print(f"shape {shape}, {args.dtype}, causal={args.causal}, layout {args.layout}: median of {args.rounds} "
+              "rounds, µs per fwd+bwd")
         print(s.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+        if args.kernels:
+            print(kernel_table(rows).to_string(float_format=lambda v: f"{v:.1f}", na_rep="-"))
         if args.profile and "ours" in impls:
-            print(profile_host(make_step("ours", shape, dtype, args.causal)))  # type: ignore[arg-type]
+            print(profile_host(make_step("ours", shape, dtype, args.causal, args.layout)))  # type: ignore[arg-type]
     if args.csv:
         pd.concat(frames, ignore_index=True).to_csv(args.csv, index=False)
     return 0

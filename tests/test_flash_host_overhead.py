@@ -1,0 +1,34 @@
+"""CPU checks of the attention host-overhead benchmark's inputs and tables (its timings need a GPU)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from cs336_systems.benchmarking import flash_host_overhead as fho
+
+
+def test_bshd_inputs_are_head_views_of_token_major_tensors() -> None:
+    q, k, v, do = fho.make_inputs((2, 3, 5, 4), torch.float32, "bshd", device="cpu")
+    for t in (q, k, v, do):
+        assert t.shape == (2, 3, 5, 4)
+        assert t.stride() == (60, 4, 12, 1)  # (batch, seq, heads, d) memory
+        assert not t.is_contiguous()
+    assert all(t.requires_grad for t in (q, k, v)) and not do.requires_grad
+    q, *_ = fho.make_inputs((2, 3, 5, 4), torch.float32, "bhsd", device="cpu")
+    assert q.is_contiguous()
+    with pytest.raises(ValueError, match="layout must be one of"):
+        fho.make_inputs((2, 3, 5, 4), torch.float32, "sbhd", device="cpu")
+
+
+def test_kernel_table_takes_the_median_per_kernel_and_implementation() -> None:
+    rows = pd.DataFrame([
+        {"round": 0, "impl": "ours", "kernel: fwd": 10.0, "kernel: bwd": 30.0, "kernel: cudnn": None},
+        {"round": 1, "impl": "ours", "kernel: fwd": 14.0, "kernel: bwd": 20.0, "kernel: cudnn": None},
+        {"round": 2, "impl": "ours", "kernel: fwd": 12.0, "kernel: bwd": 25.0, "kernel: cudnn": None},
+        {"round": 0, "impl": "sdpa_cudnn", "kernel: fwd": None, "kernel: bwd": None, "kernel: cudnn": 7.0},
+    ])
+    table = fho.kernel_table(rows)
+    assert table.loc["fwd", "ours"] == 12.0 and table.loc["bwd", "ours"] == 25.0
+    assert table.loc["cudnn", "sdpa_cudnn"] == 7.0 and pd.isna(table.loc["fwd", "sdpa_cudnn"])
