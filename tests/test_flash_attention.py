@@ -31,7 +31,8 @@ from cs336_systems.attention import (
     options,
     reference_attention,
 )
-from cs336_systems.attention.flash_triton import padded_head_dim
+from cs336_systems.attention.flash_common import head_dim_slabs
+from cs336_systems.attention.flash_triton import stored_head_dim
 from tests.adapters import (
     get_flashattention_autograd_function_pytorch,
     get_flashattention_autograd_function_triton,
@@ -73,10 +74,16 @@ def _cases() -> list[Case]:
         Case(17, 45, 64, True, 1),  # more keys than queries: the last keys are seen by nobody
         Case(32, 32, 16, False, None),  # exact tile multiples
         Case(33, 50, 128, False, 2),
-        # head dims the kernels pad to the next supported one (the 2.7B / 2026-xl models' 80, and odd ones)
+        # head dims that are not powers of two: two slabs (80 = 64 + 16, the 2.7B / 2026-xl models'; 96 =
+        # 64 + 32; 40 = 32 + a 16-wide tail half past d), one padded slab (24 in 32, 112 in 128), and odd
+        # sizes copied with zero columns (5, 33: rows not whole 16-byte units)
         Case(33, 41, 80, True, 2),
+        Case(21, 19, 96, False, 1),
         Case(20, 20, 24, False, None),
         Case(17, 29, 40, True, None),
+        Case(18, 18, 112, True, 1),
+        Case(9, 13, 5, True, 2),
+        Case(16, 16, 33, False, None),
     ]
     rng = random.Random(0)
     for d in SUPPORTED_HEAD_DIMS:
@@ -358,11 +365,13 @@ def test_saves_q_k_v_o_l_and_is_causal(impl_name: str) -> None:
     assert o.grad_fn.is_causal is True
 
 
+@pytest.mark.parametrize("head_dim", [32, 80])
 @pytest.mark.parametrize("impl_name", list(IMPLS))
-def test_non_contiguous_inputs(impl_name: str) -> None:
+def test_non_contiguous_inputs(impl_name: str, head_dim: int) -> None:
     """Inputs as the model produces them, (batch, seq, heads, d) transposed to (batch, heads, seq, d),
-    and an expanded (stride 0) upstream gradient as ``o.sum().backward()`` produces."""
-    case = Case(23, 23, 32, True, 2)
+    and an expanded (stride 0) upstream gradient as ``o.sum().backward()`` produces. At d = 80 the
+    tail slab of each head ends where the next head's columns begin: they must read as zeros."""
+    case = Case(23, 23, head_dim, True, 2)
     base = [torch.randn(case.batch, n, case.heads, case.head_dim, device=DEVICE) for n in (23, 23, 23)]
     q, k, v = (t.transpose(1, 2) for t in base)
     assert not q.is_contiguous()
@@ -520,7 +529,21 @@ def test_triton_rejects_head_dims_past_the_largest_kernel() -> None:
     with pytest.raises(ValueError, match=r"head dimension 160 is not supported; supported: 1\.\.128"):
         FlashAttentionTriton.apply(q, q, q, False)
     FlashAttentionPytorch.apply(q, q, q, False)  # the PyTorch version takes any head dim
-    assert [padded_head_dim(d) for d in (16, 24, 80, 96, 128)] == [16, 32, 128, 128, 128]
+
+
+def test_head_dims_run_in_slabs_and_are_stored_in_16_byte_rows() -> None:
+    """80 runs as 64 + 16 (no padded work), 96 as 64 + 32; where a tail would be as wide as the main slab
+    one padded slab runs instead. Rows are copied wider only when they are not whole 16-byte units."""
+    slabs = {d: head_dim_slabs(d) for d in (1, 8, 16, 24, 40, 48, 64, 72, 80, 96, 100, 112, 128)}
+    assert slabs == {1: (16, 0), 8: (16, 0), 16: (16, 0), 24: (32, 0), 40: (32, 16), 48: (32, 16), 64: (64, 0),
+                     72: (64, 16), 80: (64, 16), 96: (64, 32), 100: (128, 0), 112: (128, 0),
+                     128: (128, 0)}
+    for d, (main, tail) in slabs.items():
+        assert main + tail >= d and tail < main and all(w == 0 or w >= 16 and w & (w - 1) == 0 for w in (main, tail))
+    assert [stored_head_dim(d, 2) for d in (5, 8, 33, 80, 128)] == [8, 8, 40, 80, 128]
+    assert [stored_head_dim(d, 4) for d in (5, 33, 80)] == [8, 36, 80]
+    with pytest.raises(ValueError, match="head dimension 129 is not supported"):
+        stored_head_dim(129, 2)
 
 
 def test_triton_on_cpu_without_interpreter_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -549,7 +572,7 @@ def test_dq_tiles_are_pruned_to_fit_shared_memory(monkeypatch, dtype: torch.dtyp
     prune = kernels.tuning._fit_configs(*kernels.flash_bwd.DQ_SMEM)
     q = torch.empty(1, 1, 64, 128, dtype=dtype)
     configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
-    kept = prune(configs, {"HEAD_DIM": 128, "Q": q, "SEQ_CLASS": 64})
+    kept = prune(configs, {"HEAD_DIM": 128, "D_MAIN": 128, "D_TAIL": 0, "Q": q, "SEQ_CLASS": 64})
     assert [c.num_stages for c in kept] == [expected_stages]
 
 
@@ -569,7 +592,8 @@ def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None
     configs = [config(True, None), config(True, 168), config(False, 168)]
     want = [(None, True), (168, True), (168, False)]
     for autotune in (True, False):
-        kept = kernels.tuning._fit_configs(*kernels.flash_bwd.DKDV_SMEM, autotune)(configs, {"HEAD_DIM": 64, "Q": q, "SEQ_CLASS": 1024})
+        kept = kernels.tuning._fit_configs(*kernels.flash_bwd.DKDV_SMEM, autotune)(configs, {"HEAD_DIM": 64, "D_MAIN": 64, "D_TAIL": 0, "Q": q,
+                                                                                  "SEQ_CLASS": 1024})
         assert [(c.maxnreg, c.kwargs["POLY_EXP2"]) for c in kept] == (want if autotune else want[:1])
 
 
@@ -604,14 +628,14 @@ def test_preprocess_writes_base2_lse_and_delta_row_pairs() -> None:
     from cs336_systems.attention import flash_triton
 
     kernels = flash_triton._kernels()
-    batch, heads, n, d = 2, 3, 37, 16
+    batch, heads, n, d = 2, 3, 37, 20  # d: a padded power of two (32) with the columns past 20 masked
     o, do = (torch.randn(batch, heads, n, d, device=DEVICE) for _ in range(2))
     lse = torch.randn(batch, heads, n, device=DEVICE)
     ld = flash_triton._row_buffer((batch * heads, 2), n, o.device)
     block = kernels.PREPROCESS_BLOCK
     kernels.flash_backward_preprocess_kernel[(flash_triton._cdiv(n, block) * batch * heads,)](
         o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n,
-        HEAD_DIM=d, BLOCK_M=block,
+        HEAD_DIM=d, D_PAD=32, BLOCK_M=block,
     )
     pairs = ld.view(batch, heads, 2, n)
     torch.testing.assert_close(pairs[:, :, 0], lse * 1.4426950408889634)
@@ -627,7 +651,8 @@ def test_dkdv_pruning_drops_tiles_the_descriptors_cannot_take(monkeypatch: pytes
     kernels = flash_triton._kernels()
     monkeypatch.setattr(kernels.tuning, "_shared_memory_bytes", lambda device_index: 232448)
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 64}, num_warps=4, num_stages=3) for m in (16, 32, 64)]
-    args = {"HEAD_DIM": 64, "Q": torch.empty(1, 1, 64, 64, dtype=torch.bfloat16), "SEQ_CLASS": 1024}
+    args = {"HEAD_DIM": 64, "D_MAIN": 64, "D_TAIL": 0, "Q": torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),
+            "SEQ_CLASS": 1024}
     for autotune in (True, False):
         kept = kernels.tuning._fit_configs(lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, 32, autotune)(configs, args)
         assert [c.kwargs["BLOCK_M"] for c in kept] == ([32, 64] if autotune else [32])

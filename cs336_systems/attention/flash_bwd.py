@@ -11,10 +11,12 @@ import triton.language as tl
 from .flash_common import (
     INTERPRETED,
     _exp2,
+    _head_descriptor,
     _jit,
     _key_ranges,
-    _key_value_descriptors,
+    _load_cols,
     _query_ranges,
+    _store_cols,
     _tile_and_head,
     _visible,
 )
@@ -33,28 +35,20 @@ def flash_backward_preprocess_kernel(
     stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh, stride_don, stride_dod,
     stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow,
     n_heads, n_queries,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """The backward's per-query row pair, float32 ``LD[b * heads + h] = [L · log2(e); D]`` with
     ``D_i = Σ_d dO_id O_id``: both are read per query tile by dK/dV, which loads them as one
     ``2 x BLOCK_M`` tensor-descriptor box (one bulk copy and one barrier wait per tile instead of two),
-    and L arrives already in the base-2 units of the kernels' ``exp2``."""
+    and L arrives already in the base-2 units of the kernels' ``exp2``. ``D_PAD``: ``HEAD_DIM`` rounded up to
+    a power of two (the columns past ``HEAD_DIM`` read as zeros)."""
     tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, False)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m[:, None] < n_queries
-    o = tl.load(
-        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
-        mask=row_ok,
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-        mask=row_ok,
-        other=0.0,
-    )
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     in_seq = offs_m < n_queries
+    o = _load_cols(O + b * stride_ob + h * stride_oh, offs_m, stride_on, stride_od, in_seq, 0, D_PAD, HEAD_DIM)
+    do = _load_cols(DO + b * stride_dob + h * stride_doh, offs_m, stride_don, stride_dod, in_seq, 0, D_PAD,
+                    HEAD_DIM)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=in_seq, other=0.0)
     ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
     tl.store(ld_row, lse * 1.4426950408889634, mask=in_seq)
@@ -65,10 +59,16 @@ def flash_backward_preprocess_kernel(
 def _dkdv_query_loop(
     dk,
     dv,
+    dk_t,
+    dv_t,
     k,
     v,
+    k_t,
+    v_t,
     q_desc,
     do_desc,
+    qt_desc,
+    dot_desc,
     ld_desc,
     offs_n,
     lo,
@@ -76,30 +76,41 @@ def _dkdv_query_loop(
     n_queries,
     n_keys,
     qk_scale,
-    HEAD_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
 ):
-    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled) over query tiles ``[lo, hi)``, working
-    on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever transposed."""
+    """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled; ``dk_t``, ``dv_t``: the tail slab) over
+    query tiles ``[lo, hi)``, working on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever
+    transposed."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = q_desc.load([start_m, 0])
         do = do_desc.load([start_m, 0])
-        qt = tl.trans(q)
         lse2, delta = tl.split(tl.trans(ld_desc.load([0, start_m])))  # L (base 2), D
-        st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :]
-        pt = _exp2(st, POLY_EXP2, k.dtype)
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if D_TAIL > 0:
+            q_t = qt_desc.load([start_m, D_MAIN])
+            do_t = dot_desc.load([start_m, D_MAIN])
+            st = tl.dot(k_t, tl.trans(q_t), st, input_precision=DOT_PRECISION)
+        pt = _exp2(st * qk_scale - lse2[None, :], POLY_EXP2, k.dtype)
         if MASKED:
             pt = tl.where(_visible(offs_m[None, :], offs_n[:, None], n_queries, n_keys, IS_CAUSAL), pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        pt_in = pt.to(do.dtype)
+        dv = tl.dot(pt_in, do, dv, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+        if D_TAIL > 0:
+            dv_t = tl.dot(pt_in, do_t, dv_t, input_precision=DOT_PRECISION)
+            dpt = tl.dot(v_t, tl.trans(do_t), dpt, input_precision=DOT_PRECISION)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
+        if D_TAIL > 0:
+            dk_t = tl.dot(dst, q_t, dk_t, input_precision=DOT_PRECISION)
+    return dk, dv, dk_t, dv_t
 
 
 # K, V | Q, dO; Q and dO each feed one product plain and one transposed. The descriptor boxes of L and D
@@ -117,7 +128,8 @@ def flash_backward_dkdv_kernel(
     stride_ldbh, stride_ldrow,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
@@ -125,84 +137,104 @@ def flash_backward_dkdv_kernel(
     tile_n, b, h = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n[:, None] < n_keys
+    key_ok = offs_n < n_keys
 
-    k = tl.load(
-        K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-        mask=key_ok,
-        other=0.0,
-    )
-    v = tl.load(
-        V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-        mask=key_ok,
-        other=0.0,
-    )
+    k_head, v_head = K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
+    q_head, do_head = Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh
+    k = _load_cols(k_head, offs_n, stride_kn, stride_kd, key_ok, 0, D_MAIN, HEAD_DIM)
+    v = _load_cols(v_head, offs_n, stride_vn, stride_vd, key_ok, 0, D_MAIN, HEAD_DIM)
     # The streamed tiles come in through tensor descriptors (TMA on Hopper): one bulk copy per tile
     # instead of per-thread asynchronous copies, rows past the end read as zeros, and no address
     # arithmetic per element. See docs/flash_attention/NOTES.md ("TMA loads in dK/dV"): -20% on this kernel.
-    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[n_queries, HEAD_DIM],
-                                       strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[n_queries, HEAD_DIM],
-                                        strides=[stride_don, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    q_desc = _head_descriptor(q_head, stride_qn, n_queries, HEAD_DIM, BLOCK_M, D_MAIN)
+    do_desc = _head_descriptor(do_head, stride_don, n_queries, HEAD_DIM, BLOCK_M, D_MAIN)
     ld_desc = tl.make_tensor_descriptor(LD + (b * n_heads + h) * stride_ldbh, shape=[2, n_queries],
                                         strides=[stride_ldrow, 1], block_shape=[2, BLOCK_M])
+    dk = tl.zeros([BLOCK_N, D_MAIN], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D_MAIN], dtype=tl.float32)
+    # Tail-slab tiles, when the head dim has a tail; otherwise the accumulators are placeholders, because
+    # the loop helpers must return tensors.
+    k_t, v_t, qt_desc, dot_desc = None, None, None, None
+    dk_t, dv_t = tl.zeros([1], dtype=tl.float32), tl.zeros([1], dtype=tl.float32)  # placeholders (see below)
+    if D_TAIL > 0:
+        k_t = _load_cols(k_head, offs_n, stride_kn, stride_kd, key_ok, D_MAIN, D_TAIL, HEAD_DIM)
+        v_t = _load_cols(v_head, offs_n, stride_vn, stride_vd, key_ok, D_MAIN, D_TAIL, HEAD_DIM)
+        qt_desc = _head_descriptor(q_head, stride_qn, n_queries, HEAD_DIM, BLOCK_M, D_TAIL)
+        dot_desc = _head_descriptor(do_head, stride_don, n_queries, HEAD_DIM, BLOCK_M, D_TAIL)
+        dk_t = tl.zeros([BLOCK_N, D_TAIL], dtype=tl.float32)
+        dv_t = tl.zeros([BLOCK_N, D_TAIL], dtype=tl.float32)
 
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     lo, diag, tail = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
     # Query tiles across the diagonal (masked), then those that see the whole key tile, then the ragged end.
-    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_desc, do_desc, ld_desc, offs_n, lo, diag, n_queries, n_keys,
-                              qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
-    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_desc, do_desc, ld_desc, offs_n, diag, tail, n_queries, n_keys,
-                              qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
-    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_desc, do_desc, ld_desc, offs_n, tail, n_queries, n_queries,
-                              n_keys, qk_scale, HEAD_DIM, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
+    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_desc, do_desc, qt_desc, dot_desc,
+                                          ld_desc, offs_n, lo, diag, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL,
+                                          BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
+    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_desc, do_desc, qt_desc, dot_desc,
+                                          ld_desc, offs_n, diag, tail, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL,
+                                          BLOCK_M, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
+    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_desc, do_desc, qt_desc, dot_desc,
+                                          ld_desc, offs_n, tail, n_queries, n_queries, n_keys, qk_scale, D_MAIN,
+                                          D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
 
-    dk_ptrs = (
-        DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    )
-    dv_ptrs = (
-        DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
-    )
-    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
+    dk_head, dv_head = DK + b * stride_dkb + h * stride_dkh, DV + b * stride_dvb + h * stride_dvh
+    _store_cols(dk_head, offs_n, stride_dkn, stride_dkd, key_ok, (dk * sm_scale).to(DK.dtype.element_ty),
+                0, D_MAIN, HEAD_DIM)
+    _store_cols(dv_head, offs_n, stride_dvn, stride_dvd, key_ok, dv.to(DV.dtype.element_ty), 0, D_MAIN, HEAD_DIM)
+    if D_TAIL > 0:
+        _store_cols(dk_head, offs_n, stride_dkn, stride_dkd, key_ok, (dk_t * sm_scale).to(DK.dtype.element_ty),
+                    D_MAIN, D_TAIL, HEAD_DIM)
+        _store_cols(dv_head, offs_n, stride_dvn, stride_dvd, key_ok, dv_t.to(DV.dtype.element_ty),
+                    D_MAIN, D_TAIL, HEAD_DIM)
 
 
 @triton.jit
 def _dq_key_loop(
     dq,
+    dq_t,
     q,
     do,
+    q_t,
+    do_t,
     lse2,
     delta,
     k_desc,
     v_desc,
+    kt_desc,
+    vt_desc,
     offs_m,
     lo,
     hi,
     n_queries,
     n_keys,
     qk_scale,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
 ):
-    """Accumulate ``dQ += dS K`` (unscaled) over key tiles ``[lo, hi)``."""
+    """Accumulate ``dQ += dS K`` (unscaled; ``dq_t``: the tail slab) over key tiles ``[lo, hi)``."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = k_desc.load([start_n, 0])  # keys past the end read as zeros and are masked below
         v = v_desc.load([start_n, 0])
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None]
-        p = _exp2(s, POLY_EXP2, q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if D_TAIL > 0:
+            k_t = kt_desc.load([start_n, D_MAIN])
+            s = tl.dot(q_t, tl.trans(k_t), s, input_precision=DOT_PRECISION)
+        p = _exp2(s * qk_scale - lse2[:, None], POLY_EXP2, q.dtype)
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
+        if D_TAIL > 0:
+            dp = tl.dot(do_t, tl.trans(vt_desc.load([start_n, D_MAIN])), dp, input_precision=DOT_PRECISION)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq = tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
+        if D_TAIL > 0:
+            dq_t = tl.dot(ds, k_t, dq_t, input_precision=DOT_PRECISION)
+    return dq, dq_t
 
 
 # Q, dO | K, V; K feeds S = Q Kᵀ transposed and dQ = dS K plain, V only dP = dO Vᵀ.
@@ -217,39 +249,45 @@ def flash_backward_dq_kernel(
     stride_ldbh, stride_ldrow,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past."""
     tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < n_queries
 
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q_head, do_head = Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh
+    k_head, v_head = K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
+    q = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, 0, D_MAIN, HEAD_DIM)
+    do = _load_cols(do_head, offs_m, stride_don, stride_dod, row_ok, 0, D_MAIN, HEAD_DIM)
     ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
     lse2 = tl.load(ld_row, mask=row_ok, other=0.0)  # L in base-2 units
     delta = tl.load(ld_row + stride_ldrow, mask=row_ok, other=0.0)
-    k_desc, v_desc = _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                                            stride_vn, n_keys, HEAD_DIM, BLOCK_N)
+    k_desc = _head_descriptor(k_head, stride_kn, n_keys, HEAD_DIM, BLOCK_N, D_MAIN)
+    v_desc = _head_descriptor(v_head, stride_vn, n_keys, HEAD_DIM, BLOCK_N, D_MAIN)
+    dq = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
+    q_t, do_t, kt_desc, vt_desc = None, None, None, None
+    dq_t = tl.zeros([1], dtype=tl.float32)  # a placeholder: loop helpers return tensors
+    if D_TAIL > 0:
+        q_t = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
+        do_t = _load_cols(do_head, offs_m, stride_don, stride_dod, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
+        kt_desc = _head_descriptor(k_head, stride_kn, n_keys, HEAD_DIM, BLOCK_N, D_TAIL)
+        vt_desc = _head_descriptor(v_head, stride_vn, n_keys, HEAD_DIM, BLOCK_N, D_TAIL)
+        dq_t = tl.zeros([BLOCK_M, D_TAIL], dtype=tl.float32)
 
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq = _dq_key_loop(dq, q, do, lse2, delta, k_desc, v_desc, offs_m, 0, mid, n_queries, n_keys, qk_scale,
-                      BLOCK_N, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
-    dq = _dq_key_loop(dq, q, do, lse2, delta, k_desc, v_desc, offs_m, mid, hi, n_queries, n_keys, qk_scale,
-                      BLOCK_N, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
-    dq_ptrs = (
-        DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
-    )
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, k_desc, v_desc, kt_desc, vt_desc, offs_m, 0,
+                            mid, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, False,
+                            DOT_PRECISION, POLY_EXP2)
+    dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, k_desc, v_desc, kt_desc, vt_desc, offs_m,
+                            mid, hi, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, True,
+                            DOT_PRECISION, POLY_EXP2)
+    dq_head = DQ + b * stride_dqb + h * stride_dqh
+    _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq * sm_scale).to(DQ.dtype.element_ty),
+                0, D_MAIN, HEAD_DIM)
+    if D_TAIL > 0:
+        _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq_t * sm_scale).to(DQ.dtype.element_ty),
+                    D_MAIN, D_TAIL, HEAD_DIM)

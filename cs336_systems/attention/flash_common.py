@@ -137,15 +137,57 @@ def _visible(rows, cols, n_queries, n_keys, IS_CAUSAL: tl.constexpr):
     return _key_visible(rows, cols, n_keys, IS_CAUSAL) & (rows < n_queries)
 
 
+# --------------------------------------------------------------------------------------------------
+# The head dimension in slabs. A head dim that is not a power of two runs as a main slab of D_MAIN columns
+# plus a tail slab of D_TAIL (0: none), each a power of two of at least 16 (tl.dot's smallest side): 80 as
+# 64 + 16, 96 as 64 + 32. Every product over the head dim is two dots accumulated into one; every tile
+# indexed by it is two tiles. Columns past HEAD_DIM (the true d) read as zeros and are never written.
+# --------------------------------------------------------------------------------------------------
+
+
+def head_dim_slabs(d: int) -> tuple[int, int]:
+    """``(D_MAIN, D_TAIL)`` for head dim ``d``: the largest power of two in ``d`` and the smallest power of two
+    (at least 16) holding the rest, or one padded slab where two would not save work (``d`` = 24 runs as 32,
+    112 as 128)."""
+    if d < 1:
+        raise ValueError(f"head dimension must be positive, got {d}")
+    main = max(16, 1 << (d.bit_length() - 1))
+    rest = d - main
+    if rest <= 0:
+        return main, 0
+    tail = max(16, 1 << (rest - 1).bit_length())
+    return (2 * main, 0) if tail >= main else (main, tail)
+
+
 @triton.jit
-def _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, n_keys,
-                           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tensor descriptors (TMA on Hopper) over one head's K and V, ``BLOCK_N x HEAD_DIM`` boxes: the
-    streamed key tiles of the forward and dQ kernels arrive as one bulk copy each instead of per-thread
-    asynchronous copies, with rows past ``n_keys`` read as zeros. Needs unit stride along the head dim and
-    16-byte aligned heads and rows (``flash_triton._tma_ready``)."""
-    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[n_keys, HEAD_DIM],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[n_keys, HEAD_DIM],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    return k_desc, v_desc
+def _load_cols(base, rows, stride_row, stride_col, rows_ok, COL0: tl.constexpr, WIDTH: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Rows ``rows`` by columns ``[COL0, COL0 + WIDTH)`` of one head at ``base``; zeros past the sequence
+    (``rows_ok``) and past ``HEAD_DIM``."""
+    cols = COL0 + tl.arange(0, WIDTH)
+    mask = rows_ok[:, None]
+    if COL0 + WIDTH > HEAD_DIM:
+        mask = mask & (cols[None, :] < HEAD_DIM)
+    return tl.load(base + rows[:, None] * stride_row + cols[None, :] * stride_col, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_cols(base, rows, stride_row, stride_col, rows_ok, value, COL0: tl.constexpr, WIDTH: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """Store ``value`` (``len(rows) x WIDTH``) at columns ``[COL0, COL0 + WIDTH)``, inside the sequence and
+    ``HEAD_DIM`` only."""
+    cols = COL0 + tl.arange(0, WIDTH)
+    mask = rows_ok[:, None]
+    if COL0 + WIDTH > HEAD_DIM:
+        mask = mask & (cols[None, :] < HEAD_DIM)
+    tl.store(base + rows[:, None] * stride_row + cols[None, :] * stride_col, value, mask=mask)
+
+
+@triton.jit
+def _head_descriptor(base, stride_row, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """A tensor descriptor (TMA on Hopper) over one head, ``n_rows x HEAD_DIM``, read in ``BLOCK x WIDTH``
+    boxes (``WIDTH``: a slab's width; load the tail slab at column ``D_MAIN``). Rows past ``n_rows`` and
+    columns past ``HEAD_DIM`` read as zeros. Needs unit stride along the head dim and 16-byte aligned heads
+    and rows (``flash_triton._tma_ready``)."""
+    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                     block_shape=[BLOCK, WIDTH])

@@ -5,7 +5,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .flash_common import _exp2, _jit, _key_ranges, _key_value_descriptors, _key_visible, _tile_and_head
+from .flash_common import (
+    _exp2,
+    _head_descriptor,
+    _jit,
+    _key_ranges,
+    _key_visible,
+    _load_cols,
+    _store_cols,
+    _tile_and_head,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Forward
@@ -15,16 +24,22 @@ from .flash_common import _exp2, _jit, _key_ranges, _key_value_descriptors, _key
 @triton.jit
 def _forward_key_loop(
     acc,
+    acc_t,
     m_i,
     l_i,
     q,
+    q_t,
     k_desc,
     v_desc,
+    kt_desc,
+    vt_desc,
     offs_m,
     lo,
     hi,
     n_keys,
     qk_scale,
+    D_MAIN: tl.constexpr,
+    D_TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
@@ -32,12 +47,14 @@ def _forward_key_loop(
     POLY_EXP2: tl.constexpr,
 ):
     """Online softmax over key tiles ``[lo, hi)``: fold each tile into the running max ``m_i`` (log2
-    units), denominator ``l_i`` and accumulator ``acc``."""
+    units), denominator ``l_i`` and accumulator (``acc``, and ``acc_t`` for the tail slab of the head dim)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = k_desc.load([start_n, 0])  # keys past the end read as zeros and are masked below
         v = v_desc.load([start_n, 0])
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if D_TAIL > 0:
+            s = tl.dot(q_t, tl.trans(kt_desc.load([start_n, D_MAIN])), s, input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
         # The maximum of the raw scores is scaled once per row (qk_scale > 0), so the per-element
@@ -46,9 +63,12 @@ def _forward_key_loop(
         p = _exp2(s * qk_scale - m_new[:, None], POLY_EXP2, q.dtype)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        p = p.to(v.dtype)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if D_TAIL > 0:
+            acc_t = tl.dot(p, vt_desc.load([start_n, D_MAIN]), acc_t * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, acc_t, m_i, l_i
 
 
 FORWARD_SMEM = (lambda m, n: m, lambda m, n, t: 2 * n, 16)  # resident Q | streamed K, V
@@ -61,32 +81,45 @@ def flash_forward_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     n_heads, n_queries, n_keys, qk_scale, SEQ_CLASS,
-    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < n_queries
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_desc, v_desc = _key_value_descriptors(K, V, b, h, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                                            stride_vn, n_keys, HEAD_DIM, BLOCK_N)
+    q_head = Q + b * stride_qb + h * stride_qh
+    k_head, v_head = K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
+    q = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, 0, D_MAIN, HEAD_DIM)
+    k_desc = _head_descriptor(k_head, stride_kn, n_keys, HEAD_DIM, BLOCK_N, D_MAIN)
+    v_desc = _head_descriptor(v_head, stride_vn, n_keys, HEAD_DIM, BLOCK_N, D_MAIN)
+    acc = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
+    q_t, kt_desc, vt_desc = None, None, None
+    acc_t = tl.zeros([1], dtype=tl.float32)  # a placeholder: loop helpers return tensors
+    if D_TAIL > 0:
+        q_t = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
+        kt_desc = _head_descriptor(k_head, stride_kn, n_keys, HEAD_DIM, BLOCK_N, D_TAIL)
+        vt_desc = _head_descriptor(v_head, stride_vn, n_keys, HEAD_DIM, BLOCK_N, D_TAIL)
+        acc_t = tl.zeros([BLOCK_M, D_TAIL], dtype=tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     # Unmasked key tiles first, then the ones the diagonal or the sequence end cuts (masked).
-    acc, m_i, l_i = _forward_key_loop(acc, m_i, l_i, q, k_desc, v_desc, offs_m, 0, mid, n_keys, qk_scale,
-                                      BLOCK_N, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
-    acc, m_i, l_i = _forward_key_loop(acc, m_i, l_i, q, k_desc, v_desc, offs_m, mid, hi, n_keys, qk_scale,
-                                      BLOCK_N, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
+    acc, acc_t, m_i, l_i = _forward_key_loop(acc, acc_t, m_i, l_i, q, q_t, k_desc, v_desc, kt_desc, vt_desc,
+                                             offs_m, 0, mid, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL,
+                                             False, DOT_PRECISION, POLY_EXP2)
+    acc, acc_t, m_i, l_i = _forward_key_loop(acc, acc_t, m_i, l_i, q, q_t, k_desc, v_desc, kt_desc, vt_desc,
+                                             offs_m, mid, hi, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL,
+                                             True, DOT_PRECISION, POLY_EXP2)
 
-    o = acc / l_i[:, None]
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    o_head = O + b * stride_ob + h * stride_oh
+    _store_cols(o_head, offs_m, stride_on, stride_od, row_ok, (acc / l_i[:, None]).to(O.dtype.element_ty),
+                0, D_MAIN, HEAD_DIM)
+    if D_TAIL > 0:
+        _store_cols(o_head, offs_m, stride_on, stride_od, row_ok, (acc_t / l_i[:, None]).to(O.dtype.element_ty),
+                    D_MAIN, D_TAIL, HEAD_DIM)
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back to natural-log units
     tl.store(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, lse, mask=row_ok)

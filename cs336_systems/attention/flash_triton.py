@@ -43,20 +43,25 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import options
 from ._validation import validate_attention_inputs
+from .flash_common import head_dim_slabs
 from .launch_cache import FLASH_LAUNCHES
 
-#: Head dimensions the kernels are instantiated for (tl.dot needs >= 16; powers of two keep tiles aligned).
+#: Head dimensions that run as a single slab (tl.dot needs >= 16; powers of two keep tiles aligned). Others up
+#: to the largest run as two slabs, or one padded slab (:func:`.flash_common.head_dim_slabs`).
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-#: Head dimensions the autograd function takes: the kernels' own, and the others up to the largest padded.
+#: Head dimensions the autograd function takes.
 HEAD_DIMS = range(1, SUPPORTED_HEAD_DIMS[-1] + 1)
 
 
-def padded_head_dim(d: int) -> int:
-    """The kernel head dimension that runs ``d``: the smallest of :data:`SUPPORTED_HEAD_DIMS` that holds it."""
-    fits = [s for s in SUPPORTED_HEAD_DIMS if s >= d]
-    if d < 1 or not fits:
+def stored_head_dim(d: int, element_size: int) -> int:
+    """The head dim the kernels read for ``d``: ``d`` itself when its rows are whole 16-byte units (tensor
+    descriptors need 16-byte row strides: any multiple of 8 in 16-bit), else ``d`` rounded up to one, with
+    zero columns appended. Zeros add nothing to ``QKᵀ`` and give zero output columns."""
+    if d < 1 or d > SUPPORTED_HEAD_DIMS[-1]:
         raise ValueError(f"{_IMPL_NAME}: head dimension {d} is not supported; supported: 1..{SUPPORTED_HEAD_DIMS[-1]}")
-    return fits[0]
+    unit = _TMA_ALIGN // element_size
+    return -(-d // unit) * unit
+
 
 _LOG2_E = 1.4426950408889634
 _IMPL_NAME = "FlashAttention (Triton)"
@@ -189,6 +194,12 @@ def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
     return "gluon" if _gluon_forward_module(q, k, v) is not None else "triton"
 
 
+def _head_dim_constexprs(d: int) -> dict[str, int]:
+    """The kernels' head-dim constexprs: the true ``HEAD_DIM`` and its slabs ``D_MAIN``, ``D_TAIL``."""
+    d_main, d_tail = head_dim_slabs(d)
+    return dict(HEAD_DIM=d, D_MAIN=d_main, D_TAIL=d_tail)
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """``(O, L)`` for ``(batch, heads, n, d)`` inputs, scores scaled by ``scale``; ``L`` is float32
     ``(batch, heads, n_queries)``."""
@@ -212,7 +223,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> 
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
             heads, n_queries, n_keys, _LOG2_E * scale, _seq_class(n_queries, n_keys),
-        ), dict(HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
+        ), dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
     return o, lse
 
 
@@ -243,7 +254,7 @@ def _backward(
     precision = _dot_precision(q.dtype)
     opts = options.current()
 
-    constexprs = dict(HEAD_DIM=d, IS_CAUSAL=is_causal, DOT_PRECISION=precision)
+    constexprs = dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=precision)
 
     def key_tiles(meta: dict) -> tuple[int]:
         return (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)
@@ -254,7 +265,7 @@ def _backward(
     with _device_guard(q):
         FLASH_LAUNCHES.launch(kernels.flash_backward_preprocess_kernel, (_cdiv(n_queries, block) * batch * heads,), (
             o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n_queries,
-        ), dict(HEAD_DIM=d, BLOCK_M=block))  # fmt: skip
+        ), dict(HEAD_DIM=d, D_PAD=max(16, 1 << (d - 1).bit_length()), BLOCK_M=block))  # fmt: skip
         _set_descriptor_allocator(q.device)
         FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
             q, k, v, do, ld, dk, dv,
@@ -306,11 +317,11 @@ class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 on Triton kernels: ``FlashAttentionTriton.apply(Q, K, V, is_causal=False)``.
 
     Accepts ``(batch, n, d)`` or ``(batch, heads, n, d)``, float32/float16/bfloat16, any head dimension up to
-    128, any lengths and strides; saves ``Q, K, V, O, L``. The kernels take ``d`` in
-    :data:`SUPPORTED_HEAD_DIMS`; another ``d`` (80 for the 2.7B / 2026-xl models, 96, …) runs as the next
-    supported one with zero columns appended to ``Q, K, V`` and cut from the results (zeros add nothing to
-    ``QKᵀ`` and give zero output columns; scores keep the ``1/sqrt(d)`` of the true ``d``), as FlashAttention's
-    own kernels round ``d`` up to a tile.
+    128, any lengths and strides; saves ``Q, K, V, O, L``. A head dimension that is not a power of two (80 for
+    the 2.7B / 2026-xl models, 96, …) runs as two slabs, 80 as 64 + 16, so it costs its own work and needs
+    no padded copies (:func:`.flash_common.head_dim_slabs`). Only a ``d`` whose rows are not whole 16-byte
+    units (odd sizes) is copied with zero columns appended (:func:`stored_head_dim`); scores keep the
+    ``1/sqrt(d)`` of the true ``d`` either way.
     """
 
     @staticmethod
@@ -320,8 +331,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         shape = validate_attention_inputs(q, k, v, is_causal, head_dims=HEAD_DIMS, implementation=_IMPL_NAME)
         _check_device(q)
         d = q.shape[-1]
-        padded = padded_head_dim(d)
-        q, k, v = (_unit_stride_d(t) if padded == d else F.pad(t, (0, padded - d)) for t in (q, k, v))
+        stored = stored_head_dim(d, q.element_size())
+        q, k, v = (_unit_stride_d(t) if stored == d else F.pad(t, (0, stored - d)) for t in (q, k, v))
         scale = 1.0 / math.sqrt(d)
         forward = _forward if _eager(q) else flash_attention_forward
         if shape.has_heads:
@@ -331,19 +342,19 @@ class FlashAttentionTriton(torch.autograd.Function):
             o, lse = o.squeeze(1), lse.squeeze(1)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal, ctx.scale, ctx.head_dim = is_causal, scale, d
-        return o if padded == d else o[..., :d].contiguous()
+        return o if stored == d else o[..., :d].contiguous()
 
     @staticmethod
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
         q, k, v, o, lse = ctx.saved_tensors
-        d, padded = ctx.head_dim, q.shape[-1]
-        do = _unit_stride_d(do) if padded == d else F.pad(do, (0, padded - d))
+        d, stored = ctx.head_dim, q.shape[-1]
+        do = _unit_stride_d(do) if stored == d else F.pad(do, (0, stored - d))
         backward = _backward if _eager(do) else flash_attention_backward
         if q.dim() == 4:
             grads = backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale)
         else:
             grads = backward(*(t.unsqueeze(1) for t in (do, q, k, v, o, lse)), ctx.is_causal, ctx.scale)
             grads = tuple(g.squeeze(1) for g in grads)
-        if padded != d:
+        if stored != d:
             grads = tuple(g[..., :d] for g in grads)
         return (*grads, None)

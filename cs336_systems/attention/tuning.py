@@ -67,7 +67,7 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
     """An ``early_config_prune`` for one kernel: drop tiles much longer than the sequences (work wasted
     on padding), and lower ``num_stages`` until the operand tiles fit in shared memory.
 
-    ``resident_rows(BLOCK_M, BLOCK_N)`` rows of ``HEAD_DIM`` elements stay loaded for the whole program;
+    ``resident_rows(BLOCK_M, BLOCK_N)`` rows of ``D_MAIN + D_TAIL`` elements stay loaded for the whole program;
     ``streamed_rows(BLOCK_M, BLOCK_N, layouts)`` more are buffered once per pipeline stage, where
     ``layouts`` is how many shared-memory copies a tile used both plain and transposed needs: 16-bit
     tiles are read transposed from one copy (``ldmatrix.trans``), 32-bit tiles get a second copy. (The dQ
@@ -79,7 +79,7 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         args = {**kwargs, **named_args}
-        row_bytes = args["HEAD_DIM"] * args["Q"].element_size()
+        row_bytes = (args["D_MAIN"] + args["D_TAIL"]) * args["Q"].element_size()  # both slabs of a row
         layouts = 2 if args["Q"].element_size() == 4 else 1
         budget = _SHARED_MEMORY_SHARE * _shared_memory_bytes(args["Q"].device.index or 0)
         longest = max(args.get("SEQ_CLASS", 1 << 30), 64)
