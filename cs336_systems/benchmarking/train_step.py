@@ -368,9 +368,10 @@ def step_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         levels = parse_levels(args.checkpoint)
     except ValueError as exc:
         parser.error(f"--checkpoint: {exc}")
-    spec = StepSpec(args.preset, args.context_length, args.batch_size, args.precision, args.compile,
-                    args.compile_mode, args.attention, args.reference_sdpa, args.optimizer, levels, args.fused_head,
-                    args.fused_projections)
+    spec = StepSpec(preset=args.preset, context_length=args.context_length, batch_size=args.batch_size,
+                    precision=args.precision, compile=args.compile, compile_mode=args.compile_mode,
+                    attention=args.attention, reference_sdpa=args.reference_sdpa, optimizer=args.optimizer,
+                    checkpoint=levels, fused_head=args.fused_head, fused_projections=args.fused_projections)
     spec.check()
     stacks = tuple(s for s in args.stacks.split(",") if s)
     unknown = [s for s in stacks if s not in STACKS]

@@ -369,8 +369,9 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
                     "with our attention, costs more in the backward, where Inductor concatenates dQ, dK and dV "
                     "for the fused weight's gradient: slower overall on the H100 (`docs/training_step/NOTES.md`).")
                    if share.get("matmul", 0) >= 0.1 else "")
-                + (" Our attention is slower than cuDNN at most shapes of §1.3.2's grid, and runs head "
-                   "dimension 80 (2.7B) padded to 128." if share.get("attention", 0) >= 0.1 else ""))
+                + (" Our attention is slower than cuDNN at most shapes of §1.3.2's grid; at head dimension 80 "
+                   "(2.7B) it runs as two slabs of 64 and 16 columns, with no padded work, and still trails cuDNN "
+                   "there (`docs/flash_attention/head_dim_slabs.md`)." if share.get("attention", 0) >= 0.1 else ""))
 
 
 SECTION = Section(
