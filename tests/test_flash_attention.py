@@ -31,8 +31,7 @@ from cs336_systems.attention import (
     options,
     reference_attention,
 )
-from cs336_systems.attention.flash_common import head_dim_slabs
-from cs336_systems.attention.flash_triton import stored_head_dim
+from cs336_systems.attention.flash_triton import head_dim_slabs, stored_head_dim
 from tests.adapters import (
     get_flashattention_autograd_function_pytorch,
     get_flashattention_autograd_function_triton,
@@ -544,6 +543,28 @@ def test_head_dims_run_in_slabs_and_are_stored_in_16_byte_rows() -> None:
     assert [stored_head_dim(d, 4) for d in (5, 33, 80)] == [8, 36, 80]
     with pytest.raises(ValueError, match="head dimension 129 is not supported"):
         stored_head_dim(129, 2)
+
+
+def test_importing_the_package_leaves_triton_unimported() -> None:
+    """``@triton.jit`` (Triton's own ``tl.cdiv`` included) picks compiled or interpreted when it decorates, so
+    importing the package must not import Triton: a process that imports it and only then sets
+    ``TRITON_INTERPRET=1`` must still run the kernels on CPU (a host helper once imported the kernels'
+    module at package import, and every interpreted kernel then failed on ``tl.cdiv``)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch\n"
+        "import cs336_systems.attention as A\n"
+        "assert not any(m == 'triton' or m.startswith('triton.') for m in sys.modules), 'triton imported'\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "q = torch.randn(1, 2, 8, 16)\n"
+        "o = A.FlashAttentionTriton.apply(q, q, q, True)\n"
+        "torch.testing.assert_close(o, A.reference_attention(q, q, q, True)[0].float(), atol=1e-4, rtol=1e-4)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_triton_on_cpu_without_interpreter_raises(monkeypatch: pytest.MonkeyPatch) -> None:

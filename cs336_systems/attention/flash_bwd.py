@@ -155,7 +155,7 @@ def flash_backward_dkdv_kernel(
     # Tail-slab tiles, when the head dim has a tail; otherwise the accumulators are placeholders, because
     # the loop helpers must return tensors.
     k_t, v_t, qt_desc, dot_desc = None, None, None, None
-    dk_t, dv_t = tl.zeros([1], dtype=tl.float32), tl.zeros([1], dtype=tl.float32)  # placeholders (see below)
+    dk_t, dv_t = tl.zeros([1], dtype=tl.float32), tl.zeros([1], dtype=tl.float32)  # placeholders (see above)
     if D_TAIL > 0:
         k_t = _load_cols(k_head, offs_n, stride_kn, stride_kd, key_ok, D_MAIN, D_TAIL, HEAD_DIM)
         v_t = _load_cols(v_head, offs_n, stride_vn, stride_vd, key_ok, D_MAIN, D_TAIL, HEAD_DIM)

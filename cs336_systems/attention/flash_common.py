@@ -140,23 +140,10 @@ def _visible(rows, cols, n_queries, n_keys, IS_CAUSAL: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 # The head dimension in slabs. A head dim that is not a power of two runs as a main slab of D_MAIN columns
 # plus a tail slab of D_TAIL (0: none), each a power of two of at least 16 (tl.dot's smallest side): 80 as
-# 64 + 16, 96 as 64 + 32. Every product over the head dim is two dots accumulated into one; every tile
-# indexed by it is two tiles. Columns past HEAD_DIM (the true d) read as zeros and are never written.
+# 64 + 16, 96 as 64 + 32 (``flash_triton.head_dim_slabs`` chooses them). Every product over the head dim is
+# two dots accumulated into one; every tile indexed by it is two tiles. Columns past HEAD_DIM (the true d)
+# read as zeros and are never written.
 # --------------------------------------------------------------------------------------------------
-
-
-def head_dim_slabs(d: int) -> tuple[int, int]:
-    """``(D_MAIN, D_TAIL)`` for head dim ``d``: the largest power of two in ``d`` and the smallest power of two
-    (at least 16) holding the rest, or one padded slab where two would not save work (``d`` = 24 runs as 32,
-    112 as 128)."""
-    if d < 1:
-        raise ValueError(f"head dimension must be positive, got {d}")
-    main = max(16, 1 << (d.bit_length() - 1))
-    rest = d - main
-    if rest <= 0:
-        return main, 0
-    tail = max(16, 1 << (rest - 1).bit_length())
-    return (2 * main, 0) if tail >= main else (main, tail)
 
 
 @triton.jit

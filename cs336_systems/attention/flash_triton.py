@@ -43,14 +43,28 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import options
 from ._validation import validate_attention_inputs
-from .flash_common import head_dim_slabs
 from .launch_cache import FLASH_LAUNCHES
 
 #: Head dimensions that run as a single slab (tl.dot needs >= 16; powers of two keep tiles aligned). Others up
-#: to the largest run as two slabs, or one padded slab (:func:`.flash_common.head_dim_slabs`).
+#: to the largest run as two slabs, or one padded slab (:func:`head_dim_slabs`).
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 #: Head dimensions the autograd function takes.
 HEAD_DIMS = range(1, SUPPORTED_HEAD_DIMS[-1] + 1)
+
+
+def head_dim_slabs(d: int) -> tuple[int, int]:
+    """``(D_MAIN, D_TAIL)`` for head dim ``d``: the largest power of two in ``d`` and the smallest power of two
+    (at least 16, the smallest side of ``tl.dot``) holding the rest, or one padded slab where two would not save
+    work (``d`` = 24 runs as 32, 112 as 128). Plain Python, here rather than beside the kernels: importing this
+    package must not import Triton (see :func:`_kernels`)."""
+    if d < 1:
+        raise ValueError(f"head dimension must be positive, got {d}")
+    main = max(16, 1 << (d.bit_length() - 1))
+    rest = d - main
+    if rest <= 0:
+        return main, 0
+    tail = max(16, 1 << (rest - 1).bit_length())
+    return (2 * main, 0) if tail >= main else (main, tail)
 
 
 def stored_head_dim(d: int, element_size: int) -> int:
@@ -319,7 +333,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     Accepts ``(batch, n, d)`` or ``(batch, heads, n, d)``, float32/float16/bfloat16, any head dimension up to
     128, any lengths and strides; saves ``Q, K, V, O, L``. A head dimension that is not a power of two (80 for
     the 2.7B / 2026-xl models, 96, …) runs as two slabs, 80 as 64 + 16, so it costs its own work and needs
-    no padded copies (:func:`.flash_common.head_dim_slabs`). Only a ``d`` whose rows are not whole 16-byte
+    no padded copies (:func:`head_dim_slabs`). Only a ``d`` whose rows are not whole 16-byte
     units (odd sizes) is copied with zero columns appended (:func:`stored_head_dim`); scores keep the
     ``1/sqrt(d)`` of the true ``d`` either way.
     """
