@@ -53,7 +53,7 @@ from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model
 from cs336_systems.benchmarking.sweep import OK, OOM, free_memory, grid, is_oom, run_sweep
 from cs336_systems.benchmarking.timing import TimingStats, do_bench
 from cs336_systems.configs import attention_flops
-from cs336_systems.experiments.section import Section, check_parts, param
+from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, param
 from cs336_systems.profiling.torch_profiler import kernel_table, profile_steps
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question, subset
@@ -646,10 +646,82 @@ def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
 
 
 # --------------------------------------------------------------------------------------------------
+# Inside the model: our attention against SDPA in the same training step, alternating
+# --------------------------------------------------------------------------------------------------
+
+#: What the model A/B compares: the built-in baseline first, then ours.
+MODEL_AB_IMPLS = ("sdpa", "flash_triton")
+
+
+def model_ab_configs(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool], rounds: int,
+                     impls: Sequence[str] = MODEL_AB_IMPLS) -> list[dict[str, Any]]:
+    """Cells in measuring order: per (preset, context, compile), ``rounds`` rounds of every implementation,
+    the order rotating from round to round (A B, then B A), so that neither always runs first."""
+    if rounds < 1 or len(impls) < 2:
+        raise ValueError(f"model A/B needs rounds >= 1 and two implementations, got {rounds} and {list(impls)}")
+    configs = []
+    for cell in grid(preset=presets, context_length=contexts, compile=compiles):
+        for r in range(rounds):
+            k = r % len(impls)
+            configs += [{**cell, "round": r, "attention_impl": impl} for impl in (*impls[k:], *impls[:k])]
+    return configs
+
+
+def run_model_ab(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool] = (False, True), *,
+                 impls: Sequence[str] = MODEL_AB_IMPLS, rounds: int = 2, tokens_per_step: int = 8192,
+                 precision: str = "bf16", warmup: int = 2, steps: int = 5, budget_s: float | None = None,
+                 progress: bool = True) -> pd.DataFrame:
+    """One training step (forward, backward, AdamW) of our model per cell of :func:`model_ab_configs`, the
+    attention the only difference; the batch holds ``tokens_per_step`` tokens (batch = tokens / context)."""
+    bad = [c for c in contexts if c < 1 or tokens_per_step % c]
+    if bad:
+        raise ValueError(f"tokens_per_step={tokens_per_step} is not a multiple of context {bad[0]}")
+
+    def cell(preset: str, context_length: int, compile: bool, attention_impl: str, **_: Any) -> dict[str, Any]:
+        spec = BenchmarkSpec(
+            model=preset, mode="train", context_length=context_length,
+            batch_size=tokens_per_step // context_length, precision=precision, compile=compile,
+            attention_impl=attention_impl, warmup=warmup, steps=steps,
+        )  # fmt: skip
+        return {"batch_size": spec.batch_size, **benchmark_model(spec)}
+
+    configs = model_ab_configs(presets, contexts, compiles, rounds, impls)
+    table = run_sweep(cell, configs, desc="model A/B", budget_s=budget_s, progress=progress)
+    return table.assign(precision=precision, tokens_per_step=tokens_per_step)
+
+
+def summarize_model_ab(table: pd.DataFrame, baseline: str = MODEL_AB_IMPLS[0],
+                       ours: str = MODEL_AB_IMPLS[1]) -> pd.DataFrame:
+    """Per (preset, context, compile): each implementation's median step over its measured rounds and the
+    spread (max - min), the baseline's time over ours (above 1: ours faster), and ``verdict``: ``tie`` when
+    the two medians differ by less than the larger spread, else which is faster. Cells where either side
+    has no measured round say why (``OOM``, skipped)."""
+    keys = ["preset", "context_length", "compile"]
+    rows = []
+    for cell, g in table.groupby(keys, sort=False):
+        row: dict[str, Any] = dict(zip(keys, cell))
+        for impl, label in ((baseline, "baseline"), (ours, "ours")):
+            t = g[(g["attention_impl"] == impl) & (g["status"] == OK)]["total_mean_ms"]
+            row[f"{label}_ms"] = t.median() if len(t) else float("nan")
+            row[f"{label}_spread_ms"] = (t.max() - t.min()) if len(t) else float("nan")
+            row[f"{label}_rounds"] = len(t)
+        if row["baseline_rounds"] and row["ours_rounds"]:
+            row["baseline_over_ours"] = row["baseline_ms"] / row["ours_ms"]
+            tied = abs(row["baseline_ms"] - row["ours_ms"]) < max(row["baseline_spread_ms"], row["ours_spread_ms"])
+            row["verdict"] = "tie" if tied else (ours if row["ours_ms"] < row["baseline_ms"] else baseline)
+        else:
+            row["baseline_over_ours"] = float("nan")
+            row["verdict"] = "/".join(sorted(set(g.loc[g["status"] != OK, "status"].astype(str)))) or "not measured"
+        rows.append(row)
+    summary = pd.DataFrame(rows)
+    return summary.assign(baseline=baseline, ours=ours)
+
+
+# --------------------------------------------------------------------------------------------------
 # The section
 # --------------------------------------------------------------------------------------------------
 
-PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes")
+PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab")
 
 
 @dataclass(frozen=True)
@@ -673,6 +745,14 @@ class Params:
     shapes_dtypes: list[str] = param(["bfloat16", "float16"], "shapes: torch dtype names")
     shapes_causal: list[bool] = param([True, False], "shapes: causal settings")
     shapes_budget_s: float = param(540.0, "shapes: time budget in seconds")
+    ab_presets: list[str] = param(["small", "medium", "xl"], "model_ab: presets")
+    ab_contexts: list[int] = param([1024, 2048, 4096], "model_ab: context lengths")
+    ab_compile: list[bool] = param([False, True], "model_ab: eager and/or torch.compile'd steps")
+    ab_impls: list[str] = param(list(MODEL_AB_IMPLS), "model_ab: baseline attention, then ours")
+    ab_tokens_per_step: int = param(8192, "model_ab: tokens per step (batch = tokens / context)")
+    ab_rounds: int = param(2, "model_ab: alternating rounds per cell")
+    ab_steps: int = param(5, "model_ab: timed steps per implementation and round")
+    ab_budget_s: float = param(540.0, "model_ab: time budget in seconds")
     candidates: str = param("default", "kernel tiles tried by the autotuner: default | wide")
     autotune: bool = param(True, "False: each phase's first tile, untuned")
     poly_exp2: str | None = param(None, "phases on the FMA-pipe exponential: forward,dkdv,dq | all | none "
@@ -683,6 +763,17 @@ class Params:
         check_parts("flash_benchmarking", self.parts, PARTS)
         if self.candidates not in CANDIDATE_SETS:
             raise ValueError(f"flash_benchmarking: candidates must be one of {', '.join(CANDIDATE_SETS)}")
+        if "model_ab" in self.parts:
+            if len(self.ab_impls) != 2:
+                raise ValueError(f"flash_benchmarking: ab_impls takes two attention implementations (the baseline, "
+                                 f"then ours), got {self.ab_impls}")
+            check_presets(*self.ab_presets)
+            check_positive(ab_rounds=self.ab_rounds, ab_steps=self.ab_steps,
+                           ab_tokens_per_step=self.ab_tokens_per_step, ab_budget_s=self.ab_budget_s)
+            bad = [c for c in self.ab_contexts if c < 1 or self.ab_tokens_per_step % c]
+            if bad:
+                raise ValueError(f"flash_benchmarking: ab_tokens_per_step={self.ab_tokens_per_step} is not a multiple "
+                                 f"of context {bad[0]}")
 
 
 PRESETS = {
@@ -693,7 +784,9 @@ PRESETS = {
                     shapes=[[2, 2, 24], [1, 2, 40]], shapes_head_dims=[16], shapes_dtypes=["float32"],
                     shapes_causal=[True, False], shapes_budget_s=30.0,
                     sweep_budget_s=30.0, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16],
-                    model="tiny", model_steps=1, model_budget_s=30.0),
+                    model="tiny", model_steps=1, model_budget_s=30.0,
+                    ab_presets=["tiny"], ab_contexts=[16, 32], ab_impls=["sdpa", "flash_pytorch"],
+                    ab_tokens_per_step=64, ab_steps=1, ab_budget_s=60.0),
 }
 
 
@@ -790,6 +883,17 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         print(table[cols].to_markdown(index=False, floatfmt=".4g"))
         print(f"model comparison took {time.monotonic() - started:.0f} s")
         results["model_step"] = table
+    if "model_ab" in commands:
+        started = time.monotonic()
+        table = run_model_ab(p.ab_presets, p.ab_contexts, p.ab_compile, impls=p.ab_impls, rounds=p.ab_rounds,
+                             tokens_per_step=p.ab_tokens_per_step, precision="fp32" if smoke else "bf16",
+                             steps=p.ab_steps, budget_s=p.ab_budget_s)
+        summary = summarize_model_ab(table, *p.ab_impls[:2])
+        out.table(table, "model_ab")
+        out.table(summary, "model_ab_summary")
+        print(summary.to_markdown(index=False, floatfmt=".4g"))
+        print(f"model A/B took {time.monotonic() - started:.0f} s")
+        results.update(model_ab=table, model_ab_summary=summary)
     return results
 
 
@@ -865,7 +969,49 @@ def answer(d: SectionData) -> list[Block]:
             d.figure("model_step", caption="Step time and peak memory by context length."),
         ]),
         *_shapes(d),
+        *_model_ab(d),
     ]
+
+
+def _model_ab(d: SectionData) -> list[Block]:
+    """Beyond the handout: our attention against SDPA inside the model's training step (empty without results)."""
+    summary = d.frame("model_ab_summary")
+    if summary is None or summary.empty or "verdict" not in summary:
+        return []
+    baseline, ours = str(summary["baseline"].iloc[0]), str(summary["ours"].iloc[0])
+    measured = summary[summary["baseline_over_ours"].notna()]
+    counts = measured["verdict"].value_counts()
+    ties = int(counts.get("tie", 0))
+    parts = [f"{ties} tie{'' if ties == 1 else 's'}", f"{ours} faster in {int(counts.get(ours, 0))}",
+             f"{baseline} faster in {int(counts.get(baseline, 0))}"]
+    text = (f"Over {len(measured)} cell{'' if len(measured) == 1 else 's'} (preset × context × eager or compiled) "
+            "measured in alternating rounds: "
+            + ", ".join(parts) + " (a tie: the medians differ by less than the larger spread of the rounds)")
+    if len(measured):
+        ratio = measured["baseline_over_ours"]
+        lo, hi = measured.loc[ratio.idxmin()], measured.loc[ratio.idxmax()]
+
+        def where(r: pd.Series) -> str:
+            return f"{r['preset']} at {int(r['context_length']):,}, {'compiled' if r['compile'] else 'eager'}"
+
+        text += (f"; {baseline}'s time over ours is {fmt.ratio(lo['baseline_over_ours'])} ({where(lo)})"
+                 if len(measured) == 1 else
+                 f"; {baseline}'s time over ours runs from {fmt.ratio(lo['baseline_over_ours'])} ({where(lo)}) "
+                 f"to {fmt.ratio(hi['baseline_over_ours'])} ({where(hi)})")
+    missing = summary[summary["baseline_over_ours"].isna()]
+    if len(missing):
+        text += "; not measured: " + join_words([f"{r['preset']} at {int(r['context_length']):,} "
+                                                 f"({'compiled' if r['compile'] else 'eager'}, {r['verdict']})"
+                                                 for _, r in missing.iterrows()])
+    shown = subset(summary, "preset", "context_length", "compile", "baseline_ms", "baseline_spread_ms", "ours_ms",
+                   "ours_spread_ms", "baseline_over_ours", "verdict")
+    return [question(d, "model_ab", f"Beyond the handout: {ours} against {baseline} inside the model's training "
+                     "step, eager and compiled, alternating in one process.", [
+        Text(text + "."),
+        d.table("model_ab_summary", frame=shown, caption=f"Median training step (forward, backward, AdamW) of "
+                f"our model with each attention over alternating rounds, the spread (max - min), and "
+                f"{baseline}'s time over ours (above 1: ours faster)."),
+    ])]
 
 
 def _shapes(d: SectionData) -> list[Block]:

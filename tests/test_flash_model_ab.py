@@ -1,0 +1,70 @@
+"""The model A/B of §1.3.2 (our attention against SDPA inside the training step): order, summary and the
+section's answer, on CPU (the timings are a GPU's)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from cs336_systems.experiments import flash_benchmarking as fb
+
+
+def test_rounds_alternate_and_rotate_the_order() -> None:
+    configs = fb.model_ab_configs(["tiny"], [16, 32], [False], rounds=3)
+    first = [(c["round"], c["attention_impl"]) for c in configs if c["context_length"] == 16]
+    assert first == [(0, "sdpa"), (0, "flash_triton"), (1, "flash_triton"), (1, "sdpa"), (2, "sdpa"),
+                     (2, "flash_triton")]
+    assert len(configs) == 2 * 3 * 2  # contexts x rounds x implementations, each cell's rounds together
+    with pytest.raises(ValueError, match="two implementations"):
+        fb.model_ab_configs(["tiny"], [16], [False], rounds=2, impls=["sdpa"])
+
+
+def _rows(cell: dict, times: dict[str, list[float | None]]) -> list[dict]:
+    return [{**cell, "round": r, "attention_impl": impl, "status": "ok" if t is not None else "OOM",
+             "total_mean_ms": t if t is not None else math.nan}
+            for impl, ts in times.items() for r, t in enumerate(ts)]
+
+
+def test_summary_calls_a_tie_inside_the_spread_and_a_winner_outside_it() -> None:
+    table = pd.DataFrame(
+        _rows({"preset": "small", "context_length": 1024, "compile": False},
+              {"sdpa": [10.0, 10.4], "flash_triton": [10.1, 10.2]})
+        + _rows({"preset": "small", "context_length": 2048, "compile": True},
+                {"sdpa": [10.0, 10.1], "flash_triton": [12.0, 12.2]})
+        + _rows({"preset": "xl", "context_length": 4096, "compile": False},
+                {"sdpa": [None, None], "flash_triton": [50.0, 51.0]})
+    )
+    s = fb.summarize_model_ab(table).set_index(["preset", "context_length"])
+    assert s.loc[("small", 1024), "verdict"] == "tie"  # 0.05 ms apart, spreads 0.4 and 0.1
+    assert s.loc[("small", 1024), "baseline_over_ours"] == pytest.approx(10.2 / 10.15)
+    assert s.loc[("small", 2048), "verdict"] == "sdpa"
+    assert s.loc[("small", 2048), "baseline_over_ours"] == pytest.approx(10.05 / 12.1)
+    assert s.loc[("xl", 4096), "verdict"] == "OOM" and math.isnan(s.loc[("xl", 4096), "baseline_over_ours"])
+    assert s.loc[("xl", 4096), "ours_rounds"] == 2 and s.loc[("xl", 4096), "baseline_rounds"] == 0
+
+
+def test_bad_model_ab_parameters_are_one_line_errors() -> None:
+    with pytest.raises(ValueError, match="ab_impls takes two"):
+        fb.Params(parts=["model_ab"], ab_impls=["sdpa"]).check()
+    with pytest.raises(ValueError, match="not a multiple of context 3000"):
+        fb.Params(parts=["model_ab"], ab_contexts=[1024, 3000]).check()
+    with pytest.raises(ValueError, match="preset"):
+        fb.Params(parts=["model_ab"], ab_presets=["huge"]).check()
+    fb.Params(parts=["model_ab"]).check()
+
+
+def test_model_ab_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
+    from cs336_systems.experiments.__main__ import main
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["flash_benchmarking", "--smoke", "--set", "parts=model_ab", "--set", "ab_contexts=[16]",
+                 "--set", "ab_compile=[False]"]) == 0
+    out = capsys.readouterr().out
+    assert "(model_ab) Beyond the handout: flash_pytorch against sdpa" in out and "Over 1 cell " in out
+    long = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab.csv")
+    assert list(long["attention_impl"]) == ["sdpa", "flash_pytorch", "flash_pytorch", "sdpa"]
+    assert set(long["status"]) == {"ok"} and set(long["batch_size"]) == {4}  # 64 tokens / context 16
+    summary = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab_summary.csv")
+    assert len(summary) == 1 and summary["verdict"].iloc[0] in ("tie", "sdpa", "flash_pytorch")
