@@ -724,6 +724,35 @@ def test_gluon_forward_eligibility(monkeypatch: pytest.MonkeyPatch) -> None:
         assert flash_triton.forward_kernel_name(q, k, v) == "triton"
 
 
+def test_gluon_forward_reads_head_views_when_asked() -> None:
+    """With ``gluon_head_views`` the Gluon forward also takes the (batch, heads, seq, d) views of
+    (batch, seq, heads, d) tensors that a Transformer block passes (and slices of a fused QKV projection),
+    reading each head's rows from a 2-D (batch·seq, heads·d) view at column h·d; other strides still go
+    to the Triton forward."""
+    from cs336_systems.attention import flash_fwd_sm90 as sm90
+
+    b, h, n, d = 2, 3, 40, 64
+    contiguous = torch.randn(b, h, n, d, dtype=torch.bfloat16)
+    assert sm90.placement(contiguous, True) == sm90._Placement((b * h * n, d), d, h * n, n, 0)
+    views = [torch.randn(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    assert sm90.placement(views[0], True) == sm90._Placement((b * n, h * d), h * d, n, 0, d)
+    assert sm90.placement(views[0], False) is None
+    qkv = torch.randn(b, n, 3, h, d, dtype=torch.bfloat16)
+    q_slice = qkv[:, :, 0].transpose(1, 2)  # tokens 3·h·d apart
+    assert sm90.placement(q_slice, True) == sm90._Placement((b * n, h * d), 3 * h * d, n, 0, d)
+    assert sm90.placement(torch.randn(b, h, d, n, dtype=torch.bfloat16).transpose(2, 3), True) is None
+
+    assert "q is not contiguous" in sm90.ineligibility(*views, (9, 0))  # off by default
+    with options.use(gluon_head_views=True):
+        assert sm90.ineligibility(*views, (9, 0)) is None
+        assert sm90.ineligibility(contiguous, *views[1:], (9, 0)) is None  # q and k, v may differ
+        assert "laid out differently" in sm90.ineligibility(views[0], contiguous, views[2], (9, 0))
+        odd = torch.randn(b, h, d, n, dtype=torch.bfloat16).transpose(2, 3)
+        assert "neither contiguous nor" in sm90.ineligibility(odd, *views[1:], (9, 0))
+    with pytest.raises(ValueError, match="gluon_head_views must be True or False"):
+        options.FlashOptions(gluon_head_views="yes")
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_forward_compiles_for_hopper(head_dim: int) -> None:
     """The warp-specialized kernel builds for sm_90 with this Triton: partitions with rebalanced registers,
@@ -762,14 +791,22 @@ print(json.dumps({{"ptx": compiled.asm["ptx"], "shared": compiled.metadata.share
                                   Case(77, 77, 64, True, 1), Case(1030, 1030, 128, False, 2),
                                   Case(2048, 2048, 128, True, 2), Case(300, 300, 64, True, None)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, layout: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Where it applies the Gluon forward runs, and its O and L match the Triton forward's (same
-    arithmetic, so to a few bf16/fp16 roundings), and both match float64."""
+    arithmetic, so to a few bf16/fp16 roundings), and both match float64. ``bshd``: the inputs are head
+    views of (batch, seq, heads, d) tensors, read with ``gluon_head_views``."""
     from cs336_systems.attention import flash_triton
 
     q, k, v, do = _inputs(case, dtype)
-    assert flash_triton.forward_kernel_name(q, k, v) == "gluon"
-    gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    if layout == "bshd":
+        if case.heads is None:
+            pytest.skip("3-D inputs have no heads to lay out")
+        q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
+    with options.use(gluon_head_views=layout == "bshd"):
+        assert flash_triton.forward_kernel_name(q, k, v) == "gluon"
+        gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     with options.use(gluon=False):
         assert flash_triton.forward_kernel_name(q, k, v) == "triton"
         triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -76,12 +76,12 @@ _CONSUMER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_row0, k_row0, n_tiles,
-              CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_row0, q_col, k_row0,
+              kv_col, n_tiles, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """TMA copies: each consumer's Q rows once, then K/V tile ``j`` into buffer ``j % STAGES`` once it is free."""
     mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
-        _tma_load(q_desc, [q_row0 + c * ROWS, 0], q_bar, q_smem.index(c))
+        _tma_load(q_desc, [q_row0 + c * ROWS, q_col], q_bar, q_smem.index(c))
     for j in range(n_tiles):
         stage = j % STAGES
         # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once
@@ -89,8 +89,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, k
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
         ready = kv_ready.index(stage)
         mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [k_row0 + j * BLOCK_N, 0], ready, k_smem.index(stage))
-        _tma_load(v_desc, [k_row0 + j * BLOCK_N, 0], ready, v_smem.index(stage))
+        _tma_load(k_desc, [k_row0 + j * BLOCK_N, kv_col], ready, k_smem.index(stage))
+        _tma_load(v_desc, [k_row0 + j * BLOCK_N, kv_col], ready, v_smem.index(stage))
 
 
 @gluon.jit
@@ -104,8 +104,8 @@ def _mask_scores(s, offs_m, start_n, n_keys, s_cols: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys, n_tiles,
-              qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m, n_queries,
+              n_keys, n_tiles, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               IS_CAUSAL: gl.constexpr):
     """Online softmax of queries ``[start_m + part·ROWS, +ROWS)`` over ``n_tiles`` key tiles."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -163,14 +163,16 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
     o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
     rows = first + gl.arange(0, ROWS, layout=o_rows)
     cols = gl.arange(0, HEAD_DIM, layout=o_cols)
-    o_ptrs = O + (bh * n_queries + gl.expand_dims(rows, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(cols, 0)
+    o_ptrs = O + o_head + gl.expand_dims(rows, 1).to(gl.int64) * stride_on + gl.expand_dims(cols, 0)
     gl.store(o_ptrs, o.to(dtype), mask=gl.expand_dims(rows < n_queries, 1))
     lse = (m_i + gl.log2(l_i)) / 1.4426950408889634  # natural-log units, as the interface requires
     gl.store(L + bh * n_queries + offs_m, lse, mask=offs_m < n_queries)
 
 
 @gluon.jit
-def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale,
+def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale, n_heads,
+                               q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h, kv_col_h,
+                               stride_ob, stride_oh, stride_on,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
@@ -184,6 +186,12 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
         tile_m = n_tiles_m - 1 - tile_m
     bh = gl.program_id(0) % n_bh
     start_m = tile_m * BLOCK_M
+    # Where this head's rows lie in the 2-D views the descriptors read (see ``_Placement``), and its O.
+    b = bh // n_heads
+    h = bh % n_heads
+    q_row0 = b * q_rows_b + h * q_rows_h + start_m
+    k_row0 = b * kv_rows_b + h * kv_rows_h
+    o_head = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
     if IS_CAUSAL:
         n_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)
     else:
@@ -209,23 +217,23 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
     # its constexprs into tuple elements, and a pair held in a variable does not compile.
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
-                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
-                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
+                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
+                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
-                         bh * n_queries + start_m, bh * n_keys, n_tiles, CONSUMERS, BLOCK_N, STAGES)),
+                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, CONSUMERS, BLOCK_N, STAGES)),
         ], [_CONSUMER_WARPS, 1], [232, 40])  # fmt: skip
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
-                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
-                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (2, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, start_m, n_queries, n_keys,
-                         n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
+                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
+                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (2, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
+                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
-                         bh * n_queries + start_m, bh * n_keys, n_tiles, CONSUMERS, BLOCK_N, STAGES)),
+                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, CONSUMERS, BLOCK_N, STAGES)),
         ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [160, 160, 24])  # fmt: skip
 
 
@@ -238,13 +246,41 @@ _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _MAX_ROWS = 2**31 - 1
 
 
+class _Placement(NamedTuple):
+    """Where a ``(batch, heads, n, d)`` tensor's rows lie in the 2-D view its tensor descriptor reads: head
+    ``h`` of batch ``b`` starts at row ``b·rows_per_batch + h·rows_per_head`` and column ``h·cols_per_head``,
+    its ``n`` rows one after another. Rows of a tile past a head's end belong to the next head (or batch) or
+    lie outside the view, where TMA reads zeros; the kernel masks them like the Triton forward's ragged tile."""
+
+    shape: tuple[int, int]
+    row_stride: int
+    rows_per_batch: int
+    rows_per_head: int
+    cols_per_head: int
+
+
+def placement(t: Tensor, head_views: bool) -> _Placement | None:
+    """``t``'s :class:`_Placement`, or None when one 2-D view cannot hold it: contiguous ``(batch, heads, n, d)``
+    (one row per query of each head in turn), or with ``head_views`` the ``(batch, heads, n, d)`` view of a
+    ``(batch, n, heads, d)`` tensor (one row per token, the heads side by side in it; the token stride may be
+    wider, as in a slice of a fused QKV projection)."""
+    b, h, n, d = t.shape
+    sb, sh, sn, sd = t.stride()
+    if t.is_contiguous():
+        return _Placement((b * h * n, d), d, h * n, n, 0)
+    if head_views and sd == 1 and n > 1 and sn >= h * d and (h == 1 or sh == d) and (b == 1 or sb == n * sn):
+        return _Placement((b * n, h * d), sn, n, 0, d)
+    return None
+
+
 def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] | None) -> str | None:
     """Why this kernel cannot run these ``(batch, heads, n, d)`` inputs, or None when it can.
 
     ``capability`` is the GPU's compute capability (None: not a CUDA tensor). ``options.use(gluon=False)``
     turns the kernel off (the Triton forward then runs everywhere), e.g. for A/B comparisons.
     """
-    if not options.current().gluon:
+    opts = options.current()
+    if not opts.gluon:
         return "disabled by the options (gluon=False)"
     if capability != (9, 0):
         return f"needs a Hopper GPU (compute capability 9.0), got {capability}"
@@ -253,12 +289,16 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
     if q.shape[-1] not in TILES:
         return f"head dim {q.shape[-1]} not in {sorted(TILES)}"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.data_ptr() % 16:
-            return f"{name} does not start on a 16-byte boundary"
-        if t.numel() // t.shape[-1] > _MAX_ROWS:
+        where = placement(t, opts.gluon_head_views)
+        if where is None:
+            return (f"{name} is neither contiguous nor a (batch, seq, heads, d) head view" if opts.gluon_head_views
+                    else f"{name} is not contiguous")
+        if t.data_ptr() % 16 or where.row_stride * t.element_size() % 16:
+            return f"{name} does not start on a 16-byte boundary or its rows are not whole 16-byte units"
+        if where.shape[0] > _MAX_ROWS:
             return f"{name} has more than 2**31 - 1 rows"
+    if placement(k, opts.gluon_head_views)[2:] != placement(v, opts.gluon_head_views)[2:]:  # type: ignore[index]
+        return "k and v are laid out differently"
     return None
 
 
@@ -279,14 +319,21 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     n_keys = k.shape[2]
     block_m, block_n, stages = TILES[d]
     q_layout, kv_layout = _layouts(q.dtype, d)
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [ROWS.value, d], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], kv_layout)
-    o = torch.empty_like(q)
+    head_views = options.current().gluon_head_views
+    q_at, kv_at = placement(q, head_views), placement(k, head_views)
+    assert q_at is not None and kv_at is not None, "flash_forward needs inputs that ineligibility() accepts"
+
+    def descriptor(t: Tensor, at: _Placement, rows: int, layout: Any) -> Any:
+        return TensorDescriptor(t, list(at.shape), [at.row_stride, 1], [rows, d], layout)
+
+    q_desc = descriptor(q, q_at, ROWS.value, q_layout)
+    k_desc, v_desc = descriptor(k, kv_at, block_n, kv_layout), descriptor(v, kv_at, block_n, kv_layout)
+    o = torch.empty_like(q)  # the layout of q (a head view stays one)
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
     grid = (-(-n_queries // block_m) * batch * heads,)
     FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, grid, (
-        q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E * (scale or 1.0 / math.sqrt(d)),
+        q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E * (scale or 1.0 / math.sqrt(d)), heads,
+        *q_at[2:], *kv_at[2:], *o.stride()[:3],
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
             num_warps=_CONSUMER_WARPS.value))  # fmt: skip
     return o, lse
@@ -311,6 +358,8 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True):
                   "IS_CAUSAL": is_causal}  # fmt: skip
     signature = {"q_desc": descriptor(ROWS.value), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
                  "O": "*bf16", "L": "*fp32", "n_queries": "i32", "n_keys": "i32", "qk_scale": "fp32",
+                 **dict.fromkeys(("n_heads", "q_rows_b", "q_rows_h", "q_col_h", "kv_rows_b", "kv_rows_h", "kv_col_h",
+                                  "stride_ob", "stride_oh", "stride_on"), "i32"),
                  **dict.fromkeys(constexprs, "constexpr")}  # fmt: skip
     kernel = flash_forward_gluon_kernel
     aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "L")}

@@ -79,15 +79,19 @@ class FlashOptions:
     ``poly_exp2``: phases forced to the FMA-pipe polynomial exponential for 16-bit inputs (``"all"``,
     ``"none"``, ``"dkdv,dq"`` or a set); ``None`` lets each tile's pin decide, else ``dkdv``.
     ``gluon``: run the warp-specialized Gluon forward on Hopper where it applies.
+    ``gluon_head_views``: let the Gluon forward also read ``(batch, heads, seq, d)`` views of
+    ``(batch, seq, heads, d)`` tensors, the layout a Transformer block hands its attention (off until it has
+    been checked on a GPU; otherwise such inputs run the Triton forward).
     """
 
     autotune: bool = True
     candidates: Any = None
     poly_exp2: Any = None
     gluon: bool = True
+    gluon_head_views: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("autotune", "gluon"):
+        for flag in ("autotune", "gluon", "gluon_head_views"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         object.__setattr__(self, "poly_exp2", _phases(self.poly_exp2))
@@ -118,6 +122,7 @@ class FlashOptions:
             "autotune": self.autotune,
             "poly_exp2": ",".join(sorted(self.poly_exp2)) if self.poly_exp2 is not None else "tile pins, else dkdv",
             "gluon": self.gluon,
+            "gluon_head_views": self.gluon_head_views,
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),
         }
