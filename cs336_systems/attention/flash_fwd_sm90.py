@@ -288,8 +288,9 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
         return f"needs float16 or bfloat16, got {q.dtype}"
     if q.shape[-1] not in TILES:
         return f"head dim {q.shape[-1]} not in {sorted(TILES)}"
+    places = {}
     for name, t in (("q", q), ("k", k), ("v", v)):
-        where = placement(t, opts.gluon_head_views)
+        where = places[name] = placement(t, opts.gluon_head_views)
         if where is None:
             return (f"{name} is neither contiguous nor a (batch, seq, heads, d) head view" if opts.gluon_head_views
                     else f"{name} is not contiguous")
@@ -297,7 +298,7 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
             return f"{name} does not start on a 16-byte boundary or its rows are not whole 16-byte units"
         if where.shape[0] > _MAX_ROWS:
             return f"{name} has more than 2**31 - 1 rows"
-    if placement(k, opts.gluon_head_views)[2:] != placement(v, opts.gluon_head_views)[2:]:  # type: ignore[index]
+    if places["k"][2:] != places["v"][2:]:  # type: ignore[index]
         return "k and v are laid out differently"
     return None
 

@@ -159,11 +159,6 @@ def kernel_us(step: Callable[[], None], calls: int) -> pd.Series:
     return kernel_records(prof).groupby("name")["duration_us"].sum() / calls
 
 
-def gpu_us(step: Callable[[], None], calls: int) -> float:
-    """Kernel device time per call, from torch.profiler."""
-    return float(kernel_us(step, calls).sum())
-
-
 def wall_us(step: Callable[[], None], calls: int) -> float:
     """Back-to-back microseconds per call between two CUDA events."""
     from cs336_systems.benchmarking.train_step import ms_per_call
@@ -241,7 +236,7 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
     return buf.getvalue()
 
 
-__all__ = ["IMPLS", "LAYOUTS", "UNCACHED", "gpu_us", "host_us", "issue_seconds", "kernel_table", "kernel_us",
+__all__ = ["IMPLS", "LAYOUTS", "UNCACHED", "host_us", "issue_seconds", "kernel_table", "kernel_us",
            "make_inputs", "measure", "profile_host", "sleep_cycles", "summarize", "wall_us"]
 
 
