@@ -32,3 +32,19 @@ def test_kernel_table_takes_the_median_per_kernel_and_implementation() -> None:
     table = fho.kernel_table(rows)
     assert table.loc["fwd", "ours"] == 12.0 and table.loc["bwd", "ours"] == 25.0
     assert table.loc["cudnn", "sdpa_cudnn"] == 7.0 and pd.isna(table.loc["fwd", "sdpa_cudnn"])
+
+
+@pytest.mark.parametrize(("impl", "views"), [(fho.GLUON_VIEWS, True), (fho.NO_GLUON_VIEWS, False)])
+def test_gluon_view_variants_set_the_option_for_the_measurement_only(impl: str, views: bool) -> None:
+    from cs336_systems.attention import options
+
+    before = options.current()
+    with options.use(gluon_head_views=not views), fho._backend(impl):
+        assert options.current().gluon_head_views is views
+        assert options.current().gluon == before.gluon  # nothing else changes
+    assert options.current() == before
+
+
+def test_unknown_implementation_is_one_line() -> None:
+    with pytest.raises(ValueError, match="unknown implementation 'ourz'; choose from ours, sdpa_flash"):
+        fho.attention_fn("ourz")

@@ -16,6 +16,8 @@ implementations in one process, and per round:
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --profile   # + cProfile of ours
     python -m cs336_systems.benchmarking.flash_host_overhead --impls ours,ours_uncached,sdpa_cudnn  # launch cache A/B
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 8,12,1024,64 --layout bshd --kernels
+    python -m cs336_systems.benchmarking.flash_host_overhead --layout bshd \
+        --impls ours_gluon_views,ours_no_gluon_views,sdpa_cudnn     # Gluon forward on head views A/B
 
 Forward and backward run as ``torch.autograd.grad(o, (q, k, v), do)``, so no gradient accumulates.
 ``--layout bshd`` gives every implementation what a Transformer block hands its attention: ``(batch, heads,
@@ -43,6 +45,11 @@ IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
 LAYOUTS = ("bhsd", "bshd")
 #: Also measurable: ours with every launch through Triton's own Python path (launch cache off), for A/B.
 UNCACHED = "ours_uncached"
+#: Ours with the Gluon forward on or off for head views (``options.gluon_head_views``), for A/B.
+GLUON_VIEWS, NO_GLUON_VIEWS = "ours_gluon_views", "ours_no_gluon_views"
+#: Every variant of ours, each a context that sets its policy for the whole measurement.
+OURS_VARIANTS = ("ours", UNCACHED, GLUON_VIEWS, NO_GLUON_VIEWS)
+_ALL = tuple(dict.fromkeys((*IMPLS, *OURS_VARIANTS)))
 #: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
 _SLEEP_S = 0.2
 
@@ -51,13 +58,13 @@ _SLEEP_S = 0.2
 def _backend(impl: str) -> Iterator[None]:
     """SDPA pinned to one backend for the whole measurement (entering the context per call would add its
     own host cost to SDPA's)."""
-    if impl == "ours":
-        yield
-        return
-    if impl == UNCACHED:
-        from cs336_systems.attention.launch_cache import disabled
+    if impl in OURS_VARIANTS:
+        from cs336_systems.attention import launch_cache, options
 
-        with disabled():
+        policy = {"ours": contextlib.nullcontext, UNCACHED: launch_cache.disabled,
+                  GLUON_VIEWS: lambda: options.use(gluon_head_views=True),
+                  NO_GLUON_VIEWS: lambda: options.use(gluon_head_views=False)}[impl]
+        with policy():
             yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -68,13 +75,13 @@ def _backend(impl: str) -> Iterator[None]:
 
 
 def attention_fn(impl: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
-    if impl in ("ours", UNCACHED):
+    if impl in OURS_VARIANTS:
         from cs336_systems.attention.flash_triton import FlashAttentionTriton
 
         return FlashAttentionTriton.apply
     if impl in IMPLS:
         return lambda q, k, v, causal: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join((*IMPLS, UNCACHED))}")
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(_ALL)}")
 
 
 def make_inputs(shape: tuple[int, int, int, int], dtype: torch.dtype, layout: str = "bhsd",
@@ -236,7 +243,7 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
     return buf.getvalue()
 
 
-__all__ = ["IMPLS", "LAYOUTS", "UNCACHED", "host_us", "issue_seconds", "kernel_table", "kernel_us",
+__all__ = ["GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "host_us", "issue_seconds", "kernel_table", "kernel_us",
            "make_inputs", "measure", "profile_host", "sleep_cycles", "summarize", "wall_us"]
 
 
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", default="bhsd", choices=LAYOUTS,
                         help="bhsd: contiguous (batch, heads, seq, d); bshd: views of (batch, seq, heads, d), as in a model")
     parser.add_argument("--kernels", action="store_true", help="also print each kernel's GPU µs per call")
-    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join((*IMPLS, UNCACHED))}")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(_ALL)}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20, help="calls per measurement")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of our host path")
