@@ -48,3 +48,36 @@ def test_gluon_view_variants_set_the_option_for_the_measurement_only(impl: str, 
 def test_unknown_implementation_is_one_line() -> None:
     with pytest.raises(ValueError, match="unknown implementation 'ourz'; choose from ours, sdpa_flash"):
         fho.attention_fn("ourz")
+
+
+def test_a_variant_sets_its_options_for_the_measurement() -> None:
+    from cs336_systems.attention import options
+
+    name, changes = fho.parse_variant('fwd128={"candidates": {"forward": [[128, 128, 8, 3]]}, "autotune": false}')
+    assert name == "fwd128"
+    before = options.current()
+    with fho._backend(name, {name: changes}):
+        assert options.current().tiles("forward") == (options.Tile(128, 128, 8, 3),)
+        assert options.current().autotune is False
+        assert options.current().tiles("dq") == before.tiles("dq")  # phases left out keep theirs
+    assert options.current() == before
+    assert fho.attention_fn(name, {name: changes}) == fho.attention_fn("ours")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("fwd128", "a variant is NAME=JSON"),
+    ("ours={}", "variant name 'ours' is taken"),
+    ("v={autotune: false}", "its options are not JSON"),
+    ("v=[1]", "options must be a JSON object"),
+    ('v={"tiles": 3}', r"unknown options \['tiles'\]"),
+    ('v={"autotune": "yes"}', "variant v: autotune must be True or False"),
+    ('v={"candidates": {"fwd": [[64, 64, 4, 3]]}}', "variant v: candidates for unknown phases"),
+])
+def test_bad_variants_are_one_line(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        fho.parse_variant(text)
+
+
+def test_main_rejects_an_unknown_implementation_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="unknown implementation 'v2'; choose from .*, v1"):
+        fho.main(["--impls", "ours,v2", "--variant", 'v1={"gluon": false}'])

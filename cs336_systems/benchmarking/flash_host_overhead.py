@@ -18,6 +18,8 @@ implementations in one process, and per round:
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 8,12,1024,64 --layout bshd --kernels
     python -m cs336_systems.benchmarking.flash_host_overhead --layout bshd \
         --impls ours_gluon_views,ours_no_gluon_views,sdpa_cudnn     # Gluon forward on head views A/B
+    python -m cs336_systems.benchmarking.flash_host_overhead --layout bshd --kernels --impls ours,fwd128 \
+        --variant 'fwd128={"candidates": {"forward": [[128, 128, 8, 3]]}}'   # any options, A/B
 
 Forward and backward run as ``torch.autograd.grad(o, (q, k, v), do)``, so no gradient accumulates.
 ``--layout bshd`` gives every implementation what a Transformer block hands its attention: ``(batch, heads,
@@ -30,11 +32,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import io
+import json
 import pstats
+import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import pandas as pd
 import torch
@@ -47,24 +53,54 @@ LAYOUTS = ("bhsd", "bshd")
 UNCACHED = "ours_uncached"
 #: Ours with the Gluon forward on or off for head views (``options.gluon_head_views``), for A/B.
 GLUON_VIEWS, NO_GLUON_VIEWS = "ours_gluon_views", "ours_no_gluon_views"
-#: Every variant of ours, each a context that sets its policy for the whole measurement.
-OURS_VARIANTS = ("ours", UNCACHED, GLUON_VIEWS, NO_GLUON_VIEWS)
+#: Named variants of ours: the :class:`~cs336_systems.attention.options.FlashOptions` fields each one sets
+#: for its whole measurement. ``--variant NAME=JSON`` adds more (e.g. other forward tiles).
+VARIANTS: dict[str, dict[str, Any]] = {GLUON_VIEWS: {"gluon_head_views": True},
+                                       NO_GLUON_VIEWS: {"gluon_head_views": False}}
+OURS_VARIANTS = ("ours", UNCACHED, *VARIANTS)
 _ALL = tuple(dict.fromkeys((*IMPLS, *OURS_VARIANTS)))
 #: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
 _SLEEP_S = 0.2
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME=JSON`` (``--variant``) as a name and the option fields it sets, checked by building the options:
+    ``'fwd128={"candidates": {"forward": [[128, 128, 8, 3]]}, "autotune": false}'``."""
+    from cs336_systems.attention.options import FlashOptions
+
+    name, sep, spec = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][\w.-]*", name):
+        raise ValueError(f"a variant is NAME=JSON with a plain NAME, got {text!r}")
+    if name in _ALL:
+        raise ValueError(f"variant name {name!r} is taken; choose another")
+    try:
+        changes = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"variant {name}: its options are not JSON ({e.msg}): {spec!r}") from None
+    if not isinstance(changes, dict):
+        raise ValueError(f"variant {name}: options must be a JSON object of FlashOptions fields, got {spec!r}")
+    fields = {f.name for f in dataclasses.fields(FlashOptions)}
+    if set(changes) - fields:
+        raise ValueError(f"variant {name}: unknown options {sorted(set(changes) - fields)}; "
+                         f"valid: {', '.join(sorted(fields))}")
+    try:
+        FlashOptions(**changes)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"variant {name}: {e}") from None
+    return name, changes
+
+
 @contextlib.contextmanager
-def _backend(impl: str) -> Iterator[None]:
-    """SDPA pinned to one backend for the whole measurement (entering the context per call would add its
-    own host cost to SDPA's)."""
-    if impl in OURS_VARIANTS:
+def _backend(impl: str, variants: Mapping[str, dict[str, Any]] | None = None) -> Iterator[None]:
+    """The implementation's policy for the whole measurement: a variant of ours sets its options, SDPA is
+    pinned to one backend (entering a context per call would add its own host cost to the timings)."""
+    variants = {**VARIANTS, **(variants or {})}
+    if impl in ("ours", UNCACHED, *variants):
         from cs336_systems.attention import launch_cache, options
 
-        policy = {"ours": contextlib.nullcontext, UNCACHED: launch_cache.disabled,
-                  GLUON_VIEWS: lambda: options.use(gluon_head_views=True),
-                  NO_GLUON_VIEWS: lambda: options.use(gluon_head_views=False)}[impl]
-        with policy():
+        policy = (contextlib.nullcontext() if impl == "ours" else launch_cache.disabled() if impl == UNCACHED
+                  else options.use(**variants[impl]))
+        with policy:
             yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -74,14 +110,15 @@ def _backend(impl: str) -> Iterator[None]:
         yield
 
 
-def attention_fn(impl: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
-    if impl in OURS_VARIANTS:
+def attention_fn(impl: str, variants: Mapping[str, dict[str, Any]] | None = None,
+                 ) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
+    if impl in OURS_VARIANTS or impl in (variants or {}):
         from cs336_systems.attention.flash_triton import FlashAttentionTriton
 
         return FlashAttentionTriton.apply
     if impl in IMPLS:
         return lambda q, k, v, causal: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(_ALL)}")
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join((*_ALL, *(variants or {})))}")
 
 
 def make_inputs(shape: tuple[int, int, int, int], dtype: torch.dtype, layout: str = "bhsd",
@@ -102,11 +139,11 @@ def make_inputs(shape: tuple[int, int, int, int], dtype: torch.dtype, layout: st
 
 
 def make_step(impl: str, shape: tuple[int, int, int, int], dtype: torch.dtype, causal: bool,
-              layout: str = "bhsd") -> Callable[[], None]:
+              layout: str = "bhsd", variants: Mapping[str, dict[str, Any]] | None = None) -> Callable[[], None]:
     """One forward+backward of ``impl`` on fixed random inputs of ``shape`` = (batch, heads, seq, head_dim)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = make_inputs(shape, dtype, layout, gen)
-    fn = attention_fn(impl)
+    fn = attention_fn(impl, variants)
 
     def step() -> None:
         o = fn(q, k, v, causal)
@@ -175,17 +212,21 @@ def wall_us(step: Callable[[], None], calls: int) -> float:
 
 def measure(shape: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat16, causal: bool = True,
             impls: tuple[str, ...] = IMPLS, rounds: int = 5, calls: int = 20, warmup: int = 10,
-            layout: str = "bhsd", kernels: bool = False) -> pd.DataFrame:
+            layout: str = "bhsd", kernels: bool = False,
+            variants: Mapping[str, dict[str, Any]] | None = None) -> pd.DataFrame:
     """One row per (round, implementation): ``host_us``, ``gpu_us``, ``wall_us`` per forward+backward, and
     with ``kernels`` one ``kernel: <name>`` column per kernel (µs per call). Implementations alternate
-    within each round, in an order that rotates from round to round."""
+    within each round, in an order that rotates from round to round. ``variants`` names further variants of
+    ours (name: FlashOptions fields, as :func:`parse_variant` returns), usable in ``impls``."""
     if not torch.cuda.is_available():
         raise RuntimeError("the host-overhead benchmark needs a CUDA GPU")
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(f"shape must be four positive sizes (batch, heads, seq, head_dim), got {shape}")
-    steps = {impl: make_step(impl, shape, dtype, causal, layout) for impl in impls}
+    for impl in impls:
+        attention_fn(impl, variants)  # unknown names fail before anything runs
+    steps = {impl: make_step(impl, shape, dtype, causal, layout, variants) for impl in impls}
     for impl, step in steps.items():
-        with _backend(impl):
+        with _backend(impl, variants):
             for _ in range(warmup):  # compiles, autotunes and caches
                 step()
     torch.cuda.synchronize()
@@ -193,7 +234,7 @@ def measure(shape: tuple[int, int, int, int], dtype: torch.dtype = torch.bfloat1
     for r in range(rounds):
         order = list(impls[r % len(impls):]) + list(impls[: r % len(impls)])
         for impl in order:
-            with _backend(impl):
+            with _backend(impl, variants):
                 step = steps[impl]
                 per_kernel = kernel_us(step, calls)
                 row = {"round": r, "impl": impl, "host_us": host_us(step, calls),
@@ -243,7 +284,8 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
     return buf.getvalue()
 
 
-__all__ = ["GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "host_us", "issue_seconds", "kernel_table", "kernel_us",
+__all__ = ["GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "VARIANTS",
+           "parse_variant", "host_us", "issue_seconds", "kernel_table", "kernel_us",
            "make_inputs", "measure", "profile_host", "sleep_cycles", "summarize", "wall_us"]
 
 
@@ -257,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", default="bhsd", choices=LAYOUTS,
                         help="bhsd: contiguous (batch, heads, seq, d); bshd: views of (batch, seq, heads, d), as in a model")
     parser.add_argument("--kernels", action="store_true", help="also print each kernel's GPU µs per call")
-    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(_ALL)}")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma-separated, of {', '.join(_ALL)} and the --variant names")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="a variant of ours with these FlashOptions fields, usable in --impls (repeatable): "
+                             """'fwd128={"candidates": {"forward": [[128, 128, 8, 3]]}}'""")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20, help="calls per measurement")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of our host path")
@@ -268,13 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--shape takes four integers batch,heads,seq,head_dim, got {args.shape}")
     impls = tuple(x for x in args.impls.split(",") if x)
+    variants = dict(parse_variant(v) for v in args.variant)
     for impl in impls:
-        attention_fn(impl)  # unknown names fail here, in one line
+        attention_fn(impl, variants)  # unknown names fail here, in one line
     dtype = getattr(torch, args.dtype)
     frames = []
     for shape in shapes:
         rows = measure(shape, dtype, args.causal, impls, args.rounds, args.calls,  # type: ignore[arg-type]
-                       layout=args.layout, kernels=args.kernels)
+                       layout=args.layout, kernels=args.kernels, variants=variants)
         frames.append(rows)
         s = summarize(rows)
         print(f"shape {shape}, {args.dtype}, causal={args.causal}, layout {args.layout}: median of {args.rounds} "
