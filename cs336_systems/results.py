@@ -28,6 +28,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -335,15 +336,21 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
     return load_table(out.section, name, root=out.dir.parent)
 
 
-def merge_rows(rows: Any, earlier: Any, key: str, order: list[Any] | None = None) -> Any:
+def merge_rows(rows: Any, earlier: Any, key: str | Sequence[str], order: list[Any] | None = None) -> Any:
     """``rows`` with the rows of ``earlier`` whose ``key`` value ``rows`` does not measure, ordered by ``key``
-    (by its position in ``order`` when given; values not in it go last)."""
+    (by its position in ``order`` when given; values not in it go last). With several key columns a cell is
+    their combination, and the earlier rows kept come first, then ``rows``, each in its own order."""
     import pandas as pd
 
     if earlier is None:
         return rows
     if rows is None:
         return earlier
+    if not isinstance(key, str):
+        cells = set(rows[list(key)].itertuples(index=False, name=None))
+        measured = pd.Series([c in cells for c in earlier[list(key)].itertuples(index=False, name=None)],
+                             index=earlier.index, dtype=bool)
+        return pd.concat([earlier[~measured], rows], ignore_index=True)
     kept = earlier[~earlier[key].isin(set(rows[key]))]
     both = pd.concat([kept, rows], ignore_index=True)
     rank = both[key] if order is None else both[key].map({v: i for i, v in enumerate(order)}).fillna(len(order))

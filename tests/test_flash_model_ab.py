@@ -68,3 +68,42 @@ def test_model_ab_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     assert set(long["status"]) == {"ok"} and set(long["batch_size"]) == {4}  # 64 tokens / context 16
     summary = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab_summary.csv")
     assert len(summary) == 1 and summary["verdict"].iloc[0] in ("tie", "sdpa", "flash_pytorch")
+
+
+def test_model_ab_jobs_of_one_commit_combine_their_cells(tmp_path, monkeypatch, capsys) -> None:
+    """The grid is split over GPU jobs (by preset, context or compile): a later job keeps the earlier job's
+    cells, replaces the cells it measures again, and starts over when the step settings differ."""
+    from cs336_systems.experiments.__main__ import main
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    table = tmp_path / "flash_benchmarking" / "model_ab.csv"
+
+    def job(*sets: str) -> pd.DataFrame:
+        args = ["flash_benchmarking", "--smoke", "--set", "parts=model_ab", "--set", "ab_compile=[False]"]
+        for s in sets:
+            args += ["--set", s]
+        assert main(args) == 0
+        capsys.readouterr()
+        return pd.read_csv(table)
+
+    first = job("ab_contexts=[16]")
+    both = job("ab_contexts=[32]")
+    assert sorted(both["context_length"].unique()) == [16, 32] and len(both) == 8
+    pd.testing.assert_frame_equal(both[both["context_length"] == 16].reset_index(drop=True), first)
+    again = job("ab_contexts=[16]")
+    assert len(again) == 8 and list(again["context_length"]) == [32] * 4 + [16] * 4  # 16 measured anew
+    summary = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab_summary.csv")
+    assert sorted(summary["context_length"]) == [16, 32]
+    other = job("ab_contexts=[32]", "ab_steps=2")  # other step settings: the earlier cells are not comparable
+    assert list(other["context_length"].unique()) == [32] and len(other) == 4
+
+
+def test_merge_rows_by_a_cell_of_several_columns() -> None:
+    from cs336_systems.results import merge_rows
+
+    earlier = pd.DataFrame({"preset": ["small", "small", "xl"], "compile": [False, True, False], "ms": [1.0, 2.0, 3.0]})
+    rows = pd.DataFrame({"preset": ["small", "medium"], "compile": [True, True], "ms": [9.0, 8.0]})
+    merged = merge_rows(rows, earlier, ["preset", "compile"])
+    assert merged.to_dict("list") == {"preset": ["small", "xl", "small", "medium"],
+                                      "compile": [False, False, True, True], "ms": [1.0, 3.0, 9.0, 8.0]}
+    assert merge_rows(rows, None, ["preset", "compile"]) is rows and merge_rows(None, earlier, "preset") is earlier

@@ -60,7 +60,7 @@ from cs336_systems.report.answers import join_words, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
 from cs336_systems.report.staleness import MODEL
-from cs336_systems.results import ResultWriter
+from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
 SECTION = "flash_benchmarking"
 PASSES = ("forward", "backward", "forward+backward")
@@ -651,6 +651,9 @@ def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
 
 #: What the model A/B compares: the built-in baseline first, then ours.
 MODEL_AB_IMPLS = ("sdpa", "flash_triton")
+#: One cell of the model A/B, and the parameters under which cells of separate jobs combine into one table.
+MODEL_AB_CELL = ("preset", "context_length", "compile")
+MODEL_AB_SAME = ("ab_impls", "ab_tokens_per_step", "ab_rounds", "ab_steps", "kernel_options")
 
 
 def model_ab_configs(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool], rounds: int,
@@ -888,6 +891,10 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         table = run_model_ab(p.ab_presets, p.ab_contexts, p.ab_compile, impls=p.ab_impls, rounds=p.ab_rounds,
                              tokens_per_step=p.ab_tokens_per_step, precision="fp32" if smoke else "bf16",
                              steps=p.ab_steps, budget_s=p.ab_budget_s)
+        # Split over jobs by preset or compile (the grid is longer than one GPU job): cells of an earlier job of
+        # this commit, device and step settings stay, cells measured again are replaced.
+        earlier = rows_of_this_run(out, "model_ab", out.params, MODEL_AB_SAME)  # as recorded: kernel options too
+        table = merge_rows(table, earlier, MODEL_AB_CELL)
         summary = summarize_model_ab(table, *p.ab_impls[:2])
         out.table(table, "model_ab")
         out.table(summary, "model_ab_summary")
