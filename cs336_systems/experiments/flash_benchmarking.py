@@ -721,15 +721,49 @@ def summarize_model_ab(table: pd.DataFrame, baseline: str = MODEL_AB_IMPLS[0],
 
 
 # --------------------------------------------------------------------------------------------------
+# Host cost per call: what issuing one forward+backward costs the CPU, beside its GPU time
+# --------------------------------------------------------------------------------------------------
+
+#: What the host-cost table compares: ours, then SDPA pinned to each fast backend.
+HOST_IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
+#: One row of the host-cost summary.
+HOST_KEYS = ("batch", "heads", "seq_len", "head_dim", "layout")
+
+
+def run_host_overhead(shapes: Sequence[Sequence[int]], layouts: Sequence[str], dtype: str = "bfloat16",
+                      rounds: int = 5, calls: int = 20, impls: Sequence[str] = HOST_IMPLS) -> pd.DataFrame:
+    """Host µs, GPU µs and wall µs per causal forward+backward, every round of every implementation
+    (:func:`cs336_systems.benchmarking.flash_host_overhead.measure`: alternating, in rotating order), per
+    (batch, heads, seq, head_dim) shape and memory layout."""
+    from cs336_systems.benchmarking import flash_host_overhead
+
+    frames = [flash_host_overhead.measure(tuple(shape), getattr(torch, dtype), True, tuple(impls),  # type: ignore[arg-type]
+                                          rounds, calls, layout=layout)
+              for shape in shapes for layout in layouts]
+    return pd.concat(frames, ignore_index=True)
+
+
+def summarize_host_overhead(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per shape, layout and implementation: median host, GPU and wall µs over the rounds, the host time's
+    spread (max - min), and ``bound``: ``host`` when issuing a call takes longer than the GPU runs it."""
+    g = rows.groupby([*HOST_KEYS, "impl"], sort=False)
+    out = g[["host_us", "gpu_us", "wall_us"]].median()
+    out["host_spread_us"] = g["host_us"].max() - g["host_us"].min()
+    out = out.reset_index()
+    out["bound"] = ["host" if h > gpu else "GPU" for h, gpu in zip(out["host_us"], out["gpu_us"])]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # The section
 # --------------------------------------------------------------------------------------------------
 
-PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab")
+PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab", "host")
 
 
 @dataclass(frozen=True)
 class Params:
-    parts: list[str] = param(["leaderboard", "sweep", "model"], f"what to run, of {', '.join(PARTS)}")
+    parts: list[str] = param(["leaderboard", "sweep", "model", "host"], f"what to run, of {', '.join(PARTS)}")
     seq_lens: list[int] = param(SWEEP_SEQ_LENS, "sweep: sequence lengths")
     head_dims: list[int] = param(SWEEP_HEAD_DIMS, "sweep: head dimensions")
     dtypes: list[str] = param(SWEEP_DTYPES, "sweep: torch dtype names")
@@ -756,6 +790,13 @@ class Params:
     ab_rounds: int = param(2, "model_ab: alternating rounds per cell")
     ab_steps: int = param(5, "model_ab: timed steps per implementation and round")
     ab_budget_s: float = param(540.0, "model_ab: time budget in seconds")
+    host_shapes: list[list[int]] = param([[1, 16, 1024, 64], [8, 12, 1024, 64], [8, 25, 1024, 64], [4, 32, 1024, 80]],
+                                         "host: [batch, heads, seq_len, head_dim] (the issue's, then small, xl "
+                                         "and 2.7B at 8,192 or 4,096 tokens)")
+    host_layouts: list[str] = param(["bhsd", "bshd"], "host: contiguous (batch, heads, seq, d) and/or the "
+                                                      "model's head views of (batch, seq, heads, d)")
+    host_rounds: int = param(5, "host: alternating rounds per shape")
+    host_calls: int = param(20, "host: calls per measurement")
     candidates: str = param("default", "kernel tiles tried by the autotuner: default | wide")
     autotune: bool = param(True, "False: each phase's first tile, untuned")
     poly_exp2: str | None = param(None, "phases on the FMA-pipe exponential: forward,dkdv,dq | all | none "
@@ -766,6 +807,17 @@ class Params:
         check_parts("flash_benchmarking", self.parts, PARTS)
         if self.candidates not in CANDIDATE_SETS:
             raise ValueError(f"flash_benchmarking: candidates must be one of {', '.join(CANDIDATE_SETS)}")
+        if "host" in self.parts:
+            from cs336_systems.benchmarking.flash_host_overhead import LAYOUTS
+
+            check_positive(host_rounds=self.host_rounds, host_calls=self.host_calls)
+            bad = [s for s in self.host_shapes if len(s) != 4 or min(s) < 1]
+            if bad:
+                raise ValueError(f"flash_benchmarking: host_shapes takes [batch, heads, seq_len, head_dim] of positive "
+                                 f"sizes, got {bad[0]}")
+            if not self.host_layouts or set(self.host_layouts) - set(LAYOUTS):
+                raise ValueError(f"flash_benchmarking: host_layouts takes some of {', '.join(LAYOUTS)}, "
+                                 f"got {self.host_layouts}")
         if "model_ab" in self.parts:
             if len(self.ab_impls) != 2:
                 raise ValueError(f"flash_benchmarking: ab_impls takes two attention implementations (the baseline, "
@@ -886,6 +938,20 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         print(table[cols].to_markdown(index=False, floatfmt=".4g"))
         print(f"model comparison took {time.monotonic() - started:.0f} s")
         results["model_step"] = table
+    if "host" in commands:
+        if not torch.cuda.is_available():
+            print("host skipped: it measures what CUDA launches cost the CPU, which needs a GPU")
+        else:
+            started = time.monotonic()
+            rows = run_host_overhead(p.host_shapes, p.host_layouts, rounds=p.host_rounds, calls=p.host_calls)
+            summary = summarize_host_overhead(rows)
+            out.table(rows, "host_overhead")
+            out.table(summary, "host_overhead_summary",
+                      extra={"host_us": "CPU µs to issue one forward+backward (the GPU kept busy)",
+                             "gpu_us": "the kernels' GPU µs per call", "wall_us": "µs per call back to back"})
+            print(summary.to_markdown(index=False, floatfmt=".1f"))
+            print(f"host overhead took {time.monotonic() - started:.0f} s")
+            results.update(host_overhead=rows, host_overhead_summary=summary)
     if "model_ab" in commands:
         started = time.monotonic()
         table = run_model_ab(p.ab_presets, p.ab_contexts, p.ab_compile, impls=p.ab_impls, rounds=p.ab_rounds,
@@ -976,8 +1042,49 @@ def answer(d: SectionData) -> list[Block]:
             d.figure("model_step", caption="Step time and peak memory by context length."),
         ]),
         *_shapes(d),
+        *_host(d),
         *_model_ab(d),
     ]
+
+
+#: The issue's goal for our host cost per forward+backward, in µs.
+HOST_GOAL_US = 30.0
+
+
+def _host(d: SectionData) -> list[Block]:
+    """Beyond the handout: CPU µs per call against the GPU's, ours and SDPA's (empty without results)."""
+    summary = d.frame("host_overhead_summary")
+    if summary is None or summary.empty or "impl" not in summary:
+        return []
+    keyed = summary.set_index([*HOST_KEYS, "impl"])["host_us"].unstack("impl")
+    ours = summary[summary["impl"] == "ours"]
+
+    def span(values: pd.Series, unit: str = " µs", show: Callable[[Any], str] = fmt.sig) -> str:
+        lo, hi = show(values.min()), show(values.max())
+        return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
+
+    text = (f"Issuing one causal forward+backward costs our attention {span(ours['host_us'])} of CPU time over "
+            f"{len(ours)} shape{'' if len(ours) == 1 else 's'} and layouts (the goal: {HOST_GOAL_US:g} µs)")
+    if "sdpa_cudnn" in keyed and "ours" in keyed:
+        over = (keyed["ours"] / keyed["sdpa_cudnn"]).dropna()
+        text += (f"; SDPA pinned to cuDNN costs {span(keyed['sdpa_cudnn'].dropna())} on the same host, so ours "
+                 f"takes {span(over, '', fmt.ratio)} cuDNN's host time. The forward and backward through "
+                 "`torch.autograd.grad` are in both numbers")
+    host_bound = ours[ours["bound"] == "host"]
+    text += (f". Ours is host-bound (issuing a call takes longer than the GPU runs it) at {len(host_bound)} of "
+             f"{len(ours)}" + (": " + join_words([f"({int(r['batch'])}, {int(r['heads'])}, {int(r['seq_len'])}, "
+                                                  f"{int(r['head_dim'])}) {r['layout']}"
+                                                  for _, r in host_bound.iterrows()]) if len(host_bound) else "")
+             + "; there a call's wall time is the host's, unless a CUDA graph replays it (§1.4's compiled steps)."
+             " Measured with `python -m cs336_systems.benchmarking.flash_host_overhead` (GPU asleep while the host"
+             " issues the calls; `docs/flash_attention/host_overhead.md` has the method and the profile).")
+    shown = subset(summary, *HOST_KEYS, "impl", "host_us", "host_spread_us", "gpu_us", "wall_us", "bound")
+    return [question(d, "host", "Beyond the handout: what one call costs the CPU, beside what it costs the GPU.", [
+        Text(text),
+        d.table("host_overhead_summary", frame=shown, caption="Median over alternating rounds of the CPU µs to "
+                "issue one forward+backward, the spread of that, the kernels' GPU µs and the wall µs per call "
+                "back to back; bf16, causal."),
+    ])]
 
 
 def _model_ab(d: SectionData) -> list[Block]:
@@ -1176,5 +1283,6 @@ SECTION = Section(
     problems=("flash_forward", "flash_backward", "flash_benchmarking"), answer=answer, presets=PRESETS, run=run,
     derive=derive, derive_inputs=SWEEP_TABLES,
     depends=(*MODEL, "cs336_systems/attention/", "cs336_systems/benchmarking/timing.py",
-             "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py"),
+             "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py",
+             "cs336_systems/benchmarking/flash_host_overhead.py"),
 )

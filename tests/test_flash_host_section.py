@@ -1,0 +1,66 @@
+"""§1.3.2's host part (CPU µs per attention call beside GPU µs): summary, answer and parameters on CPU (the
+timings need a GPU)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from cs336_systems.experiments import flash_benchmarking as fb
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Table, Text
+
+
+def _rows() -> pd.DataFrame:
+    """Two rounds per implementation at two shapes: ours host-bound at the first, GPU-bound at the second."""
+    rows = []
+    for shape, host, gpu in (((1, 16, 1024, 64), {"ours": (900.0, 1100.0), "sdpa_cudnn": (300.0, 340.0)},
+                              {"ours": 60.0, "sdpa_cudnn": 50.0}),
+                             ((4, 32, 1024, 80), {"ours": (800.0, 820.0), "sdpa_cudnn": (310.0, 330.0)},
+                              {"ours": 2000.0, "sdpa_cudnn": 1500.0})):
+        for impl, hosts in host.items():
+            for r, h in enumerate(hosts):
+                rows.append({"round": r, "impl": impl, "host_us": h, "gpu_us": gpu[impl], "wall_us": max(h, gpu[impl]),
+                             "batch": shape[0], "heads": shape[1], "seq_len": shape[2], "head_dim": shape[3],
+                             "dtype": "bfloat16", "causal": True, "layout": "bshd"})
+    return pd.DataFrame(rows)
+
+
+def test_summary_takes_medians_and_names_what_bounds_a_call() -> None:
+    s = fb.summarize_host_overhead(_rows()).set_index(["seq_len", "head_dim", "impl"])
+    assert s.loc[(1024, 64, "ours"), "host_us"] == 1000.0 and s.loc[(1024, 64, "ours"), "host_spread_us"] == 200.0
+    assert s.loc[(1024, 64, "ours"), "bound"] == "host" and s.loc[(1024, 80, "ours"), "bound"] == "GPU"
+    assert s.loc[(1024, 80, "sdpa_cudnn"), "host_us"] == 320.0
+
+
+def test_answer_reads_the_summary(tmp_path) -> None:
+    folder = tmp_path / "flash_benchmarking"
+    folder.mkdir()
+    fb.summarize_host_overhead(_rows()).to_csv(folder / "host_overhead_summary.csv", index=False)
+    (question,) = fb._host(SectionData(tmp_path, "flash_benchmarking"))
+    assert question.label == "host"
+    text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
+    assert "costs our attention 810–1,000 µs of CPU time over 2 shapes" in text
+    assert "SDPA pinned to cuDNN costs 320 µs on the same host, so ours takes 2.53×–3.12× cuDNN's host" in text
+    assert "host-bound" in text and "at 1 of 2: (1, 16, 1024, 64) bshd;" in text
+    assert any(isinstance(b, Table) for b in question.blocks)
+    assert fb._host(SectionData(tmp_path / "none", "flash_benchmarking")) == []
+
+
+def test_bad_host_parameters_are_one_line_errors() -> None:
+    with pytest.raises(ValueError, match=r"host_shapes takes \[batch, heads, seq_len, head_dim\].*got \[1, 16, 1024\]"):
+        fb.Params(parts=["host"], host_shapes=[[1, 16, 1024]]).check()
+    with pytest.raises(ValueError, match="host_layouts takes some of bhsd, bshd"):
+        fb.Params(parts=["host"], host_layouts=["sbhd"]).check()
+    with pytest.raises(ValueError, match="host_rounds"):
+        fb.Params(parts=["host"], host_rounds=0).check()
+    fb.Params(parts=["host"]).check()
+
+
+def test_host_part_says_it_needs_a_gpu_on_cpu(tmp_path, monkeypatch, capsys) -> None:
+    from cs336_systems.experiments.__main__ import main
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["flash_benchmarking", "--smoke", "--set", "parts=host"]) == 0
+    assert "host skipped: it measures what CUDA launches cost the CPU, which needs a GPU" in capsys.readouterr().out
+    assert not (tmp_path / "flash_benchmarking" / "host_overhead_summary.csv").exists()
