@@ -755,10 +755,78 @@ def summarize_host_overhead(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------------------------------
+# Where the losing shapes lose: ours' kernels against cuDNN's at the worst shapes of the grid (a profile)
+# --------------------------------------------------------------------------------------------------
+
+#: Kernel-name fragments by the phase the kernel serves: ours (``flash_forward*``, ``flash_backward_*``) and
+#: cuDNN's (``..._fprop_...``, ``..._bprop_...`` and its backward's pre- and post-passes).
+KERNEL_PHASES = (("forward", ("flash_forward", "fprop")),
+                 ("backward", ("flash_backward", "bprop", "dot_do_o", "convert_dq")))
+#: What the losers part profiles: ours against the backend the shapes grid is judged by.
+LOSERS_IMPLS = ("ours", "sdpa_cudnn")
+
+
+def kernel_phase(name: str) -> str:
+    """``forward``, ``backward`` or ``other`` (memsets, copies) for a GPU kernel's name."""
+    for phase, fragments in KERNEL_PHASES:
+        if any(f in name for f in fragments):
+            return phase
+    return "other"
+
+
+def worst_shapes(ratio: pd.DataFrame, column: str = "vs_sdpa_cudnn", count: int = 6,
+                 pass_: str = "forward+backward") -> pd.DataFrame:
+    """The ``count`` shapes of ``pass_`` where ours loses most (``column``, a backend's time over ours, lowest)."""
+    if column not in ratio:
+        raise ValueError(f"the shapes table has no {column!r} column (columns: {', '.join(map(str, ratio.columns))})")
+    rows = ratio[(ratio["pass"] == pass_) & ratio[column].notna()].sort_values(column).head(count)
+    return rows[[k for k in SHAPE_KEYS if k != "pass"] + [column]].reset_index(drop=True)
+
+
+def run_losers(shapes: pd.DataFrame, rounds: int = 3, calls: int = 20) -> pd.DataFrame:
+    """GPU µs per forward+backward call of every kernel, ours and cuDNN's, at each shape of ``shapes`` (rows of
+    :func:`worst_shapes`; contiguous inputs, as the grid ran), medians over alternating rounds."""
+    from cs336_systems.benchmarking import flash_host_overhead
+
+    rows = []
+    for _, s in shapes.iterrows():
+        shape = (int(s["batch"]), int(s["heads"]), int(s["seq_len"]), int(s["head_dim"]))
+        measured = flash_host_overhead.measure(shape, getattr(torch, str(s["dtype"])), bool(s["causal"]),
+                                               LOSERS_IMPLS, rounds, calls, kernels=True)
+        per_kernel = flash_host_overhead.kernel_table(measured)
+        keys = {k: s[k] for k in SHAPE_KEYS if k != "pass"}
+        for impl in per_kernel.columns:
+            for name, us in per_kernel[impl].dropna().items():
+                rows.append({**keys, "impl": impl, "kernel": name, "phase": kernel_phase(str(name)), "gpu_us": us})
+    return pd.DataFrame(rows)
+
+
+def summarize_losers(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Per shape: ours' and cuDNN's GPU µs per phase, the gap (ours - cuDNN) per phase, the phase where ours
+    loses most (``loses_most_in``) and ours' slowest kernel."""
+    keys = [k for k in SHAPE_KEYS if k != "pass"]
+    rows = []
+    for cell, g in kernels.groupby(keys, sort=False):
+        row: dict[str, Any] = dict(zip(keys, cell))
+        for impl, label in zip(LOSERS_IMPLS, ("ours", "cudnn")):
+            mine = g[g["impl"] == impl]
+            for phase in ("forward", "backward", "other"):
+                row[f"{label}_{phase}_us"] = float(mine.loc[mine["phase"] == phase, "gpu_us"].sum())
+            row[f"{label}_total_us"] = float(mine["gpu_us"].sum())
+        gaps = {phase: row[f"ours_{phase}_us"] - row[f"cudnn_{phase}_us"] for phase in ("forward", "backward")}
+        row.update({f"{phase}_gap_us": gap for phase, gap in gaps.items()})
+        row["loses_most_in"] = max(gaps, key=lambda phase: gaps[phase])
+        ours = g[g["impl"] == LOSERS_IMPLS[0]]
+        row["ours_slowest_kernel"] = str(ours.loc[ours["gpu_us"].idxmax(), "kernel"]) if len(ours) else ""
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------------
 # The section
 # --------------------------------------------------------------------------------------------------
 
-PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab", "host")
+PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab", "host", "losers")
 
 
 @dataclass(frozen=True)
@@ -797,6 +865,8 @@ class Params:
                                                       "model's head views of (batch, seq, heads, d)")
     host_rounds: int = param(5, "host: alternating rounds per shape")
     host_calls: int = param(20, "host: calls per measurement")
+    losers: int = param(6, "losers: how many of the shapes grid's worst shapes (against cuDNN) to profile")
+    losers_rounds: int = param(3, "losers: alternating rounds per shape")
     candidates: str = param("default", "kernel tiles tried by the autotuner: default | wide")
     autotune: bool = param(True, "False: each phase's first tile, untuned")
     poly_exp2: str | None = param(None, "phases on the FMA-pipe exponential: forward,dkdv,dq | all | none "
@@ -818,6 +888,8 @@ class Params:
             if not self.host_layouts or set(self.host_layouts) - set(LAYOUTS):
                 raise ValueError(f"flash_benchmarking: host_layouts takes some of {', '.join(LAYOUTS)}, "
                                  f"got {self.host_layouts}")
+        if "losers" in self.parts:
+            check_positive(losers=self.losers, losers_rounds=self.losers_rounds)
         if "model_ab" in self.parts:
             if len(self.ab_impls) != 2:
                 raise ValueError(f"flash_benchmarking: ab_impls takes two attention implementations (the baseline, "
@@ -952,6 +1024,27 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
             print(summary.to_markdown(index=False, floatfmt=".1f"))
             print(f"host overhead took {time.monotonic() - started:.0f} s")
             results.update(host_overhead=rows, host_overhead_summary=summary)
+    if "losers" in commands:
+        # The worst shapes come from this job's shapes grid, or from an earlier job's at this commit and device.
+        ratio = results.get("shapes_ratio")
+        if ratio is None:
+            ratio = rows_of_this_run(out, "shapes_ratio", out.params, ("shapes", "shapes_head_dims", "shapes_dtypes",
+                                                                       "shapes_causal", "kernel_options"))
+        if not torch.cuda.is_available():
+            print("losers skipped: it profiles GPU kernels, which needs a GPU")
+        elif ratio is None or "vs_sdpa_cudnn" not in ratio:
+            print("losers skipped: it needs this commit's shapes grid against sdpa_cudnn; run --set parts=shapes "
+                  "first (or with it)")
+        else:
+            started = time.monotonic()
+            shapes = worst_shapes(ratio, count=p.losers)
+            kernels = run_losers(shapes, rounds=p.losers_rounds)
+            summary = summarize_losers(kernels)
+            out.table(kernels, "losers_kernels", extra={"gpu_us": "median GPU µs per forward+backward call"})
+            out.table(summary, "losers", extra={"loses_most_in": "the phase with the largest gap, ours - cuDNN"})
+            print(summary.to_markdown(index=False, floatfmt=".1f"))
+            print(f"losers took {time.monotonic() - started:.0f} s")
+            results.update(losers=summary, losers_kernels=kernels)
     if "model_ab" in commands:
         started = time.monotonic()
         table = run_model_ab(p.ab_presets, p.ab_contexts, p.ab_compile, impls=p.ab_impls, rounds=p.ab_rounds,
@@ -1042,9 +1135,31 @@ def answer(d: SectionData) -> list[Block]:
             d.figure("model_step", caption="Step time and peak memory by context length."),
         ]),
         *_shapes(d),
+        *_losers(d),
         *_host(d),
         *_model_ab(d),
     ]
+
+
+def _losers(d: SectionData) -> list[Block]:
+    """Beyond the handout: where the worst shapes of the grid lose, kernel by kernel (empty without results)."""
+    summary = d.frame("losers")
+    if summary is None or summary.empty or "loses_most_in" not in summary:
+        return []
+    counts = summary["loses_most_in"].value_counts()
+    slowest = summary["ours_slowest_kernel"].value_counts()
+    text = (f"Profiled at the {len(summary)} shapes where ours loses most to cuDNN (forward+backward, GPU time per "
+            "kernel, alternating): the larger part of the gap lies in the "
+            + join_words([f"{phase} at {n}" for phase, n in counts.items()])
+            + "; our slowest kernel there: " + join_words([f"`{k}` at {n}" for k, n in slowest.items()])
+            + ". Per shape, ours' forward and backward against cuDNN's:")
+    shown = subset(summary, "dtype", "batch", "heads", "seq_len", "head_dim", "causal", "ours_forward_us",
+                   "cudnn_forward_us", "ours_backward_us", "cudnn_backward_us", "loses_most_in")
+    return [question(d, "losers", "Beyond the handout: where the shapes that lose most lose, from a profile.", [
+        Text(text),
+        d.table("losers", frame=shown, caption="GPU µs per forward+backward call by phase, ours and cuDNN's "
+                "(every kernel: losers_kernels.csv), and the phase with the larger gap."),
+    ])]
 
 
 #: The issue's goal for our host cost per forward+backward, in µs.

@@ -1,0 +1,82 @@
+"""§1.3.2's losers part (ours' kernels against cuDNN's at the worst shapes of the grid): selection, kernel
+phases, summary and answer on CPU (the profile needs a GPU)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from cs336_systems.experiments import flash_benchmarking as fb
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Table, Text
+
+# Kernel names as torch.profiler reports them on an H100 (kernel_table cuts them at 60 characters).
+OURS = {"flash_forward_kernel": 119.5, "flash_backward_dkdv_kernel": 174.7, "flash_backward_dq_kernel": 134.1,
+        "flash_backward_preprocess_kernel": 22.0}
+CUDNN = {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_": 85.4,
+         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_": 233.5,
+         "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(v": 37.8,
+         "void cudnn::fusion::convert_dq_to_16bits<true>(void const*,": 31.9, "Memset (Device)": 1.5}
+
+
+def test_kernels_are_sorted_into_phases() -> None:
+    phases = {name: fb.kernel_phase(name) for name in (*OURS, *CUDNN)}
+    assert [phases[n] for n in OURS] == ["forward", "backward", "backward", "backward"]
+    assert [phases[n] for n in CUDNN] == ["forward", "backward", "backward", "backward", "other"]
+
+
+def test_worst_shapes_are_the_lowest_ratios_of_the_pass() -> None:
+    keys = {"dtype": "bfloat16", "batch": 8, "heads": 25, "head_dim": 64, "causal": True}
+    ratio = pd.DataFrame([{**keys, "seq_len": n, "pass": p, "vs_sdpa_cudnn": r}
+                          for n, p, r in ((256, "forward+backward", 0.4), (1024, "forward+backward", 0.9),
+                                          (4096, "forward+backward", 1.1), (256, "forward", 0.1),
+                                          (2048, "forward+backward", float("nan")))])
+    worst = fb.worst_shapes(ratio, count=2)
+    assert list(worst["seq_len"]) == [256, 1024] and "pass" not in worst
+    with pytest.raises(ValueError, match="no 'vs_sdpa_flash' column"):
+        fb.worst_shapes(ratio, "vs_sdpa_flash")
+
+
+def _kernels() -> pd.DataFrame:
+    keys = {"dtype": "bfloat16", "batch": 8, "heads": 25, "seq_len": 1024, "head_dim": 64, "causal": True}
+    rows = [{**keys, "impl": impl, "kernel": k, "phase": fb.kernel_phase(k), "gpu_us": us}
+            for impl, kernels in (("ours", OURS), ("sdpa_cudnn", CUDNN)) for k, us in kernels.items()]
+    other = {**keys, "seq_len": 256}  # a shape that loses in the forward
+    rows += [{**other, "impl": "ours", "kernel": "flash_forward_kernel", "phase": "forward", "gpu_us": 50.0},
+             {**other, "impl": "ours", "kernel": "flash_backward_dkdv_kernel", "phase": "backward", "gpu_us": 30.0},
+             {**other, "impl": "sdpa_cudnn", "kernel": "x_fprop_y", "phase": "forward", "gpu_us": 10.0},
+             {**other, "impl": "sdpa_cudnn", "kernel": "x_bprop_y", "phase": "backward", "gpu_us": 25.0}]
+    return pd.DataFrame(rows)
+
+
+def test_summary_finds_the_phase_that_loses_most() -> None:
+    s = fb.summarize_losers(_kernels()).set_index("seq_len")
+    assert s.loc[1024, "ours_forward_us"] == pytest.approx(119.5)
+    assert s.loc[1024, "ours_backward_us"] == pytest.approx(174.7 + 134.1 + 22.0)
+    assert s.loc[1024, "cudnn_backward_us"] == pytest.approx(233.5 + 37.8 + 31.9)
+    assert s.loc[1024, "cudnn_other_us"] == pytest.approx(1.5)
+    assert s.loc[1024, "forward_gap_us"] == pytest.approx(34.1)
+    assert s.loc[1024, "loses_most_in"] == "forward"  # 34.1 against 27.6 µs
+    assert s.loc[1024, "ours_slowest_kernel"] == "flash_backward_dkdv_kernel"
+    assert s.loc[256, "loses_most_in"] == "forward" and s.loc[256, "backward_gap_us"] == pytest.approx(5.0)
+
+
+def test_answer_reads_the_summary(tmp_path) -> None:
+    folder = tmp_path / "flash_benchmarking"
+    folder.mkdir()
+    fb.summarize_losers(_kernels()).to_csv(folder / "losers.csv", index=False)
+    (question,) = fb._losers(SectionData(tmp_path, "flash_benchmarking"))
+    text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
+    assert "at the 2 shapes where ours loses most to cuDNN" in text and "lies in the forward at 2" in text
+    assert "our slowest kernel there: `flash_backward_dkdv_kernel` at 1 and `flash_forward_kernel` at 1." in text
+    assert any(isinstance(b, Table) for b in question.blocks)
+
+
+def test_losers_part_on_cpu_says_what_it_needs(tmp_path, monkeypatch, capsys) -> None:
+    from cs336_systems.experiments.__main__ import main
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert main(["flash_benchmarking", "--smoke", "--set", "parts=losers"]) == 0
+    assert "losers skipped: it profiles GPU kernels, which needs a GPU" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="losers"):
+        fb.Params(parts=["losers"], losers=0).check()
