@@ -43,7 +43,10 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     assert "costs our attention 810–1,000 µs of CPU time over 2 shapes" in text
     assert "SDPA pinned to cuDNN costs 320 µs on the same host, so ours takes 2.53×–3.12× cuDNN's host" in text
     assert "host-bound" in text and "at 1 of 2: (1, 16, 1024, 64) bshd;" in text
-    assert any(isinstance(b, Table) for b in question.blocks)
+    (table,) = [b for b in question.blocks if isinstance(b, Table)]
+    assert list(table.frame.columns) == ["batch", "heads", "seq_len", "head_dim", "layout", "ours host µs",
+                                         "sdpa_cudnn host µs", "ours gpu µs", "sdpa_cudnn gpu µs"]
+    assert len(table.frame) == 2 and table.frame["ours host µs"].tolist() == [1000.0, 810.0]
     assert fb._host(SectionData(tmp_path / "none", "flash_benchmarking")) == []
 
 

@@ -107,3 +107,13 @@ def test_merge_rows_by_a_cell_of_several_columns() -> None:
     assert merged.to_dict("list") == {"preset": ["small", "xl", "small", "medium"],
                                       "compile": [False, False, True, True], "ms": [1.0, 3.0, 9.0, 8.0]}
     assert merge_rows(rows, None, ["preset", "compile"]) is rows and merge_rows(None, earlier, "preset") is earlier
+
+
+def test_writeup_table_has_a_row_per_preset_and_context_eager_then_compiled() -> None:
+    summary = pd.DataFrame([{"preset": "small", "context_length": 1024, "compile": c, "baseline_ms": b, "ours_ms": o,
+                             "verdict": v} for c, b, o, v in ((True, 9.0, 9.5, "sdpa"), (False, 20.0, 19.0, "tie"))])
+    table = fb._model_ab_table(summary, "sdpa", "flash_triton")
+    assert table.to_dict("records") == [{"preset": "small", "context_length": 1024, "eager sdpa ms": 20.0,
+                                         "eager flash_triton ms": 19.0, "eager verdict": "tie",
+                                         "compiled sdpa ms": 9.0, "compiled flash_triton ms": 9.5,
+                                         "compiled verdict": "sdpa"}]

@@ -1151,15 +1151,23 @@ def _losers(d: SectionData) -> list[Block]:
     text = (f"Profiled at the {len(summary)} shapes where ours loses most to cuDNN (forward+backward, GPU time per "
             "kernel, alternating): the larger part of the gap lies in the "
             + join_words([f"{phase} at {n}" for phase, n in counts.items()])
-            + "; our slowest kernel there: " + join_words([f"`{k}` at {n}" for k, n in slowest.items()])
-            + ". Per shape, ours' forward and backward against cuDNN's:")
-    shown = subset(summary, "dtype", "batch", "heads", "seq_len", "head_dim", "causal", "ours_forward_us",
-                   "cudnn_forward_us", "ours_backward_us", "cudnn_backward_us", "loses_most_in")
-    return [question(d, "losers", "Beyond the handout: where the shapes that lose most lose, from a profile.", [
-        Text(text),
-        d.table("losers", frame=shown, caption="GPU µs per forward+backward call by phase, ours and cuDNN's "
-                "(every kernel: losers_kernels.csv), and the phase with the larger gap."),
-    ])]
+            + "; our slowest kernel there: " + join_words([f"`{k}` at {n}" for k, n in slowest.items()]) + ". "
+            + _losers_per_shape(summary) + " (GPU µs per call by phase and kernel: `losers.csv`, "
+            "`losers_kernels.csv` in the results index)")
+    d.frame("losers_kernels")  # cited above, listed in the index
+    return [question(d, "losers", "Beyond the handout: where the shapes that lose most lose, from a profile.",
+                     [Text(text + ".")])]
+
+
+def _losers_per_shape(summary: pd.DataFrame) -> str:
+    """Each profiled shape with ours' and cuDNN's forward and backward µs, in one sentence."""
+    def shape(r: pd.Series) -> str:
+        return (f"{r['dtype']} ({int(r['batch'])}, {int(r['heads'])}, {int(r['seq_len'])}, {int(r['head_dim'])})"
+                f"{' causal' if str(r['causal']) == 'True' else ''}")
+
+    return "Forward and backward, ours against cuDNN's, in µs: " + "; ".join(
+        f"{shape(r)} {fmt.sig(r['ours_forward_us'])}/{fmt.sig(r['cudnn_forward_us'])} and "
+        f"{fmt.sig(r['ours_backward_us'])}/{fmt.sig(r['cudnn_backward_us'])}" for _, r in summary.iterrows())
 
 
 #: The issue's goal for our host cost per forward+backward, in µs.
@@ -1193,13 +1201,21 @@ def _host(d: SectionData) -> list[Block]:
              + "; there a call's wall time is the host's, unless a CUDA graph replays it (§1.4's compiled steps)."
              " Measured with `python -m cs336_systems.benchmarking.flash_host_overhead` (GPU asleep while the host"
              " issues the calls; `docs/flash_attention/host_overhead.md` has the method and the profile).")
-    shown = subset(summary, *HOST_KEYS, "impl", "host_us", "host_spread_us", "gpu_us", "wall_us", "bound")
     return [question(d, "host", "Beyond the handout: what one call costs the CPU, beside what it costs the GPU.", [
         Text(text),
-        d.table("host_overhead_summary", frame=shown, caption="Median over alternating rounds of the CPU µs to "
-                "issue one forward+backward, the spread of that, the kernels' GPU µs and the wall µs per call "
-                "back to back; bf16, causal."),
+        d.table("host_overhead_summary", frame=_host_table(summary), caption="Median over alternating rounds of "
+                "the CPU µs to issue one forward+backward and of the kernels' GPU µs, per implementation, bf16, "
+                "causal (spreads and wall times: the CSV)."),
     ])]
+
+
+def _host_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per shape and layout: each implementation's host µs, then its GPU µs."""
+    wide = summary.pivot_table(index=list(HOST_KEYS), columns="impl", values=["host_us", "gpu_us"], sort=False)
+    impls = list(dict.fromkeys(summary["impl"]))
+    wide = wide.reindex(columns=[(v, i) for v in ("host_us", "gpu_us") for i in impls if (v, i) in wide.columns])
+    wide.columns = [f"{impl} {value.removesuffix('_us')} µs" for value, impl in wide.columns]
+    return wide.reset_index()
 
 
 def _model_ab(d: SectionData) -> list[Block]:
@@ -1232,15 +1248,27 @@ def _model_ab(d: SectionData) -> list[Block]:
         text += "; not measured: " + join_words([f"{r['preset']} at {int(r['context_length']):,} "
                                                  f"({'compiled' if r['compile'] else 'eager'}, {r['verdict']})"
                                                  for _, r in missing.iterrows()])
-    shown = subset(summary, "preset", "context_length", "compile", "baseline_ms", "baseline_spread_ms", "ours_ms",
-                   "ours_spread_ms", "baseline_over_ours", "verdict")
     return [question(d, "model_ab", f"Beyond the handout: {ours} against {baseline} inside the model's training "
                      "step, eager and compiled, alternating in one process.", [
         Text(text + "."),
-        d.table("model_ab_summary", frame=shown, caption=f"Median training step (forward, backward, AdamW) of "
-                f"our model with each attention over alternating rounds, the spread (max - min), and "
-                f"{baseline}'s time over ours (above 1: ours faster)."),
+        d.table("model_ab_summary", frame=_model_ab_table(summary, baseline, ours), caption=f"Median training "
+                f"step (forward, backward, AdamW) of our model with each attention over alternating rounds, eager "
+                f"and compiled, and the verdict against the spread of the rounds (spreads and the ratio "
+                f"{baseline} / ours: the CSV)."),
     ])]
+
+
+def _model_ab_table(summary: pd.DataFrame, baseline: str, ours: str) -> pd.DataFrame:
+    """One row per (preset, context): each implementation's ms and the verdict, eager, then compiled."""
+    rows = []
+    for (preset, context), g in summary.groupby(["preset", "context_length"], sort=False):
+        row: dict[str, Any] = {"preset": preset, "context_length": context}
+        for _, r in g.sort_values("compile").iterrows():
+            mode = "compiled" if r["compile"] else "eager"
+            row.update({f"{mode} {baseline} ms": r["baseline_ms"], f"{mode} {ours} ms": r["ours_ms"],
+                        f"{mode} verdict": r["verdict"]})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def _shapes(d: SectionData) -> list[Block]:
