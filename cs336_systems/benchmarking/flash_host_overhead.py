@@ -39,7 +39,7 @@ import pstats
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -256,9 +256,10 @@ def kernel_table(rows: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def summarize(rows: pd.DataFrame) -> pd.DataFrame:
-    """Median over rounds per implementation, with the spread (max - min) of the host time."""
-    g = rows.groupby("impl", sort=False)
+def summarize(rows: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
+    """Median over rounds per implementation (and per ``by`` columns, e.g. the shape, before it), with the spread
+    (max - min) of the host time."""
+    g = rows.groupby([*by, "impl"], sort=False)
     out = g[["host_us", "gpu_us", "wall_us"]].median()
     out["host_spread_us"] = g["host_us"].max() - g["host_us"].min()
     return out.reset_index()

@@ -332,6 +332,8 @@ def run_shapes(
 
 
 SHAPE_KEYS = ["dtype", "batch", "heads", "seq_len", "head_dim", "causal", "pass"]
+#: One shape of the grid, whatever the pass.
+SHAPE_CELL = [k for k in SHAPE_KEYS if k != "pass"]
 
 
 def shapes_ratio(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
@@ -746,10 +748,9 @@ def run_host_overhead(shapes: Sequence[Sequence[int]], layouts: Sequence[str], d
 def summarize_host_overhead(rows: pd.DataFrame) -> pd.DataFrame:
     """Per shape, layout and implementation: median host, GPU and wall µs over the rounds, the host time's
     spread (max - min), and ``bound``: ``host`` when issuing a call takes longer than the GPU runs it."""
-    g = rows.groupby([*HOST_KEYS, "impl"], sort=False)
-    out = g[["host_us", "gpu_us", "wall_us"]].median()
-    out["host_spread_us"] = g["host_us"].max() - g["host_us"].min()
-    out = out.reset_index()
+    from cs336_systems.benchmarking.flash_host_overhead import summarize
+
+    out = summarize(rows, by=HOST_KEYS)
     out["bound"] = ["host" if h > gpu else "GPU" for h, gpu in zip(out["host_us"], out["gpu_us"])]
     return out
 
@@ -780,7 +781,7 @@ def worst_shapes(ratio: pd.DataFrame, column: str = "vs_sdpa_cudnn", count: int 
     if column not in ratio:
         raise ValueError(f"the shapes table has no {column!r} column (columns: {', '.join(map(str, ratio.columns))})")
     rows = ratio[(ratio["pass"] == pass_) & ratio[column].notna()].sort_values(column).head(count)
-    return rows[[k for k in SHAPE_KEYS if k != "pass"] + [column]].reset_index(drop=True)
+    return rows[[*SHAPE_CELL, column]].reset_index(drop=True)
 
 
 def run_losers(shapes: pd.DataFrame, rounds: int = 3, calls: int = 20) -> pd.DataFrame:
@@ -794,7 +795,7 @@ def run_losers(shapes: pd.DataFrame, rounds: int = 3, calls: int = 20) -> pd.Dat
         measured = flash_host_overhead.measure(shape, getattr(torch, str(s["dtype"])), bool(s["causal"]),
                                                LOSERS_IMPLS, rounds, calls, kernels=True)
         per_kernel = flash_host_overhead.kernel_table(measured)
-        keys = {k: s[k] for k in SHAPE_KEYS if k != "pass"}
+        keys = {k: s[k] for k in SHAPE_CELL}
         for impl in per_kernel.columns:
             for name, us in per_kernel[impl].dropna().items():
                 rows.append({**keys, "impl": impl, "kernel": name, "phase": kernel_phase(str(name)), "gpu_us": us})
@@ -804,10 +805,9 @@ def run_losers(shapes: pd.DataFrame, rounds: int = 3, calls: int = 20) -> pd.Dat
 def summarize_losers(kernels: pd.DataFrame) -> pd.DataFrame:
     """Per shape: ours' and cuDNN's GPU µs per phase, the gap (ours - cuDNN) per phase, the phase where ours
     loses most (``loses_most_in``) and ours' slowest kernel."""
-    keys = [k for k in SHAPE_KEYS if k != "pass"]
     rows = []
-    for cell, g in kernels.groupby(keys, sort=False):
-        row: dict[str, Any] = dict(zip(keys, cell))
+    for cell, g in kernels.groupby(SHAPE_CELL, sort=False):
+        row: dict[str, Any] = dict(zip(SHAPE_CELL, cell))
         for impl, label in zip(LOSERS_IMPLS, ("ours", "cudnn")):
             mine = g[g["impl"] == impl]
             for phase in ("forward", "backward", "other"):
@@ -1027,7 +1027,7 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
     if "losers" in commands:
         # The worst shapes come from this job's shapes grid, or from an earlier job's at this commit and device.
         ratio = results.get("shapes_ratio")
-        if ratio is None:
+        if ratio is None and torch.cuda.is_available():
             ratio = rows_of_this_run(out, "shapes_ratio", out.params, ("shapes", "shapes_head_dims", "shapes_dtypes",
                                                                        "shapes_causal", "kernel_options"))
         if not torch.cuda.is_available():
