@@ -54,12 +54,20 @@ def write_derived(
     clash = (set(derived.figures) | set(derived.tables)) & inputs
     if clash:
         raise ValueError(f"derived artefact name(s) {sorted(clash)} equal measured inputs; pick other names")
-    sources = sources or {}
+    def origin(src: str) -> dict[str, Any]:
+        """Inside the measuring run: the parameters of the job that measured ``src`` (an earlier job's, for a
+        table that combines several jobs), not the last job's; later, its whole provenance."""
+        if sources is not None:
+            return {"source": sources.get(src)}
+        if not (out.dir / f"{src}.meta.json").exists():
+            return {}
+        return {"params": load_meta(out.section, src, root=out.dir.parent).get("params")}
+
     written = []
     for name, (df, src) in derived.tables.items():
-        written.append(out.table(df, name, source=sources.get(src)))
+        written.append(out.table(df, name, **origin(src)))
     for name, (fig, src) in derived.figures.items():
-        written.append(out.figure(fig, name, source=sources.get(src)))
+        written.append(out.figure(fig, name, **origin(src)))
         if close:
             plt.close(fig)
     return written

@@ -208,6 +208,8 @@ class ResultWriter:
             meta.update({k: source[k] for k in MEASUREMENT_KEYS if k in source})
             meta["smoke"] = bool(source.get("smoke", meta["smoke"]))
             meta["rendered"] = rendered
+            if isinstance(source.get("params"), dict):  # and its parameters, unless this call names others
+                meta["params"] = {**source["params"], **(params or {})}
         meta.update(section=self.section, name=name, files=files)
         if extra:
             meta["extra"] = _jsonable(extra)

@@ -117,3 +117,11 @@ def test_writeup_table_has_a_row_per_preset_and_context_eager_then_compiled() ->
                                          "eager flash_triton ms": 19.0, "eager verdict": "tie",
                                          "compiled sdpa ms": 9.0, "compiled flash_triton ms": 9.5,
                                          "compiled verdict": "sdpa"}]
+
+
+def test_cells_of_the_recorded_grid_without_a_row_are_named() -> None:
+    summary = pd.DataFrame({"preset": ["xl", "xl"], "context_length": [1024, 1024], "compile": [False, True]})
+    params = {"ab_presets": ["xl"], "ab_contexts": [1024, 4096], "ab_compile": [False, True]}
+    assert fb._model_ab_absent(summary, params) == [("xl", 4096, False), ("xl", 4096, True)]
+    assert fb._model_ab_absent(summary, {**params, "ab_contexts": [1024]}) == []
+    assert fb._model_ab_absent(summary, {}) == []

@@ -264,3 +264,20 @@ def test_replot_cli_rejects_unknown_sections_in_one_line(capsys) -> None:
         replot.main(["benchmarking_typo"])
     assert exc.value.code == 2
     assert "no replot for section(s) benchmarking_typo" in capsys.readouterr().err
+
+
+def test_derived_artefacts_record_the_parameters_of_the_job_that_measured_their_input(tmp_path, monkeypatch) -> None:
+    """A grid split over jobs derives its figures in the last job; they still describe the measuring job's
+    parameters (inside the run), or the measuring run's whole provenance (replotted later)."""
+    from cs336_systems.results import ResultWriter
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    ResultWriter("torch_compile", params={"parts": ["model"]}, smoke=False).table(pd.DataFrame({"x": [1]}), "timing")
+    last_job = ResultWriter("torch_compile", params={"parts": ["attention"]}, smoke=False)
+    derived = replot.Derived(tables={"summary": (pd.DataFrame({"y": [2]}), "timing")})
+    replot.write_derived(last_job, derived)
+    assert json.loads((tmp_path / "torch_compile/summary.meta.json").read_text())["params"]["parts"] == ["model"]
+    replot.write_derived(last_job, replot.Derived(tables={"later": (pd.DataFrame({"y": [3]}), "timing")}),
+                         {"timing": _meta({"parts": ["measured"]})})
+    meta = json.loads((tmp_path / "torch_compile/later.meta.json").read_text())
+    assert meta["params"]["parts"] == ["measured"] and meta["device"] == DEVICE

@@ -467,3 +467,50 @@ def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> No
     assert "Under bf16 autocast, captured: one GPU 60.0 ms, torch DDP 80.0 ms, ours 70.0 ms–70.0 ms" in text
     assert "0.875×–0.875× torch's step time, faster at 1 of 1 bucket sizes" in text
     assert "(eager, in the same run: 0.917×–0.917×" in text
+
+
+def test_run_parameters_show_what_differs_from_the_preset() -> None:
+    """A record of a section's run prints only the values that differ from its preset (what repeating it needs);
+    a parameter that defaults to None ("auto") prints as resolved; a record of no section prints every value."""
+    from cs336_systems.report.data import params_line, preset_defaults
+
+    full = preset_defaults("flash_benchmarking", "full")
+    assert full is not None and full["parts"] != ["shapes"] and full["poly_exp2"] is None
+    meta = {"section": "flash_benchmarking", "params": {**full, "preset": "full"}}
+    assert params_line(meta) == "--full (the preset's values)"
+    meta["params"].update(parts=["shapes"], poly_exp2="dkdv+tuned", kernel_options={"autotune": True})
+    assert params_line(meta) == "--full, with parts=[shapes] (resolved: poly_exp2=dkdv+tuned)"
+    grid = preset_defaults("memory_profiling", "full", "2026")
+    assert grid is not None and grid != preset_defaults("memory_profiling", "full")
+    assert params_line({"section": "memory_profiling/2026", "params": {**grid, "preset": "full", "edition": "2026"}}
+                       ) == "--full --edition 2026 (the preset's values)"
+    assert params_line({"section": "lab_runs", "params": {"steps": 3, "preset": "xl"}}) == "steps=3, preset=xl"
+    assert preset_defaults("flash_benchmarking", "nonsense") is None
+
+
+def test_landscape_figures_go_to_the_end_of_their_section_two_to_a_page(tmp_path: Path) -> None:
+    """A figure too wide for a portrait page is placed after the rest of its section (where it was cited, a
+    note with its number), so the portrait text before it fills its page; two or more share landscape pages."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.report.document import Figure, Question, Section
+    from cs336_systems.report.html import _Counter, section_html
+
+    def png(name: str, size: tuple[float, float]) -> Figure:
+        fig = plt.figure(figsize=size, dpi=150)
+        fig.savefig(tmp_path / name)
+        plt.close(fig)
+        return Figure(tmp_path / name, f"caption {name}", name, {})
+
+    wide, narrow = png("wide.png", (14, 4)), png("narrow.png", (6, 4))
+    one = Section("9", "One", "one", (), [Question("a", "first", [wide, Text("after the wide figure")]), narrow])
+    page = section_html(one, _Counter())
+    assert "(Figure 1: on a landscape page at the end of this section.)" in page
+    assert page.index("after the wide figure") < page.index("<b>Figure 2.</b>") < page.index("<b>Figure 1.</b>")
+    assert 'class="landscape"' in page and "shared" not in page
+    two = Section("9", "Two", "two", (), [wide, Text("between"), png("wide2.png", (14, 4))])
+    page = section_html(two, _Counter())
+    assert page.count('class="landscape shared"') == 2 and page.index("between") < page.index("<b>Figure 1.</b>")

@@ -1090,6 +1090,8 @@ def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Any:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.report.answers import mfu_note, with_mfu  # noqa: E402  (answers only)
+
 
 def answer(d: SectionData) -> list[Block]:
     return [
@@ -1129,9 +1131,10 @@ def answer(d: SectionData) -> list[Block]:
                  what="the leaderboard timing"),
         question(d, "model", "The Transformer's training step with each attention implementation.", [
             _model_step_sentence(d.frame("model_step")),
-            d.table("model_step", frame=subset(d.frame("model_step"), "context_length", "attention_impl", "status",
-                                               "total_mean_ms", "total_std_ms", "peak_memory_GiB"),
-                    caption="Training step (forward, backward, AdamW) by context length and attention."),
+            d.table("model_step", frame=_model_step_table(d.frame("model_step"), d.meta("model_step")),
+                    caption="Training step (forward, backward, AdamW) by context length, one column group per "
+                            "attention: mean ms, MFU and peak memory (OOM: out of memory; spreads and the "
+                            "forward/backward/optimizer split: the CSV)." + mfu_note(d.meta("model_step"), ("bf16",))),
             d.figure("model_step", caption="Step time and peak memory by context length."),
         ]),
         *_shapes(d),
@@ -1248,6 +1251,11 @@ def _model_ab(d: SectionData) -> list[Block]:
         text += "; not measured: " + join_words([f"{r['preset']} at {int(r['context_length']):,} "
                                                  f"({'compiled' if r['compile'] else 'eager'}, {r['verdict']})"
                                                  for _, r in missing.iterrows()])
+    absent = _model_ab_absent(summary, d.meta("model_ab_summary").get("params") or {})
+    if absent:
+        text += ("; the grid's " + join_words([f"{p} at {c:,} ({'compiled' if k else 'eager'})" for p, c, k in absent])
+                 + " not measured yet (one job each: `python -m cs336_systems.experiments flash_benchmarking --full "
+                 "--set parts=model_ab --set ab_presets=P --set ab_contexts=C --set ab_compile=K`)")
     return [question(d, "model_ab", f"Beyond the handout: {ours} against {baseline} inside the model's training "
                      "step, eager and compiled, alternating in one process.", [
         Text(text + "."),
@@ -1256,6 +1264,15 @@ def _model_ab(d: SectionData) -> list[Block]:
                 f"and compiled, and the verdict against the spread of the rounds (spreads and the ratio "
                 f"{baseline} / ours: the CSV)."),
     ])]
+
+
+def _model_ab_absent(summary: pd.DataFrame, params: dict[str, Any]) -> list[tuple[str, int, bool]]:
+    """Cells of the recorded grid (``ab_presets`` × ``ab_contexts`` × ``ab_compile``) without a row."""
+    have = {(str(p), int(c), bool(k)) for p, c, k in zip(summary["preset"], summary["context_length"],
+                                                          summary["compile"])}
+    grid = [(str(p), int(c), bool(k)) for p in params.get("ab_presets") or [] for c in params.get("ab_contexts") or []
+            for k in params.get("ab_compile") or []]
+    return [cell for cell in grid if cell not in have]
 
 
 def _model_ab_table(summary: pd.DataFrame, baseline: str, ours: str) -> pd.DataFrame:
@@ -1371,6 +1388,28 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
         return None
     return Text("Against regular PyTorch attention (eager, materializing the $T\\times T$ scores), forward + "
                 "backward: " + "; ".join(parts) + ".")
+
+
+def _model_step_table(df: pd.DataFrame | None, meta: dict) -> pd.DataFrame | None:
+    """One row per context: each attention's step ms, MFU and peak GiB side by side (its status where not ok)."""
+    if df is None or not {"context_length", "attention_impl", "total_mean_ms"} <= set(df.columns):
+        return df
+    df = with_mfu(df, meta)
+    table = pd.DataFrame({"context_length": df["context_length"].unique()})
+    for impl, g in df.groupby("attention_impl", sort=False):
+        rows = {int(r["context_length"]): r for _, r in g.iterrows()}
+        cells: dict[str, list[str]] = {f"{impl} ms": [], f"{impl} MFU %": [], f"{impl} GiB": []}
+        for context in table["context_length"]:
+            r = rows.get(int(context))
+            good = r is not None and str(r.get("status", "ok")) == "ok"
+            cells[f"{impl} ms"].append(fmt.sig(r["total_mean_ms"]) if good else "" if r is None else str(r["status"]))
+            for key, column in ((f"{impl} MFU %", "MFU_pct"), (f"{impl} GiB", "peak_memory_GiB")):
+                v = r.get(column) if good else None
+                cells[key].append(f"{v:.1f}" if v is not None and pd.notna(v) else "")
+        for key, values in cells.items():
+            if any(values):
+                table[key] = values
+    return table
 
 
 def _model_step_sentence(df: pd.DataFrame | None) -> Text | None:

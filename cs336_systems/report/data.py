@@ -9,6 +9,7 @@ its ``.meta.json`` provenance record, which the renderer prints under each table
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import re
 from pathlib import Path
@@ -225,12 +226,45 @@ def provenance_line(meta: dict[str, Any]) -> str:
 
 
 def params_line(meta: dict[str, Any], limit: int = 240) -> str:
-    """The run's parameters, compactly (None-valued "auto" parameters left out)."""
+    """The run's parameters, compactly: against its section's preset, only the values that differ (what a
+    reader needs to repeat the run: ``--full --set k=v ...``); every value for a record of no known section.
+    None-valued "auto" parameters are left out."""
     params = {k: v for k, v in (meta.get("params") or {}).items() if v is not None}
     if not params:
         return ""
-    text = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+    defaults = preset_defaults(str(meta.get("section") or ""), params.get("preset"), params.get("edition"))
+    if defaults is None:
+        text = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+    else:
+        # Recorded keys that are no parameter (e.g. the kernel options a run resolved) follow from those that are.
+        # "preset" is the run's preset (it shadows a model-preset parameter in older records); an "auto"
+        # parameter (None by default) records what the run resolved it to.
+        shown = {k: v for k, v in params.items() if k in defaults and k != "preset" and v != defaults[k]}
+        changed = [f"{k}={_short(v)}" for k, v in shown.items() if defaults[k] is not None]
+        resolved = [f"{k}={_short(v)}" for k, v in shown.items() if defaults[k] is None]
+        grid = params.get("edition") if "edition" not in defaults else None  # an edition's grid, not a parameter
+        flag = f"--{params['preset']}" + (f" --edition {grid}" if grid else "")
+        text = f"{flag}, with " + ", ".join(changed) if changed else f"{flag} (the preset's values)"
+        if resolved:
+            text += " (resolved: " + ", ".join(resolved) + ")"
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@functools.cache
+def preset_defaults(section: str, preset: str | None, edition: str | None = None) -> dict[str, Any] | None:
+    """The parameter values ``section`` (a results folder; an edition's grid is a subfolder) runs with under
+    ``preset`` today, as they are recorded (JSON values); None where the folder or preset is no section's."""
+    from cs336_systems.experiments import SECTIONS
+    from cs336_systems.results import _jsonable
+
+    found = SECTIONS.get(section.split("/")[0])
+    if found is None or preset is None:
+        return None
+    try:
+        params = found.params(preset, None, edition if found.editions else None)
+    except ValueError:
+        return None
+    return json.loads(json.dumps(_jsonable(params)))
 
 
 def _short(v: Any) -> str:

@@ -66,6 +66,7 @@ figure img { max-width: 92%; max-height: 82mm; }
 @page landscape { size: A4 landscape; }
 figure.landscape { page: landscape; }
 figure.landscape img { max-width: 100%; max-height: 160mm; }
+figure.landscape.shared img { max-height: 70mm; }
 figure.table { overflow: hidden; }
 figure.table.long { break-inside: auto; overflow: visible; }  /* long tables run over pages, header repeated */
 figure.table.long figcaption { break-after: avoid; }
@@ -96,6 +97,7 @@ div.method { border-left: 1.5pt solid #bbb; padding: 0 0 0 3mm; margin: 2mm 0 3m
              font-size: 9.5pt; }
 div.method p { margin: 0.8mm 0; }
 div.further { break-after: avoid; }
+p.deferred { font-size: 8.8pt; color: #555; }
 div.further p { font-size: 9.5pt; color: #333; margin-top: 4mm; break-after: avoid; }
 """
 
@@ -194,6 +196,8 @@ class _Counter:
         self.tables = 0
         self.figures = 0
         self.link_from = link_from
+        self.deferred: list[str] | None = None
+        """While a section renders: its landscape figures, placed after the rest of it."""
 
 
 def _prov_html(meta: dict[str, Any], source: str) -> str:
@@ -259,10 +263,15 @@ LANDSCAPE_ASPECT = 2.0
 LANDSCAPE_MIN_PX = 1900
 
 
+def is_landscape(data: bytes) -> bool:
+    """Whether a PNG is wide enough to get a landscape page of its own."""
+    w, h = _png_size(data)
+    return bool(h) and w / h > LANDSCAPE_ASPECT and w > LANDSCAPE_MIN_PX
+
+
 def figure_html(block: Figure, n: int, link_from: Path | None = None) -> str:
     data = block.path.read_bytes()
-    w, h = _png_size(data)
-    cls = ' class="landscape"' if h and w / h > LANDSCAPE_ASPECT and w > LANDSCAPE_MIN_PX else ""
+    cls = ' class="landscape"' if is_landscape(data) else ""
     if link_from is None:
         uri = "data:image/png;base64," + base64.b64encode(data).decode()
     else:
@@ -288,7 +297,13 @@ def block_html(block: Block, counter: _Counter) -> str:
         return table_html(block, counter.tables)
     if isinstance(block, Figure):
         counter.figures += 1
-        return figure_html(block, counter.figures, counter.link_from)
+        out = figure_html(block, counter.figures, counter.link_from)
+        if counter.deferred is not None and ' class="landscape"' in out[:40]:
+            # A landscape page breaks the portrait flow: placed where it is cited, it leaves the page before it
+            # mostly empty. Like a LaTeX float page, it goes to the end of its section, keeping its number.
+            counter.deferred.append(out)
+            return f'<p class="deferred">(Figure {counter.figures}: on a landscape page at the end of this section.)</p>'
+        return out
     if isinstance(block, Missing):
         return (
             f'<div class="missing"><b>Not measured yet:</b> {markdown_inline(block.what)}. '
@@ -313,7 +328,12 @@ def section_html(section: Section, counter: _Counter) -> str:
         f'<h2 id="{section.anchor}"><span class="num">§{section.number}</span>{html.escape(section.title)}</h2>'
         f'<div class="problems">{html.escape(problems)}</div>'
     )
-    return f"<section>{head}{''.join(block_html(b, counter) for b in section.blocks)}</section>"
+    counter.deferred = []
+    body = "".join(block_html(b, counter) for b in section.blocks)
+    deferred, counter.deferred = counter.deferred, None
+    if len(deferred) > 1:  # two to a landscape page, still wider than a portrait page allows
+        deferred = [d.replace(' class="landscape"', ' class="landscape shared"', 1) for d in deferred]
+    return f"<section>{head}{body}{''.join(deferred)}</section>"
 
 
 def _has_missing(section: Section) -> bool:
