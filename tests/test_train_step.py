@@ -282,3 +282,93 @@ def test_steps_answer_calls_a_difference_within_the_spread_no_difference() -> No
     assert _ties_text(steps) == (" In 1 of the 2 cells (xl at 4096) the two differ by less than the spread of "
                                  "their rounds: no difference.")
     assert _ties_text(steps.assign(ours_spread_ms=[0.5, 0.5])) == ""
+
+
+def test_the_baseline_is_our_model_as_it_started_at_the_same_cell() -> None:
+    spec = train_step.StepSpec("small", 4096, 2, "bf16", compile=True, compile_mode="reduce-overhead",
+                               attention="flash_triton", optimizer="flat", checkpoint=(4,), fused_head=True)
+    before = train_step.baseline_spec(spec)
+    assert (before.preset, before.context_length, before.batch_size, before.precision) == ("small", 4096, 2, "bf16")
+    assert (before.compile, before.attention, before.optimizer, before.checkpoint, before.fused_head) == (
+        False, "sdpa", "basics", (), False)
+
+
+def test_measure_alone_times_rounds_and_reports_running_out_of_memory(monkeypatch) -> None:
+    spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
+    rows = train_step.measure_alone(spec, rounds=2, steps=1, warmup=1, device=torch.device("cpu"), split_steps=1)
+    assert list(rows["round"]) == [0, 1] and set(rows["stack"]) == {"baseline"} and (rows["step_ms"] > 0).all()
+    assert rows.attrs["status"] == "ok" and set(rows.attrs["split"]["stack"]) == {"baseline"}
+
+    def too_big(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(train_step.TrainStep, "__init__", too_big)
+    oom = train_step.measure_alone(spec, rounds=2, steps=1, warmup=0, device=torch.device("cpu"))
+    assert oom.empty and oom.attrs["status"] == "OOM" and "split" not in oom.attrs
+    monkeypatch.setattr(train_step.TrainStep, "__init__", lambda self, *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # any other failure is a failure
+        train_step.measure_alone(spec, rounds=1, steps=1, warmup=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        train_step.measure_alone(spec, rounds=0)
+
+
+def test_each_cell_times_and_profiles_the_baseline_and_the_answer_compares_before_and_after(tmp_path,
+                                                                                            monkeypatch) -> None:
+    from cs336_systems import results
+    from cs336_systems.experiments import get, training_step
+    from cs336_systems.experiments.__main__ import writer
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    section = get("training_step")
+    p = section.params("smoke", {"presets": ["tiny"], "contexts": [16], "longest_presets": []})
+    assert p.baseline and p.split_steps
+    training_step.run(p, writer(section, p, "smoke", publish=True))
+    steps = results.load_table("training_step", "steps_tiny", root=tmp_path)
+    assert steps.loc[0, "baseline_status"] == "ok" and steps.loc[0, "baseline_step_ms"] > 0
+    split = results.load_table("training_step", "time_split_tiny", root=tmp_path)
+    assert set(split["stack"]) == {"ours", "reference", "baseline"}
+    # the answer: the speed-up over the baseline and the buckets it came from (synthetic numbers)
+    row = {"preset": "xl", "context_length": 1024, "ours_step_ms": 100.0, "baseline_step_ms": 250.0,
+           "baseline_MFU_pct": 17.5, "baseline_status": "ok"}
+    oom = {**row, "preset": "2.7B", "baseline_step_ms": float("nan"), "baseline_MFU_pct": float("nan"),
+           "baseline_status": "OOM"}
+    buckets = [{"preset": "xl", "context_length": 1024, "stack": stack, "bucket": b, "ms_per_step": ms, "share": 0.0}
+               for stack, ms_by in (("baseline", (80.0, 60.0, 60.0)), ("ours", (70.0, 20.0, 10.0)),
+                                     ("reference", (70.0, 20.0, 9.0)))
+               for b, ms in zip(("matmul", "attention", "optimizer"), ms_by)]
+    text = training_step._before_text(pd.DataFrame([row, oom]), pd.DataFrame(buckets)).markdown
+    assert "our step is 2.50×–2.50× as fast" in text and "17.5–17.5% MFU" in text
+    assert "40.0% came from attention, 50.0% came from optimizer" not in text  # ordered by size
+    assert "50.0% came from optimizer, 40.0% came from attention and 10.0% came from matmul" in text
+    assert "does not fit at 2.7B at 1024 (out of memory)" in text
+    assert training_step._before_text(pd.DataFrame([{"ours_step_ms": 1.0}]), None) is None
+
+
+def test_longest_context_searches_of_several_jobs_combine_by_preset(tmp_path, monkeypatch) -> None:
+    from cs336_systems import results
+    from cs336_systems.benchmarking import max_context
+    from cs336_systems.experiments import get, training_step
+    from cs336_systems.experiments.__main__ import writer
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    monkeypatch.setattr(results, "git_commit", lambda: "c" * 40)
+    searched: list[str] = []
+
+    def stand_in(presets, base, **kwargs):
+        searched.extend(presets)
+        return pd.DataFrame([{"preset": pr, "context_length": 64, "fits": True, "peak_GiB": 1.0, "longest": 64}
+                             for pr in presets])
+
+    monkeypatch.setattr(max_context, "longest_contexts", stand_in)
+    section = get("training_step")
+
+    def search(presets: list[str], **extra) -> list[str]:
+        p = section.params("smoke", {"presets": [], "longest_presets": presets, **extra})
+        training_step.run(p, writer(section, p, "smoke", publish=True))
+        return list(results.load_table("training_step", "longest_context", root=tmp_path)["preset"])
+
+    assert search(["xl"]) == ["xl"]
+    assert search(["small", "tiny"]) == ["tiny", "small", "xl"]  # combined, in the presets' order
+    assert searched == ["xl", "small", "tiny"]  # one preset at a time
+    assert search(["small"]) == ["tiny", "small", "xl"]  # searched again: its rows replaced
+    assert search(["small"], longest_high=64) == ["small"]  # another setting: starts over

@@ -16,6 +16,8 @@ from round to round; the report is the median over rounds with the spread (max -
   memory-efficient in fp32, where cuDNN has no kernel).
 
 Both use the same batch, autocast and ``--compile`` (``torch.compile`` of the model and its loss together).
+:func:`measure_alone` times a third configuration on its own, :data:`BASELINE_CHANGES` applied: our model as it
+ran before this work (eager, SDPA, per-parameter AdamW), the "before" that a speed-up is counted from.
 
     python -m cs336_systems.benchmarking.train_step --preset xl --context-length 1024 --batch-size 4 \\
         --precision bf16 --compile --attention flash_triton
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -240,6 +243,60 @@ class TrainStep:
         """Milliseconds per step over ``steps`` back-to-back steps."""
         with self.context():
             return ms_per_call(self.step, steps, self.device)
+
+
+#: Our stack as it started, before this section's work: eager, SDPA, ``cs336_basics``' per-parameter AdamW, no
+#: checkpointing or fused paths. :func:`baseline_spec` applies it to a cell's spec (batch, context and precision
+#: stay), and :func:`measure_alone` times it: the "before" of the before/after comparison.
+BASELINE_CHANGES = {"compile": False, "compile_mode": "default", "attention": "sdpa", "optimizer": "basics",
+                    "checkpoint": (), "fused_head": False, "fused_projections": False}
+
+
+def baseline_spec(spec: StepSpec) -> StepSpec:
+    """``spec`` with :data:`BASELINE_CHANGES`: the same cell, run the way our model first ran."""
+    return dataclasses.replace(spec, **BASELINE_CHANGES)
+
+
+def measure_alone(spec: StepSpec, rounds: int = 3, steps: int = 5, warmup: int = 3,
+                  device: torch.device | None = None, split_steps: int = 0, label: str = "baseline") -> pd.DataFrame:
+    """Our stack at ``spec`` timed on its own: one row per round (``round``, ``stack`` = ``label``,
+    ``step_ms``, ``num_params``), one build, ``warmup`` untimed steps first.
+
+    Not alternated with :func:`compare`'s stacks: it is the reference point a speed-up is measured from, and
+    holding a third model beside two compiled ones would not fit the largest presets. Running out of memory
+    is a result, not an error: ``frame.attrs["status"]`` is ``"ok"`` or ``"OOM"`` (then no rows). With
+    ``split_steps``, ``frame.attrs["split"]`` holds its :meth:`TrainStep.time_split`."""
+    from cs336_systems.benchmarking.sweep import OK, OOM, free_memory, is_oom
+
+    spec.check()
+    if rounds < 1 or steps < 1 or warmup < 0:
+        raise ValueError(f"need rounds >= 1, steps >= 1, warmup >= 0; got {rounds}, {steps}, {warmup}")
+    device = device or default_device()
+    free_memory()
+    run = None
+    try:
+        run = TrainStep("ours", spec, device)
+        with run.context():
+            for _ in range(warmup):
+                run.step()
+        rows = [{"round": r, "stack": label, "step_ms": run.time_ms(steps), "num_params": run.num_params}
+                for r in range(rounds)]
+        split = run.time_split(split_steps).assign(stack=label) if split_steps else None
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        frame = pd.DataFrame(columns=["round", "stack", "step_ms", "num_params"])
+        frame.attrs["status"] = OOM
+        return frame
+    finally:
+        del run
+        torch._dynamo.reset()
+        free_memory()
+    frame = pd.DataFrame(rows)
+    frame.attrs["status"] = OK
+    if split is not None:
+        frame.attrs["split"] = split
+    return frame
 
 
 RESIDENCY = ("auto", "both", "one")

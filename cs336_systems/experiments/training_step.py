@@ -58,6 +58,8 @@ class Params:
     budget_s: float = param(420.0, "time budget of the comparison; cells past it are recorded as skipped")
     resident: str = param("auto", "both stacks on the device at once, one at a time (rebuilt per round), or auto")
     split_steps: int = param(3, "profiled steps per stack for the time split of each cell (0: none)")
+    baseline: bool = param(True, "also time and profile our model as it started (eager, SDPA, per-parameter "
+                           "AdamW: train_step.BASELINE_CHANGES) after each cell's pair, on its own")
     longest_presets: list[str] = param(["small", "medium", "large", "xl", "2.7B"],
                                        "presets whose longest trainable context is searched ([]: none)")
     longest_checkpoint: list[int] = param([4], "checkpoint levels for the longest-context search")
@@ -121,11 +123,20 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
                                        fused_projections=p.fused_projections)
             rows = train_step.compare(spec, p.rounds, p.steps, p.warmup, device=device, split_steps=p.split_steps,
                                       resident=p.resident)
-            table = train_step.summarize(rows, spec, name, ceiling_tflops=ceiling).set_index("stack")
             torch._dynamo.reset()  # compiled graphs hold the models
-            if "split" in rows.attrs:
-                splits.append(rows.attrs["split"].assign(preset=preset, context_length=context_length))
-            return {"resident": rows.attrs["resident"], "matmul_ceiling_TFLOP_per_s": ceiling,
+            resident, found = rows.attrs["resident"], [rows.attrs.get("split")]
+            status = {}
+            if p.baseline:  # the "before": our model as it started, at the same batch and precision
+                before = train_step.measure_alone(train_step.baseline_spec(spec), p.rounds, p.steps, p.warmup,
+                                                  device, p.split_steps)
+                status = {"baseline_status": before.attrs["status"]}
+                found.append(before.attrs.get("split"))
+                # without the frames' attrs, which pandas would otherwise try to compare while concatenating
+                rows = pd.concat([pd.DataFrame(rows.to_dict("list")), pd.DataFrame(before.to_dict("list"))],
+                                 ignore_index=True)
+            table = train_step.summarize(rows, spec, name, ceiling_tflops=ceiling).set_index("stack")
+            splits.extend(f.assign(preset=preset, context_length=context_length) for f in found if f is not None)
+            return {"resident": resident, "matmul_ceiling_TFLOP_per_s": ceiling, **status,
                     **{f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}}
 
         # one preset's contexts may take longer than a GPU job (xl: about 5 minutes a context with one stack
@@ -155,16 +166,25 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         base = train_step.StepSpec(batch_size=1, precision=p.precision, attention=p.attention,
                                    optimizer=p.optimizer, checkpoint=tuple(p.longest_checkpoint),
                                    fused_projections=p.fused_projections)
-        longest = longest_contexts(p.longest_presets, base, low=min(256, p.longest_high), high=p.longest_high,
-                                   granularity=min(256, p.longest_high), device=device)
-        out.table(longest, "longest_context")
+        # One preset at a time, each written when its search ends: all five take longer than one GPU job, so
+        # jobs split by preset (--set 'presets=[]' --set longest_presets=xl) combine at one commit and setting.
+        longest = rows_of_this_run(out, "longest_context", asdict(p), LONGEST_PARAMS)
+        for preset in p.longest_presets:
+            found = longest_contexts([preset], base, low=min(256, p.longest_high), high=p.longest_high,
+                                     granularity=min(256, p.longest_high), device=device)
+            longest = merge_rows(found, longest, "preset", order=list(ALL_PRESETS))
+            out.table(longest, "longest_context")
         result["longest_context"] = longest
     return result
 
 
 #: Parameters that change what a cell measures: rows of runs that agree on them (and on the commit) combine.
 STEP_PARAMS = ("tokens_per_step", "precision", "compile", "compile_mode", "attention", "optimizer", "checkpoint",
-               "fused_head", "fused_projections", "rounds", "steps", "warmup", "split_steps", "resident")
+               "fused_head", "fused_projections", "rounds", "steps", "warmup", "split_steps", "resident", "baseline")
+
+
+#: Parameters that change what the longest-context search finds: searches that agree on them combine.
+LONGEST_PARAMS = ("precision", "attention", "optimizer", "fused_projections", "longest_checkpoint", "longest_high")
 
 
 #: Every preset's measured tables (the order of the combined tables).
@@ -213,9 +233,9 @@ def plot_time_split(split: pd.DataFrame) -> plt.Figure:
 
 
 def plot_mfu(wide: pd.DataFrame) -> plt.Figure:
-    """MFU of both stacks per preset, a panel per context length."""
+    """MFU of both stacks (and of the baseline, where timed) per preset, a panel per context length."""
     ok = wide[wide["status"] == OK]
-    long = pd.concat([ok.assign(stack=s, MFU=ok[f"{s}_MFU_pct"]) for s in ("ours", "reference")
+    long = pd.concat([ok.assign(stack=s, MFU=ok[f"{s}_MFU_pct"]) for s in ("baseline", "ours", "reference")
                       if f"{s}_MFU_pct" in ok], ignore_index=True)
     g = sns.catplot(data=long, x="preset", y="MFU", hue="stack", col="context_length", kind="bar", height=3.4,
                     aspect=1.2)
@@ -259,15 +279,17 @@ def answer(d: SectionData) -> list[Block]:
                                           "ours_step_ms", "ours_spread_ms", "reference_step_ms",
                                           "reference_spread_ms", "ours_vs_reference", "ours_MFU_pct",
                                           "reference_MFU_pct", "ours_MFU_of_ceiling_pct",
-                                          "reference_MFU_of_ceiling_pct"),
+                                          "reference_MFU_of_ceiling_pct", "baseline_step_ms"),
                     caption="Median step time over alternating rounds, spread (max - min), ours over the reference "
                             "and MFU against the data-sheet peak and against the matmul ceiling measured in the same "
                             "job (matmul_ceiling). Combined from one table per preset (steps_<preset>), "
                             "each measured by its own job; the run parameters shown are the first preset's, and each "
-                            "preset's own are in its table's record."),
+                            "preset's own are in its table's record. baseline_step_ms: our model as it started "
+                            "(eager, SDPA, per-parameter AdamW), timed alone after the pair."),
             d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
                      "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
             _split_text(d.frame("time_split"), d.meta("steps").get("params")),
+            _before_text(steps, d.frame("time_split")),
             _ceiling_text(steps),
         ], what="the training-step comparison"),
         question(d, "longest", "The longest context each preset trains at on this GPU.", [
@@ -276,6 +298,41 @@ def answer(d: SectionData) -> list[Block]:
                     "fitted, and their peak memory."),
         ], what="the longest-context search"),
     ]
+
+
+def _before_text(steps: pd.DataFrame, split: pd.DataFrame | None) -> Text | None:
+    """Before and after: our step against our model as it started (the baseline, timed alone), and the buckets
+    of the time split the saving came from."""
+    if "baseline_step_ms" not in steps.columns:
+        return None
+    status = steps["baseline_status"] if "baseline_status" in steps.columns else pd.Series("ok", index=steps.index)
+    timed = steps[steps["baseline_step_ms"].notna()]
+    oom = [f"{r['preset']} at {int(r['context_length'])}" for _, r in steps[status == "OOM"].iterrows()]
+    if timed.empty and not oom:
+        return None
+    cell = lambda r: f"{r['preset']} at {int(r['context_length'])}"  # noqa: E731
+    text = ("Before and after: against our model as it started (eager, SDPA attention, `cs336_basics`' "
+            "per-parameter AdamW, no checkpointing or fused paths; the same batch and precision, timed alone "
+            "after each pair)")
+    if not timed.empty:
+        gain = timed["baseline_step_ms"] / timed["ours_step_ms"]
+        lo, hi = timed.loc[gain.idxmin()], timed.loc[gain.idxmax()]
+        text += (f", our step is {fmt.ratio(gain.min())}–{fmt.ratio(gain.max())} as fast ({cell(lo)} the least, "
+                 f"{cell(hi)} the most)")
+        if "baseline_MFU_pct" in timed.columns:
+            text += (f"; the baseline reaches {timed['baseline_MFU_pct'].min():.1f}–"
+                     f"{timed['baseline_MFU_pct'].max():.1f}% MFU")
+    if split is not None and {"baseline", "ours"} <= set(split.get("stack", pd.Series(dtype=str))):
+        keyed = split_by_bucket(split[split["stack"].isin(["baseline", "ours"])])
+        saved = (keyed.xs("baseline", level="stack") - keyed.xs("ours", level="stack")).dropna().sum()
+        if saved[saved > 0].sum() > 0:
+            share = saved / saved[saved > 0].sum()
+            text += ("; of the time saved, summed over the profiled cells, " + join_words(
+                [f"{fmt.pct(share[b])} came from {b}" for b in saved.sort_values(ascending=False).index
+                 if saved[b] > 0][:3]))
+    if oom:
+        text += f". The baseline does not fit at {join_words(oom)} (out of memory)"
+    return Text(text + ".")
 
 
 def _ceiling_text(steps: pd.DataFrame) -> Text | None:
@@ -338,9 +395,9 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
     """Which buckets hold the gap between our step and the reference's, summed over every cell; ``params``
     (the run's) say whether our projections were fused."""
     if split is None or not {"bucket", "ms_per_step", "stack", "preset", "context_length"} <= set(split.columns) \
-            or set(split["stack"]) != {"ours", "reference"}:
+            or not {"ours", "reference"} <= set(split["stack"]):
         return None
-    keyed = split_by_bucket(split)
+    keyed = split_by_bucket(split[split["stack"].isin(["ours", "reference"])])
     gap = (keyed.xs("ours", level="stack") - keyed.xs("reference", level="stack")).dropna()
     if gap.empty:
         return None
