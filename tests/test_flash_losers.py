@@ -71,6 +71,8 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     assert "our slowest kernel there: `flash_backward_dkdv_kernel` at 1 and `flash_forward_kernel` at 1." in text
     assert "bfloat16 (8, 25, 1024, 64) causal 120/85.4 and 331/303" in text  # ours/cuDNN forward, backward
     assert not any(isinstance(b, Table) for b in question.blocks)  # the tables are in the results index
+    # the lever for each phase that loses, and only for those
+    assert fb.LOSER_LEVERS["forward"] in text and fb.LOSER_LEVERS["backward"] not in text
 
 
 def test_losers_part_on_cpu_says_what_it_needs(tmp_path, monkeypatch, capsys) -> None:

@@ -511,6 +511,9 @@ def test_landscape_figures_go_to_the_end_of_their_section_two_to_a_page(tmp_path
     assert "(Figure 1: on a landscape page at the end of this section.)" in page
     assert page.index("after the wide figure") < page.index("<b>Figure 2.</b>") < page.index("<b>Figure 1.</b>")
     assert 'class="landscape"' in page and "shared" not in page
-    two = Section("9", "Two", "two", (), [wide, Text("between"), png("wide2.png", (14, 4))])
+    two = Section("9", "Two", "two", (), [wide, Text("between"), png("wide2.png", (14, 4)),
+                                          Text("3 further tables", role="further")])
     page = section_html(two, _Counter())
     assert page.count('class="landscape shared"') == 2 and page.index("between") < page.index("<b>Figure 1.</b>")
+    # the closing note follows the landscape pages, so it never fills a portrait page of its own before them
+    assert page.index("<b>Figure 2.</b>") < page.index("3 further tables")

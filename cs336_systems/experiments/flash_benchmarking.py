@@ -1157,9 +1157,25 @@ def _losers(d: SectionData) -> list[Block]:
             + "; our slowest kernel there: " + join_words([f"`{k}` at {n}" for k, n in slowest.items()]) + ". "
             + _losers_per_shape(summary) + " (GPU µs per call by phase and kernel: `losers.csv`, "
             "`losers_kernels.csv` in the results index)")
+    levers = [LOSER_LEVERS[phase] for phase in counts.index if phase in LOSER_LEVERS]
+    if levers:
+        text += ". What would close the gap (predictions from the kernels' profiles, not yet measured): " + \
+            "; ".join(levers)
     d.frame("losers_kernels")  # cited above, listed in the index
     return [question(d, "losers", "Beyond the handout: where the shapes that lose most lose, from a profile.",
                      [Text(text + ".")])]
+
+
+#: Per losing phase, the lever the kernel notes point to (``docs/flash_attention/NOTES.md``, "Next levers").
+LOSER_LEVERS = {
+    "backward": "in the backward, our dK/dV and dQ kernels each recompute $QK^T$ and $P$, seven products where "
+                "cuDNN's fused backward does five; accumulating dQ inside the dK/dV kernel (FlashAttention-3's "
+                "schedule) removes two, at the price of a reduction that 128-key tiles keep small",
+    "forward": "in the forward, the tiles were tuned at 16,384 tokens; at about 1,000 tokens each program streams "
+               "only a few key blocks, likely too few to fill its load pipeline (a hypothesis, not profiled), so "
+               "the lever is a tile choice per sequence length (`flash_host_overhead --variant` A/Bs tiles at any "
+               "shape without code changes)",
+}
 
 
 def _losers_per_shape(summary: pd.DataFrame) -> str:

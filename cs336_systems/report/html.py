@@ -328,12 +328,17 @@ def section_html(section: Section, counter: _Counter) -> str:
         f'<h2 id="{section.anchor}"><span class="num">§{section.number}</span>{html.escape(section.title)}</h2>'
         f'<div class="problems">{html.escape(problems)}</div>'
     )
+    blocks = list(section.blocks)
+    tail = []  # the closing "further results" note goes after the landscape pages, where the next section follows
+    while blocks and isinstance(blocks[-1], Text) and blocks[-1].role == "further":
+        tail.insert(0, blocks.pop())
     counter.deferred = []
-    body = "".join(block_html(b, counter) for b in section.blocks)
+    body = "".join(block_html(b, counter) for b in blocks)
     deferred, counter.deferred = counter.deferred, None
     if len(deferred) > 1:  # two to a landscape page, still wider than a portrait page allows
         deferred = [d.replace(' class="landscape"', ' class="landscape shared"', 1) for d in deferred]
-    return f"<section>{head}{body}{''.join(deferred)}</section>"
+    closing = "".join(block_html(b, counter) for b in tail)
+    return f"<section>{head}{body}{''.join(deferred)}{closing}</section>"
 
 
 def _has_missing(section: Section) -> bool:
