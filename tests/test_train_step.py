@@ -327,6 +327,17 @@ def test_each_cell_times_and_profiles_the_baseline_and_the_answer_compares_befor
     assert steps.loc[0, "baseline_status"] == "ok" and steps.loc[0, "baseline_step_ms"] > 0
     split = results.load_table("training_step", "time_split_tiny", root=tmp_path)
     assert set(split["stack"]) == {"ours", "reference", "baseline"}
+    # a baseline that runs out of memory is a status; the pair's numbers stay numbers
+    def no_room(*args, **kwargs) -> pd.DataFrame:
+        frame = pd.DataFrame(columns=["round", "stack", "step_ms", "num_params"])
+        frame.attrs["status"] = "OOM"
+        return frame
+
+    monkeypatch.setattr(train_step, "measure_alone", no_room)
+    training_step.run(p, writer(section, p, "smoke", publish=True))
+    steps = results.load_table("training_step", "steps_tiny", root=tmp_path)
+    assert steps.loc[0, "baseline_status"] == "OOM" and pd.isna(steps.loc[0].get("baseline_step_ms"))
+    assert steps["ours_step_ms"].dtype.kind == "f" and steps.loc[0, "ours_step_ms"] > 0
     # the answer: the speed-up over the baseline and the buckets it came from (synthetic numbers)
     row = {"preset": "xl", "context_length": 1024, "ours_step_ms": 100.0, "baseline_step_ms": 250.0,
            "baseline_MFU_pct": 17.5, "baseline_status": "ok"}

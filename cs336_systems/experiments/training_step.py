@@ -131,8 +131,9 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
                                                   device, p.split_steps)
                 status = {"baseline_status": before.attrs["status"]}
                 found.append(before.attrs.get("split"))
-                # without the frames' attrs, which pandas would otherwise try to compare while concatenating
-                rows = pd.concat([pd.DataFrame(rows.to_dict("list")), pd.DataFrame(before.to_dict("list"))],
+                # without the frames' attrs (which pandas would compare while concatenating), and without an
+                # empty OOM frame (whose untyped columns would turn every column into objects)
+                rows = pd.concat([pd.DataFrame(f.to_dict("list")) for f in (rows, before) if len(f)],
                                  ignore_index=True)
             table = train_step.summarize(rows, spec, name, ceiling_tflops=ceiling).set_index("stack")
             splits.extend(f.assign(preset=preset, context_length=context_length) for f in found if f is not None)
