@@ -54,6 +54,7 @@ def write_derived(
     clash = (set(derived.figures) | set(derived.tables)) & inputs
     if clash:
         raise ValueError(f"derived artefact name(s) {sorted(clash)} equal measured inputs; pick other names")
+
     def origin(src: str) -> dict[str, Any]:
         """Inside the measuring run: the parameters of the job that measured ``src`` (an earlier job's, for a
         table that combines several jobs), not the last job's; later, its whole provenance."""

@@ -227,8 +227,8 @@ def provenance_line(meta: dict[str, Any]) -> str:
 
 def params_line(meta: dict[str, Any], limit: int = 240) -> str:
     """The run's parameters, compactly: against its section's preset, only the values that differ (what a
-    reader needs to repeat the run: ``--full --set k=v ...``); every value for a record of no known section.
-    None-valued "auto" parameters are left out."""
+    reader needs to repeat the run: ``--full --set k=v ...``), and the value a parameter that defaults to None
+    ("auto") was resolved to; every value for a record of no known section. None values are left out."""
     params = {k: v for k, v in (meta.get("params") or {}).items() if v is not None}
     if not params:
         return ""
