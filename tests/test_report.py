@@ -4,6 +4,7 @@ and the manifest that proves the committed ``writeup.pdf`` is not older than its
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -517,3 +518,29 @@ def test_landscape_figures_go_to_the_end_of_their_section_two_to_a_page(tmp_path
     assert page.count('class="landscape shared"') == 2 and page.index("between") < page.index("<b>Figure 1.</b>")
     # the closing note follows the landscape pages, so it never fills a portrait page of its own before them
     assert page.index("<b>Figure 2.</b>") < page.index("3 further tables")
+
+
+def test_step_mfu_counts_one_gpus_share_of_the_batch() -> None:
+    """MFU of a timed step: the model's FLOPs of the rows' batch (one rank's share) over the step, against the
+    data-sheet peak of the run's device in the row's precision; recomputation is not counted."""
+    from cs336_systems.configs import step_flops
+    from cs336_systems.report.answers import step_mfu
+
+    h100 = {"device": "NVIDIA H100 80GB HBM3", "float32_matmul_precision": "highest"}
+    rows = pd.DataFrame({"preset": ["small", "small"], "batch_per_rank": [2, 2], "context_length": [512, 512],
+                         "step_ms": [100.0, float("nan")], "autocast": ["bf16", "bf16"]})
+    out = step_mfu(rows, h100)
+    tflops = step_flops("small", 2, 512, "train") / 0.1 / 1e12
+    assert out.loc[0, "TFLOP_per_s"] == pytest.approx(tflops)
+    assert out.loc[0, "MFU_pct"] == pytest.approx(100 * tflops / 989.4, rel=1e-3)  # H100 SXM bf16 dense
+    assert math.isnan(out.loc[1, "MFU_pct"])
+    fp32 = step_mfu(rows.drop(columns="autocast"), h100)  # no precision column: fp32 at "highest"
+    assert fp32.loc[0, "MFU_pct"] == pytest.approx(100 * tflops / 66.9, rel=1e-3)
+    assert step_mfu(rows.drop(columns="preset"), h100) is not None and "MFU_pct" not in step_mfu(
+        rows.drop(columns="preset"), h100)  # nothing to count the FLOPs of: unchanged
+    from cs336_systems.benchmarking.leaderboard_8b import LeaderboardShape
+
+    shape = LeaderboardShape(num_layers=4, context_length=8192)
+    one = step_mfu(pd.DataFrame({"batch_size": [2], "context_length": [8192], "step_ms": [466.5]}), h100,
+                   config=shape.config(), batch="batch_size", precision="none")
+    assert one.loc[0, "TFLOP_per_s"] == pytest.approx(step_flops(shape.config(), 2, 8192) / 0.4665 / 1e12)

@@ -126,6 +126,8 @@ def plot_scaling(table: pd.DataFrame, title: str) -> plt.Figure:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.report.answers import mfu_note, step_mfu  # noqa: E402  (answers only)
+
 
 def allreduce_fit(frame: pd.DataFrame | None, backend: str = "nccl", world_size: int = 2) -> dict | None:
     """Latency ``o`` (s) and algorithm bandwidth ``w`` (bytes/s) fitted to measured all-reduce times."""
@@ -174,10 +176,14 @@ def row(df: pd.DataFrame | None, mode: str) -> pd.Series | None:
 def steps_blocks(d: SectionData, name: str | None, caption: str, eager_only: bool = False):
     if name is None:
         return None
-    rows = d.frame(name)
+    rows = step_mfu(d.frame(name), d.meta(name))
     frame = subset(eager_rows(rows) if eager_only else rows, "variant", "num_buckets", "step_ms", "step_ms_std", "fwd_bwd_ms", "sync_ms",
-                   "optimizer_ms", "overhead_ms", "vs_single")
-    return d.table(name, frame=frame, caption=caption)
+                   "optimizer_ms", "overhead_ms", "vs_single", "MFU_pct")
+    precisions = tuple(rows["autocast"].dropna().astype(str).unique()) if rows is not None and "autocast" in rows \
+        else ("fp32",)
+    note = mfu_note(d.meta(name), precisions) if frame is not None and "MFU_pct" in frame else ""
+    return d.table(name, frame=frame, caption=caption + (" MFU is per GPU: one rank's share of the batch over the "
+                                                         "step." + note if note else ""))
 
 
 STEPS_CAPTION = ("Time per training step by strategy, same model and data in one run: `sync` is the "

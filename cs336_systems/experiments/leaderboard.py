@@ -109,7 +109,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.report import fmt  # noqa: E402
-from cs336_systems.report.answers import ok_rows, question  # noqa: E402
+from cs336_systems.report.answers import mfu_note, ok_rows, question, step_mfu  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
 from cs336_systems.report.document import Block, Text  # noqa: E402
 
@@ -123,11 +123,31 @@ def answer(d: SectionData) -> list[Block]:
                     "above it (bf16 weights, gradients and AdamW moments; the activations each block saves; the "
                     "logits with their float32 log-softmax)."),
             *_ranks_blocks(d),
-            _step_sentence(d.frame("step"), d.meta("step"), taken_on_ranks=bool(_ranks_tables(d))),
-            d.table("step", caption="The same step on one GPU at a reduced shape: `do_bench` median, peak memory, "
-                    "and the run's wall time from the first line (compilation and autotuning included)."),
+            _step_sentence(_step_with_mfu(d.frame("step"), d.meta("step")), d.meta("step"),
+                           taken_on_ranks=bool(_ranks_tables(d))),
+            d.table("step", frame=_step_with_mfu(d.frame("step"), d.meta("step")),
+                    caption="The same step on one GPU at a reduced shape: `do_bench` median, peak memory, "
+                    "the run's wall time from the first line (compilation and autotuning included), and MFU (the "
+                    "model's FLOPs at that shape over the step; recomputation not counted)."
+                    + mfu_note(d.meta("step"), ("bf16",))),
         ], what="the memory plan and the timed step"),
     ]
+
+
+def _step_with_mfu(step: pd.DataFrame | None, meta: dict[str, Any] | None) -> pd.DataFrame | None:
+    """The step table with the model's TFLOP/s and MFU at the shape the run recorded (bf16 weights)."""
+    from dataclasses import fields
+
+    from cs336_systems.benchmarking.leaderboard_8b import LeaderboardShape
+
+    params = (meta or {}).get("params") or {}
+    names = {f.name for f in fields(LeaderboardShape)}
+    if step is None or not names <= set(params):
+        return step
+    shape = LeaderboardShape(**{k: int(params[k]) for k in names})
+    frame = step_mfu(step.assign(context_length=shape.context_length, batch_size=shape.batch_size, precision="bf16"),
+                     meta or {}, config=shape.config(), batch="batch_size", precision="precision")
+    return frame.drop(columns=["context_length", "batch_size", "precision"])
 
 
 def _plan_sentence(plan: pd.DataFrame | None, meta: dict[str, Any] | None) -> Text | None:
@@ -193,6 +213,8 @@ def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None, taken
         how.append(f"checkpoint levels {options['checkpoint']}")
     how.append(f"AdamW ({options.get('optimizer', '?')})")
     peak = "" if pd.isna(r.get("peak_GiB")) else f", peak {fmt.sig(r['peak_GiB'])} GiB"
+    if pd.notna(r.get("MFU_pct", float("nan"))):
+        peak += f", {r['MFU_pct']:.1f}% MFU"
     device = (meta or {}).get("device", "one GPU")
     return Text(f"Timed on {device} at {r['shape']} ({fmt.params(r['params'])} parameters; {', '.join(how)}): "
                 f"{fmt.ms(r['step_ms'])} per step{peak}; the whole run took {fmt.sig(r['wall_s'])} s, "

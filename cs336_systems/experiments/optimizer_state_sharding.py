@@ -480,6 +480,21 @@ def main(argv: list[str] | None = None) -> int:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
+from cs336_systems.report.answers import mfu_note, step_mfu  # noqa: E402  (answers only)
+
+
+def _timing_with_mfu(timing: pd.DataFrame | None, meta: dict[str, Any]) -> pd.DataFrame | None:
+    """The timing table with MFU per GPU, from the run's model, batch and context (fp32: no autocast)."""
+    params = meta.get("params") or {}
+    if timing is None or not {"model", "global_batch", "context_length"} <= set(params):
+        return timing
+    world = int(params.get("world_size") or params.get("nproc") or 1)
+    frame = timing.assign(preset=params["model"], batch_per_rank=int(params["global_batch"]) // world,
+                          context_length=int(params["context_length"]), autocast="fp32")
+    return step_mfu(frame, meta).drop(columns=["preset", "batch_per_rank", "context_length", "autocast",
+                                               "TFLOP_per_s"])
+
+
 _OPTIMIZER_NAMES = {"adamw": "AdamW (replicated state)", "sharded": "our sharded AdamW", "zero": "ZeroRedundancyOptimizer"}
 
 
@@ -534,7 +549,9 @@ def answer(d: SectionData) -> list[Block]:
                            "component.")],
                  what="peak memory with and without sharding"),
         question(d, "b", "Time per iteration with and without optimizer-state sharding.",
-                 [time_text, d.table("timing", caption="Time per training step (max over ranks)."),
+                 [time_text, d.table("timing", frame=_timing_with_mfu(d.frame("timing"), d.meta("timing")),
+                                     caption="Time per training step (max over ranks), and MFU per GPU (one rank's "
+                                     "share of the batch over the step)." + mfu_note(d.meta("timing"))),
                   d.figure("step_time", "timing", caption="Time per training step.")],
                  what="iteration times with and without sharding"),
         question(d, "c", "How this differs from ZeRO stage 1 ($P_{os}$).", [

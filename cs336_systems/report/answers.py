@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 import pandas as pd
 
@@ -84,6 +85,25 @@ def with_mfu(df: pd.DataFrame | None, meta: dict, precision: str | None = None) 
     out["MFU_pct"] = [100 * mfu(t, meta.get("device"), matmul_precision(str(p), fmp))
                       for t, p in zip(df["TFLOP_per_s"], precisions)]
     return out
+
+
+def step_mfu(df: pd.DataFrame | None, meta: dict, *, config: Any = None, batch: str = "batch_per_rank",
+             precision: str = "autocast") -> pd.DataFrame | None:
+    """``df`` with the model's ``TFLOP_per_s`` per GPU and ``MFU_pct`` (:func:`with_mfu`): the FLOPs of one
+    training step of ``batch`` sequences of ``context_length`` tokens (one GPU's share) over ``step_ms``.
+    The model is each row's ``preset`` unless ``config`` (a preset or ``ModelConfig``) names it; the matmuls
+    run in the row's ``precision`` column (fp32 where there is none). Recomputation (activation
+    checkpointing) is not counted: MFU counts the model's FLOPs, not the hardware's."""
+    from cs336_systems.configs import step_flops
+
+    need = {batch, "context_length", "step_ms"} | ({"preset"} if config is None else set())
+    if df is None or not need <= set(df.columns):
+        return df
+    flops = [step_flops(config if config is not None else str(r["preset"]), int(r[batch]), int(r["context_length"]),
+                        "train") if pd.notna(r["step_ms"]) else float("nan") for _, r in df.iterrows()]
+    out = df.assign(TFLOP_per_s=pd.Series(flops, index=df.index) / (df["step_ms"] * 1e-3) / 1e12)
+    precisions = df[precision] if precision in df.columns else pd.Series("fp32", index=df.index)
+    return out.assign(MFU_pct=with_mfu(out.assign(precision=precisions), meta)["MFU_pct"])
 
 
 def mfu_note(meta: dict, precisions: tuple[str, ...] = ("fp32",)) -> str:
