@@ -541,6 +541,6 @@ def test_step_mfu_counts_one_gpus_share_of_the_batch() -> None:
     from cs336_systems.benchmarking.leaderboard_8b import LeaderboardShape
 
     shape = LeaderboardShape(num_layers=4, context_length=8192)
-    one = step_mfu(pd.DataFrame({"batch_size": [2], "context_length": [8192], "step_ms": [466.5]}), h100,
-                   config=shape.config(), batch="batch_size", precision="none")
+    one = step_mfu(pd.DataFrame({"step_ms": [466.5]}), h100, model=shape.config(), batch=2, context=8192,
+                   precision="bf16")
     assert one.loc[0, "TFLOP_per_s"] == pytest.approx(step_flops(shape.config(), 2, 8192) / 0.4665 / 1e12)

@@ -145,9 +145,8 @@ def _step_with_mfu(step: pd.DataFrame | None, meta: dict[str, Any] | None) -> pd
     if step is None or not names <= set(params):
         return step
     shape = LeaderboardShape(**{k: int(params[k]) for k in names})
-    frame = step_mfu(step.assign(context_length=shape.context_length, batch_size=shape.batch_size, precision="bf16"),
-                     meta or {}, config=shape.config(), batch="batch_size", precision="precision")
-    return frame.drop(columns=["context_length", "batch_size", "precision"])
+    return step_mfu(step, meta or {}, model=shape.config(), batch=shape.batch_size, context=shape.context_length,
+                    precision="bf16")
 
 
 def _plan_sentence(plan: pd.DataFrame | None, meta: dict[str, Any] | None) -> Text | None:

@@ -489,10 +489,8 @@ def _timing_with_mfu(timing: pd.DataFrame | None, meta: dict[str, Any]) -> pd.Da
     if timing is None or not {"model", "global_batch", "context_length"} <= set(params):
         return timing
     world = int(params.get("world_size") or params.get("nproc") or 1)
-    frame = timing.assign(preset=params["model"], batch_per_rank=int(params["global_batch"]) // world,
-                          context_length=int(params["context_length"]), autocast="fp32")
-    return step_mfu(frame, meta).drop(columns=["preset", "batch_per_rank", "context_length", "autocast",
-                                               "TFLOP_per_s"])
+    return step_mfu(timing, meta, model=params["model"], batch=int(params["global_batch"]) // world,
+                    context=int(params["context_length"]), precision="fp32").drop(columns="TFLOP_per_s")
 
 
 _OPTIMIZER_NAMES = {"adamw": "AdamW (replicated state)", "sharded": "our sharded AdamW", "zero": "ZeroRedundancyOptimizer"}

@@ -301,6 +301,12 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
+def _bucket_gap(split: pd.DataFrame, slower: str, faster: str) -> pd.DataFrame:
+    """Per (preset, context) cell and bucket: ``slower``'s ms per step minus ``faster``'s (cells both have)."""
+    keyed = split_by_bucket(split[split["stack"].isin([slower, faster])])
+    return (keyed.xs(slower, level="stack") - keyed.xs(faster, level="stack")).dropna()
+
+
 def _before_text(steps: pd.DataFrame, split: pd.DataFrame | None) -> Text | None:
     """Before and after: our step against our model as it started (the baseline, timed alone), and the buckets
     of the time split the saving came from."""
@@ -324,8 +330,7 @@ def _before_text(steps: pd.DataFrame, split: pd.DataFrame | None) -> Text | None
             text += (f"; the baseline reaches {timed['baseline_MFU_pct'].min():.1f}–"
                      f"{timed['baseline_MFU_pct'].max():.1f}% MFU")
     if split is not None and {"baseline", "ours"} <= set(split.get("stack", pd.Series(dtype=str))):
-        keyed = split_by_bucket(split[split["stack"].isin(["baseline", "ours"])])
-        saved = (keyed.xs("baseline", level="stack") - keyed.xs("ours", level="stack")).dropna().sum()
+        saved = _bucket_gap(split, "baseline", "ours").sum()
         if saved[saved > 0].sum() > 0:
             share = saved / saved[saved > 0].sum()
             text += ("; of the time saved, summed over the profiled cells, " + join_words(
@@ -398,8 +403,7 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
     if split is None or not {"bucket", "ms_per_step", "stack", "preset", "context_length"} <= set(split.columns) \
             or not {"ours", "reference"} <= set(split["stack"]):
         return None
-    keyed = split_by_bucket(split[split["stack"].isin(["ours", "reference"])])
-    gap = (keyed.xs("ours", level="stack") - keyed.xs("reference", level="stack")).dropna()
+    gap = _bucket_gap(split, "ours", "reference")
     if gap.empty:
         return None
     total = gap.sum()

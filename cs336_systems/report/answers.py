@@ -87,22 +87,26 @@ def with_mfu(df: pd.DataFrame | None, meta: dict, precision: str | None = None) 
     return out
 
 
-def step_mfu(df: pd.DataFrame | None, meta: dict, *, config: Any = None, batch: str = "batch_per_rank",
-             precision: str = "autocast") -> pd.DataFrame | None:
+def step_mfu(df: pd.DataFrame | None, meta: dict, *, model: Any = None, batch: int | None = None,
+             context: int | None = None, precision: str | None = None) -> pd.DataFrame | None:
     """``df`` with the model's ``TFLOP_per_s`` per GPU and ``MFU_pct`` (:func:`with_mfu`): the FLOPs of one
-    training step of ``batch`` sequences of ``context_length`` tokens (one GPU's share) over ``step_ms``.
-    The model is each row's ``preset`` unless ``config`` (a preset or ``ModelConfig``) names it; the matmuls
-    run in the row's ``precision`` column (fp32 where there is none). Recomputation (activation
-    checkpointing) is not counted: MFU counts the model's FLOPs, not the hardware's."""
+    training step of one GPU's share of the batch over ``step_ms``. The model (a preset or ``ModelConfig``),
+    the sequences per GPU, the context and the matmuls' precision are the arguments given, else each row's
+    ``preset``, ``batch_per_rank``, ``context_length`` and ``autocast`` (fp32 without that column).
+    Recomputation (activation checkpointing) is not counted: MFU counts the model's FLOPs, not the hardware's."""
     from cs336_systems.configs import step_flops
 
-    need = {batch, "context_length", "step_ms"} | ({"preset"} if config is None else set())
-    if df is None or not need <= set(df.columns):
+    given = {"preset": model, "batch_per_rank": batch, "context_length": context}
+    if df is None or "step_ms" not in df.columns or any(v is None and k not in df.columns for k, v in given.items()):
         return df
-    flops = [step_flops(config if config is not None else str(r["preset"]), int(r[batch]), int(r["context_length"]),
-                        "train") if pd.notna(r["step_ms"]) else float("nan") for _, r in df.iterrows()]
+    shape = pd.DataFrame({k: df[k] if v is None else pd.Series([v] * len(df), index=df.index, dtype=object)
+                          for k, v in given.items()})
+    flops = [step_flops(m, int(b), int(c), "train") if pd.notna(ms)
+             else float("nan") for m, b, c, ms in zip(shape["preset"], shape["batch_per_rank"],
+                                                      shape["context_length"], df["step_ms"])]
     out = df.assign(TFLOP_per_s=pd.Series(flops, index=df.index) / (df["step_ms"] * 1e-3) / 1e12)
-    precisions = df[precision] if precision in df.columns else pd.Series("fp32", index=df.index)
+    precisions = (pd.Series(precision, index=df.index) if precision is not None else
+                  df["autocast"] if "autocast" in df.columns else pd.Series("fp32", index=df.index))
     return out.assign(MFU_pct=with_mfu(out.assign(precision=precisions), meta)["MFU_pct"])
 
 
