@@ -383,3 +383,25 @@ def test_longest_context_searches_of_several_jobs_combine_by_preset(tmp_path, mo
     assert searched == ["xl", "small", "tiny"]  # one preset at a time
     assert search(["small"]) == ["tiny", "small", "xl"]  # searched again: its rows replaced
     assert search(["small"], longest_high=64) == ["small"]  # another setting: starts over
+
+
+def test_longest_answer_gives_peak_memory_and_says_at_least_where_the_search_stopped() -> None:
+    from cs336_systems.experiments import training_step
+
+    rows = pd.DataFrame([
+        {"preset": "small", "context_length": 256, "fits": True, "peak_GiB": 2.0, "longest": 1024},
+        {"preset": "small", "context_length": 1024, "fits": True, "peak_GiB": 9.5, "longest": 1024},
+        {"preset": "xl", "context_length": 256, "fits": True, "peak_GiB": 30.0, "longest": 512},
+        {"preset": "xl", "context_length": 1024, "fits": False, "peak_GiB": float("nan"), "longest": 512},
+        {"preset": "xl", "context_length": 512, "fits": True, "peak_GiB": 41.25, "longest": 512},
+        {"preset": "2.7B", "context_length": 256, "fits": False, "peak_GiB": float("nan"), "longest": float("nan")},
+    ])
+    text = training_step._longest_text(rows, {"longest_high": 1024, "longest_checkpoint": [4],
+                                              "attention": "flash_triton"}).markdown
+    assert "small at least 1,024 (9.5 GiB peak)" in text and "xl 512 (41.2 GiB peak)" in text
+    assert "2.7B none" in text and "segments of 4 blocks" in text
+    assert "so small may train at longer contexts" in text
+    # searched past every preset's limit: no "at least", no note
+    text = training_step._longest_text(rows, {"longest_high": 4096}).markdown
+    assert "at least" not in text and "longest_high" not in text
+    assert training_step._longest_text(None, {}) is None

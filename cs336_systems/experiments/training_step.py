@@ -267,12 +267,7 @@ def answer(d: SectionData) -> list[Block]:
                        f"{steps['reference_MFU_pct'].max():.1f}%" if "ours_MFU_pct" in steps.columns else "")
                     + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does."
                     + _ties_text(steps) + _tokens_text(steps) + _mode_text(d.meta("steps")) + _missing_text(steps))
-    longest = d.frame("longest_context")
-    long_text = None
-    if longest is not None and {"preset", "longest"} <= set(longest.columns):
-        best = longest.groupby("preset", sort=False)["longest"].first()
-        long_text = Text("Longest context of a batch-1 training step: " + join_words(
-            [f"{k} {int(v):,}" if pd.notna(v) else f"{k} none" for k, v in best.items()]) + ".")
+    long_text = _longest_text(d.frame("longest_context"), d.meta("longest_context").get("params") or {})
     return [
         question(d, "steps", "Our training step against a torch-native reference of the same shapes, with MFU.", [
             text,
@@ -296,7 +291,8 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "longest", "The longest context each preset trains at on this GPU.", [
             long_text,
             d.table("longest_context", caption="Every context tried by the bisection, whether two full steps "
-                    "fitted, and their peak memory."),
+                    "fitted, and their peak memory. Combined from searches of one or more presets each, run as "
+                    "separate jobs at one commit and setting; the run parameters shown are the last job's."),
         ], what="the longest-context search"),
     ]
 
@@ -339,6 +335,36 @@ def _before_text(steps: pd.DataFrame, split: pd.DataFrame | None) -> Text | None
     if oom:
         text += f". The baseline does not fit at {join_words(oom)} (out of memory)"
     return Text(text + ".")
+
+
+def _longest_text(longest: pd.DataFrame | None, params: dict[str, Any]) -> Text | None:
+    """Each preset's longest context with the peak memory there; a preset that fits at the highest context
+    tried is reported as "at least" that, since the search never looked further."""
+    if longest is None or not {"preset", "longest"} <= set(longest.columns):
+        return None
+    high = params.get("longest_high")
+    found, at_top = [], []
+    for preset, rows in longest.groupby("preset", sort=False):
+        best = rows["longest"].iloc[0]
+        if pd.isna(best):
+            found.append(f"{preset} none (its shortest context tried runs out of memory)")
+            continue
+        top = high is not None and int(best) >= int(high)
+        at_top += [preset] if top else []
+        peak = rows.loc[rows["context_length"] == best, "peak_GiB"] if "peak_GiB" in rows.columns else None
+        memory = f" ({peak.iloc[0]:.1f} GiB peak)" if peak is not None and len(peak) and pd.notna(peak.iloc[0]) else ""
+        found.append(f"{preset} {'at least ' if top else ''}{int(best):,}{memory}")
+    how = [f"{params['attention']} attention"] if params.get("attention") else []
+    levels = params.get("longest_checkpoint") or []
+    if levels:
+        how.append("activation checkpointing in segments of " + " within ".join(map(str, levels)) + " blocks")
+    text = ("Longest context of a batch-1 training step (forward, loss, backward and optimizer step, run twice "
+            "without running out of memory" + (", with " + join_words(how) if how else "") + "): "
+            + join_words(found) + ".")
+    if at_top:
+        text += (f" The search stops at {int(high):,} tokens (`longest_high`), so {join_words(at_top)} may train "
+                 "at longer contexts still.")
+    return Text(text)
 
 
 def _ceiling_text(steps: pd.DataFrame) -> Text | None:
