@@ -125,3 +125,21 @@ def test_cells_of_the_recorded_grid_without_a_row_are_named() -> None:
     assert fb._model_ab_absent(summary, params) == [("xl", 4096, False), ("xl", 4096, True)]
     assert fb._model_ab_absent(summary, {**params, "ab_contexts": [1024]}) == []
     assert fb._model_ab_absent(summary, {}) == []
+
+
+def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(tmp_path) -> None:
+    from cs336_systems.report.data import SectionData
+    from cs336_systems.report.document import Text
+
+    folder = tmp_path / "flash_benchmarking"
+    folder.mkdir()
+
+    def answer(compiles: list[bool]) -> str:
+        table = pd.DataFrame(sum((_rows({"preset": "small", "context_length": 1024, "compile": c},
+                                        {"sdpa": [10.0, 10.4], "flash_triton": [10.1, 10.2]}) for c in compiles), []))
+        fb.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
+        (question,) = fb._model_ab(SectionData(tmp_path, "flash_benchmarking"))
+        return " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
+
+    assert "default mode" in answer([False, True]) and "no CUDA graphs" in answer([True])
+    assert "Over 1 cell " in answer([False]) and "default mode" not in answer([False])

@@ -1272,6 +1272,9 @@ def _model_ab(d: SectionData) -> list[Block]:
         text += ("; the grid's " + join_words([f"{p} at {c:,} ({'compiled' if k else 'eager'})" for p, c, k in absent])
                  + " not measured yet (one job each: `python -m cs336_systems.experiments flash_benchmarking --full "
                  "--set parts=model_ab --set ab_presets=P --set ab_contexts=C --set ab_compile=K`)")
+    if measured["compile"].any():  # what "compiled" means here, unlike §1.4's graph-replayed steps
+        text += (". Compiled is `torch.compile(model)` in its default mode with `cs336_basics`' AdamW stepping "
+                 "eagerly: no CUDA graphs, so each attention call still pays its custom operators' host path")
     return [question(d, "model_ab", f"Beyond the handout: {ours} against {baseline} inside the model's training "
                      "step, eager and compiled, alternating in one process.", [
         Text(text + "."),
