@@ -544,3 +544,16 @@ def test_step_mfu_counts_one_gpus_share_of_the_batch() -> None:
     one = step_mfu(pd.DataFrame({"step_ms": [466.5]}), h100, model=shape.config(), batch=2, context=8192,
                    precision="bf16")
     assert one.loc[0, "TFLOP_per_s"] == pytest.approx(step_flops(shape.config(), 2, 8192) / 0.4665 / 1e12)
+
+
+def test_short_single_word_text_cells_never_wrap_and_long_ones_may() -> None:
+    from cs336_systems.report.html import table_html
+
+    frame = pd.DataFrame({"preset": ["medium", "10B@2026"], "note": ["a long note with spaces in it", "x" * 40],
+                          "ms": [1.5, 2.5]})
+    out = table_html(Table(frame, "t", "figures/x/t.csv", {}), 1)
+    assert '<td class="txt word">medium</td>' in out and '<td class="txt word">10B@2026</td>' in out
+    assert '<td class="txt">a long note with spaces in it</td>' in out and f'<td class="txt">{"x" * 40}</td>' in out
+    from cs336_systems.report.html import CSS
+
+    assert "td.txt.word { white-space: nowrap; }" in CSS

@@ -278,7 +278,7 @@ def answer(d: SectionData) -> list[Block]:
                                           "reference_MFU_of_ceiling_pct", "baseline_step_ms"),
                     caption="Median step time over alternating rounds, spread (max - min), ours over the reference "
                             "and MFU against the data-sheet peak and against the matmul ceiling measured in the same "
-                            "job (matmul_ceiling). Combined from one table per preset (steps_<preset>), "
+                            "job (matmul_ceiling). Combined from one table per preset (`steps_<preset>`), "
                             "each measured by its own job; the run parameters shown are the first preset's, and each "
                             "preset's own are in its table's record. baseline_step_ms: our model as it started "
                             "(eager, SDPA, per-parameter AdamW), timed alone after the pair."),

@@ -86,6 +86,7 @@ th, td { padding: 0.5mm 1.6mm; border-bottom: 0.3pt solid #ccc; }
 th { border-bottom: 0.8pt solid #444; border-top: 0.8pt solid #444; font-weight: bold; vertical-align: bottom; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 td.txt { text-align: left; overflow-wrap: anywhere; max-width: 70mm; }
+td.txt.word { white-space: nowrap; }
 .missing { border-left: 2.2pt solid #d98200; background: #fff6e8; padding: 1.5mm 3mm; margin: 2mm 0;
            font-size: 9.5pt; break-inside: avoid; }
 .missing code { background: #fdebd0; }
@@ -214,6 +215,15 @@ def _prov_html(meta: dict[str, Any], source: str) -> str:
 _NUMBER_TEXT = re.compile(r"^(—|[-+−]?[\d,.]+(e[-+]?\d+)?(×|%)?( ± \S+)?)$")
 
 
+#: Text cells this short and without spaces (preset names, statuses, dtypes) never wrap: letting them break
+#: anywhere, as long text cells must, splits words like "medium" across two lines in wide tables.
+SHORT_WORD = 12
+
+
+def _text_class(text: str) -> str:
+    return "txt word" if len(text) <= SHORT_WORD and not any(c.isspace() for c in text) else "txt"
+
+
 def _right_aligned(series: Any) -> bool:
     """Numbers, and "mean ± sd" or pre-formatted numeric strings, align right."""
     if getattr(series.dtype, "kind", "O") in "iuf":
@@ -235,8 +245,8 @@ def table_html(block: Table, n: int) -> str:
     rows = []
     for rec in df.itertuples(index=False):
         cells = "".join(
-            f'<td class="{"num" if isnum else "txt"}">{html.escape(fmt.cell(v, block.digits))}</td>'
-            for v, isnum in zip(rec, numeric)
+            f'<td class="{"num" if isnum else _text_class(text)}">{html.escape(text)}</td>'
+            for text, isnum in ((fmt.cell(v, block.digits), isnum) for v, isnum in zip(rec, numeric))
         )
         rows.append(f"<tr>{cells}</tr>")
     caption = markdown_inline(block.caption)
