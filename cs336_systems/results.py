@@ -320,22 +320,37 @@ def has_result(section: str, name: str, root: Path | None = None) -> bool:
 
 
 def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same: tuple[str, ...]) -> Any:
-    """The existing table ``name`` of ``out`` if it was measured at this commit, on this device, with equal
+    """The existing table ``name`` of ``out`` if it was measured by this code, on this device, with equal
     values of the parameters named in ``same``; otherwise None.
 
     A grid too long for one GPU job is measured in several (other contexts, other model sizes), each adding
     its rows to the table; a table from other code, another device or other settings is replaced instead,
-    so every table keeps a single provenance."""
+    so every table keeps a single provenance. "This code" is this commit, or an earlier one at which none of
+    the section's dependencies differed (:mod:`cs336_systems.report.staleness`, the test the writeup applies):
+    a commit of notes or answer text between two jobs does not split their table. The combined table records
+    the later commit, whose code it describes."""
     if not (out.dir / f"{name}.meta.json").exists():
         return None
     meta = load_meta(out.section, name, root=out.dir.parent)
     earlier = meta.get("params") or {}
-    if (meta.get("git_commit"), meta.get("device"), meta.get("smoke")) != (
-            git_commit(), device_description()["device"], out.smoke):
+    if (meta.get("device"), meta.get("smoke")) != (device_description()["device"], out.smoke):
+        return None
+    if meta.get("git_commit") != git_commit() and not _same_measuring_code(meta, out.section):
         return None
     if any(earlier.get(k) != params[k] for k in same):
         return None
     return load_table(out.section, name, root=out.dir.parent)
+
+
+def _same_measuring_code(meta: dict[str, Any], section: str) -> bool:
+    """Whether ``meta``'s commit and the running code agree on every dependency of ``section``: both
+    committed (no ``-dirty``), and no dependency changed between them (False where git cannot tell)."""
+    from cs336_systems.report.staleness import depends_of, freshness
+
+    now, then = git_commit(), str(meta.get("git_commit") or "")
+    if now.endswith("-dirty") or now == "unknown" or not then or then.endswith("-dirty"):
+        return False
+    return not freshness(meta, depends_of(section)).stale
 
 
 def merge_rows(rows: Any, earlier: Any, key: str | Sequence[str], order: list[Any] | None = None) -> Any:

@@ -117,3 +117,35 @@ def test_rewriting_an_unchanged_result_leaves_its_bytes(tmp_path, monkeypatch) -
     monkeypatch.setenv("CS336_GIT_COMMIT", "cccc")
     results.ResultWriter("sec", params={"n": 2}, smoke=False).json({"v": 5.0}, "j")  # new parameters: new record
     assert json.loads((tmp_path / "sec" / "j.meta.json").read_text())["params"] == {"n": 2}
+
+
+def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(tmp_path, monkeypatch) -> None:
+    from cs336_systems.report import staleness
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    commit = {"now": "a" * 40}
+    monkeypatch.setattr(results, "git_commit", lambda: commit["now"])
+    asked: list[tuple[str, tuple[str, ...]]] = []
+    unchanged = {"flag": True}
+
+    def freshness(meta, depends, repo=None):
+        asked.append((meta["git_commit"], tuple(depends)))
+        return staleness.Freshness("fresh" if unchanged["flag"] else "stale", meta["git_commit"], (), "")
+
+    monkeypatch.setattr(staleness, "freshness", freshness)
+    out = results.ResultWriter("training_step", params={"steps": 3}, smoke=True)
+    out.table(pd.DataFrame({"context_length": [1024], "ms": [1.0]}), "steps_xl")
+
+    def earlier(**params):
+        return results.rows_of_this_run(out, "steps_xl", {"steps": 3, **params}, ("steps",))
+
+    assert earlier() is not None and asked == []  # the same commit: no question asked
+    commit["now"] = "b" * 40  # a later commit, the section's code unchanged: the rows combine
+    assert earlier()["ms"].tolist() == [1.0]
+    assert asked[-1][0] == "a" * 40 and "cs336_systems/benchmarking/train_step.py" in asked[-1][1]
+    unchanged["flag"] = False  # ... or changed: the table starts over
+    assert earlier() is None
+    unchanged["flag"] = True
+    assert earlier(steps=5) is None  # other settings: never
+    commit["now"] = "b" * 40 + "-dirty"  # uncommitted library changes: nobody can say which code ran
+    assert earlier() is None
