@@ -557,3 +557,42 @@ def test_short_single_word_text_cells_never_wrap_and_long_ones_may() -> None:
     from cs336_systems.report.html import CSS
 
     assert "td.txt.word { white-space: nowrap; }" in CSS
+
+
+def test_the_runs_preset_and_a_sections_own_preset_parameter_are_told_apart(tmp_path, monkeypatch) -> None:
+    """Records keep the run's preset under run_preset, and a section's own "preset" parameter (a model) under
+    "preset"; older records, where the run's preset overwrote that parameter, lose the model rather than
+    pass the run's preset off as it."""
+    from cs336_systems.experiments import get
+    from cs336_systems.experiments.__main__ import writer
+    from cs336_systems.report.data import params_line, preset_defaults, run_params
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    section = get("gradient_checkpointing")
+    params = section.params("full", {"preset": "2.7B"})
+    recorded = writer(section, params, "full", publish=False).params
+    assert recorded["run_preset"] == "full" and recorded["preset"] == "2.7B"
+    assert params_line({"section": "gradient_checkpointing", "params": recorded}) == "--full, with preset=2.7B"
+    old = {**{k: v for k, v in recorded.items() if k != "run_preset"}, "preset": "full"}  # as older runs wrote it
+    assert "preset" not in run_params("gradient_checkpointing", old)
+    assert params_line({"section": "gradient_checkpointing", "params": old}) == "--full (the preset's values)"
+    # a section without such a parameter keeps "preset" as the run's preset, old record or new
+    flash = get("flash_benchmarking")
+    recorded = writer(flash, flash.params("full", {}), "full", publish=False).params
+    assert recorded["preset"] == recorded["run_preset"] == "full"
+    full = preset_defaults("flash_benchmarking", "full")
+    assert run_params("flash_benchmarking", {**full, "preset": "full"})["preset"] == "full"
+    assert params_line({"section": "flash_benchmarking", "params": recorded}) == "--full (the preset's values)"
+
+
+def test_ddp_overhead_fit_names_its_model_from_the_runs_step_table(tmp_path) -> None:
+    from cs336_systems.experiments.ddp_common import _model_column
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "ddp_bucketed"
+    folder.mkdir()
+    pd.DataFrame({"preset": ["xl", "xl"], "ms": [1.0, 2.0]}).to_csv(folder / "steps_xl_fp32.csv", index=False)
+    d = SectionData(tmp_path, "ddp_bucketed")
+    assert _model_column(d, "overhead_model_xl_fp32", "overhead_model") == "xl"
+    assert _model_column(d, "overhead_model_large_fp32", "overhead_model") is None  # no such step table
+    assert _model_column(d, "other_xl_fp32", "overhead_model") is None

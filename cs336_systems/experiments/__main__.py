@@ -52,7 +52,10 @@ def writer(section: Section, params: Any, preset: str, publish: bool | None = No
 
     if publish is None:
         publish = section.gpus > 0
-    recorded = {**(asdict(params) if params is not None else {}), "preset": preset}
+    # The run's preset is "run_preset"; "preset" too where the section has no parameter of that name (a model
+    # preset, which the run's preset used to overwrite in the record).
+    recorded = {**(asdict(params) if params is not None else {}), "run_preset": preset}
+    recorded.setdefault("preset", preset)
     if edition is not None:
         recorded["edition"] = edition
     return ResultWriter(section.results_folder(edition), params=recorded, smoke=preset == "smoke", publish=publish)

@@ -154,6 +154,16 @@ def named(names: list[str], kind: str) -> str | None:
     return _preferred(hits)[0] if hits else None
 
 
+def _model_column(d: SectionData, name: str, kind: str) -> str | None:
+    """The model of result ``<kind>_<preset>_<dtype>``, from its run's step table (``steps_<preset>_<dtype>``),
+    for records that lack it (older records lost it to the run's preset)."""
+    suffix = name.removeprefix(kind + "_") if name.startswith(kind + "_") else ""
+    frame = d.frame(f"steps_{suffix}") if suffix else None
+    if frame is None or "preset" not in frame.columns or frame["preset"].nunique() != 1:
+        return None
+    return str(frame["preset"].iloc[0])
+
+
 def steps_table(d: SectionData) -> tuple[str | None, pd.DataFrame | None]:
     """The section's step-time table: ``steps_<preset>_<dtype>`` (the XL fp32 one when several)."""
     names = [n for n in d.tables if n.startswith("steps") and not n.endswith(("_timeline", "_overlap"))]
@@ -341,7 +351,8 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
     if own:
         m = bucketed.json(own)
         if isinstance(m, dict) and {"o_us", "w_GBps", "s_GB", "optimal_bucket_size_mb"} <= set(m):
-            preset = bucketed.meta(own).get("params", {}).get("preset", "the benchmarked")
+            preset = (bucketed.meta(own).get("params", {}).get("preset")
+                      or _model_column(bucketed, own, "overhead_model") or "the benchmarked")
             blocks += [
                 Text(f"Fitted in the bucketed benchmark's own run ({preset} model, `{own}.json`): "
                      f"$o = {fmt.tex_sig(m['o_us'])}$ µs, $w = {fmt.tex_sig(m['w_GBps'])}$ GB/s, "

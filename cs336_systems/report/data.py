@@ -105,6 +105,8 @@ class SectionData:
             return {}
         from cs336_systems.report import staleness
 
+        if isinstance(meta.get("params"), dict):
+            meta["params"] = run_params(self.folder, meta["params"])
         depends = self.depends or staleness.depends_of(self.folder)
         verdict = staleness.freshness(meta, depends)
         if verdict.stale:
@@ -229,25 +231,40 @@ def params_line(meta: dict[str, Any], limit: int = 240) -> str:
     """The run's parameters, compactly: against its section's preset, only the values that differ (what a
     reader needs to repeat the run: ``--full --set k=v ...``), and the value a parameter that defaults to None
     ("auto") was resolved to; every value for a record of no known section. None values are left out."""
-    params = {k: v for k, v in (meta.get("params") or {}).items() if v is not None}
+    section = str(meta.get("section") or "")
+    params = {k: v for k, v in run_params(section, meta.get("params") or {}).items() if v is not None}
     if not params:
         return ""
-    defaults = preset_defaults(str(meta.get("section") or ""), params.get("preset"), params.get("edition"))
+    run = params.pop("run_preset", None)
+    defaults = preset_defaults(section, run, params.get("edition"))
     if defaults is None:
         text = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
     else:
-        # Recorded keys that are no parameter (e.g. the kernel options a run resolved) follow from those that are.
-        # "preset" is the run's preset (it shadows a model-preset parameter in older records); an "auto"
-        # parameter (None by default) records what the run resolved it to.
-        shown = {k: v for k, v in params.items() if k in defaults and k != "preset" and v != defaults[k]}
+        # Recorded keys that are no parameter (e.g. the kernel options a run resolved) follow from those that are;
+        # so is "preset" where it only repeats the run's preset. An "auto" parameter (None by default) records
+        # what the run resolved it to.
+        shown = {k: v for k, v in params.items() if k in defaults and v != defaults[k]}
         changed = [f"{k}={_short(v)}" for k, v in shown.items() if defaults[k] is not None]
         resolved = [f"{k}={_short(v)}" for k, v in shown.items() if defaults[k] is None]
         grid = params.get("edition") if "edition" not in defaults else None  # an edition's grid, not a parameter
-        flag = f"--{params['preset']}" + (f" --edition {grid}" if grid else "")
+        flag = f"--{run}" + (f" --edition {grid}" if grid else "")
         text = f"{flag}, with " + ", ".join(changed) if changed else f"{flag} (the preset's values)"
         if resolved:
             text += " (resolved: " + ", ".join(resolved) + ")"
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def run_params(section: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A record's parameters with the run's preset under ``run_preset``. Older records kept it under "preset",
+    overwriting a section's own parameter of that name (a model preset, now unknown for them): there it is
+    moved, not left to pass for the model."""
+    if "run_preset" in params or "preset" not in params:
+        return dict(params)
+    out = {**params, "run_preset": params["preset"]}
+    found = preset_defaults(section, params["preset"], params.get("edition"))
+    if found is not None and "preset" in found:  # the section has a "preset" parameter: this was not it
+        del out["preset"]
+    return out
 
 
 @functools.cache
