@@ -41,3 +41,28 @@ def test_bad_parameters_fail_in_one_line() -> None:
     with pytest.raises(ValueError, match="the 2026 handout has no '2.7B' model"):
         section.params("smoke", {"preset": "2.7B@2026"})
     assert section.params("full").config().d_model == 2560  # 2026's xl, not 2025's
+
+
+def test_the_sweep_gains_mfu_where_its_record_names_the_model(tmp_path) -> None:
+    import json
+
+    import pandas as pd
+
+    from cs336_systems.configs import step_flops
+    from cs336_systems.hardware import peak_tflops
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "gradient_checkpointing"
+    folder.mkdir()
+    pd.DataFrame({"block_size": [0, 4], "status": ["OOM", "ok"], "step_ms": [float("nan"), 500.0]}).to_csv(
+        folder / "checkpointing.csv", index=False)
+    meta = {"device": "NVIDIA H100 80GB HBM3", "float32_matmul_precision": "highest",
+            "params": {"run_preset": "full", "preset": "small", "batch_size": 4, "context_length": 128}}
+    (folder / "checkpointing.meta.json").write_text(json.dumps(meta))
+    frame = gc._with_mfu(SectionData(tmp_path, "gradient_checkpointing"))
+    expected = step_flops("small", 4, 128, "train") / 0.5 / 1e12 / peak_tflops(meta["device"], "fp32") * 100
+    assert frame["MFU_pct"].iloc[1] == pytest.approx(expected) and pd.isna(frame["MFU_pct"].iloc[0])
+    # an older record, whose "preset" is the run's: no model, no MFU
+    meta["params"] = {"preset": "full", "batch_size": 4, "context_length": 128}
+    (folder / "checkpointing.meta.json").write_text(json.dumps(meta))
+    assert "MFU_pct" not in gc._with_mfu(SectionData(tmp_path, "gradient_checkpointing")).columns

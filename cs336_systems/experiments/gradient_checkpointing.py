@@ -155,7 +155,7 @@ def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.report import fmt  # noqa: E402
-from cs336_systems.report.answers import ok_rows, question, subset  # noqa: E402
+from cs336_systems.report.answers import ok_rows, question, step_mfu, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
 from cs336_systems.report.document import Block, Text  # noqa: E402
 
@@ -207,16 +207,28 @@ def answer(d: SectionData) -> list[Block]:
                  "far larger than its input, so the balance lies below $\\sqrt{N}$: the calculator's "
                  "`held_block_activations` counts the sets, and the measured peak decides."),
             best_text,
-            d.table("checkpointing", frame=subset(d.frame("checkpointing"), "block_size", "status", "levels",
+            d.table("checkpointing", frame=subset(_with_mfu(d), "block_size", "status", "levels",
                                                   "held_block_activations", "peak_GiB", "activation_peak_GiB",
-                                                  "step_ms"),
+                                                  "step_ms", "MFU_pct"),
                     caption="A full training step (forward, backward, AdamW) per checkpoint segment size "
-                            "(0: none): peak memory and its part above the model and optimizer state."),
+                            "(0: none): peak memory and its part above the model and optimizer state; MFU counts "
+                            "the model's FLOPs, not the recomputation, against the FP32 peak (where the record "
+                            "names its model: older ones lost it)."),
             # one fitting size makes a plot of one point: the table says it all
             d.figure("checkpointing", caption="Peak memory and step time against the segment size.")
             if len(sweep) > 1 else None,
         ], what="the checkpointing sweep"),
     ]
+
+
+def _with_mfu(d: SectionData) -> pd.DataFrame | None:
+    """The sweep with MFU (fp32, as this section trains) when its record names the model preset."""
+    frame, meta = d.frame("checkpointing"), d.meta("checkpointing")
+    params = meta.get("params") or {}
+    if frame is None or not params.get("preset"):
+        return frame
+    return step_mfu(frame, meta, model=params["preset"], batch=params.get("batch_size"),
+                    context=params.get("context_length"), precision="fp32")
 
 
 def _block_input_bytes(residuals: pd.DataFrame | None) -> float | None:
