@@ -405,3 +405,26 @@ def test_longest_answer_gives_peak_memory_and_says_at_least_where_the_search_sto
     text = training_step._longest_text(rows, {"longest_high": 4096}).markdown
     assert "at least" not in text and "longest_high" not in text
     assert training_step._longest_text(None, {}) is None
+
+
+def test_steps_answer_names_the_slowest_cell_and_the_fastest_or_closest(tmp_path) -> None:
+    import json
+
+    from cs336_systems.experiments import training_step
+    from cs336_systems.report.data import SectionData
+    from cs336_systems.report.document import Text
+
+    folder = tmp_path / "training_step"
+    folder.mkdir()
+
+    def first_sentence(ours: list[float]) -> str:
+        rows = [{"preset": pr, "context_length": 1024, "batch_size": 8, "status": "ok", "ours_step_ms": o,
+                 "reference_step_ms": 10.0, "ours_spread_ms": 0.01, "reference_spread_ms": 0.01,
+                 "ours_MFU_pct": 40.0, "reference_MFU_pct": 41.0} for pr, o in zip(("small", "xl"), ours)]
+        pd.DataFrame(rows).to_csv(folder / "steps.csv", index=False)
+        (folder / "steps.meta.json").write_text(json.dumps({"params": {"compile": False}}))
+        blocks = training_step.answer(SectionData(tmp_path, "training_step"))[0].blocks
+        return next(b.plain() for b in blocks if isinstance(b, Text) and "Ours runs at" in b.plain())
+
+    assert "small at 1024 the slowest, xl at 1024 the fastest)" in first_sentence([11.0, 9.0])
+    assert "small at 1024 the slowest, xl at 1024 the closest), behind it in every cell" in first_sentence([12.0, 11.0])

@@ -260,7 +260,8 @@ def answer(d: SectionData) -> list[Block]:
         lo, hi = steps.loc[ratio.idxmin()], steps.loc[ratio.idxmax()]
         cell = lambda r: f"{r['preset']} at {int(r['context_length'])}"  # noqa: E731
         text = Text(f"Ours runs at {fmt.ratio(ratio.min())}–{fmt.ratio(ratio.max())} the reference's speed "
-                    f"(reference time / ours; {cell(lo)} the slowest, {cell(hi)} the closest)"
+                    f"(reference time / ours; {cell(lo)} the slowest, {cell(hi)} the "
+                    f"{'fastest' if ratio.max() > 1 else 'closest'})"
                     + (", behind it in every cell" if (ratio < 1).all() else "")
                     + (f". Our best MFU is {steps['ours_MFU_pct'].max():.1f}% of the data sheet "
                        f"({cell(steps.loc[steps['ours_MFU_pct'].idxmax()])}) against the reference's "
