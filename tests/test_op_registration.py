@@ -64,8 +64,13 @@ def test_bad_arguments_are_one_line_errors() -> None:
     q, k, v, do = _inputs()
     with pytest.raises(ValueError, match="unknown path 'jit'"):
         reg.make_pair("jit", q, k, v, do, True)
-    with pytest.raises(ValueError, match=r"\(batch, heads, seq, d\) with d in"):
+    with pytest.raises(ValueError, match=r"\(batch, heads, seq, d\) with a head dim the kernels take unpadded"):
         reg.make_pair("direct", q[0], k[0], v[0], do[0], True)
+    odd = torch.zeros(1, 2, 24, 17)  # 17 floats: rows of no whole 16-byte units, which the autograd function pads
+    with pytest.raises(ValueError, match="unpadded"):
+        reg.make_pair("direct", odd, odd, odd, odd, True)
+    wide = torch.zeros(1, 2, 24, 80)  # 2.7B's head dim runs unpadded, as two slabs
+    assert callable(reg.make_pair("library", wide, wide, wide, wide, True))
     with pytest.raises(ValueError, match="rounds >= 1"):
         reg.measure((1, 2, 24, 16), rounds=0, device=DEVICE)
     if not torch.cuda.is_available():

@@ -76,11 +76,13 @@ def make_pair(path: str, q: Tensor, k: Tensor, v: Tensor, do: Tensor, causal: bo
     paths = _paths()
     if path not in paths:
         raise ValueError(f"unknown path {path!r}; choose from {', '.join(PATHS)}")
-    if q.dim() != 4 or q.shape[-1] not in flash_triton.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"inputs must be (batch, heads, seq, d) with d in {flash_triton.SUPPORTED_HEAD_DIMS}, "
-                         f"got {tuple(q.shape)}")
+    d = q.shape[-1]
+    # the operators take what the autograd function hands them: head dims it does not pad (64, 80, 128, ...)
+    if q.dim() != 4 or d not in flash_triton.HEAD_DIMS or flash_triton.stored_head_dim(d, q.element_size()) != d:
+        raise ValueError(f"inputs must be (batch, heads, seq, d) with a head dim the kernels take unpadded "
+                         f"(16-byte rows, at most {flash_triton.HEAD_DIMS[-1]}), got {tuple(q.shape)} {q.dtype}")
     forward, backward = paths[path]
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(d)
 
     def pair() -> tuple[Tensor, ...]:
         o, lse = forward(q, k, v, causal, scale)
