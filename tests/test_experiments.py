@@ -248,3 +248,46 @@ def test_warmup_answer_names_an_out_of_memory_timing_before_a_failed_first_cell(
     assert "after the handler" in text
     assert "ran out of memory in the measuring" not in _warmup_sentence(study, timings.iloc[:1]).markdown
     assert "ran out of memory in the measuring" not in _warmup_sentence(study.iloc[::-1], timings).markdown
+
+
+def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch, capsys, tmp_path) -> None:
+    """A section too long for one GPU job lists its parts: each part's values are parameters of the section,
+    ``--job N`` runs part N (any --set applying over it), and ``report status --jobs`` prints the commands of
+    the sections that need a run."""
+    from cs336_systems.experiments import __main__ as cli
+    from cs336_systems.experiments.section import command_text
+    from cs336_systems.report.__main__ import main as report_main
+
+    split = [s for s in SECTIONS.values() if s.jobs]
+    assert {"flash_benchmarking", "training_step"} <= {s.name for s in split}
+    for section in split:
+        for job in section.jobs:
+            section.params("full", job.sets)  # unknown names or bad values would raise here
+        commands = section.job_commands()
+        assert len(commands) == len(section.jobs) and f"{section.name} --job {len(section.jobs)}" in commands[-1]
+    training = get("training_step")
+    assert "--set presets=xl --set contexts=4096" in training.job_commands()[3]
+    assert "--set 'longest_presets=[]'" in training.job_commands()[0] and "(5.8 min)" in training.job_commands()[0]
+    assert command_text([]) == "[]" and command_text([True, False]) == "true,false" and command_text(4.0) == "4.0"
+
+    ran = []
+    monkeypatch.setattr(cli, "run_section", lambda name, preset, overrides, **kw: ran.append((name, preset, overrides)))
+    monkeypatch.setattr(cli, "_gpus_here", lambda: 8)  # what --full needs; nothing runs (run_section is a stand-in)
+    cli.main(["training_step", "--job", "4", "--set", "rounds=3"])
+    name, preset, overrides = ran[-1]
+    assert (name, preset) == ("training_step", "full") and overrides["presets"] == ["xl"]
+    assert overrides["contexts"] == [4096] and overrides["rounds"] == "3"  # --set over the job's value
+    with pytest.raises(ValueError, match=r"training_step has jobs 1\.\.9; got --job 10"):
+        cli.main(["training_step", "--job", "10"])
+    with pytest.raises(ValueError, match="its full run is one job"):
+        cli.main(["benchmarking", "--job", "1"])
+    with pytest.raises(SystemExit):
+        cli.main(["training_step", "--smoke", "--job", "1"])
+    assert "--job runs a part of one section's --full run" in capsys.readouterr().err
+
+    empty = tmp_path / "figures"
+    empty.mkdir()
+    report_main(["status", "--figures", str(empty), "--jobs"])
+    out = capsys.readouterr().out
+    assert "    uv run python -m cs336_systems.experiments flash_benchmarking --job 11" in out
+    assert "training_step --job 9" in out and "experiments benchmarking --job" not in out

@@ -120,6 +120,9 @@ def describe(section: Section) -> str:
         lines.append(f"  {name:<{width}}  {type_}: {full!r}" + (f" ({others})" if others else ""))
         if help_:
             lines.append(f"  {'':<{width}}    {help_}")
+    if section.jobs:
+        lines.append("--full split into jobs of about ten minutes (H100), in order:")
+        lines += [f"  {line}" for line in section.job_commands()]
     for edition, grid in section.editions.items():
         values = ", ".join(f"{k}={v!r}" for k, v in grid.items())
         lines.append(f"--edition {edition}: the {edition} handout's grid ({values}), written to "
@@ -156,6 +159,9 @@ def build_parser(section: Section | None = None) -> argparse.ArgumentParser:
         preset.add_argument(f"--{name}", dest="preset", action="store_const", const=name, help=text)
     parser.add_argument("--set", action="append", default=[], type=assignment, metavar="KEY=VALUE",
                         help="override a parameter (repeatable): --set sizes=small,xl --set budget_s=300")
+    parser.add_argument("--job", type=int, metavar="N",
+                        help="run job N of the section's full run split into jobs of about ten minutes (listed by "
+                             "--help and by `python -m cs336_systems.report status --jobs`); --set values apply over it")
     parser.add_argument("--edition", metavar="EDITION",
                         help="measure the grid this edition of the handout asks for, where it differs from the "
                              "workbook's (e.g. nsys_profile --edition 2026); results go to figures/SECTION/EDITION/")
@@ -184,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown section {unknown[0]!r}; sections: {', '.join(SECTIONS)}")
     overrides = dict(args.set)
+    if args.job is not None:  # one part of a split full run: its values, then any --set over them
+        if len(args.sections) != 1 or args.preset not in (None, "full"):
+            parser.error("--job runs a part of one section's --full run: name one section, without --smoke or --quick")
+        overrides = {**get(args.sections[0]).job(args.job).sets, **overrides}
+        args.preset = "full"
     # With several sections, each takes the overrides it has a parameter for; a key none has is a typo.
     # Every section's parameters are checked before the first one starts measuring.
     fields = {name: {f for f, *_ in get(name).describe_params()} for name in args.sections}

@@ -1479,6 +1479,9 @@ def _leaderboard(d: SectionData) -> list[Block | None]:
 
 
 
+from cs336_systems.experiments.section import Job  # noqa: E402
+
+
 SECTION = Section(
     name="flash_benchmarking", number="1.3.2", title="FlashAttention-2 in Triton",
     problems=("flash_forward", "flash_backward", "flash_benchmarking"), answer=answer, presets=PRESETS, run=run,
@@ -1486,4 +1489,18 @@ SECTION = Section(
     depends=(*MODEL, "cs336_systems/attention/", "cs336_systems/benchmarking/timing.py",
              "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py",
              "cs336_systems/benchmarking/flash_host_overhead.py"),
+    # measured at 087cb28 (refresh_087cb28.md); compiled model_ab cells compile twice each, so they are split
+    jobs=(
+        Job({"dtypes": ["bfloat16"]}, 4.7, "leaderboard at d 64 and 128, the bf16 sweep, the model step, host cost"),
+        Job({"parts": ["sweep"], "dtypes": ["float32"]}, 5.2),
+        Job({"parts": ["shapes"]}, 7.3),
+        Job({"parts": ["losers"]}, 0.4, "reads the shapes grid of the job before"),
+        Job({"parts": ["model_ab"], "ab_presets": ["small"]}, 4.3, "eager and compiled"),
+        Job({"parts": ["model_ab"], "ab_presets": ["medium", "xl"], "ab_compile": [False]}, 1.3),
+        Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [1024, 2048]}, 5.3),
+        Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [4096]}, 2.1),
+        Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [1024]}, 3.9),
+        Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [2048]}, 4.2),
+        Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [4096]}, 4.4),
+    ),
 )

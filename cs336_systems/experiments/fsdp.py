@@ -504,6 +504,9 @@ def answer(d: SectionData) -> list[Block]:
 
 
 
+from cs336_systems.experiments.section import Job  # noqa: E402
+
+
 SECTION = Section(
     name=SECTION_NAME, number="3.1", title="Fully sharded data parallelism", problems=("fsdp", "fsdp_accounting"),
     answer=answer,
@@ -513,6 +516,7 @@ SECTION = Section(
              "cs336_systems/distributed/runner.py", "cs336_systems/experiments/optimizer_state_sharding.py",
              "cs336_systems/accounting.py", "cs336_systems/profiling/gather_waits.py",
              "cs336_systems/profiling/timeline.py"),
+    jobs=(Job({"parts": ["compare"]}, 1.5, "2×H200"), Job({"parts": ["gathers"]})),
 )
 
 

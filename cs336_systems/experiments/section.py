@@ -16,6 +16,7 @@ the pipeline (tests, notebook smoke runs).
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 import types
 import typing
@@ -27,6 +28,27 @@ from typing import Any
 from cs336_systems.results import REPO_ROOT
 
 PRESETS = ("smoke", "quick", "full")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One part of a section's full run, short enough for a GPU job of about ten minutes: parameter values set
+    over the ``full`` preset. The jobs of a section write into the same tables, which combine their rows
+    (:func:`cs336_systems.results.rows_of_this_run`) when the earlier jobs' results folder is on the machine."""
+
+    sets: dict[str, Any]
+    minutes: float | None = None
+    """Wall minutes on an H100 when last measured, a fresh machine's start excluded (None: not timed yet)."""
+    note: str = ""
+
+
+def command_text(value: Any) -> str:
+    """A parameter value as ``--set`` reads it: lists comma-separated (``[]`` when empty), booleans as words."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(command_text(v) for v in value) if value else "[]"
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -66,6 +88,9 @@ class Section:
     parameter values of that grid, applied over the ``quick`` and ``full`` presets (``smoke`` stays tiny).
     Its results go to ``figures/<name>/<edition>/`` beside the workbook's own, so measuring one edition's
     grid never replaces the other's; that edition's writeup reads them."""
+    jobs: tuple[Job, ...] = ()
+    """The full run split into jobs of about ten minutes, in the order to run them (empty: it is one job);
+    ``python -m cs336_systems.experiments NAME --job N`` runs the N-th."""
 
     def __post_init__(self) -> None:
         # The section's own module measures too (above its answers marker): a change there stales results.
@@ -150,6 +175,23 @@ class Section:
             return self.command
         return (f"uv run python -m cs336_systems.experiments {self.name}"
                 + (" --publish" if self.gpus == 0 else " --full") + (f" --edition {edition}" if edition else ""))
+
+    def job(self, number: int) -> Job:
+        """Job ``number`` (1-based) of :attr:`jobs`, or a ``ValueError`` saying how many there are."""
+        if not 1 <= number <= len(self.jobs):
+            have = f"jobs 1..{len(self.jobs)}" if self.jobs else "no jobs (its full run is one job)"
+            raise ValueError(f"{self.name} has {have}; got --job {number}")
+        return self.jobs[number - 1]
+
+    def job_commands(self) -> list[str]:
+        """One command line per job, with its wall time when known."""
+        lines = []
+        for n, job in enumerate(self.jobs, 1):
+            sets = " ".join("--set " + shlex.quote(f"{k}={command_text(v)}") for k, v in job.sets.items())
+            time = f"{job.minutes:g} min" if job.minutes is not None else "not timed"
+            lines.append(f"uv run python -m cs336_systems.experiments {self.name} --job {n}   # {sets} ({time}"
+                         + (f"; {job.note}" if job.note else "") + ")")
+        return lines
 
     @property
     def where(self) -> str:

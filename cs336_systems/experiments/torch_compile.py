@@ -223,8 +223,13 @@ def _with_mfu(model: pd.DataFrame | None, meta: dict) -> pd.DataFrame | None:
 
 
 
+from cs336_systems.experiments.section import Job  # noqa: E402
+
+
 SECTION = Section(
     name="torch_compile", number="1.3.1", title="torch.compile", problems=("torch_compile",), answer=answer,
     presets=PRESETS, run=run, derive=derive, derive_inputs=("attention_speedup", "model_speedup"),
     depends=(*MODEL, *TIMING, "cs336_systems/benchmarking/attention.py", "cs336_systems/experiments/pytorch_attention.py"),
+    jobs=(Job({"parts": ["attention"]}), Job({"parts": ["model"], "sizes": ["small", "medium", "large"]}),
+          Job({"parts": ["model"], "sizes": ["xl", "2.7B"]})),
 )

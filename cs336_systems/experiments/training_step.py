@@ -463,6 +463,12 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
                    "there (`docs/flash_attention/head_dim_slabs.md`)." if share.get("attention", 0) >= 0.1 else ""))
 
 
+from cs336_systems.experiments.section import Job  # noqa: E402
+
+#: What every grid job of the full run sets: no search (its own jobs), two rounds, a budget inside ten minutes.
+_GRID_JOB = {"longest_presets": [], "rounds": 2, "budget_s": 540.0}
+
+
 SECTION = Section(
     name="training_step", number="1.4", title="The training step at the limit (beyond the handout)",
     problems=("beyond the handout",), answer=answer, presets=PRESETS, run=run, derive=derive,
@@ -473,4 +479,18 @@ SECTION = Section(
              "cs336_systems/benchmarking/sweep.py", "cs336_systems/flat_adamw.py", "cs336_systems/checkpointing.py",
              "cs336_systems/hardware.py", "cs336_systems/attention/",
              "cs336_systems/profiling/step_split.py", "cs336_systems/profiling/torch_profiler.py"),
+    # measured at ec3eb1a (docs/training_step/NOTES.md); a fresh machine adds 1-1.5 min to its first job
+    jobs=(
+        *(Job({**_GRID_JOB, **sets}, minutes) for sets, minutes in (
+            ({"presets": ["small", "medium"]}, 5.8),
+            ({"presets": ["large"]}, 5.9),
+            ({"presets": ["xl"], "contexts": [1024]}, 5.2),
+            ({"presets": ["xl"], "contexts": [4096]}, 5.3),
+            ({"presets": ["2.7B"], "tokens_per_step": 4096, "contexts": [1024]}, 3.8),  # 8192 tokens: out of memory
+            ({"presets": ["2.7B"], "tokens_per_step": 4096, "contexts": [4096]}, 3.6),
+        )),
+        Job({"presets": [], "longest_presets": ["small", "medium", "large"]}, 1.5, "the longest-context search"),
+        Job({"presets": [], "longest_presets": ["xl"]}, 6.9, "the longest-context search"),
+        Job({"presets": [], "longest_presets": ["2.7B"]}, 2.0, "the longest-context search"),
+    ),
 )

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "command that refreshes it; exit 1 while any result shown is stale")
     status.add_argument("--figures", type=Path, default=FIGURES_DIR)
     status.add_argument("-v", "--verbose", action="store_true", help="list every stale result with its reason")
+    status.add_argument("--jobs", action="store_true",
+                        help="for each stale or missing section split into GPU jobs, the command of every job")
     check = sub.add_parser("check", help="exit 1 when writeup.pdf is older than its inputs")
     check.add_argument("--figures", type=Path, default=FIGURES_DIR)
     check.add_argument("--pdf", type=Path, default=_manifest.DEFAULT_PDF)
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.verbose:
                 for name, verdict in sorted(st.stale.items()):
                     print(f"    {name}: {verdict.reason}")
+            spec = SECTIONS[st.folder.split("/")[0]]
+            if args.jobs and st.state != "fresh" and spec.jobs and st.folder == spec.name:
+                print("\n".join(f"    {line}" for line in spec.job_commands()))
         counts = {state: sum(st.state == state for st in statuses) for state in ("fresh", "stale", "missing")}
         print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['missing']} missing "
               f"(of {len(SECTIONS)} sections" + (f" and {len(statuses) - len(SECTIONS)} edition grids)"
