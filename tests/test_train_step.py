@@ -405,6 +405,11 @@ def test_longest_answer_gives_peak_memory_and_says_at_least_where_the_search_sto
     text = training_step._longest_text(rows, {"longest_high": 4096}).markdown
     assert "at least" not in text and "longest_high" not in text
     assert training_step._longest_text(None, {}) is None
+    # the writeup's table: each preset's longest fit and shortest failure, in context order
+    edge = training_step._boundary(rows)
+    assert list(zip(edge["preset"], edge["context_length"], edge["fits"])) == [
+        ("small", 1024, True), ("xl", 512, True), ("xl", 1024, False), ("2.7B", 256, False)]
+    assert "longest" not in edge.columns and training_step._boundary(None) is None
 
 
 def test_steps_answer_names_the_slowest_cell_and_the_fastest_or_closest(tmp_path) -> None:

@@ -291,9 +291,11 @@ def answer(d: SectionData) -> list[Block]:
         ], what="the training-step comparison"),
         question(d, "longest", "The longest context each preset trains at on this GPU.", [
             long_text,
-            d.table("longest_context", caption="Every context tried by the bisection, whether two full steps "
-                    "fitted, and their peak memory. Combined from searches of one or more presets each, run as "
-                    "separate jobs at one commit and setting; the run parameters shown are the last job's."),
+            d.table("longest_context", frame=_boundary(d.frame("longest_context")),
+                    caption="Where each preset's bisection ended: the longest context that trained (two full "
+                    "steps) with its peak memory, and the shortest that ran out of memory (every trial: the CSV). "
+                    "Combined from searches of one or more presets each, run as separate jobs of the same code and "
+                    "setting; the run parameters shown are the last job's."),
         ], what="the longest-context search"),
     ]
 
@@ -336,6 +338,20 @@ def _before_text(steps: pd.DataFrame, split: pd.DataFrame | None) -> Text | None
     if oom:
         text += f". The baseline does not fit at {join_words(oom)} (out of memory)"
     return Text(text + ".")
+
+
+def _boundary(longest: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Per preset, the trials on either side of the answer: the longest context that fit and the shortest that
+    did not (none where the search stopped at its top or its bottom)."""
+    if longest is None or not {"preset", "context_length", "fits"} <= set(longest.columns):
+        return longest
+    fits = longest["fits"].astype(str).str.lower() == "true"
+    keep = []  # in the presets' order, each preset's two trials by context
+    for _, rows in longest.assign(_fits=fits).groupby("preset", sort=False):
+        ok, failed = rows[rows["_fits"]], rows[~rows["_fits"]]
+        keep += [ok["context_length"].idxmax()] if len(ok) else []
+        keep += [failed["context_length"].idxmin()] if len(failed) else []
+    return longest.loc[keep].drop(columns=["longest"], errors="ignore").reset_index(drop=True)
 
 
 def _longest_text(longest: pd.DataFrame | None, params: dict[str, Any]) -> Text | None:
