@@ -135,10 +135,9 @@ def test_plain_jit_function_takes_its_constexprs_from_the_call() -> None:
 
 def test_nothing_is_replayed_where_replay_would_be_wrong() -> None:
     interpreted = FakeJit(Config({"BLOCK_M": 32}), compiled=False)  # Triton returned no compiled kernel
-    hooked = FakeJit(Config({"BLOCK_M": 32}, pre_hook=lambda args: None))  # must run before every launch
     missing = FakeJit(Config({}))  # BLOCK_M comes from nowhere: cannot rebuild the parameter list
     cache = MetaLaunchCache()
-    for fn in (interpreted, hooked, missing):
+    for fn in (interpreted, missing):
         for _ in range(3):
             cache.launch(fn, (1,), _args(), {"HEAD_DIM": 64})
         assert len(fn.slow_calls) == 3
@@ -147,6 +146,21 @@ def test_nothing_is_replayed_where_replay_would_be_wrong() -> None:
     for _ in range(2):
         cache.launch(cpu, _grid, (torch.empty(4, 4), 128, 64, 0.1), {"HEAD_DIM": 64})
     assert len(cpu.slow_calls) == 2
+
+
+def test_a_configs_pre_hook_runs_before_every_replay_with_this_calls_arguments() -> None:
+    """The attention kernels' configs size their host-built tensor descriptors in a pre-hook, which Triton runs
+    before each launch: a replay must run it too, on the arguments of the call being replayed."""
+    seen: list[dict] = []
+    fn = FakeJit(Config({"BLOCK_M": 32}, pre_hook=lambda nargs: seen.append(dict(nargs))))
+    cache = MetaLaunchCache()
+    first, second = _args(), _args()
+    cache.launch(fn, _grid, first, {"HEAD_DIM": 64})  # Triton's path: Triton runs the hook itself
+    cache.launch(fn, _grid, second, {"HEAD_DIM": 64})
+    cache.launch(fn, _grid, second, {"HEAD_DIM": 64})
+    assert len(fn.slow_calls) == 1 and len(fn.kernel.launches) == 2 and len(seen) == 2
+    assert seen[0]["X"] is second[0] and seen[0]["BLOCK_M"] == 32 and seen[0]["HEAD_DIM"] == 64
+    assert seen[0]["n"] == 128 and seen[0]["scale"] == 0.125
 
 
 def test_disabled_cache_and_lru_bound() -> None:

@@ -11,12 +11,12 @@ import triton.language as tl
 from .flash_common import (
     INTERPRETED,
     _exp2,
-    _head_descriptor,
     _jit,
     _key_ranges,
     _load_cols,
     _query_ranges,
     _store_cols,
+    _tile,
     _tile_and_head,
     _visible,
 )
@@ -70,6 +70,9 @@ def _dkdv_query_loop(
     qt_desc,
     dot_desc,
     ld_desc,
+    b,
+    h,
+    bh,
     offs_n,
     lo,
     hi,
@@ -89,13 +92,13 @@ def _dkdv_query_loop(
     transposed."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = q_desc.load([start_m, 0])
-        do = do_desc.load([start_m, 0])
-        lse2, delta = tl.split(tl.trans(ld_desc.load([0, start_m])))  # L (base 2), D
+        q = _tile(q_desc, b, h, start_m, 0, BLOCK_M, D_MAIN)
+        do = _tile(do_desc, b, h, start_m, 0, BLOCK_M, D_MAIN)
+        lse2, delta = tl.split(tl.trans(ld_desc.load([bh, 0, start_m]).reshape(2, BLOCK_M)))  # L (base 2), D
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if D_TAIL > 0:
-            q_t = qt_desc.load([start_m, D_MAIN])
-            do_t = dot_desc.load([start_m, D_MAIN])
+            q_t = _tile(qt_desc, b, h, start_m, D_MAIN, BLOCK_M, D_TAIL)
+            do_t = _tile(dot_desc, b, h, start_m, D_MAIN, BLOCK_M, D_TAIL)
             st = tl.dot(k_t, tl.trans(q_t), st, input_precision=DOT_PRECISION)
         pt = _exp2(st * qk_scale - lse2[None, :], POLY_EXP2, k.dtype)
         if MASKED:
@@ -118,14 +121,15 @@ def _dkdv_query_loop(
 # alignment) the pipeline stages packed misaligned and the kernel faulted (H100, Triton 3.6: "misaligned
 # address" at 16 x 64); tiles under 32 query rows stay excluded.
 DKDV_SMEM = (lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, 16 if INTERPRETED else 32)
+#: dK/dV's tensor descriptors and the tile side each streams along (``LD_DESC``: ``1 x 2 x BLOCK_M`` boxes).
+DKDV_DESCRIPTORS = {"Q_DESC": "BLOCK_M", "DO_DESC": "BLOCK_M", "QT_DESC": "BLOCK_M", "DOT_DESC": "BLOCK_M",
+                    "LD_DESC": "BLOCK_M"}
 
 
 @_jit
 def flash_backward_dkdv_kernel(
-    Q, K, V, DO, LD, DK, DV,
-    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
-    stride_ldbh, stride_ldrow,
+    K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV,
+    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
@@ -140,41 +144,36 @@ def flash_backward_dkdv_kernel(
     key_ok = offs_n < n_keys
 
     k_head, v_head = K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
-    q_head, do_head = Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh
     k = _load_cols(k_head, offs_n, stride_kn, stride_kd, key_ok, 0, D_MAIN, HEAD_DIM)
     v = _load_cols(v_head, offs_n, stride_vn, stride_vd, key_ok, 0, D_MAIN, HEAD_DIM)
-    # The streamed tiles come in through tensor descriptors (TMA on Hopper): one bulk copy per tile
-    # instead of per-thread asynchronous copies, rows past the end read as zeros, and no address
-    # arithmetic per element. See docs/flash_attention/NOTES.md ("TMA loads in dK/dV"): -20% on this kernel.
-    q_desc = _head_descriptor(q_head, stride_qn, n_queries, HEAD_DIM, BLOCK_M, D_MAIN)
-    do_desc = _head_descriptor(do_head, stride_don, n_queries, HEAD_DIM, BLOCK_M, D_MAIN)
-    ld_desc = tl.make_tensor_descriptor(LD + (b * n_heads + h) * stride_ldbh, shape=[2, n_queries],
-                                        strides=[stride_ldrow, 1], block_shape=[2, BLOCK_M])
+    # The streamed tiles (Q, dO, and the [L; D] row pair) come in through tensor descriptors (TMA on Hopper):
+    # one bulk copy per tile instead of per-thread asynchronous copies, rows past the end read as zeros, and
+    # no address arithmetic per element. See docs/flash_attention/NOTES.md ("TMA loads in dK/dV"): -20% here.
     dk = tl.zeros([BLOCK_N, D_MAIN], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D_MAIN], dtype=tl.float32)
     # Tail-slab tiles, when the head dim has a tail; otherwise the accumulators are placeholders, because
     # the loop helpers must return tensors.
-    k_t, v_t, qt_desc, dot_desc = None, None, None, None
+    k_t, v_t = None, None
     dk_t, dv_t = tl.zeros([1], dtype=tl.float32), tl.zeros([1], dtype=tl.float32)  # placeholders (see above)
     if D_TAIL > 0:
         k_t = _load_cols(k_head, offs_n, stride_kn, stride_kd, key_ok, D_MAIN, D_TAIL, HEAD_DIM)
         v_t = _load_cols(v_head, offs_n, stride_vn, stride_vd, key_ok, D_MAIN, D_TAIL, HEAD_DIM)
-        qt_desc = _head_descriptor(q_head, stride_qn, n_queries, HEAD_DIM, BLOCK_M, D_TAIL)
-        dot_desc = _head_descriptor(do_head, stride_don, n_queries, HEAD_DIM, BLOCK_M, D_TAIL)
         dk_t = tl.zeros([BLOCK_N, D_TAIL], dtype=tl.float32)
         dv_t = tl.zeros([BLOCK_N, D_TAIL], dtype=tl.float32)
+    b32, h32 = b.to(tl.int32), h.to(tl.int32)  # descriptor coordinates are 32-bit
+    bh = b32 * n_heads + h32
 
     lo, diag, tail = _query_ranges(start_n, n_queries, BLOCK_M, BLOCK_N, IS_CAUSAL)
     # Query tiles across the diagonal (masked), then those that see the whole key tile, then the ragged end.
-    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_desc, do_desc, qt_desc, dot_desc,
-                                          ld_desc, offs_n, lo, diag, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL,
-                                          BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
-    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_desc, do_desc, qt_desc, dot_desc,
-                                          ld_desc, offs_n, diag, tail, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL,
-                                          BLOCK_M, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
-    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_desc, do_desc, qt_desc, dot_desc,
-                                          ld_desc, offs_n, tail, n_queries, n_queries, n_keys, qk_scale, D_MAIN,
+    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
+                                          LD_DESC, b32, h32, bh, offs_n, lo, diag, n_queries, n_keys, qk_scale, D_MAIN,
                                           D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
+    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
+                                          LD_DESC, b32, h32, bh, offs_n, diag, tail, n_queries, n_keys, qk_scale,
+                                          D_MAIN, D_TAIL, BLOCK_M, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
+    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
+                                          LD_DESC, b32, h32, bh, offs_n, tail, n_queries, n_queries, n_keys, qk_scale,
+                                          D_MAIN, D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
 
     dk_head, dv_head = DK + b * stride_dkb + h * stride_dkh, DV + b * stride_dvb + h * stride_dvh
     _store_cols(dk_head, offs_n, stride_dkn, stride_dkd, key_ok, (dk * sm_scale).to(DK.dtype.element_ty),
@@ -201,6 +200,8 @@ def _dq_key_loop(
     v_desc,
     kt_desc,
     vt_desc,
+    b,
+    h,
     offs_m,
     lo,
     hi,
@@ -218,18 +219,19 @@ def _dq_key_loop(
     """Accumulate ``dQ += dS K`` (unscaled; ``dq_t``: the tail slab) over key tiles ``[lo, hi)``."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = k_desc.load([start_n, 0])  # keys past the end read as zeros and are masked below
-        v = v_desc.load([start_n, 0])
+        k = _tile(k_desc, b, h, start_n, 0, BLOCK_N, D_MAIN)  # keys past the end read as zeros, masked below
+        v = _tile(v_desc, b, h, start_n, 0, BLOCK_N, D_MAIN)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if D_TAIL > 0:
-            k_t = kt_desc.load([start_n, D_MAIN])
+            k_t = _tile(kt_desc, b, h, start_n, D_MAIN, BLOCK_N, D_TAIL)
             s = tl.dot(q_t, tl.trans(k_t), s, input_precision=DOT_PRECISION)
         p = _exp2(s * qk_scale - lse2[:, None], POLY_EXP2, q.dtype)
         if MASKED:
             p = tl.where(_visible(offs_m[:, None], offs_n[None, :], n_queries, n_keys, IS_CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if D_TAIL > 0:
-            dp = tl.dot(do_t, tl.trans(vt_desc.load([start_n, D_MAIN])), dp, input_precision=DOT_PRECISION)
+            dp = tl.dot(do_t, tl.trans(_tile(vt_desc, b, h, start_n, D_MAIN, BLOCK_N, D_TAIL)), dp,
+                        input_precision=DOT_PRECISION)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq = tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
         if D_TAIL > 0:
@@ -239,13 +241,14 @@ def _dq_key_loop(
 
 # Q, dO | K, V; K feeds S = Q Kᵀ transposed and dQ = dS K plain, V only dP = dO Vᵀ.
 DQ_SMEM = (lambda m, n: 2 * m, lambda m, n, t: (1 + t) * n, 16)
+#: dQ's tensor descriptors and the tile side each streams along.
+DQ_DESCRIPTORS = {"K_DESC": "BLOCK_N", "V_DESC": "BLOCK_N", "KT_DESC": "BLOCK_N", "VT_DESC": "BLOCK_N"}
 
 
 @_jit
 def flash_backward_dq_kernel(
-    Q, K, V, DO, LD, DQ,
-    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
+    Q, K_DESC, V_DESC, KT_DESC, VT_DESC, DO, LD, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_dob, stride_doh, stride_don, stride_dod,
     stride_ldbh, stride_ldrow,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
@@ -260,30 +263,26 @@ def flash_backward_dq_kernel(
     row_ok = offs_m < n_queries
 
     q_head, do_head = Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh
-    k_head, v_head = K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
     q = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, 0, D_MAIN, HEAD_DIM)
     do = _load_cols(do_head, offs_m, stride_don, stride_dod, row_ok, 0, D_MAIN, HEAD_DIM)
     ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
     lse2 = tl.load(ld_row, mask=row_ok, other=0.0)  # L in base-2 units
     delta = tl.load(ld_row + stride_ldrow, mask=row_ok, other=0.0)
-    k_desc = _head_descriptor(k_head, stride_kn, n_keys, HEAD_DIM, BLOCK_N, D_MAIN)
-    v_desc = _head_descriptor(v_head, stride_vn, n_keys, HEAD_DIM, BLOCK_N, D_MAIN)
     dq = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
-    q_t, do_t, kt_desc, vt_desc = None, None, None, None
+    q_t, do_t = None, None
     dq_t = tl.zeros([1], dtype=tl.float32)  # a placeholder: loop helpers return tensors
     if D_TAIL > 0:
         q_t = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
         do_t = _load_cols(do_head, offs_m, stride_don, stride_dod, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
-        kt_desc = _head_descriptor(k_head, stride_kn, n_keys, HEAD_DIM, BLOCK_N, D_TAIL)
-        vt_desc = _head_descriptor(v_head, stride_vn, n_keys, HEAD_DIM, BLOCK_N, D_TAIL)
         dq_t = tl.zeros([BLOCK_M, D_TAIL], dtype=tl.float32)
+    b32, h32 = b.to(tl.int32), h.to(tl.int32)  # descriptor coordinates are 32-bit
 
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, k_desc, v_desc, kt_desc, vt_desc, offs_m, 0,
-                            mid, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, False,
+    dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, K_DESC, V_DESC, KT_DESC, VT_DESC, b32, h32,
+                            offs_m, 0, mid, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, False,
                             DOT_PRECISION, POLY_EXP2)
-    dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, k_desc, v_desc, kt_desc, vt_desc, offs_m,
-                            mid, hi, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, True,
+    dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, K_DESC, V_DESC, KT_DESC, VT_DESC, b32, h32,
+                            offs_m, mid, hi, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, True,
                             DOT_PRECISION, POLY_EXP2)
     dq_head = DQ + b * stride_dqb + h * stride_dqh
     _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq * sm_scale).to(DQ.dtype.element_ty),

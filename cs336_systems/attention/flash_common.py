@@ -171,10 +171,11 @@ def _store_cols(base, rows, stride_row, stride_col, rows_ok, value, COL0: tl.con
 
 
 @triton.jit
-def _head_descriptor(base, stride_row, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
-    """A tensor descriptor (TMA on Hopper) over one head, ``n_rows x HEAD_DIM``, read in ``BLOCK x WIDTH``
-    boxes (``WIDTH``: a slab's width; load the tail slab at column ``D_MAIN``). Rows past ``n_rows`` and
-    columns past ``HEAD_DIM`` read as zeros. Needs unit stride along the head dim and 16-byte aligned heads
-    and rows (``flash_triton._tma_ready``)."""
-    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
-                                     block_shape=[BLOCK, WIDTH])
+def _tile(desc, b, h, row, col, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """Rows ``[row, row + ROWS)`` by columns ``[col, col + WIDTH)`` of head ``h`` of batch ``b``, through a host-built
+    tensor descriptor (TMA on Hopper) over the whole ``(batch, heads, n, HEAD_DIM)`` tensor, read in
+    ``1 x 1 x ROWS x WIDTH`` boxes (``flash_triton._head_tiles``). Rows past the head's ``n`` and columns past
+    ``HEAD_DIM`` read as zeros. A descriptor built on the host reaches the kernel as a parameter; one built in
+    the kernel (``tl.make_tensor_descriptor``) is written to global scratch and fenced by every program, which
+    cost the forward 10-16% at about 1,000 tokens (docs/flash_attention/host_descriptors.md)."""
+    return desc.load([b, h, row, col]).reshape(ROWS, WIDTH)

@@ -7,12 +7,12 @@ import triton.language as tl
 
 from .flash_common import (
     _exp2,
-    _head_descriptor,
     _jit,
     _key_ranges,
     _key_visible,
     _load_cols,
     _store_cols,
+    _tile,
     _tile_and_head,
 )
 
@@ -33,6 +33,8 @@ def _forward_key_loop(
     v_desc,
     kt_desc,
     vt_desc,
+    b,
+    h,
     offs_m,
     lo,
     hi,
@@ -50,11 +52,12 @@ def _forward_key_loop(
     units), denominator ``l_i`` and accumulator (``acc``, and ``acc_t`` for the tail slab of the head dim)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = k_desc.load([start_n, 0])  # keys past the end read as zeros and are masked below
-        v = v_desc.load([start_n, 0])
+        k = _tile(k_desc, b, h, start_n, 0, BLOCK_N, D_MAIN)  # keys past the end read as zeros, masked below
+        v = _tile(v_desc, b, h, start_n, 0, BLOCK_N, D_MAIN)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if D_TAIL > 0:
-            s = tl.dot(q_t, tl.trans(kt_desc.load([start_n, D_MAIN])), s, input_precision=DOT_PRECISION)
+            s = tl.dot(q_t, tl.trans(_tile(kt_desc, b, h, start_n, D_MAIN, BLOCK_N, D_TAIL)), s,
+                       input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(_key_visible(offs_m[:, None], offs_n[None, :], n_keys, IS_CAUSAL), s, float("-inf"))
         # The maximum of the raw scores is scaled once per row (qk_scale > 0), so the per-element
@@ -66,19 +69,21 @@ def _forward_key_loop(
         p = p.to(v.dtype)
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         if D_TAIL > 0:
-            acc_t = tl.dot(p, vt_desc.load([start_n, D_MAIN]), acc_t * alpha[:, None], input_precision=DOT_PRECISION)
+            acc_t = tl.dot(p, _tile(vt_desc, b, h, start_n, D_MAIN, BLOCK_N, D_TAIL), acc_t * alpha[:, None],
+                           input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, acc_t, m_i, l_i
 
 
 FORWARD_SMEM = (lambda m, n: m, lambda m, n, t: 2 * n, 16)  # resident Q | streamed K, V
+#: The forward's tensor descriptors and the tile side each streams along (see ``tuning.block_shape_hook``).
+FORWARD_DESCRIPTORS = {"K_DESC": "BLOCK_N", "V_DESC": "BLOCK_N", "KT_DESC": "BLOCK_N", "VT_DESC": "BLOCK_N"}
 
 
 @_jit
 def flash_forward_kernel(
-    Q, K, V, O, L,
-    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
+    Q, K_DESC, V_DESC, KT_DESC, VT_DESC, O, L,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
     n_heads, n_queries, n_keys, qk_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
@@ -91,29 +96,25 @@ def flash_forward_kernel(
     row_ok = offs_m < n_queries
 
     q_head = Q + b * stride_qb + h * stride_qh
-    k_head, v_head = K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
     q = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, 0, D_MAIN, HEAD_DIM)
-    k_desc = _head_descriptor(k_head, stride_kn, n_keys, HEAD_DIM, BLOCK_N, D_MAIN)
-    v_desc = _head_descriptor(v_head, stride_vn, n_keys, HEAD_DIM, BLOCK_N, D_MAIN)
     acc = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
-    q_t, kt_desc, vt_desc = None, None, None
+    q_t = None
     acc_t = tl.zeros([1], dtype=tl.float32)  # a placeholder: loop helpers return tensors
     if D_TAIL > 0:
         q_t = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
-        kt_desc = _head_descriptor(k_head, stride_kn, n_keys, HEAD_DIM, BLOCK_N, D_TAIL)
-        vt_desc = _head_descriptor(v_head, stride_vn, n_keys, HEAD_DIM, BLOCK_N, D_TAIL)
         acc_t = tl.zeros([BLOCK_M, D_TAIL], dtype=tl.float32)
+    b32, h32 = b.to(tl.int32), h.to(tl.int32)  # descriptor coordinates are 32-bit
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     # Unmasked key tiles first, then the ones the diagonal or the sequence end cuts (masked).
-    acc, acc_t, m_i, l_i = _forward_key_loop(acc, acc_t, m_i, l_i, q, q_t, k_desc, v_desc, kt_desc, vt_desc,
-                                             offs_m, 0, mid, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL,
-                                             False, DOT_PRECISION, POLY_EXP2)
-    acc, acc_t, m_i, l_i = _forward_key_loop(acc, acc_t, m_i, l_i, q, q_t, k_desc, v_desc, kt_desc, vt_desc,
-                                             offs_m, mid, hi, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL,
-                                             True, DOT_PRECISION, POLY_EXP2)
+    acc, acc_t, m_i, l_i = _forward_key_loop(acc, acc_t, m_i, l_i, q, q_t, K_DESC, V_DESC, KT_DESC, VT_DESC,
+                                             b32, h32, offs_m, 0, mid, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N,
+                                             IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
+    acc, acc_t, m_i, l_i = _forward_key_loop(acc, acc_t, m_i, l_i, q, q_t, K_DESC, V_DESC, KT_DESC, VT_DESC,
+                                             b32, h32, offs_m, mid, hi, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N,
+                                             IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
 
     o_head = O + b * stride_ob + h * stride_oh
     _store_cols(o_head, offs_m, stride_on, stride_od, row_ok, (acc / l_i[:, None]).to(O.dtype.element_ty),

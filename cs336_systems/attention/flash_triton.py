@@ -152,16 +152,24 @@ def _row_buffer(rows: tuple[int, ...], n: int, device: torch.device) -> Tensor:
     return torch.empty((*rows, padded), dtype=torch.float32, device=device)[..., :n]
 
 
-def _set_descriptor_allocator(device: torch.device) -> None:
-    """In-kernel tensor descriptors (``tl.make_tensor_descriptor``) are written to global scratch that
-    Triton requests from the host; PyTorch's caching allocator provides it, so this also works while a
-    CUDA graph is captured. Triton keeps the allocator per thread and autograd runs the backward on a
-    thread of its own, so it is set before every launch that needs it (a context-variable write)."""
-    import triton  # here, not at the top: this module imports on machines without Triton
+#: The streamed side of a descriptor box until a config's pre-hook sets it (``tuning.block_shape_hook``).
+_UNSIZED = 16
 
-    triton.set_allocator(
-        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
-    )
+
+def _head_tiles(t: Tensor, width: int) -> object:
+    """A host-built tensor descriptor over all of ``(batch, heads, n, d)`` tensor ``t``, read in
+    ``1 x 1 x rows x width`` boxes (the kernels' ``_tile``); ``rows`` is set per config by the tuner's pre-hook.
+    ``t`` must be :func:`_tma_ready`. Built on the host, the descriptor reaches the kernel as a parameter: the
+    kernels no longer write one per program to global scratch (docs/flash_attention/host_descriptors.md)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # here: this module imports without Triton
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, _UNSIZED, width])
+
+
+def _slab_tiles(t: Tensor, d: int) -> tuple[object, object | None]:
+    """:func:`_head_tiles` of the main slab and of the tail slab (None when the head dim has none)."""
+    d_main, d_tail = head_dim_slabs(d)
+    return _head_tiles(t, d_main), (_head_tiles(t, d_tail) if d_tail else None)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -231,11 +239,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> 
     def grid(meta: dict) -> tuple[int]:
         return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
 
+    (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
     with _device_guard(q):
-        _set_descriptor_allocator(q.device)
         FLASH_LAUNCHES.launch(kernels.tuned("forward", options.current()), grid, (
-            q, k, v, o, lse,
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+            q, k_main, v_main, k_tail, v_tail, o, lse,
+            *q.stride(), *o.stride(), *lse.stride(),
             heads, n_queries, n_keys, _LOG2_E * scale, _seq_class(n_queries, n_keys),
         ), dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
     return o, lse
@@ -276,19 +284,24 @@ def _backward(
     def query_tiles(meta: dict) -> tuple[int]:
         return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
 
+    # Descriptors per launch: dK/dV streams Q and dO along BLOCK_M, dQ streams K and V along BLOCK_N (each
+    # config's pre-hook sizes its own), and the [L; D] row pairs as one 1 x 2 x BLOCK_M box per query tile.
+    q_tiles, do_tiles = _slab_tiles(q, d), _slab_tiles(do, d)
+    (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    ld_tiles = TensorDescriptor(ld, list(ld.shape), list(ld.stride()), [1, 2, _UNSIZED])
     with _device_guard(q):
         FLASH_LAUNCHES.launch(kernels.flash_backward_preprocess_kernel, (_cdiv(n_queries, block) * batch * heads,), (
             o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n_queries,
         ), dict(HEAD_DIM=d, D_PAD=max(16, 1 << (d - 1).bit_length()), BLOCK_M=block))  # fmt: skip
-        _set_descriptor_allocator(q.device)
         FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
-            q, k, v, do, ld, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dk.stride(), *dv.stride(),
-            *shape_args,
+            k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv,
+            *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), *shape_args,
         ), constexprs)  # fmt: skip
         FLASH_LAUNCHES.launch(kernels.tuned("dq", opts), query_tiles, (
-            q, k, v, do, ld, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(), *shape_args,
+            q, k_main, v_main, k_tail, v_tail, do, ld, dq,
+            *q.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(), *shape_args,
         ), constexprs)  # fmt: skip
     return dq, dk, dv
 

@@ -82,7 +82,7 @@ class LaunchCache:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         self.max_entries = max_entries
         self.enabled = enabled
-        self._entries: OrderedDict[tuple, tuple[Any, dict[str, Any], tuple]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[Any, dict[str, Any], tuple, Any]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -121,10 +121,12 @@ class LaunchCache:
             return
         self.hits += 1
         self._entries.move_to_end(key)
-        kernel, meta, tail = entry
+        kernel, meta, tail, pre_hook = entry
         gx, gy, gz = _grid3(grid(meta) if callable(grid) else grid)
         stream = self._stream(device)
         full = (*args, *tail)
+        if pre_hook is not None:  # the config's hook, as Triton runs it before each launch (sizes descriptors)
+            pre_hook(dict(zip(kernel_arg_names(fn), full)))
         runtime = _triton_runtime()[0]
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         metadata = kernel.launch_metadata((gx, gy, gz), stream, *full) if enter is not None else None
@@ -137,22 +139,26 @@ class LaunchCache:
 
     @staticmethod
     def _remember(fn: Any, args: Sequence[Any], constexprs: dict[str, Any], kernel: Any):
-        """``(kernel, grid meta, constexpr tail)`` for replaying this launch, or None if it cannot be
-        replayed. The grid meta is what a callable grid reads: the scalar arguments by name (tensors are
-        left out, so the cache keeps none alive) and the config."""
+        """``(kernel, grid meta, constexpr tail, pre-hook)`` for replaying this launch, or None if it cannot be
+        replayed. The grid meta is what a callable grid reads: the scalar arguments by name (tensors and
+        descriptors are left out, so the cache keeps none alive) and the config. A config's ``pre_hook`` is
+        kept and run before each replay with every argument by name, as Triton runs it before each launch."""
         if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
             return None  # the interpreter, or a Triton whose launch path we do not know
         config = getattr(fn, "best_config", None)
-        if config is not None and getattr(config, "pre_hook", None) is not None:
-            return None  # a pre-hook must run before every launch
-        names = list(fn.arg_names)  # a JITFunction's parameters; an autotuner copies its function's
+        names = kernel_arg_names(fn)
         meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
         try:
             tail = tuple(meta[name] for name in names[len(args):])
         except KeyError:
             return None
-        scalars = {name: a for name, a in zip(names, args) if not isinstance(a, torch.Tensor)}
-        return kernel, {**scalars, **meta}, tail
+        scalars = {name: a for name, a in zip(names, args) if isinstance(a, (int, float, bool))}
+        return kernel, {**scalars, **meta}, tail, getattr(config, "pre_hook", None)
+
+
+def kernel_arg_names(fn: Any) -> tuple[str, ...]:
+    """A ``JITFunction``'s parameter names (an autotuner copies its function's)."""
+    return tuple(fn.arg_names)
 
 
 def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:

@@ -12,9 +12,16 @@ from typing import Any
 import triton
 import triton.testing
 
-from .flash_bwd import DKDV_SMEM, DQ_SMEM, flash_backward_dkdv_kernel, flash_backward_dq_kernel
+from .flash_bwd import (
+    DKDV_DESCRIPTORS,
+    DKDV_SMEM,
+    DQ_DESCRIPTORS,
+    DQ_SMEM,
+    flash_backward_dkdv_kernel,
+    flash_backward_dq_kernel,
+)
 from .flash_common import INTERPRETED
-from .flash_fwd import FORWARD_SMEM, flash_forward_kernel
+from .flash_fwd import FORWARD_DESCRIPTORS, FORWARD_SMEM, flash_forward_kernel
 from .options import FlashOptions
 
 # --------------------------------------------------------------------------------------------------
@@ -23,16 +30,47 @@ from .options import FlashOptions
 # autotuned once per shape class, so first-call tuning stays at a few seconds per class.
 # --------------------------------------------------------------------------------------------------
 
+def block_shape_hook(descriptors: dict[str, str]) -> Callable[..., None]:
+    """A config ``pre_hook`` that sizes the launch's host-built tensor descriptors to the config's tile.
+
+    ``descriptors`` maps each descriptor parameter to the tile side it streams along (``"BLOCK_M"`` or
+    ``"BLOCK_N"``); that side is the last-but-one box dimension of a head's ``1 x 1 x rows x width`` box, and
+    the last of the ``[L; D]`` row pair's ``1 x 2 x BLOCK_M`` box. Triton runs the hook before timing each
+    candidate and before every launch of the chosen one (and ``LaunchCache`` before each replay), so the
+    descriptors are built once per call with any box and sized here. Absent descriptors (``None``) are skipped.
+    """
+
+    def hook(nargs: dict[str, Any], reset_only: bool = False) -> None:
+        for name, side in descriptors.items():
+            desc = nargs.get(name)
+            if desc is not None:
+                shape = list(desc.block_shape)
+                shape[-1 if len(shape) == 3 else -2] = nargs[side]
+                desc.block_shape = shape
+
+    return hook
+
+
+#: Each phase's descriptor parameters (see :func:`block_shape_hook`).
+_PHASE_DESCRIPTORS = {"forward": FORWARD_DESCRIPTORS, "dkdv": DKDV_DESCRIPTORS, "dq": DQ_DESCRIPTORS}
+
+
+@functools.cache
+def _hook(phase: str) -> Callable[..., None]:
+    """One hook per phase: a config's hash includes its hook, so every config of a phase shares one."""
+    return block_shape_hook(_PHASE_DESCRIPTORS[phase])
+
+
 def _configs(phase: str, options: FlashOptions) -> list[triton.Config]:
     """``triton.Config`` per candidate tile of ``phase``; the first is the untuned default. ``POLY_EXP2`` is
     a meta-parameter of every config, so the launch never passes it."""
     if INTERPRETED:
         # One small config: tl.dot needs every side >= 16, numpy is fastest with few, small tiles.
         meta = {"BLOCK_M": 16, "BLOCK_N": 16, "POLY_EXP2": options.poly_for(phase, options.tiles(phase)[0])}
-        return [triton.Config(meta, num_warps=1, num_stages=1)]
+        return [triton.Config(meta, num_warps=1, num_stages=1, pre_hook=_hook(phase))]
     return [
         triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "POLY_EXP2": options.poly_for(phase, t)},
-                      num_warps=t.warps, num_stages=t.stages, maxnreg=t.maxnreg)
+                      num_warps=t.warps, num_stages=t.stages, maxnreg=t.maxnreg, pre_hook=_hook(phase))
         for t in options.tiles(phase)
     ]
 
@@ -79,9 +117,10 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         args = {**kwargs, **named_args}
-        row_bytes = (args["D_MAIN"] + args["D_TAIL"]) * args["Q"].element_size()  # both slabs of a row
-        layouts = 2 if args["Q"].element_size() == 4 else 1
-        budget = _SHARED_MEMORY_SHARE * _shared_memory_bytes(args["Q"].device.index or 0)
+        inputs = args["Q"] if "Q" in args else args["K"]  # the kernel's first input tensor (dK/dV has no Q pointer)
+        row_bytes = (args["D_MAIN"] + args["D_TAIL"]) * inputs.element_size()  # both slabs of a row
+        layouts = 2 if inputs.element_size() == 4 else 1
+        budget = _SHARED_MEMORY_SHARE * _shared_memory_bytes(inputs.device.index or 0)
         longest = max(args.get("SEQ_CLASS", 1 << 30), 64)
         fitted: dict[tuple[int, ...], triton.Config] = {}
         for config in configs:
@@ -97,12 +136,13 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
             fitted.setdefault(
                 (meta, config.num_warps, stages, maxnreg),
                 triton.Config(dict(config.kwargs), num_warps=config.num_warps, num_stages=stages,
-                              maxnreg=maxnreg),
+                              maxnreg=maxnreg, pre_hook=config.pre_hook),
             )
         if not fitted:  # nothing fits the estimate: try the smallest tiles, unpipelined
             allowed = [c for c in configs if c.kwargs["BLOCK_M"] >= min_block_m] or configs
             smallest = min(allowed, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
-            return [triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps, num_stages=1)]
+            return [triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps, num_stages=1,
+                                  pre_hook=smallest.pre_hook)]
         survivors = list(fitted.values())
         return survivors if autotune else survivors[:1]
 
