@@ -291,3 +291,18 @@ def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch,
     out = capsys.readouterr().out
     assert "    uv run python -m cs336_systems.experiments flash_benchmarking --job 11" in out
     assert "training_step --job 9" in out and "experiments benchmarking --job" not in out
+
+
+def test_the_longest_context_answer_names_the_presets_no_job_searched_at_this_commit():
+    """A search split into jobs can end with some presets unsearched; the answer says which instead of
+    silently leaving them out (and says nothing when all of the full run's presets are there)."""
+    import pandas as pd
+
+    from cs336_systems.experiments.training_step import _longest_text
+
+    full = get("training_step").presets["full"].longest_presets
+    rows = [{"preset": pr, "context_length": 256, "fits": True, "peak_GiB": 2.0, "longest": 256} for pr in full]
+    params = {"longest_high": 131072, "attention": "flash_triton"}
+    assert "Not searched" not in str(_longest_text(pd.DataFrame(rows), params))
+    partial = _longest_text(pd.DataFrame([r for r in rows if r["preset"] != "xl"]), params)
+    assert "Not searched in these runs: xl." in str(partial)

@@ -381,6 +381,9 @@ def _longest_text(longest: pd.DataFrame | None, params: dict[str, Any]) -> Text 
     if at_top:
         text += (f" The search stops at {int(high):,} tokens (`longest_high`), so {join_words(at_top)} may train "
                  "at longer contexts still.")
+    unsearched = [pr for pr in PRESETS["full"].longest_presets if pr not in set(longest["preset"])]
+    if unsearched:
+        text += f" Not searched in these runs: {join_words(unsearched)}."
     return Text(text)
 
 
