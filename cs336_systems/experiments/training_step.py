@@ -498,18 +498,19 @@ SECTION = Section(
              "cs336_systems/benchmarking/sweep.py", "cs336_systems/flat_adamw.py", "cs336_systems/checkpointing.py",
              "cs336_systems/hardware.py", "cs336_systems/attention/",
              "cs336_systems/profiling/step_split.py", "cs336_systems/profiling/torch_profiler.py"),
-    # measured at ec3eb1a (docs/training_step/NOTES.md); a fresh machine adds 1-1.5 min to its first job
+    # the slower of the runs at ec3eb1a and bde2b6b (docs/training_step/NOTES.md); a fresh machine adds 1-1.5 min
+    # to its first job
     jobs=(
         *(Job({**_GRID_JOB, **sets}, minutes) for sets, minutes in (
             ({"presets": ["small", "medium"]}, 5.8),
-            ({"presets": ["large"]}, 5.9),
-            ({"presets": ["xl"], "contexts": [1024]}, 5.2),
+            ({"presets": ["large"]}, 6.3),
+            ({"presets": ["xl"], "contexts": [1024]}, 5.9),
             ({"presets": ["xl"], "contexts": [4096]}, 5.3),
             ({"presets": ["2.7B"], "tokens_per_step": 4096, "contexts": [1024]}, 3.8),  # 8192 tokens: out of memory
-            ({"presets": ["2.7B"], "tokens_per_step": 4096, "contexts": [4096]}, 3.6),
+            ({"presets": ["2.7B"], "tokens_per_step": 4096, "contexts": [4096]}, 4.2),
         )),
-        Job({"presets": [], "longest_presets": ["small", "medium", "large"]}, 1.5, "the longest-context search"),
+        Job({"presets": [], "longest_presets": ["small", "medium", "large"]}, 1.7, "the longest-context search"),
         Job({"presets": [], "longest_presets": ["xl"]}, 6.9, "the longest-context search"),
-        Job({"presets": [], "longest_presets": ["2.7B"]}, 2.0, "the longest-context search"),
+        Job({"presets": [], "longest_presets": ["2.7B"]}, 2.6, "the longest-context search"),
     ),
 )
