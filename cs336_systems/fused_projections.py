@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cs336_basics import nvtx
-from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, SwiGLU, get_attention
+from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RotaryEmbedding, SwiGLU, get_attention
+
+from cs336_systems.attention.flash_qkvpacked import FlashAttentionQKVPacked
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _W13 = ("w1", "w3")
@@ -63,19 +65,44 @@ class FusedQKVSelfAttention(nn.Module):
     """Causal multi-head self-attention as ``cs336_basics``' ``CausalMultiHeadSelfAttention`` computes it,
     with Q, K and V from one ``(3·d_model, d_model)`` weight: one GEMM instead of three."""
 
-    def __init__(self, attn: CausalMultiHeadSelfAttention):
+    def __init__(self, attn: CausalMultiHeadSelfAttention, packed: bool = True):
         super().__init__()
         self.d_model, self.num_heads, self.d_head = attn.d_model, attn.num_heads, attn.d_head
         self.qkv_proj = _stacked([getattr(attn, name) for name in _QKV])
         self.output_proj = attn.output_proj
         self.positional_encoder = attn.positional_encoder
         self.attention_impl = attn.attention_impl
+        #: Whether the ``flash_triton`` attention takes the projection output whole (RoPE and the gradient's
+        #: packing in its kernels, :mod:`cs336_systems.attention.flash_qkvpacked`) rather than split heads.
+        self.packed = packed and self.attention_impl == "flash_triton" and isinstance(
+            self.positional_encoder, RotaryEmbedding)
         _store_unfused(self, "qkv_proj", _QKV)
 
     _split_heads = CausalMultiHeadSelfAttention._split_heads  # a column slice of the QKV output views alike
 
+    def _rope_tables(self, seq: int, positions: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """``(cos θ, sin θ)`` as ``(seq, d/2)`` or ``(batch, seq, d/2)`` float32 for the packed kernels, read
+        from the rotary embedding's per-pair tables (``_cos[..., 0]`` is cos θ, ``_sin[..., 1]`` is +sin θ).
+        Positions broadcast against the ``(batch, heads, seq)`` head views, as in the split path: ``(seq,)``,
+        ``(1, seq)`` or ``(batch or 1, 1, seq)``; None for any other shape (positions that vary by head), which
+        the split path handles."""
+        enc = self.positional_encoder
+        if positions is None:
+            return enc._cos[:seq, :, 0], enc._sin[:seq, :, 1]
+        shape = tuple(positions.shape)
+        if not (shape in ((seq,), (1, seq)) or (len(shape) == 3 and shape[1:] == (1, seq))):
+            return None
+        rows = positions.reshape(-1, seq)
+        return enc._cos[rows][..., 0], enc._sin[rows][..., 1]
+
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
-        q, k, v = (self._split_heads(t) for t in self.qkv_proj(x).split(self.d_model, dim=-1))
+        qkv = self.qkv_proj(x)
+        tables = self._rope_tables(x.shape[-2], token_positions) if self.packed else None
+        if tables is not None and qkv.dim() == 3:
+            with nvtx.range("attention (flash_triton, packed QKV)"):
+                out = FlashAttentionQKVPacked.apply(qkv, self.num_heads, *tables, True)
+            return self.output_proj(out.transpose(-3, -2).reshape(*x.shape[:-1], self.d_model))
+        q, k, v = (self._split_heads(t) for t in qkv.split(self.d_model, dim=-1))
         if self.positional_encoder is not None:
             q = self.positional_encoder(q, token_positions)
             k = self.positional_encoder(k, token_positions)
@@ -99,12 +126,13 @@ class FusedSwiGLU(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
-def fuse_projections(model: nn.Module) -> nn.Module:
+def fuse_projections(model: nn.Module, packed_attention: bool = True) -> nn.Module:
     """Replace, in place, every ``CausalMultiHeadSelfAttention`` and ``SwiGLU`` submodule of ``model`` (a
     ``cs336_basics`` LM or any module holding them) by its fused form; returns ``model``. Modules already
     fused are left alone. Build optimizers, wrappers (DDP, FSDP, checkpointing) and ``torch.compile`` after
-    this call: the fused weights are new parameters."""
-    swaps = {CausalMultiHeadSelfAttention: FusedQKVSelfAttention, SwiGLU: FusedSwiGLU}
+    this call: the fused weights are new parameters. ``packed_attention``: with ``flash_triton`` attention and
+    RoPE, attend over the QKV output whole (:class:`FusedQKVSelfAttention`'s ``packed``)."""
+    swaps = {CausalMultiHeadSelfAttention: lambda m: FusedQKVSelfAttention(m, packed_attention), SwiGLU: FusedSwiGLU}
     targets = [(name, module) for name, module in model.named_modules() if type(module) in swaps]
     if any(name == "" for name, _ in targets):
         raise ValueError(f"fuse_projections: pass the module that holds the {type(model).__name__}, not the "

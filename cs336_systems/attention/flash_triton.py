@@ -262,15 +262,18 @@ def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[T
 
 
 def _backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics)."""
+    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics).
+    ``out``: tensors of Q's, K's and V's shapes (any strides) to write the gradients into, such as head views
+    of one packed buffer (:mod:`.flash_qkvpacked`); by default they are new tensors in the inputs' layouts."""
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
     block = kernels.PREPROCESS_BLOCK
     precision = _dot_precision(q.dtype)

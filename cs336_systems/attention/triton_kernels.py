@@ -1,6 +1,7 @@
 """Triton kernels of FlashAttention-2, by role: :mod:`.flash_common` (exponentials, loop bounds, masks,
 descriptors), :mod:`.flash_fwd` (forward), :mod:`.flash_bwd` (the ``[L; D]`` preprocess, dK/dV, dQ) and
-:mod:`.tuning` (candidate tiles to autotuned launchers). This module gathers them for ``flash_triton``.
+:mod:`.tuning` (candidate tiles to autotuned launchers), plus :mod:`.rope_qk` (the rotary embedding of packed
+Q and K, for ``flash_qkvpacked``). This module gathers them for ``flash_triton``.
 
 Layout: every tensor is addressed as ``(batch, heads, n, d)`` through its four strides (3-D inputs arrive
 with a unit head dimension). The grid is one-dimensional, ``tiles along the sequence x batch * heads``
@@ -35,7 +36,7 @@ at decoration time whether a kernel is compiled or interpreted.
 
 from __future__ import annotations
 
-from . import flash_bwd, flash_common, flash_fwd, tuning
+from . import flash_bwd, flash_common, flash_fwd, rope_qk, tuning
 from .flash_bwd import (
     PREPROCESS_BLOCK,
     flash_backward_dkdv_kernel,
@@ -44,16 +45,17 @@ from .flash_bwd import (
 )
 from .flash_common import INTERPRETED, LOG2_E, exp2_fma_kernel
 from .flash_fwd import flash_forward_kernel
+from .rope_qk import ROPE_BLOCK_T, rope_qk_kernel
 from .tuning import tuned
 
 #: What the ``@triton.jit`` decorators were built for; ``flash_triton`` re-imports the kernel modules when
 #: ``TRITON_INTERPRET`` changes (decoration decides between compiling and interpreting).
 BUILD_MODE = INTERPRETED
 #: The modules behind this one, in the order a re-import must follow (each imports the ones before it).
-MODULES = (flash_common, flash_fwd, flash_bwd, tuning)
+MODULES = (flash_common, flash_fwd, flash_bwd, tuning, rope_qk)
 
 __all__ = [
-    "INTERPRETED", "LOG2_E", "MODULES", "PREPROCESS_BLOCK", "exp2_fma_kernel", "flash_backward_dkdv_kernel",
+    "INTERPRETED", "LOG2_E", "MODULES", "PREPROCESS_BLOCK", "ROPE_BLOCK_T", "exp2_fma_kernel", "flash_backward_dkdv_kernel",
     "flash_backward_dq_kernel", "flash_backward_preprocess_kernel", "flash_bwd", "flash_common",
-    "flash_forward_kernel", "flash_fwd", "tuned", "tuning",
+    "flash_forward_kernel", "flash_fwd", "rope_qk", "rope_qk_kernel", "tuned", "tuning",
 ]  # fmt: skip

@@ -1,0 +1,136 @@
+"""Packed-QKV FlashAttention (RoPE and the gradient's packing in the kernels) against the split path:
+``cs336_basics``' RotaryEmbedding on Q and K, then ``FlashAttentionTriton``.
+
+On CPU the kernels run in Triton's interpreter (set before the first launch), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cs336_basics.model import BasicsTransformerLM, RotaryEmbedding
+from cs336_basics.nn_utils import cross_entropy
+
+from cs336_systems.attention import FlashAttentionTriton, options
+from cs336_systems.attention.flash_qkvpacked import FlashAttentionQKVPacked, flash_attention_qkvpacked
+from cs336_systems.fused_projections import FusedQKVSelfAttention, fuse_projections
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _one_config():
+    with options.use(autotune=False):
+        yield
+
+
+def _tables(rope: RotaryEmbedding, seq: int, positions: torch.Tensor | None = None):
+    if positions is None:
+        return rope._cos[:seq, :, 0], rope._sin[:seq, :, 1]
+    rows = positions.reshape(-1, seq)
+    return rope._cos[rows][..., 0], rope._sin[rows][..., 1]
+
+
+def _split_path(qkv: torch.Tensor, heads: int, rope: RotaryEmbedding, positions, is_causal: bool) -> torch.Tensor:
+    batch, seq, width = qkv.shape
+    q, k, v = (t.view(batch, seq, heads, -1).transpose(1, 2) for t in qkv.split(width // 3, dim=-1))
+    q, k = rope(q, positions), rope(k, positions)
+    return FlashAttentionTriton.apply(q, k, v, is_causal)
+
+
+@pytest.mark.parametrize("d, heads, seq, is_causal, per_batch_positions", [
+    (16, 2, 37, True, False),   # a ragged last tile
+    (16, 3, 24, False, True),   # positions per sequence: (batch, seq, d/2) tables
+    (80, 1, 20, True, False),   # two head-dim slabs (64 + 16), d/2 = 40 not a power of two
+])  # fmt: skip
+def test_packed_attention_matches_rope_then_flash_attention_values_and_gradient(d, heads, seq, is_causal,
+                                                                                 per_batch_positions):
+    torch.manual_seed(0)
+    batch = 2
+    rope = RotaryEmbedding(64, d, device=DEVICE)
+    # per sequence: (batch, 1, seq), broadcasting over heads as the model's head views need
+    positions = torch.stack([torch.randperm(64, device=DEVICE)[:seq] for _ in range(batch)])[:, None] \
+        if per_batch_positions else None
+    qkv = torch.randn(batch, seq, 3 * heads * d, device=DEVICE, requires_grad=True)
+    grad = torch.randn(batch, heads, seq, d, device=DEVICE)
+
+    expected = _split_path(qkv, heads, rope, positions, is_causal)
+    (expected_grad,) = torch.autograd.grad(expected, qkv, grad)
+    got = flash_attention_qkvpacked(qkv, heads, *_tables(rope, seq, positions), is_causal)
+    (got_grad,) = torch.autograd.grad(got, qkv, grad)
+
+    assert got.shape == expected.shape and got_grad.shape == qkv.shape
+    # Output memory is token-major: the model's reshape back to (batch, seq, heads·d) is a view.
+    assert got.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got_grad, expected_grad, atol=2e-3, rtol=2e-3)
+
+
+def test_the_rotation_kernel_is_cs336_basics_rope_and_its_inverse_undoes_it():
+    """The kernel alone, forward and inverse in place on a packed (batch, seq, 3, heads, d) tensor: parts 0
+    and 1 rotate exactly as RotaryEmbedding does, part 2 (V) is untouched, and the inverse restores the input."""
+    from cs336_systems.attention.flash_qkvpacked import _rotate
+
+    torch.manual_seed(1)
+    batch, seq, heads, d = 2, 70, 3, 32  # 70 tokens: two token tiles, the second ragged
+    rope = RotaryEmbedding(128, d, device=DEVICE)
+    x = torch.randn(batch, seq, 3, heads, d, device=DEVICE)
+    y = x.clone()
+    cos, sin = _tables(rope, seq)
+    _rotate(y, y, cos, sin, inverse=False)
+    for part in (0, 1):
+        torch.testing.assert_close(y[:, :, part], rope(x[:, :, part].transpose(1, 2)).transpose(1, 2))
+    assert torch.equal(y[:, :, 2], x[:, :, 2])
+    _rotate(y, y, cos, sin, inverse=True)
+    torch.testing.assert_close(y, x)
+
+
+def test_the_fused_model_trains_alike_with_and_without_the_packed_path():
+    torch.manual_seed(0)
+    plain = BasicsTransformerLM(vocab_size=40, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=48,
+                                attention_impl="flash_triton", device=DEVICE)
+    split = fuse_projections(copy.deepcopy(plain), packed_attention=False)
+    packed = fuse_projections(copy.deepcopy(plain))
+    assert all(layer.attn.packed for layer in packed.layers) and not any(layer.attn.packed for layer in split.layers)
+    x, y = torch.randint(0, 40, (2, 16), device=DEVICE), torch.randint(0, 40, (2, 16), device=DEVICE)
+    for model in (split, packed):
+        cross_entropy(model(x), y).backward()
+    torch.testing.assert_close(packed(x), split(x), atol=1e-4, rtol=1e-4)
+    for a, b in zip(split.parameters(), packed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-4)
+    # Explicit positions of another shape than (seq,) or (batch, seq) fall back to the split path.
+    attn = packed.layers[0].attn
+    assert isinstance(attn, FusedQKVSelfAttention) and attn._rope_tables(16, torch.zeros(2, 16)) is None
+    assert attn._rope_tables(16, torch.zeros(2, 1, 16, dtype=torch.long))[0].shape == (2, 16, 8)
+
+
+def test_packed_attention_is_only_chosen_for_flash_triton_with_rope():
+    for impl in ("sdpa", "flash_pytorch"):
+        model = BasicsTransformerLM(vocab_size=40, context_length=16, d_model=32, num_layers=1, num_heads=2,
+                                    d_ff=48, attention_impl=impl)
+        assert not fuse_projections(model).layers[0].attn.packed
+
+
+def test_bad_packed_inputs_fail_in_one_line():
+    rope = RotaryEmbedding(16, 8, device=DEVICE)
+    cos, sin = _tables(rope, 8)
+    qkv = torch.randn(2, 8, 48, device=DEVICE)
+    cases = [
+        (torch.randn(2, 8, 3, 16, device=DEVICE), 2, cos, sin, "must be \\(batch, seq, 3·heads·d\\)"),
+        (qkv, 5, cos, sin, "not 3 × num_heads \\(5\\)"),
+        (torch.randn(2, 8, 18, device=DEVICE), 2, cos, sin, "head dimension 3 is not supported"),
+        (qkv.to(torch.float64), 2, cos, sin, "float16, bfloat16 or float32"),
+        (qkv, 2, cos.double(), sin, "cos must be float32"),
+        (qkv, 2, cos[:4], sin, "cos must be \\(seq, d/2\\)"),
+        (torch.randn(2, 48, 8, device=DEVICE).transpose(1, 2), 2, cos, sin, "last dimension must be contiguous"),
+    ]
+    for qkv_, heads, c, s, message in cases:
+        with pytest.raises(ValueError, match=message):
+            FlashAttentionQKVPacked.apply(qkv_, heads, c, s, True)
