@@ -8,9 +8,13 @@ per-kernel profile (``docs/training_step/NOTES.md``) puts half of what our train
 torch-native reference, which fuses exactly these, in the matmuls.
 
 :func:`fuse_projections` swaps each block's attention and feed-forward modules for fused ones in place,
-keeping the weights' values, the attention implementation and the rotary embedding. State dicts keep the
-unfused names (``attn.q_proj.weight`` …, ``ffn.w1.weight`` …) both ways, so checkpoints load into either
-model:
+keeping the weights' values, the attention implementation and the rotary embedding. With ``flash_triton``
+attention and RoPE the fused block attends over the QKV output whole
+(:class:`~cs336_systems.attention.flash_qkvpacked.FlashAttentionQKVPacked`): RoPE and the packing of
+dQ, dK, dV into the fused weight's gradient happen in its kernels, where autograd would otherwise
+concatenate them (the kernel that made fused projections a loss at first: ``docs/training_step/NOTES.md``).
+State dicts keep the unfused names (``attn.q_proj.weight`` …, ``ffn.w1.weight`` …) both ways, so
+checkpoints load into either model:
 
     model = fuse_projections(BasicsTransformerLM(**cfg.model_kwargs(), attention_impl="flash_triton"))
     optimizer = FlatAdamW(model.parameters())     # build optimizers after fusing: the parameters are new
@@ -27,7 +31,7 @@ from torch import Tensor, nn
 from cs336_basics import nvtx
 from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RotaryEmbedding, SwiGLU, get_attention
 
-from cs336_systems.attention.flash_qkvpacked import FlashAttentionQKVPacked
+from cs336_systems.attention import FlashAttentionQKVPacked
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _W13 = ("w1", "w3")

@@ -81,3 +81,12 @@ def test_bad_variants_are_one_line(text: str, message: str) -> None:
 def test_main_rejects_an_unknown_implementation_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown implementation 'v2'; choose from .*, v1"):
         fho.main(["--impls", "ours,v2", "--variant", 'v1={"gluon": false}'])
+
+
+def test_a_variant_is_measured_even_when_impls_leaves_it_out() -> None:
+    """``--variant`` alone used to define a variant that nothing measured; now it follows ``--impls``, or takes
+    the place ``--impls`` gives it."""
+    variants = {"v1": {"gluon": False}, "v2": {"autotune": False}}
+    assert fho.selected_impls("ours,sdpa_cudnn", variants) == ("ours", "sdpa_cudnn", "v1", "v2")
+    assert fho.selected_impls("v2,ours", variants) == ("v2", "ours", "v1")
+    assert fho.selected_impls("ours", {}) == ("ours",)

@@ -134,3 +134,49 @@ def test_bad_packed_inputs_fail_in_one_line():
     for qkv_, heads, c, s, message in cases:
         with pytest.raises(ValueError, match=message):
             FlashAttentionQKVPacked.apply(qkv_, heads, c, s, True)
+
+
+def test_the_custom_operators_fake_implementations_match_the_kernels():
+    """``torch.library.opcheck``: the shape-only implementations that ``torch.compile`` traces give the real
+    outputs' shapes, strides and dtypes, and the operators survive schema and autograd registration checks."""
+    from cs336_systems.attention import flash_qkvpacked as fq
+
+    torch.manual_seed(2)
+    batch, seq, heads, d = 2, 20, 2, 16
+    rope = RotaryEmbedding(32, d, device=DEVICE)
+    cos, sin = _tables(rope, seq)
+    qkv = torch.randn(batch, seq, 3 * heads * d, device=DEVICE)
+    o, lse, qk = fq._packed_forward(qkv, heads, cos, sin, True, d ** -0.5)
+    do = torch.randn_like(o)
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(fq.flash_attention_qkvpacked_forward, (qkv, heads, cos, sin, True, d ** -0.5),
+                          test_utils=tests)
+    torch.library.opcheck(fq.flash_attention_qkvpacked_backward, (do, qkv, qk, o, lse, cos, sin, True, d ** -0.5),
+                          test_utils=tests)
+
+
+def test_the_packed_model_compiles_in_one_graph_and_matches_eager():
+    """``torch.compile(fullgraph=True)`` over a fused model's loss and backward (Inductor on a GPU; on CPU the
+    aot_eager backend, which runs Dynamo and AOTAutograd over the custom operators without a C++ compile)."""
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fuse_projections(BasicsTransformerLM(vocab_size=40, context_length=16, d_model=32, num_layers=1,
+                                                 num_heads=2, d_ff=48, attention_impl="flash_triton",
+                                                 device=DEVICE))
+    x, y = torch.randint(0, 40, (2, 16), device=DEVICE), torch.randint(0, 40, (2, 16), device=DEVICE)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want_loss, want_grads = loss_and_grads()
+    step = torch.compile(lambda: cross_entropy(model(x), y), backend=backend, fullgraph=True)
+    model.zero_grad()
+    loss = step()
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), want_loss, atol=1e-5, rtol=1e-5)
+    for p, want in zip(model.parameters(), want_grads):
+        torch.testing.assert_close(p.grad, want, atol=1e-4, rtol=1e-4)

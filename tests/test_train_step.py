@@ -433,3 +433,25 @@ def test_steps_answer_names_the_slowest_cell_and_the_fastest_or_closest(tmp_path
 
     assert "small at 1024 the slowest, xl at 1024 the fastest)" in first_sentence([11.0, 9.0])
     assert "small at 1024 the slowest, xl at 1024 the closest), behind it in every cell" in first_sentence([12.0, 11.0])
+
+
+def test_packed_attention_is_on_by_default_and_the_flag_turns_it_off() -> None:
+    """``--fused-projections`` with flash_triton attends over the packed QKV output unless
+    ``--no-packed-attention`` asks for split heads (the A/B of docs/training_step/NOTES.md)."""
+    import argparse
+
+    def spec_of(*flags: str) -> train_step.StepSpec:
+        parser = argparse.ArgumentParser()
+        train_step.add_step_arguments(parser)
+        return train_step.step_from_args(parser, parser.parse_args(["--preset", "tiny", *flags]))[0]
+
+    assert spec_of("--fused-projections").packed_attention
+    split = spec_of("--fused-projections", "--attention", "flash_triton", "--no-packed-attention")
+    assert not split.packed_attention
+    built = train_step.TrainStep("ours", dataclasses.replace(split, context_length=16, batch_size=2, precision="fp32"),
+                                 torch.device("cpu"))
+    assert not any(getattr(m, "packed", False) for m in built.model.modules())
+    packed = train_step.TrainStep("ours", dataclasses.replace(split, context_length=16, batch_size=2,
+                                                              precision="fp32", packed_attention=True),
+                                  torch.device("cpu"))
+    assert all(layer.attn.packed for layer in packed.model.layers)

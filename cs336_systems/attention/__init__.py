@@ -8,6 +8,8 @@ Both are ``torch.autograd.Function`` subclasses called as ``Fn.apply(Q, K, V, is
 - :mod:`.flash_pytorch`: Algorithm 1 of FlashAttention-2 in plain PyTorch; runs anywhere.
 - :mod:`.flash_triton` + :mod:`.triton_kernels`: the Triton version (CUDA, or CPU under
   ``TRITON_INTERPRET=1``); :mod:`.flash_fwd_sm90`: its warp-specialized forward on Hopper.
+- :mod:`.flash_qkvpacked`: the Triton version over a fused QKV projection's output, RoPE included, whose
+  gradient is one buffer (no concatenation for the fused weight).
 - :mod:`.options`: tiles, tuning, the exponential and the Gluon switch, as values
   (``with options.use(autotune=False): ...``).
 """
@@ -20,14 +22,17 @@ from torch import Tensor
 from . import options
 from ._validation import validate_attention_inputs
 from .flash_pytorch import FlashAttentionPytorch
+from .flash_qkvpacked import FlashAttentionQKVPacked, flash_attention_qkvpacked
 from .flash_triton import SUPPORTED_HEAD_DIMS, FlashAttentionTriton, interpreter_enabled
 from .reference import causal_mask, naive_attention, reference_attention
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "FlashAttentionPytorch",
+    "FlashAttentionQKVPacked",
     "FlashAttentionTriton",
     "causal_mask",
+    "flash_attention_qkvpacked",
     "get_flashattention_autograd_function_pytorch",
     "get_flashattention_autograd_function_triton",
     "interpreter_enabled",

@@ -62,10 +62,11 @@ def _rotate(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> No
     batch, seq, _, heads, d = x.shape
     block = kernels.ROPE_BLOCK_T
     cos, sin = (t.expand(batch, seq, d // 2) for t in (cos, sin))
+    half_pad = max(1, 1 << (d // 2 - 1).bit_length())  # pairs per row, a power of two for tl.arange
     with _device_guard(x):
         FLASH_LAUNCHES.launch(kernels.rope_qk_kernel, (_cdiv(seq, block), batch * heads, 2), (
             x, y, cos, sin, *x.stride()[:4], *y.stride()[:4], *cos.stride(), *sin.stride(), seq, heads,
-        ), dict(HALF=d // 2, HALF_PAD=max(1, 1 << (d // 2 - 1).bit_length()), BLOCK_T=block, INVERSE=inverse))  # fmt: skip
+        ), dict(HALF=d // 2, HALF_PAD=half_pad, BLOCK_T=block, INVERSE=inverse))  # fmt: skip
 
 
 def _packed_forward(qkv: Tensor, num_heads: int, cos: Tensor, sin: Tensor, is_causal: bool,

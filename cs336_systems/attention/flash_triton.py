@@ -156,14 +156,20 @@ def _row_buffer(rows: tuple[int, ...], n: int, device: torch.device) -> Tensor:
 _UNSIZED = 16
 
 
-def _head_tiles(t: Tensor, width: int) -> object:
-    """A host-built tensor descriptor over all of ``(batch, heads, n, d)`` tensor ``t``, read in
-    ``1 x 1 x rows x width`` boxes (the kernels' ``_tile``); ``rows`` is set per config by the tuner's pre-hook.
-    ``t`` must be :func:`_tma_ready`. Built on the host, the descriptor reaches the kernel as a parameter: the
-    kernels no longer write one per program to global scratch (docs/flash_attention/host_descriptors.md)."""
+def _descriptor(t: Tensor, box: list[int]) -> object:
+    """A host-built tensor descriptor over all of ``t``, read in ``box``-shaped tiles; its streamed side starts
+    as ``_UNSIZED`` and is set per config by the tuner's pre-hook (``tuning.block_shape_hook``). ``t`` must be
+    :func:`_tma_ready`. Built on the host, the descriptor reaches the kernel as a parameter: the kernels no
+    longer write one per program to global scratch (docs/flash_attention/host_descriptors.md)."""
     from triton.tools.tensor_descriptor import TensorDescriptor  # here: this module imports without Triton
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, _UNSIZED, width])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box)
+
+
+def _head_tiles(t: Tensor, width: int) -> object:
+    """:func:`_descriptor` of ``(batch, heads, n, d)`` tensor ``t`` in ``1 x 1 x rows x width`` boxes (the
+    kernels' ``_tile``)."""
+    return _descriptor(t, [1, 1, _UNSIZED, width])
 
 
 def _slab_tiles(t: Tensor, d: int) -> tuple[object, object | None]:
@@ -291,9 +297,7 @@ def _backward(
     # config's pre-hook sizes its own), and the [L; D] row pairs as one 1 x 2 x BLOCK_M box per query tile.
     q_tiles, do_tiles = _slab_tiles(q, d), _slab_tiles(do, d)
     (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    ld_tiles = TensorDescriptor(ld, list(ld.shape), list(ld.stride()), [1, 2, _UNSIZED])
+    ld_tiles = _descriptor(ld, [1, 2, _UNSIZED])
     with _device_guard(q):
         FLASH_LAUNCHES.launch(kernels.flash_backward_preprocess_kernel, (_cdiv(n_queries, block) * batch * heads,), (
             o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n_queries,

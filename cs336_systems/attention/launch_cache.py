@@ -126,7 +126,7 @@ class LaunchCache:
         stream = self._stream(device)
         full = (*args, *tail)
         if pre_hook is not None:  # the config's hook, as Triton runs it before each launch (sizes descriptors)
-            pre_hook(dict(zip(kernel_arg_names(fn), full)))
+            pre_hook(dict(zip(fn.arg_names, full)))  # an autotuner copies its function's names
         runtime = _triton_runtime()[0]
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         metadata = kernel.launch_metadata((gx, gy, gz), stream, *full) if enter is not None else None
@@ -146,7 +146,7 @@ class LaunchCache:
         if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
             return None  # the interpreter, or a Triton whose launch path we do not know
         config = getattr(fn, "best_config", None)
-        names = kernel_arg_names(fn)
+        names = tuple(fn.arg_names)
         meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
         try:
             tail = tuple(meta[name] for name in names[len(args):])
@@ -154,11 +154,6 @@ class LaunchCache:
             return None
         scalars = {name: a for name, a in zip(names, args) if isinstance(a, (int, float, bool))}
         return kernel, {**scalars, **meta}, tail, getattr(config, "pre_hook", None)
-
-
-def kernel_arg_names(fn: Any) -> tuple[str, ...]:
-    """A ``JITFunction``'s parameter names (an autotuner copies its function's)."""
-    return tuple(fn.arg_names)
 
 
 def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:

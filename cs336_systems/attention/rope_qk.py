@@ -37,15 +37,17 @@ def rope_qk_kernel(
     b, h = bh // n_heads, bh % n_heads
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     i = tl.arange(0, HALF_PAD)
-    mask = (t < seq)[:, None] & (i < HALF)[None, :]
-
+    cols = tl.arange(0, 2 * HALF_PAD)
+    rows = (t < seq)[:, None]
+    # Rows load and store whole (coalesced); the pairs come apart in registers: (rows, pairs, 2) -> a, c.
     x = X + b.to(tl.int64) * stride_xb + part * stride_xp + h * stride_xh + t[:, None].to(tl.int64) * stride_xt
-    a = tl.load(x + 2 * i[None, :], mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(x + 2 * i[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
-    cos = tl.load(COS + b * stride_cb + t[:, None] * stride_ct + i[None, :] * stride_cd, mask=mask, other=0.0)
-    sin = tl.load(SIN + b * stride_sb + t[:, None] * stride_st + i[None, :] * stride_sd, mask=mask, other=0.0)
+    a, c = tl.split(tl.reshape(tl.load(x + cols[None, :], mask=rows & (cols < 2 * HALF)[None, :], other=0.0)
+                               .to(tl.float32), (BLOCK_T, HALF_PAD, 2)))
+    pairs = rows & (i < HALF)[None, :]
+    cos = tl.load(COS + b * stride_cb + t[:, None] * stride_ct + i[None, :] * stride_cd, mask=pairs, other=0.0)
+    sin = tl.load(SIN + b * stride_sb + t[:, None] * stride_st + i[None, :] * stride_sd, mask=pairs, other=0.0)
     if INVERSE:
         sin = -sin
+    out = tl.reshape(tl.join(a * cos - c * sin, c * cos + a * sin), (BLOCK_T, 2 * HALF_PAD))
     y = Y + b.to(tl.int64) * stride_yb + part * stride_yp + h * stride_yh + t[:, None].to(tl.int64) * stride_yt
-    tl.store(y + 2 * i[None, :], (a * cos - c * sin).to(Y.dtype.element_ty), mask=mask)
-    tl.store(y + 2 * i[None, :] + 1, (c * cos + a * sin).to(Y.dtype.element_ty), mask=mask)
+    tl.store(y + cols[None, :], out.to(Y.dtype.element_ty), mask=rows & (cols < 2 * HALF)[None, :])

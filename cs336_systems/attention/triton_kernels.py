@@ -9,10 +9,12 @@ with a unit head dimension). The grid is one-dimensional, ``tiles along the sequ
 
 Loads. Tiles that stay resident for a whole program use pointer arithmetic (no ``tl.make_block_ptr``,
 which newer Triton removed). Tiles that stream past in a loop (K and V in the forward and dQ kernels; Q,
-dO, L and D in dK/dV) come through tensor descriptors (``tl.make_tensor_descriptor``: TMA bulk copies on
-Hopper and later, plain loads elsewhere), which need a unit stride along the head dimension and 16-byte
-aligned heads and rows; ``flash_triton`` copies the rare input that is not. Both forms run on the GPU
-nodes' Triton and under ``TRITON_INTERPRET=1`` on CPU tensors.
+dO, L and D in dK/dV) come through tensor descriptors that ``flash_triton`` builds on the host, one per
+tensor, and passes as kernel parameters (``TensorDescriptor``: TMA bulk copies on Hopper and later, plain
+loads elsewhere); a config's pre-hook sizes their boxes to its tiles (``tuning.block_shape_hook``) and the
+kernels read them with ``flash_common._tile``. Descriptors need a unit stride along the head dimension and
+16-byte aligned heads and rows; ``flash_triton`` copies the rare input that is not. Both forms run on the
+GPU nodes' Triton and under ``TRITON_INTERPRET=1`` on CPU tensors.
 
 Causal structure. With top-left alignment query ``i`` sees key ``j`` iff ``j <= i``. Each loop over tiles is
 split into an unmasked part (tiles every row of which sees every column) and a masked part (tiles that
@@ -55,7 +57,7 @@ BUILD_MODE = INTERPRETED
 MODULES = (flash_common, flash_fwd, flash_bwd, tuning, rope_qk)
 
 __all__ = [
-    "INTERPRETED", "LOG2_E", "MODULES", "PREPROCESS_BLOCK", "ROPE_BLOCK_T", "exp2_fma_kernel", "flash_backward_dkdv_kernel",
-    "flash_backward_dq_kernel", "flash_backward_preprocess_kernel", "flash_bwd", "flash_common",
-    "flash_forward_kernel", "flash_fwd", "rope_qk", "rope_qk_kernel", "tuned", "tuning",
+    "INTERPRETED", "LOG2_E", "MODULES", "PREPROCESS_BLOCK", "ROPE_BLOCK_T", "exp2_fma_kernel",
+    "flash_backward_dkdv_kernel", "flash_backward_dq_kernel", "flash_backward_preprocess_kernel", "flash_bwd",
+    "flash_common", "flash_forward_kernel", "flash_fwd", "rope_qk", "rope_qk_kernel", "tuned", "tuning",
 ]  # fmt: skip

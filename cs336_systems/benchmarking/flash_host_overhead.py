@@ -286,8 +286,15 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
 
 
 __all__ = ["GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "VARIANTS",
-           "parse_variant", "host_us", "issue_seconds", "kernel_table", "kernel_us",
+           "parse_variant", "selected_impls", "host_us", "issue_seconds", "kernel_table", "kernel_us",
            "make_inputs", "measure", "profile_host", "sleep_cycles", "summarize", "wall_us"]
+
+
+def selected_impls(impls: str, variants: Mapping[str, dict[str, Any]]) -> tuple[str, ...]:
+    """``--impls`` (comma-separated) followed by the ``--variant`` names it does not place itself: a variant
+    is defined to be measured."""
+    named = tuple(x for x in impls.split(",") if x)
+    return (*named, *(name for name in variants if name not in named))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS),
                         help=f"comma-separated, of {', '.join(_ALL)} and the --variant names")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
-                        help="a variant of ours with these FlashOptions fields, usable in --impls (repeatable): "
+                        help="a variant of ours with these FlashOptions fields, measured after --impls unless "
+                             "--impls places it (repeatable): "
                              """'fwd128={"candidates": {"forward": [[128, 128, 8, 3]]}}'""")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20, help="calls per measurement")
@@ -314,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shape or ["1,16,1024,64"])]
     except ValueError:
         parser.error(f"--shape takes four integers batch,heads,seq,head_dim, got {args.shape}")
-    impls = tuple(x for x in args.impls.split(",") if x)
     variants = dict(parse_variant(v) for v in args.variant)
+    impls = selected_impls(args.impls, variants)
     for impl in impls:
         attention_fn(impl, variants)  # unknown names fail here, in one line
     dtype = getattr(torch, args.dtype)

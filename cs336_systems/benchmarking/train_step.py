@@ -70,6 +70,9 @@ class StepSpec:
     fused_projections: bool = False
     """Our model's Q/K/V and SwiGLU W1/W3 as one GEMM each, as the reference has them
     (:func:`cs336_systems.fused_projections.fuse_projections`)."""
+    packed_attention: bool = True
+    """With ``fused_projections`` and ``flash_triton``: attention over the QKV output whole, RoPE and the
+    gradient's packing in its kernels (:mod:`cs336_systems.attention.flash_qkvpacked`); off: split heads."""
     lr: float = 1e-4
 
     @property
@@ -159,7 +162,7 @@ class TrainStep:
             if spec.fused_projections:  # before checkpointing and the optimizer: the fused weights are new
                 from cs336_systems.fused_projections import fuse_projections
 
-                fuse_projections(self.model)
+                fuse_projections(self.model, packed_attention=spec.packed_attention)
             if spec.checkpoint:
                 from cs336_systems.checkpointing import checkpoint_layers
 
@@ -415,6 +418,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-head", action="store_true", help="our LM head + cross-entropy without logits")
     parser.add_argument("--fused-projections", action="store_true",
                         help="our Q/K/V and SwiGLU W1/W3 projections as one GEMM each")
+    parser.add_argument("--packed-attention", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --fused-projections and flash_triton: attend over the QKV output whole (RoPE and "
+                             "the gradient's packing in the kernels); --no-packed-attention: split heads")
     parser.add_argument("--stacks", default=",".join(STACKS))
 
 
@@ -428,7 +434,8 @@ def step_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     spec = StepSpec(preset=args.preset, context_length=args.context_length, batch_size=args.batch_size,
                     precision=args.precision, compile=args.compile, compile_mode=args.compile_mode,
                     attention=args.attention, reference_sdpa=args.reference_sdpa, optimizer=args.optimizer,
-                    checkpoint=levels, fused_head=args.fused_head, fused_projections=args.fused_projections)
+                    checkpoint=levels, fused_head=args.fused_head, fused_projections=args.fused_projections,
+                    packed_attention=args.packed_attention)
     spec.check()
     stacks = tuple(s for s in args.stacks.split(",") if s)
     unknown = [s for s in stacks if s not in STACKS]
