@@ -10,7 +10,7 @@ torch-native reference, which fuses exactly these, in the matmuls.
 :func:`fuse_projections` swaps each block's attention and feed-forward modules for fused ones in place,
 keeping the weights' values, the attention implementation and the rotary embedding. With ``flash_triton``
 attention and RoPE the fused block attends over the QKV output whole
-(:class:`~cs336_systems.attention.flash_qkvpacked.FlashAttentionQKVPacked`): RoPE and the packing of
+(:func:`~cs336_systems.attention.flash_qkvpacked.flash_attention_qkvpacked`): RoPE and the packing of
 dQ, dK, dV into the fused weight's gradient happen in its kernels, where autograd would otherwise
 concatenate them (the kernel that made fused projections a loss at first: ``docs/training_step/NOTES.md``).
 State dicts keep the unfused names (``attn.q_proj.weight`` …, ``ffn.w1.weight`` …) both ways, so
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from cs336_basics import nvtx
 from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RotaryEmbedding, SwiGLU, get_attention
 
-from cs336_systems.attention import FlashAttentionQKVPacked
+from cs336_systems.attention import flash_attention_qkvpacked
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _W13 = ("w1", "w3")
@@ -104,7 +104,7 @@ class FusedQKVSelfAttention(nn.Module):
         tables = self._rope_tables(x.shape[-2], token_positions) if self.packed else None
         if tables is not None and qkv.dim() == 3:
             with nvtx.range("attention (flash_triton, packed QKV)"):
-                out = FlashAttentionQKVPacked.apply(qkv, self.num_heads, *tables, True)
+                out = flash_attention_qkvpacked(qkv, self.num_heads, *tables, True)
             return self.output_proj(out.transpose(-3, -2).reshape(*x.shape[:-1], self.d_model))
         q, k, v = (self._split_heads(t) for t in qkv.split(self.d_model, dim=-1))
         if self.positional_encoder is not None:

@@ -180,3 +180,34 @@ def test_the_packed_model_compiles_in_one_graph_and_matches_eager():
     torch.testing.assert_close(loss.detach(), want_loss, atol=1e-5, rtol=1e-5)
     for p, want in zip(model.parameters(), want_grads):
         torch.testing.assert_close(p.grad, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused, packed", [(True, True), (True, False), (False, False)])
+def test_compiled_steps_hand_do_to_the_backward_token_major_without_a_copy(monkeypatch, fused, packed):
+    """Inside a compiled step the attention's dO is the output projection's gradient, token-major. Traced
+    through an ``autograd.Function``, Dynamo assumed it contiguous (head-major) and the graph copied it; the
+    operators' registered backward receives it as the step made it. Checked for the packed path, the fused
+    split path and the plain model, against eager gradients."""
+    from cs336_systems.attention import flash_qkvpacked as fq
+    from cs336_systems.attention import flash_triton as ft
+
+    seen = []
+    for module, name in ((fq, "_packed_backward"), (ft, "_backward")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda do, *a, _f=original, **k: seen.append(do.stride()) or _f(do, *a, **k))
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = BasicsTransformerLM(vocab_size=40, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=48,
+                                attention_impl="flash_triton", device=DEVICE)
+    model = fuse_projections(model, packed_attention=packed) if fused else model
+    x, y = torch.randint(0, 40, (2, 16), device=DEVICE), torch.randint(0, 40, (2, 16), device=DEVICE)
+    cross_entropy(model(x), y).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    seen.clear()
+    cross_entropy(torch.compile(model, backend=backend)(x), y).backward()
+    heads, seq, d = 2, 16, 16
+    assert seen == [(seq * heads * d, d, heads * d, 1)]  # (batch, heads, seq, d) over token-major memory
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, w, atol=1e-4, rtol=1e-4)

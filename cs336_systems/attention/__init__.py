@@ -23,7 +23,7 @@ from . import options
 from ._validation import validate_attention_inputs
 from .flash_pytorch import FlashAttentionPytorch
 from .flash_qkvpacked import FlashAttentionQKVPacked, flash_attention_qkvpacked
-from .flash_triton import SUPPORTED_HEAD_DIMS, FlashAttentionTriton, interpreter_enabled
+from .flash_triton import SUPPORTED_HEAD_DIMS, FlashAttentionTriton, flash_attention, interpreter_enabled
 from .reference import causal_mask, naive_attention, reference_attention
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "FlashAttentionQKVPacked",
     "FlashAttentionTriton",
     "causal_mask",
+    "flash_attention",
     "flash_attention_qkvpacked",
     "get_flashattention_autograd_function_pytorch",
     "get_flashattention_autograd_function_triton",
@@ -56,7 +57,7 @@ def _flash_pytorch_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -
 
 
 def _flash_triton_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
-    return FlashAttentionTriton.apply(q, k, v, is_causal)
+    return flash_attention(q, k, v, is_causal)
 
 
 register_attention("flash_pytorch", _flash_pytorch_attention)

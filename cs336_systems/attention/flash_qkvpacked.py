@@ -122,6 +122,23 @@ def _(do: Tensor, qkv: Tensor, qk: Tensor, o: Tensor, lse: Tensor, cos: Tensor, 
     return qkv.new_empty(qkv.shape)
 
 
+def _setup_backward(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
+    qkv, _, cos, sin, is_causal, scale = inputs
+    o, lse, qk = output
+    ctx.save_for_backward(qkv, qk, o, lse, cos, sin)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _operator_backward(ctx, do: Tensor, *_: Tensor | None) -> tuple[Tensor | None, ...]:
+    qkv, qk, o, lse, cos, sin = ctx.saved_tensors
+    dqkv = flash_attention_qkvpacked_backward(_unit_stride_d(do), qkv, qk, o, lse, cos, sin, ctx.is_causal, ctx.scale)
+    return dqkv, None, None, None, None, None
+
+
+# The forward operator's own autograd, for :func:`flash_attention_qkvpacked` under torch.compile.
+flash_attention_qkvpacked_forward.register_autograd(_operator_backward, setup_context=_setup_backward)
+
+
 def _check(qkv: Tensor, num_heads: int, cos: Tensor, sin: Tensor) -> int:
     """One-line errors for inputs the kernels cannot take; returns the head dim."""
     name = f"{_IMPL_NAME}, packed QKV"
@@ -178,7 +195,13 @@ class FlashAttentionQKVPacked(torch.autograd.Function):
 
 def flash_attention_qkvpacked(qkv: Tensor, num_heads: int, cos: Tensor, sin: Tensor,
                               is_causal: bool = True) -> Tensor:
-    """:class:`FlashAttentionQKVPacked` as a function (``attention.options`` apply as to ``FlashAttentionTriton``)."""
+    """:class:`FlashAttentionQKVPacked` as a function (``attention.options`` apply as to ``FlashAttentionTriton``).
+    Under ``torch.compile`` it calls the forward operator, whose backward is registered on it, rather than
+    the autograd function: then dO reaches the backward in the layout the step made it, not copied to the
+    contiguous one Dynamo assumes for an ``autograd.Function`` (see ``flash_triton.flash_attention``)."""
+    if torch.compiler.is_compiling():
+        d = _check(qkv, num_heads, cos, sin)
+        return flash_attention_qkvpacked_forward(qkv, num_heads, cos, sin, is_causal, 1.0 / math.sqrt(d))[0]
     return FlashAttentionQKVPacked.apply(qkv, num_heads, cos, sin, is_causal)
 
 
