@@ -828,3 +828,27 @@ def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, la
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
         err_gluon, err_triton = (a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item()
         assert err_gluon <= 1.5 * err_triton + tol / 4, f"{name}: {err_gluon:.3g} vs Triton {err_triton:.3g}"
+
+
+def test_descriptors_filled_in_directly_equal_triton_s_validated_ones() -> None:
+    """``_descriptor`` skips ``TensorDescriptor``'s checks (host time on every call) by filling in its fields;
+    the result must be the very descriptor the constructor builds, and a Triton whose descriptor has other
+    fields gets the constructor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from cs336_systems.attention import flash_triton
+
+    t = torch.randn(2, 3, 40, 64)[:, :, :32]  # a strided view, as the kernels receive head views
+    box = [1, 1, 16, 64]
+    direct = flash_triton._descriptor(t, box)
+    built = TensorDescriptor(t, list(t.shape), list(t.stride()), box)
+    assert type(direct) is TensorDescriptor and direct == built and direct.base is t
+    flash_triton._descriptor_class.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(flash_triton.dataclasses, "fields", lambda cls: ())  # "another Triton"
+            with pytest.raises(ValueError, match="power of 2"):  # the constructor's own checks run again
+                flash_triton._descriptor(t, [1, 1, 12, 64])
+    finally:
+        flash_triton._descriptor_class.cache_clear()
+    assert flash_triton._descriptor_class()[1]

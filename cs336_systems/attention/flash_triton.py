@@ -30,6 +30,7 @@ float32 inputs follow ``torch.get_float32_matmul_precision()``, as PyTorch's own
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import math
@@ -52,6 +53,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 HEAD_DIMS = range(1, SUPPORTED_HEAD_DIMS[-1] + 1)
 
 
+@functools.cache  # several calls per forward + backward, always the same few head dims
 def head_dim_slabs(d: int) -> tuple[int, int]:
     """``(D_MAIN, D_TAIL)`` for head dim ``d``: the largest power of two in ``d`` and the smallest power of two
     (at least 16, the smallest side of ``tl.dot``) holding the rest, or one padded slab where two would not save
@@ -94,12 +96,19 @@ def _kernels() -> ModuleType:
     module may set it after something else imported this package. Everything else about the kernels is
     an :mod:`.options` value read at each launch.
     """
-    module = importlib.import_module(".triton_kernels", __package__)
-    if module.BUILD_MODE != interpreter_enabled():
-        for part in module.MODULES:  # in dependency order, so each picks up the re-decorated kernels
-            importlib.reload(part)
-        module = importlib.reload(module)
+    global _KERNELS
+    module = _KERNELS
+    if module is None or module.BUILD_MODE != interpreter_enabled():  # the import machinery only on a change
+        module = importlib.import_module(".triton_kernels", __package__)
+        if module.BUILD_MODE != interpreter_enabled():
+            for part in module.MODULES:  # in dependency order, so each picks up the re-decorated kernels
+                importlib.reload(part)
+            module = importlib.reload(module)
+        _KERNELS = module
     return module
+
+
+_KERNELS: ModuleType | None = None
 
 
 def _check_device(q: Tensor) -> None:
@@ -161,9 +170,25 @@ def _descriptor(t: Tensor, box: list[int]) -> object:
     as ``_UNSIZED`` and is set per config by the tuner's pre-hook (``tuning.block_shape_hook``). ``t`` must be
     :func:`_tma_ready`. Built on the host, the descriptor reaches the kernel as a parameter: the kernels no
     longer write one per program to global scratch (docs/flash_attention/host_descriptors.md)."""
+    cls, direct = _descriptor_class()
+    if not direct:
+        return cls(t, list(t.shape), list(t.stride()), box)
+    # Filled in directly: the constructor re-checks what _tma_ready guarantees (16-byte base and row strides,
+    # unit last stride) and that the box is a power of two, which the pre-hook resets anyway. That cost about
+    # 5 µs of host time per descriptor, seven per forward + backward (docs/flash_attention/host_overhead.md).
+    desc = object.__new__(cls)
+    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=box, padding="zero")
+    return desc
+
+
+@functools.cache
+def _descriptor_class() -> tuple[type, bool]:
+    """Triton's ``TensorDescriptor``, and whether its fields are the five :func:`_descriptor` fills in itself
+    (else it calls the constructor, so another Triton's descriptor stays correct)."""
     from triton.tools.tensor_descriptor import TensorDescriptor  # here: this module imports without Triton
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), box)
+    fields = tuple(f.name for f in dataclasses.fields(TensorDescriptor))
+    return TensorDescriptor, fields == ("base", "shape", "strides", "block_shape", "padding")
 
 
 def _head_tiles(t: Tensor, width: int) -> object:
