@@ -473,9 +473,11 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
                     if fused else
                     " The reference fuses the Q, K, V projections into one weight and W1, W3 into another; our "
                     "model, run with `fused_projections` off, keeps five separate weights, so each layer runs more "
-                    "and smaller GEMMs. Fusing them (`cs336_systems.fused_projections`) saves matmul time but, "
-                    "with our attention, costs more in the backward, where Inductor concatenates dQ, dK and dV "
-                    "for the fused weight's gradient: slower overall on the H100 (`docs/training_step/NOTES.md`).")
+                    "and smaller GEMMs. Fusing them (`cs336_systems.fused_projections`) saved matmul time but, "
+                    "with split attention heads, cost more in the backward, where Inductor concatenated dQ, dK and "
+                    "dV for the fused weight's gradient: slower overall on the H100. The packed-QKV attention "
+                    "(`flash_attention_qkvpacked`) writes that gradient in place instead; until it is measured in "
+                    "these runs the projections stay unfused (`docs/training_step/NOTES.md`).")
                    if share.get("matmul", 0) >= 0.1 else "")
                 + (" Our attention is slower than cuDNN at most shapes of §1.3.2's grid; at head dimension 80 "
                    "(2.7B) it runs as two slabs of 64 and 16 columns, with no padded work, and still trails cuDNN "
