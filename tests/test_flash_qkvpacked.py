@@ -73,13 +73,14 @@ def test_packed_attention_matches_rope_then_flash_attention_values_and_gradient(
     torch.testing.assert_close(got_grad, expected_grad, atol=2e-3, rtol=2e-3)
 
 
-def test_the_rotation_kernel_is_cs336_basics_rope_and_its_inverse_undoes_it():
+@pytest.mark.parametrize("d", [32, 128])
+def test_the_rotation_kernel_is_cs336_basics_rope_and_its_inverse_undoes_it(d):
     """The kernel alone, forward and inverse in place on a packed (batch, seq, 3, heads, d) tensor: parts 0
     and 1 rotate exactly as RotaryEmbedding does, part 2 (V) is untouched, and the inverse restores the input."""
     from cs336_systems.attention.flash_qkvpacked import _rotate
 
     torch.manual_seed(1)
-    batch, seq, heads, d = 2, 70, 3, 32  # 70 tokens: two token tiles, the second ragged
+    batch, seq, heads = 2, 70, 3  # 70 tokens: two token tiles, the second ragged
     rope = RotaryEmbedding(128, d, device=DEVICE)
     x = torch.randn(batch, seq, 3, heads, d, device=DEVICE)
     y = x.clone()
@@ -211,3 +212,22 @@ def test_compiled_steps_hand_do_to_the_backward_token_major_without_a_copy(monke
     assert seen == [(seq * heads * d, d, heads * d, 1)]  # (batch, heads, seq, d) over token-major memory
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="16-bit kernels need a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d, heads", [(64, 12), (80, 4), (128, 2)])
+def test_packed_attention_in_16_bit_matches_the_split_path_on_a_gpu(dtype, d, heads):
+    """The model's dtypes and head dims (64: small to xl, 80: 2.7B, 128): the rotation is the same float32
+    arithmetic as RotaryEmbedding's, so the two paths differ only by the attention kernels' rounding order."""
+    torch.manual_seed(3)
+    batch, seq = 2, 300
+    rope = RotaryEmbedding(512, d, device=DEVICE)
+    qkv = torch.randn(batch, seq, 3 * heads * d, device=DEVICE, dtype=dtype, requires_grad=True)
+    grad = torch.randn(batch, heads, seq, d, device=DEVICE, dtype=dtype)
+    expected = _split_path(qkv, heads, rope, None, True)
+    (expected_grad,) = torch.autograd.grad(expected, qkv, grad)
+    got = flash_attention_qkvpacked(qkv, heads, *_tables(rope, seq), True)
+    (got_grad,) = torch.autograd.grad(got, qkv, grad)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_grad, expected_grad, atol=5e-2, rtol=5e-2)
