@@ -381,7 +381,8 @@ def _longest_text(longest: pd.DataFrame | None, params: dict[str, Any]) -> Text 
     if at_top:
         text += (f" The search stops at {int(high):,} tokens (`longest_high`), so {join_words(at_top)} may train "
                  "at longer contexts still.")
-    unsearched = [pr for pr in PRESETS["full"].longest_presets if pr not in set(longest["preset"])]
+    searched = set(longest["preset"])
+    unsearched = [pr for pr in PRESETS["full"].longest_presets if pr not in searched]
     if unsearched:
         text += f" Not searched in these runs: {join_words(unsearched)}."
     return Text(text)
