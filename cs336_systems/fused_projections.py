@@ -65,11 +65,37 @@ def _store_unfused(module: nn.Module, fused: str, parts: tuple[str, ...]) -> Non
     module.register_load_state_dict_pre_hook(load)
 
 
+class PackedRopeTables(nn.Module):
+    """``cos θ`` and ``sin θ`` of a ``RotaryEmbedding`` as contiguous ``(context, d/2)`` float32 tables for the
+    packed kernels. The embedding keeps ``(context, d/2, 2)`` per-pair tables, whose columns read at stride 2
+    cost the rotation kernel a fifth more time (``docs/training_step/ab/rope``). One per embedding, shared by
+    the blocks as the embedding is; non-persistent buffers, so checkpoints do not change."""
+
+    def __init__(self, rope: RotaryEmbedding):
+        super().__init__()
+        self.register_buffer("cos", rope._cos[..., 0].contiguous(), persistent=False)  # _cos[..., 0] is cos θ
+        self.register_buffer("sin", rope._sin[..., 1].contiguous(), persistent=False)  # _sin[..., 1] is +sin θ
+
+    def lookup(self, seq: int, positions: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """``(cos θ, sin θ)`` as ``(seq, d/2)`` or ``(batch, seq, d/2)``. Positions broadcast against the
+        ``(batch, heads, seq)`` head views, as in the split path: ``(seq,)``, ``(1, seq)`` or
+        ``(batch or 1, 1, seq)``; None for any other shape (positions that vary by head), which the split
+        path handles."""
+        if positions is None:
+            return self.cos[:seq], self.sin[:seq]
+        shape = tuple(positions.shape)
+        if not (shape in ((seq,), (1, seq)) or (len(shape) == 3 and shape[1:] == (1, seq))):
+            return None
+        rows = positions.reshape(-1, seq)
+        return self.cos[rows], self.sin[rows]
+
+
 class FusedQKVSelfAttention(nn.Module):
     """Causal multi-head self-attention as ``cs336_basics``' ``CausalMultiHeadSelfAttention`` computes it,
     with Q, K and V from one ``(3·d_model, d_model)`` weight: one GEMM instead of three."""
 
-    def __init__(self, attn: CausalMultiHeadSelfAttention, packed: bool = True):
+    def __init__(self, attn: CausalMultiHeadSelfAttention, packed: bool = True,
+                 rope_tables: PackedRopeTables | None = None):
         super().__init__()
         self.d_model, self.num_heads, self.d_head = attn.d_model, attn.num_heads, attn.d_head
         self.qkv_proj = _stacked([getattr(attn, name) for name in _QKV])
@@ -80,28 +106,17 @@ class FusedQKVSelfAttention(nn.Module):
         #: packing in its kernels, :mod:`cs336_systems.attention.flash_qkvpacked`) rather than split heads.
         self.packed = packed and self.attention_impl == "flash_triton" and isinstance(
             self.positional_encoder, RotaryEmbedding)
+        #: The packed path's tables (``rope_tables`` if given, to share one set among blocks); None unpacked.
+        self.rope_tables = None
+        if self.packed:
+            self.rope_tables = rope_tables if rope_tables is not None else PackedRopeTables(self.positional_encoder)
         _store_unfused(self, "qkv_proj", _QKV)
 
     _split_heads = CausalMultiHeadSelfAttention._split_heads  # a column slice of the QKV output views alike
 
-    def _rope_tables(self, seq: int, positions: Tensor | None) -> tuple[Tensor, Tensor] | None:
-        """``(cos θ, sin θ)`` as ``(seq, d/2)`` or ``(batch, seq, d/2)`` float32 for the packed kernels, read
-        from the rotary embedding's per-pair tables (``_cos[..., 0]`` is cos θ, ``_sin[..., 1]`` is +sin θ).
-        Positions broadcast against the ``(batch, heads, seq)`` head views, as in the split path: ``(seq,)``,
-        ``(1, seq)`` or ``(batch or 1, 1, seq)``; None for any other shape (positions that vary by head), which
-        the split path handles."""
-        enc = self.positional_encoder
-        if positions is None:
-            return enc._cos[:seq, :, 0], enc._sin[:seq, :, 1]
-        shape = tuple(positions.shape)
-        if not (shape in ((seq,), (1, seq)) or (len(shape) == 3 and shape[1:] == (1, seq))):
-            return None
-        rows = positions.reshape(-1, seq)
-        return enc._cos[rows][..., 0], enc._sin[rows][..., 1]
-
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
         qkv = self.qkv_proj(x)
-        tables = self._rope_tables(x.shape[-2], token_positions) if self.packed else None
+        tables = self.rope_tables.lookup(x.shape[-2], token_positions) if self.rope_tables is not None else None
         if tables is not None and qkv.dim() == 3:
             with nvtx.range("attention (flash_triton, packed QKV)"):
                 out = flash_attention_qkvpacked(qkv, self.num_heads, *tables, True)
@@ -136,7 +151,15 @@ def fuse_projections(model: nn.Module, packed_attention: bool = True) -> nn.Modu
     fused are left alone. Build optimizers, wrappers (DDP, FSDP, checkpointing) and ``torch.compile`` after
     this call: the fused weights are new parameters. ``packed_attention``: with ``flash_triton`` attention and
     RoPE, attend over the QKV output whole (:class:`FusedQKVSelfAttention`'s ``packed``)."""
-    swaps = {CausalMultiHeadSelfAttention: lambda m: FusedQKVSelfAttention(m, packed_attention), SwiGLU: FusedSwiGLU}
+    shared: dict[int, PackedRopeTables] = {}  # one set of packed tables per rotary embedding
+
+    def fused_attention(attn: CausalMultiHeadSelfAttention) -> FusedQKVSelfAttention:
+        fused = FusedQKVSelfAttention(attn, packed_attention, shared.get(id(attn.positional_encoder)))
+        if fused.rope_tables is not None:
+            shared[id(attn.positional_encoder)] = fused.rope_tables
+        return fused
+
+    swaps = {CausalMultiHeadSelfAttention: fused_attention, SwiGLU: FusedSwiGLU}
     targets = [(name, module) for name, module in model.named_modules() if type(module) in swaps]
     if any(name == "" for name, _ in targets):
         raise ValueError(f"fuse_projections: pass the module that holds the {type(model).__name__}, not the "

@@ -80,7 +80,7 @@ def test_the_rotation_kernel_is_cs336_basics_rope_and_its_inverse_undoes_it(d):
     from cs336_systems.attention.flash_qkvpacked import _rotate
 
     torch.manual_seed(1)
-    batch, seq, heads = 2, 70, 3  # 70 tokens: two token tiles, the second ragged
+    batch, seq, heads = 2, 70, 3  # 70 tokens: a ragged last token tile; d = 32: a ragged column block
     rope = RotaryEmbedding(128, d, device=DEVICE)
     x = torch.randn(batch, seq, 3, heads, d, device=DEVICE)
     y = x.clone()
@@ -108,8 +108,27 @@ def test_the_fused_model_trains_alike_with_and_without_the_packed_path():
         torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-4)
     # Explicit positions of another shape than (seq,) or (batch, seq) fall back to the split path.
     attn = packed.layers[0].attn
-    assert isinstance(attn, FusedQKVSelfAttention) and attn._rope_tables(16, torch.zeros(2, 16)) is None
-    assert attn._rope_tables(16, torch.zeros(2, 1, 16, dtype=torch.long))[0].shape == (2, 16, 8)
+    assert isinstance(attn, FusedQKVSelfAttention) and attn.rope_tables.lookup(16, torch.zeros(2, 16)) is None
+    assert attn.rope_tables.lookup(16, torch.zeros(2, 1, 16, dtype=torch.long))[0].shape == (2, 16, 8)
+
+
+def test_the_packed_tables_are_contiguous_shared_and_stay_out_of_checkpoints():
+    """One contiguous (context, d/2) pair of tables per rotary embedding, equal to its per-pair columns, used
+    by every block, and no new state-dict keys (checkpoints load into either model)."""
+    plain = BasicsTransformerLM(vocab_size=40, context_length=16, d_model=32, num_layers=3, num_heads=2, d_ff=48,
+                                attention_impl="flash_triton", device=DEVICE)
+    keys = set(plain.state_dict())
+    model = fuse_projections(plain)
+    tables = {id(layer.attn.rope_tables) for layer in model.layers}
+    assert len(tables) == 1
+    first = model.layers[0].attn.rope_tables
+    rope = model.layers[0].attn.positional_encoder
+    assert first.cos.is_contiguous() and first.cos.shape == (16, 8)
+    assert torch.equal(first.cos, rope._cos[..., 0]) and torch.equal(first.sin, rope._sin[..., 1])
+    cos, sin = first.lookup(5, torch.tensor([[4, 3, 2, 1, 0]]))
+    assert cos.is_contiguous() and torch.equal(sin[0, 0], rope._sin[4, :, 1])
+    assert set(model.state_dict()) == keys
+    assert fuse_projections(model, packed_attention=False) is model  # already fused: left alone
 
 
 def test_packed_attention_is_only_chosen_for_flash_triton_with_rope():

@@ -57,16 +57,17 @@ def _heads(packed: Tensor, part: int) -> Tensor:
 
 
 def _rotate(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> None:
-    """RoPE (or its inverse) of parts 0 and 1 of ``(batch, seq, parts, heads, d)`` ``x`` into ``y`` (may be ``x``)."""
+    """RoPE (or its inverse) of parts 0 and 1 of ``(batch, seq, parts, heads, d)`` ``x`` into ``y`` (may be
+    ``x``); within a token both are laid out whole (views of token-major buffers, as every caller's are)."""
     kernels = _kernels()
     batch, seq, _, heads, d = x.shape
-    block = kernels.ROPE_BLOCK_T
     cos, sin = (t.expand(batch, seq, d // 2) for t in (cos, sin))
-    half_pad = max(1, 1 << (d // 2 - 1).bit_length())  # pairs per row, a power of two for tl.arange
+    width = 2 * heads * d
+    grid = (_cdiv(seq, kernels.ROPE_BLOCK_T), batch, _cdiv(width, 2 * kernels.ROPE_BLOCK_P))
     with _device_guard(x):
-        FLASH_LAUNCHES.launch(kernels.rope_qk_kernel, (_cdiv(seq, block), batch * heads, 2), (
-            x, y, cos, sin, *x.stride()[:4], *y.stride()[:4], *cos.stride(), *sin.stride(), seq, heads,
-        ), dict(HALF=d // 2, HALF_PAD=half_pad, BLOCK_T=block, INVERSE=inverse))  # fmt: skip
+        FLASH_LAUNCHES.launch(kernels.rope_qk_kernel, grid, (
+            x, y, cos, sin, *x.stride()[:2], *y.stride()[:2], *cos.stride(), *sin.stride(), seq, width,
+        ), dict(HALF=d // 2, BLOCK_T=kernels.ROPE_BLOCK_T, BLOCK_P=kernels.ROPE_BLOCK_P, INVERSE=inverse))  # fmt: skip
 
 
 def _packed_forward(qkv: Tensor, num_heads: int, cos: Tensor, sin: Tensor, is_causal: bool,

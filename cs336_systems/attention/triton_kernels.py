@@ -47,7 +47,7 @@ from .flash_bwd import (
 )
 from .flash_common import INTERPRETED, LOG2_E, exp2_fma_kernel
 from .flash_fwd import flash_forward_kernel
-from .rope_qk import ROPE_BLOCK_T, rope_qk_kernel
+from .rope_qk import ROPE_BLOCK_P, ROPE_BLOCK_T, rope_qk_kernel
 from .tuning import tuned
 
 #: What the ``@triton.jit`` decorators were built for; ``flash_triton`` re-imports the kernel modules when
@@ -57,7 +57,7 @@ BUILD_MODE = INTERPRETED
 MODULES = (flash_common, flash_fwd, flash_bwd, tuning, rope_qk)
 
 __all__ = [
-    "INTERPRETED", "LOG2_E", "MODULES", "PREPROCESS_BLOCK", "ROPE_BLOCK_T", "exp2_fma_kernel",
+    "INTERPRETED", "LOG2_E", "MODULES", "PREPROCESS_BLOCK", "ROPE_BLOCK_P", "ROPE_BLOCK_T", "exp2_fma_kernel",
     "flash_backward_dkdv_kernel", "flash_backward_dq_kernel", "flash_backward_preprocess_kernel", "flash_bwd",
     "flash_common", "flash_forward_kernel", "flash_fwd", "rope_qk", "rope_qk_kernel", "tuned", "tuning",
 ]  # fmt: skip
