@@ -50,8 +50,8 @@ class Params:
     optimizer: str = param("flat", "our AdamW: flat (FlatAdamW) or basics (cs336_basics, per parameter)")
     checkpoint: list[int] = param([], "our model's activation-checkpoint levels ([]: off)")
     fused_head: bool = param(False, "our LM head + cross-entropy without logits (lm_head_loss)")
-    fused_projections: bool = param(False, "our Q/K/V and SwiGLU W1/W3 as one GEMM each, as the reference "
-                                    "has them (off: measured slower, docs/training_step/NOTES.md)")
+    fused_projections: bool = param(True, "our Q/K/V and SwiGLU W1/W3 as one GEMM each, as the reference "
+                                    "has them, with the packed-QKV attention (docs/training_step/NOTES.md)")
     rounds: int = param(3, "alternating rounds per cell")
     steps: int = param(5, "timed steps per stack and round")
     warmup: int = param(3, "untimed steps per stack (compilation happens here)")
@@ -470,15 +470,16 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
                 + "."
                 + (f" Matmuls differ by {fmt.ms(gap['matmul'].abs().max())} at most: the GEMMs are not where "
                    "we lose." if "matmul" in gap.columns and share.get("matmul", 0) < 0.1 else "")
-                + ((" Both models run Q, K, V as one GEMM and W1, W3 as another (`fused_projections`)."
-                    if fused else
+                + ((" Both models run Q, K, V as one GEMM and W1, W3 as another (`fused_projections`); ours "
+                    "rotates Q and K and packs their gradient inside the attention kernels "
+                    "(`flash_attention_qkvpacked`)." if fused else
                     " The reference fuses the Q, K, V projections into one weight and W1, W3 into another; our "
                     "model, run with `fused_projections` off, keeps five separate weights, so each layer runs more "
                     "and smaller GEMMs. Fusing them (`cs336_systems.fused_projections`) saved matmul time but, "
                     "with split attention heads, cost more in the backward, where Inductor concatenated dQ, dK and "
                     "dV for the fused weight's gradient: slower overall on the H100. The packed-QKV attention "
-                    "(`flash_attention_qkvpacked`) writes that gradient in place instead; until it is measured in "
-                    "these runs the projections stay unfused (`docs/training_step/NOTES.md`).")
+                    "(`flash_attention_qkvpacked`) writes that gradient in place instead and makes fusing pay "
+                    "(`docs/training_step/NOTES.md`); these runs have it off.")
                    if share.get("matmul", 0) >= 0.1 else "")
                 + (" Our attention is slower than cuDNN at most shapes of §1.3.2's grid; at head dimension 80 "
                    "(2.7B) it runs as two slabs of 64 and 16 columns, with no padded work, and still trails cuDNN "
