@@ -92,7 +92,8 @@ def replottable() -> list[str]:
 
 def load_inputs(section: Any, root: Path | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The measured inputs of ``section`` (a name or a Section; tables as DataFrames, JSON records as dicts)
-    and their metas, from ``root`` (default: where real runs write, ``figures/`` or ``CS336_FIGURES_DIR``)."""
+    and their metas, from ``root`` (default: where real runs write, ``figures/`` or ``CS336_FIGURES_DIR``).
+    When some inputs describe the current code and others older code, only the current ones."""
     section = _section(section)
     root = root or results_root(smoke=False)
     tables: dict[str, Any] = {}
@@ -107,7 +108,20 @@ def load_inputs(section: Any, root: Path | None = None) -> tuple[dict[str, Any],
     if not metas:
         raise FileNotFoundError(f"no measured {' or '.join(map(repr, section.derive_inputs))} in "
                                 f"{section_dir(section.name, root)}: nothing to replot")
+    current = _measured_on_current_code(section, metas)
+    if current and len(current) < len(metas):
+        # A derived artefact carries one input's provenance, so it must not mix in measurements of older
+        # code: those stay in their own (stale-marked) files, and the combination leaves them out.
+        tables = {name: tables[name] for name in current}
+        metas = {name: metas[name] for name in current}
     return tables, metas
+
+
+def _measured_on_current_code(section: Any, metas: dict[str, dict[str, Any]]) -> list[str]:
+    """The inputs whose measured code is the current code (the writeup's test: :mod:`.report.staleness`)."""
+    from cs336_systems.report.staleness import freshness
+
+    return [name for name, meta in metas.items() if not freshness(meta, section.depends).stale]
 
 
 def primary_meta(section: Any, metas: dict[str, dict[str, Any]]) -> dict[str, Any]:

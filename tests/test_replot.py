@@ -281,3 +281,34 @@ def test_derived_artefacts_record_the_parameters_of_the_job_that_measured_their_
                          {"timing": _meta({"parts": ["measured"]})})
     meta = json.loads((tmp_path / "torch_compile/later.meta.json").read_text())
     assert meta["params"]["parts"] == ["measured"] and meta["device"] == DEVICE
+
+
+def test_a_derived_table_combines_only_inputs_measured_on_the_current_code(tmp_path, monkeypatch) -> None:
+    """§1.4 combines one table per preset, each from its own job. When some describe the current code and
+    others older code, the combination (which carries one input's provenance) leaves the older ones out;
+    when none is current, it combines them all (and the writeup marks the result stale)."""
+    from cs336_systems.report import staleness
+
+    head = "a" * 40  # the current code: no dependency changed since it
+    monkeypatch.setattr(staleness, "changed_since", lambda commit, depends, repo: () if commit == head else
+                        ("cs336_systems/attention/flash_fwd.py",))
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    section = tmp_path / "training_step"
+    section.mkdir()
+
+    def measured(preset: str, commit: str) -> None:
+        pd.DataFrame({"preset": [preset], "context_length": [1024], "status": ["skipped"]}).to_csv(
+            section / f"steps_{preset}.csv", index=False)
+        meta = {**_meta({"presets": [preset]}), "git_commit": commit, "section": "training_step",
+                "name": f"steps_{preset}", "files": [f"steps_{preset}.csv"]}
+        (section / f"steps_{preset}.meta.json").write_text(json.dumps(meta))
+
+    measured("small", head)
+    measured("2.7B", "0123456789abcdef")  # older code
+    assert replot.main(["training_step"]) == 0
+    steps = section / "steps.csv"  # CS336_FIGURES_DIR: derived beside the measurements
+    assert pd.read_csv(steps)["preset"].tolist() == ["small"]
+    assert json.loads(steps.with_suffix(".meta.json").read_text())["git_commit"] == head
+    measured("small", "fedcba9876543210")  # now neither is current: both combine
+    assert replot.main(["training_step"]) == 0
+    assert sorted(pd.read_csv(steps)["preset"]) == ["2.7B", "small"]
