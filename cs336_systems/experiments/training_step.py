@@ -463,8 +463,11 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
     spread = (f"{fmt.ms(per_cell.min())}–{fmt.ms(per_cell.max())} per step more" if per_cell.min() >= 0 else
               f"from {fmt.ms(-per_cell.min())} per step less to {fmt.ms(per_cell.max())} more, by cell")
     fused = bool((params or {}).get("fused_projections"))
-    return Text(f"Of the time by which our step trails the reference, summed over the {len(gap)} cells, "
-                + join_words(lead) + f"; {worst.index[0]} alone costs us {spread}"
+    opening = (f"Of the time by which our step trails the reference, summed over the {len(gap)} cells, "
+               if total.sum() > 0 else
+               f"Our step is the faster one overall; of the kernel time it still spends beyond the reference's, "
+               f"summed over the {len(gap)} cells, ")
+    return Text(opening + join_words(lead) + f"; {worst.index[0]} alone costs us {spread}"
                 + (", while ours is faster in " + join_words(
                     [f"{b} (by {fmt.ms(-total[b] / len(gap))} a step on average)" for b in ahead]) if ahead else "")
                 + "."
