@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .results import ResultWriter, has_result, load_json, load_meta, load_table, results_root, section_dir
+from .results import ResultWriter, git_commit, has_result, load_json, load_meta, load_table, results_root, section_dir
 
 
 @dataclass
@@ -57,12 +57,17 @@ def write_derived(
 
     def origin(src: str) -> dict[str, Any]:
         """Inside the measuring run: the parameters of the job that measured ``src`` (an earlier job's, for a
-        table that combines several jobs), not the last job's; later, its whole provenance."""
+        table that combines several jobs), not the last job's; later, its whole provenance. Inside a run too,
+        an input measured at another commit (a part this job did not re-measure) keeps its own provenance:
+        stamping its plot with this run's commit would present older measurements as this code's."""
         if sources is not None:
             return {"source": sources.get(src)}
         if not (out.dir / f"{src}.meta.json").exists():
             return {}
-        return {"params": load_meta(out.section, src, root=out.dir.parent).get("params")}
+        meta = load_meta(out.section, src, root=out.dir.parent)
+        if str(meta.get("git_commit", "")) != git_commit():
+            return {"source": meta}
+        return {"params": meta.get("params")}
 
     written = []
     for name, (df, src) in derived.tables.items():

@@ -283,6 +283,26 @@ def test_derived_artefacts_record_the_parameters_of_the_job_that_measured_their_
     assert meta["params"]["parts"] == ["measured"] and meta["device"] == DEVICE
 
 
+def test_a_job_that_did_not_remeasure_an_input_leaves_its_plot_with_the_input_s_provenance(tmp_path,
+                                                                                           monkeypatch) -> None:
+    """A job measuring one part re-derives every artefact; a plot of a table an earlier commit measured
+    must keep that commit and date (so the writeup can mark it stale), not take the running job's."""
+    from cs336_systems.results import ResultWriter
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    monkeypatch.setenv("CS336_GIT_COMMIT", "f" * 40)
+    _commit(tmp_path, "torch_compile", {"timing": pd.DataFrame({"x": [1]})}, {"parts": ["model"]})
+    this_job = ResultWriter("torch_compile", params={"parts": ["attention"]}, smoke=False)
+    this_job.table(pd.DataFrame({"x": [2]}), "fresh_timing")
+    replot.write_derived(this_job, replot.Derived(tables={"old_plot": (pd.DataFrame({"y": [1]}), "timing"),
+                                                          "new_plot": (pd.DataFrame({"y": [2]}), "fresh_timing")}))
+    old = json.loads((tmp_path / "torch_compile/old_plot.meta.json").read_text())
+    new = json.loads((tmp_path / "torch_compile/new_plot.meta.json").read_text())
+    assert (old["git_commit"], old["date"], old["device"]) == ("0123456789abcdef", "2026-01-01T00:00:00+00:00", DEVICE)
+    assert old["rendered"]["git_commit"] == "f" * 40 and old["params"]["parts"] == ["model"]
+    assert new["git_commit"] == "f" * 40 and "rendered" not in new and new["params"]["parts"] == ["attention"]
+
+
 def test_a_derived_table_combines_only_inputs_measured_on_the_current_code(tmp_path, monkeypatch) -> None:
     """§1.4 combines one table per preset, each from its own job. When some describe the current code and
     others older code, the combination (which carries one input's provenance) leaves the older ones out;
