@@ -73,6 +73,9 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     assert not any(isinstance(b, Table) for b in question.blocks)  # the tables are in the results index
     # the lever for each phase that loses, and only for those
     assert fb.LOSER_LEVERS["forward"] in text and fb.LOSER_LEVERS["backward"] not in text
+    # the forward's lever names the profiled lengths' tile arithmetic (d = 64: 192-row tiles, 128-key blocks)
+    assert "at 1,024 tokens and d = 64, 192-row query tiles compute 1,152 rows (11% padding)" in text
+    assert "at most 8 128-key blocks" in text
 
 
 def test_losers_part_on_cpu_says_what_it_needs(tmp_path, monkeypatch, capsys) -> None:

@@ -52,6 +52,10 @@ def test_bad_model_ab_parameters_are_one_line_errors() -> None:
         fb.Params(parts=["model_ab"], ab_contexts=[1024, 3000]).check()
     with pytest.raises(ValueError, match="preset"):
         fb.Params(parts=["model_ab"], ab_presets=["huge"]).check()
+    with pytest.raises(ValueError, match="names round 2, not one of ab_rounds=2"):
+        fb.Params(parts=["model_ab"], ab_only_rounds=[2]).check()
+    with pytest.raises(ValueError, match="round -1 is not one of the 2 rounds"):
+        fb.model_ab_configs(["tiny"], [16], [False], rounds=2, only_rounds=[-1])
     fb.Params(parts=["model_ab"]).check()
 
 
@@ -96,6 +100,14 @@ def test_model_ab_jobs_of_one_commit_combine_their_cells(tmp_path, monkeypatch, 
     assert sorted(summary["context_length"]) == [16, 32]
     other = job("ab_contexts=[32]", "ab_steps=2")  # other step settings: the earlier cells are not comparable
     assert list(other["context_length"].unique()) == [32] and len(other) == 4
+    # an xl compiled cell's two rounds outlast one GPU job: one round per job, combined into one cell
+    job("ab_contexts=[64]", "ab_only_rounds=[0]")
+    split = job("ab_contexts=[64]", "ab_only_rounds=[1]")
+    cell = split[split["context_length"] == 64]
+    assert list(zip(cell["round"], cell["attention_impl"])) == [(0, "sdpa"), (0, "flash_pytorch"),
+                                                                (1, "flash_pytorch"), (1, "sdpa")]
+    summary = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab_summary.csv").set_index("context_length")
+    assert summary.loc[64, "baseline_rounds"] == summary.loc[64, "ours_rounds"] == 2
 
 
 def test_merge_rows_by_a_cell_of_several_columns() -> None:
@@ -143,3 +155,13 @@ def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(
 
     assert "default mode" in answer([False, True]) and "no CUDA graphs" in answer([True])
     assert "Over 1 cell " in answer([False]) and "default mode" not in answer([False])
+
+
+def test_cells_no_job_measured_are_named_even_when_the_last_job_covered_only_its_own() -> None:
+    """Each model_ab job measures part of the grid: the absent cells come from all the jobs, not the last."""
+    planned = fb._model_ab_planned()
+    assert len(planned) == len(set(planned)) == 18  # small, medium, xl × 1024, 2048, 4096 × eager, compiled
+    summary = pd.DataFrame({"preset": ["medium"], "context_length": [4096], "compile": [True]})
+    last_job = {"ab_presets": ["medium"], "ab_contexts": [4096], "ab_compile": [True]}
+    absent = fb._model_ab_absent(summary, last_job, planned)
+    assert len(absent) == 17 and ("medium", 4096, True) not in absent and ("xl", 2048, True) in absent
