@@ -1304,14 +1304,18 @@ def _model_ab(d: SectionData) -> list[Block]:
     ])]
 
 
+def _model_ab_grid(params: dict[str, Any]) -> list[tuple[str, int, bool]]:
+    """The cells ``ab_presets`` × ``ab_contexts`` × ``ab_compile`` of a parameter record."""
+    return [(str(p), int(c), bool(k)) for p in params.get("ab_presets") or [] for c in params.get("ab_contexts") or []
+            for k in params.get("ab_compile") or []]
+
+
 def _model_ab_absent(summary: pd.DataFrame, params: dict[str, Any],
                      planned: Sequence[tuple[str, int, bool]] = ()) -> list[tuple[str, int, bool]]:
-    """Cells of the recorded grid (``ab_presets`` × ``ab_contexts`` × ``ab_compile``), then of ``planned``,
-    without a row."""
+    """Cells of the recorded grid, then of ``planned``, without a row."""
     have = {(str(p), int(c), bool(k)) for p, c, k in zip(summary["preset"], summary["context_length"],
                                                           summary["compile"])}
-    grid = [(str(p), int(c), bool(k)) for p in params.get("ab_presets") or [] for c in params.get("ab_contexts") or []
-            for k in params.get("ab_compile") or []]
+    grid = _model_ab_grid(params)
     grid += [cell for cell in planned if cell not in grid]
     return [cell for cell in grid if cell not in have]
 
@@ -1322,11 +1326,9 @@ def _model_ab_planned() -> list[tuple[str, int, bool]]:
     defaults = Params()
     cells: list[tuple[str, int, bool]] = []
     for job in SECTION.jobs:
-        if "model_ab" not in job.sets.get("parts", ()):
-            continue
-        sets = {k: job.sets.get(k, getattr(defaults, k)) for k in ("ab_presets", "ab_contexts", "ab_compile")}
-        cells += [cell for cell in _model_ab_absent(pd.DataFrame(columns=["preset", "context_length", "compile"]),
-                                                    sets) if cell not in cells]
+        if "model_ab" in job.sets.get("parts", ()):
+            sets = {k: job.sets.get(k, getattr(defaults, k)) for k in ("ab_presets", "ab_contexts", "ab_compile")}
+            cells += [cell for cell in _model_ab_grid(sets) if cell not in cells]
     return cells
 
 
