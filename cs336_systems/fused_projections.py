@@ -76,6 +76,13 @@ class PackedRopeTables(nn.Module):
         self.register_buffer("cos", rope._cos[..., 0].contiguous(), persistent=False)  # _cos[..., 0] is cos θ
         self.register_buffer("sin", rope._sin[..., 1].contiguous(), persistent=False)  # _sin[..., 1] is +sin θ
 
+    def _apply(self, fn: Any, recurse: bool = True) -> PackedRopeTables:
+        """Device moves apply; dtype casts (``model.to(torch.bfloat16)``) do not: the kernels take float32 angles."""
+        for name, table in self._buffers.items():
+            moved = fn(table)
+            self._buffers[name] = moved if moved.dtype == table.dtype else table.to(moved.device)
+        return self
+
     def lookup(self, seq: int, positions: Tensor | None) -> tuple[Tensor, Tensor] | None:
         """``(cos θ, sin θ)`` as ``(seq, d/2)`` or ``(batch, seq, d/2)``. Positions broadcast against the
         ``(batch, heads, seq)`` head views, as in the split path: ``(seq,)``, ``(1, seq)`` or
@@ -116,7 +123,8 @@ class FusedQKVSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
         qkv = self.qkv_proj(x)
-        tables = self.rope_tables.lookup(x.shape[-2], token_positions) if self.rope_tables is not None else None
+        packed = self.packed and self.rope_tables is not None  # ``packed`` may be switched off after fusing
+        tables = self.rope_tables.lookup(x.shape[-2], token_positions) if packed else None
         if tables is not None and qkv.dim() == 3:
             with nvtx.range("attention (flash_triton, packed QKV)"):
                 out = flash_attention_qkvpacked(qkv, self.num_heads, *tables, True)

@@ -234,6 +234,87 @@ def test_bad_kernel_options_are_one_line_errors() -> None:
     assert options.FlashOptions(poly_exp2="none").poly_for("dkdv", options.Tile(64, 64, 4, 3, poly=True)) is False
 
 
+@pytest.mark.parametrize(("batch", "heads", "n", "group", "heavy_last"),
+                         [(2, 3, 40, 4, True), (2, 3, 40, 1, False), (1, 5, 33, 2, True), (3, 2, 16, 6, True)])
+def test_programs_run_heads_in_l2_groups(batch: int, heads: int, n: int, group: int, heavy_last: bool) -> None:
+    """Every (tile, batch, head) program runs once; programs come in groups of ``group`` heads (the last may be
+    smaller), all tiles of a group first, heads fastest inside it, causal tiles longest first; one group of all
+    heads is the plain heads-fastest order."""
+    from cs336_systems.attention import flash_triton
+
+    kernel = flash_triton._kernels().program_order_kernel
+    block = 16
+    n_tiles, n_bh = -(-n // block), batch * heads
+    out = torch.full((n_tiles * n_bh, 3), -1, dtype=torch.int32, device=DEVICE)
+    kernel[(n_tiles * n_bh,)](out, n, heads, group, BLOCK=block, HEAVY_LAST=heavy_last)
+    order = [(t, b * heads + h) for t, b, h in out.tolist()]
+    assert sorted(order) == [(t, bh) for t in range(n_tiles) for bh in range(n_bh)]
+    pid = 0
+    for first in range(0, n_bh, group):
+        size = min(group, n_bh - first)
+        for step in range(n_tiles):
+            tile = n_tiles - 1 - step if heavy_last else step
+            assert order[pid:pid + size] == [(tile, first + i) for i in range(size)], (first, step)
+            pid += size
+    if group >= n_bh:  # the order before grouping: heads fastest over the whole grid
+        assert [bh for _, bh in order] == [i % n_bh for i in range(n_tiles * n_bh)]
+
+
+def test_head_groups_fill_the_l2_share() -> None:
+    """As many heads per group as fit their streamed bytes in the share of L2 (an H100's 50 MiB is assumed for
+    CPU tensors), at least one, at most all; no grouping without a share; a bad share is a one-line error."""
+    from cs336_systems.attention.scheduling import heads_per_l2_group
+
+    cpu, mib = torch.device("cpu"), 2**20
+    with options.use(l2_share=0.5):
+        assert heads_per_l2_group(128, 2 * mib, cpu) == 12  # (4, 32, 4096, 128): 2 MiB of K and V per head
+        assert heads_per_l2_group(8, 2 * mib, cpu) == 8
+        assert heads_per_l2_group(16, 64 * mib, cpu) == 1
+    with options.use(l2_share=1.0):
+        assert heads_per_l2_group(128, 2 * mib, cpu) == 25
+    with options.use(l2_share=None):
+        assert heads_per_l2_group(128, 2 * mib, cpu) == 128
+    for bad in (0, -1, "half", True):
+        with pytest.raises(ValueError, match="l2_share must be a positive number"):
+            options.FlashOptions(l2_share=bad)
+
+
+def test_head_groups_change_the_order_not_the_numbers() -> None:
+    """Groups that do not divide batch * heads (4 heads for the forward and dQ, 3 for dK/dV, of 6) give
+    bit-identical outputs and gradients to the ungrouped order: only which program runs when changes."""
+    from cs336_systems.attention.scheduling import _NOMINAL_L2_BYTES, heads_per_l2_group
+
+    case, dtype = Case(40, 40, 16, True, 3), torch.float32
+    q, k, v, do = _inputs(case, dtype)
+    share = 4 * (2 * 40 * 16 * 4) / _NOMINAL_L2_BYTES  # 4 heads' K and V
+    with options.use(l2_share=share):
+        assert heads_per_l2_group(6, 2 * 40 * 16 * 4, q.device) == 4
+        assert heads_per_l2_group(6, 40 * (2 * 16 * 4 + 8), q.device) == 3
+        grouped = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    with options.use(l2_share=None):
+        plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    for name, a, b in zip(NAMES, grouped, plain):
+        assert torch.equal(a, b), name
+
+
+def test_gluon_forward_tile_per_length() -> None:
+    """The Gluon forward takes 128-row query tiles where 192 rows would pad more than an eighth of them
+    (256 tokens: 384 rows computed), its long tile elsewhere; ``gluon_tiles`` pins one tile per head dim."""
+    from cs336_systems.attention import flash_fwd_sm90 as sm90
+
+    assert sm90.tile_for(64, 256) == sm90.SHORT_TILES[64] == (128, 128, 3)
+    assert sm90.tile_for(64, 1000) == (128, 128, 3)  # 1,152 rows: 15% padding
+    assert sm90.tile_for(64, 2048) == sm90.TILES[64] == (192, 128, 3)  # 2,112 rows: 3%
+    assert sm90.tile_for(64, 192) == (192, 128, 3)
+    assert sm90.tile_for(128, 256) == sm90.TILES[128]
+    with options.use(gluon_tiles={"64": [128, 64, 4]}):
+        assert sm90.tile_for(64, 16384) == (128, 64, 4)
+        assert sm90.tile_for(128, 256) == sm90.TILES[128]
+    for bad in ({64: (96, 128, 3)}, {32: (128, 128, 3)}, {64: (128, 128)}, {64: "wide"}):
+        with pytest.raises(ValueError, match="gluon_tiles"):
+            options.FlashOptions(gluon_tiles=bad)
+
+
 def _error(got: tuple, want: tuple) -> list[float]:
     return [(a.double() - b).abs().max().item() for a, b in zip(got, want)]
 
@@ -765,8 +846,8 @@ def test_gluon_forward_reads_head_views_when_asked() -> None:
         options.FlashOptions(gluon_head_views="yes")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gluon_forward_compiles_for_hopper(head_dim: int) -> None:
+@pytest.mark.parametrize(("head_dim", "tile"), [(64, None), (128, None), (64, (128, 128, 3))], ids=str)
+def test_gluon_forward_compiles_for_hopper(head_dim: int, tile: tuple[int, int, int] | None) -> None:
     """The warp-specialized kernel builds for sm_90 with this Triton: partitions with rebalanced registers,
     asynchronous wgmma products, TMA copies, its buffers inside the 227 KiB of shared memory, and no
     register spills (where this Triton ships cuobjdump)."""
@@ -777,7 +858,7 @@ def test_gluon_forward_compiles_for_hopper(head_dim: int) -> None:
     script = f"""
 import glob, json, os, re, subprocess, tempfile, triton
 from cs336_systems.attention import flash_fwd_sm90
-compiled = flash_fwd_sm90.compile_for_hopper({head_dim}, True)
+compiled = flash_fwd_sm90.compile_for_hopper({head_dim}, True, {tile})
 usage = ""
 tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
 if tools:

@@ -52,6 +52,10 @@ def test_bad_model_ab_parameters_are_one_line_errors() -> None:
         fb.Params(parts=["model_ab"], ab_contexts=[1024, 3000]).check()
     with pytest.raises(ValueError, match="preset"):
         fb.Params(parts=["model_ab"], ab_presets=["huge"]).check()
+    with pytest.raises(ValueError, match="names round 2, not one of ab_rounds=2"):
+        fb.Params(parts=["model_ab"], ab_only_rounds=[2]).check()
+    with pytest.raises(ValueError, match="round -1 is not one of the 2 rounds"):
+        fb.model_ab_configs(["tiny"], [16], [False], rounds=2, only_rounds=[-1])
     fb.Params(parts=["model_ab"]).check()
 
 
@@ -96,6 +100,14 @@ def test_model_ab_jobs_of_one_commit_combine_their_cells(tmp_path, monkeypatch, 
     assert sorted(summary["context_length"]) == [16, 32]
     other = job("ab_contexts=[32]", "ab_steps=2")  # other step settings: the earlier cells are not comparable
     assert list(other["context_length"].unique()) == [32] and len(other) == 4
+    # an xl compiled cell's two rounds outlast one GPU job: one round per job, combined into one cell
+    job("ab_contexts=[64]", "ab_only_rounds=[0]")
+    split = job("ab_contexts=[64]", "ab_only_rounds=[1]")
+    cell = split[split["context_length"] == 64]
+    assert list(zip(cell["round"], cell["attention_impl"])) == [(0, "sdpa"), (0, "flash_pytorch"),
+                                                                (1, "flash_pytorch"), (1, "sdpa")]
+    summary = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab_summary.csv").set_index("context_length")
+    assert summary.loc[64, "baseline_rounds"] == summary.loc[64, "ours_rounds"] == 2
 
 
 def test_merge_rows_by_a_cell_of_several_columns() -> None:

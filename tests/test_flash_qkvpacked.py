@@ -93,16 +93,28 @@ def test_the_rotation_kernel_is_cs336_basics_rope_and_its_inverse_undoes_it(d):
     torch.testing.assert_close(y, x)
 
 
-def test_the_fused_model_trains_alike_with_and_without_the_packed_path():
+def test_the_fused_model_trains_alike_with_and_without_the_packed_path(monkeypatch):
     torch.manual_seed(0)
     plain = BasicsTransformerLM(vocab_size=40, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=48,
                                 attention_impl="flash_triton", device=DEVICE)
     split = fuse_projections(copy.deepcopy(plain), packed_attention=False)
     packed = fuse_projections(copy.deepcopy(plain))
     assert all(layer.attn.packed for layer in packed.layers) and not any(layer.attn.packed for layer in split.layers)
+    switched = fuse_projections(copy.deepcopy(plain))
+    for layer in switched.layers:
+        layer.attn.packed = False  # switched off after fusing: the split path
     x, y = torch.randint(0, 40, (2, 16), device=DEVICE), torch.randint(0, 40, (2, 16), device=DEVICE)
     for model in (split, packed):
         cross_entropy(model(x), y).backward()
+    import cs336_systems.fused_projections as fp
+
+    calls = []
+    original = fp.flash_attention_qkvpacked
+    monkeypatch.setattr(fp, "flash_attention_qkvpacked", lambda *a: calls.append(1) or original(*a))
+    torch.testing.assert_close(switched(x), split(x), atol=1e-4, rtol=1e-4)
+    assert not calls  # the switched-off blocks took the split path
+    packed(x)
+    assert len(calls) == len(packed.layers)
     torch.testing.assert_close(packed(x), split(x), atol=1e-4, rtol=1e-4)
     for a, b in zip(split.parameters(), packed.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-4)
@@ -128,6 +140,11 @@ def test_the_packed_tables_are_contiguous_shared_and_stay_out_of_checkpoints():
     cos, sin = first.lookup(5, torch.tensor([[4, 3, 2, 1, 0]]))
     assert cos.is_contiguous() and torch.equal(sin[0, 0], rope._sin[4, :, 1])
     assert set(model.state_dict()) == keys
+    # a 16-bit model keeps float32 tables (the kernels' angles), so the packed path still runs
+    model.to(torch.bfloat16)
+    assert model.layers[0].attn.rope_tables.cos.dtype == torch.float32
+    tokens = torch.randint(0, 40, (1, 8), device=DEVICE)
+    assert model(tokens).dtype == torch.bfloat16
     assert fuse_projections(model, packed_attention=False) is model  # already fused: left alone
 
 

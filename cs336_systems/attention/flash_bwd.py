@@ -42,7 +42,8 @@ def flash_backward_preprocess_kernel(
     ``2 x BLOCK_M`` tensor-descriptor box (one bulk copy and one barrier wait per tile instead of two),
     and L arrives already in the base-2 units of the kernels' ``exp2``. ``D_PAD``: ``HEAD_DIM`` rounded up to
     a power of two (the columns past ``HEAD_DIM`` read as zeros)."""
-    tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, False)
+    all_heads = tl.num_programs(0) // tl.cdiv(n_queries, BLOCK_M)  # one group: a streaming pass, order is moot
+    tile_m, b, h = _tile_and_head(n_queries, n_heads, all_heads, BLOCK_M, False)
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_seq = offs_m < n_queries
     o = _load_cols(O + b * stride_ob + h * stride_oh, offs_m, stride_on, stride_od, in_seq, 0, D_PAD, HEAD_DIM)
@@ -131,14 +132,14 @@ def flash_backward_dkdv_kernel(
     K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
+    n_heads, head_group, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
     # Causal: early key tiles see the most queries, so they go first (no reversal).
-    tile_n, b, h = _tile_and_head(n_keys, n_heads, BLOCK_N, False)
+    tile_n, b, h = _tile_and_head(n_keys, n_heads, head_group, BLOCK_N, False)
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < n_keys
@@ -251,13 +252,13 @@ def flash_backward_dq_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd, stride_dob, stride_doh, stride_don, stride_dod,
     stride_ldbh, stride_ldrow,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-    n_heads, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
+    n_heads, head_group, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past."""
-    tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    tile_m, b, h = _tile_and_head(n_queries, n_heads, head_group, BLOCK_M, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_queries

@@ -16,7 +16,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Sequence lengths and head counts vary from call to call: specializing on their divisibility would
 #: compile a new variant for each; the masks handle ragged ends anyway.
-_jit = functools.partial(triton.jit, do_not_specialize=["n_heads", "n_queries", "n_keys", "SEQ_CLASS"])
+_jit = functools.partial(triton.jit,
+                         do_not_specialize=["n_heads", "head_group", "n_queries", "n_keys", "SEQ_CLASS"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,21 +102,39 @@ def _query_ranges(start_n, n_queries, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _tile_and_head(n, n_heads, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
+def _tile_and_head(n, n_heads, head_group, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """Decode a 1-D program id into (tile index along the sequence, batch index, head index), the last two
     as int64 so that offsets computed from them cannot overflow.
 
-    A 1-D grid has no 65,535 limit on batch * heads. Heads vary fastest so that the first wave runs the
-    same tile of every head; with ``HEAVY_LAST`` (causal query tiles, whose work grows with the index)
-    the order of tiles is reversed so that the longest programs start first and the tail stays short.
+    A 1-D grid has no 65,535 limit on batch * heads. Programs come in groups of ``head_group`` (batch, head)
+    pairs, every tile of a group before the next group starts: the operands the group's programs stream
+    (K and V, or Q and dO) then fit in L2 and are read from memory about once, not once per tile
+    (``flash_triton.heads_per_l2_group`` sizes the group). Inside a group heads vary fastest, so a wave runs
+    the same tile of each of its heads; with ``HEAVY_LAST`` (causal query tiles, whose work grows with the
+    index) the order of tiles is reversed so that the longest programs start first and the tail stays
+    short. ``head_group`` = batch * heads is one group: heads fastest over the whole grid.
     """
     pid = tl.program_id(0)
-    n_bh = tl.num_programs(0) // tl.cdiv(n, BLOCK)
-    tile = pid // n_bh
+    n_tiles = tl.cdiv(n, BLOCK)
+    n_bh = tl.num_programs(0) // n_tiles
+    first_bh = (pid // (head_group * n_tiles)) * head_group
+    size = tl.minimum(head_group, n_bh - first_bh)  # the last group may be smaller
+    in_group = pid - first_bh * n_tiles  # every earlier group is full
+    tile = in_group // size
     if HEAVY_LAST:
-        tile = tl.cdiv(n, BLOCK) - 1 - tile
-    pid_bh = pid % n_bh
+        tile = n_tiles - 1 - tile
+    pid_bh = first_bh + in_group % size
     return tile, (pid_bh // n_heads).to(tl.int64), (pid_bh % n_heads).to(tl.int64)
+
+
+@triton.jit
+def program_order_kernel(OUT, n, n_heads, head_group, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """``OUT[pid] = (tile, batch, head)`` as :func:`_tile_and_head` decodes program ``pid``: the order check."""
+    tile, b, h = _tile_and_head(n, n_heads, head_group, BLOCK, HEAVY_LAST)
+    pid = tl.program_id(0)
+    tl.store(OUT + 3 * pid, tile)
+    tl.store(OUT + 3 * pid + 1, b.to(tl.int32))
+    tl.store(OUT + 3 * pid + 2, h.to(tl.int32))
 
 
 @triton.jit

@@ -85,12 +85,12 @@ def flash_forward_kernel(
     Q, K_DESC, V_DESC, KT_DESC, VT_DESC, O, L,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
-    n_heads, n_queries, n_keys, qk_scale, SEQ_CLASS,
+    n_heads, head_group, n_queries, n_keys, qk_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tile_m, b, h = _tile_and_head(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    tile_m, b, h = _tile_and_head(n_queries, n_heads, head_group, BLOCK_M, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_queries

@@ -58,6 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import options
 from .launch_cache import FLASH_LAUNCHES
+from .scheduling import heads_per_l2_group
 
 _LOG2_E = 1.4426950408889634
 
@@ -71,6 +72,10 @@ ROWS = gl.constexpr(64)
 #: 192 queries (three consumers) by 128 keys with a three-deep K/V ring; at d=128, 128 x 128 (192 queries
 #: would need 246 KB of shared memory). Four stages tied with three at d=64.
 TILES: dict[int, tuple[int, int, int]] = {64: (192, 128, 3), 128: (128, 128, 3)}
+#: The tile at short sequences where 192 query rows would pad more than :data:`MAX_PADDING` of the rows.
+SHORT_TILES: dict[int, tuple[int, int, int]] = {64: (128, 128, 3)}
+#: The share of padded query rows (past the sequence's end) above which a shorter tile is taken.
+MAX_PADDING = 0.125
 #: Warps per consumer partition (one warpgroup: a ``wgmma`` is issued by four warps together).
 _CONSUMER_WARPS = gl.constexpr(4)
 
@@ -170,7 +175,7 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
 
 
 @gluon.jit
-def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale, n_heads,
+def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale, n_heads, head_group,
                                q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h, kv_col_h,
                                stride_ob, stride_oh, stride_on,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -178,13 +183,19 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "BLOCK_M: two or three consumer warpgroups of 64 queries")
     dtype: gl.constexpr = q_desc.dtype
-    # Program -> (query tile, batch * head), heads fastest; causal: the longest query tiles first.
+    # Program -> (query tile, batch * head) as the Triton kernels decode it (``flash_common._tile_and_head``):
+    # groups of ``head_group`` heads whose K and V fit in L2, every tile of a group before the next; inside
+    # a group heads fastest, and causal: the longest query tiles first.
+    pid = gl.program_id(0)
     n_tiles_m = gl.cdiv(n_queries, BLOCK_M)
     n_bh = gl.num_programs(0) // n_tiles_m
-    tile_m = gl.program_id(0) // n_bh
+    first_bh = (pid // (head_group * n_tiles_m)) * head_group
+    size = gl.minimum(head_group, n_bh - first_bh)
+    in_group = pid - first_bh * n_tiles_m
+    tile_m = in_group // size
     if IS_CAUSAL:
         tile_m = n_tiles_m - 1 - tile_m
-    bh = gl.program_id(0) % n_bh
+    bh = first_bh + in_group % size
     start_m = tile_m * BLOCK_M
     # Where this head's rows lie in the 2-D views the descriptors read (see ``_Placement``), and its O.
     b = bh // n_heads
@@ -303,10 +314,25 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
     return None
 
 
+def tile_for(d: int, n_queries: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, STAGES)`` for head dim ``d`` and ``n_queries`` queries: ``options.gluon_tiles`` if
+    it names ``d``; else :data:`TILES`, or :data:`SHORT_TILES` where the longer query tile would leave more
+    than :data:`MAX_PADDING` of its rows past the sequence's end (at 256 tokens 192-row tiles compute 384 rows)."""
+    override = options.current().gluon_tiles
+    if override:
+        for head_dim, tile in override:
+            if head_dim == d:
+                return tile
+    tile = TILES[d]
+    short = SHORT_TILES.get(d)
+    if short is not None and -(-n_queries // tile[0]) * tile[0] - n_queries > MAX_PADDING * n_queries:
+        return short
+    return tile
+
+
 @functools.cache
-def _layouts(dtype: torch.dtype, d: int) -> tuple[Any, Any]:
-    """Shared-memory layouts of the Q and K/V tiles (computed once per dtype and head dim: host time)."""
-    block_n = TILES[d][1]
+def _layouts(dtype: torch.dtype, d: int, block_n: int) -> tuple[Any, Any]:
+    """Shared-memory layouts of the Q and K/V tiles (computed once per dtype, head dim and key tile: host time)."""
     gl_dtype = _GLUON_DTYPES[dtype]
     return (gl.NVMMASharedLayout.get_default_for([ROWS.value, d], gl_dtype),
             gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype))
@@ -318,8 +344,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     ``scale`` multiplies the scores (default ``1/sqrt(d)``)."""
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
-    block_m, block_n, stages = TILES[d]
-    q_layout, kv_layout = _layouts(q.dtype, d)
+    block_m, block_n, stages = tile_for(d, n_queries)
+    q_layout, kv_layout = _layouts(q.dtype, d, block_n)
     head_views = options.current().gluon_head_views
     q_at, kv_at = placement(q, head_views), placement(k, head_views)
     assert q_at is not None and kv_at is not None, "flash_forward needs inputs that ineligibility() accepts"
@@ -332,24 +358,25 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
     o = torch.empty_like(q)  # the layout of q (a head view stays one)
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
     grid = (-(-n_queries // block_m) * batch * heads,)
+    group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
     FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, grid, (
-        q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E * (scale or 1.0 / math.sqrt(d)), heads,
+        q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E * (scale or 1.0 / math.sqrt(d)), heads, group,
         *q_at[2:], *kv_at[2:], *o.stride()[:3],
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
             num_warps=_CONSUMER_WARPS.value))  # fmt: skip
     return o, lse
 
 
-def compile_for_hopper(head_dim: int, is_causal: bool = True):
+def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None):
     """Compile the kernel for sm_90 without a GPU (``triton.compile`` with an explicit target), as the GPU
-    would on first use; returns Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``,
-    ``.metadata.shared``). Run it in a process without ``TRITON_INTERPRET=1``: Gluon's reductions are
-    Triton functions, and the interpreter replaces those at import."""
+    would on first use, at ``tile`` (default: the head dim's long-sequence tile); returns Triton's compiled
+    kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``). Run it in a process without
+    ``TRITON_INTERPRET=1``: Gluon's reductions are Triton functions, and the interpreter replaces those at import."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_m, block_n, stages = TILES[head_dim]
+    block_m, block_n, stages = tile or TILES[head_dim]
 
     def descriptor(rows: int) -> str:
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
@@ -359,7 +386,7 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True):
                   "IS_CAUSAL": is_causal}  # fmt: skip
     signature = {"q_desc": descriptor(ROWS.value), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
                  "O": "*bf16", "L": "*fp32", "n_queries": "i32", "n_keys": "i32", "qk_scale": "fp32",
-                 **dict.fromkeys(("n_heads", "q_rows_b", "q_rows_h", "q_col_h", "kv_rows_b", "kv_rows_h", "kv_col_h",
+                 **dict.fromkeys(("n_heads", "head_group", "q_rows_b", "q_rows_h", "q_col_h", "kv_rows_b", "kv_rows_h", "kv_col_h",
                                   "stride_ob", "stride_oh", "stride_on"), "i32"),
                  **dict.fromkeys(constexprs, "constexpr")}  # fmt: skip
     kernel = flash_forward_gluon_kernel

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 from . import options
 from ._validation import validate_attention_inputs
 from .launch_cache import FLASH_LAUNCHES
+from .scheduling import heads_per_l2_group
 
 #: Head dimensions that run as a single slab (tl.dot needs >= 16; powers of two keep tiles aligned). Others up
 #: to the largest run as two slabs, or one padded slab (:func:`head_dim_slabs`).
@@ -271,11 +272,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> 
         return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
 
     (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
+    group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
     with _device_guard(q):
         FLASH_LAUNCHES.launch(kernels.tuned("forward", options.current()), grid, (
             q, k_main, v_main, k_tail, v_tail, o, lse,
             *q.stride(), *o.stride(), *lse.stride(),
-            heads, n_queries, n_keys, _LOG2_E * scale, _seq_class(n_queries, n_keys),
+            heads, group, n_queries, n_keys, _LOG2_E * scale, _seq_class(n_queries, n_keys),
         ), dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
     return o, lse
 
@@ -305,7 +307,10 @@ def _backward(
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    shape_args = (heads, n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
+    shape_args = (n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
+    # dK/dV streams Q, dO and the [L; D] pair of a head; dQ streams its K and V.
+    dkdv_group = heads_per_l2_group(batch * heads, n_queries * (2 * d * q.element_size() + 8), q.device)
+    dq_group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
     block = kernels.PREPROCESS_BLOCK
     precision = _dot_precision(q.dtype)
     opts = options.current()
@@ -329,11 +334,11 @@ def _backward(
         ), dict(HEAD_DIM=d, D_PAD=max(16, 1 << (d - 1).bit_length()), BLOCK_M=block))  # fmt: skip
         FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
             k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv,
-            *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), *shape_args,
+            *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
         ), constexprs)  # fmt: skip
         FLASH_LAUNCHES.launch(kernels.tuned("dq", opts), query_tiles, (
             q, k_main, v_main, k_tail, v_tail, do, ld, dq,
-            *q.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(), *shape_args,
+            *q.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group, *shape_args,
         ), constexprs)  # fmt: skip
     return dq, dk, dv
 

@@ -60,6 +60,32 @@ DEFAULT_CANDIDATES: dict[str, tuple[Tile, ...]] = {
 }  # fmt: skip
 
 
+#: Default :attr:`FlashOptions.l2_share` (docs/flash_attention/l2_head_groups.md).
+DEFAULT_L2_SHARE = 0.5
+#: The Gluon forward's tiles: (BLOCK_M, BLOCK_N, STAGES) with BLOCK_M two or three 64-row consumers.
+_GLUON_BLOCK_M = (128, 192)
+
+
+def _gluon_tiles(value: Any) -> tuple[tuple[int, tuple[int, int, int]], ...] | None:
+    """``{head_dim: (BLOCK_M, BLOCK_N, STAGES)}`` (JSON keys may be strings) as a sorted, hashable tuple."""
+    if value is None:
+        return None
+    items = value.items() if isinstance(value, dict) else value
+    tiles = []
+    for d, tile in items:
+        try:
+            d, tile = int(d), tuple(int(x) for x in tile)
+        except (TypeError, ValueError):
+            raise ValueError(f"gluon_tiles maps a head dim to (BLOCK_M, BLOCK_N, STAGES), got {d!r}: {tile!r}") \
+                from None
+        if d not in (64, 128) or len(tile) != 3 or tile[0] not in _GLUON_BLOCK_M or tile[1] not in (64, 128) \
+                or not 1 <= tile[2] <= 6:
+            raise ValueError(f"gluon_tiles: head dim 64 or 128 to (BLOCK_M in {_GLUON_BLOCK_M}, BLOCK_N 64 or 128, "
+                             f"STAGES 1-6), got {d}: {tile}")
+        tiles.append((d, tile))
+    return tuple(sorted(tiles))
+
+
 def _phases(value: str | Sequence[str] | frozenset[str] | None) -> frozenset[str] | None:
     if value is None:
         return None
@@ -83,6 +109,11 @@ class FlashOptions:
     ``(batch, seq, heads, d)`` tensors, the layout a Transformer block hands its attention. Correct on an H100
     but off by default: there it is slower than the Triton forward on such views (147 against 120 µs at
     (8, 25, 1024, 64); docs/flash_attention/gluon_head_views.md), which therefore runs them.
+    ``l2_share``: the share of the GPU's L2 cache that one group of heads' streamed operands may fill; the
+    kernels run every tile of a group before the next group starts (``flash_triton.heads_per_l2_group``).
+    ``None``: no grouping, heads fastest over the whole grid (the order before grouping, for A/B).
+    ``gluon_tiles``: ``{head_dim: (BLOCK_M, BLOCK_N, STAGES)}`` for the Gluon forward at every length,
+    replacing its per-length choice (``flash_fwd_sm90.tile_for``), e.g. for A/B.
     """
 
     autotune: bool = True
@@ -90,11 +121,17 @@ class FlashOptions:
     poly_exp2: Any = None
     gluon: bool = True
     gluon_head_views: bool = False
+    l2_share: float | None = DEFAULT_L2_SHARE
+    gluon_tiles: Any = None
 
     def __post_init__(self) -> None:
         for flag in ("autotune", "gluon", "gluon_head_views"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        share = self.l2_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0):
+            raise ValueError(f"l2_share must be a positive number (a share of the L2 cache) or None, got {share!r}")
+        object.__setattr__(self, "gluon_tiles", _gluon_tiles(self.gluon_tiles))
         object.__setattr__(self, "poly_exp2", _phases(self.poly_exp2))
         given = dict(self.candidates or {})
         unknown = set(given) - set(PHASES)
@@ -124,6 +161,8 @@ class FlashOptions:
             "poly_exp2": ",".join(sorted(self.poly_exp2)) if self.poly_exp2 is not None else "tile pins, else dkdv",
             "gluon": self.gluon,
             "gluon_head_views": self.gluon_head_views,
+            "l2_share": self.l2_share,
+            "gluon_tiles": {d: list(t) for d, t in self.gluon_tiles} if self.gluon_tiles else None,
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),
         }

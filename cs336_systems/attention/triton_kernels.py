@@ -4,8 +4,8 @@ descriptors), :mod:`.flash_fwd` (forward), :mod:`.flash_bwd` (the ``[L; D]`` pre
 Q and K, for ``flash_qkvpacked``). This module gathers them for ``flash_triton``.
 
 Layout: every tensor is addressed as ``(batch, heads, n, d)`` through its four strides (3-D inputs arrive
-with a unit head dimension). The grid is one-dimensional, ``tiles along the sequence x batch * heads``
-(see ``_tile_and_head``).
+with a unit head dimension). The grid is one-dimensional, ``tiles along the sequence x batch * heads``,
+in groups of heads whose streamed operands fit in L2 (see ``_tile_and_head`` and :mod:`.scheduling`).
 
 Loads. Tiles that stay resident for a whole program use pointer arithmetic (no ``tl.make_block_ptr``,
 which newer Triton removed). Tiles that stream past in a loop (K and V in the forward and dQ kernels; Q,
@@ -45,7 +45,7 @@ from .flash_bwd import (
     flash_backward_dq_kernel,
     flash_backward_preprocess_kernel,
 )
-from .flash_common import INTERPRETED, LOG2_E, exp2_fma_kernel
+from .flash_common import INTERPRETED, LOG2_E, exp2_fma_kernel, program_order_kernel
 from .flash_fwd import flash_forward_kernel
 from .rope_qk import ROPE_BLOCK_P, ROPE_BLOCK_T, rope_qk_kernel
 from .tuning import tuned
@@ -59,5 +59,5 @@ MODULES = (flash_common, flash_fwd, flash_bwd, tuning, rope_qk)
 __all__ = [
     "INTERPRETED", "LOG2_E", "MODULES", "PREPROCESS_BLOCK", "ROPE_BLOCK_P", "ROPE_BLOCK_T", "exp2_fma_kernel",
     "flash_backward_dkdv_kernel", "flash_backward_dq_kernel", "flash_backward_preprocess_kernel", "flash_bwd",
-    "flash_common", "flash_forward_kernel", "flash_fwd", "rope_qk", "rope_qk_kernel", "tuned", "tuning",
+    "flash_common", "flash_forward_kernel", "flash_fwd", "program_order_kernel", "rope_qk", "rope_qk_kernel", "tuned", "tuning",
 ]  # fmt: skip

@@ -655,25 +655,32 @@ def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
 MODEL_AB_IMPLS = ("sdpa", "flash_triton")
 #: One cell of the model A/B, and the parameters under which cells of separate jobs combine into one table.
 MODEL_AB_CELL = ("preset", "context_length", "compile")
+#: One round of a cell: the unit separate jobs combine (an xl compiled cell's two rounds outlast one GPU job).
+MODEL_AB_ROUND = (*MODEL_AB_CELL, "round")
 MODEL_AB_SAME = ("ab_impls", "ab_tokens_per_step", "ab_rounds", "ab_steps", "kernel_options")
 
 
 def model_ab_configs(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool], rounds: int,
-                     impls: Sequence[str] = MODEL_AB_IMPLS) -> list[dict[str, Any]]:
+                     impls: Sequence[str] = MODEL_AB_IMPLS, only_rounds: Sequence[int] = ()) -> list[dict[str, Any]]:
     """Cells in measuring order: per (preset, context, compile), ``rounds`` rounds of every implementation,
-    the order rotating from round to round (A B, then B A), so that neither always runs first."""
+    the order rotating from round to round (A B, then B A), so that neither always runs first; with
+    ``only_rounds``, just those rounds (another job measures the rest)."""
     if rounds < 1 or len(impls) < 2:
         raise ValueError(f"model A/B needs rounds >= 1 and two implementations, got {rounds} and {list(impls)}")
+    outside = [r for r in only_rounds if not 0 <= r < rounds]
+    if outside:
+        raise ValueError(f"model A/B round {outside[0]} is not one of the {rounds} rounds (0..{rounds - 1})")
     configs = []
     for cell in grid(preset=presets, context_length=contexts, compile=compiles):
-        for r in range(rounds):
+        for r in (sorted(set(only_rounds)) or range(rounds)):
             k = r % len(impls)
             configs += [{**cell, "round": r, "attention_impl": impl} for impl in (*impls[k:], *impls[:k])]
     return configs
 
 
 def run_model_ab(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool] = (False, True), *,
-                 impls: Sequence[str] = MODEL_AB_IMPLS, rounds: int = 2, tokens_per_step: int = 8192,
+                 impls: Sequence[str] = MODEL_AB_IMPLS, rounds: int = 2, only_rounds: Sequence[int] = (),
+                 tokens_per_step: int = 8192,
                  precision: str = "bf16", warmup: int = 2, steps: int = 5, budget_s: float | None = None,
                  progress: bool = True) -> pd.DataFrame:
     """One training step (forward, backward, AdamW) of our model per cell of :func:`model_ab_configs`, the
@@ -690,7 +697,7 @@ def run_model_ab(presets: Sequence[str], contexts: Sequence[int], compiles: Sequ
         )  # fmt: skip
         return {"batch_size": spec.batch_size, **benchmark_model(spec)}
 
-    configs = model_ab_configs(presets, contexts, compiles, rounds, impls)
+    configs = model_ab_configs(presets, contexts, compiles, rounds, impls, only_rounds)
     table = run_sweep(cell, configs, desc="model A/B", budget_s=budget_s, progress=progress)
     return table.assign(precision=precision, tokens_per_step=tokens_per_step)
 
@@ -856,6 +863,8 @@ class Params:
     ab_impls: list[str] = param(list(MODEL_AB_IMPLS), "model_ab: baseline attention, then ours")
     ab_tokens_per_step: int = param(8192, "model_ab: tokens per step (batch = tokens / context)")
     ab_rounds: int = param(2, "model_ab: alternating rounds per cell")
+    ab_only_rounds: list[int] = param([], "model_ab: measure only these of the cell's rounds (0-based; a later job "
+                                          "measures the rest; empty: all)")
     ab_steps: int = param(5, "model_ab: timed steps per implementation and round")
     ab_budget_s: float = param(540.0, "model_ab: time budget in seconds")
     host_shapes: list[list[int]] = param([[1, 16, 1024, 64], [8, 12, 1024, 64], [8, 25, 1024, 64], [4, 32, 1024, 80]],
@@ -897,6 +906,10 @@ class Params:
             check_presets(*self.ab_presets)
             check_positive(ab_rounds=self.ab_rounds, ab_steps=self.ab_steps,
                            ab_tokens_per_step=self.ab_tokens_per_step, ab_budget_s=self.ab_budget_s)
+            outside = [r for r in self.ab_only_rounds if not 0 <= r < self.ab_rounds]
+            if outside:
+                raise ValueError(f"flash_benchmarking: ab_only_rounds={self.ab_only_rounds} names round {outside[0]}, "
+                                 f"not one of ab_rounds={self.ab_rounds} (0..{self.ab_rounds - 1})")
             bad = [c for c in self.ab_contexts if c < 1 or self.ab_tokens_per_step % c]
             if bad:
                 raise ValueError(f"flash_benchmarking: ab_tokens_per_step={self.ab_tokens_per_step} is not a multiple "
@@ -1048,12 +1061,13 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
     if "model_ab" in commands:
         started = time.monotonic()
         table = run_model_ab(p.ab_presets, p.ab_contexts, p.ab_compile, impls=p.ab_impls, rounds=p.ab_rounds,
+                             only_rounds=p.ab_only_rounds,
                              tokens_per_step=p.ab_tokens_per_step, precision="fp32" if smoke else "bf16",
                              steps=p.ab_steps, budget_s=p.ab_budget_s)
-        # Split over jobs by preset or compile (the grid is longer than one GPU job): cells of an earlier job of
-        # this commit, device and step settings stay, cells measured again are replaced.
+        # Split over jobs by preset, compile or round (the grid is longer than one GPU job): rounds of an earlier
+        # job of this commit, device and step settings stay, rounds measured again are replaced.
         earlier = rows_of_this_run(out, "model_ab", out.params, MODEL_AB_SAME)  # as recorded: kernel options too
-        table = merge_rows(table, earlier, MODEL_AB_CELL)
+        table = merge_rows(table, earlier, MODEL_AB_ROUND)
         summary = summarize_model_ab(table, *p.ab_impls[:2])
         out.table(table, "model_ab")
         out.table(summary, "model_ab_summary")
@@ -1172,26 +1186,28 @@ LOSER_LEVERS = {
     "backward": "in the backward, our dK/dV and dQ kernels each recompute $QK^T$ and $P$, seven products where "
                 "cuDNN's fused backward does five; accumulating dQ inside the dK/dV kernel (FlashAttention-3's "
                 "schedule) removes two, at the price of a reduction that 128-key tiles keep small",
-    "forward": "the lever is a tile choice per sequence length (`flash_host_overhead --variant` A/Bs tiles at any "
-               "shape without code changes)",
+    "forward": "the tile is already chosen per sequence length; what is left is more work per program at short "
+               "sequences (two programs resident per SM, or a persistent schedule), and `flash_host_overhead "
+               "--variant` A/Bs tiles at any shape without code changes",
 }
 
 
 def _forward_lever(shapes: pd.DataFrame) -> str:
-    """Why the forward loses at ``shapes``, from the Hopper forward's tile arithmetic (``TILES``): how many of
-    the rows its query tiles compute are padding, and how few key blocks a program streams through its ring."""
-    from cs336_systems.attention.flash_fwd_sm90 import TILES
+    """Why the forward loses at ``shapes``, from the Hopper forward's tile arithmetic (``tile_for``, the tile it
+    runs at each length): how many of the rows its query tiles compute are padding, and how few key blocks a
+    program streams through its ring."""
+    from cs336_systems.attention.flash_fwd_sm90 import TILES, tile_for
 
     facts = []
     for seq, d in sorted({(int(r["seq_len"]), int(r["head_dim"])) for _, r in shapes.iterrows()}):
         if d not in TILES:
             continue
-        block_m, block_n, stages = TILES[d]
+        block_m, block_n, stages = tile_for(d, seq)
         rows = math.ceil(seq / block_m) * block_m
         facts.append(f"at {seq:,} tokens and d = {d}, {block_m}-row query tiles compute {rows:,} rows "
                      f"({1 - seq / rows:.0%} padding) and a program streams at most {math.ceil(seq / block_n)} "
                      f"{block_n}-key blocks through a {stages}-deep ring")
-    why = ("in the forward, the tiles were tuned at 16,384 tokens: " + "; ".join(facts)
+    why = ("in the forward, " + "; ".join(facts)
            + ", so a program spends much of its time filling and draining its pipeline (from the tile arithmetic, "
              "not profiled per instruction); ") if facts else "in the forward, "
     return why + LOSER_LEVERS["forward"]
@@ -1528,8 +1544,8 @@ SECTION = Section(
              "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py",
              "cs336_systems/benchmarking/flash_host_overhead.py"),
     # minutes as measured at 087cb28 and 311857a on a fresh H100 machine (docs/flash_attention/refresh_311857a.md):
-    # a compiled cell compiles the whole model once per implementation and round; at 311857a that took about
-    # 2 min a cell at xl 1024 and 2.5 min at xl 2048, so jobs 10 and 11 may outlast a ten-minute job there
+    # a compiled cell compiles the whole model once per implementation and round, about 2 min at xl and 2.5 min
+    # at xl 2048 on that host, so xl's compiled cells run one round per job
     jobs=(
         Job({"dtypes": ["bfloat16"]}, 4.6, "leaderboard at d 64 and 128, the bf16 sweep, the model step, host cost"),
         Job({"parts": ["sweep"], "dtypes": ["float32"]}, 5.2),
@@ -1539,8 +1555,8 @@ SECTION = Section(
         Job({"parts": ["model_ab"], "ab_presets": ["medium", "xl"], "ab_compile": [False]}, 1.3),
         Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [1024, 2048]}, 5.3),
         Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [4096]}, 2.8),
-        Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [1024]}, 8.0),
-        Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [2048]}, 10.5),
-        Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [4096]}, 11.0),
+        *(Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [context],
+               "ab_only_rounds": [r]}, minutes, f"round {r + 1} of 2")
+          for context, minutes in ((1024, 4.5), (2048, 5.5), (4096, 6.5)) for r in (0, 1)),
     ),
 )

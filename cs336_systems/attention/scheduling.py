@@ -1,0 +1,44 @@
+"""Program order of the attention kernels: which (tile, head) programs run together.
+
+Every program of one head streams the same operands (K and V for the forward and dQ kernels; Q, dO and the
+``[L; D]`` row pair for dK/dV). If the programs running at once belong to few heads, those operands stay in
+L2 and are read from memory about once; spread over all heads, each program reads them again. The kernels
+therefore run the heads in groups sized here (decoded by ``flash_common._tile_and_head`` and the Gluon
+forward alike): every tile of a group, heads fastest inside it, before the next group starts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import options
+
+#: L2 bytes assumed where the device cannot be asked (CPU tensors under the interpreter): an H100's 50 MiB.
+_NOMINAL_L2_BYTES = 50 * 2**20
+
+
+@functools.cache
+def _l2_bytes(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).L2_cache_size)
+
+
+def heads_per_l2_group(n_bh: int, streamed_bytes_per_head: int, device: torch.device) -> int:
+    """How many of ``n_bh`` (batch, head) pairs the kernels run as one group, every tile of the group before
+    the next (``flash_common._tile_and_head``): as many as fit their streamed operands (K and V for the
+    forward and dQ, Q, dO and [L; D] for dK/dV) in ``options.current().l2_share`` of the L2 cache, at least
+    one; all of them (no grouping) when the share is None.
+
+    Why: every program of a head streams the same K and V. With heads fastest over the whole grid, a wave of
+    132 programs at (4, 32, 4096, 128) touches 128 heads' K and V, 256 MiB that no L2 holds, so each program
+    reads them from memory: 32 query tiles x 256 MiB, 2.6 ms at the H100's 3.35 TB/s, where cuDNN's whole
+    forward takes 1.6 ms (docs/flash_attention/l2_head_groups.md)."""
+    share = options.current().l2_share
+    if share is None:
+        return n_bh
+    if device.type == "cuda":
+        l2 = _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        l2 = _NOMINAL_L2_BYTES
+    return max(1, min(n_bh, int(share * l2) // max(1, streamed_bytes_per_head)))
