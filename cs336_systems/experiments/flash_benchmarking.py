@@ -1543,17 +1543,18 @@ SECTION = Section(
     depends=(*MODEL, "cs336_systems/attention/", "cs336_systems/benchmarking/timing.py",
              "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py",
              "cs336_systems/benchmarking/flash_host_overhead.py"),
-    # minutes as measured at 087cb28 and 311857a on a fresh H100 machine (docs/flash_attention/refresh_311857a.md):
-    # a compiled cell compiles the whole model once per implementation and round, about 2 min at xl and 2.5 min
-    # at xl 2048 on that host, so xl's compiled cells run one round per job
+    # minutes as measured at 087cb28, 311857a and b0eb683 on a fresh H100 machine (docs/flash_attention/
+    # refresh_b0eb683.md): a compiled cell compiles the whole model once per implementation and round, about 2 min
+    # at xl and 2.5 min at xl 2048 on that host, so xl's compiled cells run one round per job; run again on the
+    # same machine, a compiled job takes about half (jobs 5 and 7: 134 and 156 s), its graphs cached
     jobs=(
-        Job({"dtypes": ["bfloat16"]}, 4.6, "leaderboard at d 64 and 128, the bf16 sweep, the model step, host cost"),
-        Job({"parts": ["sweep"], "dtypes": ["float32"]}, 5.2),
-        Job({"parts": ["shapes"]}, 6.8),
+        Job({"dtypes": ["bfloat16"]}, 4.7, "leaderboard at d 64 and 128, the bf16 sweep, the model step, host cost"),
+        Job({"parts": ["sweep"], "dtypes": ["float32"]}, 5.4),
+        Job({"parts": ["shapes"]}, 7.5),
         Job({"parts": ["losers"]}, 0.6, "reads the shapes grid of the job before"),
-        Job({"parts": ["model_ab"], "ab_presets": ["small"]}, 4.3, "eager and compiled"),
+        Job({"parts": ["model_ab"], "ab_presets": ["small"]}, 5.5, "eager and compiled"),
         Job({"parts": ["model_ab"], "ab_presets": ["medium", "xl"], "ab_compile": [False]}, 1.3),
-        Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [1024, 2048]}, 5.3),
+        Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [1024, 2048]}, 6.5),
         Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [4096]}, 2.8),
         *(Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [context],
                "ab_only_rounds": [r]}, minutes, f"round {r + 1} of 2")
