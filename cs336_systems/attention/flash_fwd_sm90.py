@@ -338,10 +338,11 @@ def _layouts(dtype: torch.dtype, d: int, block_n: int) -> tuple[Any, Any]:
             gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype))
 
 
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
-                  scale: float | None = None) -> tuple[Tensor, Tensor]:
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None = None,
+                  out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """``(O, L)`` for inputs that :func:`ineligibility` accepts; L is float32 ``(batch, heads, n_queries)``.
-    ``scale`` multiplies the scores (default ``1/sqrt(d)``)."""
+    ``scale`` multiplies the scores (default ``1/sqrt(d)``). ``out``: the ``(O, L)`` to write, O laid out as
+    ``torch.empty_like(q)`` and L contiguous (default: new tensors)."""
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     block_m, block_n, stages = tile_for(d, n_queries)
@@ -355,8 +356,11 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool,
 
     q_desc = descriptor(q, q_at, ROWS.value, q_layout)
     k_desc, v_desc = descriptor(k, kv_at, block_n, kv_layout), descriptor(v, kv_at, block_n, kv_layout)
-    o = torch.empty_like(q)  # the layout of q (a head view stays one)
-    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
+    if out is None:
+        o = torch.empty_like(q)  # the layout of q (a head view stays one)
+        lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
+    else:
+        o, lse = out
     grid = (-(-n_queries // block_m) * batch * heads,)
     group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
     FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, grid, (

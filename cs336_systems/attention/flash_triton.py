@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 from . import options
 from ._validation import validate_attention_inputs
 from .launch_cache import FLASH_LAUNCHES
+from .launch_plan import FLASH_PLANS
 from .scheduling import heads_per_l2_group
 
 #: Head dimensions that run as a single slab (tl.dot needs >= 16; powers of two keep tiles aligned). Others up
@@ -212,8 +213,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
-    """Launch on the tensors' GPU, not on whichever one is current."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Launch on the tensors' GPU, not on whichever one is current (nothing to switch when it is current)."""
+    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD
+
+
+_NO_GUARD = contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,32 +260,48 @@ def _head_dim_constexprs(d: int) -> dict[str, int]:
     return dict(HEAD_DIM=d, D_MAIN=d_main, D_TAIL=d_tail)
 
 
+def _aligned(t: Tensor) -> bool:
+    return t.data_ptr() % _TMA_ALIGN == 0
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """``(O, L)`` for ``(batch, heads, n, d)`` inputs, scores scaled by ``scale``; ``L`` is float32
-    ``(batch, heads, n_queries)``."""
+    ``(batch, heads, n_queries)``. A call whose signature was seen before replays its recorded launches
+    (:mod:`.launch_plan`); the first calls take the full path below (:func:`_launch_forward`)."""
+    o = torch.empty_like(q)  # the layout of q (a head view stays one)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    launch = functools.partial(_launch_forward, q, k, v, o, lse, is_causal, scale)
+    if q.device.type != "cuda":
+        launch()
+        return o, lse
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index, is_causal, scale,
+           _aligned(q), _aligned(k), _aligned(v), options.generation(), _dot_precision(q.dtype))
+    with _device_guard(q):
+        FLASH_PLANS.run(key, (q, k, v, o, lse), launch)
+    return o, lse
+
+
+def _launch_forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float) -> None:
+    """Launch the forward writing ``o`` (laid out as ``empty_like(q)``) and ``lse`` (contiguous float32)."""
     gluon = _gluon_forward_module(q, k, v)
     if gluon is not None:
-        with _device_guard(q):
-            return gluon.flash_forward(q, k, v, is_causal, scale)
+        gluon.flash_forward(q, k, v, is_causal, scale, out=(o, lse))
+        return
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     k, v = _tma_ready(k), _tma_ready(v)
-    o = torch.empty_like(q)
-    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
 
     def grid(meta: dict) -> tuple[int]:
         return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
 
     (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
     group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
-    with _device_guard(q):
-        FLASH_LAUNCHES.launch(kernels.tuned("forward", options.current()), grid, (
-            q, k_main, v_main, k_tail, v_tail, o, lse,
-            *q.stride(), *o.stride(), *lse.stride(),
-            heads, group, n_queries, n_keys, _LOG2_E * scale, _seq_class(n_queries, n_keys),
-        ), dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
-    return o, lse
+    FLASH_LAUNCHES.launch(kernels.tuned("forward", options.current()), grid, (
+        q, k_main, v_main, k_tail, v_tail, o, lse,
+        *q.stride(), *o.stride(), *lse.stride(),
+        heads, group, n_queries, n_keys, _LOG2_E * scale, _seq_class(n_queries, n_keys),
+    ), dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
@@ -300,13 +322,31 @@ def _backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics).
     ``out``: tensors of Q's, K's and V's shapes (any strides) to write the gradients into, such as head views
-    of one packed buffer (:mod:`.flash_qkvpacked`); by default they are new tensors in the inputs' layouts."""
+    of one packed buffer (:mod:`.flash_qkvpacked`); by default they are new tensors in the inputs' layouts.
+    Replays recorded launches as :func:`_forward` does."""
+    batch, heads, n_queries, _ = q.shape
+    ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
+    dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, is_causal, scale)
+    if q.device.type != "cuda":
+        launch()
+        return dq, dk, dv
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(), q.dtype,
+           q.device.index, is_causal, scale, _aligned(q), _aligned(k), _aligned(v), _aligned(do), _aligned(o),
+           options.generation(), _dot_precision(q.dtype),
+           None if out is None else (dq.stride(), dk.stride(), dv.stride(), _aligned(dq), _aligned(dk), _aligned(dv)))
+    with _device_guard(q):
+        FLASH_PLANS.run(key, (do, q, k, v, o, lse, ld, dq, dk, dv), launch)
+    return dq, dk, dv
+
+
+def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, ld: Tensor, dq: Tensor,
+                     dk: Tensor, dv: Tensor, is_causal: bool, scale: float) -> None:
+    """Launch the three backward kernels, ``ld`` being :func:`_row_buffer`'s ``(batch * heads, 2, n_queries)``."""
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     q, k, v, do = (_tma_ready(t) for t in (q, k, v, do))
-    ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
-    dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     shape_args = (n_queries, n_keys, scale * _LOG2_E, scale, _seq_class(n_queries, n_keys))
     # dK/dV streams Q, dO and the [L; D] pair of a head; dQ streams its K and V.
     dkdv_group = heads_per_l2_group(batch * heads, n_queries * (2 * d * q.element_size() + 8), q.device)
@@ -328,19 +368,17 @@ def _backward(
     q_tiles, do_tiles = _slab_tiles(q, d), _slab_tiles(do, d)
     (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
     ld_tiles = _descriptor(ld, [1, 2, _UNSIZED])
-    with _device_guard(q):
-        FLASH_LAUNCHES.launch(kernels.flash_backward_preprocess_kernel, (_cdiv(n_queries, block) * batch * heads,), (
-            o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n_queries,
-        ), dict(HEAD_DIM=d, D_PAD=max(16, 1 << (d - 1).bit_length()), BLOCK_M=block))  # fmt: skip
-        FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
-            k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv,
-            *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
-        ), constexprs)  # fmt: skip
-        FLASH_LAUNCHES.launch(kernels.tuned("dq", opts), query_tiles, (
-            q, k_main, v_main, k_tail, v_tail, do, ld, dq,
-            *q.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group, *shape_args,
-        ), constexprs)  # fmt: skip
-    return dq, dk, dv
+    FLASH_LAUNCHES.launch(kernels.flash_backward_preprocess_kernel, (_cdiv(n_queries, block) * batch * heads,), (
+        o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n_queries,
+    ), dict(HEAD_DIM=d, D_PAD=max(16, 1 << (d - 1).bit_length()), BLOCK_M=block))  # fmt: skip
+    FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
+        k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv,
+        *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
+    ), constexprs)  # fmt: skip
+    FLASH_LAUNCHES.launch(kernels.tuned("dq", opts), query_tiles, (
+        q, k_main, v_main, k_tail, v_tail, do, ld, dq,
+        *q.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group, *shape_args,
+    ), constexprs)  # fmt: skip
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())

@@ -67,6 +67,19 @@ def _triton_runtime() -> tuple[Any, Any]:
     return knobs.runtime, driver
 
 
+def _hook(hook: Any) -> Any:
+    """``hook``, or None where it would do nothing: Triton 3.6 passes its hook chains to every launch, empty
+    ones too, and the C launcher then calls into Python twice per launch for nothing."""
+    calls = getattr(hook, "calls", None)
+    return None if hook is None or (calls is not None and not calls) else hook
+
+
+def launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch enter and exit hooks (a profiler's, such as proton's), None where none is set."""
+    runtime = _triton_runtime()[0]
+    return _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
+
+
 class LaunchCache:
     """Remembers, per launch signature, what Triton chose; see the module docstring.
 
@@ -85,6 +98,7 @@ class LaunchCache:
         self._entries: OrderedDict[tuple, tuple[Any, dict[str, Any], tuple, Any]] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        self._records: list | None = None  # see recording()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -93,6 +107,17 @@ class LaunchCache:
         self._entries.clear()
         self.hits = self.misses = 0
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list]:
+        """Inside the block, every launch appends ``(compiled kernel, 3-D grid, all arguments)`` to the list
+        yielded, or None when it went through Triton's own path (a miss, the interpreter, the cache off):
+        what :mod:`.launch_plan` builds a replay from."""
+        previous, self._records = self._records, []
+        try:
+            yield self._records
+        finally:
+            self._records = previous
+
     def launch(self, fn: Any, grid: Grid, args: Sequence[Any], constexprs: dict[str, Any]) -> None:
         """``fn[grid](*args, **constexprs)`` on the current stream of the first tensor argument's device
         (which the caller makes the current device, as Triton launches there). ``fn`` is a
@@ -100,17 +125,24 @@ class LaunchCache:
         ``constexprs`` the rest by name (an autotuner's config supplies its own). Calls on CPU tensors
         (the interpreter) always take Triton's path."""
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        records = self._records
         if not self.enabled or device is None or device.type != self.device_type:  # interpreter: nothing to skip
             fn[grid](*args, **constexprs)
+            if records is not None:
+                records.append(None)
             return
         try:
             key = (id(fn), device.index, _signature(args), tuple(constexprs.items()))
             hash(key)
         except TypeError:  # an unhashable argument: never cached
             fn[grid](*args, **constexprs)
+            if records is not None:
+                records.append(None)
             return
         entry = self._entries.get(key)
         if entry is None:
+            if records is not None:
+                records.append(None)
             self.misses += 1
             kernel = fn[grid](*args, **constexprs)
             entry = self._remember(fn, args, constexprs, kernel)
@@ -127,10 +159,11 @@ class LaunchCache:
         full = (*args, *tail)
         if pre_hook is not None:  # the config's hook, as Triton runs it before each launch (sizes descriptors)
             pre_hook(dict(zip(fn.arg_names, full)))  # an autotuner copies its function's names
-        runtime = _triton_runtime()[0]
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        enter, leave = launch_hooks()
         metadata = kernel.launch_metadata((gx, gy, gz), stream, *full) if enter is not None else None
         kernel.run(gx, gy, gz, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *full)
+        if records is not None:
+            records.append((kernel, (gx, gy, gz), full))
 
     @staticmethod
     def _stream(device: torch.device) -> int:

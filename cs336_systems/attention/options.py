@@ -169,6 +169,9 @@ class FlashOptions:
 
 
 _current = FlashOptions()
+#: Counts option changes: launch plans (:mod:`.launch_plan`) are recorded per generation, so a replay never
+#: runs kernels chosen under other options. Cheaper to compare than the options themselves.
+_generation = 0
 
 
 def current() -> FlashOptions:
@@ -178,10 +181,16 @@ def current() -> FlashOptions:
 
 def set_options(options: FlashOptions | None = None, **changes: Any) -> FlashOptions:
     """Replace the options (``options``, or the current ones with ``changes``); returns the previous."""
-    global _current
+    global _current, _generation
     previous = _current
     _current = dataclasses.replace(options or _current, **changes)
+    _generation += 1
     return previous
+
+
+def generation() -> int:
+    """A number that changes whenever the options are set (equal options set twice count twice)."""
+    return _generation
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ implementations in one process, and per round:
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --causal
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --profile   # + cProfile of ours
     python -m cs336_systems.benchmarking.flash_host_overhead --impls ours,ours_uncached,sdpa_cudnn  # launch cache A/B
+    python -m cs336_systems.benchmarking.flash_host_overhead --impls ours,ours_unplanned,sdpa_cudnn  # launch plans A/B
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 8,12,1024,64 --layout bshd --kernels
     python -m cs336_systems.benchmarking.flash_host_overhead --layout bshd \
         --impls ours_gluon_views,ours_no_gluon_views,sdpa_cudnn     # Gluon forward on head views A/B
@@ -49,15 +50,17 @@ from torch import Tensor
 IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
 #: Memory layouts of the inputs: contiguous ``(batch, heads, seq, d)``, or heads-inside-a-token views.
 LAYOUTS = ("bhsd", "bshd")
-#: Also measurable: ours with every launch through Triton's own Python path (launch cache off), for A/B.
+#: Also measurable: ours with every launch through Triton's own Python path (launch cache off, and with it
+#: the launch plans), or through the launch cache without whole-call plans, for A/B.
 UNCACHED = "ours_uncached"
+UNPLANNED = "ours_unplanned"
 #: Ours with the Gluon forward on or off for head views (``options.gluon_head_views``), for A/B.
 GLUON_VIEWS, NO_GLUON_VIEWS = "ours_gluon_views", "ours_no_gluon_views"
 #: Named variants of ours: the :class:`~cs336_systems.attention.options.FlashOptions` fields each one sets
 #: for its whole measurement. ``--variant NAME=JSON`` adds more (e.g. other forward tiles).
 VARIANTS: dict[str, dict[str, Any]] = {GLUON_VIEWS: {"gluon_head_views": True},
                                        NO_GLUON_VIEWS: {"gluon_head_views": False}}
-OURS_VARIANTS = ("ours", UNCACHED, *VARIANTS)
+OURS_VARIANTS = ("ours", UNCACHED, UNPLANNED, *VARIANTS)
 _ALL = tuple(dict.fromkeys((*IMPLS, *OURS_VARIANTS)))
 #: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
 _SLEEP_S = 0.2
@@ -95,11 +98,11 @@ def _backend(impl: str, variants: Mapping[str, dict[str, Any]] | None = None) ->
     """The implementation's policy for the whole measurement: a variant of ours sets its options, SDPA is
     pinned to one backend (entering a context per call would add its own host cost to the timings)."""
     variants = {**VARIANTS, **(variants or {})}
-    if impl in ("ours", UNCACHED, *variants):
-        from cs336_systems.attention import launch_cache, options
+    if impl in ("ours", UNCACHED, UNPLANNED, *variants):
+        from cs336_systems.attention import launch_cache, launch_plan, options
 
         policy = (contextlib.nullcontext() if impl == "ours" else launch_cache.disabled() if impl == UNCACHED
-                  else options.use(**variants[impl]))
+                  else launch_plan.disabled() if impl == UNPLANNED else options.use(**variants[impl]))
         with policy:
             yield
         return
@@ -285,7 +288,7 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
     return buf.getvalue()
 
 
-__all__ = ["GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "VARIANTS",
+__all__ = ["GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "UNPLANNED", "VARIANTS",
            "parse_variant", "selected_impls", "host_us", "issue_seconds", "kernel_table", "kernel_us",
            "make_inputs", "measure", "profile_host", "sleep_cycles", "summarize", "wall_us"]
 
