@@ -95,7 +95,28 @@ def test_a_plan_keeps_no_tensor_alive(monkeypatch) -> None:
     plan = LaunchPlan.build([(kernel, (1, 1, 1), full)], tensors)
     replay = plan.replays[0]
     assert not any(isinstance(a, torch.Tensor) for a in replay.template)
-    assert all(stand_in.base is None for _, _, stand_in, _ in replay.descriptor_slots)
+    assert all(stand_in.base is None for _, _, stand_in, _, _ in replay.descriptor_slots)
+
+
+def test_tma_maps_are_encoded_once_per_address(monkeypatch) -> None:
+    encoded = []
+
+    def counting(arg, meta):  # noqa: ANN001, ANN202
+        encoded.append(arg.base.data_ptr())
+        return _fake_tma(arg, meta)
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", counting)
+    kernel = Compiled(SIGNATURE, [{"block_size": [1, 1, 64, 64]}] * 2)
+    tensors, full = _call(0)
+    plan = LaunchPlan.build([(kernel, (1, 1, 1), full)], tensors)
+    encoded.clear()
+    other, _ = _call(1)
+    for call in (tensors, other, tensors, other):
+        plan.run(call, 0)
+    assert sorted(encoded) == sorted([tensors[1].data_ptr(), tensors[2].data_ptr(), other[1].data_ptr(),
+                                      other[2].data_ptr()])  # two calls' worth: the repeats reuse them
+    maps = [a for call in kernel.calls for a in call if isinstance(a, tuple) and a and a[0] == "map"]
+    assert [m[1] for m in maps] == [t[i].data_ptr() for t in (tensors, other, tensors, other) for i in (1, 2)]
 
 
 def test_no_plan_where_a_replay_would_be_wrong(monkeypatch) -> None:

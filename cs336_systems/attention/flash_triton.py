@@ -136,7 +136,8 @@ def _seq_class(n_queries: int, n_keys: int) -> int:
 def _unit_stride_d(t: Tensor) -> Tensor:
     """The kernels take any strides, but tiles load fast only when the head dimension is contiguous; a
     tensor without that (a transposed view, or the stride-0 gradient of ``o.sum()``) is copied once."""
-    return t if (t.stride(-1) == 1 and 0 not in t.stride()) else t.contiguous()
+    strides = t.stride()
+    return t if (strides[-1] == 1 and 0 not in strides) else t.contiguous()
 
 
 #: Tensor-descriptor (TMA) loads need 16-byte aligned base addresses and row strides.
@@ -160,7 +161,8 @@ def _row_buffer(rows: tuple[int, ...], n: int, device: torch.device) -> Tensor:
     """float32 ``(*rows, n)`` whose rows start on 16-byte boundaries (``n`` padded to a multiple of 4
     in memory), so that the dK/dV kernel can read the ``[L; D]`` row pairs through tensor descriptors."""
     padded = _cdiv(n, _TMA_ALIGN // 4) * (_TMA_ALIGN // 4)
-    return torch.empty((*rows, padded), dtype=torch.float32, device=device)[..., :n]
+    buffer = torch.empty((*rows, padded), dtype=torch.float32, device=device)
+    return buffer if padded == n else buffer[..., :n]
 
 
 #: The streamed side of a descriptor box until a config's pre-hook sets it (``tuning.block_shape_hook``).

@@ -13,8 +13,8 @@ of a signature that finds every kernel already compiled and tuned (:class:`~.lau
 is recorded: each launch's compiled kernel, grid and full argument list. :class:`LaunchPlan` turns that
 into a template of the C launcher's arguments in which only the positions that hold the call's tensors, the
 stream and the TMA descriptor maps change. A replay fills those in and calls the launcher; a descriptor's
-map is re-encoded from the new base address with Triton's own ``make_tensordesc_arg`` (the address is the
-only thing about it that changes).
+map is encoded from the new base address with Triton's own ``make_tensordesc_arg`` (the address is the only
+thing about it that changes), once per address.
 
 A recording yields no plan (and the call keeps the full path) when a launch was not a cache hit, when an
 argument tensor is none of the call's declared tensors (an alignment copy made inside the call), when a
@@ -52,23 +52,43 @@ class _Replay:
         self.launch = launch
         self.template = template
         self.tensor_slots = tensor_slots  # (position, index of the call's tensor)
-        self.descriptor_slots = descriptor_slots  # (position, index, stand-in descriptor, Triton's metadata)
+        # (position, index, stand-in descriptor, Triton's metadata, the maps encoded so far by address)
+        self.descriptor_slots = descriptor_slots
 
     def __call__(self, stream: int, tensors: Sequence[Tensor]) -> None:
         args = self.template.copy()
         args[3] = stream
         for pos, i in self.tensor_slots:
             args[pos] = tensors[i].data_ptr()  # an int: the launcher skips its per-pointer driver query
-        for pos, i, desc, meta in self.descriptor_slots:
-            desc.base = tensors[i]
-            args[pos] = _encode_descriptor(desc, meta)[0]
+        for pos, i, desc, meta, maps in self.descriptor_slots:
+            t = tensors[i]
+            address = t.data_ptr()
+            tensor_map = maps.get(address)
+            if tensor_map is None:  # encoded once per address: the caching allocator hands out the same few
+                desc.base = t
+                tensor_map = _descriptor_encoder()(desc, meta)[0]
+                desc.base = None
+                if len(maps) >= _MAPS_PER_SLOT:
+                    maps.clear()
+                maps[address] = tensor_map
+            args[pos] = tensor_map
         self.launch(*args)
 
 
-def _encode_descriptor(desc: Any, meta: Any) -> list:
-    from triton.backends.nvidia.driver import make_tensordesc_arg
+#: TMA maps remembered per descriptor slot, by base address. A map is a pure function of the address, the
+#: slot's shape, strides and box (fixed by the plan's signature) and the dtype; it travels to the kernel by value.
+_MAPS_PER_SLOT = 64
 
-    return make_tensordesc_arg(desc, meta)
+
+def _descriptor_encoder() -> Callable[[Any, Any], list]:
+    """Triton's ``make_tensordesc_arg`` (looked up on each use, as Triton's own launcher does)."""
+    from triton.backends.nvidia import driver
+
+    return driver.make_tensordesc_arg
+
+
+def _encode_descriptor(desc: Any, meta: Any) -> list:
+    return _descriptor_encoder()(desc, meta)
 
 
 def _base_args_len() -> int | None:
@@ -132,7 +152,7 @@ def _replay(record: Record, tensors: Sequence[Tensor]) -> _Replay | None:
             if meta_of[i] is None:  # no TMA map: the base pointer travels as a plain tensor argument
                 tensor_slots.append((len(template), role))
             else:
-                descriptor_slots.append((len(template), role, stand_in, meta_of[i]))
+                descriptor_slots.append((len(template), role, stand_in, meta_of[i], {}))
             template.extend(expanded)
         elif isinstance(arg, Tensor):
             role = _role(arg, tensors)
@@ -146,7 +166,7 @@ def _replay(record: Record, tensors: Sequence[Tensor]) -> _Replay | None:
         template[pos] = None  # the plan keeps no tensor alive
     for pos, *_ in descriptor_slots:
         template[pos] = None
-    for _, _, stand_in, _ in descriptor_slots:
+    for _, _, stand_in, _, _ in descriptor_slots:
         stand_in.base = None
     return _Replay(launch, template, tuple(tensor_slots), tuple(descriptor_slots))
 
