@@ -736,24 +736,25 @@ def test_row_buffers_start_rows_on_16_bytes() -> None:
     assert buf.data_ptr() % 16 == 0 and all(s * 4 % 16 == 0 for s in buf.stride()[:-1])
 
 
-def test_preprocess_writes_base2_lse_and_delta_row_pairs() -> None:
-    """The backward's preprocess stores ``[L · log2(e); rowsum(dO ∘ O)]`` per head, rows 16-byte aligned,
-    for a length (37) that is neither a tile nor a 16-byte multiple."""
+@pytest.mark.parametrize("d", [20, 80])  # one padded slab (32 columns, 12 masked); two slabs (64 + 16)
+def test_dq_kernel_writes_base2_lse_and_delta_row_pairs(d: int) -> None:
+    """The dQ kernel, which runs first, stores ``[L · log2(e); rowsum(dO ∘ O)]`` per head for dK/dV, for a
+    length (37) that is neither a tile nor a 16-byte multiple (rows 16-byte aligned, padding untouched)."""
     from cs336_systems.attention import flash_triton
 
-    kernels = flash_triton._kernels()
-    batch, heads, n, d = 2, 3, 37, 20  # d: a padded power of two (32) with the columns past 20 masked
-    o, do = (torch.randn(batch, heads, n, d, device=DEVICE) for _ in range(2))
+    batch, heads, n = 2, 3, 37
+    q, k, v, o, do = (torch.randn(batch, heads, n, d, device=DEVICE) for _ in range(5))
     lse = torch.randn(batch, heads, n, device=DEVICE)
     ld = flash_triton._row_buffer((batch * heads, 2), n, o.device)
-    block = kernels.PREPROCESS_BLOCK
-    kernels.flash_backward_preprocess_kernel[(flash_triton._cdiv(n, block) * batch * heads,)](
-        o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n,
-        HEAD_DIM=d, D_PAD=32, BLOCK_M=block,
-    )
+    padded = ld._base  # 37 floats pad to 40 per row: a view of the padded buffer
+    assert padded is not None and padded.shape[-1] == 40
+    padded.fill_(-7.0)
+    grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    flash_triton._launch_backward(do, q, k, v, o, lse, ld, *grads, True, d**-0.5)
     pairs = ld.view(batch, heads, 2, n)
     torch.testing.assert_close(pairs[:, :, 0], lse * 1.4426950408889634)
     torch.testing.assert_close(pairs[:, :, 1], (o * do).sum(-1))
+    assert (padded[..., n:] == -7.0).all()  # nothing written past the sequence
 
 
 def test_dkdv_pruning_drops_tiles_the_descriptors_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,6 +43,42 @@ def test_bad_shape_is_refused_in_one_line() -> None:
         fb.run_shapes([[1, 0, 8]], [16], ["float32"], [True], ["sdpa_math"])
 
 
+def test_rounds_alternate_the_implementations_and_take_medians(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round times every implementation on the same inputs, the order rotating; a time is the median of
+    the rounds' medians and the spread their (max - min) / median."""
+    order: list[str] = []
+    medians = {"flash_pytorch": iter([1.0, 3.0, 2.0]), "sdpa_math": iter([4.0, 4.0, 4.0])}
+    names = {id(fb.IMPLEMENTATIONS[name]): name for name in medians}
+
+    def fake(fn, q, k, v, do, *, is_causal, passes, warmup_ms, rep_ms):
+        name = names[id(fn)]
+        order.append(name)
+        ms = next(medians[name])
+        return {f"{p}_{key}": value for p in passes
+                for key, value in (("ms", ms + 0.5), ("median_ms", ms), ("status", "ok"))}
+
+    monkeypatch.setattr(fb, "time_attention_passes", fake)
+    long = fb.run_shapes([[1, 1, 8]], [16], ["float32"], [True], ["flash_pytorch", "sdpa_math"], rounds=3,
+                         device="cpu")
+    assert order == ["flash_pytorch", "sdpa_math", "sdpa_math", "flash_pytorch", "flash_pytorch", "sdpa_math"]
+    ours = long[(long["impl"] == "flash_pytorch") & (long["pass"] == "forward")].iloc[0]
+    assert ours["median_ms"] == 2.0 and ours["mean_ms"] == 2.5 and ours["spread"] == 1.0 and ours["rounds"] == 3
+    ratio = fb.shapes_ratio(long, ours="flash_pytorch")
+    assert (ratio["vs_sdpa_math"] == 2.0).all() and (ratio["spread_sdpa_math"] == 0.0).all()
+    summary = fb.shapes_summary(ratio, "sdpa_math")
+    assert summary["rounds"] == 3 and summary["forward"]["spread_median"] == 0.5
+    with pytest.raises(ValueError, match="shapes: rounds must be at least 1, got 0"):
+        fb.run_shapes([[1, 1, 8]], [16], ["float32"], [True], ["sdpa_math"], rounds=0)
+
+
+def test_a_pass_that_fails_in_any_round_takes_its_status() -> None:
+    ok = {"forward_status": "ok", "forward_ms": 1.0, "forward_median_ms": 1.0,
+          "forward+backward_status": "ok", "forward+backward_ms": 2.0, "forward+backward_median_ms": 2.0}
+    merged = fb._merge_rounds([ok, {**ok, "forward+backward_status": "OOM"}])
+    assert merged["forward_status"] == "ok" and merged["forward_median_ms"] == 1.0
+    assert merged["forward+backward_status"] == "OOM" and math.isnan(merged["forward+backward_median_ms"])
+
+
 def test_shapes_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     assert main(["flash_benchmarking", "--smoke", "--set", "parts=shapes"]) == 0

@@ -201,7 +201,7 @@ def test_attention_through_the_cache_matches_tritons_own_launches(shape: tuple, 
     with launch_plan.disabled():  # plans replay past the cache; this checks the cache itself
         run()  # first time through the cache for these shapes (may be a miss)
         got = run()
-    assert FLASH_LAUNCHES.hits >= hits + 4  # forward, preprocess, dK/dV and dQ replayed
+    assert FLASH_LAUNCHES.hits >= hits + 3  # forward, dQ and dK/dV replayed
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 

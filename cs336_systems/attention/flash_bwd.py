@@ -1,9 +1,7 @@
-"""The FlashAttention-2 backward kernels in Triton: the ``[L; D]`` preprocess, dK/dV over key tiles and dQ
-over query tiles (no atomics)."""
+"""The FlashAttention-2 backward kernels in Triton: dQ over query tiles, which also writes the ``[L; D]`` row
+pairs, then dK/dV over key tiles, which reads them (no atomics, no separate preprocess)."""
 
 from __future__ import annotations
-
-import functools
 
 import triton
 import triton.language as tl
@@ -21,39 +19,9 @@ from .flash_common import (
     _visible,
 )
 
-#: Rows per program of the small preprocess kernel.
-PREPROCESS_BLOCK = 16 if INTERPRETED else 128
-
 # --------------------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------------------
-
-
-@functools.partial(triton.jit, do_not_specialize=["n_heads", "n_queries"])
-def flash_backward_preprocess_kernel(
-    O, DO, L, LD,
-    stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh, stride_don, stride_dod,
-    stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow,
-    n_heads, n_queries,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """The backward's per-query row pair, float32 ``LD[b * heads + h] = [L · log2(e); D]`` with
-    ``D_i = Σ_d dO_id O_id``: both are read per query tile by dK/dV, which loads them as one
-    ``2 x BLOCK_M`` tensor-descriptor box (one bulk copy and one barrier wait per tile instead of two),
-    and L arrives already in the base-2 units of the kernels' ``exp2``. ``D_PAD``: ``HEAD_DIM`` rounded up to
-    a power of two (the columns past ``HEAD_DIM`` read as zeros)."""
-    all_heads = tl.num_programs(0) // tl.cdiv(n_queries, BLOCK_M)  # one group: a streaming pass, order is moot
-    tile_m, b, h = _tile_and_head(n_queries, n_heads, all_heads, BLOCK_M, False)
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_seq = offs_m < n_queries
-    o = _load_cols(O + b * stride_ob + h * stride_oh, offs_m, stride_on, stride_od, in_seq, 0, D_PAD, HEAD_DIM)
-    do = _load_cols(DO + b * stride_dob + h * stride_doh, offs_m, stride_don, stride_dod, in_seq, 0, D_PAD,
-                    HEAD_DIM)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=in_seq, other=0.0)
-    ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
-    tl.store(ld_row, lse * 1.4426950408889634, mask=in_seq)
-    tl.store(ld_row + stride_ldrow, delta, mask=in_seq)
 
 
 @triton.jit
@@ -248,34 +216,47 @@ DQ_DESCRIPTORS = {"K_DESC": "BLOCK_N", "V_DESC": "BLOCK_N", "KT_DESC": "BLOCK_N"
 
 @_jit
 def flash_backward_dq_kernel(
-    Q, K_DESC, V_DESC, KT_DESC, VT_DESC, DO, LD, DQ,
+    Q, K_DESC, V_DESC, KT_DESC, VT_DESC, DO, O, L, LD, DQ,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_dob, stride_doh, stride_don, stride_dod,
-    stride_ldbh, stride_ldrow,
+    stride_ob, stride_oh, stride_on, stride_od, stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     n_heads, head_group, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past."""
+    """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past.
+
+    It runs first and also writes the tile's ``LD[b * heads + h] = [L · log2(e); D]`` rows, float32, with
+    ``D_i = Σ_d dO_id O_id``, for the dK/dV kernel after it: that kernel reads both per query tile as one
+    ``2 x BLOCK_M`` descriptor box, L already in the base-2 units of the kernels' ``exp2``. Computing D here,
+    where dO is loaded anyway, replaces a separate preprocess kernel: one launch and one pass over O and dO
+    fewer per backward."""
     tile_m, b, h = _tile_and_head(n_queries, n_heads, head_group, BLOCK_M, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_queries
 
     q_head, do_head = Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh
+    o_head = O + b * stride_ob + h * stride_oh
     q = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, 0, D_MAIN, HEAD_DIM)
     do = _load_cols(do_head, offs_m, stride_don, stride_dod, row_ok, 0, D_MAIN, HEAD_DIM)
-    ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
-    lse2 = tl.load(ld_row, mask=row_ok, other=0.0)  # L in base-2 units
-    delta = tl.load(ld_row + stride_ldrow, mask=row_ok, other=0.0)
+    o = _load_cols(o_head, offs_m, stride_on, stride_od, row_ok, 0, D_MAIN, HEAD_DIM)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     dq = tl.zeros([BLOCK_M, D_MAIN], dtype=tl.float32)
     q_t, do_t = None, None
     dq_t = tl.zeros([1], dtype=tl.float32)  # a placeholder: loop helpers return tensors
     if D_TAIL > 0:
         q_t = _load_cols(q_head, offs_m, stride_qn, stride_qd, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
         do_t = _load_cols(do_head, offs_m, stride_don, stride_dod, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
+        o_t = _load_cols(o_head, offs_m, stride_on, stride_od, row_ok, D_MAIN, D_TAIL, HEAD_DIM)
+        delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), axis=1)
         dq_t = tl.zeros([BLOCK_M, D_TAIL], dtype=tl.float32)
+    lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m * stride_ln, mask=row_ok, other=0.0)
+    lse2 = lse * 1.4426950408889634  # L in base-2 units: log2(e) * L
+    ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
+    tl.store(ld_row, lse2, mask=row_ok)
+    tl.store(ld_row + stride_ldrow, delta, mask=row_ok)
     b32, h32 = b.to(tl.int32), h.to(tl.int32)  # descriptor coordinates are 32-bit
 
     mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)

@@ -322,7 +322,7 @@ def _backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV)``: the D preprocess, then dK/dV over key tiles and dQ over query tiles (no atomics).
+    """``(dQ, dK, dV)``: dQ over query tiles (which also computes D), then dK/dV over key tiles (no atomics).
     ``out``: tensors of Q's, K's and V's shapes (any strides) to write the gradients into, such as head views
     of one packed buffer (:mod:`.flash_qkvpacked`); by default they are new tensors in the inputs' layouts.
     Replays recorded launches as :func:`_forward` does."""
@@ -344,7 +344,8 @@ def _backward(
 
 def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, ld: Tensor, dq: Tensor,
                      dk: Tensor, dv: Tensor, is_causal: bool, scale: float) -> None:
-    """Launch the three backward kernels, ``ld`` being :func:`_row_buffer`'s ``(batch * heads, 2, n_queries)``."""
+    """Launch the two backward kernels: dQ, which also fills ``ld`` (:func:`_row_buffer`'s
+    ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them."""
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
@@ -353,7 +354,6 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     # dK/dV streams Q, dO and the [L; D] pair of a head; dQ streams its K and V.
     dkdv_group = heads_per_l2_group(batch * heads, n_queries * (2 * d * q.element_size() + 8), q.device)
     dq_group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
-    block = kernels.PREPROCESS_BLOCK
     precision = _dot_precision(q.dtype)
     opts = options.current()
 
@@ -370,16 +370,15 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     q_tiles, do_tiles = _slab_tiles(q, d), _slab_tiles(do, d)
     (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
     ld_tiles = _descriptor(ld, [1, 2, _UNSIZED])
-    FLASH_LAUNCHES.launch(kernels.flash_backward_preprocess_kernel, (_cdiv(n_queries, block) * batch * heads,), (
-        o, do, lse, ld, *o.stride(), *do.stride(), *lse.stride(), *ld.stride()[:2], heads, n_queries,
-    ), dict(HEAD_DIM=d, D_PAD=max(16, 1 << (d - 1).bit_length()), BLOCK_M=block))  # fmt: skip
+    # dQ first: it writes the [L; D] rows that dK/dV reads (same stream, so in order).
+    FLASH_LAUNCHES.launch(kernels.tuned("dq", opts), query_tiles, (
+        q, k_main, v_main, k_tail, v_tail, do, o, lse, ld, dq,
+        *q.stride(), *do.stride(), *o.stride(), *lse.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group,
+        *shape_args,
+    ), constexprs)  # fmt: skip
     FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
         k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv,
         *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
-    ), constexprs)  # fmt: skip
-    FLASH_LAUNCHES.launch(kernels.tuned("dq", opts), query_tiles, (
-        q, k_main, v_main, k_tail, v_tail, do, ld, dq,
-        *q.stride(), *do.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group, *shape_args,
     ), constexprs)  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Triton kernels of FlashAttention-2, by role: :mod:`.flash_common` (exponentials, loop bounds, masks,
-descriptors), :mod:`.flash_fwd` (forward), :mod:`.flash_bwd` (the ``[L; D]`` preprocess, dK/dV, dQ) and
+descriptors), :mod:`.flash_fwd` (forward), :mod:`.flash_bwd` (dQ, which also writes the ``[L; D]`` rows, and dK/dV) and
 :mod:`.tuning` (candidate tiles to autotuned launchers), plus :mod:`.rope_qk` (the rotary embedding of packed
 Q and K, for ``flash_qkvpacked``). This module gathers them for ``flash_triton``.
 
@@ -39,12 +39,7 @@ at decoration time whether a kernel is compiled or interpreted.
 from __future__ import annotations
 
 from . import flash_bwd, flash_common, flash_fwd, rope_qk, tuning
-from .flash_bwd import (
-    PREPROCESS_BLOCK,
-    flash_backward_dkdv_kernel,
-    flash_backward_dq_kernel,
-    flash_backward_preprocess_kernel,
-)
+from .flash_bwd import flash_backward_dkdv_kernel, flash_backward_dq_kernel
 from .flash_common import INTERPRETED, LOG2_E, exp2_fma_kernel, program_order_kernel
 from .flash_fwd import flash_forward_kernel
 from .rope_qk import ROPE_BLOCK_P, ROPE_BLOCK_T, rope_qk_kernel
@@ -57,7 +52,7 @@ BUILD_MODE = INTERPRETED
 MODULES = (flash_common, flash_fwd, flash_bwd, tuning, rope_qk)
 
 __all__ = [
-    "INTERPRETED", "LOG2_E", "MODULES", "PREPROCESS_BLOCK", "ROPE_BLOCK_P", "ROPE_BLOCK_T", "exp2_fma_kernel",
-    "flash_backward_dkdv_kernel", "flash_backward_dq_kernel", "flash_backward_preprocess_kernel", "flash_bwd",
+    "INTERPRETED", "LOG2_E", "MODULES", "ROPE_BLOCK_P", "ROPE_BLOCK_T", "exp2_fma_kernel",
+    "flash_backward_dkdv_kernel", "flash_backward_dq_kernel", "flash_bwd",
     "flash_common", "flash_forward_kernel", "flash_fwd", "program_order_kernel", "rope_qk", "rope_qk_kernel", "tuned", "tuning",
 ]  # fmt: skip

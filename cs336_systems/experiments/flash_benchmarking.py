@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,38 +297,77 @@ SHAPES_SMOKE_IMPLS = ("flash_pytorch", "sdpa_math")
 
 def run_shapes(
     bhn: Sequence[Sequence[int]], head_dims: Sequence[int], dtypes: Sequence[str], causal: Sequence[bool],
-    impls: Sequence[str], *, warmup_ms: float = 5, rep_ms: float = 25, budget_s: float | None = None,
+    impls: Sequence[str], *, rounds: int = 1, warmup_ms: float = 5, rep_ms: float = 25, budget_s: float | None = None,
     device: str | None = None,
 ) -> pd.DataFrame:
     """Long table: one row per (impl, dtype, batch, heads, seq_len, head_dim, causal, pass) for the passes
-    ``forward`` and ``forward+backward``, with mean/median ms, TFLOP/s and status."""
+    ``forward`` and ``forward+backward``, with mean/median ms, TFLOP/s and status.
+
+    At each shape the implementations run in turn on the same inputs, ``rounds`` times, the order rotating
+    (A B C, B C A, C A B, ...), so that a slow moment of the machine falls on all of them rather than on one
+    cell. ``median_ms`` is the median over the rounds of each round's ``do_bench`` median, ``mean_ms`` the mean
+    of the rounds' means, and ``spread`` the rounds' (max − min) / median: a ratio that moves less than its
+    two spreads is no difference."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if rounds < 1:
+        raise ValueError(f"shapes: rounds must be at least 1, got {rounds}")
     for shape in bhn:
         if len(shape) != 3 or min(shape) < 1:
             raise ValueError(f"a shape is [batch, heads, seq_len] of positive sizes, got {list(shape)}")
+    impls = list(impls)
 
-    def cell(dtype: str, shape: tuple[int, int, int], head_dim: int, is_causal: bool, impl: str) -> dict[str, Any]:
+    def cell(dtype: str, shape: tuple[int, int, int], head_dim: int, is_causal: bool) -> dict[str, Any]:
         batch, heads, seq = shape
         q, k, v, do = _random_qkvdo(batch, heads, seq, head_dim, getattr(torch, dtype), device)
-        return time_attention_passes(IMPLEMENTATIONS[impl], q, k, v, do, is_causal=is_causal,
-                                     passes=("forward", "forward+backward"), warmup_ms=warmup_ms, rep_ms=rep_ms)
+        measured: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
+        for r in range(rounds):
+            for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+                measured[impl].append(time_attention_passes(
+                    IMPLEMENTATIONS[impl], q, k, v, do, is_causal=is_causal, passes=SHAPES_PASSES,
+                    warmup_ms=warmup_ms, rep_ms=rep_ms))
+        return {"by_impl": {impl: _merge_rounds(runs) for impl, runs in measured.items()}}
 
     configs = grid(dtype=list(dtypes), shape=[tuple(s) for s in bhn], head_dim=list(head_dims),
-                   is_causal=list(causal), impl=list(impls))
+                   is_causal=list(causal))
     wide = run_sweep(cell, configs, desc="shapes", budget_s=budget_s)
     rows = []
     for rec in wide.to_dict("records"):
         batch, heads, seq = rec["shape"]
-        for phase in ("forward", "forward+backward"):
-            status = rec.get(f"{phase}_status", rec["status"])
-            status = rec["status"] if (not isinstance(status, str) or rec["status"] != OK) else status
-            ms = rec.get(f"{phase}_ms", math.nan)
-            flops = attention_flops(batch * heads, seq, seq, rec["head_dim"], is_causal=rec["is_causal"], phase=phase)
-            rows.append({"impl": rec["impl"], "dtype": rec["dtype"], "batch": batch, "heads": heads, "seq_len": seq,
-                         "head_dim": rec["head_dim"], "causal": rec["is_causal"], "pass": phase, "status": status,
-                         "mean_ms": ms, "median_ms": rec.get(f"{phase}_median_ms", math.nan),
-                         "TFLOP_per_s": math.nan if math.isnan(ms) else flops / (ms * 1e-3) / 1e12})
+        by_impl = rec.get("by_impl") if rec["status"] == OK else None
+        for impl in impls:
+            timed = by_impl[impl] if isinstance(by_impl, dict) else {}
+            for phase in SHAPES_PASSES:
+                ms = timed.get(f"{phase}_ms", math.nan)
+                flops = attention_flops(batch * heads, seq, seq, rec["head_dim"], is_causal=rec["is_causal"],
+                                        phase=phase)
+                rows.append({"impl": impl, "dtype": rec["dtype"], "batch": batch, "heads": heads, "seq_len": seq,
+                             "head_dim": rec["head_dim"], "causal": rec["is_causal"], "pass": phase,
+                             "status": timed.get(f"{phase}_status", rec["status"]), "rounds": rounds,
+                             "mean_ms": ms, "median_ms": timed.get(f"{phase}_median_ms", math.nan),
+                             "spread": timed.get(f"{phase}_spread", math.nan),
+                             "TFLOP_per_s": math.nan if math.isnan(ms) else flops / (ms * 1e-3) / 1e12})
     return pd.DataFrame(rows)
+
+
+#: The passes of the shapes grid.
+SHAPES_PASSES = ("forward", "forward+backward")
+
+
+def _merge_rounds(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One implementation's rounds at one shape as one record of :func:`time_attention_passes`'s keys plus
+    ``{pass}_spread``; a pass that failed in any round (OOM, unsupported) takes that round's status."""
+    merged: dict[str, Any] = {}
+    for phase in SHAPES_PASSES:
+        failed = [r[f"{phase}_status"] for r in runs if r[f"{phase}_status"] != OK]
+        if failed:
+            merged.update({f"{phase}_status": failed[0], f"{phase}_ms": math.nan, f"{phase}_median_ms": math.nan,
+                           f"{phase}_spread": math.nan})
+            continue
+        medians = [r[f"{phase}_median_ms"] for r in runs]
+        median = float(np.median(medians))
+        merged.update({f"{phase}_status": OK, f"{phase}_ms": float(np.mean([r[f"{phase}_ms"] for r in runs])),
+                       f"{phase}_median_ms": median, f"{phase}_spread": (max(medians) - min(medians)) / median})
+    return merged
 
 
 SHAPE_KEYS = ["dtype", "batch", "heads", "seq_len", "head_dim", "causal", "pass"]
@@ -338,7 +377,8 @@ SHAPE_CELL = [k for k in SHAPE_KEYS if k != "pass"]
 
 def shapes_ratio(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
     """Per shape and pass: each implementation's median ms (column ``<impl>_ms``) and ``vs_<impl>`` = its time
-    over ours (above 1: ours is faster); ``vs_best`` against the fastest other implementation that ran."""
+    over ours (above 1: ours is faster); ``vs_best`` against the fastest other implementation that ran. With
+    rounds (:func:`run_shapes`), also ``rounds`` and each implementation's ``spread_<impl>``."""
     ok = long[long["status"] == OK]
     wide = ok.pivot_table(index=SHAPE_KEYS, columns="impl", values="median_ms").reset_index()
     others = [c for c in wide.columns if c not in SHAPE_KEYS and c != ours]
@@ -348,15 +388,25 @@ def shapes_ratio(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
         table[f"{impl}_ms"] = wide[impl]
         table[f"vs_{impl}"] = wide[impl] / table[f"{ours}_ms"]
     table["vs_best"] = wide[others].min(axis=1) / table[f"{ours}_ms"] if others else math.nan
+    if "spread" in ok.columns and len(ok):
+        spread = ok.pivot_table(index=SHAPE_KEYS, columns="impl", values="spread", dropna=False).reset_index()
+        spread = table[SHAPE_KEYS].merge(spread, on=SHAPE_KEYS, how="left")
+        table["rounds"] = int(ok["rounds"].max())
+        for impl in (ours, *others):
+            table[f"spread_{impl}"] = spread[impl].to_numpy() if impl in spread else math.nan
     return table
 
 
 def shapes_summary(ratio: pd.DataFrame, baseline: str = "sdpa_cudnn") -> dict[str, Any]:
-    """Geometric mean and minimum of ``vs_<baseline>`` per pass, and the shapes below 0.9× and 1.0×."""
+    """Geometric mean and minimum of ``vs_<baseline>`` per pass, and the shapes below 0.9× and 1.0×; with
+    rounds, their number and the median and 90th percentile of the rounds' spreads over every time of the pass."""
     col = f"vs_{baseline}"
     out: dict[str, Any] = {"baseline": baseline}
     if col not in ratio.columns:
         return out
+    if "rounds" in ratio.columns and len(ratio):
+        out["rounds"] = int(ratio["rounds"].max())
+    spread_cols = [c for c in ratio.columns if c.startswith("spread_")]
     for phase, g in ratio.dropna(subset=[col]).groupby("pass"):
         r = g[col]
         worst = g.loc[r.idxmin()]
@@ -365,6 +415,10 @@ def shapes_summary(ratio: pd.DataFrame, baseline: str = "sdpa_cudnn") -> dict[st
                       "worst": f"{worst['dtype']} {int(worst['batch'])}x{int(worst['heads'])}x"
                                f"{int(worst['seq_len'])}x{int(worst['head_dim'])}"
                                f"{' causal' if worst['causal'] else ''}"}
+        spreads = g[spread_cols].to_numpy(dtype=float).ravel()
+        spreads = spreads[~np.isnan(spreads)]
+        if len(spreads):
+            out[phase].update(spread_median=float(np.median(spreads)), spread_p90=float(np.percentile(spreads, 90)))
     return out
 
 
@@ -857,6 +911,8 @@ class Params:
     shapes_dtypes: list[str] = param(["bfloat16", "float16"], "shapes: torch dtype names")
     shapes_causal: list[bool] = param([True, False], "shapes: causal settings")
     shapes_budget_s: float = param(540.0, "shapes: time budget in seconds")
+    shapes_rounds: int = param(3, "shapes: alternating rounds per shape (the implementations in turn, the order "
+                                  "rotating)")
     ab_presets: list[str] = param(["small", "medium", "xl"], "model_ab: presets")
     ab_contexts: list[int] = param([1024, 2048, 4096], "model_ab: context lengths")
     ab_compile: list[bool] = param([False, True], "model_ab: eager and/or torch.compile'd steps")
@@ -897,6 +953,8 @@ class Params:
             if not self.host_layouts or set(self.host_layouts) - set(LAYOUTS):
                 raise ValueError(f"flash_benchmarking: host_layouts takes some of {', '.join(LAYOUTS)}, "
                                  f"got {self.host_layouts}")
+        if "shapes" in self.parts:
+            check_positive(shapes_rounds=self.shapes_rounds)
         if "losers" in self.parts:
             check_positive(losers=self.losers, losers_rounds=self.losers_rounds)
         if "model_ab" in self.parts:
@@ -991,7 +1049,7 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         started = time.monotonic()
         impls = SHAPES_IMPLS if torch.cuda.is_available() else SHAPES_SMOKE_IMPLS
         long = run_shapes(p.shapes, p.shapes_head_dims, p.shapes_dtypes, p.shapes_causal, impls,
-                          warmup_ms=p.warmup_ms, rep_ms=p.rep_ms, budget_s=p.shapes_budget_s)
+                          rounds=p.shapes_rounds, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms, budget_s=p.shapes_budget_s)
         out.table(long, "shapes")
         ratio = shapes_ratio(long, ours=impls[0])
         out.table(ratio, "shapes_ratio")
@@ -1371,9 +1429,11 @@ def _shapes(d: SectionData) -> list[Block]:
     for phase in ("forward+backward", "forward"):
         g = summary.get(phase)
         if isinstance(g, dict):
+            spread = (f" (round-to-round spread of a time: median {fmt.pct(g['spread_median'])}, 90th percentile "
+                      f"{fmt.pct(g['spread_p90'])})" if "spread_median" in g else "")
             parts.append(f"{phase}: geometric mean {fmt.ratio(g['geomean'])} of {baseline}'s speed over "
                          f"{g['cells']} shapes, lowest {fmt.ratio(g['min'])} ({g['worst']}), "
-                         f"{g['below_0.9']} below 0.9× and {g['below_1.0']} below 1.0×")
+                         f"{g['below_0.9']} below 0.9× and {g['below_1.0']} below 1.0×{spread}")
     d.frame("shapes")  # the heatmap's data
     return [question(d, "shapes", "Beyond the handout: every shape, against SDPA's flash and cuDNN backends "
                      "(batch 1-8, heads 8-32, sequences 256-65536 including lengths that are no multiple of a "
@@ -1383,8 +1443,15 @@ def _shapes(d: SectionData) -> list[Block]:
         d.figure("shapes_ratio", caption=f"{baseline} time over ours per shape, dtype and masking."),
         d.table("shapes_ratio", frame=_worst_shapes(d.frame("shapes_ratio"), f"vs_{baseline}"),
                 caption=f"The {WORST_SHAPES} shapes where ours loses most to {baseline} (each backend's time "
-                        "over ours, medians of `do_bench`); every shape is in the CSV and the heatmap."),
+                        f"over ours, {_rounds_words(summary)}); every shape is in the CSV and the heatmap."),
     ])]
+
+
+def _rounds_words(summary: Mapping[str, Any]) -> str:
+    rounds = summary.get("rounds", 1)
+    if rounds == 1:
+        return "medians of `do_bench`"
+    return f"medians over {rounds} alternating rounds of `do_bench` medians"
 
 
 #: Rows of the shapes table in the writeup: the losing end of the grid, which is what needs explaining.
