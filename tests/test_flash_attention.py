@@ -802,6 +802,8 @@ def test_gluon_forward_eligibility(monkeypatch: pytest.MonkeyPatch) -> None:
     from cs336_systems.attention import flash_triton, flash_fwd_sm90
 
     q, k, v = (torch.randn(2, 3, 40, 64, dtype=torch.bfloat16) for _ in range(3))
+    assert "short rows: 40 keys x head dim 64 = 2560" in flash_fwd_sm90.ineligibility(q, k, v, (9, 0))
+    monkeypatch.setattr(options, "_current", options.FlashOptions(gluon_min_key_work=0))  # any length from here
     assert flash_fwd_sm90.ineligibility(q, k, v, (9, 0)) is None
     assert "Hopper" in flash_fwd_sm90.ineligibility(q, k, v, (10, 0))
     assert "Hopper" in flash_fwd_sm90.ineligibility(q, k, v, None)
@@ -816,6 +818,26 @@ def test_gluon_forward_eligibility(monkeypatch: pytest.MonkeyPatch) -> None:
         assert "disabled" in flash_fwd_sm90.ineligibility(q, k, v, (9, 0))
     if not IS_HOPPER:  # CPU tensors and other GPUs run the Triton forward
         assert flash_triton.forward_kernel_name(q, k, v) == "triton"
+
+
+def test_short_rows_run_the_triton_forward() -> None:
+    """Rows of fewer than ``gluon_min_key_work`` keys x head dim (halved when causal) go to the Triton
+    forward; the threshold is an option, checked in one line."""
+    from cs336_systems.attention import flash_fwd_sm90
+
+    def inputs(n: int, d: int) -> list[torch.Tensor]:
+        return [torch.randn(1, 2, n, d, dtype=torch.bfloat16) for _ in range(3)]
+
+    assert options.current().gluon_min_key_work == 96 * 1024
+    assert flash_fwd_sm90.ineligibility(*inputs(1024, 128), (9, 0)) is None  # 128 Ki
+    assert "short rows" in flash_fwd_sm90.ineligibility(*inputs(1024, 128), (9, 0), True)  # 64 Ki when causal
+    assert flash_fwd_sm90.ineligibility(*inputs(2048, 128), (9, 0), True) is None
+    assert "short rows: 1000 keys x head dim 64 = 64000" in flash_fwd_sm90.ineligibility(*inputs(1000, 64), (9, 0))
+    with options.use(gluon_min_key_work=64000):
+        assert flash_fwd_sm90.ineligibility(*inputs(1000, 64), (9, 0)) is None
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="gluon_min_key_work must be a non-negative integer"):
+            options.FlashOptions(gluon_min_key_work=bad)
 
 
 def test_gluon_forward_reads_head_views_when_asked() -> None:
@@ -836,8 +858,9 @@ def test_gluon_forward_reads_head_views_when_asked() -> None:
     assert sm90.placement(q_slice, True) == sm90._Placement((b * n, h * d), 3 * h * d, n, 0, d)
     assert sm90.placement(torch.randn(b, h, d, n, dtype=torch.bfloat16).transpose(2, 3), True) is None
 
-    assert "q is not contiguous" in sm90.ineligibility(*views, (9, 0))  # off by default
-    with options.use(gluon_head_views=True):
+    with options.use(gluon_min_key_work=0):  # 40 keys: the Triton forward's length otherwise
+        assert "q is not contiguous" in sm90.ineligibility(*views, (9, 0))  # off by default
+    with options.use(gluon_head_views=True, gluon_min_key_work=0):
         assert sm90.ineligibility(*views, (9, 0)) is None
         assert sm90.ineligibility(contiguous, *views[1:], (9, 0)) is None  # q and k, v may differ
         assert "laid out differently" in sm90.ineligibility(views[0], contiguous, views[2], (9, 0))
@@ -898,8 +921,8 @@ def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, la
         if case.heads is None:
             pytest.skip("3-D inputs have no heads to lay out")
         q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
-    with options.use(gluon_head_views=layout == "bshd"):
-        assert flash_triton.forward_kernel_name(q, k, v) == "gluon"
+    with options.use(gluon_head_views=layout == "bshd", gluon_min_key_work=0):  # short cases too
+        assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon"
         gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     with options.use(gluon=False):
         assert flash_triton.forward_kernel_name(q, k, v) == "triton"

@@ -45,6 +45,17 @@ def test_gluon_view_variants_set_the_option_for_the_measurement_only(impl: str, 
     assert options.current() == before
 
 
+def test_gluon_short_variant_runs_gluon_at_every_length() -> None:
+    from cs336_systems.attention import options
+
+    before = options.current()
+    with fho._backend(fho.GLUON_SHORT):
+        assert options.current().gluon_min_key_work == 0 and options.current().gluon_head_views is False
+    with fho._backend(fho.GLUON_VIEWS):
+        assert options.current().gluon_min_key_work == 0 and options.current().gluon_head_views is True
+    assert options.current() == before
+
+
 def test_unknown_implementation_is_one_line() -> None:
     with pytest.raises(ValueError, match="unknown implementation 'ourz'; choose from ours, sdpa_flash"):
         fho.attention_fn("ourz")

@@ -284,11 +284,13 @@ def placement(t: Tensor, head_views: bool) -> _Placement | None:
     return None
 
 
-def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] | None) -> str | None:
-    """Why this kernel cannot run these ``(batch, heads, n, d)`` inputs, or None when it can.
+def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] | None,
+                  is_causal: bool = False) -> str | None:
+    """Why this kernel does not run these ``(batch, heads, n, d)`` inputs, or None when it does.
 
     ``capability`` is the GPU's compute capability (None: not a CUDA tensor). ``options.use(gluon=False)``
-    turns the kernel off (the Triton forward then runs everywhere), e.g. for A/B comparisons.
+    turns the kernel off (the Triton forward then runs everywhere), e.g. for A/B comparisons; rows shorter
+    than ``options.gluon_min_key_work`` go to the Triton forward because it is faster there.
     """
     opts = options.current()
     if not opts.gluon:
@@ -297,8 +299,13 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
         return f"needs a Hopper GPU (compute capability 9.0), got {capability}"
     if q.dtype not in _GLUON_DTYPES:
         return f"needs float16 or bfloat16, got {q.dtype}"
-    if q.shape[-1] not in TILES:
-        return f"head dim {q.shape[-1]} not in {sorted(TILES)}"
+    d = q.shape[-1]
+    if d not in TILES:
+        return f"head dim {d} not in {sorted(TILES)}"
+    work = k.shape[-2] * d // (2 if is_causal else 1)
+    if work < opts.gluon_min_key_work:
+        return (f"short rows: {k.shape[-2]} keys x head dim {d}{' / 2 (causal)' if is_causal else ''} = {work} < "
+                f"gluon_min_key_work = {opts.gluon_min_key_work}, where the Triton forward is faster")
     places = {}
     for name, t in (("q", q), ("k", k), ("v", v)):
         where = places[name] = placement(t, opts.gluon_head_views)

@@ -13,8 +13,9 @@ Layers, outside in:
   dispatch, which costs more host time than the kernels take at short sequences (see :func:`_eager`).
 - The kernels themselves live in :mod:`.triton_kernels`, imported on first launch (see :func:`_kernels`).
   On Hopper GPUs the forward of 16-bit inputs at head dims 64 and 128 runs the warp-specialized Gluon
-  kernel of :mod:`.flash_fwd_sm90` instead (same outputs; :func:`forward_kernel_name` says which one a
-  call uses, ``options.use(gluon=False)`` turns it off). The backward kernels are the same either way.
+  kernel of :mod:`.flash_fwd_sm90` instead, except for short rows (``options.gluon_min_key_work``), where
+  the Triton forward is faster (same outputs; :func:`forward_kernel_name` says which one a call uses,
+  ``options.use(gluon=False)`` turns it off). The backward kernels are the same either way.
 - Tiles, tuning, the exponential and the Gluon switch are :mod:`.options` values, read at each launch.
 
 Devices: CUDA tensors; or CPU tensors when ``TRITON_INTERPRET=1`` is set, which runs the very same kernels
@@ -229,7 +230,7 @@ _NO_GUARD = contextlib.nullcontext()
 # --------------------------------------------------------------------------------------------------
 
 
-def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor) -> ModuleType | None:
+def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> ModuleType | None:
     """:mod:`.flash_fwd_sm90` when its Hopper forward covers these 4-D inputs, else None (Triton forward).
 
     The device checks here only keep CPU runs and other GPUs from importing Gluon; what the kernel takes
@@ -240,7 +241,7 @@ def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor) -> ModuleType | None:
     if capability != (9, 0):
         return None
     module = importlib.import_module(".flash_fwd_sm90", __package__)
-    return module if module.ineligibility(q, k, v, capability) is None else None
+    return module if module.ineligibility(q, k, v, capability, is_causal) is None else None
 
 
 @functools.cache
@@ -248,12 +249,12 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
+def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> str:
     """``"gluon"`` or ``"triton"``: which forward kernel ``FlashAttentionTriton`` runs for these inputs
     (3-D or 4-D, as passed to it)."""
     q, k, v = (_unit_stride_d(t) for t in (q, k, v))
     q, k, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v))
-    return "gluon" if _gluon_forward_module(q, k, v) is not None else "triton"
+    return "gluon" if _gluon_forward_module(q, k, v, is_causal) is not None else "triton"
 
 
 def _head_dim_constexprs(d: int) -> dict[str, int]:
@@ -285,7 +286,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> 
 
 def _launch_forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float) -> None:
     """Launch the forward writing ``o`` (laid out as ``empty_like(q)``) and ``lse`` (contiguous float32)."""
-    gluon = _gluon_forward_module(q, k, v)
+    gluon = _gluon_forward_module(q, k, v, is_causal)
     if gluon is not None:
         gluon.flash_forward(q, k, v, is_causal, scale, out=(o, lse))
         return

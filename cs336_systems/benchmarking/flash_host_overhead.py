@@ -19,6 +19,8 @@ implementations in one process, and per round:
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 8,12,1024,64 --layout bshd --kernels
     python -m cs336_systems.benchmarking.flash_host_overhead --layout bshd \
         --impls ours_gluon_views,ours_no_gluon_views,sdpa_cudnn     # Gluon forward on head views A/B
+    python -m cs336_systems.benchmarking.flash_host_overhead --shape 8,32,256,64 --kernels \
+        --impls ours,ours_gluon_short,sdpa_cudnn     # short rows: Triton forward (default) against Gluon
     python -m cs336_systems.benchmarking.flash_host_overhead --layout bshd --kernels --impls ours,fwd128 \
         --variant 'fwd128={"candidates": {"forward": [[128, 128, 8, 3]]}}'   # any options, A/B
 
@@ -54,12 +56,15 @@ LAYOUTS = ("bhsd", "bshd")
 #: the launch plans), or through the launch cache without whole-call plans, for A/B.
 UNCACHED = "ours_uncached"
 UNPLANNED = "ours_unplanned"
-#: Ours with the Gluon forward on or off for head views (``options.gluon_head_views``), for A/B.
+#: Ours with the Gluon forward on or off for head views (``options.gluon_head_views``; on: at any length), for A/B.
 GLUON_VIEWS, NO_GLUON_VIEWS = "ours_gluon_views", "ours_no_gluon_views"
+#: Ours with the Gluon forward at every length, short rows included (``options.gluon_min_key_work = 0``).
+GLUON_SHORT = "ours_gluon_short"
 #: Named variants of ours: the :class:`~cs336_systems.attention.options.FlashOptions` fields each one sets
 #: for its whole measurement. ``--variant NAME=JSON`` adds more (e.g. other forward tiles).
-VARIANTS: dict[str, dict[str, Any]] = {GLUON_VIEWS: {"gluon_head_views": True},
-                                       NO_GLUON_VIEWS: {"gluon_head_views": False}}
+VARIANTS: dict[str, dict[str, Any]] = {GLUON_VIEWS: {"gluon_head_views": True, "gluon_min_key_work": 0},
+                                       NO_GLUON_VIEWS: {"gluon_head_views": False},
+                                       GLUON_SHORT: {"gluon_min_key_work": 0}}
 OURS_VARIANTS = ("ours", UNCACHED, UNPLANNED, *VARIANTS)
 _ALL = tuple(dict.fromkeys((*IMPLS, *OURS_VARIANTS)))
 #: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
@@ -288,7 +293,7 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
     return buf.getvalue()
 
 
-__all__ = ["GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "UNPLANNED", "VARIANTS",
+__all__ = ["GLUON_SHORT", "GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "UNPLANNED", "VARIANTS",
            "parse_variant", "selected_impls", "host_us", "issue_seconds", "kernel_table", "kernel_us",
            "make_inputs", "measure", "profile_host", "sleep_cycles", "summarize", "wall_us"]
 

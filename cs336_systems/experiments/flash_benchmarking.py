@@ -492,7 +492,7 @@ def run_leaderboard(
         row: dict[str, Any] = {"impl": impl}
         if impl == "triton":
             row["poly_exp2"] = _poly_exp2_label()
-            row["forward_kernel"] = flash_triton.forward_kernel_name(q, k, v)  # gluon on Hopper, else triton
+            row["forward_kernel"] = flash_triton.forward_kernel_name(q, k, v, True)  # gluon on Hopper, else triton
         protocols: dict[str, Callable[[], Any]] = {
             "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
             "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
@@ -618,7 +618,7 @@ def run_kernel_breakdown(
 
     poly = _poly_exp2_label()
     summary: dict[str, Any] = {"poly_exp2": poly, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
-                               "dtype": dtype, "forward_kernel": flash_triton.forward_kernel_name(q, k, v)}  # fmt: skip
+                               "dtype": dtype, "forward_kernel": flash_triton.forward_kernel_name(q, k, v, True)}  # fmt: skip
     _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
                                                             grad_to_none=[q, k, v]))  # fmt: skip
     _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
