@@ -1189,10 +1189,11 @@ def answer(d: SectionData) -> list[Block]:
                 r"dQ = dS\,K/\sqrt{d},\quad dK = dS^\top Q/\sqrt{d}",
             ]),
             Text("It exists twice: `FlashAttentionPytorch` does it in tiled PyTorch under `torch.compile` (the "
-                 "handout's version), and `FlashAttentionTriton`, the implementation benchmarked below, in three "
-                 "Triton kernels: one computes $D$, one owns a key block and accumulates $dK, dV$ over the query "
-                 "blocks, one owns a query block and accumulates $dQ$ over the key blocks, so no two programs "
-                 "write the same output and no atomics are needed. Its forward is a Triton kernel, or on Hopper "
+                 "handout's version), and `FlashAttentionTriton`, the implementation benchmarked below, in two "
+                 "Triton kernels: the first owns a query block, computes its $D$ from the $O$ and $dO$ tiles it "
+                 "loads and accumulates $dQ$ over the key blocks, writing $L$ and $D$ for the second, which owns "
+                 "a key block and accumulates $dK, dV$ over the query blocks; no two programs write the same "
+                 "output and no atomics are needed. Its forward is a Triton kernel, or on Hopper "
                  "a warp-specialized Gluon kernel with TMA loads."),
         ]),
         question(d, "flash_benchmarking", "Triton FlashAttention-2 versus PyTorch attention (batch 1, causal) over "
