@@ -1,0 +1,137 @@
+"""The accuracy benchmark: its blocked float64 reference, its per-shape errors and its verdicts.
+
+On CPU, ours runs through Triton's interpreter (as in ``test_flash_attention``), SDPA's flash backend has a
+CPU kernel and its cuDNN backend declines, which exercises the ``unsupported`` path."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cs336_systems.attention import reference_attention
+from cs336_systems.benchmarking import flash_accuracy as fa
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(("n_queries", "n_keys", "causal", "block_rows"),
+                         [(19, 19, True, 4), (19, 19, False, 7), (13, 29, True, 5), (29, 13, True, 3),
+                          (8, 8, True, None)])
+def test_blocked_reference_equals_autograd_through_full_attention(n_queries, n_keys, causal, block_rows) -> None:
+    """Blocks of query rows (including a last, shorter block) give what autograd through the whole score
+    matrix gives, to float64 round-off; with more queries than keys the rows past the keys see every key."""
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(n_queries, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(n_keys, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    got = fa.reference_head(q, k, v, do, causal, block_rows=block_rows)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, _ = reference_attention(*leaves, is_causal=causal)
+    o.backward(do)
+    want = {"o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    for name in fa.OUTPUTS:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_reference_rejects_what_is_not_one_head() -> None:
+    q = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="one head"):
+        fa.reference_head(q[None], q, q, q, True)
+    with pytest.raises(ValueError, match="one head"):
+        fa.reference_head(q, torch.randn(4, 16), torch.randn(4, 16), q, True)
+    with pytest.raises(ValueError, match="block_rows must be at least 1"):
+        fa.reference_head(q, q, q, q, True, block_rows=0)
+
+
+def test_checked_heads_are_the_first_and_the_last() -> None:
+    assert fa.checked_heads(4, 8) == [(0, 0), (3, 7)]
+    assert fa.checked_heads(1, 1) == [(0, 0)]
+
+
+def test_errors_per_implementation_and_output() -> None:
+    """Ours and SDPA's flash backend are measured against float64 on the same inputs; their float32 errors are
+    round-off sized; a backend that declines the inputs is ``unsupported`` for every output, not an error."""
+    impls = ("ours", "sdpa_flash", "sdpa_cudnn") if DEVICE == "cpu" else ("ours", "sdpa_flash")
+    rows = pd.DataFrame(fa.measure_shape((2, 2, 33, 16), torch.float32, True, impls, device=DEVICE))
+    assert len(rows) == len(impls) * len(fa.OUTPUTS)
+    assert set(rows["heads_checked"]) == {2}
+    ran = rows[rows["status"] == fa.OK]
+    assert set(ran["impl"]) == {"ours", "sdpa_flash"}
+    assert (ran["error"] > 0).all() and (ran["error"] < 1e-3 * ran["reference_max"].clip(lower=1)).all()
+    if DEVICE == "cpu":
+        declined = rows[rows["impl"] == "sdpa_cudnn"]
+        assert (declined["status"] == fa.UNSUPPORTED).all() and declined["error"].isna().all()
+        assert declined["note"].str.len().gt(0).all()
+    with pytest.raises(ValueError, match="batch,heads,seq,head_dim"):
+        fa.measure_shape((2, 33, 16), torch.float32, True, impls, device=DEVICE)
+
+
+def _row(impl: str, output: str, error: float, status: str = fa.OK, seq: int = 64) -> dict:
+    return {"dtype": "bfloat16", "batch": 1, "heads": 2, "seq_len": seq, "head_dim": 64, "causal": True,
+            "heads_checked": 2, "impl": impl, "output": output, "status": status, "error": error,
+            "reference_max": 4.0, "note": ""}
+
+
+def test_verdict_is_against_the_better_sdpa_backend() -> None:
+    rows = [_row("ours", "o", 3e-3), _row("sdpa_flash", "o", 2e-3), _row("sdpa_cudnn", "o", 1e-3),  # 3x best
+            _row("ours", "dq", 3e-3), _row("sdpa_flash", "dq", 2e-3), _row("sdpa_cudnn", "dq", 4e-3),  # 1.5x
+            _row("ours", "dk", 1e-3), _row("sdpa_flash", "dk", 1e-3),
+            _row("sdpa_cudnn", "dk", math.nan, fa.UNSUPPORTED),  # judged against flash alone
+            _row("ours", "dv", 1e-3), _row("sdpa_flash", "dv", math.nan, fa.UNSUPPORTED),
+            _row("sdpa_cudnn", "dv", math.nan, fa.UNSUPPORTED)]  # nothing to judge against
+    table = fa.accuracy_table(rows).set_index("output")
+    assert table.loc["o", "ratio_best"] == pytest.approx(3.0) and table.loc["o", "within"] is False
+    assert table.loc["o", "ratio_sdpa_flash"] == pytest.approx(1.5)
+    assert table.loc["dq", "ratio_best"] == pytest.approx(1.5) and table.loc["dq", "within"] is True
+    assert table.loc["dk", "ratio_best"] == pytest.approx(1.0) and table.loc["dk", "within"] is True
+    assert table.loc["dv", "within"] is None and math.isnan(table.loc["dv", "ratio_best"])
+    assert table.loc["o", "relative_ours"] == pytest.approx(3e-3 / 4.0)
+    summary = fa.accuracy_summary(table.reset_index())
+    assert summary["cells"] == 4 and summary["judged"] == 3 and summary["within"] == 2
+    assert summary["worst_ratio"] == pytest.approx(3.0)
+    assert summary["worst"] == "o at bfloat16 (1, 2, 64, 64) causal"
+    assert summary["geomean_ratio"] == pytest.approx((3.0 * 1.5 * 1.0) ** (1 / 3))
+    assert summary["max_ratio_by_output"] == pytest.approx({"o": 3.0, "dq": 1.5, "dk": 1.0})
+
+
+def test_budget_stops_before_the_next_shape() -> None:
+    rows = fa.run([(1, 1, 17, 16), (1, 1, 18, 16)], [torch.float32], [True], ("sdpa_flash",), device=DEVICE,
+                  budget_s=0.0)
+    assert set(rows["seq_len"]) == {17}  # the first shape always runs
+    with pytest.raises(ValueError, match="unknown implementation"):
+        fa.run([(1, 1, 17, 16)], [torch.float32], [True], ("ourz",), device=DEVICE)
+
+
+def test_command_line(tmp_path, capsys) -> None:
+    csv, summary = tmp_path / "rows.csv", tmp_path / "summary.json"
+    assert fa.main(["--shape", "1,2,21,16", "--dtype", "float32", "--causal", "--impls", "ours,sdpa_flash",
+                    "--device", DEVICE, "--csv", str(csv), "--json", str(summary)]) == 0
+    assert len(pd.read_csv(csv)) == 2 * len(fa.OUTPUTS)
+    record = json.loads(summary.read_text())
+    assert record["summary"]["judged"] == len(fa.OUTPUTS)
+    assert record["provenance"]["params"]["shapes"] == [[1, 2, 21, 16]] and "git_commit" in record["provenance"]
+    assert "ratio_best" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--impls", "ours,flashy"], "unknown"),
+    (["--dtype", "float64"], "dtype must be"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        fa.main([*argv, "--shape", "1,1,8,16"])
+
+
+def test_grid_is_the_shapes_grid_at_both_head_dims() -> None:
+    from cs336_systems.experiments.flash_benchmarking import SHAPES_BHN
+
+    shapes = fa.grid_shapes()
+    assert len(shapes) == 2 * len(SHAPES_BHN)
+    assert (8, 32, 256, 64) in shapes and (1, 8, 65536, 128) in shapes
