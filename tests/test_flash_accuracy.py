@@ -135,3 +135,19 @@ def test_grid_is_the_shapes_grid_at_both_head_dims() -> None:
     shapes = fa.grid_shapes()
     assert len(shapes) == 2 * len(SHAPES_BHN)
     assert (8, 32, 256, 64) in shapes and (1, 8, 65536, 128) in shapes
+
+
+def test_variants_of_ours_are_measured_and_compared_beside_it(tmp_path) -> None:
+    """A ``--variant`` runs ours with other options on the same inputs and gets its own error and ratio columns;
+    ``--all-heads`` compares every head."""
+    csv = tmp_path / "rows.csv"
+    assert fa.main(["--shape", "1,3,17,16", "--dtype", "float32", "--causal", "--impls", "ours,sdpa_flash",
+                    "--variant", 'blocks={"autotune": false}', "--all-heads", "--device", DEVICE,
+                    "--csv", str(csv)]) == 0
+    rows = pd.read_csv(csv)
+    assert set(rows["impl"]) == {"ours", "sdpa_flash", "blocks"} and set(rows["heads_checked"]) == {3}
+    table = fa.accuracy_table(rows)
+    assert {"error_blocks", "ratio_best_blocks"} <= set(table.columns)
+    assert (table["ratio_best_blocks"] == table["error_blocks"] / table["error_sdpa_flash"]).all()
+    with pytest.raises(ValueError, match="variant"):
+        fa.main(["--variant", 'bad={"no_such_option": 1}', "--shape", "1,1,8,16"])

@@ -14,6 +14,8 @@ reference over the heads checked; ``relative`` divides it by the reference's lar
     python -m cs336_systems.benchmarking.flash_accuracy                 # the shapes grid, bf16 and fp16
     python -m cs336_systems.benchmarking.flash_accuracy --shape 8,32,256,64 --dtype float16 --no-causal
     python -m cs336_systems.benchmarking.flash_accuracy --csv errors.csv --json summary.json --budget-s 200
+    python -m cs336_systems.benchmarking.flash_accuracy --shape 1,16,16384,128 --dtype float16 --no-causal \
+        --all-heads --variant 'polyexp={"poly_exp2": "all"}'     # ours with other options, side by side
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +35,7 @@ import torch
 from torch import Tensor
 
 from cs336_systems.attention.reference import causal_mask
-from cs336_systems.benchmarking.flash_host_overhead import _backend, attention_fn, make_inputs
+from cs336_systems.benchmarking.flash_host_overhead import _backend, attention_fn, make_inputs, parse_variant
 
 IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
 BASELINES = ("sdpa_flash", "sdpa_cudnn")
@@ -80,31 +82,35 @@ def reference_head(q: Tensor, k: Tensor, v: Tensor, do: Tensor, is_causal: bool,
     return {"o": o, "dq": dq, "dk": dk, "dv": dv}
 
 
-def checked_heads(batch: int, heads: int) -> list[tuple[int, int]]:
-    """The (batch, head) pairs compared with the reference: the first and the last."""
+def checked_heads(batch: int, heads: int, every: bool = False) -> list[tuple[int, int]]:
+    """The (batch, head) pairs compared with the reference: the first and the last, or ``every`` one."""
+    if every:
+        return [(b, h) for b in range(batch) for h in range(heads)]
     return list(dict.fromkeys([(0, 0), (batch - 1, heads - 1)]))
 
 
 def measure_shape(shape: Sequence[int], dtype: torch.dtype, is_causal: bool, impls: Sequence[str] = IMPLS,
-                  *, device: str = "cuda", seed: int = 0) -> list[dict[str, Any]]:
+                  *, device: str = "cuda", seed: int = 0, variants: Mapping[str, dict[str, Any]] | None = None,
+                  every_head: bool = False) -> list[dict[str, Any]]:
     """One row per (implementation, output) at ``shape`` = (batch, heads, seq, head_dim): the largest
     absolute error against float64 over :func:`checked_heads`, and the reference's largest magnitude.
-    An implementation that cannot run the shape (SDPA's backends decline some) gets status ``unsupported``."""
+    An implementation that cannot run the shape (SDPA's backends decline some) gets status ``unsupported``.
+    ``variants``: named option sets of ours (``flash_host_overhead.parse_variant``), measured as impls."""
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(f"a shape is batch,heads,seq,head_dim of positive sizes, got {list(shape)}")
     batch, heads, seq, head_dim = (int(x) for x in shape)
     generator = torch.Generator(device=device).manual_seed(seed)
     q, k, v, do = make_inputs((batch, heads, seq, head_dim), dtype, generator=generator, device=device)
-    picks = checked_heads(batch, heads)
+    picks = checked_heads(batch, heads, every_head)
     refs = [reference_head(q[b, h], k[b, h], v[b, h], do[b, h], is_causal) for b, h in picks]
     scale = {name: max(r[name].abs().max().item() for r in refs) for name in OUTPUTS}
     rows = []
     base = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "heads": heads, "seq_len": seq,
             "head_dim": head_dim, "causal": is_causal, "heads_checked": len(picks)}
     for impl in impls:
-        fn = attention_fn(impl)
+        fn = attention_fn(impl, variants)
         try:
-            with _backend(impl):
+            with _backend(impl, variants):
                 o = fn(q, k, v, is_causal)
             got = dict(zip(OUTPUTS, (o, *torch.autograd.grad(o, (q, k, v), do))))
         except RuntimeError as exc:  # SDPA: "No available kernel" for a backend that declines the shape
@@ -128,7 +134,7 @@ def accuracy_table(rows: pd.DataFrame | Sequence[dict[str, Any]], ours: str = "o
     """Per shape and output: each implementation's error (``error_<impl>``), ours relative to the
     reference's magnitude, ``ratio_<baseline>`` = our error over that baseline's, ``ratio_best`` over the
     smaller baseline error, and ``within`` (ours at most :data:`ALLOWED_RATIO` times that; None where no
-    baseline ran)."""
+    baseline ran). Variants of ours (``--variant``) get ``error_<name>`` and ``ratio_best_<name>``."""
     long = pd.DataFrame(rows)
     ok = long[long["status"] == OK]
     wide = ok.pivot_table(index=SHAPE_KEYS, columns="impl", values="error").reset_index()
@@ -144,6 +150,9 @@ def accuracy_table(rows: pd.DataFrame | Sequence[dict[str, Any]], ours: str = "o
     best = wide[baselines].min(axis=1) if baselines else pd.Series(math.nan, index=wide.index)
     table["ratio_best"] = mine / best
     table["within"] = [None if math.isnan(r) else bool(r <= ALLOWED_RATIO) for r in table["ratio_best"]]
+    for variant in [c for c in wide.columns if c not in (*SHAPE_KEYS, ours, *BASELINES)]:  # ours' A/B variants
+        table[f"error_{variant}"] = wide[variant]
+        table[f"ratio_best_{variant}"] = wide[variant] / best
     return table
 
 
@@ -175,18 +184,20 @@ def grid_shapes() -> list[tuple[int, int, int, int]]:
 
 def run(shapes: Iterable[Sequence[int]], dtypes: Sequence[torch.dtype], causal: Sequence[bool],
         impls: Sequence[str] = IMPLS, *, device: str = "cuda", budget_s: float | None = None,
+        variants: Mapping[str, dict[str, Any]] | None = None, every_head: bool = False,
         echo: bool = False) -> pd.DataFrame:
     """:func:`measure_shape` over ``shapes`` × ``dtypes`` × ``causal``, stopping before a new shape once
     ``budget_s`` seconds have passed (the first always runs; the rows say which shapes ran)."""
     for impl in impls:
-        attention_fn(impl)  # an unknown name fails here, in one line
+        attention_fn(impl, variants)  # an unknown name fails here, in one line
     start, rows = time.monotonic(), []
     for dtype, shape, is_causal in itertools.product(dtypes, shapes, causal):
         if rows and budget_s is not None and time.monotonic() - start > budget_s:
             if echo:
                 print(f"budget of {budget_s:.0f} s spent; stopping before {tuple(shape)} {dtype}", flush=True)
             break
-        rows += measure_shape(shape, dtype, is_causal, impls, device=device)
+        rows += measure_shape(shape, dtype, is_causal, impls, device=device, variants=variants,
+                              every_head=every_head)
         if device == "cuda":
             torch.cuda.empty_cache()
         if echo:
@@ -209,7 +220,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="bfloat16, float16 or float32 (repeatable; default bfloat16 and float16)")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                         help="only causal (--causal) or only not (--no-causal); default both")
-    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"comma-separated, of {', '.join(IMPLS)} and the --variant names")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="a variant of ours with these FlashOptions fields, measured beside the --impls "
+                             """(repeatable): 'hwexp={"poly_exp2": []}'""")
+    parser.add_argument("--all-heads", action="store_true",
+                        help="compare every head with the reference, not only the first and the last")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--budget-s", type=float, default=None, help="stop before a new shape after this long")
     parser.add_argument("--csv", help="write every (shape, implementation, output) row here")
@@ -221,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shape takes four integers batch,heads,seq,head_dim, got {args.shape}")
     dtypes = [_dtype(name) for name in (args.dtype or ["bfloat16", "float16"])]
     causal = [True, False] if args.causal is None else [args.causal]
+    variants = dict(parse_variant(v) for v in args.variant)
     impls = [x for x in args.impls.split(",") if x]
-    if not set(impls) <= set(IMPLS):
-        raise ValueError(f"--impls: unknown {sorted(set(impls) - set(IMPLS))}; choose from {', '.join(IMPLS)}")
-    rows = run(shapes, dtypes, causal, impls, device=args.device, budget_s=args.budget_s, echo=True)
+    impls += [name for name in variants if name not in impls]
+    if not set(impls) <= {*IMPLS, *variants}:
+        raise ValueError(f"--impls: unknown {sorted(set(impls) - {*IMPLS, *variants})}; choose from "
+                         f"{', '.join((*IMPLS, *variants))}")
+    rows = run(shapes, dtypes, causal, impls, device=args.device, budget_s=args.budget_s, variants=variants,
+               every_head=args.all_heads, echo=True)
     table = accuracy_table(rows)
     summary = accuracy_summary(table)
     shown = [c for c in table.columns if c.startswith(("error_", "ratio_")) or c in ("within",)]
@@ -236,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         from cs336_systems.results import provenance
 
         params = {"shapes": [list(s) for s in shapes], "dtypes": [str(d) for d in dtypes], "causal": causal,
-                  "impls": impls, "budget_s": args.budget_s, "allowed_ratio": ALLOWED_RATIO}
+                  "impls": impls, "variants": variants, "all_heads": args.all_heads, "budget_s": args.budget_s,
+                  "allowed_ratio": ALLOWED_RATIO}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"summary": summary, "provenance": provenance(params)}, f, indent=1)
     return 0
