@@ -151,3 +151,18 @@ def test_variants_of_ours_are_measured_and_compared_beside_it(tmp_path) -> None:
     assert (table["ratio_best_blocks"] == table["error_blocks"] / table["error_sdpa_flash"]).all()
     with pytest.raises(ValueError, match="variant"):
         fa.main(["--variant", 'bad={"no_such_option": 1}', "--shape", "1,1,8,16"])
+
+
+def test_out_of_memory_is_recorded_as_such(monkeypatch) -> None:
+    real = fa.attention_fn
+
+    def fake(impl, variants=None):
+        if impl == "sdpa_flash":
+            def fail(*_):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+            return fail
+        return real(impl, variants)
+
+    monkeypatch.setattr(fa, "attention_fn", fake)
+    rows = pd.DataFrame(fa.measure_shape((1, 1, 9, 16), torch.float32, False, ("sdpa_flash",), device=DEVICE))
+    assert (rows["status"] == fa.OOM).all() and rows["note"].str.startswith("CUDA out of memory").all()

@@ -42,7 +42,7 @@ BASELINES = ("sdpa_flash", "sdpa_cudnn")
 OUTPUTS = ("o", "dq", "dk", "dv")
 #: The goal: our error at most this many times the better SDPA backend's.
 ALLOWED_RATIO = 2.0
-OK, UNSUPPORTED = "ok", "unsupported"
+OK, UNSUPPORTED, OOM = "ok", "unsupported", "oom"
 #: float64 elements per query block of the reference's score-sized matrices (four of them live at once).
 _REFERENCE_BLOCK_ELEMENTS = 1 << 24
 
@@ -94,7 +94,8 @@ def measure_shape(shape: Sequence[int], dtype: torch.dtype, is_causal: bool, imp
                   every_head: bool = False) -> list[dict[str, Any]]:
     """One row per (implementation, output) at ``shape`` = (batch, heads, seq, head_dim): the largest
     absolute error against float64 over :func:`checked_heads`, and the reference's largest magnitude.
-    An implementation that cannot run the shape (SDPA's backends decline some) gets status ``unsupported``.
+    An implementation that cannot run the shape (SDPA's backends decline some) gets status ``unsupported``
+    (``oom`` when it ran out of memory).
     ``variants``: named option sets of ours (``flash_host_overhead.parse_variant``), measured as impls."""
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(f"a shape is batch,heads,seq,head_dim of positive sizes, got {list(shape)}")
@@ -115,7 +116,8 @@ def measure_shape(shape: Sequence[int], dtype: torch.dtype, is_causal: bool, imp
             got = dict(zip(OUTPUTS, (o, *torch.autograd.grad(o, (q, k, v), do))))
         except RuntimeError as exc:  # SDPA: "No available kernel" for a backend that declines the shape
             reason = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-            rows += [{**base, "impl": impl, "output": name, "status": UNSUPPORTED, "error": math.nan,
+            status = OOM if isinstance(exc, torch.OutOfMemoryError) else UNSUPPORTED
+            rows += [{**base, "impl": impl, "output": name, "status": status, "error": math.nan,
                       "reference_max": scale[name], "note": reason[:200]} for name in OUTPUTS]
             continue
         for name in OUTPUTS:
