@@ -165,3 +165,22 @@ def test_cells_no_job_measured_are_named_even_when_the_last_job_covered_only_its
     last_job = {"ab_presets": ["medium"], "ab_contexts": [4096], "ab_compile": [True]}
     absent = fb._model_ab_absent(summary, last_job, planned)
     assert len(absent) == 17 and ("medium", 4096, True) not in absent and ("xl", 2048, True) in absent
+
+
+def test_answer_names_the_cells_each_implementation_won(tmp_path) -> None:
+    from cs336_systems.report.data import SectionData
+    from cs336_systems.report.document import Text
+
+    folder = tmp_path / "flash_benchmarking"
+    folder.mkdir()
+    table = pd.DataFrame(
+        _rows({"preset": "small", "context_length": 1024, "compile": False},
+              {"sdpa": [10.0, 10.4], "flash_triton": [10.1, 10.2]})  # tie
+        + _rows({"preset": "small", "context_length": 2048, "compile": True},
+                {"sdpa": [10.0, 10.1], "flash_triton": [12.0, 12.2]})  # sdpa
+    )
+    fb.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
+    (question,) = fb._model_ab(SectionData(tmp_path, "flash_benchmarking"))
+    text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
+    assert "1 tie (the medians differ by less than the larger spread of the rounds)" in text
+    assert "flash_triton faster in 0, sdpa faster in 1 (small at 2,048, compiled)" in text

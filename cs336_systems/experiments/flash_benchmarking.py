@@ -1340,17 +1340,22 @@ def _model_ab(d: SectionData) -> list[Block]:
     measured = summary[summary["baseline_over_ours"].notna()]
     counts = measured["verdict"].value_counts()
     ties = int(counts.get("tie", 0))
-    parts = [f"{ties} tie{'' if ties == 1 else 's'}", f"{ours} faster in {int(counts.get(ours, 0))}",
-             f"{baseline} faster in {int(counts.get(baseline, 0))}"]
+
+    def where(r: pd.Series) -> str:
+        return f"{r['preset']} at {int(r['context_length']):,}, {'compiled' if r['compile'] else 'eager'}"
+
+    def wins(impl: str) -> str:
+        won = measured[measured["verdict"] == impl]
+        return f"{impl} faster in {len(won)}" + (f" ({'; '.join(where(r) for _, r in won.iterrows())})"
+                                                  if len(won) else "")
+
+    parts = [f"{ties} tie{'' if ties == 1 else 's'} (the medians differ by less than the larger spread of the "
+             "rounds)", wins(ours), wins(baseline)]
     text = (f"Over {len(measured)} cell{'' if len(measured) == 1 else 's'} (preset × context × eager or compiled) "
-            "measured in alternating rounds: "
-            + ", ".join(parts) + " (a tie: the medians differ by less than the larger spread of the rounds)")
+            "measured in alternating rounds: " + ", ".join(parts))
     if len(measured):
         ratio = measured["baseline_over_ours"]
         lo, hi = measured.loc[ratio.idxmin()], measured.loc[ratio.idxmax()]
-
-        def where(r: pd.Series) -> str:
-            return f"{r['preset']} at {int(r['context_length']):,}, {'compiled' if r['compile'] else 'eager'}"
 
         text += (f"; {baseline}'s time over ours is {fmt.ratio(lo['baseline_over_ours'])} ({where(lo)})"
                  if len(measured) == 1 else
