@@ -36,13 +36,14 @@ from torch import Tensor
 
 from cs336_systems.attention.reference import causal_mask
 from cs336_systems.benchmarking.flash_host_overhead import _backend, attention_fn, make_inputs, parse_variant
+from cs336_systems.benchmarking.sweep import OK, OOM  # the sweeps' status words
 
 IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
 BASELINES = ("sdpa_flash", "sdpa_cudnn")
 OUTPUTS = ("o", "dq", "dk", "dv")
 #: The goal: our error at most this many times the better SDPA backend's.
 ALLOWED_RATIO = 2.0
-OK, UNSUPPORTED, OOM = "ok", "unsupported", "oom"
+UNSUPPORTED = "unsupported"
 #: float64 elements per query block of the reference's score-sized matrices (four of them live at once).
 _REFERENCE_BLOCK_ELEMENTS = 1 << 24
 
@@ -95,7 +96,7 @@ def measure_shape(shape: Sequence[int], dtype: torch.dtype, is_causal: bool, imp
     """One row per (implementation, output) at ``shape`` = (batch, heads, seq, head_dim): the largest
     absolute error against float64 over :func:`checked_heads`, and the reference's largest magnitude.
     An implementation that cannot run the shape (SDPA's backends decline some) gets status ``unsupported``
-    (``oom`` when it ran out of memory).
+    (``OOM`` when it ran out of memory).
     ``variants``: named option sets of ours (``flash_host_overhead.parse_variant``), measured as impls."""
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(f"a shape is batch,heads,seq,head_dim of positive sizes, got {list(shape)}")
