@@ -13,7 +13,7 @@ from cs336_systems.experiments.section import PRESETS, CommandLineText, coerce, 
 
 
 def test_every_section_is_a_complete_unit() -> None:
-    assert len(SECTIONS) == 21 and list(SECTIONS)[0] == "model_sizes" and list(SECTIONS)[-1] == "course_tests"
+    assert len(SECTIONS) == 22 and list(SECTIONS)[0] == "model_sizes" and list(SECTIONS)[-1] == "course_tests"
     numbers = [s.number for s in SECTIONS.values()]
     assert len(set(numbers)) == len(numbers)
     for name, section in SECTIONS.items():

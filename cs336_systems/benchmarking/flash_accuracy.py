@@ -21,6 +21,7 @@ reference over the heads checked; ``relative`` divides it by the reference's lar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -39,6 +40,9 @@ from cs336_systems.benchmarking.flash_host_overhead import _backend, attention_f
 from cs336_systems.benchmarking.sweep import OK, OOM  # the sweeps' status words
 
 IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
+#: Our PyTorch-tiled FlashAttention-2 (``attention/flash_pytorch.py``): ours where the Triton kernels cannot run
+#: (a CPU machine without Triton's interpreter).
+OURS_PYTORCH = "flash_pytorch"
 BASELINES = ("sdpa_flash", "sdpa_cudnn")
 OUTPUTS = ("o", "dq", "dk", "dv")
 #: The goal: our error at most this many times the better SDPA backend's.
@@ -110,9 +114,9 @@ def measure_shape(shape: Sequence[int], dtype: torch.dtype, is_causal: bool, imp
     base = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "heads": heads, "seq_len": seq,
             "head_dim": head_dim, "causal": is_causal, "heads_checked": len(picks)}
     for impl in impls:
-        fn = attention_fn(impl, variants)
+        fn = _attention_fn(impl, variants)
         try:
-            with _backend(impl, variants):
+            with _policy(impl, variants):
                 o = fn(q, k, v, is_causal)
             got = dict(zip(OUTPUTS, (o, *torch.autograd.grad(o, (q, k, v), do))))
         except RuntimeError as exc:  # SDPA: "No available kernel" for a backend that declines the shape
@@ -128,6 +132,18 @@ def measure_shape(shape: Sequence[int], dtype: torch.dtype, is_causal: bool, imp
                          "reference_max": scale[name], "note": ""})
         del got, o
     return rows
+
+
+def _attention_fn(impl: str, variants: Mapping[str, dict[str, Any]] | None) -> Any:
+    if impl == OURS_PYTORCH:
+        from cs336_systems.attention.flash_pytorch import FlashAttentionPytorch
+
+        return FlashAttentionPytorch.apply
+    return attention_fn(impl, variants)
+
+
+def _policy(impl: str, variants: Mapping[str, dict[str, Any]] | None) -> Any:
+    return contextlib.nullcontext() if impl == OURS_PYTORCH else _backend(impl, variants)
 
 
 SHAPE_KEYS = ["dtype", "batch", "heads", "seq_len", "head_dim", "causal", "output"]
@@ -192,7 +208,7 @@ def run(shapes: Iterable[Sequence[int]], dtypes: Sequence[torch.dtype], causal: 
     """:func:`measure_shape` over ``shapes`` × ``dtypes`` × ``causal``, stopping before a new shape once
     ``budget_s`` seconds have passed (the first always runs; the rows say which shapes ran)."""
     for impl in impls:
-        attention_fn(impl, variants)  # an unknown name fails here, in one line
+        _attention_fn(impl, variants)  # an unknown name fails here, in one line
     start, rows = time.monotonic(), []
     for dtype, shape, is_causal in itertools.product(dtypes, shapes, causal):
         if rows and budget_s is not None and time.monotonic() - start > budget_s:
@@ -224,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                         help="only causal (--causal) or only not (--no-causal); default both")
     parser.add_argument("--impls", default=",".join(IMPLS),
-                        help=f"comma-separated, of {', '.join(IMPLS)} and the --variant names")
+                        help=f"comma-separated, of {', '.join((*IMPLS, OURS_PYTORCH))} and the --variant names")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="a variant of ours with these FlashOptions fields, measured beside the --impls "
                              """(repeatable): 'hwexp={"poly_exp2": []}'""")
@@ -244,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = dict(parse_variant(v) for v in args.variant)
     impls = [x for x in args.impls.split(",") if x]
     impls += [name for name in variants if name not in impls]
-    if not set(impls) <= {*IMPLS, *variants}:
-        raise ValueError(f"--impls: unknown {sorted(set(impls) - {*IMPLS, *variants})}; choose from "
-                         f"{', '.join((*IMPLS, *variants))}")
+    if not set(impls) <= {*IMPLS, OURS_PYTORCH, *variants}:
+        raise ValueError(f"--impls: unknown {sorted(set(impls) - {*IMPLS, OURS_PYTORCH, *variants})}; choose from "
+                         f"{', '.join((*IMPLS, OURS_PYTORCH, *variants))}")
     rows = run(shapes, dtypes, causal, impls, device=args.device, budget_s=args.budget_s, variants=variants,
                every_head=args.all_heads, echo=True)
     table = accuracy_table(rows)

@@ -24,6 +24,7 @@ MODULES = (
     "pytorch_attention",
     "torch_compile",
     "flash_benchmarking",
+    "flash_accuracy",
     "training_step",
     "leaderboard",
     "distributed_communication_single_node",
