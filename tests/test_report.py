@@ -242,8 +242,9 @@ def test_committed_writeup_is_up_to_date() -> None:
     recorded = json.loads(mf.DEFAULT_MANIFEST.read_text())
     assert recorded["pdf"]["path"] == "writeup.pdf"
     assert mf.DEFAULT_PDF.read_bytes().startswith(b"%PDF")
-    # The main body stays short; exploratory results live in the index beside it.
-    assert recorded["pdf"]["pages"] <= 50, f"writeup.pdf has {recorded['pdf']['pages']} pages"
+    # The main body stays short; exploratory results live in the index beside it. (50 until §1.3.3 and
+    # fsdp_accounting (b)'s profile joined it: each about a page.)
+    assert recorded["pdf"]["pages"] <= 54, f"writeup.pdf has {recorded['pdf']['pages']} pages"
     assert set(recorded["outputs"]) == {"writeup.html", "figures/index.html", "writeup-2026.pdf", "writeup-2026.html"}
 
 
