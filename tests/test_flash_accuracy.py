@@ -166,3 +166,70 @@ def test_out_of_memory_is_recorded_as_such(monkeypatch) -> None:
     monkeypatch.setattr(fa, "attention_fn", fake)
     rows = pd.DataFrame(fa.measure_shape((1, 1, 9, 16), torch.float32, False, ("sdpa_flash",), device=DEVICE))
     assert (rows["status"] == fa.OOM).all() and rows["note"].str.startswith("CUDA out of memory").all()
+
+
+# --- §1.3.3, the writeup section over the grid ------------------------------------------------------------------
+
+
+def _cell_rows(dtype: str, seq: int, errors: dict[str, float], ours: str = "ours") -> list[dict]:
+    """Rows of one cell whose every output has the same ``errors`` per implementation."""
+    rows = []
+    for impl, error in errors.items():
+        for output in fa.OUTPUTS:
+            row = _row(ours if impl == "ours" else impl, output, error, seq=seq)
+            rows.append({**row, "dtype": dtype, "status": fa.OK if not math.isnan(error) else fa.UNSUPPORTED})
+    return rows
+
+
+def test_section_verdicts_combine_the_dtypes_and_keep_skipped_cells() -> None:
+    """The derived ``accuracy`` table holds every measured (cell, output) of both dtypes' tables, names which
+    implementation was ours, and keeps a cell the budget skipped as one row per output saying so; the summary
+    counts cells, pairs within the bar and the worst pair, per dtype and over all."""
+    from cs336_systems.experiments import flash_accuracy as section
+
+    bf16 = pd.DataFrame(_cell_rows("bfloat16", 64, {"ours": 1e-3, "sdpa_flash": 1e-3, "sdpa_cudnn": 2e-3})
+                        + [{"dtype": "bfloat16", "batch": 1, "heads": 2, "seq_len": 128, "head_dim": 64,
+                            "causal": True, "status": section.SKIPPED}])
+    fp16 = pd.DataFrame(_cell_rows("float16", 64, {"ours": 3e-4, "sdpa_flash": 1e-4, "sdpa_cudnn": 2e-4}))
+    table = section.verdicts([bf16, fp16])
+    assert set(table["ours"]) == {"ours"}
+    measured = table[table["status"] == fa.OK]
+    assert len(measured) == 2 * len(fa.OUTPUTS)
+    assert measured[measured["dtype"] == "float16"]["ratio_best"].tolist() == pytest.approx([3.0] * 4)
+    assert not measured[measured["dtype"] == "float16"]["within"].any()
+    skipped = table[table["status"] == section.SKIPPED]
+    assert len(skipped) == len(fa.OUTPUTS) and set(skipped["seq_len"]) == {128}
+    totals = section.summary(table).set_index("dtype")
+    assert totals.loc["bfloat16", ["cells", "cells_skipped", "pairs", "within"]].tolist() == [1, 1, 4, 4]
+    assert totals.loc["float16", ["cells", "pairs", "within"]].tolist() == [1, 4, 0]
+    assert totals.loc["all", "max_ratio"] == pytest.approx(3.0)
+    assert totals.loc["all", "worst"].endswith("float16 (1, 2, 64, 64) causal")
+
+
+def test_section_answer_names_the_misses_and_what_ours_was(tmp_path) -> None:
+    """The answer's verdict sentence comes from the derived tables: pairs outside the bar by name, the skipped
+    cells, how many pairs are no worse than the worse backend, and which implementation of ours ran."""
+    from cs336_systems.experiments import flash_accuracy as section
+
+    rows = _cell_rows("float16", 64, {"ours": 3e-4, "sdpa_flash": 1e-4, "sdpa_cudnn": 4e-4}, ours=fa.OURS_PYTORCH)
+    table = section.verdicts([pd.DataFrame(rows)])
+    text = section._verdict_text(table, section.summary(table)).markdown
+    assert text.startswith("Ours here is the PyTorch-tiled FlashAttention-2")
+    assert "float16: 1 cells, 0 of 4 (cell, output) pairs within the bar" in text
+    assert "Outside it: dk, float16 (1, 2, 64, 64) causal (3.00×), dq, " in text
+    assert "and o, float16 (1, 2, 64, 64) causal (3.00×)." in text
+    assert "In 4 of 4 pairs our error is at most the worse of the two backends' errors." in text
+    assert section._verdict_text(None, None) is None
+
+
+def test_section_parameters_refuse_bad_grids_in_one_line() -> None:
+    from cs336_systems.experiments import get
+
+    spec = get("flash_accuracy")
+    assert spec.params("full").all_heads is True and len(spec.jobs) == 2
+    with pytest.raises(ValueError, match="unknown dtype 'float64'"):
+        spec.params("full", {"dtypes": ["float64"]})
+    with pytest.raises(ValueError, match=r"a shape is \[batch, heads, seq_len\]"):
+        spec.params("full", {"shapes": [[1, 2]]})
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        spec.params("full", {"head_dims": [256]})
