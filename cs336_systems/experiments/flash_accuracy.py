@@ -241,9 +241,10 @@ def answer(d: SectionData) -> list[Block]:
 
 
 def _method_text(d: SectionData) -> Text:
-    heads = [(int(r["heads_checked"]), int(r["batch"]) * int(r["heads"])) for name in ERROR_TABLES
-             if (e := d.frame(name)) is not None and "heads_checked" in e for _, r in e.dropna(subset=["heads_checked"]).iterrows()]
-    every = bool(heads) and all(checked == total for checked, total in heads)
+    measured = [e.dropna(subset=["heads_checked"]) for e in map(d.frame, ERROR_TABLES)
+                if e is not None and "heads_checked" in e]
+    every = any(len(e) for e in measured) and all((e["heads_checked"] == e["batch"] * e["heads"]).all()
+                                                  for e in measured)
     return Text("Every implementation gets the same random inputs, already in the dtype, so the reference (exact "
                 "attention and its gradients in float64, in blocks of query rows, over "
                 + ("every head" if every else "the first and the last head") + ") measures what each kernel adds, "
