@@ -48,6 +48,24 @@ def parse_assignment(text: str) -> tuple[str, Any]:
 EXIT_USAGE, EXIT_FAILURE = 2, 1
 
 
+class RunFailed(RuntimeError):
+    """A run whose input was checked and which then failed: what it raised (its ``__cause__``), a
+    ``ValueError`` from pandas or torch included, is a failure (exit 1), not bad input (exit 2)."""
+
+
+def quiet_missing_gpu_logs() -> None:
+    """On a machine without a CUDA GPU, keep Kineto (torch.profiler's backend) from logging
+    ``ERROR ... gpuGetDeviceCount failed`` each time a profiler starts: it probes for a GPU, finds none and
+    says so as an error although nothing failed. Kineto reads its level when a profiler first starts; a level
+    the user set wins, and where a GPU exists its errors stay visible."""
+    import os
+
+    import torch
+
+    if "KINETO_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
+        os.environ["KINETO_LOG_LEVEL"] = "5"  # above ERROR (4)
+
+
 def run_main(main: Callable[[], int | None], prog: str | None = None) -> int:
     """Run an entry point's ``main`` and turn what escapes it into one line on stderr and an exit status:
     ``ValueError`` (bad input: an unknown preset, an impossible shape, a wrong device) -> 2; any other
@@ -56,6 +74,7 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> int:
     import sys
 
     prog = prog or os.path.basename(sys.argv[0]) or "cs336"
+    quiet_missing_gpu_logs()
     try:
         status = main()
     except KeyboardInterrupt:
@@ -64,11 +83,17 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> int:
     except Exception as exc:  # the whole point: no bare traceback for a user's mistake
         if os.environ.get("CS336_TRACEBACK") == "1":
             raise
-        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
         if isinstance(exc, ValueError):
-            print(f"{prog}: error: {first or type(exc).__name__}", file=sys.stderr)
+            print(f"{prog}: error: {_first_line(exc) or type(exc).__name__}", file=sys.stderr)
             return EXIT_USAGE
-        print(f"{prog}: failed: {type(exc).__name__}: {first or '(no message)'} "
+        where, cause = "", exc
+        if isinstance(exc, RunFailed) and exc.__cause__ is not None:
+            where, cause = f"{_first_line(exc)}: ", exc.__cause__
+        print(f"{prog}: failed: {where}{type(cause).__name__}: {_first_line(cause) or '(no message)'} "
               "(CS336_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return EXIT_FAILURE
     return int(status or 0)
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")

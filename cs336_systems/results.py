@@ -220,8 +220,10 @@ class ResultWriter:
             if not changed and source is not None:
                 return path  # the same bytes derived from the same measurement (a replot): keep its record
             if not changed and _stable(old) == _stable(meta):
-                if _commit(old) == _commit(meta):
-                    return path  # the same result from the same code: nothing to record
+                if _commit(old) == _commit(meta) or _same_measuring_code(old, self.section):
+                    # The same result from the same code (the same commit, or a later one at which none of
+                    # the section's dependencies changed): nothing to record, and the record stays byte-identical.
+                    return path
                 # The same result from newer code: it now describes that code (which is what staleness
                 # checks), so only the commit, date and command line move, in place.
                 meta = {**old, **{k: meta[k] for k in VOLATILE_META_KEYS if k in meta}}

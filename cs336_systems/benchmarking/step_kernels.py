@@ -108,7 +108,7 @@ def profile_stack(stack: str, spec: StepSpec, device: torch.device, steps: int =
             host_ms, waited = host_ms_per_step(run.step, 1, device)  # one step: the launch queue holds it
             text = profile_host(run.step, 1, profile_top) if profile_top else ""
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with run.context(), profile(activities=activities) as prof:
+        with run.context(), profile(activities=activities, acc_events=True) as prof:
             for _ in range(steps):
                 run.step()
             if device.type == "cuda":

@@ -235,7 +235,7 @@ class TrainStep:
 
         step_ms = self.time_ms(steps)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with self.context(), profile(activities=activities) as prof:
+        with self.context(), profile(activities=activities, acc_events=True) as prof:
             for _ in range(steps):
                 self.step()
             if self.device.type == "cuda":

@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from cs336_systems.cli import RunFailed
 from cs336_systems.experiments.section import PRESETS, CommandLineText, Section
 
 PROG = "python -m cs336_systems.experiments"
@@ -208,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         get(name).params(preset, mine, args.edition)
         plans.append((name, preset, mine))
     for name, preset, mine in plans:
-        run_section(name, preset, mine, publish=args.publish, edition=args.edition)
+        try:
+            run_section(name, preset, mine, publish=args.publish, edition=args.edition)
+        except (ValueError, RuntimeError) as exc:  # its input was checked above: what it raises now is a failure
+            if isinstance(exc, RunFailed):
+                raise
+            raise RunFailed(f"{name} [{preset}]") from exc
     return 0
 
 

@@ -8,8 +8,9 @@ Every notebook in ``notebooks/`` is the same four cells around its section's nam
     nb.answers()    # the deliverables' answers, formatted from the results
 
 On a machine without the section's GPUs the notebook runs the ``smoke`` preset (the same pipeline on a tiny
-model, into ``.scratch/figures``) and its answers show the committed GPU results from ``figures/`` where
-they exist, saying so.
+model, into ``.scratch/figures``). Its answers are derived from those smoke results first, so a section whose
+answers cannot be formatted from its own results fails here; the answers shown are then the committed GPU
+results from ``figures/`` where they exist, saying so (``nb.answers(own=True)`` shows the smoke run's own).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class SectionNotebook:
 
     def __init__(self, name: str, preset: str | None = None, overrides: dict[str, Any] | None = None,
                  publish: bool | None = None, edition: str | None = None):
+        from cs336_systems.cli import quiet_missing_gpu_logs
+
+        quiet_missing_gpu_logs()
         self.section = get(name)
         self.folder = self.section.results_folder(edition)
         self.preset = resolve_preset(self.section, preset)
@@ -44,30 +48,43 @@ class SectionNotebook:
         if self.section.derive is not None:
             self.section.rederive(self.out)
 
-    def answers_root(self) -> tuple[Path, str]:
+    def own_answers(self) -> list[Any]:
+        """The answers formatted from this run's own results (an exception if they cannot be)."""
+        from cs336_systems.report.data import SectionData
+
+        return self.section.answer(SectionData(self.out.root, self.folder, depends=self.section.depends))
+
+    def answers_root(self, own: bool = False) -> tuple[Path, str]:
         """Where the answers read from, and a sentence saying so."""
         root = self.out.root
         if self.preset != "smoke":
             return root, "Answers from the results measured in this run."
+        if own:
+            return root, ("This smoke run's own answers: they exercise the pipeline on a tiny model and say nothing "
+                          "about GPU performance.")
         from cs336_systems.report.staleness import result_metas
 
         committed = result_metas(FIGURES_DIR / self.folder)
         if committed and not all(m.get("smoke", False) for m in committed.values()):
-            return FIGURES_DIR, (f"Smoke run: its results went to {self.out.dir}; the answers below show the "
-                                 f"committed results in figures/{self.folder}/ (provenance under each table).")
+            return FIGURES_DIR, (f"Smoke run: its results went to {self.out.dir} and its own answers were "
+                                 f"derived from them (`nb.answers(own=True)` shows them); the answers below show "
+                                 f"the committed results in figures/{self.folder}/ (provenance under each table).")
         return root, ("Smoke run and no committed results: the answers below show this run's numbers, "
                                      "which exercise the pipeline on a tiny model and say nothing about GPU performance.")
 
-    def answers(self) -> None:
-        """Display the deliverables' answers: text as Markdown, tables as DataFrames, figures as images."""
+    def answers(self, own: bool = False) -> None:
+        """Display the deliverables' answers: text as Markdown, tables as DataFrames, figures as images. A smoke
+        run formats its own answers first (so a broken answer fails its run) and shows them with ``own``."""
         from IPython.display import Markdown, display
 
         from cs336_systems.report.data import SectionData
 
-        root, sentence = self.answers_root()
+        mine = self.own_answers() if self.preset == "smoke" or own else None
+        root, sentence = self.answers_root(own)
         display(Markdown(f"*{sentence}*"))
-        data = SectionData(root, self.folder, depends=self.section.depends)
-        for block in self.section.answer(data):
+        blocks = mine if root == self.out.root and mine is not None else \
+            self.section.answer(SectionData(root, self.folder, depends=self.section.depends))
+        for block in blocks:
             show(block)
 
 

@@ -265,7 +265,7 @@ def answer(d: SectionData) -> list[Block]:
                     + (", behind it in every cell" if (ratio < 1).all() else "")
                     + (f". Our best MFU is {steps['ours_MFU_pct'].max():.1f}% of the data sheet "
                        f"({cell(steps.loc[steps['ours_MFU_pct'].idxmax()])}) against the reference's "
-                       f"{steps['reference_MFU_pct'].max():.1f}%" if "ours_MFU_pct" in steps.columns else "")
+                       f"{steps['reference_MFU_pct'].max():.1f}%" if _has_values(steps, "ours_MFU_pct") else "")
                     + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does."
                     + _ties_text(steps) + _tokens_text(steps) + _mode_text(d.meta("steps")) + _missing_text(steps))
     long_text = _longest_text(d.frame("longest_context"), d.meta("longest_context").get("params") or {})
@@ -300,6 +300,11 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
+def _has_values(frame: pd.DataFrame, column: str) -> bool:
+    """``column`` exists and holds a number somewhere (MFU is empty on a CPU, which has no data-sheet peak)."""
+    return column in frame.columns and bool(frame[column].notna().any())
+
+
 def _bucket_gap(split: pd.DataFrame, slower: str, faster: str) -> pd.DataFrame:
     """Per (preset, context) cell and bucket: ``slower``'s ms per step minus ``faster``'s (cells both have)."""
     keyed = split_by_bucket(split[split["stack"].isin([slower, faster])])
@@ -325,7 +330,7 @@ def _before_text(steps: pd.DataFrame, split: pd.DataFrame | None) -> Text | None
         lo, hi = timed.loc[gain.idxmin()], timed.loc[gain.idxmax()]
         text += (f", our step is {fmt.ratio(gain.min())}–{fmt.ratio(gain.max())} as fast ({cell(lo)} the least, "
                  f"{cell(hi)} the most)")
-        if "baseline_MFU_pct" in timed.columns:
+        if _has_values(timed, "baseline_MFU_pct"):
             text += (f"; the baseline reaches {timed['baseline_MFU_pct'].min():.1f}–"
                      f"{timed['baseline_MFU_pct'].max():.1f}% MFU")
     if split is not None and {"baseline", "ours"} <= set(split.get("stack", pd.Series(dtype=str))):
