@@ -217,6 +217,8 @@ class ResultWriter:
         if path.exists():  # several artefacts of one name (table + figure) share a sidecar
             old = json.loads(path.read_text())
             meta["files"] = sorted(set(old.get("files", [])) | set(files))
+            if "extra" not in meta and "extra" in old and set(old.get("files", [])) - set(files):
+                meta["extra"] = old["extra"]  # the table's extra, kept when its figure is written beside it
             if not changed and source is not None:
                 return path  # the same bytes derived from the same measurement (a replot): keep its record
             if not changed and _stable(old) == _stable(meta):
