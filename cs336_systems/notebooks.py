@@ -175,17 +175,28 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.names if Path(n).stem not in list_notebooks()]
     if unknown:
         parser.error(f"no notebook {', '.join(map(repr, unknown))}; available: {', '.join(list_notebooks())}")
-    resolved = is_smoke_run(smoke)
-    if resolved:
+    names = args.names or list_notebooks()
+    params = dict(args.param)
+    preset = params.get("preset")
+    if preset not in (None, "smoke"):
+        measured = [n for n in names if _section_gpus(n) > 0]
+        if measured and not _cuda_available():
+            parser.error(f"-p preset={preset} runs the GPU parameters of {', '.join(measured[:3])}"
+                         + (" and others" if len(measured) > 3 else "") + " and needs a CUDA GPU; here run "
+                         "without it (smoke parameters), or run on a GPU node")
+    resolved = is_smoke_run(smoke) if preset in (None, "smoke") else False
+    if preset not in (None, "smoke"):
+        print(f"Running notebooks with preset={preset}; results go to figures/ (analytic sections: with -p publish=True).")
+    elif resolved:
         print("No CUDA GPU (or --smoke): running notebooks with SMOKE parameters; results go to .scratch/figures, "
               "committed GPU results in figures/ are left untouched.")
     else:
         print("Running notebooks with REAL parameters; results go to figures/.")
     failures = []
-    for name in args.names or list_notebooks():
+    for name in names:
         t0 = time.perf_counter()
         try:
-            dst = execute(name, dict(args.param), smoke=resolved, log_output=args.log_output)
+            dst = execute(name, params, smoke=resolved, log_output=args.log_output)
         except Exception as exc:  # report and optionally continue: one broken section should not hide the rest
             failures.append(name)
             print(f"FAILED {name}: {failure_summary(exc)}", flush=True)

@@ -7,6 +7,8 @@ committed GPU results in ``figures/`` are never touched.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -56,26 +58,64 @@ def test_notebook_is_committed_clean(name: str) -> None:
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit notebooks without outputs"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
-def test_notebook_smoke_run(name: str, tmp_path, monkeypatch, capfd) -> None:
-    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "figures"))
-    executed = notebooks.execute(name, smoke=True, output_dir=tmp_path, timeout_s=300)
-    nb = json.loads(executed.read_text())
-    errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert not errors
-    # Neither the kernel (IPC, not TCP) nor progress bars (text, not widgets) warn.
-    assert "without encryption" not in capfd.readouterr().err
-    stderr = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", [])
-                     if o.get("name") == "stderr")
-    assert "IProgress not found" not in stderr and "TqdmWarning" not in stderr
-    produced = list((tmp_path / "figures").rglob("*.meta.json"))
+def _check_provenance(name: str, figures: Path) -> None:
+    produced = list(figures.rglob("*.meta.json"))
     assert produced, "a notebook must export at least one result with provenance"
     for meta_path in produced:
         meta = json.loads(meta_path.read_text())
         assert meta["smoke"] is (name not in ANALYTIC), "smoke flag: tiny parameters, or an exact analytic result"
         for key in ("device", "torch", "git_commit", "date", "params"):
             assert key in meta
+
+
+def _sentences(blocks: list) -> str:
+    """The answers' prose (tables may hold NaN where a CPU has nothing to measure; a sentence may not)."""
+    from cs336_systems.report.document import Question, Text
+
+    return "\n".join(_sentences(b.blocks) if isinstance(b, Question) else b.plain() for b in blocks
+                     if isinstance(b, (Question, Text)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_section_smoke_run_answers_from_its_own_results(name: str, tmp_path, monkeypatch) -> None:
+    """What every notebook runs (its cells are the template checked above), in this process on the smoke
+    preset: measure, derive, then format the section's answers from this run's own results alone. A section
+    whose answers cannot be formatted from its smoke results fails here (its notebook fails the same way)."""
+    from cs336_systems.experiments.notebook import SectionNotebook
+    from cs336_systems.report.document import Missing, Question
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "figures"))
+    nb = SectionNotebook(name)
+    nb.run()
+    nb.derive()
+    blocks = nb.own_answers()
+    answered = [b for q in blocks for b in (q.blocks if isinstance(q, Question) else [q]) if b is not None]
+    assert any(not isinstance(b, Missing) for b in answered), "no answer was formatted from the smoke results"
+    text = _sentences(blocks)
+    assert not re.search(r"\bnan\b", text, re.IGNORECASE), "an answer reads an empty column: " + text[:300]
+    _check_provenance(name, tmp_path / "figures")
+
+
+@pytest.mark.slow
+def test_notebook_smoke_run_through_papermill(tmp_path, monkeypatch, capfd) -> None:
+    """One notebook end to end through the runner's papermill path and a real kernel (the others run the same
+    cells in-process above): no error cell, no warning from the kernel or the progress bars, no error-looking
+    line from a run that succeeds."""
+    name = "mixed_precision"  # measured (so a smoke run), and quick on a CPU
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "figures"))
+    executed = notebooks.execute(name, smoke=True, output_dir=tmp_path, timeout_s=300)
+    nb = json.loads(executed.read_text())
+    errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    # Neither the kernel (IPC, not TCP) nor progress bars (text, not widgets) warn; its shutdown is quiet.
+    err = capfd.readouterr().err
+    assert "without encryption" not in err and "ERROR" not in err, err[-500:]
+    stderr = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", [])
+                     if o.get("name") == "stderr")
+    assert "IProgress not found" not in stderr and "TqdmWarning" not in stderr
+    assert "own answers were derived" in json.dumps(nb)
+    _check_provenance(name, tmp_path / "figures")
 
 
 def test_run_parameters_are_literals_words_or_lists() -> None:
