@@ -29,6 +29,64 @@ def test_run_main_maps_exceptions_to_one_line_and_a_status(capsys, monkeypatch) 
         run_main(bad_input, "prog")
 
 
+def test_a_run_that_fails_after_its_input_was_checked_exits_1_naming_its_cause(capsys, monkeypatch) -> None:
+    """A ValueError from a library (pandas refusing an all-NA column) inside a section's run is a failure,
+    not bad input: exit 1, the section, the cause and the variable that shows the traceback. Our own checks'
+    ValueErrors stay bad input (exit 2), even where a run makes them."""
+    import dataclasses
+
+    import pandas as pd
+
+    from cs336_systems.experiments import SECTIONS
+    from cs336_systems.experiments.__main__ import PROG, main
+
+    monkeypatch.delenv("CS336_TRACEBACK", raising=False)
+    monkeypatch.setenv("CS336_FIGURES_DIR", "/nonexistent-never-written")
+
+    def broken(params, out) -> None:
+        pd.Series([float("nan")]).idxmax()
+
+    def refuses(params, out) -> None:
+        from cs336_systems.configs import get_config
+
+        get_config("Smal")
+
+    for run, status, expected in ((broken, EXIT_FAILURE, "failed: model_sizes [smoke]: ValueError: "),
+                                  (refuses, EXIT_USAGE, "error: unknown model preset 'Smal'")):
+        monkeypatch.setitem(SECTIONS, "model_sizes", dataclasses.replace(SECTIONS["model_sizes"], run=run))
+        monkeypatch.setattr("cs336_systems.experiments.__main__.writer", lambda *a, **k: _NoWriter())
+        assert run_main(lambda: main(["model_sizes", "--smoke"]), PROG) == status
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+        if status == EXIT_FAILURE:
+            assert "CS336_TRACEBACK=1 shows the traceback" in err
+
+
+class _NoWriter:
+    root = dir = None
+
+    def banner(self) -> str:
+        return "test"
+
+
+def test_runs_without_a_gpu_keep_kinetos_probe_quiet(monkeypatch) -> None:
+    """Kineto logs "ERROR ... gpuGetDeviceCount failed" on a machine without a GPU although nothing failed:
+    the entry points raise its level there, and leave a level the user set alone."""
+    import torch
+
+    from cs336_systems.cli import quiet_missing_gpu_logs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    quiet_missing_gpu_logs()
+    import os
+
+    assert os.environ["KINETO_LOG_LEVEL"] == "5"
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "2")
+    quiet_missing_gpu_logs()
+    assert os.environ["KINETO_LOG_LEVEL"] == "2"
+
+
 def test_values_are_literals_words_or_comma_lists() -> None:
     assert parse_value("[1, 2]") == [1, 2] and parse_value("1,2") == [1, 2] and parse_value("(1, 2)") == [1, 2]
     assert parse_value("xl@2026") == "xl@2026" and parse_value("None") is None

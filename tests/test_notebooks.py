@@ -167,6 +167,8 @@ def test_failed_notebooks_are_reported_by_their_own_exception() -> None:
 def test_runner_refuses_gpu_parameters_and_unknown_notebooks_in_one_line(capsys, monkeypatch) -> None:
     monkeypatch.setattr(notebooks, "_cuda_available", lambda: False)
     for argv, expected in ((["run", "--real", "ddp_bucketed"], "--real runs the GPU parameters"),
+                           (["run", "-p", "preset=quick", "benchmarking"],
+                            "-p preset=quick runs the GPU parameters of benchmarking and needs a CUDA GPU"),
                            (["run", "no_such_notebook"], "no notebook 'no_such_notebook'")):
         with pytest.raises(SystemExit) as exc:
             notebooks.main(argv)

@@ -119,6 +119,52 @@ def test_rewriting_an_unchanged_result_leaves_its_bytes(tmp_path, monkeypatch) -
     assert json.loads((tmp_path / "sec" / "j.meta.json").read_text())["params"] == {"n": 2}
 
 
+def test_a_rerun_on_unchanged_measuring_code_leaves_every_byte(tmp_path, monkeypatch) -> None:
+    """A later commit whose changes do not touch the section's dependencies (notes, answer text) measures the
+    same code: re-running an unchanged result there leaves its sidecar as it was, and a figure written beside
+    its table keeps the table's extra record (it used to drop it, so every re-run rewrote the sidecar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+
+    def write(commit: str) -> dict[str, bytes]:
+        monkeypatch.setenv("CS336_GIT_COMMIT", commit)
+        out = results.ResultWriter("sec", params={"n": 1}, smoke=False)
+        out.table(pd.DataFrame({"x": [1, 2]}), "t", extra={"C": 4.0})
+        fig, ax = plt.subplots()
+        ax.plot([1, 2], [3.0, 4.0])
+        out.figure(fig, "t")
+        plt.close(fig)
+        return {p.name: p.read_bytes() for p in sorted((tmp_path / "sec").iterdir())}
+
+    first = write("aaaa")
+    assert json.loads(first["t.meta.json"])["extra"] == {"C": 4.0}
+    assert sorted(json.loads(first["t.meta.json"])["files"]) == ["t.csv", "t.md", "t.png"]
+    assert write("aaaa") == first
+    monkeypatch.setattr(results, "_same_measuring_code", lambda meta, section: meta["git_commit"] == "aaaa")
+    assert write("bbbb") == first  # newer commit, same measuring code: byte-identical
+    monkeypatch.setattr(results, "_same_measuring_code", lambda meta, section: False)
+    assert json.loads(write("cccc")["t.meta.json"])["git_commit"] == "cccc"  # the code changed: it says so
+
+
+def test_committed_sidecars_are_in_the_current_format() -> None:
+    """Every committed result of a section records the run's preset as ``run_preset`` (older records kept it
+    under ``preset``, which a section's own model preset shares), so re-measuring an unchanged result leaves
+    its sidecar byte-identical."""
+    from cs336_systems.experiments import SECTIONS
+
+    old = []
+    for path in sorted(results.FIGURES_DIR.rglob("*.meta.json")):
+        section = path.relative_to(results.FIGURES_DIR).parts[0]
+        params = json.loads(path.read_text()).get("params") or {}
+        if section in SECTIONS and "run_preset" not in params and "preset" in params:
+            old.append(str(path.relative_to(results.FIGURES_DIR)))
+    assert not old, f"{len(old)} sidecars in the old format, e.g. {old[:3]}"
+
+
 def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(tmp_path, monkeypatch) -> None:
     from cs336_systems.report import staleness
 
