@@ -50,6 +50,13 @@ def _local_kernel_manager() -> type:
             kwargs.setdefault("ip", os.path.join(tempfile.mkdtemp(prefix="cs336-kernel-"), "kernel"))
             super().__init__(**kwargs)
 
+        async def _async_interrupt_kernel(self) -> None:
+            # jupyter_client sends SIGINT before every shutdown request; an idle kernel then logs
+            # "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel" after a run that succeeded. The shutdown
+            # request that follows (then SIGTERM, SIGKILL) stops it either way.
+            if not self.shutting_down:
+                await super()._async_interrupt_kernel()
+
     return LocalKernelManager
 
 

@@ -154,6 +154,30 @@ def test_direct_papermill_run_of_the_analytic_section_writes_no_tracked_file(tmp
     assert scratch.exists()
 
 
+def test_the_kernel_is_not_interrupted_on_its_way_out() -> None:
+    """A shutdown sends no SIGINT (an idle kernel would log "KeyboardInterrupt caught in kernel" as an error);
+    an interrupt asked for while the kernel runs still goes through."""
+    import asyncio
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    sent = []
+
+    async def record(self) -> None:
+        sent.append(self.shutting_down)
+
+    manager = notebooks._local_kernel_manager()()
+    original = AsyncKernelManager._async_interrupt_kernel
+    AsyncKernelManager._async_interrupt_kernel = record
+    try:
+        asyncio.run(manager._async_interrupt_kernel())
+        manager.shutting_down = True
+        asyncio.run(manager._async_interrupt_kernel())
+    finally:
+        AsyncKernelManager._async_interrupt_kernel = original
+    assert sent == [False]
+
+
 def test_failed_notebooks_are_reported_by_their_own_exception() -> None:
     from papermill.exceptions import PapermillExecutionError
 
