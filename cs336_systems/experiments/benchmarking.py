@@ -149,6 +149,15 @@ from cs336_systems.configs import param_counts  # noqa: E402 (answers only)
 from cs336_systems.report.answers import mfu_note, subset, with_mfu  # noqa: E402 (answers only)
 
 
+def _study_caption(params: dict[str, Any]) -> str:
+    """The warm-up study's caption from what its run did: the warm-up counts, and whether each ran alone."""
+    counts = params.get("warmup_study") or []
+    where = ("each setting in a fresh process" if params.get("fresh_process", True)
+             else "all settings in one process, one after another (a smoke run: it exercises the pipeline)")
+    return (f"Timings after {join_words([str(c) for c in counts])} warm-up steps, {where}." if counts
+            else f"Timings by warm-up steps, {where}.")
+
+
 def answer(d: SectionData) -> list[Block]:
     timings = d.frame("timings")
     study = d.frame("warmup_study")
@@ -174,8 +183,7 @@ def answer(d: SectionData) -> list[Block]:
                                       "standard deviation).")], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             _warmup_sentence(study, timings),
-            d.table("warmup_study", caption="Timings after 0, 1, 2 and 5 warm-up steps, each setting in a "
-                    "fresh process."),
+            d.table("warmup_study", caption=_study_caption(d.meta("warmup_study").get("params") or {})),
             d.figure("warmup_study", caption="Spread of the forward time against the number of warm-up steps."),
             None if study is None else Text("The first steps of a process pay one-time costs that are not part of steady-state training: "
                  "CUDA context and cuBLAS handle creation, lazy loading of kernel modules, cuBLAS heuristics "
