@@ -26,6 +26,7 @@ def _saved_bytes(model: BasicsTransformerLM, tokens: torch.Tensor) -> int:
     return int(saved_residuals(lambda: model(tokens))["bytes"].sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("levels", [[1], [3], [4, 2], [8, 4, 2]])
 def test_checkpointed_model_has_the_same_gradients_and_saves_less(levels: list[int]) -> None:
     tokens = torch.randint(0, 64, (2, 16))

@@ -81,6 +81,7 @@ def tiny_spec(**kw) -> BenchmarkSpec:
     return BenchmarkSpec("tiny", context_length=16, batch_size=2, warmup=1, steps=2, device="cpu", **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode,phases",
     [
@@ -140,6 +141,7 @@ def test_explicit_hyperparameters_and_validation():
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sweep_records_oom_and_continues():
     def fake_step(size: str, context_length: int) -> dict:
         if size == "big" and context_length >= 1024:
@@ -274,6 +276,7 @@ def test_cli_model_profile_counts_kernels_per_phase(capsys):
     assert len(row["model_source"]) == 12
 
 
+@pytest.mark.slow
 def test_cli_sweep_profile_adds_kernel_columns(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     main(["sweep", "--size", "tiny", "--modes", "forward,forward_backward", "--context-lengths", "8", "-w", "0",

@@ -92,6 +92,7 @@ def test_values_are_literals_words_or_comma_lists() -> None:
     assert parse_value("xl@2026") == "xl@2026" and parse_value("None") is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("argv", "message"), [
     (["-m", "cs336_systems.benchmarking", "model", "--size", "Smal"], "unknown model preset 'Smal'"),
     (["-m", "cs336_systems.benchmarking", "model", "--size", "small", "--num-heads", "7"],
@@ -107,6 +108,7 @@ def test_entry_points_end_bad_input_with_one_line(argv, message) -> None:
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_gpu_grids_are_refused_at_once_without_a_gpu() -> None:
     import torch
 

@@ -35,6 +35,7 @@ def test_skipped():
 '''
 
 
+@pytest.mark.slow
 def test_runs_the_course_suite_against_our_adapters(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "out"))
     checkout = _fake_checkout(tmp_path / "course", BODY)

@@ -27,6 +27,7 @@ def test_naive_toy_cli_prints_match(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Naive DDP matches baseline!" in out and "communication" in out
 
 
+@pytest.mark.slow
 def test_ddp_benchmark_cli_smoke(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     monkeypatch.setenv("CS336_SMOKE", "1")

@@ -108,6 +108,7 @@ FP32_CASES = [f"{n}/{k}" for k in MODELS for n in WRAPPERS] + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FP32_CASES)
 def test_matches_single_process_training(rank_results: list[dict[str, Any]], case: str) -> None:
     for r in rank_results:

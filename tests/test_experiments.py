@@ -94,6 +94,7 @@ def test_cli_rejects_bad_input_in_one_line(capsys) -> None:
         main(["benchmarking", "mixed_precision", "--smoke", "--set", "sizez=tiny"])
 
 
+@pytest.mark.slow
 def test_cli_smoke_run_writes_results_and_prints_answers(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     assert main(["model_sizes", "mixed_precision", "--smoke"]) == 0
@@ -111,6 +112,7 @@ def test_params_record_every_field() -> None:
     assert set(dataclasses.asdict(p)) == {"d_models", "seq_lens", "batch_size", "n_forward", "n_backward", "budget_s"}
 
 
+@pytest.mark.slow
 def test_torchrun_form_of_a_section_reads_its_own_arguments(tmp_path, monkeypatch) -> None:
     """``torchrun -m cs336_systems.experiments.fsdp --set ...``: the module's main parses the command line like
     the experiments command (here without torchrun, so it spawns two gloo ranks)."""
@@ -124,6 +126,7 @@ def test_torchrun_form_of_a_section_reads_its_own_arguments(tmp_path, monkeypatc
     assert meta["params"]["strategies"] == ["ddp", "fsdp"] and meta["params"]["steps"] == 1
 
 
+@pytest.mark.slow
 def test_ddp_sections_take_several_world_sizes_and_report_scaling(tmp_path, monkeypatch, capsys) -> None:
     flat = get("ddp_flat")
     with pytest.raises(ValueError, match=r"world sizes >= 2, got nproc=\[1, 2\]"):
@@ -145,6 +148,7 @@ def test_ddp_sections_take_several_world_sizes_and_report_scaling(tmp_path, monk
     assert (tmp_path / "ddp_flat" / "np3_tiny_fp32.csv").exists()
 
 
+@pytest.mark.slow
 def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path, monkeypatch) -> None:
     """The whole model at every size takes longer than one GPU job, so jobs of other sizes add their rows
     (in preset order) at one commit and settings; other settings start the table over."""
@@ -175,6 +179,7 @@ def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path,
         section.params("smoke", {"parts": ["graphs"]})
 
 
+@pytest.mark.slow
 def test_benchmarking_times_each_phase_of_a_full_step_and_says_why_a_size_does_not_fit(tmp_path, monkeypatch) -> None:
     """The 2026 handout asks for the optimizer step as well: the default mode times forward, backward and
     AdamW separately, and a size that runs out of memory is explained by what its state alone needs."""
@@ -200,6 +205,7 @@ def test_benchmarking_times_each_phase_of_a_full_step_and_says_why_a_size_does_n
     assert "timed forward_backward steps, without the optimizer" in old.markdown
 
 
+@pytest.mark.slow
 def test_leaderboard_step_on_two_ranks_writes_its_own_table(tmp_path, monkeypatch, capsys) -> None:
     """§1.5 with ``nproc=2``: the FSDP step (gloo ranks here) lands in ``step_2ranks`` beside the one-GPU
     ``step``, and the answer reports it; a batch that does not split is refused before anything runs."""

@@ -166,6 +166,7 @@ def _assert_matches_reference(impl: type, case: Case, dtype: torch.dtype, atol: 
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("impl_name", list(IMPLS))
 def test_matches_float64_reference_fp32(impl_name: str, case: Case) -> None:
@@ -196,6 +197,7 @@ def test_polynomial_exp2_accuracy() -> None:
     assert y[-1].item() == pytest.approx(1.0, rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_polynomial_exp2_path_matches_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """With every phase on the polynomial exponential, 16-bit results stay as close to float64 as the
@@ -279,6 +281,7 @@ def test_head_groups_fill_the_l2_share() -> None:
             options.FlashOptions(l2_share=bad)
 
 
+@pytest.mark.slow
 def test_head_groups_change_the_order_not_the_numbers() -> None:
     """Groups that do not divide batch * heads (4 heads for the forward and dQ, 3 for dK/dV, of 6) give
     bit-identical outputs and gradients to the ungrouped order: only which program runs when changes."""
@@ -413,6 +416,7 @@ def test_tuned_kernels_are_cached_per_option_set() -> None:
     assert kernels.tuned("forward", a) is not kernels.tuned("forward", b)
 
 
+@pytest.mark.slow
 def test_kernel_breakdown_reports_times_and_kernels() -> None:
     """The lab-bench benchmark times our kernels and lists per-kernel time (tiny shape)."""
     from cs336_systems.experiments.flash_benchmarking import run_kernel_breakdown
@@ -445,6 +449,7 @@ def test_saves_q_k_v_o_l_and_is_causal(impl_name: str) -> None:
     assert o.grad_fn.is_causal is True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [32, 80])
 @pytest.mark.parametrize("impl_name", list(IMPLS))
 def test_non_contiguous_inputs(impl_name: str, head_dim: int) -> None:
@@ -463,6 +468,7 @@ def test_non_contiguous_inputs(impl_name: str, head_dim: int) -> None:
         torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl_name", list(IMPLS))
 def test_under_torch_compile(impl_name: str) -> None:
     """``torch.compile(Fn.apply)`` over forward and backward, with no graph break (fullgraph). On CPU the
@@ -481,6 +487,7 @@ def test_under_torch_compile(impl_name: str) -> None:
         torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_under_torch_compile_with_dynamic_shapes() -> None:
     """A compiled call whose shapes are symbolic (``dynamic=True``, or Dynamo's automatic dynamic shapes
     after a second shape, as in the leaderboard's d=64-then-128 run) still compiles in one graph, for a
@@ -636,6 +643,7 @@ def _numpy_rejects_triton_interpreter_loops() -> bool:
     return tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 5)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_numpy_rejects_triton_interpreter_loops(),
                     reason="Triton 3.6's interpreter needs NumPy < 2.5 (int() of a one-element array)")
 def test_importing_the_package_leaves_triton_unimported() -> None:
@@ -736,6 +744,7 @@ def test_row_buffers_start_rows_on_16_bytes() -> None:
     assert buf.data_ptr() % 16 == 0 and all(s * 4 % 16 == 0 for s in buf.stride()[:-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d", [20, 80])  # one padded slab (32 columns, 12 masked); two slabs (64 + 16)
 def test_dq_kernel_writes_base2_lse_and_delta_row_pairs(d: int) -> None:
     """The dQ kernel, which runs first, stores ``[L · log2(e); rowsum(dO ∘ O)]`` per head for dK/dV, for a
@@ -870,6 +879,7 @@ def test_gluon_forward_reads_head_views_when_asked() -> None:
         options.FlashOptions(gluon_head_views="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("head_dim", "tile"), [(64, None), (128, None), (64, (128, 128, 3))], ids=str)
 def test_gluon_forward_compiles_for_hopper(head_dim: int, tile: tuple[int, int, int] | None) -> None:
     """The warp-specialized kernel builds for sm_90 with this Triton: partitions with rebalanced registers,

@@ -59,6 +59,7 @@ def test_bad_model_ab_parameters_are_one_line_errors() -> None:
     fb.Params(parts=["model_ab"]).check()
 
 
+@pytest.mark.slow
 def test_model_ab_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     from cs336_systems.experiments.__main__ import main
 
@@ -74,6 +75,7 @@ def test_model_ab_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     assert len(summary) == 1 and summary["verdict"].iloc[0] in ("tie", "sdpa", "flash_pytorch")
 
 
+@pytest.mark.slow
 def test_model_ab_jobs_of_one_commit_combine_their_cells(tmp_path, monkeypatch, capsys) -> None:
     """The grid is split over GPU jobs (by preset, context or compile): a later job keeps the earlier job's
     cells, replaces the cells it measures again, and starts over when the step settings differ."""

@@ -45,6 +45,7 @@ def _split_path(qkv: torch.Tensor, heads: int, rope: RotaryEmbedding, positions,
     return FlashAttentionTriton.apply(q, k, v, is_causal)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d, heads, seq, is_causal, per_batch_positions", [
     (16, 2, 37, True, False),   # a ragged last tile
     (16, 3, 24, False, True),   # positions per sequence: (batch, seq, d/2) tables
@@ -93,6 +94,7 @@ def test_the_rotation_kernel_is_cs336_basics_rope_and_its_inverse_undoes_it(d):
     torch.testing.assert_close(y, x)
 
 
+@pytest.mark.slow
 def test_the_fused_model_trains_alike_with_and_without_the_packed_path(monkeypatch):
     torch.manual_seed(0)
     plain = BasicsTransformerLM(vocab_size=40, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=48,
@@ -173,6 +175,7 @@ def test_bad_packed_inputs_fail_in_one_line():
             FlashAttentionQKVPacked.apply(qkv_, heads, c, s, True)
 
 
+@pytest.mark.slow
 def test_the_custom_operators_fake_implementations_match_the_kernels():
     """``torch.library.opcheck``: the shape-only implementations that ``torch.compile`` traces give the real
     outputs' shapes, strides and dtypes, and the operators survive schema and autograd registration checks."""
@@ -192,6 +195,7 @@ def test_the_custom_operators_fake_implementations_match_the_kernels():
                           test_utils=tests)
 
 
+@pytest.mark.slow
 def test_the_packed_model_compiles_in_one_graph_and_matches_eager():
     """``torch.compile(fullgraph=True)`` over a fused model's loss and backward (Inductor on a GPU; on CPU the
     aot_eager backend, which runs Dynamo and AOTAutograd over the custom operators without a C++ compile)."""
@@ -219,6 +223,7 @@ def test_the_packed_model_compiles_in_one_graph_and_matches_eager():
         torch.testing.assert_close(p.grad, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused, packed", [(True, True), (True, False), (False, False)])
 def test_compiled_steps_hand_do_to_the_backward_token_major_without_a_copy(monkeypatch, fused, packed):
     """Inside a compiled step the attention's dO is the output projection's gradient, token-major. Traced

@@ -79,6 +79,7 @@ def test_a_pass_that_fails_in_any_round_takes_its_status() -> None:
     assert merged["forward+backward_status"] == "OOM" and math.isnan(merged["forward+backward_median_ms"])
 
 
+@pytest.mark.slow
 def test_shapes_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     assert main(["flash_benchmarking", "--smoke", "--set", "parts=shapes"]) == 0

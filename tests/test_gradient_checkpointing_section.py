@@ -13,6 +13,7 @@ from cs336_systems.profiling.residuals import FROM_OUTSIDE, UNNAMED, residuals_b
 SMOKE = gc.PRESETS["smoke"]
 
 
+@pytest.mark.slow
 def test_a_blocks_residuals_eager_and_compiled() -> None:
     eager = gc.block_residuals(SMOKE, torch.device("cpu"), compiled=False)
     by_op = residuals_by_op(eager)
@@ -25,6 +26,7 @@ def test_a_blocks_residuals_eager_and_compiled() -> None:
     assert (inputs["bytes"] == SMOKE.batch_size * SMOKE.context_length * d * 4).any()  # x itself, fp32
 
 
+@pytest.mark.slow
 def test_checkpointed_steps_count_what_they_hold() -> None:
     n = SMOKE.config().num_layers
     plain = gc.checkpointed_step(SMOKE, 0, torch.device("cpu"))

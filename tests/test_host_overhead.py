@@ -19,6 +19,7 @@ def test_scaled_model_keeps_xl_bucket_layout() -> None:
     assert [len(b) for b in tiny_buckets] == [len(b) for b in xl_buckets] and len(xl_buckets) == 243
 
 
+@pytest.mark.slow
 def test_measure_times_every_variant_in_alternating_order() -> None:
     frame = host_overhead.measure(repeats=2, steps=1, warmup=0)
     assert list(frame[frame["repeat"] == 0]["variant"]) == list(host_overhead.VARIANTS)

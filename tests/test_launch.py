@@ -86,6 +86,7 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+@pytest.mark.slow
 def test_slurm_started_ranks_get_their_share_of_threads(monkeypatch) -> None:
     """Started the Slurm way (no torchrun): SLURM_NTASKS_PER_NODE becomes LOCAL_WORLD_SIZE, so each rank
     of a node gets its share of the cores, as spawned ranks do."""

@@ -96,6 +96,7 @@ def _two_rank_losses(fused: bool) -> list[float]:
     return [step().item() for _ in range(4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
 def test_the_two_rank_step_is_the_one_gpu_step_under_fsdp(fused: bool) -> None:
     """Each rank trains its half of the batch under FSDP (every block checkpointed); the ranks' first losses

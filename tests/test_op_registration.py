@@ -46,6 +46,7 @@ def test_the_twin_operators_trace_by_their_fake_kernels() -> None:
     assert dq.shape == dk.shape == dv.shape == q.shape
 
 
+@pytest.mark.slow
 def test_rounds_rotate_the_order_and_the_summary_subtracts_the_direct_call() -> None:
     rows = reg.measure((1, 2, 24, 16), torch.float32, rounds=3, calls=1, warmup=0, device=DEVICE)
     assert [tuple(g["path"]) for _, g in rows.groupby("round")] == [

@@ -201,6 +201,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("section", sorted(CASES))
 def test_replot_writes_figures_with_the_measuring_runs_provenance(section, tmp_path, monkeypatch) -> None:
     tables, params, figures = CASES[section]
@@ -237,6 +238,7 @@ def test_derived_names_may_not_overwrite_measured_artefacts(tmp_path, monkeypatc
         replot.write_derived(ResultWriter("optimizer_state_sharding", smoke=False), clash)
 
 
+@pytest.mark.slow
 def test_replot_draws_into_scratch_unless_asked_to_publish(tmp_path, monkeypatch) -> None:
     from cs336_systems import results
 

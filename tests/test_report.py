@@ -132,6 +132,7 @@ def test_numbers_and_provenance_come_from_the_results(results: Path) -> None:
     assert {p.name for p in doc.inputs} == {"timings.csv", "timings.md", "timings.meta.json"}
 
 
+@pytest.mark.slow
 def test_uncited_results_go_to_the_index_not_the_writeup(results: Path) -> None:
     out = ResultWriter("benchmarking", smoke=True)
     out.table(pd.DataFrame({"x": [1, 2]}), "extra_table")

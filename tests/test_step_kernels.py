@@ -43,6 +43,7 @@ def test_kernel_summary_sums_per_step_and_puts_optimizer_launches_in_their_bucke
         kernel_summary(records, steps=0)
 
 
+@pytest.mark.slow
 def test_command_profiles_both_stacks_on_cpu(tmp_path, capsys) -> None:
     csv = tmp_path / "k.csv"
     assert main(["--preset", "tiny", "--context-length", "16", "--batch-size", "2", "--precision", "fp32",

@@ -38,6 +38,7 @@ def test_reference_is_a_causal_language_model() -> None:
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_both_stacks_train_and_are_compared_side_by_side() -> None:
     spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
     rows = train_step.compare(spec, rounds=2, steps=2, warmup=1, device=torch.device("cpu"))
@@ -67,6 +68,7 @@ def test_our_fused_head_gives_the_same_loss_without_logits() -> None:
     assert plain.body(plain.inputs).shape[-1] == cfg.vocab_size
 
 
+@pytest.mark.slow
 def test_our_fused_projections_train_as_the_unfused_model() -> None:
     cpu = torch.device("cpu")
     plain = train_step.TrainStep("ours", train_step.StepSpec("tiny", 16, 2, "fp32"), cpu)
@@ -80,6 +82,7 @@ def test_our_fused_projections_train_as_the_unfused_model() -> None:
     torch.testing.assert_close(fused.model.state_dict(), plain.model.state_dict(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_one_resident_stack_at_a_time_still_alternates(monkeypatch) -> None:
     spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
     built = []
@@ -151,6 +154,7 @@ def test_bisection_finds_the_boundary() -> None:
         bisect_longest(lambda c: True, 100, 50, 10)
 
 
+@pytest.mark.slow
 def test_longest_context_search_runs_our_step_with_checkpointing() -> None:
     from cs336_systems.benchmarking.max_context import longest_contexts
 
@@ -159,6 +163,7 @@ def test_longest_context_search_runs_our_step_with_checkpointing() -> None:
     assert list(table["context_length"]) == [16, 32] and table["fits"].all() and (table["longest"] == 32).all()
 
 
+@pytest.mark.slow
 def test_a_preset_measured_in_two_runs_combines_only_at_one_commit(tmp_path, monkeypatch) -> None:
     from cs336_systems import results
     from cs336_systems.experiments import get, training_step
@@ -258,6 +263,7 @@ def test_time_split_answer_names_the_buckets_where_our_step_loses():
     assert "from 0.500 ms per step less to 10.0 ms more, by cell" in _split_text(mixed).markdown
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stack", train_step.STACKS)
 def test_compiled_model_and_loss_match_the_eager_step(stack: str) -> None:
     spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
@@ -300,6 +306,7 @@ def test_the_baseline_is_our_model_as_it_started_at_the_same_cell() -> None:
         False, "sdpa", "basics", (), False)
 
 
+@pytest.mark.slow
 def test_measure_alone_times_rounds_and_reports_running_out_of_memory(monkeypatch) -> None:
     spec = train_step.StepSpec("tiny", context_length=16, batch_size=2, precision="fp32")
     rows = train_step.measure_alone(spec, rounds=2, steps=1, warmup=1, device=torch.device("cpu"), split_steps=1)
@@ -319,6 +326,7 @@ def test_measure_alone_times_rounds_and_reports_running_out_of_memory(monkeypatc
         train_step.measure_alone(spec, rounds=0)
 
 
+@pytest.mark.slow
 def test_each_cell_times_and_profiles_the_baseline_and_the_answer_compares_before_and_after(tmp_path,
                                                                                             monkeypatch) -> None:
     from cs336_systems import results
