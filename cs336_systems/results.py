@@ -330,7 +330,7 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
     A grid too long for one GPU job is measured in several (other contexts, other model sizes), each adding
     its rows to the table; a table from other code, another device or other settings is replaced instead,
     so every table keeps a single provenance. "This code" is this commit, or an earlier one at which none of
-    the section's dependencies differed (:mod:`cs336_systems.report.staleness`, the test the writeup applies):
+    the section's dependencies differed (:mod:`cs336_systems.measured_code`, the test the writeup applies):
     a commit of notes or answer text between two jobs does not split their table. The combined table records
     the later commit, whose code it describes."""
     if not (out.dir / f"{name}.meta.json").exists():
@@ -347,14 +347,12 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
 
 
 def _same_measuring_code(meta: dict[str, Any], section: str) -> bool:
-    """Whether ``meta``'s commit and the running code agree on every dependency of ``section``: both
-    committed (no ``-dirty``), and no dependency changed between them (False where git cannot tell)."""
-    from cs336_systems.report.staleness import depends_of, freshness
+    """Whether ``meta``'s commit and the running code agree on every dependency of ``section`` (its results
+    folder): both committed (no ``-dirty``), and no definition they depend on changed between them (False
+    where git cannot tell)."""
+    from cs336_systems.measured_code import depends_of, same_measuring_code
 
-    now, then = git_commit(), str(meta.get("git_commit") or "")
-    if now.endswith("-dirty") or now == "unknown" or not then or then.endswith("-dirty"):
-        return False
-    return not freshness(meta, depends_of(section)).stale
+    return same_measuring_code(str(meta.get("git_commit") or ""), git_commit(), depends_of(section))
 
 
 def merge_rows(rows: Any, earlier: Any, key: str | Sequence[str], order: list[Any] | None = None) -> Any:

@@ -166,7 +166,8 @@ def test_committed_sidecars_are_in_the_current_format() -> None:
 
 
 def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(tmp_path, monkeypatch) -> None:
-    from cs336_systems.report import staleness
+    import cs336_systems.experiments  # noqa: F401  (the sections register their dependencies)
+    from cs336_systems import measured_code
 
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     commit = {"now": "a" * 40}
@@ -174,11 +175,11 @@ def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(t
     asked: list[tuple[str, tuple[str, ...]]] = []
     unchanged = {"flag": True}
 
-    def freshness(meta, depends, repo=None):
-        asked.append((meta["git_commit"], tuple(depends)))
-        return staleness.Freshness("fresh" if unchanged["flag"] else "stale", meta["git_commit"], (), "")
+    def changed_since(then, depends, repo=None):
+        asked.append((then, tuple(depends)))
+        return () if unchanged["flag"] else ("cs336_systems/benchmarking/train_step.py",)
 
-    monkeypatch.setattr(staleness, "freshness", freshness)
+    monkeypatch.setattr(measured_code, "changed_since", changed_since)
     out = results.ResultWriter("training_step", params={"steps": 3}, smoke=True)
     out.table(pd.DataFrame({"context_length": [1024], "ms": [1.0]}), "steps_xl")
 

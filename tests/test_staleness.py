@@ -144,3 +144,26 @@ def test_an_edition_grid_has_its_own_status_and_stale_marks(repo: Path, tmp_path
     monkeypatch.setattr(staleness, "REPO_ROOT", repo)
     assert set(staleness.stale_results(root, repo)) == {"sec/a", "sec/2026/g"}
     assert staleness.depends_of("sec/2026") == ("lib/kernel.py",)
+
+
+def test_definitions_are_compared_by_content_wherever_they_live(repo: Path) -> None:
+    """Comments, docstrings, imports and a definition moved to another file of the dependencies change no
+    result; a changed body, or a definition moved out of the dependencies, does."""
+    (repo / "lib" / "kernel.py").write_text("import math\n\n\ndef area(r):\n    return math.pi * r * r\n\n\nN = 3\n")
+    (repo / "lib" / "grid.py").write_text("")
+    _git(repo, "add", ".")
+    first = _commit(repo, "lib/other.py", "y = 1\n")
+    meta = {"git_commit": first}
+    assert staleness.freshness(meta, ["lib/"], repo).state == "fresh"
+    _commit(repo, "lib/kernel.py", '"""Circles."""\nimport math  # the constant\n\n\ndef area(r):\n'
+            '    """A circle\'s area."""\n    return math.pi * r * r  # pi r squared\n\n\nN = 3\n')
+    assert staleness.freshness(meta, ["lib/"], repo).state == "fresh"  # comments and docstrings only
+    _commit(repo, "lib/kernel.py", "N = 3\n")
+    assert staleness.freshness(meta, ["lib/"], repo).stale  # area is gone from lib/
+    _commit(repo, "lib/grid.py", "import math\n\n\ndef area(r):\n    return math.pi * r * r\n")
+    assert staleness.freshness(meta, ["lib/"], repo).state == "fresh"  # ... moved to grid.py: the same code
+    verdict = staleness.freshness(meta, ["lib/kernel.py"], repo)
+    assert verdict.stale and verdict.changed == ("lib/kernel.py",)  # moved out of what the result depends on
+    _commit(repo, "lib/grid.py", "import math\n\n\ndef area(r):\n    return 3.14 * r * r\n")
+    verdict = staleness.freshness(meta, ["lib/"], repo)
+    assert verdict.stale and verdict.changed == ("lib/kernel.py",)  # where it lived when it was measured

@@ -41,12 +41,17 @@ MODULES = (
 
 
 def _load() -> dict[str, Section]:
+    from cs336_systems.experiments.ddp_common import DEPENDS
+    from cs336_systems.measured_code import register_depends
+
     sections = {}
     for name in MODULES:
         section = importlib.import_module(f"cs336_systems.experiments.{name}").SECTION
         if section.name != name:
             raise RuntimeError(f"experiments/{name}.py defines section {section.name!r}")
         sections[name] = section
+        register_depends(name, section.depends)  # what the library's result writer compares commits by
+    register_depends("ddp_benchmark", DEPENDS)  # the DDP step benchmark's own runs, shown by §2.3.3
     return sections
 
 

@@ -1,8 +1,10 @@
 """Which results still describe the current code.
 
 Every result's ``.meta.json`` records the commit it was measured at; every writeup section names the
-library paths its measurements depend on (``Section.depends`` in :mod:`cs336_systems.experiments`). A result is *fresh* when none of those
-paths changed between its commit and the working tree, *stale* otherwise (the changed files are listed), and
+library paths its measurements depend on (``Section.depends`` in :mod:`cs336_systems.experiments`). A result is
+*fresh* when every definition under those paths at its commit still exists unchanged under them now
+(:mod:`cs336_systems.measured_code`: compared by syntax tree, so comments, docstrings, imports and code moved
+between dependencies do not count), *stale* otherwise (the files whose definitions changed are listed), and
 stale too when its commit is unknown to this repository or it was measured with uncommitted library
 changes (``-dirty``): then nobody can say which code it measured.
 
@@ -12,14 +14,13 @@ exits 1 while any shown result is stale; the writeup marks each stale table and 
 
 from __future__ import annotations
 
-import functools
 import json
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cs336_systems.measured_code import ANSWERS_MARKER, LIBRARY, changed_since, measuring_part  # noqa: F401
 from cs336_systems.results import REPO_ROOT
 
 #: What every measured section depends on beyond its own paths: the model and the model presets.
@@ -27,8 +28,6 @@ MODEL = ("cs336-basics/cs336_basics/", "cs336_systems/configs.py")
 #: The timing and sweep machinery every single-GPU measurement runs through.
 TIMING = ("cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/timing.py",
           "cs336_systems/benchmarking/sweep.py")
-#: For results no section declares dependencies for: any change to the library.
-LIBRARY = ("cs336-basics/cs336_basics/", "cs336_systems/")
 STALE_MARK = "STALE"
 
 
@@ -45,50 +44,6 @@ class Freshness:
     @property
     def stale(self) -> bool:
         return self.state == "stale"
-
-
-def _git(args: Sequence[str], repo: Path) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
-@functools.lru_cache(maxsize=1024)
-def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT) -> tuple[str, ...] | None:
-    """Files under ``depends`` that differ between ``commit`` and the working tree (committed or not);
-    ``None`` when ``commit`` is not a commit of this repository."""
-    if _git(["cat-file", "-e", f"{commit}^{{commit}}"], repo) is None:
-        return None
-    out = _git(["diff", "--name-only", commit, "--", *depends], repo)
-    if out is None:
-        return None
-    # Code only: notes and data files beside the code do not change what it measures; nor does the answer
-    # text below a section module's ANSWERS_MARKER.
-    return tuple(sorted(f for f in out.splitlines() if f.endswith(".py") and _measuring_code_changed(commit, f, repo)))
-
-
-#: In a section module (``cs336_systems/experiments/*.py``), the line after which only answer text follows:
-#: code that formats results into sentences, which can change without changing any result.
-ANSWERS_MARKER = "# === Answers: formatting only; changes below this line do not make results stale ==="
-
-
-def measuring_part(source: str | None) -> str | None:
-    """The part of a file's text that can change results: all of it, or what precedes ANSWERS_MARKER."""
-    if source is None:
-        return None
-    head, marker, _ = source.partition(ANSWERS_MARKER)
-    return head if marker else source
-
-
-def _measuring_code_changed(commit: str, path: str, repo: Path) -> bool:
-    now_path = Path(repo) / path
-    now = now_path.read_text(encoding="utf-8") if now_path.exists() else None
-    if now is None or ANSWERS_MARKER not in now:
-        return True
-    then = _git(["show", f"{commit}:{path}"], repo)
-    return measuring_part(then) != measuring_part(now)
 
 
 def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_ROOT) -> Freshness:

@@ -1,0 +1,189 @@
+"""Which code a result measured, compared by content rather than by path.
+
+Every result records the commit it was measured at; every section names the library paths its measurements
+depend on. A result still describes the current code when every top-level definition of those paths at its
+commit (function, class, assignment, or other statement) still exists, unchanged, somewhere in those paths
+now. "Unchanged" compares syntax trees: comments, docstrings, formatting and imports do not count, and a
+definition moved to another file of the section's dependencies is the same definition. Code below a section
+module's :data:`ANSWERS_MARKER` only formats sentences and never counts.
+
+The registry :data:`DEPENDS` maps a results folder to its dependencies; the sections register theirs when
+they load (:mod:`cs336_systems.experiments`), so this library module looks nothing up in the workbook.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import subprocess
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: In a section module (``cs336_systems/experiments/*.py``), the line after which only answer text follows:
+#: code that formats results into sentences, which can change without changing any result.
+ANSWERS_MARKER = "# === Answers: formatting only; changes below this line do not make results stale ==="
+
+#: For results of a folder no section registered: any change to the library.
+LIBRARY = ("cs336-basics/cs336_basics/", "cs336_systems/")
+
+#: Results folder (``figures/<folder>/``) -> the library paths its measurements depend on.
+DEPENDS: dict[str, tuple[str, ...]] = {}
+
+
+def register_depends(folder: str, depends: Sequence[str]) -> None:
+    """Record what the results of ``folder`` depend on (a section does this for its own folder)."""
+    DEPENDS[folder] = tuple(depends)
+
+
+def depends_of(folder: str) -> tuple[str, ...]:
+    """The dependencies of a results folder (``name`` or an edition grid's ``name/edition``)."""
+    return DEPENDS.get(folder.split("/")[0], LIBRARY)
+
+
+def git(args: Sequence[str], repo: Path) -> str | None:
+    """``git ARGS`` in ``repo``: its output, or None where git fails or is missing."""
+    try:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def measuring_part(source: str | None) -> str | None:
+    """The part of a file's text that can change results: all of it, or what precedes ANSWERS_MARKER."""
+    if source is None:
+        return None
+    head, marker, _ = source.partition(ANSWERS_MARKER)
+    return head if marker else source
+
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def definitions(source: str) -> Counter[tuple[str, str]]:
+    """The measuring part of a module as a multiset of ``(name, syntax tree)``, one per top-level statement
+    other than imports: a function or class by its name, an assignment by its targets, anything else by
+    itself. Text that does not parse counts as one opaque definition."""
+    text = measuring_part(source) or ""
+    try:
+        tree = _strip_docstrings(ast.parse(text))
+    except SyntaxError:
+        return Counter({("<unparsed>", text): 1})
+    found: Counter[tuple[str, str]] = Counter()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            name = ",".join(ast.unparse(t) for t in targets)
+        else:
+            name = "<statement>"
+        found[(name, ast.dump(node))] += 1
+    return found
+
+
+def _python_files_then(commit: str, depends: tuple[str, ...], repo: Path) -> list[str] | None:
+    out = git(["ls-tree", "-r", "--name-only", commit, "--", *depends], repo)
+    return None if out is None else [f for f in out.splitlines() if f.endswith(".py")]
+
+
+def _python_files_now(depends: tuple[str, ...], repo: Path) -> list[str]:
+    files: set[str] = set()
+    for dep in depends:
+        path = repo / dep
+        if path.is_file() and path.suffix == ".py":
+            files.add(dep)
+        elif path.is_dir():
+            files.update(p.relative_to(repo).as_posix() for p in path.rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(files)
+
+
+@functools.lru_cache(maxsize=256)
+def _definitions_at(commit: str, depends: tuple[str, ...], repo: Path) -> Counter[tuple[str, str]]:
+    found: Counter[tuple[str, str]] = Counter()
+    for path in _python_files_then(commit, depends, repo) or []:
+        found += definitions(git(["show", f"{commit}:{path}"], repo) or "")
+    return found
+
+
+#: Commits declared not to change what any measurement measures (``HASH  reason`` per line; ``#`` comments).
+NEUTRAL_COMMITS = REPO_ROOT / "figures" / "neutral_commits.txt"
+
+
+def neutral_commits(repo: Path) -> list[str]:
+    """The commits of ``figures/neutral_commits.txt`` in ``repo``: each changed measuring code in a way that
+    changes no measurement (the model's attention plugins found through an entry point rather than by name,
+    say). Staleness carries a result's definitions across such a commit instead of calling them changed;
+    the reason on each line is what a reviewer checks."""
+    ledger = Path(repo) / NEUTRAL_COMMITS.relative_to(REPO_ROOT)
+    if not ledger.exists():
+        return []
+    return [line.split()[0] for line in ledger.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _carried_across_neutral_commits(commit: str, then: Counter[tuple[str, str]], depends: tuple[str, ...],
+                                    repo: Path) -> Counter[tuple[str, str]]:
+    """``then`` (the definitions at ``commit``) as each neutral commit after ``commit`` rewrote them: a
+    definition such a commit replaced becomes its replacement (of the same name), so a later change to the
+    replacement still counts."""
+    listed = neutral_commits(repo)
+    if not listed:
+        return then
+    later = (git(["rev-list", "--reverse", "--topo-order", f"{commit}..HEAD"], repo) or "").split()
+    wanted = {full for full in later if any(full.startswith(short) for short in listed)}
+    carried = Counter(then)
+    for rev in (r for r in later if r in wanted):
+        before, after = _definitions_at(f"{rev}^", depends, repo), _definitions_at(rev, depends, repo)
+        removed, added = before - after, after - before
+        for name, tree in list(removed):
+            if carried[(name, tree)]:
+                carried[(name, tree)] -= 1
+                carried += Counter(key for key in added if key[0] == name)
+        carried = +carried
+    return carried
+
+
+@functools.lru_cache(maxsize=1024)
+def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT) -> tuple[str, ...] | None:
+    """The files (as they were at ``commit``) under ``depends`` with a definition that no longer exists
+    unchanged anywhere under ``depends`` in the working tree (committed or not), after the neutral commits'
+    rewrites; ``None`` when ``commit`` is not a commit of this repository."""
+    repo = Path(repo)
+    if git(["cat-file", "-e", f"{commit}^{{commit}}"], repo) is None:
+        return None
+    diff = git(["diff", "--name-only", commit, "--", *depends], repo)
+    then_files = _python_files_then(commit, depends, repo)
+    if diff is None or then_files is None:
+        return None
+    touched = {f for f in diff.splitlines() if f.endswith(".py")}
+    if not touched:
+        return ()
+    now: Counter[tuple[str, str]] = Counter()
+    for path in _python_files_now(depends, repo):
+        now += definitions((repo / path).read_text(encoding="utf-8"))
+    then = {path: definitions((git(["show", f"{commit}:{path}"], repo) if path in touched
+                               else (repo / path).read_text(encoding="utf-8")) or "")
+            for path in then_files}
+    total = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo)
+    missing = {name for name, _ in total - now}  # at the commit (as carried), and nowhere now
+    return tuple(sorted(path for path, defs in then.items() if any(name in missing for name, _ in defs)))
+
+
+def same_measuring_code(commit: str, now: str, depends: Sequence[str], repo: Path = REPO_ROOT) -> bool:
+    """Whether a result measured at ``commit`` and the running code at ``now`` agree on every dependency:
+    both committed (no ``-dirty``), and no definition under ``depends`` changed between them."""
+    if not commit or commit.endswith("-dirty") or now.endswith("-dirty") or now == "unknown":
+        return False
+    return commit == now or changed_since(commit, tuple(depends), Path(repo)) == ()
