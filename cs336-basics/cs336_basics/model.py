@@ -177,12 +177,16 @@ def get_attention(name: str) -> AttentionFn:
 
 
 def _load_plugins() -> None:
-    """Import ``cs336_systems.attention`` if it is installed, so its flash kernels register themselves
-    without the caller having to import it first."""
-    try:
-        import cs336_systems.attention  # noqa: F401
-    except ImportError:
-        pass
+    """Import the attention plugins installed under the entry-point group ``cs336_basics.attention`` (each
+    registers its implementations when imported), so a name resolves without the caller importing the
+    plugin first. This package names no plugin: an installed distribution declares itself."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="cs336_basics.attention"):
+        try:
+            entry.load()
+        except ImportError:
+            pass
 
 
 def _naive_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
