@@ -167,3 +167,24 @@ def test_definitions_are_compared_by_content_wherever_they_live(repo: Path) -> N
     _commit(repo, "lib/grid.py", "import math\n\n\ndef area(r):\n    return 3.14 * r * r\n")
     verdict = staleness.freshness(meta, ["lib/"], repo)
     assert verdict.stale and verdict.changed == ("lib/kernel.py",)  # where it lived when it was measured
+
+
+def test_a_declared_neutral_commit_is_carried_across_and_a_later_change_still_counts(repo: Path) -> None:
+    """figures/neutral_commits.txt lists commits that changed measuring code without changing a measurement:
+    a result measured before one stays fresh across it, until a later commit changes the same definition."""
+    first = _git(repo, "rev-parse", "HEAD")
+    meta = {"git_commit": first}
+    (repo / "figures").mkdir()
+    neutral = _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef plugins():\n    return []\n")
+    assert staleness.freshness(meta, ["lib/"], repo).state == "fresh"  # only added a definition
+    neutral = _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef plugins():\n    return ['entry points']\n")
+    assert staleness.freshness({"git_commit": first}, ["lib/"], repo).state == "fresh"  # plugins did not exist
+    second = {"git_commit": _git(repo, "rev-parse", "HEAD~1")}
+    assert staleness.freshness(second, ["lib/"], repo).stale  # measured with the old plugins(): changed
+    (repo / "figures" / "neutral_commits.txt").write_text(f"# reviewed\n{neutral[:12]}  plugins found otherwise\n")
+    _git(repo, "add", "figures")
+    _commit(repo, "lib/other.py", "y = 1  # unchanged\n")
+    assert staleness.freshness(second, ["lib/"], repo).state == "fresh"  # carried across the neutral commit
+    _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef plugins():\n    return ['changed again']\n")
+    verdict = staleness.freshness(second, ["lib/"], repo)
+    assert verdict.stale and verdict.changed == ("lib/kernel.py",)  # a later change to it still counts
