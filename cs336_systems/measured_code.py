@@ -18,7 +18,9 @@ import functools
 import subprocess
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,6 +30,12 @@ ANSWERS_MARKER = "# === Answers: formatting only; changes below this line do not
 
 #: For results of a folder no section registered: any change to the library.
 LIBRARY = ("cs336-basics/cs336_basics/", "cs336_systems/")
+
+#: What every measured section depends on beyond its own paths: the model and the model presets.
+MODEL = ("cs336-basics/cs336_basics/", "cs336_systems/configs.py")
+#: The timing and sweep machinery every single-GPU measurement runs through.
+TIMING = ("cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/timing.py",
+          "cs336_systems/benchmarking/sweep.py")
 
 #: Results folder (``figures/<folder>/``) -> the library paths its measurements depend on.
 DEPENDS: dict[str, tuple[str, ...]] = {}
@@ -60,13 +68,20 @@ def measuring_part(source: str | None) -> str | None:
     return head if marker else source
 
 
-def _strip_docstrings(tree: ast.AST) -> ast.AST:
+def _strip_docstrings_and_imports(tree: ast.AST) -> ast.AST:
+    """Docstrings and import statements (at any depth: a function's own imports too) removed: where a name
+    is imported from says nothing about what the code measures, and moving a definition changes it."""
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if not isinstance(body, list) or not body or not isinstance(body[0], ast.stmt):
+                continue
+            if (field == "body" and isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                body = body[1:]
+            kept = [b for b in body if not isinstance(b, (ast.Import, ast.ImportFrom))]
+            setattr(node, field, kept or ([ast.Pass()] if field == "body" else []))
     return tree
 
 
@@ -76,7 +91,7 @@ def definitions(source: str) -> Counter[tuple[str, str]]:
     itself. Text that does not parse counts as one opaque definition."""
     text = measuring_part(source) or ""
     try:
-        tree = _strip_docstrings(ast.parse(text))
+        tree = _strip_docstrings_and_imports(ast.parse(text))
     except SyntaxError:
         return Counter({("<unparsed>", text): 1})
     found: Counter[tuple[str, str]] = Counter()
@@ -187,3 +202,35 @@ def same_measuring_code(commit: str, now: str, depends: Sequence[str], repo: Pat
     if not commit or commit.endswith("-dirty") or now.endswith("-dirty") or now == "unknown":
         return False
     return commit == now or changed_since(commit, tuple(depends), Path(repo)) == ()
+
+
+@dataclass(frozen=True)
+class Freshness:
+    """``state``: ``fresh`` or ``stale``; ``commit``: the measured commit; ``changed``: library files
+    changed since (in ``depends``); ``reason``: one line for people."""
+
+    state: str
+    commit: str | None
+    changed: tuple[str, ...]
+    reason: str
+
+    @property
+    def stale(self) -> bool:
+        return self.state == "stale"
+
+
+def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_ROOT) -> Freshness:
+    """How current the result described by ``meta`` is, given the paths its section depends on."""
+    raw = str(meta.get("git_commit") or "")
+    commit = raw.removesuffix("-dirty")
+    if not commit or commit == "unknown":
+        return Freshness("stale", None, (), "no commit recorded: the code it measured is unknown")
+    if raw.endswith("-dirty"):
+        return Freshness("stale", commit, (), f"measured with uncommitted library changes on top of {commit[:9]}")
+    changed = changed_since(commit, tuple(depends), Path(repo))
+    if changed is None:
+        return Freshness("stale", commit, (), f"measured at {commit[:9]}, a commit this repository does not have")
+    if changed:
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        return Freshness("stale", commit, changed, f"measured at {commit[:9]}; changed since: {shown}")
+    return Freshness("fresh", commit, (), f"measured at {commit[:9]} on the current code")

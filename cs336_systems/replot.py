@@ -11,7 +11,8 @@ Derived`` function, next to the code that measured the data, and three callers s
   ``figures/<section>/`` beside the measurements (``CS336_FIGURES_DIR`` overrides both), where an artefact
   whose bytes did not change is left as it is.
 
-Replotted artefacts keep the measuring run's provenance (device, versions, commit, date, via
+The mechanism is the library's (:mod:`cs336_systems.derived`); this module finds the sections and is the
+command line. Replotted artefacts keep the measuring run's provenance (device, versions, commit, date, via
 ``ResultWriter(..., source=meta)``) plus a ``rendered`` record of where and when they were drawn. The
 measured tables are only read, never rewritten.
 """
@@ -20,68 +21,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .results import ResultWriter, git_commit, has_result, load_json, load_meta, load_table, results_root, section_dir
-
-
-@dataclass
-class Derived:
-    """What ``derive`` computed: figures and tables by artefact name, each paired with the name of the
-    measured table (or JSON record) it was computed from, whose provenance it inherits."""
-
-    figures: dict[str, tuple[Any, str]] = field(default_factory=dict)
-    tables: dict[str, tuple[Any, str]] = field(default_factory=dict)
-
-    def figure(self, name: str) -> Any:
-        return self.figures[name][0]
-
-    def table(self, name: str) -> Any:
-        return self.tables[name][0]
-
-
-def write_derived(
-    out: ResultWriter, derived: Derived, sources: dict[str, dict[str, Any]] | None = None, *, close: bool = True
-) -> list[Path]:
-    """Write every derived figure and table through ``out``. ``sources`` maps a measured artefact's name
-    to its ``.meta.json`` (given when drawing from earlier measurements; ``None`` inside the measuring
-    run). Refuses names that would overwrite a measured artefact's sidecar."""
-    import matplotlib.pyplot as plt
-
-    inputs = {src for _, src in [*derived.figures.values(), *derived.tables.values()]}
-    clash = (set(derived.figures) | set(derived.tables)) & inputs
-    if clash:
-        raise ValueError(f"derived artefact name(s) {sorted(clash)} equal measured inputs; pick other names")
-
-    def origin(src: str) -> dict[str, Any]:
-        """Inside the measuring run: the parameters of the job that measured ``src`` (an earlier job's, for a
-        table that combines several jobs), not the last job's; later, its whole provenance. Inside a run too,
-        an input measured at another commit (a part this job did not re-measure) keeps its own provenance:
-        stamping its plot with this run's commit would present older measurements as this code's."""
-        if sources is not None:
-            return {"source": sources.get(src)}
-        if not (out.dir / f"{src}.meta.json").exists():
-            return {}
-        meta = load_meta(out.section, src, root=out.dir.parent)
-        if str(meta.get("git_commit", "")) != git_commit():
-            return {"source": meta}
-        return {"params": meta.get("params")}
-
-    written = []
-    for name, (df, src) in derived.tables.items():
-        written.append(out.table(df, name, **origin(src)))
-    for name, (fig, src) in derived.figures.items():
-        written.append(out.figure(fig, name, **origin(src)))
-        if close:
-            plt.close(fig)
-    return written
+from .derived import Derived, load_inputs, primary_meta, write_derived  # noqa: F401  (the mechanism; re-exported)
+from .experiments import SECTIONS, get
+from .results import ResultWriter
 
 
 def _section(section: Any) -> Any:
-    from cs336_systems.experiments import get
-
     section = get(section) if isinstance(section, str) else section
     if section.derive is None:
         raise ValueError(f"no replot for section {section.name!r}; available: {', '.join(replottable())}")
@@ -90,48 +38,7 @@ def _section(section: Any) -> Any:
 
 def replottable() -> list[str]:
     """Sections whose figures and derived tables are computed from their measured results."""
-    from cs336_systems.experiments import SECTIONS
-
     return [name for name, s in SECTIONS.items() if s.derive is not None]
-
-
-def load_inputs(section: Any, root: Path | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """The measured inputs of ``section`` (a name or a Section; tables as DataFrames, JSON records as dicts)
-    and their metas, from ``root`` (default: where real runs write, ``figures/`` or ``CS336_FIGURES_DIR``).
-    When some inputs describe the current code and others older code, only the current ones."""
-    section = _section(section)
-    root = root or results_root(smoke=False)
-    tables: dict[str, Any] = {}
-    metas: dict[str, dict[str, Any]] = {}
-    for name in section.derive_inputs:
-        if not has_result(section.name, name, root=root):
-            continue
-        meta = load_meta(section.name, name, root=root)
-        is_csv = (section_dir(section.name, root) / f"{name}.csv").exists()
-        tables[name] = load_table(section.name, name, root=root) if is_csv else load_json(section.name, name, root=root)
-        metas[name] = meta
-    if not metas:
-        raise FileNotFoundError(f"no measured {' or '.join(map(repr, section.derive_inputs))} in "
-                                f"{section_dir(section.name, root)}: nothing to replot")
-    current = _measured_on_current_code(section, metas)
-    if current and len(current) < len(metas):
-        # A derived artefact carries one input's provenance, so it must not mix in measurements of older
-        # code: those stay in their own (stale-marked) files, and the combination leaves them out.
-        tables = {name: tables[name] for name in current}
-        metas = {name: metas[name] for name in current}
-    return tables, metas
-
-
-def _measured_on_current_code(section: Any, metas: dict[str, dict[str, Any]]) -> list[str]:
-    """The inputs whose measured code is the current code (the writeup's test: :mod:`.report.staleness`)."""
-    from cs336_systems.report.staleness import freshness
-
-    return [name for name, meta in metas.items() if not freshness(meta, section.depends).stale]
-
-
-def primary_meta(section: Any, metas: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The provenance derived artefacts inherit: the first of the section's inputs that was measured."""
-    return next(metas[name] for name in section.derive_inputs if name in metas)
 
 
 def replot(section: str, publish: bool = False) -> list[Path]:

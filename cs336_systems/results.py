@@ -374,3 +374,14 @@ def merge_rows(rows: Any, earlier: Any, key: str | Sequence[str], order: list[An
     both = pd.concat([kept, rows], ignore_index=True)
     rank = both[key] if order is None else both[key].map({v: i for i, v in enumerate(order)}).fillna(len(order))
     return both.iloc[rank.argsort(kind="stable")].reset_index(drop=True)
+
+
+def result_metas(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every ``<name>.meta.json`` of a results folder (unreadable ones as empty records)."""
+    metas = {}
+    for path in sorted(Path(folder).glob("*.meta.json")):
+        try:
+            metas[path.name.removesuffix(".meta.json")] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            metas[path.name.removesuffix(".meta.json")] = {}
+    return metas

@@ -130,7 +130,7 @@ def test_bad_arguments_are_one_line_errors(argv, message) -> None:
 
 
 def test_grid_is_the_shapes_grid_at_both_head_dims() -> None:
-    from cs336_systems.experiments.flash_benchmarking import SHAPES_BHN
+    from cs336_systems.benchmarking.flash.shapes import SHAPES_BHN
 
     shapes = fa.grid_shapes()
     assert len(shapes) == 2 * len(SHAPES_BHN)

@@ -377,7 +377,7 @@ def test_triton_fp32_precision_follows_torch_setting() -> None:
 def test_wide_tile_lists_contain_the_defaults() -> None:
     """The harness's wide lists are where the defaults are chosen from: tuning over them can only match or
     beat the defaults."""
-    from cs336_systems.experiments.flash_benchmarking import WIDE_CANDIDATES
+    from cs336_systems.benchmarking.flash.kernels import WIDE_CANDIDATES
 
     for phase, default in options.DEFAULT_CANDIDATES.items():
         wide = set(WIDE_CANDIDATES[phase])
@@ -419,7 +419,7 @@ def test_tuned_kernels_are_cached_per_option_set() -> None:
 @pytest.mark.slow
 def test_kernel_breakdown_reports_times_and_kernels() -> None:
     """The lab-bench benchmark times our kernels and lists per-kernel time (tiny shape)."""
-    from cs336_systems.experiments.flash_benchmarking import run_kernel_breakdown
+    from cs336_systems.benchmarking.flash.kernels import run_kernel_breakdown
 
     summary, kernels, tuning = run_kernel_breakdown(
         1, 24, 16, "float32", warmup_ms=1, rep_ms=1, profiled_steps=1, compile_ours=False

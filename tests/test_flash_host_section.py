@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from cs336_systems.benchmarking.flash import host as flash_host
 from cs336_systems.experiments import flash_benchmarking as fb
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Table, Text
@@ -27,7 +28,7 @@ def _rows() -> pd.DataFrame:
 
 
 def test_summary_takes_medians_and_names_what_bounds_a_call() -> None:
-    s = fb.summarize_host_overhead(_rows()).set_index(["seq_len", "head_dim", "impl"])
+    s = flash_host.summarize_host_overhead(_rows()).set_index(["seq_len", "head_dim", "impl"])
     assert s.loc[(1024, 64, "ours"), "host_us"] == 1000.0 and s.loc[(1024, 64, "ours"), "host_spread_us"] == 200.0
     assert s.loc[(1024, 64, "ours"), "bound"] == "host" and s.loc[(1024, 80, "ours"), "bound"] == "GPU"
     assert s.loc[(1024, 80, "sdpa_cudnn"), "host_us"] == 320.0
@@ -36,7 +37,7 @@ def test_summary_takes_medians_and_names_what_bounds_a_call() -> None:
 def test_answer_reads_the_summary(tmp_path) -> None:
     folder = tmp_path / "flash_benchmarking"
     folder.mkdir()
-    fb.summarize_host_overhead(_rows()).to_csv(folder / "host_overhead_summary.csv", index=False)
+    flash_host.summarize_host_overhead(_rows()).to_csv(folder / "host_overhead_summary.csv", index=False)
     (question,) = fb._host(SectionData(tmp_path, "flash_benchmarking"))
     assert question.label == "host"
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from cs336_systems.benchmarking.flash import kernels as flash_kernels
 from cs336_systems.experiments import flash_benchmarking as fb
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Table, Text
@@ -20,7 +21,7 @@ CUDNN = {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_": 85.4,
 
 
 def test_kernels_are_sorted_into_phases() -> None:
-    phases = {name: fb.kernel_phase(name) for name in (*OURS, *CUDNN)}
+    phases = {name: flash_kernels.kernel_phase(name) for name in (*OURS, *CUDNN)}
     assert [phases[n] for n in OURS] == ["forward", "backward", "backward", "backward"]
     assert [phases[n] for n in CUDNN] == ["forward", "backward", "backward", "backward", "other"]
 
@@ -31,15 +32,15 @@ def test_worst_shapes_are_the_lowest_ratios_of_the_pass() -> None:
                           for n, p, r in ((256, "forward+backward", 0.4), (1024, "forward+backward", 0.9),
                                           (4096, "forward+backward", 1.1), (256, "forward", 0.1),
                                           (2048, "forward+backward", float("nan")))])
-    worst = fb.worst_shapes(ratio, count=2)
+    worst = flash_kernels.worst_shapes(ratio, count=2)
     assert list(worst["seq_len"]) == [256, 1024] and "pass" not in worst
     with pytest.raises(ValueError, match="no 'vs_sdpa_flash' column"):
-        fb.worst_shapes(ratio, "vs_sdpa_flash")
+        flash_kernels.worst_shapes(ratio, "vs_sdpa_flash")
 
 
 def _kernels() -> pd.DataFrame:
     keys = {"dtype": "bfloat16", "batch": 8, "heads": 25, "seq_len": 1024, "head_dim": 64, "causal": True}
-    rows = [{**keys, "impl": impl, "kernel": k, "phase": fb.kernel_phase(k), "gpu_us": us}
+    rows = [{**keys, "impl": impl, "kernel": k, "phase": flash_kernels.kernel_phase(k), "gpu_us": us}
             for impl, kernels in (("ours", OURS), ("sdpa_cudnn", CUDNN)) for k, us in kernels.items()]
     other = {**keys, "seq_len": 256}  # a shape that loses in the forward
     rows += [{**other, "impl": "ours", "kernel": "flash_forward_kernel", "phase": "forward", "gpu_us": 50.0},
@@ -50,7 +51,7 @@ def _kernels() -> pd.DataFrame:
 
 
 def test_summary_finds_the_phase_that_loses_most() -> None:
-    s = fb.summarize_losers(_kernels()).set_index("seq_len")
+    s = flash_kernels.summarize_losers(_kernels()).set_index("seq_len")
     assert s.loc[1024, "ours_forward_us"] == pytest.approx(119.5)
     assert s.loc[1024, "ours_backward_us"] == pytest.approx(174.7 + 134.1 + 22.0)
     assert s.loc[1024, "cudnn_backward_us"] == pytest.approx(233.5 + 37.8 + 31.9)
@@ -64,7 +65,7 @@ def test_summary_finds_the_phase_that_loses_most() -> None:
 def test_answer_reads_the_summary(tmp_path) -> None:
     folder = tmp_path / "flash_benchmarking"
     folder.mkdir()
-    fb.summarize_losers(_kernels()).to_csv(folder / "losers.csv", index=False)
+    flash_kernels.summarize_losers(_kernels()).to_csv(folder / "losers.csv", index=False)
     (question,) = fb._losers(SectionData(tmp_path, "flash_benchmarking"))
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
     assert "at the 2 shapes where ours loses most to cuDNN" in text and "lies in the forward at 2" in text

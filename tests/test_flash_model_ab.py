@@ -8,17 +8,18 @@ import math
 import pandas as pd
 import pytest
 
+from cs336_systems.benchmarking.flash import model as flash_model
 from cs336_systems.experiments import flash_benchmarking as fb
 
 
 def test_rounds_alternate_and_rotate_the_order() -> None:
-    configs = fb.model_ab_configs(["tiny"], [16, 32], [False], rounds=3)
+    configs = flash_model.model_ab_configs(["tiny"], [16, 32], [False], rounds=3)
     first = [(c["round"], c["attention_impl"]) for c in configs if c["context_length"] == 16]
     assert first == [(0, "sdpa"), (0, "flash_triton"), (1, "flash_triton"), (1, "sdpa"), (2, "sdpa"),
                      (2, "flash_triton")]
     assert len(configs) == 2 * 3 * 2  # contexts x rounds x implementations, each cell's rounds together
     with pytest.raises(ValueError, match="two implementations"):
-        fb.model_ab_configs(["tiny"], [16], [False], rounds=2, impls=["sdpa"])
+        flash_model.model_ab_configs(["tiny"], [16], [False], rounds=2, impls=["sdpa"])
 
 
 def _rows(cell: dict, times: dict[str, list[float | None]]) -> list[dict]:
@@ -36,7 +37,7 @@ def test_summary_calls_a_tie_inside_the_spread_and_a_winner_outside_it() -> None
         + _rows({"preset": "xl", "context_length": 4096, "compile": False},
                 {"sdpa": [None, None], "flash_triton": [50.0, 51.0]})
     )
-    s = fb.summarize_model_ab(table).set_index(["preset", "context_length"])
+    s = flash_model.summarize_model_ab(table).set_index(["preset", "context_length"])
     assert s.loc[("small", 1024), "verdict"] == "tie"  # 0.05 ms apart, spreads 0.4 and 0.1
     assert s.loc[("small", 1024), "baseline_over_ours"] == pytest.approx(10.2 / 10.15)
     assert s.loc[("small", 2048), "verdict"] == "sdpa"
@@ -55,7 +56,7 @@ def test_bad_model_ab_parameters_are_one_line_errors() -> None:
     with pytest.raises(ValueError, match="names round 2, not one of ab_rounds=2"):
         fb.Params(parts=["model_ab"], ab_only_rounds=[2]).check()
     with pytest.raises(ValueError, match="round -1 is not one of the 2 rounds"):
-        fb.model_ab_configs(["tiny"], [16], [False], rounds=2, only_rounds=[-1])
+        flash_model.model_ab_configs(["tiny"], [16], [False], rounds=2, only_rounds=[-1])
     fb.Params(parts=["model_ab"]).check()
 
 
@@ -151,7 +152,7 @@ def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(
     def answer(compiles: list[bool]) -> str:
         table = pd.DataFrame(sum((_rows({"preset": "small", "context_length": 1024, "compile": c},
                                         {"sdpa": [10.0, 10.4], "flash_triton": [10.1, 10.2]}) for c in compiles), []))
-        fb.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
+        flash_model.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
         (question,) = fb._model_ab(SectionData(tmp_path, "flash_benchmarking"))
         return " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
 
@@ -181,7 +182,7 @@ def test_answer_names_the_cells_each_implementation_won(tmp_path) -> None:
         + _rows({"preset": "small", "context_length": 2048, "compile": True},
                 {"sdpa": [10.0, 10.1], "flash_triton": [12.0, 12.2]})  # sdpa
     )
-    fb.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
+    flash_model.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
     (question,) = fb._model_ab(SectionData(tmp_path, "flash_benchmarking"))
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
     assert "1 tie (the medians differ by less than the larger spread of the rounds)" in text

@@ -9,6 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from cs336_systems.benchmarking.flash import shapes as flash_shapes
+from cs336_systems.benchmarking.flash import sweep as flash_sweep
 from cs336_systems.experiments import flash_benchmarking as fb
 from cs336_systems.experiments.__main__ import main
 
@@ -25,22 +27,22 @@ def _long() -> pd.DataFrame:
 
 
 def test_ratios_are_baseline_time_over_ours() -> None:
-    ratio = fb.shapes_ratio(_long())
+    ratio = flash_shapes.shapes_ratio(_long())
     r = ratio.set_index("seq_len")
     assert r.loc[1024, "vs_sdpa_cudnn"] == 0.5 and r.loc[1024, "vs_sdpa_flash"] == 1.5
     assert r.loc[4096, "vs_sdpa_cudnn"] == pytest.approx(1.1) and r.loc[1024, "vs_best"] == 0.5
     assert 8192 not in r.index  # a cell that did not run has no ratio
-    summary = fb.shapes_summary(ratio)
+    summary = flash_shapes.shapes_summary(ratio)
     fb_ = summary["forward+backward"]
     assert fb_["cells"] == 2 and fb_["min"] == 0.5 and fb_["below_0.9"] == 1 and fb_["below_1.0"] == 1
     assert fb_["geomean"] == pytest.approx(np.sqrt(0.5 * 1.1)) and fb_["worst"] == "bfloat16 1x8x1024x64 causal"
-    fig = fb.plot_shapes(ratio)
+    fig = flash_shapes.plot_shapes(ratio)
     assert len(fig.axes) >= 1
 
 
 def test_bad_shape_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"a shape is \[batch, heads, seq_len\] of positive sizes, got \[1, 0, 8\]"):
-        fb.run_shapes([[1, 0, 8]], [16], ["float32"], [True], ["sdpa_math"])
+        flash_shapes.run_shapes([[1, 0, 8]], [16], ["float32"], [True], ["sdpa_math"])
 
 
 def test_rounds_alternate_the_implementations_and_take_medians(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,7 +50,7 @@ def test_rounds_alternate_the_implementations_and_take_medians(monkeypatch: pyte
     the rounds' medians and the spread their (max - min) / median."""
     order: list[str] = []
     medians = {"flash_pytorch": iter([1.0, 3.0, 2.0]), "sdpa_math": iter([4.0, 4.0, 4.0])}
-    names = {id(fb.IMPLEMENTATIONS[name]): name for name in medians}
+    names = {id(flash_sweep.IMPLEMENTATIONS[name]): name for name in medians}
 
     def fake(fn, q, k, v, do, *, is_causal, passes, warmup_ms, rep_ms):
         name = names[id(fn)]
@@ -57,24 +59,24 @@ def test_rounds_alternate_the_implementations_and_take_medians(monkeypatch: pyte
         return {f"{p}_{key}": value for p in passes
                 for key, value in (("ms", ms + 0.5), ("median_ms", ms), ("status", "ok"))}
 
-    monkeypatch.setattr(fb, "time_attention_passes", fake)
-    long = fb.run_shapes([[1, 1, 8]], [16], ["float32"], [True], ["flash_pytorch", "sdpa_math"], rounds=3,
+    monkeypatch.setattr(flash_shapes, "time_attention_passes", fake)
+    long = flash_shapes.run_shapes([[1, 1, 8]], [16], ["float32"], [True], ["flash_pytorch", "sdpa_math"], rounds=3,
                          device="cpu")
     assert order == ["flash_pytorch", "sdpa_math", "sdpa_math", "flash_pytorch", "flash_pytorch", "sdpa_math"]
     ours = long[(long["impl"] == "flash_pytorch") & (long["pass"] == "forward")].iloc[0]
     assert ours["median_ms"] == 2.0 and ours["mean_ms"] == 2.5 and ours["spread"] == 1.0 and ours["rounds"] == 3
-    ratio = fb.shapes_ratio(long, ours="flash_pytorch")
+    ratio = flash_shapes.shapes_ratio(long, ours="flash_pytorch")
     assert (ratio["vs_sdpa_math"] == 2.0).all() and (ratio["spread_sdpa_math"] == 0.0).all()
-    summary = fb.shapes_summary(ratio, "sdpa_math")
+    summary = flash_shapes.shapes_summary(ratio, "sdpa_math")
     assert summary["rounds"] == 3 and summary["forward"]["spread_median"] == 0.5
     with pytest.raises(ValueError, match="shapes: rounds must be at least 1, got 0"):
-        fb.run_shapes([[1, 1, 8]], [16], ["float32"], [True], ["sdpa_math"], rounds=0)
+        flash_shapes.run_shapes([[1, 1, 8]], [16], ["float32"], [True], ["sdpa_math"], rounds=0)
 
 
 def test_a_pass_that_fails_in_any_round_takes_its_status() -> None:
     ok = {"forward_status": "ok", "forward_ms": 1.0, "forward_median_ms": 1.0,
           "forward+backward_status": "ok", "forward+backward_ms": 2.0, "forward+backward_median_ms": 2.0}
-    merged = fb._merge_rounds([ok, {**ok, "forward+backward_status": "OOM"}])
+    merged = flash_shapes._merge_rounds([ok, {**ok, "forward+backward_status": "OOM"}])
     assert merged["forward_status"] == "ok" and merged["forward_median_ms"] == 1.0
     assert merged["forward+backward_status"] == "OOM" and math.isnan(merged["forward+backward_median_ms"])
 

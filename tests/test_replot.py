@@ -309,10 +309,10 @@ def test_a_derived_table_combines_only_inputs_measured_on_the_current_code(tmp_p
     """§1.4 combines one table per preset, each from its own job. When some describe the current code and
     others older code, the combination (which carries one input's provenance) leaves the older ones out;
     when none is current, it combines them all (and the writeup marks the result stale)."""
-    from cs336_systems.report import staleness
+    from cs336_systems import measured_code
 
     head = "a" * 40  # the current code: no dependency changed since it
-    monkeypatch.setattr(staleness, "changed_since", lambda commit, depends, repo: () if commit == head else
+    monkeypatch.setattr(measured_code, "changed_since", lambda commit, depends, repo: () if commit == head else
                         ("cs336_systems/attention/flash_fwd.py",))
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     section = tmp_path / "training_step"

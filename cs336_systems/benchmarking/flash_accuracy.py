@@ -196,7 +196,7 @@ def accuracy_summary(table: pd.DataFrame) -> dict[str, Any]:
 
 def grid_shapes() -> list[tuple[int, int, int, int]]:
     """The §1.3.2 shapes grid: its (batch, heads, seq) triples at head dims 64 and 128."""
-    from cs336_systems.experiments.flash_benchmarking import SHAPES_BHN
+    from cs336_systems.benchmarking.flash.shapes import SHAPES_BHN
 
     return [(b, h, n, d) for (b, h, n), d in itertools.product(SHAPES_BHN, (64, 128))]
 

@@ -35,9 +35,9 @@ _INDUCTOR = re.compile(r"^(triton_(?:poi|red|per|tem|for)_fused_\w*?)_\d+$")
 
 def short_name(name: str, limit: int = 90) -> str:
     """A kernel's kind: Inductor's kernels without their serial number, the others as
-    §1.1.4's kernel tables name them (:func:`~cs336_systems.experiments.nsys_profile.short_kernel`: an ATen
+    §1.1.4's kernel tables name them (:func:`~cs336_systems.profiling.torch_profiler.short_kernel`: an ATen
     kernel by its functors, ``vectorized_elementwise_kernel<FillFunctor>``), cut to ``limit``."""
-    from cs336_systems.experiments.nsys_profile import short_kernel
+    from cs336_systems.profiling.torch_profiler import short_kernel
 
     match = _INDUCTOR.match(str(name))
     text = match.group(1) if match else short_kernel(name, limit=10_000)

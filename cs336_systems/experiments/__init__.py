@@ -43,6 +43,7 @@ MODULES = (
 def _load() -> dict[str, Section]:
     from cs336_systems.experiments.ddp_common import DEPENDS
     from cs336_systems.measured_code import register_depends
+    from cs336_systems.report.data import register_section
 
     sections = {}
     for name in MODULES:
@@ -51,6 +52,7 @@ def _load() -> dict[str, Section]:
             raise RuntimeError(f"experiments/{name}.py defines section {section.name!r}")
         sections[name] = section
         register_depends(name, section.depends)  # what the library's result writer compares commits by
+        register_section(section)  # what the answers' provenance lines read a preset's values from
     register_depends("ddp_benchmark", DEPENDS)  # the DDP step benchmark's own runs, shown by §2.3.3
     return sections
 

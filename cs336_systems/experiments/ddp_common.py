@@ -19,7 +19,7 @@ from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
-from cs336_systems.report.staleness import MODEL
+from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter
 
 #: What every DDP section's results depend on beyond its own module.

@@ -44,7 +44,7 @@ from cs336_systems.benchmarking.allreduce import (
 )
 from cs336_systems.distributed import runner
 from cs336_systems.experiments.section import Section, param
-from cs336_systems.replot import Derived
+from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
 from cs336_systems.report.data import SectionData

@@ -29,10 +29,10 @@ import torch
 
 from cs336_systems.benchmarking import flash_accuracy as fa
 from cs336_systems.benchmarking.sweep import OK, SKIPPED
-from cs336_systems.experiments.flash_benchmarking import SHAPES_BHN
+from cs336_systems.benchmarking.flash.shapes import SHAPES_BHN
 from cs336_systems.experiments.section import Job, Section, check_positive, param
 from cs336_systems.plotting import MISSING_COLOUR, measured_on
-from cs336_systems.replot import Derived
+from cs336_systems.derived import Derived
 from cs336_systems.results import ResultWriter
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -295,7 +295,7 @@ SECTION = Section(
     problems=("beyond the handout",), answer=answer, presets=PRESETS, run=run, derive=derive,
     derive_inputs=ERROR_TABLES,
     depends=("cs336_systems/attention/", "cs336_systems/benchmarking/flash_accuracy.py",
-             "cs336_systems/benchmarking/flash_host_overhead.py"),
+             "cs336_systems/benchmarking/flash_host_overhead.py", "cs336_systems/benchmarking/flash/shapes.py"),
     # minutes on an H100 at 63e88b2 (every head): 1.0 each on a machine whose kernels were already tuned; the first
     # run on a fresh machine (two heads, 033a324) took 3.1 and 3.0, mostly compiling and autotuning
     jobs=(Job({"dtypes": ["bfloat16"]}, 3.1, "40 cells"), Job({"dtypes": ["float16"]}, 3.0, "40 cells")),

@@ -1,892 +1,88 @@
-"""§1.3.2 FlashAttention-2 in Triton: the kernel sweep, the leaderboard configuration, and the model step.
+"""§1.3.2 FlashAttention-2 in Triton: parameters, the wiring of its parts, derived figures and the answers.
 
 Problems ``flash_forward``, ``flash_backward`` and ``flash_benchmarking``. ``python -m
-cs336_systems.experiments flash_benchmarking --set parts=sweep,leaderboard`` runs the parts named:
+cs336_systems.experiments flash_benchmarking --set parts=sweep,leaderboard`` runs the parts named; each
+part's harness lives in :mod:`cs336_systems.benchmarking.flash`:
 
-- ``sweep``: batch 1, one head, causal; every sequence length × head dimension × dtype; forward,
-  backward and forward+backward latency of our Triton kernels next to naive PyTorch attention and
-  ``F.scaled_dot_product_attention`` pinned to each backend (flash, cuDNN, memory-efficient), all timed
-  in one process with ``triton.testing.do_bench``. Failures are results: ``OOM``, ``unsupported`` (a
-  backend that does not take the dtype or head dim), ``skipped (time budget)``.
-- ``leaderboard``: ``Q, K, V`` of shape ``(16, 16384, 64)`` bf16, causal, ``torch.compile(Fn.apply)``,
-  forward then ``o.sum().backward()``, against both SDPA backends in the same run; mean and median,
-  ratios and achieved TFLOP/s.
-- ``model``: a training step of ``BasicsTransformerLM`` (bf16 autocast) with ``flash_triton`` vs ``naive``
-  vs ``sdpa`` attention over context lengths, with peak memory: naive's grows with seq², flash's does not.
-- ``breakdown``: our kernels alone at the leaderboard shape (head dims 64 and 128): forward+backward
-  time, the GPU time and achieved TFLOP/s of each kernel per step (torch.profiler), the tiles the
-  autotuner chose and its timing of every candidate. The lab bench behind ``docs/flash_attention/NOTES.md``;
-  ``--candidates wide`` widens the candidate tiles.
-The default parts are leaderboard, sweep and model, in that order.
+- ``leaderboard`` (:mod:`~cs336_systems.benchmarking.flash.leaderboard`): the handout's configuration,
+  compiled forward then backward, against SDPA's flash and cuDNN backends in the same run.
+- ``sweep`` (:mod:`~cs336_systems.benchmarking.flash.sweep`): batch 1, one head, causal; every sequence length
+  x head dimension x dtype; forward, backward and forward+backward latency of ours, naive PyTorch and SDPA
+  pinned to each backend. Failures are results: ``OOM``, ``unsupported``, ``skipped (time budget)``.
+- ``model`` and ``model_ab`` (:mod:`~cs336_systems.benchmarking.flash.model`): a training step with each
+  attention over context lengths (time, peak memory), and ours against SDPA in eager and compiled steps.
+- ``breakdown`` and ``losers`` (:mod:`~cs336_systems.benchmarking.flash.kernels`): our kernels one by one and
+  the autotuner's choices; the shapes where we trail cuDNN, kernel by kernel.
+- ``shapes`` (:mod:`~cs336_systems.benchmarking.flash.shapes`): the shapes grid against the fast backends.
+- ``host`` (:mod:`~cs336_systems.benchmarking.flash.host`): the host's cost per call.
 
-Everything goes through :class:`~cs336_systems.results.ResultWriter` (section ``flash_benchmarking``).
-Without a GPU the commands run a tiny smoke version (PyTorch-tiled flash, naive and SDPA's math path on
-CPU) so that the code path is exercised; the GPU-only baselines are reported as skipped.
+The default parts are leaderboard, sweep and model, in that order. Without a GPU the section runs a tiny smoke
+version (PyTorch-tiled flash, naive and SDPA's math path on CPU), so that the code path is exercised.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
-import seaborn as sns
 import torch
-import torch.nn.functional as F
-from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.attention import (
-    FlashAttentionPytorch,
-    FlashAttentionTriton,
     flash_triton,
-    naive_attention,
     options,
 )
-from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model
-from cs336_systems.benchmarking.sweep import OK, OOM, free_memory, grid, is_oom, run_sweep
-from cs336_systems.benchmarking.timing import TimingStats, do_bench
-from cs336_systems.configs import attention_flops
+from cs336_systems.benchmarking.flash.host import HOST_KEYS, run_host_overhead, summarize_host_overhead
+from cs336_systems.benchmarking.flash.kernels import (
+    CANDIDATE_SETS,
+    run_kernel_breakdown,
+    run_losers,
+    summarize_losers,
+    worst_shapes,
+)
+from cs336_systems.benchmarking.flash.leaderboard import leaderboard_summary, run_leaderboard
+from cs336_systems.benchmarking.flash.model import (
+    MODEL_AB_IMPLS,
+    MODEL_AB_ROUND,
+    MODEL_AB_SAME,
+    plot_model_comparison,
+    run_model_ab,
+    run_model_comparison,
+    summarize_model_ab,
+)
+from cs336_systems.benchmarking.flash.shapes import (
+    SHAPE_KEYS,
+    SHAPES_BHN,
+    SHAPES_IMPLS,
+    SHAPES_SMOKE_IMPLS,
+    plot_shapes,
+    run_shapes,
+    shapes_ratio,
+    shapes_summary,
+)
+from cs336_systems.benchmarking.flash.sweep import (
+    SWEEP_DTYPES,
+    SWEEP_HEAD_DIMS,
+    SWEEP_SEQ_LENS,
+    _poly_exp2_label,
+    plot_latency,
+    plot_speedup,
+    run_flash_sweep,
+    speedup_table,
+)
+from cs336_systems.benchmarking.sweep import OK
 from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, param
-from cs336_systems.profiling.torch_profiler import kernel_table, profile_steps
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
-from cs336_systems.report.staleness import MODEL
+from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
 SECTION = "flash_benchmarking"
-PASSES = ("forward", "backward", "forward+backward")
-UNSUPPORTED = "unsupported"
-
-#: The handout's sweep.
-SWEEP_SEQ_LENS = [2**i for i in range(7, 17)]  # 128 … 65536
-SWEEP_HEAD_DIMS = [16, 32, 64, 128]
-SWEEP_DTYPES = ["bfloat16", "float32"]
-
-# --------------------------------------------------------------------------------------------------
-# Implementations under test: fn(q, k, v, is_causal) on (batch, heads, seq, d)
-# --------------------------------------------------------------------------------------------------
-
-
-def _sdpa(backend: SDPBackend) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
-    def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-
-    attention.__name__ = f"sdpa_{backend.name.lower()}"
-    return attention
-
-
-IMPLEMENTATIONS: dict[str, Callable[[Tensor, Tensor, Tensor, bool], Tensor]] = {
-    "triton": FlashAttentionTriton.apply,
-    "flash_pytorch": FlashAttentionPytorch.apply,
-    "naive": naive_attention,
-    "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
-    "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
-    "sdpa_efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
-    "sdpa_math": _sdpa(SDPBackend.MATH),
-}
-GPU_IMPLS = ["triton", "naive", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"]
-SMOKE_IMPLS = ["flash_pytorch", "naive", "sdpa_math"]
-#: The built-in baselines a speed-up is computed against (the fastest that ran, per cell).
-BUILTIN_IMPLS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math")
-
-
-def _poly_exp2_label() -> str:
-    """Which kernels exponentiate with the FMA-pipe polynomial under the current options, for provenance:
-    the phases forced by ``poly_exp2``, or ``dkdv+tuned`` when each candidate tile's pin decides (the
-    chosen configs then say which)."""
-    forced = options.current().poly_exp2
-    return ",".join(sorted(forced)) if forced is not None else "dkdv+tuned"
-
-
-def _median_ms(stats: TimingStats) -> float:
-    return statistics.median(stats.times_s) * 1e3
-
-
-def _is_unsupported(exc: BaseException) -> bool:
-    """SDPA raises a RuntimeError naming no usable kernel when a pinned backend cannot take the inputs."""
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("no available kernel" in text or "not supported" in text)
-
-
-def _record_timing(row: dict[str, Any], name: str, measure: Callable[[], TimingStats]) -> None:
-    """Run ``measure`` and store ``{name}_ms`` (mean), ``{name}_median_ms`` and ``{name}_status`` in ``row``.
-    An OOM or an unsupported input is recorded as that cell's status; any other error propagates."""
-    try:
-        stats = measure()
-    except Exception as exc:
-        status = OOM if is_oom(exc) else UNSUPPORTED if _is_unsupported(exc) else None
-        if status is None:
-            raise
-        del exc
-        free_memory()
-        row.update({f"{name}_ms": math.nan, f"{name}_median_ms": math.nan, f"{name}_status": status})
-        return
-    row.update({f"{name}_ms": stats.mean * 1e3, f"{name}_median_ms": _median_ms(stats), f"{name}_status": OK})
-
-
-def time_attention_passes(
-    fn: Callable[[Tensor, Tensor, Tensor, bool], Tensor],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    do: Tensor,
-    *,
-    is_causal: bool = True,
-    passes: Sequence[str] = PASSES,
-    warmup_ms: float = 10,
-    rep_ms: float = 40,
-) -> dict[str, Any]:
-    """Time each pass of ``fn``; returns ``{pass}_ms`` (mean), ``{pass}_median_ms`` and ``{pass}_status``.
-
-    ``backward`` replays a retained graph (the forward is outside the timed region); ``forward`` runs
-    with autograd recording, as in training. An OOM or an unsupported input ends that pass only.
-    """
-    inputs = (q, k, v)
-    unknown = [phase for phase in passes if phase not in PASSES]
-    if unknown:
-        raise ValueError(f"unknown pass {unknown[0]!r}; valid: {PASSES}")
-
-    def forward() -> TimingStats:
-        return do_bench(lambda: fn(q, k, v, is_causal), warmup_ms=warmup_ms, rep_ms=rep_ms)
-
-    def backward() -> TimingStats:
-        o = fn(q, k, v, is_causal)
-        return do_bench(lambda: torch.autograd.grad(o, inputs, do, retain_graph=True), warmup_ms=warmup_ms, rep_ms=rep_ms)
-
-    def forward_backward() -> TimingStats:
-        return do_bench(lambda: torch.autograd.grad(fn(q, k, v, is_causal), inputs, do), warmup_ms=warmup_ms, rep_ms=rep_ms)
-
-    measures = {"forward": forward, "backward": backward, "forward+backward": forward_backward}
-    row: dict[str, Any] = {}
-    for phase in passes:
-        _record_timing(row, phase, measures[phase])
-    return row
-
-
-# --------------------------------------------------------------------------------------------------
-# The sweep
-# --------------------------------------------------------------------------------------------------
-
-
-def _random_qkvdo(
-    batch: int, heads: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: str
-) -> tuple[Tensor, ...]:
-    shape = (batch, heads, seq_len, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    return q, k, v, torch.randn(shape, device=device, dtype=dtype)
-
-
-def run_flash_sweep(
-    seq_lens: Sequence[int] = SWEEP_SEQ_LENS,
-    head_dims: Sequence[int] = SWEEP_HEAD_DIMS,
-    dtypes: Sequence[str] = SWEEP_DTYPES,
-    impls: Sequence[str] | None = None,
-    *,
-    batch: int = 1,
-    is_causal: bool = True,
-    warmup_ms: float = 10,
-    rep_ms: float = 40,
-    budget_s: float | None = None,
-    device: str | None = None,
-    progress: bool = True,
-) -> pd.DataFrame:
-    """Long table: one row per (impl, dtype, head_dim, seq_len, pass) with mean/median ms, TFLOP/s, status."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    impls = list(impls or (GPU_IMPLS if device == "cuda" else SMOKE_IMPLS))
-
-    def cell(dtype: str, head_dim: int, seq_len: int, impl: str) -> dict[str, Any]:
-        q, k, v, do = _random_qkvdo(batch, 1, seq_len, head_dim, getattr(torch, dtype), device)
-        return time_attention_passes(
-            IMPLEMENTATIONS[impl], q, k, v, do, is_causal=is_causal, warmup_ms=warmup_ms, rep_ms=rep_ms
-        )
-
-    configs = grid(dtype=dtypes, head_dim=head_dims, seq_len=seq_lens, impl=impls)
-    wide = run_sweep(cell, configs, desc="flash sweep", budget_s=budget_s, progress=progress)
-    return _long_format(wide, batch_heads=batch, is_causal=is_causal)
-
-
-def _long_format(wide: pd.DataFrame, batch_heads: int, is_causal: bool) -> pd.DataFrame:
-    rows = []
-    for rec in wide.to_dict("records"):
-        for phase in PASSES:
-            status = rec.get(f"{phase}_status", rec["status"])
-            status = rec["status"] if (not isinstance(status, str) or rec["status"] != OK) else status
-            ms = rec.get(f"{phase}_ms", math.nan)
-            flops = attention_flops(batch_heads, rec["seq_len"], rec["seq_len"], rec["head_dim"], is_causal=is_causal,
-                                    phase=phase)
-            rows.append({
-                **{key: rec[key] for key in ("impl", "dtype", "head_dim", "seq_len")},
-                "pass": phase, "status": status, "mean_ms": ms,
-                "median_ms": rec.get(f"{phase}_median_ms", math.nan),
-                "TFLOP_per_s": math.nan if math.isnan(ms) else flops / (ms * 1e-3) / 1e12,
-            })  # fmt: skip
-    return pd.DataFrame(rows)
-
-
-def speedup_table(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
-    """Per cell: our time, the fastest built-in (which one, and its time) and ``speedup = builtin / ours``;
-    also the naive time and ours' speed-up over it."""
-    keys = ["dtype", "head_dim", "seq_len", "pass"]
-    ok = long[long["status"] == OK]
-    mine = ok[ok["impl"] == ours].set_index(keys)["mean_ms"].rename("ours_ms")
-    builtin = ok[ok["impl"].isin(BUILTIN_IMPLS)]
-    best = builtin.loc[builtin.groupby(keys)["mean_ms"].idxmin()].set_index(keys)
-    naive = ok[ok["impl"] == "naive"].set_index(keys)["mean_ms"].rename("naive_ms")
-    table = pd.concat(
-        [mine, best["impl"].rename("best_builtin"), best["mean_ms"].rename("best_builtin_ms"), naive], axis=1
-    ).reset_index()
-    table["speedup_vs_builtin"] = table["best_builtin_ms"] / table["ours_ms"]
-    table["speedup_vs_naive"] = table["naive_ms"] / table["ours_ms"]
-    return table.sort_values(keys, kind="stable").reset_index(drop=True)
-
-
-def plot_speedup(table: pd.DataFrame) -> plt.Figure:
-    """Speed-up of ours over the fastest built-in per cell vs sequence length; a panel per dtype × pass."""
-    data = table.dropna(subset=["speedup_vs_builtin"])
-    g = sns.relplot(
-        data=data, x="seq_len", y="speedup_vs_builtin", hue="head_dim", style="head_dim", col="pass",
-        row="dtype", kind="line", markers=True, palette="viridis", height=2.8, aspect=1.2,
-        facet_kws={"sharey": False},
-    )  # fmt: skip
-    for ax in g.axes.flat:
-        ax.set_xscale("log", base=2)
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    g.set_axis_labels("sequence length", "speed-up vs fastest SDPA backend")
-    g.figure.suptitle("Triton FlashAttention-2 vs F.scaled_dot_product_attention (causal, batch 1)", y=1.02)
-    return g.figure
-
-
-def plot_latency(long: pd.DataFrame, head_dim: int) -> plt.Figure:
-    """Latency of every implementation at one head dimension, vs sequence length (log-log)."""
-    data = long[(long["head_dim"] == head_dim) & (long["status"] == OK)]
-    g = sns.relplot(
-        data=data, x="seq_len", y="mean_ms", hue="impl", style="impl", col="pass", row="dtype",
-        kind="line", markers=True, height=2.8, aspect=1.2,
-    )  # fmt: skip
-    for ax in g.axes.flat:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-    g.set_axis_labels("sequence length", "latency (ms)")
-    g.figure.suptitle(f"Attention latency, head dim {head_dim} (causal, batch 1)", y=1.02)
-    return g.figure
-
-
-# --------------------------------------------------------------------------------------------------
-# Every shape: ours against SDPA's flash and cuDNN backends over (batch, heads, seq, d) × dtype × causal
-# --------------------------------------------------------------------------------------------------
-
-#: (batch, heads, seq_len) triples of the shapes grid: batch 1-8, heads 8-32, sequences 256-65536, including
-#: lengths that are not multiples of any tile (1000, 3000, 12345). Each runs at head dims 64 and 128.
-SHAPES_BHN: list[list[int]] = [
-    [8, 32, 256], [8, 16, 1000], [8, 16, 2048], [4, 32, 3000], [4, 32, 4096], [2, 16, 8192],
-    [1, 16, 12345], [1, 16, 16384], [1, 8, 32768], [1, 8, 65536],
-]
-SHAPES_IMPLS = ("triton", "sdpa_flash", "sdpa_cudnn")
-SHAPES_SMOKE_IMPLS = ("flash_pytorch", "sdpa_math")
-
-
-def run_shapes(
-    bhn: Sequence[Sequence[int]], head_dims: Sequence[int], dtypes: Sequence[str], causal: Sequence[bool],
-    impls: Sequence[str], *, rounds: int = 1, warmup_ms: float = 5, rep_ms: float = 25, budget_s: float | None = None,
-    device: str | None = None,
-) -> pd.DataFrame:
-    """Long table: one row per (impl, dtype, batch, heads, seq_len, head_dim, causal, pass) for the passes
-    ``forward`` and ``forward+backward``, with mean/median ms, TFLOP/s and status.
-
-    At each shape the implementations run in turn on the same inputs, ``rounds`` times, the order rotating
-    (A B C, B C A, C A B, ...), so that a slow moment of the machine falls on all of them rather than on one
-    cell. ``median_ms`` is the median over the rounds of each round's ``do_bench`` median, ``mean_ms`` the mean
-    of the rounds' means, and ``spread`` the rounds' (max − min) / median: a ratio that moves less than its
-    two spreads is no difference."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if rounds < 1:
-        raise ValueError(f"shapes: rounds must be at least 1, got {rounds}")
-    for shape in bhn:
-        if len(shape) != 3 or min(shape) < 1:
-            raise ValueError(f"a shape is [batch, heads, seq_len] of positive sizes, got {list(shape)}")
-    impls = list(impls)
-
-    def cell(dtype: str, shape: tuple[int, int, int], head_dim: int, is_causal: bool) -> dict[str, Any]:
-        batch, heads, seq = shape
-        q, k, v, do = _random_qkvdo(batch, heads, seq, head_dim, getattr(torch, dtype), device)
-        measured: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
-        for r in range(rounds):
-            for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
-                measured[impl].append(time_attention_passes(
-                    IMPLEMENTATIONS[impl], q, k, v, do, is_causal=is_causal, passes=SHAPES_PASSES,
-                    warmup_ms=warmup_ms, rep_ms=rep_ms))
-        return {"by_impl": {impl: _merge_rounds(runs) for impl, runs in measured.items()}}
-
-    configs = grid(dtype=list(dtypes), shape=[tuple(s) for s in bhn], head_dim=list(head_dims),
-                   is_causal=list(causal))
-    wide = run_sweep(cell, configs, desc="shapes", budget_s=budget_s)
-    rows = []
-    for rec in wide.to_dict("records"):
-        batch, heads, seq = rec["shape"]
-        by_impl = rec.get("by_impl") if rec["status"] == OK else None
-        for impl in impls:
-            timed = by_impl[impl] if isinstance(by_impl, dict) else {}
-            for phase in SHAPES_PASSES:
-                ms = timed.get(f"{phase}_ms", math.nan)
-                flops = attention_flops(batch * heads, seq, seq, rec["head_dim"], is_causal=rec["is_causal"],
-                                        phase=phase)
-                rows.append({"impl": impl, "dtype": rec["dtype"], "batch": batch, "heads": heads, "seq_len": seq,
-                             "head_dim": rec["head_dim"], "causal": rec["is_causal"], "pass": phase,
-                             "status": timed.get(f"{phase}_status", rec["status"]), "rounds": rounds,
-                             "mean_ms": ms, "median_ms": timed.get(f"{phase}_median_ms", math.nan),
-                             "spread": timed.get(f"{phase}_spread", math.nan),
-                             "TFLOP_per_s": math.nan if math.isnan(ms) else flops / (ms * 1e-3) / 1e12})
-    return pd.DataFrame(rows)
-
-
-#: The passes of the shapes grid.
-SHAPES_PASSES = ("forward", "forward+backward")
-
-
-def _merge_rounds(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One implementation's rounds at one shape as one record of :func:`time_attention_passes`'s keys plus
-    ``{pass}_spread``; a pass that failed in any round (OOM, unsupported) takes that round's status."""
-    merged: dict[str, Any] = {}
-    for phase in SHAPES_PASSES:
-        failed = [r[f"{phase}_status"] for r in runs if r[f"{phase}_status"] != OK]
-        if failed:
-            merged.update({f"{phase}_status": failed[0], f"{phase}_ms": math.nan, f"{phase}_median_ms": math.nan,
-                           f"{phase}_spread": math.nan})
-            continue
-        medians = [r[f"{phase}_median_ms"] for r in runs]
-        median = float(np.median(medians))
-        merged.update({f"{phase}_status": OK, f"{phase}_ms": float(np.mean([r[f"{phase}_ms"] for r in runs])),
-                       f"{phase}_median_ms": median, f"{phase}_spread": (max(medians) - min(medians)) / median})
-    return merged
-
-
-SHAPE_KEYS = ["dtype", "batch", "heads", "seq_len", "head_dim", "causal", "pass"]
-#: One shape of the grid, whatever the pass.
-SHAPE_CELL = [k for k in SHAPE_KEYS if k != "pass"]
-
-
-def shapes_ratio(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
-    """Per shape and pass: each implementation's median ms (column ``<impl>_ms``) and ``vs_<impl>`` = its time
-    over ours (above 1: ours is faster); ``vs_best`` against the fastest other implementation that ran. With
-    rounds (:func:`run_shapes`), also ``rounds`` and each implementation's ``spread_<impl>``."""
-    ok = long[long["status"] == OK]
-    wide = ok.pivot_table(index=SHAPE_KEYS, columns="impl", values="median_ms").reset_index()
-    others = [c for c in wide.columns if c not in SHAPE_KEYS and c != ours]
-    table = wide[SHAPE_KEYS].copy()
-    table[f"{ours}_ms"] = wide.get(ours, math.nan)
-    for impl in others:
-        table[f"{impl}_ms"] = wide[impl]
-        table[f"vs_{impl}"] = wide[impl] / table[f"{ours}_ms"]
-    table["vs_best"] = wide[others].min(axis=1) / table[f"{ours}_ms"] if others else math.nan
-    if "spread" in ok.columns and len(ok):
-        spread = ok.pivot_table(index=SHAPE_KEYS, columns="impl", values="spread", dropna=False).reset_index()
-        spread = table[SHAPE_KEYS].merge(spread, on=SHAPE_KEYS, how="left")
-        table["rounds"] = int(ok["rounds"].max())
-        for impl in (ours, *others):
-            table[f"spread_{impl}"] = spread[impl].to_numpy() if impl in spread else math.nan
-    return table
-
-
-def shapes_summary(ratio: pd.DataFrame, baseline: str = "sdpa_cudnn") -> dict[str, Any]:
-    """Geometric mean and minimum of ``vs_<baseline>`` per pass, and the shapes below 0.9× and 1.0×; with
-    rounds, their number and the median and 90th percentile of the rounds' spreads over every time of the pass."""
-    col = f"vs_{baseline}"
-    out: dict[str, Any] = {"baseline": baseline}
-    if col not in ratio.columns:
-        return out
-    if "rounds" in ratio.columns and len(ratio):
-        out["rounds"] = int(ratio["rounds"].max())
-    spread_cols = [c for c in ratio.columns if c.startswith("spread_")]
-    for phase, g in ratio.dropna(subset=[col]).groupby("pass"):
-        r = g[col]
-        worst = g.loc[r.idxmin()]
-        out[phase] = {"cells": int(len(r)), "geomean": float(np.exp(np.log(r).mean())), "min": float(r.min()),
-                      "below_0.9": int((r < 0.9).sum()), "below_1.0": int((r < 1.0).sum()),
-                      "worst": f"{worst['dtype']} {int(worst['batch'])}x{int(worst['heads'])}x"
-                               f"{int(worst['seq_len'])}x{int(worst['head_dim'])}"
-                               f"{' causal' if worst['causal'] else ''}"}
-        spreads = g[spread_cols].to_numpy(dtype=float).ravel()
-        spreads = spreads[~np.isnan(spreads)]
-        if len(spreads):
-            out[phase].update(spread_median=float(np.median(spreads)), spread_p90=float(np.percentile(spreads, 90)))
-    return out
-
-
-def plot_shapes(ratio: pd.DataFrame, column: str = "vs_sdpa_cudnn") -> plt.Figure:
-    """Heatmaps of ``column`` (baseline time / ours): rows are shapes, columns dtype × causal; one panel per
-    pass; centred on 1× (blue: ours faster)."""
-    data = ratio.dropna(subset=[column]).copy()
-    data["shape"] = [f"{int(b)}x{int(h)}x{int(n)} d{int(d)}" for b, h, n, d in
-                     zip(data["batch"], data["heads"], data["seq_len"], data["head_dim"])]
-    data["setting"] = data["dtype"].astype(str) + np.where(data["causal"], " causal", " full")
-    passes = list(dict.fromkeys(data["pass"]))
-    fig, axes = plt.subplots(1, max(len(passes), 1), figsize=(5.5 * max(len(passes), 1), 0.32 * data["shape"].nunique() + 2),
-                             squeeze=False)
-    for ax, phase in zip(axes[0], passes):
-        wide = data[data["pass"] == phase].pivot_table(index="shape", columns="setting", values=column, sort=False)
-        sns.heatmap(wide, ax=ax, annot=True, fmt=".2f", cmap="RdBu", center=1.0, cbar=ax is axes[0][-1],
-                    annot_kws={"fontsize": 7})
-        ax.set_title(f"{phase}: {column.removeprefix('vs_')} time / ours")
-        ax.set_xlabel("")
-        ax.set_ylabel("batch x heads x seq, head dim")
-    fig.tight_layout()
-    return fig
-
-
-# --------------------------------------------------------------------------------------------------
-# The leaderboard configuration
-# --------------------------------------------------------------------------------------------------
-
-
-def _leaderboard_inputs(batch: int, seq_len: int, head_dim: int, dtype: str, device: str) -> tuple[Tensor, ...]:
-    """``q, k, v = randn(3, batch, seq_len, head_dim)`` as the leaderboard builds them, requiring grad."""
-    q, k, v = torch.randn(3, batch, seq_len, head_dim, device=device, dtype=getattr(torch, dtype)).unbind(0)
-    return tuple(t.requires_grad_() for t in (q, k, v))
-
-
-def run_leaderboard(
-    batch: int = 16,
-    seq_len: int = 16384,
-    head_dim: int = 64,
-    dtype: str = "bfloat16",
-    impls: Sequence[str] | None = None,
-    *,
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-    device: str | None = None,
-    compile_ours: bool | None = None,
-) -> pd.DataFrame:
-    """One row per implementation: fwd+bwd with ``o.sum().backward()`` (the leaderboard's protocol) and with
-    a random ``dO``, and the forward alone; mean and median ms, TFLOP/s and time ratios.
-
-    Inputs are ``(batch, seq_len, head_dim)`` (heads folded into batch) for ours, as the leaderboard
-    calls it, and the same memory viewed as ``(batch, 1, seq_len, head_dim)`` for SDPA. Ours runs under
-    ``torch.compile(Fn.apply)`` (``compile_ours``, default on CUDA only: Inductor's CPU compile would
-    dominate a smoke run); the baselines run eagerly (compiling does not change their kernels).
-    """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    impls = list(
-        impls or (["triton", "sdpa_flash", "sdpa_cudnn", "naive"] if device == "cuda" else SMOKE_IMPLS[:2])
-    )
-    q, k, v = _leaderboard_inputs(batch, seq_len, head_dim, dtype, device)
-    do = torch.randn_like(q)
-    compile_ours = device == "cuda" if compile_ours is None else compile_ours
-    rows = []
-    for impl in impls:
-        if impl in ("triton", "flash_pytorch"):
-            fn = torch.compile(IMPLEMENTATIONS[impl]) if compile_ours else IMPLEMENTATIONS[impl]
-            args = (q, k, v)
-        else:
-            fn = IMPLEMENTATIONS[impl]
-            args = tuple(t.unsqueeze(1) for t in (q, k, v))  # views: gradients still reach q, k, v
-        row: dict[str, Any] = {"impl": impl}
-        if impl == "triton":
-            row["poly_exp2"] = _poly_exp2_label()
-            row["forward_kernel"] = flash_triton.forward_kernel_name(q, k, v, True)  # gluon on Hopper, else triton
-        protocols: dict[str, Callable[[], Any]] = {
-            "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
-            "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
-            "forward": lambda: fn(*args, True),
-        }
-        for name, step in protocols.items():
-            _record_timing(
-                row, name, lambda step=step: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=[q, k, v])
-            )
-        rows.append(row)
-        free_memory()
-    table = pd.DataFrame(rows)
-    fwd_bwd = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True, phase="forward+backward")
-    fwd = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True)
-    table["fwd_bwd_TFLOP_per_s"] = fwd_bwd / (table["fwd_bwd_sum_ms"] * 1e-3) / 1e12
-    table["forward_TFLOP_per_s"] = fwd / (table["forward_ms"] * 1e-3) / 1e12
-    ours = table.loc[table["impl"] == impls[0]].iloc[0]
-    for col in ("fwd_bwd_sum_ms", "forward_ms"):
-        table[f"{col.removesuffix('_ms')}_time_vs_{impls[0]}"] = table[col] / ours[col]
-    return table
-
-
-def leaderboard_summary(table: pd.DataFrame, ours: str = "triton") -> dict[str, Any]:
-    """The headline numbers: ours, each SDPA backend, ratios (``baseline / ours`` > 1: ours is faster)."""
-    by = table.set_index("impl")
-    summary: dict[str, Any] = {"ours": ours}
-    for impl in by.index:
-        summary[f"{impl}_fwd_bwd_ms"] = by.at[impl, "fwd_bwd_sum_ms"]
-        summary[f"{impl}_fwd_bwd_median_ms"] = by.at[impl, "fwd_bwd_sum_median_ms"]
-        summary[f"{impl}_forward_ms"] = by.at[impl, "forward_ms"]
-        if impl != ours:
-            summary[f"speedup_vs_{impl}"] = by.at[impl, "fwd_bwd_sum_ms"] / by.at[ours, "fwd_bwd_sum_ms"]
-            summary[f"forward_speedup_vs_{impl}"] = by.at[impl, "forward_ms"] / by.at[ours, "forward_ms"]
-    summary["ours_fwd_bwd_TFLOP_per_s"] = by.at[ours, "fwd_bwd_TFLOP_per_s"]
-    summary["ours_forward_TFLOP_per_s"] = by.at[ours, "forward_TFLOP_per_s"]
-    return summary
-
-
-# --------------------------------------------------------------------------------------------------
-# Kernel breakdown: where our forward+backward spends its time, and what the autotuner chose
-# --------------------------------------------------------------------------------------------------
-
-#: The autotuned kernels whose choices the breakdown records, with their tuning phase.
-TUNED_KERNELS = {"flash_forward_kernel": "forward", "flash_backward_dkdv_kernel": "dkdv",
-                 "flash_backward_dq_kernel": "dq"}
-
-#: Every tile shape, warp count, stage count and register cap worth trying on Hopper (a minute or more of
-#: tuning per shape class): how the library's ``options.DEFAULT_CANDIDATES`` were chosen. Run the kernel
-#: breakdown with ``--candidates wide`` and read the winners off its ``best_config`` column.
-_T = options.Tile
-WIDE_CANDIDATES: dict[str, list[options.Tile]] = {
-    "forward": [_T(64, 64, 4, 3), _T(64, 64, 4, 4), _T(64, 128, 4, 3), _T(128, 64, 4, 3), _T(128, 64, 8, 3),
-                _T(128, 64, 8, 4), _T(128, 128, 8, 2), _T(128, 128, 8, 3), _T(128, 32, 4, 3), _T(64, 32, 4, 4)],
-    "dkdv": [_T(32, 64, 4, 3), _T(32, 64, 4, 5), _T(32, 128, 4, 3), _T(32, 128, 4, 5),
-             _T(32, 128, 8, 4), _T(64, 64, 4, 2), _T(64, 64, 4, 3), _T(64, 64, 4, 4), _T(64, 64, 8, 4),
-             _T(64, 128, 8, 2), _T(64, 128, 8, 3), _T(128, 128, 8, 2),
-             _T(32, 64, 4, 3, maxnreg=168),
-             _T(32, 64, 4, 4, maxnreg=168), _T(64, 64, 4, 3, maxnreg=168),
-             _T(32, 128, 8, 3, maxnreg=128), _T(64, 64, 4, 3, maxnreg=168, poly=False),
-             _T(64, 64, 4, 3, poly=False), _T(32, 64, 4, 3, maxnreg=168, poly=False),
-             _T(32, 128, 8, 3, maxnreg=128, poly=False), _T(64, 128, 8, 3, poly=False),
-             _T(64, 64, 4, 2, maxnreg=168, poly=False), _T(64, 64, 4, 4, maxnreg=168, poly=False)],
-    "dq": [_T(64, 32, 4, 4), _T(64, 64, 4, 3), _T(64, 64, 4, 5), _T(64, 128, 4, 3), _T(128, 32, 4, 3),
-           _T(128, 32, 4, 5), _T(128, 64, 4, 3), _T(128, 64, 8, 3), _T(128, 128, 8, 2),
-           _T(64, 64, 4, 3, maxnreg=128), _T(128, 64, 8, 3, maxnreg=128), _T(128, 64, 4, 4),
-           _T(128, 64, 4, 3, maxnreg=168), _T(128, 128, 8, 3)],
-}  # fmt: skip
-CANDIDATE_SETS = {"default": None, "wide": WIDE_CANDIDATES}
-#: Matmuls per step each kernel issues: forward 2 (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ). The
-#: Gluon forward (Hopper) replaces the Triton one where it applies.
-MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_forward_gluon_kernel": 2, "flash_backward_dkdv_kernel": 4,
-                    "flash_backward_dq_kernel": 3}
-
-
-def _config_label(config: Any) -> str:
-    """``BLOCK_M x BLOCK_N, w warps, s stages[, maxnreg r][, polynomial exp2]`` for a ``triton.Config``."""
-    kw = config.kwargs
-    label = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
-    maxnreg = getattr(config, "maxnreg", None)
-    label = f"{label}, maxnreg {maxnreg}" if maxnreg else label
-    return f"{label}, polynomial exp2" if kw.get("POLY_EXP2") else label
-
-
-def _tuning_state() -> dict[str, Any]:
-    """Per tuned kernel, the object holding its latest tuning timings (changes whenever it tunes)."""
-    kernels, opts = flash_triton._kernels(), options.current()
-    return {name: getattr(kernels.tuned(phase, opts), "configs_timings", None) for name, phase in TUNED_KERNELS.items()}
-
-
-def run_kernel_breakdown(
-    batch: int = 16,
-    seq_len: int = 16384,
-    head_dim: int = 64,
-    dtype: str = "bfloat16",
-    *,
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-    profiled_steps: int = 5,
-    device: str | None = None,
-    compile_ours: bool | None = None,
-) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
-    """Our kernels on the leaderboard protocol (``torch.compile(Fn.apply)``, causal, ``o.sum().backward()``).
-
-    Returns ``(summary, kernels, tuning)``: ``summary`` holds forward+backward and forward-only times (mean,
-    median), TFLOP/s and the tiles each kernel ran with; ``kernels`` has one row per GPU kernel with calls,
-    time and share per step (torch.profiler over ``profiled_steps`` steps) and the achieved TFLOP/s of our
-    three attention kernels; ``tuning`` has the autotuner's timing of every candidate tile configuration, when
-    this call is the one that tuned (first use of the shape class in the process; empty otherwise).
-    On CPU this needs ``TRITON_INTERPRET=1`` (tiny shapes only).
-    """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    compile_ours = device == "cuda" if compile_ours is None else compile_ours
-    q, k, v = _leaderboard_inputs(batch, seq_len, head_dim, dtype, device)
-    fn = torch.compile(FlashAttentionTriton.apply) if compile_ours else FlashAttentionTriton.apply
-
-    def step() -> None:
-        fn(q, k, v, True).sum().backward()
-
-    before = _tuning_state()
-    step()  # first use tunes every kernel for this shape class
-    after = _tuning_state()
-    q.grad = k.grad = v.grad = None
-
-    poly = _poly_exp2_label()
-    summary: dict[str, Any] = {"poly_exp2": poly, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
-                               "dtype": dtype, "forward_kernel": flash_triton.forward_kernel_name(q, k, v, True)}  # fmt: skip
-    _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
-                                                            grad_to_none=[q, k, v]))  # fmt: skip
-    _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
-                                                        rep_ms=rep_ms))  # fmt: skip
-    total_flops = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True, phase="forward+backward")
-    summary["fwd_bwd_TFLOP_per_s"] = total_flops / (summary["fwd_bwd_sum_ms"] * 1e-3) / 1e12
-
-    kernels = kernel_table(profile_steps(step, warmup=1, steps=profiled_steps), per=profiled_steps)
-    summary["profiled_gpu_ms_per_step"] = kernels["total_ms"].sum()
-    matmul = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True) / 2  # one causal product
-    kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP)
-    kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
-    kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
-
-    chosen, opts = flash_triton._kernels(), options.current()
-    tuning_rows = []
-    for name, phase in TUNED_KERNELS.items():
-        best = getattr(chosen.tuned(phase, opts), "best_config", None)
-        summary[f"config_{name}"] = _config_label(best) if best is not None else ""
-        timings = after[name]
-        if timings is None or timings is before[name]:
-            continue
-        for config, times in timings.items():
-            median = times[0] if isinstance(times, (list, tuple)) else times
-            tuning_rows.append({"head_dim": head_dim, "kernel": name, "config": _config_label(config),
-                                "median_ms": median, "chosen": best is config})  # fmt: skip
-    tuning = pd.DataFrame(tuning_rows, columns=["head_dim", "kernel", "config", "median_ms", "chosen"])
-    return summary, kernels, tuning
-
-
-# --------------------------------------------------------------------------------------------------
-# The model
-# --------------------------------------------------------------------------------------------------
-
-
-def run_model_comparison(
-    contexts: Sequence[int] = (1024, 2048, 4096, 8192, 16384),
-    impls: Sequence[str] = ("naive", "sdpa", "flash_triton"),
-    *,
-    model: str = "small",
-    batch_size: int = 1,
-    precision: str = "bf16",
-    warmup: int = 2,
-    steps: int = 3,
-    budget_s: float | None = None,
-    progress: bool = True,
-) -> pd.DataFrame:
-    """A training step (forward, backward, AdamW) per context × attention implementation, with peak
-    memory."""
-
-    def cell(context_length: int, attention_impl: str) -> dict[str, Any]:
-        spec = BenchmarkSpec(
-            model=model, mode="train", context_length=context_length, batch_size=batch_size,
-            precision=precision, attention_impl=attention_impl, warmup=warmup, steps=steps,
-        )  # fmt: skip
-        return benchmark_model(spec)
-
-    configs = grid(context_length=contexts, attention_impl=impls)
-    table = run_sweep(cell, configs, desc="model step", budget_s=budget_s, progress=progress)
-    return table.assign(model=model, batch_size=batch_size, precision=precision)
-
-
-def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
-    """Step time and peak memory vs context length, one line per attention implementation."""
-    data = table[table["status"] == OK]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    sns.lineplot(
-        data=data, x="context_length", y="total_mean_ms", hue="attention_impl", marker="o", ax=axes[0]
-    )
-    axes[0].set(xscale="log", yscale="log", xlabel="context length", ylabel="training step (ms)")
-    if "peak_memory_GiB" in data:
-        sns.lineplot(
-            data=data, x="context_length", y="peak_memory_GiB", hue="attention_impl", marker="o", ax=axes[1]
-        )
-    axes[1].set(xscale="log", yscale="log", xlabel="context length", ylabel="peak memory (GiB)")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-    fig.suptitle("BasicsTransformerLM training step by attention implementation")
-    fig.tight_layout()
-    return fig
-
-
-# --------------------------------------------------------------------------------------------------
-# Inside the model: our attention against SDPA in the same training step, alternating
-# --------------------------------------------------------------------------------------------------
-
-#: What the model A/B compares: the built-in baseline first, then ours.
-MODEL_AB_IMPLS = ("sdpa", "flash_triton")
-#: One cell of the model A/B, and the parameters under which cells of separate jobs combine into one table.
-MODEL_AB_CELL = ("preset", "context_length", "compile")
-#: One round of a cell: the unit separate jobs combine (an xl compiled cell's two rounds outlast one GPU job).
-MODEL_AB_ROUND = (*MODEL_AB_CELL, "round")
-MODEL_AB_SAME = ("ab_impls", "ab_tokens_per_step", "ab_rounds", "ab_steps", "kernel_options")
-
-
-def model_ab_configs(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool], rounds: int,
-                     impls: Sequence[str] = MODEL_AB_IMPLS, only_rounds: Sequence[int] = ()) -> list[dict[str, Any]]:
-    """Cells in measuring order: per (preset, context, compile), ``rounds`` rounds of every implementation,
-    the order rotating from round to round (A B, then B A), so that neither always runs first; with
-    ``only_rounds``, just those rounds (another job measures the rest)."""
-    if rounds < 1 or len(impls) < 2:
-        raise ValueError(f"model A/B needs rounds >= 1 and two implementations, got {rounds} and {list(impls)}")
-    outside = [r for r in only_rounds if not 0 <= r < rounds]
-    if outside:
-        raise ValueError(f"model A/B round {outside[0]} is not one of the {rounds} rounds (0..{rounds - 1})")
-    configs = []
-    for cell in grid(preset=presets, context_length=contexts, compile=compiles):
-        for r in (sorted(set(only_rounds)) or range(rounds)):
-            k = r % len(impls)
-            configs += [{**cell, "round": r, "attention_impl": impl} for impl in (*impls[k:], *impls[:k])]
-    return configs
-
-
-def run_model_ab(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool] = (False, True), *,
-                 impls: Sequence[str] = MODEL_AB_IMPLS, rounds: int = 2, only_rounds: Sequence[int] = (),
-                 tokens_per_step: int = 8192,
-                 precision: str = "bf16", warmup: int = 2, steps: int = 5, budget_s: float | None = None,
-                 progress: bool = True) -> pd.DataFrame:
-    """One training step (forward, backward, AdamW) of our model per cell of :func:`model_ab_configs`, the
-    attention the only difference; the batch holds ``tokens_per_step`` tokens (batch = tokens / context)."""
-    bad = [c for c in contexts if c < 1 or tokens_per_step % c]
-    if bad:
-        raise ValueError(f"tokens_per_step={tokens_per_step} is not a multiple of context {bad[0]}")
-
-    def cell(preset: str, context_length: int, compile: bool, attention_impl: str, **_: Any) -> dict[str, Any]:
-        spec = BenchmarkSpec(
-            model=preset, mode="train", context_length=context_length,
-            batch_size=tokens_per_step // context_length, precision=precision, compile=compile,
-            attention_impl=attention_impl, warmup=warmup, steps=steps,
-        )  # fmt: skip
-        return {"batch_size": spec.batch_size, **benchmark_model(spec)}
-
-    configs = model_ab_configs(presets, contexts, compiles, rounds, impls, only_rounds)
-    table = run_sweep(cell, configs, desc="model A/B", budget_s=budget_s, progress=progress)
-    return table.assign(precision=precision, tokens_per_step=tokens_per_step)
-
-
-def summarize_model_ab(table: pd.DataFrame, baseline: str = MODEL_AB_IMPLS[0],
-                       ours: str = MODEL_AB_IMPLS[1]) -> pd.DataFrame:
-    """Per (preset, context, compile): each implementation's median step over its measured rounds and the
-    spread (max - min), the baseline's time over ours (above 1: ours faster), and ``verdict``: ``tie`` when
-    the two medians differ by less than the larger spread, else which is faster. Cells where either side
-    has no measured round say why (``OOM``, skipped)."""
-    keys = ["preset", "context_length", "compile"]
-    rows = []
-    for cell, g in table.groupby(keys, sort=False):
-        row: dict[str, Any] = dict(zip(keys, cell))
-        for impl, label in ((baseline, "baseline"), (ours, "ours")):
-            t = g[(g["attention_impl"] == impl) & (g["status"] == OK)]["total_mean_ms"]
-            row[f"{label}_ms"] = t.median() if len(t) else float("nan")
-            row[f"{label}_spread_ms"] = (t.max() - t.min()) if len(t) else float("nan")
-            row[f"{label}_rounds"] = len(t)
-        if row["baseline_rounds"] and row["ours_rounds"]:
-            row["baseline_over_ours"] = row["baseline_ms"] / row["ours_ms"]
-            tied = abs(row["baseline_ms"] - row["ours_ms"]) < max(row["baseline_spread_ms"], row["ours_spread_ms"])
-            row["verdict"] = "tie" if tied else (ours if row["ours_ms"] < row["baseline_ms"] else baseline)
-        else:
-            row["baseline_over_ours"] = float("nan")
-            row["verdict"] = "/".join(sorted(set(g.loc[g["status"] != OK, "status"].astype(str)))) or "not measured"
-        rows.append(row)
-    summary = pd.DataFrame(rows)
-    return summary.assign(baseline=baseline, ours=ours)
-
-
-# --------------------------------------------------------------------------------------------------
-# Host cost per call: what issuing one forward+backward costs the CPU, beside its GPU time
-# --------------------------------------------------------------------------------------------------
-
-#: What the host-cost table compares: ours, then SDPA pinned to each fast backend.
-HOST_IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
-#: One row of the host-cost summary.
-HOST_KEYS = ("batch", "heads", "seq_len", "head_dim", "layout")
-
-
-def run_host_overhead(shapes: Sequence[Sequence[int]], layouts: Sequence[str], dtype: str = "bfloat16",
-                      rounds: int = 5, calls: int = 20, impls: Sequence[str] = HOST_IMPLS) -> pd.DataFrame:
-    """Host µs, GPU µs and wall µs per causal forward+backward, every round of every implementation
-    (:func:`cs336_systems.benchmarking.flash_host_overhead.measure`: alternating, in rotating order), per
-    (batch, heads, seq, head_dim) shape and memory layout."""
-    from cs336_systems.benchmarking import flash_host_overhead
-
-    frames = [flash_host_overhead.measure(tuple(shape), getattr(torch, dtype), True, tuple(impls),  # type: ignore[arg-type]
-                                          rounds, calls, layout=layout)
-              for shape in shapes for layout in layouts]
-    return pd.concat(frames, ignore_index=True)
-
-
-def summarize_host_overhead(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per shape, layout and implementation: median host, GPU and wall µs over the rounds, the host time's
-    spread (max - min), and ``bound``: ``host`` when issuing a call takes longer than the GPU runs it."""
-    from cs336_systems.benchmarking.flash_host_overhead import summarize
-
-    out = summarize(rows, by=HOST_KEYS)
-    out["bound"] = ["host" if h > gpu else "GPU" for h, gpu in zip(out["host_us"], out["gpu_us"])]
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Where the losing shapes lose: ours' kernels against cuDNN's at the worst shapes of the grid (a profile)
-# --------------------------------------------------------------------------------------------------
-
-#: Kernel-name fragments by the phase the kernel serves: ours (``flash_forward*``, ``flash_backward_*``) and
-#: cuDNN's (``..._fprop_...``, ``..._bprop_...`` and its backward's pre- and post-passes).
-KERNEL_PHASES = (("forward", ("flash_forward", "fprop")),
-                 ("backward", ("flash_backward", "bprop", "dot_do_o", "convert_dq")))
-#: What the losers part profiles: ours against the backend the shapes grid is judged by.
-LOSERS_IMPLS = ("ours", "sdpa_cudnn")
-
-
-def kernel_phase(name: str) -> str:
-    """``forward``, ``backward`` or ``other`` (memsets, copies) for a GPU kernel's name."""
-    for phase, fragments in KERNEL_PHASES:
-        if any(f in name for f in fragments):
-            return phase
-    return "other"
-
-
-def worst_shapes(ratio: pd.DataFrame, column: str = "vs_sdpa_cudnn", count: int = 6,
-                 pass_: str = "forward+backward") -> pd.DataFrame:
-    """The ``count`` shapes of ``pass_`` where ours loses most (``column``, a backend's time over ours, lowest)."""
-    if column not in ratio:
-        raise ValueError(f"the shapes table has no {column!r} column (columns: {', '.join(map(str, ratio.columns))})")
-    rows = ratio[(ratio["pass"] == pass_) & ratio[column].notna()].sort_values(column).head(count)
-    return rows[[*SHAPE_CELL, column]].reset_index(drop=True)
-
-
-def run_losers(shapes: pd.DataFrame, rounds: int = 3, calls: int = 20) -> pd.DataFrame:
-    """GPU µs per forward+backward call of every kernel, ours and cuDNN's, at each shape of ``shapes`` (rows of
-    :func:`worst_shapes`; contiguous inputs, as the grid ran), medians over alternating rounds."""
-    from cs336_systems.benchmarking import flash_host_overhead
-
-    rows = []
-    for _, s in shapes.iterrows():
-        shape = (int(s["batch"]), int(s["heads"]), int(s["seq_len"]), int(s["head_dim"]))
-        measured = flash_host_overhead.measure(shape, getattr(torch, str(s["dtype"])), bool(s["causal"]),
-                                               LOSERS_IMPLS, rounds, calls, kernels=True)
-        per_kernel = flash_host_overhead.kernel_table(measured)
-        keys = {k: s[k] for k in SHAPE_CELL}
-        for impl in per_kernel.columns:
-            for name, us in per_kernel[impl].dropna().items():
-                rows.append({**keys, "impl": impl, "kernel": name, "phase": kernel_phase(str(name)), "gpu_us": us})
-    return pd.DataFrame(rows)
-
-
-def summarize_losers(kernels: pd.DataFrame) -> pd.DataFrame:
-    """Per shape: ours' and cuDNN's GPU µs per phase, the gap (ours - cuDNN) per phase, the phase where ours
-    loses most (``loses_most_in``) and ours' slowest kernel."""
-    rows = []
-    for cell, g in kernels.groupby(SHAPE_CELL, sort=False):
-        row: dict[str, Any] = dict(zip(SHAPE_CELL, cell))
-        for impl, label in zip(LOSERS_IMPLS, ("ours", "cudnn")):
-            mine = g[g["impl"] == impl]
-            for phase in ("forward", "backward", "other"):
-                row[f"{label}_{phase}_us"] = float(mine.loc[mine["phase"] == phase, "gpu_us"].sum())
-            row[f"{label}_total_us"] = float(mine["gpu_us"].sum())
-        gaps = {phase: row[f"ours_{phase}_us"] - row[f"cudnn_{phase}_us"] for phase in ("forward", "backward")}
-        row.update({f"{phase}_gap_us": gap for phase, gap in gaps.items()})
-        row["loses_most_in"] = max(gaps, key=lambda phase: gaps[phase])
-        ours = g[g["impl"] == LOSERS_IMPLS[0]]
-        row["ours_slowest_kernel"] = str(ours.loc[ours["gpu_us"].idxmax(), "kernel"]) if len(ours) else ""
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-# --------------------------------------------------------------------------------------------------
-# The section
-# --------------------------------------------------------------------------------------------------
-
 PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab", "host", "losers")
 
 
@@ -1143,7 +339,7 @@ SWEEP_TABLES = tuple(f"sweep_{dtype}" for dtype in SWEEP_DTYPES)
 
 def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Any:
     """The speed-up table and the two sweep figures from whichever per-dtype sweep tables exist."""
-    from cs336_systems.replot import Derived
+    from cs336_systems.derived import Derived
 
     present = [name for name in SWEEP_TABLES if tables.get(name) is not None]
     if not present:
@@ -1615,7 +811,7 @@ SECTION = Section(
     derive=derive, derive_inputs=SWEEP_TABLES,
     depends=(*MODEL, "cs336_systems/attention/", "cs336_systems/benchmarking/timing.py",
              "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py",
-             "cs336_systems/benchmarking/flash_host_overhead.py"),
+             "cs336_systems/benchmarking/flash_host_overhead.py", "cs336_systems/benchmarking/flash/"),
     # minutes as measured at 087cb28, 311857a and b0eb683 on a fresh H100 machine (docs/flash_attention/
     # refresh_b0eb683.md): a compiled cell compiles the whole model once per implementation and round, about 2 min
     # at xl and 2.5 min at xl 2048 on that host, so xl's compiled cells run one round per job; run again on the

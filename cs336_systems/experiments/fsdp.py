@@ -48,12 +48,12 @@ from cs336_systems.experiments.optimizer_state_sharding import (
 from cs336_systems.experiments.section import Section, param
 from cs336_systems.profiling.gather_waits import gather_summary, gather_waits
 from cs336_systems.profiling.timeline import plot_timeline, profile_timeline
-from cs336_systems.replot import Derived
+from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
-from cs336_systems.report.staleness import MODEL
+from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter, has_result, load_table
 
 SECTION_NAME = "fsdp"

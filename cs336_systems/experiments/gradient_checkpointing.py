@@ -28,7 +28,7 @@ from cs336_systems.benchmarking.end_to_end import default_device
 from cs336_systems.benchmarking.sweep import CPU_NOTE, OK, free_memory, run_sweep
 from cs336_systems.configs import ModelConfig, get_config
 from cs336_systems.experiments.section import Section, check_positive, param
-from cs336_systems.report.staleness import MODEL
+from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter
 
 

@@ -29,7 +29,7 @@ from cs336_systems.benchmarking.leaderboard_8b import (
 from cs336_systems.benchmarking.sweep import run_sweep
 from cs336_systems.distributed import runner
 from cs336_systems.experiments.section import Section, check_positive, param
-from cs336_systems.report.staleness import MODEL
+from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter
 
 _FULL = LeaderboardShape()

@@ -22,7 +22,7 @@ from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, ok_rows, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
-from cs336_systems.report.staleness import MODEL, TIMING
+from cs336_systems.measured_code import MODEL, TIMING
 from cs336_systems.results import SCRATCH_DIR, ResultWriter
 
 

@@ -30,7 +30,7 @@ from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
-from cs336_systems.report.staleness import MODEL, TIMING
+from cs336_systems.measured_code import MODEL, TIMING
 from cs336_systems.results import ResultWriter
 
 ACCUMULATION_STEPS = 1000

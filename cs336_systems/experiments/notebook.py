@@ -62,7 +62,7 @@ class SectionNotebook:
         if own:
             return root, ("This smoke run's own answers: they exercise the pipeline on a tiny model and say nothing "
                           "about GPU performance.")
-        from cs336_systems.report.staleness import result_metas
+        from cs336_systems.results import result_metas
 
         committed = result_metas(FIGURES_DIR / self.folder)
         if committed and not all(m.get("smoke", False) for m in committed.values()):

@@ -10,7 +10,6 @@ softmax vs matmul time inside attention against their FLOPs.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,7 @@ from cs336_systems.report import fmt
 from cs336_systems.report.answers import ok_rows, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
-from cs336_systems.report.staleness import MODEL, TIMING
+from cs336_systems.measured_code import MODEL, TIMING
 from cs336_systems.results import SCRATCH_DIR, ResultWriter
 
 
@@ -137,27 +136,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
-
-_KERNEL_PARTS = re.compile(r"\b(\w*Functor\w*|\w+_kernel\w*|\w+_sgemm\w*|\w*[Ss]oftmax\w*|\w*[Rr]educe\w*)\b")
-
-
-_GENERIC_KERNEL_PARTS = {"gpu_kernel_impl_nocast", "gpu_kernel_impl", "BinaryFunctor", "AUnaryFunctor",
-                         "BUnaryFunctor", "unrolled_elementwise_kernel", "vectorized_elementwise_kernel"}
-
-
-def short_kernel(name: object, limit: int = 64) -> str:
-    """A readable name for a demangled CUDA kernel: ``void at::native::elementwise_kernel<128, 2,
-    …DivFunctor<float>…>(…)`` → ``elementwise_kernel<DivFunctor>``; long cuBLAS names are cut to
-    ``limit`` characters. The full names stay in the CSV."""
-    text = re.sub(r"^void\s+", "", str(name)).replace("(anonymous namespace)::", "")
-    if "<" in text or "(" in text:
-        head = text.split("<")[0].split("(")[0]
-        base = head.split("::")[-1].strip() or head
-        inner = [m for m in dict.fromkeys(_KERNEL_PARTS.findall(text[len(head):]))
-                 if m != base and m not in _GENERIC_KERNEL_PARTS]
-        text = f"{base}<{', '.join(inner[-2:])}>" if inner else base
-    text = re.sub(r"_stage\d+_warpsize.*$", "", text)  # cuBLAS: keep arch, dtypes, layout and tile
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+from cs336_systems.profiling.torch_profiler import short_kernel  # noqa: E402 (answers only)
 
 
 def _largest_ok(df: pd.DataFrame) -> pd.Series | None:

@@ -42,12 +42,12 @@ from cs336_systems.configs import ModelConfig
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 from cs336_systems.experiments.section import Section, param
-from cs336_systems.replot import Derived
+from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
-from cs336_systems.report.staleness import MODEL
+from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter
 
 SECTION_NAME = "optimizer_state_sharding"

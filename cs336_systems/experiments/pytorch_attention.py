@@ -24,12 +24,12 @@ from cs336_systems.benchmarking.attention import (
 from cs336_systems.benchmarking.sweep import OK, OOM, run_sweep, status_grid
 from cs336_systems.experiments.section import Section, check_positive, param
 from cs336_systems.plotting import measured_on, status_heatmap
-from cs336_systems.replot import Derived
+from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import failed_rows, join_words, ok_rows, question
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
-from cs336_systems.report.staleness import MODEL, TIMING
+from cs336_systems.measured_code import MODEL, TIMING
 from cs336_systems.results import ResultWriter
 
 

@@ -215,7 +215,7 @@ class Section:
 
     def rederive(self, out: Any, sources: dict[str, dict[str, Any]] | None = None) -> list[Any]:
         """Run :attr:`derive` on the measured artefacts in ``out.dir`` and write what it returns there."""
-        from cs336_systems.replot import load_inputs, primary_meta, write_derived
+        from cs336_systems.derived import load_inputs, primary_meta, write_derived
 
         if self.derive is None:
             return []

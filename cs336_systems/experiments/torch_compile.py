@@ -22,12 +22,12 @@ from cs336_systems.configs import PRESETS as ALL_PRESETS
 from cs336_systems.experiments.pytorch_attention import GRID_AXES, attention_grid, grid_axes
 from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, param
 from cs336_systems.plotting import grouped_bars, measured_on, status_heatmap
-from cs336_systems.replot import Derived
+from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import failed_rows, join_words, question
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
-from cs336_systems.report.staleness import MODEL, TIMING
+from cs336_systems.measured_code import MODEL, TIMING
 from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
 

@@ -33,7 +33,7 @@ from cs336_systems.benchmarking.end_to_end import default_device
 from cs336_systems.benchmarking.sweep import OK, deadline_left, run_sweep
 from cs336_systems.configs import PRESETS as ALL_PRESETS
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
-from cs336_systems.report.staleness import MODEL
+from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
 
@@ -195,7 +195,7 @@ SPLIT_TABLES = tuple(f"time_split_{name}" for name in ALL_PRESETS)
 
 def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Any:
     """The combined ``steps`` and ``time_split`` tables and their figures, from whichever presets were measured."""
-    from cs336_systems.replot import Derived
+    from cs336_systems.derived import Derived
 
     steps = [(n, tables[n]) for n in STEP_TABLES if tables.get(n) is not None]
     splits = [(n, tables[n]) for n in SPLIT_TABLES if tables.get(n) is not None]

@@ -257,3 +257,25 @@ def export_chrome_trace(prof: profile, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     return path
+
+
+_KERNEL_PARTS = re.compile(r"\b(\w*Functor\w*|\w+_kernel\w*|\w+_sgemm\w*|\w*[Ss]oftmax\w*|\w*[Rr]educe\w*)\b")
+
+
+_GENERIC_KERNEL_PARTS = {"gpu_kernel_impl_nocast", "gpu_kernel_impl", "BinaryFunctor", "AUnaryFunctor",
+                         "BUnaryFunctor", "unrolled_elementwise_kernel", "vectorized_elementwise_kernel"}
+
+
+def short_kernel(name: object, limit: int = 64) -> str:
+    """A readable name for a demangled CUDA kernel: ``void at::native::elementwise_kernel<128, 2,
+    …DivFunctor<float>…>(…)`` → ``elementwise_kernel<DivFunctor>``; long cuBLAS names are cut to
+    ``limit`` characters. The full names stay in the CSV."""
+    text = re.sub(r"^void\s+", "", str(name)).replace("(anonymous namespace)::", "")
+    if "<" in text or "(" in text:
+        head = text.split("<")[0].split("(")[0]
+        base = head.split("::")[-1].strip() or head
+        inner = [m for m in dict.fromkeys(_KERNEL_PARTS.findall(text[len(head):]))
+                 if m != base and m not in _GENERIC_KERNEL_PARTS]
+        text = f"{base}<{', '.join(inner[-2:])}>" if inner else base
+    text = re.sub(r"_stage\d+_warpsize.*$", "", text)  # cuBLAS: keep arch, dtypes, layout and tile
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from cs336_systems.measured_code import depends_of, freshness
 from cs336_systems.report.document import Block, Figure, Table, Text
 from cs336_systems.results import REPO_ROOT
 
@@ -103,12 +104,10 @@ class SectionData:
             meta = json.loads(path.read_text())
         except json.JSONDecodeError:
             return {}
-        from cs336_systems.report import staleness
-
         if isinstance(meta.get("params"), dict):
             meta["params"] = run_params(self.folder, meta["params"])
-        depends = self.depends or staleness.depends_of(self.folder)
-        verdict = staleness.freshness(meta, depends)
+        depends = self.depends or depends_of(self.folder)
+        verdict = freshness(meta, depends)
         if verdict.stale:
             meta["stale"] = verdict.reason
         return meta
@@ -267,11 +266,20 @@ def run_params(section: str, params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The sections by results folder, registered by :mod:`cs336_systems.experiments` as it loads them (so that
+#: this module, which their answers use, looks nothing up above itself).
+SECTIONS: dict[str, Any] = {}
+
+
+def register_section(section: Any) -> None:
+    SECTIONS[section.name] = section
+    preset_defaults.cache_clear()
+
+
 @functools.cache
 def preset_defaults(section: str, preset: str | None, edition: str | None = None) -> dict[str, Any] | None:
     """The parameter values ``section`` (a results folder; an edition's grid is a subfolder) runs with under
     ``preset`` today, as they are recorded (JSON values); None where the folder or preset is no section's."""
-    from cs336_systems.experiments import SECTIONS
     from cs336_systems.results import _jsonable
 
     found = SECTIONS.get(section.split("/")[0])

@@ -14,64 +14,23 @@ exits 1 while any shown result is stale; the writeup marks each stale table and 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cs336_systems.measured_code import ANSWERS_MARKER, LIBRARY, changed_since, measuring_part  # noqa: F401
-from cs336_systems.results import REPO_ROOT
+from cs336_systems.measured_code import (  # noqa: F401  (the mechanism lives in the library)
+    ANSWERS_MARKER,
+    LIBRARY,
+    MODEL,
+    TIMING,
+    Freshness,
+    changed_since,
+    freshness,
+    measuring_part,
+)
+from cs336_systems.results import REPO_ROOT, result_metas
 
-#: What every measured section depends on beyond its own paths: the model and the model presets.
-MODEL = ("cs336-basics/cs336_basics/", "cs336_systems/configs.py")
-#: The timing and sweep machinery every single-GPU measurement runs through.
-TIMING = ("cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/timing.py",
-          "cs336_systems/benchmarking/sweep.py")
 STALE_MARK = "STALE"
-
-
-@dataclass(frozen=True)
-class Freshness:
-    """``state``: ``fresh`` or ``stale``; ``commit``: the measured commit; ``changed``: library files
-    changed since (in ``depends``); ``reason``: one line for people."""
-
-    state: str
-    commit: str | None
-    changed: tuple[str, ...]
-    reason: str
-
-    @property
-    def stale(self) -> bool:
-        return self.state == "stale"
-
-
-def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_ROOT) -> Freshness:
-    """How current the result described by ``meta`` is, given the paths its section depends on."""
-    raw = str(meta.get("git_commit") or "")
-    commit = raw.removesuffix("-dirty")
-    if not commit or commit == "unknown":
-        return Freshness("stale", None, (), "no commit recorded: the code it measured is unknown")
-    if raw.endswith("-dirty"):
-        return Freshness("stale", commit, (), f"measured with uncommitted library changes on top of {commit[:9]}")
-    changed = changed_since(commit, tuple(depends), Path(repo))
-    if changed is None:
-        return Freshness("stale", commit, (), f"measured at {commit[:9]}, a commit this repository does not have")
-    if changed:
-        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-        return Freshness("stale", commit, changed, f"measured at {commit[:9]}; changed since: {shown}")
-    return Freshness("fresh", commit, (), f"measured at {commit[:9]} on the current code")
-
-
-def result_metas(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every ``<name>.meta.json`` of a results folder (unreadable ones as empty records)."""
-    metas = {}
-    for path in sorted(Path(folder).glob("*.meta.json")):
-        try:
-            metas[path.name.removesuffix(".meta.json")] = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            metas[path.name.removesuffix(".meta.json")] = {}
-    return metas
 
 
 @dataclass(frozen=True)
