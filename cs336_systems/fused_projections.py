@@ -68,7 +68,7 @@ def _store_unfused(module: nn.Module, fused: str, parts: tuple[str, ...]) -> Non
 class PackedRopeTables(nn.Module):
     """``cos θ`` and ``sin θ`` of a ``RotaryEmbedding`` as contiguous ``(context, d/2)`` float32 tables for the
     packed kernels. The embedding keeps ``(context, d/2, 2)`` per-pair tables, whose columns read at stride 2
-    cost the rotation kernel a fifth more time (``docs/training_step/ab/rope``). One per embedding, shared by
+    slow the rotation kernel down (measured in ``docs/training_step/NOTES.md``). One per embedding, shared by
     the blocks as the embedding is; non-persistent buffers, so checkpoints do not change."""
 
     def __init__(self, rope: RotaryEmbedding):

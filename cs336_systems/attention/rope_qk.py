@@ -14,7 +14,7 @@ A token's Q and K are ``2·heads·d`` contiguous values, so a program takes ``BL
 ``2·BLOCK_P`` of those columns, whatever the head count, and reads the angle of pair ``p`` at
 ``p mod d/2``. Programs of one head each (128-byte rows) ran the forward at 19 µs at small 1024 where
 this runs at 17, and at 65 µs with the model's stride-2 tables where this runs at 21 (H100,
-``docs/training_step/ab/rope``).
+``docs/training_step/ab/rope.tar.gz``).
 
 Imported lazily with the attention kernels (``@triton.jit`` decides at decoration whether to compile).
 """
