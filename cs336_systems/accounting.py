@@ -29,7 +29,6 @@ from typing import Any
 from .configs import (
     PRESETS,
     ModelConfig,
-    activation_elements_per_layer,
     dtype_bytes,
     get_config,
     memory_breakdown,
@@ -215,11 +214,6 @@ def compute_bound_batch(model: FFNModel, mesh: Mesh, *, comm_bytes: int = 2) -> 
     }
 
 
-def optimal_fsdp_degree(model: FFNModel, batch_tokens: float, num_devices: int, M_X: int = 2, M_Y: int = 1) -> float:
-    """The ``X`` that equalises FSDP and TP communication for ``N`` chips: ``sqrt(B·N·M_X / (F·M_Y))``."""
-    return math.sqrt(batch_tokens * num_devices * M_X / (model.d_ff * M_Y))
-
-
 # --------------------------------------------------------------------------------------------------
 # 2. Per-rank memory and traffic of the strategies in this package
 # --------------------------------------------------------------------------------------------------
@@ -389,7 +383,3 @@ def largest_trainable_preset(
     ]
     return max(fitting, key=lambda c: param_counts(c)["total"]).name if fitting else None
 
-
-def activation_bytes_per_layer(cfg: str | ModelConfig, batch_size: int, context_length: int, dtype: str = "fp32") -> float:
-    """Bytes one block saves for backward (re-exported for notebooks that break activations down)."""
-    return float(sum(activation_elements_per_layer(cfg, batch_size, context_length).values()) * dtype_bytes(dtype))

@@ -5,7 +5,6 @@ device the numbers were measured on (read from the results' provenance, not from
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -130,9 +129,3 @@ def _minor_log_label(value: float, _pos: Any = None) -> str:
     mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
     return f"{value:g}" if round(mantissa) in (2, 3, 5) and abs(mantissa - round(mantissa)) < 1e-6 else ""
 
-
-def category_order(values: Sequence[Any], order: Sequence[Any]) -> list[Any]:
-    """``values`` de-duplicated, in ``order`` first (a canonical order such as model sizes), then the rest
-    in order of appearance."""
-    seen = list(dict.fromkeys(values))
-    return [v for v in order if v in seen] + [v for v in seen if v not in order]

@@ -425,13 +425,6 @@ def run_benchmark(cfg: DDPBenchConfig, nproc: int = 2, backend: str | None = Non
     return runner.run_on_ranks(ddp_benchmark_worker, nproc, cfg, backend=backend)[0]
 
 
-def load_measured(name: str, section: str = SECTION) -> Any:
-    """A committed GPU result table from ``figures/<section>/<name>.csv``, or ``None`` if not measured yet."""
-    from cs336_systems.results import FIGURES_DIR, has_result, load_table
-
-    return load_table(section, name, FIGURES_DIR) if has_result(section, name, FIGURES_DIR) else None
-
-
 # --------------------------------------------------------------------------------------------------
 # Figures, result files and the command line
 # --------------------------------------------------------------------------------------------------

@@ -206,10 +206,6 @@ def init_snapshot(device: torch.device) -> dict[str, float]:
     return {"after_init_allocated": probe.allocated(), "after_init_peak": probe.peak()}
 
 
-def max_over_ranks(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
-    return {k: max(r[k] for r in rows) for k in keys}
-
-
 # --------------------------------------------------------------------------------------------------
 # Optimizer-state sharding
 # --------------------------------------------------------------------------------------------------

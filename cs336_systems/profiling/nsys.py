@@ -51,7 +51,3 @@ def run_nsys(benchmark_args: Sequence[str], output: str | Path, *, check: bool =
     subprocess.run(nsys_command(benchmark_args, output), check=check)
     return Path(f"{output}.nsys-rep")
 
-
-def nsys_stats_command(report: str | Path, report_name: str = "cuda_gpu_kern_sum") -> list[str]:
-    """``nsys stats`` command printing a per-kernel summary (CSV) of a report."""
-    return ["nsys", "stats", "--report", report_name, "--format", "csv", str(report)]
