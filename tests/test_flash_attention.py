@@ -186,7 +186,7 @@ def test_polynomial_exp2_accuracy() -> None:
 
     from cs336_systems.attention import flash_triton
 
-    kernel = flash_triton._kernels().exp2_fma_kernel
+    kernel = flash_triton.kernel_module().exp2_fma_kernel
     x = torch.cat([torch.linspace(-120, 0.25, 4093, device=DEVICE), torch.tensor([float("-inf"), -1e30, 0.0], device=DEVICE)])
     y = torch.empty_like(x)
     kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
@@ -215,7 +215,7 @@ def test_polynomial_exp2_path_matches_reference(dtype: torch.dtype, monkeypatch:
     with options.use(poly_exp2="all") as opts:
         assert opts.poly_exp2 == {"forward", "dkdv", "dq"}
         assert all(c.kwargs["POLY_EXP2"] for p in ("forward", "dkdv", "dq")
-                   for c in flash_triton._kernels().tuned(p, opts).configs)
+                   for c in flash_triton.kernel_module().tuned(p, opts).configs)
         poly = _error(_run(FlashAttentionTriton.apply, q, k, v, do, True), want)
     floor = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for name, a, b in zip(NAMES, poly, hw):
@@ -244,7 +244,7 @@ def test_programs_run_heads_in_l2_groups(batch: int, heads: int, n: int, group: 
     heads is the plain heads-fastest order."""
     from cs336_systems.attention import flash_triton
 
-    kernel = flash_triton._kernels().program_order_kernel
+    kernel = flash_triton.kernel_module().program_order_kernel
     block = 16
     n_tiles, n_bh = -(-n // block), batch * heads
     out = torch.full((n_tiles * n_bh, 3), -1, dtype=torch.int32, device=DEVICE)
@@ -395,7 +395,7 @@ def test_exponential_is_tuned_with_the_tile_unless_set(monkeypatch: pytest.Monke
     while an explicit ``poly_exp2`` overrides every pin."""
     from cs336_systems.attention import flash_triton
 
-    kernels = flash_triton._kernels()
+    kernels = flash_triton.kernel_module()
     Tile = options.Tile
     tiles = (Tile(64, 64, 4, 3, poly=False), Tile(64, 64, 4, 3), Tile(32, 64, 4, 3, poly=True))
     monkeypatch.setattr(kernels.tuning, "INTERPRETED", False)
@@ -410,7 +410,7 @@ def test_exponential_is_tuned_with_the_tile_unless_set(monkeypatch: pytest.Monke
 def test_tuned_kernels_are_cached_per_option_set() -> None:
     from cs336_systems.attention import flash_triton
 
-    kernels = flash_triton._kernels()
+    kernels = flash_triton.kernel_module()
     a, b = options.FlashOptions(), options.FlashOptions(autotune=False)
     assert kernels.tuned("forward", a) is kernels.tuned("forward", options.FlashOptions())
     assert kernels.tuned("forward", a) is not kernels.tuned("forward", b)
@@ -689,7 +689,7 @@ def test_dq_tiles_are_pruned_to_fit_shared_memory(monkeypatch, dtype: torch.dtyp
 
     from cs336_systems.attention import flash_triton
 
-    kernels = flash_triton._kernels()
+    kernels = flash_triton.kernel_module()
     monkeypatch.setattr(kernels.tuning, "_shared_memory_bytes", lambda device_index: 232448)
     prune = kernels.tuning._fit_configs(*kernels.flash_bwd.DQ_SMEM)
     q = torch.empty(1, 1, 64, 128, dtype=dtype)
@@ -704,7 +704,7 @@ def test_pruning_keeps_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None
 
     from cs336_systems.attention import flash_triton
 
-    kernels = flash_triton._kernels()
+    kernels = flash_triton.kernel_module()
     monkeypatch.setattr(kernels.tuning, "_shared_memory_bytes", lambda device_index: 232448)
     q = torch.empty(1, 1, 64, 64, dtype=torch.bfloat16)
     def config(poly: bool, maxnreg: int | None) -> triton.Config:
@@ -772,7 +772,7 @@ def test_dkdv_pruning_drops_tiles_the_descriptors_cannot_take(monkeypatch: pytes
 
     from cs336_systems.attention import flash_triton
 
-    kernels = flash_triton._kernels()
+    kernels = flash_triton.kernel_module()
     monkeypatch.setattr(kernels.tuning, "_shared_memory_bytes", lambda device_index: 232448)
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 64}, num_warps=4, num_stages=3) for m in (16, 32, 64)]
     args = {"HEAD_DIM": 64, "D_MAIN": 64, "D_TAIL": 0, "Q": torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),

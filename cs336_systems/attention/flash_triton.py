@@ -495,3 +495,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) ->
         q, k, v = (_unit_stride_d(t) for t in (q, k, v))
         return flash_attention_forward(q, k, v, is_causal, 1.0 / math.sqrt(d))[0]
     return FlashAttentionTriton.apply(q, k, v, is_causal)
+
+
+#: The entry points benchmarks call directly, beside the custom operators above that tracers see: the eager
+#: launch paths (what an eager call runs, replayed plans included) and the kernel module as decorated now.
+eager_forward = _forward
+eager_backward = _backward
+kernel_module = _kernels

@@ -9,7 +9,7 @@ launch code three ways, alternating in one process, rotating the order each roun
 - ``custom_op``: through the registered operators, as a compiled graph calls them;
 - ``library``: through a twin pair registered with ``torch.library.Library`` ``define``/``impl`` plus a fake
   (shape-only) kernel: opaque to tracing in the same way, without ``custom_op``'s wrapper;
-- ``direct``: the launch functions themselves (``flash_triton._forward``, ``_backward``), what eager calls run.
+- ``direct``: the launch functions themselves (``flash_triton.eager_forward``, ``eager_backward``), what eager calls run.
 
 Each is timed as host microseconds per forward+backward pair while the GPU sleeps
 (:func:`cs336_systems.benchmarking.flash_host_overhead.host_us`), so only the cost of issuing the work counts.
@@ -41,8 +41,8 @@ _LIBRARY.define("flash_attention_backward(Tensor do, Tensor q, Tensor k, Tensor 
                 "bool is_causal, float scale) -> (Tensor, Tensor, Tensor)")
 # CompositeExplicitAutograd: one kernel for every device (CUDA, and CPU under the Triton interpreter); these
 # operators run inside an autograd function, as ours do, so they need no autograd formula of their own.
-_LIBRARY.impl("flash_attention_forward", flash_triton._forward, "CompositeExplicitAutograd")
-_LIBRARY.impl("flash_attention_backward", flash_triton._backward, "CompositeExplicitAutograd")
+_LIBRARY.impl("flash_attention_forward", flash_triton.eager_forward, "CompositeExplicitAutograd")
+_LIBRARY.impl("flash_attention_backward", flash_triton.eager_backward, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake(f"{NAMESPACE}::flash_attention_forward")
@@ -62,7 +62,7 @@ def _paths() -> dict[str, tuple[Callable[..., tuple[Tensor, ...]], Callable[...,
         "custom_op": (torch.ops.cs336_systems.flash_attention_forward,
                       torch.ops.cs336_systems.flash_attention_backward),
         "library": (twin.flash_attention_forward, twin.flash_attention_backward),
-        "direct": (flash_triton._forward, flash_triton._backward),
+        "direct": (flash_triton.eager_forward, flash_triton.eager_backward),
     }
 
 

@@ -65,7 +65,7 @@ def _config_label(config: Any) -> str:
 
 def _tuning_state() -> dict[str, Any]:
     """Per tuned kernel, the object holding its latest tuning timings (changes whenever it tunes)."""
-    kernels, opts = flash_triton._kernels(), options.current()
+    kernels, opts = flash_triton.kernel_module(), options.current()
     return {name: getattr(kernels.tuned(phase, opts), "configs_timings", None) for name, phase in TUNED_KERNELS.items()}
 
 
@@ -120,7 +120,7 @@ def run_kernel_breakdown(
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
     kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
 
-    chosen, opts = flash_triton._kernels(), options.current()
+    chosen, opts = flash_triton.kernel_module(), options.current()
     tuning_rows = []
     for name, phase in TUNED_KERNELS.items():
         best = getattr(chosen.tuned(phase, opts), "best_config", None)
