@@ -19,7 +19,8 @@ def test_every_section_is_a_complete_unit() -> None:
     for name, section in SECTIONS.items():
         assert set(section.presets) == set(PRESETS), name
         assert section.run is not None and callable(section.answer), name
-        assert f"cs336_systems/experiments/{name}.py" in section.depends, "its own module measures too"
+        own = {f"cs336_systems/experiments/{name}.py", f"cs336_systems/experiments/{name}/"}  # a module or a package
+        assert own & set(section.depends), "its own module measures too"
         for preset in PRESETS:  # every preset is a valid parameter set of one typed dataclass
             assert type(section.presets[preset]) is section.params_type
         if section.derive is not None:

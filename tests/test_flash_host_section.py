@@ -38,7 +38,7 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     folder = tmp_path / "flash_benchmarking"
     folder.mkdir()
     flash_host.summarize_host_overhead(_rows()).to_csv(folder / "host_overhead_summary.csv", index=False)
-    (question,) = fb._host(SectionData(tmp_path, "flash_benchmarking"))
+    (question,) = fb.answers._host(SectionData(tmp_path, "flash_benchmarking"))
     assert question.label == "host"
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
     assert "costs our attention 810–1,000 µs of CPU time over 2 shapes" in text
@@ -48,7 +48,7 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     assert list(table.frame.columns) == ["batch", "heads", "seq_len", "head_dim", "layout", "ours host µs",
                                          "sdpa_cudnn host µs", "ours gpu µs", "sdpa_cudnn gpu µs"]
     assert len(table.frame) == 2 and table.frame["ours host µs"].tolist() == [1000.0, 810.0]
-    assert fb._host(SectionData(tmp_path / "none", "flash_benchmarking")) == []
+    assert fb.answers._host(SectionData(tmp_path / "none", "flash_benchmarking")) == []
 
 
 def test_bad_host_parameters_are_one_line_errors() -> None:

@@ -66,7 +66,7 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     folder = tmp_path / "flash_benchmarking"
     folder.mkdir()
     flash_kernels.summarize_losers(_kernels()).to_csv(folder / "losers.csv", index=False)
-    (question,) = fb._losers(SectionData(tmp_path, "flash_benchmarking"))
+    (question,) = fb.answers._losers(SectionData(tmp_path, "flash_benchmarking"))
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
     assert "at the 2 shapes where ours loses most to cuDNN" in text and "lies in the forward at 2" in text
     assert "our slowest kernel there: `flash_backward_dkdv_kernel` at 1 and `flash_forward_kernel` at 1." in text

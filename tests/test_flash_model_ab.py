@@ -127,7 +127,7 @@ def test_merge_rows_by_a_cell_of_several_columns() -> None:
 def test_writeup_table_has_a_row_per_preset_and_context_eager_then_compiled() -> None:
     summary = pd.DataFrame([{"preset": "small", "context_length": 1024, "compile": c, "baseline_ms": b, "ours_ms": o,
                              "verdict": v} for c, b, o, v in ((True, 9.0, 9.5, "sdpa"), (False, 20.0, 19.0, "tie"))])
-    table = fb._model_ab_table(summary, "sdpa", "flash_triton")
+    table = fb.answers._model_ab_table(summary, "sdpa", "flash_triton")
     assert table.to_dict("records") == [{"preset": "small", "context_length": 1024, "eager sdpa ms": 20.0,
                                          "eager flash_triton ms": 19.0, "eager verdict": "tie",
                                          "compiled sdpa ms": 9.0, "compiled flash_triton ms": 9.5,
@@ -137,9 +137,9 @@ def test_writeup_table_has_a_row_per_preset_and_context_eager_then_compiled() ->
 def test_cells_of_the_recorded_grid_without_a_row_are_named() -> None:
     summary = pd.DataFrame({"preset": ["xl", "xl"], "context_length": [1024, 1024], "compile": [False, True]})
     params = {"ab_presets": ["xl"], "ab_contexts": [1024, 4096], "ab_compile": [False, True]}
-    assert fb._model_ab_absent(summary, params) == [("xl", 4096, False), ("xl", 4096, True)]
-    assert fb._model_ab_absent(summary, {**params, "ab_contexts": [1024]}) == []
-    assert fb._model_ab_absent(summary, {}) == []
+    assert fb.answers._model_ab_absent(summary, params) == [("xl", 4096, False), ("xl", 4096, True)]
+    assert fb.answers._model_ab_absent(summary, {**params, "ab_contexts": [1024]}) == []
+    assert fb.answers._model_ab_absent(summary, {}) == []
 
 
 def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(tmp_path) -> None:
@@ -153,7 +153,7 @@ def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(
         table = pd.DataFrame(sum((_rows({"preset": "small", "context_length": 1024, "compile": c},
                                         {"sdpa": [10.0, 10.4], "flash_triton": [10.1, 10.2]}) for c in compiles), []))
         flash_model.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
-        (question,) = fb._model_ab(SectionData(tmp_path, "flash_benchmarking"))
+        (question,) = fb.answers._model_ab(SectionData(tmp_path, "flash_benchmarking"))
         return " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
 
     assert "default mode" in answer([False, True]) and "no CUDA graphs" in answer([True])
@@ -162,11 +162,11 @@ def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(
 
 def test_cells_no_job_measured_are_named_even_when_the_last_job_covered_only_its_own() -> None:
     """Each model_ab job measures part of the grid: the absent cells come from all the jobs, not the last."""
-    planned = fb._model_ab_planned()
+    planned = fb.answers._model_ab_planned()
     assert len(planned) == len(set(planned)) == 18  # small, medium, xl × 1024, 2048, 4096 × eager, compiled
     summary = pd.DataFrame({"preset": ["medium"], "context_length": [4096], "compile": [True]})
     last_job = {"ab_presets": ["medium"], "ab_contexts": [4096], "ab_compile": [True]}
-    absent = fb._model_ab_absent(summary, last_job, planned)
+    absent = fb.answers._model_ab_absent(summary, last_job, planned)
     assert len(absent) == 17 and ("medium", 4096, True) not in absent and ("xl", 2048, True) in absent
 
 
@@ -183,7 +183,7 @@ def test_answer_names_the_cells_each_implementation_won(tmp_path) -> None:
                 {"sdpa": [10.0, 10.1], "flash_triton": [12.0, 12.2]})  # sdpa
     )
     flash_model.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
-    (question,) = fb._model_ab(SectionData(tmp_path, "flash_benchmarking"))
+    (question,) = fb.answers._model_ab(SectionData(tmp_path, "flash_benchmarking"))
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
     assert "1 tie (the medians differ by less than the larger spread of the rounds)" in text
     assert "flash_triton faster in 0, sdpa faster in 1 (small at 2,048, compiled)" in text

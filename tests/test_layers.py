@@ -152,3 +152,10 @@ def test_the_workbook_runs_on_a_stand_in_assignment_1_package(tmp_path: Path) ->
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "trained a step" in done.stdout
+
+
+def test_no_module_over_700_lines() -> None:
+    """A module a reader can hold in mind: a longer one is two things (a harness and its section, say)."""
+    long = sorted(f"{path.relative_to(REPO)} ({n})" for path in _modules().values()
+                  if (n := len(path.read_text(encoding="utf-8").splitlines())) > 700)
+    assert not long, "modules over 700 lines: " + ", ".join(long)

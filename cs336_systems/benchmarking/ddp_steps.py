@@ -1,43 +1,24 @@
 """DDP training-step benchmark (§2.2–§2.3): every strategy next to single-GPU training and
-``torch.nn.parallel.DistributedDataParallel``, in the same run, plus torch.profiler timelines.
+``torch.nn.parallel.DistributedDataParallel`` in the same run, plus torch.profiler timelines.
 
-Each variant trains the same model from the same initial weights on the same data (``batch_per_rank``
-sequences per rank) for ``warmup`` + ``steps`` optimizer steps. CUDA events recorded on the compute
-stream split every step without stalling the host:
+Each variant trains the same model from the same weights on the same data (``batch_per_rank`` sequences per
+rank) for ``warmup`` + ``steps`` steps. CUDA events on the compute stream split every step without stalling the
+host: ``step_ms`` (forward, backward, gradient synchronisation, optimizer step); ``sync_ms`` (end of backward's
+compute to averaged gradients in place: the communication backward did *not* hide; not separable for torch DDP,
+which synchronises inside ``backward()``); ``overhead_ms`` (``step_ms`` minus the single-GPU step of the same
+run: what data parallelism costs, comparable across every strategy). Rows report the slowest rank's means and
+its median step (``step_ms_median``), which occasional slow steps of a host-bound run do not move.
 
-- ``step_ms`` — forward + backward + gradient synchronisation + optimizer step;
-- ``sync_ms`` — from the end of backward's compute to the averaged gradients being in place: the
-  communication backward did *not* hide (all of it for ``naive``/``flat``; only the tail for the
-  overlapped strategies; not separable for torch DDP, which synchronises inside ``backward()``);
-- ``overhead_ms`` — ``step_ms`` minus the single-GPU step in the same run: what data parallelism costs,
-  comparable across all strategies including torch DDP.
+``cuda_graph`` variants capture the whole step in a CUDA graph after eager warm-up and time its replays
+(:mod:`cs336_systems.cuda_graphs`): what remains is GPU time, so those rows have only ``step_ms``. ``single``
+runs the unwrapped model on every rank with no communication (the ideal); ``torch`` is DDP with its defaults
+or, with ``comm_dtype=bf16``, its ``bf16_compress_hook``, the built-in equivalents of our variants. For the
+strategies in ``profile``, one step runs under torch.profiler and is reduced to GPU kernel intervals per
+stream, which :func:`~cs336_systems.profiling.timeline.plot_timeline` draws.
 
-``cuda_graph`` variants capture the whole step (forward, backward with its gradient hooks and their
-all-reduces, synchronisation, optimizer) in a CUDA graph after eager warm-up and time its replays
-(:mod:`cs336_systems.cuda_graphs`): the host no longer launches anything inside the step, so what
-remains is GPU time. The phases inside a graph cannot be timed separately, so those rows have only
-``step_ms``.
-
-Rows report the slowest rank's means (a step is done when the slowest rank is done), and that rank's
-median step time (``step_ms_median``), which occasional slow steps of a host-bound run do not move.
-
-``single`` runs the unwrapped model on every rank at once with no communication (the ideal).
-``torch`` is DDP with its defaults (25 MiB buckets) or, with ``comm_dtype=bf16``, its
-``bf16_compress_hook`` — the built-in equivalents of our variants.
-
-Command line (the course-style script: under torchrun or srun every rank runs it; without them it spawns
-``--nproc`` local ranks)::
-
-    python -m cs336_systems.benchmarking.ddp_steps --mode flat individual bucketed --bucket-size-mb 25
-    torchrun --nproc-per-node 2 -m cs336_systems.benchmarking.ddp_steps --mode bucketed --bucket-size-mb 1 10 100 1000
-    srun -n 2 python -m cs336_systems.benchmarking.ddp_steps --mode individual
-
-``single`` and ``torch`` are always added as baselines unless ``--no-baselines``. Results go to
-``figures/ddp_benchmark/<name>_<preset>_<autocast>.*`` and to every section folder the modes cover.
-
-Timelines: for the strategies in ``profile``, one step runs under torch.profiler; its Chrome trace is
-reduced to a small table of GPU kernel intervals per stream (compute kernels merged when contiguous;
-NCCL kernels kept), which :func:`~cs336_systems.profiling.timeline.plot_timeline` draws.
+Command line: ``python -m cs336_systems.benchmarking.ddp_steps --mode ...`` spawns ``--nproc`` local ranks, or
+runs on every rank under torchrun or srun (``docs/guide/distributed.md`` lists the forms); ``single`` and
+``torch`` are added as baselines unless ``--no-baselines``.
 """
 
 from __future__ import annotations

@@ -93,10 +93,15 @@ class Section:
     ``python -m cs336_systems.experiments NAME --job N`` runs the N-th."""
 
     def __post_init__(self) -> None:
-        # The section's own module measures too (above its answers marker): a change there stales results.
-        module = getattr(sys.modules.get(self.answer.__module__), "__file__", None)
+        # The section's own module measures too (above its answers marker): a change there stales results. A
+        # section grown into a package (its answers in a module of their own) measures in the whole package.
+        module = getattr(sys.modules.get((self.run or self.answer).__module__), "__file__", None)
         resolved = Path(module).resolve() if module else None
+        if resolved is not None and resolved.name == "__init__.py":
+            resolved = resolved.parent
         path = resolved.relative_to(REPO_ROOT).as_posix() if resolved and resolved.is_relative_to(REPO_ROOT) else None
+        if path and resolved is not None and resolved.is_dir():
+            path += "/"
         if path and path not in self.depends:
             object.__setattr__(self, "depends", (*self.depends, path))
         if self.editions and self.derive is not None:  # replot reads figures/<name>/ only

@@ -1,0 +1,384 @@
+"""§1.3.2 FlashAttention-2 in Triton: parameters, the wiring of its parts, derived figures and the answers.
+
+Problems ``flash_forward``, ``flash_backward`` and ``flash_benchmarking``. ``python -m
+cs336_systems.experiments flash_benchmarking --set parts=sweep,leaderboard`` runs the parts named; each
+part's harness lives in :mod:`cs336_systems.benchmarking.flash`:
+
+- ``leaderboard`` (:mod:`~cs336_systems.benchmarking.flash.leaderboard`): the handout's configuration,
+  compiled forward then backward, against SDPA's flash and cuDNN backends in the same run.
+- ``sweep`` (:mod:`~cs336_systems.benchmarking.flash.sweep`): batch 1, one head, causal; every sequence length
+  x head dimension x dtype; forward, backward and forward+backward latency of ours, naive PyTorch and SDPA
+  pinned to each backend. Failures are results: ``OOM``, ``unsupported``, ``skipped (time budget)``.
+- ``model`` and ``model_ab`` (:mod:`~cs336_systems.benchmarking.flash.model`): a training step with each
+  attention over context lengths (time, peak memory), and ours against SDPA in eager and compiled steps.
+- ``breakdown`` and ``losers`` (:mod:`~cs336_systems.benchmarking.flash.kernels`): our kernels one by one and
+  the autotuner's choices; the shapes where we trail cuDNN, kernel by kernel.
+- ``shapes`` (:mod:`~cs336_systems.benchmarking.flash.shapes`): the shapes grid against the fast backends.
+- ``host`` (:mod:`~cs336_systems.benchmarking.flash.host`): the host's cost per call.
+
+The default parts are leaderboard, sweep and model, in that order. Without a GPU the section runs a tiny smoke
+version (PyTorch-tiled flash, naive and SDPA's math path on CPU), so that the code path is exercised.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+
+from cs336_systems.attention import (
+    flash_triton,
+    options,
+)
+from cs336_systems.benchmarking.flash.host import run_host_overhead, summarize_host_overhead
+from cs336_systems.benchmarking.flash.kernels import (
+    CANDIDATE_SETS,
+    run_kernel_breakdown,
+    run_losers,
+    summarize_losers,
+    worst_shapes,
+)
+from cs336_systems.benchmarking.flash.leaderboard import leaderboard_summary, run_leaderboard
+from cs336_systems.benchmarking.flash.model import (
+    MODEL_AB_IMPLS,
+    MODEL_AB_ROUND,
+    MODEL_AB_SAME,
+    plot_model_comparison,
+    run_model_ab,
+    run_model_comparison,
+    summarize_model_ab,
+)
+from cs336_systems.benchmarking.flash.shapes import (
+    SHAPES_BHN,
+    SHAPES_IMPLS,
+    SHAPES_SMOKE_IMPLS,
+    plot_shapes,
+    run_shapes,
+    shapes_ratio,
+    shapes_summary,
+)
+from cs336_systems.benchmarking.flash.sweep import (
+    SWEEP_DTYPES,
+    SWEEP_HEAD_DIMS,
+    SWEEP_SEQ_LENS,
+    _poly_exp2_label,
+    plot_latency,
+    plot_speedup,
+    run_flash_sweep,
+    speedup_table,
+)
+from cs336_systems.benchmarking.sweep import OK
+from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, param
+from cs336_systems.measured_code import MODEL
+from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
+
+SECTION = "flash_benchmarking"
+PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab", "host", "losers")
+
+
+@dataclass(frozen=True)
+class Params:
+    parts: list[str] = param(["leaderboard", "sweep", "model", "host"], f"what to run, of {', '.join(PARTS)}")
+    seq_lens: list[int] = param(SWEEP_SEQ_LENS, "sweep: sequence lengths")
+    head_dims: list[int] = param(SWEEP_HEAD_DIMS, "sweep: head dimensions")
+    dtypes: list[str] = param(SWEEP_DTYPES, "sweep: torch dtype names")
+    warmup_ms: float = param(5.0, "do_bench warm-up per timing")
+    rep_ms: float = param(25.0, "do_bench measuring time per timing")
+    sweep_budget_s: float = param(600.0, "sweep: time budget in seconds")
+    lb_batch: int = param(16, "leaderboard: batch (heads folded in)")
+    lb_seq_len: int = param(16384, "leaderboard: sequence length")
+    lb_head_dims: list[int] = param([64, 128], "leaderboard and breakdown: head dimensions")
+    contexts: list[int] = param([1024, 2048, 4096, 8192, 16384], "model: context lengths")
+    model: str = param("small", "model: preset")
+    model_steps: int = param(3, "model: timed steps per cell")
+    model_budget_s: float = param(120.0, "model: time budget in seconds")
+    shapes: list[list[int]] = param(SHAPES_BHN, "shapes: [batch, heads, seq_len] triples")
+    shapes_head_dims: list[int] = param([64, 128], "shapes: head dimensions")
+    shapes_dtypes: list[str] = param(["bfloat16", "float16"], "shapes: torch dtype names")
+    shapes_causal: list[bool] = param([True, False], "shapes: causal settings")
+    shapes_budget_s: float = param(540.0, "shapes: time budget in seconds")
+    shapes_rounds: int = param(3, "shapes: alternating rounds per shape (the implementations in turn, the order "
+                                  "rotating)")
+    ab_presets: list[str] = param(["small", "medium", "xl"], "model_ab: presets")
+    ab_contexts: list[int] = param([1024, 2048, 4096], "model_ab: context lengths")
+    ab_compile: list[bool] = param([False, True], "model_ab: eager and/or torch.compile'd steps")
+    ab_impls: list[str] = param(list(MODEL_AB_IMPLS), "model_ab: baseline attention, then ours")
+    ab_tokens_per_step: int = param(8192, "model_ab: tokens per step (batch = tokens / context)")
+    ab_rounds: int = param(2, "model_ab: alternating rounds per cell")
+    ab_only_rounds: list[int] = param([], "model_ab: measure only these of the cell's rounds (0-based; a later job "
+                                          "measures the rest; empty: all)")
+    ab_steps: int = param(5, "model_ab: timed steps per implementation and round")
+    ab_budget_s: float = param(540.0, "model_ab: time budget in seconds")
+    host_shapes: list[list[int]] = param([[1, 16, 1024, 64], [8, 12, 1024, 64], [8, 25, 1024, 64], [4, 32, 1024, 80]],
+                                         "host: [batch, heads, seq_len, head_dim] (the issue's, then small, xl "
+                                         "and 2.7B at 8,192 or 4,096 tokens)")
+    host_layouts: list[str] = param(["bhsd", "bshd"], "host: contiguous (batch, heads, seq, d) and/or the "
+                                                      "model's head views of (batch, seq, heads, d)")
+    host_rounds: int = param(5, "host: alternating rounds per shape")
+    host_calls: int = param(20, "host: calls per measurement")
+    losers: int = param(6, "losers: how many of the shapes grid's worst shapes (against cuDNN) to profile")
+    losers_rounds: int = param(3, "losers: alternating rounds per shape")
+    candidates: str = param("default", "kernel tiles tried by the autotuner: default | wide")
+    autotune: bool = param(True, "False: each phase's first tile, untuned")
+    poly_exp2: str | None = param(None, "phases on the FMA-pipe exponential: forward,dkdv,dq | all | none "
+                                        "(None: each tile's pin)")
+    gluon: bool = param(True, "the warp-specialized Gluon forward on Hopper (False: the Triton forward)")
+
+    def check(self) -> None:
+        check_parts("flash_benchmarking", self.parts, PARTS)
+        if self.candidates not in CANDIDATE_SETS:
+            raise ValueError(f"flash_benchmarking: candidates must be one of {', '.join(CANDIDATE_SETS)}")
+        if "host" in self.parts:
+            from cs336_systems.benchmarking.flash_host_overhead import LAYOUTS
+
+            check_positive(host_rounds=self.host_rounds, host_calls=self.host_calls)
+            bad = [s for s in self.host_shapes if len(s) != 4 or min(s) < 1]
+            if bad:
+                raise ValueError(f"flash_benchmarking: host_shapes takes [batch, heads, seq_len, head_dim] of positive "
+                                 f"sizes, got {bad[0]}")
+            if not self.host_layouts or set(self.host_layouts) - set(LAYOUTS):
+                raise ValueError(f"flash_benchmarking: host_layouts takes some of {', '.join(LAYOUTS)}, "
+                                 f"got {self.host_layouts}")
+        if "shapes" in self.parts:
+            check_positive(shapes_rounds=self.shapes_rounds)
+        if "losers" in self.parts:
+            check_positive(losers=self.losers, losers_rounds=self.losers_rounds)
+        if "model_ab" in self.parts:
+            if len(self.ab_impls) != 2:
+                raise ValueError(f"flash_benchmarking: ab_impls takes two attention implementations (the baseline, "
+                                 f"then ours), got {self.ab_impls}")
+            check_presets(*self.ab_presets)
+            check_positive(ab_rounds=self.ab_rounds, ab_steps=self.ab_steps,
+                           ab_tokens_per_step=self.ab_tokens_per_step, ab_budget_s=self.ab_budget_s)
+            outside = [r for r in self.ab_only_rounds if not 0 <= r < self.ab_rounds]
+            if outside:
+                raise ValueError(f"flash_benchmarking: ab_only_rounds={self.ab_only_rounds} names round {outside[0]}, "
+                                 f"not one of ab_rounds={self.ab_rounds} (0..{self.ab_rounds - 1})")
+            bad = [c for c in self.ab_contexts if c < 1 or self.ab_tokens_per_step % c]
+            if bad:
+                raise ValueError(f"flash_benchmarking: ab_tokens_per_step={self.ab_tokens_per_step} is not a multiple "
+                                 f"of context {bad[0]}")
+
+
+PRESETS = {
+    "full": Params(),
+    "quick": Params(seq_lens=[2**i for i in range(7, 17, 2)], sweep_budget_s=240.0, contexts=[1024, 4096, 16384],
+                    model_budget_s=60.0),
+    "smoke": Params(seq_lens=[32], head_dims=[16], dtypes=["float32"], warmup_ms=1.0, rep_ms=2.0,
+                    shapes=[[2, 2, 24], [1, 2, 40]], shapes_head_dims=[16], shapes_dtypes=["float32"],
+                    shapes_causal=[True, False], shapes_budget_s=30.0,
+                    sweep_budget_s=30.0, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16],
+                    model="tiny", model_steps=1, model_budget_s=30.0,
+                    ab_presets=["tiny"], ab_contexts=[16, 32], ab_impls=["sdpa", "flash_pytorch"],
+                    ab_tokens_per_step=64, ab_steps=1, ab_budget_s=60.0),
+}
+
+
+def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    """Run the parts ``p.parts`` names under ``p``'s kernel options and write their tables and figures."""
+    changes: dict[str, Any] = {"candidates": CANDIDATE_SETS[p.candidates], "autotune": p.autotune, "gluon": p.gluon}
+    if p.poly_exp2 is not None:
+        changes["poly_exp2"] = p.poly_exp2
+    with options.use(**changes):
+        # Provenance: the kernel options every artefact was measured under.
+        out.params.update(poly_exp2=_poly_exp2_label(), kernel_options=options.current().describe())
+        return _run_parts(p, out)
+
+
+def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    commands, smoke = p.parts, out.smoke
+    if "leaderboard" in commands:
+        for head_dim in p.lb_head_dims:
+            started = time.monotonic()
+            table = run_leaderboard(p.lb_batch, p.lb_seq_len, head_dim)
+            suffix = "" if head_dim == 64 else f"_d{head_dim}"
+            out.table(table, f"leaderboard{suffix}", params={"head_dim": head_dim})
+            summary = leaderboard_summary(table, ours=table["impl"].iloc[0])
+            out.json(summary, f"leaderboard{suffix}_summary", params={"head_dim": head_dim})
+            print(table.to_markdown(index=False, floatfmt=".4g"))
+            print(f"leaderboard d={head_dim} took {time.monotonic() - started:.0f} s")
+            results[f"leaderboard{suffix}"] = table
+    if "sweep" in commands:
+        # One table per dtype, each within its own budget: the handout's full grid is longer than one GPU job
+        # may run, so `--set dtypes=bfloat16` and `--set dtypes=float32` can refresh it in two runs.
+        for dtype in p.dtypes:
+            started = time.monotonic()
+            long = run_flash_sweep(p.seq_lens, p.head_dims, [dtype], warmup_ms=p.warmup_ms, rep_ms=p.rep_ms,
+                                   budget_s=p.sweep_budget_s)
+            out.table(long, f"sweep_{dtype}")
+            results[f"sweep_{dtype}"] = long
+            print(f"sweep {dtype} took {time.monotonic() - started:.0f} s")
+        # The speed-up table and figures are derived (Section.execute, replot) from every per-dtype table in
+        # the results folder, so a run of one dtype combines with an earlier run of the other.
+    if "breakdown" in commands:
+        if smoke and not flash_triton.interpreter_enabled():
+            print("breakdown skipped: it times the Triton kernels, which need a GPU (or TRITON_INTERPRET=1)")
+        else:
+            started = time.monotonic()
+            parts = [run_kernel_breakdown(p.lb_batch, p.lb_seq_len, d) for d in p.lb_head_dims]
+            summary = pd.DataFrame([p[0] for p in parts])
+            kernels = pd.concat([p[1] for p in parts], ignore_index=True)
+            tuning = pd.concat([p[2] for p in parts], ignore_index=True)
+            extra = {"options": options.current().describe(), "poly_exp2": _poly_exp2_label()}
+            out.table(summary, "kernel_breakdown", params=extra)
+            out.table(kernels, "kernel_breakdown_kernels", params=extra)
+            out.table(tuning, "kernel_breakdown_tuning", params=extra)
+            print(summary.to_markdown(index=False, floatfmt=".4g"))
+            ours = kernels[kernels["matmuls"].notna()]
+            print(ours[["head_dim", "name", "calls", "total_ms", "percent", "TFLOP_per_s"]].to_markdown(
+                index=False, floatfmt=".4g"))
+            print(tuning.to_markdown(index=False, floatfmt=".4g"))
+            print(f"breakdown took {time.monotonic() - started:.0f} s")
+            results.update(kernel_breakdown=summary, kernel_breakdown_kernels=kernels, kernel_breakdown_tuning=tuning)
+    if "shapes" in commands:
+        started = time.monotonic()
+        impls = SHAPES_IMPLS if torch.cuda.is_available() else SHAPES_SMOKE_IMPLS
+        long = run_shapes(p.shapes, p.shapes_head_dims, p.shapes_dtypes, p.shapes_causal, impls,
+                          rounds=p.shapes_rounds, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms, budget_s=p.shapes_budget_s)
+        out.table(long, "shapes")
+        ratio = shapes_ratio(long, ours=impls[0])
+        out.table(ratio, "shapes_ratio")
+        baseline = "sdpa_cudnn" if "sdpa_cudnn" in impls else impls[-1]
+        summary = shapes_summary(ratio, baseline)
+        out.json(summary, "shapes_summary")
+        if ratio[f"vs_{baseline}"].notna().any():
+            out.figure(plot_shapes(ratio, f"vs_{baseline}"), "shapes_ratio")
+        print(ratio.to_markdown(index=False, floatfmt=".3g"))
+        print(summary)
+        print(f"shapes took {time.monotonic() - started:.0f} s")
+        results.update(shapes=long, shapes_ratio=ratio, shapes_summary=summary)
+    if "model" in commands:
+        started = time.monotonic()
+        impls = ("naive", "sdpa", "flash_triton") if not smoke else ("naive", "sdpa", "flash_pytorch")
+        table = run_model_comparison(
+            p.contexts, impls, model=p.model, budget_s=p.model_budget_s,
+            precision="fp32" if smoke else "bf16",
+            warmup=min(2, p.model_steps),
+            steps=p.model_steps,
+        )  # fmt: skip
+        out.table(table, "model_step")
+        out.figure(plot_model_comparison(table), "model_step")
+        cols = [
+            c
+            for c in ("context_length", "attention_impl", "status", "total_mean_ms", "peak_memory_GiB")
+            if c in table
+        ]
+        print(table[cols].to_markdown(index=False, floatfmt=".4g"))
+        print(f"model comparison took {time.monotonic() - started:.0f} s")
+        results["model_step"] = table
+    if "host" in commands:
+        if not torch.cuda.is_available():
+            print("host skipped: it measures what CUDA launches cost the CPU, which needs a GPU")
+        else:
+            started = time.monotonic()
+            rows = run_host_overhead(p.host_shapes, p.host_layouts, rounds=p.host_rounds, calls=p.host_calls)
+            summary = summarize_host_overhead(rows)
+            out.table(rows, "host_overhead")
+            out.table(summary, "host_overhead_summary",
+                      extra={"host_us": "CPU µs to issue one forward+backward (the GPU kept busy)",
+                             "gpu_us": "the kernels' GPU µs per call", "wall_us": "µs per call back to back"})
+            print(summary.to_markdown(index=False, floatfmt=".1f"))
+            print(f"host overhead took {time.monotonic() - started:.0f} s")
+            results.update(host_overhead=rows, host_overhead_summary=summary)
+    if "losers" in commands:
+        # The worst shapes come from this job's shapes grid, or from an earlier job's at this commit and device.
+        ratio = results.get("shapes_ratio")
+        if ratio is None and torch.cuda.is_available():
+            ratio = rows_of_this_run(out, "shapes_ratio", out.params, ("shapes", "shapes_head_dims", "shapes_dtypes",
+                                                                       "shapes_causal", "kernel_options"))
+        if not torch.cuda.is_available():
+            print("losers skipped: it profiles GPU kernels, which needs a GPU")
+        elif ratio is None or "vs_sdpa_cudnn" not in ratio:
+            print("losers skipped: it needs this commit's shapes grid against sdpa_cudnn; run --set parts=shapes "
+                  "first (or with it)")
+        else:
+            started = time.monotonic()
+            shapes = worst_shapes(ratio, count=p.losers)
+            kernels = run_losers(shapes, rounds=p.losers_rounds)
+            summary = summarize_losers(kernels)
+            out.table(kernels, "losers_kernels", extra={"gpu_us": "median GPU µs per forward+backward call"})
+            out.table(summary, "losers", extra={"loses_most_in": "the phase with the largest gap, ours - cuDNN"})
+            print(summary.to_markdown(index=False, floatfmt=".1f"))
+            print(f"losers took {time.monotonic() - started:.0f} s")
+            results.update(losers=summary, losers_kernels=kernels)
+    if "model_ab" in commands:
+        started = time.monotonic()
+        table = run_model_ab(p.ab_presets, p.ab_contexts, p.ab_compile, impls=p.ab_impls, rounds=p.ab_rounds,
+                             only_rounds=p.ab_only_rounds,
+                             tokens_per_step=p.ab_tokens_per_step, precision="fp32" if smoke else "bf16",
+                             steps=p.ab_steps, budget_s=p.ab_budget_s)
+        # Split over jobs by preset, compile or round (the grid is longer than one GPU job): rounds of an earlier
+        # job of this commit, device and step settings stay, rounds measured again are replaced.
+        earlier = rows_of_this_run(out, "model_ab", out.params, MODEL_AB_SAME)  # as recorded: kernel options too
+        table = merge_rows(table, earlier, MODEL_AB_ROUND)
+        summary = summarize_model_ab(table, *p.ab_impls[:2])
+        out.table(table, "model_ab")
+        out.table(summary, "model_ab_summary")
+        print(summary.to_markdown(index=False, floatfmt=".4g"))
+        print(f"model A/B took {time.monotonic() - started:.0f} s")
+        results.update(model_ab=table, model_ab_summary=summary)
+    return results
+
+
+
+
+#: The sweep's measured tables, one per dtype (the first is the handout's primary).
+SWEEP_TABLES = tuple(f"sweep_{dtype}" for dtype in SWEEP_DTYPES)
+
+
+def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Any:
+    """The speed-up table and the two sweep figures from whichever per-dtype sweep tables exist."""
+    from cs336_systems.derived import Derived
+
+    present = [name for name in SWEEP_TABLES if tables.get(name) is not None]
+    if not present:
+        raise ValueError(f"no sweep table among {', '.join(SWEEP_TABLES)}")
+    long = pd.concat([tables[name] for name in present], ignore_index=True)
+    # Ours is the Triton kernel; a CPU smoke run has only the PyTorch-tiled one.
+    ours = "triton" if (long["impl"] == "triton").any() else "flash_pytorch"
+    table = speedup_table(long, ours=ours)
+    figures = {}
+    if table["speedup_vs_builtin"].notna().any():
+        figures["sweep_speedup"] = (plot_speedup(table), present[0])
+    if ((long["head_dim"] == 64) & (long["status"] == OK)).any():
+        figures["sweep_latency_d64"] = (plot_latency(long, head_dim=64), present[0])
+    return Derived(tables={"sweep_speedup": (table, present[0])}, figures=figures)
+
+
+# === Answers: formatting only; changes below this line do not make results stale ===
+
+from cs336_systems.experiments.flash_benchmarking.answers import answer  # noqa: E402
+from cs336_systems.experiments.section import Job  # noqa: E402
+
+SECTION = Section(
+    name="flash_benchmarking", number="1.3.2", title="FlashAttention-2 in Triton",
+    problems=("flash_forward", "flash_backward", "flash_benchmarking"), answer=answer, presets=PRESETS, run=run,
+    derive=derive, derive_inputs=SWEEP_TABLES,
+    depends=(*MODEL, "cs336_systems/attention/", "cs336_systems/benchmarking/timing.py",
+             "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py",
+             "cs336_systems/benchmarking/flash_host_overhead.py", "cs336_systems/benchmarking/flash/"),
+    # minutes as measured at 087cb28, 311857a and b0eb683 on a fresh H100 machine (docs/flash_attention/
+    # refresh_b0eb683.md): a compiled cell compiles the whole model once per implementation and round, about 2 min
+    # at xl and 2.5 min at xl 2048 on that host, so xl's compiled cells run one round per job; run again on the
+    # same machine, a compiled job takes about half (jobs 5 and 7: 134 and 156 s), its graphs cached
+    jobs=(
+        Job({"dtypes": ["bfloat16"]}, 4.7, "leaderboard at d 64 and 128, the bf16 sweep, the model step, host cost"),
+        Job({"parts": ["sweep"], "dtypes": ["float32"]}, 5.4),
+        Job({"parts": ["shapes"]}, 7.5),
+        Job({"parts": ["losers"]}, 0.6, "reads the shapes grid of the job before"),
+        Job({"parts": ["model_ab"], "ab_presets": ["small"]}, 5.5, "eager and compiled"),
+        Job({"parts": ["model_ab"], "ab_presets": ["medium", "xl"], "ab_compile": [False]}, 1.3),
+        Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [1024, 2048]}, 6.5),
+        Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [4096]}, 2.8),
+        # xl compiled, measured at 63e88b2 on one warm H100 (jobs 9-14 one after another): round 1 compiles the
+        # model and took 3.5-3.8 min; round 2, run next on the same machine, found the graphs cached (0.6-0.7 min)
+        *(Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [context],
+               "ab_only_rounds": [r]}, minutes[r], f"round {r + 1} of 2"
+              + ("" if r == 0 else "; about 4 min on a machine that has not run round 1"))
+          for context, minutes in ((1024, (3.8, 0.6)), (2048, (3.5, 0.7)), (4096, (3.6, 0.7))) for r in (0, 1)),
+    ),
+)
