@@ -485,7 +485,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) ->
     Under ``torch.compile``, 4-D inputs whose head dim needs no padding call the forward operator instead,
     whose backward is registered on it (``register_autograd``). Dynamo traces an ``autograd.Function``'s
     backward with contiguous gradients, so inside a compiled step dO reached our backward head-major and the
-    graph copied it there first (6.3 µs a layer at small 1024); the operator's backward gets dO in the layout
+    graph copied it there first (a copy per layer); the operator's backward gets dO in the layout
     the step produced it in (token-major, from the output projection). Same kernels, same numbers."""
     d = q.shape[-1]
     if (torch.compiler.is_compiling() and q.dim() == 4 and 1 <= d <= SUPPORTED_HEAD_DIMS[-1]

@@ -113,8 +113,8 @@ class FlashOptions:
     ``gluon``: run the warp-specialized Gluon forward on Hopper where it applies.
     ``gluon_head_views``: let the Gluon forward also read ``(batch, heads, seq, d)`` views of
     ``(batch, seq, heads, d)`` tensors, the layout a Transformer block hands its attention. Correct on an H100
-    but off by default: there it is slower than the Triton forward on such views (147 against 120 µs at
-    (8, 25, 1024, 64); docs/flash_attention/gluon_head_views.md), which therefore runs them.
+    but off by default: there it is slower than the Triton forward on such views (measured in
+    docs/flash_attention/gluon_head_views.md), which therefore runs them.
     ``l2_share``: the share of the GPU's L2 cache that one group of heads' streamed operands may fill; the
     kernels run every tile of a group before the next group starts (``flash_triton.heads_per_l2_group``).
     ``None``: no grouping, heads fastest over the whole grid (the order before grouping, for A/B).
@@ -122,8 +122,7 @@ class FlashOptions:
     replacing its per-length choice (``flash_fwd_sm90.tile_for``), e.g. for A/B.
     ``gluon_min_key_work``: the Gluon forward runs only where one query row's work, keys × head dim (halved
     when causal), is at least this; shorter rows run the Triton forward, whose lighter programs finish
-    sooner. On the H100 the Triton forward was 12-31% faster at every shape up to 64,000 (256-1,000 tokens)
-    and the Gluon forward level or faster from 128,000 (docs/flash_attention/short_forward.md). 0: the Gluon
+    sooner (the threshold and the measurements behind it: docs/flash_attention/short_forward.md). 0: the Gluon
     forward wherever it applies.
     """
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: Tokens and pairs per program: 8 x 256 16-bit values, 4 KiB in and out (the best or within 1 µs of it
-#: at the shapes measured, d 64 and 80, 12 to 32 heads).
+#: Tokens and pairs per program: 8 x 256 16-bit values, 4 KiB in and out (the best, or level with it, at the
+#: shapes measured in docs/training_step/NOTES.md: d 64 and 80, 12 to 32 heads).
 ROPE_BLOCK_T = 8
 ROPE_BLOCK_P = 128
 

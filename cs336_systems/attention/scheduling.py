@@ -32,8 +32,8 @@ def heads_per_l2_group(n_bh: int, streamed_bytes_per_head: int, device: torch.de
 
     Why: every program of a head streams the same K and V. With heads fastest over the whole grid, a wave of
     132 programs at (4, 32, 4096, 128) touches 128 heads' K and V, 256 MiB that no L2 holds, so each program
-    reads them from memory: 32 query tiles x 256 MiB, 2.6 ms at the H100's 3.35 TB/s, where cuDNN's whole
-    forward takes 1.6 ms (docs/flash_attention/l2_head_groups.md)."""
+    reads them from memory: 32 query tiles x 256 MiB, 2.6 ms at the H100's data-sheet 3.35 TB/s, longer than
+    cuDNN's whole forward there (docs/flash_attention/l2_head_groups.md)."""
     share = options.current().l2_share
     if share is None:
         return n_bh

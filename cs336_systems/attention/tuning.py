@@ -152,8 +152,8 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
 def _autotune(configs: list[triton.Config], prune: Callable):
     """``triton.autotune`` keyed on the shape class, with a shorter benchmark per config than Triton's
     (10 ms warm-up, 50 ms of timed runs instead of 25/100) where this Triton lets us pass one: at the
-    leaderboard size 20 ms held about 8 runs of the dK/dV kernel, too few to separate candidates 5%
-    apart, and compilation, not timing, is most of the tuning time."""
+    leaderboard size 20 ms held only a handful of runs of the dK/dV kernel, too few to separate close
+    candidates, and compilation, not timing, is most of the tuning time (docs/flash_attention/NOTES.md)."""
     kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})
     if "do_bench" in inspect.signature(triton.autotune).parameters and not INTERPRETED:
         kwargs["do_bench"] = functools.partial(triton.testing.do_bench, warmup=10, rep=50)

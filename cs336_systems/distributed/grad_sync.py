@@ -121,7 +121,7 @@ class MeanAllReduce:
     launch-bound (bf16 autocast of a large model at a small batch) every microsecond of host time per
     launch lengthens the step one for one. So the launch goes straight to the process group's own
     ``allreduce`` rather than through ``dist.all_reduce``, whose argument checks and logging decorators
-    cost about 30 µs per call (gloo, measured on a CPU), and the per-call lookups of the backend and the
+    cost tens of microseconds per call (docs/ddp/NOTES.md), and the per-call lookups of the backend and the
     world size are done here, once. ``torch`` DDP's reducer calls the process group from C++ for the same
     reason.
 
