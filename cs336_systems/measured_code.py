@@ -193,7 +193,8 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT)
             for path in then_files}
     total = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo)
     missing = {name for name, _ in total - now}  # at the commit (as carried), and nowhere now
-    return tuple(sorted(path for path, defs in then.items() if any(name in missing for name, _ in defs)))
+    return tuple(sorted(path for path, defs in then.items()
+                        if any(key[0] in missing and key not in now for key in defs)))
 
 
 def same_measuring_code(commit: str, now: str, depends: Sequence[str], repo: Path = REPO_ROOT) -> bool:

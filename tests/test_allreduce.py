@@ -94,7 +94,7 @@ def test_merge_replaces_remeasured_rows() -> None:
 def test_cli_gloo_two_ranks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     monkeypatch.setenv("CS336_SMOKE", "1")
-    assert allreduce.main(["--backends", "gloo", "--nproc", "2", "--sizes", "4KB", "400KB"]) == 0
+    assert allreduce.main(["--set", "backends=gloo", "--set", "nproc=2", "--set", "sizes=4KB,400KB"]) == 0
     section = tmp_path / allreduce.SECTION_NAME
     df = pd.read_csv(section / "allreduce.csv")
     assert df["size_bytes"].tolist() == [4000, 400000]

@@ -46,7 +46,7 @@ def test_benchmark_graph_variants_and_validation(monkeypatch: pytest.MonkeyPatch
     benchmark.DDPBenchConfig(modes=["single", "bucketed"]).validate()  # eager alone is fine on CPU
 
     parser = argparse.ArgumentParser()
-    benchmark.add_arguments(parser, modes_default=["single", "bucketed"])
+    benchmark.add_run_arguments(parser, modes_default=["single", "bucketed"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("CS336_SMOKE", "1")
     (parsed,) = benchmark.configs_from_args(parser.parse_args(["--cuda-graph", "both"]))

@@ -1,8 +1,8 @@
 """The house's one-way walls, read from the code's own imports (at any depth, function-local ones included).
 
 - The library (attention/, distributed/, benchmarking/, profiling/, checks/ and the root modules) never imports
-  the workbook: the sections (experiments/), the writeup builder (report/) and their two command lines,
-  replot.py and notebooks.py. What a library function needs of a section is passed in.
+  the workbook: the sections (experiments/), the writeup builder (report/, replotting included) and the
+  notebooks' runner (notebooks.py). What a library function needs of a section is passed in.
 - cs336_basics, the Assignment-1 model, imports nothing of cs336_systems: a user can swap in their own.
 - No module imports itself back through others (no import circles).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = {"cs336_systems": REPO / "cs336_systems", "cs336_basics": REPO / "cs336-basics" / "cs336_basics"}
-WORKBOOK = ("cs336_systems.experiments", "cs336_systems.report", "cs336_systems.replot", "cs336_systems.notebooks")
+WORKBOOK = ("cs336_systems.experiments", "cs336_systems.report", "cs336_systems.notebooks")
 
 
 def _modules() -> dict[str, Path]:
@@ -159,3 +159,13 @@ def test_no_module_over_700_lines() -> None:
     long = sorted(f"{path.relative_to(REPO)} ({n})" for path in _modules().values()
                   if (n := len(path.read_text(encoding="utf-8").splitlines())) > 700)
     assert not long, "modules over 700 lines: " + ", ".join(long)
+
+
+def test_one_command_line_per_layer() -> None:
+    """Sections (experiments), tools (benchmarking), the writeup (report, replot included), notebooks, and the
+    course-style naive DDP script the handout asks for: every other module adds its options to one of these
+    (``add_arguments(parser)``) instead of building a parser of its own."""
+    builders = sorted(name for name, path in _modules().items() if "ArgumentParser(" in path.read_text(encoding="utf-8"))
+    assert builders == ["cs336_systems.benchmarking.__main__", "cs336_systems.experiments.__main__",
+                        "cs336_systems.experiments.naive_ddp", "cs336_systems.notebooks",
+                        "cs336_systems.report.__main__"], builders

@@ -75,5 +75,5 @@ def test_bad_arguments_are_one_line_errors() -> None:
     with pytest.raises(ValueError, match="rounds >= 1"):
         reg.measure((1, 2, 24, 16), rounds=0, device=DEVICE)
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit):
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
             reg.main(["--shape", "1,2,24,16"])

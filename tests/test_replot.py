@@ -1,4 +1,4 @@
-"""Figures drawn from measured tables, and ``python -m cs336_systems.replot`` on committed-style results.
+"""Figures drawn from measured tables, and ``python -m cs336_systems.report replot`` on committed-style results.
 
 The fixtures are small hand-made tables in the measured tables' schemas, so these tests are fast and do
 not depend on what is committed under ``figures/``.
@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from cs336_systems import replot  # noqa: E402
+from cs336_systems.report import replot  # noqa: E402
 from cs336_systems.experiments import fsdp as fsdp_benchmark  # noqa: E402
 from cs336_systems.experiments import optimizer_state_sharding as sharding_benchmark  # noqa: E402
 from cs336_systems.experiments import pytorch_attention, torch_compile  # noqa: E402
@@ -25,6 +25,13 @@ from cs336_systems.plotting import grouped_bars  # noqa: E402
 
 DEVICE = "NVIDIA TestGPU"
 
+
+
+def _replot(argv: list[str]) -> int:
+    """``python -m cs336_systems.report replot ARGV``, in this process."""
+    from cs336_systems.report.__main__ import main
+
+    return main(["replot", *argv])
 
 def _meta(params: dict) -> dict:
     return {"device": DEVICE, "device_type": "cuda", "num_gpus": 2, "gpu_memory_gib": 80.0, "torch": "2.11.0",
@@ -208,7 +215,7 @@ def test_replot_writes_figures_with_the_measuring_runs_provenance(section, tmp_p
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     _commit(tmp_path, section, tables, params)
     before = {p.name: p.read_bytes() for p in (tmp_path / section).iterdir()}
-    written = replot.main([section])
+    written = _replot([section])
     assert written == 0
     folder = tmp_path / section
     for name in figures:
@@ -250,22 +257,23 @@ def test_replot_draws_into_scratch_unless_asked_to_publish(tmp_path, monkeypatch
     _commit(tmp_path / "figures", section, tables, params)
     committed = {p.name: p.read_bytes() for p in (tmp_path / "figures" / section).iterdir()}
 
-    assert replot.main([section]) == 0
+    assert _replot([section]) == 0
     assert {p.name: p.read_bytes() for p in (tmp_path / "figures" / section).iterdir()} == committed
     assert {f"{name}.png" for name in figures} <= {p.name for p in (tmp_path / "scratch" / "figures" / section).iterdir()}
 
-    assert replot.main([section, "--publish"]) == 0
+    assert _replot([section, "--publish"]) == 0
     published = {p.name: p.read_bytes() for p in (tmp_path / "figures" / section).iterdir()}
     assert {f"{name}.png" for name in figures} <= set(published)
-    assert replot.main([section, "--publish"]) == 0  # again, from the same measurements: byte for byte the same
+    assert _replot([section, "--publish"]) == 0  # again, from the same measurements: byte for byte the same
     assert {p.name: p.read_bytes() for p in (tmp_path / "figures" / section).iterdir()} == published
 
 
 def test_replot_cli_rejects_unknown_sections_in_one_line(capsys) -> None:
-    with pytest.raises(SystemExit) as exc:
-        replot.main(["benchmarking_typo"])
-    assert exc.value.code == 2
-    assert "no replot for section(s) benchmarking_typo" in capsys.readouterr().err
+    from cs336_systems.cli import EXIT_USAGE, run_main
+
+    assert run_main(lambda: _replot(["benchmarking_typo"]), "python -m cs336_systems.report") == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "no replot for section(s) benchmarking_typo" in err and err.count("\n") == 1
 
 
 def test_derived_artefacts_record_the_parameters_of_the_job_that_measured_their_input(tmp_path, monkeypatch) -> None:
@@ -327,10 +335,10 @@ def test_a_derived_table_combines_only_inputs_measured_on_the_current_code(tmp_p
 
     measured("small", head)
     measured("2.7B", "0123456789abcdef")  # older code
-    assert replot.main(["training_step"]) == 0
+    assert _replot(["training_step"]) == 0
     steps = section / "steps.csv"  # CS336_FIGURES_DIR: derived beside the measurements
     assert pd.read_csv(steps)["preset"].tolist() == ["small"]
     assert json.loads(steps.with_suffix(".meta.json").read_text())["git_commit"] == head
     measured("small", "fedcba9876543210")  # now neither is current: both combine
-    assert replot.main(["training_step"]) == 0
+    assert _replot(["training_step"]) == 0
     assert sorted(pd.read_csv(steps)["preset"]) == ["2.7B", "small"]

@@ -54,7 +54,7 @@ def test_command_profiles_both_stacks_on_cpu(tmp_path, capsys) -> None:
     assert "reference: host profile of one step" in out and "tottime" in out
     assert set(pd.read_csv(csv)["stack"]) == {"ours", "reference"}
     torch._dynamo.reset()
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="unknown stack 'theirs'"):
         main(["--stacks", "ours,theirs"])
 
 

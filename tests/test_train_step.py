@@ -458,7 +458,7 @@ def test_packed_attention_is_on_by_default_and_the_flag_turns_it_off() -> None:
     def spec_of(*flags: str) -> train_step.StepSpec:
         parser = argparse.ArgumentParser()
         train_step.add_step_arguments(parser)
-        return train_step.step_from_args(parser, parser.parse_args(["--preset", "tiny", *flags]))[0]
+        return train_step.step_from_args(parser.parse_args(["--preset", "tiny", *flags]))[0]
 
     assert spec_of("--fused-projections").packed_attention
     split = spec_of("--fused-projections", "--attention", "flash_triton", "--no-packed-attention")

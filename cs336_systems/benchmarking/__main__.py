@@ -5,6 +5,9 @@ Commands
   sweep      a grid of model benchmarks (presets × modes × contexts × precisions), OOM-tolerant
   attention  the §1.2.1 attention grid, eager or compiled
   nsys       ``model`` under Nsight Systems (when ``nsys`` is installed)
+  and one command per measuring tool (:data:`TOOLS`, e.g. ``train_step``, ``leaderboard_8b``, ``ddp_steps``),
+  each the module of that name's ``add_arguments`` and ``run_command``; ``python -m cs336_systems.benchmarking.TOOL``
+  is the same command.
 
 The writeup's sections run through ``python -m cs336_systems.experiments``. Results go through ResultWriter (``figures/<section>/`` on a GPU, ``.scratch/figures/`` on CPU smoke runs,
 ``CS336_FIGURES_DIR`` overrides). Run ``... <command> --help`` for the options.
@@ -13,12 +16,32 @@ The writeup's sections run through ``python -m cs336_systems.experiments``. Resu
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from .end_to_end import MODES, PRECISIONS
+
+
+#: Measuring tools by command: the module that declares the tool's options (``add_arguments(parser)``) and
+#: runs it (``run_command(args) -> int``). Each validates its values once, as they enter; a bad one is a ValueError.
+TOOLS = {
+    "train_step": "cs336_systems.benchmarking.train_step",
+    "step_kernels": "cs336_systems.benchmarking.step_kernels",
+    "max_context": "cs336_systems.benchmarking.max_context",
+    "matmul_ceiling": "cs336_systems.benchmarking.matmul_ceiling",
+    "optimizer_step": "cs336_systems.benchmarking.optimizer_step",
+    "leaderboard_8b": "cs336_systems.benchmarking.leaderboard_8b",
+    "flash_accuracy": "cs336_systems.benchmarking.flash_accuracy",
+    "flash_host_overhead": "cs336_systems.benchmarking.flash_host_overhead",
+    "op_registration": "cs336_systems.benchmarking.op_registration",
+    "ddp_steps": "cs336_systems.benchmarking.ddp_steps",
+    "ddp_host_overhead": "cs336_systems.benchmarking.ddp_host_overhead",
+    "timeline": "cs336_systems.profiling.timeline",
+    "split_batch_rounding": "cs336_systems.distributed.split_batch_rounding",
+}
 
 
 def _csv(cast: type = str):
@@ -80,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--output", default=".scratch/nsys/benchmark")
     n.add_argument("model_args", nargs=argparse.REMAINDER, help="arguments for the `model` command")
 
+    for command, module in TOOLS.items():
+        tool = importlib.import_module(module)
+        doc = (tool.__doc__ or "").strip()
+        t = sub.add_parser(command, help=doc.split("\n\n")[0].replace("\n", " "), description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        tool.add_arguments(t)
+        t.set_defaults(tool=tool)
     return parser
 
 
@@ -175,8 +205,10 @@ def _cmd_nsys(args: argparse.Namespace) -> None:
     print(f"wrote {report}; summarise with: nsys stats --report cuda_gpu_kern_sum {report}")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tool", None) is not None:
+        return int(args.tool.run_command(args) or 0)
     if args.command == "model":
         _cmd_model(args)
     elif args.command == "sweep":
@@ -185,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _cmd_attention(args)
     elif args.command == "nsys":
         _cmd_nsys(args)
+    return 0
 
 
 if __name__ == "__main__":

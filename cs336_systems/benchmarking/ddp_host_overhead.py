@@ -110,13 +110,15 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking ddp_host_overhead --help``."""
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--name", default="host_overhead_cpu", help="table name under figures/ddp_benchmark/")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     module, cap = scaled_model()
     print(f"XL-structured model at width {D_MODEL}: {len(list(module.parameters()))} parameters, cap {cap:.4f} MiB "
           f"-> {len(size_capped_buckets(list(module.parameters()), cap))} buckets")
@@ -129,6 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     out.table(frame, args.name)
     out.table(summary, f"{args.name}_summary")
     print(out.banner())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking ddp_host_overhead`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["ddp_host_overhead", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

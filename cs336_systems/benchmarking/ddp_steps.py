@@ -9,16 +9,12 @@ which synchronises inside ``backward()``); ``overhead_ms`` (``step_ms`` minus th
 run: what data parallelism costs, comparable across every strategy). Rows report the slowest rank's means and
 its median step (``step_ms_median``), which occasional slow steps of a host-bound run do not move.
 
-``cuda_graph`` variants capture the whole step in a CUDA graph after eager warm-up and time its replays
-(:mod:`cs336_systems.cuda_graphs`): what remains is GPU time, so those rows have only ``step_ms``. ``single``
-runs the unwrapped model on every rank with no communication (the ideal); ``torch`` is DDP with its defaults
-or, with ``comm_dtype=bf16``, its ``bf16_compress_hook``, the built-in equivalents of our variants. For the
-strategies in ``profile``, one step runs under torch.profiler and is reduced to GPU kernel intervals per
-stream, which :func:`~cs336_systems.profiling.timeline.plot_timeline` draws.
+``cuda_graph`` variants time replays of the whole captured step (GPU time only: ``step_ms`` alone). ``single``
+runs the unwrapped model on every rank (the ideal); ``torch`` is DDP with its defaults or its
+``bf16_compress_hook``. Strategies in ``profile`` get one traced step each (:mod:`cs336_systems.profiling.timeline`).
 
-Command line: ``python -m cs336_systems.benchmarking.ddp_steps --mode ...`` spawns ``--nproc`` local ranks, or
-runs on every rank under torchrun or srun (``docs/guide/distributed.md`` lists the forms); ``single`` and
-``torch`` are added as baselines unless ``--no-baselines``.
+Command line: ``python -m cs336_systems.benchmarking ddp_steps`` (spawned ranks, or torchrun's and srun's: the
+forms are in ``docs/guide/distributed.md``).
 """
 
 from __future__ import annotations
@@ -55,9 +51,8 @@ LOW_PRECISION_EQUIVALENCE_TOL = 2e-2
 
 @dataclass
 class DDPBenchConfig:
-    """What to run. ``modes`` from :data:`ALL_MODES`; ``bucket_sizes_mb`` applies to ``bucketed``;
-    ``comm_dtypes`` (``fp32``/``bf16``/``fp16``) to every communicating mode; ``autocast`` is the
-    compute precision (``fp32`` or ``bf16`` autocast; parameters, gradients, optimizer stay fp32)."""
+    """What to run: ``modes`` of :data:`ALL_MODES`, ``bucket_sizes_mb`` for ``bucketed``, ``comm_dtypes`` for every
+    communicating mode, ``autocast`` the compute precision (parameters, gradients, optimizer stay fp32)."""
 
     preset: str = "xl"
     context_length: int = 512
@@ -605,7 +600,8 @@ def write_results(result: dict[str, Any], cfg: DDPBenchConfig, name: str, sectio
     return df
 
 
-def add_arguments(parser: Any, *, modes_default: list[str]) -> None:
+def add_run_arguments(parser: Any, *, modes_default: list[str]) -> None:
+    """The options every DDP step command takes (this tool's and the course-style naive DDP script's)."""
     parser.add_argument("--mode", nargs="+", default=modes_default, choices=list(ALL_MODES),
                         help="strategies to time (single = one GPU, torch = torch DDP)")
     parser.add_argument("--bucket-size-mb", nargs="+", type=float, default=[DEFAULT_BUCKET_SIZE_MB],
@@ -679,15 +675,23 @@ def run_from_args(args: Any) -> list[Any]:
     return frames
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser, modes_default=["naive", "flat", "individual", "bucketed"])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking ddp_steps --help``."""
+    add_run_arguments(parser, modes_default=["naive", "flat", "individual", "bucketed"])
     parser.add_argument("--no-baselines", action="store_true", help="do not add single-GPU and torch DDP runs")
-    args = parser.parse_args(argv)
-    if not args.no_baselines:
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if not args.no_baselines:  # single and torch DDP, the baselines every strategy is read against
         args.mode = [*BASELINES, *[m for m in args.mode if m not in BASELINES]]
     run_from_args(args)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking ddp_steps`` (this module's own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+    return benchmarking(["ddp_steps", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

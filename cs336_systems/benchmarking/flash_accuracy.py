@@ -230,9 +230,8 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.flash_accuracy",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking flash_accuracy --help``."""
     parser.add_argument("--shape", action="append", default=None,
                         help="batch,heads,seq,head_dim (repeatable; default: the §1.3.2 shapes grid)")
     parser.add_argument("--dtype", action="append", default=None,
@@ -250,11 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="stop before a new shape after this long")
     parser.add_argument("--csv", help="write every (shape, implementation, output) row here")
     parser.add_argument("--json", help="write the summary with provenance here")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     try:
         shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else grid_shapes())
     except ValueError:
-        parser.error(f"--shape takes four integers batch,heads,seq,head_dim, got {args.shape}")
+        raise ValueError(f"--shape takes four integers batch,heads,seq,head_dim, got {args.shape}")
     dtypes = [_dtype(name) for name in (args.dtype or ["bfloat16", "float16"])]
     causal = [True, False] if args.causal is None else [args.causal]
     variants = dict(parse_variant(v) for v in args.variant)
@@ -281,6 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"summary": summary, "provenance": provenance(params)}, f, indent=1)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking flash_accuracy`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["flash_accuracy", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -305,9 +305,8 @@ def selected_impls(impls: str, variants: Mapping[str, dict[str, Any]]) -> tuple[
     return (*named, *(name for name in variants if name not in named))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.flash_host_overhead",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking flash_host_overhead --help``."""
     parser.add_argument("--shape", action="append", default=None,
                         help="batch,heads,seq,head_dim (repeatable; default 1,16,1024,64)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -325,11 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20, help="calls per measurement")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of our host path")
     parser.add_argument("--csv", help="write every round's rows here")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     try:
         shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shape or ["1,16,1024,64"])]
     except ValueError:
-        parser.error(f"--shape takes four integers batch,heads,seq,head_dim, got {args.shape}")
+        raise ValueError(f"--shape takes four integers batch,heads,seq,head_dim, got {args.shape}")
     variants = dict(parse_variant(v) for v in args.variant)
     impls = selected_impls(args.impls, variants)
     for impl in impls:
@@ -351,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         pd.concat(frames, ignore_index=True).to_csv(args.csv, index=False)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking flash_host_overhead`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["flash_host_overhead", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -362,12 +362,9 @@ def time_step_on_ranks(shape: LeaderboardShape, options: StepOptions, nproc: int
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    from cs336_systems.benchmarking.train_step import parse_levels
-
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking leaderboard_8b --help``."""
     full = LeaderboardShape()
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.leaderboard_8b", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=full.num_layers)
     parser.add_argument("--context", type=int, default=full.context_length)
     parser.add_argument("--batch-size", type=int, default=full.batch_size)
@@ -383,16 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=2, help="GPUs of the memory plan")
     parser.add_argument("--gpu-gb", type=float, default=180.0, help="memory per GPU of the plan (B200: 180 GB)")
     parser.add_argument("--plan-only", action="store_true", help="print the full shape's memory plan and stop")
-    args = parser.parse_args(argv)
-    try:
-        levels = parse_levels(args.checkpoint)
-        plan = memory_plan(full, args.gpus, args.gpu_gb)
-        shape = replace(full, num_layers=args.layers, context_length=args.context, batch_size=args.batch_size)
-        shape.config()
-        options = StepOptions(args.attention, not args.unfused_head, levels, args.optimizer, args.compile)
-        options.check()
-    except ValueError as exc:
-        parser.error(str(exc))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from cs336_systems.benchmarking.train_step import parse_levels
+
+    full = LeaderboardShape()
+    levels = parse_levels(args.checkpoint)
+    plan = memory_plan(full, args.gpus, args.gpu_gb)
+    shape = replace(full, num_layers=args.layers, context_length=args.context, batch_size=args.batch_size)
+    shape.config()
+    options = StepOptions(args.attention, not args.unfused_head, levels, args.optimizer, args.compile)
+    options.check()
     print(f"Memory plan of the full shape ({plan.attrs['params'] / 1e9:.2f} B parameters) on {args.gpus} GPUs of "
           f"{args.gpu_gb:g} GB:")
     print(plan.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
@@ -409,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{shape}, {options}:")
     print(pd.DataFrame([result]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking leaderboard_8b`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["leaderboard_8b", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

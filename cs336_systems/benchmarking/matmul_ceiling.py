@@ -51,20 +51,25 @@ def ceiling_tflops(table: pd.DataFrame) -> float:
     return float(table["TFLOP_per_s"].max())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.matmul_ceiling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking matmul_ceiling --help``."""
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--sizes", default="4096,8192,16384", help="comma-separated square sizes")
-    args = parser.parse_args(argv)
-    try:
-        sizes = tuple(int(x) for x in args.sizes.split(",") if x)
-        table = measure(args.dtype, sizes)
-    except ValueError as exc:
-        parser.error(str(exc))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    sizes = tuple(int(x) for x in args.sizes.split(",") if x)
+    table = measure(args.dtype, sizes)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"ceiling: {ceiling_tflops(table):.1f} TFLOP/s ({args.dtype})")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking matmul_ceiling`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["matmul_ceiling", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -88,9 +88,8 @@ def longest_contexts(presets: list[str], base: StepSpec, low: int = 256, high: i
     return pd.DataFrame(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.max_context", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking max_context --help``."""
     parser.add_argument("--presets", default="small,medium,large,xl,2.7B")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
     parser.add_argument("--batch-size", type=int, default=1)
@@ -101,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--high", type=int, default=131072)
     parser.add_argument("--granularity", type=int, default=256)
     parser.add_argument("--csv", help="write every trial here")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     try:
         levels = parse_levels(args.checkpoint)
     except ValueError as exc:
-        parser.error(f"--checkpoint: {exc}")
+        raise ValueError(f"--checkpoint: {exc}")
     base = StepSpec(batch_size=args.batch_size, precision=args.precision, attention=args.attention, checkpoint=levels,
                     fused_projections=args.fused_projections)
     table = longest_contexts([p for p in args.presets.split(",") if p], base, args.low, args.high, args.granularity)
@@ -113,6 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         table.to_csv(args.csv, index=False)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking max_context`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["max_context", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -126,9 +126,8 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
     return out.assign(over_direct_us=out["host_us"] - pd.Series(base, index=out.index))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.op_registration", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking op_registration --help``."""
     parser.add_argument("--shape", action="append", help="batch,heads,seq,head_dim (repeatable; default 8,16,1024,64)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bshd",
@@ -137,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--csv", help="write every round here")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU: host time is measured while the GPU sleeps")
+        raise ValueError("needs a CUDA GPU: host time is measured while the GPU sleeps")
     shapes = []
     for text in args.shape or ["8,16,1024,64"]:
         try:
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             shape = ()
         if len(shape) != 4 or min(shape) < 1:
-            parser.error(f"--shape is batch,heads,seq,head_dim (four positive integers), got {text!r}")
+            raise ValueError(f"--shape is batch,heads,seq,head_dim (four positive integers), got {text!r}")
         shapes.append(shape)  # type: ignore[arg-type]
     dtype = getattr(torch, args.dtype)
     rows = pd.concat([measure(s, dtype, not args.full, args.rounds, args.calls, layout=args.layout)
@@ -156,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.to_csv(args.csv, index=False)
     print(summarize(rows).to_string(index=False, float_format=lambda v: f"{v:.1f}"))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking op_registration`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["op_registration", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -100,20 +100,28 @@ def measure(preset: str, optimizers: tuple[str, ...] = OPTIMIZERS, rounds: int =
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.optimizer_step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking optimizer_step --help``."""
     parser.add_argument("--preset", "--size", dest="preset", default="xl")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     get_config(args.preset)
     table = measure(args.preset, tuple(o for o in args.optimizers.split(",") if o), args.rounds, args.steps)
     print(f"AdamW step on the {args.preset} preset's parameters ({int(table['params'].iloc[0]):,}), "
           f"median of {args.rounds} rounds; floor = {BYTES_PER_PARAM} B/parameter at the data-sheet bandwidth")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking optimizer_step`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["optimizer_step", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -131,9 +131,8 @@ def side_by_side(tables: pd.DataFrame) -> pd.DataFrame:
             .unstack("stack"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.step_kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking step_kernels --help``."""
     add_step_arguments(parser)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per stack")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
@@ -142,10 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also print a cProfile of each stack's steps, the N functions of most own time")
     parser.add_argument("--csv", help="write every stack's per-kernel table here")
-    args = parser.parse_args(argv)
-    spec, stacks = step_from_args(parser, args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    spec, stacks = step_from_args(args)
     if args.steps < 1 or args.warmup < 0 or args.top < 1 or args.host_profile < 0:
-        parser.error("--steps and --top must be >= 1, --warmup and --host-profile >= 0")
+        raise ValueError("--steps and --top must be >= 1, --warmup and --host-profile >= 0")
     device = default_device()
     per_stack = [profile_stack(s, spec, device, args.steps, args.warmup, args.host_profile) for s in stacks]
     tables = pd.concat(per_stack, ignore_index=True)
@@ -166,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         tables.to_csv(args.csv, index=False)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking step_kernels`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["step_kernels", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -424,13 +424,13 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stacks", default=",".join(STACKS))
 
 
-def step_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[StepSpec, tuple[str, ...]]:
-    """The checked :class:`StepSpec` and stacks of :func:`add_step_arguments`' options (bad ones end the
-    command with one line)."""
+def step_from_args(args: argparse.Namespace) -> tuple[StepSpec, tuple[str, ...]]:
+    """The checked :class:`StepSpec` and stacks of :func:`add_step_arguments`' options (a bad one raises
+    ``ValueError``, which the command line ends with in one line)."""
     try:
         levels = parse_levels(args.checkpoint)
     except ValueError as exc:
-        parser.error(f"--checkpoint: {exc}")
+        raise ValueError(f"--checkpoint: {exc}") from None
     spec = StepSpec(preset=args.preset, context_length=args.context_length, batch_size=args.batch_size,
                     precision=args.precision, compile=args.compile, compile_mode=args.compile_mode,
                     attention=args.attention, reference_sdpa=args.reference_sdpa, optimizer=args.optimizer,
@@ -440,13 +440,12 @@ def step_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     stacks = tuple(s for s in args.stacks.split(",") if s)
     unknown = [s for s in stacks if s not in STACKS]
     if unknown:
-        parser.error(f"unknown stack {unknown[0]!r}; choose from {', '.join(STACKS)}")
+        raise ValueError(f"unknown stack {unknown[0]!r}; choose from {', '.join(STACKS)}")
     return spec, stacks
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.benchmarking.train_step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking train_step --help``."""
     add_step_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
@@ -454,8 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resident", choices=RESIDENCY, default="auto",
                         help="keep both stacks on the device, or one at a time (rebuilt per round)")
     parser.add_argument("--csv", help="write every round's rows here")
-    args = parser.parse_args(argv)
-    spec, stacks = step_from_args(parser, args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    spec, stacks = step_from_args(args)
     device = default_device()
     rows = compare(spec, args.rounds, args.steps, args.warmup, stacks, device, resident=args.resident)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -467,6 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         rows.to_csv(args.csv, index=False)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking train_step`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["train_step", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

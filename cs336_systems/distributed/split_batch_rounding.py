@@ -71,27 +71,32 @@ def split_batch_gaps(tokens: int = 160, d_in: int = 64, d_out: int = 128, world_
     return pd.DataFrame(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.distributed.split_batch_rounding",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking split_batch_rounding --help``."""
     parser.add_argument("--tokens", type=int, default=160, help="tokens of the full batch (the GEMMs' K)")
     parser.add_argument("--d-in", type=int, default=64)
     parser.add_argument("--d-out", type=int, default=128)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
-    try:
-        table = split_batch_gaps(args.tokens, args.d_in, args.d_out, args.world_size, args.device, args.seed)
-    except ValueError as exc:
-        parser.error(str(exc))
+        raise ValueError("--device cuda: no CUDA device here")
+    table = split_batch_gaps(args.tokens, args.d_in, args.d_out, args.world_size, args.device, args.seed)
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     print(f"{args.tokens} tokens over {args.world_size} ranks, ({args.d_out}, {args.d_in}) weight, on {name} "
           f"(torch {torch.__version__}): per-rank gradients summed vs the full batch's")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking split_batch_rounding`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["split_batch_rounding", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

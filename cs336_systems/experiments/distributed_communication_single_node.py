@@ -22,7 +22,6 @@ Problem ``distributed_communication_single_node``. Run::
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import subprocess
@@ -383,24 +382,21 @@ def run(p: Params, out: ResultWriter) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The torchrun / srun form (the launcher fixes the process count, one backend per job); spawned runs go
-    through ``python -m cs336_systems.experiments distributed_communication_single_node``."""
-    parser = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", choices=["nccl", "gloo"], default=None)
-    parser.add_argument("--nproc", nargs="+", type=int, default=None, help="process counts when not under torchrun/srun")
-    parser.add_argument("--sizes", nargs="+", default=None)
-    parser.add_argument("--append", action="store_true", help="merge into an existing allreduce table")
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in (("backends", args.backends), ("nproc", args.nproc), ("sizes", args.sizes))
-                 if v is not None}
-    overrides["append"] = args.append
-    from cs336_systems.experiments.__main__ import run_section
+    """The torchrun / srun form, with the section's own options::
 
+        torchrun --nproc-per-node 2 -m cs336_systems.experiments.distributed_communication_single_node --set backends=nccl
+
+    The launcher fixes the process count, so one backend a job; without a launcher this is the section's run
+    (``python -m cs336_systems.experiments distributed_communication_single_node``)."""
+    from cs336_systems.experiments.__main__ import build_parser, run_section
+
+    args = build_parser().parse_args([SECTION_NAME, *(sys.argv[1:] if argv is None else argv)])
+    overrides = dict(args.set)
     if not runner.launched_externally():
-        return run_section(SECTION_NAME, None, overrides)
-    p = SECTION.params("full", {**overrides, "backends": overrides.get("backends", ["nccl"])})
+        return run_section(SECTION_NAME, args.preset, overrides, publish=args.publish)
+    p = SECTION.params("full", {"backends": ["nccl"], **overrides})
     if len(p.backends) != 1:
-        parser.error("under torchrun/srun pass exactly one --backends value")
+        raise ValueError("under torchrun/srun pass exactly one backend: --set backends=nccl (or gloo)")
     sizes = [s for s in map(parse_size, p.sizes) if p.backends[0] == "nccl" or s <= parse_size(p.gloo_max_size)]
     rows = runner.run_on_ranks(benchmark_worker, 0, sizes, p.warmup, p.iters, backend=p.backends[0])[0]
     if runner.is_main_process():

@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from cs336_systems.benchmarking.ddp_steps import add_arguments, run_from_args
+from cs336_systems.benchmarking.ddp_steps import add_run_arguments, run_from_args
 from cs336_systems.checks.equivalence import train_and_compare
 from cs336_systems.distributed import runner
 from cs336_systems.distributed.ddp_naive import DataParallelNaive
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=["toy", "transformer"], default="toy")
     parser.add_argument("--toy-steps", type=int, default=5)
     parser.add_argument("--toy-batch", type=int, default=16, help="global batch for the toy check")
-    add_arguments(parser, modes_default=["single", "torch", "naive"])
+    add_run_arguments(parser, modes_default=["single", "torch", "naive"])
     args = parser.parse_args(argv)
 
     if args.model == "transformer":

@@ -20,7 +20,7 @@ Problem ``optimizer_state_sharding_accounting``. Run (writes ``figures/optimizer
     torchrun --nproc-per-node 2 -m cs336_systems.experiments.optimizer_state_sharding  # or under torchrun
 
 Figures and derived tables (:func:`derive`) are written by the run itself and can be redrawn from the
-committed tables on any machine with ``python -m cs336_systems.replot optimizer_state_sharding``.
+committed tables on any machine with ``python -m cs336_systems.report replot optimizer_state_sharding``.
 """
 
 from __future__ import annotations

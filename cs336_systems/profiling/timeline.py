@@ -468,15 +468,17 @@ def analyse(section: str = "ddp_benchmark", preset: str = "xl", name: str = "ste
     return {k: pd.concat(v, ignore_index=True) for k, v in frames.items() if v}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking timeline --help``."""
     parser.add_argument("--section", default="ddp_benchmark")
     parser.add_argument("--preset", default="xl")
     parser.add_argument("--name", default="steps", help="the benchmark run's --name")
     parser.add_argument("--ratios", metavar="PREFIX",
                         help="instead: ours vs torch DDP within each run whose table name starts with PREFIX")
     parser.add_argument("--autocast", default="bf16", help="with --ratios: which runs (fp32 or bf16)")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     if args.ratios is not None:
         ratios = paired_ratios(load_runs(args.ratios, args.section, args.preset, args.autocast))
         print(ratios.to_markdown(index=False, floatfmt=".3g"))
@@ -486,6 +488,14 @@ def main(argv: list[str] | None = None) -> None:
     for name, df in analyse(args.section, args.preset, args.name).items():
         print(f"\n## {name}\n")
         print(df.to_markdown(index=False, floatfmt=".3g"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking timeline`` (this module\'s own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["timeline", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

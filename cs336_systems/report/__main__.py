@@ -31,12 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("-v", "--verbose", action="store_true", help="list every stale result with its reason")
     status.add_argument("--jobs", action="store_true",
                         help="for each stale or missing section split into GPU jobs, the command of every job")
+    from cs336_systems.report import replot
+
+    redraw = sub.add_parser("replot", help="redraw figures and derived tables from committed measurements")
+    replot.add_arguments(redraw)
     check = sub.add_parser("check", help="exit 1 when writeup.pdf is older than its inputs")
     check.add_argument("--figures", type=Path, default=FIGURES_DIR)
     check.add_argument("--pdf", type=Path, default=_manifest.DEFAULT_PDF)
     check.add_argument("--manifest", type=Path, default=_manifest.DEFAULT_MANIFEST)
     args = parser.parse_args(argv)
 
+    if args.command == "replot":
+        return replot.run_command(args)
     if args.command == "build":
         from cs336_systems.report.build import build as build_pdf
 

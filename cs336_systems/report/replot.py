@@ -6,7 +6,7 @@ Derived`` function, next to the code that measured the data, and three callers s
 
 - the measuring entry point, right after writing its tables (so a GPU run leaves PNGs behind);
 - the section's notebook, which displays what ``derive`` returns;
-- ``python -m cs336_systems.replot SECTION...``, which reloads the committed tables on a CPU machine and
+- ``python -m cs336_systems.report replot SECTION...``, which reloads the committed tables on a CPU machine and
   draws the derived artefacts into ``.scratch/figures/<section>/``; with ``--publish`` into
   ``figures/<section>/`` beside the measurements (``CS336_FIGURES_DIR`` overrides both), where an artefact
   whose bytes did not change is left as it is.
@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .derived import Derived, load_inputs, primary_meta, write_derived  # noqa: F401  (the mechanism; re-exported)
-from .experiments import SECTIONS, get
-from .results import ResultWriter
+from cs336_systems.derived import Derived, load_inputs, primary_meta, write_derived  # noqa: F401  (re-exported)
+from cs336_systems.experiments import SECTIONS, get
+from cs336_systems.results import ResultWriter
 
 
 def _section(section: Any) -> Any:
@@ -56,15 +56,17 @@ def replot(section: str, publish: bool = False) -> list[Path]:
     return write_derived(out, derived, metas)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Redraw figures and derived tables from committed measurements.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m cs336_systems.report replot``."""
     parser.add_argument("sections", nargs="*", help=f"sections to replot (default: all of {', '.join(replottable())})")
     parser.add_argument("--publish", action="store_true",
                         help="write into figures/ beside the measurements (default: .scratch/figures/)")
-    args = parser.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     unknown = [s for s in args.sections if s not in replottable()]
     if unknown:
-        parser.error(f"no replot for section(s) {', '.join(unknown)}; available: {', '.join(replottable())}")
+        raise ValueError(f"no replot for section(s) {', '.join(unknown)}; available: {', '.join(replottable())}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,9 +79,3 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             print(path)
     return 0
-
-
-if __name__ == "__main__":
-    from cs336_systems.cli import run_main
-
-    sys.exit(run_main(main, "python -m cs336_systems.replot"))
