@@ -162,11 +162,9 @@ def _carried_across_neutral_commits(commit: str, then: Counter[tuple[str, str]],
     for rev in (r for r in later if r in wanted):
         before, after = _definitions_at(f"{rev}^", depends, repo), _definitions_at(rev, depends, repo)
         removed, added = before - after, after - before
-        for name, tree in list(removed):
-            if carried[(name, tree)]:
-                carried[(name, tree)] -= 1
-                carried += Counter(key for key in added if key[0] == name)
-        carried = +carried
+        replaced = Counter({key: min(carried[key], n) for key, n in removed.items() if carried[key]})
+        names = {name for name, _ in replaced}
+        carried = carried - replaced + Counter({key: n for key, n in added.items() if key[0] in names})
     return carried
 
 

@@ -188,3 +188,18 @@ def test_a_declared_neutral_commit_is_carried_across_and_a_later_change_still_co
     _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef plugins():\n    return ['changed again']\n")
     verdict = staleness.freshness(second, ["lib/"], repo)
     assert verdict.stale and verdict.changed == ("lib/kernel.py",)  # a later change to it still counts
+
+
+def test_a_neutral_commit_rewriting_two_definitions_of_one_name(repo: Path) -> None:
+    """Two files each with a ``main``, both rewritten by one declared commit: carried across once each."""
+    (repo / "figures").mkdir()
+    _commit(repo, "lib/kernel.py", "def main():\n    return 1\n")
+    measured = {"git_commit": _commit(repo, "lib/other.py", "def main():\n    return 2\n")}
+    (repo / "lib" / "kernel.py").write_text("def main():\n    return 10\n")
+    neutral = _commit(repo, "lib/other.py", "def main():\n    return 20\n")
+    assert staleness.freshness(measured, ["lib/"], repo).stale
+    (repo / "figures" / "neutral_commits.txt").write_text(f"{neutral}  both entry points rewritten\n")
+    _git(repo, "add", "figures")
+    _git(repo, "commit", "-q", "-m", "ledger")
+    staleness.changed_since.cache_clear()
+    assert staleness.freshness(measured, ["lib/"], repo).state == "fresh"
