@@ -17,7 +17,7 @@ NVLinks; per-GPU bandwidth is ``links × per-link bandwidth`` (one direction), w
 Problem ``distributed_communication_single_node``. Run::
 
     python -m cs336_systems.experiments distributed_communication_single_node --set nproc=2,4,6
-    torchrun --nproc-per-node 8 -m cs336_systems.experiments.distributed_communication_single_node --backends nccl --append
+    torchrun --nproc-per-node 8 -m cs336_systems.experiments.distributed_communication_single_node --set backends=nccl --set append=true
 """
 
 from __future__ import annotations
