@@ -73,7 +73,7 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     assert "bfloat16 (8, 25, 1024, 64) causal 120/85.4 and 331/303" in text  # ours/cuDNN forward, backward
     assert not any(isinstance(b, Table) for b in question.blocks)  # the tables are in the results index
     # the lever for each phase that loses, and only for those
-    assert fb.LOSER_LEVERS["forward"] in text and fb.LOSER_LEVERS["backward"] not in text
+    assert fb.answers.LOSER_LEVERS["forward"] in text and fb.answers.LOSER_LEVERS["backward"] not in text
     # the forward's lever names the profiled lengths' tile arithmetic (d = 64: 192-row tiles, 128-key blocks)
     assert "at 1,024 tokens and d = 64, 192-row query tiles compute 1,152 rows (11% padding)" in text
     assert "at most 8 128-key blocks" in text
