@@ -159,7 +159,7 @@ def test_size_capped_buckets_hand_checked() -> None:
     assert plan(450) == [["fc2.weight"], ["ln.bias", "ln.weight"], ["fc1.weight"]]
     assert plan(2080) == [["fc2.weight", "ln.bias", "ln.weight"], ["fc1.weight"]]
     assert plan(1) == [["fc2.weight"], ["ln.bias"], ["ln.weight"], ["fc1.weight"]]
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="bucket_size_mb must be a finite number of MiB > 0"):
         grad_sync.size_capped_buckets(params, 0)
 
 
@@ -217,3 +217,27 @@ def test_synchronous_all_reduce_without_a_work_handle() -> None:
     assert reduce(t, async_op=False).wait() is t and group.waited == 0
     reduce(t, async_op=True).wait()
     assert group.waited == 1
+
+
+def test_a_bucket_size_is_checked_once_the_same_way_wherever_it_enters() -> None:
+    """One check for every way a bucket size comes in (a strategy, the benchmark's config, the section): a
+    finite number of MiB > 0, one line naming the parameter otherwise; True is not 1 MiB, '25' is not 25."""
+    import torch.nn as nn
+
+    from cs336_systems.benchmarking.ddp_steps import DDPBenchConfig
+    from cs336_systems.distributed.ddp_bucketed import DDPBucketed
+    from cs336_systems.distributed.grad_sync import bucket_size_mb_value, size_capped_buckets
+    from cs336_systems.experiments import get
+
+    assert bucket_size_mb_value(25) == 25.0 and bucket_size_mb_value(None) is None
+    for bad in (True, "25", [1], float("inf"), float("nan"), 0, -1.0):
+        with pytest.raises(ValueError, match=r"^bucket_size_mb must be a finite number of MiB > 0"):
+            bucket_size_mb_value(bad)
+        with pytest.raises(ValueError, match="bucket_size_mb must be"):
+            DDPBucketed(nn.Linear(2, 2), bad)
+        with pytest.raises(ValueError, match="bucket_size_mb must be"):
+            size_capped_buckets(list(nn.Linear(2, 2).parameters()), bad)
+    with pytest.raises(ValueError, match=r"^bucket_sizes_mb must be a finite number of MiB > 0, got 0"):
+        DDPBenchConfig(preset="tiny", bucket_sizes_mb=[25.0, 0]).validate()
+    with pytest.raises(ValueError, match=r"^ddp_bucketed.bucket_sizes_mb must be a finite number of MiB > 0, got -1"):
+        get("ddp_bucketed").params("smoke", {"bucket_sizes_mb": [1.0, -1.0]})

@@ -37,7 +37,7 @@ from cs336_systems.benchmarking.allreduce import parse_size, time_all_reduce
 from cs336_systems.configs import build_model, get_config
 from cs336_systems.distributed import launch
 from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB
-from cs336_systems.distributed.grad_sync import DataParallel, shard_batch
+from cs336_systems.distributed.grad_sync import DataParallel, bucket_size_mb_value, shard_batch
 from cs336_systems.distributed.strategies import STRATEGIES, wrap
 from cs336_systems.profiling.timeline import overlap_summary, plot_timeline, profile_timeline
 
@@ -80,8 +80,8 @@ class DDPBenchConfig:
         bad = [c for c in self.comm_dtypes if c not in _COMM_DTYPES]
         if bad:
             raise ValueError(f"unknown comm dtypes {bad}; valid: {', '.join(_COMM_DTYPES)}")
-        if any(not b > 0 for b in self.bucket_sizes_mb):
-            raise ValueError(f"bucket sizes must be positive, got {self.bucket_sizes_mb}")
+        for size in self.bucket_sizes_mb:
+            bucket_size_mb_value(size, "bucket_sizes_mb", allow_none=False)
         if self.batch_per_rank < 1 or self.steps < 1 or self.warmup < 0:
             raise ValueError("need batch_per_rank >= 1, steps >= 1, warmup >= 0")
         # One spelling per model: "XL" and "xl" name the same files.

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from cs336_systems.distributed.grad_sync import DataParallel, size_capped_buckets
+from cs336_systems.distributed.grad_sync import DataParallel, bucket_size_mb_value, size_capped_buckets
 
 DEFAULT_BUCKET_SIZE_MB = 25.0
 
@@ -32,9 +32,7 @@ class DDPBucketed(DataParallel):
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | None = DEFAULT_BUCKET_SIZE_MB, **options: Any):
         """``options``: see :class:`~cs336_systems.distributed.grad_sync.DataParallel`."""
-        if bucket_size_mb is not None and not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive or None (one bucket), got {bucket_size_mb!r}")
-        self._bucket_size_mb = bucket_size_mb  # read by plan_buckets inside the shared constructor
+        self._bucket_size_mb = bucket_size_mb_value(bucket_size_mb)  # read by plan_buckets in the shared constructor
         super().__init__(module, **options)
 
     @property

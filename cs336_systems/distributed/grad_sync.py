@@ -34,6 +34,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.distributed.consistency import CheckEvery, ReplicaCheck, check_same_parameters, resolve_check_every
+from cs336_systems.distributed.consistency import (
+    CheckEvery,
+    ReplicaCheck,
+    check_same_parameters,
+    resolve_check_every,
+)
 
 MIB = 2**20
 _LOW_PRECISION_COMM = (torch.bfloat16, torch.float16)
@@ -215,6 +221,18 @@ def per_parameter_buckets(params: Sequence[nn.Parameter], *, reverse: bool) -> l
     return [[p] for p in order]
 
 
+def bucket_size_mb_value(value: Any, what: str = "bucket_size_mb", *, allow_none: bool = True) -> float | None:
+    """``value`` as a bucket cap in MiB: a finite number > 0 (``None``, where allowed: one bucket). The one check
+    of a bucket size, wherever one enters (a strategy, the DDP benchmark's config, a section's parameters);
+    anything else is a one-line ``ValueError`` naming ``what``. A boolean is no size (``True`` is not 1 MiB)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        one = " or None (one bucket)" if allow_none else ""
+        raise ValueError(f"{what} must be a finite number of MiB > 0{one}, got {value!r}")
+    return float(value)
+
+
 def size_capped_buckets(params: Sequence[nn.Parameter], bucket_size_mb: float | None) -> list[list[nn.Parameter]]:
     """Group parameters into buckets of at most ``bucket_size_mb`` MiB, filled in *reverse*
     ``parameters()`` order.
@@ -224,8 +242,7 @@ def size_capped_buckets(params: Sequence[nn.Parameter], bucket_size_mb: float | 
     through earlier layers. A parameter larger than the cap gets a bucket of its own. ``None`` means a
     single bucket. Buckets never mix dtypes or devices, since each is reduced as one flat tensor.
     """
-    if bucket_size_mb is not None and not bucket_size_mb > 0:
-        raise ValueError(f"bucket_size_mb must be positive or None, got {bucket_size_mb}")
+    bucket_size_mb = bucket_size_mb_value(bucket_size_mb)
     cap = float("inf") if bucket_size_mb is None else bucket_size_mb * MIB
     buckets: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []

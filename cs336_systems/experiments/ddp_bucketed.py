@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cs336_systems.benchmarking.allreduce import DEFAULT_SIZES, parse_size
+from cs336_systems.distributed.grad_sync import bucket_size_mb_value
 from cs336_systems.experiments import ddp_common
 from cs336_systems.experiments.ddp_common import (
     STEPS_CAPTION,
@@ -21,7 +23,6 @@ from cs336_systems.experiments.ddp_common import (
     steps_blocks,
     steps_table,
 )
-from cs336_systems.benchmarking.allreduce import DEFAULT_SIZES, parse_size
 from cs336_systems.experiments.section import Section, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
@@ -39,8 +40,8 @@ class Params(DDPParams):
 
     def check(self) -> None:
         super().check()
-        if any(b <= 0 for b in self.bucket_sizes_mb):
-            raise ValueError(f"bucket sizes must be positive, got {self.bucket_sizes_mb}")
+        for size in self.bucket_sizes_mb:
+            bucket_size_mb_value(size, "ddp_bucketed.bucket_sizes_mb", allow_none=False)
         for size in self.allreduce_sizes:
             parse_size(size)
 
@@ -103,7 +104,6 @@ def answer(d: SectionData) -> list[Block]:
 
 
 from cs336_systems.experiments.section import Job  # noqa: E402
-
 
 SECTION = Section(
     name="ddp_bucketed", number="2.3.3", title="Bucketed DDP", problems=("ddp_bucketed_benchmarking",),
