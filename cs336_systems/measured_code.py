@@ -54,23 +54,46 @@ def depends_of(folder: str) -> tuple[str, ...]:
 def git(args: Sequence[str], repo: Path) -> str | None:
     """``git ARGS`` in ``repo``: its output, or None where git fails or is missing."""
     try:
-        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout if done.returncode == 0 else None
+    if done.returncode == 0:
+        return done.stdout.decode("utf-8", errors="replace")
+    return None
 
 
 def measuring_part(source: str | None) -> str | None:
     """The part of a file's text that can change results: all of it, or what precedes ANSWERS_MARKER."""
     if source is None:
         return None
-    head, marker, _ = source.partition(ANSWERS_MARKER)
-    return head if marker else source
+    for start in _line_starts(source, ANSWERS_MARKER):
+        end = start + len(ANSWERS_MARKER)
+        if end == len(source) or source[end] in "\r\n":
+            return source[:start]
+    return source
+
+
+def _line_starts(text: str, line: str) -> list[int]:
+    """Where ``line`` begins a line of ``text`` (not inside a string or a comment further right)."""
+    found, at = [], text.find(line)
+    while at != -1:
+        if at == 0 or text[at - 1] == "\n":
+            found.append(at)
+        at = text.find(line, at + 1)
+    return found
+
+
+def _normalized_import(node: ast.Import | ast.ImportFrom) -> ast.stmt:
+    """An import as the names it binds and the objects it names, without the module they come from: moving a
+    definition to another file changes where a name is imported from, not what the code runs."""
+    names = [ast.alias(name=a.name.rsplit(".", 1)[-1], asname=a.asname) for a in node.names]
+    return ast.ImportFrom(module=None, names=names, level=0)
 
 
 def _strip_docstrings_and_imports(tree: ast.AST) -> ast.AST:
-    """Docstrings and import statements (at any depth: a function's own imports too) removed: where a name
-    is imported from says nothing about what the code measures, and moving a definition changes it."""
+    """Docstrings removed at any depth, and imports inside functions and classes reduced to the names they
+    bind and import (:func:`_normalized_import`). A module's own top-level imports are not definitions
+    (:func:`definitions` keeps only aliased ones, ``import a as b``)."""
     for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
             body = getattr(node, field, None)
@@ -80,8 +103,9 @@ def _strip_docstrings_and_imports(tree: ast.AST) -> ast.AST:
                     and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                     and isinstance(body[0].value.value, str)):
                 body = body[1:]
-            kept = [b for b in body if not isinstance(b, (ast.Import, ast.ImportFrom))]
-            setattr(node, field, kept or ([ast.Pass()] if field == "body" else []))
+            if not isinstance(node, ast.Module):
+                body = [_normalized_import(b) if isinstance(b, (ast.Import, ast.ImportFrom)) else b for b in body]
+            setattr(node, field, body or ([ast.Pass()] if field == "body" else []))
     return tree
 
 
@@ -96,7 +120,12 @@ def definitions(source: str) -> Counter[tuple[str, str]]:
         return Counter({("<unparsed>", text): 1})
     found: Counter[tuple[str, str]] = Counter()
     for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):  # a module-level name bound to another object counts
+            for alias in node.names:
+                if alias.asname and alias.asname != alias.name.rsplit(".", 1)[-1]:
+                    found[(alias.asname, f"import {alias.name.rsplit('.', 1)[-1]}")] += 1
+            continue
+        if isinstance(node, ast.Pass):
             continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             name = node.name
@@ -115,14 +144,14 @@ def _python_files_then(commit: str, depends: tuple[str, ...], repo: Path) -> lis
 
 
 def _python_files_now(depends: tuple[str, ...], repo: Path) -> list[str]:
-    files: set[str] = set()
-    for dep in depends:
-        path = repo / dep
-        if path.is_file() and path.suffix == ".py":
-            files.add(dep)
-        elif path.is_dir():
-            files.update(p.relative_to(repo).as_posix() for p in path.rglob("*.py") if "__pycache__" not in p.parts)
-    return sorted(files)
+    """The tracked Python files under ``depends`` that exist in the working tree (an untracked copy of old code
+    must not pass for the code that runs)."""
+    out = git(["ls-files", "--", *depends], repo) or ""
+    return sorted(f for f in out.splitlines() if f.endswith(".py") and (repo / f).is_file())
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
 
 
 @functools.lru_cache(maxsize=256)
@@ -151,8 +180,8 @@ def neutral_commits(repo: Path) -> list[str]:
 def _carried_across_neutral_commits(commit: str, then: Counter[tuple[str, str]], depends: tuple[str, ...],
                                     repo: Path) -> Counter[tuple[str, str]]:
     """``then`` (the definitions at ``commit``) as each neutral commit after ``commit`` rewrote them: a
-    definition such a commit replaced becomes its replacement (of the same name), so a later change to the
-    replacement still counts."""
+    definition such a commit replaced gives way to everything that commit added (a rename or a split keeps
+    being tracked), so a later change to what it wrote still counts."""
     listed = neutral_commits(repo)
     if not listed:
         return then
@@ -163,8 +192,8 @@ def _carried_across_neutral_commits(commit: str, then: Counter[tuple[str, str]],
         before, after = _definitions_at(f"{rev}^", depends, repo), _definitions_at(rev, depends, repo)
         removed, added = before - after, after - before
         replaced = Counter({key: min(carried[key], n) for key, n in removed.items() if carried[key]})
-        names = {name for name, _ in replaced}
-        carried = carried - replaced + Counter({key: n for key, n in added.items() if key[0] in names})
+        if replaced:  # what it wrote instead may be split, renamed or merged: all it added must stay as written
+            carried = carried - replaced + added
     return carried
 
 
@@ -176,7 +205,7 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT)
     repo = Path(repo)
     if git(["cat-file", "-e", f"{commit}^{{commit}}"], repo) is None:
         return None
-    diff = git(["diff", "--name-only", commit, "--", *depends], repo)
+    diff = git(["diff", "--no-renames", "--name-only", commit, "--", *depends], repo)
     then_files = _python_files_then(commit, depends, repo)
     if diff is None or then_files is None:
         return None
@@ -185,14 +214,17 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT)
         return ()
     now: Counter[tuple[str, str]] = Counter()
     for path in _python_files_now(depends, repo):
-        now += definitions((repo / path).read_text(encoding="utf-8"))
-    then = {path: definitions((git(["show", f"{commit}:{path}"], repo) if path in touched
-                               else (repo / path).read_text(encoding="utf-8")) or "")
+        now += definitions(_read(repo / path))
+    then = {path: definitions((git(["show", f"{commit}:{path}"], repo) if path in touched or not (repo / path).is_file()
+                               else _read(repo / path)) or "")
             for path in then_files}
-    total = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo)
-    missing = {name for name, _ in total - now}  # at the commit (as carried), and nowhere now
-    return tuple(sorted(path for path, defs in then.items()
-                        if any(key[0] in missing and key not in now for key in defs)))
+    lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo) - now
+    if not lost:
+        return ()
+    names = {name for name, _ in lost}  # at the commit (as carried), and not as often now: blame their files
+    blamed = sorted(path for path, defs in then.items() if any(key in lost for key in defs))
+    return tuple(blamed or sorted(path for path, defs in then.items() if any(n in names for n, _ in defs))
+                 or [f"{depends[0]} (a definition rewritten by a neutral commit)"])
 
 
 def same_measuring_code(commit: str, now: str, depends: Sequence[str], repo: Path = REPO_ROOT) -> bool:

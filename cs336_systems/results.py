@@ -198,6 +198,7 @@ class ResultWriter:
         extra: dict[str, Any] | None,
         source: dict[str, Any] | None = None,
         changed: bool = True,
+        inherit_extra: bool = False,
     ) -> Path:
         meta = provenance({**self.params, **(params or {})}, smoke=self.smoke)
         if source is not None:
@@ -217,7 +218,7 @@ class ResultWriter:
         if path.exists():  # several artefacts of one name (table + figure) share a sidecar
             old = json.loads(path.read_text())
             meta["files"] = sorted(set(old.get("files", [])) | set(files))
-            if "extra" not in meta and "extra" in old and set(old.get("files", [])) - set(files):
+            if inherit_extra and "extra" not in meta and "extra" in old:
                 meta["extra"] = old["extra"]  # the table's extra, kept when its figure is written beside it
             if not changed and source is not None:
                 return path  # the same bytes derived from the same measurement (a replot): keep its record
@@ -268,7 +269,7 @@ class ResultWriter:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
         changed = _write_bytes_if_changed(png, buf.getvalue())
-        self._meta(name, [png.name], params, None, source, changed)
+        self._meta(name, [png.name], params, None, source, changed, inherit_extra=True)
         return png
 
     def json(
@@ -276,7 +277,7 @@ class ResultWriter:
     ) -> Path:
         path = self.dir / f"{name}.json"
         changed = _write_bytes_if_changed(path, (json.dumps(_jsonable(obj), indent=2) + "\n").encode())
-        self._meta(name, [path.name], params, None, source, changed)
+        self._meta(name, [path.name], params, None, source, changed, inherit_extra=True)
         return path
 
     def banner(self) -> str:

@@ -51,7 +51,11 @@ def test_a_run_that_fails_after_its_input_was_checked_exits_1_naming_its_cause(c
 
         get_config("Smal")
 
+    def empty(params, out) -> None:
+        max([])  # Python's own ValueError in our code: a failure, not bad input
+
     for run, status, expected in ((broken, EXIT_FAILURE, "failed: model_sizes [smoke]: ValueError: "),
+                                  (empty, EXIT_FAILURE, "failed: model_sizes [smoke]: ValueError: max()"),
                                   (refuses, EXIT_USAGE, "error: unknown model preset 'Smal'")):
         monkeypatch.setitem(SECTIONS, "model_sizes", dataclasses.replace(SECTIONS["model_sizes"], run=run))
         monkeypatch.setattr("cs336_systems.experiments.__main__.writer", lambda *a, **k: _NoWriter())

@@ -203,3 +203,33 @@ def test_a_neutral_commit_rewriting_two_definitions_of_one_name(repo: Path) -> N
     _git(repo, "commit", "-q", "-m", "ledger")
     staleness.changed_since.cache_clear()
     assert staleness.freshness(measured, ["lib/"], repo).state == "fresh"
+
+
+def test_renames_duplicates_aliases_and_splits_are_judged_by_what_runs(repo: Path) -> None:
+    """A renamed file is read from git, not the working tree; a change is seen though an identical copy lives in
+    another file; an import alias swapped inside a function counts; a definition a neutral commit split off
+    is still tracked afterwards."""
+    (repo / "figures").mkdir()
+    _commit(repo, "lib/kernel.py", "WARMUP = 5\n\n\ndef main():\n    from x import fast as impl\n    return impl(WARMUP)\n")
+    measured = {"git_commit": _commit(repo, "lib/other.py", "WARMUP = 5\n")}
+    _git(repo, "mv", "lib/other.py", "lib/renamed.py")
+    _git(repo, "commit", "-q", "-m", "rename")
+    staleness.changed_since.cache_clear()
+    assert staleness.freshness(measured, ["lib/"], repo).state == "fresh"  # moved whole: no crash, same code
+    _commit(repo, "lib/kernel.py", "WARMUP = 1\n\n\ndef main():\n    from x import fast as impl\n    return impl(WARMUP)\n")
+    verdict = staleness.freshness(measured, ["lib/"], repo)
+    assert verdict.stale and "lib/kernel.py" in verdict.changed  # though renamed.py still holds WARMUP = 5
+    _commit(repo, "lib/kernel.py", "WARMUP = 5\n\n\ndef main():\n    from y import slow as impl\n    return impl(WARMUP)\n")
+    assert staleness.freshness(measured, ["lib/"], repo).stale  # what impl is changed
+    _commit(repo, "lib/kernel.py", "WARMUP = 5\n\n\ndef main():\n    from x import fast as impl\n    return impl(WARMUP)\n")
+    assert staleness.freshness(measured, ["lib/"], repo).state == "fresh"  # back to the measured code
+    neutral = _commit(repo, "lib/kernel.py", "WARMUP = 5\n\n\ndef main():\n    return run()\n\n\n"
+                      "def run():\n    from x import fast as impl\n    return impl(WARMUP)\n")
+    (repo / "figures" / "neutral_commits.txt").write_text(f"{neutral}  main split into main and run\n")
+    _git(repo, "add", "figures")
+    _git(repo, "commit", "-q", "-m", "ledger")
+    staleness.changed_since.cache_clear()
+    assert staleness.freshness(measured, ["lib/"], repo).state == "fresh"
+    _commit(repo, "lib/kernel.py", "WARMUP = 5\n\n\ndef main():\n    return run()\n\n\n"
+            "def run():\n    from x import fast as impl\n    return impl(WARMUP + 1)\n")
+    assert staleness.freshness(measured, ["lib/"], repo).stale  # the split-off part changed: still tracked

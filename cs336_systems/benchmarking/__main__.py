@@ -103,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--output", default=".scratch/nsys/benchmark")
     n.add_argument("model_args", nargs=argparse.REMAINDER, help="arguments for the `model` command")
 
+    running = sys.modules.get("__main__")
     for command, module in TOOLS.items():
-        tool = importlib.import_module(module)
+        # python -m cs336_systems.benchmarking.TOOL runs TOOL as __main__: use that module, not a second copy
+        # (a module that registers operators with torch.library may run its top level only once)
+        spec = getattr(running, "__spec__", None)
+        tool = running if spec is not None and spec.name == module else importlib.import_module(module)
         doc = (tool.__doc__ or "").strip()
         t = sub.add_parser(command, help=doc.split("\n\n")[0].replace("\n", " "), description=doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -219,14 +219,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def raised_by_the_project(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised by this project's code (``cs336_systems`` or ``cs336_basics``) rather than by a
-    library it called."""
+    """Whether ``exc`` was raised by a ``raise`` statement of this project's code (``cs336_systems`` or
+    ``cs336_basics``): its checks of input. One raised inside a library it called, or by Python itself in our
+    code (``max([])``, an unpacking, ``float("x")``), is a failure."""
+    import linecache
+
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    path = Path(tb.tb_frame.f_code.co_filename).resolve() if tb is not None else None
-    return path is not None and any(part in ("cs336_systems", "cs336_basics") for part in path.parts) \
-        and "site-packages" not in path.parts
+    if tb is None:
+        return False
+    path = Path(tb.tb_frame.f_code.co_filename).resolve()
+    ours = any(part in ("cs336_systems", "cs336_basics") for part in path.parts) and "site-packages" not in path.parts
+    return ours and linecache.getline(str(path), tb.tb_lineno).lstrip().startswith("raise")
 
 
 if __name__ == "__main__":
