@@ -154,11 +154,28 @@ def _read(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
+def _file_definitions_now(path: Path) -> Counter[tuple[str, str]]:
+    """The definitions of a working-tree file, cached by its size and modification time."""
+    stat = path.stat()
+    return _file_definitions_cached(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_definitions_cached(path: str, size: int, mtime_ns: int) -> Counter[tuple[str, str]]:
+    return definitions(_read(Path(path)))
+
+
+@functools.lru_cache(maxsize=8192)
+def _file_definitions_at(commit: str, path: str, repo: Path) -> Counter[tuple[str, str]]:
+    """The definitions of one file at one commit (shared by every section that depends on it)."""
+    return definitions(git(["show", f"{commit}:{path}"], repo) or "")
+
+
 @functools.lru_cache(maxsize=256)
 def _definitions_at(commit: str, depends: tuple[str, ...], repo: Path) -> Counter[tuple[str, str]]:
     found: Counter[tuple[str, str]] = Counter()
     for path in _python_files_then(commit, depends, repo) or []:
-        found += definitions(git(["show", f"{commit}:{path}"], repo) or "")
+        found += _file_definitions_at(commit, path, repo)
     return found
 
 
@@ -214,9 +231,9 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT)
         return ()
     now: Counter[tuple[str, str]] = Counter()
     for path in _python_files_now(depends, repo):
-        now += definitions(_read(repo / path))
-    then = {path: definitions((git(["show", f"{commit}:{path}"], repo) if path in touched or not (repo / path).is_file()
-                               else _read(repo / path)) or "")
+        now += _file_definitions_now(repo / path)
+    then = {path: (_file_definitions_at(commit, path, repo) if path in touched or not (repo / path).is_file()
+                   else _file_definitions_now(repo / path))
             for path in then_files}
     lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo) - now
     if not lost:
