@@ -74,8 +74,8 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> int:
     import sys
 
     prog = prog or os.path.basename(sys.argv[0]) or "cs336"
-    quiet_missing_gpu_logs()
     try:
+        quiet_missing_gpu_logs()
         status = main()
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

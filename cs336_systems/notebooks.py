@@ -185,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     names = args.names or list_notebooks()
     params = dict(args.param)
     preset = params.get("preset")
+    if preset is not None and (args.smoke or args.real):
+        parser.error(f"-p preset={preset} names the preset itself: drop --{'smoke' if args.smoke else 'real'}")
     if preset not in (None, "smoke"):
         measured = [n for n in names if _section_gpus(n) > 0]
         if measured and not _cuda_available():
             parser.error(f"-p preset={preset} runs the GPU parameters of {', '.join(measured[:3])}"
                          + (" and others" if len(measured) > 3 else "") + " and needs a CUDA GPU; here run "
                          "without it (smoke parameters), or run on a GPU node")
-    resolved = is_smoke_run(smoke) if preset in (None, "smoke") else False
+    resolved = True if preset == "smoke" else is_smoke_run(smoke) if preset is None else False
     if preset not in (None, "smoke"):
         print(f"Running notebooks with preset={preset}; results go to figures/ (analytic sections: with -p publish=True).")
     elif resolved:

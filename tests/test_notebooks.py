@@ -193,6 +193,8 @@ def test_runner_refuses_gpu_parameters_and_unknown_notebooks_in_one_line(capsys,
     for argv, expected in ((["run", "--real", "ddp_bucketed"], "--real runs the GPU parameters"),
                            (["run", "-p", "preset=quick", "benchmarking"],
                             "-p preset=quick runs the GPU parameters of benchmarking and needs a CUDA GPU"),
+                           (["run", "--smoke", "-p", "preset=quick", "model_sizes"],
+                            "-p preset=quick names the preset itself: drop --smoke"),
                            (["run", "no_such_notebook"], "no notebook 'no_such_notebook'")):
         with pytest.raises(SystemExit) as exc:
             notebooks.main(argv)
