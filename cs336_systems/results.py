@@ -26,7 +26,6 @@ import functools
 import json
 import os
 import platform
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +33,8 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from cs336_systems.measured_code import REPO_ROOT, git
+
 FIGURES_DIR = REPO_ROOT / "figures"
 SCRATCH_DIR = REPO_ROOT / ".scratch"
 
@@ -80,12 +80,7 @@ def _write_bytes_if_changed(path: Path, data: bytes) -> bool:
 
 @functools.cache
 def _git(*args: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
+    return (git(args, REPO_ROOT) or "").strip()
 
 
 def git_commit() -> str:
