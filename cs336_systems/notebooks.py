@@ -38,6 +38,43 @@ def notebook_path(name: str) -> Path:
     return path
 
 
+def parameter_names(name: str) -> list[str]:
+    """The names the notebook's ``parameters``-tagged cell assigns, in order (what ``-p`` may set): papermill
+    itself only warns about any other name and runs the defaults."""
+    import ast
+
+    import nbformat
+
+    nb = nbformat.read(notebook_path(name), as_version=4)
+    names: list[str] = []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
+            for node in ast.parse(cell.source).body:
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, ast.AnnAssign) else []
+                names += [t.id for t in targets if isinstance(t, ast.Name) and t.id not in names]
+    return names
+
+
+def check_parameters(names: list[str], parameters: dict[str, Any]) -> dict[str, Any]:
+    """``parameters`` for the notebooks ``names`` as the kernel will read them (``publish='false'`` is False,
+    ``preset='none'`` None; :func:`~cs336_systems.experiments.notebook.notebook_parameters`), only the names
+    given. ``ValueError`` in one line for a name some notebook's ``parameters`` cell does not define (a typo
+    would otherwise run the defaults) or a value the notebook would refuse."""
+    from cs336_systems.experiments.notebook import notebook_parameters
+
+    for name in names:
+        known = parameter_names(name)
+        unknown = [key for key in parameters if key not in known]
+        if unknown:
+            raise ValueError(f"notebook {Path(name).stem} has no parameter {', '.join(map(repr, unknown))}; "
+                             f"its parameters: {', '.join(known)}")
+    given = {key: value for key, value in parameters.items()
+             if key in ("preset", "overrides", "publish", "edition")}
+    values = notebook_parameters(**given)._asdict()
+    return {**parameters, **{key: values[key] for key in given}}
+
+
 def _local_kernel_manager() -> type:
     from jupyter_client.manager import AsyncKernelManager
 
@@ -80,7 +117,7 @@ def execute(
     src = notebook_path(name)
     smoke = is_smoke_run(smoke)
     parameters = dict(parameters or {})
-    if smoke and "preset" not in parameters and _section_gpus(src.stem) > 0:
+    if smoke and parameters.get("preset") is None and _section_gpus(src.stem) > 0:  # -p preset=None: the default
         parameters["preset"] = "smoke"
     out_dir = output_dir or EXECUTED_DIR / ("smoke" if smoke else "gpu")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"no notebook {', '.join(map(repr, unknown))}; available: {', '.join(list_notebooks())}")
     names = args.names or list_notebooks()
-    params = dict(args.param)
+    try:  # here, not in each kernel: a misspelt name or a bad value fails before anything runs
+        params = check_parameters(names, dict(args.param))
+    except ValueError as exc:
+        parser.error(f"-p: {exc}")
     preset = params.get("preset")
     if preset is not None and (args.smoke or args.real):
         parser.error(f"-p preset={preset} names the preset itself: drop --{'smoke' if args.smoke else 'real'}")

@@ -200,3 +200,93 @@ def test_runner_refuses_gpu_parameters_and_unknown_notebooks_in_one_line(capsys,
             notebooks.main(argv)
         assert exc.value.code == 2
         assert expected in capsys.readouterr().err
+
+
+def test_notebook_parameters_read_papermill_text_as_values() -> None:
+    """papermill's ``-p NAME VALUE`` injects any value but a number, True, False or None as a string: the text
+    ``'false'`` once counted as true and a smoke run rewrote ``figures/``. Texts are read as the values they name."""
+    from cs336_systems.experiments.notebook import notebook_parameters
+
+    for text, value in (("false", False), ("False", False), ("NO", False), ("0", False), (0, False),
+                        ("true", True), ("Yes", True), ("1", True), (1, True), (True, True), (False, False),
+                        ("none", None), ("None", None), ("", None), (None, None)):
+        assert notebook_parameters(publish=text).publish is value, text
+    assert notebook_parameters().preset is None and notebook_parameters("none").preset is None
+    assert notebook_parameters("", None, None).preset is None
+    assert notebook_parameters("quick").preset == "quick"
+    assert notebook_parameters().overrides == {} and notebook_parameters(overrides="none").overrides == {}
+    assert notebook_parameters(overrides={"sizes": ["small"]}).overrides == {"sizes": ["small"]}
+    assert notebook_parameters(overrides="{'sizes': ['small'], 'budget_s': 120}").overrides == \
+        {"sizes": ["small"], "budget_s": 120}
+    assert notebook_parameters(edition=2026).edition == "2026" and notebook_parameters(edition="none").edition is None
+
+
+def test_notebook_parameters_refuse_other_values_in_one_line() -> None:
+    from cs336_systems.experiments.notebook import notebook_parameters
+
+    cases = (({"publish": "maybe"}, "publish must be None, True or False"), ({"publish": 2}, "got 2"),
+             ({"publish": 1.0}, "publish must be"), ({"preset": "fast"}, "preset must be None or one of smoke, quick"),
+             ({"preset": 1}, "got 1"),
+             ({"overrides": "notadict"}, ("overrides must be a mapping of section parameters, e.g. "
+                                          "\"{'sizes': ['small']}\", got 'notadict'")),
+             ({"overrides": "[1, 2]"}, "got '[1, 2]'"), ({"overrides": ["sizes"]}, "overrides must be a mapping"),
+             ({"edition": True}, "edition must be None or"))
+    for kwargs, expected in cases:
+        with pytest.raises(ValueError) as exc:
+            notebook_parameters(**kwargs)
+        assert expected in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_text_false_does_not_publish_an_analytic_section(monkeypatch) -> None:
+    """``papermill notebooks/parallelism_strategies.ipynb out.ipynb -p publish false``: the notebook's
+    ``SectionNotebook`` gets the text ``'false'`` and writes to ``.scratch/``, not the committed ``figures/``."""
+    from cs336_systems.experiments.notebook import SectionNotebook
+    from cs336_systems.results import FIGURES_DIR, SCRATCH_DIR
+
+    monkeypatch.delenv("CS336_FIGURES_DIR", raising=False)  # the folder the parameters choose, not the test's
+    nb = SectionNotebook("parallelism_strategies", None, None, "false")
+    assert nb.out.root == SCRATCH_DIR / "figures" and nb.out.root != FIGURES_DIR
+    with pytest.raises(ValueError, match="overrides must be a mapping"):
+        SectionNotebook("parallelism_strategies", None, "notadict", None)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_runner_reads_each_notebooks_parameter_names(name: str) -> None:
+    expected = ["preset", "overrides", "publish"] + (["edition"] if SECTIONS[name].editions else [])
+    assert notebooks.parameter_names(name) == expected
+
+
+def _runner(monkeypatch, argv: list[str]) -> list[dict]:
+    """The runner's ``main`` with papermill replaced by a record of the parameters each notebook would get."""
+    runs: list[dict] = []
+    monkeypatch.setattr(notebooks, "_cuda_available", lambda: False)
+    monkeypatch.setattr(notebooks, "execute", lambda name, params, **kw: runs.append(dict(params)) or
+                        notebooks.EXECUTED_DIR / f"{name}.ipynb")
+    assert notebooks.main(argv) == 0
+    return runs
+
+
+def test_runner_refuses_unknown_parameter_names_and_values_in_one_line(capsys, monkeypatch) -> None:
+    """Plain papermill only warns about a name the ``parameters`` cell does not define and runs the defaults;
+    the runner refuses it (and a value the notebook would refuse) before any notebook runs."""
+    for argv, expected in ((["run", "-p", "presett=quick", "parallelism_strategies"],
+                            ("-p: notebook parallelism_strategies has no parameter 'presett'; "
+                             "its parameters: preset, overrides, publish")),
+                           (["run", "-p", "edition=2026"], "has no parameter 'edition'"),
+                           (["run", "-p", "publish=maybe", "parallelism_strategies"], "publish must be None"),
+                           (["run", "-p", "overrides=notadict", "parallelism_strategies"],
+                            "overrides must be a mapping of section parameters")):
+        with pytest.raises(SystemExit) as exc:
+            _runner(monkeypatch, argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 2, err  # usage line, then the error
+
+
+def test_runner_passes_parameters_as_values(monkeypatch) -> None:
+    """``-p publish=false`` reaches the kernel as False (not the text 'false'); ``-p preset=none`` is the default."""
+    assert _runner(monkeypatch, ["run", "-p", "publish=false", "parallelism_strategies"]) == [{"publish": False}]
+    assert _runner(monkeypatch, ["run", "-p", "publish=True", "-p", "overrides={'ffn_devices': [2]}",
+                                 "parallelism_strategies"]) == [{"publish": True, "overrides": {"ffn_devices": [2]}}]
+    assert _runner(monkeypatch, ["run", "-p", "preset=none", "mixed_precision"]) == [{"preset": None}]
+    assert _runner(monkeypatch, ["run", "-p", "edition=2026", "nsys_profile"]) == [{"edition": "2026"}]

@@ -15,26 +15,91 @@ results from ``figures/`` where they exist, saying so (``nb.answers(own=True)`` 
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from cs336_systems.experiments import get
 from cs336_systems.experiments.__main__ import resolve_preset, writer
+from cs336_systems.experiments.section import PRESETS
 from cs336_systems.results import FIGURES_DIR
+
+#: Texts read as "not given" (papermill's ``-p NAME VALUE`` passes any value but a number, True, False or None
+#: as a string).
+_NONE_TEXTS = ("none", "")
+_PUBLISH_TEXTS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+class NotebookParameters(NamedTuple):
+    """A notebook's parameters as values (what :func:`notebook_parameters` returns)."""
+
+    preset: str | None
+    overrides: dict[str, Any]
+    publish: bool | None
+    edition: str | None
+
+
+def notebook_parameters(preset: Any = None, overrides: Any = None, publish: Any = None,
+                        edition: Any = None) -> NotebookParameters:
+    """The ``parameters`` cell's values as :class:`SectionNotebook` uses them, from what papermill injected,
+    the runner's ``-p KEY=VALUE`` or JupyterLab: papermill's ``-p publish false`` arrives as the string
+    ``'false'``, which must not count as true. ``preset``: None or a preset name; ``overrides``: a dict, None or
+    the text of a Python mapping; ``publish``: None, a bool, 1 / 0 or the texts true/false, yes/no, 1/0
+    (any case); ``edition``: None or an edition name (``-p edition 2026`` arrives as the int). The texts
+    'none' and '' (any case) mean None. Anything else is a ``ValueError`` naming the parameter."""
+    if isinstance(preset, str) and preset.strip().lower() in _NONE_TEXTS:
+        preset = None
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"preset must be None or one of {', '.join(PRESETS)}, got {preset!r}")
+
+    text = overrides
+    if isinstance(overrides, str):
+        if overrides.strip().lower() in _NONE_TEXTS:
+            overrides = None
+        else:
+            try:
+                overrides = ast.literal_eval(overrides.strip())
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                pass  # refused below, with the text as given
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"overrides must be a mapping of section parameters, e.g. \"{{'sizes': ['small']}}\", "
+                         f"got {text!r}")
+
+    if isinstance(publish, str) and publish.strip().lower() in _NONE_TEXTS:
+        publish = None
+    elif isinstance(publish, str) and publish.strip().lower() in _PUBLISH_TEXTS:
+        publish = _PUBLISH_TEXTS[publish.strip().lower()]
+    elif type(publish) is int and publish in (0, 1):  # papermill's -p publish 1 arrives as the int
+        publish = bool(publish)
+    if publish is not None and not isinstance(publish, bool):
+        raise ValueError(f"publish must be None, True or False (or the text true/false, yes/no, 1/0, none), "
+                         f"got {publish!r}")
+
+    if isinstance(edition, str) and edition.strip().lower() in _NONE_TEXTS:
+        edition = None
+    elif type(edition) is int:  # papermill's -p edition 2026 arrives as the int; editions are named by year
+        edition = str(edition)
+    if edition is not None and not isinstance(edition, str):
+        raise ValueError(f"edition must be None or an edition's name such as '2026', got {edition!r}")
+    return NotebookParameters(preset, dict(overrides), publish, edition)
 
 
 class SectionNotebook:
     """One section run from a notebook (papermill or JupyterLab)."""
 
-    def __init__(self, name: str, preset: str | None = None, overrides: dict[str, Any] | None = None,
-                 publish: bool | None = None, edition: str | None = None):
+    def __init__(self, name: str, preset: str | None = None, overrides: dict[str, Any] | str | None = None,
+                 publish: bool | str | None = None, edition: str | int | None = None):
         from cs336_systems.cli import quiet_missing_gpu_logs
 
+        # Before anything else: a parameter given as text must not be taken for another value.
+        preset, overrides, publish, edition = notebook_parameters(preset, overrides, publish, edition)
         quiet_missing_gpu_logs()
         self.section = get(name)
         self.folder = self.section.results_folder(edition)
         self.preset = resolve_preset(self.section, preset)
-        self.params = self.section.params(self.preset, overrides or {}, edition)
+        self.params = self.section.params(self.preset, overrides, edition)
         self.out = writer(self.section, self.params, self.preset, publish, edition)
         print(f"§{self.section.number} {self.section.title} [{self.preset}] — {self.out.banner()}")
         self.results: Any = None
