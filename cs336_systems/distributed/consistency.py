@@ -1,25 +1,38 @@
 """Cross-rank checks that turn silent divergence into an error at the step it starts.
 
 Data-parallel training is correct only while every rank runs the same model through the same sequence of
-collectives. Two ways that breaks without any error of its own:
+collectives. The ways that breaks without any error of its own, and what catches each:
 
 - **Different models at wrap time** (a rank built another width, or loaded another checkpoint). The first
   collective then has mismatched sizes, which gloo answers with an abort (``SIGABRT``, cause only in its
   stderr) and NCCL with a hang or garbage. :func:`check_same_parameters` compares names, shapes and
   dtypes with one small ``all_gather_object`` before any parameter is communicated.
-- **Replica drift during training** (a rank skipped ``finish_gradient_synchronization()``, or changed its
-  parameters by itself). :class:`ReplicaCheck` exchanges each rank's count of finished synchronisations
-  at the start of a training forward and of each synchronisation, and a float64 sum of every parameter
-  at the forward: 8-byte all-gathers plus one of 8 bytes per parameter, every ``every`` steps. With
-  ``every=1`` (the default on gloo) a skipped synchronisation fails at the very next collective; with a
-  longer interval the lagging rank's collectives can pair up wrongly before the check comes round,
-  which then ends as a collective timeout or size error rather than silently.
+- **Ranks out of step**: a rank skipped ``finish_gradient_synchronization()``, ran an extra forward, or ran
+  out of batches early (uneven inputs). :class:`ReplicaCheck` sends a 32-byte header (phase, finished
+  synchronisations, forwards) at the start of every training forward and at the end of every
+  synchronisation; a rank whose training function returned sends a last header saying so
+  (:func:`announce_finished`, called by our launchers). Headers that differ raise on every rank, naming
+  where each rank is ("rank 1 stopped after 2 steps, rank 0 is at a forward after 2 ...").
+- **Replica drift** (a rank changed its parameters by itself, buffers that each rank updates from its own
+  batch). Every ``every`` forwards the header carries a float64 sum of every parameter (and buffer, where
+  the wrapper does not broadcast them), compared exactly.
+- **Unused parameters and non-finite gradients**: the end-of-synchronisation message carries which
+  parameters received a gradient on this rank (so one unused everywhere keeps ``grad=None``, as in one
+  process) and the first parameter whose local gradient was NaN/inf (so the error names the rank and
+  parameter where it appeared rather than the averaged NaN every rank then holds).
 
-Both raise on every rank with the same message, naming the first mismatch and the ranks involved.
+All of these messages travel on a **control channel**: a gloo group of the same ranks beside the gradient
+group, with host tensors only. Control messages therefore never share a process group, and so never an
+ordering, with gradient collectives that may still be in flight (a check issued between two asynchronous
+all-reduces on the same group pairs with the wrong collective on a rank that launched them in another
+order), and they never read a GPU value except where a check needs one (the sums every ``every`` steps,
+the non-finite flags where that detection is on).
 """
 
 from __future__ import annotations
 
+import datetime
+import enum
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -33,6 +46,7 @@ AUTO_CHECK_EVERY = {"gloo": 1}
 AUTO_CHECK_EVERY_GPU = 50
 
 CheckEvery = int | Literal["auto"] | None
+DetectNonfinite = bool | Literal["auto"]
 
 ParameterDescription = tuple[str, tuple[int, ...], str]
 
@@ -85,93 +99,261 @@ def resolve_check_every(check_every: CheckEvery, group: dist.ProcessGroup | None
     return check_every
 
 
-class ReplicaCheck:
-    """Counts a wrapper's finished gradient synchronisations and, every ``every`` training forwards,
-    verifies across ranks that the counts agree and that the parameters in ``named_params`` are
-    bit-identical (their float64 sums are compared exactly: replicas that took the same averaged steps
-    are equal to the bit).
+def resolve_detect_nonfinite(detect: DetectNonfinite, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether to look for NaN/inf in each rank's local gradients. ``"auto"``: on where it costs next to
+    nothing (gloo on CPU); on GPUs it is opt-in, since reading the flags stalls the host once per step."""
+    if detect == "auto":
+        return dist.get_backend(group) == "gloo"
+    if not isinstance(detect, bool):
+        raise ValueError(f"detect_nonfinite must be True, False or 'auto', got {detect!r}")
+    return detect
 
-    Only forwards that build a graph (grad mode on) count, so a rank-local evaluation under
-    ``torch.no_grad()`` stays possible; CUDA-graph capture skips the check (it reads results on the host).
+
+# --------------------------------------------------------------------------------------------------
+# The control channel
+# --------------------------------------------------------------------------------------------------
+
+
+class Phase(enum.IntEnum):
+    """Where a rank is when it sends a control header."""
+
+    FORWARD = 0  # start of a training forward
+    SYNC_START = 1  # start of finish_gradient_synchronization() (strategies that communicate only there)
+    SYNC_END = 2  # end of finish_gradient_synchronization()
+    FINISHED = 3  # the rank's training function returned
+
+
+def _where(phase: int, syncs: int, forwards: int) -> str:
+    if phase == Phase.FORWARD:
+        return f"is at a forward after {syncs} finished gradient synchronizations"
+    if phase == Phase.FINISHED:
+        return f"stopped after {syncs} steps (its function returned after {syncs} gradient synchronizations)"
+    return f"in finish_gradient_synchronization() after {syncs} finished"
+
+
+def out_of_step_message(headers: Sequence[Sequence[int]], wrapper: str) -> str | None:
+    """The first way a rank's header differs from rank 0's, in words (``None`` when all agree). A header
+    is ``(phase, finished synchronisations, forwards, payload length)``."""
+    reference = tuple(headers[0])
+    for rank, header in enumerate(headers[1:], start=1):
+        header = tuple(header)
+        if header == reference:
+            continue
+        ranks = {0: reference, rank: header}
+        finished = [r for r, h in ranks.items() if h[0] == Phase.FINISHED]
+        if len(finished) == 1:
+            (done,), other = finished, rank if finished[0] == 0 else 0
+            phase, syncs, forwards, _ = ranks[other]
+            return (f"uneven steps: rank {done} stopped after {ranks[done][1]} steps (its function returned), rank "
+                    f"{other} is at step {syncs + 1} ({_where(phase, syncs, forwards).removeprefix('is ')}); every "
+                    "rank must run the same number of steps: give each rank the same number of batches (drop an "
+                    "uneven last batch)")
+        behind, ahead = sorted(ranks, key=lambda r: (ranks[r][1], ranks[r][0], ranks[r][2], r))
+        if ranks[behind][:2] == ranks[ahead][:2] and ranks[behind][2] != ranks[ahead][2]:
+            return (f"{wrapper}: replicas out of step: rank {behind} is at training forward {ranks[behind][2]}, rank "
+                    f"{ahead} at forward {ranks[ahead][2]} after {ranks[ahead][1]} gradient synchronizations; run "
+                    "rank-local forwards (evaluation on one rank) under torch.no_grad()")
+        if ranks[behind][:3] == ranks[ahead][:3]:
+            return (f"{wrapper}: the ranks disagree on the size of a check ({ranks[behind][3]} values on rank "
+                    f"{behind}, {ranks[ahead][3]} on rank {ahead}): they hold different models")
+        return (f"{wrapper}: replicas out of step: rank {behind} {_where(*ranks[behind][:3])}, rank {ahead} "
+                f"{_where(*ranks[ahead][:3]).removeprefix('is ')}; a rank skipped finish_gradient_synchronization() "
+                "after a backward")
+    return None
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
+    """The collective timeout ``group`` was created with (the control channel inherits it)."""
+    pg = group if group is not None else dist.group.WORLD
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    try:
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a backend without inspectable options
+        return datetime.timedelta(seconds=300)
+
+
+class ControlChannel:
+    """Host-side messages among the ranks of one process group, on a gloo group of their own (see the
+    module docstring for why). Every message is a fixed-size header all-gather, then, when every header
+    agrees, an optional float64 payload all-gather; a header that differs raises on every rank before any
+    payload is sent, so a lagging rank can never pair a payload with the wrong message."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        # Only the group's own ranks take part in creating it, so a subgroup's wrapper needs no world-wide call.
+        self.group = dist.new_group(ranks, backend="gloo", timeout=group_timeout(group),
+                                    use_local_synchronization=True)
+        self.world_size = len(ranks)
+        self.last: tuple[int, int] = (0, 0)  # (syncs, forwards) of the most recent message: what FINISHED reports
+
+    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor, group=self.group)
+        return out
+
+    def exchange(self, phase: Phase, syncs: int, forwards: int, payload: torch.Tensor | None = None, *,
+                 wrapper: str) -> list[torch.Tensor] | None:
+        """Send this rank's header (and payload); returns every rank's payload (rank order), or raises
+        ``RuntimeError`` on every rank when the headers differ."""
+        self.last = (syncs, forwards)
+        size = 0 if payload is None else payload.numel()
+        headers = self._gather(torch.tensor([int(phase), syncs, forwards, size], dtype=torch.int64))
+        problem = out_of_step_message([h.tolist() for h in headers], wrapper)
+        if problem is not None:
+            raise RuntimeError(problem)
+        if payload is None:
+            return None
+        return self._gather(payload.detach().to("cpu", torch.float64).reshape(-1))
+
+
+_channels: dict[Any, ControlChannel] = {}
+_channels_world: list[Any] = [None]  # the default group the cached channels belong to
+
+
+def control_channel(group: dist.ProcessGroup | None) -> ControlChannel:
+    """The control channel of ``group`` (created on first use, a collective over its ranks; shared by every
+    wrapper on that group)."""
+    if _channels_world[0] is not dist.group.WORLD:  # a new process group: channels of an old one are gone
+        _channels.clear()
+        _channels_world[0] = dist.group.WORLD
+    key = group if group is not None else dist.group.WORLD
+    if key not in _channels:
+        _channels[key] = ControlChannel(group)
+    return _channels[key]
+
+
+def announce_finished() -> None:
+    """Tell the peers on every control channel that this rank's training is over. Call it on every rank when
+    the training function returns (``launch.spawn`` and ``runner.run_on_ranks`` do): a peer still training
+    then fails at its next step with "uneven steps: rank 1 stopped after 2 steps, rank 0 is at step 3"
+    instead of waiting for a collective that never comes. Ranks that stopped together pass silently. A no-op
+    where no wrapper was built."""
+    if not dist.is_initialized() or _channels_world[0] is not dist.group.WORLD:
+        return
+    for channel in list(_channels.values()):
+        channel.exchange(Phase.FINISHED, *channel.last, wrapper="announce_finished")
+
+
+# --------------------------------------------------------------------------------------------------
+# The per-wrapper check
+# --------------------------------------------------------------------------------------------------
+
+
+class ReplicaCheck:
+    """A wrapper's side of the control channel (see the module docstring): counts training forwards and
+    finished gradient synchronisations, exchanges them at every forward and at the end of every
+    synchronisation, every ``every`` forwards also exact float64 sums of the parameters (and of
+    ``named_buffers``: buffers the wrapper does not broadcast), and at the end of a synchronisation which
+    gradients were used and where a non-finite one appeared (:meth:`end_sync`).
+
+    ``every=None`` turns off the forward and start-of-synchronisation messages and the sums; the
+    end-of-synchronisation message stays, since unused parameters depend on it. Only forwards that build
+    a graph (grad mode on) count, so a rank-local evaluation under ``torch.no_grad()`` stays possible;
+    CUDA-graph capture sends nothing (its Python runs once, at capture).
     """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None,
-                 every: int | None, *, wrapper: str):
-        self.names = [name for name, _ in named_params]
-        self.params = [p for _, p in named_params]
+                 every: int | None, *, wrapper: str, named_buffers: Sequence[tuple[str, torch.Tensor]] = (),
+                 grad_names: Sequence[str] = (), sync_start: bool = False):
+        self.labels = [f"parameter {name!r}" for name, _ in named_params] + \
+            [f"buffer {name!r}" for name, _ in named_buffers]
+        self.tensors = [p for _, p in named_params] + [b for _, b in named_buffers]
+        self.first_buffer = len(named_params)
+        self.grad_names = list(grad_names)
         self.group = group
         self.every = every
         self.wrapper = wrapper
+        self.sync_start = sync_start
+        self.channel = control_channel(group)
         self.finished_syncs = 0
-        self._forwards = 0
-
-    def on_sync_finished(self) -> None:
-        self.finished_syncs += 1
-
-    def before_forward(self) -> None:
-        """At the start of a training forward: counts (and, when due, parameters) are compared."""
-        if self._skip():
-            return
-        self._forwards += 1
-        if self._forwards % self.every == 0:
-            self.verify(2 * self.finished_syncs)
-
-    def before_sync(self) -> None:
-        """At the start of ``finish_gradient_synchronization()``: strategies that communicate only there
-        (naive, flat) would otherwise pair this step's all-reduces with a lagging rank's next forward."""
-        if self._skip():
-            return
-        if (self.finished_syncs + 1) % self.every == 0:
-            self.verify(2 * self.finished_syncs + 1, parameters=False)
-
-    def _skip(self) -> bool:
-        if self.every is None or not torch.is_grad_enabled():
-            return True
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-    def _device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(out, tensor, group=self.group)
-        return [t.cpu() for t in out]
+        self.forwards = 0
 
     @staticmethod
-    def _where(position: int) -> str:
-        syncs, in_sync = divmod(position, 2)
-        return f"{'in finish_gradient_synchronization()' if in_sync else 'at a forward'} after {syncs} finished"
+    def _capturing() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    def _exchange(self, phase: Phase, payload: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+        return self.channel.exchange(phase, self.finished_syncs, self.forwards, payload, wrapper=self.wrapper)
+
+    def before_forward(self) -> None:
+        """At the start of a training forward: positions (and, when due, parameter sums) are compared."""
+        if not torch.is_grad_enabled() or self._capturing():
+            return
+        self.forwards += 1
+        if self.every is None:
+            return
+        due = self.forwards % self.every == 0 and self.tensors
+        sums = self._sums() if due else None
+        gathered = self._exchange(Phase.FORWARD, sums)
+        if gathered is not None:
+            self._compare(gathered)
+
+    def before_sync(self) -> None:
+        """At the start of ``finish_gradient_synchronization()``, for strategies that communicate only there
+        (naive, flat): a lagging rank would otherwise pair this step's all-reduces with its next forward's."""
+        if self.sync_start and self.every is not None and not self._capturing():
+            self._exchange(Phase.SYNC_START)
+
+    def end_sync(self, used: Sequence[bool], nonfinite: Sequence[int],
+                 same: tuple[str, Sequence[int]] | None = None) -> list[bool] | None:
+        """At the end of a synchronisation: ``used[i]`` says whether ``grad_names[i]`` received a gradient on
+        this rank since the last synchronisation, ``nonfinite`` lists the indices whose local gradient held
+        NaN/inf, ``same`` is ``(what, values)`` that must be equal on every rank (raises naming ``what``).
+        Returns, per parameter, whether any rank used it (``None`` under CUDA-graph capture); raises on
+        every rank if any rank saw a non-finite gradient."""
+        if self._capturing():
+            self.finished_syncs += 1
+            return None
+        if len(used) != len(self.grad_names):
+            raise ValueError(f"{len(used)} used flags for {len(self.grad_names)} gradients")
+        what, values = same if same is not None else ("", ())
+        first = max(nonfinite, default=-1)  # nearest the loss (in module order): where backward met it first
+        payload = torch.tensor([first, *values, *used], dtype=torch.float64)
+        gathered = self._exchange(Phase.SYNC_END, payload)
+        assert gathered is not None
+        self.finished_syncs += 1
+        for rank, theirs in enumerate(gathered[1:], start=1):
+            if not torch.equal(theirs[1 : 1 + len(values)], gathered[0][1 : 1 + len(values)]):
+                raise RuntimeError(f"{self.wrapper}: in step {self.finished_syncs} {what} (rank 0: "
+                                   f"{gathered[0][1:1 + len(values)].long().tolist()}, rank {rank}: "
+                                   f"{theirs[1:1 + len(values)].long().tolist()})")
+        reported = [(int(g[0]), rank) for rank, g in enumerate(gathered) if g[0] >= 0]
+        if reported:
+            index, rank = max(reported, key=lambda ir: (ir[0], -ir[1]))
+            others = sorted(r for _, r in reported if r != rank)
+            also = f"; also non-finite on rank(s) {', '.join(map(str, others))}" if others else ""
+            raise FloatingPointError(
+                f"{self.wrapper}: a non-finite gradient (NaN/inf) appeared first on rank {rank}, in parameter "
+                f"{self.grad_names[index]!r}, in its own gradient of step {self.finished_syncs} before averaging{also}"
+                " (averaging would have spread it to every rank)"
+            )
+        anywhere = torch.stack(gathered)[:, 1 + len(values):].amax(dim=0)
+        return [bool(v) for v in anywhere]
+
+    def _sums(self) -> torch.Tensor:
+        return torch.stack([t.detach().sum(dtype=torch.float64) for t in self.tensors])
 
     @torch.no_grad()
-    def verify(self, position: int | None = None, parameters: bool = True) -> None:
-        """Compare where each rank is (``position``: twice the finished synchronisations, plus one inside
-        a synchronisation), then parameter checksums, across ranks (a collective)."""
-        device = self._device()
-        position = 2 * self.finished_syncs if position is None else position
-        at = [int(t) for t in self._gather(torch.tensor([position], dtype=torch.int64, device=device))]
-        if len(set(at)) > 1:
-            behind = min(range(len(at)), key=at.__getitem__)
-            ahead = max(range(len(at)), key=at.__getitem__)
-            raise RuntimeError(
-                f"{self.wrapper}: replicas out of step: rank {behind} is {self._where(at[behind])} gradient "
-                f"synchronizations, rank {ahead} {self._where(at[ahead])}; a rank skipped "
-                "finish_gradient_synchronization() after a backward"
-            )
-        counts = [a // 2 for a in at]
-        if not parameters:
+    def verify(self) -> None:
+        """Compare positions and parameter sums across ranks now (a collective on the control channel)."""
+        if self.every is None or not self.tensors:
+            self._exchange(Phase.FORWARD)
             return
-        if not self.params:
-            return
-        sums = torch.stack([p.detach().sum(dtype=torch.float64) for p in self.params]).to(device)
-        per_rank = self._gather(sums)
+        gathered = self._exchange(Phase.FORWARD, self._sums())
+        assert gathered is not None
+        self._compare(gathered)
+
+    def _compare(self, per_rank: list[torch.Tensor]) -> None:
         for rank, theirs in enumerate(per_rank[1:], start=1):
             differs = (theirs != per_rank[0]).nonzero()
             if len(differs):
                 i = int(differs[0])
+                hint = "" if i < self.first_buffer else (
+                    "; buffers that each rank updates from its own batch (BatchNorm statistics) drift apart unless "
+                    "the wrapper broadcasts rank 0's (broadcast_buffers=True)")
                 raise RuntimeError(
-                    f"{self.wrapper}: replicas diverged: parameter {self.names[i]!r} differs between rank 0 "
-                    f"(sum {float(per_rank[0][i])!r}) and rank {rank} (sum {float(theirs[i])!r}) after "
-                    f"{counts[0]} synchronizations; {len(differs)} parameter(s) differ on rank {rank}"
+                    f"{self.wrapper}: replicas diverged: {self.labels[i]} differs between rank 0 (sum {float(per_rank[0][i])!r}) and rank {rank} "
+                    f"(sum {float(theirs[i])!r}) after {self.finished_syncs} synchronizations; {len(differs)} "
+                    f"tensor(s) differ on rank {rank}{hint}"
                 )

@@ -59,8 +59,15 @@ from torch import nn
 from cs336_basics.model import Embedding as BasicsEmbedding
 from cs336_basics.model import Linear as BasicsLinear
 
-from .consistency import CheckEvery, ReplicaCheck, check_same_parameters, resolve_check_every
-from .grad_sync import GradientReducer, broadcast_module_state, per_parameter_buckets
+from .consistency import (
+    CheckEvery,
+    DetectNonfinite,
+    ReplicaCheck,
+    check_same_parameters,
+    resolve_check_every,
+    resolve_detect_nonfinite,
+)
+from .grad_sync import GradientReducer, broadcast_coalesced, broadcast_module_state, per_parameter_buckets
 
 #: Module types whose (trainable) parameters FSDP shards.
 SHARDED_MODULE_TYPES: tuple[type[nn.Module], ...] = (BasicsLinear, BasicsEmbedding, nn.Linear, nn.Embedding)
@@ -173,6 +180,8 @@ class FlatShard:
         self.pending_grads: list[_PendingShardGrad] = []
         self.uses_awaiting_grad = 0  # forward uses whose gradient has not arrived yet
         self.grad_sum: torch.Tensor | None = None
+        self.check_finite = False
+        self.finite: torch.Tensor | None = None  # was every local gradient of this step finite (if checked)
 
     def note_use(self) -> None:
         self.uses_awaiting_grad += 1
@@ -210,6 +219,9 @@ class FlatShard:
             padded = torch.zeros(self.padded_numel, dtype=master_dtype, device=flat.device)
             padded[: self.numel].copy_(flat)  # fp32 gradients: the reduction happens in master precision
             flat = padded
+        if self.check_finite:  # this rank's own gradient, before the reduction mixes every rank's in
+            finite = torch.isfinite(flat).all()
+            self.finite = finite if self.finite is None else self.finite & finite
         pending = _reduce_scatter_mean(flat, self.group)
         self.pending_grads.append(pending)
         self.in_flight.append(pending)
@@ -281,6 +293,7 @@ class ShardedLayer:
     current: dict[str, torch.Tensor] = field(default_factory=dict)  # gathered weights during forward
 
     def start_gather(self) -> dict[str, _PendingGather]:
+        self.fsdp._count_gather(self)
         return {name: shard.start_gather(self.fsdp.compute_dtype) for name, shard in self.shards.items()}
 
     def release_backward_copy(self, name: str) -> None:
@@ -345,6 +358,8 @@ class FSDP(nn.Module):
         sharded_module_types: tuple[type[nn.Module], ...] = SHARDED_MODULE_TYPES,
         replicated_modules: tuple[str, ...] = (),
         check_every: CheckEvery = "auto",
+        broadcast_buffers: bool = True,
+        detect_nonfinite: DetectNonfinite = "auto",
     ):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
@@ -356,8 +371,13 @@ class FSDP(nn.Module):
         self.process_group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.prefetch = prefetch
-        if max_reductions_in_flight < 1:
-            raise ValueError(f"max_reductions_in_flight must be >= 1, got {max_reductions_in_flight}")
+        if isinstance(max_reductions_in_flight, bool) or not isinstance(max_reductions_in_flight, int) \
+                or max_reductions_in_flight < 1:
+            raise ValueError(f"max_reductions_in_flight must be an int >= 1, got {max_reductions_in_flight!r}")
+        for option, value in (("prefetch", prefetch), ("broadcast_buffers", broadcast_buffers)):
+            if not isinstance(value, bool):
+                raise ValueError(f"FSDP: {option} must be True or False, got {value!r}")
+        self.broadcast_buffers = broadcast_buffers
         self._reductions_in_flight: collections.deque = collections.deque()
         for p in module.parameters():
             if p.requires_grad and not p.is_floating_point():
@@ -366,8 +386,9 @@ class FSDP(nn.Module):
         if unknown:
             raise ValueError(f"replicated_modules names no submodule: {unknown} (names as in named_modules())")
         every = resolve_check_every(check_every, group)
+        check_finite = resolve_detect_nonfinite(detect_nonfinite, group)
         check_same_parameters(module, group, wrapper="FSDP")  # before any collective over the parameters
-        broadcast_module_state(module, src=0, group=group)
+        broadcast_module_state(module, group=group)
 
         self.layers: list[ShardedLayer] = []
         shards: dict[nn.Parameter, FlatShard] = {}  # a weight shared by two layers is sharded once
@@ -396,10 +417,20 @@ class FSDP(nn.Module):
                 seen.add(id(p))
                 replicated.append(p)
         self.replicated_parameters = replicated
-        self._reducer = GradientReducer(per_parameter_buckets(replicated, reverse=True), overlap=True, group=group)
-        # Shards differ by design; replicated parameters and the synchronisation count must not.
+        for shard in self._shards:
+            shard.check_finite = check_finite
+        trainable = [p for p in module.parameters() if p.requires_grad]  # module order, each once
+        self._reducer = GradientReducer(per_parameter_buckets(replicated, reverse=True), overlap=True, group=group,
+                                        check_finite=check_finite, order=trainable)
+        # Shards differ by design; replicated parameters, buffers and the synchronisation count must not.
         names = {id(p): n for n, p in module.named_parameters()}
-        self.replica_check = ReplicaCheck([(names[id(p)], p) for p in replicated], group, every, wrapper="FSDP")
+        self._shard_position = {id(p): k for k, p in enumerate(trainable)}
+        self.replica_check = ReplicaCheck(
+            [(names[id(p)], p) for p in replicated], group, every, wrapper="FSDP",
+            named_buffers=[] if broadcast_buffers else list(module.named_buffers()),
+            grad_names=[names[id(p)] for p in trainable],
+        )
+        self._gathers_this_step = [0, 0]  # (count, order hash) of the sharded layers gathered this step
 
         self._forward_order: list[int] | None = None  # layer indices in the first forward's order
         self._recording: list[int] = []
@@ -417,6 +448,8 @@ class FSDP(nn.Module):
         self.replica_check.before_forward()  # first: a rank that skipped finish_...() fails on every rank
         if any(s.pending_grads for s in self._shards):
             raise RuntimeError("call finish_gradient_synchronization() after backward, before the next forward")
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            broadcast_coalesced(list(self.module.buffers()), self.process_group)
         self._recording = []
         self._forward_pos = 0 if (self.prefetch and self._forward_order) else None
         self._backward_stack = []
@@ -529,10 +562,16 @@ class FSDP(nn.Module):
             self._bwd_prefetched[stack[-1]] = self.layers[stack[-1]].start_gather()
         return {name: p.wait() for name, p in pending.items()}
 
+    def _count_gather(self, layer: ShardedLayer) -> None:
+        count, digest = self._gathers_this_step
+        self._gathers_this_step = [count + 1, (digest * 1_000_003 + layer.index + 1) % 2_147_483_647]
+
     def finish_gradient_synchronization(self) -> None:
         """Wait for every gradient reduction of the last backward and install the results: sharded
-        parameters get their averaged fp32 slice, replicated ones the averaged full gradient."""
-        self.replica_check.before_sync()
+        parameters get their averaged fp32 slice, replicated ones the averaged full gradient. The ranks then
+        compare notes (control channel): replicated parameters no rank used get ``grad=None`` back, a
+        non-finite local gradient is named with its rank, and so is a rank that gathered other sharded
+        layers than its peers (which pairs one layer's all-gather with another's)."""
         self._reducer.finish()
         for shard in self._shards:
             shard.finish_grad()
@@ -541,7 +580,20 @@ class FSDP(nn.Module):
         self._backward_stack = []
         for layer in self.layers:
             layer.backward_copy.clear()
-        self.replica_check.on_sync_finished()
+        used, nonfinite = self._reducer.local_report()
+        for shard in self._shards:
+            if shard.finite is not None and not bool(shard.finite):
+                nonfinite.append(self._shard_position[id(shard.param)])
+            shard.finite = None
+        same = ("the ranks gathered different sharded layers: every rank must run the same sharded layers in the "
+                "same order, or one layer's all-gather pairs with another's (gathers, order hash)",
+                self._gathers_this_step)
+        self._gathers_this_step = [0, 0]
+        used_anywhere = None
+        try:
+            used_anywhere = self.replica_check.end_sync(used, nonfinite, same)
+        finally:
+            self._reducer.end_step(used_anywhere)
 
     @staticmethod
     def _drop(pending: dict[int, dict[str, _PendingGather]]) -> None:
@@ -558,12 +610,16 @@ class FSDP(nn.Module):
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """``{name: full tensor}`` for every parameter of the wrapped module (names without the
-        ``module.`` prefix), sharded ones all-gathered in their master dtype. A collective."""
+        ``module.`` prefix), sharded ones all-gathered in their master dtype. A collective. A tied weight
+        appears under each of its names (as in a plain module's ``state_dict()``), gathered once."""
         by_param = {id(s.param): s for s in self._shards}
+        gathered: dict[int, torch.Tensor] = {}
         out = {}
-        for name, p in self.module.named_parameters():
-            shard = by_param.get(id(p))
-            out[name] = shard.full_tensor() if shard is not None else p.detach().clone()
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) not in gathered:
+                shard = by_param.get(id(p))
+                gathered[id(p)] = shard.full_tensor() if shard is not None else p.detach().clone()
+            out[name] = gathered[id(p)]
         return out
 
     def sharded_parameters(self) -> list[nn.Parameter]:
@@ -595,23 +651,35 @@ class FSDP(nn.Module):
         """Load a consolidated dict (from :meth:`full_state_dict` or a plain model's ``state_dict()``):
         each rank keeps its own slice. Names, shapes and dtypes are checked first; the first mismatch
         raises ``ValueError`` before anything is written. No communication."""
-        params = dict(self.module.named_parameters())
+        params = dict(self.module.named_parameters(remove_duplicate=False))  # a tied weight under each name
         buffers = dict(self.module.named_buffers())
         shard_of = {id(sh.param): sh for sh in self._shards}
-        missing = [n for n in [*params, *buffers] if n not in state]
+        names_of: dict[int, list[str]] = {}
+        for name, p in params.items():
+            names_of.setdefault(id(p), []).append(name)
+        missing = [names[0] for names in names_of.values() if not any(n in state for n in names)]
+        missing += [n for n in buffers if n not in state]
         unexpected = [n for n in state if n not in params and n not in buffers]
         if missing or unexpected:
             raise ValueError(f"FSDP.load_full_state_dict: missing {missing[:3]}, unexpected {unexpected[:3]} "
                              "(names are the plain module's, without a 'module.' prefix)")
+        first_name: dict[int, str] = {}
         for name, p in params.items():
+            if name not in state:
+                continue  # a tied weight's other name, absent from a dict that lists it once
             shard = shard_of.get(id(p))
             shape = tuple(shard.shape) if shard is not None else tuple(p.shape)
             value = state[name]
+            other = first_name.setdefault(id(p), name)
+            if other != name and not torch.equal(state[other], value):
+                raise ValueError(f"FSDP.load_full_state_dict: {name!r} and {other!r} are one tied weight here but "
+                                 "differ in the dict")
             if tuple(value.shape) != shape or value.dtype != p.dtype:
                 raise ValueError(f"FSDP.load_full_state_dict: {name!r} is {tuple(value.shape)} {value.dtype} in "
                                  f"the dict but {shape} {p.dtype} in the model")
-        for name, p in params.items():
-            shard = shard_of.get(id(p))
+        for p_id, name in first_name.items():
+            p = params[name]
+            shard = shard_of.get(p_id)
             if shard is None:
                 p.copy_(state[name])
                 continue

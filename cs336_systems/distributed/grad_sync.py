@@ -45,9 +45,11 @@ from torch import nn
 
 from cs336_systems.distributed.consistency import (
     CheckEvery,
+    DetectNonfinite,
     ReplicaCheck,
     check_same_parameters,
     resolve_check_every,
+    resolve_detect_nonfinite,
 )
 
 MIB = 2**20
@@ -77,19 +79,31 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def broadcast_module_state(module: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    """Overwrite every parameter (trainable or frozen) and buffer with rank ``src``'s values.
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite ``tensors`` with the values of the group's first rank: one broadcast per (dtype, device)
+    of all of them concatenated, instead of one collective per tensor (a model's buffers are many small
+    tensors, and each collective costs a fixed latency)."""
+    unique: dict[int, torch.Tensor] = {id(t): t for t in tensors}  # a tied tensor once
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in unique.values():
+        if t.numel():
+            kinds.setdefault((t.dtype, t.device), []).append(t)
+    receiving = dist.get_rank(group) != 0
+    for same_kind in kinds.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
+        dist.broadcast(flat, group=group, group_src=0)
+        if receiving:
+            for t, value in zip(same_kind, flat.split([t.numel() for t in same_kind])):
+                t.detach().copy_(value.view_as(t))
+
+
+def broadcast_module_state(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite every parameter (trainable or frozen) and buffer with the group's first rank's values.
 
     Replicas must start identical: ranks that build a model from different seeds would otherwise train
     different models while exchanging gradients that no longer belong to a common point.
     """
-    tensors = list(module.parameters()) + list(module.buffers())
-    seen: set[int] = set()
-    for t in tensors:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        dist.broadcast(t.data, src=src, group=group)
+    broadcast_coalesced([*module.parameters(), *module.buffers()], group)
 
 
 def shard_batch(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -314,6 +328,14 @@ class GradBucket:
         self._comm_buffer: torch.Tensor | None = None
         self.staged: set[int] = set()
         self.pending: PendingReduce | None = None
+        self.supplied: set[int] = set()  # parameters whose .grad this step is ours (zeros or an attached view)
+        self.finite: torch.Tensor | None = None  # per parameter: was its local gradient finite (if checked)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """Each parameter's local gradient as it will be reduced (the flat buffer's slices once staged)."""
+        if self.flat is not None:
+            return list(self._views)
+        return [self.params[0].grad] if self.params[0].grad is not None else []
 
     @property
     def is_ready(self) -> bool:
@@ -344,15 +366,18 @@ class GradBucket:
                             p.grad = view  # from now on autograd accumulates into the bucket
         elif p.grad is None:
             p.grad = torch.zeros_like(p)
+            self.supplied.add(i)
         self.staged.add(i)
 
-    def launch(self, collective: MeanAllReduce, async_op: bool) -> None:
+    def launch(self, collective: MeanAllReduce, async_op: bool, check_finite: bool = False) -> None:
         if len(self.staged) != len(self.params):
             for i in range(len(self.params)):
                 if i not in self.staged:
                     self.stage(i)
         tensor = self.flat if self.flat is not None else self.params[0].grad
         assert tensor is not None
+        if check_finite:  # this rank's own gradients, before the average mixes every rank's in
+            self.finite = torch.stack([torch.isfinite(g).all() for g in self.local_grads()])
         if self.comm_dtype is not None and (self._comm_buffer is None or self._comm_buffer.shape != tensor.shape):
             self._comm_buffer = torch.empty_like(tensor, dtype=self.comm_dtype)
         self.pending = collective(tensor, comm_dtype=self.comm_dtype, comm_buffer=self._comm_buffer, async_op=async_op)
@@ -364,9 +389,10 @@ class GradBucket:
         assert self.pending is not None, "finish() before launch()"
         self.pending.wait()
         if self.flat is not None and not self.grad_views:
-            for p, view in zip(self.params, self._views):
+            for i, (p, view) in enumerate(zip(self.params, self._views)):
                 if p.grad is None:
                     p.grad = view.clone()
+                    self.supplied.add(i)
                 else:
                     p.grad.copy_(view)
         self.pending = None
@@ -403,12 +429,18 @@ def allocate_flat_buffers(
 class GradientReducer:
     """Drives a list of :class:`GradBucket` through one synchronisation per optimizer step.
 
-    ``overlap=True`` registers a ``register_post_accumulate_grad_hook`` on each parameter: the hook runs
-    once per backward after the gradient (summed over all uses of a tied weight) has been accumulated
-    into ``.grad``; when a bucket is complete it is launched asynchronously. Buckets are launched strictly
-    in index order — a complete bucket waits for its predecessors — so all ranks issue identical
-    collective sequences. :meth:`finish` launches whatever is left (everything, for ``overlap=False``),
-    waits, and writes the averaged gradients back.
+    Every parameter gets a ``register_post_accumulate_grad_hook``: it runs once per backward after the
+    gradient (summed over all uses of a tied weight) has been accumulated into ``.grad``, and records that
+    the parameter was used. With ``overlap=True`` it also stages the gradient, and a complete bucket is
+    launched asynchronously. Buckets are launched strictly in index order — a complete bucket waits for
+    its predecessors — so all ranks issue identical collective sequences. :meth:`finish` launches whatever
+    is left (everything, for ``overlap=False``), waits, and writes the averaged gradients back.
+
+    A parameter that got no gradient on this rank contributes zeros to the average (its rank's share of
+    a parameter used elsewhere is zero). :meth:`local_report` says which parameters were used and whose
+    local gradient was not finite; once the ranks have compared notes, :meth:`end_step` gives a parameter
+    that no rank used its ``grad=None`` back, as one process would leave it (the zeros were ours), so an
+    optimizer skips it rather than decaying it.
 
     ``grad_views=True`` makes multi-parameter buckets' gradients views of their flat buffers (see
     :class:`GradBucket`); :meth:`attach_grad_views` must then run before each forward (``DataParallel``
@@ -424,6 +456,8 @@ class GradientReducer:
         group: dist.ProcessGroup | None = None,
         blocking: bool = False,
         grad_views: bool = False,
+        check_finite: bool = False,
+        order: Sequence[nn.Parameter] | None = None,
     ):
         check_comm_dtype(comm_dtype)
         if overlap and blocking:
@@ -434,13 +468,22 @@ class GradientReducer:
         self.grad_views = grad_views
         # With views every multi-parameter bucket is a view bucket, so the storages are exactly theirs.
         self._view_storages = storages if grad_views else []
-        self._view_pairs = [(p, v) for b in self.buckets if b.grad_views for p, v in zip(b.params, b._views)]
+        self._view_slots = [(b, i) for b in self.buckets if b.grad_views for i in range(len(b.params))]
         self.group = group
         self.collective = MeanAllReduce(group)
         self.overlap = overlap
         self.blocking = blocking
+        self.check_finite = check_finite
         self.sync_enabled = True
         self._next_to_launch = 0
+        #: (bucket, index in bucket) of every parameter, in bucket order; ``used`` is indexed the same way.
+        self.slots = [(bucket, i) for bucket in self.buckets for i in range(len(bucket.params))]
+        self.used = [False] * len(self.slots)
+        # Reports list parameters in ``order`` (the module's, so "first" means nearest the loss consistently).
+        order = list(order) if order is not None else [b.params[i] for b, i in self.slots]
+        position = {id(p): k for k, p in enumerate(order)}
+        self.order_size = len(order)
+        self.order_of_slot = [position[id(b.params[i])] for b, i in self.slots]
         seen: set[int] = set()
         for bucket in self.buckets:
             for p in bucket.params:
@@ -448,11 +491,10 @@ class GradientReducer:
                     raise ValueError("a parameter appears in two buckets; it would be reduced twice")
                 seen.add(id(p))
         self._hooks = []
-        if overlap:
-            for bucket in self.buckets:
-                for i, p in enumerate(bucket.params):
-                    # Bound with partial (called from C): no lookup of the parameter's bucket per call.
-                    self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket, i)))
+        for slot, (bucket, i) in enumerate(self.slots):
+            # Bound with partial (called from C): no lookup of the parameter's bucket per call.
+            hook = functools.partial(self._on_grad_ready, bucket, i, slot)
+            self._hooks.append(bucket.params[i].register_post_accumulate_grad_hook(hook))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -465,23 +507,25 @@ class GradientReducer:
         accumulates into the buckets (a no-op without ``grad_views``). After ``zero_grad(set_to_none=True)``
         every gradient is missing and the shared storage is zeroed with one kernel per dtype; gradients
         already present (views, or tensors set elsewhere) are left alone."""
-        if not self._view_pairs:
+        if not self._view_slots:
             return
-        missing = [(p, v) for p, v in self._view_pairs if p.grad is None]
+        missing = [(b, i) for b, i in self._view_slots if b.params[i].grad is None]
         if not missing:
             return
-        if len(missing) == len(self._view_pairs):
+        if len(missing) == len(self._view_slots):
             for storage in self._view_storages:
                 storage.zero_()
         else:
-            for _, v in missing:
-                v.zero_()
-        for p, v in missing:
-            p.grad = v
+            for b, i in missing:
+                b._views[i].zero_()
+        for b, i in missing:
+            b.params[i].grad = b._views[i]
+            b.supplied.add(i)
 
-    def _on_grad_ready(self, bucket: GradBucket, i: int, param: torch.Tensor) -> None:
-        if not self.sync_enabled:
-            return  # inside no_sync(): keep accumulating locally
+    def _on_grad_ready(self, bucket: GradBucket, i: int, slot: int, param: torch.Tensor) -> None:
+        self.used[slot] = True
+        if not (self.overlap and self.sync_enabled):
+            return  # launched by finish(); inside no_sync(), gradients keep accumulating locally
         if i in bucket.staged or bucket.pending is not None:
             raise RuntimeError(
                 "a gradient became ready twice before finish_gradient_synchronization(); call it after every "
@@ -492,7 +536,7 @@ class GradientReducer:
 
     def _launch_ready_in_order(self) -> None:
         while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].is_ready:
-            self.buckets[self._next_to_launch].launch(self.collective, async_op=True)
+            self.buckets[self._next_to_launch].launch(self.collective, async_op=True, check_finite=self.check_finite)
             self._next_to_launch += 1
 
     def finish(self) -> None:
@@ -500,13 +544,39 @@ class GradientReducer:
         if not self.sync_enabled:
             return
         for bucket in self.buckets[self._next_to_launch :]:
-            bucket.launch(self.collective, async_op=not self.blocking)
+            bucket.launch(self.collective, async_op=not self.blocking, check_finite=self.check_finite)
             if self.blocking:
                 bucket.finish()
         if not self.blocking:
             for bucket in self.buckets:
                 bucket.finish()
         self._next_to_launch = 0
+
+    def local_report(self) -> tuple[list[bool], list[int]]:
+        """After :meth:`finish`, in ``order``: whether this rank used each parameter since the last step, and
+        the positions whose local gradient was not finite (empty unless ``check_finite``). Reading the flags
+        waits for the gradients on a GPU."""
+        used = [False] * self.order_size  # parameters in ``order`` that this reducer does not handle: False
+        for slot, k in enumerate(self.order_of_slot):
+            used[k] = self.used[slot]
+        flags = [b.finite for b in self.buckets if b.finite is not None]
+        finite = torch.cat(flags).cpu().tolist() if flags else []
+        return used, [self.order_of_slot[slot] for slot, ok in enumerate(finite) if not ok]
+
+    @torch.no_grad()
+    def end_step(self, used_anywhere: Sequence[bool] | None) -> None:
+        """Close a step: parameters no rank used lose the gradient this reducer gave them (zeros, or a
+        view attached before the forward), so they end with ``grad=None`` as in one process; a gradient
+        the caller set (``zero_grad(set_to_none=False)``) is left alone. ``None``: keep everything (under
+        CUDA-graph capture, where Python runs once)."""
+        if used_anywhere is not None:
+            for slot, (bucket, i) in enumerate(self.slots):
+                if not used_anywhere[self.order_of_slot[slot]] and i in bucket.supplied:
+                    bucket.params[i].grad = None
+        self.used = [False] * len(self.slots)
+        for bucket in self.buckets:
+            bucket.supplied.clear()
+            bucket.finite = None
 
     def reset(self) -> None:
         """Drop a partially launched step (e.g. after an exception in backward)."""
@@ -515,6 +585,9 @@ class GradientReducer:
                 bucket.pending.wait()
                 bucket.pending = None
             bucket.staged.clear()
+            bucket.supplied.clear()
+            bucket.finite = None
+        self.used = [False] * len(self.slots)
         self._next_to_launch = 0
 
 
@@ -542,13 +615,24 @@ class DataParallel(nn.Module, abc.ABC):
     ``zero_grad(set_to_none=True)``: do not ``detach_()`` or resize them. Single-parameter buckets are
     unaffected (their ``.grad`` is reduced in place anyway).
 
-    Buffers are broadcast once at wrap time (and before every forward with ``broadcast_buffers=True``,
-    for modules that update buffers in forward, such as BatchNorm's running statistics).
+    Buffers are broadcast at wrap time and, with ``broadcast_buffers=True`` (the default, as in torch
+    DDP), rank 0's before every training forward, in one collective per dtype: modules that update buffers
+    in forward (BatchNorm's running statistics) then agree on every rank. With ``False`` each rank keeps
+    its own, and the replica check compares them, so drift is an error rather than silent.
+
+    A parameter that no rank used in a step ends it with ``grad=None``, as in one process (and as torch DDP
+    with ``find_unused_parameters=True``), so AdamW neither decays nor moves it; one used on some ranks
+    only gets the average with zeros from the others. The ranks compare which parameters they used in
+    one small message per step on the control channel (:mod:`~cs336_systems.distributed.consistency`).
 
     ``check_every`` (forwards; ``"auto"``: every step on gloo, every 50 on GPUs; ``None``: off) verifies
-    across ranks that each has finished the same number of synchronisations and holds bit-identical
-    parameters (:class:`~cs336_systems.distributed.consistency.ReplicaCheck`). Run rank-local forwards
-    (evaluation on rank 0) under ``torch.no_grad()``: only forwards in grad mode take part in the check.
+    across ranks that each holds bit-identical parameters; every training forward checks that the ranks
+    are at the same step (:class:`~cs336_systems.distributed.consistency.ReplicaCheck`). Run rank-local
+    forwards (evaluation on rank 0) under ``torch.no_grad()``: only forwards in grad mode take part.
+    ``detect_nonfinite`` (``"auto"``: on with gloo, off on GPUs, where reading the flags stalls the host
+    once per step) checks each rank's own gradients before averaging and raises ``FloatingPointError``
+    naming the rank and parameter where NaN/inf appeared first; turn it off under a gradient scaler,
+    which expects inf.
     """
 
     #: Launch a bucket from gradient hooks as soon as it is complete (else after backward).
@@ -568,29 +652,41 @@ class DataParallel(nn.Module, abc.ABC):
         *,
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
-        broadcast_buffers: bool = False,
+        broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
         check_every: CheckEvery = "auto",
+        detect_nonfinite: DetectNonfinite = "auto",
     ):
         super().__init__()
+        name = type(self).__name__
         if gradient_as_bucket_view and not self.supports_grad_views:
-            raise ValueError(f"gradient_as_bucket_view applies to 'flat' and 'bucketed', not {type(self).__name__}")
+            raise ValueError(f"gradient_as_bucket_view applies to 'flat' and 'bucketed', not {name}")
+        for option, value in (("broadcast_buffers", broadcast_buffers), ("gradient_as_bucket_view", gradient_as_bucket_view)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: {option} must be True or False, got {value!r}")
         check_comm_dtype(comm_dtype)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; start workers with cs336_systems.distributed.launch")
         every = resolve_check_every(check_every, process_group)
+        check_finite = resolve_detect_nonfinite(detect_nonfinite, process_group)
         # Before anything is communicated: a size mismatch in a broadcast would abort or hang the job.
-        check_same_parameters(module, process_group, wrapper=type(self).__name__)
+        check_same_parameters(module, process_group, wrapper=name)
         self.module = module
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         broadcast_module_state(module, group=process_group)
+        params = trainable_parameters(module)
         self.reducer = GradientReducer(
-            self.plan_buckets(trainable_parameters(module)), overlap=self.overlap, blocking=self.blocking,
-            comm_dtype=comm_dtype, group=process_group, grad_views=gradient_as_bucket_view,
+            self.plan_buckets(params), overlap=self.overlap, blocking=self.blocking, comm_dtype=comm_dtype,
+            group=process_group, grad_views=gradient_as_bucket_view, check_finite=check_finite, order=params,
         )
-        self.replica_check = ReplicaCheck(list(module.named_parameters()), process_group, every,
-                                          wrapper=type(self).__name__)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.replica_check = ReplicaCheck(
+            list(module.named_parameters()), process_group, every, wrapper=name,
+            named_buffers=[] if broadcast_buffers else list(module.named_buffers()),
+            grad_names=[names[id(p)] for p in params],
+            sync_start=not self.overlap,  # only there can a lagging rank's forward meet this step's all-reduces
+        )
 
     @property
     def world_size(self) -> int:
@@ -602,19 +698,22 @@ class DataParallel(nn.Module, abc.ABC):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.replica_check.before_forward()
-        if self.broadcast_buffers:
-            with torch.no_grad():
-                for b in self.module.buffers():
-                    dist.broadcast(b, src=0, group=self.process_group)
+        if self.broadcast_buffers and torch.is_grad_enabled():  # a rank-local no_grad forward sends nothing
+            broadcast_coalesced(list(self.module.buffers()), self.process_group)
         self.reducer.attach_grad_views()
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait until every gradient holds the mean over ranks. Call after backward, before ``step()``."""
-        if self.reducer.sync_enabled:
-            self.replica_check.before_sync()
-            self.reducer.finish()
-            self.replica_check.on_sync_finished()
+        if not self.reducer.sync_enabled:
+            return
+        self.replica_check.before_sync()
+        self.reducer.finish()
+        used_anywhere = None
+        try:
+            used_anywhere = self.replica_check.end_sync(*self.reducer.local_report())
+        finally:
+            self.reducer.end_step(used_anywhere)
 
     def on_train_batch_start(self) -> None:
         """Start a step from a clean state (drops a step abandoned half-way, e.g. by an exception)."""

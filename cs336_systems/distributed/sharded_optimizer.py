@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cs336_systems.distributed.grad_sync import bucket_size_mb_value
+
 MIB = 2**20
 
 StateDict = dict[str, Any]
@@ -115,8 +117,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         if issubclass(optimizer_cls, ShardedOptimizer):
             raise ValueError("cannot shard a ShardedOptimizer")
-        if not broadcast_bucket_mb > 0:
-            raise ValueError(f"broadcast_bucket_mb must be positive, got {broadcast_bucket_mb}")
+        broadcast_bucket_mb = bucket_size_mb_value(broadcast_bucket_mb, "broadcast_bucket_mb", allow_none=False)
         self.optimizer_cls = optimizer_cls
         self.optimizer_kwargs = dict(optimizer_kwargs)
         self.process_group = group
