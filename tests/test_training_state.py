@@ -149,7 +149,7 @@ def test_out_of_step_messages_name_both_ranks() -> None:
     assert out_of_step_message([[0, 2, 3, 0], [3, 2, 2, 0]], "DDP").startswith(
         "uneven steps: rank 1 stopped after 2 steps (its function returned), rank 0 is at step 3 (at a forward "
         "after 2 finished gradient synchronizations)")
-    assert "rank 1 is at training forward 4, rank 0 at forward 3" in \
+    assert "rank 0 is at training forward 3, rank 1 at forward 4" in \
         out_of_step_message([[0, 2, 3, 0], [0, 2, 4, 0]], "DDP")
     assert "rank 1 is at a forward after 0 finished gradient synchronizations, rank 0 in " \
         "finish_gradient_synchronization() after 0 finished" in out_of_step_message([[1, 0, 1, 0], [0, 0, 2, 0]], "DDP")

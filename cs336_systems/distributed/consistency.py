@@ -175,9 +175,12 @@ def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
 
 class ControlChannel:
     """Host-side messages among the ranks of one process group, on a gloo group of their own (see the
-    module docstring for why). Every message is a fixed-size header all-gather, then, when every header
-    agrees, an optional float64 payload all-gather; a header that differs raises on every rank before any
-    payload is sent, so a lagging rank can never pair a payload with the wrong message."""
+    module docstring for why). Every message is one all-gather of the same size on every rank: a header
+    (phase, finished synchronisations, forwards, payload length), then the float64 payload, zero-padded to
+    the largest payload any wrapper on the channel declared (:meth:`reserve`). A header that differs from
+    rank 0's raises on every rank, and the payloads are then not read, so a rank out of step can never pair
+    its message with another kind, nor make a collective's sizes differ (which gloo answers with an abort).
+    One round trip per message: it costs the host tens of microseconds per step on a GPU node."""
 
     def __init__(self, group: dist.ProcessGroup | None):
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -185,12 +188,12 @@ class ControlChannel:
         self.group = dist.new_group(ranks, backend="gloo", timeout=group_timeout(group),
                                     use_local_synchronization=True)
         self.world_size = len(ranks)
+        self.capacity = 0  # payload values per message; every rank declares the same (wrappers are built alike)
         self.last: tuple[int, int] = (0, 0)  # (syncs, forwards) of the most recent message: what FINISHED reports
 
-    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(out, tensor, group=self.group)
-        return out
+    def reserve(self, values: int) -> None:
+        """Make room for payloads of ``values`` float64s (called by each wrapper at construction, on every rank)."""
+        self.capacity = max(self.capacity, values)
 
     def exchange(self, phase: Phase, syncs: int, forwards: int, payload: torch.Tensor | None = None, *,
                  wrapper: str) -> list[torch.Tensor] | None:
@@ -198,13 +201,18 @@ class ControlChannel:
         ``RuntimeError`` on every rank when the headers differ."""
         self.last = (syncs, forwards)
         size = 0 if payload is None else payload.numel()
-        headers = self._gather(torch.tensor([int(phase), syncs, forwards, size], dtype=torch.int64))
-        problem = out_of_step_message([h.tolist() for h in headers], wrapper)
+        if size > self.capacity:
+            raise ValueError(f"a control payload of {size} values exceeds the {self.capacity} reserved")
+        message = torch.zeros(4 + self.capacity, dtype=torch.float64)
+        message[:4] = torch.tensor([int(phase), syncs, forwards, size], dtype=torch.float64)
+        if payload is not None:
+            message[4 : 4 + size] = payload.detach().reshape(-1).to("cpu", torch.float64)
+        gathered = [torch.empty_like(message) for _ in range(self.world_size)]
+        dist.all_gather(gathered, message, group=self.group)
+        problem = out_of_step_message([[int(v) for v in m[:4].tolist()] for m in gathered], wrapper)
         if problem is not None:
             raise RuntimeError(problem)
-        if payload is None:
-            return None
-        return self._gather(payload.detach().to("cpu", torch.float64).reshape(-1))
+        return None if payload is None else [m[4 : 4 + size] for m in gathered]
 
 
 _channels: dict[Any, ControlChannel] = {}
@@ -253,6 +261,9 @@ class ReplicaCheck:
     CUDA-graph capture sends nothing (its Python runs once, at capture).
     """
 
+    #: Room for the values that :meth:`end_sync` compares for equality (``same``).
+    SAME_VALUES = 4
+
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None,
                  every: int | None, *, wrapper: str, named_buffers: Sequence[tuple[str, torch.Tensor]] = (),
                  grad_names: Sequence[str] = (), sync_start: bool = False):
@@ -266,6 +277,7 @@ class ReplicaCheck:
         self.wrapper = wrapper
         self.sync_start = sync_start
         self.channel = control_channel(group)
+        self.channel.reserve(max(len(self.tensors), len(self.grad_names) + 1 + self.SAME_VALUES))
         self.finished_syncs = 0
         self.forwards = 0
 
@@ -308,6 +320,8 @@ class ReplicaCheck:
         if len(used) != len(self.grad_names):
             raise ValueError(f"{len(used)} used flags for {len(self.grad_names)} gradients")
         what, values = same if same is not None else ("", ())
+        if len(values) > self.SAME_VALUES:
+            raise ValueError(f"at most {self.SAME_VALUES} values to compare, got {len(values)}")
         first = max(nonfinite, default=-1)  # nearest the loss (in module order): where backward met it first
         payload = torch.tensor([first, *values, *used], dtype=torch.float64)
         gathered = self._exchange(Phase.SYNC_END, payload)
