@@ -225,3 +225,28 @@ def test_loading_a_checkpoint_of_another_model_fails_before_touching_state():
     with pytest.raises(ValueError, match="saved 'exp_avg' is torch.float64 but the parameter is torch.float32"):
         opt.load_state_dict(bad)
     opt.load_state_dict(before)  # the genuine one still loads
+
+
+def _shards_of_two_steps() -> str:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    shards = []
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        shards.append(opt.shard_state_dict())
+    gathered = [None, None]
+    dist.all_gather_object(gathered, shards[dist.get_rank()])  # rank 0's shard of step 1, rank 1's of step 2
+    try:
+        opt.load_state_dict(gathered)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_shards_saved_after_different_steps_are_refused() -> None:
+    """AdamW's own ``step`` entries cannot tell (a parameter without a gradient skips a step); the optimizer's
+    count of its steps can."""
+    out = spawn(_shards_of_two_steps, 2, backend="gloo", timeout_s=30)
+    assert all("saved after different numbers of steps (rank 0: 1, rank 1: 2)" in o for o in out), out

@@ -128,6 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._owned_bytes = [0] * self.world_size
         self._buckets: list[tuple[int, list[torch.Tensor]]] | None = None
         self._consolidated: StateDict | None = None
+        self.steps_taken = 0  # stamped into shard dicts: shards of different steps must not be merged
         super().__init__(params, defaults=dict(optimizer_kwargs))
         assert self.inner is not None
         self.state = self.inner.state  # ``opt.state[p]`` shows this rank's state, as for a plain optimizer
@@ -191,6 +192,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     inner[k] = v
         self.inner.step(**kwargs)
         self._broadcast_parameters()
+        self.steps_taken += 1
         return loss
 
     def _broadcast_buckets(self) -> list[tuple[int, list[torch.Tensor]]]:
@@ -271,7 +273,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {
             "state": {local_to_global[i]: s for i, s in inner_sd["state"].items()},
             "param_groups": groups,
-            "sharding": {"rank": self.rank, "world_size": self.world_size, "owners": self._owners_by_index()},
+            "sharding": {"rank": self.rank, "world_size": self.world_size, "owners": self._owners_by_index(),
+                         "steps_taken": self.steps_taken},
         }
 
     @staticmethod
@@ -284,6 +287,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if ranks != list(range(world_size)):
             raise ValueError(f"need one shard per rank 0..{world_size - 1}, got ranks {ranks}")
         owners = shards[0]["sharding"]["owners"]
+        steps = {s["sharding"]["rank"]: s["sharding"].get("steps_taken") for s in shards}
+        if len(set(steps.values())) > 1:
+            listed = ", ".join(f"rank {r}: {n}" for r, n in sorted(steps.items()))
+            raise ValueError(f"the shard state dicts were saved after different numbers of steps ({listed}): "
+                             "shards of one checkpoint come from one step")
         state: dict[int, Any] = {}
         for shard in shards:
             if shard["sharding"]["owners"] != owners or len(shard["param_groups"]) != len(shards[0]["param_groups"]):
@@ -334,6 +342,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         shape and dtype of every saved state tensor are checked against this optimizer's parameters; the
         first mismatch raises a ``ValueError`` naming it (a checkpoint of another model fails here, not
         inside the next ``step()``)."""
+        first = state_dict[0] if isinstance(state_dict, list) and state_dict else state_dict
+        steps_taken = first.get("sharding", {}).get("steps_taken", 0) if isinstance(first, dict) else 0
         if isinstance(state_dict, list):
             if not state_dict or not all(isinstance(s, dict) for s in state_dict):
                 raise ValueError("expected a list of shard state dicts (one per rank), got "
@@ -377,6 +387,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         self.state = self.inner.state
         self._consolidated = None
+        self.steps_taken = steps_taken
 
     def _validate_loadable(self, state_dict: StateDict) -> None:
         """Raise ``ValueError`` at the first way ``state_dict`` (consolidated) does not fit this optimizer."""
