@@ -48,7 +48,7 @@ def _wrap_different_models(kind: str) -> None:
 @pytest.mark.parametrize("kind", [*STRATEGIES, "fsdp"])
 def test_different_models_are_refused_at_wrap_time_on_every_rank(kind: str) -> None:
     with pytest.raises(WorkerError) as info:
-        spawn(_wrap_different_models, 2, kind, backend="gloo", timeout_s=10)
+        spawn(_wrap_different_models, 2, kind, backend="gloo", timeout_s=60, collective_timeout_s=10)
     message = str(info.value)
     assert "the ranks hold different models: parameter '0.weight' has shape (8, 4) on rank 0 but (6, 4) on rank 1" \
         in message
@@ -76,7 +76,7 @@ def _train(kind: str, skip_sync_on_rank1: bool, perturb_rank1: bool, check_every
 @pytest.mark.parametrize("kind", ["naive", "bucketed", "fsdp"])
 def test_a_skipped_synchronization_fails_at_the_next_step_on_every_rank(kind: str) -> None:
     with pytest.raises(WorkerError) as info:
-        spawn(_train, 2, kind, True, False, "auto", backend="gloo", timeout_s=10)
+        spawn(_train, 2, kind, True, False, "auto", backend="gloo", timeout_s=60, collective_timeout_s=10)
     assert ("replicas out of step: rank 1 is at a forward after 0 finished gradient synchronizations, rank 0 "
             "in finish_gradient_synchronization() after 0 finished") in str(info.value)
     assert all("replicas out of step" in o for o in info.value.outcomes.values()), info.value.outcomes
@@ -84,9 +84,9 @@ def test_a_skipped_synchronization_fails_at_the_next_step_on_every_rank(kind: st
 
 def test_diverged_parameters_are_named() -> None:
     with pytest.raises(WorkerError, match=r"replicas diverged: parameter '2.weight' differs between rank 0"):
-        spawn(_train, 2, "bucketed", False, True, 1, backend="gloo", timeout_s=10)
+        spawn(_train, 2, "bucketed", False, True, 1, backend="gloo", timeout_s=60, collective_timeout_s=10)
 
 
 def test_without_the_check_the_drift_goes_unnoticed() -> None:
     """Negative control: the same faulty loop with the check off completes, so the check is what catches it."""
-    assert spawn(_train, 2, "bucketed", False, True, None, backend="gloo", timeout_s=10) == [2, 2]
+    assert spawn(_train, 2, "bucketed", False, True, None, backend="gloo", timeout_s=60, collective_timeout_s=10) == [2, 2]

@@ -20,6 +20,7 @@ from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import WorkerError, spawn
 
 TIMEOUT_S = 3.0  # collective timeout: how long a survivor waits for a hung peer
+LIMIT_S = 60.0  # the whole run's limit: far above start-up on a loaded two-core machine
 
 
 def _inject(fault: str) -> None:
@@ -69,10 +70,11 @@ EXPECTED = {
 def test_the_failing_rank_and_its_cause_are_reported(wrapper: str, fault: str, phase: str) -> None:
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        spawn(_train_with_fault, 2, wrapper, fault, phase, backend="gloo", timeout_s=TIMEOUT_S, grace_s=1.0)
+        spawn(_train_with_fault, 2, wrapper, fault, phase, backend="gloo", timeout_s=LIMIT_S,
+              collective_timeout_s=TIMEOUT_S, grace_s=1.0)
     elapsed = time.monotonic() - start
     err = info.value
-    assert elapsed < TIMEOUT_S + 20, f"took {elapsed:.1f} s"
+    assert elapsed < LIMIT_S, f"took {elapsed:.1f} s"
     if fault == "hang":
         # The hung rank never fails by itself: its peer times out in the next collective, and the report
         # says so and points at the rank that never arrived.
@@ -90,4 +92,4 @@ def _healthy() -> int:
 
 
 def test_a_healthy_run_is_not_reported() -> None:
-    assert spawn(_healthy, 2, backend="gloo", timeout_s=TIMEOUT_S) == [0, 1]
+    assert spawn(_healthy, 2, backend="gloo", timeout_s=LIMIT_S, collective_timeout_s=TIMEOUT_S) == [0, 1]

@@ -209,7 +209,7 @@ def _interrupted(root: str) -> int:
 def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path) -> None:
     root = tmp_path / "run"
     with pytest.raises(Exception):
-        spawn(_interrupted, 2, str(root), backend="gloo", timeout_s=10)
+        spawn(_interrupted, 2, str(root), backend="gloo", timeout_s=60, collective_timeout_s=10)
     assert latest_step(root) == 1 and complete_steps(root) == [1]
     assert spawn(_load_into, 2, "ddp_zero", str(root), backend="gloo", timeout_s=60) == ["loaded", "loaded"]
     with pytest.raises(CheckpointError, match="no manifest.json: that save never completed"):

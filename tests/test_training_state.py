@@ -139,7 +139,7 @@ def _uneven_steps(kind: str) -> int:
 @pytest.mark.parametrize("kind", ["bucketed", "naive", "fsdp"])
 def test_uneven_step_counts_are_named(kind: str) -> None:
     with pytest.raises(WorkerError) as info:
-        spawn(_uneven_steps, 2, kind, backend="gloo", timeout_s=20)
+        spawn(_uneven_steps, 2, kind, backend="gloo", timeout_s=60, collective_timeout_s=20)
     assert "uneven steps: rank 1 stopped after 2 steps (its function returned), rank 0 is at step 3" \
         in str(info.value)
 
@@ -173,7 +173,7 @@ def test_a_nonfinite_gradient_is_named_with_its_rank_and_parameter(kind: str) ->
     """NaN in rank 1's input: every gradient of rank 1 is NaN, and the error names rank 1 and the parameter
     backward reached first (the output layer), not "replicas diverged" between two NaN sums."""
     with pytest.raises(WorkerError) as info:
-        spawn(_nonfinite, 2, kind, backend="gloo", timeout_s=20)
+        spawn(_nonfinite, 2, kind, backend="gloo", timeout_s=60, collective_timeout_s=20)
     assert "a non-finite gradient (NaN/inf) appeared first on rank 1, in parameter '2.weight', in its own " \
         "gradient of step 2" in str(info.value)
     assert all("FloatingPointError" in o for o in info.value.outcomes.values()), info.value.outcomes
@@ -193,12 +193,12 @@ def _batchnorm(broadcast_buffers: bool) -> list[float]:
 
 @pytest.mark.slow
 def test_buffers_are_rank_zeros_by_default_and_drift_is_an_error_otherwise() -> None:
-    same = spawn(_batchnorm, 2, None, backend="gloo", timeout_s=20)
+    same = spawn(_batchnorm, 2, None, backend="gloo", timeout_s=60, collective_timeout_s=20)
     # Each forward starts from rank 0's statistics, so after the last forward only that forward's batch differs;
     # what matters is that the statistics entering every forward were rank 0's (else the check would fail below).
     assert len(same) == 2
     with pytest.raises(WorkerError, match=r"replicas diverged: buffer '1.running_mean' differs between rank 0"):
-        spawn(_batchnorm, 2, False, backend="gloo", timeout_s=20)
+        spawn(_batchnorm, 2, False, backend="gloo", timeout_s=60, collective_timeout_s=20)
 
 
 def _fsdp_swapped_layers() -> None:
@@ -218,7 +218,7 @@ def _fsdp_swapped_layers() -> None:
 @pytest.mark.slow
 def test_fsdp_ranks_that_gather_different_layers_are_named() -> None:
     with pytest.raises(WorkerError, match="the ranks gathered different sharded layers"):
-        spawn(_fsdp_swapped_layers, 2, backend="gloo", timeout_s=20)
+        spawn(_fsdp_swapped_layers, 2, backend="gloo", timeout_s=60, collective_timeout_s=20)
 
 
 def _bad_options(kind: str) -> list[str]:

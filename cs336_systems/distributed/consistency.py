@@ -144,7 +144,8 @@ def out_of_step_message(headers: Sequence[Sequence[int]], wrapper: str) -> str |
         if len(finished) == 1:
             (done,), other = finished, rank if finished[0] == 0 else 0
             phase, syncs, forwards, _ = ranks[other]
-            return (f"uneven steps: rank {done} stopped after {ranks[done][1]} steps (its function returned), rank "
+            steps = f"{ranks[done][1]} step{'' if ranks[done][1] == 1 else 's'}"
+            return (f"uneven steps: rank {done} stopped after {steps} (its function returned), rank "
                     f"{other} is at step {syncs + 1} ({_where(phase, syncs, forwards).removeprefix('is ')}); every "
                     "rank must run the same number of steps: give each rank the same number of batches (drop an "
                     "uneven last batch)")
@@ -316,6 +317,7 @@ class ReplicaCheck:
         every rank if any rank saw a non-finite gradient."""
         if self._capturing():
             self.finished_syncs += 1
+            self.channel.last = (self.finished_syncs, self.forwards)
             return None
         if len(used) != len(self.grad_names):
             raise ValueError(f"{len(used)} used flags for {len(self.grad_names)} gradients")
@@ -327,6 +329,7 @@ class ReplicaCheck:
         gathered = self._exchange(Phase.SYNC_END, payload)
         assert gathered is not None
         self.finished_syncs += 1
+        self.channel.last = (self.finished_syncs, self.forwards)  # what a FINISHED message will report
         for rank, theirs in enumerate(gathered[1:], start=1):
             if not torch.equal(theirs[1 : 1 + len(values)], gathered[0][1 : 1 + len(values)]):
                 raise RuntimeError(f"{self.wrapper}: in step {self.finished_syncs} {what} (rank 0: "

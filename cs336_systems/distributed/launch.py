@@ -1,16 +1,19 @@
 """Starting ``torch.distributed`` workers: under ``torchrun``/``srun`` (env:// rendezvous) or, from
 notebooks and tests, as N local processes spawned on a free port.
 
-Both paths end in :func:`init_process_group`, so strategy code never knows how it was launched.
-A crashed rank ends the whole run with its traceback (``torch.multiprocessing.spawn`` terminates the
-others), and every collective has a timeout, so a lost peer is an error rather than a hang.
+Both paths join the process group the same way (spawned ranks meet through a store that rank 0 serves on
+127.0.0.1 only), so strategy code never knows how it was launched. A crashed rank ends the whole run with
+its traceback (the launcher stops the others), every collective has a timeout, so a lost peer is an error
+rather than a hang, and :func:`spawn` can bound the whole run's wall-clock time.
 """
 
 from __future__ import annotations
 
 import datetime
 import glob
+import math
 import multiprocessing.connection as mp_connection
+import numbers
 import os
 import re
 import signal
@@ -18,7 +21,7 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cs336_systems.distributed.consistency import announce_finished
+
 DEFAULT_TIMEOUT_S = 300.0
+_LOCALHOST = "127.0.0.1"  # MASTER_ADDR of spawned ranks
 
 
 @dataclass(frozen=True)
@@ -58,8 +64,8 @@ def find_free_port() -> int:
 
 def check_world_size(world_size: int, backend: str) -> None:
     """Clear errors for impossible process counts instead of a hang at the first collective."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if backend == "nccl":
         available = torch.cuda.device_count()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -93,7 +99,12 @@ def init_process_group(
         if per_node.split("(")[0].isdigit():  # "2" or "2(x3)"
             os.environ.setdefault("LOCAL_WORLD_SIZE", per_node.split("(")[0])
         os.environ.setdefault("MASTER_PORT", "29500")
-    backend = backend or default_backend(device_type)
+    return _join(backend or default_backend(device_type), timeout_s)
+
+
+def _join(backend: str, timeout_s: float, store: dist.Store | None = None) -> DistContext:
+    """Set this rank up (threads, device) from the env:// variables and join the process group: through
+    ``store`` when given, else through a store that env:// makes from MASTER_ADDR/MASTER_PORT."""
     threads = threads_per_rank(backend, os.environ)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -107,10 +118,13 @@ def init_process_group(
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("RANK", str(rank))
-        os.environ.setdefault("WORLD_SIZE", str(world_size))
         kwargs: dict[str, Any] = {}
+        if store is None:
+            os.environ.setdefault("MASTER_ADDR", _LOCALHOST)
+            os.environ.setdefault("RANK", str(rank))
+            os.environ.setdefault("WORLD_SIZE", str(world_size))
+        else:
+            kwargs["store"] = store
         if backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(
@@ -122,6 +136,32 @@ def init_process_group(
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _rendezvous_store(rank: int, world_size: int, port: int, timeout_s: float) -> dist.TCPStore:
+    """The store through which spawned ranks meet: rank 0 serves it on 127.0.0.1 only (torch's own server
+    listens on every interface, reachable from other machines), the others connect to it."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(_LOCALHOST, port, world_size, is_master=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((_LOCALHOST, port))
+        sock.listen()
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"rank 0 cannot serve the rendezvous on {_LOCALHOST}:{port} (MASTER_PORT): {e.strerror or e}"
+        ) from e
+    # detach(): the store closes the descriptor itself, so Python must not close it as well.
+    return dist.TCPStore(
+        _LOCALHOST, port, world_size, is_master=True, timeout=timeout, master_listen_fd=sock.detach()
+    )
+
+
+def _done_path(result_path: str, rank: int) -> str:
+    return f"{result_path}.done-{rank}"
 
 
 def _worker(
@@ -136,7 +176,7 @@ def _worker(
     kwargs: dict,
 ) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=_LOCALHOST,
         MASTER_PORT=str(port),
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -144,12 +184,16 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        init_process_group(backend, timeout_s)
+        _join(backend, timeout_s, _rendezvous_store(local_rank, world_size, port, timeout_s))
         result = fn(*args, **kwargs)
+        announce_finished()  # a peer still training then fails naming the uneven steps, instead of hanging
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, result)
         if local_rank == 0:
             torch.save(gathered, result_path)
+        # Only this marker says the rank finished: an exit code of 0 does not (os._exit(0) in fn gives one).
+        # An empty file appears whole, so the parent never sees half a marker.
+        open(_done_path(result_path, local_rank), "w").close()
         dist.barrier()
     except BaseException:
         # Record when and how this rank failed: the peers' errors that follow ("connection reset")
@@ -166,9 +210,11 @@ def _worker(
 
 
 class WorkerError(RuntimeError):
-    """A rank failed. The message names the rank that failed first and how (its exception with the
-    traceback, its exit code, or the signal that killed it), then what became of the other ranks.
-    ``rank`` is that rank, ``cause`` a one-line description, ``outcomes`` one line per rank."""
+    """A rank failed, or the run passed its time limit. The message names the rank that failed first and how
+    (its exception with the traceback, its exit code, or the signal that killed it) or says that the run
+    exceeded ``timeout_s`` with which ranks still running, then what became of the other ranks.
+    ``rank`` is that rank (for a run past its limit with no rank failing: the lowest rank still running),
+    ``cause`` a one-line description, ``outcomes`` one line per rank."""
 
     def __init__(self, message: str, rank: int, cause: str, outcomes: dict[int, str]):
         super().__init__(message)
@@ -188,8 +234,9 @@ def _last_line(traceback_text: str) -> str:
     return next((ln.strip() for ln in reversed(traceback_text.strip().splitlines()) if ln.strip()), "")
 
 
-def describe_exit(exitcode: int | None) -> str:
-    """How a worker process ended, in words, for one that left no Python traceback."""
+def describe_exit(exitcode: int | None, finished: bool = False) -> str:
+    """How a worker process ended, in words, for one that left no Python traceback. ``finished``: its
+    function returned and its result was handed over; without that, even exit code 0 is a failure."""
     if exitcode is None:
         return "still running"
     if exitcode < 0:
@@ -204,6 +251,10 @@ def describe_exit(exitcode: int | None) -> str:
             "SIGBUS": " — a bus error (often shared memory /dev/shm too small)",
         }.get(name, "")
         return f"killed by {name}{hint}"
+    if exitcode == 0:
+        if finished:
+            return "finished"
+        return "exited with code 0 before its function returned (os._exit or sys.exit in the function)"
     return f"exited with code {exitcode} without a Python exception (os._exit, sys.exit or native code)"
 
 
@@ -228,28 +279,46 @@ class _Failure:
     consequence: bool  # the text says a peer went away: an effect of another rank's failure
 
 
+def _ranks(ranks: Collection[int]) -> str:
+    return ", ".join(map(str, sorted(ranks)))
+
+
 def diagnose(
     world_size: int,
     recorded: dict[int, tuple[float, str]],
     exits: dict[int, tuple[float, int | None]],
     stopped: set[int],
     timeout_s: float,
+    *,
+    finished: Collection[int] | None = None,
+    over_limit: Collection[int] | None = None,
+    limit_s: float | None = None,
 ) -> WorkerError:
     """Turn what the workers left behind into one :class:`WorkerError` naming the root cause.
 
     ``recorded``: rank -> (time, traceback) of ranks that raised; ``exits``: rank -> (time observed, exit
     code) of ranks that ended (``None``: still running when the launcher stopped); ``stopped``: ranks the
-    launcher terminated itself. A rank that raised because its peer vanished (connection reset, broken
-    pipe) is a consequence and loses to any other failure; otherwise the earliest failure wins.
+    launcher terminated itself; ``timeout_s``: the collective timeout. ``finished``: ranks whose function
+    returned and whose result was handed over (``None``: every rank that exited with code 0); a rank that
+    exited before that failed, whatever its exit code. ``over_limit``: ranks still running when the run
+    passed its limit of ``limit_s`` (default ``timeout_s``) and were stopped (``None``: it did not).
+
+    A rank that raised because its peer vanished (connection reset, broken pipe) is a consequence and loses
+    to any other failure; otherwise the earliest failure wins, an exit with code 0 included. A run past its
+    limit with no failure is reported as such, naming the ranks that were still running.
     """
+    if finished is None:
+        finished = {rank for rank, (_, code) in exits.items() if code == 0}
     failures: list[_Failure] = []
     for rank, (when, tb) in recorded.items():
         last = _last_line(tb)
-        if _TIMEOUT.search(last) and not _PEER_LOSS.search(last):
+        if last.startswith("SystemExit"):  # recorded, yet the exit code may be 0
+            last = f"called sys.exit before its function returned ({last})"
+        elif _TIMEOUT.search(last) and not _PEER_LOSS.search(last):
             last = f"a collective timed out after {timeout_s:g} s waiting for its peers ({last})"
         failures.append(_Failure(rank, when, last, tb, bool(_PEER_LOSS.search(tb))))
     for rank, (when, code) in exits.items():
-        if rank in recorded or rank in stopped or code == 0:
+        if rank in recorded or rank in stopped or (code == 0 and rank in finished):
             continue
         failures.append(_Failure(rank, when, describe_exit(code), describe_exit(code), False))
     outcomes = {}
@@ -259,24 +328,46 @@ def diagnose(
         elif rank in stopped:
             outcomes[rank] = "was still running (hung or waiting) and was stopped by the launcher"
         elif rank in exits:
-            code = exits[rank][1]
-            outcomes[rank] = "finished" if code == 0 else describe_exit(code)
+            outcomes[rank] = describe_exit(exits[rank][1], rank in finished)
         else:
             outcomes[rank] = "unknown"
-    if not failures:
-        first = _Failure(-1, 0.0, "the workers ended without a result", "", False)
-    else:
+    over = None
+    if over_limit is not None:
+        limit = timeout_s if limit_s is None else limit_s
+        over = f"the run exceeded timeout_s={limit:g} s with rank(s) {_ranks(over_limit)} still running"
+    every_rank = False  # list every rank's fate, not only the others'
+    if failures:
         first = min(failures, key=lambda f: (f.consequence, f.time, f.rank))
-    others = "\n".join(f"  rank {r}: {o}" for r, o in outcomes.items() if r != first.rank)
+        headline = f"rank {first.rank} of {world_size} failed first: {first.cause}"
+    elif over is not None and over_limit:
+        # Nothing failed by itself: the limit is the cause, and no rank failed first.
+        first = _Failure(min(over_limit), 0.0, over, "", False)
+        headline, over, every_rank = over, None, True
+    else:
+        first = _Failure(-1, 0.0, "the workers ended without a result", "", False)
+        headline = f"rank {first.rank} of {world_size} failed first: {first.cause}"
+    others = "\n".join(f"  rank {r}: {o}" for r, o in outcomes.items() if every_rank or r != first.rank)
     hung = [r for r in sorted(stopped) if r != first.rank]
     if hung and "timed out" in first.cause:
-        others += f"\n  (rank(s) {', '.join(map(str, hung))} never reached the collective: look there for the hang)"
-    message = f"rank {first.rank} of {world_size} failed first: {first.cause}"
+        others += f"\n  (rank(s) {_ranks(hung)} never reached the collective: look there for the hang)"
+    message = headline
     if first.detail and first.detail != first.cause:
         message += f"\n{first.detail.rstrip()}"
     if others:
-        message += f"\nother ranks:\n{others}"
+        message += f"\n{'ranks' if every_rank else 'other ranks'}:\n{others}"
+    if over is not None:
+        message += f"\n{over}"
     return WorkerError(message, first.rank, first.cause, outcomes)
+
+
+def _check_seconds(name: str, value: Any, positive: bool, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (is_number and math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        bound = "> 0" if positive else ">= 0"
+        also = " or None" if none_ok else ""
+        raise ValueError(f"{name} must be a finite number of seconds {bound}{also}, got {value!r}")
 
 
 def spawn(
@@ -284,7 +375,8 @@ def spawn(
     world_size: int,
     *args: Any,
     backend: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
+    collective_timeout_s: float | None = None,
     start_method: str | None = None,
     grace_s: float = 2.0,
     **kwargs: Any,
@@ -292,57 +384,101 @@ def spawn(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local processes and return each rank's result
     (rank order); the return value must be picklable.
 
-    Inside ``fn`` the process group is initialised; :func:`current_context` describes this rank.
-    ``timeout_s`` bounds every collective, so a rank that hangs turns into a timeout on its peers.
+    Inside ``fn`` the process group is initialised; :func:`current_context` describes this rank. The ranks
+    meet through a store that rank 0 serves on 127.0.0.1 only, on a free port.
 
-    When a rank fails, the others get ``grace_s`` seconds to finish or fail on their own (so their
-    errors are recorded), then are terminated; :func:`diagnose` raises a :class:`WorkerError` naming the
-    rank that failed first and how, whether it raised, exited or was killed by a signal.
+    ``timeout_s`` limits the whole run, wall clock from this call with start-up included: when it passes,
+    the ranks still running are stopped and the error says the run exceeded ``timeout_s`` and which ranks
+    were still running. ``None`` (the default) sets no limit, for long benchmarks.
+    ``collective_timeout_s`` bounds every collective (and the rendezvous), so a rank that hangs turns into a
+    timeout on its peers, which names the rank that never arrived; it may not exceed ``timeout_s`` and
+    defaults to ``timeout_s``, or to :data:`DEFAULT_TIMEOUT_S` without a limit. Set it below ``timeout_s``
+    to have hangs diagnosed before the limit stops everything.
+
+    A rank has finished only when ``fn`` returned and its result was handed over: one that exits before
+    that has failed, whatever its exit code (``os._exit(0)`` in ``fn`` too). When a rank fails, the others
+    get ``grace_s`` seconds (never past ``timeout_s``) to finish or fail on their own (so their errors are
+    recorded), then are terminated; :func:`diagnose` raises a :class:`WorkerError` naming the rank that
+    failed first and how, whether it raised, exited or was killed by a signal.
+
+    The arguments are checked before any process starts (``ValueError``): ``fn`` callable, ``world_size``
+    an int >= 1, ``timeout_s`` and ``collective_timeout_s`` finite numbers > 0 or ``None``, ``grace_s`` a
+    finite number >= 0.
 
     CPU (gloo) workers are forked, which skips re-importing torch in every child (seconds per launch);
     GPU workers are started with ``spawn`` because CUDA cannot be used in a forked child. With
     ``spawn``, ``fn`` must be importable, i.e. defined at module level in a library module.
     """
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {fn!r}")  # noqa: TRY004 - one ValueError per bad argument
+    _check_seconds("timeout_s", timeout_s, positive=True, none_ok=True)
+    _check_seconds("collective_timeout_s", collective_timeout_s, positive=True, none_ok=True)
+    _check_seconds("grace_s", grace_s, positive=False)
+    if timeout_s is not None and collective_timeout_s is not None and collective_timeout_s > timeout_s:
+        raise ValueError(f"collective_timeout_s must be <= timeout_s={timeout_s}, got {collective_timeout_s}")
     backend = backend or default_backend()
     check_world_size(world_size, backend)
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if collective_timeout_s is None:
+        collective_timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    collective_s = float(collective_timeout_s)
     if start_method is None:
         start_method = "fork" if backend == "gloo" and not torch.cuda.is_initialized() else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "results.pt")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         context = mp.start_processes(
             _worker,
-            args=(fn, world_size, find_free_port(), backend, timeout_s, result_path, args, kwargs),
+            args=(fn, world_size, find_free_port(), backend, collective_s, result_path, args, kwargs),
             nprocs=world_size,
             join=False,
             start_method=start_method,
         )
-        exits, stopped = _supervise(context.processes, grace_s)
-        if any(code != 0 for _, code in exits.values()) or stopped:
-            raise diagnose(world_size, _recorded_failures(result_path), exits, stopped, timeout_s)
+
+        def finished(rank: int) -> bool:
+            return os.path.exists(_done_path(result_path, rank))
+
+        exits, stopped, over_limit = _supervise(context.processes, grace_s, deadline, finished)
+        done = {rank for rank in range(world_size) if finished(rank)}
+        if stopped or len(done) < world_size or any(code != 0 for _, code in exits.values()):
+            raise diagnose(world_size, _recorded_failures(result_path), exits, stopped, collective_s,
+                           finished=done, over_limit=over_limit, limit_s=timeout_s)
         return torch.load(result_path, weights_only=False)
 
 
-def _supervise(processes: list[Any], grace_s: float) -> tuple[dict[int, tuple[float, int | None]], set[int]]:
-    """Wait for every worker; once one fails, give the rest ``grace_s`` to end, then stop them. Returns
-    each rank's (time its end was observed, exit code) and the ranks the launcher had to stop."""
+def _supervise(
+    processes: list[Any],
+    grace_s: float,
+    deadline: float | None = None,
+    finished: Callable[[int], bool] = lambda rank: True,
+) -> tuple[dict[int, tuple[float, int | None]], set[int], set[int] | None]:
+    """Wait for every worker; once one fails, give the rest ``grace_s`` to end, then stop them. Whatever
+    still runs at ``deadline`` (the run's limit, a :func:`time.monotonic` time; ``None``: no limit) is
+    stopped then. A rank fails when it ends with a non-zero exit code or before ``finished(rank)`` holds.
+    Returns each rank's (time its end was observed, exit code), the ranks the launcher had to stop, and,
+    if the deadline stopped them, those ranks again (else ``None``)."""
     sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
     exits: dict[int, tuple[float, int | None]] = {}
-    deadline: float | None = None
+    stop_at = deadline  # when the ranks still running are stopped
+    failed = False
+    now = time.monotonic()  # kept after the loop: did the deadline end it?
     while len(exits) < len(processes):
-        wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        now = time.monotonic()
+        if stop_at is not None and now >= stop_at:
+            break
+        wait_s = None if stop_at is None else stop_at - now
         ready = mp_connection.wait([s for s, r in sentinels.items() if r not in exits], timeout=wait_s)
-        now = time.time()
+        observed = time.time()
         for sentinel in ready:
             rank = sentinels[sentinel]
             processes[rank].join()
-            exits[rank] = (now, processes[rank].exitcode)
-            if processes[rank].exitcode != 0 and deadline is None:
-                deadline = time.monotonic() + grace_s
-        if not ready and deadline is not None and time.monotonic() >= deadline:
-            break
+            code = processes[rank].exitcode
+            exits[rank] = (observed, code)
+            if (code != 0 or not finished(rank)) and not failed:
+                failed = True
+                grace_end = time.monotonic() + grace_s
+                stop_at = grace_end if stop_at is None else min(stop_at, grace_end)
     stopped = {rank for rank in range(len(processes)) if rank not in exits}
+    over_limit = stopped if stopped and deadline is not None and now >= deadline else None
     for rank in stopped:
         processes[rank].terminate()
     for rank in stopped:
@@ -350,7 +486,7 @@ def _supervise(processes: list[Any], grace_s: float) -> tuple[dict[int, tuple[fl
         if processes[rank].is_alive():
             processes[rank].kill()
             processes[rank].join()
-    return exits, stopped
+    return exits, stopped, over_limit
 
 
 def current_context() -> DistContext:

@@ -9,7 +9,7 @@ Failure is loud in both modes and names the rank that failed first: ``spawn`` ra
 :class:`~cs336_systems.distributed.launch.WorkerError` with its traceback, exit code or signal;
 under ``torchrun`` the function runs under ``torch.distributed.elastic``'s ``record``, so torchrun's
 root-cause report carries the traceback too. The process group's timeout turns a lost peer into an
-error instead of a hang.
+error instead of a hang; spawned ranks can also be given a limit on the whole run.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from cs336_systems.distributed import launch
+from cs336_systems.distributed.consistency import announce_finished
 
 
 def launched_externally() -> bool:
@@ -42,19 +43,29 @@ def run_on_ranks(
     nproc: int,
     *args: Any,
     backend: str | None = None,
-    timeout_s: float = launch.DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
+    collective_timeout_s: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """``fn(*args, **kwargs)`` on every rank; returns the list of per-rank results (on every rank).
-    ``timeout_s`` bounds every collective (a hung peer becomes a timeout error)."""
+
+    Spawned, both timeouts are :func:`~cs336_systems.distributed.launch.spawn`'s: ``timeout_s`` limits the
+    whole run (``None``: no limit) and ``collective_timeout_s`` bounds every collective (default
+    ``timeout_s``, else ``launch.DEFAULT_TIMEOUT_S``). Under torchrun/srun this process cannot stop its
+    peers, so only collectives are bounded (a hung peer becomes a timeout error), by
+    ``collective_timeout_s``, else ``timeout_s``, else ``launch.DEFAULT_TIMEOUT_S``; the job's own time
+    limit bounds the run."""
     if not launched_externally():
-        return launch.spawn(fn, nproc, *args, backend=backend, timeout_s=timeout_s, **kwargs)
+        return launch.spawn(fn, nproc, *args, backend=backend, timeout_s=timeout_s,
+                            collective_timeout_s=collective_timeout_s, **kwargs)
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    launch.init_process_group(backend, timeout_s)
+    given = [t for t in (collective_timeout_s, timeout_s) if t is not None]
+    launch.init_process_group(backend, given[0] if given else launch.DEFAULT_TIMEOUT_S)
     # record(): the traceback goes to torchrun's error file, so torchrun's "Root Cause (first observed
     # failure)" report shows it beside the rank and exit code (or the signal, for a killed rank).
     result = record(fn)(*args, **kwargs)
+    announce_finished()  # a peer still training fails naming the uneven steps instead of hanging
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     launch.destroy_process_group()
