@@ -252,3 +252,48 @@ def test_bad_options_are_one_line_errors_naming_the_option() -> None:
     assert ddp.count("bucket_size_mb") == 6 and ddp.count("broadcast_buffers") == 2
     assert ddp.count("detect_nonfinite") == 2 and ddp.count("check_every") == 2
     assert fsdp.count("max_reductions_in_flight") == 4 and "prefetch" in fsdp and "broadcast_bucket_mb" in fsdp
+
+
+def _on_gpus(kind: str, uneven: bool) -> dict:
+    """:func:`_train_with_unused` on NCCL (the one-rank layer on rank 0, except under FSDP, which needs every
+    rank to run the same sharded layers); with ``uneven``, then rank 1 stops a step early. NCCL collectives
+    never block the host, so the end-of-step message must catch it."""
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank)
+    model = WithUnused().to(device)
+    model.use_extra = rank == 0 and kind != "fsdp"
+    wrapped = _wrapped(kind, model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+    grads_none = []
+    for step in range(2 + (uneven and rank == 0)):
+        x = _batch(step)[rank * 4 : (rank + 1) * 4].to(device)
+        (wrapped(x).square().sum() / 4).backward()
+        wrapped.finish_gradient_synchronization()
+        grads_none.append({n: p.grad is None for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if uneven:  # rank 0 is still training; any collective here would pair with its step
+        return {}
+    params = wrapped.full_state_dict() if kind == "fsdp" else dict(model.named_parameters())
+    return {"params": {n: p.detach().cpu() for n, p in params.items()}, "grads_none": grads_none}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("kind", ["bucketed", "naive", "fsdp"])
+def test_on_nccl_unused_parameters_keep_no_gradient(kind: str) -> None:
+    ranks = spawn(_on_gpus, 2, kind, False, backend="nccl", timeout_s=300, collective_timeout_s=60)
+    reference = _one_process_reference(None if kind == "fsdp" else {0}, 2)
+    for result in ranks:
+        assert result["grads_none"][1]["unused.weight"]
+        assert result["grads_none"][1]["extra.weight"] == (kind == "fsdp")
+        for name, value in reference.items():
+            torch.testing.assert_close(result["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("kind", ["bucketed", "fsdp"])
+def test_on_nccl_uneven_steps_are_named(kind: str) -> None:
+    with pytest.raises(WorkerError) as info:
+        spawn(_on_gpus, 2, kind, True, backend="nccl", timeout_s=300, collective_timeout_s=60)
+    assert "uneven steps: rank 1 stopped after 2 steps (its function returned), rank 0 is at step 3" \
+        in str(info.value)

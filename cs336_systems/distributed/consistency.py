@@ -8,9 +8,10 @@ collectives. The ways that breaks without any error of its own, and what catches
   stderr) and NCCL with a hang or garbage. :func:`check_same_parameters` compares names, shapes and
   dtypes with one small ``all_gather_object`` before any parameter is communicated.
 - **Ranks out of step**: a rank skipped ``finish_gradient_synchronization()``, ran an extra forward, or ran
-  out of batches early (uneven inputs). :class:`ReplicaCheck` sends a 32-byte header (phase, finished
-  synchronisations, forwards) at the start of every training forward and at the end of every
-  synchronisation; a rank whose training function returned sends a last header saying so
+  out of batches early (uneven inputs). :class:`ReplicaCheck` sends a header (phase, finished
+  synchronisations, forwards) at the end of every synchronisation and, every ``every`` steps (every step on
+  gloo, whose collectives block the host), at the start of the training forward; a rank whose training
+  function returned sends a last header saying so
   (:func:`announce_finished`, called by our launchers). Headers that differ raise on every rank, naming
   where each rank is ("rank 1 stopped after 2 steps, rank 0 is at a forward after 2 ...").
 - **Replica drift** (a rank changed its parameters by itself, buffers that each rank updates from its own
@@ -251,13 +252,17 @@ def announce_finished() -> None:
 
 class ReplicaCheck:
     """A wrapper's side of the control channel (see the module docstring): counts training forwards and
-    finished gradient synchronisations, exchanges them at every forward and at the end of every
-    synchronisation, every ``every`` forwards also exact float64 sums of the parameters (and of
-    ``named_buffers``: buffers the wrapper does not broadcast), and at the end of a synchronisation which
-    gradients were used and where a non-finite one appeared (:meth:`end_sync`).
+    finished gradient synchronisations and exchanges them at the end of every synchronisation, with which
+    gradients were used and where a non-finite one appeared (:meth:`end_sync`); every ``every`` forwards
+    also at the start of the forward (and of the synchronisation, with ``sync_start``), with exact float64
+    sums of the parameters (and of ``named_buffers``: buffers the wrapper does not broadcast).
 
-    ``every=None`` turns off the forward and start-of-synchronisation messages and the sums; the
-    end-of-synchronisation message stays, since unused parameters depend on it. Only forwards that build
+    Why the end of a synchronisation suffices on GPUs and not on gloo: a rank out of step (ahead by a step,
+    or past its last step) must meet a control message before it blocks in a gradient collective with no
+    partner. NCCL collectives never block the host, so the end-of-synchronisation message comes round every
+    step; gloo's do (a buffer broadcast in the forward, the wait in the synchronisation), which is why
+    ``"auto"`` checks at every step there. ``every=None`` leaves only the end-of-synchronisation message,
+    which unused parameters depend on. Only forwards that build
     a graph (grad mode on) count, so a rank-local evaluation under ``torch.no_grad()`` stays possible;
     CUDA-graph capture sends nothing (its Python runs once, at capture).
     """
@@ -294,18 +299,17 @@ class ReplicaCheck:
         if not torch.is_grad_enabled() or self._capturing():
             return
         self.forwards += 1
-        if self.every is None:
+        if self.every is None or self.forwards % self.every:
             return
-        due = self.forwards % self.every == 0 and self.tensors
-        sums = self._sums() if due else None
-        gathered = self._exchange(Phase.FORWARD, sums)
+        gathered = self._exchange(Phase.FORWARD, self._sums() if self.tensors else None)
         if gathered is not None:
             self._compare(gathered)
 
     def before_sync(self) -> None:
         """At the start of ``finish_gradient_synchronization()``, for strategies that communicate only there
         (naive, flat): a lagging rank would otherwise pair this step's all-reduces with its next forward's."""
-        if self.sync_start and self.every is not None and not self._capturing():
+        if self.sync_start and self.every is not None and (self.finished_syncs + 1) % self.every == 0 \
+                and not self._capturing():
             self._exchange(Phase.SYNC_START)
 
     def end_sync(self, used: Sequence[bool], nonfinite: Sequence[int],

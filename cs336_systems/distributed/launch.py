@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from cs336_systems.distributed.consistency import announce_finished
 
 DEFAULT_TIMEOUT_S = 300.0
+_POLL_S = 0.25  # how often the launcher looks for a rank's recorded exception while waiting
 _LOCALHOST = "127.0.0.1"  # MASTER_ADDR of spawned ranks
 
 
@@ -437,7 +438,10 @@ def spawn(
         def finished(rank: int) -> bool:
             return os.path.exists(_done_path(result_path, rank))
 
-        exits, stopped, over_limit = _supervise(context.processes, grace_s, deadline, finished)
+        def raised(rank: int) -> bool:
+            return os.path.exists(f"{result_path}.error-{rank}")
+
+        exits, stopped, over_limit = _supervise(context.processes, grace_s, deadline, finished, raised)
         done = {rank for rank in range(world_size) if finished(rank)}
         if stopped or len(done) < world_size or any(code != 0 for _, code in exits.values()):
             raise diagnose(world_size, _recorded_failures(result_path), exits, stopped, collective_s,
@@ -450,10 +454,13 @@ def _supervise(
     grace_s: float,
     deadline: float | None = None,
     finished: Callable[[int], bool] = lambda rank: True,
+    raised: Callable[[int], bool] = lambda rank: False,
 ) -> tuple[dict[int, tuple[float, int | None]], set[int], set[int] | None]:
     """Wait for every worker; once one fails, give the rest ``grace_s`` to end, then stop them. Whatever
     still runs at ``deadline`` (the run's limit, a :func:`time.monotonic` time; ``None``: no limit) is
-    stopped then. A rank fails when it ends with a non-zero exit code or before ``finished(rank)`` holds.
+    stopped then. A rank fails when it ends with a non-zero exit code or before ``finished(rank)`` holds,
+    or, still running, once ``raised(rank)`` holds: a rank whose exception is recorded can hang on its way
+    out (NCCL's teardown waits for collectives its peers never join), so its exit is not waited for.
     Returns each rank's (time its end was observed, exit code), the ranks the launcher had to stop, and,
     if the deadline stopped them, those ranks again (else ``None``)."""
     sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
@@ -466,8 +473,14 @@ def _supervise(
         if stop_at is not None and now >= stop_at:
             break
         wait_s = None if stop_at is None else stop_at - now
+        if not failed:  # look for recorded exceptions now and then
+            wait_s = _POLL_S if wait_s is None else min(wait_s, _POLL_S)
         ready = mp_connection.wait([s for s, r in sentinels.items() if r not in exits], timeout=wait_s)
         observed = time.time()
+        if not failed and any(raised(rank) for rank in range(len(processes)) if rank not in exits):
+            failed = True
+            grace_end = time.monotonic() + grace_s
+            stop_at = grace_end if stop_at is None else min(stop_at, grace_end)
         for sentinel in ready:
             rank = sentinels[sentinel]
             processes[rank].join()
