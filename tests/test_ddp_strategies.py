@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.distributed import grad_sync
+from cs336_systems.distributed import collectives, grad_sync
 from cs336_systems.distributed.ddp_bucketed import DDPBucketed
 from cs336_systems.distributed.ddp_flat import DataParallelFlat
 from cs336_systems.distributed.ddp_naive import DataParallelNaive
@@ -186,7 +186,7 @@ def test_wrapping_without_process_group_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="not initialised"):
         DDPBucketed(make_toy_model("toy"), 1.0)
     with pytest.raises(ValueError, match="comm_dtype"):
-        grad_sync.check_comm_dtype(torch.int8)
+        collectives.check_comm_dtype(torch.int8)
 
 
 class _SyncingProcessGroup:
@@ -209,7 +209,7 @@ class _SyncingProcessGroup:
 
 
 def test_synchronous_all_reduce_without_a_work_handle() -> None:
-    reduce = grad_sync.MeanAllReduce.__new__(grad_sync.MeanAllReduce)
+    reduce = collectives.MeanAllReduce.__new__(collectives.MeanAllReduce)
     reduce.process_group = group = _SyncingProcessGroup()
     reduce._options = {a: type("Opts", (), {"asyncOp": a})() for a in (True, False)}
     reduce.post_divide = 1
