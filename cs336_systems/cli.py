@@ -74,9 +74,14 @@ def run_main(main: Callable[[], int | None], prog: str | None = None) -> int:
     import sys
 
     prog = prog or os.path.basename(sys.argv[0]) or "cs336"
+    from cs336_systems.calibration import JOB
+
     try:
         quiet_missing_gpu_logs()
-        status = main()
+        try:
+            status = main()
+        finally:
+            JOB.finish()  # a GPU job's results get the machine's calibration at its end too
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

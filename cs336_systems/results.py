@@ -21,6 +21,7 @@ says which code the result describes. A replot never touches the measuring run's
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import functools
 import json
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from cs336_systems import calibration
 from cs336_systems.measured_code import REPO_ROOT, git
 
 FIGURES_DIR = REPO_ROOT / "figures"
@@ -42,7 +44,7 @@ SCRATCH_DIR = REPO_ROOT / ".scratch"
 #: Provenance fields that describe the measuring run (copied onto artefacts derived from it).
 MEASUREMENT_KEYS = (
     "device", "device_type", "num_gpus", "gpu_memory_gib", "cuda", "torch", "triton", "python",
-    "float32_matmul_precision", "git_commit", "date",
+    "float32_matmul_precision", "git_commit", "date", "calibration",
 )
 
 
@@ -181,6 +183,10 @@ class ResultWriter:
         """The results root (``figures/`` or ``.scratch/figures/``); ``section`` may be a subfolder path."""
         self.dir = self.root / section
         self.dir.mkdir(parents=True, exist_ok=True)
+        # A GPU job measures its machine before its first result and after its last (cs336_systems.calibration).
+        calibration.JOB.begin(self.smoke)
+        if calibration.JOB.active:
+            atexit.register(calibration.JOB.finish)
 
     def path(self, filename: str) -> Path:
         return self.dir / filename
@@ -196,11 +202,15 @@ class ResultWriter:
         inherit_extra: bool = False,
     ) -> Path:
         meta = provenance({**self.params, **(params or {})}, smoke=self.smoke)
+        job_calibration = calibration.JOB.record()
+        if job_calibration is not None:
+            meta["calibration"] = job_calibration
         if source is not None:
             # Derived from a measurement (a plot or a model fit made later, perhaps on a laptop): the
             # numbers belong to the measuring run, so its device, versions, commit and date are recorded;
             # where and when the derivation ran is kept under "rendered".
             rendered = {k: meta[k] for k in ("device", "git_commit", "date")}
+            meta.pop("calibration", None)  # the measuring job's machine, not this one's
             meta.update({k: source[k] for k in MEASUREMENT_KEYS if k in source})
             meta["smoke"] = bool(source.get("smoke", meta["smoke"]))
             meta["rendered"] = rendered
@@ -226,6 +236,8 @@ class ResultWriter:
                 # checks), so only the commit, date and command line move, in place.
                 meta = {**old, **{k: meta[k] for k in VOLATILE_META_KEYS if k in meta}}
         _write_bytes_if_changed(path, (json.dumps(meta, indent=2) + "\n").encode())
+        if source is None:
+            calibration.JOB.note_written(path)
         return path
 
     def table(

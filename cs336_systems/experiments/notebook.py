@@ -105,8 +105,13 @@ class SectionNotebook:
         self.results: Any = None
 
     def run(self) -> None:
-        """Measure and write this section's results."""
-        self.results = self.section.run(self.params, self.out)
+        """Measure and write this section's results (a GPU run's with the machine's calibration)."""
+        from cs336_systems.calibration import JOB
+
+        try:
+            self.results = self.section.run(self.params, self.out)
+        finally:
+            JOB.finish()
 
     def derive(self) -> None:
         """Draw the section's figures and derived tables from the results just written."""

@@ -79,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.jobs and st.state != "fresh" and spec.jobs and st.folder == spec.name:
                 print("\n".join(f"    {line}" for line in spec.job_commands()))
         counts = {state: sum(st.state == state for st in statuses) for state in ("fresh", "stale", "missing")}
+        suspect = sum(bool(st.suspect) for st in statuses)
+        uncalibrated = sum(st.uncalibrated for st in statuses)
         print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['missing']} missing "
               f"(of {len(SECTIONS)} sections" + (f" and {len(statuses) - len(SECTIONS)} edition grids)"
-                                                  if len(statuses) > len(SECTIONS) else ")"))
-        return 1 if counts["stale"] else 0
+                                                  if len(statuses) > len(SECTIONS) else ")")
+              + f"; {suspect} suspect (a slow machine); {uncalibrated} results from an uncalibrated machine")
+        return 1 if counts["stale"] or suspect else 0
     problems = _manifest.check_manifest(args.pdf, args.figures, args.manifest)
     if problems:
         print(f"{args.pdf} is stale:", *problems, f"rebuild with: {_manifest.REBUILD_COMMAND}", sep="\n  ",

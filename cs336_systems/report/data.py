@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from cs336_systems import calibration
 from cs336_systems.measured_code import depends_of, freshness
 from cs336_systems.report.document import Block, Figure, Table, Text
 from cs336_systems.results import REPO_ROOT
@@ -24,6 +25,8 @@ from cs336_systems.results import REPO_ROOT
 SMOKE_MARK = "SMOKE RUN, not a GPU measurement"
 #: Opens the provenance line of a result whose code changed since it was measured (see report.staleness).
 STALE_MARK = "STALE, measured on older code"
+SUSPECT_MARK = "SUSPECT, the machine measured slow"
+UNCALIBRATED_NOTE = "machine not calibrated"
 MAX_GENERIC_ROWS = 60
 """Longer tables nobody asked for (e.g. raw profiler timelines) are listed, not printed."""
 
@@ -54,6 +57,11 @@ class SectionData:
         self.alternative = alternative
         self.dir = self.root / folder
         self._used: set[str] = set()
+
+    @functools.cached_property
+    def references(self) -> dict[str, dict[str, float]]:
+        """The calibration references (device -> metric -> value) results are judged against."""
+        return calibration.load_references(self.root / calibration.REFERENCE_PATH.name)
 
     # -- what exists -------------------------------------------------------------------------------
 
@@ -110,6 +118,9 @@ class SectionData:
         verdict = freshness(meta, depends)
         if verdict.stale:
             meta["stale"] = verdict.reason
+        machine = calibration.verdict(meta, self.references)
+        if machine.state in ("suspect", "uncalibrated"):
+            meta["machine"] = {"state": machine.state, "reason": machine.reason}
         return meta
 
     # -- access (marks the artefact as used) -------------------------------------------------------
@@ -218,7 +229,12 @@ def provenance_line(meta: dict[str, Any]) -> str:
     if meta.get("git_commit"):
         commit = str(meta["git_commit"])
         parts.append("commit " + commit[:9] + ("-dirty" if commit.endswith("-dirty") else ""))
+    machine = meta.get("machine") or {}
+    if machine.get("state") == "uncalibrated":
+        parts.append(UNCALIBRATED_NOTE)
     line = " · ".join(parts)
+    if machine.get("state") == "suspect":
+        line = f"{SUSPECT_MARK}: {machine['reason']} · " + line
     if meta.get("smoke"):
         line = f"{SMOKE_MARK} · " + line
     if meta.get("stale"):

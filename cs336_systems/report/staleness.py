@@ -14,10 +14,11 @@ exits 1 while any shown result is stale; the writeup marks each stale table and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cs336_systems import calibration
 from cs336_systems.measured_code import (  # noqa: F401  (the mechanism lives in the library)
     ANSWERS_MARKER,
     LIBRARY,
@@ -42,16 +43,26 @@ class SectionStatus:
     stale: dict[str, Freshness]
     fresh: tuple[str, ...]
     command: str
+    #: Results whose job's machine measured slow (name -> reason), and how many came from an uncalibrated one.
+    suspect: dict[str, str] = field(default_factory=dict)
+    uncalibrated: int = 0
 
     def line(self) -> str:
         if self.state == "missing":
             return f"§{self.number} {self.title}: missing (no results in {self.folder}/) — run: {self.command}"
+        machine = ""
+        if self.suspect:
+            first = sorted(self.suspect.values())[0]
+            machine += f"; SUSPECT ({len(self.suspect)} measured on a machine that calibrated slow: {first})"
+        if self.uncalibrated:
+            machine += f"; {self.uncalibrated} from an uncalibrated machine"
         if self.state == "fresh":
-            return f"§{self.number} {self.title}: fresh ({len(self.fresh)} results)"
+            return f"§{self.number} {self.title}: fresh ({len(self.fresh)} results){machine}" + \
+                (f" — re-measure: {self.command}" if self.suspect else "")
         reasons = sorted({f.reason for f in self.stale.values()})
         return (f"§{self.number} {self.title}: STALE ({len(self.stale)} of {len(self.stale) + len(self.fresh)} "
                 f"results): {reasons[0]}" + (f" (+{len(reasons) - 1} other reasons)" if len(reasons) > 1 else "")
-                + f" — refresh: {self.command}")
+                + machine + f" — refresh: {self.command}")
 
 
 def section_status(root: Path, spec: Any, repo: Path = REPO_ROOT, edition: str | None = None) -> SectionStatus:
@@ -64,7 +75,12 @@ def section_status(root: Path, spec: Any, repo: Path = REPO_ROOT, edition: str |
     verdicts = {name: freshness(meta, spec.depends, repo) for name, meta in metas.items()}
     stale = {name: f for name, f in verdicts.items() if f.stale}
     fresh = tuple(name for name, f in verdicts.items() if not f.stale)
-    return SectionStatus(spec.number, title, folder, "stale" if stale else "fresh", stale, fresh, command)
+    references = calibration.load_references(Path(root) / calibration.REFERENCE_PATH.name)
+    machines = {name: calibration.verdict(meta, references) for name, meta in metas.items()}
+    suspect = {name: v.reason for name, v in machines.items() if v.suspect}
+    uncalibrated = sum(v.state == "uncalibrated" for v in machines.values())
+    return SectionStatus(spec.number, title, folder, "stale" if stale else "fresh", stale, fresh, command,
+                         suspect, uncalibrated)
 
 
 def depends_by_folder() -> dict[str, tuple[str, ...]]:

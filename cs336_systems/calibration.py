@@ -1,0 +1,259 @@
+"""The machine a GPU result was measured on, measured too: calibration at the start and end of every job.
+
+Two results of the same configuration can disagree because one job ran on a slow GPU (a throttled card, a
+busy neighbour, a degraded link) and nothing said so. So every GPU job measures its GPUs before it
+starts and after it ends, for a few seconds each:
+
+- ``bf16_matmul_tflops``: an 8192³ bf16 matmul (tensor cores, the compute most measurements lean on);
+- ``fp32_matmul_tflops``: a 4096³ fp32 matmul at ``"highest"`` precision (the FP32 units);
+- ``hbm_copy_tbps``: a 1 GiB device-to-device copy, bytes read plus written per second (HBM bandwidth).
+
+Each is the median of repeated timings with CUDA events, measured in a subprocess of its own so the job
+keeps no CUDA context or memory of it, one GPU after another. The numbers go into every result's
+provenance (``calibration: {start: [...], end: [...]}``, one entry per GPU), and
+:func:`verdict` compares them with the device model's reference (``figures/calibration_reference.json``,
+the median of calibrations on machines that behaved): a job whose GPU measured more than
+:data:`SUSPECT_BELOW` under the reference at its start or end is *suspect*, which ``report status`` and
+the writeup say until the result is measured again.
+
+    python -m cs336_systems.calibration              # this machine's GPUs, as JSON
+    python -m cs336_systems.calibration --reference  # the same against the reference, one line per GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cs336_systems.measured_code import REPO_ROOT
+
+#: Metric -> what a reader calls it.
+METRICS = {"bf16_matmul_tflops": "bf16 matmul", "fp32_matmul_tflops": "fp32 matmul", "hbm_copy_tbps": "HBM copy"}
+#: A GPU measuring more than this fraction below its reference makes the job's results suspect.
+SUSPECT_BELOW = 0.10
+REFERENCE_PATH = REPO_ROOT / "figures" / "calibration_reference.json"
+_MATMUL_BF16_N, _MATMUL_FP32_N, _COPY_BYTES, _REPEATS = 8192, 4096, 2**30, 15
+
+
+# --------------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------------
+
+
+def _median_ms(fn: Any, device: Any, repeats: int = _REPEATS) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _matmul_tflops(n: int, dtype: Any, device: Any) -> float:
+    import torch
+
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / (_median_ms(lambda: torch.mm(a, b), device) * 1e-3) / 1e12
+
+
+def _copy_tbps(nbytes: int, device: Any) -> float:
+    import torch
+
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (_median_ms(lambda: dst.copy_(src), device) * 1e-3) / 1e12  # read + write
+
+
+def measure_gpu(index: int) -> dict[str, Any]:
+    """The three metrics of GPU ``index`` (see the module docstring)."""
+    import torch
+
+    device = torch.device("cuda", index)
+    previous = torch.get_float32_matmul_precision()
+    with torch.cuda.device(device):
+        bf16 = _matmul_tflops(_MATMUL_BF16_N, torch.bfloat16, device)
+        torch.set_float32_matmul_precision("highest")  # the FP32 units, not TF32 tensor cores
+        try:
+            fp32 = _matmul_tflops(_MATMUL_FP32_N, torch.float32, device)
+        finally:
+            torch.set_float32_matmul_precision(previous)
+        copy = _copy_tbps(_COPY_BYTES, device)
+        torch.cuda.empty_cache()
+    return {"gpu": index, "device": torch.cuda.get_device_name(index), "bf16_matmul_tflops": round(bf16, 1),
+            "fp32_matmul_tflops": round(fp32, 2), "hbm_copy_tbps": round(copy, 3)}
+
+
+def measure_machine() -> list[dict[str, Any]]:
+    """Every visible GPU, one after another (an empty list without GPUs)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [measure_gpu(i) for i in range(torch.cuda.device_count())]
+
+
+def measure_in_subprocess(timeout_s: float = 180.0) -> list[dict[str, Any]] | None:
+    """:func:`measure_machine` in a fresh process (the caller keeps no CUDA context or memory of it);
+    ``None`` if it failed, with the reason on stderr: a calibration must never fail the job it describes."""
+    cmd = [sys.executable, "-m", "cs336_systems.calibration"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    except subprocess.TimeoutExpired:
+        print(f"calibration: no result within {timeout_s:g} s", file=sys.stderr)
+        return None
+    if proc.returncode != 0:
+        print(f"calibration: failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout)
+
+
+# --------------------------------------------------------------------------------------------------
+# The job's record
+# --------------------------------------------------------------------------------------------------
+
+
+class JobCalibration:
+    """This process's calibration: measured at :meth:`begin` (the job's start), again at :meth:`finish`,
+    when every result sidecar written in between (:meth:`note_written`) gets both."""
+
+    def __init__(self) -> None:
+        self.start: list[dict[str, Any]] | None = None
+        self.active = False
+        self.written: list[Path] = []
+
+    @staticmethod
+    def wanted(smoke: bool) -> bool:
+        """GPU jobs only, once per machine (rank 0 of a torchrun job; the parent of spawned ranks), and not
+        where ``CS336_CALIBRATE=0`` (tests)."""
+        if smoke or os.environ.get("CS336_CALIBRATE", "1") == "0" or os.environ.get("RANK", "0") != "0":
+            return False
+        import torch
+
+        return torch.cuda.is_available()
+
+    def begin(self, smoke: bool) -> None:
+        if self.active or not self.wanted(smoke):
+            return
+        self.active, self.written = True, []
+        self.start = measure_in_subprocess()
+
+    def record(self) -> dict[str, Any] | None:
+        """What a sidecar written now records (the start; the end comes at :meth:`finish`)."""
+        return {"start": self.start} if self.active and self.start is not None else None
+
+    def note_written(self, meta_path: Path) -> None:
+        if self.active and meta_path not in self.written:
+            self.written.append(meta_path)
+
+    def finish(self) -> None:
+        if not self.active:
+            return
+        end = measure_in_subprocess()
+        record = {"start": self.start, "end": end}
+        for path in self.written:
+            if path.is_file():
+                meta = json.loads(path.read_text())
+                meta["calibration"] = record
+                path.write_text(json.dumps(meta, indent=2) + "\n")
+        self.active, self.start, self.written = False, None, []
+
+
+JOB = JobCalibration()
+
+
+# --------------------------------------------------------------------------------------------------
+# Judging
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``state``: ``calibrated``, ``suspect``, ``uncalibrated`` (measured before jobs calibrated, or the
+    calibration failed), ``unreferenced`` (no reference for the device) or ``n/a`` (CPU, smoke);
+    ``reason``: one line for people."""
+
+    state: str
+    reason: str = ""
+
+    @property
+    def suspect(self) -> bool:
+        return self.state == "suspect"
+
+
+def load_references(path: Path = REFERENCE_PATH) -> dict[str, dict[str, float]]:
+    """Device name -> metric -> reference value."""
+    if not Path(path).is_file():
+        return {}
+    return {name: entry["reference"] for name, entry in json.loads(Path(path).read_text())["devices"].items()}
+
+
+def shortfalls(gpus: list[dict[str, Any]], references: dict[str, dict[str, float]]) -> list[str]:
+    """Every GPU metric more than :data:`SUSPECT_BELOW` under its reference, in words."""
+    out = []
+    for gpu in gpus:
+        reference = references.get(gpu.get("device", ""))
+        for metric, label in METRICS.items():
+            if reference and metric in reference and gpu.get(metric) is not None:
+                ratio = gpu[metric] / reference[metric]
+                if ratio < 1 - SUSPECT_BELOW:
+                    out.append(f"GPU {gpu.get('gpu', '?')} {label} at {ratio:.0%} of its reference")
+    return out
+
+
+def verdict(meta: dict[str, Any], references: dict[str, dict[str, float]] | None = None) -> Verdict:
+    """Whether the machine behind a result was measured, and how it compared with its reference."""
+    if meta.get("smoke") or meta.get("device_type") != "cuda":
+        return Verdict("n/a")
+    record = meta.get("calibration")
+    if not record or not record.get("start"):
+        return Verdict("uncalibrated", "the machine was not calibrated")
+    references = load_references() if references is None else references
+    measured = [gpu for phase in ("start", "end") for gpu in (record.get(phase) or [])]
+    if not any(gpu.get("device") in references for gpu in measured):
+        return Verdict("unreferenced", f"no calibration reference for {meta.get('device')}")
+    problems = []
+    for phase in ("start", "end"):
+        problems += [f"{p} at the job's {phase}" for p in shortfalls(record.get(phase) or [], references)]
+    if problems:
+        return Verdict("suspect", "; ".join(problems[:2]) + (f" (+{len(problems) - 2} more)" if len(problems) > 2 else ""))
+    return Verdict("calibrated")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.calibration", description=__doc__.split("\n")[0])
+    parser.add_argument("--reference", action="store_true", help="compare with the device's reference, one line per GPU")
+    args = parser.parse_args(argv)
+    gpus = measure_machine()
+    if not args.reference:
+        print(json.dumps(gpus))
+        return 0
+    references = load_references()
+    if not gpus:
+        print("no CUDA GPU here: nothing to calibrate")
+    for gpu in gpus:
+        reference = references.get(gpu["device"], {})
+        cells = [f"{label} {gpu[m]:g}" + (f" ({gpu[m] / reference[m]:.0%} of reference)" if m in reference else "")
+                 for m, label in METRICS.items()]
+        print(f"GPU {gpu['gpu']} {gpu['device']}: " + ", ".join(cells))
+    problems = shortfalls(gpus, references)
+    print("suspect: " + "; ".join(problems) if problems else "within 10% of the reference" if gpus else "", end="\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Calibrated machines: a GPU job's results carry the machine's measurements at its start and end, and a
+result from a machine that measured slow is called suspect by ``report status`` and in the writeup."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from cs336_systems import calibration
+from cs336_systems.calibration import JobCalibration, verdict
+from cs336_systems.report.data import SUSPECT_MARK, UNCALIBRATED_NOTE, SectionData, provenance_line
+
+REFERENCES = {"NVIDIA H100 80GB HBM3": {"bf16_matmul_tflops": 780.0, "fp32_matmul_tflops": 51.0, "hbm_copy_tbps": 2.95}}
+
+
+def _gpu(bf16: float = 785.0, fp32: float = 51.5, copy: float = 2.96, index: int = 0) -> dict:
+    return {"gpu": index, "device": "NVIDIA H100 80GB HBM3", "bf16_matmul_tflops": bf16, "fp32_matmul_tflops": fp32,
+            "hbm_copy_tbps": copy}
+
+
+def _meta(start: list | None, end: list | None = None, **kw) -> dict:
+    meta = {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "smoke": False, **kw}
+    if start is not None:
+        meta["calibration"] = {"start": start, "end": end}
+    return meta
+
+
+def test_a_machine_more_than_ten_percent_slow_is_suspect_and_one_within_is_not() -> None:
+    assert verdict(_meta([_gpu()], [_gpu()]), REFERENCES).state == "calibrated"
+    assert verdict(_meta([_gpu(bf16=710.0)], [_gpu()]), REFERENCES).state == "calibrated"  # 91%: within
+    slow = verdict(_meta([_gpu(), _gpu(index=1)], [_gpu(), _gpu(copy=2.5, index=1)]), REFERENCES)
+    assert slow.suspect and slow.reason == "GPU 1 HBM copy at 85% of its reference at the job's end"
+    assert verdict(_meta(None), REFERENCES).state == "uncalibrated"
+    assert verdict(_meta([_gpu()], None), REFERENCES).state == "calibrated"  # the job died before its end
+    assert verdict({"device": "CPU (x86_64)", "device_type": "cpu"}, REFERENCES).state == "n/a"
+    assert verdict(_meta([_gpu()], smoke=True), REFERENCES).state == "n/a"
+    other = _meta([{**_gpu(), "device": "NVIDIA B200"}], device="NVIDIA B200")
+    assert verdict(other, REFERENCES).state == "unreferenced"
+
+
+def test_the_committed_references_cover_the_gpus_results_were_measured_on() -> None:
+    references = calibration.load_references()
+    for device in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        assert set(references[device]) == set(calibration.METRICS)
+        assert all(value > 0 for value in references[device].values())
+
+
+def test_a_gpu_job_records_its_calibration_at_start_and_end(tmp_path, monkeypatch) -> None:
+    """The job's sidecars get the start when written and the end when the job finishes; a figure derived
+    from an older measurement keeps that measurement's record, not this machine's."""
+    from cs336_systems.results import ResultWriter
+
+    readings = iter([[_gpu(bf16=790.0)], [_gpu(bf16=600.0)]])
+    monkeypatch.setattr(calibration, "measure_in_subprocess", lambda: next(readings))
+    monkeypatch.setattr(JobCalibration, "wanted", staticmethod(lambda smoke: not smoke))
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    job = JobCalibration()
+    monkeypatch.setattr(calibration, "JOB", job)
+    out = ResultWriter("sec", smoke=False, publish=True)
+    assert job.active and job.start == [_gpu(bf16=790.0)]
+    out.table(pd.DataFrame({"ms": [1.0]}), "timings")
+    written = json.loads((tmp_path / "sec" / "timings.meta.json").read_text())
+    assert written["calibration"] == {"start": [_gpu(bf16=790.0)]}
+    older = {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "git_commit": "abc", "date": "2026-01-01",
+             "calibration": {"start": [_gpu()], "end": [_gpu()]}}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    out.figure(fig, "replot", source=older)
+    plt.close(fig)
+    job.finish()
+    timings = json.loads((tmp_path / "sec" / "timings.meta.json").read_text())
+    assert timings["calibration"] == {"start": [_gpu(bf16=790.0)], "end": [_gpu(bf16=600.0)]}
+    assert json.loads((tmp_path / "sec" / "replot.meta.json").read_text())["calibration"] == older["calibration"]
+    assert calibration.shortfalls(timings["calibration"]["end"], REFERENCES) == \
+        ["GPU 0 bf16 matmul at 77% of its reference"]
+    assert not job.active
+
+
+def test_a_smoke_run_is_not_calibrated(tmp_path, monkeypatch) -> None:
+    from cs336_systems.results import ResultWriter
+
+    monkeypatch.setattr(calibration, "measure_in_subprocess", lambda: pytest.fail("a smoke run measured the GPU"))
+    monkeypatch.setattr(JobCalibration, "wanted", staticmethod(lambda smoke: not smoke))
+    monkeypatch.setattr(calibration, "JOB", JobCalibration())
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    ResultWriter("sec", smoke=True).table(pd.DataFrame({"ms": [1.0]}), "timings")
+    assert "calibration" not in json.loads((tmp_path / "sec" / "timings.meta.json").read_text())
+
+
+def test_the_writeup_and_status_mark_suspect_and_uncalibrated_results(tmp_path) -> None:
+    (tmp_path / calibration.REFERENCE_PATH.name).write_text(json.dumps({"devices": {
+        name: {"reference": ref} for name, ref in REFERENCES.items()}}))
+    folder = tmp_path / "sec"
+    folder.mkdir()
+    for name, meta in (("slow", _meta([_gpu(fp32=40.0)], [_gpu()])), ("old", _meta(None)),
+                       ("good", _meta([_gpu()], [_gpu()]))):
+        (folder / f"{name}.csv").write_text("ms\n1\n")
+        (folder / f"{name}.meta.json").write_text(json.dumps({**meta, "git_commit": "unknown"}))
+    data = SectionData(tmp_path, "sec", depends=("cs336_systems/calibration.py",))
+    slow, old, good = (provenance_line(data.meta(n)) for n in ("slow", "old", "good"))
+    assert f"{SUSPECT_MARK}: GPU 0 fp32 matmul at 78% of its reference at the job's start" in slow
+    assert old.endswith(UNCALIBRATED_NOTE) and SUSPECT_MARK not in good and UNCALIBRATED_NOTE not in good
+
+    from types import SimpleNamespace
+
+    from cs336_systems.report.staleness import section_status
+
+    spec = SimpleNamespace(number="9", title="T", depends=("cs336_systems/calibration.py",),
+                           results_folder=lambda edition=None: "sec", command_for=lambda edition=None: "run it")
+    status = section_status(tmp_path, spec)
+    assert list(status.suspect) == ["slow"] and status.uncalibrated == 1
+    assert "SUSPECT (1 measured on a machine that calibrated slow: GPU 0 fp32 matmul at 78%" in status.line()
