@@ -81,11 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         counts = {state: sum(st.state == state for st in statuses) for state in ("fresh", "stale", "missing")}
         suspect = sum(bool(st.suspect) for st in statuses)
         uncalibrated = sum(st.uncalibrated for st in statuses)
+        from cs336_systems.report.agreement import TOLERANCE, disagreements, shared_keys
+
+        found = disagreements(args.figures)
+        keys = shared_keys(args.figures)
+        print(f"Across sections: {len(keys)} configurations measured by more than one table are checked; "
+              f"{len(found)} lie more than {TOLERANCE:.0%} apart" + (":" if found else ""))
+        for d in found[: None if args.verbose else 8]:
+            print(f"    {d.line()}")
+        if len(found) > 8 and not args.verbose:
+            print(f"    ... and {len(found) - 8} more (-v lists them)")
         print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['missing']} missing "
               f"(of {len(SECTIONS)} sections" + (f" and {len(statuses) - len(SECTIONS)} edition grids)"
                                                   if len(statuses) > len(SECTIONS) else ")")
               + f"; {suspect} suspect (a slow machine); {uncalibrated} results from an uncalibrated machine")
-        return 1 if counts["stale"] or suspect else 0
+        return 1 if counts["stale"] or suspect or found else 0
     problems = _manifest.check_manifest(args.pdf, args.figures, args.manifest)
     if problems:
         print(f"{args.pdf} is stale:", *problems, f"rebuild with: {_manifest.REBUILD_COMMAND}", sep="\n  ",

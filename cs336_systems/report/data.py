@@ -26,6 +26,7 @@ SMOKE_MARK = "SMOKE RUN, not a GPU measurement"
 #: Opens the provenance line of a result whose code changed since it was measured (see report.staleness).
 STALE_MARK = "STALE, measured on older code"
 SUSPECT_MARK = "SUSPECT, the machine measured slow"
+DISAGREES_MARK = "DISAGREES with another section"
 UNCALIBRATED_NOTE = "machine not calibrated"
 MAX_GENERIC_ROWS = 60
 """Longer tables nobody asked for (e.g. raw profiler timelines) are listed, not printed."""
@@ -121,6 +122,11 @@ class SectionData:
         machine = calibration.verdict(meta, self.references)
         if machine.state in ("suspect", "uncalibrated"):
             meta["machine"] = {"state": machine.state, "reason": machine.reason}
+        from cs336_systems.report import agreement
+
+        disagrees = agreement.flag(self.root, self.folder, name)
+        if disagrees:
+            meta["disagrees"] = disagrees
         return meta
 
     # -- access (marks the artefact as used) -------------------------------------------------------
@@ -235,6 +241,8 @@ def provenance_line(meta: dict[str, Any]) -> str:
     line = " · ".join(parts)
     if machine.get("state") == "suspect":
         line = f"{SUSPECT_MARK}: {machine['reason']} · " + line
+    if meta.get("disagrees"):
+        line = f"{DISAGREES_MARK}: {meta['disagrees']} · " + line
     if meta.get("smoke"):
         line = f"{SMOKE_MARK} · " + line
     if meta.get("stale"):

@@ -20,7 +20,14 @@ from typing import Any
 import markdown as _markdown
 
 from cs336_systems.report import fmt, tables
-from cs336_systems.report.data import SMOKE_MARK, STALE_MARK, SUSPECT_MARK, params_line, provenance_line
+from cs336_systems.report.data import (
+    DISAGREES_MARK,
+    SMOKE_MARK,
+    STALE_MARK,
+    SUSPECT_MARK,
+    params_line,
+    provenance_line,
+)
 from cs336_systems.report.document import (
     Block,
     Document,
@@ -205,7 +212,8 @@ def _prov_html(meta: dict[str, Any], source: str) -> str:
     prov = html.escape(provenance_line(meta))
     prov = prov.replace(SMOKE_MARK, f'<span class="smoke">{SMOKE_MARK}</span>')
     prov = prov.replace(STALE_MARK, f'<span class="smoke">{STALE_MARK}</span>')
-    prov = prov.replace(SUSPECT_MARK, f'<span class="smoke">{SUSPECT_MARK}</span>')
+    for mark in (SUSPECT_MARK, DISAGREES_MARK):
+        prov = prov.replace(mark, f'<span class="smoke">{mark}</span>')
     line = f"Source <code>{html.escape(source)}</code> · {prov}"
     params = params_line(meta)
     if params:

@@ -1,0 +1,174 @@
+"""Sections that measure the same configuration must agree.
+
+Several sections time the same thing as part of their own question: the fp32 forward of a model preset at
+context 512 is a row of §1.1.3 (end-to-end), §1.1.4 (profiling, Python-timed), §1.1.5 (mixed precision)
+and §1.3.1 (eager beside compiled); the eager attention of one shape is in §1.2.1 and again in §1.3.1.
+Measured by different jobs, on different days or machines, they can disagree, and a reader sees two
+answers to one question. :data:`SHARED` lists where each section keeps such cells and the key that says
+what a cell measured (quantity, model or shape, precision, context, batch, pass);
+:func:`disagreements` groups every committed cell by key and reports each group whose values lie more
+than :data:`TOLERANCE` apart. ``report status`` prints them (and fails while any remain), and the writeup
+marks the tables they come from, until one side is re-measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+#: Two sections' values of one cell may differ by this fraction of the smaller before they disagree.
+TOLERANCE = 0.10
+
+Key = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Cell:
+    key: Key
+    value: float
+    folder: str
+    table: str
+    row: str  # the row, in words
+
+
+@dataclass(frozen=True)
+class Shared:
+    """Where one section keeps cells other sections measure too: ``table`` of ``folder``, and a function of
+    the table and its run's parameters that yields ``(key, value, row)``."""
+
+    folder: str
+    table: str
+    cells: Callable[[pd.DataFrame, dict[str, Any]], Iterator[tuple[Key, float, str]]]
+
+
+def _model_batch(size: str) -> int:
+    from cs336_systems.configs import get_config
+
+    return get_config(size).batch_size
+
+
+def _ok(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["status"] == "ok"] if "status" in frame else frame
+
+
+def _model_forward(column: str, *, precision: str | None = None, context: str | None = None,
+                   where: Callable[[pd.DataFrame], pd.Series] | None = None) -> Callable:
+    """Cells of a model's Python-timed forward: key (quantity, size, precision, context, batch)."""
+
+    def cells(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
+        frame = _ok(frame)
+        if where is not None:
+            frame = frame[where(frame)]
+        for _, row in frame.iterrows():
+            prec = row["precision"] if precision is None else precision
+            ctx = int(row[context]) if context else int(params["context_length"])
+            key = ("model forward ms", row["size"], prec, ctx, _model_batch(row["size"]))
+            yield key, float(row[column]), f"{row['size']} {prec} context {ctx}"
+
+    return cells
+
+
+def _eager_attention(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
+    frame = _ok(frame)
+    if "compiled" in frame:
+        frame = frame[~frame["compiled"].astype(bool)]
+    for _, row in frame.iterrows():
+        for phase in ("forward", "backward"):
+            key = (f"eager attention {phase} ms", int(row["d_model"]), int(row["seq_len"]), int(params["batch_size"]))
+            yield key, float(row[f"{phase}_mean_ms"]), f"d={row['d_model']} seq {row['seq_len']} {phase}"
+
+
+SHARED: tuple[Shared, ...] = (
+    Shared("benchmarking", "timings", _model_forward("forward_mean_ms", precision="fp32")),
+    Shared("mixed_precision", "precision_timings", _model_forward("forward_mean_ms")),
+    Shared("nsys_profile", "summary", _model_forward("python_forward_ms", precision="fp32", context="context_length")),
+    Shared("torch_compile", "model_timings", _model_forward(
+        "total_mean_ms", precision="fp32", where=lambda f: (f["mode"] == "forward") & ~f["compiled"].astype(bool))),
+    Shared("pytorch_attention", "timings", _eager_attention),
+    Shared("torch_compile", "attention_timings", _eager_attention),
+)
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    key: Key
+    cells: tuple[Cell, ...]
+
+    @property
+    def spread(self) -> float:
+        values = [c.value for c in self.cells]
+        return max(values) / min(values) - 1
+
+    def line(self) -> str:
+        what, *config = self.key
+        cells = ", ".join(f"{c.folder}/{c.table}: {c.value:.4g}" for c in sorted(self.cells, key=lambda c: c.value))
+        return f"{what} ({' · '.join(map(str, config))}): {cells} ({self.spread:.0%} apart)"
+
+
+def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
+    """Every shared cell of the committed (not smoke) results under ``root``."""
+    out = []
+    for spec in shared:
+        csv, meta_path = Path(root) / spec.folder / f"{spec.table}.csv", Path(root) / spec.folder / f"{spec.table}.meta.json"
+        if not csv.is_file() or not meta_path.is_file():
+            continue
+        meta = json.loads(meta_path.read_text())
+        if meta.get("smoke"):
+            continue
+        try:
+            cells = list(spec.cells(pd.read_csv(csv), meta.get("params") or {}))
+        except (KeyError, ValueError, TypeError):  # a table of another layout (an older run, a test's): no cells
+            continue
+        out += [Cell(key, value, spec.folder, spec.table, row) for key, value, row in cells]
+    return out
+
+
+def shared_keys(root: Path, shared: tuple[Shared, ...] = SHARED) -> set[Key]:
+    """The configurations measured by more than one table under ``root`` (what :func:`disagreements` checks)."""
+    tables: dict[Key, set[tuple[str, str]]] = {}
+    for cell in shared_cells(root, shared):
+        tables.setdefault(cell.key, set()).add((cell.folder, cell.table))
+    return {key for key, where in tables.items() if len(where) > 1}
+
+
+def disagreements(root: Path, shared: tuple[Shared, ...] = SHARED, tolerance: float = TOLERANCE) -> list[Disagreement]:
+    """Keys measured by more than one section whose values lie more than ``tolerance`` apart."""
+    groups: dict[Key, list[Cell]] = {}
+    for cell in shared_cells(root, shared):
+        groups.setdefault(cell.key, []).append(cell)
+    out = []
+    for key, cells in groups.items():
+        if len({(c.folder, c.table) for c in cells}) < 2 or min(c.value for c in cells) <= 0:
+            continue
+        found = Disagreement(key, tuple(cells))
+        if found.spread > tolerance:
+            out.append(found)
+    return sorted(out, key=lambda d: -d.spread)
+
+
+@functools.lru_cache(maxsize=8)
+def _flags(root: str, stamp: float) -> dict[tuple[str, str], str]:
+    flags: dict[tuple[str, str], list[Disagreement]] = {}
+    for found in disagreements(Path(root)):
+        for cell in found.cells:
+            flags.setdefault((cell.folder, cell.table), []).append(found)
+    out = {}
+    for (folder, table), found in flags.items():
+        worst = max(found, key=lambda d: d.spread)
+        others = sorted({f"{c.folder}/{c.table}" for d in found for c in d.cells} - {f"{folder}/{table}"})
+        out[(folder, table)] = (f"{len(found)} cell(s) disagree with {', '.join(others)} by more than "
+                                f"{TOLERANCE:.0%}, up to {worst.spread:.0%} ({worst.cells[0].row})")
+    return out
+
+
+def flag(root: Path, folder: str, table: str) -> str | None:
+    """Why the table ``folder/table`` disagrees with another section's, in one line (``None`` if it does not)."""
+    stamp = max((p.stat().st_mtime for s in SHARED for p in [Path(root) / s.folder / f"{s.table}.csv"]
+                 if p.is_file()), default=0.0)
+    return _flags(str(root), stamp).get((folder, table))

@@ -1,0 +1,61 @@
+"""Sections that measure the same configuration are compared: a pair more than 10% apart is flagged in
+``report status`` and in the writeup; a pair within 10% is not."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from cs336_systems.report import agreement
+from cs336_systems.report.data import DISAGREES_MARK, SectionData, provenance_line
+
+
+def _write(root, folder: str, table: str, frame: pd.DataFrame, params: dict) -> None:
+    (root / folder).mkdir(parents=True, exist_ok=True)
+    frame.to_csv(root / folder / f"{table}.csv", index=False)
+    (root / folder / f"{table}.meta.json").write_text(json.dumps({"params": params, "smoke": False,
+                                                                  "device": "NVIDIA H100 80GB HBM3"}))
+
+
+def _two_sections(root, xl_mixed_precision_ms: float, smoke: bool = False) -> None:
+    _write(root, "benchmarking", "timings", pd.DataFrame(
+        {"size": ["small", "xl"], "status": ["ok", "ok"], "forward_mean_ms": [20.0, 246.0]}), {"context_length": 512})
+    _write(root, "mixed_precision", "precision_timings", pd.DataFrame(
+        {"size": ["small", "xl", "xl"], "precision": ["fp32", "fp32", "bf16"], "status": ["ok"] * 3,
+         "forward_mean_ms": [21.0, xl_mixed_precision_ms, 90.0]}), {"context_length": 512})
+    if smoke:
+        meta = root / "mixed_precision" / "precision_timings.meta.json"
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "smoke": True}))
+
+
+def test_a_shared_cell_more_than_ten_percent_apart_is_flagged(tmp_path) -> None:
+    _two_sections(tmp_path, 446.0)
+    found = agreement.disagreements(tmp_path)
+    assert [d.key for d in found] == [("model forward ms", "xl", "fp32", 512, 4)]
+    assert found[0].line() == ("model forward ms (xl · fp32 · 512 · 4): benchmarking/timings: 246, "
+                               "mixed_precision/precision_timings: 446 (81% apart)")
+    assert agreement.shared_keys(tmp_path) == {("model forward ms", s, "fp32", 512, 4) for s in ("small", "xl")}
+    line = provenance_line(SectionData(tmp_path, "mixed_precision", depends=()).meta("precision_timings"))
+    assert (f"{DISAGREES_MARK}: 1 cell(s) disagree with benchmarking/timings by more than 10%, up to 81% "
+            "(xl fp32 context 512)") in line
+
+
+def test_shared_cells_within_ten_percent_and_smoke_runs_are_not_flagged(tmp_path) -> None:
+    _two_sections(tmp_path, 260.0)  # 5.7% apart; small is 5% apart
+    assert agreement.disagreements(tmp_path) == []
+    assert DISAGREES_MARK not in provenance_line(SectionData(tmp_path, "benchmarking", depends=()).meta("timings"))
+    smoke = tmp_path / "smoke"
+    _two_sections(smoke, 446.0, smoke=True)
+    assert agreement.disagreements(smoke) == [] and agreement.shared_keys(smoke) == set()
+
+
+def test_every_shared_table_names_a_table_its_section_writes() -> None:
+    """The extractors point at real tables: each one's folder has that committed CSV and its cells parse."""
+    from cs336_systems.results import FIGURES_DIR
+
+    cells = agreement.shared_cells(FIGURES_DIR)
+    for spec in agreement.SHARED:
+        assert (FIGURES_DIR / spec.folder / f"{spec.table}.csv").is_file(), spec
+        assert any((c.folder, c.table) == (spec.folder, spec.table) for c in cells), spec
+    assert len(agreement.shared_keys(FIGURES_DIR)) >= 20
