@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         found = disagreements(args.figures)
         keys = shared_keys(args.figures)
         print(f"Across sections: {len(keys)} configurations measured by more than one table are checked; "
-              f"{len(found)} lie more than {TOLERANCE:.0%} apart" + (":" if found else ""))
+              f"{len(found)} lie more than {TOLERANCE:.0%} apart and beyond their runs' spread" + (":" if found else ""))
         for d in found[: None if args.verbose else 8]:
             print(f"    {d.line()}")
         if len(found) > 8 and not args.verbose:

@@ -6,8 +6,10 @@ and §1.3.1 (eager beside compiled); the eager attention of one shape is in §1.
 Measured by different jobs, on different days or machines, they can disagree, and a reader sees two
 answers to one question. :data:`SHARED` lists where each section keeps such cells and the key that says
 what a cell measured (quantity, model or shape, precision, context, batch, pass);
-:func:`disagreements` groups every committed cell by key and reports each group whose values lie more
-than :data:`TOLERANCE` apart. ``report status`` prints them (and fails while any remain), and the writeup
+:func:`disagreements` groups every committed cell by key and reports each group whose extreme values lie
+more than :data:`TOLERANCE` apart *and* farther apart than their runs' own spread (:data:`SPREADS` standard
+deviations of each): a difference smaller than the spread of repeated runs is no difference (a
+sub-millisecond, launch-bound timing moves by a third between processes). ``report status`` prints them (and fails while any remain), and the writeup
 marks the tables they come from, until one side is re-measured.
 """
 
@@ -24,6 +26,8 @@ import pandas as pd
 
 #: Two sections' values of one cell may differ by this fraction of the smaller before they disagree.
 TOLERANCE = 0.10
+#: ... and by more than this many standard deviations of each of the two runs, summed.
+SPREADS = 3.0
 
 Key = tuple[Any, ...]
 
@@ -35,12 +39,13 @@ class Cell:
     folder: str
     table: str
     row: str  # the row, in words
+    std: float = 0.0  # the run's standard deviation of the value, where the table gives it
 
 
 @dataclass(frozen=True)
 class Shared:
     """Where one section keeps cells other sections measure too: ``table`` of ``folder``, and a function of
-    the table and its run's parameters that yields ``(key, value, row)``."""
+    the table and its run's parameters that yields ``(key, value, row, std)``."""
 
     folder: str
     table: str
@@ -57,6 +62,13 @@ def _ok(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[frame["status"] == "ok"] if "status" in frame else frame
 
 
+def _std(row: pd.Series, column: str) -> float:
+    """The standard deviation a table gives beside ``column`` (``x_mean_ms`` -> ``x_std_ms``), else 0."""
+    name = column.replace("_mean_", "_std_") if "_mean_" in column else column.replace("_ms", "_std_ms")
+    value = row.get(name)
+    return float(value) if value is not None and pd.notna(value) else 0.0
+
+
 def _model_forward(column: str, *, precision: str | None = None, context: str | None = None,
                    where: Callable[[pd.DataFrame], pd.Series] | None = None) -> Callable:
     """Cells of a model's Python-timed forward: key (quantity, size, precision, context, batch)."""
@@ -69,7 +81,7 @@ def _model_forward(column: str, *, precision: str | None = None, context: str | 
             prec = row["precision"] if precision is None else precision
             ctx = int(row[context]) if context else int(params["context_length"])
             key = ("model forward ms", row["size"], prec, ctx, _model_batch(row["size"]))
-            yield key, float(row[column]), f"{row['size']} {prec} context {ctx}"
+            yield key, float(row[column]), f"{row['size']} {prec} context {ctx}", _std(row, column)
 
     return cells
 
@@ -81,7 +93,8 @@ def _eager_attention(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tu
     for _, row in frame.iterrows():
         for phase in ("forward", "backward"):
             key = (f"eager attention {phase} ms", int(row["d_model"]), int(row["seq_len"]), int(params["batch_size"]))
-            yield key, float(row[f"{phase}_mean_ms"]), f"d={row['d_model']} seq {row['seq_len']} {phase}"
+            column = f"{phase}_mean_ms"
+            yield key, float(row[column]), f"d={row['d_model']} seq {row['seq_len']} {phase}", _std(row, column)
 
 
 SHARED: tuple[Shared, ...] = (
@@ -105,6 +118,12 @@ class Disagreement:
         values = [c.value for c in self.cells]
         return max(values) / min(values) - 1
 
+    @property
+    def beyond_noise(self) -> bool:
+        """The extreme values lie farther apart than :data:`SPREADS` standard deviations of each."""
+        low, high = min(self.cells, key=lambda c: c.value), max(self.cells, key=lambda c: c.value)
+        return high.value - low.value > SPREADS * (high.std + low.std)
+
     def line(self) -> str:
         what, *config = self.key
         cells = ", ".join(f"{c.folder}/{c.table}: {c.value:.4g}" for c in sorted(self.cells, key=lambda c: c.value))
@@ -125,7 +144,7 @@ def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
             cells = list(spec.cells(pd.read_csv(csv), meta.get("params") or {}))
         except (KeyError, ValueError, TypeError):  # a table of another layout (an older run, a test's): no cells
             continue
-        out += [Cell(key, value, spec.folder, spec.table, row) for key, value, row in cells]
+        out += [Cell(key, value, spec.folder, spec.table, row, std) for key, value, row, std in cells]
     return out
 
 
@@ -138,7 +157,8 @@ def shared_keys(root: Path, shared: tuple[Shared, ...] = SHARED) -> set[Key]:
 
 
 def disagreements(root: Path, shared: tuple[Shared, ...] = SHARED, tolerance: float = TOLERANCE) -> list[Disagreement]:
-    """Keys measured by more than one section whose values lie more than ``tolerance`` apart."""
+    """Keys measured by more than one section whose values lie more than ``tolerance`` apart and beyond the
+    runs' spread."""
     groups: dict[Key, list[Cell]] = {}
     for cell in shared_cells(root, shared):
         groups.setdefault(cell.key, []).append(cell)
@@ -147,7 +167,7 @@ def disagreements(root: Path, shared: tuple[Shared, ...] = SHARED, tolerance: fl
         if len({(c.folder, c.table) for c in cells}) < 2 or min(c.value for c in cells) <= 0:
             continue
         found = Disagreement(key, tuple(cells))
-        if found.spread > tolerance:
+        if found.spread > tolerance and found.beyond_noise:
             out.append(found)
     return sorted(out, key=lambda d: -d.spread)
 
