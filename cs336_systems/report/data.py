@@ -215,26 +215,42 @@ class SectionData:
         return blocks
 
 
-def provenance_line(meta: dict[str, Any]) -> str:
-    """Where a result was measured, in one line: device, software, date, commit (and SMOKE if so)."""
+def short_device(meta: dict[str, Any]) -> str:
+    """The device as a reader names it: ``H100`` for "NVIDIA H100 80GB HBM3", ``2×H200`` for two."""
+    device = str(meta.get("device") or "unknown device")
+    if meta.get("device_type") != "cuda":
+        return "CPU" if device.startswith("CPU") else device
+    name = device.removeprefix("NVIDIA ").split()[0] if device.startswith("NVIDIA ") else device
+    n = meta.get("num_gpus") or 0
+    return f"{n}×{name}" if n > 1 else name
+
+
+def provenance_line(meta: dict[str, Any], short: bool = False) -> str:
+    """Where a result was measured, in one line: device, software, date, commit (and SMOKE if so), with the
+    marks a reader must see (stale, suspect, disagreeing, uncalibrated). ``short``: device · date · commit
+    only, as under a table in the writeup (the full line is in the results index)."""
     if not meta:
         return "provenance record missing"
     parts: list[str] = []
-    device = meta.get("device") or "unknown device"
-    n = meta.get("num_gpus") or 0
-    if meta.get("device_type") == "cuda" and n > 1:
-        device += f" ({n} GPUs)"
-    parts.append(device)
-    if meta.get("cuda"):
-        parts.append(f"CUDA {meta['cuda']}")
-    for key in ("torch", "triton"):
-        if meta.get(key):
-            parts.append(f"{key} {meta[key]}")
+    if short:
+        parts.append(short_device(meta))
+    else:
+        device = meta.get("device") or "unknown device"
+        n = meta.get("num_gpus") or 0
+        if meta.get("device_type") == "cuda" and n > 1:
+            device += f" ({n} GPUs)"
+        parts.append(device)
+        if meta.get("cuda"):
+            parts.append(f"CUDA {meta['cuda']}")
+        for key in ("torch", "triton"):
+            if meta.get(key):
+                parts.append(f"{key} {meta[key]}")
     if meta.get("date"):
         parts.append(str(meta["date"])[:10])
     if meta.get("git_commit"):
         commit = str(meta["git_commit"])
-        parts.append("commit " + commit[:9] + ("-dirty" if commit.endswith("-dirty") else ""))
+        parts.append(("" if short else "commit ") + commit[: 7 if short else 9]
+                     + ("-dirty" if commit.endswith("-dirty") else ""))
     machine = meta.get("machine") or {}
     if machine.get("state") == "uncalibrated":
         parts.append(UNCALIBRATED_NOTE)

@@ -206,16 +206,19 @@ class _Counter:
         self.link_from = link_from
         self.deferred: list[str] | None = None
         """While a section renders: its landscape figures, placed after the rest of it."""
+        self.full_provenance = False
+        """Under each table and figure the whole record (versions, run parameters), as the results index
+        shows it; else the short line a reader of the writeup needs (device · date · commit, and any mark)."""
 
 
-def _prov_html(meta: dict[str, Any], source: str) -> str:
-    prov = html.escape(provenance_line(meta))
+def _prov_html(meta: dict[str, Any], source: str, full: bool = True) -> str:
+    prov = html.escape(provenance_line(meta, short=not full))
     prov = prov.replace(SMOKE_MARK, f'<span class="smoke">{SMOKE_MARK}</span>')
     prov = prov.replace(STALE_MARK, f'<span class="smoke">{STALE_MARK}</span>')
     for mark in (SUSPECT_MARK, DISAGREES_MARK):
         prov = prov.replace(mark, f'<span class="smoke">{mark}</span>')
     line = f"Source <code>{html.escape(source)}</code> · {prov}"
-    params = params_line(meta)
+    params = params_line(meta) if full else ""
     if params:
         line += f"<br>Run parameters: {html.escape(params)}"
     return f'<span class="prov">{line}</span>'
@@ -240,7 +243,7 @@ def _right_aligned(series: Any) -> bool:
     return all(_NUMBER_TEXT.match(str(v)) for v in series)
 
 
-def table_html(block: Table, n: int) -> str:
+def table_html(block: Table, n: int, full: bool = True) -> str:
     df, notes = tables.for_print(block.frame)
     numeric = [_right_aligned(df[c]) for c in df.columns]
     width = tables.text_width(df)
@@ -261,7 +264,7 @@ def table_html(block: Table, n: int) -> str:
     caption = markdown_inline(block.caption)
     if notes:
         caption += f" <span class='note'>({'; '.join(notes)}.)</span>"
-    caption = f"<b>Table {n}.</b> {caption}" + _prov_html(block.meta, block.source)
+    caption = f"<b>Table {n}.</b> {caption}" + _prov_html(block.meta, block.source, full)
     long = " long" if len(df) > 12 else ""
     return (
         f'<figure class="table{long}"><figcaption>{caption}</figcaption>'
@@ -288,14 +291,14 @@ def is_landscape(data: bytes) -> bool:
     return bool(h) and w / h > LANDSCAPE_ASPECT and w > LANDSCAPE_MIN_PX
 
 
-def figure_html(block: Figure, n: int, link_from: Path | None = None) -> str:
+def figure_html(block: Figure, n: int, link_from: Path | None = None, full: bool = True) -> str:
     data = block.path.read_bytes()
     cls = ' class="landscape"' if is_landscape(data) else ""
     if link_from is None:
         uri = "data:image/png;base64," + base64.b64encode(data).decode()
     else:
         uri = html.escape(Path(os.path.relpath(block.path.resolve(), Path(link_from).resolve())).as_posix())
-    caption = f"<b>Figure {n}.</b> {markdown_inline(block.caption)}" + _prov_html(block.meta, block.source)
+    caption = f"<b>Figure {n}.</b> {markdown_inline(block.caption)}" + _prov_html(block.meta, block.source, full)
     return (f'<figure{cls}><img src="{uri}" alt="{html.escape(block.caption)}">'
             f"<figcaption>{caption}</figcaption></figure>")
 
@@ -313,10 +316,10 @@ def block_html(block: Block, counter: _Counter) -> str:
         return '<div class="equation">' + "".join(math_img(line, True) for line in block.lines) + "</div>"
     if isinstance(block, Table):
         counter.tables += 1
-        return table_html(block, counter.tables)
+        return table_html(block, counter.tables, counter.full_provenance)
     if isinstance(block, Figure):
         counter.figures += 1
-        out = figure_html(block, counter.figures, counter.link_from)
+        out = figure_html(block, counter.figures, counter.link_from, counter.full_provenance)
         if counter.deferred is not None and ' class="landscape"' in out[:40]:
             # A landscape page breaks the portrait flow: placed where it is cited, it leaves the page before it
             # mostly empty. Like a LaTeX float page, it goes to the end of its section, keeping its number.

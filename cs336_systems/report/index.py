@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from cs336_systems.report.data import params_line, provenance_line
 from cs336_systems.report.document import Document, Figure, Section, Table
 from cs336_systems.report.html import CSS, SCREEN_CSS, _Counter, block_html
 
@@ -24,6 +25,18 @@ def _cited(section: Section) -> list[str]:
     return sorted({b.source for b in section.walk() if isinstance(b, (Table, Figure))})
 
 
+def _cited_provenance(section: Section) -> str:
+    """The full record of every result the writeup cites (it prints only device · date · commit)."""
+    rows = {}
+    for b in section.walk():
+        if isinstance(b, (Table, Figure)) and b.source not in rows:
+            params = params_line(b.meta)
+            rows[b.source] = (f"<li><code>{html.escape(Path(b.source).name)}</code>: "
+                              f"{html.escape(provenance_line(b.meta))}"
+                              + (f"; run parameters: {html.escape(params)}" if params else "") + "</li>")
+    return f'<ul class="cited">{"".join(rows[k] for k in sorted(rows))}</ul>' if rows else ""
+
+
 def _folder_html(section: Section, counter: _Counter, writeup: str | None) -> str:
     anchor = html.escape(section.folder)
     title = html.escape(section.title)
@@ -33,7 +46,8 @@ def _folder_html(section: Section, counter: _Counter, writeup: str | None) -> st
     cited = _cited(section)
     if cited:
         listed = ", ".join(f"<code>{html.escape(Path(c).name)}</code>" for c in cited)
-        parts.append(f'<p class="cited">Cited by the writeup ({len(cited)}): {listed}.</p>')
+        parts.append(f'<p class="cited">Cited by the writeup ({len(cited)}): {listed}. Their full records:</p>')
+        parts.append(_cited_provenance(section))
     if section.further:
         parts.append("".join(block_html(b, counter) for b in section.further))
     elif not section.number.startswith("A."):
@@ -45,6 +59,7 @@ def index_html(doc: Document, root: Path, writeup: str | None = "../writeup.html
     """The index page for the results under ``root`` (figures linked relative to ``root``); ``writeup``
     is the HTML writeup's path relative to ``root``, for links to the sections that cite a folder."""
     counter = _Counter(link_from=Path(root))
+    counter.full_provenance = True
     sections = [*doc.sections, *doc.unclaimed]
     shown = sum(isinstance(b, (Table, Figure)) for s in sections for b in s.further)
     toc = "".join(
