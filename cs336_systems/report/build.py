@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -144,7 +145,8 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         Text("\n".join(rows)),
     ]
     inputs = _manifest.result_files(root)
-    return Document(f"{TITLE} ({edition} edition)", preamble, sections, inputs)
+    main, appendix = _split(sections, lambda s: editions.in_appendix(edition, s.folder, s.problems))
+    return Document(f"{TITLE} ({edition} edition)", preamble, main + appendix, inputs, appendix_from=len(main))
 
 
 def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Path = NOTEBOOK_DIR,
@@ -178,7 +180,14 @@ def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Pa
         blocks = data.remaining()
         if blocks:
             unclaimed.append(Section(f"A.{i}", f"Other results: {folder}", folder, (folder,), [], blocks))
-    return Document(TITLE, _preamble(root), sections, _manifest.result_files(root), unclaimed)
+    main, appendix = _split(sections, lambda s: editions.in_appendix("2025", s.folder))
+    return Document(TITLE, _preamble(root), main + appendix, _manifest.result_files(root), unclaimed,
+                    appendix_from=len(main))
+
+
+def _split(sections: list[Section], beyond: Any) -> tuple[list[Section], list[Section]]:
+    """The handout's answers in order, and the sections beyond it (for the appendix), in order."""
+    return [s for s in sections if not beyond(s)], [s for s in sections if beyond(s)]
 
 
 def write_html(doc: Document, path: Path, embed: bool = False) -> Path:
@@ -220,18 +229,34 @@ def build(
     html_path = write_html(doc, output.with_suffix(".html"))
     index = write_index(doc, root, html_path)
     date = _manifest.inputs_date(root)
+    main_pages: dict[str, int] = {}
+
+    def main_body_pages(document: Document, name: str, tmp: str) -> int:
+        """The pages of the answers alone: the document cut before its appendix, printed the same way."""
+        cut = dataclasses.replace(document, sections=document.sections[: document.appendix_from], appendix_from=None)
+        pdf = html_to_pdf(write_html(cut, Path(tmp) / f"main-{name}.html", embed=True), Path(tmp) / f"main-{name}.pdf",
+                          date=date)
+        return _manifest.pdf_pages(pdf)
+
     with tempfile.TemporaryDirectory(prefix="cs336-writeup-") as tmp:
         printable = write_html(doc, Path(tmp) / "writeup.html", embed=True)
         html_to_pdf(printable, output, date=date)
+        main_pages[output.name] = main_body_pages(doc, output.stem, tmp)
         others: list[Path] = []
         for edition in editions.EDITIONS[1:]:  # the other handouts' writeups, beside it: writeup-2026.pdf
             pdf = output.with_name(f"{output.stem}-{edition}.pdf")
             edition_doc = build_document(root, strict, edition=edition)
             others += [pdf, write_html(edition_doc, pdf.with_suffix(".html"))]
             html_to_pdf(write_html(edition_doc, Path(tmp) / f"writeup-{edition}.html", embed=True), pdf, date=date)
+            main_pages[pdf.name] = main_body_pages(edition_doc, pdf.stem, tmp)
     written = [output, html_path, index, *others]
+    over = {name: n for name, n in main_pages.items() if n > _manifest.MAIN_PAGES_BUDGET}
+    if over:
+        print(f"warning: the answers before the appendix exceed {_manifest.MAIN_PAGES_BUDGET} pages: "
+              + ", ".join(f"{name} {n}" for name, n in over.items()), file=sys.stderr)
     if manifest is not None:
-        _manifest.write_manifest(output, root, Path(manifest), outputs=[html_path, index, *others])
+        _manifest.write_manifest(output, root, Path(manifest), outputs=[html_path, index, *others],
+                                 main_pages=main_pages)
         written.append(Path(manifest))
     return written
 

@@ -139,6 +139,8 @@ class Document:
     """Every results file the document was made from (what the manifest hashes)."""
     unclaimed: list[Section] = field(default_factory=list)
     """Result folders no section claims, shown generically in the results index only."""
+    appendix_from: int | None = None
+    """Index into ``sections`` where the appendix begins: what goes beyond the handout, after its answers."""
 
     def plain(self) -> str:
         return "\n\n".join([*(b.plain() for b in self.preamble), *(s.plain() for s in self.sections)])

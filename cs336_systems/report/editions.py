@@ -84,6 +84,20 @@ EDITION_2026: tuple[Entry, ...] = (
 )
 
 
+#: Workbook sections the 2025 handout does not ask for (the 2026 handout's problems, the workbook's own studies,
+#: the course's tests): the 2025 writeup shows them after its answers, in the appendix.
+APPENDIX_2025 = ("gradient_checkpointing", "flash_accuracy", "training_step", "leaderboard", "parallelism_strategies",
+                 "fsdp", "course_tests")
+
+
+def in_appendix(edition: str, section: str, problems: tuple[str, ...] = ()) -> bool:
+    """Whether ``section`` goes to ``edition``'s appendix: beyond that handout (for 2026, the entries whose
+    problems say so)."""
+    if edition == "2025":
+        return section in APPENDIX_2025
+    return any(p.startswith(("beyond", "the course")) for p in problems)
+
+
 def entries(edition: str) -> tuple[Entry, ...] | None:
     """The edition's sections in order, or None for the workbook's own order (2025)."""
     if edition not in EDITIONS:

@@ -51,6 +51,7 @@ CSS = """
 html { font-family: "Liberation Serif", "Times New Roman", serif; font-size: 10.5pt; line-height: 1.38; color: #111; }
 body { margin: 0; }
 h1 { font-size: 20pt; margin: 0 0 2mm 0; }
+h1.appendix { break-before: page; }
 h2 { font-size: 14pt; margin: 7mm 0 2mm 0; border-bottom: 0.6pt solid #999; padding-bottom: 1mm;
      break-after: avoid; }
 h2 .num { color: #555; margin-right: 2.5mm; }
@@ -382,19 +383,30 @@ def _newest_measurement(doc: Document) -> str:
     return max(dates).astimezone(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC") if dates else "(no results)"
 
 
+#: Where the answers to the handout end: everything after it goes beyond the handout.
+APPENDIX_HEADING = ('<h1 class="appendix" id="appendix">Appendix</h1><p>Beyond the handout: what the workbook '
+                    "measures in addition to the problems above (its own studies, the other edition's problems, "
+                    "the course's test suites), in the same form. The full provenance of every result (software "
+                    "versions, the machine's calibration, run parameters) is in the results index.</p>")
+
+
 def document_html(doc: Document, link_from: Path | None = None) -> str:
     """The writeup as one HTML page; figures embedded, or linked relative to ``link_from`` (the folder the
     page is written to)."""
     counter = _Counter(link_from)
+    split = len(doc.sections) if doc.appendix_from is None else doc.appendix_from
     toc = "".join(
-        f'<div><a href="#{s.anchor}">§{s.number} {html.escape(s.title)}</a>'
+        ("<div><b>Appendix</b></div>" if i == split else "")
+        + f'<div><a href="#{s.anchor}">§{s.number} {html.escape(s.title)}</a>'
         + (' <span class="missing-mark">(data pending)</span>' if _has_missing(s) else "")
         + "</div>"
-        for s in doc.sections
+        for i, s in enumerate(doc.sections)
     )
     as_of = _newest_measurement(doc)
     preamble = "".join(block_html(b, counter) for b in doc.preamble)
-    body = "".join(section_html(s, counter) for s in doc.sections)
+    body = "".join(section_html(s, counter) for s in doc.sections[:split])
+    if split < len(doc.sections):
+        body += (APPENDIX_HEADING + "".join(section_html(s, counter) for s in doc.sections[split:]))
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(doc.title)}</title><style>{CSS}{SCREEN_CSS}</style></head><body>"

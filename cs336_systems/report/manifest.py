@@ -108,13 +108,19 @@ def pdf_pages(pdf: Path) -> int:
     return len(re.findall(rb"/Type\s*/Page(?![a-zA-Z])", Path(pdf).read_bytes()))
 
 
+#: The page budget of each writeup's answers to the handout (before its appendix).
+MAIN_PAGES_BUDGET = 30
+
+
 def write_manifest(pdf: Path, root: Path, manifest: Path, notebooks: Path = NOTEBOOK_DIR,
-                   outputs: list[Path] = ()) -> dict[str, Any]:
+                   outputs: list[Path] = (), main_pages: dict[str, int] | None = None) -> dict[str, Any]:
+    """``main_pages``: per PDF, the pages of its answers before the appendix (what the page budget counts)."""
     data: dict[str, Any] = {
         "rebuild": REBUILD_COMMAND,
         # No wall-clock build time: a rebuild from unchanged inputs writes the same manifest.
         "inputs_date": inputs_date(root),
         "pdf": {"path": _key(Path(pdf), REPO_ROOT), "sha256": sha256(Path(pdf)), "pages": pdf_pages(Path(pdf))},
+        "main_pages": dict(main_pages or {}),
         # The other renderings of the same document (the HTML writeup, the results index).
         "outputs": {_key(Path(p), REPO_ROOT): sha256(Path(p)) for p in outputs},
         **fingerprint(root, notebooks),
