@@ -638,3 +638,16 @@ def test_ddp_overhead_fit_names_its_model_from_the_runs_step_table(tmp_path) -> 
     assert _model_column(d, "overhead_model_xl_fp32", "overhead_model") == "xl"
     assert _model_column(d, "overhead_model_large_fp32", "overhead_model") is None  # no such step table
     assert _model_column(d, "other_xl_fp32", "overhead_model") is None
+
+
+def test_memory_answer_names_the_tensors_not_file_and_line() -> None:
+    """memory_profiling (e): each large allocation is named by the tensor its line assigns, with its shape."""
+    from cs336_systems.experiments import memory_profiling as mp
+    from cs336_systems.report.data import SectionData
+    from cs336_systems.results import FIGURES_DIR
+
+    data = SectionData(FIGURES_DIR, "memory_profiling")
+    text = mp._largest_text(data.frame("largest_allocations"), data.meta("largest_allocations")).markdown
+    assert "`scores` = `Q @ K.transpose(-2, -1) / math.sqrt(d)` in `scaled_dot_product_attention`, a batch × heads " \
+           "× seq × seq tensor (4 × 32 × 512 × 512, fp32)" in text
+    assert "model.py:" not in text

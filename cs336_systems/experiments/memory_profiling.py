@@ -279,7 +279,7 @@ def answer(d: SectionData) -> list[Block]:
         ]),
         question(d, "e", "The largest allocations in the forward pass's active-memory timeline and where they "
                  "come from.",
-                 [_largest_text(d.frame("largest_allocations")),
+                 [_largest_text(d.frame("largest_allocations"), d.meta("largest_allocations")),
                   d.table("largest_allocations", frame=subset(d.frame("largest_allocations"), "size_MiB", "count",
                                                               "origin"),
                           caption="Largest allocations of the fp32 forward pass at the longest context that ran"
@@ -296,24 +296,79 @@ def _config_context(d: SectionData, name: str) -> str:
     return f", {int(config[1])}" if isinstance(config, list) and len(config) == 3 else ""
 
 
-def _largest_text(df: pd.DataFrame | None) -> Text | None:
+def _source_line(origin: str, commit: str | None) -> tuple[str, str] | None:
+    """``(assigned name, code)`` of an allocation site ``"model.py:146 scaled_dot_product_attention"``: the
+    line of our model package at the result's commit (the working tree's when that is unknown)."""
+    import re
+
+    from cs336_systems.measured_code import REPO_ROOT, git
+
+    match = re.match(r"(\w+\.py):(\d+) ", origin)
+    if not match:
+        return None
+    path = f"cs336-basics/cs336_basics/{match.group(1)}"
+    text = git(["show", f"{commit}:{path}"], REPO_ROOT) if commit else None
+    if text is None and (REPO_ROOT / path).is_file():
+        text = (REPO_ROOT / path).read_text()
+    lines = (text or "").splitlines()
+    line = int(match.group(2))
+    if not 0 < line <= len(lines):
+        return None
+    code = lines[line - 1].strip()
+    target = re.match(r"(\w+)\s*=[^=]", code)
+    return (target.group(1) if target else ""), code
+
+
+def _shape_words(nbytes: float, meta: dict[str, Any]) -> str:
+    """The tensor shape a size matches, for the model and context of the result: attention's
+    batch × heads × seq × seq, or a batch × seq × width activation."""
+    size = (meta.get("params") or {}).get("size")
+    config = ((meta.get("extra") or {}).get("config")) or []
+    if not size or len(config) != 3:
+        return ""
+    try:
+        cfg = get_config(size)
+    except ValueError:
+        return ""
+    context, element = int(config[1]), 2 if config[0] in ("bf16", "fp16") else 4
+    shapes = {
+        "batch × heads × seq × seq": (cfg.batch_size, cfg.num_heads, context, context),
+        "batch × seq × d_ff": (cfg.batch_size, context, cfg.d_ff),
+        "batch × seq × d_model": (cfg.batch_size, context, cfg.d_model),
+        "batch × seq × vocab": (cfg.batch_size, context, cfg.vocab_size),
+    }
+    for words, dims in shapes.items():
+        for elem, dtype in ((element, config[0]), (4, "fp32")):
+            if abs(nbytes - elem * int(torch.Size(dims).numel())) < 1:
+                return f", a {words} tensor ({' × '.join(map(str, dims))}, {dtype})"
+    return ""
+
+
+def _largest_text(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -> Text | None:
+    """The largest allocations by the tensor each one is (the name its line assigns, and the line), not by
+    file and line number."""
     if df is None or df.empty or not {"size_MiB", "origin"} <= set(df.columns):
         return None
-
+    meta = meta or {}
     explained = []
 
-    def where(origin: str) -> str:
-        if not origin.startswith("(no user frame"):
+    def where(origin: str, nbytes: float) -> str:
+        if origin.startswith("(no user frame"):
+            if explained:
+                return "no Python frame"
+            explained.append(True)
+            return "no Python frame on the stack (allocated inside autograd's backward or the optimizer's C++ code)"
+        function = origin.split(" ", 1)[1] if " " in origin else origin
+        found = _source_line(origin, meta.get("git_commit"))
+        if found is None:
             return f"`{origin}`"
-        if explained:
-            return "no Python frame"
-        explained.append(True)
-        return "no Python frame on the stack (allocated inside autograd's backward or the optimizer's C++ code)"
+        name, code = found
+        what = f"`{name}` = `{code.split('=', 1)[1].strip()}`" if name else f"`{code}`"
+        return f"{what} in `{function}`{_shape_words(nbytes, meta)}"
 
     parts = [f"{fmt.mib(r['size_MiB'] * 2**20)}" + (f" ×{int(r['count'])}" if "count" in df.columns else "")
-             + f" from {where(str(r['origin']))}" for _, r in df.head(3).iterrows()]
+             + f": {where(str(r['origin']), r['size_MiB'] * 2**20)}" for _, r in df.head(3).iterrows()]
     return Text("The largest allocations: " + "; ".join(parts) + ".")
-
 
 
 SECTION = Section(
