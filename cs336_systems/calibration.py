@@ -16,8 +16,8 @@ the median of calibrations on machines that behaved): a job whose GPU measured m
 :data:`SUSPECT_BELOW` under the reference at its start or end is *suspect*, which ``report status`` and
 the writeup say until the result is measured again.
 
-    python -m cs336_systems.calibration              # this machine's GPUs, as JSON
-    python -m cs336_systems.calibration --reference  # the same against the reference, one line per GPU
+    python -m cs336_systems.benchmarking calibrate              # this machine's GPUs, as JSON
+    python -m cs336_systems.benchmarking calibrate --reference  # against the reference, one line per GPU
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def measure_machine() -> list[dict[str, Any]]:
 def measure_in_subprocess(timeout_s: float = 180.0) -> list[dict[str, Any]] | None:
     """:func:`measure_machine` in a fresh process (the caller keeps no CUDA context or memory of it);
     ``None`` if it failed, with the reason on stderr: a calibration must never fail the job it describes."""
-    cmd = [sys.executable, "-m", "cs336_systems.calibration"]
+    cmd = [sys.executable, "-m", "cs336_systems.benchmarking", "calibrate"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -234,26 +234,26 @@ def verdict(meta: dict[str, Any], references: dict[str, dict[str, float]] | None
     return Verdict("calibrated")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.calibration", description=__doc__.split("\n")[0])
-    parser.add_argument("--reference", action="store_true", help="compare with the device's reference, one line per GPU")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking calibrate --help``."""
+    parser.add_argument("--reference", action="store_true",
+                        help="compare with the device's reference, one line per GPU (default: the readings as JSON)")
+
+
+def run_command(args: argparse.Namespace) -> int:
     gpus = measure_machine()
     if not args.reference:
         print(json.dumps(gpus))
         return 0
-    references = load_references()
     if not gpus:
         print("no CUDA GPU here: nothing to calibrate")
+        return 0
+    references = load_references()
     for gpu in gpus:
         reference = references.get(gpu["device"], {})
         cells = [f"{label} {gpu[m]:g}" + (f" ({gpu[m] / reference[m]:.0%} of reference)" if m in reference else "")
                  for m, label in METRICS.items()]
         print(f"GPU {gpu['gpu']} {gpu['device']}: " + ", ".join(cells))
     problems = shortfalls(gpus, references)
-    print("suspect: " + "; ".join(problems) if problems else "within 10% of the reference" if gpus else "", end="\n")
+    print("suspect: " + "; ".join(problems) if problems else f"every GPU within {SUSPECT_BELOW:.0%} of its reference")
     return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -651,3 +651,16 @@ def test_memory_answer_names_the_tensors_not_file_and_line() -> None:
     assert "`scores` = `Q @ K.transpose(-2, -1) / math.sqrt(d)` in `scaled_dot_product_attention`, a batch × heads " \
            "× seq × seq tensor (4 × 32 × 512 × 512, fp32)" in text
     assert "model.py:" not in text
+
+
+def test_bucketed_ddp_answer_says_what_was_expected_whether_it_held_and_what_setup_would_show_it() -> None:
+    """ddp_bucketed_benchmarking (a) asks three things beyond the timings; each is answered from the data."""
+    from cs336_systems.experiments import ddp_bucketed
+    from cs336_systems.report.data import SectionData
+    from cs336_systems.results import FIGURES_DIR
+
+    question = ddp_bucketed.answer(SectionData(FIGURES_DIR, "ddp_bucketed"))[0]
+    text = " ".join(b.markdown for b in question.blocks if hasattr(b, "markdown"))
+    assert "**Expected:** a U in bucket size" in text
+    assert "**Aligned:**" in text or "**Only partly aligned:** " in text
+    assert "**A setup that would show the expected shape:** a slower link" in text

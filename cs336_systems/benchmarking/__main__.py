@@ -41,6 +41,7 @@ TOOLS = {
     "ddp_host_overhead": "cs336_systems.benchmarking.ddp_host_overhead",
     "timeline": "cs336_systems.profiling.timeline",
     "split_batch_rounding": "cs336_systems.distributed.split_batch_rounding",
+    "calibrate": "cs336_systems.calibration",
 }
 
 
