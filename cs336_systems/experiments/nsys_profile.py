@@ -199,8 +199,9 @@ def answer(d: SectionData) -> list[Block]:
                  f"the kernel time is {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward "
                  "pass. Below 100% the GPU idles between kernels (launch overhead, which dominates small models "
                  "and short contexts), time the Python timer sees and the kernel sum does not"
-                 + ("; above 100% the profiler's own instrumentation slows the kernels it records." if ratios.max() > 1
-                    else ".") + (" " + _longest_fit(summary) if _longest_fit(summary) else ""))
+                 + ("; above 100% the two numbers come from different passes, the profiled ones slower than the "
+                    "Python-timed ones (on one stream a pass cannot spend longer in kernels than it lasts), so there the "
+                    "ratio compares two runs rather than splitting one." if ratios.max() > 1 else ".") + (" " + _longest_fit(summary) if _longest_fit(summary) else ""))
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
             sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
