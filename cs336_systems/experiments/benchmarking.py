@@ -190,7 +190,11 @@ def answer(d: SectionData) -> list[Block]:
                  "choosing a GEMM algorithm per shape, and the caching allocator obtaining memory with "
                  "`cudaMalloc`. Without warm-up these land in the measured steps, inflating the mean and above "
                  "all the standard deviation; after one or two steps every shape has been seen once and the "
-                 "allocator's pool is warm, so later steps reuse both."),
+                 "allocator's pool is warm, so later steps reuse both. One or two warm-up steps can still differ "
+                 "from five: the first optimizer step allocates AdamW's two moments (so the allocator grows again on "
+                 "step 2), the GPU's clocks take a few steps to reach their sustained level, and with only a few "
+                 "timed steps left a single slow one (a page of memory mapped late, a host hiccup) moves the "
+                 "mean."),
         ], what="timings with 0, 1 and 2 warm-up steps"),
     ]
 
