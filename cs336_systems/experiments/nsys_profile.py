@@ -176,6 +176,13 @@ def _longest_fit(df: pd.DataFrame | None) -> str:
     return ("The longest context each size trained at on this GPU: " + join_words(parts) + ".") if parts else ""
 
 
+def _reconciled(d: SectionData) -> str | None:
+    """How this section's Python-timed forwards compare with §1.1.3's, §1.1.5's and §1.3.1's of the same models."""
+    from cs336_systems.report.agreement import reconcile
+
+    return reconcile(d.root, d.folder, "summary", "The Python-timed forward passes")
+
+
 def answer(d: SectionData) -> list[Block]:
     summary = d.frame("summary")
     top = d.frame("top_kernels")
@@ -201,7 +208,8 @@ def answer(d: SectionData) -> list[Block]:
                  "and short contexts), time the Python timer sees and the kernel sum does not"
                  + ("; above 100% the two numbers come from different passes, the profiled ones slower than the "
                     "Python-timed ones (on one stream a pass cannot spend longer in kernels than it lasts), so there the "
-                    "ratio compares two runs rather than splitting one." if ratios.max() > 1 else ".") + (" " + _longest_fit(summary) if _longest_fit(summary) else ""))
+                    "ratio compares two runs rather than splitting one." if ratios.max() > 1 else ".")
+                 + (" " + _reconciled(d) if _reconciled(d) else "") + (" " + _longest_fit(summary) if _longest_fit(summary) else ""))
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
             sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])

@@ -172,6 +172,33 @@ def disagreements(root: Path, shared: tuple[Shared, ...] = SHARED, tolerance: fl
     return sorted(out, key=lambda d: -d.spread)
 
 
+def reconcile(root: Path, folder: str, table: str, what: str) -> str | None:
+    """One sentence for an answer: how this table's shared cells compare with the other sections' measurements
+    of the same configurations (``what`` names them, e.g. "The Python-timed forward passes"); ``None`` when no
+    other section measures them."""
+    groups: dict[Key, list[Cell]] = {}
+    for cell in shared_cells(root):
+        groups.setdefault(cell.key, []).append(cell)
+    ratios, others = [], set()
+    for cells in groups.values():
+        mine = [c for c in cells if (c.folder, c.table) == (folder, table)]
+        theirs = [c for c in cells if (c.folder, c.table) != (folder, table)]
+        if mine and theirs:
+            reference = sorted(c.value for c in theirs)[len(theirs) // 2]
+            ratios += [(c.value / reference, c.row) for c in mine if reference > 0]
+            others |= {f"{c.folder}/{c.table}" for c in theirs}
+    if not ratios:
+        return None
+    worst, row = max(ratios, key=lambda r: abs(r[0] - 1))
+    sources = ", ".join(sorted(others))
+    if abs(worst - 1) <= TOLERANCE:
+        return (f"{what} agree with the same configurations measured elsewhere ({sources}) within "
+                f"{abs(worst - 1):.0%}.")
+    return (f"{what} differ from the same configurations measured elsewhere ({sources}) by up to {abs(worst - 1):.0%} "
+            f"({row}: {worst:.2f}× theirs); the runs came from different jobs, and `report status` lists the "
+            "pair until one is measured again on a calibrated machine.")
+
+
 @functools.lru_cache(maxsize=8)
 def _flags(root: str, stamp: float) -> dict[tuple[str, str], str]:
     flags: dict[tuple[str, str], list[Disagreement]] = {}
