@@ -48,9 +48,11 @@ class Tied(nn.Module):
         self.mid = Linear(6, 6)
         self.head = Linear(6, 10)
         self.head.weight = self.emb.weight
+        # A non-persistent buffer, as RoPE's tables: in no state_dict, so FSDP's and the plain model's dicts match.
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, 6), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.mid(self.emb(x))))
+        return self.head(torch.relu(self.mid(self.emb(x) + self.shift)))
 
 
 def _setup(kind: str):
@@ -313,3 +315,59 @@ def test_a_single_process_checkpoint_round_trips(tmp_path) -> None:
     assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt) == (8, None)
     for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+def _load_across_strategies(kind: str, root: str, with_optimizer: bool) -> str:
+    """A checkpoint saved under one strategy loaded under the other: the model moves, optimizer state is refused."""
+    torch.manual_seed(7)
+    model = Tied()
+    wrapped = FSDP(model) if kind == "fsdp" else DDPBucketed(model, 0.0001)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2) if with_optimizer else None
+    try:
+        load_checkpoint(root, model=wrapped, optimizer=opt)
+    except CheckpointError as exc:
+        return str(exc)
+    full = wrapped.full_state_dict() if kind == "fsdp" else model.state_dict()
+    return "loaded " + repr(float(sum(v.double().sum() for v in full.values())))
+
+
+@pytest.mark.slow
+def test_a_model_moves_between_fsdp_and_replicated_strategies(saved) -> None:
+    """Saved under FSDP, loaded into DDP and into one plain process (a tied weight and a non-persistent buffer
+    included); saved under DDP, loaded into FSDP. Optimizer state between the layouts is refused in one line."""
+    kind, root, _ = saved
+    other = "ddp" if kind == "fsdp" else "fsdp"
+    loaded = spawn(_load_across_strategies, 2, other, root, False, backend="gloo", timeout_s=60)
+    assert loaded[0].startswith("loaded ") and loaded[0] == loaded[1]
+    plain = Tied()
+    assert load_checkpoint(root, model=plain)[0] == 2
+    assert loaded[0] == "loaded " + repr(float(sum(v.double().sum() for v in plain.state_dict().values())))
+    if other == "fsdp":
+        refused = spawn(_load_across_strategies, 2, other, root, True, backend="gloo", timeout_s=60)
+        assert all("does not load into an optimizer over FSDP shards" in r for r in refused), refused
+
+
+def test_a_step_saved_again_replaces_the_old_one_only_when_complete_and_later_steps_stay(tmp_path) -> None:
+    model = nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model=model, keep=2)
+    assert complete_steps(tmp_path) == [2, 3] and latest_step(tmp_path) == 3
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_checkpoint(tmp_path, 2, model=model, keep=2)  # resumed from step 2: step 3 (the abandoned run) stays
+    assert complete_steps(tmp_path) == [2, 3] and latest_step(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    fresh = nn.Linear(2, 2)
+    load_checkpoint(tmp_path, model=fresh)
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_file_of_another_format_says_so(tmp_path) -> None:
+    path = tmp_path / "state.pt"
+    from cs336_systems.distributed import checkpoint as ck
+
+    ck.write_stamped(path, {"a": 1}, step=1, world_size=1, rank=0, holds="model")
+    data = path.read_bytes().replace(ck.FORMAT.encode(), b"cs336-checkpoint/0")
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"written by another checkpoint format \(cs336-checkpoint/0\)"):
+        ck.read_stamped(path)

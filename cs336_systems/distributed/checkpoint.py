@@ -23,8 +23,8 @@ state                             files                                         
 ================================  ==============================================  =========================
 replicated model (DDP, 1 process) ``model.pt`` (rank 0)                            loads anywhere
 FSDP model                        ``model-rank{r}.pt`` (each rank's shards)        resharded from all files
-plain optimizer beside DDP        ``optimizer.pt`` (rank 0)                        loads anywhere
-``ShardedOptimizer`` (ZeRO-1)     ``optimizer-rank{r}.pt`` (each rank's shard)     resharded from all files
+plain optimizer beside DDP        ``optimizer.pt`` (rank 0)                        any replicated model
+``ShardedOptimizer`` (ZeRO-1)     ``optimizer-rank{r}.pt`` (each rank's shard)     merged and re-owned (not FSDP)
 optimizer over FSDP shards        ``optimizer-rank{r}.pt``                         resharded when every state
                                                                                    tensor is per-element
 scheduler, step, ``extra``        ``trainer.pt`` (rank 0)                          loads anywhere
@@ -124,11 +124,12 @@ def read_stamped(path: Path) -> tuple[Stamp, Any]:
     header_end = data.find(b"\n", len(MAGIC))
     try:
         record = json.loads(data[len(MAGIC) : header_end])
-        if record.pop("format") != FORMAT:
-            raise CheckpointError(f"{path}: written by another checkpoint format")
+        written_as = record.pop("format")
         stamp = Stamp(**record)
     except (ValueError, TypeError, KeyError):
         raise CheckpointError(f"{path}: its stamp is unreadable (a damaged file)") from None
+    if written_as != FORMAT:
+        raise CheckpointError(f"{path}: written by another checkpoint format ({written_as})")
     payload = memoryview(data)[header_end + 1 :]
     if len(payload) != stamp.nbytes:
         raise CheckpointError(f"{path}: {len(payload)} bytes where its stamp says {stamp.nbytes} (a truncated file)")
@@ -174,26 +175,33 @@ def save_checkpoint(
 ) -> Path:
     """Save step ``step`` under ``root`` (a collective: call it on every rank with the same arguments) and
     return its folder. ``extra``: more state for rank 0 to keep (plain data and tensors). ``keep``: how
-    many complete steps to keep (``None``: all)."""
+    many complete steps to keep up to this one (``None``: all); steps above it (left by a run that resumed
+    from an earlier step) are not touched."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     rank, world_size = _world()
+    if isinstance(model, FSDP) and world_size > 1 and model.process_group is not None:
+        raise ValueError("save_checkpoint: FSDP over a subgroup (hybrid sharding) is not supported: its files would "
+                         "be named by global rank but hold the group's shards")
     folder = step_folder(root, step)
+    # Written beside the final folder and moved into place when complete: a complete save of the same step
+    # (a resume that saves its own step again) is replaced only then.
+    staging = folder.with_name(folder.name + ".partial")
     if rank == 0:
-        if folder.exists():  # a save of this step that was interrupted, or a repeat: start it afresh
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
+        if staging.exists():  # an earlier save of this step that was interrupted
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
     _barrier()
     records = {}
     for name, holds, state in _files_of(model, optimizer, rank):
-        stamp = write_stamped(folder / name, state, step=step, world_size=world_size, rank=rank, holds=holds)
+        stamp = write_stamped(staging / name, state, step=step, world_size=world_size, rank=rank, holds=holds)
         records[name] = stamp.record()
     if rank == 0:
         trainer = {"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None,
                    "extra": extra}
-        records["trainer.pt"] = write_stamped(folder / "trainer.pt", trainer, step=step, world_size=world_size,
+        records["trainer.pt"] = write_stamped(staging / "trainer.pt", trainer, step=step, world_size=world_size,
                                               rank=None, holds="trainer").record()
     every_rank: list[Any] = [records]
     if world_size > 1:
@@ -204,10 +212,17 @@ def save_checkpoint(
                     "strategy": "fsdp" if isinstance(model, FSDP) else "replicated",
                     "optimizer": type(optimizer).__name__ if optimizer is not None else None,
                     "files": {name: record for records in every_rank for name, record in records.items()}}
-        write_atomically(folder / MANIFEST, [json.dumps(manifest, indent=1).encode()])
+        write_atomically(staging / MANIFEST, [json.dumps(manifest, indent=1).encode()])
+        replaced = folder.with_name(folder.name + ".replaced")
+        if folder.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(folder, replaced)
+        os.replace(staging, folder)
         write_atomically(Path(root) / LATEST, [folder.name.encode() + b"\n"])
-        if keep is not None:
-            for old in sorted(complete_steps(root))[:-keep]:
+        shutil.rmtree(replaced, ignore_errors=True)
+        if keep is not None:  # the newest `keep` steps up to this one; steps above it (a run resumed earlier) stay
+            below = [s for s in complete_steps(root) if s < step]
+            for old in below[: max(len(below) - (keep - 1), 0)]:
                 shutil.rmtree(step_folder(root, old), ignore_errors=True)
     _barrier()  # no rank goes on (or exits) before the checkpoint is complete
     return folder
@@ -289,9 +304,10 @@ class Checkpoint:
         return [self.read(f"{holds}-rank{r}.pt", rank=r) for r in range(self.world_size)]
 
 
-def _full_from_fsdp_shards(shards: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+def _full_from_fsdp_shards(shards: list[dict[str, Any]], model: nn.Module) -> dict[str, torch.Tensor]:
     """A plain state dict from every rank's ``FSDP.sharded_state_dict()``: 1-D shards concatenated and cut
-    to the full shape; replicated tensors taken from rank 0."""
+    to the full shape; replicated tensors taken from rank 0; a tied weight under each of ``model``'s names
+    for it (the shards list it once)."""
     shapes = shards[0]["fsdp_sharded"]["full_shapes"]
     full = {}
     for name, value in shards[0]["tensors"].items():
@@ -301,6 +317,12 @@ def _full_from_fsdp_shards(shards: list[dict[str, Any]]) -> dict[str, torch.Tens
             full[name] = flat[:numel].reshape(shapes[name]).clone()
         else:
             full[name] = value
+    module = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    first_name: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first = first_name.setdefault(id(p), name)
+        if name not in full and first in full:
+            full[name] = full[first]
     return full
 
 
@@ -315,7 +337,7 @@ def _load_model(ckpt: Checkpoint, model: nn.Module, rank: int, world_size: int) 
     if isinstance(model, FSDP) and world_size == ckpt.world_size:
         model.load_sharded_state_dict(ckpt.read(f"model-rank{rank}.pt", rank=rank))
         return
-    full = _full_from_fsdp_shards(ckpt.read_per_rank("model"))
+    full = _full_from_fsdp_shards(ckpt.read_per_rank("model"), model)
     if isinstance(model, FSDP):
         model.load_full_state_dict(full)
     else:
@@ -370,9 +392,16 @@ def _load_optimizer(ckpt: Checkpoint, optimizer: torch.optim.Optimizer, model: n
             optimizer.load_state_dict(ckpt.read_per_rank("optimizer"))
         return
     if saved_kind == "ShardedOptimizer":
+        if isinstance(model, FSDP):
+            raise CheckpointError(f"{ckpt.folder}: the optimizer state was saved by ShardedOptimizer over a replicated "
+                                  "model; it does not load into an optimizer over FSDP shards")
         optimizer.load_state_dict(ShardedOptimizer.merge_shard_state_dicts(ckpt.read_per_rank("optimizer")))
         return
     if not per_rank:
+        if isinstance(model, FSDP):
+            raise CheckpointError(f"{ckpt.folder}: the optimizer state was saved for a replicated model; it does not "
+                                  "load into an optimizer over FSDP shards (load the model into FSDP and start the "
+                                  "optimizer afresh, or resume with the strategy it was saved with)")
         optimizer.load_state_dict(ckpt.read("optimizer.pt"))
         return
     if not isinstance(model, FSDP):

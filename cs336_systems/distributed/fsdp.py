@@ -458,6 +458,12 @@ class FSDP(nn.Module):
             out[name] = gathered[id(p)]
         return out
 
+    def _persistent_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers a plain module's ``state_dict()`` holds: not the non-persistent ones (RoPE's tables, a
+        function of the hyperparameters), so FSDP's dicts and a plain model's load into each other."""
+        keys = set(self.module.state_dict(keep_vars=True))
+        return [(n, b) for n, b in self.module.named_buffers() if n in keys]
+
     def sharded_parameters(self) -> list[nn.Parameter]:
         return [s.param for s in self._shards]
 
@@ -480,7 +486,7 @@ class FSDP(nn.Module):
         the plain module's names: ``plain_model.load_state_dict(fsdp.full_state_dict())`` works. A
         collective: every rank must call it; every rank receives the whole dict."""
         full = self.gather_full_params()
-        return {**{n: b.detach().clone() for n, b in self.module.named_buffers()}, **full}
+        return {**{n: b.detach().clone() for n, b in self._persistent_buffers()}, **full}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -488,7 +494,7 @@ class FSDP(nn.Module):
         each rank keeps its own slice. Names, shapes and dtypes are checked first; the first mismatch
         raises ``ValueError`` before anything is written. No communication."""
         params = dict(self.module.named_parameters(remove_duplicate=False))  # a tied weight under each name
-        buffers = dict(self.module.named_buffers())
+        buffers = dict(self._persistent_buffers())
         shard_of = {id(sh.param): sh for sh in self._shards}
         names_of: dict[int, list[str]] = {}
         for name, p in params.items():
@@ -538,7 +544,7 @@ class FSDP(nn.Module):
                 "full_shapes": {n: list(shard_of[id(p)].shape) for n, p in self.module.named_parameters()
                                 if id(p) in shard_of},
             },
-            "tensors": {n: t.detach().clone() for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]},
+            "tensors": {n: t.detach().clone() for n, t in [*self.module.named_parameters(), *self._persistent_buffers()]},
         }
 
     @torch.no_grad()
@@ -558,7 +564,7 @@ class FSDP(nn.Module):
                         if layout["full_shapes"].get(n) != mine["fsdp_sharded"]["full_shapes"].get(n))
             raise ValueError(f"the shard belongs to another model: {diff!r} is {layout['full_shapes'].get(diff)} "
                              f"there and {mine['fsdp_sharded']['full_shapes'].get(diff)} here")
-        tensors = dict([*self.module.named_parameters(), *self.module.named_buffers()])
+        tensors = dict([*self.module.named_parameters(), *self._persistent_buffers()])
         saved = state["tensors"]
         if set(saved) != set(tensors):
             raise ValueError(f"FSDP.load_sharded_state_dict: tensor names differ: {sorted(set(saved) ^ set(tensors))[:3]}")
