@@ -297,3 +297,21 @@ def test_on_nccl_uneven_steps_are_named(kind: str) -> None:
         spawn(_on_gpus, 2, kind, True, backend="nccl", timeout_s=300, collective_timeout_s=60)
     assert "uneven steps: rank 1 stopped after 2 steps (its function returned), rank 0 is at step 3" \
         in str(info.value)
+
+
+def _nan_parameters() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Linear(4, 8), nn.ReLU(), Linear(8, 2))
+    wrapped = wrap(model, "bucketed", detect_nonfinite=False)
+    for step in range(2):
+        wrapped(_batch(step)[:4]).square().mean().backward()
+        wrapped.finish_gradient_synchronization()
+        with torch.no_grad():
+            model[2].weight.fill_(float("nan"))  # NaN on every rank: the same, yet NaN != NaN
+
+
+def test_nan_parameters_are_named_as_such_not_as_diverged_replicas() -> None:
+    with pytest.raises(WorkerError) as info:
+        spawn(_nan_parameters, 2, backend="gloo", timeout_s=60, collective_timeout_s=20)
+    assert "parameter '2.weight' holds NaN/inf on rank(s) 0, 1 after 1 synchronizations" in str(info.value)
+    assert "diverged" not in str(info.value)

@@ -152,9 +152,10 @@ def out_of_step_message(headers: Sequence[Sequence[int]], wrapper: str) -> str |
                     "uneven last batch)")
         behind, ahead = sorted(ranks, key=lambda r: (ranks[r][1], ranks[r][0], ranks[r][2], r))
         if ranks[behind][:2] == ranks[ahead][:2] and ranks[behind][2] != ranks[ahead][2]:
+            hint = ("every rank must run the same forwards (FSDP gathers in every forward, evaluation included)"
+                    if wrapper == "FSDP" else "run rank-local forwards (evaluation on one rank) under torch.no_grad()")
             return (f"{wrapper}: replicas out of step: rank {behind} is at training forward {ranks[behind][2]}, rank "
-                    f"{ahead} at forward {ranks[ahead][2]} after {ranks[ahead][1]} gradient synchronizations; run "
-                    "rank-local forwards (evaluation on one rank) under torch.no_grad()")
+                    f"{ahead} at forward {ranks[ahead][2]} after {ranks[ahead][1]} gradient synchronizations; {hint}")
         if ranks[behind][:3] == ranks[ahead][:3]:
             return (f"{wrapper}: the ranks disagree on the size of a check ({ranks[behind][3]} values on rank "
                     f"{behind}, {ranks[ahead][3]} on rank {ahead}): they hold different models")
@@ -366,6 +367,14 @@ class ReplicaCheck:
         self._compare(gathered)
 
     def _compare(self, per_rank: list[torch.Tensor]) -> None:
+        bad = [(rank, i) for rank, sums in enumerate(per_rank) for i in (~torch.isfinite(sums)).nonzero().flatten().tolist()]
+        if bad:  # NaN never equals NaN: name it as what it is, not as replicas that diverged
+            rank, i = bad[0]
+            where = sorted({r for r, _ in bad})
+            raise FloatingPointError(
+                f"{self.wrapper}: {self.labels[i]} holds NaN/inf on rank(s) {', '.join(map(str, where))} after "
+                f"{self.finished_syncs} synchronizations ({len({j for _, j in bad})} tensor(s) in all); "
+                "detect_nonfinite=True names where a gradient first went non-finite")
         for rank, theirs in enumerate(per_rank[1:], start=1):
             differs = (theirs != per_rank[0]).nonzero()
             if len(differs):

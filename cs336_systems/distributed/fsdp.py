@@ -256,7 +256,10 @@ class FSDP(nn.Module):
         for shard in self._shards:
             shard.check_finite = check_finite
         trainable = [p for p in module.parameters() if p.requires_grad]  # module order, each once
-        self._reducer = GradientReducer(per_parameter_buckets(replicated, reverse=True), overlap=True, group=group,
+        # Replicated parameters (norm gains, small) are all-reduced at finish, after every shard's reduce-scatter:
+        # launched from their hooks they would interleave with the reduce-scatters on the same group in an order
+        # that depends on which parameters each rank used.
+        self._reducer = GradientReducer(per_parameter_buckets(replicated, reverse=True), overlap=False, group=group,
                                         check_finite=check_finite, order=trainable)
         # Shards differ by design; replicated parameters, buffers and the synchronisation count must not.
         names = {id(p): n for n, p in module.named_parameters()}
@@ -408,6 +411,8 @@ class FSDP(nn.Module):
         compare notes (control channel): replicated parameters no rank used get ``grad=None`` back, a
         non-finite local gradient is named with its rank, and so is a rank that gathered other sharded
         layers than its peers (which pairs one layer's all-gather with another's)."""
+        for shard in self._shards:
+            shard.flush_grad()  # reduce-scatters of uses whose gradient never arrived, before the all-reduces
         self._reducer.finish()
         for shard in self._shards:
             shard.finish_grad()
@@ -417,8 +422,9 @@ class FSDP(nn.Module):
         for layer in self.layers:
             layer.backward_copy.clear()
         used, nonfinite = self._reducer.local_report()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         for shard in self._shards:
-            if shard.finite is not None and not bool(shard.finite):
+            if shard.finite is not None and not capturing and not bool(shard.finite):
                 nonfinite.append(self._shard_position[id(shard.param)])
             shard.finite = None
         same = ("the ranks gathered different sharded layers: every rank must run the same sharded layers in the "

@@ -432,8 +432,9 @@ class GradientReducer:
         used = [False] * self.order_size  # parameters in ``order`` that this reducer does not handle: False
         for slot, k in enumerate(self.order_of_slot):
             used[k] = self.used[slot]
-        flags = [b.finite for b in self.buckets if b.finite is not None]
-        finite = torch.cat(flags).cpu().tolist() if flags else []
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        flags = [b.finite for b in self.buckets if b.finite is not None] if not capturing else []
+        finite = torch.cat(flags).cpu().tolist() if flags else []  # waits for the gradients (GPU: opt-in)
         return used, [self.order_of_slot[slot] for slot, ok in enumerate(finite) if not ok]
 
     @torch.no_grad()
