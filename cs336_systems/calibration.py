@@ -23,6 +23,7 @@ the writeup say until the result is measured again.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import statistics
@@ -113,13 +114,17 @@ def measure_in_subprocess(timeout_s: float = 180.0) -> list[dict[str, Any]] | No
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    except subprocess.TimeoutExpired:
-        print(f"calibration: no result within {timeout_s:g} s", file=sys.stderr)
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        print(f"calibration: no result ({exc})", file=sys.stderr)
         return None
     if proc.returncode != 0:
         print(f"calibration: failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
         return None
-    return json.loads(proc.stdout)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])  # the last line: a library may print before it
+    except (ValueError, IndexError):
+        print(f"calibration: unreadable output {proc.stdout[-200:]!r}", file=sys.stderr)
+        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,10 +152,13 @@ class JobCalibration:
         return torch.cuda.is_available()
 
     def begin(self, smoke: bool) -> None:
+        """Measure the machine now, as a GPU job starts (a no-op when not wanted or already begun). At exit
+        :meth:`finish` runs if nobody called it."""
         if self.active or not self.wanted(smoke):
             return
         self.active, self.written = True, []
         self.start = measure_in_subprocess()
+        atexit.register(self.finish)
 
     def record(self) -> dict[str, Any] | None:
         """What a sidecar written now records (the start; the end comes at :meth:`finish`)."""
@@ -161,16 +169,21 @@ class JobCalibration:
             self.written.append(meta_path)
 
     def finish(self) -> None:
+        """Measure again and give every sidecar this job wrote both readings. Never raises: a calibration
+        must not fail (or change the exit status of) the job it describes."""
         if not self.active:
             return
-        end = measure_in_subprocess()
-        record = {"start": self.start, "end": end}
-        for path in self.written:
-            if path.is_file():
+        start, written = self.start, self.written
+        self.active, self.start, self.written = False, None, []
+        atexit.unregister(self.finish)
+        record = {"start": start, "end": measure_in_subprocess()}
+        for path in written:
+            try:
                 meta = json.loads(path.read_text())
                 meta["calibration"] = record
                 path.write_text(json.dumps(meta, indent=2) + "\n")
-        self.active, self.start, self.written = False, None, []
+            except (OSError, ValueError) as exc:
+                print(f"calibration: could not record it in {path}: {exc}", file=sys.stderr)
 
 
 JOB = JobCalibration()

@@ -21,7 +21,6 @@ says which code the result describes. A replot never touches the measuring run's
 
 from __future__ import annotations
 
-import atexit
 import datetime as _dt
 import functools
 import json
@@ -69,7 +68,7 @@ def results_root(smoke: bool, publish: bool | None = None) -> Path:
 
 
 #: Sidecar fields that change on every run without the result changing.
-VOLATILE_META_KEYS = ("git_commit", "date", "argv", "rendered")
+VOLATILE_META_KEYS = ("git_commit", "date", "argv", "rendered", "calibration")
 
 
 def _write_bytes_if_changed(path: Path, data: bytes) -> bool:
@@ -183,10 +182,6 @@ class ResultWriter:
         """The results root (``figures/`` or ``.scratch/figures/``); ``section`` may be a subfolder path."""
         self.dir = self.root / section
         self.dir.mkdir(parents=True, exist_ok=True)
-        # A GPU job measures its machine before its first result and after its last (cs336_systems.calibration).
-        calibration.JOB.begin(self.smoke)
-        if calibration.JOB.active:
-            atexit.register(calibration.JOB.finish)
 
     def path(self, filename: str) -> Path:
         return self.dir / filename
@@ -236,8 +231,8 @@ class ResultWriter:
                 # checks), so only the commit, date and command line move, in place.
                 meta = {**old, **{k: meta[k] for k in VOLATILE_META_KEYS if k in meta}}
         _write_bytes_if_changed(path, (json.dumps(meta, indent=2) + "\n").encode())
-        if source is None:
-            calibration.JOB.note_written(path)
+        if source is None or (job_calibration is not None and meta.get("calibration") == job_calibration):
+            calibration.JOB.note_written(path)  # measured in this job, or derived from what this job measured
         return path
 
     def table(

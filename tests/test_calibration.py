@@ -58,6 +58,7 @@ def test_a_gpu_job_records_its_calibration_at_start_and_end(tmp_path, monkeypatc
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     job = JobCalibration()
     monkeypatch.setattr(calibration, "JOB", job)
+    job.begin(smoke=False)  # what a GPU section's run and the benchmarking tools do first
     out = ResultWriter("sec", smoke=False, publish=True)
     assert job.active and job.start == [_gpu(bf16=790.0)]
     out.table(pd.DataFrame({"ms": [1.0]}), "timings")
@@ -72,11 +73,13 @@ def test_a_gpu_job_records_its_calibration_at_start_and_end(tmp_path, monkeypatc
 
     fig = plt.figure()
     out.figure(fig, "replot", source=older)
+    out.figure(fig, "derived", source=written)  # drawn in this job from what it measured
     plt.close(fig)
     job.finish()
     timings = json.loads((tmp_path / "sec" / "timings.meta.json").read_text())
     assert timings["calibration"] == {"start": [_gpu(bf16=790.0)], "end": [_gpu(bf16=600.0)]}
     assert json.loads((tmp_path / "sec" / "replot.meta.json").read_text())["calibration"] == older["calibration"]
+    assert json.loads((tmp_path / "sec" / "derived.meta.json").read_text())["calibration"] == timings["calibration"]
     assert calibration.shortfalls(timings["calibration"]["end"], REFERENCES) == \
         ["GPU 0 bf16 matmul at 77% of its reference"]
     assert not job.active
@@ -116,3 +119,17 @@ def test_the_writeup_and_status_mark_suspect_and_uncalibrated_results(tmp_path) 
     status = section_status(tmp_path, spec)
     assert list(status.suspect) == ["slow"] and status.uncalibrated == 1
     assert "SUSPECT (1 measured on a machine that calibrated slow: GPU 0 fp32 matmul at 78%" in status.line()
+
+
+def test_a_failing_calibration_never_fails_the_job(tmp_path, monkeypatch, capsys) -> None:
+    """The subprocess printing garbage or the sidecar vanishing: the job ends as it would have, and says why."""
+    import subprocess
+
+    job = JobCalibration()
+    monkeypatch.setattr(JobCalibration, "wanted", staticmethod(lambda smoke: True))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "not json\n", ""))
+    job.begin(smoke=False)
+    assert job.active and job.start is None
+    job.note_written(tmp_path / "gone.meta.json")
+    job.finish()
+    assert not job.active and "calibration:" in capsys.readouterr().err

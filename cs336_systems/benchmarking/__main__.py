@@ -210,8 +210,17 @@ def _cmd_nsys(args: argparse.Namespace) -> None:
     print(f"wrote {report}; summarise with: nsys stats --report cuda_gpu_kern_sum {report}")
 
 
+#: Commands that read results or run on the CPU: no GPU calibration before them.
+UNCALIBRATED = ("calibrate", "timeline", "ddp_host_overhead", "split_batch_rounding")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command not in UNCALIBRATED:  # a GPU measurement: calibrate the machine first (run_main: after)
+        from cs336_systems.calibration import JOB
+        from cs336_systems.results import is_smoke_run
+
+        JOB.begin(is_smoke_run())
     if getattr(args, "tool", None) is not None:
         return int(args.tool.run_command(args) or 0)
     if args.command == "model":

@@ -81,6 +81,10 @@ def run_section(name: str, preset: str | None, overrides: dict[str, Any], *, pub
     if main:
         print(f"§{section.number} {section.title} [{preset}] — {out.banner()}", flush=True)
     started = time.monotonic()
+    if section.gpus > 0:  # a GPU measurement: the machine is calibrated before it and after it (run_main)
+        from cs336_systems.calibration import JOB
+
+        JOB.begin(out.smoke)
     section.execute(params, out) if main or section.gpus < 2 else section.run(params, out)
     if main and not quiet:
         print(summary(section, out.root, edition))

@@ -108,6 +108,8 @@ class SectionNotebook:
         """Measure and write this section's results (a GPU run's with the machine's calibration)."""
         from cs336_systems.calibration import JOB
 
+        if self.section.gpus > 0:
+            JOB.begin(self.out.smoke)
         try:
             self.results = self.section.run(self.params, self.out)
         finally:
