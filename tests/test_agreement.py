@@ -32,10 +32,11 @@ def _two_sections(root, xl_mixed_precision_ms: float, smoke: bool = False) -> No
 def test_a_shared_cell_more_than_ten_percent_apart_is_flagged(tmp_path) -> None:
     _two_sections(tmp_path, 446.0)
     found = agreement.disagreements(tmp_path)
-    assert [d.key for d in found] == [("model forward ms", "xl", "fp32", 512, 4)]
+    h100 = ("NVIDIA H100 80GB HBM3", None)  # the device and matmul precision end every key
+    assert [d.key for d in found] == [("model forward ms", "xl", "fp32", 512, 4, *h100)]
     assert found[0].line() == ("model forward ms (xl · fp32 · 512 · 4): benchmarking/timings: 246, "
                                "mixed_precision/precision_timings: 446 (81% apart)")
-    assert agreement.shared_keys(tmp_path) == {("model forward ms", s, "fp32", 512, 4) for s in ("small", "xl")}
+    assert agreement.shared_keys(tmp_path) == {("model forward ms", s, "fp32", 512, 4, *h100) for s in ("small", "xl")}
     line = provenance_line(SectionData(tmp_path, "mixed_precision", depends=()).meta("precision_timings"))
     assert (f"{DISAGREES_MARK}: 1 cell(s) disagree with benchmarking/timings by more than 10%, up to 81% "
             "(xl fp32 context 512)") in line
@@ -77,3 +78,10 @@ def test_an_answer_reconciles_its_shared_cells_with_the_other_sections(tmp_path)
     assert agreement.reconcile(agree, "benchmarking", "timings", "They") == \
         "They agree with the same configurations measured elsewhere (mixed_precision/precision_timings) within 5%."
     assert agreement.reconcile(agree, "nsys_profile", "summary", "They") is None
+
+
+def test_the_same_configuration_on_another_gpu_is_not_compared(tmp_path) -> None:
+    _two_sections(tmp_path, 446.0)
+    meta = tmp_path / "mixed_precision" / "precision_timings.meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "device": "NVIDIA H200"}))
+    assert agreement.disagreements(tmp_path) == [] and agreement.shared_keys(tmp_path) == set()

@@ -347,3 +347,20 @@ def test_bad_arguments_are_refused_before_any_process_starts(monkeypatch, bad: d
     with pytest.raises(ValueError, match=f"^{name} must be") as info:
         launch.spawn(call.pop("fn"), call.pop("world_size"), 1, backend="gloo", **call)
     assert "\n" not in str(info.value)
+
+
+def test_an_interrupted_launcher_leaves_no_rank_running(monkeypatch) -> None:
+    """Ctrl-C in the parent (a notebook's interrupt) while the ranks run: every rank is stopped."""
+    import multiprocessing
+
+    started: list = []
+
+    def interrupted(processes, *args, **kwargs):
+        started.extend(processes)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "_supervise", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launch.spawn(_sleep, 2, 30.0, backend="gloo")
+    assert started and not any(p.is_alive() for p in started)
+    assert not multiprocessing.active_children()

@@ -441,7 +441,11 @@ def spawn(
         def raised(rank: int) -> bool:
             return os.path.exists(f"{result_path}.error-{rank}")
 
-        exits, stopped, over_limit = _supervise(context.processes, grace_s, deadline, finished, raised)
+        try:
+            exits, stopped, over_limit = _supervise(context.processes, grace_s, deadline, finished, raised)
+        except BaseException:  # Ctrl-C in the parent (a notebook's interrupt): no rank may outlive it
+            _stop(context.processes)
+            raise
         done = {rank for rank in range(world_size) if finished(rank)}
         if stopped or len(done) < world_size or any(code != 0 for _, code in exits.values()):
             raise diagnose(world_size, _recorded_failures(result_path), exits, stopped, collective_s,
@@ -492,14 +496,20 @@ def _supervise(
                 stop_at = grace_end if stop_at is None else min(stop_at, grace_end)
     stopped = {rank for rank in range(len(processes)) if rank not in exits}
     over_limit = stopped if stopped and deadline is not None and now >= deadline else None
-    for rank in stopped:
-        processes[rank].terminate()
-    for rank in stopped:
-        processes[rank].join(5)
-        if processes[rank].is_alive():
-            processes[rank].kill()
-            processes[rank].join()
+    _stop([processes[rank] for rank in stopped])
     return exits, stopped, over_limit
+
+
+def _stop(processes: list[Any]) -> None:
+    """Terminate the processes still alive, then kill those that ignore it within 5 s."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    for p in alive:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def current_context() -> DistContext:

@@ -125,7 +125,7 @@ class Disagreement:
         return high.value - low.value > SPREADS * (high.std + low.std)
 
     def line(self) -> str:
-        what, *config = self.key
+        what, *config = self.key[:-2]  # the device and matmul precision: the same for every cell of a key
         cells = ", ".join(f"{c.folder}/{c.table}: {c.value:.4g}" for c in sorted(self.cells, key=lambda c: c.value))
         return f"{what} ({' · '.join(map(str, config))}): {cells} ({self.spread:.0%} apart)"
 
@@ -144,7 +144,9 @@ def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
             cells = list(spec.cells(pd.read_csv(csv), meta.get("params") or {}))
         except (KeyError, ValueError, TypeError):  # a table of another layout (an older run, a test's): no cells
             continue
-        out += [Cell(key, value, spec.folder, spec.table, row, std) for key, value, row, std in cells]
+        # Only the same machine and matmul precision measure the same thing.
+        machine = (meta.get("device"), meta.get("float32_matmul_precision"))
+        out += [Cell((*key, *machine), value, spec.folder, spec.table, row, std) for key, value, row, std in cells]
     return out
 
 
@@ -200,7 +202,7 @@ def reconcile(root: Path, folder: str, table: str, what: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _flags(root: str, stamp: float) -> dict[tuple[str, str], str]:
+def _flags(root: str, stamp: tuple) -> dict[tuple[str, str], str]:
     flags: dict[tuple[str, str], list[Disagreement]] = {}
     for found in disagreements(Path(root)):
         for cell in found.cells:
@@ -216,6 +218,7 @@ def _flags(root: str, stamp: float) -> dict[tuple[str, str], str]:
 
 def flag(root: Path, folder: str, table: str) -> str | None:
     """Why the table ``folder/table`` disagrees with another section's, in one line (``None`` if it does not)."""
-    stamp = max((p.stat().st_mtime for s in SHARED for p in [Path(root) / s.folder / f"{s.table}.csv"]
-                 if p.is_file()), default=0.0)
+    stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for s in SHARED
+                  for p in (Path(root) / s.folder / f"{s.table}.csv", Path(root) / s.folder / f"{s.table}.meta.json")
+                  if p.is_file())  # any file changed, added or removed: computed again
     return _flags(str(root), stamp).get((folder, table))
