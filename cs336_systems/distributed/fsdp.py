@@ -39,7 +39,9 @@ Checkpoints are explicit: :meth:`FSDP.full_state_dict` (a collective; loads into
 Limitations: a sharded weight must only be used inside its own module's ``forward`` (a functional use
 elsewhere sees the 1-D shard; the resulting shape error is explained as such); every backward must be
 followed by :meth:`~FSDP.finish_gradient_synchronization` before the next forward (no local gradient
-accumulation).
+accumulation); every rank must run the same sharded layers in the same order, evaluation included (each is an
+all-gather: a rank that gathers another layer pairs its collective with the wrong one; when the sizes happen to
+agree, the end-of-step check names it).
 """
 
 from __future__ import annotations
