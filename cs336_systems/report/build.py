@@ -13,7 +13,7 @@ from cs336_systems.report import editions
 from cs336_systems.report import manifest as _manifest
 from cs336_systems.report.commentary import notebook_intro
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Document, Figure, Missing, Section, Table, Text
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Document, Figure, Missing, Section, Table, Text
 from cs336_systems.results import FIGURES_DIR
 
 TITLE = "CS336 Assignment 2 (Systems): writeup"
@@ -186,8 +186,23 @@ def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Pa
 
 
 def _split(sections: list[Section], beyond: Any) -> tuple[list[Section], list[Section]]:
-    """The handout's answers in order, and the sections beyond it (for the appendix), in order."""
-    return [s for s in sections if not beyond(s)], [s for s in sections if beyond(s)]
+    """The handout's answers in order, and what goes beyond it (for the appendix), in order: whole sections,
+    then the continuations of sections whose answers go on past a :data:`BEYOND_HANDOUT` marker."""
+    main, rest, continued = [], [], []
+    for s in sections:
+        if beyond(s):
+            rest.append(s)
+            continue
+        marks = [i for i, b in enumerate(s.blocks) if isinstance(b, Text) and b.role == BEYOND_HANDOUT]
+        if marks:
+            after = s.blocks[marks[0] + 1 :]
+            s.blocks = [b for b in s.blocks[: marks[0]]]
+            if after:
+                continued.append(Section(f"{s.number}+", f"{s.title}: beyond the handout", s.folder,
+                                         ("beyond the handout",), [b for b in after if not (
+                                             isinstance(b, Text) and b.role == BEYOND_HANDOUT)]))
+        main.append(s)
+    return main, continued + rest
 
 
 def write_html(doc: Document, path: Path, embed: bool = False) -> Path:

@@ -99,6 +99,10 @@ class Question:
 
 Block = Text | Equation | Table | Figure | Missing | Question
 
+#: The role of an empty :class:`Text` in a section's answers: the blocks after it go beyond the handout, and
+#: the writeup moves them to a continuation of the section in its appendix.
+BEYOND_HANDOUT = "beyond-handout"
+
 
 @dataclass
 class Section:

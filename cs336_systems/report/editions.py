@@ -93,9 +93,9 @@ APPENDIX_2025 = ("gradient_checkpointing", "flash_accuracy", "training_step", "l
 def in_appendix(edition: str, section: str, problems: tuple[str, ...] = ()) -> bool:
     """Whether ``section`` goes to ``edition``'s appendix: beyond that handout (for 2026, the entries whose
     problems say so)."""
-    if edition == "2025":
-        return section in APPENDIX_2025
-    return any(p.startswith(("beyond", "the course")) for p in problems)
+    if any(p.startswith(("beyond", "the course")) for p in problems):
+        return True
+    return edition == "2025" and section in APPENDIX_2025
 
 
 def entries(edition: str) -> tuple[Entry, ...] | None:
