@@ -287,7 +287,9 @@ def test_sections_beyond_the_handout_follow_the_answers_under_appendix(results: 
         main, appendix = doc.sections[: doc.appendix_from], doc.sections[doc.appendix_from :]
         assert appendix and all(editions.in_appendix(edition, s.folder, s.problems) for s in appendix)
         continued = [s for s in appendix if s.number.endswith("+")]  # flash's answers beyond the handout
-        assert [s.folder for s in continued] == ["flash_benchmarking"] and continued[0].problems == ("beyond the handout",)
+        # flash's model step and grids; bucketed DDP's captured steps and scaling only where results exist
+        assert [s.folder for s in continued][:1] == ["flash_benchmarking"]
+        assert all(s.problems == ("beyond the handout",) for s in continued)
         assert not any(editions.in_appendix(edition, s.folder, s.problems) for s in main)
         page = document_html(doc)
         assert page.count(APPENDIX_HEADING) == 1
@@ -514,8 +516,9 @@ def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> No
     steps["overhead_ms"] = steps["step_ms"] - steps["cuda_graph"].map({False: 100.0, True: 60.0})
     steps["vs_single"] = steps["step_ms"] / steps["cuda_graph"].map({False: 100.0, True: 60.0})
     ResultWriter("ddp_bucketed", smoke=False).table(steps, "steps_xl_bf16")
-    text = build_document(results, strict=False).section("2.3.3").plain()
-    assert "Step time by bucket size: 1.00 MB 110 ms; the best" in text  # eager, fp32 wire only
+    doc = build_document(results, strict=False)
+    assert "Step time by bucket size: 1.00 MB 110 ms; the best" in doc.section("2.3.3").plain()  # eager, fp32 wire
+    text = doc.section("2.3.3+").plain()  # the captured steps: beyond the handout, in the appendix
     assert "Under bf16 autocast, captured: one GPU 60.0 ms, torch DDP 80.0 ms, ours 70.0 ms–70.0 ms" in text
     assert "0.875×–0.875× torch's step time, faster at 1 of 1 bucket sizes" in text
     assert "(eager, in the same run: 0.917×–0.917×" in text

@@ -27,7 +27,7 @@ from cs336_systems.experiments.section import Section, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Text
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Text
 from cs336_systems.results import ResultWriter
 
 
@@ -134,6 +134,7 @@ def answer(d: SectionData) -> list[Block]:
                  what="bucketed DDP timings"),
         question(d, "b", "A model of DDP's communication overhead and the bucket size that minimizes it.",
                  ddp_common.bucket_model(SectionData(d.root, "distributed_communication_single_node"), d)),
+        Text("", role=BEYOND_HANDOUT),  # CUDA-graph capture and weak scaling: the writeup's appendix
         *ddp_common.captured_steps(d),
         *ddp_common.scaling_blocks(d),
     ]

@@ -190,7 +190,8 @@ def _split(sections: list[Section], beyond: Any) -> tuple[list[Section], list[Se
     then the continuations of sections whose answers go on past a :data:`BEYOND_HANDOUT` marker."""
     main, rest, continued = [], [], []
     for s in sections:
-        if beyond(s):
+        if beyond(s):  # whole in the appendix: its marker has nothing to split
+            s.blocks = [b for b in s.blocks if not (isinstance(b, Text) and b.role == BEYOND_HANDOUT)]
             rest.append(s)
             continue
         marks = [i for i, b in enumerate(s.blocks) if isinstance(b, Text) and b.role == BEYOND_HANDOUT]
