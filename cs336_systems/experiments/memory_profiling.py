@@ -21,7 +21,7 @@ from cs336_systems.experiments.section import Section, check_positive, check_pre
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, ok_rows, question, subset
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Equation, Text
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text
 from cs336_systems.measured_code import MODEL, TIMING
 from cs336_systems.results import SCRATCH_DIR, ResultWriter
 
@@ -279,15 +279,18 @@ def answer(d: SectionData) -> list[Block]:
         ]),
         question(d, "e", "The largest allocations in the forward pass's active-memory timeline and where they "
                  "come from.",
-                 [_largest_text(d.frame("largest_allocations"), d.meta("largest_allocations")),
-                  d.table("largest_allocations", frame=subset(d.frame("largest_allocations"), "size_MiB", "count",
-                                                              "origin"),
-                          caption="Largest allocations of the fp32 forward pass at the longest context that ran"
-                                  f"{_config_context(d, 'largest_allocations')} (stacks: the CSV)."),
-                  d.table("largest_allocations_train",
-                          frame=subset(d.frame("largest_allocations_train"), "size_MiB", "count", "origin"),
-                          caption="For comparison, the largest allocations of the full training step.")],
+                 [_largest_text(d.frame("largest_allocations"), d.meta("largest_allocations"))],
                  what="the largest allocations"),
+        # (e)'s answer names the tensors; the allocation tables behind it are the appendix's.
+        Text("", role=BEYOND_HANDOUT),
+        *[t for t in (
+            d.table("largest_allocations", frame=subset(d.frame("largest_allocations"), "size_MiB", "count", "origin"),
+                    caption="§1.1.6 (e): largest allocations of the fp32 forward pass at the longest context that "
+                            f"ran{_config_context(d, 'largest_allocations')} (stacks: the CSV)."),
+            d.table("largest_allocations_train",
+                    frame=subset(d.frame("largest_allocations_train"), "size_MiB", "count", "origin"),
+                    caption="§1.1.6 (e), for comparison: the largest allocations of the full training step."),
+        ) if t is not None],
     ]
 
 
