@@ -100,6 +100,18 @@ def resolve_check_every(check_every: CheckEvery, group: dist.ProcessGroup | None
     return check_every
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured: Python then runs once, so nothing is sent or read on the host."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_flags(wrapper: str, **flags: Any) -> None:
+    """A wrapper's on/off options, each exactly ``True`` or ``False`` (``1`` or ``"yes"`` is one line's error)."""
+    for option, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{wrapper}: {option} must be True or False, got {value!r}")
+
+
 def resolve_detect_nonfinite(detect: DetectNonfinite, group: dist.ProcessGroup | None = None) -> bool:
     """Whether to look for NaN/inf in each rank's local gradients. ``"auto"``: on where it costs next to
     nothing (gloo on CPU); on GPUs it is opt-in, since reading the flags stalls the host once per step."""
@@ -288,16 +300,12 @@ class ReplicaCheck:
         self.finished_syncs = 0
         self.forwards = 0
 
-    @staticmethod
-    def _capturing() -> bool:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
     def _exchange(self, phase: Phase, payload: torch.Tensor | None = None) -> list[torch.Tensor] | None:
         return self.channel.exchange(phase, self.finished_syncs, self.forwards, payload, wrapper=self.wrapper)
 
     def before_forward(self) -> None:
         """At the start of a training forward: positions (and, when due, parameter sums) are compared."""
-        if not torch.is_grad_enabled() or self._capturing():
+        if not torch.is_grad_enabled() or capturing():
             return
         self.forwards += 1
         if self.every is None or self.forwards % self.every:
@@ -310,7 +318,7 @@ class ReplicaCheck:
         """At the start of ``finish_gradient_synchronization()``, for strategies that communicate only there
         (naive, flat): a lagging rank would otherwise pair this step's all-reduces with its next forward's."""
         if self.sync_start and self.every is not None and (self.finished_syncs + 1) % self.every == 0 \
-                and not self._capturing():
+                and not capturing():
             self._exchange(Phase.SYNC_START)
 
     def end_sync(self, used: Sequence[bool], nonfinite: Sequence[int],
@@ -320,7 +328,7 @@ class ReplicaCheck:
         NaN/inf, ``same`` is ``(what, values)`` that must be equal on every rank (raises naming ``what``).
         Returns, per parameter, whether any rank used it (``None`` under CUDA-graph capture); raises on
         every rank if any rank saw a non-finite gradient."""
-        if self._capturing():
+        if capturing():
             self.finished_syncs += 1
             self.channel.last = (self.finished_syncs, self.forwards)
             return None

@@ -65,6 +65,8 @@ from .consistency import (
     CheckEvery,
     DetectNonfinite,
     ReplicaCheck,
+    capturing,
+    check_flags,
     check_same_parameters,
     resolve_check_every,
     resolve_detect_nonfinite,
@@ -212,9 +214,7 @@ class FSDP(nn.Module):
         if isinstance(max_reductions_in_flight, bool) or not isinstance(max_reductions_in_flight, int) \
                 or max_reductions_in_flight < 1:
             raise ValueError(f"max_reductions_in_flight must be an int >= 1, got {max_reductions_in_flight!r}")
-        for option, value in (("prefetch", prefetch), ("broadcast_buffers", broadcast_buffers)):
-            if not isinstance(value, bool):
-                raise ValueError(f"FSDP: {option} must be True or False, got {value!r}")
+        check_flags("FSDP", prefetch=prefetch, broadcast_buffers=broadcast_buffers)
         self.broadcast_buffers = broadcast_buffers
         self._reductions_in_flight: collections.deque = collections.deque()
         for p in module.parameters():
@@ -424,9 +424,9 @@ class FSDP(nn.Module):
         for layer in self.layers:
             layer.backward_copy.clear()
         used, nonfinite = self._reducer.local_report()
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        graph = capturing()
         for shard in self._shards:
-            if shard.finite is not None and not capturing and not bool(shard.finite):
+            if shard.finite is not None and not graph and not bool(shard.finite):
                 nonfinite.append(self._shard_position[id(shard.param)])
             shard.finite = None
         same = ("the ranks gathered different sharded layers: every rank must run the same sharded layers in the "

@@ -50,6 +50,8 @@ from cs336_systems.distributed.consistency import (
     CheckEvery,
     DetectNonfinite,
     ReplicaCheck,
+    capturing,
+    check_flags,
     check_same_parameters,
     resolve_check_every,
     resolve_detect_nonfinite,
@@ -432,8 +434,7 @@ class GradientReducer:
         used = [False] * self.order_size  # parameters in ``order`` that this reducer does not handle: False
         for slot, k in enumerate(self.order_of_slot):
             used[k] = self.used[slot]
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        flags = [b.finite for b in self.buckets if b.finite is not None] if not capturing else []
+        flags = [b.finite for b in self.buckets if b.finite is not None] if not capturing() else []
         finite = torch.cat(flags).cpu().tolist() if flags else []  # waits for the gradients (GPU: opt-in)
         return used, [self.order_of_slot[slot] for slot, ok in enumerate(finite) if not ok]
 
@@ -535,9 +536,7 @@ class DataParallel(nn.Module, abc.ABC):
         name = type(self).__name__
         if gradient_as_bucket_view and not self.supports_grad_views:
             raise ValueError(f"gradient_as_bucket_view applies to 'flat' and 'bucketed', not {name}")
-        for option, value in (("broadcast_buffers", broadcast_buffers), ("gradient_as_bucket_view", gradient_as_bucket_view)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}: {option} must be True or False, got {value!r}")
+        check_flags(name, broadcast_buffers=broadcast_buffers, gradient_as_bucket_view=gradient_as_bucket_view)
         check_comm_dtype(comm_dtype)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; start workers with cs336_systems.distributed.launch")
