@@ -117,6 +117,17 @@ def _preset_key(name: str) -> str:
     raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
 
 
+def handout_size(name: str, edition: str) -> str:
+    """The preset ``edition``'s handout means by the bare size ``name`` (``xl`` → ``xl@2026`` in 2026), ``name``
+    itself where that handout's table has no size of that name or the tables agree (``small``, ``2.7B``)."""
+    if edition not in HANDOUT_SIZES_BY_EDITION:
+        raise ValueError(f"unknown edition {edition!r}; editions: {', '.join(HANDOUT_SIZES_BY_EDITION)}")
+    if "@" in name:
+        return name
+    sizes = {n.partition("@")[0].lower(): n for n in HANDOUT_SIZES_BY_EDITION[edition]}
+    return sizes.get(name.lower(), name)
+
+
 def get_config(name: str | ModelConfig, **overrides: Any) -> ModelConfig:
     """A preset by name (case-insensitive; ``xl@2026`` for the 2026 table, see the module docstring), with
     optional field overrides such as ``context_length``."""

@@ -68,24 +68,27 @@ def write_derived(
     return written
 
 
-def load_inputs(section: Any, root: Path | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def load_inputs(section: Any, root: Path | None = None,
+                folder: str | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The measured inputs of ``section`` (a Section, or anything with its ``name``, ``derive_inputs`` and
     ``depends``; tables as DataFrames, JSON records as dicts)
-    and their metas, from ``root`` (default: where real runs write, ``figures/`` or ``CS336_FIGURES_DIR``).
+    and their metas, from ``root`` (default: where real runs write, ``figures/`` or ``CS336_FIGURES_DIR``),
+    in its results ``folder`` (default: the section's own; an edition grid's is ``name/edition``).
     When some inputs describe the current code and others older code, only the current ones."""
     root = root or results_root(smoke=False)
+    folder = folder or section.name
     tables: dict[str, Any] = {}
     metas: dict[str, dict[str, Any]] = {}
     for name in section.derive_inputs:
-        if not has_result(section.name, name, root=root):
+        if not has_result(folder, name, root=root):
             continue
-        meta = load_meta(section.name, name, root=root)
-        is_csv = (section_dir(section.name, root) / f"{name}.csv").exists()
-        tables[name] = load_table(section.name, name, root=root) if is_csv else load_json(section.name, name, root=root)
+        meta = load_meta(folder, name, root=root)
+        is_csv = (section_dir(folder, root) / f"{name}.csv").exists()
+        tables[name] = load_table(folder, name, root=root) if is_csv else load_json(folder, name, root=root)
         metas[name] = meta
     if not metas:
         raise FileNotFoundError(f"no measured {' or '.join(map(repr, section.derive_inputs))} in "
-                                f"{section_dir(section.name, root)}: nothing to replot")
+                                f"{section_dir(folder, root)}: nothing to replot")
     current = _measured_on_current_code(section, metas)
     if current and len(current) < len(metas):
         # A derived artefact carries one input's provenance, so it must not mix in measurements of older

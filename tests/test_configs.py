@@ -31,6 +31,15 @@ def test_editions_never_share_a_name() -> None:
         configs.get_config("xl@2027")
 
 
+def test_a_size_name_means_each_handouts_own_model() -> None:
+    assert configs.handout_size("xl", "2026") == "xl@2026" and configs.handout_size("XL", "2026") == "xl@2026"
+    assert configs.handout_size("xl", "2025") == "xl" and configs.handout_size("small", "2026") == "small"
+    assert configs.handout_size("2.7B", "2026") == "2.7B"  # not in 2026's table: the name stays
+    assert configs.handout_size("xl@2026", "2025") == "xl@2026"  # an explicit edition is kept
+    with pytest.raises(ValueError, match="unknown edition '2027'; editions: 2025, 2026"):
+        configs.handout_size("xl", "2027")
+
+
 def test_unknown_preset_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="valid presets: tiny, small"):
         configs.get_config("huge")

@@ -242,6 +242,25 @@ def test_an_edition_grid_is_a_parameter_set_and_a_folder_of_its_own(tmp_path, mo
     assert not (tmp_path / "memory_profiling" / "residual_stream.json").exists()  # the workbook's grid untouched
 
 
+def test_a_section_sized_by_a_handout_model_name_measures_each_editions_model() -> None:
+    # The DDP benchmarks and optimizer-state sharding ask for "xl": 2025's is 1600/6400/48/25, 2026's the 2.7B shape.
+    for name, key in (("naive_ddp", "preset"), ("ddp_flat", "preset"), ("ddp_overlap_individual", "preset"),
+                      ("optimizer_state_sharding", "model")):
+        section = get(name)
+        assert section.editions == {"2026": {key: "xl@2026"}}, name
+        assert getattr(section.params("full", edition="2026"), key) == "xl@2026"
+        assert getattr(section.params("full"), key) == "xl"
+        assert getattr(section.params("smoke", edition="2026"), key) == "tiny"  # smoke stays tiny
+    assert get("ddp_bucketed").editions == {}  # 2026 dropped bucketed DDP: one grid
+    # Stated values merge over the translated names; a name both tables share gives no grid.
+    base = get("naive_ddp")
+    merged = dataclasses.replace(base, editions={"2026": {"context_length": 256}})
+    assert merged.editions == {"2026": {"preset": "xl@2026", "context_length": 256}}
+    small = dataclasses.replace(base, editions={}, presets={**base.presets, "full": dataclasses.replace(
+        base.presets["full"], preset="small")})
+    assert small.editions == {}
+
+
 def test_warmup_answer_names_an_out_of_memory_timing_before_a_failed_first_cell() -> None:
     import pandas as pd
 

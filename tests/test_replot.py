@@ -342,3 +342,20 @@ def test_a_derived_table_combines_only_inputs_measured_on_the_current_code(tmp_p
     measured("small", "fedcba9876543210")  # now neither is current: both combine
     assert _replot(["training_step"]) == 0
     assert sorted(pd.read_csv(steps)["preset"]) == ["2.7B", "small"]
+
+
+@pytest.mark.slow
+def test_replot_redraws_each_measured_edition_grid_in_its_own_folder(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    tables, params, figures = CASES["optimizer_state_sharding"]
+    _commit(tmp_path, "optimizer_state_sharding/2026", tables, {**params, "model": "xl@2026", "edition": "2026"})
+    with pytest.raises(FileNotFoundError, match="nothing to replot"):  # the workbook's own grid is not measured
+        replot.replot("optimizer_state_sharding")
+    replot.replot("optimizer_state_sharding", edition="2026")
+    folder = tmp_path / "optimizer_state_sharding" / "2026"
+    assert {f"{name}.png" for name in figures} <= {p.name for p in folder.iterdir()}
+    assert not (tmp_path / "optimizer_state_sharding" / "step_time.png").exists()
+    meta = json.loads((folder / "step_time.meta.json").read_text())
+    assert meta["section"] == "optimizer_state_sharding/2026" and meta["params"]["model"] == "xl@2026"
+    with pytest.raises(ValueError, match="optimizer_state_sharding has no grid of its own for edition '2027'"):
+        replot.replot("optimizer_state_sharding", edition="2027")

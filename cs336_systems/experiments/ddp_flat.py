@@ -57,6 +57,6 @@ def answer(d: SectionData) -> list[Block]:
 
 SECTION = Section(
     name="ddp_flat", number="2.3.1", title="DDP with one flat all-reduce", problems=("minimal_ddp_flat_benchmarking",),
-    answer=answer, presets=PRESETS, run=run, gpus=2,
+    answer=answer, presets=PRESETS, run=run, gpus=2, sized_by=("preset",),
     depends=(*ddp_common.DEPENDS, "cs336_systems/distributed/ddp_flat.py", "cs336_systems/distributed/ddp_naive.py"),
 )

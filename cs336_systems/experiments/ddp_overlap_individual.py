@@ -71,7 +71,7 @@ def answer(d: SectionData) -> list[Block]:
 SECTION = Section(
     name="ddp_overlap_individual", number="2.3.2", title="DDP overlapping per-parameter all-reduces",
     problems=("ddp_overlap_individual_parameters", "ddp_overlap_individual_parameters_benchmarking"), answer=answer,
-    presets=PRESETS, run=run, gpus=2,
+    presets=PRESETS, run=run, gpus=2, sized_by=("preset",),
     depends=(*ddp_common.DEPENDS, "cs336_systems/distributed/ddp_overlap.py", "cs336_systems/distributed/ddp_flat.py",
              "cs336_systems/distributed/ddp_naive.py"),
 )

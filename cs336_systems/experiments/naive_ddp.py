@@ -173,7 +173,7 @@ def _equivalence_sentence(eq: pd.DataFrame | None) -> Text | None:
 
 SECTION = Section(
     name="naive_ddp", number="2.2", title="Naive distributed data parallel training",
-    problems=("naive_ddp", "naive_ddp_benchmarking"), answer=answer, presets=PRESETS, run=run, gpus=2,
+    problems=("naive_ddp", "naive_ddp_benchmarking"), answer=answer, presets=PRESETS, run=run, gpus=2, sized_by=("preset",),
     depends=(*ddp_common.DEPENDS, "cs336_systems/distributed/ddp_naive.py"),
 )
 

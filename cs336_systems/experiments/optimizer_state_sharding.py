@@ -565,7 +565,7 @@ def answer(d: SectionData) -> list[Block]:
 SECTION = Section(
     name=SECTION_NAME, number="3", title="Optimizer-state sharding", problems=("optimizer_state_sharding_accounting",),
     answer=answer, presets=PRESETS, run=run, derive=derive, derive_inputs=("memory", "memory_breakdown", "timing"),
-    gpus=2, depends=(*MODEL, "cs336_systems/distributed/sharded_optimizer.py", "cs336_systems/distributed/launch.py",
+    gpus=2, sized_by=("model",), depends=(*MODEL, "cs336_systems/distributed/sharded_optimizer.py", "cs336_systems/distributed/launch.py",
                      "cs336_systems/distributed/runner.py", "cs336_systems/accounting.py",
                      "cs336_systems/benchmarking/timing.py"),
 )

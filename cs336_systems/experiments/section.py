@@ -88,11 +88,19 @@ class Section:
     parameter values of that grid, applied over the ``quick`` and ``full`` presets (``smoke`` stays tiny).
     Its results go to ``figures/<name>/<edition>/`` beside the workbook's own, so measuring one edition's
     grid never replaces the other's; that edition's writeup reads them."""
+    sized_by: tuple[str, ...] = ()
+    """Parameters whose value names a handout model (``"xl"``) or a list of them. Each edition whose table
+    gives such a name another shape (:func:`cs336_systems.configs.handout_size`: 2026's xl) gets a grid of its
+    own with the names translated, merged under any values :attr:`editions` states for it."""
     jobs: tuple[Job, ...] = ()
     """The full run split into jobs of about ten minutes, in the order to run them (empty: it is one job);
     ``python -m cs336_systems.experiments NAME --job N`` runs the N-th."""
 
     def __post_init__(self) -> None:
+        if self.sized_by:  # the editions whose handout means another model by a size name measure their own grid
+            sized = self.sized_editions()
+            object.__setattr__(self, "editions", {e: {**sized.get(e, {}), **self.editions.get(e, {})}
+                                                  for e in {**sized, **self.editions}})
         # The section's own module measures too (above its answers marker): a change there stales results. A
         # section grown into a package (its answers in a module of their own) measures in the whole package.
         module = getattr(sys.modules.get((self.run or self.answer).__module__), "__file__", None)
@@ -104,10 +112,28 @@ class Section:
             path += "/"
         if path and path not in self.depends:
             object.__setattr__(self, "depends", (*self.depends, path))
-        if self.editions and self.derive is not None:  # replot reads figures/<name>/ only
-            raise ValueError(f"{self.name}: a section with derived artefacts cannot have edition grids")
 
     # -- parameters -----------------------------------------------------------------------------------
+
+    def sized_editions(self) -> dict[str, dict[str, Any]]:
+        """Edition → the :attr:`sized_by` parameters whose handout model names mean another model there."""
+        from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, handout_size
+
+        full = self.presets.get("full")
+        if full is None:
+            raise ValueError(f"{self.name}: sized_by needs a full preset")
+        grids: dict[str, dict[str, Any]] = {}
+        for edition in HANDOUT_SIZES_BY_EDITION:
+            grid = {}
+            for name in self.sized_by:
+                value = getattr(full, name)
+                mapped = ([handout_size(v, edition) for v in value] if isinstance(value, (list, tuple))
+                          else handout_size(value, edition))
+                if mapped != (list(value) if isinstance(value, (list, tuple)) else value):
+                    grid[name] = mapped
+            if grid:
+                grids[edition] = grid
+        return grids
 
     @property
     def params_type(self) -> type | None:
@@ -225,7 +251,7 @@ class Section:
         if self.derive is None:
             return []
         try:
-            tables, metas = load_inputs(self, out.dir.parent)
+            tables, metas = load_inputs(self, out.root, out.section)
         except FileNotFoundError:  # this run measured none of derive's inputs (e.g. other parts only)
             return []
         return write_derived(out, self.derive(tables, primary_meta(self, metas)), sources)

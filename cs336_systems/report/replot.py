@@ -7,7 +7,8 @@ Derived`` function, next to the code that measured the data, and three callers s
 - the measuring entry point, right after writing its tables (so a GPU run leaves PNGs behind);
 - the section's notebook, which displays what ``derive`` returns;
 - ``python -m cs336_systems.report replot SECTION...``, which reloads the committed tables on a CPU machine and
-  draws the derived artefacts into ``.scratch/figures/<section>/``; with ``--publish`` into
+  draws the derived artefacts (of the section's own results and of each edition grid measured) into
+  ``.scratch/figures/<section>/``; with ``--publish`` into
   ``figures/<section>/`` beside the measurements (``CS336_FIGURES_DIR`` overrides both), where an artefact
   whose bytes did not change is left as it is.
 
@@ -41,17 +42,18 @@ def replottable() -> list[str]:
     return [name for name, s in SECTIONS.items() if s.derive is not None]
 
 
-def replot(section: str, publish: bool = False) -> list[Path]:
-    """Redraw ``section``'s figures and derived tables from its measured results, into
-    ``.scratch/figures/<section>/`` or, with ``publish``, next to those results (``figures/<section>/``;
-    ``CS336_FIGURES_DIR`` overrides both)."""
+def replot(section: str, publish: bool = False, edition: str | None = None) -> list[Path]:
+    """Redraw ``section``'s figures and derived tables from its measured results (of its ``edition`` grid,
+    ``figures/<section>/<edition>/``, if given), into ``.scratch/figures/<section>/`` or, with ``publish``,
+    next to those results (``figures/<section>/``; ``CS336_FIGURES_DIR`` overrides both)."""
     spec = _section(section)
-    tables, metas = load_inputs(spec)
+    folder = spec.results_folder(edition)
+    tables, metas = load_inputs(spec, folder=folder)
     primary = primary_meta(spec, metas)
     if primary.get("smoke", False):
         print(f"warning: {section} results come from a smoke run; the figures show no GPU numbers", file=sys.stderr)
     params = {**(primary.get("params") or {}), "replot_of": sorted(metas)}
-    out = ResultWriter(spec.name, params=params, smoke=False, publish=publish)
+    out = ResultWriter(folder, params=params, smoke=False, publish=publish)
     derived = spec.derive(tables, primary)
     return write_derived(out, derived, metas)
 
@@ -71,11 +73,20 @@ def run_command(args: argparse.Namespace) -> int:
 
     matplotlib.use("Agg")
     for section in args.sections or replottable():
-        try:
-            paths = replot(section, publish=args.publish)
-        except FileNotFoundError as exc:
-            print(f"replot: {exc}", file=sys.stderr)
-            return 1
-        for path in paths:
-            print(path)
+        # The section's own results, then each edition grid measured so far (an unmeasured grid is no error).
+        grids = [None, *(e for e in get(section).editions if _has_results(section, e))]
+        for edition in grids:
+            try:
+                paths = replot(section, publish=args.publish, edition=edition)
+            except FileNotFoundError as exc:
+                print(f"replot: {exc}", file=sys.stderr)
+                return 1
+            for path in paths:
+                print(path)
     return 0
+
+
+def _has_results(section: str, edition: str) -> bool:
+    from cs336_systems.results import results_root
+
+    return (results_root(smoke=False) / get(section).results_folder(edition)).is_dir()
