@@ -288,9 +288,9 @@ def test_sections_beyond_the_handout_follow_the_answers_under_appendix(results: 
         doc = build_document(results, edition=edition)
         main, appendix = doc.sections[: doc.appendix_from], doc.sections[doc.appendix_from :]
         assert appendix and all(editions.in_appendix(edition, s.folder, s.problems) for s in appendix)
-        continued = [s for s in appendix if s.number.endswith("+")]  # flash's answers beyond the handout
+        continued = [s for s in appendix if s.number.endswith("+")]  # answers that continue beyond the handout
         # flash's model step and grids; bucketed DDP's captured steps and scaling only where results exist
-        assert [s.folder for s in continued][:1] == ["flash_benchmarking"]
+        assert "flash_benchmarking" in [s.folder for s in continued]
         assert all(s.problems == ("beyond the handout",) for s in continued)
         assert not any(editions.in_appendix(edition, s.folder, s.problems) for s in main)
         page = document_html(doc)

@@ -147,6 +147,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
 
 from cs336_systems.configs import param_counts  # noqa: E402 (answers only)
 from cs336_systems.report.answers import mfu_note, subset, with_mfu  # noqa: E402 (answers only)
+from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
 def _study_caption(params: dict[str, Any]) -> str:
@@ -161,6 +162,8 @@ def _study_caption(params: dict[str, Any]) -> str:
 def answer(d: SectionData) -> list[Block]:
     timings = d.frame("timings")
     study = d.frame("warmup_study")
+    warmup = _warmup_sentence(study, timings, explain=False)
+    oom = _after_oom(study, timings) if study is not None else ""
     return [
         question(d, "a", "A script for end-to-end benchmarking: forward only, forward and backward, or full "
                  "training steps with the optimizer.", [
@@ -178,24 +181,27 @@ def answer(d: SectionData) -> list[Block]:
                                                              "TFLOP_per_s", "MFU_pct", "peak_memory_GiB"),
                                      caption=f"Time per step by model size and phase ({_mode(d.meta('timings'))} "
                                              "steps); the 2026 table's xl is the row 2.7B."
-                                             + mfu_note(d.meta("timings"))),
-                             d.figure("timings", caption="Time per step and phase (error bars: one "
-                                      "standard deviation).")], what="end-to-end timings by model size"),
+                                             + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
-            _warmup_sentence(study, timings),
+            warmup,
+            None if study is None else Text("The first steps of a process pay one-time costs that are not part of "
+                 "steady-state training: CUDA context and cuBLAS handle creation, lazy loading of kernel modules, "
+                 "cuBLAS heuristics choosing a GEMM algorithm per shape, and the caching allocator obtaining memory "
+                 "with `cudaMalloc`. Without warm-up these land in the measured steps, inflating the mean and above "
+                 "all the standard deviation; after one or two steps every shape has been seen once and the "
+                 "allocator's pool is warm. One or two warm-up steps can still differ from five: the first "
+                 "optimizer step allocates AdamW's two moments (so the allocator grows again on step 2), the "
+                 "GPU's clocks take a few steps to reach their sustained level, and with few timed steps a single "
+                 "slow one moves the mean. The table and plot of the study are in the appendix."),
+        ], what=None if warmup is not None else "timings with 0, 1 and 2 warm-up steps"),
+        Text("", role=BEYOND_HANDOUT),  # the plots and the study's full table
+        question(d, "b", "Time per step and phase, plotted.", [
+            d.figure("timings", caption="Time per step and phase (error bars: one standard deviation).")]),
+        question(d, "c", "The warm-up study in full.", [
+            Text("Why its first cell failed: " + oom[0].lower() + oom[1:]) if oom else None,
             d.table("warmup_study", caption=_study_caption(d.meta("warmup_study").get("params") or {})),
             d.figure("warmup_study", caption="Spread of the forward time against the number of warm-up steps."),
-            None if study is None else Text("The first steps of a process pay one-time costs that are not part of steady-state training: "
-                 "CUDA context and cuBLAS handle creation, lazy loading of kernel modules, cuBLAS heuristics "
-                 "choosing a GEMM algorithm per shape, and the caching allocator obtaining memory with "
-                 "`cudaMalloc`. Without warm-up these land in the measured steps, inflating the mean and above "
-                 "all the standard deviation; after one or two steps every shape has been seen once and the "
-                 "allocator's pool is warm, so later steps reuse both. One or two warm-up steps can still differ "
-                 "from five: the first optimizer step allocates AdamW's two moments (so the allocator grows again on "
-                 "step 2), the GPU's clocks take a few steps to reach their sustained level, and with only a few "
-                 "timed steps left a single slow one (a page of memory mapped late, a host hiccup) moves the "
-                 "mean."),
-        ], what="timings with 0, 1 and 2 warm-up steps"),
+        ]),
     ]
 
 
@@ -235,7 +241,10 @@ def _state_note(size: str, status: str) -> str:
     return f": {fmt.params(n)} parameters need {fmt.sig(16 * n / 1e9, 3)} GB for fp32 weights, gradients and AdamW moments"
 
 
-def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = None) -> Text | None:
+def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = None,
+                     explain: bool = True) -> Text | None:
+    """The warm-up study in a sentence per size; a failed cell is named, and (``explain``) its likely cause given
+    (else left to the appendix)."""
     ok = ok_rows(df)
     if ok.empty or not {"warmup", "forward_mean_ms", "forward_std_ms"} <= set(ok.columns):
         return None
@@ -244,17 +253,19 @@ def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = Non
         g = g.sort_values("warmup")
         parts = [f"{fmt.ms(r['forward_mean_ms'])} ± {fmt.sig(r['forward_std_ms'], 2)} after {int(r['warmup'])}"
                  for _, r in g.iterrows()]
-        sentences.append(f"{size}: forward {join_words(parts)} warm-up steps")
+        sentences.append(f"{size} {join_words(parts)}")
     failed = df[df["status"] != "ok"] if "status" in df.columns else df.iloc[:0]
     note = ""
     if len(failed):
+        cause = _after_oom(df, timings)
         note = (" Not measured: " + join_words([f"{r['size']} after {int(r['warmup'])} ({r['status']})"
                                                  for _, r in failed.iterrows()])
                 + "; the fresh process reported the failure, and the run keeps no further message"
-                + (", while the same model ran after the other warm-up counts."
-                   if failed["size"].isin(ok["size"]).all() else ".") + _after_oom(df, timings))
-    return Text("Forward time (mean ± standard deviation) by warm-up steps: " + "; ".join(sentences) + "." + note)
-
+                + (", while the same model ran after the other warm-up counts"
+                   if failed["size"].isin(ok["size"]).all() else "")
+                + ("." if not cause else ". " + cause if explain else " (the appendix gives the likely cause)."))
+    return Text("Forward time (mean ± standard deviation) after the given number of warm-up steps: "
+                + "; ".join(sentences) + "." + note)
 
 
 def _after_oom(study: pd.DataFrame, timings: pd.DataFrame | None) -> str:
@@ -262,7 +273,7 @@ def _after_oom(study: pd.DataFrame, timings: pd.DataFrame | None) -> str:
     oom = timings[timings["status"] == "OOM"] if timings is not None and "status" in timings.columns else None
     if oom is None or oom.empty or study.empty or study.iloc[0]["status"] == "ok" or timings.iloc[-1]["status"] != "OOM":
         return ""
-    return (f" The failed cell is the first to run after {timings.iloc[-1]['size']} ran out of memory in the "
+    return (f"The failed cell is the first to run after {timings.iloc[-1]['size']} ran out of memory in the "
             "measuring process, and the only one: most likely that process still held the failed attempt's memory "
             "when the fresh process started. The sweep empties the allocator's cache inside its exception handler, "
             "where the handled exception still references the attempt's tensors (Python keeps it until the handler "

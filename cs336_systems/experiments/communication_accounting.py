@@ -125,6 +125,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
+
 
 def _quantity(df: pd.DataFrame | None, name: str, col: str) -> float | None:
     if df is None or "quantity" not in df.columns or col not in df.columns:
@@ -187,7 +189,6 @@ def answer(d: SectionData) -> list[Block]:
                      ]),
                      b_text, d.table("min_fsdp_devices", caption="Smallest $N_{\\mathrm{FSDP}}$ below 95 GB per "
                                      "device, by activation tokens per device."),
-                     d.figure("fsdp_memory_vs_n", caption="Memory per device against the FSDP degree."),
                  ], what="the sharded memory accounting"),
         question(d, "c", "Forward pass only, TPU v5p ($W_{\\mathrm{ici}} = 2\\cdot 9\\cdot 10^{10}$ B/s, "
                  "$C = 4.6\\cdot 10^{14}$ FLOP/s), $M_X = 2$, $M_Y = 1$, $X = 16$ (FSDP), $Y = 4$ (TP): the "
@@ -201,7 +202,6 @@ def answer(d: SectionData) -> list[Block]:
                          r"\qquad T_{\mathrm{math}} \geq T_{\mathrm{TP}} \Leftrightarrow F \geq \frac{Y\,C}{W_{\mathrm{ici}}M_Y}."),
                      ]),
                      c_text, d.table("compute_bound_batch", caption="Compute-bound batch under FSDP × TP."),
-                     d.figure("compute_bound_ratio", caption="Math time over communication time against batch."),
                  ], what="the compute-bound batch size"),
         question(d, "d", "Tricks that keep throughput with a smaller overall batch.", [
             Text("More model parallelism along axes that do not multiply the batch: tensor parallelism on a larger "
@@ -214,6 +214,11 @@ def answer(d: SectionData) -> list[Block]:
                  "(see the TPU Scaling Book, “How to Parallelize a Transformer for Training”)."),
             d.table("batch_reduction_levers", caption="Compute-bound batch under alternative layouts."),
         ]),
+        Text("", role=BEYOND_HANDOUT),  # the answers' tables, plotted
+        question(d, "b", "Memory per device against the FSDP degree, plotted.", [
+            d.figure("fsdp_memory_vs_n", caption="Memory per device against the FSDP degree.")]),
+        question(d, "c", "Math time over communication time against the batch, plotted.", [
+            d.figure("compute_bound_ratio", caption="Math time over communication time against batch.")]),
     ]
 
 

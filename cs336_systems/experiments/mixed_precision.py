@@ -186,6 +186,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.report.answers import mfu_note, model_tflops, with_mfu  # noqa: E402 (answers only)
+from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
 def answer(d: SectionData) -> list[Block]:
@@ -220,9 +221,8 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "mixed_precision_accumulation", "Accumulating 0.01 a thousand times in fp32, fp16 and "
                  "mixtures.", [acc_text, d.table("accumulation", caption="The four accumulation loops.", digits=7)],
                  what="the accumulation experiment"),
-        question(d, "a", "Data types inside `torch.autocast(float16)` for the ToyModel.",
-                 [dtype_text, d.table("toy_model_dtypes", caption="ToyModel tensors under fp16 autocast.")],
-                 what="the autocast dtype table"),
+        question(d, "a", "Data types inside `torch.autocast(float16)` for the ToyModel.", [dtype_text],
+                 what=None if dtype_text else "the autocast dtype table"),
         question(d, "b", "Which parts of layer normalization are sensitive to reduced precision, and whether "
                  "bf16 changes that.", [Text(
                      "The reductions: the mean and the variance (RMSNorm: the mean of squares) sum many terms, "
@@ -233,10 +233,13 @@ def answer(d: SectionData) -> list[Block]:
                      "still belong in fp32.")]),
         question(d, "c", "Forward and backward timings with and without bf16 mixed precision, by model size.",
                  [speed_text, d.table("bf16_speedup", caption="fp32 vs. bf16 autocast, mean time per step and "
-                                      "speed-up (fp32 time / bf16 time)."),
-                  _mfu_table(d),
-                  d.figure("bf16_speedup", caption="bf16 autocast speed-up by model size.")],
+                                      "speed-up (fp32 time / bf16 time).")],
                  what="bf16 vs fp32 timings by model size"),
+        Text("", role=BEYOND_HANDOUT),  # the tables and plot behind the answers in words
+        question(d, "a", "The ToyModel's tensors and their dtypes under fp16 autocast, as measured.", [
+            d.table("toy_model_dtypes", caption="ToyModel tensors under fp16 autocast.")]),
+        question(d, "c", "The same steps as throughput, and the speed-up plotted.", [
+            _mfu_table(d), d.figure("bf16_speedup", caption="bf16 autocast speed-up by model size.")]),
     ]
 
 

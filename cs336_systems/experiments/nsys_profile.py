@@ -248,22 +248,27 @@ def answer(d: SectionData) -> list[Block]:
             part("Share of kernel time in matmuls (%).", "matmul_percent_forward", "matmul_percent_train_step"),
             part("Attention's matmuls vs. its softmax, time and FLOPs.", "attention_matmul_ms",
                  "attention_softmax_ms", "softmax_to_matmul_time", "softmax_to_matmul_flops")]
+    # An answer in words needs no "not measured yet": the tables and plot behind it continue in the appendix.
     return [
         question(d, "a", "Total forward time from the profiler, compared with the Python timer.", [a],
-                 what="profiled forward-pass time"),
+                 what=None if a else "profiled forward-pass time"),
         question(d, "b", "The kernel with the most cumulative GPU time in the forward pass; how often it runs; "
-                 "whether a full training step changes that.", [b], what="kernel table of the forward pass"),
-        question(d, "c", "Non-matmul kernels with non-trivial runtime in the forward pass.",
-                 [c, _top_kernels(d, top, row)], what="kernel categories of the forward pass"),
-        question(d, "d", "How the matmul share of GPU time changes for a full training step with AdamW.",
-                 [dd, d.figure("matmul_share", caption="Share of GPU kernel time spent in matmuls.")],
-                 what="kernel shares of a training step"),
+                 "whether a full training step changes that.", [b],
+                 what=None if b else "kernel table of the forward pass"),
+        question(d, "c", "Non-matmul kernels with non-trivial runtime in the forward pass.", [c],
+                 what=None if c else "kernel categories of the forward pass"),
+        question(d, "d", "How the matmul share of GPU time changes for a full training step with AdamW.", [dd],
+                 what=None if dd else "kernel shares of a training step"),
         question(d, "e", "Softmax versus matmul runtime inside self-attention, against their FLOP ratio.", [e],
-                 what="softmax vs matmul timings inside attention"),
+                 what=None if e else "softmax vs matmul timings inside attention"),
         # The answers above quote one configuration; every size and context is the appendix's.
         Text("", role=BEYOND_HANDOUT),
-        *([Text("Every size and context behind the answers of §1.1.4 (a), (b), (d) and (e).")] + grid
-          if any(t is not None for t in grid) else []),
+        *([Text("The ten largest kernels behind (b) and (c), and the matmul share behind (d).")]
+          if row is not None else []),
+        *[b for b in (_top_kernels(d, top, row),
+                      d.figure("matmul_share", caption="Share of GPU kernel time spent in matmuls.")) if b is not None],
+        *([Text("Every size and context behind the answers (a), (b), (d) and (e) of this section.")]
+          + [t for t in grid if t is not None] if any(t is not None for t in grid) else []),
     ]
 
 

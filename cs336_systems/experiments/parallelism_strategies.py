@@ -199,7 +199,7 @@ def plot_bounds(sweep: pd.DataFrame, d: int, f: int) -> plt.Figure:
 from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import question  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
-from cs336_systems.report.document import Block, Equation, Text  # noqa: E402
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text  # noqa: E402
 
 
 def _eq(formulas: pd.DataFrame | None, problem: str, quantity: str, pass_: str = "") -> Equation | None:
@@ -235,14 +235,14 @@ def answer(d: SectionData) -> list[Block]:
         agree = bool(gap < 1e-9) and bool(alt["correct"].all())
         ring_text = Text(f"Simulated on {', '.join(str(int(n)) for n in alt['devices'])} devices, the algorithm sums "
                          "correctly and takes " + ("exactly" if agree else "NOT") + " the predicted time "
-                         "(table below).")
+                         "(the appendix has the table).")
     check_text = None
     if checks is not None and len(checks):
         exact = bool(((checks["forward_flops"] == checks["forward_formula"])
                       & (checks["backward_flops"] == checks["backward_formula"])).all())
         check_text = Text("Each strategy run device by device (float64) counts " + ("exactly" if exact else "NOT")
                           + " the FLOPs per device of these formulas, and reproduces the unsharded outputs and "
-                          f"gradients to {fmt.sig(checks['max_abs_error'].max())} at most.")
+                          f"gradients to {fmt.sig(checks['max_abs_error'].max())} at most (table: the appendix).")
     bound_text = None
     if bounds is not None and len(bounds):
         meta = d.meta("bounds").get("extra", {})
@@ -294,9 +294,8 @@ def answer(d: SectionData) -> list[Block]:
             _eq(fx, "alternate_ring_all_reduce", "time"),
             Text("In each of the $N-1$ steps every device forwards a whole input of $S$ bytes (not a $1/N$ chunk), "
                  "so the algorithm takes $N/2$ times as long as the ring all-reduce."),
-            ring_text, d.table("ring_check", caption="The ring and alternate all-reduce simulated on arrays: sums "
-                               "correct, and time in units of S/W against the formula."),
-        ], what="the collective simulation"),
+            ring_text,
+        ], what=None if ring_text else "the collective simulation"),
         question(d, "data_parallel_calcs", "Data parallel: backward FLOPs, backward communication time, and the "
                  "largest $N_{DP}$ that stays compute bound.", [
             *_parts(fx, "data_parallel_calcs", [("FLOPs per device", bwd, just["dp_a"]),
@@ -321,10 +320,7 @@ def answer(d: SectionData) -> list[Block]:
                                      ("communication time", both, just["tp_c"]),
                                      ("compute bound while", both, just["tp_d"])]),
             check_text,
-            d.table("strategy_check", caption="DP, FSDP and TP run device by device: the most FLOPs any device "
-                    "counts against the formula, collective bytes, and the largest difference from the unsharded "
-                    "outputs and gradients."),
-        ], what="the strategy simulation"),
+        ], what=None if check_text else "the strategy simulation"),
         question(d, "fsdp_tp_calcs", "FSDP × TP: forward FLOPs and communication time, and the largest "
                  "$N = N_{FSDP} N_{TP}$ with overlapped and with shared collectives.", [
             *_parts(fx, "fsdp_tp_calcs", [("FLOPs per device", fwd, just["2d_a"]),
@@ -334,8 +330,17 @@ def answer(d: SectionData) -> list[Block]:
             bound_text,
             d.table("bounds", caption="The largest compute-bound device count of each strategy at the example "
                     "numbers, per FFN shape."),
-            d.figure("bounds_vs_batch", caption="The same bounds against the batch, for one FFN shape."),
         ], what="the bounds"),
+        Text("", role=BEYOND_HANDOUT),  # the simulations that check the formulas, and the bounds plotted
+        question(d, "alternate_ring_all_reduce", "The simulation that checks the formula.", [
+            d.table("ring_check", caption="The ring and alternate all-reduce simulated on arrays: sums correct, and "
+                    "time in units of S/W against the formula.")]),
+        question(d, "tp_calcs", "DP, FSDP and TP run device by device against the formulas.", [
+            d.table("strategy_check", caption="DP, FSDP and TP run device by device: the most FLOPs any device "
+                    "counts against the formula, collective bytes, and the largest difference from the unsharded "
+                    "outputs and gradients.")]),
+        question(d, "fsdp_tp_calcs", "The bounds against the batch.", [
+            d.figure("bounds_vs_batch", caption="The same bounds against the batch, for one FFN shape.")]),
     ]
 
 

@@ -75,6 +75,8 @@ figure img { max-width: 92%; max-height: 82mm; }
 figure.landscape { page: landscape; }
 figure.landscape img { max-width: 100%; max-height: 160mm; }
 figure.landscape.shared img { max-height: 70mm; }
+section.landscape { page: landscape; }  /* a section of landscape figures alone: its heading on their page */
+section.landscape figure.landscape img { max-height: 135mm; }
 figure.table { overflow: hidden; }
 figure.table.long { break-inside: auto; overflow: visible; }  /* long tables run over pages, header repeated */
 figure.table.long figcaption { break-after: avoid; }
@@ -361,7 +363,21 @@ def section_html(section: Section, counter: _Counter) -> str:
     if len(deferred) > 1:  # two to a landscape page, still wider than a portrait page allows
         deferred = [d.replace(' class="landscape"', ' class="landscape shared"', 1) for d in deferred]
     closing = "".join(block_html(b, counter) for b in tail)
+    if len(deferred) == 1 and _only_words(section.walk()):
+        # Nothing of the section needs the portrait page but its words: the heading goes on the landscape page
+        # with its figure, in place, rather than alone on a page before it.
+        body = re.sub(r'<p class="deferred">\(Figure \d+: on a landscape page at the end of this section\.\)</p>',
+                      lambda _: deferred[0], body, count=1)
+        return f'<section class="landscape">{head}{body}{closing}</section>'
     return f"<section>{head}{body}{''.join(deferred)}{closing}</section>"
+
+
+def _only_words(blocks: list[Block]) -> bool:
+    """Whether the blocks hold no table, equation or missing-data note, and at most one figure (short words
+    and headings besides)."""
+    figures = sum(isinstance(b, Figure) for b in blocks)
+    texts = sum(len(b.markdown) for b in blocks if isinstance(b, Text))
+    return figures == 1 and texts < 300 and not any(isinstance(b, (Table, Equation, Missing)) for b in blocks)
 
 
 def _has_missing(section: Section) -> bool:
