@@ -53,7 +53,7 @@ def write_derived(
             return {"source": sources.get(src)}
         if not (out.dir / f"{src}.meta.json").exists():
             return {}
-        meta = load_meta(out.section, src, root=out.dir.parent)
+        meta = load_meta(out.section, src, root=out.root)
         if str(meta.get("git_commit", "")) != git_commit():
             return {"source": meta}
         return {"params": meta.get("params")}

@@ -338,7 +338,7 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
     the later commit, whose code it describes."""
     if not (out.dir / f"{name}.meta.json").exists():
         return None
-    meta = load_meta(out.section, name, root=out.dir.parent)
+    meta = load_meta(out.section, name, root=out.root)
     earlier = meta.get("params") or {}
     if (meta.get("device"), meta.get("smoke")) != (device_description()["device"], out.smoke):
         return None
@@ -346,7 +346,7 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
         return None
     if any(earlier.get(k) != params[k] for k in same):
         return None
-    return load_table(out.section, name, root=out.dir.parent)
+    return load_table(out.section, name, root=out.root)
 
 
 def _same_measuring_code(meta: dict[str, Any], section: str) -> bool:

@@ -359,3 +359,21 @@ def test_replot_redraws_each_measured_edition_grid_in_its_own_folder(tmp_path, m
     assert meta["section"] == "optimizer_state_sharding/2026" and meta["params"]["model"] == "xl@2026"
     with pytest.raises(ValueError, match="optimizer_state_sharding has no grid of its own for edition '2027'"):
         replot.replot("optimizer_state_sharding", edition="2027")
+
+
+@pytest.mark.slow
+def test_a_measuring_run_of_an_edition_grid_derives_its_figures_in_that_grid(tmp_path, monkeypatch) -> None:
+    from cs336_systems.experiments import get
+    from cs336_systems.results import ResultWriter
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    section = get("optimizer_state_sharding")
+    tables, params, figures = CASES["optimizer_state_sharding"]
+    out = ResultWriter(section.results_folder("2026"), params={**params, "model": "xl@2026"}, smoke=False)
+    for name, frame in tables.items():
+        out.table(frame, name)
+    section.rederive(out)  # what a run does after measuring: the inputs are read from figures/<name>/2026/
+    folder = tmp_path / "optimizer_state_sharding" / "2026"
+    assert {f"{name}.png" for name in figures} <= {p.name for p in folder.iterdir()}
+    assert json.loads((folder / "step_time.meta.json").read_text())["params"]["model"] == "xl@2026"
+    assert not (tmp_path / "optimizer_state_sharding" / "step_time.png").exists()
