@@ -154,6 +154,7 @@ def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.configs import param_counts  # noqa: E402
 from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import ok_rows, question, step_mfu, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
@@ -180,12 +181,15 @@ def answer(d: SectionData) -> list[Block]:
                         f"excluded); the largest producers are {ops}."
                         + (f" Compiled with `torch.compile`, the same block saves {fmt.sig(total_c / 2**20)} MiB."
                            if total_c else ""))
-    best_text = _best_segment(d.frame("checkpointing"), total, _block_input_bytes(d.frame("residuals")))
+    grad_text = _gradients_text(d.meta("residuals"), total)
+    best_text = _best_segment(d.frame("checkpointing"), total, _block_input_bytes(d.frame("residuals")),
+                              (d.meta("checkpointing").get("params") or {}).get("preset"))
     sweep = ok_rows(d.frame("checkpointing"))
     return [
         question(d, "residuals", "What one TransformerBlock saves for backward: the five largest producing "
                  "ops and their share, eager and compiled.", [
             res_text,
+            grad_text,
             d.table("residuals", caption="The largest producing ops of what one block saves for backward (eager); "
                     "residuals.csv lists every tensor.",
                     frame=top if top is not None else None),
@@ -221,6 +225,25 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
+def _gradients_text(meta: dict | None, residual_bytes: float | None) -> Text | None:
+    """(f)'s second half: one block's fp32 gradients beside what it saves for backward, and whether that is
+    what the shapes predict."""
+    params = (meta or {}).get("params") or {}
+    if not residual_bytes or not params.get("preset"):
+        return None
+    cfg = get_config(params["preset"])
+    d, f = cfg.d_model, cfg.d_ff
+    n = 4 * d * d + 3 * d * f + 2 * d  # attention projections, SwiGLU, two RMSNorm gains
+    grads = 4 * n
+    batch, context = params.get("batch_size"), params.get("context_length")
+    return Text(f"Its gradients: the block has $4d^2 + 3\,d\,d_{{ff}} + 2d$ = {n:,} parameters, so backward "
+                f"writes {fmt.sig(grads / 2**20)} MiB of fp32 gradients for it at any batch and context; what it "
+                f"saves is {fmt.sig(residual_bytes / grads, 2)}× that at batch {batch} × {context} tokens. As "
+                "expected: the saved activations grow with $B \cdot T$ (the naive attention's scores and "
+                "probabilities with $B \cdot h \cdot T^2$), the gradients only with the parameters, so at "
+                "training batch and context the activations dominate.")
+
+
 def _with_mfu(d: SectionData) -> pd.DataFrame | None:
     """The sweep with MFU (fp32, as this section trains) when its record names the model preset."""
     frame, meta = d.frame("checkpointing"), d.meta("checkpointing")
@@ -240,7 +263,7 @@ def _block_input_bytes(residuals: pd.DataFrame | None) -> float | None:
 
 
 def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
-                  input_bytes: float | None = None) -> Text | None:
+                  input_bytes: float | None = None, preset: str | None = None) -> Text | None:
     """The direct answer to (b): the measured best segment size and what its neighbours in the sweep did."""
     sweep = ok_rows(table)
     if sweep.empty or not sweep["peak_GiB"].notna().any():
@@ -257,9 +280,12 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
             neighbours.append(f"{name}: {fmt.sig(row['peak_GiB'])} GiB" if row["status"] == "ok"
                               else f"{name}: out of memory")
     state = best["peak_GiB"] - best["activation_peak_GiB"]
+    counted = (f", of which the fp32 weights, gradients and AdamW state count "
+               f"{fmt.sig(16 * param_counts(preset)['total'] / 2**30)} GiB and the rest is not attributed yet"
+               if preset else "")
     return Text(f"Best: segments of {k} block{'s' if k != 1 else ''}, measured peak {fmt.sig(best['peak_GiB'])} "
-                f"GiB ({fmt.sig(best['activation_peak_GiB'])} GiB of it activations above the "
-                f"{fmt.sig(state)} GiB of fp32 weights, gradients and AdamW state), one step in "
+                f"GiB ({fmt.sig(best['activation_peak_GiB'])} GiB of it allocated during the step, above the "
+                f"{fmt.sig(state)} GiB resident between steps{counted}), one step in "
                 f"{fmt.sig(best['step_ms'] / 1e3)} s. Its neighbours: {'; '.join(neighbours)}."
                 + (f" Why: segments of $k$ hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus $k$ "
                    f"blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB each, which is least at "

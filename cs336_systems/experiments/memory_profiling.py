@@ -247,6 +247,7 @@ def answer(d: SectionData) -> list[Block]:
                        f"`{rs.get('dtype')}`): {int(rs['measured_bytes']):,} bytes, "
                        + ("matching the formula." if rs.get("measured_bytes") == rs.get("predicted_bytes") else
                           f"against {int(rs.get('predicted_bytes', 0)):,} predicted."))
+    largest = _largest_text(d.frame("largest_allocations"), d.meta("largest_allocations"))
     return [
         question(d, "a", f"Memory timelines of the {size} model: forward pass and full training step.", [
             timeline,
@@ -278,9 +279,8 @@ def answer(d: SectionData) -> list[Block]:
             rs_text,
         ]),
         question(d, "e", "The largest allocations in the forward pass's active-memory timeline and where they "
-                 "come from.",
-                 [_largest_text(d.frame("largest_allocations"), d.meta("largest_allocations"))],
-                 what="the largest allocations"),
+                 "come from.", [largest],
+                 what=None if largest is not None else "the largest allocations"),  # its table is the appendix's
         # (e)'s answer names the tensors; the allocation tables behind it are the appendix's.
         Text("", role=BEYOND_HANDOUT),
         *[t for t in (
