@@ -676,3 +676,31 @@ def test_bucketed_ddp_answer_says_what_was_expected_whether_it_held_and_what_set
     assert "**Expected:** a U in bucket size" in text
     assert "**Aligned:**" in text or "**Only partly aligned:** " in text
     assert "**A setup that would show the expected shape:** a slower link" in text
+
+
+def test_bucketed_ddp_states_its_step_time_against_torch_ddp_and_calls_a_difference_within_the_spread_a_tie(
+        tmp_path) -> None:
+    from cs336_systems.experiments.ddp_common import torch_parity
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "ddp_bucketed"
+    folder.mkdir()
+    for autocast, (eager_ours, graph_ours) in {"fp32": (110.0, 99.5), "bf16": (90.0, 101.2)}.items():
+        rows = []
+        for graph, ours in ((False, eager_ours), (True, graph_ours)):
+            tag = " (CUDA graph)" if graph else ""
+            rows += [{"variant": "single" + tag, "mode": "single", "step_ms": 95.0, "cuda_graph": graph},
+                     {"variant": "torch" + tag, "mode": "torch", "step_ms": 100.0, "cuda_graph": graph},
+                     {"variant": "bucketed (25MB)" + tag, "mode": "bucketed", "bucket_size_mb": 25.0,
+                      "step_ms": ours, "cuda_graph": graph},
+                     {"variant": "bucketed (1MB)" + tag, "mode": "bucketed", "bucket_size_mb": 1.0,
+                      "step_ms": 50.0, "cuda_graph": graph}]
+        steps = pd.DataFrame(rows).assign(autocast=autocast, world_size=2, comm_dtype="fp32", step_ms_std=0.5)
+        steps["step_ms_median"] = steps["step_ms"]
+        steps.to_csv(folder / f"steps_xl_{autocast}.csv", index=False)
+    text = torch_parity(SectionData(tmp_path, "ddp_bucketed")).markdown
+    assert "2 GPUs, both with 25 MB buckets" in text
+    # 1 ms of spread per pair: 110 vs 100 is slower, 99.5 a tie, 90 faster, 101.2 slower; the 1 MB rows are not the bar.
+    assert ("fp32 eager 1.10× (slower), captured 0.995× (a tie within the spread); "
+            "bf16 eager 0.900× (faster), captured 1.01× (slower) of torch's step time") in text
+    assert torch_parity(SectionData(tmp_path, "nothing_here")) is None

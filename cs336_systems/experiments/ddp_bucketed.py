@@ -128,7 +128,7 @@ def answer(d: SectionData) -> list[Block]:
     sweep = named(d.figures, "bucket_sweep")
     return [
         question(d, "a", "Bucketed DDP with bucket sizes 1, 10, 100 and 1000 MB, compared with the unbucketed "
-                 "variants.", [setup(df), text, steps_blocks(d, name, STEPS_CAPTION + " Eager steps; the captured ones "
+                 "variants.", [setup(df), text, ddp_common.torch_parity(d), steps_blocks(d, name, STEPS_CAPTION + " Eager steps; the captured ones "
                                                                   "are in (c).", eager_only=True),
                                d.figure(sweep or "", caption="Step time against bucket size.")],
                  what="bucketed DDP timings"),

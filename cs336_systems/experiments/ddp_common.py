@@ -297,6 +297,45 @@ def captured_steps(d: SectionData) -> list[Block]:
         table])]
 
 
+def torch_parity(d: SectionData, bucket_mb: float = 25.0) -> Text | None:
+    """The bar our bucketed DDP is held to, in one sentence: its step time over torch DDP's (which buckets at
+    25 MB by default) at the same bucket size and gradient wire format, eager and captured, per autocast
+    setting, each pair timed in one process; a ratio within the two runs' spread is called a tie."""
+    from cs336_systems.profiling.timeline import paired_ratios
+
+    runs = {n: f for n in d.tables if n.startswith("steps_") and _has_graph_column(f := d.frame(n))}
+    if not runs:
+        return None
+    ratios = paired_ratios(runs)
+    parts = []
+    for name in sorted(runs, key=lambda n: "fp32" not in n):
+        f = runs[name]
+        wire = f["comm_dtype"].fillna("fp32") if "comm_dtype" in f.columns else pd.Series("fp32", index=f.index)
+        ours = f[(f["mode"] == "bucketed") & (wire == "fp32") & (f["bucket_size_mb"] == bucket_mb)]
+        cells = []
+        for captured in (False, True):
+            mine = ours[_captured(ours) == captured]
+            if not len(mine):
+                continue
+            r = ratios[(ratios["run"] == name) & (ratios["variant"] == mine["variant"].iloc[0])]
+            torch_row = f[(f["mode"] == "torch") & (wire == "fp32") & (_captured(f) == captured)]
+            if not len(r) or not len(torch_row):
+                continue
+            ratio = float(r["ratio_mean"].iloc[0])
+            noise = (float(mine["step_ms_std"].iloc[0]) + float(torch_row["step_ms_std"].iloc[0])) \
+                / float(torch_row["step_ms"].iloc[0]) if "step_ms_std" in f.columns else 0.0
+            verdict = "a tie within the spread" if abs(ratio - 1) <= noise else ("faster" if ratio < 1 else "slower")
+            cells.append(f"{'captured' if captured else 'eager'} {fmt.ratio(ratio)} ({verdict})")
+        if cells:
+            parts.append(f"{f['autocast'].iloc[0]} " + ", ".join(cells))
+    if not parts:
+        return None
+    world = int(next(iter(runs.values()))["world_size"].max())
+    return Text(f"**Against torch DDP** (`DistributedDataParallel`, {world} GPUs, both with {bucket_mb:g} MB "
+                "buckets and fp32 gradients on the wire, timed in the same process), our bucketed step takes: "
+                + "; ".join(parts) + " of torch's step time.")
+
+
 def overhead_split(steps: pd.DataFrame | None) -> Text | None:
     """Where the measured overhead of the eager bucketed steps sits: in a longer backward pass (compute that
     runs beside the all-reduce kernels) or in communication left exposed after it, which is all the model counts."""
