@@ -95,6 +95,7 @@ PRESETS: dict[str, ModelConfig] = {
 HANDOUT_SIZES_BY_EDITION = {
     "2025": ["small", "medium", "large", "xl", "2.7B"],
     "2026": ["small", "medium", "large", "xl@2026", "10B@2026"],
+    "cse599o": ["large"],  # CSE599-O's Table 1 (1280/5120/36/20), its only model
 }
 #: The 2025 handout's sizes (the default edition of every section).
 HANDOUT_SIZES = HANDOUT_SIZES_BY_EDITION["2025"]
@@ -118,13 +119,17 @@ def _preset_key(name: str) -> str:
 
 
 def handout_size(name: str, edition: str) -> str:
-    """The preset ``edition``'s handout means by the bare size ``name`` (``xl`` → ``xl@2026`` in 2026), ``name``
-    itself where that handout's table has no size of that name or the tables agree (``small``, ``2.7B``)."""
+    """The preset ``edition``'s handout means by the bare size ``name`` (``xl`` → ``xl@2026`` in 2026; CSE599-O's
+    one model, ``large``, for any name), ``name`` itself where that handout's table has no size of that name or
+    the tables agree (``small``, ``2.7B``)."""
     if edition not in HANDOUT_SIZES_BY_EDITION:
         raise ValueError(f"unknown edition {edition!r}; editions: {', '.join(HANDOUT_SIZES_BY_EDITION)}")
     if "@" in name:
         return name
-    sizes = {n.partition("@")[0].lower(): n for n in HANDOUT_SIZES_BY_EDITION[edition]}
+    table = HANDOUT_SIZES_BY_EDITION[edition]
+    if len(table) == 1:  # a handout with one model (CSE599-O's Table 1) means it whatever size is named
+        return table[0]
+    sizes = {n.partition("@")[0].lower(): n for n in table}
     return sizes.get(name.lower(), name)
 
 
