@@ -36,7 +36,8 @@ def test_a_size_name_means_each_handouts_own_model() -> None:
     assert configs.handout_size("xl", "2025") == "xl" and configs.handout_size("small", "2026") == "small"
     assert configs.handout_size("2.7B", "2026") == "2.7B"  # not in 2026's table: the name stays
     assert configs.handout_size("xl@2026", "2025") == "xl@2026"  # an explicit edition is kept
-    with pytest.raises(ValueError, match="unknown edition '2027'; editions: 2025, 2026"):
+    assert configs.handout_size("xl", "cse599o") == "large" == configs.handout_size("small", "cse599o")  # Table 1
+    with pytest.raises(ValueError, match="unknown edition '2027'; editions: 2025, 2026, cse599o"):
         configs.handout_size("xl", "2027")
 
 

@@ -95,12 +95,12 @@ def test_the_2026_writeup_follows_its_handout(results: Path) -> None:
         assert problems.count(name) == 1, name
     assert {e.section for e in EDITION_2026} - {None} <= {spec.name for spec in SECTIONS}
     bench = doc.section("2.1.3")
-    assert bench.blocks[0].markdown.startswith("**The 2026 handout:**")
+    assert bench.blocks[0].markdown.startswith("**The CS336 2026 handout:**")
     assert any(isinstance(b, Table) for b in bench.walk())  # the same results as the workbook's §1.1.3
     leaderboard = doc.section("9")
     assert any(isinstance(b, Missing) for b in leaderboard.walk())
     assert "§2.1.3 | benchmarking_script | §1.1.3 End-to-end benchmarking" in doc.preamble[-1].markdown
-    assert doc.title.endswith("(2026 edition)") and entries("2025") is None
+    assert doc.title.endswith("(CS336 2026 edition)") and entries("2025") is None
     with pytest.raises(ValueError, match="unknown edition '2027'"):
         build_document(results, edition="2027")
 
@@ -117,7 +117,7 @@ def test_an_edition_grid_answers_its_edition_and_stays_out_of_the_other(results:
     ResultWriter("nsys_profile/2026", params={"edition": "2026"}, smoke=False).table(grid, "summary")
     doc26 = build_document(results, edition="2026")
     section = doc26.section("2.1.4")
-    assert section.blocks[0].markdown.startswith("**The 2026 handout:** measured on its own grid")
+    assert section.blocks[0].markdown.startswith("**The CS336 2026 handout:** measured on its own grid")
     assert "--edition 2026" in section.blocks[0].markdown
     # The per-configuration tables continue in the appendix (2.1.4+): every one from the 2026 grid.
     sources = {b.source for s in (section, doc26.section("2.1.4+")) for b in s.walk() if isinstance(b, Table)}
@@ -287,8 +287,10 @@ def test_sections_beyond_the_handout_follow_the_answers_under_appendix(results: 
         main, appendix = doc.sections[: doc.appendix_from], doc.sections[doc.appendix_from :]
         assert appendix and all(editions.in_appendix(edition, s.folder, s.problems) for s in appendix)
         continued = [s for s in appendix if s.number.endswith("+")]  # answers that continue beyond the handout
-        # flash's model step and grids; bucketed DDP's captured steps and scaling only where results exist
-        assert "flash_benchmarking" in [s.folder for s in continued]
+        # flash's model step and grids (where the handout asks flash); bucketed DDP's captured steps and
+        # scaling only where results exist
+        asks_flash = edition == "2025" or editions.asks(edition, "flash_benchmarking")
+        assert ("flash_benchmarking" in [s.folder for s in continued]) == asks_flash
         assert all(s.problems == ("beyond the handout",) for s in continued)
         assert not any(editions.in_appendix(edition, s.folder, s.problems) for s in main)
         page = document_html(doc)
@@ -394,11 +396,13 @@ def test_pdf_renders_end_to_end(results: Path, tmp_path: Path) -> None:
     from cs336_systems.report.build import build
 
     _write_benchmarking(results)
-    pdf, html_path, index, pdf26, html26, _ = build(tmp_path / "w.pdf", results, manifest=tmp_path / "m.json",
-                                                    strict=True)
+    pdf, html_path, index, pdf26, html26, pdf_cse, html_cse, _ = build(tmp_path / "w.pdf", results,
+                                                                      manifest=tmp_path / "m.json", strict=True)
     assert html_path == tmp_path / "w.html" and index == results / "index.html"
     assert (pdf26, html26) == (tmp_path / "w-2026.pdf", tmp_path / "w-2026.html")
-    assert pdf26.read_bytes().startswith(b"%PDF") and "2026 edition" in html26.read_text()
+    assert pdf26.read_bytes().startswith(b"%PDF") and "CS336 2026 edition" in html26.read_text()
+    assert (pdf_cse, html_cse) == (tmp_path / "w-cse599o.pdf", tmp_path / "w-cse599o.html")
+    assert pdf_cse.read_bytes().startswith(b"%PDF") and "CSE599-O edition" in html_cse.read_text()
     data = pdf.read_bytes()
     import re
 

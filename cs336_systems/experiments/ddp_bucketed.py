@@ -145,7 +145,7 @@ from cs336_systems.experiments.section import Job  # noqa: E402
 
 SECTION = Section(
     name="ddp_bucketed", number="2.3.3", title="Bucketed DDP", problems=("ddp_bucketed_benchmarking",),
-    answer=answer, presets=PRESETS, run=run, gpus=2,
+    answer=answer, presets=PRESETS, run=run, gpus=2, sized_by=("preset",),
     depends=(*ddp_common.DEPENDS, "cs336_systems/distributed/ddp_bucketed.py",
              "cs336_systems/benchmarking/ddp_overhead_model.py"),
     jobs=(Job({"autocast": ["fp32"]}, 3, "2×H200"), Job({"autocast": ["bf16"]}, 3, "2×H200")),

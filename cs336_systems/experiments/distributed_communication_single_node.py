@@ -471,6 +471,7 @@ SECTION = Section(
     name=SECTION_NAME, number="2.1.3", title="Single-node collective communication",
     problems=("distributed_communication_single_node",), answer=answer, presets=PRESETS, run=run, derive=derive,
     derive_inputs=("allreduce", "topology"), gpus=2,
+    editions={"cse599o": {"backends": ["nccl"], "nproc": [2, 4, 8]}},  # its Problem 1: NCCL on 2, 4 and 8 GPUs
     depends=("cs336_systems/benchmarking/allreduce.py", "cs336_systems/distributed/launch.py",
              "cs336_systems/distributed/runner.py"),
 )

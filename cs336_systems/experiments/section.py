@@ -89,9 +89,10 @@ class Section:
     Its results go to ``figures/<name>/<edition>/`` beside the workbook's own, so measuring one edition's
     grid never replaces the other's; that edition's writeup reads them."""
     sized_by: tuple[str, ...] = ()
-    """Parameters whose value names a handout model (``"xl"``) or a list of them. Each edition whose table
-    gives such a name another shape (:func:`cs336_systems.configs.handout_size`: 2026's xl) gets a grid of its
-    own with the names translated, merged under any values :attr:`editions` states for it."""
+    """Parameters whose value names a handout model (``"xl"``) or a list of them. Each edition that asks this
+    section's problems (:func:`cs336_systems.report.editions.asks`) and whose table gives such a name another
+    shape (:func:`cs336_systems.configs.handout_size`: 2026's xl, CSE599-O's Table 1) gets a grid of its own with
+    the names translated, merged under any values :attr:`editions` states for it."""
     jobs: tuple[Job, ...] = ()
     """The full run split into jobs of about ten minutes, in the order to run them (empty: it is one job);
     ``python -m cs336_systems.experiments NAME --job N`` runs the N-th."""
@@ -123,7 +124,11 @@ class Section:
         if full is None:
             raise ValueError(f"{self.name}: sized_by needs a full preset")
         grids: dict[str, dict[str, Any]] = {}
+        from cs336_systems.report.editions import asks
+
         for edition in HANDOUT_SIZES_BY_EDITION:
+            if not asks(edition, self.name):  # a grid only where that handout asks this section's problems
+                continue
             grid = {}
             for name in self.sized_by:
                 value = getattr(full, name)

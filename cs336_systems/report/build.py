@@ -117,10 +117,10 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
     for entry in editions.entries(edition) or ():
         def note(gap: str, entry: editions.Entry = entry) -> list[Block]:
             said = " ".join(x for x in (gap, entry.remark) if x)
-            return [Text(f"**The {edition} handout:** {said}")] if said else []
+            return [Text(f"**The {editions.HANDOUT_NAMES[edition]} handout:** {said}")] if said else []
 
         if entry.section is None:
-            blocks: list[Block] = [*note(entry.note), Missing(f"{', '.join(entry.problems)} ({edition} handout)",
+            blocks: list[Block] = [*note(entry.note), Missing(f"{', '.join(entry.problems)} ({editions.HANDOUT_NAMES[edition]} handout)",
                                                   "see the note above")]
             sections.append(Section(entry.number, entry.title or entry.problems[0], f"{edition}-{entry.number}",
                                     entry.problems, blocks))
@@ -138,7 +138,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         sections.append(section)
         rows.append(f"| §{entry.number} | {', '.join(entry.problems) or '(context)'} | §{spec.number} {spec.title} |")
     preamble = _preamble(root, f"writeup-{edition}.html") + [
-        Text(f"This document answers the {edition} edition of the handout, in its order and under its numbers. "
+        Text(f"This document answers {editions.handout_name(edition)}, in its order and under its numbers. "
              "It reads the same results as `writeup.pdf`, the workbook's full writeup; where a result answers "
              f"the other edition's wording, a note at the top of the section says how, and how to refresh it. "
              "Answers cite other sections by the workbook's numbers:"),
@@ -146,7 +146,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
     ]
     inputs = _manifest.result_files(root)
     main, appendix = _split(sections, lambda s: editions.in_appendix(edition, s.folder, s.problems))
-    return Document(f"{TITLE} ({edition} edition)", preamble, main + appendix, inputs, appendix_from=len(main))
+    return Document(f"{TITLE} ({editions.HANDOUT_NAMES[edition]} edition)", preamble, main + appendix, inputs, appendix_from=len(main))
 
 
 def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Path = NOTEBOOK_DIR,
@@ -259,7 +259,7 @@ def build(
         html_to_pdf(printable, output, date=date)
         main_pages[output.name] = main_body_pages(doc, output.stem, tmp)
         others: list[Path] = []
-        for edition in editions.EDITIONS[1:]:  # the other handouts' writeups, beside it: writeup-2026.pdf
+        for edition in editions.EDITIONS[1:]:  # the other handouts' writeups beside it: writeup-2026.pdf, -cse599o
             pdf = output.with_name(f"{output.stem}-{edition}.pdf")
             edition_doc = build_document(root, strict, edition=edition)
             others += [pdf, write_html(edition_doc, pdf.with_suffix(".html"))]

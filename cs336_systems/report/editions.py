@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EDITIONS = ("2025", "2026")
+EDITIONS = ("2025", "2026", "cse599o")
+
+#: How each edition's writeup names its handout.
+HANDOUT_NAMES = {"2025": "CS336 2025", "2026": "CS336 2026", "cse599o": "CSE599-O"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,60 @@ APPENDIX_2025 = ("gradient_checkpointing", "flash_accuracy", "training_step", "l
                  "fsdp", "course_tests")
 
 
+def _table1_note(section: str) -> str:
+    """Until a DDP section has measured CSE599-O's Table 1 model, what its results are instead."""
+    return (f"CSE599-O's Table 1 model is 1280/5120/36/20 (CS336's large); until that grid is measured (`python -m "
+            f"cs336_systems.experiments {section} --full --edition cse599o`, 2 GPUs) the results below are "
+            "CS336 2025's xl (1600/6400/48/25).")
+
+
+_CONSOLE = ("The staff's command prints the per-iteration and communication times "
+            "(`cd cs336_systems/cse599o && srun --gpus-per-node=2 uv run {script}`); the table below holds the same "
+            "numbers from the section's run.")
+
+#: The CSE599-O handout ("Scaling with Data Parallelism"): its ten problems in its order, under its section numbers.
+EDITION_CSE599O: tuple[Entry, ...] = (
+    Entry("1.5", (), "model_sizes", title="Model sizing (Table 1: CS336's large)"),
+    Entry("2.2", ("distributed_communication_single_node",), "distributed_communication_single_node",
+          title="Benchmarking distributed applications",
+          note="CSE599-O measures NCCL on 2, 4 and 8 GPUs (`python -m cs336_systems.experiments "
+               "distributed_communication_single_node --full --edition cse599o` on 8 GPUs); the results below stop "
+               "where the machine did."),
+    Entry("2.3", ("toymodel_naive_ddp", "transformer_naive_ddp_benchmarking"), "naive_ddp",
+          title="A naive implementation of distributed data parallel training",
+          note=_table1_note("naive_ddp"), remark=_CONSOLE.format(script="benchmark_naive_ddp.py --model transformer")),
+    Entry("2.4.1", ("minimal_ddp_flat_benchmarking",), "ddp_flat", title="Reducing the number of communication calls",
+          note=_table1_note("ddp_flat"), remark=_CONSOLE.format(script="benchmark_optimized_ddp.py --mode flat")),
+    Entry("2.4.2", ("ddp_overlap_individual_parameters", "ddp_overlap_individual_parameters_benchmarking"),
+          "ddp_overlap_individual", title="Overlapping computation with communication of individual gradients",
+          note=_table1_note("ddp_overlap_individual"),
+          remark=_CONSOLE.format(script="benchmark_optimized_ddp.py --mode individual")),
+    Entry("2.4.3", ("ddp_overlap_bucketed", "ddp_bucketed_benchmarking"), "ddp_bucketed",
+          title="Overlapping computation with communication of bucketed gradients",
+          note=_table1_note("ddp_bucketed"),
+          remark=_CONSOLE.format(script="benchmark_optimized_ddp.py --mode bucketed --bucket-size-mb 10")),
+    Entry("3.1", ("optimizer_state_sharding", "optimizer_state_sharding_accounting"), "optimizer_state_sharding",
+          note=_table1_note("optimizer_state_sharding")),
+    Entry("4", ("the course's tests",), "course_tests"),
+)
+
+
+def asks(edition: str, section: str) -> bool:
+    """Whether ``edition``'s handout asks one of its own problems of workbook ``section`` (2025: the workbook's
+    own grid answers it; an entry beyond that handout does not count)."""
+    found = entries(edition)
+    if found is None:
+        return False
+    return any(e.section == section and e.problems and not in_appendix(edition, section, e.problems) for e in found)
+
+
+def handout_name(edition: str) -> str:
+    """``"the CSE599-O handout"``, ``"the CS336 2026 handout"``."""
+    if edition not in EDITIONS:
+        raise ValueError(f"unknown edition {edition!r}; editions: {', '.join(EDITIONS)}")
+    return f"the {HANDOUT_NAMES[edition]} handout"
+
+
 def in_appendix(edition: str, section: str, problems: tuple[str, ...] = ()) -> bool:
     """Whether ``section`` goes to ``edition``'s appendix: beyond that handout (for 2026, the entries whose
     problems say so)."""
@@ -110,5 +167,5 @@ def entries(edition: str) -> tuple[Entry, ...] | None:
     """The edition's sections in order, or None for the workbook's own order (2025)."""
     if edition not in EDITIONS:
         raise ValueError(f"unknown edition {edition!r}; editions: {', '.join(EDITIONS)}")
-    return EDITION_2026 if edition == "2026" else None
+    return {"2026": EDITION_2026, "cse599o": EDITION_CSE599O}.get(edition)
 
