@@ -146,7 +146,8 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
     ]
     inputs = _manifest.result_files(root)
     main, appendix = _split(sections, lambda s: editions.in_appendix(edition, s.folder, s.problems))
-    return Document(f"{TITLE} ({editions.HANDOUT_NAMES[edition]} edition)", preamble, main + appendix, inputs, appendix_from=len(main))
+    title = f"{editions.ASSIGNMENT_TITLES[edition]}: writeup" if edition in editions.ASSIGNMENT_TITLES else TITLE
+    return Document(f"{title} ({editions.HANDOUT_NAMES[edition]} edition)", preamble, main + appendix, inputs, appendix_from=len(main))
 
 
 def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Path = NOTEBOOK_DIR,

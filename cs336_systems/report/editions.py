@@ -15,6 +15,8 @@ EDITIONS = ("2025", "2026", "cse599o")
 
 #: How each edition's writeup names its handout.
 HANDOUT_NAMES = {"2025": "CS336 2025", "2026": "CS336 2026", "cse599o": "CSE599-O"}
+#: The assignment each edition answers, where it is not CS336's (the writeup's title).
+ASSIGNMENT_TITLES = {"cse599o": "CSE599-O Assignment 2 (Scaling with Data Parallelism)"}
 
 
 @dataclass(frozen=True)
