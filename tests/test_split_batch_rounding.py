@@ -2,7 +2,8 @@
 
 import pytest
 
-from cs336_systems.distributed.split_batch_rounding import main, split_batch_gaps
+from cs336_systems.benchmarking.__main__ import main as benchmarking
+from cs336_systems.distributed.split_batch_rounding import split_batch_gaps
 
 
 def test_the_gap_is_a_few_roundings_in_either_dtype() -> None:
@@ -28,4 +29,4 @@ def test_bad_arguments_end_in_one_line(capsys) -> None:
     with pytest.raises(ValueError, match="must be positive"):
         split_batch_gaps(world_size=0)
     with pytest.raises(ValueError, match="does not split evenly"):  # exit 2, one line, via run_main
-        main(["--tokens", "161"])
+        benchmarking(["split_batch_rounding", "--tokens", "161"])

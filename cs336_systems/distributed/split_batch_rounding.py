@@ -14,14 +14,13 @@ and without any wrapper:
 
 each in float32 and, as the control that the gap is rounding and not arithmetic, float64.
 
-    python -m cs336_systems.distributed.split_batch_rounding            # CPU
-    python -m cs336_systems.distributed.split_batch_rounding --device cuda --tokens 160 --world-size 2
+    python -m cs336_systems.benchmarking split_batch_rounding            # CPU
+    python -m cs336_systems.benchmarking split_batch_rounding --device cuda --tokens 160 --world-size 2
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import pandas as pd
 import torch
@@ -91,15 +90,3 @@ def run_command(args: argparse.Namespace) -> int:
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """The same as ``python -m cs336_systems.benchmarking split_batch_rounding`` (this module\'s own command form)."""
-    from cs336_systems.benchmarking.__main__ import main as benchmarking
-
-    return benchmarking(["split_batch_rounding", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    from cs336_systems.cli import run_main
-
-    sys.exit(run_main(main, "python -m cs336_systems.distributed.split_batch_rounding"))

@@ -170,7 +170,7 @@ def answer(d: SectionData) -> list[Block]:
             "weight gradient is a product over its half of the batch, and two such products added are not "
             "bit-identical to one product over the whole batch in float32, so any data-parallel run matches that "
             "reference only up to rounding (the differences above are one or two float32 roundings). "
-            "`python -m cs336_systems.distributed.split_batch_rounding` reproduces the gap at the test's shape "
+            "`python -m cs336_systems.benchmarking split_batch_rounding` reproduces the gap at the test's shape "
             "without FSDP or any other wrapper: the per-rank products summed against the full-batch product, and "
             "a plain linear layer's averaged per-rank gradients against its full-batch gradient, each a few "
             "epsilons of the largest entry in float32 and in float64 alike. Our own suite checks FSDP bit for bit "

@@ -21,7 +21,7 @@ kernels closer than 5 µs are merged into one row named ``"<n> kernels"``). From
 - :func:`backward_stretch` — from a step table: how much longer forward+backward got than in a reference
   variant (``flat``, whose communication starts after backward), per collective launched inside backward.
 
-``python -m cs336_systems.profiling.timeline`` prints all six for the committed H200 results.
+``python -m cs336_systems.benchmarking timeline`` prints all six for the committed H200 results.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -490,15 +489,3 @@ def run_command(args: argparse.Namespace) -> int:
         print(df.to_markdown(index=False, floatfmt=".3g"))
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """The same as ``python -m cs336_systems.benchmarking timeline`` (this module\'s own command form)."""
-    from cs336_systems.benchmarking.__main__ import main as benchmarking
-
-    return benchmarking(["timeline", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    from cs336_systems.cli import run_main
-
-    sys.exit(run_main(main, "python -m cs336_systems.profiling.timeline"))
