@@ -708,3 +708,26 @@ def test_bucketed_ddp_states_its_step_time_against_torch_ddp_and_calls_a_differe
     assert ("fp32 eager 1.10× (slower), captured 0.995× (a tie within the spread); "
             "bf16 eager 0.900× (faster), captured 1.01× (slower) of torch's step time") in text
     assert torch_parity(SectionData(tmp_path, "nothing_here")) is None
+
+
+def test_fsdp_accounting_b_finds_the_gpu_idle_between_kernels_of_the_profiled_forward(tmp_path) -> None:
+    from cs336_systems.experiments.fsdp import _idle_text
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "fsdp"
+    folder.mkdir()
+    rows = [("phase", "forward", 0.0, 10.0), ("phase", "backward", 10.0, 5.0),
+            ("compute", "gemm", 0.0, 1.0), ("comm", "ncclDevKernel_AllGather", 0.5, 1.0), ("compute", "gemm", 2.0, 1.0),
+            ("compute", "gemm", 6.0, 1.0), ("compute", "gemm", 11.0, 1.0)]  # the last one is backward's
+    pd.DataFrame(rows, columns=["kind", "name", "start_ms", "dur_ms"]).assign(variant="v", lane="cuda:7").to_csv(
+        folder / "gathers_timeline.csv", index=False)
+    pd.DataFrame([{"span_ms": 10.0, "gathers": 1, "gather_ms": 1.0, "gather_beside_compute_ms": 0.5,
+                   "late_gathers": 0, "wait_ms": 0.0, "max_wait_ms": 0.0}]).to_csv(folder / "gathers_summary.csv",
+                                                                                   index=False)
+    (folder / "gathers_summary.meta.json").write_text(json.dumps({"extra": {"model": "small"}}))
+    text = _idle_text(SectionData(tmp_path, "fsdp")).markdown
+    # busy 0–1.5, 2–3, 6–7 inside the 10 ms forward: idle 0.5 + 3 + 3 = 6.5 ms in 2 gaps and the tail
+    assert "the GPU is idle for 6.50 ms (65.0%), in 2 gaps between kernels (median 1,750 µs)" in text
+    assert "issued 3 compute kernels and 1 all-gathers, one every 2,500 µs" in text
+    assert "only 0.500 ms of their 1.00 ms overlap a compute kernel" in text
+    assert _idle_text(SectionData(tmp_path, "nothing")) is None

@@ -425,6 +425,46 @@ def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
     return Text(f"{label} and time per step: " + "; ".join(sentences) + ".")
 
 
+def _idle_text(d: SectionData) -> Text | None:
+    """Why the profiled forward is longer than its kernels: the GPU's idle time between kernels, read from the
+    step's kernel timeline (the union of both streams' kernels inside the forward phase)."""
+    tl, summary = d.frame("gathers_timeline"), d.frame("gathers_summary")
+    if tl is None or summary is None or not {"kind", "name", "start_ms", "dur_ms"} <= set(tl.columns):
+        return None
+    forward = tl[(tl["kind"] == "phase") & tl["name"].astype(str).str.contains("forward")]
+    if not len(forward):
+        return None
+    start, span = float(forward["start_ms"].iloc[0]), float(forward["dur_ms"].iloc[0])
+    kernels = tl[(tl["kind"] != "phase") & (tl["start_ms"] >= start) & (tl["start_ms"] < start + span)]
+    if len(kernels) < 2:
+        return None
+    gaps, end = [], None
+    for s, e in sorted(zip(kernels["start_ms"], kernels["start_ms"] + kernels["dur_ms"])):
+        if end is not None and s > end:
+            gaps.append(s - end)
+        end = e if end is None else max(end, e)
+    idle = sum(gaps) + (start + span - end if end < start + span else 0.0)
+    compute = kernels[kernels["kind"] == "compute"]
+    comm = kernels[kernels["kind"] == "comm"]
+    model = (d.meta("gathers_summary").get("extra") or {}).get("model")
+    layers = accounting.ladder_config(model).num_layers if model else None
+    r = summary.iloc[0]
+    per_layer = (f", {fmt.sig(len(comm) / layers, 2)} per layer where one gather of a layer's flat shard would do"
+                 if layers and len(comm) > layers else "")
+    return Text(
+        f"**Why the forward is longer than its kernels.** Of its {fmt.ms(span)} the GPU is idle for {fmt.ms(idle)} "
+        f"({fmt.pct(idle / span)}), in {len(gaps):,} gaps between kernels (median "
+        f"{fmt.sig(float(pd.Series(gaps).median()) * 1e3, 2)} µs) spread over the whole forward, not bunched before "
+        f"the gathers: the forward is launch-bound. Rank 0's host issued {len(compute):,} compute kernels and "
+        f"{len(comm)} all-gathers{per_layer}, one every {fmt.sig(span / len(kernels) * 1e3, 2)} µs, while a compute "
+        f"kernel ran {fmt.sig(float(compute['dur_ms'].mean()) * 1e3, 2)} µs on average (a small batch per rank, and "
+        "the profiler adds host time to every operator). So the gathers are in time, and only "
+        f"{fmt.ms(r['gather_beside_compute_ms'])} of their {fmt.ms(r['gather_ms'])} overlap a compute kernel because "
+        "most of the time there is none to overlap: they hide behind the host's launches, not behind compute. "
+        "What would shorten the forward is on the host's side: more tokens per rank, fewer and larger gathers, or "
+        "capturing the step in a CUDA graph (not measured here).")
+
+
 def _gathers_blocks(d: SectionData) -> list[Block | None]:
     """fsdp_accounting (b): does the forward's all-gather finish in time? From the profiled step."""
     summary = d.frame("gathers_summary")
@@ -461,6 +501,7 @@ def _gathers_blocks(d: SectionData) -> list[Block | None]:
             f"of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it beside compute. " + verdict)
     return [
         text,
+        _idle_text(d),
         d.figure("gathers_timeline", caption="Kernels of one FSDP training step on rank 0 by stream (compute grey, "
                  "communication red) under the phases the GPU ran; the forward's all-gathers are the red bars "
                  "beside its compute."),
