@@ -705,8 +705,8 @@ def test_bucketed_ddp_states_its_step_time_against_torch_ddp_and_calls_a_differe
     text = torch_parity(SectionData(tmp_path, "ddp_bucketed")).markdown
     assert "2 GPUs, both with 25 MB buckets" in text
     # 1 ms of spread per pair: 110 vs 100 is slower, 99.5 a tie, 90 faster, 101.2 slower; the 1 MB rows are not the bar.
-    assert ("fp32 eager 1.10× (slower), captured 0.995× (a tie within the spread); "
-            "bf16 eager 0.900× (faster), captured 1.01× (slower) of torch's step time") in text
+    assert ("in fp32 eager 1.10× (slower), captured 0.995× (a tie within the spread); "
+            "under bf16 autocast eager 0.900× (faster), captured 1.01× (slower) of torch's step time") in text
     assert torch_parity(SectionData(tmp_path, "nothing_here")) is None
 
 

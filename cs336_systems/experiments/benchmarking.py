@@ -215,9 +215,14 @@ def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None
     if all(f"{ph}_std_ms" in ok.columns for ph in phases):
         cv = pd.concat([ok[f"{ph}_std_ms"] / ok[f"{ph}_mean_ms"] for ph in phases], keys=phases)
         phase, idx = cv.idxmax()
+        noisy = cv[cv > 0.1]
         text += (f" The standard deviation is a median {fmt.pct(cv.median(), 2)} of the mean and at most "
                  f"{fmt.pct(cv.max(), 2)} ({ok.loc[idx, 'size']} {phase})"
-                 + (": after warm-up the variability is low." if cv.median() < 0.05 else "."))
+                 + (": after warm-up most measurements vary little, but "
+                    + join_words([f"{ok.loc[i, 'size']} {ph}" for ph, i in noisy.index])
+                    + " vary by more than 10%: a few slow steps, which the mean "
+                    "carries and a median would not." if cv.median() < 0.05 and len(noisy) else
+                    ": after warm-up the variability is low." if cv.median() < 0.05 else "."))
     failed = failed_rows(df)
     if not failed.empty:
         text += " Not measured: " + join_words([f"{r['size']} ({r['status']}{_state_note(r['size'], r['status'])})"

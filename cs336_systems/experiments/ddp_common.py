@@ -327,7 +327,8 @@ def torch_parity(d: SectionData, bucket_mb: float = 25.0) -> Text | None:
             verdict = "a tie within the spread" if abs(ratio - 1) <= noise else ("faster" if ratio < 1 else "slower")
             cells.append(f"{'captured' if captured else 'eager'} {fmt.ratio(ratio)} ({verdict})")
         if cells:
-            parts.append(f"{f['autocast'].iloc[0]} " + ", ".join(cells))
+            ac = f["autocast"].iloc[0]
+            parts.append(("in fp32 " if ac == "fp32" else f"under {ac} autocast ") + ", ".join(cells))
     if not parts:
         return None
     world = int(next(iter(runs.values()))["world_size"].max())
@@ -397,7 +398,7 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
                      f"$o = {fmt.tex_sig(m['o_us'])}$ µs, $w = {fmt.tex_sig(m['w_GBps'])}$ GB/s, "
                      f"$s = {fmt.tex_sig(m['s_GB'] * 1e3)}$ MB of gradients:"),
                 Equation([(rf"n_b^* = {fmt.tex_sig(m.get('optimal_num_buckets', float('nan')))},\qquad "
-                          rf"b^* = {fmt.tex_sig(m['optimal_bucket_size_mb'])}\,\mathrm{{MB}},\qquad "
+                          rf"b^* = {fmt.tex_sig(m['optimal_bucket_size_mb'])}\,\mathrm{{MiB}},\qquad "
                           rf"T^*_{{\mathrm{{overhead}}}} = {fmt.tex_sig(m.get('minimal_overhead_ms', float('nan')))}"
                           r"\,\mathrm{ms}")]),
                 bucketed.table(own, frame=eager_rows(bucketed.frame(own)),

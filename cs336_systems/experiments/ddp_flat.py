@@ -34,6 +34,23 @@ def run(p: DDPParams, out: ResultWriter) -> dict[str, Any]:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
+def _verdict(naive: Any, flat: Any) -> str:
+    """Whether batching the calls paid, judged against the two rows' step-to-step spread, and why."""
+    calls = naive.get("num_buckets")
+    n = f"{int(calls)} calls" if calls == calls and calls else "one call per parameter"
+    gb = naive.get("grad_bytes")
+    size = f" ({fmt.sig(gb / 1e9)} GB of gradients)" if gb == gb and gb else ""
+    noise = float(naive.get("step_ms_std", 0) or 0) + float(flat.get("step_ms_std", 0) or 0)
+    saved = float(naive["step_ms"]) - float(flat["step_ms"])
+    if saved > noise:
+        return (f"Batching pays: one call instead of {n} saves each call's fixed launch and synchronization cost, "
+                "which outweighs the copies into and out of the flat buffer.")
+    return (("No gain beyond the runs' spread" if abs(saved) <= noise else "Flat DDP is slower")
+            + f": the same bytes move{size}, and at this size the all-reduce is bandwidth-bound, so the fixed "
+            f"cost of {n} is small next to the transfer, while flattening adds a copy of every gradient into the "
+            "flat buffer and back.")
+
+
 def answer(d: SectionData) -> list[Block]:
     name, df = steps_table(d)
     naive, flat = row(df, "naive"), row(df, "flat")
@@ -41,9 +58,7 @@ def answer(d: SectionData) -> list[Block]:
     if naive is not None and flat is not None:
         text = Text(f"One all-reduce of the flattened gradients takes the step from {fmt.ms(naive['step_ms'])} to "
                     f"{fmt.ms(flat['step_ms'])} and the communication from {fmt.ms(naive['sync_ms'])} to "
-                    f"{fmt.ms(flat['sync_ms'])}: the same bytes move, but one call instead of one per parameter "
-                    "saves each call's fixed launch and synchronization cost (at the price of a copy into and "
-                    "out of the flat buffer).")
+                    f"{fmt.ms(flat['sync_ms'])}. " + _verdict(naive, flat))
     return [
         question(d, "minimal_ddp_flat_benchmarking", "One all-reduce of all gradients flattened into a single "
                  "tensor, compared with one all-reduce per parameter.",

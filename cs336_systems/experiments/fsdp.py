@@ -486,7 +486,7 @@ def _gathers_blocks(d: SectionData) -> list[Block | None]:
                        "prefetch hides the forward's communication completely.")
         else:
             verdict = (("Yes, except where nothing can hide it" if r["late_gathers"] == 1 and first_late else
-                        "Mostly" if share < 0.05 else "No")
+                        "In time but for a few" if share < 0.05 else "No")
                        + f": compute waited for {int(r['late_gathers'])} of them"
                        + (" (the first, which no compute precedes)" if first_late and r["late_gathers"] == 1 else
                           ", including the first, which no compute precedes," if first_late else "")

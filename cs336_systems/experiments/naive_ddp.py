@@ -154,11 +154,38 @@ def answer(d: SectionData) -> list[Block]:
                             "baseline!\"."),
             _equivalence_sentence(d.frame(named(d.tables, "toy_equivalence") or ""))]),
         question(d, "naive_ddp_benchmarking", "Time per training step and the share spent communicating gradients "
-                 "(XL model, one node, 2 GPUs).", [setup(df), text, steps_blocks(d, name, STEPS_CAPTION),
+                 "(XL model, one node, 2 GPUs).", [setup(df), text, _against_microbenchmark(d, naive),
+                                                   steps_blocks(d, name, STEPS_CAPTION),
                                                    d.figure(name or "", caption="Step time split into phases.")],
                  what="naive DDP step and communication times"),
         *ddp_common.scaling_blocks(d),
     ]
+
+
+def _against_microbenchmark(d: SectionData, naive: Any) -> Text | None:
+    """The naive step's communication against what the all-reduce microbenchmark (§2.1.3) predicts for the same
+    calls: ``n`` all-reduces moving ``S`` bytes in all take ``n·o + S/w`` with the latency ``o`` and algorithm
+    bandwidth ``w`` fitted there (NCCL, the same world size)."""
+    if naive is None or not {"num_buckets", "grad_bytes", "sync_ms", "world_size"} <= set(naive.index):
+        return None
+    fit = ddp_common.allreduce_fit(SectionData(d.root, "distributed_communication_single_node").frame("allreduce"),
+                                   world_size=int(naive["world_size"]))
+    if fit is None:
+        return None
+    n, size = int(naive["num_buckets"]), float(naive["grad_bytes"])
+    predicted = (n * fit["o"] + size / fit["w"]) * 1e3
+    ratio = float(naive["sync_ms"]) / predicted
+    why = ("so the calls run at the microbenchmark's speed" if abs(ratio - 1) < 0.15 else
+           "more than the microbenchmark's back-to-back calls of one size: here each call is also launched from "
+           "Python after the tensor's gradient is ready, the sizes are uneven (many small norms and biases beside "
+           "the large matrices), and the measured time includes waiting for the slower rank to finish backward"
+           if ratio > 1 else
+           "less than predicted: the fit's latency is an average over message sizes, and small messages run "
+           "faster than it")
+    return Text(f"Against the all-reduce microbenchmark (§2.1.3, NCCL on {int(naive['world_size'])} GPUs: a call "
+                f"costs $o$ = {fmt.sig(fit['o'] * 1e6, 2)} µs plus its bytes at $w$ = {fmt.sig(fit['w'] / 1e9)} GB/s): "
+                f"{n} calls moving {fmt.sig(size / 1e9)} GB predict $n\\,o + S/w$ = {fmt.ms(predicted)}; the naive "
+                f"step measured {fmt.ms(naive['sync_ms'])}, {fmt.ratio(ratio)} the prediction, {why}.")
 
 
 

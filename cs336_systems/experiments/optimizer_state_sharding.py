@@ -410,6 +410,24 @@ def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
     return derived
 
 
+def _sharding_verdict(timing: pd.DataFrame) -> str:
+    """What the step times show about sharding's cost, judged against the rows' step-to-step spread."""
+    by = timing.set_index("optimizer")
+    why = ("The sharded step runs AdamW on its own shard only ($1/P$ of the update) and then broadcasts every "
+           "parameter from its owner, an extra $\\Psi$ of traffic per step that the replicated optimizer does not "
+           "need")
+    if not {"adamw", "sharded"} <= set(by.index) or "step_ms_std" not in by.columns:
+        return why + "."
+    a, b = by.loc["adamw"], by.loc["sharded"]
+    diff, noise = float(b["step_ms"] - a["step_ms"]), float(a["step_ms_std"] + b["step_ms_std"])
+    if abs(diff) <= noise:
+        return (why + "; the two roughly cancel here: the difference is within the steps' spread (replicated "
+                f"AdamW's steps vary by ±{fmt.ms(a['step_ms_std'])}), so this run shows no cost of sharding.")
+    if diff > 0:
+        return why + f", and that costs {fmt.ms(diff)} per step here, more than the smaller update saves."
+    return why + f"; the smaller update saves more than the broadcast costs, {fmt.ms(-diff)} per step here."
+
+
 def _run_text(meta: dict[str, Any] | None) -> str:
     p = (meta or {}).get("params") or {}
     if "model" not in p:
@@ -525,10 +543,8 @@ def answer(d: SectionData) -> list[Block]:
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
                  + (f" ({fmt.ratio(r['slowdown_vs_adamw'])})" if "slowdown_vs_adamw" in r else "")
                  for _, r in timing.iterrows()]
-        time_text = Text("Time per training step (relative to replicated AdamW): " + join_words(parts) + ". The "
-                         "sharded step updates only the local shard, but then broadcasts every parameter from "
-                         "its owner, an extra $\\Psi$ of traffic per step that the replicated optimizer does not "
-                         "need.")
+        time_text = Text("Time per training step (relative to replicated AdamW): " + join_words(parts) + ". "
+                         + _sharding_verdict(timing))
     return [
         question(d, "a", "Peak memory after model initialization, before and after the optimizer step, with and "
                  "without optimizer-state sharding (XL, one node, 2 GPUs), with a breakdown.",
