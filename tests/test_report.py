@@ -731,3 +731,14 @@ def test_fsdp_accounting_b_finds_the_gpu_idle_between_kernels_of_the_profiled_fo
     assert "issued 3 compute kernels and 1 all-gathers, one every 2,500 µs" in text
     assert "only 0.500 ms of their 1.00 ms overlap a compute kernel" in text
     assert _idle_text(SectionData(tmp_path, "nothing")) is None
+
+
+def test_an_edition_writeup_cites_its_own_section_numbers() -> None:
+    from cs336_systems.report.build import _renumbered
+    from cs336_systems.report.document import Figure, Question, Text
+
+    numbers = {"2.1.3": "5.1", "2.3.2": "5.3.2"}
+    text = _renumbered(Text("the fit of §2.1.3 and the profile in §2.3.2; §1.4 is not here"), numbers).markdown
+    assert text == "the fit of §5.1 and the profile in §5.3.2; `writeup.pdf` §1.4 is not here"
+    q = _renumbered(Question("a", "as in §2.1.3", [Figure(Path("x.png"), "see §2.3.2", "", {})]), numbers)
+    assert q.prompt == "as in §5.1" and q.blocks[0].caption == "see §5.3.2"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -13,7 +14,17 @@ from cs336_systems.report import editions
 from cs336_systems.report import manifest as _manifest
 from cs336_systems.report.commentary import notebook_intro
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import BEYOND_HANDOUT, Block, Document, Figure, Missing, Section, Table, Text
+from cs336_systems.report.document import (
+    BEYOND_HANDOUT,
+    Block,
+    Document,
+    Figure,
+    Missing,
+    Question,
+    Section,
+    Table,
+    Text,
+)
 from cs336_systems.results import FIGURES_DIR
 
 TITLE = "CS336 Assignment 2 (Systems): writeup"
@@ -106,6 +117,26 @@ def _drop_cited(further: list[Block], cited: set[str]) -> list[Block]:
                     and (i + 1 == len(kept) or (isinstance(kept[i + 1], Text) and kept[i + 1].role == "further")))]
 
 
+_CITATION = re.compile(r"§(\d+(?:\.\d+)*)")
+
+
+def _renumbered(block: Block, numbers: dict[str, str]) -> Block:
+    """``block`` with its citations of workbook sections (``§2.1.3``) in another edition's numbers; a section
+    that edition lacks becomes ``writeup.pdf §N``. Prose and captions only: tables and figures keep their data."""
+    def cite(text: str) -> str:
+        return _CITATION.sub(lambda m: f"§{numbers[m.group(1)]}" if m.group(1) in numbers
+                             else f"`writeup.pdf` §{m.group(1)}", text)
+
+    if isinstance(block, Text):
+        return dataclasses.replace(block, markdown=cite(block.markdown))
+    if isinstance(block, (Table, Figure)):
+        return dataclasses.replace(block, caption=cite(block.caption))
+    if isinstance(block, Question):
+        return dataclasses.replace(block, prompt=cite(block.prompt),
+                                   blocks=[_renumbered(b, numbers) for b in block.blocks])
+    return block
+
+
 def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -> Document:
     """The writeup of another edition of the handout (:mod:`cs336_systems.report.editions`): the same
     sections' answers under that handout's numbers and problem names, each with its note, and an entry for
@@ -114,6 +145,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
 
     sections: list[Section] = []
     rows = ["| this handout | problems | workbook section (`writeup.pdf`) |", "|---|---|---|"]
+    numbers = {SECTIONS[e.section].number: e.number for e in editions.entries(edition) or () if e.section}
     for entry in editions.entries(edition) or ():
         def note(gap: str, entry: editions.Entry = entry) -> list[Block]:
             said = " ".join(x for x in (gap, entry.remark) if x)
@@ -131,6 +163,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         section, _ = build_section(spec, root, strict, notebooks, edition if own else None)
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
+        section.blocks = [_renumbered(b, numbers) for b in section.blocks]  # the answers cite this edition's numbers
         # Measured on this edition's grid: the note on the other grid's results no longer applies.
         section.blocks[:0] = note(f"measured on its own grid (`{spec.command_for(edition)}`, results in "
                                   f"`{root.name}/{spec.results_folder(edition)}/`)." if own else entry.note)
@@ -141,7 +174,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         Text(f"This document answers {editions.handout_name(edition)}, in its order and under its numbers. "
              "It reads the same results as `writeup.pdf`, the workbook's full writeup; where a result answers "
              f"the other edition's wording, a note at the top of the section says how, and how to refresh it. "
-             "Answers cite other sections by the workbook's numbers:"),
+             "Answers cite this document's numbers; a section it does not have is cited as `writeup.pdf`'s:"),
         Text("\n".join(rows)),
     ]
     inputs = _manifest.result_files(root)
