@@ -189,6 +189,23 @@ from cs336_systems.report.answers import mfu_note, model_tflops, with_mfu  # noq
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
+def _noise_note(timings: pd.DataFrame | None) -> str:
+    """The bf16 rows' spread, where it is large enough to blur the means: with the fastest steps beside them."""
+    need = {"size", "precision", "forward_mean_ms", "forward_std_ms", "forward_min_ms"}
+    if timings is None or not need <= set(timings.columns):
+        return ""
+    t = timings[timings["precision"].isin(["fp32", "bf16"])].set_index(["size", "precision"])
+    bf16 = t.xs("bf16", level="precision")
+    cv = bf16["forward_std_ms"] / bf16["forward_mean_ms"]
+    if cv.max() < 0.2:
+        return ""
+    sizes = [s for s in bf16.index if (s, "fp32") in t.index]
+    fastest = [f"{s} {fmt.ratio(t.loc[(s, 'fp32'), 'forward_min_ms'] / bf16.loc[s, 'forward_min_ms'])}" for s in sizes]
+    return (f" The bf16 forward times are noisy in this run (standard deviation up to {fmt.pct(cv.max(), 2)} of the "
+            f"mean, {cv.idxmax()}), so their means blur the trend; by each run's fastest step the forward speed-up is "
+            + join_words(fastest) + ".")
+
+
 def answer(d: SectionData) -> list[Block]:
     acc = d.frame("accumulation")
     dtypes = d.frame("toy_model_dtypes")
@@ -210,13 +227,18 @@ def answer(d: SectionData) -> list[Block]:
     speed_text = None
     if speed is not None and {"size", "forward_speedup", "backward_speedup"} <= set(speed.columns) and len(speed):
         first, last = speed.iloc[0], speed.iloc[-1]
+
+        def effect(x: float) -> str:
+            return f"{fmt.ratio(x)}" + (" (slower)" if x < 1 else "")
+
         speed_text = Text(
-            f"bf16 autocast speeds the forward pass up {fmt.ratio(first['forward_speedup'])} for {first['size']} "
-            f"and {fmt.ratio(last['forward_speedup'])} for {last['size']}; the backward pass "
-            f"{fmt.ratio(first['backward_speedup'])} and {fmt.ratio(last['backward_speedup'])}. Larger models "
+            f"Speed-up of bf16 autocast (fp32 time / bf16 time): the forward pass {effect(first['forward_speedup'])} "
+            f"for {first['size']} and {effect(last['forward_speedup'])} for {last['size']}; the backward pass "
+            f"{effect(first['backward_speedup'])} and {effect(last['backward_speedup'])}. Larger models "
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
-            "over fp32 (TF32 off), while small models are bound by elementwise kernels and launch overhead that "
-            "autocast does not speed up (and its casts add to).")
+            "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
+            "kernels (which autocast does not speed up and its casts add to) weigh more."
+            + _noise_note(d.frame("precision_timings")))
     return [
         question(d, "mixed_precision_accumulation", "Accumulating 0.01 a thousand times in fp32, fp16 and "
                  "mixtures.", [acc_text, d.table("accumulation", caption="The four accumulation loops.", digits=7)],
