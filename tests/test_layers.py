@@ -1,8 +1,9 @@
 """The house's one-way walls, read from the code's own imports (at any depth, function-local ones included).
 
 - The library (attention/, distributed/, benchmarking/, profiling/, checks/ and the root modules) never imports
-  the workbook: the sections (experiments/), the writeup builder (report/, replotting included) and the
-  notebooks' runner (notebooks.py). What a library function needs of a section is passed in.
+  the workbook: the sections (experiments/), the writeup builder (report/, replotting included), the
+  notebooks' runner (notebooks.py) and the CSE599-O scripts (cse599o/). What a library function needs of a
+  section is passed in.
 - cs336_basics, the Assignment-1 model, imports nothing of cs336_systems: a user can swap in their own.
 - No module imports itself back through others (no import circles).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = {"cs336_systems": REPO / "cs336_systems", "cs336_basics": REPO / "cs336-basics" / "cs336_basics"}
-WORKBOOK = ("cs336_systems.experiments", "cs336_systems.report", "cs336_systems.notebooks")
+WORKBOOK = ("cs336_systems.experiments", "cs336_systems.report", "cs336_systems.notebooks", "cs336_systems.cse599o")
 
 
 def _modules() -> dict[str, Path]:
@@ -163,9 +164,10 @@ def test_no_module_over_700_lines() -> None:
 
 def test_one_command_line_per_layer() -> None:
     """Sections (experiments), tools (benchmarking), the writeup (report, replot included), notebooks, and the
-    course-style naive DDP script the handout asks for: every other module adds its options to one of these
-    (``add_arguments(parser)``) instead of building a parser of its own."""
-    builders = sorted(name for name, path in _modules().items() if "ArgumentParser(" in path.read_text(encoding="utf-8"))
-    assert builders == ["cs336_systems.benchmarking.__main__", "cs336_systems.experiments.__main__",
-                        "cs336_systems.experiments.naive_ddp", "cs336_systems.notebooks",
-                        "cs336_systems.report.__main__"], builders
+    course-style scripts the handouts ask for (naive DDP's, and CSE599-O's under the staff's flags): every other
+    module adds its options to one of these (``add_arguments(parser)``) instead of building a parser of its own."""
+    builders = sorted(name for name, path in _modules().items()
+                      if any(s in path.read_text(encoding="utf-8") for s in ("ArgumentParser(", "(argparse.ArgumentParser)")))
+    assert builders == ["cs336_systems.benchmarking.__main__", "cs336_systems.cse599o.ddp_commands",
+                        "cs336_systems.experiments.__main__", "cs336_systems.experiments.naive_ddp",
+                        "cs336_systems.notebooks", "cs336_systems.report.__main__"], builders

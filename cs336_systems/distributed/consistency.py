@@ -32,6 +32,7 @@ the non-finite flags where that detection is on).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import enum
 from collections.abc import Sequence
@@ -244,6 +245,18 @@ def control_channel(group: dist.ProcessGroup | None) -> ControlChannel:
     if key not in _channels:
         _channels[key] = ControlChannel(group)
     return _channels[key]
+
+
+def drop_channels() -> None:
+    """Forget the cached control channels, releasing their gloo groups. Left for the interpreter's final
+    teardown, a channel's group is destroyed after parts of torch it needs, which aborts the process ("terminate
+    called without an active exception") after a run that succeeded; ranks started by srun or torchrun exit
+    that way (spawned ranks skip the teardown), so it runs at exit, before that teardown."""
+    _channels.clear()
+    _channels_world[0] = None
+
+
+atexit.register(drop_channels)
 
 
 def announce_finished() -> None:

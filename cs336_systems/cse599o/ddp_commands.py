@@ -1,0 +1,150 @@
+"""Flags and printout of the CSE599-O DDP scripts; the work itself is the library's.
+
+``benchmark_naive_ddp.py --model toy`` is :func:`cs336_systems.experiments.naive_ddp.main`'s toy check;
+every timed run (``--model transformer`` and ``benchmark_optimized_ddp.py``) is
+:func:`cs336_systems.benchmarking.ddp_steps.run_benchmark` on the Table 1 model (preset ``large``), fp32, a
+few iterations, as the handout asks. Ranks are spawned here (``--nproc``, default one per visible GPU, or
+two CPU ranks on gloo without CUDA) unless srun (``-n 2``) or torchrun started them. These runs print their
+numbers and write no result files: what they print is what the handout's screenshots show.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from cs336_systems.benchmarking.ddp_steps import DDPBenchConfig, run_benchmark
+from cs336_systems.cli import EXIT_USAGE
+from cs336_systems.configs import get_config
+from cs336_systems.distributed import runner
+from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB
+
+DEFAULT_PRESET = "large"  # the handout's Table 1: d_model 1280, d_ff 5120, 36 layers, 20 heads
+DEFAULT_WARMUP, DEFAULT_STEPS = 2, 5  # "a small number of iterations (e.g., fewer than 10)"
+OPTIMIZED_MODES = ("flat", "individual", "bucketed")
+#: Strategies whose communication overlaps the backward pass: what they leave after it is what is measured.
+OVERLAPPING = ("individual", "bucketed")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (``prog: error: ...``) and exit status 2, like
+    every other bad input here; ``--help`` still prints the full usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def default_nproc() -> int:
+    """Ranks to spawn when none were started: the staff's single task sees both GPUs, so one rank per
+    visible GPU; without CUDA, two CPU ranks (gloo)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks to spawn when not under srun -n N or torchrun "
+                             "(default: one per visible GPU, else 2 CPU ranks)")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default=None,
+                        help="default: nccl with GPUs, else gloo (the toy check always defaults to gloo)")
+    parser.add_argument("--preset", default=DEFAULT_PRESET,
+                        help=f"model preset of the timed runs (default {DEFAULT_PRESET}, the handout's Table 1)")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="untimed iterations first")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed iterations (toy: training steps)")
+    parser.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank and iteration")
+    parser.add_argument("--context-length", type=int, default=None, help="default: the preset's (512 for large)")
+    parser.add_argument("--autocast", choices=["fp32", "bf16"], default="fp32", help="compute precision")
+
+
+def _parse(parser: OneLineParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse and check every value before a rank starts, so bad input is one line and exit 2."""
+    args = parser.parse_args(argv)
+    try:
+        args.preset = get_config(args.preset).name
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.nproc is not None and args.nproc < 2:
+        parser.error(f"--nproc must be at least 2 (data parallelism needs two ranks), got {args.nproc}")
+    if args.steps < 1 or args.warmup < 0 or args.batch_per_rank < 1:
+        parser.error("need --steps >= 1, --warmup >= 0 and --batch-per-rank >= 1")
+    if args.context_length is not None and args.context_length < 1:
+        parser.error(f"--context-length must be at least 1, got {args.context_length}")
+    for size in getattr(args, "bucket_size_mb", []):
+        if not size > 0 or size == float("inf"):
+            parser.error(f"--bucket-size-mb must be a finite number of MiB > 0, got {size:g}")
+    if args.nproc is None and not runner.launched_externally():
+        args.nproc = default_nproc()
+        if args.nproc < 2:
+            parser.error(f"only {args.nproc} CUDA device visible and DDP needs two ranks: ask Slurm for two GPUs "
+                         "(--gpus-per-node=2), or run on CPU with --backend gloo --nproc 2")
+    return args
+
+
+def naive_main(argv: Sequence[str] | None = None) -> int:
+    """``benchmark_naive_ddp.py``: the toy check (exit 1 when DDP differs from one process) or naive DDP
+    timed on the Transformer."""
+    parser = OneLineParser(prog="benchmark_naive_ddp.py",
+                           description="Naive DDP: checked against one process on the ToyModel, or timed on "
+                                       "the Table 1 Transformer.")
+    parser.add_argument("--model", choices=["toy", "transformer"], default="toy",
+                        help="toy: check naive DDP against single-process training; transformer: time it")
+    _add_common_arguments(parser)
+    args = _parse(parser, argv)
+    if args.model == "toy":
+        from cs336_systems.experiments import naive_ddp
+
+        toy = ["--model", "toy", "--toy-steps", str(args.steps), "--nproc", str(args.nproc or 2)]
+        return naive_ddp.main(toy + (["--backend", args.backend] if args.backend else []))
+    return time_strategies(args, ["naive"], [])
+
+
+def optimized_main(argv: Sequence[str] | None = None) -> int:
+    """``benchmark_optimized_ddp.py``: flat, individual (overlapping) and bucketed DDP timed on the
+    Transformer, each bucket size of ``--bucket-size-mb`` a run of its own."""
+    parser = OneLineParser(prog="benchmark_optimized_ddp.py",
+                           description="Flat, overlapping (individual) and bucketed DDP timed on the Table 1 "
+                                       "Transformer.")
+    parser.add_argument("--mode", nargs="+", choices=list(OPTIMIZED_MODES), default=list(OPTIMIZED_MODES),
+                        help="strategies to time (default: all three)")
+    parser.add_argument("--bucket-size-mb", nargs="+", type=float, default=[DEFAULT_BUCKET_SIZE_MB],
+                        help=f"bucket caps in MiB for --mode bucketed, e.g. 1 10 100 1000 "
+                             f"(default {DEFAULT_BUCKET_SIZE_MB:g}, torch DDP's)")
+    _add_common_arguments(parser)
+    args = _parse(parser, argv)
+    return time_strategies(args, list(dict.fromkeys(args.mode)), list(dict.fromkeys(args.bucket_size_mb)))
+
+
+def time_strategies(args: argparse.Namespace, modes: list[str], bucket_sizes_mb: list[float]) -> int:
+    """Time ``modes`` with the DDP step benchmark and print, on rank 0, one line per strategy."""
+    model = get_config(args.preset)
+    cfg = DDPBenchConfig(preset=args.preset, context_length=args.context_length or model.context_length,
+                         batch_per_rank=args.batch_per_rank, autocast=args.autocast, modes=modes,
+                         bucket_sizes_mb=bucket_sizes_mb or [DEFAULT_BUCKET_SIZE_MB],
+                         warmup=args.warmup, steps=args.steps)
+    result = run_benchmark(cfg, args.nproc or 2, args.backend)
+    if runner.is_main_process():
+        print("\n".join(summary_lines(result["rows"], cfg)), flush=True)
+    return 0
+
+
+def summary_lines(rows: list[dict[str, Any]], cfg: DDPBenchConfig) -> list[str]:
+    """The readable result: a line saying what ran, then per strategy its time per iteration and its
+    gradient communication time with that time's share of the iteration (the slowest rank's means)."""
+    m = get_config(cfg.preset)
+    world = max((int(r["world_size"]) for r in rows), default=0)
+    lines = [(f"{m.name} model (d_model {m.d_model}, d_ff {m.d_ff}, {m.num_layers} layers, {m.num_heads} heads), "
+             f"{cfg.autocast}, {world} ranks x {cfg.batch_per_rank} sequences of {cfg.context_length} tokens; "
+             f"mean of {cfg.steps} iterations after {cfg.warmup} warm-up")]
+    for r in rows:
+        step, comm = float(r["step_ms"]), float(r["sync_ms"])
+        what = "gradient communication not hidden by backward" if r["mode"] in OVERLAPPING else "gradient communication"
+        name = f"{r['mode']} DDP" + (f" ({r['bucket_size_mb']:g} MB buckets)" if r["mode"] == "bucketed" else "")
+        lines.append(f"{name}: {step:.2f} ms per iteration, {what} {comm:.2f} ms "
+                     f"({comm / step:.1%} of the iteration)")
+    if any(r["mode"] in OVERLAPPING for r in rows):
+        lines.append("(overlapping strategies all-reduce during backward; the communication shown is the wait "
+                     "left after backward ends)")
+    return lines
+

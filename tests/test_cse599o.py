@@ -1,0 +1,58 @@
+"""The CSE599-O scripts (``cs336_systems/cse599o/``): their flags, one-line usage errors, and a timed run
+on two CPU ranks. Under a real Slurm they run in ``tests/test_slurm.py``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cs336_systems.cse599o import benchmark_naive_ddp, benchmark_optimized_ddp
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "cs336_systems" / "cse599o"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "argv", "says"), [
+    ("benchmark_optimized_ddp.py", ["--mode", "ring"], "argument --mode: invalid choice: 'ring'"),
+    ("benchmark_optimized_ddp.py", ["--mode", "bucketed", "--bucket-size-mb", "0"], "--bucket-size-mb must be"),
+    ("benchmark_naive_ddp.py", ["--model", "toy", "--nproc", "1"], "--nproc must be at least 2"),
+])
+def test_a_script_run_as_the_staff_do_refuses_bad_input_in_one_line(script: str, argv: list[str], says: str) -> None:
+    done = subprocess.run([sys.executable, script, *argv], check=False, cwd=SCRIPTS,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"{script}: error: ") and says in done.stderr
+
+
+@pytest.mark.parametrize(("main", "argv", "says"), [
+    (benchmark_optimized_ddp.main, ["--mode", "flat", "naive"], "invalid choice: 'naive'"),
+    (benchmark_optimized_ddp.main, ["--mode", "bucketed", "--bucket-size-mb", "10", "-1"], "got -1"),
+    (benchmark_optimized_ddp.main, ["--bucket-size-mb", "nan"], "got nan"),
+    (benchmark_optimized_ddp.main, ["--preset", "enormous"], "unknown model preset 'enormous'"),
+    (benchmark_naive_ddp.main, ["--model", "huge"], "invalid choice: 'huge'"),
+    (benchmark_naive_ddp.main, ["--model", "transformer", "--steps", "0"], "--steps >= 1"),
+    (benchmark_naive_ddp.main, ["--nproc", "0"], "got 0"),
+])
+def test_bad_flags_exit_2_with_one_line(main, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.slow
+def test_optimized_ddp_times_bucketed_ddp_on_two_cpu_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert benchmark_optimized_ddp.main(["--mode", "bucketed", "--bucket-size-mb", "0.05", "1", "--preset", "tiny",
+                                         "--nproc", "2", "--backend", "gloo", "--warmup", "1", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny model (d_model 64, d_ff 256, 2 layers, 4 heads), fp32, 2 ranks x 2 sequences of 64 tokens" in out
+    lines = re.findall(r"^bucketed DDP \((\S+) MB buckets\): ([\d.]+) ms per iteration, gradient communication "
+                       r"not hidden by backward ([\d.]+) ms \(([\d.]+)% of the iteration\)$", out, re.MULTILINE)
+    assert [size for size, *_ in lines] == ["0.05", "1"], out
+    for _, step, comm, share in lines:
+        assert float(step) > 0 and 0 <= float(comm) <= float(step)
+        assert float(share) == pytest.approx(100 * float(comm) / float(step), abs=0.1)
