@@ -191,6 +191,38 @@ def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str
             f"keeps batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block.")
 
 
+def _train_peak_breakdown(peaks: pd.DataFrame | None) -> str:
+    """What sets the training step's peak at each context: the state held between steps plus the forward's
+    activations (the end of the forward), or that state plus the gradients (the optimizer step)."""
+    need = {"precision", "mode", "context_length", "status", "peak_GiB", "allocated_before_GiB"}
+    if peaks is None or not need <= set(peaks.columns):
+        return ""
+    p = peaks[(peaks["precision"] == "fp32") & (peaks["status"] == "ok")]
+    fwd, train = (p[p["mode"] == m].set_index("context_length") for m in ("forward", "train"))
+    contexts = [c for c in train.index if c in fwd.index]
+    if not contexts:
+        return ""
+    weights = float(fwd["allocated_before_GiB"].iloc[0])
+    state = float(train["allocated_before_GiB"].iloc[0])
+    parts, kinds = [], []
+    for c in contexts:
+        acts = float(fwd.loc[c, "peak_GiB"]) - weights
+        end_of_forward, optimizer = state + acts, state + weights
+        which = "the end of the forward" if end_of_forward > optimizer else "the optimizer step"
+        kinds.append(which)
+        parts.append(f"context {int(c)}: {fmt.gib(acts * 2**30)} of activations, so {which} "
+                     f"({fmt.gib(max(end_of_forward, optimizer) * 2**30)} predicted, "
+                     f"{fmt.gib(float(train.loc[c, 'peak_GiB']) * 2**30)} measured)")
+    return (f" Between steps the training run holds the {fmt.gib(weights * 2**30)} of fp32 weights and AdamW's two "
+            f"moments, {fmt.gib(state * 2**30)} in all ({fmt.sig(state / weights, 2)} copies of the weights; "
+            "`zero_grad` frees the gradients). A step then peaks at the larger of two moments: the end of the "
+            "forward, that state plus the activations saved for backward (the forward's peak minus the weights), "
+            "or the optimizer step, that state plus the gradients, a fourth copy of the weights. "
+            + (lambda t: t[0].upper() + t[1:])("; ".join(parts)) + "."
+            + (" So at short contexts the optimizer step sets the peak and it barely moves with context; once the "
+               "activations outgrow one copy of the weights, they set it." if len(set(kinds)) > 1 else ""))
+
+
 def answer(d: SectionData) -> list[Block]:
     meta = d.meta("peak_memory") or d.meta("residual_stream")
     size = str((meta.get("params") or {}).get("size", "2.7B"))
@@ -214,9 +246,8 @@ def answer(d: SectionData) -> list[Block]:
             return " / ".join(done) + f" at context {int(r['context_length'])}"
 
         b_text = Text(f"Peak memory of the {size} model: " + join_words([
-            cell(r) for _, r in fp32.iterrows()]) + ". The training "
-            "step adds gradients and AdamW's two moments (three more copies of the weights) to the forward pass's "
-            f"weights and activations.{failed}" + _why_out_of_memory(peaks, cfg, device))
+            cell(r) for _, r in fp32.iterrows()]) + "." + _train_peak_breakdown(peaks)
+            + f"{failed}" + _why_out_of_memory(peaks, cfg, device))
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {size} model on "
                       f"{device}.{failed}")
