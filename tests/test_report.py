@@ -743,3 +743,17 @@ def test_an_edition_writeup_cites_its_own_section_numbers() -> None:
     assert text == "the fit of §5.1 and the profile in §5.3.2; `writeup.pdf` §1.4 is not here"
     q = _renumbered(Question("a", "as in §2.1.3", [Figure(Path("x.png"), "see §2.3.2", "", {})]), numbers)
     assert q.prompt == "as in §5.1" and q.blocks[0].caption == "see §5.3.2"
+
+
+def test_memory_b_says_which_moment_sets_the_training_peak_at_each_context() -> None:
+    from cs336_systems.experiments.memory_profiling import _train_peak_breakdown
+
+    rows = [("forward", 128, 12.0, 10.0), ("forward", 512, 25.0, 10.0),  # 2 and 15 GiB of activations
+            ("train", 128, 40.5, 30.0), ("train", 512, 45.2, 30.0)]      # state: weights + two moments
+    peaks = pd.DataFrame(rows, columns=["mode", "context_length", "peak_GiB", "allocated_before_GiB"]).assign(
+        precision="fp32", status="ok")
+    text = _train_peak_breakdown(peaks)
+    assert "Context 128: 2.00 GiB of activations, so the optimizer step (40.0 GiB predicted, 40.5 GiB measured)" in text
+    assert "context 512: 15.0 GiB of activations, so the end of the forward (45.0 GiB predicted" in text
+    assert "(3.0 copies of the weights" in text and "once the activations outgrow one copy" in text
+    assert _train_peak_breakdown(None) == ""
