@@ -233,12 +233,14 @@ def _report(done: subprocess.CompletedProcess[str]) -> str:
     return f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
 
 
+@pytest.mark.slow
 def test_naive_ddp_toy_check_as_one_task_spawning_its_ranks(slurm_cluster: Cluster) -> None:
     done = _srun(slurm_cluster, ["-N1", "-n1"], ["--model", "toy", "--nproc", "2", "--backend", "gloo"])
     assert done.returncode == 0, _report(done)
     assert "ranks: 2" in done.stdout and "Naive DDP matches baseline!" in done.stdout, _report(done)
 
 
+@pytest.mark.slow
 def test_naive_ddp_toy_check_with_a_task_per_rank(slurm_cluster: Cluster) -> None:
     done = _srun(slurm_cluster, ["-N1", "-n2"], ["--model", "toy", "--backend", "gloo"],
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

@@ -90,7 +90,7 @@ def _expectations(best: Any, spread: float, flat: Any, individual: Any, largest:
         outcome = (" **Only partly aligned:** " + ("the best size beats both, but " if beats else
                    f"the best size ({fmt.ms(best['step_ms'])}) does not beat both flat ({fmt.ms(flat['step_ms'])}) "
                    f"and per-parameter overlap ({fmt.ms(individual['step_ms'])}), and ")
-                   + "the differences are small: on NVLink the all-reduce of XL's gradients is a small share of the "
+                   + "the differences are small: on NVLink the all-reduce of the gradients is a small share of the "
                    "step, so there is little communication left to hide, and what remains is host launch cost and "
                    "the all-reduce kernels slowing the backward they overlap with (the profile in §2.3.2).")
     change = (" **A setup that would show the expected shape:** a slower link (PCIe, or two nodes over InfiniBand or "

@@ -126,7 +126,7 @@ def plot_scaling(table: pd.DataFrame, title: str) -> plt.Figure:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
-from cs336_systems.report.answers import mfu_note, step_mfu  # noqa: E402  (answers only)
+from cs336_systems.report.answers import mfu_note, spread, step_mfu  # noqa: E402  (answers only)
 
 
 def allreduce_fit(frame: pd.DataFrame | None, backend: str = "nccl", world_size: int = 2) -> dict | None:
@@ -288,7 +288,7 @@ def captured_steps(d: SectionData) -> list[Block]:
                     caption=f"The captured steps of the {f['autocast'].iloc[0]} autocast run (its eager rows, and the "
                             "fp32 run's, are in the CSVs).")
     return [question(d, "c", "Beyond the assignment: the same comparison with every step captured in a CUDA graph.", [
-        Text("Under bf16 autocast the XL step is launch-bound, so an eager comparison measures the host as much as "
+        Text("Under bf16 autocast this step is launch-bound, so an eager comparison measures the host as much as "
              "the GPU. The same run also captures every variant's whole step (forward, backward with the gradient "
              "hooks and their all-reduces, synchronisation, optimizer) in one CUDA graph and replays it "
              "(`cs336_systems/cuda_graphs.py`); overheads are against the captured single-GPU step, and each ratio "
@@ -322,7 +322,7 @@ def torch_parity(d: SectionData, bucket_mb: float = 25.0) -> Text | None:
             if not len(r) or not len(torch_row):
                 continue
             ratio = float(r["ratio_mean"].iloc[0])
-            noise = (float(mine["step_ms_std"].iloc[0]) + float(torch_row["step_ms_std"].iloc[0])) \
+            noise = spread(mine["step_ms_std"].iloc[0], torch_row["step_ms_std"].iloc[0]) \
                 / float(torch_row["step_ms"].iloc[0]) if "step_ms_std" in f.columns else 0.0
             verdict = "a tie within the spread" if abs(ratio - 1) <= noise else ("faster" if ratio < 1 else "slower")
             cells.append(f"{'captured' if captured else 'eager'} {fmt.ratio(ratio)} ({verdict})")

@@ -19,7 +19,7 @@ from cs336_systems.experiments.ddp_common import (
 )
 from cs336_systems.experiments.section import Section
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import question
+from cs336_systems.report.answers import known, question, spread
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.results import ResultWriter
@@ -36,11 +36,10 @@ def run(p: DDPParams, out: ResultWriter) -> dict[str, Any]:
 
 def _verdict(naive: Any, flat: Any) -> str:
     """Whether batching the calls paid, judged against the two rows' step-to-step spread, and why."""
-    calls = naive.get("num_buckets")
-    n = f"{int(calls)} calls" if calls == calls and calls else "one call per parameter"
-    gb = naive.get("grad_bytes")
-    size = f" ({fmt.sig(gb / 1e9)} GB of gradients)" if gb == gb and gb else ""
-    noise = float(naive.get("step_ms_std", 0) or 0) + float(flat.get("step_ms_std", 0) or 0)
+    calls, gb = known(naive.get("num_buckets")), known(naive.get("grad_bytes"))
+    n = f"{int(calls)} calls" if calls else "one call per parameter"
+    size = f" ({fmt.sig(gb / 1e9)} GB of gradients)" if gb else ""
+    noise = spread(naive.get("step_ms_std"), flat.get("step_ms_std"))
     saved = float(naive["step_ms"]) - float(flat["step_ms"])
     if saved > noise:
         return (f"Batching pays: one call instead of {n} saves each call's fixed launch and synchronization cost, "

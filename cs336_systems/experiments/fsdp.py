@@ -438,12 +438,14 @@ def _idle_text(d: SectionData) -> Text | None:
     kernels = tl[(tl["kind"] != "phase") & (tl["start_ms"] >= start) & (tl["start_ms"] < start + span)]
     if len(kernels) < 2:
         return None
-    gaps, end = [], None
+    gaps, end = [], start
     for s, e in sorted(zip(kernels["start_ms"], kernels["start_ms"] + kernels["dur_ms"])):
-        if end is not None and s > end:
+        if s > end:
             gaps.append(s - end)
-        end = e if end is None else max(end, e)
-    idle = sum(gaps) + (start + span - end if end < start + span else 0.0)
+        end = max(end, e)
+    idle = sum(gaps) + max(start + span - end, 0.0)
+    if not gaps or idle / span < 0.3:  # the GPU is mostly busy: nothing beyond the gathers to explain
+        return None
     compute = kernels[kernels["kind"] == "compute"]
     comm = kernels[kernels["kind"] == "comm"]
     model = (d.meta("gathers_summary").get("extra") or {}).get("model")
@@ -458,11 +460,13 @@ def _idle_text(d: SectionData) -> Text | None:
         f"the gathers: the forward is launch-bound. Rank 0's host issued {len(compute):,} compute kernels and "
         f"{len(comm)} all-gathers{per_layer}, one every {fmt.sig(span / len(kernels) * 1e3, 2)} µs, while a compute "
         f"kernel ran {fmt.sig(float(compute['dur_ms'].mean()) * 1e3, 2)} µs on average (a small batch per rank, and "
-        "the profiler adds host time to every operator). So the gathers are in time, and only "
-        f"{fmt.ms(r['gather_beside_compute_ms'])} of their {fmt.ms(r['gather_ms'])} overlap a compute kernel because "
-        "most of the time there is none to overlap: they hide behind the host's launches, not behind compute. "
-        "What would shorten the forward is on the host's side: more tokens per rank, fewer and larger gathers, or "
-        "capturing the step in a CUDA graph (not measured here).")
+        "the profiler adds host time to every operator). "
+        + ("So the gathers are in time" if float(r["wait_ms"]) < 0.05 * span else
+           f"The gathers also hold compute back ({fmt.ms(r['wait_ms'])} of waits), but less than the host does")
+        + f", and only {fmt.ms(r['gather_beside_compute_ms'])} of their {fmt.ms(r['gather_ms'])} overlap a compute "
+        "kernel because most of the time there is none to overlap: they hide behind the host's launches, not "
+        "behind compute. What would shorten the forward is on the host's side: more tokens per rank, fewer and "
+        "larger gathers, or capturing the step in a CUDA graph (not measured here).")
 
 
 def _gathers_blocks(d: SectionData) -> list[Block | None]:

@@ -236,11 +236,13 @@ def _gradients_text(meta: dict | None, residual_bytes: float | None) -> Text | N
     n = 4 * d * d + 3 * d * f + 2 * d  # attention projections, SwiGLU, two RMSNorm gains
     grads = 4 * n
     batch, context = params.get("batch_size"), params.get("context_length")
-    return Text(f"Its gradients: the block has $4d^2 + 3\,d\,d_{{ff}} + 2d$ = {n:,} parameters, so backward "
+    if batch is None or context is None:
+        return None
+    return Text(rf"Its gradients: the block has $4d^2 + 3\,d\,d_{{ff}} + 2d$ = {n:,} parameters, so backward "
                 f"writes {fmt.sig(grads / 2**20)} MiB of fp32 gradients for it at any batch and context; what it "
                 f"saves is {fmt.sig(residual_bytes / grads, 2)}× that at batch {batch} × {context} tokens. As "
-                "expected: the saved activations grow with $B \cdot T$ (the naive attention's scores and "
-                "probabilities with $B \cdot h \cdot T^2$), the gradients only with the parameters, so at "
+                r"expected: the saved activations grow with $B \cdot T$ (the naive attention's scores and "
+                r"probabilities with $B \cdot h \cdot T^2$), the gradients only with the parameters, so at "
                 "training batch and context the activations dominate.")
 
 

@@ -194,13 +194,19 @@ def _noise_note(timings: pd.DataFrame | None) -> str:
     need = {"size", "precision", "forward_mean_ms", "forward_std_ms", "forward_min_ms"}
     if timings is None or not need <= set(timings.columns):
         return ""
-    t = timings[timings["precision"].isin(["fp32", "bf16"])].set_index(["size", "precision"])
+    ok = timings[timings["status"].astype(str) == "ok"] if "status" in timings.columns else timings
+    cols = ["forward_mean_ms", "forward_std_ms", "forward_min_ms"]
+    t = ok[ok["precision"].isin(["fp32", "bf16"])].groupby(["size", "precision"], sort=False)[cols].mean()
+    if "bf16" not in t.index.get_level_values("precision"):
+        return ""
     bf16 = t.xs("bf16", level="precision")
-    cv = bf16["forward_std_ms"] / bf16["forward_mean_ms"]
-    if cv.max() < 0.2:
+    cv = (bf16["forward_std_ms"] / bf16["forward_mean_ms"]).dropna()
+    if cv.empty or cv.max() < 0.2:
         return ""
     sizes = [s for s in bf16.index if (s, "fp32") in t.index]
     fastest = [f"{s} {fmt.ratio(t.loc[(s, 'fp32'), 'forward_min_ms'] / bf16.loc[s, 'forward_min_ms'])}" for s in sizes]
+    if not fastest:
+        return ""
     return (f" The bf16 forward times are noisy in this run (standard deviation up to {fmt.pct(cv.max(), 2)} of the "
             f"mean, {cv.idxmax()}), so their means blur the trend; by each run's fastest step the forward speed-up is "
             + join_words(fastest) + ".")

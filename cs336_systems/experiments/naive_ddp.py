@@ -41,7 +41,7 @@ from cs336_systems.experiments.ddp_common import (
 )
 from cs336_systems.experiments.section import Section, param
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import question, subset
+from cs336_systems.report.answers import known, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.results import ResultWriter
@@ -154,7 +154,7 @@ def answer(d: SectionData) -> list[Block]:
                             "baseline!\"."),
             _equivalence_sentence(d.frame(named(d.tables, "toy_equivalence") or ""))]),
         question(d, "naive_ddp_benchmarking", "Time per training step and the share spent communicating gradients "
-                 "(XL model, one node, 2 GPUs).", [setup(df), text, _against_microbenchmark(d, naive),
+                 f"({_model_name(df)} model, one node, 2 GPUs).", [setup(df), text, _against_microbenchmark(d, naive),
                                                    steps_blocks(d, name, STEPS_CAPTION),
                                                    d.figure(name or "", caption="Step time split into phases.")],
                  what="naive DDP step and communication times"),
@@ -162,16 +162,23 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
+def _model_name(df: Any) -> str:
+    """The model the step table measured (the handout's benchmark model: xl, 2026's xl, CSE599-O's Table 1)."""
+    return str(df["preset"].iloc[0]) if df is not None and "preset" in df.columns and len(df) else "xl"
+
+
 def _against_microbenchmark(d: SectionData, naive: Any) -> Text | None:
     """The naive step's communication against what the all-reduce microbenchmark (§2.1.3) predicts for the same
     calls: ``n`` all-reduces moving ``S`` bytes in all take ``n·o + S/w`` with the latency ``o`` and algorithm
     bandwidth ``w`` fitted there (NCCL, the same world size)."""
-    if naive is None or not {"num_buckets", "grad_bytes", "sync_ms", "world_size"} <= set(naive.index):
+    need = ("num_buckets", "grad_bytes", "sync_ms", "world_size")
+    if naive is None or not set(need) <= set(naive.index) or any(known(naive[k]) is None for k in need):
         return None
-    fit = ddp_common.allreduce_fit(SectionData(d.root, "distributed_communication_single_node").frame("allreduce"),
-                                   world_size=int(naive["world_size"]))
-    if fit is None:
-        return None
+    allreduce = SectionData(d.root, "distributed_communication_single_node")
+    fit = ddp_common.allreduce_fit(allreduce.frame("allreduce"), world_size=int(naive["world_size"]))
+    name, _ = steps_table(d)
+    if fit is None or allreduce.meta("allreduce").get("device") != d.meta(name or "").get("device"):
+        return None  # a prediction from another machine's links says nothing about this run
     n, size = int(naive["num_buckets"]), float(naive["grad_bytes"])
     predicted = (n * fit["o"] + size / fit["w"]) * 1e3
     ratio = float(naive["sync_ms"]) / predicted

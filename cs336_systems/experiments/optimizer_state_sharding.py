@@ -419,7 +419,7 @@ def _sharding_verdict(timing: pd.DataFrame) -> str:
     if not {"adamw", "sharded"} <= set(by.index) or "step_ms_std" not in by.columns:
         return why + "."
     a, b = by.loc["adamw"], by.loc["sharded"]
-    diff, noise = float(b["step_ms"] - a["step_ms"]), float(a["step_ms_std"] + b["step_ms_std"])
+    diff, noise = float(b["step_ms"] - a["step_ms"]), spread(a["step_ms_std"], b["step_ms_std"])
     if abs(diff) <= noise:
         return (why + "; the two roughly cancel here: the difference is within the steps' spread (replicated "
                 f"AdamW's steps vary by ±{fmt.ms(a['step_ms_std'])}), so this run shows no cost of sharding.")
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
-from cs336_systems.report.answers import mfu_note, step_mfu  # noqa: E402  (answers only)
+from cs336_systems.report.answers import mfu_note, spread, step_mfu  # noqa: E402  (answers only)
 
 
 def _timing_with_mfu(timing: pd.DataFrame | None, meta: dict[str, Any]) -> pd.DataFrame | None:
@@ -547,7 +547,8 @@ def answer(d: SectionData) -> list[Block]:
                          + _sharding_verdict(timing))
     return [
         question(d, "a", "Peak memory after model initialization, before and after the optimizer step, with and "
-                 "without optimizer-state sharding (XL, one node, 2 GPUs), with a breakdown.",
+                 f"without optimizer-state sharding ({(d.meta('memory').get('params') or {}).get('model', 'xl')}, "
+                 "one node, 2 GPUs), with a breakdown.",
                  [mem_text, d.table("memory", caption="Allocated and peak memory per rank at the three points "
                                     "(GiB)."),
                   d.table("memory_breakdown", frame=bd, caption="Rank 0's memory by component, measured by counting "

@@ -132,8 +132,8 @@ class Section:
             grid = {}
             for name in self.sized_by:
                 value = getattr(full, name)
-                mapped = ([handout_size(v, edition) for v in value] if isinstance(value, (list, tuple))
-                          else handout_size(value, edition))
+                mapped = (list(dict.fromkeys(handout_size(v, edition) for v in value))  # one-model handouts
+                          if isinstance(value, (list, tuple)) else handout_size(value, edition))
                 if mapped != (list(value) if isinstance(value, (list, tuple)) else value):
                     grid[name] = mapped
             if grid:

@@ -5,9 +5,7 @@ problem answer its deliverables from the data (``sections/``), renders the docum
 math typeset by matplotlib's mathtext (``html.py``), prints it to PDF with headless Chromium
 (``pdf.py``) and records the sha256 of every input in ``figures/writeup_manifest.json``
 (``manifest.py``). ``python -m cs336_systems.report check`` fails when any result changed since.
+
+The package imports nothing on its own: the sections import its leaf modules (editions, fmt, answers), and
+the builder, which reads the sections, loads only when asked for (``cs336_systems.report.build``).
 """
-
-from cs336_systems.report.build import build, build_document
-from cs336_systems.report.manifest import check_manifest
-
-__all__ = ["build", "build_document", "check_manifest"]

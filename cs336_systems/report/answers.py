@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import fnmatch
 from typing import Any
 
@@ -53,6 +55,20 @@ def failed_rows(df: pd.DataFrame | None) -> pd.DataFrame:
     if df is None or "status" not in df.columns:
         return pd.DataFrame()
     return df[df["status"].astype(str) != "ok"]
+
+
+def known(value: Any) -> float | None:
+    """``value`` as a float if it is a finite number, else None (a missing cell, NaN, inf, text)."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def spread(*values: Any) -> float:
+    """The summed step-to-step spread of several rows; a row that recorded none adds nothing."""
+    return sum(x for v in values if (x := known(v)) is not None)
 
 
 def join_words(items: list[str]) -> str:

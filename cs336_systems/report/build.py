@@ -117,16 +117,22 @@ def _drop_cited(further: list[Block], cited: set[str]) -> list[Block]:
                     and (i + 1 == len(kept) or (isinstance(kept[i + 1], Text) and kept[i + 1].role == "further")))]
 
 
-_CITATION = re.compile(r"§(\d+(?:\.\d+)*)")
+_CITATION = re.compile(r"(`[^`]*`)|§(\d+(?:\.\d+)*)")  # a code span (left as it is) or a citation
 
 
 def _renumbered(block: Block, numbers: dict[str, str]) -> Block:
     """``block`` with its citations of workbook sections (``§2.1.3``) in another edition's numbers; a section
     that edition lacks becomes ``writeup.pdf §N``. Prose and captions only: tables and figures keep their data."""
-    def cite(text: str) -> str:
-        return _CITATION.sub(lambda m: f"§{numbers[m.group(1)]}" if m.group(1) in numbers
-                             else f"`writeup.pdf` §{m.group(1)}", text)
+    def one(m: re.Match) -> str:
+        if m.group(1):
+            return m.group(1)
+        return f"§{numbers[m.group(2)]}" if m.group(2) in numbers else f"`writeup.pdf` §{m.group(2)}"
 
+    def cite(text: str) -> str:
+        return _CITATION.sub(one, text)
+
+    if isinstance(block, Missing):
+        return dataclasses.replace(block, note=cite(block.note), alternative=cite(block.alternative))
     if isinstance(block, Text):
         return dataclasses.replace(block, markdown=cite(block.markdown))
     if isinstance(block, (Table, Figure)):

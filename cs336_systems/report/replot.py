@@ -87,6 +87,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _has_results(section: str, edition: str) -> bool:
-    from cs336_systems.results import results_root
+    """Whether ``edition``'s grid of ``section`` has measured any of the inputs its figures are drawn from."""
+    from cs336_systems.results import has_result, results_root
 
-    return (results_root(smoke=False) / get(section).results_folder(edition)).is_dir()
+    spec, root = get(section), results_root(smoke=False)
+    return any(has_result(spec.results_folder(edition), name, root=root) for name in spec.derive_inputs)
