@@ -56,3 +56,30 @@ def test_optimized_ddp_times_bucketed_ddp_on_two_cpu_ranks(capsys: pytest.Captur
     for _, step, comm, share in lines:
         assert float(step) > 0 and 0 <= float(comm) <= float(step)
         assert float(share) == pytest.approx(100 * float(comm) / float(step), abs=0.1)
+
+
+@pytest.mark.slow
+def test_record_keeps_what_the_run_printed_and_the_cse599o_writeup_shows_it(tmp_path, monkeypatch,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from cs336_systems.report.build import build_document
+    from cs336_systems.report.document import Console, Missing
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    assert benchmark_naive_ddp.main(["--model", "toy", "--nproc", "2", "--backend", "gloo", "--record",
+                                     "naive_toy"]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((tmp_path / "cse599o" / "naive_toy.json").read_text())
+    assert record["command"] == "benchmark_naive_ddp.py --model toy --nproc 2 --backend gloo"
+    assert record["lines"][-1] == "Naive DDP matches baseline!" and "\n".join(record["lines"]) in printed
+    meta = json.loads((tmp_path / "cse599o" / "naive_toy.meta.json").read_text())
+    assert meta["smoke"] is True  # CPU ranks: not GPU numbers, and marked so
+
+    doc = build_document(tmp_path, edition="cse599o")
+    blocks = list(doc.section("2.3").walk())
+    (console,) = [b for b in blocks if isinstance(b, Console)]
+    assert console.lines == record["lines"] and console.source.endswith("cse599o/naive_toy.json")
+    # the transformer run was not recorded: the section says which command records it
+    assert any(isinstance(b, Missing) and "--record naive_transformer" in b.command for b in blocks)
+    assert not any(s.folder == "cse599o" for s in build_document(tmp_path).unclaimed)  # not an orphan folder

@@ -17,6 +17,7 @@ from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import (
     BEYOND_HANDOUT,
     Block,
+    Console,
     Document,
     Figure,
     Missing,
@@ -143,6 +144,19 @@ def _renumbered(block: Block, numbers: dict[str, str]) -> Block:
     return block
 
 
+def _console(root: Path, name: str, command: str) -> Block:
+    """The printed output a handout asks to show, from its record in ``figures/<CONSOLE_FOLDER>/``, or what
+    produces it."""
+    data = SectionData(root, editions.CONSOLE_FOLDER)
+    record = data.json(name)
+    if not isinstance(record, dict) or not isinstance(record.get("lines"), list):
+        return Missing(f"the printed output of `{command}`",
+                       f"cd cs336_systems/cse599o && srun --gpus-per-node=2 uv run {command} --record {name}",
+                       f"(on a node with 2 GPUs; keeps it in `{root.name}/{editions.CONSOLE_FOLDER}/`)")
+    return Console(str(record.get("command") or command), [str(x) for x in record["lines"]],
+                   f"{root.name}/{editions.CONSOLE_FOLDER}/{name}.json", data.meta(name))
+
+
 def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -> Document:
     """The writeup of another edition of the handout (:mod:`cs336_systems.report.editions`): the same
     sections' answers under that handout's numbers and problem names, each with its note, and an entry for
@@ -170,6 +184,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
         section.blocks = [_renumbered(b, numbers) for b in section.blocks]  # the answers cite this edition's numbers
+        section.blocks[:0] = [_console(root, name, command) for name, command in entry.console]
         # Measured on this edition's grid: the note on the other grid's results no longer applies.
         section.blocks[:0] = note(f"measured on its own grid (`{spec.command_for(edition)}`, results in "
                                   f"`{root.name}/{spec.results_folder(edition)}/`)." if own else entry.note)
@@ -203,6 +218,7 @@ def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Pa
         section, _ = build_section(spec, root, strict, notebooks)
         sections.append(section)
         known.update((spec.name, *spec.also))
+    known.add(editions.CONSOLE_FOLDER)  # the course scripts' printed output: the CSE599-O writeup shows it
     cited = {src for s in sections for b in s.walk() if (src := _artefact(b))}
     for section in sections:
         section.further = _drop_cited(section.further, cited)

@@ -86,6 +86,20 @@ class Missing:
 
 
 @dataclass
+class Console:
+    """A program's printed output as a terminal shows it (what a handout's "screenshot" asks for), with the
+    provenance of the run that printed it."""
+
+    command: str
+    lines: list[str]
+    source: str
+    meta: dict[str, Any]
+
+    def plain(self) -> str:
+        return "\n".join([f"$ {self.command}", *self.lines])
+
+
+@dataclass
 class Question:
     """One deliverable of a problem, e.g. ``(b)``, with its answer blocks."""
 
@@ -97,7 +111,7 @@ class Question:
         return "\n".join([f"({self.label}) {self.prompt}", *(b.plain() for b in self.blocks)])
 
 
-Block = Text | Equation | Table | Figure | Missing | Question
+Block = Text | Equation | Table | Figure | Missing | Console | Question
 
 #: The role of an empty :class:`Text` in a section's answers: the blocks after it go beyond the handout, and
 #: the writeup moves them to a continuation of the section in its appendix.

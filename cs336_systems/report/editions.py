@@ -36,6 +36,13 @@ class Entry:
     once the section's own grid for this edition is measured)."""
     remark: str = ""
     """What this edition's readers should know either way (shown after the note)."""
+    console: tuple[tuple[str, str], ...] = ()
+    """``(record, command)`` pairs: the printed output the handout asks to show ("a screenshot"), each kept by
+    ``command --record record`` in ``figures/<CONSOLE_FOLDER>/`` and shown as a console block."""
+
+
+#: Where the course scripts keep the printed output they were asked to record (``--record NAME``).
+CONSOLE_FOLDER = "cse599o"
 
 
 _SIZES_2026 = "`--set sizes=small,medium,large,xl@2026,10B@2026`"
@@ -110,9 +117,6 @@ def _table1_note(section: str) -> str:
             "CS336 2025's xl (1600/6400/48/25).")
 
 
-_CONSOLE = ("The staff's command prints the per-iteration and communication times "
-            "(`cd cs336_systems/cse599o && srun --gpus-per-node=2 uv run {script}`); the table below holds the same "
-            "numbers from the section's run.")
 
 #: The CSE599-O handout ("Scaling with Data Parallelism"): its ten problems in its order, under its section numbers.
 EDITION_CSE599O: tuple[Entry, ...] = (
@@ -123,18 +127,18 @@ EDITION_CSE599O: tuple[Entry, ...] = (
                "distributed_communication_single_node --full --edition cse599o` on 8 GPUs); the results below stop "
                "where the machine did."),
     Entry("2.3", ("toymodel_naive_ddp", "transformer_naive_ddp_benchmarking"), "naive_ddp",
-          title="A naive implementation of distributed data parallel training",
-          note=_table1_note("naive_ddp"), remark=_CONSOLE.format(script="benchmark_naive_ddp.py --model transformer")),
+          title="A naive implementation of distributed data parallel training", note=_table1_note("naive_ddp"),
+          console=(("naive_toy", "benchmark_naive_ddp.py --model toy"),
+                   ("naive_transformer", "benchmark_naive_ddp.py --model transformer"))),
     Entry("2.4.1", ("minimal_ddp_flat_benchmarking",), "ddp_flat", title="Reducing the number of communication calls",
-          note=_table1_note("ddp_flat"), remark=_CONSOLE.format(script="benchmark_optimized_ddp.py --mode flat")),
+          note=_table1_note("ddp_flat"), console=(("flat", "benchmark_optimized_ddp.py --mode flat"),)),
     Entry("2.4.2", ("ddp_overlap_individual_parameters", "ddp_overlap_individual_parameters_benchmarking"),
           "ddp_overlap_individual", title="Overlapping computation with communication of individual gradients",
           note=_table1_note("ddp_overlap_individual"),
-          remark=_CONSOLE.format(script="benchmark_optimized_ddp.py --mode individual")),
+          console=(("individual", "benchmark_optimized_ddp.py --mode individual"),)),
     Entry("2.4.3", ("ddp_overlap_bucketed", "ddp_bucketed_benchmarking"), "ddp_bucketed",
-          title="Overlapping computation with communication of bucketed gradients",
-          note=_table1_note("ddp_bucketed"),
-          remark=_CONSOLE.format(script="benchmark_optimized_ddp.py --mode bucketed --bucket-size-mb 10")),
+          title="Overlapping computation with communication of bucketed gradients", note=_table1_note("ddp_bucketed"),
+          console=(("bucketed", "benchmark_optimized_ddp.py --mode bucketed --bucket-size-mb 1 10 100 1000"),)),
     Entry("3.1", ("optimizer_state_sharding", "optimizer_state_sharding_accounting"), "optimizer_state_sharding",
           note=_table1_note("optimizer_state_sharding")),
     Entry("4", ("the course's tests",), "course_tests"),

@@ -30,6 +30,7 @@ from cs336_systems.report.data import (
 )
 from cs336_systems.report.document import (
     Block,
+    Console,
     Document,
     Equation,
     Figure,
@@ -100,6 +101,9 @@ td.txt.word { white-space: nowrap; }
 .missing { border-left: 2.2pt solid #d98200; background: #fff6e8; padding: 1.5mm 3mm; margin: 2mm 0;
            font-size: 9.5pt; break-inside: avoid; }
 .missing code { background: #fdebd0; }
+figure.console { text-align: left; }
+figure.console pre { font: 7.8pt "Liberation Mono", "DejaVu Sans Mono", monospace; background: #1e1e1e; color: #e8e8e8;
+                     padding: 2mm 3mm; margin: 0; white-space: pre-wrap; overflow-wrap: anywhere; border-radius: 1mm; }
 .equation { text-align: center; margin: 2mm 0; break-inside: avoid; }
 .equation img { display: block; margin: 1.2mm auto; }
 img.math { display: inline; }
@@ -337,6 +341,12 @@ def block_html(block: Block, counter: _Counter) -> str:
             + (f" {markdown_inline(block.note)}" if block.note else "")
             + ".</div>"
         )
+    if isinstance(block, Console):
+        counter.figures += 1
+        text = "\n".join([f"$ {block.command}", *block.lines])
+        caption = (f"<b>Figure {counter.figures}.</b> What <code>{html.escape(block.command)}</code> printed."
+                   + _prov_html(block.meta, block.source, counter.full_provenance))
+        return f'<figure class="console"><pre>{html.escape(text)}</pre><figcaption>{caption}</figcaption></figure>'
     if isinstance(block, Question):
         inner = "".join(block_html(b, counter) for b in block.blocks)
         prompt = markdown_inline(block.prompt)
