@@ -247,19 +247,19 @@ def test_a_section_sized_by_a_handout_model_name_measures_each_editions_model() 
     for name, key in (("naive_ddp", "preset"), ("ddp_flat", "preset"), ("ddp_overlap_individual", "preset"),
                       ("optimizer_state_sharding", "model")):
         section = get(name)
-        assert section.editions == {"2026": {key: "xl@2026"}, "cse599o": {key: "large"}}, name
+        assert section.grids == {"2026": {key: "xl@2026"}, "cse599o": {key: "large"}}, name
         assert getattr(section.params("full", edition="2026"), key) == "xl@2026"
         assert getattr(section.params("full"), key) == "xl"
         assert getattr(section.params("smoke", edition="2026"), key) == "tiny"  # smoke stays tiny
     # 2026 dropped bucketed DDP (its writeup shows it beyond the handout): no 2026 grid; CSE599-O asks it of Table 1.
-    assert get("ddp_bucketed").editions == {"cse599o": {"preset": "large"}}
+    assert get("ddp_bucketed").grids == {"cse599o": {"preset": "large"}}
     # Stated values merge over the translated names; a name both tables share gives no grid.
     base = get("naive_ddp")
     merged = dataclasses.replace(base, editions={"2026": {"context_length": 256}})
-    assert merged.editions == {"2026": {"preset": "xl@2026", "context_length": 256}, "cse599o": {"preset": "large"}}
-    small = dataclasses.replace(base, editions={}, presets={**base.presets, "full": dataclasses.replace(
+    assert merged.grids == {"2026": {"preset": "xl@2026", "context_length": 256}, "cse599o": {"preset": "large"}}
+    small = dataclasses.replace(base, presets={**base.presets, "full": dataclasses.replace(  # translated afresh
         base.presets["full"], preset="small")})
-    assert small.editions == {"cse599o": {"preset": "large"}}  # both CS336 tables agree on small: no 2026 grid
+    assert small.grids == {"cse599o": {"preset": "large"}}  # both CS336 tables agree on small: no 2026 grid
 
 
 def test_warmup_answer_names_an_out_of_memory_timing_before_a_failed_first_cell() -> None:

@@ -37,7 +37,7 @@ def test_notebook_is_the_thin_section_template(name: str) -> None:
     nb = nbformat.read(notebooks.notebook_path(name), as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     # A section with another edition's grid takes that edition as a parameter too (and only such a section).
-    args = "preset, overrides, publish" + (", edition" if SECTIONS[name].editions else "")
+    args = "preset, overrides, publish" + (", edition" if SECTIONS[name].grids else "")
     assert code[1:] == [f"from cs336_systems.experiments.notebook import SectionNotebook\n\n"
                         f"nb = SectionNotebook({name!r}, {args})",
                         "nb.run()  # measure and write the results",
@@ -45,7 +45,7 @@ def test_notebook_is_the_thin_section_template(name: str) -> None:
     namespace: dict = {}
     exec(code[0], namespace)  # the parameters cell: plain assignments papermill can override
     expected = {"preset": None, "overrides": {}, "publish": None}
-    if SECTIONS[name].editions:
+    if SECTIONS[name].grids:
         expected["edition"] = None
     assert {k: namespace[k] for k in expected} == expected
 
@@ -252,7 +252,7 @@ def test_text_false_does_not_publish_an_analytic_section(monkeypatch) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_runner_reads_each_notebooks_parameter_names(name: str) -> None:
-    expected = ["preset", "overrides", "publish"] + (["edition"] if SECTIONS[name].editions else [])
+    expected = ["preset", "overrides", "publish"] + (["edition"] if SECTIONS[name].grids else [])
     assert notebooks.parameter_names(name) == expected
 
 

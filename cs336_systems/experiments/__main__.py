@@ -66,7 +66,7 @@ def run_section(name: str, preset: str | None, overrides: dict[str, Any], *, pub
                 argv: list[str] | None = None, quiet: bool = False, edition: str | None = None) -> int:
     """Run one section end to end: parameters, measurement, derived figures, and (on rank 0) the answers.
     ``argv`` (the torchrun form of a section module) is parsed like this command's own options;
-    ``edition``: measure the grid that edition of the handout asks for (:attr:`Section.editions`)."""
+    ``edition``: measure the grid that edition of the handout asks for (:attr:`Section.grids`)."""
     from cs336_systems.distributed import runner
     from cs336_systems.experiments import get
 
@@ -128,7 +128,7 @@ def describe(section: Section) -> str:
     if section.jobs:
         lines.append("--full split into jobs of about ten minutes (H100), in order:")
         lines += [f"  {line}" for line in section.job_commands()]
-    for edition, grid in section.editions.items():
+    for edition, grid in section.grids.items():
         values = ", ".join(f"{k}={v!r}" for k, v in grid.items())
         lines.append(f"--edition {edition}: the {edition} handout's grid ({values}), written to "
                      f"figures/{section.results_folder(edition)}/")

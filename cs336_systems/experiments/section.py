@@ -84,10 +84,11 @@ class Section:
     measured_elsewhere: str = ""
     """For sections whose measurement is not a preset run (e.g. an external checkout): what to do."""
     editions: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Other editions of the handout that ask this section's questions of another grid: edition → the
-    parameter values of that grid, applied over the ``quick`` and ``full`` presets (``smoke`` stays tiny).
-    Its results go to ``figures/<name>/<edition>/`` beside the workbook's own, so measuring one edition's
-    grid never replaces the other's; that edition's writeup reads them."""
+    """Other editions of the handout that ask this section's questions of another grid, as stated here: edition →
+    the parameter values of that grid, applied over the ``quick`` and ``full`` presets (``smoke`` stays tiny).
+    :attr:`grids` adds those :attr:`sized_by` implies. A grid's results go to ``figures/<name>/<edition>/`` beside
+    the workbook's own, so measuring one edition's grid never replaces the other's; that edition's writeup reads
+    them."""
     sized_by: tuple[str, ...] = ()
     """Parameters whose value names a handout model (``"xl"``) or a list of them. Each edition that asks this
     section's problems (:func:`cs336_systems.report.editions.asks`) and whose table gives such a name another
@@ -98,10 +99,6 @@ class Section:
     ``python -m cs336_systems.experiments NAME --job N`` runs the N-th."""
 
     def __post_init__(self) -> None:
-        if self.sized_by:  # the editions whose handout means another model by a size name measure their own grid
-            sized = self.sized_editions()
-            object.__setattr__(self, "editions", {e: {**sized.get(e, {}), **self.editions.get(e, {})}
-                                                  for e in {**sized, **self.editions}})
         # The section's own module measures too (above its answers marker): a change there stales results. A
         # section grown into a package (its answers in a module of their own) measures in the whole package.
         module = getattr(sys.modules.get((self.run or self.answer).__module__), "__file__", None)
@@ -115,6 +112,13 @@ class Section:
             object.__setattr__(self, "depends", (*self.depends, path))
 
     # -- parameters -----------------------------------------------------------------------------------
+
+    @property
+    def grids(self) -> dict[str, dict[str, Any]]:
+        """Every edition with a grid of its own → its parameter values: those :attr:`sized_by` translates, with
+        the values :attr:`editions` states merged over them."""
+        sized = self.sized_editions() if self.sized_by else {}
+        return {e: {**sized.get(e, {}), **self.editions.get(e, {})} for e in {**sized, **self.editions}}
 
     def sized_editions(self) -> dict[str, dict[str, Any]]:
         """Edition → the :attr:`sized_by` parameters whose handout model names mean another model there."""
@@ -146,8 +150,8 @@ class Section:
 
     def check_edition(self, edition: str | None) -> None:
         """``edition`` None or one with a grid of its own here (``ValueError`` naming the valid ones)."""
-        if edition is not None and edition not in self.editions:
-            have = ", ".join(self.editions) or "none"
+        if edition is not None and edition not in self.grids:
+            have = ", ".join(self.grids) or "none"
             raise ValueError(f"{self.name} has no grid of its own for edition {edition!r} "
                              f"(editions with one: {have}); its results answer every edition")
 
@@ -163,7 +167,7 @@ class Section:
         naming the parameter."""
         self.check_edition(edition)
         if edition is not None and preset != "smoke":
-            overrides = {**self.editions[edition], **(overrides or {})}
+            overrides = {**self.grids[edition], **(overrides or {})}
         if not self.presets:
             if overrides:
                 raise ValueError(f"{self.name} takes no parameters")

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         from cs336_systems.report.staleness import section_status
 
         statuses = [section_status(args.figures, spec, edition=edition) for spec in SECTIONS.values()
-                    for edition in (None, *spec.editions)]
+                    for edition in (None, *spec.grids)]
         for st in statuses:
             print(st.line())
             if args.verbose:

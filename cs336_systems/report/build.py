@@ -92,7 +92,7 @@ def build_section(
     further: list[Block] = []
     # The results index lists the edition grids' results under the workbook's own section (the other
     # edition's writeup shows them as answers).
-    grids = [spec.results_folder(e) for e in spec.editions] if edition is None else []
+    grids = [spec.results_folder(e) for e in spec.grids] if edition is None else []
     for folder, rest in [(folder, data.remaining())] + [
         (extra, SectionData(root, extra).remaining()) for extra in (*spec.also, *grids)
     ]:
@@ -179,7 +179,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
             rows.append(f"| §{entry.number} | {', '.join(entry.problems)} | (none yet) |")
             continue
         spec = SECTIONS[entry.section]
-        own = edition in spec.editions and not SectionData(root, spec.results_folder(edition)).empty
+        own = edition in spec.grids and not SectionData(root, spec.results_folder(edition)).empty
         section, _ = build_section(spec, root, strict, notebooks, edition if own else None)
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")

@@ -326,7 +326,7 @@ def preset_defaults(section: str, preset: str | None, edition: str | None = None
     if found is None or preset is None:
         return None
     try:
-        params = found.params(preset, None, edition if found.editions else None)
+        params = found.params(preset, None, edition if found.grids else None)
     except ValueError:
         return None
     return json.loads(json.dumps(_jsonable(params)))

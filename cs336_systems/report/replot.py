@@ -74,7 +74,7 @@ def run_command(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     for section in args.sections or replottable():
         # The section's own results, then each edition grid measured so far (an unmeasured grid is no error).
-        grids = [None, *(e for e in get(section).editions if _has_results(section, e))]
+        grids = [None, *(e for e in get(section).grids if _has_results(section, e))]
         for edition in grids:
             try:
                 paths = replot(section, publish=args.publish, edition=edition)
