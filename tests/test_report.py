@@ -795,3 +795,18 @@ def test_mixed_precision_noise_note_reads_only_rows_that_ran() -> None:
     assert "standard deviation up to 40% of the mean, small" in text and "speed-up is small 1.90×" in text
     assert "xl" not in text  # its bf16 cell did not run
     assert _noise_note(rows(("small", "fp32", "ok", 20.0, 1.0, 19.0), ("small", "bf16", "ok", 10.0, 0.1, 9.9))) == ""
+
+
+def test_fsdp_answer_discloses_the_course_fsdp_tests_that_fail(tmp_path) -> None:
+    from cs336_systems.experiments.fsdp import _course_test_failures
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "course_tests"
+    folder.mkdir()
+    (folder / "2026.json").write_text(json.dumps({"failures": ["tests/test_fsdp.py::test_fsdp_correctness[fp32]",
+                                                               "tests/test_ddp.py::test_other"]}))
+    (folder / "2025.json").write_text(json.dumps({"failures": {}}))
+    text = _course_test_failures(SectionData(tmp_path, "fsdp")).markdown
+    assert text.startswith("The course's own suite fails `test_fsdp_correctness[fp32]`:") and "test_other" not in text
+    (folder / "2026.json").write_text(json.dumps({"failures": []}))
+    assert _course_test_failures(SectionData(tmp_path, "fsdp")) is None
