@@ -25,6 +25,7 @@ from cs336_systems.cli import EXIT_USAGE
 from cs336_systems.configs import get_config
 from cs336_systems.distributed import runner
 from cs336_systems.distributed.ddp_bucketed import DEFAULT_BUCKET_SIZE_MB
+from cs336_systems.distributed.grad_sync import bucket_size_mb_value
 from cs336_systems.report.editions import CONSOLE_FOLDER
 
 DEFAULT_PRESET = "large"  # the handout's Table 1: d_model 1280, d_ff 5120, 36 layers, 20 heads
@@ -82,8 +83,10 @@ def _parse(parser: OneLineParser, argv: Sequence[str] | None) -> argparse.Namesp
     if args.context_length is not None and args.context_length < 1:
         parser.error(f"--context-length must be at least 1, got {args.context_length}")
     for size in getattr(args, "bucket_size_mb", []):
-        if not size > 0 or size == float("inf"):
-            parser.error(f"--bucket-size-mb must be a finite number of MiB > 0, got {size:g}")
+        try:
+            bucket_size_mb_value(size, "--bucket-size-mb", allow_none=False)  # the one check of a bucket size
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.nproc is None and not runner.launched_externally():
         args.nproc = default_nproc()
         if args.nproc < 2:

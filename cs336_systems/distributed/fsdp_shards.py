@@ -83,8 +83,8 @@ def reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup | None) -> 
         try:
             work = dist.reduce_scatter_tensor(out, flat, op=op, group=group, async_op=True)
             return PendingShardGrad(work, out, divide_by, keepalive=flat)
-        except (RuntimeError, NotImplementedError):
-            _reduce_scatter_supported[backend] = False
+        except (RuntimeError, NotImplementedError):  # a backend without reduce_scatter (gloo on CPU tensors):
+            _reduce_scatter_supported[backend] = False  # all-reduce instead, and keep this rank's shard of it
     flat = flat.clone()  # the all-reduce works in place; the caller's tensor may belong to autograd
     work = dist.all_reduce(flat, op=op, group=group, async_op=True)
     return PendingShardGrad(work, out, divide_by, full=flat, rank=rank)
