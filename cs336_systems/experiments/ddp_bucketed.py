@@ -47,9 +47,17 @@ class Params(DDPParams):
 
 
 PRESETS = ddp_common.ddp_presets(Params, bucket_sizes_mb=[0.01, 1.0], allreduce_sizes=["1KB", "4MB"], cuda_graph=False)
+# The performance bar against torch DDP is held at 2 and 4 GPUs, so the full run measures both (and the weak
+# scaling between them); the handouts' questions are answered from the 2-GPU run.
+PRESETS["full"] = Params(nproc=[2, 4])
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
+    import torch
+
+    if torch.cuda.is_available() and p.backend in (None, "nccl") and max(p.nproc) > torch.cuda.device_count():
+        raise ValueError(f"nproc={p.nproc} needs {max(p.nproc)} GPUs and this machine has "
+                         f"{torch.cuda.device_count()}: pass --set nproc=2")
     return ddp_common.run_ddp(
         "ddp_bucketed", p, out, ["single", "torch", "bucketed"], bucket_sizes_mb=list(p.bucket_sizes_mb),
         comm_dtypes=list(p.comm_dtypes), allreduce_sizes=[parse_size(s) for s in p.allreduce_sizes],
@@ -150,7 +158,8 @@ from cs336_systems.experiments.section import Job  # noqa: E402
 SECTION = Section(
     name="ddp_bucketed", number="2.3.3", title="Bucketed DDP", problems=("ddp_bucketed_benchmarking",),
     answer=answer, presets=PRESETS, run=run, gpus=2, sized_by=("preset",),
+    editions={"cse599o": {"nproc": [2]}},  # its bucketed benchmark: one node, 2 GPUs
     depends=(*ddp_common.DEPENDS, "cs336_systems/distributed/ddp_bucketed.py",
              "cs336_systems/benchmarking/ddp_overhead_model.py"),
-    jobs=(Job({"autocast": ["fp32"]}, 3, "2×H200"), Job({"autocast": ["bf16"]}, 3, "2×H200")),
+    jobs=(Job({"autocast": ["fp32"]}, None, "2 and 4 GPUs"), Job({"autocast": ["bf16"]}, None, "2 and 4 GPUs")),
 )

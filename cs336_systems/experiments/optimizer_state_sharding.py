@@ -448,7 +448,8 @@ class Params:
     warmup: int = param(3, "untimed steps")
     steps: int = param(10, "timed steps")
     optimizers: list[str] = param(list(OPTIMIZERS), f"of {', '.join(OPTIMIZERS)}")
-    nproc: int = param(2, "local ranks to spawn (ignored under torchrun/srun)")
+    nproc: list[int] = param([2], "local world sizes, one run each (ignored under torchrun/srun); the first is the "
+                                  "run the answers discuss, the others add tables tagged with their size")
 
     def bench_config(self) -> dict[str, Any]:
         return dict(model=self.model, global_batch=self.global_batch, context_length=self.context_length,
@@ -459,6 +460,11 @@ class Params:
         if bad:
             raise ValueError(f"unknown optimizer {bad[0]!r}; optimizers: {', '.join(OPTIMIZERS)}")
         BenchConfig(**self.bench_config()).model_config()  # a bad preset fails here, in one line
+        if not self.nproc or any(n < 2 for n in self.nproc) or len(set(self.nproc)) != len(self.nproc):
+            raise ValueError(f"sharding needs distinct world sizes >= 2, got nproc={self.nproc}")
+        bad = [n for n in self.nproc if self.global_batch % n]
+        if bad:
+            raise ValueError(f"global_batch {self.global_batch} does not split over nproc={bad[0]} ranks")
 
 
 PRESETS = {
@@ -469,19 +475,25 @@ PRESETS = {
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
-    """All optimizers on the ranks, one after the other; rank 0 writes the tables."""
-    rows_per_rank = runner.run_on_ranks(sharding_worker, p.nproc, p.bench_config(), list(p.optimizers))
-    if not runner.is_main_process():
-        return {}
-    rows = [r for rank_rows in rows_per_rank for r in rank_rows]
-    memory, breakdown, timing = summarise(rows)
-    out.params["world_size"] = rows[0]["world_size"]
-    out.table(memory, "memory")
-    out.table(breakdown, "memory_breakdown")
-    out.table(timing, "timing")
-    print(memory.to_string(index=False))
-    print(timing.to_string(index=False))
-    return {"memory": memory, "memory_breakdown": breakdown, "timing": timing}
+    """All optimizers on the ranks, one after the other, once per world size; rank 0 writes the tables (the
+    first world size's untagged, the answers' run; the others' tagged ``_np<N>``)."""
+    written: dict[str, Any] = {}
+    for i, n in enumerate([None] if runner.launched_externally() else p.nproc):
+        rows_per_rank = runner.run_on_ranks(sharding_worker, n or 0, p.bench_config(), list(p.optimizers))
+        if not runner.is_main_process():
+            return {}
+        rows = [r for rank_rows in rows_per_rank for r in rank_rows]
+        memory, breakdown, timing = summarise(rows)
+        tag = "" if i == 0 else f"_np{rows[0]['world_size']}"
+        if i == 0:
+            out.params["world_size"] = rows[0]["world_size"]
+        for name, table in (("memory", memory), ("memory_breakdown", breakdown), ("timing", timing)):
+            out.table(table, name + tag)
+            written[name + tag] = table
+        print(f"world size {rows[0]['world_size']}:")
+        print(memory.to_string(index=False))
+        print(timing.to_string(index=False))
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -575,7 +587,41 @@ def answer(d: SectionData) -> list[Block]:
                  "updated parameter from its owner ($\\Psi$ more), $3\\Psi$ in total: simpler and model-agnostic, "
                  "but with 1.5× the communication volume of ZeRO-1."),
             d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step.")]),
+        *_more_gpus(d),
     ]
+
+
+def _more_gpus(d: SectionData) -> list[Block]:
+    """Beyond the handout, for each extra world size run (``--set nproc=2,4``): our sharding against PyTorch's
+    ``ZeroRedundancyOptimizer`` and replicated AdamW on that many GPUs, memory and step time."""
+    blocks: list[Block] = []
+    for name in sorted((t for t in d.tables if t.startswith("timing_np")), key=lambda t: int(t.rsplit("np", 1)[1])):
+        tag = name.removeprefix("timing")
+        world, timing, memory = int(tag.removeprefix("_np")), d.frame(name), d.frame("memory" + tag)
+        if timing is None or not {"optimizer", "step_ms"} <= set(timing.columns):
+            continue
+        rows = timing.set_index("optimizer")
+        by = rows["step_ms"]
+        parts = [f"{_OPTIMIZER_NAMES.get(o, o)} {fmt.ms(t)}" for o, t in by.items()]
+        text = f"On {world} GPUs (the same global batch, split {world} ways): " + join_words(parts) + "."
+        if {"sharded", "zero"} <= set(by.index):
+            ours, theirs = by["sharded"], by["zero"]
+            text += f" Ours takes {fmt.ratio(ours / theirs)} of ZeroRedundancyOptimizer's step time"
+            if "step_ms_std" in rows.columns:
+                noise = spread(rows.loc["sharded", "step_ms_std"], rows.loc["zero", "step_ms_std"])
+                text += (": within the steps' spread, a tie" if abs(ours - theirs) <= noise else
+                         f", a difference larger than the steps' spread (±{fmt.ms(noise)})")
+            text += "."
+        if memory is not None and {"optimizer", "rank", "after_step_peak"} <= set(memory.columns):
+            peak = memory[memory["rank"] == 0].set_index("optimizer")["after_step_peak"]
+            if peak.notna().any():
+                text += " Peak memory on rank 0 after the step: " + join_words(
+                    [f"{_OPTIMIZER_NAMES.get(o, o)} {fmt.sig(v)} GiB" for o, v in peak.items()]) + "."
+        blocks.append(question(d, f"np{world}", f"Beyond the handout: sharding on {world} GPUs.", [
+            Text(text),
+            d.table("timing" + tag, caption=f"Time per training step on {world} GPUs (max over ranks)."),
+            d.table("memory" + tag, caption=f"Allocated and peak memory per rank on {world} GPUs (GiB).")]))
+    return blocks
 
 
 
