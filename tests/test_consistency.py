@@ -90,3 +90,17 @@ def test_diverged_parameters_are_named() -> None:
 def test_without_the_check_the_drift_goes_unnoticed() -> None:
     """Negative control: the same faulty loop with the check off completes, so the check is what catches it."""
     assert spawn(_train, 2, "bucketed", False, True, None, backend="gloo", timeout_s=60, collective_timeout_s=10) == [2, 2]
+
+
+def test_capturing_never_initializes_cuda(monkeypatch):
+    """A CPU rank forked from a parent that counted the GPUs must not touch CUDA to ask about graph capture:
+    there the call fails with CUDA's initialization error, so an uninitialized process answers False."""
+    from cs336_systems.distributed import consistency
+
+    def touched():
+        raise AssertionError("asked CUDA about capture in a process that never initialized it")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", touched)
+    assert consistency.capturing() is False

@@ -252,7 +252,10 @@ def test_a_section_sized_by_a_handout_model_name_measures_each_editions_model() 
         assert getattr(section.params("full"), key) == "xl"
         assert getattr(section.params("smoke", edition="2026"), key) == "tiny"  # smoke stays tiny
     # 2026 dropped bucketed DDP (its writeup shows it beyond the handout): no 2026 grid; CSE599-O asks it of Table 1.
-    assert get("ddp_bucketed").grids == {"cse599o": {"preset": "large"}}
+    # Its full run measures 2 and 4 GPUs; CSE599-O's handout states one node of 2.
+    assert get("ddp_bucketed").grids == {"cse599o": {"preset": "large", "nproc": [2]}}
+    assert get("ddp_bucketed").params("full").nproc == [2, 4]
+    assert get("ddp_bucketed").params("full", edition="cse599o").nproc == [2]
     # Stated values merge over the translated names; a name both tables share gives no grid.
     base = get("naive_ddp")
     merged = dataclasses.replace(base, editions={"2026": {"context_length": 256}})

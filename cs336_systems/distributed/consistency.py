@@ -102,8 +102,10 @@ def resolve_check_every(check_every: CheckEvery, group: dist.ProcessGroup | None
 
 
 def capturing() -> bool:
-    """Whether a CUDA graph is being captured: Python then runs once, so nothing is sent or read on the host."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA graph is being captured: Python then runs once, so nothing is sent or read on the host.
+    A process that has not initialized CUDA captures nothing, and asking would initialize it: in a CPU rank
+    forked from a parent that counted the GPUs, that fails with CUDA's "initialization error"."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def check_flags(wrapper: str, **flags: Any) -> None:
