@@ -13,7 +13,7 @@ keeps no CUDA context or memory of it, one GPU after another. The numbers go int
 provenance (``calibration: {start: [...], end: [...]}``, one entry per GPU), and
 :func:`verdict` compares them with the device model's reference (``figures/calibration_reference.json``,
 the median of calibrations on machines that behaved): a job whose GPU measured more than
-:data:`SUSPECT_BELOW` under the reference at its start or end is *suspect*, which ``report status`` and
+:data:`SUSPECT_BELOW` under the reference at its start or end is *suspect*, which ``writeup status`` and
 the writeup say until the result is measured again.
 
     python -m cs336_systems.benchmarking calibrate              # this machine's GPUs, as JSON

@@ -1,5 +1,5 @@
 """Figures and derived tables computed from measured results: the mechanism a section's ``derive`` runs
-through, inside its measuring run and later from committed results (``python -m cs336_systems.report replot``).
+through, inside its measuring run and later from committed results (``python -m cs336_systems.writeup replot``).
 
 A section's ``derive(tables, meta) -> Derived`` is a pure function of its measured tables. Its artefacts keep
 the measuring run's provenance (device, versions, commit, date, via ``ResultWriter(..., source=meta)``), and

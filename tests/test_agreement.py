@@ -1,5 +1,5 @@
 """Sections that measure the same configuration are compared: a pair more than 10% apart is flagged in
-``report status`` and in the writeup; a pair within 10% is not."""
+``writeup status`` and in the writeup; a pair within 10% is not."""
 
 from __future__ import annotations
 

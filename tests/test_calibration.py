@@ -1,5 +1,5 @@
 """Calibrated machines: a GPU job's results carry the machine's measurements at its start and end, and a
-result from a machine that measured slow is called suspect by ``report status`` and in the writeup."""
+result from a machine that measured slow is called suspect by ``writeup status`` and in the writeup."""
 
 from __future__ import annotations
 

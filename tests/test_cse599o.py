@@ -63,7 +63,7 @@ def test_record_keeps_what_the_run_printed_and_the_cse599o_writeup_shows_it(tmp_
                                                                              capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from cs336_systems.report.build import build_document
+    from cs336_systems.writeup.build import build_document
     from cs336_systems.report.document import Console, Missing
 
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))

@@ -282,11 +282,11 @@ def test_warmup_answer_names_an_out_of_memory_timing_before_a_failed_first_cell(
 
 def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch, capsys, tmp_path) -> None:
     """A section too long for one GPU job lists its parts: each part's values are parameters of the section,
-    ``--job N`` runs part N (any --set applying over it), and ``report status --jobs`` prints the commands of
+    ``--job N`` runs part N (any --set applying over it), and ``writeup status --jobs`` prints the commands of
     the sections that need a run."""
     from cs336_systems.experiments import __main__ as cli
     from cs336_systems.experiments.section import command_text
-    from cs336_systems.report.__main__ import main as report_main
+    from cs336_systems.writeup.__main__ import main as report_main
 
     split = [s for s in SECTIONS.values() if s.jobs]
     assert {"flash_benchmarking", "training_step"} <= {s.name for s in split}

@@ -1,9 +1,11 @@
 """The house's one-way walls, read from the code's own imports (at any depth, function-local ones included).
 
 - The library (attention/, distributed/, benchmarking/, profiling/, checks/ and the root modules) never imports
-  the workbook: the sections (experiments/), the writeup builder (report/, replotting included), the
-  notebooks' runner (notebooks.py) and the CSE599-O scripts (cse599o/). What a library function needs of a
-  section is passed in.
+  the workbook: the answers' building blocks and renderers (report/), the sections (experiments/), the writeup
+  builder (writeup/, replotting included), the notebooks' runner (notebooks.py) and the CSE599-O scripts
+  (cse599o/). What a library function needs of a section is passed in.
+- Inside the workbook the arrows point down too: report/ never imports the sections, and nothing but the
+  writeup's own command line and the notebooks' runner sits above the builder.
 - cs336_basics, the Assignment-1 model, imports nothing of cs336_systems: a user can swap in their own.
 - No module imports itself back through others (no import circles).
 """
@@ -19,7 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = {"cs336_systems": REPO / "cs336_systems", "cs336_basics": REPO / "cs336-basics" / "cs336_basics"}
-WORKBOOK = ("cs336_systems.experiments", "cs336_systems.report", "cs336_systems.notebooks", "cs336_systems.cse599o")
+WORKBOOK = ("cs336_systems.experiments", "cs336_systems.report", "cs336_systems.writeup", "cs336_systems.notebooks",
+            "cs336_systems.cse599o")
 
 
 def _modules() -> dict[str, Path]:
@@ -162,6 +165,20 @@ def test_no_module_over_700_lines() -> None:
     assert not long, "modules over 700 lines: " + ", ".join(long)
 
 
+def test_the_workbook_is_layered_report_sections_builder() -> None:
+    """report/ (blocks, formatting, renderers) < experiments/ (the sections) < writeup/ (the builder): no module
+    imports one of a layer above its own, so the builder reads the sections and the sections never read it."""
+    graph = _graph()
+    order = ["cs336_systems.report", "cs336_systems.experiments", "cs336_systems.writeup"]
+
+    def layer(module: str) -> int | None:
+        return next((i for i, p in enumerate(order) if module == p or module.startswith(p + ".")), None)
+
+    upward = sorted(f"{name} -> {target}" for name, targets in graph.items() if (mine := layer(name)) is not None
+                    for target in targets if (theirs := layer(target)) is not None and theirs > mine)
+    assert not upward, "imports of a layer above: " + "; ".join(upward)
+
+
 def test_one_command_line_per_layer() -> None:
     """Sections (experiments), tools (benchmarking), the writeup (report, replot included), notebooks, and the
     course-style scripts the handouts ask for (naive DDP's, and CSE599-O's under the staff's flags): every other
@@ -170,4 +187,4 @@ def test_one_command_line_per_layer() -> None:
                       if any(s in path.read_text(encoding="utf-8") for s in ("ArgumentParser(", "(argparse.ArgumentParser)")))
     assert builders == ["cs336_systems.benchmarking.__main__", "cs336_systems.cse599o.ddp_commands",
                         "cs336_systems.experiments.__main__", "cs336_systems.experiments.naive_ddp",
-                        "cs336_systems.notebooks", "cs336_systems.report.__main__"], builders
+                        "cs336_systems.notebooks", "cs336_systems.writeup.__main__"], builders

@@ -1,4 +1,4 @@
-"""Figures drawn from measured tables, and ``python -m cs336_systems.report replot`` on committed-style results.
+"""Figures drawn from measured tables, and ``python -m cs336_systems.writeup replot`` on committed-style results.
 
 The fixtures are small hand-made tables in the measured tables' schemas, so these tests are fast and do
 not depend on what is committed under ``figures/``.
@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from cs336_systems.report import replot  # noqa: E402
+from cs336_systems.writeup import replot  # noqa: E402
 from cs336_systems.experiments import fsdp as fsdp_benchmark  # noqa: E402
 from cs336_systems.experiments import optimizer_state_sharding as sharding_benchmark  # noqa: E402
 from cs336_systems.experiments import pytorch_attention, torch_compile  # noqa: E402
@@ -28,8 +28,8 @@ DEVICE = "NVIDIA TestGPU"
 
 
 def _replot(argv: list[str]) -> int:
-    """``python -m cs336_systems.report replot ARGV``, in this process."""
-    from cs336_systems.report.__main__ import main
+    """``python -m cs336_systems.writeup replot ARGV``, in this process."""
+    from cs336_systems.writeup.__main__ import main
 
     return main(["replot", *argv])
 
@@ -271,7 +271,7 @@ def test_replot_draws_into_scratch_unless_asked_to_publish(tmp_path, monkeypatch
 def test_replot_cli_rejects_unknown_sections_in_one_line(capsys) -> None:
     from cs336_systems.cli import EXIT_USAGE, run_main
 
-    assert run_main(lambda: _replot(["benchmarking_typo"]), "python -m cs336_systems.report") == EXIT_USAGE
+    assert run_main(lambda: _replot(["benchmarking_typo"]), "python -m cs336_systems.writeup") == EXIT_USAGE
     err = capsys.readouterr().err
     assert "no replot for section(s) benchmarking_typo" in err and err.count("\n") == 1
 

@@ -17,8 +17,8 @@ import pytest
 
 from cs336_systems.report import editions, fmt
 from cs336_systems.report import manifest as mf
-from cs336_systems.report.__main__ import main as report_main
-from cs336_systems.report.build import build_document
+from cs336_systems.writeup.__main__ import main as report_main
+from cs336_systems.writeup.build import build_document
 from cs336_systems.report.data import provenance_line
 from cs336_systems.report.document import Figure, Missing, Table, Text
 from cs336_systems.report.html import document_html, markdown_to_html, render_math
@@ -174,7 +174,7 @@ def test_uncited_results_go_to_the_index_not_the_writeup(results: Path) -> None:
     line = provenance_line(table.meta)  # its commit (0123456789abcdef) is unknown here: stale as well
     assert line.startswith("STALE") and "SMOKE RUN, not a GPU measurement" in line
 
-    from cs336_systems.report.build import write_html, write_index
+    from cs336_systems.writeup.build import write_html, write_index
 
     page = write_html(doc, results.parent / "writeup.html").read_text()
     assert "extra_plot" not in page and 'src="figures/benchmarking/' not in page  # nothing cited has a figure
@@ -396,7 +396,7 @@ def _have_browser() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _have_browser(), reason="needs a headless Chromium (apt-get install chromium)")
 def test_pdf_renders_end_to_end(results: Path, tmp_path: Path) -> None:
-    from cs336_systems.report.build import build
+    from cs336_systems.writeup.build import build
 
     _write_benchmarking(results)
     pdf, html_path, index, pdf26, html26, pdf_cse, html_cse, _ = build(tmp_path / "w.pdf", results,
@@ -470,7 +470,7 @@ def test_readme_maps_every_writeup_section() -> None:
 
 
 def test_results_cited_by_another_section_are_not_listed_again() -> None:
-    from cs336_systems.report.build import _drop_cited
+    from cs336_systems.writeup.build import _drop_cited
 
     def table(src: str) -> Table:
         return Table(pd.DataFrame({"x": [1]}), src, src, {})
@@ -678,11 +678,30 @@ def test_bucketed_ddp_answer_says_what_was_expected_whether_it_held_and_what_set
     from cs336_systems.report.data import SectionData
     from cs336_systems.results import FIGURES_DIR
 
-    question = ddp_bucketed.answer(SectionData(FIGURES_DIR, "ddp_bucketed"))[0]
+    question = next(q for q in ddp_bucketed.answer(SectionData(FIGURES_DIR, "ddp_bucketed")) if q.label == "a")
     text = " ".join(b.markdown for b in question.blocks if hasattr(b, "markdown"))
     assert "**Expected:** a U in bucket size" in text
-    assert "**Aligned:**" in text or "**Only partly aligned:** " in text
+    assert any(shape in text for shape in ("**No U:**", " A U: ", " No clear U."))
+    assert "Comparing median steps, the best size" in text  # against flat and per-parameter overlap
     assert "**A setup that would show the expected shape:** a slower link" in text
+
+
+def test_bucketed_ddp_shape_reads_medians_and_names_the_per_tensor_degenerate_case() -> None:
+    from cs336_systems.experiments.ddp_bucketed import _expectations
+
+    def rows(times, medians, buckets):
+        return pd.DataFrame({"bucket_size_mb": [1.0, 10.0, 100.0, 1000.0], "step_ms": times, "step_ms_median": medians,
+                             "step_ms_std": [0.5] * 4, "num_buckets": buckets})
+
+    individual = pd.Series({"step_ms": 219.0, "step_ms_median": 209.0, "step_ms_std": 20.0, "num_buckets": 327.0})
+    flat = pd.Series({"step_ms": 220.0, "step_ms_median": 219.5, "step_ms_std": 1.7, "num_buckets": 1.0})
+    rising = _expectations(rows([207, 208, 212, 213], [206, 207.5, 211, 212], [327, 40, 8, 4]), flat, individual)
+    assert "**No U:**" in rising and "every bucket holds one tensor (327 buckets)" in rising
+    # Medians (209, not the outlier-inflated 219) and each pair's own spread.
+    assert "beats flat (220 ms) but not per-parameter overlap (209 ms) beyond the spread" in rising
+    u_shape = _expectations(rows([215, 200, 205, 213], [215, 200, 205, 213], [300, 40, 8, 4]), flat,
+                            pd.Series({"step_ms": 230.0, "step_ms_std": 1.0, "num_buckets": 327.0}))
+    assert " A U: " in u_shape and "beats both" in u_shape
 
 
 def test_bucketed_ddp_states_its_step_time_against_torch_ddp_and_calls_a_difference_within_the_spread_a_tie(
@@ -737,7 +756,7 @@ def test_fsdp_accounting_b_finds_the_gpu_idle_between_kernels_of_the_profiled_fo
 
 
 def test_an_edition_writeup_cites_its_own_section_numbers() -> None:
-    from cs336_systems.report.build import _renumbered
+    from cs336_systems.writeup.build import _renumbered
     from cs336_systems.report.document import Figure, Question, Text
 
     numbers = {"2.1.3": "5.1", "2.3.2": "5.3.2"}
@@ -767,11 +786,12 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
     from cs336_systems.experiments.optimizer_state_sharding import _sharding_verdict
 
     naive = pd.Series({"step_ms": 100.0, "step_ms_std": float("nan"), "num_buckets": 435.0, "grad_bytes": 8e9})
-    assert _verdict(naive, pd.Series({"step_ms": 68.0, "step_ms_std": None})).startswith("Batching pays: one call "
-                                                                                            "instead of 435 calls")
-    assert _verdict(naive, pd.Series({"step_ms": 110.0})).startswith("Flat DDP is slower: the same bytes move (8.00 GB")
-    assert _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0})).startswith(
-        "No gain beyond the runs' spread")
+    assert _verdict(naive, pd.Series({"step_ms": 68.0, "step_ms_std": None})).startswith("Batching pays, by 32.0 ms")
+    assert _verdict(naive, pd.Series({"step_ms": 110.0})).startswith("Flat DDP is slower.")
+    assert "so this run shows no gain in step time" in _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}))
+    # With §2.1.3's fit the reason is the measured split: 435 calls × 20 µs = 8.7 ms fixed, 8 GB / 400 GB/s = 20 ms.
+    why = _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}), {"o": 20e-6, "w": 400e9})
+    assert "435 calls' fixed cost is 8.70 ms against 20.0 ms to move 8.00 GB" in why
 
     def timing(adamw: float, sharded: float, std: float) -> pd.DataFrame:
         return pd.DataFrame({"optimizer": ["adamw", "sharded"], "step_ms": [adamw, sharded], "step_ms_std": [std, 1.0]})
@@ -810,3 +830,72 @@ def test_fsdp_answer_discloses_the_course_fsdp_tests_that_fail(tmp_path) -> None
     assert text.startswith("The course's own suite fails `test_fsdp_correctness[fp32]`:") and "test_other" not in text
     (folder / "2026.json").write_text(json.dumps({"failures": []}))
     assert _course_test_failures(SectionData(tmp_path, "fsdp")) is None
+
+
+def test_edition_grids_read_their_own_edition_of_other_sections(tmp_path) -> None:
+    """An edition grid's answers compare with the same edition's all-reduce fit (one cost model per writeup):
+    §2.1.3's alpha per ring step becomes a call's latency 2(p-1)·alpha and its bandwidth B·p/(2(p-1))."""
+    from cs336_systems.experiments.ddp_common import published_fit
+    from cs336_systems.report.data import SectionData
+
+    for folder, alpha in (("distributed_communication_single_node", 20.0),
+                          ("distributed_communication_single_node/cse599o", 13.5)):
+        (tmp_path / folder).mkdir(parents=True)
+        pd.DataFrame({"backend": ["nccl"], "world_size": [2], "alpha_us": [alpha], "bandwidth_GBps": [330.0],
+                      "points": [4]}).to_csv(tmp_path / folder / "allreduce_alpha_beta.csv", index=False)
+    (tmp_path / "naive_ddp" / "cse599o").mkdir(parents=True)
+    grid = SectionData(tmp_path, "naive_ddp/cse599o").sibling("distributed_communication_single_node")
+    assert grid.folder == "distributed_communication_single_node/cse599o"
+    fit = published_fit(grid)
+    assert fit["o"] == pytest.approx(27e-6) and fit["w"] == pytest.approx(330e9)
+    assert SectionData(tmp_path, "naive_ddp").sibling("distributed_communication_single_node").folder == \
+        "distributed_communication_single_node"
+    assert SectionData(tmp_path, "ddp_flat/2026").sibling("distributed_communication_single_node").folder == \
+        "distributed_communication_single_node"  # no 2026 grid of it: the workbook's own
+
+
+def test_a_slow_step_that_inflates_a_mean_is_named_with_the_median() -> None:
+    from cs336_systems.experiments.ddp_common import outlier_note
+
+    assert "the median step is 209 ms" in outlier_note(pd.Series({"step_ms": 219.3, "step_ms_std": 20.0,
+                                                                  "step_ms_median": 209.0}))
+    assert outlier_note(pd.Series({"step_ms": 220.0, "step_ms_std": 1.7, "step_ms_median": 219.4})) == ""
+    assert outlier_note(pd.Series({"step_ms": 220.0, "step_ms_std": 30.0})) == ""  # no median recorded
+
+
+def test_a_code_problem_names_its_implementation_and_the_course_tests_outcome(tmp_path) -> None:
+    from cs336_systems.report.answers import implemented
+    from cs336_systems.report.data import SectionData
+
+    (tmp_path / "course_tests").mkdir()
+    (tmp_path / "course_tests" / "2025.json").write_text(json.dumps({"tests": {
+        "tests/test_ddp.py::test_DistributedDataParallel[ToyModel]": "passed",
+        "tests/test_ddp.py::test_DistributedDataParallel[Tied]": "failed",
+        "tests/test_attention.py::test_flash": "passed"}}))
+    text = implemented(SectionData(tmp_path, "ddp_bucketed"), "`DDPBucketed`", "cs336_systems/distributed/ddp_bucketed.py",
+                       "tests/test_ddp_strategies.py", "test_ddp.py").markdown
+    assert "`uv run pytest tests/test_ddp_strategies.py` checks it against single-process training" in text
+    assert "The course's `test_ddp.py`: 1 of 2 passed in the `2025` run (§4)." in text
+    none = implemented(SectionData(tmp_path, "x"), "X", "x.py", "tests/t.py", "test_missing.py").markdown
+    assert "runs through `tests/adapters.py`" in none
+
+
+def test_the_all_reduce_question_is_the_grids_own(tmp_path) -> None:
+    """CSE599-O asks NCCL on 2, 4 and 8 GPUs; what the machine could not run is said with the command."""
+    from cs336_systems.experiments import distributed_communication_single_node as ar
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "distributed_communication_single_node" / "cse599o"
+    folder.mkdir(parents=True)
+    pd.DataFrame({"backend": ["nccl", "nccl"], "world_size": [2, 2], "size_bytes": [1e6, 1e9], "size": ["1MB", "1GB"],
+                  "time_ms": [0.03, 3.0], "busbw_GBps": [33.0, 330.0]}).to_csv(folder / "allreduce.csv", index=False)
+    (folder / "allreduce.meta.json").write_text(json.dumps({"num_gpus": 2, "params": {"backends": ["nccl"],
+                                                                                      "nproc": [2, 4, 8]}}))
+    (folder / "topology.json").write_text(json.dumps({"links": {"0-1": "NV18"}, "gbps_per_link": 25.0,
+                                                      "peak_busbw_GBps": {"2": 450.0}}))
+    q = ar.answer(SectionData(tmp_path, "distributed_communication_single_node/cse599o"))[0]
+    assert q.prompt == "All-reduce latency for NCCL (GPU), 1 MB–1 GB of float32, 2, 4 and 8 processes."
+    text = q.blocks[0].markdown
+    assert ("`python -m cs336_systems.experiments distributed_communication_single_node --full --edition cse599o` "
+            "on a node with 8 GPUs") in text
+    assert "NV18" in text and "73.3% of it at 1GB" in text

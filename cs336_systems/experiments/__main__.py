@@ -166,7 +166,7 @@ def build_parser(section: Section | None = None) -> argparse.ArgumentParser:
                         help="override a parameter (repeatable): --set sizes=small,xl --set budget_s=300")
     parser.add_argument("--job", type=int, metavar="N",
                         help="run job N of the section's full run split into jobs of about ten minutes (listed by "
-                             "--help and by `python -m cs336_systems.report status --jobs`); --set values apply over it")
+                             "--help and by `python -m cs336_systems.writeup status --jobs`); --set values apply over it")
     parser.add_argument("--edition", metavar="EDITION",
                         help="measure the grid this edition of the handout asks for, where it differs from the "
                              "workbook's (e.g. nsys_profile --edition 2026); results go to figures/SECTION/EDITION/")

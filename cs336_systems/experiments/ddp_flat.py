@@ -34,20 +34,32 @@ def run(p: DDPParams, out: ResultWriter) -> dict[str, Any]:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
-def _verdict(naive: Any, flat: Any) -> str:
-    """Whether batching the calls paid, judged against the two rows' step-to-step spread, and why."""
+def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
+    """Whether batching the calls paid, judged against the two rows' step-to-step spread, and why, with the
+    per-call cost and bandwidth of §2.1.3's fit where it is measured."""
     calls, gb = known(naive.get("num_buckets")), known(naive.get("grad_bytes"))
     n = f"{int(calls)} calls" if calls else "one call per parameter"
-    size = f" ({fmt.sig(gb / 1e9)} GB of gradients)" if gb else ""
     noise = spread(naive.get("step_ms_std"), flat.get("step_ms_std"))
     saved = float(naive["step_ms"]) - float(flat["step_ms"])
+    comm = ""
+    if known(naive.get("sync_ms")) and known(flat.get("sync_ms")):
+        comm = (f" The communication itself shrinks by {fmt.ms(float(naive['sync_ms']) - float(flat['sync_ms']))} "
+                f"({fmt.pct(1 - float(flat['sync_ms']) / float(naive['sync_ms']))}).")
+    cost = ""
+    if fit is not None and calls and gb:
+        fixed, transfer = calls * fit["o"] * 1e3, gb / fit["w"] * 1e3
+        cost = (f" With §2.1.3's fit, {n}' fixed cost is {fmt.ms(fixed)} against {fmt.ms(transfer)} to move "
+                f"{fmt.sig(gb / 1e9)} GB: flattening can remove at most the first, and it adds a copy of every "
+                "gradient into the flat buffer and back.")
     if saved > noise:
-        return (f"Batching pays: one call instead of {n} saves each call's fixed launch and synchronization cost, "
-                "which outweighs the copies into and out of the flat buffer.")
-    return (("No gain beyond the runs' spread" if abs(saved) <= noise else "Flat DDP is slower")
-            + f": the same bytes move{size}, and at this size the all-reduce is bandwidth-bound, so the fixed "
-            f"cost of {n} is small next to the transfer, while flattening adds a copy of every gradient into the "
-            "flat buffer and back.")
+        return (f"Batching pays, by {fmt.ms(saved)} per step (more than the rows' spread, ±{fmt.ms(noise)})."
+                + comm + (cost or " One call instead of many saves each call's fixed launch and synchronization "
+                          "cost, which outweighs the copies into and out of the flat buffer."))
+    verdict = (f"The step changes by {fmt.ms(saved)}, within the rows' spread (±{fmt.ms(noise)}), so this run shows "
+               "no gain in step time" if abs(saved) <= noise else "Flat DDP is slower")
+    return verdict + "." + comm + (cost or " At this size the all-reduce is mostly transfer, so the calls' fixed "
+                                   "cost is small, while flattening adds a copy of every gradient into the flat "
+                                   "buffer and back.")
 
 
 def answer(d: SectionData) -> list[Block]:
@@ -57,7 +69,9 @@ def answer(d: SectionData) -> list[Block]:
     if naive is not None and flat is not None:
         text = Text(f"One all-reduce of the flattened gradients takes the step from {fmt.ms(naive['step_ms'])} to "
                     f"{fmt.ms(flat['step_ms'])} and the communication from {fmt.ms(naive['sync_ms'])} to "
-                    f"{fmt.ms(flat['sync_ms'])}. " + _verdict(naive, flat))
+                    f"{fmt.ms(flat['sync_ms'])}. " + _verdict(naive, flat, ddp_common.published_fit(
+                        d.sibling("distributed_communication_single_node"), world_size=int(naive["world_size"]))
+                        if "world_size" in naive.index else None))
     return [
         question(d, "minimal_ddp_flat_benchmarking", "One all-reduce of all gradients flattened into a single "
                  "tensor, compared with one all-reduce per parameter.",

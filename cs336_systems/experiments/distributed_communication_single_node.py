@@ -410,6 +410,23 @@ def main(argv: list[str] | None = None) -> int:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
+def _edition_flag(d: SectionData) -> str:
+    """`` --edition E`` where ``d`` is an edition's grid (``<name>/<edition>``), else empty."""
+    _, _, edition = d.folder.partition("/")
+    return f" --edition {edition}" if edition else ""
+
+
+def _prompt(d: SectionData) -> str:
+    """The question as this grid asks it: its backends and process counts (2025: Gloo and NCCL on 2, 4 and 6
+    processes; CSE599-O: NCCL on 2, 4 and 8 GPUs)."""
+    params = d.meta("allreduce").get("params") or {}
+    backends = params.get("backends") or ["gloo", "nccl"]
+    names = {"gloo": "Gloo (CPU)", "nccl": "NCCL (GPU)"}
+    counts = params.get("nproc") or [2, 4, 6]
+    return (f"All-reduce latency for {join_words([names.get(b, b) for b in backends])}, 1 MB–1 GB of float32, "
+            f"{join_words([str(n) for n in counts])} processes.")
+
+
 def answer(d: SectionData) -> list[Block]:
     df = d.frame("allreduce")
     text = None
@@ -429,8 +446,22 @@ def answer(d: SectionData) -> list[Block]:
         asked = meta.get("params", {}).get("nproc") or []
         missing = [n for n in asked if n not in set(df.loc[df["backend"] == "nccl", "world_size"])]
         if missing and "nccl" in set(df["backend"]):
-            vs += (f" NCCL with {join_words([str(n) for n in missing])} processes is not measured: the machine had "
-                   f"{meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own.")
+            vs += (f" **Not measured: NCCL with {join_words([str(n) for n in missing])} processes**: the machine had "
+                   f"{meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own; `python -m "
+                   f"cs336_systems.experiments {SECTION_NAME} --full{_edition_flag(d)}` on a node with "
+                   f"{max(missing)} GPUs adds them.")
+        topo = d.json("topology")
+        peak = (topo or {}).get("peak_busbw_GBps") or {}
+        nccl = big[big["backend"] == "nccl"] if "busbw_GBps" in big.columns else big.iloc[0:0]
+        if isinstance(topo, dict) and topo.get("links") and len(nccl):
+            r = nccl.sort_values("world_size").iloc[0]
+            top = peak.get(str(int(r["world_size"])))
+            link = sorted(set(topo["links"].values()))[0]
+            if top:
+                vs += (f" The reference curve: `nvidia-smi topo -m` shows {link} between the GPUs (bonded NVLinks of "
+                       f"{fmt.sig(topo.get('gbps_per_link', 0))} GB/s per direction each), {fmt.sig(top)} GB/s of bus "
+                       f"bandwidth at most; {int(r['world_size'])} ranks reach {fmt.pct(r['busbw_GBps'] / top)} of it "
+                       f"at {size}.")
         text = Text(f"All-reducing {size}: " + join_words(parts) + "." + vs + " Small messages are latency bound "
                     "(the time hardly changes with size), large ones bandwidth bound; bus bandwidth, which scales "
                     "the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, makes process counts "
@@ -450,8 +481,7 @@ def answer(d: SectionData) -> list[Block]:
                         "misfit of the worst point is part of the answer; the dashed curve keeps the fitted latency "
                         "and takes $B$ from the link specification.")
     return [
-        question(d, "all-reduce", "All-reduce latency for Gloo (CPU) and NCCL (GPU), 1 MB–1 GB of float32, "
-                 "2, 4 and 6 processes.", [
+        question(d, "all-reduce", _prompt(d), [
                      text,
                      fit_text,
                      d.table("allreduce_alpha_beta", caption="Latency–bandwidth fit per backend and process count "

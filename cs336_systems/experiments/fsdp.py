@@ -20,7 +20,7 @@ Problem ``fsdp``. Run (writes ``figures/fsdp/``; CPU smoke runs use a tiny model
     python -m cs336_systems.experiments fsdp --set nproc=4 --set models=6.7B --set append=True
 
 Figures and derived tables (:func:`derive`) are written by the run itself and can be redrawn from the
-committed table on any machine with ``python -m cs336_systems.report replot fsdp``.
+committed table on any machine with ``python -m cs336_systems.writeup replot fsdp``.
 """
 
 from __future__ import annotations

@@ -174,8 +174,8 @@ def _against_microbenchmark(d: SectionData, naive: Any) -> Text | None:
     need = ("num_buckets", "grad_bytes", "sync_ms", "world_size")
     if naive is None or not set(need) <= set(naive.index) or any(known(naive[k]) is None for k in need):
         return None
-    allreduce = SectionData(d.root, "distributed_communication_single_node")
-    fit = ddp_common.allreduce_fit(allreduce.frame("allreduce"), world_size=int(naive["world_size"]))
+    allreduce = d.sibling("distributed_communication_single_node")
+    fit = ddp_common.published_fit(allreduce, world_size=int(naive["world_size"]))
     name, _ = steps_table(d)
     if fit is None or allreduce.meta("allreduce").get("device") != d.meta(name or "").get("device"):
         return None  # a prediction from another machine's links says nothing about this run
@@ -189,8 +189,11 @@ def _against_microbenchmark(d: SectionData, naive: Any) -> Text | None:
            if ratio > 1 else
            "less than predicted: the fit's latency is an average over message sizes, and small messages run "
            "faster than it")
+    per_step = (f", $2(p-1)\\alpha$ with its fitted $\\alpha$ = {fmt.sig(fit['alpha_us'], 3)} µs per ring step"
+                if "alpha_us" in fit else "")
     return Text(f"Against the all-reduce microbenchmark (§2.1.3, NCCL on {int(naive['world_size'])} GPUs: a call "
-                f"costs $o$ = {fmt.sig(fit['o'] * 1e6, 2)} µs plus its bytes at $w$ = {fmt.sig(fit['w'] / 1e9)} GB/s): "
+                f"costs $o$ = {fmt.sig(fit['o'] * 1e6, 2)} µs{per_step}, plus its bytes at $w$ = "
+                f"{fmt.sig(fit['w'] / 1e9)} GB/s): "
                 f"{n} calls moving {fmt.sig(size / 1e9)} GB predict $n\\,o + S/w$ = {fmt.ms(predicted)}; the naive "
                 f"step measured {fmt.ms(naive['sync_ms'])}, {fmt.ratio(ratio)} the prediction, {why}.")
 

@@ -20,7 +20,7 @@ Problem ``optimizer_state_sharding_accounting``. Run (writes ``figures/optimizer
     torchrun --nproc-per-node 2 -m cs336_systems.experiments.optimizer_state_sharding  # or under torchrun
 
 Figures and derived tables (:func:`derive`) are written by the run itself and can be redrawn from the
-committed tables on any machine with ``python -m cs336_systems.report replot optimizer_state_sharding``.
+committed tables on any machine with ``python -m cs336_systems.writeup replot optimizer_state_sharding``.
 """
 
 from __future__ import annotations
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
-from cs336_systems.report.answers import mfu_note, spread, step_mfu  # noqa: E402  (answers only)
+from cs336_systems.report.answers import implemented, mfu_note, spread, step_mfu  # noqa: E402  (answers only)
 
 
 def _timing_with_mfu(timing: pd.DataFrame | None, meta: dict[str, Any]) -> pd.DataFrame | None:
@@ -558,6 +558,12 @@ def answer(d: SectionData) -> list[Block]:
         time_text = Text("Time per training step (relative to replicated AdamW): " + join_words(parts) + ". "
                          + _sharding_verdict(timing))
     return [
+        question(d, "optimizer_state_sharding", "An optimizer wrapper that keeps each parameter's state on one "
+                 "rank only and broadcasts the updated parameters from their owners.", [implemented(
+                     d, "`ShardedOptimizer` (parameters assigned to ranks greedily by size; each rank steps the "
+                     "wrapped optimizer on its own shard, then every parameter is broadcast from its owner)",
+                     "cs336_systems/distributed/sharded_optimizer.py", "tests/test_sharded_optimizer.py",
+                     "test_sharded_optimizer.py", against="unsharded AdamW, bit for bit")]),
         question(d, "a", "Peak memory after model initialization, before and after the optimizer step, with and "
                  f"without optimizer-state sharding ({(d.meta('memory').get('params') or {}).get('model', 'xl')}, "
                  "one node, 2 GPUs), with a breakdown.",

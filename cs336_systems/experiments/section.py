@@ -69,7 +69,7 @@ class Section:
     """``run(params, out: ResultWriter)``: measure and write the measured tables."""
     derive: Callable[[dict[str, Any], dict[str, Any]], Any] | None = None
     """``derive(tables, meta) -> Derived``: figures and tables computed from measured results only, so
-    ``python -m cs336_systems.report replot`` can redraw them on any machine."""
+    ``python -m cs336_systems.writeup replot`` can redraw them on any machine."""
     derive_inputs: tuple[str, ...] = ()
     """The measured artefacts ``derive`` reads (at least one must exist; the first present gives the derived
     artefacts their provenance)."""

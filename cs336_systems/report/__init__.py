@@ -1,11 +1,11 @@
-"""The writeup builder: committed results in ``figures/`` → ``writeup.pdf``.
+"""What the sections answer with and the writeup is drawn from: the document model (``document.py``), number
+formatting (``fmt.py``), answer helpers (``answers.py``), a results folder as the answers read it (``data.py``),
+the editions of the handout (``editions.py``), the cross-section agreement check (``agreement.py``), freshness of
+results (``staleness.py``) and the renderers: HTML with math typeset by matplotlib's mathtext (``html.py``), PDF
+through headless Chromium (``pdf.py``), the results index (``index.py``) and the input manifest
+(``manifest.py``).
 
-``python -m cs336_systems.report build`` reads every results folder, lets one builder per course
-problem answer its deliverables from the data (``sections/``), renders the document to HTML with
-math typeset by matplotlib's mathtext (``html.py``), prints it to PDF with headless Chromium
-(``pdf.py``) and records the sha256 of every input in ``figures/writeup_manifest.json``
-(``manifest.py``). ``python -m cs336_systems.report check`` fails when any result changed since.
-
-The package imports nothing on its own: the sections import its leaf modules (editions, fmt, answers), and
-the builder, which reads the sections, loads only when asked for (``cs336_systems.report.build``).
+It sits below the sections (:mod:`cs336_systems.experiments`), which import its leaf modules; the builder that
+reads the sections and assembles the writeups is :mod:`cs336_systems.writeup`, above them. The package imports
+nothing on its own.
 """

@@ -9,7 +9,7 @@ what a cell measured (quantity, model or shape, precision, context, batch, pass)
 :func:`disagreements` groups every committed cell by key and reports each group whose extreme values lie
 more than :data:`TOLERANCE` apart *and* farther apart than their runs' own spread (:data:`SPREADS` standard
 deviations of each): a difference smaller than the spread of repeated runs is no difference (a
-sub-millisecond, launch-bound timing moves by a third between processes). ``report status`` prints them (and fails while any remain), and the writeup
+sub-millisecond, launch-bound timing moves by a third between processes). ``writeup status`` prints them (and fails while any remain), and the writeup
 marks the tables they come from, until one side is re-measured.
 """
 
@@ -197,7 +197,7 @@ def reconcile(root: Path, folder: str, table: str, what: str) -> str | None:
         return (f"{what} agree with the same configurations measured elsewhere ({sources}) within "
                 f"{abs(worst - 1):.0%}.")
     return (f"{what} differ from the same configurations measured elsewhere ({sources}) by up to {abs(worst - 1):.0%} "
-            f"({row}: {worst:.2f}× theirs); the runs came from different jobs, and `report status` lists the "
+            f"({row}: {worst:.2f}× theirs); the runs came from different jobs, and `writeup status` lists the "
             "pair until one is measured again on a calibrated machine.")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Figure, Missing, Question, Table
+from cs336_systems.report.document import Block, Figure, Missing, Question, Table, Text
 
 
 def col(df: pd.DataFrame | None, *patterns: str) -> str | None:
@@ -148,3 +148,23 @@ def model_tflops(size: str, ms: float, context_length: int, mode: str = "train",
 
     batch = batch_size or get_config(size).batch_size
     return step_flops(size, batch, context_length, mode) / (ms * 1e-3) / 1e12
+
+
+def implemented(d: SectionData, what: str, where: str, ours: str, course_file: str,
+                against: str = "single-process training") -> Text:
+    """A code problem's answer: where the implementation lives, the project's own tests of it, and the course's
+    test file's outcome in every recorded run of the course's suites (§4)."""
+    tests = SectionData(d.root, "course_tests")
+    outcomes = []
+    for name in tests.records:
+        record = tests.json(name)
+        if not isinstance(record, dict) or not isinstance(record.get("tests"), dict):
+            continue
+        mine = [v for k, v in record["tests"].items() if k.split("::")[0].endswith(course_file)]
+        if mine:
+            passed = sum(v == "passed" for v in mine)
+            outcomes.append(f"{passed} of {len(mine)} passed in the `{name}` run")
+    course = (f" The course's `{course_file}`: " + join_words(outcomes) + " (§4)." if outcomes else
+              f" The course's `{course_file}` runs through `tests/adapters.py` (§4 has the command).")
+    return Text(f"**Implementation:** {what} in `{where}`; `uv run pytest {ours}` checks it against {against}."
+                + course)

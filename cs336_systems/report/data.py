@@ -59,6 +59,14 @@ class SectionData:
         self.dir = self.root / folder
         self._used: set[str] = set()
 
+    def sibling(self, section: str) -> "SectionData":
+        """Another section's results from the same grid: for an edition grid (``<name>/<edition>``) that
+        section's grid of the same edition where it is measured, else its own results."""
+        _, _, edition = self.folder.partition("/")
+        if edition and (self.root / section / edition).is_dir():
+            return SectionData(self.root, f"{section}/{edition}")
+        return SectionData(self.root, section)
+
     @functools.cached_property
     def references(self) -> dict[str, dict[str, float]]:
         """The calibration references (device -> metric -> value) results are judged against."""

@@ -71,7 +71,7 @@ def index_html(doc: Document, root: Path, writeup: str | None = "../writeup.html
         f"<p>Every result under <code>{html.escape(Path(root).name)}/</code>, by folder: {len(doc.inputs)} files. "
         "Each folder names the files the writeup cites (and links its section); the other results, "
         f"{shown} tables and figures from exploratory runs, follow in full with their provenance. "
-        "Built with the writeup by <code>uv run python -m cs336_systems.report build</code>.</p>"
+        "Built with the writeup by <code>uv run python -m cs336_systems.writeup build</code>.</p>"
     )
     body = "".join(_folder_html(s, counter, writeup) for s in sections)
     return (

@@ -25,15 +25,16 @@ MANIFEST_NAME = "writeup_manifest.json"
 INDEX_NAME = "index.html"
 DEFAULT_PDF = REPO_ROOT / "writeup.pdf"
 DEFAULT_MANIFEST = FIGURES_DIR / MANIFEST_NAME
-REBUILD_COMMAND = "uv run python -m cs336_systems.report build"
+REBUILD_COMMAND = "uv run python -m cs336_systems.writeup build"
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
-#: Source files whose change alters the document: the builder package, the sections (their answer text)
-#: and the analytic models whose numbers the answers compute (the preset calculator, the data-sheet peaks,
+#: Source files whose change alters the document: the blocks and renderers, the sections (their answer text),
+#: the builder and the analytic models whose numbers the answers compute (the preset calculator, the data-sheet peaks,
 #: the DDP overhead model).
 BUILDER_ROOTS = (
     REPO_ROOT / "cs336_systems" / "report",
     REPO_ROOT / "cs336_systems" / "experiments",
+    REPO_ROOT / "cs336_systems" / "writeup",
     REPO_ROOT / "cs336_systems" / "configs.py",
     REPO_ROOT / "cs336_systems" / "hardware.py",
     REPO_ROOT / "cs336_systems" / "benchmarking" / "ddp_overhead_model.py",

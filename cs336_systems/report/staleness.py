@@ -8,7 +8,7 @@ between dependencies do not count), *stale* otherwise (the files whose definitio
 stale too when its commit is unknown to this repository or it was measured with uncommitted library
 changes (``-dirty``): then nobody can say which code it measured.
 
-``python -m cs336_systems.report status`` prints this per section with the command that refreshes it and
+``python -m cs336_systems.writeup status`` prints this per section with the command that refreshes it and
 exits 1 while any shown result is stale; the writeup marks each stale table and figure.
 """
 
@@ -26,6 +26,7 @@ from cs336_systems.measured_code import (  # noqa: F401  (the mechanism lives in
     TIMING,
     Freshness,
     changed_since,
+    depends_of,
     freshness,
     measuring_part,
 )
@@ -83,23 +84,10 @@ def section_status(root: Path, spec: Any, repo: Path = REPO_ROOT, edition: str |
                          suspect, uncalibrated)
 
 
-def depends_by_folder() -> dict[str, tuple[str, ...]]:
-    """Each results folder's dependencies: the sections' own, then the folders sections show."""
-    from cs336_systems.experiments import SECTIONS
-    from cs336_systems.experiments.ddp_common import DEPENDS
-
-    # ddp_benchmark: the DDP step benchmark's own runs, which the bucketed-DDP section shows.
-    return {"ddp_benchmark": DEPENDS, **{s.name: s.depends for s in SECTIONS.values()}}
-
-
-def depends_of(folder: str) -> tuple[str, ...]:
-    """The dependencies of a results folder (``name`` or an edition grid's ``name/edition``)."""
-    return depends_by_folder().get(folder.split("/")[0], LIBRARY)
-
-
 def stale_results(root: Path, repo: Path = REPO_ROOT) -> dict[str, str]:
     """``{"folder/name": reason}`` for every stale result under ``root`` (what the writeup marks), edition
-    grids' subfolders (``folder/edition/name``) included."""
+    grids' subfolders (``folder/edition/name``) included. Each folder's dependencies come from the registry
+    the sections fill when they load (:func:`cs336_systems.measured_code.depends_of`)."""
     root = Path(root)
     out = {}
     folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []

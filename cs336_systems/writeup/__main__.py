@@ -1,4 +1,4 @@
-"""``python -m cs336_systems.report {build,check,html,status}``."""
+"""``python -m cs336_systems.writeup {build,check,html,status}``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from cs336_systems.results import FIGURES_DIR
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cs336_systems.report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cs336_systems.writeup", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="render writeup.pdf, writeup.html beside it and figures/index.html from "
                                          "the results, and update the manifest")
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("-v", "--verbose", action="store_true", help="list every stale result with its reason")
     status.add_argument("--jobs", action="store_true",
                         help="for each stale or missing section split into GPU jobs, the command of every job")
-    from cs336_systems.report import replot
+    from cs336_systems.writeup import replot
 
     redraw = sub.add_parser("replot", help="redraw figures and derived tables from committed measurements")
     replot.add_arguments(redraw)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replot":
         return replot.run_command(args)
     if args.command == "build":
-        from cs336_systems.report.build import build as build_pdf
+        from cs336_systems.writeup.build import build as build_pdf
 
         default_root = args.figures.resolve() == FIGURES_DIR.resolve()
         if not default_root and not args.no_manifest and args.output.resolve() == _manifest.DEFAULT_PDF.resolve():
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                   "clean checkout's `check` will fail:", *pending, sep="\n  ", file=sys.stderr)
         return 0
     if args.command == "html":
-        from cs336_systems.report.build import build_document, write_html
+        from cs336_systems.writeup.build import build_document, write_html
 
         print(f"wrote {write_html(build_document(args.figures), args.output)}")
         return 0
@@ -108,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from cs336_systems.cli import run_main
 
-    sys.exit(run_main(main, "python -m cs336_systems.report"))
+    sys.exit(run_main(main, "python -m cs336_systems.writeup"))

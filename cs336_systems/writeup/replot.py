@@ -6,7 +6,7 @@ Derived`` function, next to the code that measured the data, and three callers s
 
 - the measuring entry point, right after writing its tables (so a GPU run leaves PNGs behind);
 - the section's notebook, which displays what ``derive`` returns;
-- ``python -m cs336_systems.report replot SECTION...``, which reloads the committed tables on a CPU machine and
+- ``python -m cs336_systems.writeup replot SECTION...``, which reloads the committed tables on a CPU machine and
   draws the derived artefacts (of the section's own results and of each edition grid measured) into
   ``.scratch/figures/<section>/``; with ``--publish`` into
   ``figures/<section>/`` beside the measurements (``CS336_FIGURES_DIR`` overrides both), where an artefact
@@ -59,7 +59,7 @@ def replot(section: str, publish: bool = False, edition: str | None = None) -> l
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``python -m cs336_systems.report replot``."""
+    """The options of ``python -m cs336_systems.writeup replot``."""
     parser.add_argument("sections", nargs="*", help=f"sections to replot (default: all of {', '.join(replottable())})")
     parser.add_argument("--publish", action="store_true",
                         help="write into figures/ beside the measurements (default: .scratch/figures/)")

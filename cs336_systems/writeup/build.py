@@ -42,7 +42,7 @@ def _preamble(root: Path, html: str = "writeup.html") -> list[Block]:
             "the full record: software versions, the machine's calibration, run parameters). A result whose "
             "code changed since that commit opens that line with **STALE**, one from a machine that measured "
             "more than 10% below its reference with **SUSPECT**, and one that another section measured "
-            "differently with **DISAGREES** (`python -m cs336_systems.report status` lists them per section with "
+            "differently with **DISAGREES** (`python -m cs336_systems.writeup status` lists them per section with "
             "the command that refreshes them). A section without results says so and names the command that "
             "produces them. The writeup "
             "prints what its answers cite; every other committed result (exploratory sweeps, lab runs) is in the "
