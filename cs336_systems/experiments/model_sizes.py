@@ -68,7 +68,8 @@ def answer(d: SectionData) -> list[Block]:
     if table is None or table.empty or not {"size", "params_M"} <= set(table.columns):
         return []
     big = table.loc[table["params_M"].idxmax()]
-    text = (f"The largest preset, {big['size']}, has {fmt.sig(big['params_M'])} M parameters"
+    text = ((f"The largest preset, {big['size']}, has" if len(table) > 1 else
+             f"The handout's model ({big['size']}) has") + f" {fmt.sig(big['params_M'])} M parameters"
             + (f"; its fp32 weights, gradients and AdamW state alone take {fmt.gib(big['weights_grads_adam_GiB'] * 2**30)}"
                " before any activation" if "weights_grads_adam_GiB" in table.columns else "") + ".")
     if {"train_GFLOP_per_token", "fwd_GFLOP_per_token"} <= set(table.columns):
@@ -82,4 +83,5 @@ def answer(d: SectionData) -> list[Block]:
 SECTION = Section(
     name="model_sizes", number="1.1.2", title="Model sizes", problems=(), answer=answer, presets=PRESETS, run=run,
     gpus=0, depends=("cs336-basics/cs336_basics/", "cs336_systems/configs.py"),
+    editions={"cse599o": {"sizes": ["large"]}},  # CSE599-O's Table 1 holds one model (1280/5120/36/20)
 )

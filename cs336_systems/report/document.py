@@ -94,6 +94,8 @@ class Console:
     lines: list[str]
     source: str
     meta: dict[str, Any]
+    note: str = ""
+    """Where and how it ran, beside the command (markdown)."""
 
     def plain(self) -> str:
         return "\n".join([f"$ {self.command}", *self.lines])

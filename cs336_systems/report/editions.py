@@ -120,7 +120,7 @@ def _table1_note(section: str) -> str:
 
 #: The CSE599-O handout ("Scaling with Data Parallelism"): its ten problems in its order, under its section numbers.
 EDITION_CSE599O: tuple[Entry, ...] = (
-    Entry("1.5", (), "model_sizes", title="Model sizing (Table 1: CS336's large)"),
+    Entry("1.5", (), "model_sizes", title="The model (the handout's Table 1)"),
     Entry("2.2", ("distributed_communication_single_node",), "distributed_communication_single_node",
           title="Benchmarking distributed applications",
           note="CSE599-O measures NCCL on 2, 4 and 8 GPUs (`python -m cs336_systems.experiments "

@@ -344,7 +344,8 @@ def block_html(block: Block, counter: _Counter) -> str:
     if isinstance(block, Console):
         counter.figures += 1
         text = "\n".join([f"$ {block.command}", *block.lines])
-        caption = (f"<b>Figure {counter.figures}.</b> What <code>{html.escape(block.command)}</code> printed."
+        caption = (f"<b>Figure {counter.figures}.</b> What <code>{html.escape(block.command)}</code> printed, "
+                   "verbatim." + (f" {markdown_inline(block.note)}" if block.note else "")
                    + _prov_html(block.meta, block.source, counter.full_provenance))
         return f'<figure class="console"><pre>{html.escape(text)}</pre><figcaption>{caption}</figcaption></figure>'
     if isinstance(block, Question):
