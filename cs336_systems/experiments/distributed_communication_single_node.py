@@ -481,7 +481,7 @@ def answer(d: SectionData) -> list[Block]:
                         "misfit of the worst point is part of the answer; the dashed curve keeps the fitted latency "
                         "and takes $B$ from the link specification.")
     return [
-        question(d, "all-reduce", _prompt(d), [
+        question(d, "distributed_communication_single_node", _prompt(d), [
                      text,
                      fit_text,
                      d.table("allreduce_alpha_beta", caption="Latency–bandwidth fit per backend and process count "

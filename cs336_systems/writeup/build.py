@@ -36,18 +36,13 @@ INDEX_NAME = _manifest.INDEX_NAME
 def _preamble(root: Path, html: str = "writeup.html") -> list[Block]:
     return [
         Text(
-            "Every number, table and figure below is read from the committed results under "
-            f"`{root.name}/`, which the notebooks in `notebooks/` write through `ResultWriter`; under each table "
-            "and figure one line names the device, date and commit it was measured on (the results index has "
-            "the full record: software versions, the machine's calibration, run parameters). A result whose "
-            "code changed since that commit opens that line with **STALE**, one from a machine that measured "
-            "more than 10% below its reference with **SUSPECT**, and one that another section measured "
-            "differently with **DISAGREES** (`python -m cs336_systems.writeup status` lists them per section with "
-            "the command that refreshes them). A section without results says so and names the command that "
-            "produces them. The writeup "
-            "prints what its answers cite; every other committed result (exploratory sweeps, lab runs) is in the "
-            f"results index `{root.name}/{INDEX_NAME}`, and `{html}` is this document as a web page. "
-            f"Rebuild all three with `{_manifest.REBUILD_COMMAND}`."
+            f"Every number, table and figure is read from the committed results in `{root.name}/`; the line under "
+            "each names the device, date and commit it was measured on. **STALE** marks a result whose code "
+            "changed since, **SUSPECT** one from a machine that measured more than 10% below its reference, "
+            "**DISAGREES** one that another section measured differently, each with the command that refreshes it "
+            f"(`python -m cs336_systems.writeup status` lists them). The results index `{root.name}/{INDEX_NAME}` "
+            f"holds the full records and every result no answer cites; `{html}` is this document as a web page; "
+            f"`{_manifest.REBUILD_COMMAND}` rebuilds all three."
         )
     ]
 
