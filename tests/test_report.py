@@ -899,3 +899,12 @@ def test_the_all_reduce_question_is_the_grids_own(tmp_path) -> None:
     assert ("`python -m cs336_systems.experiments distributed_communication_single_node --full --edition cse599o` "
             "on a node with 8 GPUs") in text
     assert "NV18" in text and "73.3% of it at 1GB" in text
+
+
+def test_sharding_memory_names_ddp_buckets_when_the_allocator_holds_more_than_the_parameters() -> None:
+    from cs336_systems.experiments.optimizer_state_sharding import _buckets_note
+
+    rank0 = pd.DataFrame({"optimizer": ["adamw", "sharded"], "after_init_allocated": [7.33, 7.39]})
+    st = pd.DataFrame({"adamw measured": [3.61, 3.61]}, index=["parameters", "gradients"])
+    assert "the allocator holds 3.72 GiB more" in _buckets_note(rank0, st)
+    assert _buckets_note(rank0.assign(after_init_allocated=[3.7, 3.7]), st) == ""  # nothing unexplained

@@ -549,7 +549,7 @@ def answer(d: SectionData) -> list[Block]:
                      for c in ("parameters", "gradients", "optimizer_state", "activations")
                      if c in st.index and pd.notna(st.loc[c, "adamw measured"])]
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
-                            + "; ".join(parts).replace("_", " ") + ".")
+                            + "; ".join(parts).replace("_", " ") + "." + _buckets_note(rank0, st))
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
@@ -595,6 +595,26 @@ def answer(d: SectionData) -> list[Block]:
             d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step.")]),
         *_more_gpus(d),
     ]
+
+
+def _buckets_note(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> str:
+    """What the tensor breakdown does not count: after initialization the allocator already holds more than the
+    parameters, torch DDP's gradient buckets (flat buffers for every gradient, allocated when it wraps the
+    model; with the default ``gradient_as_bucket_view=False`` they are a second copy of the gradients)."""
+    if "parameters" not in breakdown.index or "adamw measured" not in breakdown.columns:
+        return ""
+    row = rank0[rank0["optimizer"] == "adamw"]
+    if not len(row) or "after_init_allocated" not in row.columns:
+        return ""
+    params = float(breakdown.loc["parameters", "adamw measured"])
+    extra = float(row["after_init_allocated"].iloc[0]) - params
+    if not params or extra < 0.5 * params:
+        return ""
+    return (f" The breakdown counts tensors the model and optimizer own; the allocator holds {fmt.sig(extra)} GiB "
+            f"more from initialization on ({fmt.sig(float(row['after_init_allocated'].iloc[0]))} GiB allocated "
+            f"against {fmt.sig(params)} GiB of parameters): torch DDP's gradient buckets, flat buffers for every "
+            "gradient allocated when it wraps the model (a second copy of the gradients, as "
+            "`gradient_as_bucket_view` is off by default), the same for every optimizer.")
 
 
 def _more_gpus(d: SectionData) -> list[Block]:
