@@ -797,7 +797,7 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
         return pd.DataFrame({"optimizer": ["adamw", "sharded"], "step_ms": [adamw, sharded], "step_ms_std": [std, 1.0]})
 
     assert "roughly cancel here" in _sharding_verdict(timing(475.0, 456.0, 73.0))
-    assert "costs 4.00 ms per step here" in _sharding_verdict(timing(627.0, 631.0, 0.5))
+    assert "4.00 ms per step net here" in _sharding_verdict(timing(627.0, 631.0, 0.5))
     assert "saves more than the broadcast costs, 20.0 ms" in _sharding_verdict(timing(476.0, 456.0, float("nan")))
 
 

@@ -47,9 +47,14 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
            f"({fmt.ms(r['comm_ms'])}) ran while backward was still computing, so almost none of it is exposed")
     flat, own = rows.get("flat"), rows.get("overlap")
     if flat is not None and own is not None and known(flat.get("fwd_bwd_ms")) and known(own.get("fwd_bwd_ms")):
-        out += (f"; what it costs instead is a slower backward (forward and backward {fmt.ms(own['fwd_bwd_ms'])} "
-                f"against flat's {fmt.ms(flat['fwd_bwd_ms'])}), the NCCL kernels taking SMs and memory bandwidth "
-                "from the gradient kernels beside them, plus a launch per parameter")
+        mine, how = float(own["fwd_bwd_ms"]), ""
+        parts = [known(own.get(k)) for k in ("step_ms_median", "sync_ms", "optimizer_ms")]
+        if ddp_common.outlier_note(own) and all(x is not None for x in parts):
+            # The mean forward+backward carries the slow steps too: take the median step less the rest.
+            mine, how = parts[0] - parts[1] - parts[2], ", the median step less the exposed wait and the optimizer,"
+        out += (f"; what it costs instead is a slower backward (forward and backward {fmt.ms(mine)}{how} against "
+                f"flat's {fmt.ms(flat['fwd_bwd_ms'])}), the NCCL kernels taking SMs and memory bandwidth from the "
+                "gradient kernels beside them, plus a launch per parameter")
     return out + "."
 
 

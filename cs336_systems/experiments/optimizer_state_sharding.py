@@ -424,7 +424,8 @@ def _sharding_verdict(timing: pd.DataFrame) -> str:
         return (why + "; the two roughly cancel here: the difference is within the steps' spread (replicated "
                 f"AdamW's steps vary by ±{fmt.ms(a['step_ms_std'])}), so this run shows no cost of sharding.")
     if diff > 0:
-        return why + f", and that costs {fmt.ms(diff)} per step here, more than the smaller update saves."
+        return why + (f"; the broadcast costs more than the smaller update saves: {fmt.ms(diff)} per step net "
+                      "here.")
     return why + f"; the smaller update saves more than the broadcast costs, {fmt.ms(-diff)} per step here."
 
 
@@ -534,8 +535,10 @@ def answer(d: SectionData) -> list[Block]:
                  for _, r in rank0.iterrows()]
         mem_text = Text("Peak memory on rank 0 after initialization / before the optimizer step / after it: "
                         + "; ".join(parts) + ". Sharding leaves parameters, gradients and activations unchanged "
-                        "and divides AdamW's two fp32 moments ($8\\Psi$ bytes) by the world size, so the saving "
-                        "appears only from the first optimizer step on, when the state is allocated.")
+                        "and divides AdamW's two fp32 moments ($8\\Psi$ bytes) by the world size. After initialization "
+                        "the three are equal (no state yet); the state is allocated by the first optimizer step, so "
+                        "the measured step, which follows warm-up steps, already holds it before its update, and "
+                        "the saving shows at both later points.")
     bd = None
     if breakdown is not None and {"optimizer", "rank", "component", "source", "GiB"} <= set(breakdown.columns):
         sel = breakdown[breakdown["rank"] == 0]
