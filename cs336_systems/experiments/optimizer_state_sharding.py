@@ -410,25 +410,6 @@ def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
     return derived
 
 
-def _sharding_verdict(timing: pd.DataFrame) -> str:
-    """What the step times show about sharding's cost, judged against the rows' step-to-step spread."""
-    by = timing.set_index("optimizer")
-    why = ("The sharded step runs AdamW on its own shard only ($1/P$ of the update) and then broadcasts every "
-           "parameter from its owner, an extra $\\Psi$ of traffic per step that the replicated optimizer does not "
-           "need")
-    if not {"adamw", "sharded"} <= set(by.index) or "step_ms_std" not in by.columns:
-        return why + "."
-    a, b = by.loc["adamw"], by.loc["sharded"]
-    diff, noise = float(b["step_ms"] - a["step_ms"]), spread(a["step_ms_std"], b["step_ms_std"])
-    if abs(diff) <= noise:
-        return (why + "; the two roughly cancel here: the difference is within the steps' spread (replicated "
-                f"AdamW's steps vary by ±{fmt.ms(a['step_ms_std'])}), so this run shows no cost of sharding.")
-    if diff > 0:
-        return why + (f"; the broadcast costs more than the smaller update saves: {fmt.ms(diff)} per step net "
-                      "here.")
-    return why + f"; the smaller update saves more than the broadcast costs, {fmt.ms(-diff)} per step here."
-
-
 def _run_text(meta: dict[str, Any] | None) -> str:
     p = (meta or {}).get("params") or {}
     if "model" not in p:
@@ -508,6 +489,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 from cs336_systems.report.answers import implemented, mfu_note, spread, step_mfu  # noqa: E402  (answers only)
+
+
+def _sharding_verdict(timing: pd.DataFrame) -> str:
+    """What the step times show about sharding's cost, judged against the rows' step-to-step spread."""
+    by = timing.set_index("optimizer")
+    why = ("The sharded step runs AdamW on its own shard only ($1/P$ of the update) and then broadcasts every "
+           "parameter from its owner, an extra $\\Psi$ of traffic per step that the replicated optimizer does not "
+           "need")
+    if not {"adamw", "sharded"} <= set(by.index) or "step_ms_std" not in by.columns:
+        return why + "."
+    a, b = by.loc["adamw"], by.loc["sharded"]
+    diff, noise = float(b["step_ms"] - a["step_ms"]), spread(a["step_ms_std"], b["step_ms_std"])
+    if abs(diff) <= noise:
+        return (why + "; the two roughly cancel here: the difference is within the steps' spread (replicated "
+                f"AdamW's steps vary by ±{fmt.ms(a['step_ms_std'])}), so this run shows no cost of sharding.")
+    if diff > 0:
+        return why + (f"; the broadcast costs more than the smaller update saves: {fmt.ms(diff)} per step net "
+                      "here.")
+    return why + f"; the smaller update saves more than the broadcast costs, {fmt.ms(-diff)} per step here."
 
 
 def _timing_with_mfu(timing: pd.DataFrame | None, meta: dict[str, Any]) -> pd.DataFrame | None:
