@@ -336,3 +336,24 @@ def test_the_longest_context_answer_names_the_presets_no_job_searched_at_this_co
     assert "Not searched" not in str(_longest_text(pd.DataFrame(rows), params))
     partial = _longest_text(pd.DataFrame([r for r in rows if r["preset"] != "xl"]), params)
     assert "Not searched in these runs: xl." in str(partial)
+
+
+def test_bucketed_full_run_fits_the_machine_and_the_launcher(monkeypatch) -> None:
+    """--full measures 2 and 4 GPUs: on 2 GPUs that is one line naming the fix; under torchrun/srun the launcher's
+    world is the one run (not the same world once per listed size)."""
+    import torch
+
+    from cs336_systems.distributed import runner
+    from cs336_systems.experiments import ddp_bucketed, ddp_common
+
+    full = get("ddp_bucketed").params("full")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"nproc=\[2, 4\] needs 4 GPUs and this machine has 2: pass --set nproc=2"):
+        ddp_bucketed.run(full, None)
+    seen = []
+    monkeypatch.setattr(ddp_common, "run_ddp", lambda section, p, out, modes, **kw: seen.append(p.nproc) or {})
+    monkeypatch.setattr(runner, "launched_externally", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ddp_bucketed.run(full, None)
+    assert seen == [[4]]

@@ -43,8 +43,10 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
     if not hit or not by.loc[hit[0], "comm_ms"]:
         return ""
     r = by.loc[hit[0]]
-    out = (f" Why: {fmt.pct(r['comm_during_backward_ms'] / r['comm_ms'])} of its all-reduce kernel time "
-           f"({fmt.ms(r['comm_ms'])}) ran while backward was still computing, so almost none of it is exposed")
+    share = float(r["comm_during_backward_ms"] / r["comm_ms"])
+    out = (f" Why: {fmt.pct(share)} of its all-reduce kernel time ({fmt.ms(r['comm_ms'])}) ran while backward was "
+           "still computing, " + ("so almost none of it is exposed" if share >= 0.9 else
+                                  f"so {fmt.pct(1 - share)} of it still runs after backward"))
     flat, own = rows.get("flat"), rows.get("overlap")
     if flat is not None and own is not None and known(flat.get("fwd_bwd_ms")) and known(own.get("fwd_bwd_ms")):
         mine, how = float(own["fwd_bwd_ms"]), ""
@@ -52,7 +54,7 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
         if ddp_common.outlier_note(own) and all(x is not None for x in parts):
             # The mean forward+backward carries the slow steps too: take the median step less the rest.
             mine, how = parts[0] - parts[1] - parts[2], ", the median step less the exposed wait and the optimizer,"
-        out += (f"; what it costs instead is a slower backward (forward and backward {fmt.ms(mine)}{how} against "
+        out += (f"; what it costs{' instead' if share >= 0.9 else ' besides'} is a slower backward (forward and backward {fmt.ms(mine)}{how} against "
                 f"flat's {fmt.ms(flat['fwd_bwd_ms'])}), the NCCL kernels taking SMs and memory bandwidth from the "
                 "gradient kernels beside them, plus a launch per parameter")
     return out + "."

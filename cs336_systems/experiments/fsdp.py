@@ -437,7 +437,7 @@ def _against_fsdp2(df: pd.DataFrame | None) -> Text | None:
     keys = [k for k in ("model", "dtype", "world_size") if k in ok.columns]
     parts = []
     for key, g in ok.groupby(keys, sort=False):
-        by = g.set_index("strategy")
+        by = g.drop_duplicates("strategy", keep="last").set_index("strategy")  # an appended rerun wins
         if not {"fsdp", "fsdp2"} <= set(by.index):
             continue
         ours, theirs = float(by.loc["fsdp", "step_ms"]), float(by.loc["fsdp2", "step_ms"])
