@@ -128,8 +128,9 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
             (won if mine < _typical(other) - noise else lost).append(f"{label} ({fmt.ms(_typical(other))})")
         verdict = ("beats both" if not lost else f"beats {join_words(won)} but not {join_words(lost)} beyond the "
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")
-        outcome += (f" Comparing median steps, the best size ({fmt.ms(mine)}) {verdict}" + (
-            ": on NVLink the gradients' all-reduce is a small share of the step, so there is little communication "
+        which = "median" if "step_ms_median" in b.columns else "mean"
+        outcome += (f" Comparing {which} steps, the best size ({fmt.ms(mine)}) {verdict}" + (
+            ": on this node's interconnect the gradients' all-reduce is a small share of the step, so there is little communication "
             "left to hide, and what remains is host launch cost and the all-reduce kernels slowing the backward "
             "they overlap with (§2.3.2's traces)." if lost else "."))
     change = (" **A setup that would show the expected shape:** a slower link (PCIe, or two nodes over InfiniBand or "

@@ -150,7 +150,7 @@ def published_fit(allreduce: SectionData, backend: str = "nccl", world_size: int
             r, p = hit.iloc[0], world_size
             return {"o": 2 * (p - 1) * float(r["alpha_us"]) * 1e-6, "w": float(r["bandwidth_GBps"]) * 1e9 * p / (2 * (p - 1)),
                     "alpha_us": float(r["alpha_us"]), "backend": backend, "world_size": world_size,
-                    "points": int(r.get("points", 0) or 0)}
+                    "points": int(known(r.get("points")) or 0)}
     return allreduce_fit(allreduce.frame("allreduce"), backend, world_size)
 
 

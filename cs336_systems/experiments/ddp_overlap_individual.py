@@ -65,11 +65,13 @@ def answer(d: SectionData) -> list[Block]:
     rows = {m: row(df, m) for m in ("naive", "flat", "overlap", "single")}
     text = None
     if rows["overlap"] is not None:
-        others = [f"{m} {fmt.ms(rows[m]['step_ms'])}" for m in ("naive", "flat") if rows[m] is not None]
+        median = bool(ddp_common.outlier_note(rows["overlap"]))  # then every row is quoted by its median
+        others = [f"{m} {fmt.ms(rows[m]['step_ms_median' if median else 'step_ms'])}" for m in ("naive", "flat")
+                  if rows[m] is not None]
         text = (f"Overlapping each parameter's all-reduce with the rest of the backward pass gives "
                 f"{fmt.ms(rows['overlap']['step_ms'])} per step{ddp_common.outlier_note(rows['overlap'])}, with "
                 f"{fmt.ms(rows['overlap']['sync_ms'])} of communication left after backward"
-                + (f" (vs. {join_words(others)})." if others else "."))
+                + (f" (vs. {join_words(others)}{', medians' if median else ''})." if others else "."))
     overlap_name = named(d.tables, "overlap")
     ov = d.frame(overlap_name) if overlap_name else None
     ov_text = None

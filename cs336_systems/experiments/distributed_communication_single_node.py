@@ -456,7 +456,7 @@ def answer(d: SectionData) -> list[Block]:
         if isinstance(topo, dict) and topo.get("links") and len(nccl):
             r = nccl.sort_values("world_size").iloc[0]
             top = peak.get(str(int(r["world_size"])))
-            link = sorted(set(topo["links"].values()))[0]
+            link = topo["links"].get("0-1") or sorted(set(topo["links"].values()))[0]  # the first two ranks' link
             if top:
                 vs += (f" The reference curve: `nvidia-smi topo -m` shows {link} between the GPUs (bonded NVLinks of "
                        f"{fmt.sig(topo.get('gbps_per_link', 0))} GB/s per direction each), {fmt.sig(top)} GB/s of bus "

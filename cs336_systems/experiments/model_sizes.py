@@ -68,8 +68,9 @@ def answer(d: SectionData) -> list[Block]:
     if table is None or table.empty or not {"size", "params_M"} <= set(table.columns):
         return []
     big = table.loc[table["params_M"].idxmax()]
-    text = ((f"The largest preset, {big['size']}, has" if len(table) > 1 else
-             f"The handout's model ({big['size']}) has") + f" {fmt.sig(big['params_M'])} M parameters"
+    one = "/" in d.folder and len(table) == 1  # an edition grid of its handout's one model
+    text = ((f"The handout's model ({big['size']}) has" if one else f"The largest preset, {big['size']}, has")
+            + f" {fmt.sig(big['params_M'])} M parameters"
             + (f"; its fp32 weights, gradients and AdamW state alone take {fmt.gib(big['weights_grads_adam_GiB'] * 2**30)}"
                " before any activation" if "weights_grads_adam_GiB" in table.columns else "") + ".")
     if {"train_GFLOP_per_token", "fwd_GFLOP_per_token"} <= set(table.columns):

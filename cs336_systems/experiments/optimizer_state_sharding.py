@@ -515,7 +515,8 @@ def _timing_with_mfu(timing: pd.DataFrame | None, meta: dict[str, Any]) -> pd.Da
     params = meta.get("params") or {}
     if timing is None or not {"model", "global_batch", "context_length"} <= set(params):
         return timing
-    world = int(params.get("world_size") or params.get("nproc") or 1)
+    nproc = params.get("nproc")
+    world = int(params.get("world_size") or (nproc[0] if isinstance(nproc, list) and nproc else nproc) or 1)
     return step_mfu(timing, meta, model=params["model"], batch=int(params["global_batch"]) // world,
                     context=int(params["context_length"]), precision="fp32").drop(columns="TFLOP_per_s")
 

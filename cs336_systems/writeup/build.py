@@ -148,9 +148,10 @@ def _console(root: Path, name: str, command: str) -> Block:
         return Missing(f"the printed output of `{command}`",
                        f"cd cs336_systems/cse599o && srun --gpus-per-node=2 uv run {command} --record {name}",
                        f"(on a node with 2 GPUs; keeps it in `{root.name}/{editions.CONSOLE_FOLDER}/`)")
-    ran = str(record.get("command") or command)
+    ran, meta = str(record.get("command") or command), data.meta(name)
+    gpus = f"{meta['num_gpus']} GPUs" if meta.get("num_gpus") else "its GPUs"
     return Console(ran, [str(x) for x in record["lines"]], f"{root.name}/{editions.CONSOLE_FOLDER}/{name}.json",
-                   data.meta(name), note=f"Run in `cs336_systems/cse599o/` on one node with 2 GPUs; the staff's "
+                   meta, note=f"Run in `cs336_systems/cse599o/` on one node with {gpus}; the staff's "
                    f"`srun --gpus-per-node=2 uv run {ran}` starts the same script as one Slurm task, which "
                    "spawns a rank per GPU (`tests/test_slurm.py` runs it under a real Slurm).")
 
