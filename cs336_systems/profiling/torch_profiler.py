@@ -83,8 +83,9 @@ def profile_steps(
 
 
 def _wait_for_gpu() -> None:
-    """Profiling sits below the benchmarking tools, so it waits for queued CUDA work itself."""
-    if torch.cuda.is_available():
+    """Profiling sits below the benchmarking tools, so it waits for queued CUDA work itself; a process that
+    never initialized CUDA has none queued, and asking would initialize it (in a forked CPU rank, an error)."""
+    if torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
