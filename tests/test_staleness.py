@@ -235,3 +235,13 @@ def test_renames_duplicates_aliases_and_splits_are_judged_by_what_runs(repo: Pat
     _commit(repo, "lib/kernel.py", "WARMUP = 5\n\n\ndef main():\n    return run()\n\n\n"
             "def run():\n    from x import fast as impl\n    return impl(WARMUP + 1)\n")
     assert staleness.freshness(measured, ["lib/"], repo).stale  # the split-off part changed: still tracked
+
+
+def test_stale_results_refuses_to_judge_without_the_sections_registry(monkeypatch, tmp_path) -> None:
+    """Without the sections' registry every folder would be compared with the whole library (and marked stale
+    too often): say what is missing instead."""
+    from cs336_systems import measured_code
+
+    monkeypatch.setattr(measured_code, "DEPENDS", {})
+    with pytest.raises(RuntimeError, match="needs the sections loaded"):
+        staleness.stale_results(tmp_path)

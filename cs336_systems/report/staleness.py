@@ -88,6 +88,11 @@ def stale_results(root: Path, repo: Path = REPO_ROOT) -> dict[str, str]:
     """``{"folder/name": reason}`` for every stale result under ``root`` (what the writeup marks), edition
     grids' subfolders (``folder/edition/name``) included. Each folder's dependencies come from the registry
     the sections fill when they load (:func:`cs336_systems.measured_code.depends_of`)."""
+    from cs336_systems import measured_code
+
+    if not measured_code.DEPENDS:  # else every folder would be judged against the whole library
+        raise RuntimeError("stale_results needs the sections loaded (import cs336_systems.experiments): each "
+                           "registers what its results depend on")
     root = Path(root)
     out = {}
     folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
