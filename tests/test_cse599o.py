@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems.cse599o import benchmark_naive_ddp, benchmark_optimized_ddp
+from cs336_systems.cse599o import benchmark_naive_ddp, benchmark_optimized_ddp, sharding_optimizer
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "cs336_systems" / "cse599o"
 
@@ -36,6 +36,8 @@ def test_a_script_run_as_the_staff_do_refuses_bad_input_in_one_line(script: str,
     (benchmark_naive_ddp.main, ["--model", "huge"], "invalid choice: 'huge'"),
     (benchmark_naive_ddp.main, ["--model", "transformer", "--steps", "0"], "--steps >= 1"),
     (benchmark_naive_ddp.main, ["--nproc", "0"], "got 0"),
+    (sharding_optimizer.main, ["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    (sharding_optimizer.main, ["--autocast", "bf16"], "trains in fp32"),
 ])
 def test_bad_flags_exit_2_with_one_line(main, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -56,6 +58,23 @@ def test_optimized_ddp_times_bucketed_ddp_on_two_cpu_ranks(capsys: pytest.Captur
     for _, step, comm, share in lines:
         assert float(step) > 0 and 0 <= float(comm) <= float(step)
         assert float(share) == pytest.approx(100 * float(comm) / float(step), abs=0.1)
+
+
+@pytest.mark.slow
+def test_sharding_script_prints_memory_at_three_points_and_time_per_iteration(capsys) -> None:
+    """Problem 10's script: both optimizers on two CPU ranks, a block each (peaks need CUDA: said as n/a)."""
+    assert sharding_optimizer.main(["--preset", "tiny", "--nproc", "2", "--backend", "gloo", "--warmup", "1",
+                                    "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny model (d_model 64, d_ff 256, 2 layers, 4 heads), fp32, 2 ranks x 2 sequences of 64 tokens" in out
+    for name in ("AdamW, replicated state:", "our ShardedOptimizer(AdamW):"):
+        block = out.split(name, 1)[1]
+        assert block.startswith("\n  peak memory: after initialization n/a, directly before the optimizer step n/a")
+        assert re.search(r"rank 0 holds: parameters [\d.]+ MiB, gradients [\d.]+ MiB, optimizer state", block), block
+        assert float(re.search(r"time per iteration: ([\d.]+) ms", block).group(1)) > 0
+    # Sharding halves rank 0's optimizer state over two ranks (whole tensors per rank: roughly).
+    state = [float(x) for x in re.findall(r"optimizer state ([\d.]+) MiB", out)]
+    assert len(state) == 2 and 0.3 < state[1] / state[0] < 0.7, out
 
 
 @pytest.mark.slow

@@ -134,6 +134,71 @@ def optimized_main(argv: Sequence[str] | None = None) -> int:
         return time_strategies(args, list(dict.fromkeys(args.mode)), list(dict.fromkeys(args.bucket_size_mb)))
 
 
+SHARDING_OPTIMIZERS = {"adamw": "AdamW, replicated state", "sharded": "our ShardedOptimizer(AdamW)",
+                       "zero": "torch ZeroRedundancyOptimizer(AdamW)"}
+
+
+def sharding_main(argv: Sequence[str] | None = None) -> int:
+    """``sharding_optimizer.py``: peak memory after initialization, before and after the optimizer step, its
+    breakdown, and the time per iteration, with and without optimizer-state sharding (Problem 10)."""
+    parser = OneLineParser(prog="sharding_optimizer.py",
+                           description="Peak memory and time per iteration with and without optimizer-state "
+                                       "sharding, on the Table 1 Transformer.")
+    parser.add_argument("--optimizer", nargs="+", choices=list(SHARDING_OPTIMIZERS), default=["adamw", "sharded"],
+                        help="optimizers to measure, one after the other (default: adamw sharded)")
+    _add_common_arguments(parser)
+    args = _parse(parser, argv)
+    if args.autocast != "fp32":
+        parser.error("the sharding benchmark trains in fp32 (the handout's setting); drop --autocast")
+    with _recorded(args, parser.prog, argv):
+        return profile_sharding(args, list(dict.fromkeys(args.optimizer)))
+
+
+def profile_sharding(args: argparse.Namespace, optimizers: list[str]) -> int:
+    """Run the optimizer-state sharding benchmark of §3 (``optimizer_state_sharding.sharding_worker``) and print,
+    on rank 0, one block per optimizer."""
+    import os
+
+    from cs336_systems.experiments.optimizer_state_sharding import sharding_worker, summarise
+
+    world = (int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 2)
+             if runner.launched_externally() else args.nproc or 2)
+    model = get_config(args.preset)
+    config = dict(model=args.preset, global_batch=args.batch_per_rank * world,
+                  context_length=args.context_length or model.context_length, warmup=args.warmup, steps=args.steps)
+    per_rank = runner.run_on_ranks(sharding_worker, 0 if runner.launched_externally() else world, config, optimizers,
+                                   backend=args.backend)
+    if runner.is_main_process():
+        memory, breakdown, timing = summarise([r for rows in per_rank for r in rows])
+        print("\n".join(sharding_lines(memory, breakdown, timing, config, world)), flush=True)
+    return 0
+
+
+def sharding_lines(memory: Any, breakdown: Any, timing: Any, config: dict[str, Any], world: int) -> list[str]:
+    """Rank 0's peaks at the three points, its memory by component, and the time per iteration (slowest rank)."""
+    m = get_config(config["model"])
+    lines = [f"{m.name} model (d_model {m.d_model}, d_ff {m.d_ff}, {m.num_layers} layers, {m.num_heads} heads), "
+             f"fp32, {world} ranks x {config['global_batch'] // world} sequences of {config['context_length']} "
+             f"tokens; mean of {config['steps']} iterations after {config['warmup']} warm-up"]
+    step = timing.set_index("optimizer")["step_ms"]
+
+    def size(gib: float) -> str:
+        return "n/a" if gib != gib else f"{gib:.2f} GiB" if gib >= 0.1 else f"{gib * 1024:.2f} MiB"
+
+    for _, r in memory[memory["rank"] == 0].iterrows():
+        name = r["optimizer"]
+        parts = breakdown[(breakdown["rank"] == 0) & (breakdown["optimizer"] == name)
+                          & (breakdown["source"] == "measured")].set_index("component")["GiB"]
+        lines += [f"{SHARDING_OPTIMIZERS[name]}:",
+                  f"  peak memory: after initialization {size(r['after_init_peak'])}, directly before the "
+                  f"optimizer step {size(r['before_step_peak'])}, directly after it {size(r['after_step_peak'])}",
+                  "  rank 0 holds: " + ", ".join(f"{c.replace('_', ' ')} {size(v)}" for c, v in parts.items()),
+                  f"  time per iteration: {step[name]:.2f} ms"]
+    if memory["after_step_peak"].isna().all():
+        lines.append("(peaks and activations need CUDA's allocator statistics: n/a on CPU ranks)")
+    return lines
+
+
 class _Printed(io.TextIOBase):
     """Standard output that also keeps a copy of what passes through it."""
 

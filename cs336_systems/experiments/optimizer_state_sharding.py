@@ -567,7 +567,11 @@ def answer(d: SectionData) -> list[Block]:
                      d, "`ShardedOptimizer` (parameters assigned to ranks greedily by size; each rank steps the "
                      "wrapped optimizer on its own shard, then every parameter is broadcast from its owner)",
                      "cs336_systems/distributed/sharded_optimizer.py", "tests/test_sharded_optimizer.py",
-                     "test_sharded_optimizer.py", against="unsharded AdamW, bit for bit")]),
+                     "test_sharded_optimizer.py", against="unsharded AdamW, bit for bit"),
+                     Text("CSE599-O's script for Problem 10: `srun --gpus-per-node=2 uv run sharding_optimizer.py` "
+                          "(in `cs336_systems/cse599o/`) prints these measurements, peaks at the three points, the "
+                          "breakdown and the time per iteration, from the same benchmark as the tables below.")
+                     if d.folder.endswith("/cse599o") else None]),
         question(d, "a", "Peak memory after model initialization, before and after the optimizer step, with and "
                  f"without optimizer-state sharding ({(d.meta('memory').get('params') or {}).get('model', 'xl')}, "
                  "one node, 2 GPUs), with a breakdown.",
