@@ -524,7 +524,7 @@ def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> No
     steps["vs_single"] = steps["step_ms"] / steps["cuda_graph"].map({False: 100.0, True: 60.0})
     ResultWriter("ddp_bucketed", smoke=False).table(steps, "steps_xl_bf16")
     doc = build_document(results, strict=False)
-    assert "Step time by bucket size: 1.00 MB 110 ms; the best" in doc.section("2.3.3").plain()  # eager, fp32 wire
+    assert "Step time by bucket size: 1.00 MiB 110 ms; the best" in doc.section("2.3.3").plain()  # eager, fp32 wire
     text = doc.section("2.3.3+").plain()  # the captured steps: beyond the handout, in the appendix
     assert "Under bf16 autocast, captured: one GPU 60.0 ms, torch DDP 80.0 ms, ours 70.0 ms–70.0 ms" in text
     assert "0.875×–0.875× torch's step time, faster at 1 of 1 bucket sizes" in text

@@ -99,10 +99,10 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
     ``b``: the fp32 bucketed rows by bucket size."""
     typical = b.apply(_typical, axis=1)
     best, largest = b.loc[typical.idxmin()], b.loc[b["bucket_size_mb"].idxmax()]
-    few = (f"{int(largest['num_buckets'])} buckets that start only as each {fmt.sig(largest['bucket_size_mb'])} MB "
+    few = (f"{int(largest['num_buckets'])} buckets that start only as each {fmt.sig(largest['bucket_size_mb'])} MiB "
            "of gradients completes, close to flat DDP" if known(largest.get("num_buckets")) else "a few buckets "
            "that start late, close to flat DDP")
-    expected = (" **Expected:** a U in bucket size (1 MB pays a collective's fixed cost hundreds of times; the "
+    expected = (" **Expected:** a U in bucket size (1 MiB pays a collective's fixed cost hundreds of times; the "
                 f"largest size leaves {few}), with the best size faster than both flat DDP (no overlap) and "
                 "per-parameter overlap (one call per tensor).")
     ordered = b.sort_values("bucket_size_mb")
@@ -118,7 +118,7 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
     outcome = f" {shape}."
     per_tensor = known(individual.get("num_buckets")) if individual is not None else None
     if per_tensor and known(best.get("num_buckets")) and best["num_buckets"] >= per_tensor:
-        outcome += (f" At {fmt.sig(best['bucket_size_mb'])} MB every bucket holds one tensor "
+        outcome += (f" At {fmt.sig(best['bucket_size_mb'])} MiB every bucket holds one tensor "
                     f"({int(best['num_buckets'])} buckets), so the best size is per-parameter overlap again.")
     if flat is not None and individual is not None:
         mine = _typical(best)
@@ -148,7 +148,7 @@ def answer(d: SectionData) -> list[Block]:
         wire = df["comm_dtype"].fillna("fp32") if "comm_dtype" in df.columns else "fp32"
         b = df[(df["mode"] == "bucketed") & (wire == "fp32")].sort_values("bucket_size_mb")
         best = b.loc[b["step_ms"].idxmin()]
-        parts = [f"{fmt.sig(r['bucket_size_mb'])} MB {fmt.ms(r['step_ms'])}" for _, r in b.iterrows()]
+        parts = [f"{fmt.sig(r['bucket_size_mb'])} MiB {fmt.ms(r['step_ms'])}" for _, r in b.iterrows()]
         refs = [f"{r['variant']} {fmt.ms(r['step_ms'])}" for m in ("naive", "flat", "overlap", "single", "torch")
                 if (r := row(df, m)) is not None]
         width = b["step_ms"].max() / b["step_ms"].min() - 1
@@ -167,7 +167,7 @@ def answer(d: SectionData) -> list[Block]:
             why = (" Tiny buckets pay the per-call cost many times, huge ones cannot start communicating until most "
                    "of backward is done; in between, communication hides behind the remaining backward compute.")
         text = Text("Step time by bucket size: " + join_words(parts) + f"; the best is {fmt.sig(best['bucket_size_mb'])} "
-                    "MB" + (f" (reference: {join_words(refs)})." if refs else ".") + why
+                    "MiB" + (f" (reference: {join_words(refs)})." if refs else ".") + why
                     + _expectations(b, *_previous(d, df)))
     sweep = named(d.figures, "bucket_sweep")
     return [
