@@ -932,3 +932,13 @@ def test_overlap_reason_follows_the_measured_share() -> None:
     assert "so almost none of it is exposed; what it costs instead is a slower backward" in hidden
     partly = _why(pd.DataFrame({"variant": ["individual"], "comm_ms": [30.0], "comm_during_backward_ms": [6.0]}), rows)
     assert "so 80.0% of it still runs after backward; what it costs besides" in partly
+
+
+def test_sharding_memory_explains_a_saving_after_the_step_larger_than_the_state() -> None:
+    from cs336_systems.experiments.optimizer_state_sharding import _step_temporaries
+
+    rank0 = pd.DataFrame({"optimizer": ["adamw", "sharded"], "after_step_peak": [22.15, 16.56],
+                          "after_step_allocated": [18.54, 14.75]})
+    text = _step_temporaries(rank0)
+    assert "by 3.61 GiB replicated and 1.81 GiB sharded" in text and "(5.59 GiB)" in text
+    assert _step_temporaries(rank0.assign(after_step_allocated=[22.15, 16.56])) == ""  # no transient at all
