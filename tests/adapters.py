@@ -49,9 +49,10 @@ def ddp_bucketed_on_train_batch_start(ddp_model: torch.nn.Module, optimizer: tor
 
 
 def get_ddp(module: torch.nn.Module) -> torch.nn.Module:
-    from cs336_systems.distributed.ddp_bucketed import DDPBucketed
+    # 2026's single DDP hook asks for each parameter's gradient communicated on its own as soon as it is ready.
+    from cs336_systems.distributed.ddp_overlap import DDPIndividualParameters
 
-    return DDPBucketed(module)
+    return DDPIndividualParameters(module)
 
 
 def ddp_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -788,7 +788,8 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
     naive = pd.Series({"step_ms": 100.0, "step_ms_std": float("nan"), "num_buckets": 435.0, "grad_bytes": 8e9})
     assert _verdict(naive, pd.Series({"step_ms": 68.0, "step_ms_std": None})).startswith("Batching pays, by 32.0 ms")
     assert _verdict(naive, pd.Series({"step_ms": 110.0})).startswith("Flat DDP is slower, by 10.0 ms per step")
-    assert "so this run shows no gain in step time" in _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}))
+    assert "The step is 1.00 ms longer, within the rows' step-to-step spread (±5.00 ms), so this run shows no gain" in \
+        _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}))
     # With §2.1.3's fit the reason is the measured split: 435 calls × 20 µs = 8.7 ms fixed, 8 GB / 400 GB/s = 20 ms.
     why = _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}), {"o": 20e-6, "w": 400e9})
     assert "435 calls' fixed cost is 8.70 ms against 20.0 ms to move 8.00 GB" in why
@@ -942,3 +943,37 @@ def test_sharding_memory_explains_a_saving_after_the_step_larger_than_the_state(
     text = _step_temporaries(rank0)
     assert "by 3.61 GiB replicated and 1.81 GiB sharded" in text and "(5.59 GiB)" in text
     assert _step_temporaries(rank0.assign(after_step_allocated=[22.15, 16.56])) == ""  # no transient at all
+
+
+def test_fsdp_expected_saving_from_the_accounting_beside_the_measured_one() -> None:
+    """2026's fsdp_accounting (a), for the largest model at the first world size; shapes name their aliases."""
+    from cs336_systems.experiments.fsdp import _expected_saving, _model_label
+
+    rows = []
+    for model, scale in (("xl", 1.0), ("2.7B", 1.7)):
+        for strategy, share, peak in (("ddp", 1.0, 76.5), ("fsdp", 0.5, 33.4)):
+            rows.append({"model": model, "world_size": 2, "strategy": strategy, "status": "ok",
+                         "parameters": 12.7 * share * scale, "gradients": 12.7 * share * scale,
+                         "optimizer_state": 25.4 * share * scale, "predicted_total": (63.3 if share == 1 else 38.2) * scale,
+                         "before_step_peak": peak * scale - 1, "after_step_peak": peak * scale})
+    text = _expected_saving(pd.DataFrame(rows)).markdown
+    assert "for 2.7B (2560/10240/32/32, the same as xl@2026)" in text
+    assert "a saving of 42.7 GiB" in text and "more than expected" in text
+    assert _model_label("xl") == "xl (1600/6400/48/25)"
+    assert _expected_saving(pd.DataFrame(rows[:1])) is None  # no FSDP row
+
+
+def test_overlap_answer_says_when_the_other_precision_reverses_it(tmp_path) -> None:
+    from cs336_systems.experiments.ddp_overlap_individual import _other_precision
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "ddp_overlap_individual"
+    folder.mkdir()
+    for dtype, mine in (("fp32", 560.0), ("bf16", 217.0)):
+        pd.DataFrame({"variant": ["naive", "flat", "individual"], "mode": ["naive", "flat", "individual"],
+                      "step_ms": [609.0 if dtype == "fp32" else 190.0, 610.0 if dtype == "fp32" else 192.0, mine]}
+                     ).to_csv(folder / f"steps_xl_{dtype}.csv", index=False)
+    d = SectionData(tmp_path, "ddp_overlap_individual")
+    text = _other_precision(d, "steps_xl_fp32")
+    assert "**Under bf16 autocast it is the other way round:** 217 ms against naive 190 ms and flat 192 ms" in text
+    assert _other_precision(d, "steps_xl_bf16") == ""  # fp32's overlap wins: nothing to add

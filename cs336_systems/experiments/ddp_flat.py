@@ -56,8 +56,8 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
         return (f"Batching pays, by {fmt.ms(saved)} per step (more than the rows' spread, ±{fmt.ms(noise)})."
                 + comm + (cost or " One call instead of many saves each call's fixed launch and synchronization "
                           "cost, which outweighs the copies into and out of the flat buffer."))
-    verdict = (f"The step changes by {fmt.ms(saved)}, within the rows' spread (±{fmt.ms(noise)}), so this run shows "
-               "no gain in step time" if abs(saved) <= noise else
+    verdict = (f"The step is {fmt.ms(abs(saved))} {'shorter' if saved >= 0 else 'longer'}, within the rows' "
+               f"step-to-step spread (±{fmt.ms(noise)}), so this run shows no gain in step time" if abs(saved) <= noise else
                f"Flat DDP is slower, by {fmt.ms(-saved)} per step (more than the rows' spread, ±{fmt.ms(noise)})")
     return verdict + "." + comm + (cost or " Flattening removes the calls' fixed cost but adds a copy of every "
                                    "gradient into the flat buffer and back.")

@@ -404,6 +404,49 @@ def main(argv: list[str] | None = None) -> int:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
+def _model_label(name: str) -> str:
+    """A model by name and shape, with the presets of the same shape (2.7B is 2026's xl, xl@2026)."""
+    from cs336_systems.configs import PRESETS
+
+    try:
+        c = accounting.ladder_config(name)
+    except ValueError:
+        return name
+    shape = (c.d_model, c.d_ff, c.num_layers, c.num_heads)
+    same = [p for p, o in PRESETS.items() if p != name and (o.d_model, o.d_ff, o.num_layers, o.num_heads) == shape]
+    return f"{name} ({'/'.join(map(str, shape))}" + (f", the same as {join_words(same)}" if same else "") + ")"
+
+
+def _expected_saving(df: pd.DataFrame | None) -> Text | None:
+    """fsdp_accounting (a): the saving §6's accounting predicts for FSDP against DDP, and the one measured, for
+    the largest model of the first world size."""
+    need = {"model", "world_size", "strategy", "predicted_total", "parameters", "gradients", "optimizer_state",
+            "before_step_peak", "after_step_peak"}
+    if df is None or not need <= set(df.columns):
+        return None
+    ok = df[df["status"].astype(str) == "ok"] if "status" in df.columns else df
+    ok = ok[ok["world_size"] == ok["world_size"].min()]
+    big = ok.loc[ok["parameters"].idxmax(), "model"] if len(ok) else None
+    rows = ok[ok["model"] == big].drop_duplicates("strategy", keep="last").set_index("strategy")
+    if not {"ddp", "fsdp"} <= set(rows.index):
+        return None
+    ddp, fsdp, p = rows.loc["ddp"], rows.loc["fsdp"], int(rows.loc["ddp", "world_size"])
+    state = float(ddp["parameters"] + ddp["gradients"] + ddp["optimizer_state"])
+    expected = float(ddp["predicted_total"] - fsdp["predicted_total"])
+    peak = {k: float(max(r["before_step_peak"], r["after_step_peak"])) for k, r in (("ddp", ddp), ("fsdp", fsdp))}
+    measured = peak["ddp"] - peak["fsdp"]
+    return Text(
+        f"**Expected:** FSDP divides what §6 shards and more: the parameters, gradients and AdamW state ($16\Psi$ "
+        f"bytes, {fmt.sig(state)} GiB for {_model_label(big)}) by $P$ = {p}, while the activations stay; the "
+        f"accounting's peak per GPU goes from {fmt.sig(ddp['predicted_total'])} to {fmt.sig(fsdp['predicted_total'])} "
+        f"GiB, a saving of {fmt.sig(expected)} GiB. **Measured:** {fmt.sig(peak['ddp'])} → {fmt.sig(peak['fsdp'])} "
+        f"GiB, {fmt.sig(measured)} GiB saved"
+        + (", more than expected: DDP's peak also holds what §6 found beside the accounted tensors, torch DDP's "
+           "gradient buckets (a second gradient copy) and the multi-tensor AdamW's parameter-sized temporaries, "
+           "which FSDP does not keep or shards with the rest." if measured > 1.1 * expected else
+           ", as expected." if measured > 0.9 * expected else ", less than expected."))
+
+
 def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
                    label: str = "Peak memory per GPU after the optimizer step") -> Text | None:
     """Memory and time of every strategy for each (model, dtype, world size) they were run on."""
@@ -421,7 +464,8 @@ def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
             elif pd.notna(r[peak]):
                 parts.append(f"{r['strategy']} ({fmt.sig(r[peak])} GiB, {fmt.ms(r['step_ms'])})")
         if parts:
-            where = f"{key['model']}" + (f" {key['dtype']}" if "dtype" in key else "") + f" on {key['world_size']} GPUs"
+            where = _model_label(key["model"]) + (f" {key['dtype']}" if "dtype" in key else "") + \
+                f" on {key['world_size']} GPUs"
             sentences.append(f"{where}: " + join_words(parts))
     if not sentences:
         return None
@@ -586,6 +630,8 @@ def answer(d: SectionData) -> list[Block]:
                      d.table("largest_model_predicted", caption="Largest model each strategy can train, predicted."),
                      d.table("largest_model_measured", caption="Largest model each strategy trained, measured."),
                  ], what="FSDP memory and step time"),
+        question(d, "fsdp_accounting (a)", "How much memory do you expect FSDP to save from the peak, given the "
+                 "accounting of optimizer-state sharding (2026)?", [_expected_saving(d.frame("fsdp_vs_ddp"))]),
         question(d, "fsdp_accounting (b)", "Profile the xl model (2026 table) on two GPUs: does the all-gather of "
                  "weights finish in time for the forward pass?", _gathers_blocks(d),
                  what="the all-gather profile (`--set parts=gathers`)"),
