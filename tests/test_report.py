@@ -977,3 +977,24 @@ def test_overlap_answer_says_when_the_other_precision_reverses_it(tmp_path) -> N
     text = _other_precision(d, "steps_xl_fp32")
     assert "**Under bf16 autocast it is the other way round:** 217 ms against naive 190 ms and flat 192 ms" in text
     assert _other_precision(d, "steps_xl_bf16") == ""  # fp32's overlap wins: nothing to add
+
+
+def test_fsdp_gathers_are_compared_with_the_all_reduce_fit(tmp_path) -> None:
+    """Ring all-gather of S bytes over p ranks: (p-1)·alpha per call + (p-1)/p·S/B."""
+    from cs336_systems.configs import param_counts
+    from cs336_systems import accounting
+    from cs336_systems.experiments.fsdp import _gather_model
+    from cs336_systems.report import fmt
+    from cs336_systems.report.data import SectionData
+
+    (tmp_path / "distributed_communication_single_node").mkdir()
+    pd.DataFrame({"backend": ["nccl"], "world_size": [2], "alpha_us": [10.0], "bandwidth_GBps": [250.0]}).to_csv(
+        tmp_path / "distributed_communication_single_node" / "allreduce_alpha_beta.csv", index=False)
+    d = SectionData(tmp_path, "fsdp")
+    psi = param_counts(accounting.ladder_config("tiny"))["total"]
+    predicted = 100 * 10e-3 + 0.5 * psi * 2 / 250e9 * 1e3  # ms: 100 calls of alpha, half the bf16 bytes at B
+    slow = _gather_model(d, "tiny", 2, "bf16", pd.Series({"gathers": 100, "gather_ms": 500.0}))
+    assert f"predicts {fmt.ms(predicted)} for these gathers" in slow and "not yet shown" in slow
+    near = _gather_model(d, "tiny", 2, "bf16", pd.Series({"gathers": 100, "gather_ms": predicted}))
+    assert "close to what their kernels took" in near
+    assert _gather_model(d, "tiny", 2, "int8", pd.Series({"gathers": 100, "gather_ms": 1.0})) == ""

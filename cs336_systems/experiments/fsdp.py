@@ -541,6 +541,31 @@ def _idle_text(d: SectionData) -> Text | None:
         "larger gathers, or capturing the step in a CUDA graph (not measured here).")
 
 
+def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) -> str:
+    """The forward's all-gathers against §2.1.3's latency-bandwidth fit: a ring all-gather of S bytes in all
+    over p ranks takes (p-1)·alpha + (p-1)/p·S/B per call set; kernel time far above that is waiting."""
+    from cs336_systems.experiments.ddp_common import published_fit
+
+    try:
+        p, width = int(world), {"bf16": 2, "fp16": 2, "fp32": 4}[str(dtype)]
+        psi = param_counts(accounting.ladder_config(model))["total"]
+    except (KeyError, TypeError, ValueError):
+        return ""
+    fit = published_fit(d.sibling("distributed_communication_single_node"), world_size=p) if p > 1 else None
+    if fit is None or "alpha_us" not in fit or not r["gathers"]:
+        return ""
+    bandwidth = fit["w"] * 2 * (p - 1) / p  # back to the fit's B per rank
+    predicted = (int(r["gathers"]) * (p - 1) * fit["alpha_us"] * 1e-6 + (p - 1) / p * psi * width / bandwidth) * 1e3
+    if float(r["gather_ms"]) < 2 * predicted:
+        return f" §2.1.3's fit predicts {fmt.ms(predicted)} for these gathers, close to what their kernels took."
+    return (f" §2.1.3's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(psi * width / 1e9)} GB gathered "
+            f"in {int(r['gathers'])} calls); their kernels took {fmt.ratio(float(r['gather_ms']) / predicted)} "
+            "that. The likely reason, not yet shown: an NCCL kernel also counts the time it waits for the other "
+            "rank to arrive, and the other rank runs the same launch-bound forward, so much of that kernel time can "
+            "be waiting for a peer rather than moving bytes; telling the two apart needs both ranks' timelines, "
+            "which this profile does not record.")
+
+
 def _gathers_blocks(d: SectionData) -> list[Block | None]:
     """fsdp_accounting (b): does the forward's all-gather finish in time? From the profiled step."""
     summary = d.frame("gathers_summary")
@@ -572,9 +597,10 @@ def _gathers_blocks(d: SectionData) -> list[Block | None]:
             f"One training step of {model} ({fmt.params(param_counts(accounting.ladder_config(model))['total'])} "
             f"parameters) with our FSDP on {ws} {'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, "
             f"{extra.get('compute_dtype', '?')} compute, {params.get('global_batch', '?')} sequences of "
-            f"{params.get('context_length', '?')} tokens per step, profiled on rank 0: the forward ran "
-            f"{fmt.ms(r['span_ms'])} on the GPU and issued {int(r['gathers'])} all-gathers, {fmt.ms(r['gather_ms'])} "
-            f"of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it beside compute. " + verdict)
+            f"{params.get('context_length', '?')} tokens per step (split over the ranks), profiled on rank 0: the "
+            f"forward ran {fmt.ms(r['span_ms'])} on the GPU and issued {int(r['gathers'])} all-gathers, "
+            f"{fmt.ms(r['gather_ms'])} of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it beside compute. "
+            + verdict + _gather_model(d, model, ws, extra.get("compute_dtype"), r))
     return [
         text,
         _idle_text(d),

@@ -124,7 +124,8 @@ def answer(d: SectionData) -> list[Block]:
                     "logits with their float32 log-softmax)."),
             *_ranks_blocks(d),
             _step_sentence(_step_with_mfu(d.frame("step"), d.meta("step")), d.meta("step"),
-                           taken_on_ranks=bool(_ranks_tables(d))),
+                           taken_on_ranks=bool(_ranks_tables(d)),
+                           why_not=_why_not_timed(d.frame("memory_plan"), d.meta("memory_plan"), d.meta("step"))),
             d.table("step", frame=_step_with_mfu(d.frame("step"), d.meta("step")),
                     caption="The same step on one GPU at a reduced shape: `do_bench` median, peak memory, "
                     "the run's wall time from the first line (compilation and autotuning included), and MFU (the "
@@ -199,7 +200,21 @@ def _ranks_blocks(d: SectionData) -> list[Block | None]:
     return blocks
 
 
-def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None, taken_on_ranks: bool = False) -> Text | None:
+def _why_not_timed(plan: pd.DataFrame | None, plan_meta: dict[str, Any], step_meta: dict[str, Any] | None) -> str:
+    """Why the full shape was not timed on two GPUs: what the plan needs per GPU against the GPUs the results
+    were measured on."""
+    have = (step_meta or {}).get("gpu_memory_gib")
+    if plan is None or "total_GB" not in plan.columns or not len(plan) or not have:
+        return ""
+    need = float(plan["total_GB"].iloc[-1])
+    return (f" The plan needs {fmt.sig(need)} GB per GPU, more than the {fmt.sig(float(have) * 2**30 / 1e9)} GB of "
+            f"the GPUs measured here ({(step_meta or {}).get('device', '?')}); the course's have "
+            f"{fmt.sig(plan_meta.get('extra', {}).get('gpu_gb', float('nan')))} GB." if need > float(have) * 2**30 / 1e9
+            else "")
+
+
+def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None, taken_on_ranks: bool = False,
+                   why_not: str = "") -> Text | None:
     ok = ok_rows(step)
     if ok.empty:
         return None if step is None or step.empty else Text(f"The reduced step did not run: {step.iloc[0]['status']}.")
@@ -218,8 +233,9 @@ def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None, taken
     return Text(f"Timed on {device} at {r['shape']} ({fmt.params(r['params'])} parameters; {', '.join(how)}): "
                 f"{fmt.ms(r['step_ms'])} per step{peak}; the whole run took {fmt.sig(r['wall_s'])} s, "
                 + ("within" if bool(r["within_10_min"]) else "over")
-                + " the 10-minute rule." + ("" if taken_on_ranks else " The full shape on two GPUs is not timed here "
-                                            "(`--set nproc=2 --set num_layers=34 --set context_length=32768`)."))
+                + " the 10-minute rule." + ("" if taken_on_ranks else " **Not timed: the full shape on two GPUs** "
+                                            "(`--set nproc=2 --set num_layers=34 --set context_length=32768`)."
+                                            + why_not))
 
 
 SECTION = Section(
