@@ -70,11 +70,14 @@ def build_section(
     if data.empty:
         blocks.append(Missing(f"no results in `{root.name}/{folder}/`", command, spec.where))
     intro = notebook_intro(notebooks / f"{spec.name}.ipynb")
-    if intro:
-        blocks.append(Text(f"*From `notebooks/{spec.name}.ipynb`:* {intro}", role="method"))
+    method = [Text(f"*How it was measured (from `notebooks/{spec.name}.ipynb`):* {intro}", role="method")] if intro else []
     failed = False
     try:
-        blocks.extend(spec.answer(data))
+        answers = spec.answer(data)
+        # The handout's answers first; how they were measured after them, before anything beyond the handout.
+        cut = next((i for i, b in enumerate(answers) if isinstance(b, Text) and b.role == BEYOND_HANDOUT), len(answers))
+        blocks.extend([*answers[:cut], *method, *answers[cut:]])
+        method = []
     except Exception as exc:
         failed = True
         if strict:
@@ -84,6 +87,7 @@ def build_section(
         print(f"warning: §{spec.number} answers failed on the data in {data.dir}: {message}", file=sys.stderr)
         blocks.append(Text(f"**The answers of this section could not be formatted from its results** "
                            f"(`{message}`); the results follow unformatted.", role="error"))
+        blocks.extend(method)
     further: list[Block] = []
     # The results index lists the edition grids' results under the workbook's own section (the other
     # edition's writeup shows them as answers).
