@@ -157,7 +157,9 @@ def _console(root: Path, name: str, command: str) -> Block:
     return Console(ran, [str(x) for x in record["lines"]], f"{root.name}/{editions.CONSOLE_FOLDER}/{name}.json",
                    meta, note=f"Run in `cs336_systems/cse599o/` on one node with {gpus}; the staff's "
                    f"`srun --gpus-per-node=2 uv run {ran}` starts the same script as one Slurm task, which "
-                   "spawns a rank per GPU (`tests/test_slurm.py` runs it under a real Slurm).")
+                   "spawns a rank per GPU (`tests/test_slurm.py` runs it under a real Slurm). It is a run of its own, "
+                   "with the few iterations the handout asks for; the tables below are the section's benchmark, "
+                   "more steps on the same code, so their numbers differ by run-to-run variation.")
 
 
 def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -> Document:
