@@ -1001,3 +1001,27 @@ def test_fsdp_gathers_are_compared_with_the_all_reduce_fit(tmp_path) -> None:
     near = _gather_model(d, "tiny", 2, "bf16", pd.Series({"gathers": 100, "gather_ms": predicted}))
     assert "close to what their kernels took" in near
     assert _gather_model(d, "tiny", 2, "int8", pd.Series({"gathers": 100, "gather_ms": 1.0})) == ""
+
+
+def test_answers_report_the_other_precision_flattening_memory_and_the_sharding_expectation(tmp_path) -> None:
+    from cs336_systems.experiments.ddp_flat import _memory
+    from cs336_systems.experiments.naive_ddp import _other_precision
+    from cs336_systems.experiments.optimizer_state_sharding import _expectation
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "naive_ddp"
+    folder.mkdir()
+    for dtype, step, sync in (("fp32", 609.0, 52.3), ("bf16", 189.0, 53.0)):
+        pd.DataFrame({"variant": ["naive"], "mode": ["naive"], "step_ms": [step], "sync_ms": [sync]}).to_csv(
+            folder / f"steps_xl_{dtype}.csv", index=False)
+    text = _other_precision(SectionData(tmp_path, "naive_ddp"), "steps_xl_fp32")
+    assert text == " Under bf16 autocast: 189 ms per step, 53.0 ms communicating (28.0%): the same bytes in a shorter step."
+    assert "raises the peak from 52.5 to 65.0 GiB" in _memory(pd.Series({"peak_mem_gib": 52.5}),
+                                                            pd.Series({"peak_mem_gib": 65.0}))
+    assert _memory(pd.Series({"peak_mem_gib": 52.5}), pd.Series({"peak_mem_gib": 52.6})) == ""
+    st = pd.DataFrame({"adamw measured": [25.4, 13.61], "sharded measured": [12.7, 13.6],
+                       "adamw predicted": [25.4, 12.53], "sharded predicted": [12.7, 12.53]},
+                      index=["optimizer_state", "activations"])
+    said = _expectation(st)
+    assert "goes from 25.4 to 12.7 GiB, as predicted" in said and "8.62% above" in said
+    assert "against a prediction of" in _expectation(st.assign(**{"sharded measured": [20.0, 13.6]}))

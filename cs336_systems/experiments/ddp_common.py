@@ -129,6 +129,14 @@ def plot_scaling(table: pd.DataFrame, title: str) -> plt.Figure:
 from cs336_systems.report.answers import known, mfu_note, spread, step_mfu  # noqa: E402  (answers only)
 
 
+def other_precision_table(d: SectionData, shown: str | None) -> pd.DataFrame | None:
+    """The eager rows of the run's other precision (``steps_<preset>_bf16`` beside ``_fp32``), if measured."""
+    other = [n for n in d.tables if n.startswith("steps") and n != shown and n.endswith(("_bf16", "_fp32"))
+             and not n.endswith(("_timeline", "_overlap"))]
+    return eager_rows(d.frame(other[0])).assign(precision="bf16 autocast" if other[0].endswith("_bf16") else "fp32") \
+        if other and shown is not None else None
+
+
 def outlier_note(r: Any) -> str:
     """Where one slow step inflates a row's mean (its spread over 5% of the mean and the median clearly below),
     a clause giving the median, which the comparison should read instead; else empty."""

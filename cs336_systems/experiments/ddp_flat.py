@@ -63,6 +63,15 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
                                    "gradient into the flat buffer and back.")
 
 
+def _memory(naive: Any, flat: Any) -> str:
+    """What flattening costs in memory: a buffer the size of all gradients, beside them."""
+    a, b = known(naive.get("peak_mem_gib")), known(flat.get("peak_mem_gib"))
+    if a is None or b is None or b - a < 0.05 * a:
+        return ""
+    return (f" Flattening also raises the peak from {fmt.sig(a)} to {fmt.sig(b)} GiB per GPU: the flat buffer holds "
+            "a second copy of every gradient.")
+
+
 def _fit(d: SectionData, naive: Any, name: str | None) -> dict | None:
     """§2.1.3's all-reduce fit for this grid and world size, where it was measured on the same device."""
     allreduce = d.sibling("distributed_communication_single_node")
@@ -78,7 +87,7 @@ def answer(d: SectionData) -> list[Block]:
     if naive is not None and flat is not None:
         text = Text(f"One all-reduce of the flattened gradients takes the step from {fmt.ms(naive['step_ms'])} to "
                     f"{fmt.ms(flat['step_ms'])} and the communication from {fmt.ms(naive['sync_ms'])} to "
-                    f"{fmt.ms(flat['sync_ms'])}. " + _verdict(naive, flat, _fit(d, naive, name)))
+                    f"{fmt.ms(flat['sync_ms'])}. " + _verdict(naive, flat, _fit(d, naive, name)) + _memory(naive, flat))
     return [
         question(d, "minimal_ddp_flat_benchmarking", "One all-reduce of all gradients flattened into a single "
                  "tensor, compared with one all-reduce per parameter.",

@@ -63,18 +63,16 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
 def _other_precision(d: SectionData, shown: str | None) -> str:
     """The same comparison under the run's other precision (bf16 autocast beside fp32), when its verdict
     differs: the answer's conclusion holds only for the precision it reads."""
-    other = [n for n in d.tables if n.startswith("steps") and n != shown and n.endswith(("_bf16", "_fp32"))
-             and not n.endswith(("_timeline", "_overlap"))]
-    if not other or shown is None:
+    df = ddp_common.other_precision_table(d, shown)
+    if df is None:
         return ""
-    df = ddp_common.eager_rows(d.frame(other[0]))
     mine, naive, flat = (row(df, m) for m in ("overlap", "naive", "flat"))
     if mine is None or naive is None or flat is None:
         return ""
     best = min(float(naive["step_ms"]), float(flat["step_ms"]))
     if float(mine["step_ms"]) <= best:
         return ""
-    precision = "bf16 autocast" if other[0].endswith("_bf16") else "fp32"
+    precision = df["precision"].iloc[0]
     return (f" **Under {precision} it is the other way round:** {fmt.ms(mine['step_ms'])} against naive "
             f"{fmt.ms(naive['step_ms'])} and flat {fmt.ms(flat['step_ms'])}, {fmt.ratio(float(mine['step_ms']) / best)} "
             "the faster of them: the backward is much shorter there, so a launch and a hook per parameter and the "

@@ -436,7 +436,7 @@ def _expected_saving(df: pd.DataFrame | None) -> Text | None:
     peak = {k: float(max(r["before_step_peak"], r["after_step_peak"])) for k, r in (("ddp", ddp), ("fsdp", fsdp))}
     measured = peak["ddp"] - peak["fsdp"]
     return Text(
-        f"**Expected:** FSDP divides what §6 shards and more: the parameters, gradients and AdamW state ($16\Psi$ "
+        f"**Expected:** FSDP divides what §6 shards and more: the parameters, gradients and AdamW state ($16\\Psi$ "
         f"bytes, {fmt.sig(state)} GiB for {_model_label(big)}) by $P$ = {p}, while the activations stay; the "
         f"accounting's peak per GPU goes from {fmt.sig(ddp['predicted_total'])} to {fmt.sig(fsdp['predicted_total'])} "
         f"GiB, a saving of {fmt.sig(expected)} GiB. **Measured:** {fmt.sig(peak['ddp'])} → {fmt.sig(peak['fsdp'])} "
@@ -652,9 +652,10 @@ def answer(d: SectionData) -> list[Block]:
                                 "the CSV)."),
                      d.table("predicted_vs_measured", caption="Predicted vs. measured memory per rank."),
                      d.table("largest_model", caption="Largest model each strategy can train on one node: predicted "
-                             "by `accounting` and the largest it trained here."),
+                             "by `accounting` and the largest it trained here, of the sizes tried (a lower bound)."),
                      d.table("largest_model_predicted", caption="Largest model each strategy can train, predicted."),
-                     d.table("largest_model_measured", caption="Largest model each strategy trained, measured."),
+                     d.table("largest_model_measured", caption="Largest model each strategy trained, measured "
+                             "(of the sizes tried: a lower bound)."),
                  ], what="FSDP memory and step time"),
         question(d, "fsdp_accounting (a)", "How much memory do you expect FSDP to save from the peak, given the "
                  "accounting of optimizer-state sharding (2026)?", [_expected_saving(d.frame("fsdp_vs_ddp"))]),

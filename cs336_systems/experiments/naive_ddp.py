@@ -140,7 +140,7 @@ def answer(d: SectionData) -> list[Block]:
                     f"({fmt.pct(naive['sync_ms'] / naive['step_ms'])}) is spent all-reducing gradients one parameter "
                     "at a time after backward"
                     + (f"; the same step on one GPU without communication takes {fmt.ms(single['step_ms'])}."
-                       if single is not None else "."))
+                       if single is not None else ".") + _other_precision(d, name))
     return [
         question(d, "naive_ddp", "Data parallelism by all-reducing every gradient after the backward pass.", [
             Text("Each rank holds a full replica, runs forward and backward on its $1/P$ slice of the batch, then "
@@ -160,6 +160,16 @@ def answer(d: SectionData) -> list[Block]:
                  what="naive DDP step and communication times"),
         *ddp_common.scaling_blocks(d),
     ]
+
+
+def _other_precision(d: SectionData, shown: str | None) -> str:
+    """The same numbers under the run's other precision: a shorter step makes the same bytes a larger share."""
+    other = ddp_common.other_precision_table(d, shown)
+    naive = row(other, "naive") if other is not None else None
+    if naive is None or known(naive.get("sync_ms")) is None:
+        return ""
+    return (f" Under {other['precision'].iloc[0]}: {fmt.ms(naive['step_ms'])} per step, {fmt.ms(naive['sync_ms'])} "
+            f"communicating ({fmt.pct(naive['sync_ms'] / naive['step_ms'])}): the same bytes in a shorter step.")
 
 
 def _model_name(df: Any) -> str:

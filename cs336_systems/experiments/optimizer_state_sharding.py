@@ -554,7 +554,7 @@ def answer(d: SectionData) -> list[Block]:
                      if c in st.index and pd.notna(st.loc[c, "adamw measured"])]
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
                             + "; ".join(parts).replace("_", " ") + "." + _buckets_note(rank0, st)
-                            + _step_temporaries(rank0))
+                            + _step_temporaries(rank0) + _expectation(st))
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
@@ -604,6 +604,23 @@ def answer(d: SectionData) -> list[Block]:
             d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step.")]),
         *_more_gpus(d),
     ]
+
+
+def _expectation(st: pd.DataFrame) -> str:
+    """(a)'s "do the results align with your expectations?": the state against the accounting's prediction,
+    and the activations, which the accounting estimates."""
+    need = {"adamw measured", "sharded measured", "adamw predicted", "sharded predicted"}
+    if not need <= set(st.columns) or not {"optimizer_state", "activations"} <= set(st.index):
+        return ""
+    state, act = st.loc["optimizer_state"], st.loc["activations"]
+    off = act["adamw measured"] / act["adamw predicted"] - 1 if act["adamw predicted"] else float("nan")
+    close = all(abs(state[f"{o} measured"] / state[f"{o} predicted"] - 1) < 0.05 for o in ("adamw", "sharded")
+                if state[f"{o} predicted"])
+    return (f" **Against expectations:** the optimizer state goes from {fmt.sig(state['adamw measured'])} to "
+            f"{fmt.sig(state['sharded measured'])} GiB, " + ("as predicted" if close else "against a prediction of")
+            + f" ({fmt.sig(state['adamw predicted'])} → {fmt.sig(state['sharded predicted'])}); parameters and "
+            f"gradients do not change; the activations are {fmt.pct(abs(off))} {'above' if off >= 0 else 'below'} "
+            "the accounting's per-block estimate, with or without sharding." if off == off else "")
 
 
 def _step_temporaries(rank0: pd.DataFrame) -> str:
