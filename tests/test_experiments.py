@@ -357,3 +357,37 @@ def test_bucketed_full_run_fits_the_machine_and_the_launcher(monkeypatch) -> Non
     monkeypatch.setenv("WORLD_SIZE", "4")
     ddp_bucketed.run(full, None)
     assert seen == [[4]]
+
+
+def test_sharding_extra_world_sizes_are_tagged_with_their_own_size(monkeypatch, tmp_path) -> None:
+    """nproc=[2, 4]: the first world size writes the answers' tables, the second `_np4` tables whose record
+    says 4; too few GPUs for the largest is one line before anything runs."""
+    import json
+
+    import torch
+
+    from cs336_systems.distributed import runner
+    from cs336_systems.experiments import optimizer_state_sharding as oss
+    from cs336_systems.results import ResultWriter
+
+    def fake(worker, n, config, optimizers):
+        return [[{"optimizer": o, "rank": r, "world_size": n, "step_ms": 10.0 * n, "step_ms_std": 0.1,
+                  **{k: 1.0 for k in ("after_init_allocated", "after_init_peak", "before_step_allocated",
+                                      "before_step_peak", "after_step_allocated", "after_step_peak", "parameters",
+                                      "gradients", "optimizer_state", "activations")},
+                  **{f"predicted_{k}": 1.0 for k in ("parameters", "gradients", "optimizer_state", "activations")}}
+                 for o in optimizers] for r in range(n)]
+
+    monkeypatch.setattr(runner, "run_on_ranks", fake)
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    p = dataclasses.replace(get("optimizer_state_sharding").params("smoke"), nproc=[2, 4])
+    out = ResultWriter("optimizer_state_sharding", smoke=False, params=dataclasses.asdict(p))
+    written = oss.run(p, out)
+    assert {"timing", "timing_np4", "memory_np4"} <= set(written)
+    folder = tmp_path / "optimizer_state_sharding"
+    assert json.loads((folder / "timing_np4.meta.json").read_text())["params"]["world_size"] == 4
+    assert json.loads((folder / "timing.meta.json").read_text())["params"]["world_size"] == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"nproc=\[2, 4\] needs 4 GPUs and this machine has 2"):
+        oss.run(p, out)

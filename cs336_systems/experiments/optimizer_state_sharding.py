@@ -460,6 +460,9 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     """All optimizers on the ranks, one after the other, once per world size; rank 0 writes the tables (the
     first world size's untagged, the answers' run; the others' tagged ``_np<N>``)."""
     written: dict[str, Any] = {}
+    if not runner.launched_externally() and torch.cuda.is_available() and max(p.nproc) > torch.cuda.device_count():
+        raise ValueError(f"nproc={p.nproc} needs {max(p.nproc)} GPUs and this machine has "
+                         f"{torch.cuda.device_count()}: drop the larger world sizes")
     for i, n in enumerate([None] if runner.launched_externally() else p.nproc):
         rows_per_rank = runner.run_on_ranks(sharding_worker, n or 0, p.bench_config(), list(p.optimizers))
         if not runner.is_main_process():
@@ -470,7 +473,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         if i == 0:
             out.params["world_size"] = rows[0]["world_size"]
         for name, table in (("memory", memory), ("memory_breakdown", breakdown), ("timing", timing)):
-            out.table(table, name + tag)
+            # A tagged table records its own world size (the run's params hold the first one's).
+            out.table(table, name + tag, params={"world_size": rows[0]["world_size"]} if tag else None)
             written[name + tag] = table
         print(f"world size {rows[0]['world_size']}:")
         print(memory.to_string(index=False))
