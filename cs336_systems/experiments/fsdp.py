@@ -37,7 +37,7 @@ from cs336_systems import accounting
 from cs336_systems.configs import build_model, param_counts
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.fsdp import FSDP
-from cs336_systems.experiments.optimizer_state_sharding import (
+from cs336_systems.benchmarking.training_memory import (
     GIB,
     BenchConfig,
     MemoryProbe,
@@ -676,6 +676,7 @@ SECTION = Section(
     depends=(*MODEL, "cs336_systems/distributed/fsdp.py", "cs336_systems/distributed/grad_sync.py",
              "cs336_systems/distributed/consistency.py", "cs336_systems/distributed/launch.py",
              "cs336_systems/distributed/runner.py", "cs336_systems/experiments/optimizer_state_sharding.py",
+             "cs336_systems/benchmarking/training_memory.py", "cs336_systems/benchmarking/timing.py",
              "cs336_systems/accounting.py", "cs336_systems/profiling/gather_waits.py",
              "cs336_systems/profiling/timeline.py"),
     jobs=(Job({"parts": ["compare"]}, 1.5, "2×H200"), Job({"parts": ["gathers"]})),
