@@ -194,7 +194,7 @@ def answer(d: SectionData) -> list[Block]:
 from cs336_systems.experiments.section import Job  # noqa: E402
 
 SECTION = Section(
-    name="ddp_bucketed", number="2.3.3", title="Bucketed DDP", problems=("ddp_bucketed_benchmarking",),
+    name="ddp_bucketed", number="2.3.3", title="Bucketed DDP", problems=("ddp_overlap_bucketed", "ddp_bucketed_benchmarking"),
     answer=answer, presets=PRESETS, run=run, gpus=2, sized_by=("preset",),
     editions={"cse599o": {"nproc": [2]}},  # its bucketed benchmark: one node, 2 GPUs
     depends=(*ddp_common.DEPENDS, "cs336_systems/distributed/ddp_bucketed.py",

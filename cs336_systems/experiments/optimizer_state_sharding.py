@@ -544,7 +544,7 @@ def _more_gpus(d: SectionData) -> list[Block]:
 
 
 SECTION = Section(
-    name=SECTION_NAME, number="3", title="Optimizer-state sharding", problems=("optimizer_state_sharding_accounting",),
+    name=SECTION_NAME, number="3", title="Optimizer-state sharding", problems=("optimizer_state_sharding", "optimizer_state_sharding_accounting"),
     answer=answer, presets=PRESETS, run=run, derive=derive, derive_inputs=("memory", "memory_breakdown", "timing"),
     gpus=2, sized_by=("model",), depends=(*MODEL, "cs336_systems/distributed/sharded_optimizer.py", "cs336_systems/distributed/launch.py",
                      "cs336_systems/distributed/runner.py", "cs336_systems/accounting.py",
