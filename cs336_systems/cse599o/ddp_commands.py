@@ -157,12 +157,9 @@ def sharding_main(argv: Sequence[str] | None = None) -> int:
 def profile_sharding(args: argparse.Namespace, optimizers: list[str]) -> int:
     """Run the optimizer-state sharding benchmark of §3 (``optimizer_state_sharding.sharding_worker``) and print,
     on rank 0, one block per optimizer."""
-    import os
-
     from cs336_systems.experiments.optimizer_state_sharding import sharding_worker, summarise
 
-    world = (int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 2)
-             if runner.launched_externally() else args.nproc or 2)
+    world = runner.launched_world_size() or args.nproc or 2
     model = get_config(args.preset)
     config = dict(model=args.preset, global_batch=args.batch_per_rank * world,
                   context_length=args.context_length or model.context_length, warmup=args.warmup, steps=args.steps)

@@ -15,9 +15,10 @@ error instead of a hang; spawned ranks can also be given a limit on the whole ru
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from cs336_systems.distributed import launch
@@ -29,6 +30,24 @@ def launched_externally() -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def launched_world_size() -> int | None:
+    """The world size torchrun or srun started, or None where this process spawns its own ranks."""
+    if not launched_externally():
+        return None
+    return int(os.environ.get("WORLD_SIZE") or os.environ["SLURM_NTASKS"])
+
+
+def check_local_gpus(nproc: Sequence[int], fix: str, backend: str | None = None) -> None:
+    """Before any rank starts (and before a GPU job calibrates): one line, ending in ``fix``, when spawning the
+    largest of ``nproc`` NCCL ranks needs more GPUs than this machine has. Nothing to check under torchrun or
+    srun (the launcher placed the ranks), on gloo, or without CUDA."""
+    if launched_externally() or backend not in (None, "nccl") or not torch.cuda.is_available():
+        return
+    if max(nproc) > torch.cuda.device_count():
+        raise ValueError(f"nproc={list(nproc)} needs {max(nproc)} GPUs and this machine has "
+                         f"{torch.cuda.device_count()}: {fix}")
 
 
 def is_main_process() -> bool:

@@ -54,18 +54,12 @@ PRESETS["full"] = Params(nproc=[2, 4])
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
-    import os
-
-    import torch
-
     from cs336_systems.distributed import runner
 
-    if runner.launched_externally():  # the launcher fixed the world: one run of it, tagged with its size
-        world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 0)
+    world = runner.launched_world_size()
+    if world is not None:  # the launcher fixed the world: one run of it, tagged with its size
         p = dataclasses.replace(p, nproc=[world])
-    elif torch.cuda.is_available() and p.backend in (None, "nccl") and max(p.nproc) > torch.cuda.device_count():
-        raise ValueError(f"nproc={p.nproc} needs {max(p.nproc)} GPUs and this machine has "
-                         f"{torch.cuda.device_count()}: pass --set nproc=2")
+    runner.check_local_gpus(p.nproc, "pass --set nproc=2", p.backend)
     return ddp_common.run_ddp(
         "ddp_bucketed", p, out, ["single", "torch", "bucketed"], bucket_sizes_mb=list(p.bucket_sizes_mb),
         comm_dtypes=list(p.comm_dtypes), allreduce_sizes=[parse_size(s) for s in p.allreduce_sizes],

@@ -372,9 +372,7 @@ def run(p: Params, out: ResultWriter) -> pd.DataFrame | None:
 
 def run_compare(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     """One run per world size; rank 0 writes the ``fsdp_vs_ddp`` table."""
-    if torch.cuda.is_available() and not runner.launched_externally() and max(p.nproc) > torch.cuda.device_count():
-        raise ValueError(f"nproc={p.nproc} needs {max(p.nproc)} GPUs and this machine has "
-                         f"{torch.cuda.device_count()}: pass --set nproc=2")
+    runner.check_local_gpus(p.nproc, "pass --set nproc=2")
     config = dict(global_batch=p.global_batch, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
     rows: list[dict[str, Any]] = []
     for n in [None] if runner.launched_externally() else p.nproc:

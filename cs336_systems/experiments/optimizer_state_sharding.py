@@ -305,9 +305,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     """All optimizers on the ranks, one after the other, once per world size; rank 0 writes the tables (the
     first world size's untagged, the answers' run; the others' tagged ``_np<N>``)."""
     written: dict[str, Any] = {}
-    if not runner.launched_externally() and torch.cuda.is_available() and max(p.nproc) > torch.cuda.device_count():
-        raise ValueError(f"nproc={p.nproc} needs {max(p.nproc)} GPUs and this machine has "
-                         f"{torch.cuda.device_count()}: drop the larger world sizes")
+    runner.check_local_gpus(p.nproc, "drop the larger world sizes")
     for i, n in enumerate([None] if runner.launched_externally() else p.nproc):
         rows_per_rank = runner.run_on_ranks(sharding_worker, n or 0, p.bench_config(), list(p.optimizers))
         if not runner.is_main_process():
