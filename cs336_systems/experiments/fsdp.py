@@ -50,7 +50,7 @@ from cs336_systems.profiling.gather_waits import gather_summary, gather_waits
 from cs336_systems.profiling.timeline import plot_timeline, profile_timeline
 from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import join_words, question, spread, subset
+from cs336_systems.report.answers import join_words, question, spread, step_verdict, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
 from cs336_systems.measured_code import MODEL
@@ -485,10 +485,8 @@ def _against_fsdp2(df: pd.DataFrame | None) -> Text | None:
         ours, theirs = float(by.loc["fsdp", "step_ms"]), float(by.loc["fsdp2", "step_ms"])
         noise = spread(by.loc["fsdp", "step_ms_std"], by.loc["fsdp2", "step_ms_std"]) if "step_ms_std" in by.columns else 0.0
         key = dict(zip(keys, key))
-        verdict = ("a tie within the steps' spread" if abs(ours - theirs) <= noise else
-                   "faster" if ours < theirs else "slower")
         parts.append(f"{key['model']}{' ' + key['dtype'] if 'dtype' in key else ''} on {key['world_size']} GPUs "
-                     f"{fmt.ratio(ours / theirs)} ({verdict})")
+                     f"{fmt.ratio(ours / theirs)} ({step_verdict(ours, theirs, noise)})")
     if not parts:
         return None
     return Text("Our FSDP's step time relative to FSDP2's (`fully_shard` per block, the same run): "

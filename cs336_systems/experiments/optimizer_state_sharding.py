@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
-from cs336_systems.report.answers import implemented, mfu_note, spread, step_mfu  # noqa: E402  (answers only)
+from cs336_systems.report.answers import implemented, mfu_note, spread, step_mfu, step_verdict  # noqa: E402  (answers only)
 
 
 def _sharding_verdict(timing: pd.DataFrame) -> str:
@@ -525,8 +525,7 @@ def _more_gpus(d: SectionData) -> list[Block]:
             text += f" Ours takes {fmt.ratio(ours / theirs)} of ZeroRedundancyOptimizer's step time"
             if "step_ms_std" in rows.columns:
                 noise = spread(rows.loc["sharded", "step_ms_std"], rows.loc["zero", "step_ms_std"])
-                text += (": within the steps' spread, a tie" if abs(ours - theirs) <= noise else
-                         f", a difference larger than the steps' spread (±{fmt.ms(noise)})")
+                text += f" ({step_verdict(ours, theirs, noise)})"
             text += "."
         if memory is not None and {"optimizer", "rank", "after_step_peak"} <= set(memory.columns):
             peak = memory[memory["rank"] == 0].set_index("optimizer")["after_step_peak"]

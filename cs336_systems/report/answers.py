@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from cs336_systems.report import fmt
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Figure, Missing, Question, Table, Text
 
@@ -69,6 +70,14 @@ def known(value: Any) -> float | None:
 def spread(*values: Any) -> float:
     """The summed step-to-step spread of several rows; a row that recorded none adds nothing."""
     return sum(x for v in values if (x := known(v)) is not None)
+
+
+def step_verdict(ours: float, theirs: float, noise_ms: float) -> str:
+    """How a step time compares with another timed beside it: ``faster``, ``slower``, or, where the two lie
+    within their summed step-to-step spread ``noise_ms``, no difference (a ratio inside the noise is not a result)."""
+    if abs(ours - theirs) <= noise_ms:
+        return f"within the steps' spread of ±{fmt.ms(noise_ms)}: no difference"
+    return "faster" if ours < theirs else "slower"
 
 
 def join_words(items: list[str]) -> str:
