@@ -5,6 +5,7 @@ the answer pieces about step tables. Each section module chooses the modes it ru
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,7 +243,7 @@ def _paired_efficiency(d: SectionData, table: pd.DataFrame) -> pd.DataFrame:
     no such single-GPU step keep the table's value."""
     singles: dict[tuple[str, int, bool], float] = {}
     for name in d.tables:
-        f = d.frame(name) if name.startswith("steps_") or name.split("_")[0][:2] == "np" else None
+        f = d.frame(name) if name.startswith("steps_") or re.match(r"np\d+_", name) else None
         if f is None or not {"mode", "step_ms", "world_size", "autocast"} <= set(f.columns):
             continue
         world = int(f["world_size"].max())  # the single-GPU rows record 1; the run's world is the others'
@@ -357,17 +358,24 @@ def captured_steps(d: SectionData) -> list[Block]:
         table])]
 
 
+def _world_runs(d: SectionData) -> dict[str, pd.DataFrame]:
+    """The section's step tables that time variants against torch DDP: ``steps_<preset>_<autocast>`` from the
+    first world size, ``np<N>_<preset>_<autocast>`` from each further one (``--set nproc=2,4``)."""
+    names = [n for n in d.tables if n.startswith("steps_") or re.match(r"np\d+_", n)]
+    return {n: f for n in names if not n.endswith(("_timeline", "_overlap")) and _has_graph_column(f := d.frame(n))}
+
+
 def torch_parity(d: SectionData, bucket_mb: float = 25.0) -> Text | None:
-    """The bar our bucketed DDP is held to, in one sentence: its step time over torch DDP's (which buckets at
-    25 MB by default) at the same bucket size and gradient wire format, eager and captured, per autocast
-    setting, each pair timed in one process; a ratio within the two runs' spread is called a tie."""
+    """The bar our bucketed DDP is held to, in one sentence per world size: its step time over torch DDP's
+    (which buckets at 25 MB by default) at the same bucket size and gradient wire format, eager and captured,
+    per autocast setting, each pair timed in one process; a ratio within the two runs' spread is no difference."""
     from cs336_systems.profiling.timeline import paired_ratios
 
-    runs = {n: f for n in d.tables if n.startswith("steps_") and _has_graph_column(f := d.frame(n))}
+    runs = _world_runs(d)
     if not runs:
         return None
     ratios = paired_ratios(runs)
-    parts = []
+    by_world: dict[int, list[str]] = {}
     for name in sorted(runs, key=lambda n: "fp32" not in n):
         f = runs[name]
         wire = f["comm_dtype"].fillna("fp32") if "comm_dtype" in f.columns else pd.Series("fp32", index=f.index)
@@ -389,13 +397,13 @@ def torch_parity(d: SectionData, bucket_mb: float = 25.0) -> Text | None:
             cells.append(f"{'captured' if captured else 'eager'} {fmt.ratio(ratio)} ({verdict})")
         if cells:
             ac = f["autocast"].iloc[0]
-            parts.append(("in fp32 " if ac == "fp32" else f"under {ac} autocast ") + ", ".join(cells))
-    if not parts:
+            by_world.setdefault(int(f["world_size"].max()), []).append(
+                ("in fp32 " if ac == "fp32" else f"under {ac} autocast ") + ", ".join(cells))
+    if not by_world:
         return None
-    world = int(next(iter(runs.values()))["world_size"].max())
-    return Text(f"**Against torch DDP** (`DistributedDataParallel`, {world} GPUs, both with {bucket_mb:g} MB "
-                "buckets and fp32 gradients on the wire, timed in the same process), our bucketed step takes: "
-                + "; ".join(parts) + " of torch's step time.")
+    return Text(f"**Against torch DDP** (`DistributedDataParallel`, both with {bucket_mb:g} MB buckets and fp32 "
+                "gradients on the wire, timed in the same process), our bucketed step takes, of torch's step time: "
+                + "; ".join(f"on {world} GPUs " + "; ".join(parts) for world, parts in sorted(by_world.items())) + ".")
 
 
 def overhead_split(steps: pd.DataFrame | None) -> Text | None:
