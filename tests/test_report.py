@@ -819,6 +819,33 @@ def test_memory_b_says_which_moment_sets_the_training_peak_at_each_context() -> 
     assert _train_peak_breakdown(None) == ""
 
 
+def test_memory_b_answers_inference_and_the_training_step_per_context_and_names_what_autograd_keeps(tmp_path) -> None:
+    """The handout's forward pass is inference only: (b) gives its peak and the training step's per context;
+    an inference cell that fits where the autograd forward ran out of memory still answers."""
+    import json
+
+    from cs336_systems.experiments import memory_profiling as mp
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "memory_profiling"
+    folder.mkdir()
+    rows = [("inference", 128, 14.0, "ok"), ("forward", 128, 16.0, "ok"), ("train", 128, 52.0, "ok"),
+            ("inference", 2048, 20.0, "ok"), ("forward", 2048, None, "OOM"), ("train", 2048, None, "OOM")]
+    pd.DataFrame(rows, columns=["mode", "context_length", "peak_GiB", "status"]).assign(
+        precision="fp32", allocated_before_GiB=12.75).to_csv(folder / "peak_memory.csv", index=False)
+    (folder / "peak_memory.meta.json").write_text(json.dumps({"params": {"size": "xl@2026"}, "device": "H100"}))
+    blocks = mp.answer(SectionData(tmp_path, "memory_profiling"))
+    b = next(q for q in blocks if getattr(q, "label", None) == "b")
+    text = " ".join(getattr(x, "markdown", "") for x in b.blocks)
+    assert "inference forward / forward with autograd / training-step:" in text
+    assert "14.0 GiB inference forward / 16.0 GiB forward with autograd / 52.0 GiB training-step at context 128" in text
+    assert "20.0 GiB inference forward at context 2048" in text
+    assert "raises the forward's peak from 14.0 GiB to 16.0 GiB" in text
+    assert "out of memory" in text
+    table = next(x for x in b.blocks if hasattr(x, "frame"))
+    assert list(table.frame.columns) == ["context_length", "inference_peak_GiB", "forward_peak_GiB", "train_peak_GiB"]
+
+
 def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
     from cs336_systems.experiments.ddp_flat import _verdict
     from cs336_systems.experiments.optimizer_state_sharding import _sharding_verdict

@@ -31,15 +31,22 @@ class Params:
     size: str = param("2.7B", "model preset")
     context_lengths: list[int] = param([128, 256, 512], "contexts snapshotted")
     precisions: list[str] = param(["fp32", "bf16"], "fp32 (no autocast) and/or bf16 autocast")
-    modes: list[str] = param(["forward", "train"], "forward pass with autograd on, and/or a full AdamW step")
+    modes: list[str] = param(["inference", "forward", "train"],
+                             "inference: a forward pass without autograd (what the handout calls inference only); "
+                             "forward: the same with autograd on, activations kept for backward; train: a full "
+                             "AdamW step")
     budget_s: float = param(600.0, "time budget in seconds; cells past it are recorded as skipped")
 
     def check(self) -> None:
         check_presets(self.size)
         check_positive(budget_s=self.budget_s, **{f"context_length {c}": c for c in self.context_lengths})
-        bad = [x for x in (*self.precisions, *self.modes) if x not in ("fp32", "bf16", "forward", "train")]
-        if bad or not set(self.precisions) <= {"fp32", "bf16"} or not set(self.modes) <= {"forward", "train"}:
-            raise ValueError(f"precisions are fp32/bf16 and modes forward/train, got {self.precisions} and {self.modes}")
+        if not self.modes or not set(self.precisions) <= {"fp32", "bf16"} or not set(self.modes) <= set(MODES):
+            raise ValueError(f"precisions are fp32/bf16 and modes {'/'.join(MODES)}, got {self.precisions} and "
+                             f"{self.modes}")
+
+
+#: What each mode snapshots (``BenchmarkSpec`` modes; ``inference`` runs the forward under ``torch.no_grad``).
+MODES = ("inference", "forward", "train")
 
 
 PRESETS = {
@@ -116,7 +123,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     configs = [{"precision": pr, "mode": m, "context_length": c}
                for pr in p.precisions for m in p.modes for c in p.context_lengths]
     peaks = run_sweep(one, configs, desc="memory snapshots", budget_s=p.budget_s)
-    out.table(peaks, "peak_memory", extra={"forward": "one forward pass with autograd on (activations kept)",
+    out.table(peaks, "peak_memory", extra={"inference": "one forward pass under torch.no_grad (nothing kept)",
+                                           "forward": "one forward pass with autograd on (activations kept)",
                                            "fp32_estimate": "configs.memory_breakdown (fp32 everything)"})
     result["peak_memory"] = peaks
     for precision in p.precisions:
@@ -129,18 +137,19 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         out.figure(fig, f"timeline_{precision}")
         plt.close(fig)
     # (e) asks about the forward pass: its largest allocations are attention's seq × seq score and
-    # probability tensors; the training step's are listed too (gradients and AdamW state).
+    # probability tensors; the autograd forward's and the training step's are listed too.
     from cs336_systems.profiling.memory import allocations_of_size
 
     biggest = pd.DataFrame()
-    for mode, name in (("forward", "largest_allocations"), ("train", "largest_allocations_train")):
+    for mode, name in (("inference", "largest_allocations_inference"), ("forward", "largest_allocations"),
+                       ("train", "largest_allocations_train")):
         ran = [c for c in p.context_lengths if ("fp32", c, mode) in snapshots]
         if not ran:  # every fp32 cell of this mode ran out of memory (or was skipped)
             continue
         key = ("fp32", max(ran), mode)  # the longest context that ran
         table = largest_allocations(snapshots[key], n=20)
         out.table(table, name, extra={"config": list(key)})
-        biggest = table if mode == "forward" else biggest
+        biggest = table if biggest.empty and mode != "train" else biggest
         check[f"allocations_of_residual_size_in_{mode}"] = len(allocations_of_size(snapshots[key], check["measured_bytes"]))
     out.json(check, "residual_stream")
     result["largest_allocations"] = biggest
@@ -161,9 +170,27 @@ def _peak_pivot(peaks: pd.DataFrame, precision: str) -> pd.DataFrame | None:
     sel = ok[ok["precision"] == precision]
     if sel.empty:
         return None
-    wide = sel.pivot_table(index="context_length", columns="mode", values="peak_GiB").reset_index()
+    wide = sel.pivot_table(index="context_length", columns="mode", values="peak_GiB")
+    wide = wide[[m for m in MODES if m in wide.columns] + [m for m in wide.columns if m not in MODES]].reset_index()
     wide.columns = [c if c == "context_length" else f"{c}_peak_GiB" for c in wide.columns]
     return wide
+
+
+#: The modes in the order the answers name them, in the answers' words.
+_MODE_WORDS = {"inference": "inference forward", "forward": "forward with autograd", "train": "training-step"}
+
+
+def _inference_note(fp32: pd.DataFrame) -> str:
+    """How much of the autograd forward's peak is the activations it keeps: its peak against inference's."""
+    if not {"inference_peak_GiB", "forward_peak_GiB"} <= set(fp32.columns):
+        return ""
+    rows = fp32.dropna(subset=["inference_peak_GiB", "forward_peak_GiB"])
+    if rows.empty:
+        return ""
+    r = rows.iloc[-1]
+    return (f" At context {int(r['context_length'])} turning autograd on raises the forward's peak from "
+            f"{fmt.gib(r['inference_peak_GiB'] * 2**30)} to {fmt.gib(r['forward_peak_GiB'] * 2**30)}: the "
+            "difference is the activations saved for backward, which inference frees block by block.")
 
 
 def _failed_cells(peaks: pd.DataFrame | None) -> str:
@@ -239,14 +266,16 @@ def answer(d: SectionData) -> list[Block]:
     bf16 = _peak_pivot(peaks, "bf16") if peaks is not None else None
     b_text = c_text = None
     failed = _failed_cells(peaks)
-    if fp32 is not None and {"forward_peak_GiB", "train_peak_GiB"} <= set(fp32.columns):
+    if fp32 is not None and "train_peak_GiB" in fp32.columns and ({"inference_peak_GiB", "forward_peak_GiB"}
+                                                                   & set(fp32.columns)):
         def cell(r: pd.Series) -> str:
-            done = [f"{fmt.gib(r[f'{m}_peak_GiB'] * 2**30)} {what}" for m, what in
-                    (("forward", "forward"), ("train", "training step")) if pd.notna(r[f"{m}_peak_GiB"])]
+            done = [f"{fmt.gib(r[f'{m}_peak_GiB'] * 2**30)} {what}" for m, what in _MODE_WORDS.items()
+                    if f"{m}_peak_GiB" in r and pd.notna(r[f"{m}_peak_GiB"])]
             return " / ".join(done) + f" at context {int(r['context_length'])}"
 
-        b_text = Text(f"Peak memory of the {size} model: " + join_words([
-            cell(r) for _, r in fp32.iterrows()]) + "." + _train_peak_breakdown(peaks)
+        b_text = Text(f"Peak memory of the {size} model, " + " / ".join(
+            w for m, w in _MODE_WORDS.items() if f"{m}_peak_GiB" in fp32.columns) + ": " + join_words([
+            cell(r) for _, r in fp32.iterrows()]) + "." + _inference_note(fp32) + _train_peak_breakdown(peaks)
             + f"{failed}" + _why_out_of_memory(peaks, cfg, device))
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {size} model on "
@@ -254,13 +283,13 @@ def answer(d: SectionData) -> list[Block]:
     if fp32 is not None and bf16 is not None:
         m = fp32.merge(bf16, on="context_length", suffixes=("_fp32", "_bf16"))
         parts, ratios = [], []
-        for mode in ("forward", "train"):
+        for mode, words in _MODE_WORDS.items():
             a, bcol = f"{mode}_peak_GiB_fp32", f"{mode}_peak_GiB_bf16"
             if a in m and bcol in m:
                 r = (m[bcol] / m[a]).dropna()
                 if not r.empty:
                     ratios.append(r)
-                    parts.append(f"{'forward' if mode == 'forward' else 'training-step'} peaks by a factor of "
+                    parts.append(f"{words} peaks by a factor of "
                                  + (f"{fmt.sig(r.min(), 2)}–{fmt.sig(r.max(), 2)}" if fmt.sig(r.min(), 2) !=
                                     fmt.sig(r.max(), 2) else fmt.sig(r.min(), 2)))
         if parts:
@@ -270,22 +299,29 @@ def answer(d: SectionData) -> list[Block]:
                           "matmuls, so only the activations saved for backward shrink"
                           + ("; where the peak grows, those weight copies outweigh the smaller activations." if grows
                              else "; the saving grows with context length, where activations dominate."))
-    timeline = d.figure("timeline_fp32", caption=f"Active memory over allocation events, {size}, fp32: forward "
-                        "pass (top) and training step (bottom) by context length.")
+    modes = [m for m in _MODE_WORDS if fp32 is not None and f"{m}_peak_GiB" in fp32.columns]
+    timeline = d.figure("timeline_fp32", caption=f"Active memory over allocation events, {size}, fp32, one row per "
+                        f"mode ({', '.join(_MODE_WORDS[m] for m in modes) or 'forward pass and training step'}, top "
+                        "to bottom) and one column per context length.")
     rs_text = None
     if isinstance(rs, dict) and "measured_bytes" in rs:
         rs_text = Text(f"Measured in a forward pass (the first block's output, shape {tuple(rs.get('shape', []))}, "
                        f"`{rs.get('dtype')}`): {int(rs['measured_bytes']):,} bytes, "
                        + ("matching the formula." if rs.get("measured_bytes") == rs.get("predicted_bytes") else
                           f"against {int(rs.get('predicted_bytes', 0)):,} predicted."))
-    largest = _largest_text(d.frame("largest_allocations"), d.meta("largest_allocations"))
+    largest_name = d.frame_name("largest_allocations_inference", "largest_allocations")
+    largest = _largest_text(d.frame(largest_name), d.meta(largest_name)) if largest_name else None
     return [
         question(d, "a", f"Memory timelines of the {size} model: forward pass and full training step.", [
             timeline,
             None if timeline is None else Text(
-                "In the forward pass memory climbs in a staircase, one step per block as its activations are "
-                "saved, and peaks at the end of the forward pass, when every block's saved activations and the logits are "
-                "resident together. The training-step panels start higher: the snapshot is taken "
+                ("Inference only (no autograd) stays flat above the weights: each block's intermediates are "
+                 "freed as soon as the next op has read them, so the spikes are one block's transients (attention's "
+                 "scores at long contexts) and the logits at the end. " if "inference" in modes else "")
+                + "With autograd on, the forward pass instead climbs in a staircase, one step per block as its "
+                "activations are saved, and peaks at the end of the forward pass, when every block's saved "
+                "activations and the logits are resident together. The training-step panels start higher: the "
+                "snapshot is taken "
                 "after one warm-up step, so AdamW's two moment buffers are already resident from the first "
                 "event. The step then repeats the forward ramp, falls as backward frees each block's "
                 "activations while the gradients appear, and ends with the optimizer's update, whose "
@@ -293,7 +329,9 @@ def answer(d: SectionData) -> list[Block]:
         ], what="memory timelines"),
         question(d, "b", "Peak memory by context length, forward pass and full training step.",
                  [b_text, d.table("peak_memory", frame=fp32, caption=f"Peak allocated memory of the {size} model, "
-                                  "fp32 (GiB).")], what="peak memory by context length"),
+                                  "fp32 (GiB): inference is the forward pass the handout asks for (no autograd); "
+                                  "forward keeps autograd on, the activations a training step saves.")],
+                 what="peak memory by context length"),
         question(d, "c", "Peak memory with bf16 mixed precision.",
                  [c_text, d.table("peak_memory", frame=bf16, caption=f"Peak allocated memory of the {size} model "
                                   "under bf16 autocast (GiB)."),
@@ -315,9 +353,13 @@ def answer(d: SectionData) -> list[Block]:
         # (e)'s answer names the tensors; the allocation tables behind it are the appendix's.
         Text("", role=BEYOND_HANDOUT),
         *[t for t in (
+            d.table("largest_allocations_inference",
+                    frame=subset(d.frame("largest_allocations_inference"), "size_MiB", "count", "origin"),
+                    caption="§1.1.6 (e): largest allocations of the fp32 inference forward pass at the longest "
+                            f"context that ran{_config_context(d, 'largest_allocations_inference')} (stacks: the CSV)."),
             d.table("largest_allocations", frame=subset(d.frame("largest_allocations"), "size_MiB", "count", "origin"),
-                    caption="§1.1.6 (e): largest allocations of the fp32 forward pass at the longest context that "
-                            f"ran{_config_context(d, 'largest_allocations')} (stacks: the CSV)."),
+                    caption="§1.1.6 (e): largest allocations of the fp32 forward pass with autograd on at the longest "
+                            f"context that ran{_config_context(d, 'largest_allocations')} (stacks: the CSV)."),
             d.table("largest_allocations_train",
                     frame=subset(d.frame("largest_allocations_train"), "size_MiB", "count", "origin"),
                     caption="§1.1.6 (e), for comparison: the largest allocations of the full training step."),
