@@ -17,6 +17,12 @@ each segment's forward in the backward, RNG state included.
     checkpoint_layers(model, [4])       # flat: 48 blocks as 12 segments of 4
     checkpoint_layers(model, [8, 2])    # nested: segments of 8, each recomputed as segments of 2
     checkpoint_layers(model, [])        # off again
+    checkpoint_layers(model, [], sublayers=True)  # each block's attention and feed-forward branch on its own
+
+Below one block: with ``sublayers`` each pre-norm block runs its two residual branches, ``x + Attn(RMSNorm(x))``
+and ``x + FFN(RMSNorm(x))``, as separate checkpoints, so a backward recomputes half a block at a time and
+keeps two residual-stream tensors per block. Where one block's own residuals dwarf its input (naive
+attention's ``seq × seq`` scores at long contexts), that is where the peak is lowest.
 """
 
 from __future__ import annotations
@@ -28,45 +34,70 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 
-def _run(blocks: Sequence[nn.Module], levels: Sequence[int], x: Tensor) -> Tensor:
+#: The parts of a pre-norm block that ``sublayers`` checkpoints one by one: (norm, branch) pairs.
+SUBLAYERS = (("ln1", "attn"), ("ln2", "ffn"))
+
+
+def _branch(norm: nn.Module, branch: nn.Module, x: Tensor) -> Tensor:
+    return branch(norm(x))
+
+
+def _by_sublayer(block: nn.Module, x: Tensor) -> Tensor:
+    """``block(x)`` for a pre-norm block, each residual branch checkpointed on its own."""
+    for norm, branch in SUBLAYERS:
+        x = x + checkpoint(_branch, getattr(block, norm), getattr(block, branch), x, use_reentrant=False)
+    return x
+
+
+def _run(blocks: Sequence[nn.Module], levels: Sequence[int], x: Tensor, sublayers: bool = False) -> Tensor:
     """Run ``blocks`` on ``x``, checkpointing segments of ``levels[0]`` blocks, each recursively with the
-    remaining levels."""
+    remaining levels; at the innermost level each block by sublayer if ``sublayers``."""
     if not levels:
         for block in blocks:
-            x = block(x)
+            x = _by_sublayer(block, x) if sublayers else block(x)
         return x
     size, inner = levels[0], levels[1:]
     for start in range(0, len(blocks), size):
         segment = blocks[start:start + size]
-        x = checkpoint(_run, segment, inner, x, use_reentrant=False)
+        x = checkpoint(_run, segment, inner, x, sublayers, use_reentrant=False)
     return x
 
 
 class SegmentedLayers(nn.ModuleList):
     """A ``ModuleList`` of blocks whose iteration yields checkpointed segments (callables ``x -> x``) of
-    ``levels[0]`` blocks; indexing, ``len`` and the module tree are those of the plain list."""
+    ``levels[0]`` blocks (or, with ``sublayers`` and no levels, single blocks run branch by branch); indexing,
+    ``len`` and the module tree are those of the plain list."""
 
-    def __init__(self, blocks: Sequence[nn.Module], levels: Sequence[int]):
+    def __init__(self, blocks: Sequence[nn.Module], levels: Sequence[int], sublayers: bool = False):
         super().__init__(blocks)
         self.levels = list(levels)
+        self.sublayers = sublayers
 
     def __iter__(self) -> Iterator[Callable[[Tensor], Tensor]]:
         blocks = list(self._modules.values())
-        if not self.levels or not torch.is_grad_enabled():  # nothing to save memory on without a backward
+        if not (self.levels or self.sublayers) or not torch.is_grad_enabled():  # no backward: nothing to save
             yield from blocks
+            return
+        if not self.levels:
+            for block in blocks:
+                yield lambda x, block=block: _by_sublayer(block, x)
             return
         size, inner = self.levels[0], self.levels[1:]
         for start in range(0, len(blocks), size):
             segment = blocks[start:start + size]
-            yield lambda x, segment=segment: checkpoint(_run, segment, inner, x, use_reentrant=False)
+            yield lambda x, segment=segment: checkpoint(_run, segment, inner, x, self.sublayers, use_reentrant=False)
 
     def extra_repr(self) -> str:
-        return f"checkpoint levels={self.levels}"
+        return f"checkpoint levels={self.levels}" + (", by sublayer" if self.sublayers else "")
+
+    # ModuleList's repr iterates the list, which here yields segments; print the blocks and the schedule.
+    __repr__ = nn.Module.__repr__
 
 
-def checkpoint_layers(model: nn.Module, levels: Sequence[int]) -> nn.Module:
-    """Checkpoint ``model.layers`` in segments (see the module docstring); ``levels`` empty turns it off.
-    Returns the model (changed in place)."""
+def checkpoint_layers(model: nn.Module, levels: Sequence[int], sublayers: bool = False) -> nn.Module:
+    """Checkpoint ``model.layers`` in segments (see the module docstring), innermost by sublayer if
+    ``sublayers`` (blocks need ``ln1``/``attn``/``ln2``/``ffn``); ``levels`` empty and no ``sublayers`` turns it
+    off. Returns the model (changed in place)."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"checkpoint_layers needs a model with a ModuleList `layers`, got {type(model).__name__}")
@@ -77,7 +108,13 @@ def checkpoint_layers(model: nn.Module, levels: Sequence[int]) -> nn.Module:
         raise ValueError(f"nested segment sizes must not grow inward, got {levels}")
     if levels and levels[0] > len(layers):
         raise ValueError(f"segments of {levels[0]} blocks exceed the model's {len(layers)} blocks")
-    model.layers = SegmentedLayers(list(layers._modules.values()), levels)
+    blocks = list(layers._modules.values())
+    parts = [name for pair in SUBLAYERS for name in pair]
+    lacking = [n for n in parts if sublayers and blocks and not isinstance(getattr(blocks[0], n, None), nn.Module)]
+    if lacking:
+        raise ValueError(f"checkpointing by sublayer needs pre-norm blocks with {', '.join(parts)}; "
+                         f"{type(blocks[0]).__name__} lacks {', '.join(lacking)}")
+    model.layers = SegmentedLayers(blocks, levels, sublayers)
     return model
 
 

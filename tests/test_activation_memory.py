@@ -46,6 +46,31 @@ def test_checkpointed_model_has_the_same_gradients_and_saves_less(levels: list[i
     assert _saved_bytes(ckpt, tokens) == before
 
 
+@pytest.mark.parametrize("levels", [[], [4]])
+def test_checkpointing_by_sublayer_has_the_same_gradients_and_keeps_two_inputs_per_block(levels: list[int]) -> None:
+    tokens = torch.randint(0, 64, (2, 16))
+    plain, ckpt = _model(), _model()
+    want = _grads(plain, tokens)
+    before = _saved_bytes(ckpt, tokens)
+    checkpoint_layers(ckpt, levels, sublayers=True)
+    assert "by sublayer" in repr(ckpt.layers)
+    for a, b in zip(_grads(ckpt, tokens), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    saved = saved_residuals(lambda: ckpt(tokens))
+    if not levels:  # 8 blocks x 2 branch inputs of (2, 16, 32) fp32 stay saved, beside the head's tensors
+        stream = saved[saved["shape"].astype(str) == str((2, 16, 32))]
+        assert len(stream) >= 16 and _saved_bytes(ckpt, tokens) < before / 2
+    with torch.no_grad():
+        torch.testing.assert_close(ckpt(tokens), plain(tokens))
+
+
+def test_checkpointing_by_sublayer_needs_pre_norm_blocks() -> None:
+    model = _model()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(2)])
+    with pytest.raises(ValueError, match="needs pre-norm blocks with ln1, attn, ln2, ffn; Linear lacks ln1"):
+        checkpoint_layers(model, [], sublayers=True)
+
+
 def test_peak_block_activations_of_a_schedule() -> None:
     assert stored_block_activations(48, []) == 48
     assert stored_block_activations(48, [1]) == 48 + 1
@@ -77,3 +102,20 @@ def test_saved_residuals_of_a_linear_and_a_block() -> None:
     by_op = residuals_by_op(saved_residuals(lambda: block(h)), top=5)
     assert len(by_op) <= 5 and by_op["share"].sum() <= 1.0 + 1e-9 and by_op["bytes"].is_monotonic_decreasing
     assert FROM_OUTSIDE not in set(by_op["op"])
+
+
+def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.gradient_checkpointing import Params, _best_segment
+
+    table = pd.DataFrame({"block_size": [0, 0.5, 1, 2], "status": ["OOM", "ok", "ok", "OOM"],
+                          "peak_GiB": [None, 66.0, 74.7, None], "activation_peak_GiB": [None, 8.5, 17.2, None],
+                          "step_ms": [None, 7000.0, 6600.0, None]})
+    text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
+    assert text.startswith("Best: each block by sublayer (its attention and feed-forward branches checkpointed "
+                           "separately), measured peak 66.0 GiB")
+    assert "Its neighbours in the sweep: no checkpointing: out of memory; segments of 1 block: 74.7 GiB." in text
+    assert "= 0.38: below one block" in text  # sqrt(32 * 80 MiB / 17 GiB)
+    with pytest.raises(ValueError, match=r"whole blocks >= 0 \(0: no checkpointing\) or 0.5 \(by sublayer\), got 1.5"):
+        Params(block_sizes=[0, 1.5]).check()

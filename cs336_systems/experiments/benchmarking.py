@@ -282,8 +282,8 @@ def _after_oom(study: pd.DataFrame, timings: pd.DataFrame | None) -> str:
             "measuring process, and the only one: most likely that process still held the failed attempt's memory "
             "when the fresh process started. The sweep empties the allocator's cache inside its exception handler, "
             "where the handled exception still references the attempt's tensors (Python keeps it until the handler "
-            "exits, `del` or not), so the cache is only emptied after the next cell. The fix, emptying the cache "
-            "after the handler, changes the measuring code and lands with this section's next GPU run.")
+            "exits, `del` or not), so the cache is only emptied after the next cell; emptying it after the handler "
+            "instead would let the cell run.")
 
 
 SECTION = Section(

@@ -38,7 +38,9 @@ class Params:
     batch_size: int = param(4, "sequences per step")
     context_length: int = param(2048, "tokens per sequence")
     attention: str = param("naive", "registered attention of the model (the handout's model: naive)")
-    block_sizes: list[int] = param([0, 1, 2, 4, 8, 16, 32], "checkpoint segment sizes (0: none)")
+    block_sizes: list[float] = param([0, 0.5, 1, 2, 4, 8, 16, 32],
+                                     "checkpoint segment sizes in blocks (0: none; 0.5: each block's attention and "
+                                     "feed-forward branches checkpointed separately)")
     top: int = param(5, "producing ops listed per residual table")
     budget_s: float = param(480.0, "time budget of the checkpointing sweep")
 
@@ -52,15 +54,20 @@ class Params:
         check_positive(top=self.top, budget_s=self.budget_s)
         if self.attention not in available_attention_impls():
             raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
-        bad = [k for k in self.block_sizes if k < 0]
+        bad = [k for k in self.block_sizes if k != SUBLAYER and (k < 0 or k != int(k))]
         if bad:
-            raise ValueError(f"block sizes are >= 0 (0: no checkpointing), got {bad[0]}")
+            raise ValueError(f"block sizes are whole blocks >= 0 (0: no checkpointing) or {SUBLAYER} (by sublayer), "
+                             f"got {bad[0]:g}")
+
+
+#: The block size that stands for checkpointing each block's two residual branches on their own.
+SUBLAYER = 0.5
 
 
 PRESETS = {
     "full": Params(),
     "quick": Params(block_sizes=[0, 4, 8], budget_s=240.0),
-    "smoke": Params(preset="tiny", batch_size=2, context_length=16, block_sizes=[0, 1, 2], budget_s=60.0),
+    "smoke": Params(preset="tiny", batch_size=2, context_length=16, block_sizes=[0, 0.5, 1, 2], budget_s=60.0),
 }
 
 
@@ -85,16 +92,19 @@ def block_residuals(p: Params, device: torch.device, compiled: bool) -> pd.DataF
     return table
 
 
-def checkpointed_step(p: Params, block_size: int, device: torch.device) -> dict[str, Any]:
+def checkpointed_step(p: Params, block_size: float, device: torch.device) -> dict[str, Any]:
     """Peak memory (of the second step, after AdamW's state exists) and time of one training step: our
     stack of :class:`~cs336_systems.benchmarking.train_step.TrainStep` in float32, its blocks checkpointed in
-    segments of ``block_size`` (0: none)."""
+    segments of ``block_size`` (0: none; :data:`SUBLAYER`: each block branch by branch)."""
     from cs336_systems.benchmarking.train_step import StepSpec, TrainStep
-    from cs336_systems.checkpointing import stored_block_activations
+    from cs336_systems.checkpointing import checkpoint_layers, stored_block_activations
 
-    levels = (block_size,) if block_size else ()
+    by_sublayer = block_size == SUBLAYER
+    levels = (int(block_size),) if block_size and not by_sublayer else ()
     spec = StepSpec(p.preset, p.context_length, p.batch_size, "fp32", attention=p.attention, checkpoint=levels)
     run = TrainStep("ours", spec, device)
+    if by_sublayer:  # the same blocks, run branch by branch; parameters and optimizer unchanged
+        checkpoint_layers(run.model, [], sublayers=True)
     run.step()
     cuda = device.type == "cuda"
     if cuda:
@@ -107,8 +117,9 @@ def checkpointed_step(p: Params, block_size: int, device: torch.device) -> dict[
         torch.cuda.synchronize(device)
     ms = (time.perf_counter() - t0) * 1e3
     peak = torch.cuda.max_memory_allocated(device) if cuda else float("nan")
-    return {"levels": str(list(levels)),
-            "held_block_activations": stored_block_activations(p.config().num_layers, list(levels)),
+    return {"levels": "by sublayer" if by_sublayer else str(list(levels)),
+            "held_block_activations": float("nan") if by_sublayer else
+            stored_block_activations(p.config().num_layers, list(levels)),
             "step_ms": ms, "peak_GiB": peak / 2**30,
             "activation_peak_GiB": (peak - before) / 2**30 if cuda else float("nan")}
 
@@ -142,7 +153,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
     """Peak memory and step time against the checkpoint segment size."""
     ok = wide[wide["status"] == OK]
-    labels = ["none" if k == 0 else str(k) for k in ok["block_size"]]
+    labels = ["none" if k == 0 else "½ (by sublayer)" if k == SUBLAYER else f"{k:g}" for k in ok["block_size"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
     a.bar(labels, ok["peak_GiB"])
     a.set(xlabel="blocks per checkpoint segment", ylabel="peak memory (GiB)")
@@ -216,8 +227,8 @@ def answer(d: SectionData) -> list[Block]:
                                                   "step_ms", "MFU_pct"),
                     caption="A full training step (forward, backward, AdamW) per checkpoint segment size "
                             "(0: none): peak memory and its part above the model and optimizer state; MFU counts "
-                            "the model's FLOPs, not the recomputation, against the FP32 peak (where the record "
-                            "names its model: older ones lost it)."),
+                            "the model's FLOPs, not the recomputation, against the FP32 peak; ½ is each block "
+                            "checkpointed by sublayer."),
             # one fitting size makes a plot of one point: the table says it all
             d.figure("checkpointing", caption="Peak memory and step time against the segment size.")
             if len(sweep) > 1 else None,
@@ -264,6 +275,14 @@ def _block_input_bytes(residuals: pd.DataFrame | None) -> float | None:
     return float(inputs["bytes"].max()) if len(inputs) else None
 
 
+def _segment_name(k: float) -> str:
+    if k == 0:
+        return "no checkpointing"
+    if k == SUBLAYER:
+        return "each block by sublayer (its attention and feed-forward branches checkpointed separately)"
+    return f"segments of {k:g} block{'s' if k != 1 else ''}"
+
+
 def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                   input_bytes: float | None = None, preset: str | None = None) -> Text | None:
     """The direct answer to (b): the measured best segment size and what its neighbours in the sweep did."""
@@ -271,28 +290,31 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
     if sweep.empty or not sweep["peak_GiB"].notna().any():
         return None
     best = sweep.loc[sweep["peak_GiB"].idxmin()]
-    k = int(best["block_size"])
-    sizes = sorted(int(x) for x in table["block_size"])
+    k = float(best["block_size"])
+    sizes = sorted(float(x) for x in table["block_size"])
     at = sizes.index(k)
     neighbours = []
     for j in (at - 1, at + 1):
         if 0 <= j < len(sizes):
             row = table[table["block_size"] == sizes[j]].iloc[0]
-            name = "no checkpointing" if sizes[j] == 0 else f"segments of {sizes[j]}"
-            neighbours.append(f"{name}: {fmt.sig(row['peak_GiB'])} GiB" if row["status"] == "ok"
-                              else f"{name}: out of memory")
+            neighbours.append(f"{_segment_name(sizes[j])}: " + (f"{fmt.sig(row['peak_GiB'])} GiB"
+                                                               if row["status"] == "ok" else "out of memory"))
     state = best["peak_GiB"] - best["activation_peak_GiB"]
     counted = (f", of which the fp32 weights, gradients and AdamW state count "
-               f"{fmt.sig(16 * param_counts(preset)['total'] / 2**30)} GiB and the rest is not attributed yet"
-               if preset else "")
-    return Text(f"Best: segments of {k} block{'s' if k != 1 else ''}, measured peak {fmt.sig(best['peak_GiB'])} "
+               f"{fmt.sig(16 * param_counts(preset)['total'] / 2**30)} GiB" if preset else "")
+    why = ""
+    if block_bytes and input_bytes and preset:
+        optimum = get_config(preset).num_layers * input_bytes / block_bytes
+        why = (f" Why: segments of $k$ blocks hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus $k$ "
+               f"blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB each, least at "
+               f"$k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / {block_bytes / 2**20:.0f}}}$"
+               + (f" = {optimum ** 0.5:.2f}: below one block, so the finest split wins, and checkpointing each "
+                  "branch of a block separately keeps two inputs per block but recomputes only half a block's "
+                  "residuals at a time." if optimum < 1 else ", rounded to a whole block."))
+    return Text(f"Best: {_segment_name(k)}, measured peak {fmt.sig(best['peak_GiB'])} "
                 f"GiB ({fmt.sig(best['activation_peak_GiB'])} GiB of it allocated during the step, above the "
                 f"{fmt.sig(state)} GiB resident between steps{counted}), one step in "
-                f"{fmt.sig(best['step_ms'] / 1e3)} s. Its neighbours: {'; '.join(neighbours)}."
-                + (f" Why: segments of $k$ hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus $k$ "
-                   f"blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB each, which is least at "
-                   f"$k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / {block_bytes / 2**20:.0f}}}$, "
-                   "rounded up to a whole block." if block_bytes and input_bytes else ""))
+                f"{fmt.sig(best['step_ms'] / 1e3)} s. Its neighbours in the sweep: {'; '.join(neighbours)}." + why)
 
 
 SECTION = Section(
