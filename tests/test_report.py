@@ -740,6 +740,15 @@ def test_bucketed_ddp_states_its_step_time_against_torch_ddp_and_calls_a_differe
     assert torch_parity(SectionData(tmp_path, "nothing_here")) is None
 
 
+def test_step_verdict_calls_a_small_gap_inside_the_spread_no_difference_and_refuses_a_noisy_pair() -> None:
+    from cs336_systems.report.answers import step_verdict
+
+    assert step_verdict(99.0, 100.0, 0.5) == "faster" and step_verdict(101.0, 100.0, 0.5) == "slower"
+    assert step_verdict(101.0, 100.0, 2.0) == "within the steps' spread of ±2.00 ms: no difference"
+    # an 18% gap beside a 29% spread is not a tie: the run was too noisy to say anything
+    assert step_verdict(416.0, 352.0, 119.0).startswith("the steps varied by ±119 ms, 34% of the step: too noisy")
+
+
 def test_scaling_efficiency_holds_a_captured_step_to_the_captured_single_gpu_step(tmp_path) -> None:
     """A CUDA-graph step compared with the eager single-GPU step would credit the graph's saved launches to
     scaling; each row must be held to the single-GPU step of its own run and timing mode."""
