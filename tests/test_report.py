@@ -1085,8 +1085,14 @@ def test_answers_report_the_other_precision_flattening_memory_and_the_sharding_e
     for dtype, step, sync in (("fp32", 609.0, 52.3), ("bf16", 189.0, 53.0)):
         pd.DataFrame({"variant": ["naive"], "mode": ["naive"], "step_ms": [step], "sync_ms": [sync]}).to_csv(
             folder / f"steps_xl_{dtype}.csv", index=False)
-    text = _other_precision(SectionData(tmp_path, "naive_ddp"), "steps_xl_fp32")
-    assert text == " Under bf16 autocast: 189 ms per step, 53.0 ms communicating (28.0%): the same bytes in a shorter step."
+    data = SectionData(tmp_path, "naive_ddp")
+    text = _other_precision(data, "steps_xl_fp32", pd.Series({"sync_ms": 52.3}))
+    assert text == (" Under bf16 autocast: 189 ms per step, 53.0 ms communicating (28.0%). The gradients stay fp32 "
+                    "under autocast, so the bytes all-reduced are the same; the share changes with the step's length.")
+    # the same bytes taking 1.5x as long is not called "the same bytes in a shorter step"
+    slower = _other_precision(data, "steps_xl_fp32", pd.Series({"sync_ms": 35.0}))
+    assert slower.endswith("yet they took 53.0 ms here against 35.0 ms: a call's fixed costs (launch, synchronisation "
+                           "with the other rank) differ between the two runs, not the traffic.")
     assert "raises the peak from 52.5 to 65.0 GiB" in _memory(pd.Series({"peak_mem_gib": 52.5}),
                                                             pd.Series({"peak_mem_gib": 65.0}))
     assert _memory(pd.Series({"peak_mem_gib": 52.5}), pd.Series({"peak_mem_gib": 52.6})) == ""

@@ -245,3 +245,20 @@ def test_stale_results_refuses_to_judge_without_the_sections_registry(monkeypatc
     monkeypatch.setattr(measured_code, "DEPENDS", {})
     with pytest.raises(RuntimeError, match="needs the sections loaded"):
         staleness.stale_results(tmp_path)
+
+
+def test_the_printed_outputs_are_judged_like_results_against_the_scripts_they_ran() -> None:
+    """The CSE599-O console records depend on the course scripts and the DDP benchmark, not on the whole
+    library (every unrelated edit would mark them stale), and `writeup status` lists them with the commands
+    that refresh each."""
+    import cs336_systems.experiments  # noqa: F401  (the sections register their dependencies)
+    from cs336_systems.measured_code import LIBRARY, depends_of
+    from cs336_systems.report.editions import CONSOLE_FOLDER, ConsoleStatus, console_records
+
+    depends = depends_of(CONSOLE_FOLDER)
+    assert depends != LIBRARY and "cs336_systems/cse599o/" in depends
+    assert "cs336_systems/benchmarking/ddp_steps.py" in depends and "cs336_systems/report/" not in depends
+    records = dict(console_records())
+    assert {"naive_toy", "flat", "bucketed"} <= set(records)
+    command = ConsoleStatus(depends).command_for()
+    assert all(f"uv run {cmd} --record {name}" in command for name, cmd in records.items())

@@ -44,6 +44,7 @@ def _load() -> dict[str, Section]:
     from cs336_systems.experiments.ddp_common import DEPENDS
     from cs336_systems.measured_code import register_depends
     from cs336_systems.report.data import register_section
+    from cs336_systems.report.editions import CONSOLE_FOLDER
 
     sections = {}
     for name in MODULES:
@@ -54,6 +55,8 @@ def _load() -> dict[str, Section]:
         register_depends(name, section.depends)  # what the library's result writer compares commits by
         register_section(section)  # what the answers' provenance lines read a preset's values from
     register_depends("ddp_benchmark", DEPENDS)  # the DDP step benchmark's own runs, shown by §2.3.3
+    # the CSE599-O scripts' printed outputs: the DDP step benchmark run by the course's script names
+    register_depends(CONSOLE_FOLDER, (*DEPENDS, "cs336_systems/cse599o/"))
     return sections
 
 

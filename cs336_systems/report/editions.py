@@ -147,6 +147,31 @@ EDITION_CSE599O: tuple[Entry, ...] = (
 )
 
 
+def console_records() -> tuple[tuple[str, str], ...]:
+    """Every ``(record, command)`` an edition shows as printed output (kept in ``figures/<CONSOLE_FOLDER>/``)."""
+    return tuple(pair for edition in EDITIONS for e in (entries(edition) or ()) for pair in e.console)
+
+
+@dataclass(frozen=True)
+class ConsoleStatus:
+    """The recorded printed outputs as one entry of ``writeup status``, beside the sections (they are results
+    like any other: measured code, device and calibration in their sidecars)."""
+
+    depends: tuple[str, ...]
+    number: str = ""
+    title: str = "Printed outputs of the CSE599-O scripts"
+    name: str = CONSOLE_FOLDER
+    grids: tuple[str, ...] = ()
+    jobs: tuple = ()
+
+    def results_folder(self, edition: str | None = None) -> str:
+        return CONSOLE_FOLDER
+
+    def command_for(self, edition: str | None = None) -> str:
+        return ("on a node with 2 GPUs, in cs336_systems/cse599o/: "
+                + "; ".join(f"uv run {command} --record {record}" for record, command in console_records()))
+
+
 def asks(edition: str, section: str) -> bool:
     """Whether ``edition``'s handout asks one of its own problems of workbook ``section`` (2025: the workbook's
     own grid answers it; an entry beyond that handout does not count)."""

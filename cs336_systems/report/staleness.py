@@ -49,8 +49,9 @@ class SectionStatus:
     uncalibrated: int = 0
 
     def line(self) -> str:
+        head = f"§{self.number} {self.title}" if self.number else self.title
         if self.state == "missing":
-            return f"§{self.number} {self.title}: missing (no results in {self.folder}/) — run: {self.command}"
+            return f"{head}: missing (no results in {self.folder}/) — run: {self.command}"
         machine = ""
         if self.suspect:
             first = sorted(self.suspect.values())[0]
@@ -58,10 +59,10 @@ class SectionStatus:
         if self.uncalibrated:
             machine += f"; {self.uncalibrated} from an uncalibrated machine"
         if self.state == "fresh":
-            return f"§{self.number} {self.title}: fresh ({len(self.fresh)} results){machine}" + \
+            return f"{head}: fresh ({len(self.fresh)} results){machine}" + \
                 (f" — re-measure: {self.command}" if self.suspect else "")
         reasons = sorted({f.reason for f in self.stale.values()})
-        return (f"§{self.number} {self.title}: STALE ({len(self.stale)} of {len(self.stale) + len(self.fresh)} "
+        return (f"{head}: STALE ({len(self.stale)} of {len(self.stale) + len(self.fresh)} "
                 f"results): {reasons[0]}" + (f" (+{len(reasons) - 1} other reasons)" if len(reasons) > 1 else "")
                 + machine + f" — refresh: {self.command}")
 

@@ -68,15 +68,19 @@ def main(argv: list[str] | None = None) -> int:
         from cs336_systems.experiments import SECTIONS
         from cs336_systems.report.staleness import section_status
 
+        from cs336_systems.measured_code import depends_of
+        from cs336_systems.report.editions import CONSOLE_FOLDER, ConsoleStatus
+
         statuses = [section_status(args.figures, spec, edition=edition) for spec in SECTIONS.values()
                     for edition in (None, *spec.grids)]
+        statuses.append(section_status(args.figures, ConsoleStatus(depends_of(CONSOLE_FOLDER))))
         for st in statuses:
             print(st.line())
             if args.verbose:
                 for name, verdict in sorted(st.stale.items()):
                     print(f"    {name}: {verdict.reason}")
-            spec = SECTIONS[st.folder.split("/")[0]]
-            if args.jobs and st.state != "fresh" and spec.jobs and st.folder == spec.name:
+            spec = SECTIONS.get(st.folder.split("/")[0])
+            if args.jobs and st.state != "fresh" and spec is not None and spec.jobs and st.folder == spec.name:
                 print("\n".join(f"    {line}" for line in spec.job_commands()))
         counts = {state: sum(st.state == state for st in statuses) for state in ("fresh", "stale", "missing")}
         suspect = sum(bool(st.suspect) for st in statuses)
@@ -92,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(found) > 8 and not args.verbose:
             print(f"    ... and {len(found) - 8} more (-v lists them)")
         print(f"{counts['fresh']} fresh, {counts['stale']} stale, {counts['missing']} missing "
-              f"(of {len(SECTIONS)} sections" + (f" and {len(statuses) - len(SECTIONS)} edition grids)"
-                                                  if len(statuses) > len(SECTIONS) else ")")
+              f"(of {len(SECTIONS)} sections, {len(statuses) - len(SECTIONS) - 1} edition grids and the printed "
+              "outputs)"
               + f"; {suspect} suspect (a slow machine); {uncalibrated} results from an uncalibrated machine")
         return 1 if counts["stale"] or suspect or found else 0
     problems = _manifest.check_manifest(args.pdf, args.figures, args.manifest)
