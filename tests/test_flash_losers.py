@@ -87,3 +87,20 @@ def test_losers_part_on_cpu_says_what_it_needs(tmp_path, monkeypatch, capsys) ->
     assert "losers skipped: it profiles GPU kernels, which needs a GPU" in capsys.readouterr().out
     with pytest.raises(ValueError, match="losers"):
         fb.Params(parts=["losers"], losers=0).check()
+
+
+def test_naive_sentence_says_which_pass_ran_out_of_memory_and_checks_ours_did_not() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.flash_benchmarking.answers import _naive_sentence
+
+    sp = pd.DataFrame({"pass": ["forward+backward"] * 2, "dtype": ["bf16"] * 2, "seq_len": [1024, 65536],
+                       "speedup_vs_naive": [2.0, 5.0]})
+    sweep = pd.DataFrame({"impl": ["naive", "triton", "triton"], "status": ["OOM", "ok", "OOM"],
+                          "pass": ["forward+backward"] * 3, "dtype": ["bf16"] * 3, "seq_len": [65536, 65536, 131072]})
+    text = _naive_sentence(sp, sweep).markdown
+    assert "at 65,536 tokens 0.200×;" in text  # one cell: no range of one value
+    assert "PyTorch's forward + backward runs out of memory from 65,536 tokens (its forward alone may still fit), " \
+           "ours from 131,072." in text
+    assert text.endswith("ours does not.") is False
+    assert _naive_sentence(sp, sweep.iloc[:2]).markdown.endswith("ours does not.")

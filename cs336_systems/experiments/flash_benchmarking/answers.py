@@ -412,15 +412,21 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
             continue
         slower = v[v["speedup_vs_naive"] < 1]
         longest = v[v["seq_len"] == v["seq_len"].max()]
+        low, high = (fmt.ratio(1 / longest["speedup_vs_naive"].max()), fmt.ratio(1 / longest["speedup_vs_naive"].min()))
         text = (f"{dtype}: in the median cell ours takes {fmt.ratio(1 / v['speedup_vs_naive'].median())} PyTorch's "
-                f"time, at {int(longest['seq_len'].iloc[0]):,} tokens "
-                f"{fmt.ratio(1 / longest['speedup_vs_naive'].max())}–{fmt.ratio(1 / longest['speedup_vs_naive'].min())}")
+                f"time, at {int(longest['seq_len'].iloc[0]):,} tokens {low}" + (f"–{high}" if high != low else ""))
         if not slower.empty:
             text += (f"; ours is slower in {len(slower)} of {len(v)} cells, all at or below "
                      f"{int(slower['seq_len'].max()):,} tokens, where fixed per-call costs outweigh the quadratic work")
         mine = oom[oom["dtype"] == dtype] if "dtype" in oom.columns else oom
         if not mine.empty:
-            text += f"; PyTorch runs out of memory from {int(mine['seq_len'].min()):,} tokens, ours does not"
+            first = int(mine["seq_len"].min())
+            ours_failed = sweep[(sweep["impl"] != "naive") & (sweep["status"] != "ok") & (sweep["seq_len"] >= first)
+                                & (sweep["pass"] == "forward+backward")
+                                & ((sweep["dtype"] == dtype) if "dtype" in sweep.columns else True)]
+            text += (f"; PyTorch's forward + backward runs out of memory from {first:,} tokens (its forward alone "
+                     "may still fit), " + ("ours does not" if ours_failed.empty else
+                                           f"ours from {int(ours_failed['seq_len'].min()):,}"))
         parts.append(text)
     if not parts:
         return None
@@ -470,13 +476,14 @@ def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
     ms_ = summary.get(f"{ours}_fwd_bwd_ms")
     if ms_ is None:
         return None
-    vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)}" for k, v in summary.items()
-          if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
+    vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)} ({'faster' if v > 1 else 'slower'})"
+          for k, v in summary.items() if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
     lead = f"{head_dim}our kernels" if head_dim else "Our kernels"
     return Text(f"{lead} ({ours}) take {fmt.ms(ms_)} for forward + backward"
                 + (f" ({fmt.sig(summary['ours_fwd_bwd_TFLOP_per_s'])} TFLOP/s)"
                    if "ours_fwd_bwd_TFLOP_per_s" in summary else "")
-                + ("; speed-up over " + join_words(vs) + " measured in the same run." if vs else "."))
+                + ("; speed-up over " + join_words(vs) + " measured in the same run (their time over ours: "
+                   "above 1 we are faster)." if vs else "."))
 
 
 def _leaderboard(d: SectionData) -> list[Block | None]:
