@@ -33,7 +33,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-
 #: The parts of a pre-norm block that ``sublayers`` checkpoints one by one: (norm, branch) pairs.
 SUBLAYERS = (("ln1", "attn"), ("ln2", "ffn"))
 

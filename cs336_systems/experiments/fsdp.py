@@ -416,7 +416,7 @@ def _model_label(name: str) -> str:
 
 
 def _expected_saving(df: pd.DataFrame | None) -> Text | None:
-    """fsdp_accounting (a): the saving §6's accounting predicts for FSDP against DDP, and the one measured, for
+    """fsdp_accounting (a): the saving the optimizer-state accounting (§3) predicts for FSDP against DDP, and the one measured, for
     the largest model of the first world size."""
     need = {"model", "world_size", "strategy", "predicted_total", "parameters", "gradients", "optimizer_state",
             "before_step_peak", "after_step_peak"}
@@ -434,12 +434,12 @@ def _expected_saving(df: pd.DataFrame | None) -> Text | None:
     peak = {k: float(max(r["before_step_peak"], r["after_step_peak"])) for k, r in (("ddp", ddp), ("fsdp", fsdp))}
     measured = peak["ddp"] - peak["fsdp"]
     return Text(
-        f"**Expected:** FSDP divides what §6 shards and more: the parameters, gradients and AdamW state ($16\\Psi$ "
+        f"**Expected:** FSDP divides what optimizer-state sharding (§3) shards and more: the parameters, gradients and AdamW state ($16\\Psi$ "
         f"bytes, {fmt.sig(state)} GiB for {_model_label(big)}) by $P$ = {p}, while the activations stay; the "
         f"accounting's peak per GPU goes from {fmt.sig(ddp['predicted_total'])} to {fmt.sig(fsdp['predicted_total'])} "
         f"GiB, a saving of {fmt.sig(expected)} GiB. **Measured:** {fmt.sig(peak['ddp'])} → {fmt.sig(peak['fsdp'])} "
         f"GiB, {fmt.sig(measured)} GiB saved"
-        + (", more than expected: DDP's peak also holds what §6 found beside the accounted tensors, torch DDP's "
+        + (", more than expected: DDP's peak also holds what §3 found beside the accounted tensors, torch DDP's "
            "gradient buckets (a second gradient copy) and the multi-tensor AdamW's parameter-sized temporaries, "
            "which FSDP does not keep or shards with the rest." if measured > 1.1 * expected else
            ", as expected." if measured > 0.9 * expected else ", less than expected."))

@@ -66,10 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "status":
         from cs336_systems.experiments import SECTIONS
-        from cs336_systems.report.staleness import section_status
-
         from cs336_systems.measured_code import depends_of
         from cs336_systems.report.editions import CONSOLE_FOLDER, ConsoleStatus
+        from cs336_systems.report.staleness import section_status
 
         statuses = [section_status(args.figures, spec, edition=edition) for spec in SECTIONS.values()
                     for edition in (None, *spec.grids)]
