@@ -1102,3 +1102,23 @@ def test_answers_report_the_other_precision_flattening_memory_and_the_sharding_e
     said = _expectation(st)
     assert "goes from 25.4 to 12.7 GiB, as predicted" in said and "8.62% above" in said
     assert "against a prediction of" in _expectation(st.assign(**{"sharded measured": [20.0, 13.6]}))
+
+
+def test_an_edition_moves_a_question_its_handout_answers_elsewhere_to_the_appendix() -> None:
+    """2026's FlashAttention section must not answer 2026's leaderboard with 2025's kernel timing: the question
+    goes past the beyond-the-handout marker; questions of its own problems, and labels the handout does not
+    use, stay where they are."""
+    from cs336_systems.report.document import BEYOND_HANDOUT, Question, Text
+    from cs336_systems.writeup.build import _foreign_to_appendix, _problem_ids
+
+    ids = _problem_ids("2026")
+    assert "leaderboard" in ids and "flash_benchmarking" in ids
+    own = ("flash_forward", "flash_backward", "flash_benchmarking")
+    bench, board, extra = Question("flash_benchmarking", "p"), Question("leaderboard", "p"), Question("model", "p")
+    marker = Text("", role=BEYOND_HANDOUT)
+    assert _foreign_to_appendix([bench, board, marker, extra], own, ids) == [bench, marker, board, extra]
+    assert _foreign_to_appendix([bench, board], own, ids)[:1] == [bench]
+    assert _foreign_to_appendix([bench, board], own, ids)[2:] == [board]
+    assert _foreign_to_appendix([bench, extra], own, ids) == [bench, extra]
+    # CSE599-O names its naive-DDP problems differently; the workbook's labels are not another of its problems
+    assert "naive_ddp" not in _problem_ids("cse599o")

@@ -188,6 +188,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         section, _ = build_section(spec, root, strict, notebooks, edition if own else None)
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
+        section.blocks = _foreign_to_appendix(section.blocks, entry.problems, _problem_ids(edition))
         section.blocks = [_renumbered(b, numbers) for b in section.blocks]  # the answers cite this edition's numbers
         section.blocks[:0] = [_console(root, name, command) for name, command in entry.console]
         # Measured on this edition's grid: the note on the other grid's results no longer applies.
@@ -244,6 +245,26 @@ def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Pa
     main, appendix = _split(sections, lambda s: editions.in_appendix("2025", s.folder))
     return Document(TITLE, _preamble(root), main + appendix, _manifest.result_files(root), unclaimed,
                     appendix_from=len(main))
+
+
+def _problem_ids(edition: str) -> set[str]:
+    """The problem ids ``edition``'s handout answers in its own entries."""
+    return {p for entry in (editions.entries(edition) or ()) for p in entry.problems}
+
+
+def _foreign_to_appendix(blocks: list[Block], own: tuple[str, ...], problem_ids: set[str]) -> list[Block]:
+    """An edition's section answers its handout's problems first: a question labelled with a problem that
+    the same handout answers in another section (2025's FlashAttention leaderboard inside 2026's
+    FlashAttention section, where 2026's leaderboard is the 8B step) moves past the beyond-the-handout marker,
+    to the appendix."""
+    foreign = [b for b in blocks if isinstance(b, Question) and b.label in problem_ids and b.label not in own]
+    if not foreign:
+        return blocks
+    rest = [b for b in blocks if not any(b is f for f in foreign)]
+    marks = [i for i, b in enumerate(rest) if isinstance(b, Text) and b.role == BEYOND_HANDOUT]
+    if not marks:
+        return [*rest, Text("", role=BEYOND_HANDOUT), *foreign]
+    return [*rest[:marks[0] + 1], *foreign, *rest[marks[0] + 1:]]
 
 
 def _split(sections: list[Section], beyond: Any) -> tuple[list[Section], list[Section]]:
