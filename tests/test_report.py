@@ -1122,3 +1122,15 @@ def test_an_edition_moves_a_question_its_handout_answers_elsewhere_to_the_append
     assert _foreign_to_appendix([bench, extra], own, ids) == [bench, extra]
     # CSE599-O names its naive-DDP problems differently; the workbook's labels are not another of its problems
     assert "naive_ddp" not in _problem_ids("cse599o")
+
+
+def test_sharding_breakdown_says_why_its_components_exceed_the_peak() -> None:
+    from cs336_systems.experiments.optimizer_state_sharding import _not_all_at_once
+
+    rank0 = pd.DataFrame({"optimizer": ["adamw"], "before_step_peak": [23.58], "after_init_allocated": [7.33]})
+    st = pd.DataFrame({"adamw measured": [3.61, 3.61, 7.22, 8.56]},
+                      index=["parameters", "gradients", "optimizer_state", "activations"])
+    text = _not_all_at_once(rank0, st)
+    assert text.startswith(" Added up, these come to 26.7 GiB against a peak of 23.6 GiB before the step")
+    assert "frees each block's saved activations" in text
+    assert _not_all_at_once(rank0.assign(before_step_peak=30.0), st) == ""  # they fit under the peak: nothing to say

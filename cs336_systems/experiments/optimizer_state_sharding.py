@@ -401,6 +401,7 @@ def answer(d: SectionData) -> list[Block]:
                      if c in st.index and pd.notna(st.loc[c, "adamw measured"])]
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
                             + "; ".join(parts).replace("_", " ") + "." + _buckets_note(rank0, st)
+                            + _not_all_at_once(rank0, st)
                             + _step_temporaries(rank0) + _expectation(st))
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
@@ -505,6 +506,25 @@ def _buckets_note(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> str:
             f"against {fmt.sig(params)} GiB of parameters): torch DDP's gradient buckets, flat buffers for every "
             "gradient allocated when it wraps the model (a second copy of the gradients, as "
             "`gradient_as_bucket_view` is off by default), the same for every optimizer.")
+
+
+def _not_all_at_once(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> str:
+    """Why the components add up to more than the peak: they are not resident together (backward frees a
+    block's activations as it produces that block's gradients)."""
+    parts = ("parameters", "gradients", "optimizer_state", "activations")
+    row = rank0[rank0["optimizer"] == "adamw"]
+    if not len(row) or "adamw measured" not in breakdown.columns or not set(parts) <= set(breakdown.index) \
+            or not {"before_step_peak", "after_init_allocated"} <= set(row.columns):
+        return ""
+    params = float(breakdown.loc["parameters", "adamw measured"])
+    total = sum(float(breakdown.loc[c, "adamw measured"]) for c in parts)
+    total += max(0.0, float(row["after_init_allocated"].iloc[0]) - params)  # what the allocator holds beside them
+    peak = float(row["before_step_peak"].iloc[0])
+    if total <= 1.02 * peak:
+        return ""
+    return (f" Added up, these come to {fmt.sig(total)} GiB against a peak of {fmt.sig(peak)} GiB before the step: "
+            "they are never all resident at once, as backward frees each block's saved activations while it "
+            "produces that block's gradients.")
 
 
 def _more_gpus(d: SectionData) -> list[Block]:
