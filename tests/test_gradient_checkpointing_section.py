@@ -38,7 +38,7 @@ def test_checkpointed_steps_count_what_they_hold() -> None:
 
 def test_bad_parameters_fail_in_one_line() -> None:
     section = gc.SECTION
-    with pytest.raises(ValueError, match="block sizes are >= 0"):
+    with pytest.raises(ValueError, match=r"whole blocks >= 0 \(0: no checkpointing\) or 0.5 \(by sublayer\), got -1"):
         section.params("smoke", {"block_sizes": [-1]})
     with pytest.raises(ValueError, match="the 2026 handout has no '2.7B' model"):
         section.params("smoke", {"preset": "2.7B@2026"})
