@@ -76,7 +76,12 @@ def answer(d: SectionData) -> list[Block]:
     if {"train_GFLOP_per_token", "fwd_GFLOP_per_token"} <= set(table.columns):
         ratio = table["train_GFLOP_per_token"] / table["fwd_GFLOP_per_token"]
         text += f" A training step costs {fmt.sig(ratio.iloc[0])}× the forward FLOPs (backward = 2× forward)."
-    return [Text(text), d.table("presets", caption="Model presets: parameters, FLOPs per token and memory."),
+    # An edition's own grid names its models as its handout does ("xl", not the workbook's "xl@2026").
+    edition = d.folder.partition("/")[2]
+    shown = table.assign(size=table["size"].astype(str).str.removesuffix(f"@{edition}")) if edition else None
+    text = text.replace(f"@{edition}", "") if edition else text
+    return [Text(text), d.table("presets", frame=shown,
+                                caption="Model presets: parameters, FLOPs per token and memory."),
             Text("", role=BEYOND_HANDOUT),  # the table is the context later sections need; the plot repeats it
             d.figure("presets", caption="Parameters and training FLOPs per token by preset.")]
 
@@ -84,5 +89,6 @@ def answer(d: SectionData) -> list[Block]:
 SECTION = Section(
     name="model_sizes", number="1.1.2", title="Model sizes", problems=(), answer=answer, presets=PRESETS, run=run,
     gpus=0, depends=("cs336-basics/cs336_basics/", "cs336_systems/configs.py"),
-    editions={"cse599o": {"sizes": ["large"]}},  # CSE599-O's Table 1 holds one model (1280/5120/36/20)
+    editions={"cse599o": {"sizes": ["large"]},  # CSE599-O's Table 1 holds one model (1280/5120/36/20)
+              "2026": {"sizes": ["small", "medium", "large", "xl@2026", "10B@2026"]}},  # the 2026 handout's Table 1
 )
