@@ -62,3 +62,25 @@ def test_refuses_what_is_not_a_course_checkout(tmp_path) -> None:
         experiments(["course_tests", "--set", f"checkout={tmp_path}", "--set", "edition='a b'"])
     with pytest.raises(ValueError, match="needs --set checkout="):
         experiments(["course_tests"])
+
+
+def test_the_cse599o_grid_is_shown_by_the_test_files_its_handout_names(tmp_path) -> None:
+    import json
+
+    from cs336_systems.experiments.course_tests import answer
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "course_tests" / "cse599o"
+    folder.mkdir(parents=True)
+    tests = {"tests/test_ddp.py::a[1]": "passed", "tests/test_ddp.py::a[2]": "passed",
+             "tests/test_sharded_optimizer.py::b": "failed"}
+    (folder / "cse599o-cpu.json").write_text(json.dumps(
+        {"counts": {"passed": 2, "failed": 1}, "tests": tests, "failures": {}}))
+    (folder / "cse599o-cpu.meta.json").write_text(json.dumps(
+        {"params": {"edition": "cse599o-cpu", "course_version": "1.0.5"}, "device": "CPU"}))
+    blocks = answer(SectionData(tmp_path, "course_tests/cse599o"))
+    assert "Its own repository is not public" in blocks[0].markdown
+    table = blocks[1]
+    assert table.caption.startswith("The CS336 2025 suite's files the CSE599-O handout runs (course version 1.0.5)")
+    assert table.frame.to_dict("records") == [{"file": "tests/test_ddp.py", "passed": 2, "failed": 0},
+                                              {"file": "tests/test_sharded_optimizer.py", "passed": 0, "failed": 1}]

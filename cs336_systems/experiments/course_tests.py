@@ -163,8 +163,10 @@ def answer(d: SectionData) -> list[Block]:
         params = meta.get("params", {})
         counts = result.get("counts", {})
         frame = pd.DataFrame([{o: int(counts.get(o, 0)) for o in OUTCOMES}])
-        caption = (f"The course's {params.get('edition', name)} suite (course version "
-                   f"{params.get('course_version', 'unknown')}) on {meta.get('device', 'an unknown device')}")
+        suite = ("The CS336 2025 suite's files the CSE599-O handout runs" if cse599o else
+                 f"The course's {params.get('edition', name)} suite")
+        caption = (f"{suite} (course version {params.get('course_version', 'unknown')}) on "
+                   f"{meta.get('device', 'an unknown device')}")
         if cse599o and result.get("tests"):  # by file, the form its handout names them in
             by_file = pd.Series(result["tests"]).rename_axis("test").reset_index(name="outcome")
             by_file["file"] = by_file["test"].str.split("::").str[0]
