@@ -353,15 +353,14 @@ def answer(d: SectionData) -> list[Block]:
         # (e)'s answer names the tensors; the allocation tables behind it are the appendix's.
         Text("", role=BEYOND_HANDOUT),
         *[t for t in (
-            d.table("largest_allocations_inference",
-                    frame=subset(d.frame("largest_allocations_inference"), "size_MiB", "count", "origin"),
+            d.table("largest_allocations_inference", frame=_allocation_table(d, "largest_allocations_inference"),
                     caption="§1.1.6 (e): largest allocations of the fp32 inference forward pass at the longest "
                             f"context that ran{_config_context(d, 'largest_allocations_inference')} (stacks: the CSV)."),
-            d.table("largest_allocations", frame=subset(d.frame("largest_allocations"), "size_MiB", "count", "origin"),
+            d.table("largest_allocations", frame=_allocation_table(d, "largest_allocations"),
                     caption="§1.1.6 (e): largest allocations of the fp32 forward pass with autograd on at the longest "
                             f"context that ran{_config_context(d, 'largest_allocations')} (stacks: the CSV)."),
             d.table("largest_allocations_train",
-                    frame=subset(d.frame("largest_allocations_train"), "size_MiB", "count", "origin"),
+                    frame=_allocation_table(d, "largest_allocations_train"),
                     caption="§1.1.6 (e), for comparison: the largest allocations of the full training step."),
         ) if t is not None],
     ]
@@ -420,31 +419,46 @@ def _shape_words(nbytes: float, meta: dict[str, Any]) -> str:
     return ""
 
 
+def _tensor_of(origin: str, nbytes: float, meta: dict[str, Any], code: bool = True) -> str:
+    """The tensor an allocation is, by the name its line of the model assigns (and its shape), not by file and
+    line number; ``code=False`` leaves out the markdown (for a table cell)."""
+    if origin.startswith("(no user frame"):
+        return "no Python frame (inside autograd's backward or the optimizer's C++ code)"
+    function = origin.split(" ", 1)[1] if " " in origin else origin
+    found = _source_line(origin, meta.get("git_commit"))
+    q = "`" if code else ""
+    if found is None:
+        return f"{q}{origin}{q}"
+    name, line = found
+    what = f"{q}{name}{q} = {q}{line.split('=', 1)[1].strip()}{q}" if name else f"{q}{line}{q}"
+    return f"{what} in {q}{function}{q}{_shape_words(nbytes, meta)}"
+
+
 def _largest_text(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -> Text | None:
     """The largest allocations by the tensor each one is (the name its line assigns, and the line), not by
     file and line number."""
     if df is None or df.empty or not {"size_MiB", "origin"} <= set(df.columns):
         return None
     meta = meta or {}
-    explained = []
-
-    def where(origin: str, nbytes: float) -> str:
-        if origin.startswith("(no user frame"):
-            if explained:
-                return "no Python frame"
-            explained.append(True)
-            return "no Python frame on the stack (allocated inside autograd's backward or the optimizer's C++ code)"
-        function = origin.split(" ", 1)[1] if " " in origin else origin
-        found = _source_line(origin, meta.get("git_commit"))
-        if found is None:
-            return f"`{origin}`"
-        name, code = found
-        what = f"`{name}` = `{code.split('=', 1)[1].strip()}`" if name else f"`{code}`"
-        return f"{what} in `{function}`{_shape_words(nbytes, meta)}"
-
     parts = [f"{fmt.mib(r['size_MiB'] * 2**20)}" + (f" ×{int(r['count'])}" if "count" in df.columns else "")
-             + f": {where(str(r['origin']), r['size_MiB'] * 2**20)}" for _, r in df.head(3).iterrows()]
+             + f": {_tensor_of(str(r['origin']), r['size_MiB'] * 2**20, meta)}" for _, r in df.head(3).iterrows()]
+    # the first frameless allocation says where such allocations come from; the others only that they have none
+    seen = False
+    for i, part in enumerate(parts):
+        if "no Python frame" in part:
+            parts[i] = part if not seen else part.split(" (inside")[0]
+            seen = True
     return Text("The largest allocations: " + "; ".join(parts) + ".")
+
+
+def _allocation_table(d: SectionData, name: str) -> pd.DataFrame | None:
+    """An allocation table with each origin named as the tensor it allocates (the CSV keeps the stacks)."""
+    df = subset(d.frame(name), "size_MiB", "count", "origin")
+    if df is None or df.empty:
+        return df
+    meta = d.meta(name)
+    tensors = [_tensor_of(str(o), s * 2**20, meta, code=False) for o, s in zip(df["origin"], df["size_MiB"])]
+    return df.drop(columns="origin").assign(tensor=tensors)
 
 
 SECTION = Section(
