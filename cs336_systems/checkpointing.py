@@ -18,6 +18,12 @@ each segment's forward in the backward, RNG state included.
     checkpoint_layers(model, [8, 2])    # nested: segments of 8, each recomputed as segments of 2
     checkpoint_layers(model, [])        # off again
     checkpoint_layers(model, [], sublayers=True)  # each block's attention and feed-forward branch on its own
+    checkpoint_layers(model, [1], first=18)  # only the first 18 blocks, one by one; the rest keep everything
+
+Selective: with ``first`` only the first ``first`` blocks are checkpointed (in segments of the levels), the rest
+keep their activations as usual. Any ``k`` checkpointed blocks save the same memory; where memory allows,
+recomputing fewer of them is the cheapest way to fit (:func:`cs336_systems.benchmarking.leaderboard_8b.memory_plan`
+picks the fewest).
 
 Below one block: with ``sublayers`` each pre-norm block runs its two residual branches, ``x + Attn(RMSNorm(x))``
 and ``x + FFN(RMSNorm(x))``, as separate checkpoints, so a backward recomputes half a block at a time and
@@ -67,36 +73,43 @@ class SegmentedLayers(nn.ModuleList):
     ``levels[0]`` blocks (or, with ``sublayers`` and no levels, single blocks run branch by branch); indexing,
     ``len`` and the module tree are those of the plain list."""
 
-    def __init__(self, blocks: Sequence[nn.Module], levels: Sequence[int], sublayers: bool = False):
+    def __init__(self, blocks: Sequence[nn.Module], levels: Sequence[int], sublayers: bool = False,
+                 first: int | None = None):
         super().__init__(blocks)
         self.levels = list(levels)
         self.sublayers = sublayers
+        self.first = len(blocks) if first is None else first
 
     def __iter__(self) -> Iterator[Callable[[Tensor], Tensor]]:
         blocks = list(self._modules.values())
         if not (self.levels or self.sublayers) or not torch.is_grad_enabled():  # no backward: nothing to save
             yield from blocks
             return
+        checkpointed, plain = blocks[:self.first], blocks[self.first:]
         if not self.levels:
-            for block in blocks:
+            for block in checkpointed:
                 yield lambda x, block=block: _by_sublayer(block, x)
-            return
-        size, inner = self.levels[0], self.levels[1:]
-        for start in range(0, len(blocks), size):
-            segment = blocks[start:start + size]
-            yield lambda x, segment=segment: checkpoint(_run, segment, inner, x, self.sublayers, use_reentrant=False)
+        else:
+            size, inner = self.levels[0], self.levels[1:]
+            for start in range(0, len(checkpointed), size):
+                segment = checkpointed[start:start + size]
+                yield lambda x, segment=segment: checkpoint(_run, segment, inner, x, self.sublayers,
+                                                            use_reentrant=False)
+        yield from plain
 
     def extra_repr(self) -> str:
-        return f"checkpoint levels={self.levels}" + (", by sublayer" if self.sublayers else "")
+        first = f", first {self.first} of {len(self)} blocks" if self.first < len(self) else ""
+        return f"checkpoint levels={self.levels}" + (", by sublayer" if self.sublayers else "") + first
 
     # ModuleList's repr iterates the list, which here yields segments; print the blocks and the schedule.
     __repr__ = nn.Module.__repr__
 
 
-def checkpoint_layers(model: nn.Module, levels: Sequence[int], sublayers: bool = False) -> nn.Module:
+def checkpoint_layers(model: nn.Module, levels: Sequence[int], sublayers: bool = False,
+                      first: int | None = None) -> nn.Module:
     """Checkpoint ``model.layers`` in segments (see the module docstring), innermost by sublayer if
-    ``sublayers`` (blocks need ``ln1``/``attn``/``ln2``/``ffn``); ``levels`` empty and no ``sublayers`` turns it
-    off. Returns the model (changed in place)."""
+    ``sublayers`` (blocks need ``ln1``/``attn``/``ln2``/``ffn``), only the first ``first`` blocks if given;
+    ``levels`` empty and no ``sublayers`` turns it off. Returns the model (changed in place)."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"checkpoint_layers needs a model with a ModuleList `layers`, got {type(model).__name__}")
@@ -107,13 +120,15 @@ def checkpoint_layers(model: nn.Module, levels: Sequence[int], sublayers: bool =
         raise ValueError(f"nested segment sizes must not grow inward, got {levels}")
     if levels and levels[0] > len(layers):
         raise ValueError(f"segments of {levels[0]} blocks exceed the model's {len(layers)} blocks")
+    if first is not None and not 0 <= first <= len(layers):
+        raise ValueError(f"first must be between 0 and the model's {len(layers)} blocks, got {first}")
     blocks = list(layers._modules.values())
     parts = [name for pair in SUBLAYERS for name in pair]
     lacking = [n for n in parts if sublayers and blocks and not isinstance(getattr(blocks[0], n, None), nn.Module)]
     if lacking:
         raise ValueError(f"checkpointing by sublayer needs pre-norm blocks with {', '.join(parts)}; "
                          f"{type(blocks[0]).__name__} lacks {', '.join(lacking)}")
-    model.layers = SegmentedLayers(blocks, levels, sublayers)
+    model.layers = SegmentedLayers(blocks, levels, sublayers, first)
     return model
 
 

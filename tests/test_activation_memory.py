@@ -119,3 +119,20 @@ def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> N
     assert "= 0.38: below one block" in text  # sqrt(32 * 80 MiB / 17 GiB)
     with pytest.raises(ValueError, match=r"whole blocks >= 0 \(0: no checkpointing\) or 0.5 \(by sublayer\), got 1.5"):
         Params(block_sizes=[0, 1.5]).check()
+
+
+def test_checkpointing_only_the_first_blocks_keeps_gradients_and_saves_in_between() -> None:
+    tokens = torch.randint(0, 64, (2, 16))
+    plain, part, every = _model(), _model(), _model()
+    want = _grads(plain, tokens)
+    before = _saved_bytes(plain, tokens)
+    checkpoint_layers(part, [1], first=4)
+    checkpoint_layers(every, [1])
+    assert "first 4 of 8 blocks" in repr(part.layers) and len(list(iter(part.layers))) == 8
+    for a, b in zip(_grads(part, tokens), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert _saved_bytes(every, tokens) < _saved_bytes(part, tokens) < before  # half the blocks: half the saving
+    checkpoint_layers(part, [1], first=0)
+    assert _saved_bytes(part, tokens) == before
+    with pytest.raises(ValueError, match="first must be between 0 and the model's 8 blocks, got 9"):
+        checkpoint_layers(_model(), [1], first=9)

@@ -129,3 +129,30 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused() -> None:
 
     with pytest.raises(Exception, match="batch 3 does not split over 2 ranks"):
         spawn(_odd_batch, 2, backend="gloo", timeout_s=60)
+
+
+def test_the_plan_leaves_headroom_and_chooses_how_many_blocks_to_checkpoint() -> None:
+    full = lb.LeaderboardShape()
+    plan = lb.memory_plan(full, gpus=2, gpu_gb=141.0)
+    k = plan.attrs["checkpointed_blocks"]
+    assert plan.attrs["headroom_gb"] == lb.HEADROOM_GB and plan["total_GB"].iloc[-1] <= 141.0 - lb.HEADROOM_GB
+    # one block fewer would not leave the headroom free: k is the fewest
+    tighter = lb.memory_plan(full, gpus=2, gpu_gb=141.0 + 1e-9, headroom_gb=lb.HEADROOM_GB)
+    assert tighter.attrs["checkpointed_blocks"] == k
+    without = lb.memory_plan(full, gpus=2, gpu_gb=141.0, headroom_gb=0.0)
+    assert without.attrs["checkpointed_blocks"] <= k  # the headroom costs recomputation, never saves it
+    assert lb.checkpoint_blocks("plan", plan) == k and lb.checkpoint_blocks("all", plan) is None
+    assert lb.checkpoint_blocks("5", plan) == 5
+    with pytest.raises(ValueError, match="checkpoint blocks are all, plan or a number, got 'most'"):
+        lb.checkpoint_blocks("most", plan)
+    with pytest.raises(ValueError, match="0 <= headroom_gb < gpu_gb"):
+        lb.memory_plan(full, gpu_gb=8.0, headroom_gb=8.0)
+    with pytest.raises(ValueError, match="checkpoint_blocks needs checkpoint levels"):
+        lb.StepOptions(checkpoint_blocks=3).check()
+
+
+def test_the_step_checkpoints_only_the_blocks_it_is_told_to() -> None:
+    cpu = torch.device("cpu")
+    step = lb.build_step(TINY, lb.StepOptions(attention="sdpa", checkpoint=(1,), checkpoint_blocks=1), cpu)
+    assert "first 1 of 2 blocks" in repr(step.model.layers)
+    assert torch.isfinite(step())

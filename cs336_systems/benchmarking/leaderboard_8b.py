@@ -71,6 +71,9 @@ class StepOptions:
     optimizer: str = "torch_fused"
     compile: bool = False
     chunk_size: int = 4096
+    checkpoint_blocks: int | None = None
+    """Checkpoint only the first this many blocks (None: every block the levels cover); the memory plan's
+    ``checkpointed_blocks`` is the fewest that fit."""
 
     def check(self) -> None:
         from cs336_basics.model import available_attention_impls
@@ -82,6 +85,9 @@ class StepOptions:
         if self.chunk_size < 1 or any(level < 1 for level in self.checkpoint):
             raise ValueError(f"chunk_size and checkpoint levels must be positive, got {self.chunk_size}, "
                              f"{self.checkpoint}")
+        if self.checkpoint_blocks is not None and (self.checkpoint_blocks < 0 or not self.checkpoint):
+            raise ValueError(f"checkpoint_blocks needs checkpoint levels and a count >= 0, got "
+                             f"{self.checkpoint_blocks} with levels {list(self.checkpoint)}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -91,8 +97,13 @@ class StepOptions:
 BYTES = 2  # bf16 weights, gradients, AdamW moments (``zeros_like`` the parameters) and activations
 
 
+#: What the plan leaves free on each GPU beyond what it counts: the CUDA context, NCCL's buffers, the
+#: allocator's fragmentation and the temporaries of a kernel (a plan at 100% of the card runs out of memory).
+HEADROOM_GB = 8.0
+
+
 def memory_plan(shape: LeaderboardShape = LeaderboardShape(), gpus: int = 2, gpu_gb: float = 180.0,
-                chunk_size: int = 4096) -> pd.DataFrame:
+                chunk_size: int = 4096, headroom_gb: float = HEADROOM_GB) -> pd.DataFrame:
     """Per-GPU memory (GB) of the training step, one row per measure, each adding to the ones above it.
 
     Counted: bf16 weights, gradients and AdamW's two moments; the activations each block saves for backward
@@ -100,10 +111,13 @@ def memory_plan(shape: LeaderboardShape = LeaderboardShape(), gpus: int = 2, gpu
     or one chunk of them with the fused head. With FSDP the weights, gradients and moments are split over the
     GPUs and each GPU holds ``batch / gpus`` sequences; a gathered block's weights are counted once. With
     checkpointing, a checkpointed block keeps only its input, and one block's activations are live while it is
-    recomputed; the row "checkpoint k of L blocks" uses the fewest ``k`` that fits ``gpu_gb``.
+    recomputed; the row "checkpoint k of L blocks" uses the fewest ``k`` that fits. A row fits when its total
+    leaves ``headroom_gb`` of ``gpu_gb`` free for what it does not count.
     """
-    if gpus < 1 or gpu_gb <= 0:
-        raise ValueError(f"need gpus >= 1 and gpu_gb > 0, got {gpus}, {gpu_gb}")
+    if gpus < 1 or gpu_gb <= 0 or not 0 <= headroom_gb < gpu_gb:
+        raise ValueError(f"need gpus >= 1, gpu_gb > 0 and 0 <= headroom_gb < gpu_gb, got {gpus}, {gpu_gb}, "
+                         f"{headroom_gb}")
+    usable = (gpu_gb - headroom_gb) * 1e9
     cfg = shape.config()
     n_params = param_counts(cfg)["total"]
     block_params = 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
@@ -129,7 +143,7 @@ def memory_plan(shape: LeaderboardShape = LeaderboardShape(), gpus: int = 2, gpu
         (f"+ FSDP over {gpus} GPUs", per_gpu(flash=True, fused=True, checkpointed=0, shards=gpus)),
     ]
     fewest = next((k for k in range(cfg.num_layers + 1)
-                   if sum(per_gpu(flash=True, fused=True, checkpointed=k, shards=gpus).values()) <= gpu_gb * 1e9),
+                   if sum(per_gpu(flash=True, fused=True, checkpointed=k, shards=gpus).values()) <= usable),
                   None)
     if fewest:
         steps.append((f"+ checkpoint {fewest} of {cfg.num_layers} blocks",
@@ -141,9 +155,9 @@ def memory_plan(shape: LeaderboardShape = LeaderboardShape(), gpus: int = 2, gpu
     for measure, parts in steps:
         total = sum(parts.values())
         rows.append({"measure": measure, **{f"{k}_GB": v / 1e9 for k, v in parts.items()}, "total_GB": total / 1e9,
-                     "fits": total <= gpu_gb * 1e9})
+                     "fits": total <= usable})
     table = pd.DataFrame(rows)
-    table.attrs.update(params=n_params, gpus=gpus, gpu_gb=gpu_gb, checkpointed_blocks=fewest)
+    table.attrs.update(params=n_params, gpus=gpus, gpu_gb=gpu_gb, headroom_gb=headroom_gb, checkpointed_blocks=fewest)
     return table
 
 
@@ -180,7 +194,7 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
     if options.checkpoint:
         from cs336_systems.checkpointing import checkpoint_layers
 
-        checkpoint_layers(model, options.checkpoint)
+        checkpoint_layers(model, options.checkpoint, first=options.checkpoint_blocks)
     gen = torch.Generator(device=device).manual_seed(seed)
     inputs, targets = torch.randint(0, cfg.vocab_size, (2, shape.batch_size, shape.context_length), device=device,
                                     generator=gen)
@@ -372,6 +386,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default="flash_triton")
     parser.add_argument("--unfused-head", action="store_true", help="materialize the logits (the handout's model)")
     parser.add_argument("--checkpoint", default="", help="checkpoint levels, e.g. 1 (every block) or 6,2")
+    parser.add_argument("--checkpoint-blocks", default="all",
+                        help="how many blocks the levels cover, from the first: all, plan (the fewest that let the "
+                             "timed shape fit its --nproc GPUs of --gpu-gb, by the memory plan) or a number")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="torch_fused")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--warmup-ms", type=float, default=10_000.0)
@@ -391,7 +408,9 @@ def run_command(args: argparse.Namespace) -> int:
     plan = memory_plan(full, args.gpus, args.gpu_gb)
     shape = replace(full, num_layers=args.layers, context_length=args.context, batch_size=args.batch_size)
     shape.config()
-    options = StepOptions(args.attention, not args.unfused_head, levels, args.optimizer, args.compile)
+    own_plan = memory_plan(shape, max(args.nproc, 1), args.gpu_gb) if args.checkpoint_blocks == "plan" else plan
+    options = StepOptions(args.attention, not args.unfused_head, levels, args.optimizer, args.compile,
+                          checkpoint_blocks=checkpoint_blocks(args.checkpoint_blocks, own_plan))
     options.check()
     print(f"Memory plan of the full shape ({plan.attrs['params'] / 1e9:.2f} B parameters) on {args.gpus} GPUs of "
           f"{args.gpu_gb:g} GB:")
@@ -409,6 +428,20 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"\n{shape}, {options}:")
     print(pd.DataFrame([result]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0
+
+
+def checkpoint_blocks(value: str, plan: pd.DataFrame | None) -> int | None:
+    """``all`` -> None (every block), ``plan`` -> ``plan``'s fewest checkpointed blocks that fit (every block
+    where even all do not), a number -> that many. Pass the plan of the shape and GPUs the step runs on."""
+    if value == "all":
+        return None
+    if value == "plan":
+        fewest = plan.attrs.get("checkpointed_blocks") if plan is not None else None
+        return None if fewest is None else int(fewest)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"checkpoint blocks are all, plan or a number, got {value!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

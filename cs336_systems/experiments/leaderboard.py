@@ -22,6 +22,7 @@ from cs336_systems.benchmarking.leaderboard_8b import (
     TIME_LIMIT_S,
     LeaderboardShape,
     StepOptions,
+    checkpoint_blocks,
     memory_plan,
     time_step,
     time_step_on_ranks,
@@ -47,6 +48,8 @@ class Params:
     attention: str = param("flash_triton", "registered attention of the model")
     fused_head: bool = param(True, "LM head + cross-entropy without the [batch, seq, vocab] logits")
     checkpoint: list[int] = param([1], "activation-checkpoint levels ([]: none; [1]: every block)")
+    checkpoint_blocks: str = param("all", "blocks the levels cover, from the first: all, plan (the fewest that let "
+                                          "the timed shape fit nproc GPUs of plan_gpu_gb) or a number")
     optimizer: str = param("torch_fused", "torch_fused (torch.optim.AdamW(fused=True)) or basics (ours)")
     compile: bool = param(False, "torch.compile the model body")
     warmup_ms: float = param(10_000.0, "do_bench warm-up")
@@ -62,7 +65,10 @@ class Params:
                        vocab_size=self.vocab_size)
 
     def options(self) -> StepOptions:
-        return StepOptions(self.attention, self.fused_head, tuple(self.checkpoint), self.optimizer, self.compile)
+        # "plan": the fewest blocks that let the timed shape fit its ranks at plan_gpu_gb each
+        plan = memory_plan(self.shape(), self.nproc, self.plan_gpu_gb) if self.checkpoint_blocks == "plan" else None
+        return StepOptions(self.attention, self.fused_head, tuple(self.checkpoint), self.optimizer, self.compile,
+                           checkpoint_blocks=checkpoint_blocks(self.checkpoint_blocks, plan))
 
     def check(self) -> None:
         self.shape().config()  # impossible shapes fail in one line
