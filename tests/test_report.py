@@ -1134,3 +1134,16 @@ def test_sharding_breakdown_says_why_its_components_exceed_the_peak() -> None:
     assert text.startswith(" Added up, these come to 26.7 GiB against a peak of 23.6 GiB before the step")
     assert "frees each block's saved activations" in text
     assert _not_all_at_once(rank0.assign(before_step_peak=30.0), st) == ""  # they fit under the peak: nothing to say
+
+
+def test_warmup_answer_names_slow_steps_that_more_warmup_did_not_remove() -> None:
+    from cs336_systems.experiments.benchmarking import _late_outliers
+
+    rows = [("small", 0, "OOM", None, None), ("small", 1, "ok", 20.6, 20.9), ("small", 5, "ok", 20.1, 35.6),
+            ("large", 1, "ok", 121.7, 123.2), ("large", 5, "ok", 121.9, 125.8)]
+    study = pd.DataFrame(rows, columns=["size", "warmup", "status", "forward_min_ms", "forward_max_ms"])
+    text = _late_outliers(study)
+    assert "1 of 4 cells have a forward step more than 1.3× slower than their fastest, small after 5 (35.6 ms " \
+           "against 20.1 ms), while the same sizes were steady after 1 warm-up step" in text
+    assert _late_outliers(study[study["size"] == "large"]).startswith(" Here no cell with warm-up")
+    assert _late_outliers(None) == ""

@@ -188,11 +188,12 @@ def answer(d: SectionData) -> list[Block]:
                  "steady-state training: CUDA context and cuBLAS handle creation, lazy loading of kernel modules, "
                  "cuBLAS heuristics choosing a GEMM algorithm per shape, and the caching allocator obtaining memory "
                  "with `cudaMalloc`. Without warm-up these land in the measured steps, inflating the mean and above "
-                 "all the standard deviation; after one or two steps every shape has been seen once and the "
-                 "allocator's pool is warm. One or two warm-up steps can still differ from five: the first "
-                 "optimizer step allocates AdamW's two moments (so the allocator grows again on step 2), the "
-                 "GPU's clocks take a few steps to reach their sustained level, and with few timed steps a single "
-                 "slow one moves the mean. The table and plot of the study are in the appendix."),
+                 "all the standard deviation. After one step every shape has been seen once and the allocator's "
+                 "pool is warm, so one or two warm-up steps can still differ from five only by what recurs or "
+                 "comes late: the first optimizer step allocates AdamW's two moments (the allocator grows again on "
+                 "step 2), the GPU's clocks take a few steps to reach their sustained level, and with ten timed "
+                 "steps a single slow one moves the mean and the deviation." + _late_outliers(study)
+                 + " The table and plot of the study are in the appendix."),
         ], what=None if warmup is not None else "timings with 0, 1 and 2 warm-up steps"),
         Text("", role=BEYOND_HANDOUT),  # the plots and the study's full table
         question(d, "b", "Time per step and phase, plotted.", [
@@ -271,6 +272,34 @@ def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = Non
                 + ("." if not cause else ". " + cause if explain else " (the appendix gives the likely cause)."))
     return Text("Forward time (mean ± standard deviation) after the given number of warm-up steps: "
                 + "; ".join(sentences) + "." + note)
+
+
+def _late_outliers(study: pd.DataFrame | None, factor: float = 1.3) -> str:
+    """What the study shows after warm-up: each cell with at least one warm-up step whose slowest forward is more
+    than ``factor`` times its fastest (one slow step, not a warm-up cost: more warm-up did not remove it)."""
+    ok = ok_rows(study)
+    if ok.empty or not {"warmup", "forward_min_ms", "forward_max_ms"} <= set(ok.columns):
+        return ""
+    warm = ok[ok["warmup"] >= 1]
+    slow = warm[warm["forward_max_ms"] > factor * warm["forward_min_ms"]]
+    if warm.empty:
+        return ""
+    if slow.empty:
+        return f" Here no cell with warm-up has a forward step {factor:g}× slower than its fastest."
+    cells = [f"{r['size']} after {int(r['warmup'])} ({fmt.ms(r['forward_max_ms'])} against {fmt.ms(r['forward_min_ms'])})"
+             for _, r in slow.iterrows()]
+    first = warm[warm["warmup"] == warm["warmup"].min()].set_index("size")
+    def steady(size: str, warmup: int) -> bool:  # the size's cell with the least warm-up had no slow step
+        if size not in first.index or int(first.loc[size, "warmup"]) >= warmup:
+            return False
+        return bool(first.loc[size, "forward_max_ms"] <= factor * first.loc[size, "forward_min_ms"])
+
+    steady_before = all(steady(size, int(w)) for size, w in zip(slow["size"], slow["warmup"]))
+    return (f" That is what the study shows: with warm-up, {len(slow)} of {len(warm)} cells have a forward step more "
+            f"than {factor:g}× slower than their fastest, " + join_words(cells)
+            + (f", while the same sizes were steady after {int(warm['warmup'].min())} warm-up step"
+               f"{'s' if int(warm['warmup'].min()) != 1 else ''}: slow steps of the run, which more warm-up does not "
+               "remove, not a warm-up cost" if steady_before else "") + ".")
 
 
 def _after_oom(study: pd.DataFrame, timings: pd.DataFrame | None) -> str:
