@@ -1147,3 +1147,13 @@ def test_warmup_answer_names_slow_steps_that_more_warmup_did_not_remove() -> Non
            "against 20.1 ms), while the same sizes were steady after 1 warm-up step" in text
     assert _late_outliers(study[study["size"] == "large"]).startswith(" Here no cell with warm-up")
     assert _late_outliers(None) == ""
+
+
+def test_sharding_timing_states_its_setup() -> None:
+    from cs336_systems.experiments.optimizer_state_sharding import _setup
+
+    meta = {"params": {"model": "xl@2026", "global_batch": 4, "context_length": 512, "warmup": 3, "steps": 10,
+                       "nproc": [2, 4], "world_size": 2}}
+    assert _setup(meta) == ("Setup: the xl@2026 model in fp32, 4 sequences of 512 tokens per step split over 2 GPUs, "
+                            "torch DDP for the gradients, mean over 10 steps after 3 warm-up steps. ")
+    assert _setup({"params": {"model": "xl"}}) == ""

@@ -408,7 +408,8 @@ def answer(d: SectionData) -> list[Block]:
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
                  + (f" ({fmt.ratio(r['slowdown_vs_adamw'])})" if "slowdown_vs_adamw" in r else "")
                  for _, r in timing.iterrows()]
-        time_text = Text("Time per training step (relative to replicated AdamW): " + join_words(parts) + ". "
+        time_text = Text(_setup(d.meta("timing")) + "Time per training step (relative to replicated AdamW): "
+                         + join_words(parts) + ". "
                          + _sharding_verdict(timing))
     return [
         question(d, "optimizer_state_sharding", "An optimizer wrapper that keeps each parameter's state on one "
@@ -506,6 +507,18 @@ def _buckets_note(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> str:
             f"against {fmt.sig(params)} GiB of parameters): torch DDP's gradient buckets, flat buffers for every "
             "gradient allocated when it wraps the model (a second copy of the gradients, as "
             "`gradient_as_bucket_view` is off by default), the same for every optimizer.")
+
+
+def _setup(meta: dict[str, Any]) -> str:
+    """The run's setup in one sentence (what a reader comparing with §2's DDP steps needs: a different batch
+    or context explains a different step time)."""
+    p = meta.get("params") or {}
+    if not {"model", "global_batch", "context_length"} <= set(p):
+        return ""
+    world = int(p.get("world_size") or (p.get("nproc") or [2])[0])
+    return (f"Setup: the {p['model']} model in fp32, {p['global_batch']} sequences of {p['context_length']} tokens "
+            f"per step split over {world} GPUs, torch DDP for the gradients, mean over {p.get('steps', '?')} steps "
+            f"after {p.get('warmup', '?')} warm-up steps. ")
 
 
 def _not_all_at_once(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> str:
