@@ -1157,3 +1157,16 @@ def test_sharding_timing_states_its_setup() -> None:
     assert _setup(meta) == ("Setup: the xl@2026 model in fp32, 4 sequences of 512 tokens per step split over 2 GPUs, "
                             "torch DDP for the gradients, mean over 10 steps after 3 warm-up steps. ")
     assert _setup({"params": {"model": "xl"}}) == ""
+
+
+def test_compile_answer_compares_its_eager_times_with_the_attention_table() -> None:
+    from cs336_systems.experiments.torch_compile import _against_eager_table
+
+    att = pd.DataFrame({"d_model": [16, 64], "seq_len": [256, 4096], "forward_eager_ms": [0.30, 10.3]})
+    eager = pd.DataFrame({"d_model": [16, 64, 64], "seq_len": [256, 4096, 4096], "status": ["ok", "ok", "ok"],
+                          "forward_mean_ms": [0.38, 10.0, 5.0], "backward_mean_ms": [1.0, 20.0, 9.0],
+                          "compiled": [False, False, True]})
+    text = _against_eager_table(att, eager)
+    assert "at the same 2 shapes" in text and "(farthest at d = 16, 256 tokens: 0.300 ms against 0.380 ms)" in text
+    assert "the shapes whose forward takes 1 ms or more agree within 3.00%" in text  # the compiled row is not eager
+    assert _against_eager_table(att, None) == ""
