@@ -1170,3 +1170,16 @@ def test_compile_answer_compares_its_eager_times_with_the_attention_table() -> N
     assert "at the same 2 shapes" in text and "(farthest at d = 16, 256 tokens: 0.300 ms against 0.380 ms)" in text
     assert "the shapes whose forward takes 1 ms or more agree within 3.00%" in text  # the compiled row is not eager
     assert _against_eager_table(att, None) == ""
+
+
+def test_2026_answers_memory_profiling_f_in_its_own_section_with_the_residuals_measured_in_3() -> None:
+    """The handout asks (f) under memory profiling; the workbook measures it with the checkpointing section.
+    The edition shows it where the handout asks it, once."""
+    from cs336_systems.report.document import Question, Text
+    from cs336_systems.writeup.build import _with_borrowed, build_document
+
+    doc = build_document(edition="2026")
+    labels = {s.number: [b.label for b in s.blocks if isinstance(b, Question)] for s in doc.sections}
+    assert labels["2.1.6"][-1] == "f" and "residuals" not in labels["3"] and "f" not in labels["3"]
+    method = Text("how", role="method")
+    assert _with_borrowed([Question("a", "p"), method], [Question("f", "q")])[1].label == "f"

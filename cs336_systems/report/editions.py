@@ -34,6 +34,9 @@ class Entry:
     note: str = ""
     """How the committed results differ from what this edition asks, and how to close the gap (not shown
     once the section's own grid for this edition is measured)."""
+    borrow: tuple[tuple[str, str, str], ...] = ()
+    """``(section, label, label here)``: a question another workbook section answers, shown here under this
+    handout's part label and left out of the lending section (a part the handout asks in another place)."""
     remark: str = ""
     """What this edition's readers should know either way (shown after the note)."""
     console: tuple[tuple[str, str], ...] = ()
@@ -72,8 +75,8 @@ EDITION_2026: tuple[Entry, ...] = (
           note="2026 profiles its xl, the same model as 2025's 2.7B (2560/10240/32/32), at contexts 128 and "
                "2048; until that grid is measured (`python -m cs336_systems.experiments memory_profiling --full "
                "--edition 2026`) the results below are 2025's contexts 128, 256 and 512.",
-          remark="Part (f), the residuals of one block, is answered in §3 below."),
-    Entry("3", ("memory_profiling (f)", "gradient_checkpointing"), "gradient_checkpointing",
+          borrow=(("gradient_checkpointing", "residuals", "f"),)),  # (f): one block's residuals, measured in §3
+    Entry("3", ("gradient_checkpointing",), "gradient_checkpointing",
           title="Single-GPU memory: autograd residuals and gradient checkpointing"),
     Entry("4.1.1", ("pytorch_attention",), "pytorch_attention"),
     Entry("4.2", ("torch_compile",), "torch_compile"),

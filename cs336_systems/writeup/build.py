@@ -171,6 +171,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
     sections: list[Section] = []
     rows = ["| this handout | problems | workbook section (`writeup.pdf`) |", "|---|---|---|"]
     numbers = {SECTIONS[e.section].number: e.number for e in editions.entries(edition) or () if e.section}
+    lent = {(name, label) for e in editions.entries(edition) or () for name, label, _ in e.borrow}
     for entry in editions.entries(edition) or ():
         def note(gap: str, entry: editions.Entry = entry) -> list[Block]:
             said = " ".join(x for x in (gap, entry.remark) if x)
@@ -188,6 +189,11 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         section, _ = build_section(spec, root, strict, notebooks, edition if own else None)
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
+        section.blocks = [b for b in section.blocks
+                          if not (isinstance(b, Question) and (entry.section, b.label) in lent)]
+        for name, label, here in entry.borrow:
+            section.blocks = _with_borrowed(section.blocks, _borrowed(SECTIONS[name], root, strict, notebooks,
+                                                                      edition, label, here))
         section.blocks = _foreign_to_appendix(section.blocks, entry.problems, _problem_ids(edition))
         section.blocks = [_renumbered(b, numbers) for b in section.blocks]  # the answers cite this edition's numbers
         section.blocks[:0] = [_console(root, name, command) for name, command in entry.console]
@@ -245,6 +251,25 @@ def build_document(root: Path = FIGURES_DIR, strict: bool = False, notebooks: Pa
     main, appendix = _split(sections, lambda s: editions.in_appendix("2025", s.folder))
     return Document(TITLE, _preamble(root), main + appendix, _manifest.result_files(root), unclaimed,
                     appendix_from=len(main))
+
+
+def _borrowed(spec: Any, root: Path, strict: bool, notebooks: Path, edition: str, label: str,
+              here: str) -> list[Block]:
+    """The questions labelled ``label`` of another section's answers (from its grid of ``edition`` where
+    measured), relabelled ``here``: a part of a problem that the workbook measures in another section."""
+    own = edition in spec.grids and not SectionData(root, spec.results_folder(edition)).empty
+    lender, _ = build_section(spec, root, strict, notebooks, edition if own else None)
+    found = [dataclasses.replace(b, label=here) for b in lender.blocks if isinstance(b, Question) and b.label == label]
+    if not found:
+        return [Missing(f"part ({here}), answered by {spec.title}", spec.command_for(edition if own else None))]
+    return found
+
+
+def _with_borrowed(blocks: list[Block], borrowed: list[Block]) -> list[Block]:
+    """``borrowed`` after the section's own answers: before how it was measured and anything beyond the handout."""
+    at = next((i for i, b in enumerate(blocks) if isinstance(b, Text) and b.role in ("method", BEYOND_HANDOUT)),
+              len(blocks))
+    return [*blocks[:at], *borrowed, *blocks[at:]]
 
 
 def _problem_ids(edition: str) -> set[str]:
