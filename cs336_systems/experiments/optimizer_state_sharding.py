@@ -40,7 +40,7 @@ from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Text
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Text
 from cs336_systems.benchmarking.training_memory import (
     GIB,
     BenchConfig,
@@ -376,6 +376,7 @@ def answer(d: SectionData) -> list[Block]:
     breakdown = d.frame("memory_breakdown")
     timing = d.frame("timing")
     mem_text = None
+    detail = ""
     rank0 = memory[memory["rank"] == 0] if memory is not None and "rank" in memory.columns else None
     if rank0 is not None and len(rank0) and rank0["after_step_peak"].notna().any():
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])}: {fmt.sig(r['after_init_peak'])} / "
@@ -383,10 +384,10 @@ def answer(d: SectionData) -> list[Block]:
                  for _, r in rank0.iterrows()]
         mem_text = Text("Peak memory on rank 0 after initialization / before the optimizer step / after it: "
                         + "; ".join(parts) + ". Sharding leaves parameters, gradients and activations unchanged "
-                        "and divides AdamW's two fp32 moments ($8\\Psi$ bytes) by the world size. After initialization "
-                        "the three are equal (no state yet); the state is allocated by the first optimizer step, so "
-                        "the measured step, which follows warm-up steps, already holds it before its update, and "
-                        "the saving shows at both later points.")
+                        "and divides AdamW's two fp32 moments ($8\\Psi$ bytes) by the world size.")
+        detail = ("After initialization the three are equal (no state yet); the state is allocated by the first "
+                  "optimizer step, so the measured step, which follows warm-up steps, already holds it before its "
+                  "update, and the saving shows at both later points.")
     bd = None
     if breakdown is not None and {"optimizer", "rank", "component", "source", "GiB"} <= set(breakdown.columns):
         sel = breakdown[breakdown["rank"] == 0]
@@ -400,9 +401,8 @@ def answer(d: SectionData) -> list[Block]:
                      for c in ("parameters", "gradients", "optimizer_state", "activations")
                      if c in st.index and pd.notna(st.loc[c, "adamw measured"])]
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
-                            + "; ".join(parts).replace("_", " ") + "." + _buckets_note(rank0, st)
-                            + _not_all_at_once(rank0, st)
-                            + _step_temporaries(rank0) + _expectation(st))
+                            + "; ".join(parts).replace("_", " ") + "." + _expectation(st))
+            detail += _buckets_note(rank0, st) + _not_all_at_once(rank0, st) + _step_temporaries(rank0)
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
@@ -428,12 +428,7 @@ def answer(d: SectionData) -> list[Block]:
                  [mem_text, d.table("memory", caption="Allocated and peak memory per rank at the three points "
                                     "(GiB)."),
                   d.table("memory_breakdown", frame=bd, caption="Rank 0's memory by component, measured by counting "
-                          "tensors and predicted by `accounting.training_memory_per_rank` (GiB)."),
-                  d.table("savings_vs_adamw", caption="Optimizer-state memory saved against replicated AdamW, "
-                          "and the time it costs."),
-                  d.figure("memory_points", caption="Memory at the three points of a step."),
-                  d.figure("memory_components", "memory_breakdown", caption="Measured and predicted memory by "
-                           "component.")],
+                          "tensors and predicted by `accounting.training_memory_per_rank` (GiB).")],
                  what="peak memory with and without sharding"),
         question(d, "b", "Time per iteration with and without optimizer-state sharding.",
                  [time_text, d.table("timing", frame=_timing_with_mfu(d.frame("timing"), d.meta("timing")),
@@ -451,6 +446,14 @@ def answer(d: SectionData) -> list[Block]:
                  "updated parameter from its owner ($\\Psi$ more), $3\\Psi$ in total: simpler and model-agnostic, "
                  "but with 1.5× the communication volume of ZeRO-1."),
             d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step.")]),
+        Text("", role=BEYOND_HANDOUT),  # the memory study in detail, and more GPUs: the appendix
+        *([question(d, "a", "The memory study in detail: what the peaks hold beyond the breakdown.", [
+            Text(detail),
+            d.table("savings_vs_adamw", caption="Optimizer-state memory saved against replicated AdamW, and the time "
+                    "it costs."),
+            d.figure("memory_points", caption="Memory at the three points of a step."),
+            d.figure("memory_components", "memory_breakdown", caption="Measured and predicted memory by component.")])]
+          if detail else []),
         *_more_gpus(d),
     ]
 
