@@ -52,7 +52,7 @@ from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question, spread, step_verdict, subset
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Equation, Text
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text
 from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter, has_result, load_table
 
@@ -556,10 +556,21 @@ def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) ->
         return f" §2.1.3's fit predicts {fmt.ms(predicted)} for these gathers, close to what their kernels took."
     return (f" §2.1.3's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(psi * width / 1e9)} GB gathered "
             f"in {int(r['gathers'])} calls); their kernels took {fmt.ratio(float(r['gather_ms']) / predicted)} "
-            "that. The likely reason, not yet shown: an NCCL kernel also counts the time it waits for the other "
-            "rank to arrive, and the other rank runs the same launch-bound forward, so much of that kernel time can "
-            "be waiting for a peer rather than moving bytes; telling the two apart needs both ranks' timelines, "
-            "which this profile does not record.")
+            "that. An NCCL kernel also counts the time it waits for the other rank to arrive, and the other rank "
+            "runs the same launch-bound forward, so this kernel time is an upper bound on the transfer; which part "
+            "is waiting for the peer needs both ranks' timelines, which this profile does not record.")
+
+
+def _gathers_against_fit(d: SectionData) -> Text | None:
+    """Beyond the question: the profiled forward's gathers against §2.1.3's fit (the appendix)."""
+    summary = d.frame("gathers_summary")
+    if summary is None or not len(summary) or not {"gathers", "gather_ms"} <= set(summary.columns):
+        return None
+    meta = d.meta("gathers_summary")
+    params, extra = meta.get("params", {}), meta.get("extra", {})
+    model = extra.get("model", params.get("gathers_model", "?"))
+    text = _gather_model(d, model, (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), summary.iloc[0])
+    return Text(text.strip()) if text else None
 
 
 def _gathers_blocks(d: SectionData) -> list[Block | None]:
@@ -596,7 +607,7 @@ def _gathers_blocks(d: SectionData) -> list[Block | None]:
             f"{params.get('context_length', '?')} tokens per step (split over the ranks), profiled on rank 0: the "
             f"forward ran {fmt.ms(r['span_ms'])} on the GPU and issued {int(r['gathers'])} all-gathers, "
             f"{fmt.ms(r['gather_ms'])} of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it beside compute. "
-            + verdict + _gather_model(d, model, ws, extra.get("compute_dtype"), r))
+            + verdict)
     return [
         text,
         _idle_text(d),
@@ -658,6 +669,9 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "fsdp_accounting (b)", "Profile the xl model (2026 table) on two GPUs: does the all-gather of "
                  "weights finish in time for the forward pass?", _gathers_blocks(d),
                  what="the all-gather profile (`--set parts=gathers`)"),
+        Text("", role=BEYOND_HANDOUT),  # the gathers' cost against the communication model: the appendix
+        *([question(d, "fsdp_accounting (b)", "The forward's all-gathers against §2.1.3's latency–bandwidth fit.",
+                    [fit])] if (fit := _gathers_against_fit(d)) is not None else []),
     ]
 
 
