@@ -47,7 +47,7 @@ from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
 from cs336_systems.report.data import SectionData
-from cs336_systems.report.document import Block, Text
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Text
 from cs336_systems.results import ResultWriter
 
 SECTION_NAME = "distributed_communication_single_node"
@@ -483,16 +483,20 @@ def answer(d: SectionData) -> list[Block]:
     return [
         question(d, "distributed_communication_single_node", _prompt(d), [
                      text,
-                     fit_text,
-                     d.table("allreduce_alpha_beta", caption="Latency–bandwidth fit per backend and process count "
-                             "(alpha per ring step, B per rank)."),
                      d.table("allreduce", caption="All-reduce time and bandwidth (algorithm bandwidth = bytes per "
                              "rank / time; bus bandwidth = algorithm bandwidth × 2(n−1)/n)."),
-                     d.figure("allreduce_alpha_beta", caption="All-reduce time against the latency–bandwidth model "
-                              "fitted per process count (solid) and with the link specification's bandwidth (dashed)."),
                      d.figure("allreduce_bandwidth", caption="All-reduce bus bandwidth by message size, backend and "
                               "process count (dashed: the topology's peak)."),
                  ], what="the all-reduce benchmark"),
+        Text("", role=BEYOND_HANDOUT),  # the latency-bandwidth model the DDP sections use: the appendix
+        *([question(d, "distributed_communication_single_node", "Beyond the handout: a latency–bandwidth model of "
+                    "the all-reduce, which the DDP sections use to predict their communication.", [
+            fit_text,
+            d.table("allreduce_alpha_beta", caption="Latency–bandwidth fit per backend and process count "
+                    "(alpha per ring step, B per rank)."),
+            d.figure("allreduce_alpha_beta", caption="All-reduce time against the latency–bandwidth model "
+                     "fitted per process count (solid) and with the link specification's bandwidth (dashed)."),
+        ])] if fit_text is not None else []),
     ]
 
 
