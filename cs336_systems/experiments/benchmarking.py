@@ -184,21 +184,19 @@ def answer(d: SectionData) -> list[Block]:
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             warmup,
-            None if study is None else Text("The first steps of a process pay one-time costs that are not part of "
-                 "steady-state training: CUDA context and cuBLAS handle creation, lazy loading of kernel modules, "
-                 "cuBLAS heuristics choosing a GEMM algorithm per shape, and the caching allocator obtaining memory "
-                 "with `cudaMalloc`. Without warm-up these land in the measured steps, inflating the mean and above "
-                 "all the standard deviation. After one step every shape has been seen once and the allocator's "
-                 "pool is warm, so one or two warm-up steps can still differ from five only by what recurs or "
-                 "comes late: the first optimizer step allocates AdamW's two moments (the allocator grows again on "
-                 "step 2), the GPU's clocks take a few steps to reach their sustained level, and with ten timed "
-                 "steps a single slow one moves the mean and the deviation." + _late_outliers(study)
-                 + " The table and plot of the study are in the appendix."),
+            None if study is None else Text(
+                "Without warm-up the measured steps include one-time costs (CUDA context and cuBLAS handles, lazy "
+                "loading of kernel modules, a GEMM algorithm chosen per shape, the allocator obtaining memory with "
+                "`cudaMalloc`), which inflate the mean and above all the standard deviation. After one step every "
+                "shape has been seen once; one or two warm-up steps can still differ from five by what comes "
+                "later (AdamW's moments are allocated by the first optimizer step, clocks settle over a few steps) "
+                "and by single slow steps, which with ten timed steps move the mean (the appendix names them)."),
         ], what=None if warmup is not None else "timings with 0, 1 and 2 warm-up steps"),
         Text("", role=BEYOND_HANDOUT),  # the plots and the study's full table
         question(d, "b", "Time per step and phase, plotted.", [
             d.figure("timings", caption="Time per step and phase (error bars: one standard deviation).")]),
         question(d, "c", "The warm-up study in full.", [
+            Text(_late_outliers(study).strip()) if _late_outliers(study) else None,
             Text("Why its first cell failed: " + oom[0].lower() + oom[1:]) if oom else None,
             d.table("warmup_study", caption=_study_caption(d.meta("warmup_study").get("params") or {})),
             d.figure("warmup_study", caption="Spread of the forward time against the number of warm-up steps."),
@@ -295,7 +293,7 @@ def _late_outliers(study: pd.DataFrame | None, factor: float = 1.3) -> str:
         return bool(first.loc[size, "forward_max_ms"] <= factor * first.loc[size, "forward_min_ms"])
 
     steady_before = all(steady(size, int(w)) for size, w in zip(slow["size"], slow["warmup"]))
-    return (f" That is what the study shows: with warm-up, {len(slow)} of {len(warm)} cells have a forward step more "
+    return (f" With warm-up, {len(slow)} of {len(warm)} cells have a forward step more "
             f"than {factor:g}× slower than their fastest, " + join_words(cells)
             + (f", while the same sizes were steady after {int(warm['warmup'].min())} warm-up step"
                f"{'s' if int(warm['warmup'].min()) != 1 else ''}: slow steps of the run, which more warm-up does not "
