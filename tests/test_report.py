@@ -1183,3 +1183,26 @@ def test_2026_answers_memory_profiling_f_in_its_own_section_with_the_residuals_m
     assert labels["2.1.6"][-1] == "f" and "residuals" not in labels["3"] and "f" not in labels["3"]
     method = Text("how", role="method")
     assert _with_borrowed([Question("a", "p"), method], [Question("f", "q")])[1].label == "f"
+
+
+def test_implemented_reads_each_suite_s_own_file_for_a_problem(tmp_path) -> None:
+    """2026's test_ddp.py tests per-parameter overlap, 2025's tests bucketed DDP: each section counts the file its
+    problem has in each suite."""
+    import json
+
+    from cs336_systems.report.answers import implemented
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "course_tests"
+    folder.mkdir()
+    runs = {"2025": {"tests/test_ddp.py::b[1]": "passed", "tests/test_ddp_individual_parameters.py::a": "passed"},
+            "2026-cpu": {"tests/test_ddp.py::a[1]": "passed", "tests/test_ddp.py::a[2]": "failed"}}
+    for name, tests in runs.items():
+        (folder / f"{name}.json").write_text(json.dumps({"tests": tests}))
+        (folder / f"{name}.meta.json").write_text("{}")
+    d = SectionData(tmp_path, "ddp_overlap_individual")
+    overlap = implemented(d, "x", "y.py", "t.py", {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"})
+    assert ("The course's `test_ddp_individual_parameters.py` (2025) and `test_ddp.py` (2026): 1 of 1 passed in the "
+            "`2025` run and 1 of 2 passed in the `2026-cpu` run (§4).") in overlap.markdown
+    bucketed = implemented(d, "x", "y.py", "t.py", {"2025": "test_ddp.py"})
+    assert "1 of 1 passed in the `2025` run (§4)." in bucketed.markdown and "2026" not in bucketed.markdown

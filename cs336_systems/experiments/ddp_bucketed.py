@@ -170,7 +170,7 @@ def answer(d: SectionData) -> list[Block]:
                      d, "`DDPBucketed` (parameters assigned to size-capped buckets in reverse order, the order "
                      "backward produces their gradients; each bucket's all-reduce starts when its last gradient "
                      "arrives)", "cs336_systems/distributed/ddp_bucketed.py", "tests/test_ddp_strategies.py",
-                     "test_ddp.py")]),
+                     {"2025": "test_ddp.py"})]),  # 2026's test_ddp.py tests per-parameter overlap
         question(d, "a", "Bucketed DDP with bucket sizes 1, 10, 100 and 1000 MB, compared with the unbucketed "
                  "variants.", [setup(df), text, ddp_common.torch_parity(d), steps_blocks(d, name, STEPS_CAPTION + " Eager steps; the captured ones "
                                                                   "are in the appendix.", eager_only=True),

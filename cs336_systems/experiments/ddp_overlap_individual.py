@@ -112,7 +112,7 @@ def answer(d: SectionData) -> list[Block]:
                      d, "`DDPIndividualParameters` (a gradient hook per parameter launches its asynchronous "
                      "all-reduce; `finish_gradient_synchronization` waits on the handles before the optimizer step)",
                      "cs336_systems/distributed/ddp_overlap.py", "tests/test_ddp_strategies.py",
-                     "test_ddp_individual_parameters.py")]),
+                     {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"})]),
         question(d, "a", "Overlapping per-parameter all-reduces with the backward pass, compared with the two "
                  "previous variants.", [setup(df), text, steps_blocks(d, name, STEPS_CAPTION)],
                  what="time per iteration of the overlapping DDP"),

@@ -166,21 +166,26 @@ def model_tflops(size: str, ms: float, context_length: int, mode: str = "train",
     return step_flops(size, batch, context_length, mode) / (ms * 1e-3) / 1e12
 
 
-def implemented(d: SectionData, what: str, where: str, ours: str, course_file: str,
+def implemented(d: SectionData, what: str, where: str, ours: str, course_file: str | dict[str, str],
                 against: str = "single-process training") -> Text:
     """A code problem's answer: where the implementation lives, the project's own tests of it, and the course's
-    test file's outcome in every recorded run of the course's suites (§4)."""
+    test file's outcome in every recorded run of the course's suites (§4). ``course_file`` may differ by suite
+    (``{"2025": ..., "2026": ...}``, keyed by the run's name up to its first ``-``): the 2026 suite tests
+    per-parameter overlap in the file that 2025's uses for bucketed DDP."""
+    files = course_file if isinstance(course_file, dict) else None
     tests = SectionData(d.root, "course_tests")
     outcomes = []
     for name in tests.records:
         record = tests.json(name)
         if not isinstance(record, dict) or not isinstance(record.get("tests"), dict):
             continue
-        mine = [v for k, v in record["tests"].items() if k.split("::")[0].endswith(course_file)]
+        file = files.get(name.split("-")[0]) if files is not None else course_file
+        mine = [v for k, v in record["tests"].items() if file and k.split("::")[0].endswith(file)]
         if mine:
             passed = sum(v == "passed" for v in mine)
             outcomes.append(f"{passed} of {len(mine)} passed in the `{name}` run")
-    course = (f" The course's `{course_file}`: " + join_words(outcomes) + " (§4)." if outcomes else
-              f" The course's `{course_file}` runs through `tests/adapters.py` (§4 has the command).")
+    shown = f"`{course_file}`" if files is None else join_words([f"`{v}` ({k})" for k, v in files.items()])
+    course = (f" The course's {shown}: " + join_words(outcomes) + " (§4)." if outcomes else
+              f" The course's {shown} runs through `tests/adapters.py` (§4 has the command).")
     return Text(f"**Implementation:** {what} in `{where}`; `uv run pytest {ours}` checks it against {against}."
                 + course)
