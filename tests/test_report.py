@@ -1206,3 +1206,16 @@ def test_implemented_reads_each_suite_s_own_file_for_a_problem(tmp_path) -> None
             "`2025` run and 1 of 2 passed in the `2026-cpu` run (§4).") in overlap.markdown
     bucketed = implemented(d, "x", "y.py", "t.py", {"2025": "test_ddp.py"})
     assert "1 of 1 passed in the `2025` run (§4)." in bucketed.markdown and "2026" not in bucketed.markdown
+
+
+def test_nsys_answers_sum_up_every_profile() -> None:
+    from cs336_systems.experiments.nsys_profile import _across, _softmax_across
+
+    summary = pd.DataFrame({"status": ["ok", "ok", "OOM"], "top_non_matmul_kernel": ["add_kernel", "add_kernel", None],
+                            "top_non_matmul_percent": [2.0, 5.5, None], "softmax_to_matmul_time": [0.5, 0.8, None],
+                            "softmax_to_matmul_flops": [0.02, 0.02, None]})
+    assert _across(summary, "top_non_matmul_kernel", "top_non_matmul_percent", "the largest non-matmul kernel") == (
+        " Across all 2 profiles the largest non-matmul kernel is `add_kernel` in 2, with 2.00%–5.50% of the forward "
+        "kernel time.")
+    assert " for 0.0200× their FLOPs, 25.0–40.0 times the time per FLOP." in _softmax_across(summary)
+    assert _across(summary.iloc[:1], "top_non_matmul_kernel", "top_non_matmul_percent", "x") == ""

@@ -22,7 +22,7 @@ from cs336_systems.benchmarking.sweep import OK, free_memory, run_sweep
 from cs336_systems.configs import HANDOUT_SIZES, attention_flops, get_config, softmax_flops
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import ok_rows, question, subset
+from cs336_systems.report.answers import join_words, ok_rows, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Text
 from cs336_systems.measured_code import MODEL, TIMING
@@ -176,6 +176,37 @@ def _longest_fit(df: pd.DataFrame | None) -> str:
     return ("The longest context each size trained at on this GPU: " + join_words(parts) + ".") if parts else ""
 
 
+def _profiles(summary: pd.DataFrame) -> pd.DataFrame:
+    return summary[summary["status"] == "ok"] if "status" in summary.columns else summary
+
+
+def _across(summary: pd.DataFrame, kernel: str, percent: str, what: str) -> str:
+    """The same answer for every profile, in one sentence: which kernel it is, in how many profiles, and its
+    share's range (the handout asks each profile's)."""
+    ok = _profiles(summary)
+    if len(ok) < 2 or not {kernel, percent} <= set(ok.columns):
+        return ""
+    counts = ok[kernel].map(short_kernel).value_counts()
+    names = [f"`{k}` in {n}" for k, n in counts.items()]
+    return (f" Across all {len(ok)} profiles {what} is " + join_words(names) + f", with {fmt.pct(ok[percent].min() / 100)}"
+            f"–{fmt.pct(ok[percent].max() / 100)} of the forward kernel time.")
+
+
+def _softmax_across(summary: pd.DataFrame) -> str:
+    ok = _profiles(summary)
+    if len(ok) < 2 or not {"softmax_to_matmul_time", "softmax_to_matmul_flops"} <= set(ok.columns):
+        return ""
+    per_flop = ok["softmax_to_matmul_time"] / ok["softmax_to_matmul_flops"]
+
+    def span(values: pd.Series, form: Any) -> str:
+        low, high = form(values.min()), form(values.max())
+        return low if low == high else f"{low}–{high}"
+
+    return (f" Across all {len(ok)} profiles the softmax takes {span(ok['softmax_to_matmul_time'], fmt.ratio)} the "
+            f"matmuls' time for {span(ok['softmax_to_matmul_flops'], fmt.ratio)} their FLOPs, "
+            f"{span(per_flop, fmt.sig)} times the time per FLOP.")
+
+
 def _reconciled(d: SectionData) -> str | None:
     """How this section's Python-timed forwards compare with §1.1.3's, §1.1.5's and §1.3.1's of the same models."""
     from cs336_systems.report.agreement import reconcile
@@ -220,12 +251,14 @@ def answer(d: SectionData) -> list[Block]:
         b = Text(f"For {where} the kernel with the most GPU time in the forward pass is "
                  f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
-                 + (f"; {same}." if same else "."))
+                 + (f"; {same}." if same else ".") + _across(summary, "top_forward_kernel", "top_kernel_percent",
+                                                               "the top forward kernel"))
         c = Text(f"The largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time; elementwise kernels "
                  "(softmax pieces, SwiGLU's SiLU and product, RMSNorm, RoPE, masking) each read and write whole "
                  "activations for few FLOPs, so they are memory bound and take time out of proportion to "
-                 "their FLOPs.")
+                 "their FLOPs." + _across(summary, "top_non_matmul_kernel", "top_non_matmul_percent",
+                                          "the largest non-matmul kernel"))
         mm = ok_rows(summary)
         fwd_share, step_share = mm["matmul_percent_forward"], mm["matmul_percent_train_step"]
         dd = Text(f"Matmuls take {fmt.pct(fwd_share.min() / 100)}–{fmt.pct(fwd_share.max() / 100)} of the kernel "
@@ -240,7 +273,7 @@ def answer(d: SectionData) -> list[Block]:
                  + (f": the matmuls are compute-bound GEMMs ({_gemm_kind(row['top_forward_kernel'])}) that "
                     "reuse each loaded element many times, while the softmax reads and writes the whole score "
                     "matrix several times for a few FLOPs per element and is limited by memory bandwidth."
-                    if per_flop > 1 else "."))
+                    if per_flop > 1 else ".") + _softmax_across(summary))
     grid = [part("Forward time: Python timer vs. the sum of profiled kernels.", "python_forward_ms",
                  "python_forward_std_ms", "profiled_forward_kernels_ms", "profiled_step_kernels_ms"),
             part("Top kernels of the forward pass.", "top_forward_kernel", "top_kernel_calls_per_forward",
