@@ -116,7 +116,7 @@ def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> N
     assert text.startswith("Best: each block by sublayer (its attention and feed-forward branches checkpointed "
                            "separately), measured peak 66.0 GiB")
     assert "Its neighbours in the sweep: no checkpointing: out of memory; segments of 1 block: 74.7 GiB." in text
-    assert "= 0.38: below one block" in text  # sqrt(32 * 80 MiB / 17 GiB)
+    assert "= 0.38, below one block: the finest split should win" in text  # sqrt(32 * 80 MiB / 17 GiB)
     with pytest.raises(ValueError, match=r"whole blocks >= 0 \(0: no checkpointing\) or 0.5 \(by sublayer\), got 1.5"):
         Params(block_sizes=[0, 1.5]).check()
 
@@ -136,3 +136,15 @@ def test_checkpointing_only_the_first_blocks_keeps_gradients_and_saves_in_betwee
     assert _saved_bytes(part, tokens) == before
     with pytest.raises(ValueError, match="first must be between 0 and the model's 8 blocks, got 9"):
         checkpoint_layers(_model(), [1], first=9)
+
+
+def test_checkpointing_answer_reports_a_whole_block_win_when_the_model_predicted_the_split() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.gradient_checkpointing import _best_segment
+
+    table = pd.DataFrame({"block_size": [0.5, 1, 2], "status": ["ok", "ok", "OOM"], "peak_GiB": [80.0, 74.7, None],
+                          "activation_peak_GiB": [23.0, 17.2, None], "step_ms": [7000.0, 6600.0, None]})
+    text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
+    assert text.startswith("Best: segments of 1 block, measured peak 74.7 GiB")
+    assert "below one block: the finest split should win" in text and "measured, segments of 1 block won" in text

@@ -96,11 +96,12 @@ def test_naive_sentence_says_which_pass_ran_out_of_memory_and_checks_ours_did_no
 
     sp = pd.DataFrame({"pass": ["forward+backward"] * 2, "dtype": ["bf16"] * 2, "seq_len": [1024, 65536],
                        "speedup_vs_naive": [2.0, 5.0]})
-    sweep = pd.DataFrame({"impl": ["naive", "triton", "triton"], "status": ["OOM", "ok", "OOM"],
-                          "pass": ["forward+backward"] * 3, "dtype": ["bf16"] * 3, "seq_len": [65536, 65536, 131072]})
+    sweep = pd.DataFrame({"impl": ["naive", "triton", "triton", "sdpa_cudnn"], "status": ["OOM", "ok", "OOM", "unsupported"],
+                          "pass": ["forward+backward"] * 4, "dtype": ["bf16"] * 4,
+                          "seq_len": [65536, 65536, 131072, 65536]})  # another backend's failure is not ours
     text = _naive_sentence(sp, sweep).markdown
     assert "at 65,536 tokens 0.200×;" in text  # one cell: no range of one value
     assert "PyTorch's forward + backward runs out of memory from 65,536 tokens (its forward alone may still fit), " \
            "ours from 131,072." in text
     assert text.endswith("ours does not.") is False
-    assert _naive_sentence(sp, sweep.iloc[:2]).markdown.endswith("ours does not.")
+    assert _naive_sentence(sp, sweep.iloc[[0, 1, 3]]).markdown.endswith("ours does not.")

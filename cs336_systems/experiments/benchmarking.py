@@ -189,8 +189,8 @@ def answer(d: SectionData) -> list[Block]:
                 "loading of kernel modules, a GEMM algorithm chosen per shape, the allocator obtaining memory with "
                 "`cudaMalloc`), which inflate the mean and above all the standard deviation. After one step every "
                 "shape has been seen once; one or two warm-up steps can still differ from five by what comes "
-                "later (AdamW's moments are allocated by the first optimizer step, clocks settle over a few steps) "
-                "and by single slow steps, which with ten timed steps move the mean (the appendix names them)."),
+                "later (the GPU's clocks settle over a few steps) and by single slow steps, which with few timed "
+                "steps move the mean (the appendix names them)."),
         ], what=None if warmup is not None else "timings with 0, 1 and 2 warm-up steps"),
         Text("", role=BEYOND_HANDOUT),  # the plots and the study's full table
         question(d, "b", "Time per step and phase, plotted.", [
@@ -286,7 +286,7 @@ def _late_outliers(study: pd.DataFrame | None, factor: float = 1.3) -> str:
         return f" Here no cell with warm-up has a forward step {factor:g}× slower than its fastest."
     cells = [f"{r['size']} after {int(r['warmup'])} ({fmt.ms(r['forward_max_ms'])} against {fmt.ms(r['forward_min_ms'])})"
              for _, r in slow.iterrows()]
-    first = warm[warm["warmup"] == warm["warmup"].min()].set_index("size")
+    first = warm[warm["warmup"] == warm["warmup"].min()].drop_duplicates("size", keep="last").set_index("size")
     def steady(size: str, warmup: int) -> bool:  # the size's cell with the least warm-up had no slow step
         if size not in first.index or int(first.loc[size, "warmup"]) >= warmup:
             return False

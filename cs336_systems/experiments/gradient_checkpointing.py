@@ -308,9 +308,12 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
         why = (f" Why: segments of $k$ blocks hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus $k$ "
                f"blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB each, least at "
                f"$k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / {block_bytes / 2**20:.0f}}}$"
-               + (f" = {optimum ** 0.5:.2f}: below one block, so the finest split wins, and checkpointing each "
+               + (f" = {optimum ** 0.5:.2f}, below one block: the finest split should win, and checkpointing each "
                   "branch of a block separately keeps two inputs per block but recomputes only half a block's "
-                  "residuals at a time." if optimum < 1 else ", rounded to a whole block."))
+                  "residuals at a time" + ("." if k == SUBLAYER else
+                                           f"; measured, {_segment_name(k)} won, so the halves' own temporaries "
+                                           "outweigh what the split saves here.")
+                  if optimum < 1 else ", rounded to a whole block."))
     return Text(f"Best: {_segment_name(k)}, measured peak {fmt.sig(best['peak_GiB'])} "
                 f"GiB ({fmt.sig(best['activation_peak_GiB'])} GiB of it allocated during the step, above the "
                 f"{fmt.sig(state)} GiB resident between steps{counted}), one step in "

@@ -230,7 +230,9 @@ def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None, taken
     if options.get("fused_head"):
         how.append("the fused LM head")
     if options.get("checkpoint"):
-        how.append(f"checkpoint levels {options['checkpoint']}")
+        first = options.get("checkpoint_blocks")
+        how.append(f"checkpoint levels {options['checkpoint']}"
+                   + (f" on the first {first} blocks" if first is not None else ""))
     how.append(f"AdamW ({options.get('optimizer', '?')})")
     peak = "" if pd.isna(r.get("peak_GiB")) else f", peak {fmt.sig(r['peak_GiB'])} GiB"
     if pd.notna(r.get("MFU_pct", float("nan"))):

@@ -75,12 +75,12 @@ def spread(*values: Any) -> float:
 def step_verdict(ours: float, theirs: float, noise_ms: float) -> str:
     """How a step time compares with another timed beside it: ``faster``, ``slower``, or, where the two lie
     within their summed step-to-step spread ``noise_ms``, no difference (a ratio inside the noise is not a result)."""
+    if abs(ours - theirs) > noise_ms:  # a gap beyond the spread is a result, however noisy the steps
+        return "faster" if ours < theirs else "slower"
     if noise_ms > NOISY_SPREAD * min(ours, theirs):  # a broken measurement, not a tie
         return (f"the steps varied by ±{fmt.ms(noise_ms)}, {noise_ms / min(ours, theirs):.0%} of the step: too noisy "
                 "to compare; the comparison needs a quieter run")
-    if abs(ours - theirs) <= noise_ms:
-        return f"within the steps' spread of ±{fmt.ms(noise_ms)}: no difference"
-    return "faster" if ours < theirs else "slower"
+    return f"within the steps' spread of ±{fmt.ms(noise_ms)}: no difference"
 
 
 #: Summed step-to-step spread, as a share of the step, above which two step times are not compared at all.

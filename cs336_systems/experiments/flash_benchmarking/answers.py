@@ -421,7 +421,8 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
         mine = oom[oom["dtype"] == dtype] if "dtype" in oom.columns else oom
         if not mine.empty:
             first = int(mine["seq_len"].min())
-            ours_failed = sweep[(sweep["impl"] != "naive") & (sweep["status"] != "ok") & (sweep["seq_len"] >= first)
+            ours = "triton" if (sweep["impl"] == "triton").any() else "flash_pytorch"  # as the speed-ups pick it
+            ours_failed = sweep[(sweep["impl"] == ours) & (sweep["status"] == "OOM") & (sweep["seq_len"] >= first)
                                 & (sweep["pass"] == "forward+backward")
                                 & ((sweep["dtype"] == dtype) if "dtype" in sweep.columns else True)]
             text += (f"; PyTorch's forward + backward runs out of memory from {first:,} tokens (its forward alone "
