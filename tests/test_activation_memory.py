@@ -148,3 +148,7 @@ def test_checkpointing_answer_reports_a_whole_block_win_when_the_model_predicted
     text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
     assert text.startswith("Best: segments of 1 block, measured peak 74.7 GiB")
     assert "below one block: the finest split should win" in text and "measured, segments of 1 block won" in text
+
+    unswept = _best_segment(table[table["block_size"] != 0.5], block_bytes=17 * 2**30, input_bytes=80 * 2**20,
+                            preset="xl@2026").markdown
+    assert unswept.endswith("; this sweep did not try it (block size 0.5).")

@@ -312,7 +312,8 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                   "branch of a block separately keeps two inputs per block but recomputes only half a block's "
                   "residuals at a time" + ("." if k == SUBLAYER else
                                            f"; measured, {_segment_name(k)} won, so the halves' own temporaries "
-                                           "outweigh what the split saves here.")
+                                           "outweigh what the split saves here." if SUBLAYER in sizes else
+                                           f"; this sweep did not try it (block size {SUBLAYER:g}).")
                   if optimum < 1 else ", rounded to a whole block."))
     return Text(f"Best: {_segment_name(k)}, measured peak {fmt.sig(best['peak_GiB'])} "
                 f"GiB ({fmt.sig(best['activation_peak_GiB'])} GiB of it allocated during the step, above the "
