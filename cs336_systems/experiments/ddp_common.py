@@ -242,8 +242,8 @@ def _paired_efficiency(d: SectionData, table: pd.DataFrame) -> pd.DataFrame:
     which would credit the graph's saved launches to scaling (efficiencies above 1). Rows whose run recorded
     no such single-GPU step keep the table's value."""
     singles: dict[tuple[str, int, bool], float] = {}
-    for name in d.tables:
-        f = d.frame(name) if name.startswith("steps_") or re.match(r"np\d+_", name) else None
+    for name in _step_table_names(d):
+        f = d.frame(name)
         if f is None or not {"mode", "step_ms", "world_size", "autocast"} <= set(f.columns):
             continue
         world = int(f["world_size"].max())  # the single-GPU rows record 1; the run's world is the others'
@@ -358,11 +358,16 @@ def captured_steps(d: SectionData) -> list[Block]:
         table])]
 
 
+def _step_table_names(d: SectionData) -> list[str]:
+    """The section's step tables: ``steps_<preset>_<autocast>`` from the first world size,
+    ``np<N>_<preset>_<autocast>`` from each further one (``--set nproc=2,4``)."""
+    return [n for n in d.tables if n.startswith("steps_") or re.match(r"np\d+_", n)]
+
+
 def _world_runs(d: SectionData) -> dict[str, pd.DataFrame]:
-    """The section's step tables that time variants against torch DDP: ``steps_<preset>_<autocast>`` from the
-    first world size, ``np<N>_<preset>_<autocast>`` from each further one (``--set nproc=2,4``)."""
-    names = [n for n in d.tables if n.startswith("steps_") or re.match(r"np\d+_", n)]
-    return {n: f for n in names if not n.endswith(("_timeline", "_overlap")) and _has_graph_column(f := d.frame(n))}
+    """The step tables that time variants against torch DDP (eager and captured), by name."""
+    return {n: f for n in _step_table_names(d)
+            if not n.endswith(("_timeline", "_overlap")) and _has_graph_column(f := d.frame(n))}
 
 
 def torch_parity(d: SectionData, bucket_mb: float = 25.0) -> Text | None:

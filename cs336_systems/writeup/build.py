@@ -185,8 +185,8 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
             rows.append(f"| §{entry.number} | {', '.join(entry.problems)} | (none yet) |")
             continue
         spec = SECTIONS[entry.section]
-        own = edition in spec.grids and not SectionData(root, spec.results_folder(edition)).empty
-        section, _ = build_section(spec, root, strict, notebooks, edition if own else None)
+        own = _own_grid(spec, root, edition) is not None
+        section, _ = build_section(spec, root, strict, notebooks, _own_grid(spec, root, edition))
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
         section.blocks = [b for b in section.blocks
@@ -257,12 +257,17 @@ def _borrowed(spec: Any, root: Path, strict: bool, notebooks: Path, edition: str
               here: str) -> list[Block]:
     """The questions labelled ``label`` of another section's answers (from its grid of ``edition`` where
     measured), relabelled ``here``: a part of a problem that the workbook measures in another section."""
-    own = edition in spec.grids and not SectionData(root, spec.results_folder(edition)).empty
-    lender, _ = build_section(spec, root, strict, notebooks, edition if own else None)
+    grid = _own_grid(spec, root, edition)
+    lender, _ = build_section(spec, root, strict, notebooks, grid)
     found = [dataclasses.replace(b, label=here) for b in lender.blocks if isinstance(b, Question) and b.label == label]
     if not found:
-        return [Missing(f"part ({here}), answered by {spec.title}", spec.command_for(edition if own else None))]
+        return [Missing(f"part ({here}), answered by {spec.title}", spec.command_for(grid))]
     return found
+
+
+def _own_grid(spec: Any, root: Path, edition: str) -> str | None:
+    """``edition`` where ``spec`` has measured that edition's own grid, else None (the workbook's results)."""
+    return edition if edition in spec.grids and not SectionData(root, spec.results_folder(edition)).empty else None
 
 
 def _with_borrowed(blocks: list[Block], borrowed: list[Block]) -> list[Block]:
