@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -157,3 +159,58 @@ def test_the_step_checkpoints_only_the_blocks_it_is_told_to() -> None:
     step = lb.build_step(TINY, lb.StepOptions(attention="sdpa", checkpoint=(1,), checkpoint_blocks=1), cpu)
     assert "first 1 of 2 blocks" in repr(step.model.layers)
     assert torch.isfinite(step())
+
+
+def _losses_of_each_stack(options: list[lb.StepOptions]) -> list[list[float]]:
+    runs = []
+    for o in options:
+        step = lb.build_step(TINY, o, torch.device("cpu"))
+        runs.append([step().item() for _ in range(3)])
+        if o.compile:  # FSDP2 wraps each block; compile() gave it a compiled call
+            assert all(b._compiled_call_impl is not None for b in step.model.lm.layers.children())
+    return runs
+
+
+@pytest.mark.slow
+def test_the_fsdp2_reference_trains_the_same_model_as_our_fsdp() -> None:
+    """Under FSDP2 the step is our FSDP's to the last bit (same shards of the batch, same bf16 math); the
+    reference (SDPA, every block compiled) stays within bf16 rounding of it."""
+    from cs336_systems.distributed.launch import spawn
+
+    ours = lb.StepOptions(attention="sdpa", checkpoint=(1,), checkpoint_blocks=1)
+    ranks = spawn(_losses_of_each_stack, 2, [ours, replace(ours, stack="fsdp2"), ours.reference()],
+                  backend="gloo", timeout_s=300)
+    for ours_losses, fsdp2, reference in ranks:
+        assert fsdp2 == ours_losses
+        assert reference == pytest.approx(ours_losses, rel=1e-2)
+        assert reference[-1] < reference[0]
+
+
+def test_the_reference_is_the_same_step_on_torch_parts_and_bad_stacks_fail_in_one_line() -> None:
+    ours = lb.StepOptions(checkpoint=(1,), checkpoint_blocks=20)
+    ref = ours.reference()
+    assert (ref.stack, ref.attention, ref.optimizer, ref.compile) == ("fsdp2", "sdpa", "torch_fused", True)
+    assert (ref.checkpoint, ref.checkpoint_blocks, ref.fused_head) == (ours.checkpoint, 20, True)
+    with pytest.raises(ValueError, match="stack must be one of ours, fsdp2, got 'ddp'"):
+        lb.StepOptions(stack="ddp").check()
+    with pytest.raises(ValueError, match="--stack fsdp2 shards over ranks"):
+        lb.build_step(TINY, lb.StepOptions(attention="sdpa", stack="fsdp2"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="--stack fsdp2 shards over ranks"):
+        lb.main(["--layers", "2", "--context", "16", "--reference", "--attention", "sdpa"])
+
+
+def test_the_answer_compares_our_step_with_the_reference_within_the_spread() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.leaderboard import _reference_sentence
+
+    table = pd.DataFrame({"stack": ["ours", "torch reference"], "status": ["ok", "ok"],
+                          "step_ms": [5000.0, 6000.0], "step_spread_ms": [20.0, 30.0]})
+    meta = {"extra": {"reference_options": {"compile": True}}}
+    said = _reference_sentence(table, meta, table.iloc[0])
+    assert "took 6,000 ms, so ours runs at 1.20× its speed: faster." in said and "every block compiled" in said
+    close = table.assign(step_ms=[5000.0, 5030.0])
+    assert "no difference" in _reference_sentence(close, meta, close.iloc[0])
+    failed = table.assign(status=["ok", "OOM"])
+    assert _reference_sentence(failed, meta, failed.iloc[0]).endswith("did not run: OOM.")
+    assert "was not run" in _reference_sentence(table.iloc[:1], meta, table.iloc[0])

@@ -15,11 +15,13 @@ On several ranks (``--nproc 2``, or under ``torchrun``) the step runs under our 
 of the batch and a shard of every weight, the LM head stays replicated when the fused loss reads it, and the
 step is timed by :func:`collective_bench`, ``do_bench``'s protocol with step counts every rank agrees on
 (``do_bench`` sizes its loops from each process's own estimate, and ranks that ran different numbers of
-collective steps would hang).
+collective steps would hang). :meth:`StepOptions.reference` is the torch-native step to compare with: the
+same model, head and checkpointed blocks under FSDP2, SDPA with cuDNN first, fused AdamW, compiled blocks.
 
     python -m cs336_systems.benchmarking.leaderboard_8b --plan-only
     python -m cs336_systems.benchmarking.leaderboard_8b --layers 4 --context 8192 --checkpoint 1
     python -m cs336_systems.benchmarking.leaderboard_8b --nproc 2 --checkpoint 1      # the handout's step
+    python -m cs336_systems.benchmarking.leaderboard_8b --nproc 2 --checkpoint 1 --reference  # FSDP2's
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from cs336_systems.configs import ModelConfig, activation_elements_per_layer, pa
 #: The 10-minute rule: a benchmarking run from an empty cache must finish within it.
 TIME_LIMIT_S = 600.0
 OPTIMIZERS = ("torch_fused", "basics")
+#: Who shards the step over ranks: our FSDP, or PyTorch's FSDP2 (``fully_shard`` per block and at the root).
+STACKS = ("ours", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -74,12 +78,21 @@ class StepOptions:
     checkpoint_blocks: int | None = None
     """Checkpoint only the first this many blocks (None: every block the levels cover); the memory plan's
     ``checkpointed_blocks`` is the fewest that fit."""
+    stack: str = "ours"
+    """``ours`` (our FSDP on several ranks) or ``fsdp2`` (``fully_shard``; with ``compile``, each block compiled)."""
+
+    def reference(self) -> StepOptions:
+        """The torch-native step to compare with: the same model, head and checkpointed blocks under FSDP2, with
+        SDPA (cuDNN first) for attention, fused AdamW and every block compiled."""
+        return replace(self, stack="fsdp2", attention="sdpa", optimizer="torch_fused", compile=True)
 
     def check(self) -> None:
         from cs336_basics.model import available_attention_impls
 
         if self.attention not in available_attention_impls():
             raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
+        if self.stack not in STACKS:
+            raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.chunk_size < 1 or any(level < 1 for level in self.checkpoint):
@@ -186,8 +199,11 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
     rank, world = _world()
     if shape.batch_size % world:
         raise ValueError(f"batch {shape.batch_size} does not split over {world} ranks")
-    if world > 1 and options.compile:
-        raise ValueError("--compile is not supported with FSDP here (its gathers run from Python hooks)")
+    if world > 1 and options.compile and options.stack == "ours":
+        raise ValueError("--compile is not supported with our FSDP (its gathers run from Python hooks); "
+                         "--stack fsdp2 compiles each block")
+    if options.stack == "fsdp2" and world < 2:
+        raise ValueError("--stack fsdp2 shards over ranks: run it with --nproc 2 or more")
     torch.manual_seed(seed)
     model = BasicsTransformerLM(**cfg.model_kwargs(), attention_impl=options.attention, device=device,
                                 dtype=torch.bfloat16)
@@ -199,7 +215,8 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
     inputs, targets = torch.randint(0, cfg.vocab_size, (2, shape.batch_size, shape.context_length), device=device,
                                     generator=gen)
     if world > 1:
-        return _fsdp_step(model, options, inputs, targets, rank, world)
+        shard = _fsdp2_step if options.stack == "fsdp2" else _fsdp_step
+        return _sdpa_prefers_cudnn(shard(model, options, inputs, targets, rank, world), options, device)
     optimizer = _optimizer(model.parameters(), options, device)
 
     if options.fused_head:
@@ -218,7 +235,24 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
         def loss_fn() -> torch.Tensor:
             return cross_entropy(forward(inputs), targets).sum()
 
-    return _train_step(loss_fn, optimizer, model)
+    return _sdpa_prefers_cudnn(_train_step(loss_fn, optimizer, model), options, device)
+
+
+def _sdpa_prefers_cudnn(step: Callable[[], torch.Tensor], options: StepOptions,
+                        device: torch.device) -> Callable[[], torch.Tensor]:
+    """With SDPA attention on a GPU, the whole step (the backward's recomputation included) runs with cuDNN's
+    attention first and flash second (SDPA's default order may pick flash; cuDNN's is the faster built-in
+    attention on Hopper, :mod:`cs336_systems.experiments.flash_benchmarking`)."""
+    if options.attention != "sdpa" or device.type != "cuda":
+        return step
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn_step() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
+            return step()
+
+    cudnn_step.model = step.model  # type: ignore[attr-defined]
+    return cudnn_step
 
 
 def _train_step(loss_fn: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
@@ -272,10 +306,39 @@ def _fsdp_step(model: torch.nn.Module, options: StepOptions, inputs: torch.Tenso
                        net.finish_gradient_synchronization)
 
 
-def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, device: torch.device) -> float:
+def _fsdp2_step(model: torch.nn.Module, options: StepOptions, inputs: torch.Tensor, targets: torch.Tensor,
+                rank: int, world: int) -> Callable[[], torch.Tensor]:
+    """The step under PyTorch's FSDP2: ``fully_shard`` on every block, then on the whole loss module (the
+    embedding, final norm and LM head, gathered for the root's forward, so the fused loss may read the head's
+    weight); with ``compile`` each block is compiled (FSDP2's hooks stay outside the compiled graphs)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from cs336_basics.nn_utils import cross_entropy
+    from cs336_systems.lm_head_loss import FusedLMLoss
+
+    part = slice(rank * inputs.shape[0] // world, (rank + 1) * inputs.shape[0] // world)
+    x, y = inputs[part], targets[part]
+    for block in model.layers.children():  # (a checkpointed ``layers`` iterates over segments, not blocks)
+        fully_shard(block)
+        if options.compile:
+            block.compile()
+    net = FusedLMLoss(model, options.chunk_size) if options.fused_head else model
+    fully_shard(net)
+    if options.fused_head:
+        def loss_fn() -> torch.Tensor:
+            return net(x, y)
+    else:
+        def loss_fn() -> torch.Tensor:
+            return cross_entropy(net(x), y).sum()
+    return _train_step(loss_fn, _optimizer(net.parameters(), options, x.device), net)
+
+
+def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
+                     device: torch.device) -> tuple[float, float]:
     """``triton.testing.do_bench``'s protocol (estimate from 5 calls, warm up for ``warmup_ms``, then the
     median of ``rep_ms`` worth of timed calls), with the call counts agreed over the ranks (from the slowest
-    rank's estimate) and the slowest rank's median returned. On CPU, ``perf_counter`` replaces CUDA events."""
+    rank's estimate): the slowest rank's median and the largest step-to-step spread (half the 20-80% range)
+    over the ranks. On CPU, ``perf_counter`` replaces CUDA events."""
     import statistics
 
     import torch.distributed as dist
@@ -314,13 +377,23 @@ def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, dev
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return agree(statistics.median(times))
+    return agree(statistics.median(times)), agree(_spread(times))
+
+
+def _spread(times: list[float]) -> float:
+    """Half the range from the 20th to the 80th percentile: the step-to-step spread a comparison must exceed."""
+    import statistics
+
+    if len(times) < 2:
+        return 0.0
+    cuts = statistics.quantiles(times, n=5, method="inclusive")
+    return (cuts[3] - cuts[0]) / 2
 
 
 def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.device | None = None,
               warmup_ms: float = 10_000.0, rep_ms: float = 30_000.0) -> dict[str, object]:
     """Build and time the step: ``do_bench`` (median ms) on a GPU, a ``perf_counter`` mean on CPU (smoke runs),
-    with peak memory, the whole run's wall time and whether it kept the 10-minute rule."""
+    with the step-to-step spread (half the 20-80% range), peak memory, the whole run's wall time and whether it kept the 10-minute rule."""
     from cs336_systems.benchmarking.end_to_end import default_device
 
     started = time.perf_counter()
@@ -330,23 +403,26 @@ def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.devic
     step = build_step(shape, options, device)
     _, world = _world()
     if world > 1:
-        ms = collective_bench(step, warmup_ms, rep_ms, device)
+        ms, spread = collective_bench(step, warmup_ms, rep_ms, device)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     elif device.type == "cuda":
         import triton.testing
 
-        ms = float(triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        ms, low, high = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        ms, spread = float(ms), (float(high) - float(low)) / 2
         peak = torch.cuda.max_memory_allocated(device) / 2**30
     else:
         step()  # warm-up
-        calls = max(1, math.ceil(rep_ms / 1000))
-        t0 = time.perf_counter()
+        calls = max(2, math.ceil(rep_ms / 1000))
+        times = []
         for _ in range(calls):
+            t0 = time.perf_counter()
             step()
-        ms, peak = (time.perf_counter() - t0) * 1e3 / calls, float("nan")
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms, spread, peak = sum(times) / calls, _spread(times), float("nan")
     wall = time.perf_counter() - started
     # the model's parameters (under FSDP a rank holds shards of them, so count from the shape)
-    return {"step_ms": ms, "peak_GiB": peak, "wall_s": wall, "within_10_min": wall <= TIME_LIMIT_S,
+    return {"step_ms": ms, "step_spread_ms": spread, "peak_GiB": peak, "wall_s": wall, "within_10_min": wall <= TIME_LIMIT_S,
             "params": param_counts(shape.config())["total"], "gpus": world}
 
 
@@ -390,7 +466,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many blocks the levels cover, from the first: all, plan (the fewest that let the "
                              "timed shape fit its --nproc GPUs of --gpu-gb, by the memory plan) or a number")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="torch_fused")
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model body (one rank) or each "
+                        "block (--stack fsdp2)")
+    parser.add_argument("--stack", choices=STACKS, default="ours", help="who shards the step over ranks")
+    parser.add_argument("--reference", action="store_true", help="time the torch-native reference instead: "
+                        "FSDP2, SDPA (cuDNN), fused AdamW, compiled blocks, the same checkpointed blocks")
     parser.add_argument("--warmup-ms", type=float, default=10_000.0)
     parser.add_argument("--rep-ms", type=float, default=30_000.0)
     parser.add_argument("--nproc", type=int, default=1, help="ranks of the timed step (2: FSDP over two GPUs, "
@@ -410,7 +490,9 @@ def run_command(args: argparse.Namespace) -> int:
     shape.config()
     own_plan = memory_plan(shape, max(args.nproc, 1), args.gpu_gb) if args.checkpoint_blocks == "plan" else plan
     options = StepOptions(args.attention, not args.unfused_head, levels, args.optimizer, args.compile,
-                          checkpoint_blocks=checkpoint_blocks(args.checkpoint_blocks, own_plan))
+                          checkpoint_blocks=checkpoint_blocks(args.checkpoint_blocks, own_plan), stack=args.stack)
+    if args.reference:
+        options = options.reference()
     options.check()
     print(f"Memory plan of the full shape ({plan.attrs['params'] / 1e9:.2f} B parameters) on {args.gpus} GPUs of "
           f"{args.gpu_gb:g} GB:")

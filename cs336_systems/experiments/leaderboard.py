@@ -9,6 +9,8 @@ Two results (:mod:`cs336_systems.benchmarking.leaderboard_8b`):
   what must be fused, sharded and checkpointed before it fits two GPUs.
 - ``step``: the same step, timed on one GPU at a reduced shape that fits it (fewer layers, a shorter
   context), with its peak memory and the whole run's wall time against the 10-minute rule.
+- ``step_<n>ranks`` (``--set nproc=2``): the step on several GPUs under our FSDP, and in the same job the
+  torch-native reference (:meth:`~cs336_systems.benchmarking.leaderboard_8b.StepOptions.reference`), one row each.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class Params:
     checkpoint_blocks: str = param("all", "blocks the levels cover, from the first: all, plan (the fewest that let "
                                           "the timed shape fit nproc GPUs of plan_gpu_gb) or a number")
     optimizer: str = param("torch_fused", "torch_fused (torch.optim.AdamW(fused=True)) or basics (ours)")
-    compile: bool = param(False, "torch.compile the model body")
+    compile: bool = param(False, "torch.compile the model body (one rank; our FSDP runs eager)")
+    reference: bool = param(True, "with nproc >= 2, also time the torch-native reference in the same job: FSDP2, "
+                                  "SDPA (cuDNN), fused AdamW, compiled blocks, the same checkpointed blocks")
     warmup_ms: float = param(10_000.0, "do_bench warm-up")
     rep_ms: float = param(30_000.0, "do_bench measuring time")
     nproc: int = param(1, "timed step: ranks (2 or more: FSDP over that many GPUs, each with batch / nproc "
@@ -96,26 +100,31 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
 
     ranks = p.nproc > 1 or runner.launched_externally()
 
-    def one() -> dict[str, Any]:
-        if ranks:
-            return time_step_on_ranks(shape, options, p.nproc, p.warmup_ms, p.rep_ms)
-        return time_step(shape, options, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms)
+    stacks = {"ours": options}
+    if ranks and p.reference:
+        stacks["torch reference"] = options.reference()
 
-    step = run_sweep(one, [{}], desc="leaderboard step", budget_s=TIME_LIMIT_S)
+    def one(stack: str) -> dict[str, Any]:
+        if ranks:
+            return time_step_on_ranks(shape, stacks[stack], p.nproc, p.warmup_ms, p.rep_ms)
+        return time_step(shape, stacks[stack], warmup_ms=p.warmup_ms, rep_ms=p.rep_ms)
+
+    step = run_sweep(one, [{"stack": s} for s in stacks], desc="leaderboard step", budget_s=2 * TIME_LIMIT_S)
     if not runner.is_main_process():
         return {"memory_plan": plan}
     step.insert(0, "shape", f"{shape.num_layers} layers, context {shape.context_length}, batch {shape.batch_size}")
     # one GPU and several write apart, so the reduced one-GPU step and the handout's two-GPU step coexist
     world = int(step["gpus"].iloc[0]) if "gpus" in step and step["gpus"].notna().iloc[0] else p.nproc
     name = f"step_{world}ranks" if ranks else "step"  # a failed multi-rank row must not replace the one-GPU table
-    out.table(step, name, extra={"shape": asdict(shape), "options": asdict(options)})
+    out.table(step, name, extra={"shape": asdict(shape), "options": asdict(options),
+                                 **({"reference_options": asdict(stacks["torch reference"])} if len(stacks) > 1 else {})})
     return {"memory_plan": plan, name: step}
 
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.report import fmt  # noqa: E402
-from cs336_systems.report.answers import mfu_note, ok_rows, question, step_mfu  # noqa: E402
+from cs336_systems.report.answers import mfu_note, ok_rows, question, step_mfu, step_verdict  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
 from cs336_systems.report.document import Block, Text  # noqa: E402
 
@@ -182,28 +191,58 @@ def _ranks_tables(d: SectionData) -> list[str]:
 
 
 def _ranks_blocks(d: SectionData) -> list[Block | None]:
-    """The step timed on several GPUs under FSDP (``--set nproc=2``), when it was."""
+    """The step timed on several GPUs under FSDP (``--set nproc=2``), when it was, and the torch-native
+    reference of the same job beside it."""
     blocks: list[Block | None] = []
     for name in _ranks_tables(d):
         ok = ok_rows(d.frame(name))
         if ok.empty:
             continue
-        r, meta = ok.iloc[0], d.meta(name)
+        meta = d.meta(name)
+        ours = ok[ok["stack"] == "ours"] if "stack" in ok else ok
+        if ours.empty:
+            continue
+        r = ours.iloc[0]
         shape = ((meta.get("extra") or {}).get("shape")) or {}
         handout = all(shape.get(k) == v for k, v in asdict(_FULL).items())
         peak = "" if pd.isna(r.get("peak_GiB")) else f", peak {fmt.sig(r['peak_GiB'])} GiB per GPU"
+        frame = _step_with_mfu(d.frame(name), meta)
+        mfu = frame.loc[r.name, "MFU_pct"] if frame is not None and "MFU_pct" in frame else float("nan")
         blocks += [
             Text(f"On {int(r['gpus'])} × {meta.get('device', 'GPU')} under our FSDP at {r['shape']} "
                  f"({fmt.params(r['params'])} parameters"
                  + ("; the handout's shape" if handout else "") + f"): {fmt.ms(r['step_ms'])} per step (the "
-                 f"slowest rank's median){peak}; the whole run, process start-up included, took "
-                 f"{fmt.sig(r['wall_s'])} s, " + ("within" if bool(r["within_10_min"]) else "over")
-                 + " the 10-minute rule."),
-            d.table(name, caption="The step on several GPUs under FSDP: each rank on its share of the batch, "
-                    "weights, gradients and AdamW state sharded, the fused head's weight replicated; timed with "
-                    "`do_bench`'s protocol and step counts agreed over the ranks."),
+                 f"slowest rank's median)" + (f", {mfu:.1f}% MFU per GPU" if pd.notna(mfu) else "") + f"{peak}; "
+                 f"the whole run, process start-up included, took {fmt.sig(r['wall_s'])} s, "
+                 + ("within" if bool(r["within_10_min"]) else "over") + " the 10-minute rule."
+                 + _reference_sentence(d.frame(name), meta, r)),
+            d.table(name, frame=frame, caption="The step on several GPUs: each rank on its share of the batch, "
+                    "weights, gradients and AdamW state sharded; ours with the fused head's weight replicated, the "
+                    "reference under FSDP2; timed with `do_bench`'s protocol and step counts agreed over the ranks; "
+                    "MFU counts the model's FLOPs (no recomputation) over the step and the GPUs."
+                    + mfu_note(meta, ("bf16",))),
         ]
     return blocks
+
+
+def _reference_sentence(table: pd.DataFrame | None, meta: dict[str, Any], ours: pd.Series) -> str:
+    """How our step compares with the torch-native reference of the same job (or why there is none)."""
+    if table is None or "stack" not in table:
+        return " The torch-native reference was not run in this job."
+    ref = table[table["stack"] == "torch reference"]
+    if ref.empty:
+        return " The torch-native reference was not run in this job."
+    row = ref.iloc[0]
+    opts = ((meta.get("extra") or {}).get("reference_options")) or {}
+    what = ("the same model, fused head and checkpointed blocks under FSDP2 (`fully_shard` per block), SDPA "
+            "(cuDNN first), fused AdamW" + (", every block compiled" if opts.get("compile") else ""))
+    if row["status"] != "ok":
+        return f" The torch-native reference ({what}) did not run: {row['status']}."
+    noise = float(row.get("step_spread_ms", 0.0) or 0.0) + float(ours.get("step_spread_ms", 0.0) or 0.0)
+    verdict = step_verdict(float(ours["step_ms"]), float(row["step_ms"]), noise)
+    ratio = float(row["step_ms"]) / float(ours["step_ms"])
+    return (f" The torch-native reference of the same job ({what}) took {fmt.ms(row['step_ms'])}, so ours runs at "
+            f"{ratio:.2f}× its speed: {verdict}.")
 
 
 def _why_not_timed(plan: pd.DataFrame | None, plan_meta: dict[str, Any], step_meta: dict[str, Any] | None) -> str:
