@@ -208,6 +208,45 @@ def _checkpointed_blocks_with_fused_head() -> dict:
     return dict(fsdp.stats)
 
 
+def _checkpointed_blocks_save_only_their_inputs() -> dict:
+    """Activation checkpointing keeps its promise under FSDP: a checkpointed block's linear inputs are not
+    held for backward (FSDP's own saved-tensor hooks pass them to the checkpoint's), and an outer hook of the
+    user's (``save_on_cpu`` and the like) sees every tensor autograd saves inside a sharded layer."""
+    import gc
+    import weakref
+
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems.checkpointing import checkpoint_layers
+
+    torch.manual_seed(7)
+    base = BasicsTransformerLM(vocab_size=32, context_length=8, d_model=16, num_layers=3, num_heads=2, d_ff=32,
+                               rope_theta=10000.0)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    held = {}
+    for checkpointed in (False, True):
+        model = copy.deepcopy(base)
+        if checkpointed:
+            checkpoint_layers(model, [1])
+        fsdp = FSDP(model)
+        inputs: list[weakref.ref] = []
+        hook = model.layers[1].ffn.w2.register_forward_hook(lambda m, args, out: inputs.append(weakref.ref(args[0])))
+        loss = fsdp(x).float().square().mean()
+        gc.collect()
+        held[checkpointed] = inputs[0]() is not None
+        loss.backward()
+        fsdp.finish_gradient_synchronization()
+        hook.remove()
+    assert held == {False: True, True: False}, held  # saved for backward only where the block is not recomputed
+    packed: list[torch.Size] = []
+    fsdp = FSDP(copy.deepcopy(base))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+        loss = fsdp(x).float().square().mean()
+    loss.backward()
+    fsdp.finish_gradient_synchronization()
+    assert torch.Size([2, 8, 32]) in packed  # the input of ffn.w2 (d_ff 32), saved inside a sharded layer
+    return {}
+
+
 _sgd = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
 _adamw = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
 
@@ -220,6 +259,7 @@ CHECKS = {
     "odd_shapes_bf16_adamw": lambda: _train_and_compare(OddShapesModel, torch.bfloat16, _adamw, steps=2),
     "wrapper_contract": _wrapper_contract,
     "checkpointed_blocks_fused_head": _checkpointed_blocks_with_fused_head,
+    "checkpointed_blocks_save_only_their_inputs": _checkpointed_blocks_save_only_their_inputs,
 }
 
 

@@ -21,7 +21,9 @@ Mechanism, per sharded layer (a :class:`ShardedLayer`; the shards and their coll
   replaces every tensor autograd would save that aliases a gathered weight (``x @ W.T`` saves ``W.T``)
   by a small token; the gathered weight is thus released when the forward returns. When backward
   unpacks a token, the layer is gathered again (or its prefetch is picked up), and the token becomes a
-  view of the fresh copy; the copy is dropped when :class:`_Unshard`'s backward runs for it.
+  view of the fresh copy; the copy is dropped when :class:`_Unshard`'s backward runs for it. Every other
+  saved tensor goes to the hooks that enclose the forward, if any: activation checkpointing's (which drop it
+  and recompute it) or a user's (``save_on_cpu``), since only the innermost pair of hooks runs.
 - **Gradients.** :class:`_Unshard`'s backward casts the full gradient to fp32 and launches an
   asynchronous reduce-scatter into a shard-sized buffer; :meth:`FSDP.finish_gradient_synchronization`
   waits, averages and installs the result as ``param.grad`` (shard shape, fp32).
@@ -104,6 +106,17 @@ class _Unshard(torch.autograd.Function):
 
 
 @dataclass(frozen=True)
+class _Outer:
+    """A saved tensor handed to the saved-tensor hooks that enclose the layer's forward (activation
+    checkpointing's, which drop it and recompute it, or a user's ``save_on_cpu``): only the innermost pair of
+    hooks runs, so the layer's own pair must pass on what it does not replace, or it silently keeps every
+    linear input of a checkpointed block."""
+
+    hooks: tuple[Any, Any]
+    packed: Any
+
+
+@dataclass(frozen=True)
 class _Regather:
     """What autograd keeps instead of a saved alias of a gathered weight."""
 
@@ -131,6 +144,7 @@ class ShardedLayer:
     fsdp: Any  # weakref.proxy to the owning FSDP
     backward_copy: dict[str, torch.Tensor] = field(default_factory=dict)
     current: dict[str, torch.Tensor] = field(default_factory=dict)  # gathered weights during forward
+    outer: tuple[Any, Any] | None = None  # the saved-tensor hooks around the running forward (checkpoint's)
 
     def start_gather(self) -> dict[str, PendingGather]:
         self.fsdp._count_gather(self)
@@ -144,9 +158,11 @@ class ShardedLayer:
             if _same_storage(t, full):
                 self.fsdp._needs_backward_gather(self)
                 return _Regather(name, t.size(), t.stride(), t.storage_offset())
-        return t
+        return _Outer(self.outer, self.outer[0](t)) if self.outer is not None else t
 
     def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Outer):
+            return saved.hooks[1](saved.packed)
         if not isinstance(saved, _Regather):
             return saved
         if saved.name not in self.backward_copy:
@@ -359,13 +375,14 @@ class FSDP(nn.Module):
             }
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         layer.current = gathered
+        layer.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         try:
             with self._substituted(layer.module, gathered), torch.autograd.graph.saved_tensors_hooks(
                 layer.pack, layer.unpack
             ):
                 return original(*args, **kwargs)
         finally:
-            layer.current = {}
+            layer.current, layer.outer = {}, None
 
     @staticmethod
     @contextlib.contextmanager
