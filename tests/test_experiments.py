@@ -228,6 +228,9 @@ def test_an_edition_grid_is_a_parameter_set_and_a_folder_of_its_own(tmp_path, mo
     assert memory.params("full", edition="2026").context_lengths == [128, 2048]
     assert memory.results_folder("2026") == "memory_profiling/2026" and memory.results_folder() == "memory_profiling"
     assert memory.command_for("2026").endswith("memory_profiling --full --edition 2026")
+    # a section's own command carries its required settings into its grids' commands too
+    assert get("course_tests").command_for("cse599o").endswith(
+        "--set checkout=PATH-TO-COURSE-CHECKOUT --set edition=LABEL --publish --edition cse599o")
     with pytest.raises(ValueError, match="benchmarking has no grid of its own for edition '2026' "
                                          r"\(editions with one: none\); its results answer every edition"):
         main(["benchmarking", "--smoke", "--edition", "2026"])

@@ -201,5 +201,5 @@ SECTION = Section(
                                                             "ddp_flat", "ddp_overlap", "ddp_bucketed", "strategies",
                                                             "sharded_optimizer", "fsdp"))),
     command="uv run python -m cs336_systems.experiments course_tests --set checkout=PATH-TO-COURSE-CHECKOUT "
-            "--set edition=2026 --publish",
+            "--set edition=LABEL --publish",
 )

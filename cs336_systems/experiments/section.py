@@ -211,8 +211,8 @@ class Section:
     def command_for(self, edition: str | None) -> str:
         """How to refresh the results of the section, or of its ``edition`` grid."""
         self.check_edition(edition)
-        if self.command and edition is None:
-            return self.command
+        if self.command:  # a command of its own carries what the section needs (an edition grid adds its flag)
+            return self.command + (f" --edition {edition}" if edition else "")
         return (f"uv run python -m cs336_systems.experiments {self.name}"
                 + (" --publish" if self.gpus == 0 else " --full") + (f" --edition {edition}" if edition else ""))
 
