@@ -275,21 +275,39 @@ def _block_input_bytes(residuals: pd.DataFrame | None) -> float | None:
     return float(inputs["bytes"].max()) if len(inputs) else None
 
 
-def _segment_name(k: float) -> str:
+def _segment_name(k: float, short: bool = False) -> str:
     if k == 0:
         return "no checkpointing"
     if k == SUBLAYER:
-        return "each block by sublayer (its attention and feed-forward branches checkpointed separately)"
+        return "checkpointing by sublayer" if short else ("each block by sublayer (its attention and feed-forward branches "
+                                            "checkpointed separately)")
     return f"segments of {k:g} block{'s' if k != 1 else ''}"
+
+
+#: Two peaks closer than this share are a tie: the sweep runs each configuration once.
+TIE = 0.01
+#: A row whose memory resident between steps differs from the other rows' by more than this (GiB) carries
+#: leftovers of another configuration (an out-of-memory run before it) and is compared on its step's own memory.
+RESIDENT_SLACK_GIB = 1.0
 
 
 def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                   input_bytes: float | None = None, preset: str | None = None) -> Text | None:
-    """The direct answer to (b): the measured best segment size and what its neighbours in the sweep did."""
+    """The direct answer to (b): the measured best segment size and what its neighbours in the sweep did.
+
+    Configurations are compared on the memory allocated during the step above what is resident between steps
+    (``activation_peak_GiB``): that is what checkpointing changes, and it is immune to a row whose resident memory
+    still held another configuration's tensors. The peak reported is the best row's own."""
     sweep = ok_rows(table)
-    if sweep.empty or not sweep["peak_GiB"].notna().any():
+    if sweep.empty or not sweep["activation_peak_GiB"].notna().any():
         return None
-    best = sweep.loc[sweep["peak_GiB"].idxmin()]
+    resident = sweep["peak_GiB"] - sweep["activation_peak_GiB"]
+    usual = float(resident.median())
+    best = sweep.loc[sweep["activation_peak_GiB"].idxmin()]
+    tied = sweep[(sweep["activation_peak_GiB"] <= best["activation_peak_GiB"] * (1 + TIE))
+                 & (sweep.index != best.name)]
+    if not tied.empty and abs(resident[best.name] - usual) > RESIDENT_SLACK_GIB:
+        best, tied = tied.iloc[0], sweep.loc[[best.name]]  # name the tie by the row whose peak is clean
     k = float(best["block_size"])
     sizes = sorted(float(x) for x in table["block_size"])
     at = sizes.index(k)
@@ -297,28 +315,39 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
     for j in (at - 1, at + 1):
         if 0 <= j < len(sizes):
             row = table[table["block_size"] == sizes[j]].iloc[0]
-            neighbours.append(f"{_segment_name(sizes[j])}: " + (f"{fmt.sig(row['peak_GiB'])} GiB"
-                                                               if row["status"] == "ok" else "out of memory"))
-    state = best["peak_GiB"] - best["activation_peak_GiB"]
-    counted = (f", of which the fp32 weights, gradients and AdamW state count "
-               f"{fmt.sig(16 * param_counts(preset)['total'] / 2**30)} GiB" if preset else "")
+            neighbours.append(f"{_segment_name(sizes[j], short=True)}: " + (
+                f"{fmt.sig(row['activation_peak_GiB'])} GiB during the step" if row["status"] == "ok"
+                else "out of memory"))
+    odd = [r for i, r in sweep.iterrows() if abs(resident[i] - usual) > RESIDENT_SLACK_GIB]
+    odd_text = "".join(
+        f" ({_segment_name(float(r['block_size']), short=True).capitalize()} measured {fmt.sig(r['peak_GiB'] - r['activation_peak_GiB'] - usual)}"
+        " GiB more resident between steps than the other rows, leftovers of the configuration before it, so its "
+        "total peak is not comparable.)" for r in odd)
+    counted = (f", of which the fp32 weights and AdamW state count "
+               f"{fmt.sig(12 * param_counts(preset)['total'] / 2**30)} GiB (gradients are allocated during the step)"
+               if preset else "")
+    tie_names = [_segment_name(float(r["block_size"]), short=True) for _, r in tied.iterrows()]
     why = ""
     if block_bytes and input_bytes and preset:
         optimum = get_config(preset).num_layers * input_bytes / block_bytes
+        split_tied = SUBLAYER in {float(r["block_size"]) for _, r in tied.iterrows()} or k == SUBLAYER and tie_names
         why = (f" Why: segments of $k$ blocks hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus $k$ "
                f"blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB each, least at "
                f"$k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / {block_bytes / 2**20:.0f}}}$"
                + (f" = {optimum ** 0.5:.2f}, below one block: the finest split should win, and checkpointing each "
                   "branch of a block separately keeps two inputs per block but recomputes only half a block's "
-                  "residuals at a time" + ("." if k == SUBLAYER else
-                                           f"; measured, {_segment_name(k)} won, so the halves' own temporaries "
-                                           "outweigh what the split saves here." if SUBLAYER in sizes else
-                                           f"; this sweep did not try it (block size {SUBLAYER:g}).")
+                  "residuals at a time" + (
+                      "; measured, the two tie, so at this shape the split's saving does not lower the step's "
+                      "peak." if split_tied else "." if k == SUBLAYER else
+                      f"; measured, {_segment_name(k)} won, so the halves' own temporaries "
+                      "outweigh what the split saves here." if SUBLAYER in sizes else
+                      f"; this sweep did not try it (block size {SUBLAYER:g}).")
                   if optimum < 1 else ", rounded to a whole block."))
-    return Text(f"Best: {_segment_name(k)}, measured peak {fmt.sig(best['peak_GiB'])} "
-                f"GiB ({fmt.sig(best['activation_peak_GiB'])} GiB of it allocated during the step, above the "
-                f"{fmt.sig(state)} GiB resident between steps{counted}), one step in "
-                f"{fmt.sig(best['step_ms'] / 1e3)} s. Its neighbours in the sweep: {'; '.join(neighbours)}." + why)
+    lead = _segment_name(k) + (f" (tied within {TIE:.0%} with {', '.join(tie_names)})" if tie_names else "")
+    return Text(f"Best: {lead}, {fmt.sig(best['activation_peak_GiB'])} GiB allocated during the step above the "
+                f"{fmt.sig(resident[best.name])} GiB resident between steps{counted}: a measured peak of "
+                f"{fmt.sig(best['peak_GiB'])} GiB, one step in {fmt.sig(best['step_ms'] / 1e3)} s. Its neighbours in "
+                f"the sweep: {'; '.join(neighbours)}." + odd_text + why)
 
 
 SECTION = Section(
