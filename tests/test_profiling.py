@@ -355,3 +355,39 @@ def test_step_time_split_buckets_kernels_and_leaves_the_rest_to_the_host() -> No
                                "host / idle": 3.0}
     with pytest.raises(ValueError, match="need steps >= 1"):
         step_time_split(records, [], steps=0, step_ms=1.0)
+
+
+def _kernel(name: str, ts: float, dur: float, corr: int, stream: int = 7) -> list[dict]:
+    """A GPU kernel and the runtime call that launched it (at host time ``corr``, for simplicity)."""
+    return [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr,
+                                                                                     "stream": stream}},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": float(corr), "dur": 1.0,
+             "args": {"correlation": corr}}]
+
+
+def test_overlapped_split_counts_communication_only_where_it_ran_alone() -> None:
+    """A hand-made trace (µs): a GEMM 0–10, flash 10–15, an elementwise kernel 15–16, a GEMM launched inside a
+    ``recompute`` range 16–20, an NCCL kernel 18–26 on its own stream (2 µs beside compute, 6 exposed), the Adam
+    kernel 26–28, nothing 28–30, a GEMM 30–32: one step."""
+    from cs336_systems.profiling.step_split import OVERLAP_BUCKETS, overlapped_time_split, plot_time_split
+
+    events = [*_kernel("sm90_xmma_gemm_bf16", 0, 10, 1), *_kernel("flash_fwd_kernel", 10, 5, 2),
+              *_kernel("vectorized_elementwise_kernel", 15, 1, 3), *_kernel("nvjet_gemm", 16, 4, 25),
+              *_kernel("ncclDevKernel_ReduceScatter", 18, 8, 26, stream=9),
+              *_kernel("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 26, 2, 27),
+              *_kernel("cutlass_gemm", 30, 2, 28),
+              {"ph": "X", "cat": "user_annotation", "name": "recompute", "ts": 24.0, "dur": 1.5}]
+    split = overlapped_time_split({"traceEvents": events}, steps=1).set_index("bucket")
+    assert list(split.index) == list(OVERLAP_BUCKETS)
+    want = {"matmul": 12, "attention": 5, "norms & elementwise": 1, "recomputation": 4, "optimizer": 2,
+            "communication (exposed)": 6, "idle": 2}
+    assert split["ms_per_step"].to_dict() == pytest.approx({k: v / 1e3 for k, v in want.items()})
+    assert split["share"].sum() == pytest.approx(1.0) and split.attrs["window_ms"] == pytest.approx(0.032)
+    halves = overlapped_time_split({"traceEvents": events}, steps=2).set_index("bucket")
+    assert halves.loc["matmul", "ms_per_step"] == pytest.approx(0.006)  # per step
+    fig = plot_time_split({"ours": split.reset_index(), "reference": halves.reset_index()})
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["ours", "reference"]
+    with pytest.raises(ValueError, match="the trace has no GPU kernels"):
+        overlapped_time_split({"traceEvents": []}, steps=1)
+    with pytest.raises(ValueError, match="need steps >= 1"):
+        overlapped_time_split({"traceEvents": events}, steps=0)
