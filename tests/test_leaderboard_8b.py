@@ -214,3 +214,35 @@ def test_the_answer_compares_our_step_with_the_reference_within_the_spread() -> 
     failed = table.assign(status=["ok", "OOM"])
     assert _reference_sentence(failed, meta, failed.iloc[0]).endswith("did not run: OOM.")
     assert "was not run" in _reference_sentence(table.iloc[:1], meta, table.iloc[0])
+
+
+def test_the_time_split_tool_refuses_what_it_cannot_split_in_one_line() -> None:
+    from cs336_systems.benchmarking import leaderboard_split as split
+
+    for argv, message in [(["--stacks", "ours,ddp"], "--stacks takes ours, reference, got 'ours,ddp'"),
+                          (["--nproc", "1"], "--nproc must be >= 2, got 1"),
+                          (["--checkpoint-blocks", "plan"], "--checkpoint-blocks takes all or a number here"),
+                          (["--layers", "0"], "num_layers must be a positive integer")]:
+        with pytest.raises(ValueError, match=message):
+            split.main(argv)
+    with pytest.raises(ValueError, match="run it on a GPU"):
+        split.profile_split(TINY, lb.StepOptions(attention="sdpa"), torch.device("cpu"))
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_the_time_split_of_a_small_step_on_two_gpus_covers_its_window(tmp_path) -> None:
+    """Two GPUs, 2 layers at context 4096: every bucket is non-negative, the shares cover the profiled window,
+    and FSDP's collectives show up (exposed or hidden, the NCCL kernels ran)."""
+    from cs336_systems.benchmarking import leaderboard_split as split
+
+    assert split.main(["--layers", "2", "--context", "4096", "--steps", "1", "--warmup", "1",
+                       "--out", str(tmp_path)]) == 0
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "time_split.csv")
+    assert set(table["stack"]) == {"ours", "reference"} and set(table["rank"]) == {0, 1}
+    assert (table["ms_per_step"] >= 0).all()
+    for _, one in table.groupby(["stack", "rank"]):
+        assert one["share"].sum() == pytest.approx(1.0, abs=0.05)  # compute on one stream: buckets tile the window
+    assert (tmp_path / "time_split.png").stat().st_size > 0

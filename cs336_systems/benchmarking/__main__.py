@@ -34,6 +34,7 @@ TOOLS = {
     "matmul_ceiling": "cs336_systems.benchmarking.matmul_ceiling",
     "optimizer_step": "cs336_systems.benchmarking.optimizer_step",
     "leaderboard_8b": "cs336_systems.benchmarking.leaderboard_8b",
+    "leaderboard_split": "cs336_systems.benchmarking.leaderboard_split",
     "flash_accuracy": "cs336_systems.benchmarking.flash_accuracy",
     "flash_host_overhead": "cs336_systems.benchmarking.flash_host_overhead",
     "op_registration": "cs336_systems.benchmarking.op_registration",
