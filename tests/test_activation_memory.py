@@ -113,12 +113,11 @@ def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> N
                           "peak_GiB": [None, 66.0, 74.7, None], "activation_peak_GiB": [None, 8.5, 17.2, None],
                           "step_ms": [None, 7000.0, 6600.0, None]})
     text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
-    assert text.startswith("Best: each block by sublayer (its attention and feed-forward branches checkpointed "
-                           "separately), 8.50 GiB allocated during the step above the 57.5 GiB resident")
-    assert "a measured peak of 66.0 GiB" in text
-    assert ("Its neighbours in the sweep: no checkpointing: out of memory; segments of 1 block: 17.2 GiB during the "
-            "step.") in text
-    assert "= 0.38, below one block: the finest split should win" in text  # sqrt(32 * 80 MiB / 17 GiB)
+    assert ("Measured, the best is each block by sublayer (its attention and feed-forward branches checkpointed "
+            "separately): a peak of 66.0 GiB, 8.50 GiB of it allocated during the step above the 57.5 GiB") in text
+    assert ("Its neighbours: no checkpointing: out of memory; segments of 1 block: a peak of 74.7 GiB (17.2 GiB "
+            "during the step).") in text
+    assert "= 0.38, below one block, so the finest split should win" in text  # sqrt(32 * 80 MiB / 17 GiB)
     with pytest.raises(ValueError, match=r"whole blocks >= 0 \(0: no checkpointing\) or 0.5 \(by sublayer\), got 1.5"):
         Params(block_sizes=[0, 1.5]).check()
 
@@ -149,12 +148,13 @@ def test_checkpointing_answer_reports_a_whole_block_win_when_the_model_predicted
                           "activation_peak_GiB": [23.0, 17.2, None], "step_ms": [7000.0, 6600.0, None]})
     table["peak_GiB"] = [80.7, 74.7, None]  # the same memory resident between steps in both rows
     text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
-    assert text.startswith("Best: segments of 1 block, 17.2 GiB allocated during the step")
-    assert "below one block: the finest split should win" in text and "measured, segments of 1 block won" in text
+    assert "Measured, the best is segments of 1 block: a peak of 74.7 GiB, 17.2 GiB of it allocated" in text
+    assert "below one block, so the finest split should win" in text
+    assert "checkpointing by sublayer: a peak of 80.7 GiB (23.0 GiB during the step)" in text
 
     unswept = _best_segment(table[table["block_size"] != 0.5], block_bytes=17 * 2**30, input_bytes=80 * 2**20,
                             preset="xl@2026").markdown
-    assert unswept.endswith("; this sweep did not try it (block size 0.5).")
+    assert unswept.endswith(" The sweep did not try the split below one block (block size 0.5).")
 
 
 def test_checkpointing_answer_compares_on_the_steps_memory_and_names_a_row_with_leftovers() -> None:
@@ -168,11 +168,12 @@ def test_checkpointing_answer_compares_on_the_steps_memory_and_names_a_row_with_
                           "peak_GiB": [None, 109.9, 71.9, 79.4], "activation_peak_GiB": [None, 27.0, 27.1, 34.6],
                           "step_ms": [None, 6174.0, 6242.0, 6378.0]})
     text = _best_segment(table, block_bytes=7990 * 2**20, input_bytes=80 * 2**20, preset="xl@2026").markdown
-    assert text.startswith("Best: segments of 1 block (tied within 1% with checkpointing by sublayer), 27.1 GiB "
-                           "allocated during the step above the 44.8 GiB resident between steps")
-    assert "(Checkpointing by sublayer measured 38.1 GiB more resident between steps than the other rows" in text
-    assert "measured, the two tie, so at this shape the split's saving does not lower the step's peak." in text
+    assert ("Measured, the best is segments of 1 block: a peak of 71.9 GiB, 27.1 GiB of it allocated during the "
+            "step above the 44.8 GiB held between steps") in text
+    assert ("checkpointing by sublayer: 27.0 GiB during the step, a tie within 1% (its peak of 110 GiB is not "
+            "comparable: it held 38.1 GiB more between steps, left from the out-of-memory run before it)") in text
+    assert text.endswith("So at this shape splitting a block does not lower the step's peak.")
     clean = table.assign(peak_GiB=[None, 71.8, 71.9, 79.4])  # no leftovers: the lower one leads the tie
     assert _best_segment(clean, preset="xl@2026").markdown.startswith(
-        "Best: each block by sublayer (its attention and feed-forward branches checkpointed separately) (tied "
-        "within 1% with segments of 1 block), 27.0 GiB")
+        "Measured, the best is each block by sublayer (its attention and feed-forward branches checkpointed "
+        "separately): a peak of 71.8 GiB")

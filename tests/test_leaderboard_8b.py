@@ -208,9 +208,12 @@ def test_the_answer_compares_our_step_with_the_reference_within_the_spread() -> 
                           "step_ms": [5000.0, 6000.0], "step_spread_ms": [20.0, 30.0]})
     meta = {"extra": {"reference_options": {"compile": True}}}
     said = _reference_sentence(table, meta, table.iloc[0])
-    assert "took 6,000 ms, so ours runs at 1.20× its speed: faster." in said and "every block compiled" in said
+    assert "took 6,000 ms: ours is 17% faster (1.20× its speed), beyond the steps' summed spread of ±50.0 ms" in said
+    assert "every block compiled" in said and "It is a yardstick, not an entry" in said
     close = table.assign(step_ms=[5000.0, 5030.0])
     assert "no difference" in _reference_sentence(close, meta, close.iloc[0])
+    unknown = table.assign(step_spread_ms=[float("nan"), float("nan")])  # a run that recorded no spread
+    assert "nan" not in _reference_sentence(unknown, meta, unknown.iloc[0])
     failed = table.assign(status=["ok", "OOM"])
     assert _reference_sentence(failed, meta, failed.iloc[0]).endswith("did not run: OOM.")
     assert "was not run" in _reference_sentence(table.iloc[:1], meta, table.iloc[0])

@@ -207,27 +207,29 @@ def answer(d: SectionData) -> list[Block]:
         ], what="the residual table"),
         question(d, "gradient_checkpointing_a", "The checkpointing strategy that minimizes peak activation memory, "
                  "its asymptotic memory and compute.", [
-            Text("Nest checkpoints recursively: split the $N$ blocks into two halves, checkpoint each half, and "
-                 "inside each half apply the same rule, down to single blocks. At any moment the backward holds one "
-                 "saved input per level of the recursion plus one block's residuals, so peak activation memory is "
-                 "$O(\\log N)$ block inputs plus one block. The price is compute: a block at depth $\\ell$ is "
-                 "re-run once per enclosing level, $O(N \\log N)$ block forwards in all instead of $N$. "
-                 "`checkpoint_layers(model, [N // 2, N // 4, …, 1])` is that schedule; with one level the best "
-                 "flat segment size is $k \\approx \\sqrt{N}$ ($N/k$ saved inputs plus $k$ blocks re-run at a time)."),
+            Text("Ignoring compute, chain the checkpoints so that every block's input is recomputed from the "
+                 "model's input: the last block runs on a checkpoint of the first $N-1$, which runs on a checkpoint "
+                 "of the first $N-2$, and so on. Every level saves the same tensor, the model's input, so the "
+                 "backward holds that input, one block's residuals and the gradient flowing back: $O(1)$ blocks' "
+                 "activations, for $O(N^2)$ block forwards (block $i$'s input is recomputed from the start for "
+                 "each $i$). Cheaper schedules keep more: binary nesting (checkpoint each half, recursively) holds "
+                 "$O(\\log N)$ inputs for $O(N \\log N)$ forwards, one level of segments of $\\sqrt{N}$ blocks "
+                 "$O(\\sqrt{N})$ for one extra forward."),
+            Text("    def run(blocks, x):  # blocks[-1](...blocks[0](x)), each input recomputed from x\n"
+                 "        if len(blocks) == 1:\n"
+                 "            return blocks[0](x)\n"
+                 "        h = checkpoint(run, blocks[:-1], x, use_reentrant=False)\n"
+                 "        return blocks[-1](h)\n\n"
+                 "    y = checkpoint(run, blocks, x, use_reentrant=False)"),
         ]),
         question(d, "gradient_checkpointing_b", "2026 xl, batch 4, context 2048, one level of recomputation: the "
                  "best segment size, and the peak memory of it and of its neighbours.", [
-            Text("With one level, segments of $k$ blocks keep $N/k$ segment inputs (one residual-stream tensor "
-                 "each) plus, during a segment's recomputation, $k$ blocks' residuals. One block's residuals are "
-                 "far larger than its input, so the balance lies below $\\sqrt{N}$: the calculator's "
-                 "`held_block_activations` counts the sets, and the measured peak decides."),
             best_text,
-            d.table("checkpointing", frame=subset(_with_mfu(d), "block_size", "status", "levels",
-                                                  "held_block_activations", "peak_GiB", "activation_peak_GiB",
-                                                  "step_ms", "MFU_pct"),
+            d.table("checkpointing", frame=subset(_with_mfu(d), "block_size", "status", "levels", "peak_GiB",
+                                                  "activation_peak_GiB", "step_ms", "MFU_pct"),
                     caption="A full training step (forward, backward, AdamW) per checkpoint segment size "
                             "(0: none): peak memory and its part above the model and optimizer state; MFU counts "
-                            "the model's FLOPs, not the recomputation, against the FP32 peak; ½ is each block "
+                            "the model's FLOPs, not the recomputation, against the FP32 peak; 0.5 is each block "
                             "checkpointed by sublayer."),
             # one fitting size makes a plot of one point: the table says it all
             d.figure("checkpointing", caption="Peak memory and step time against the segment size.")
@@ -293,61 +295,68 @@ RESIDENT_SLACK_GIB = 1.0
 
 def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                   input_bytes: float | None = None, preset: str | None = None) -> Text | None:
-    """The direct answer to (b): the measured best segment size and what its neighbours in the sweep did.
+    """The direct answer to (b), in the handout's form: the reasoning, the measured strategy's peak, and its
+    neighbours in the sweep.
 
     Configurations are compared on the memory allocated during the step above what is resident between steps
     (``activation_peak_GiB``): that is what checkpointing changes, and it is immune to a row whose resident memory
-    still held another configuration's tensors. The peak reported is the best row's own."""
+    still held another configuration's tensors. Peaks closer than :data:`TIE` are a tie."""
     sweep = ok_rows(table)
     if sweep.empty or not sweep["activation_peak_GiB"].notna().any():
         return None
     resident = sweep["peak_GiB"] - sweep["activation_peak_GiB"]
     usual = float(resident.median())
+    clean = (resident - usual).abs() <= RESIDENT_SLACK_GIB
     best = sweep.loc[sweep["activation_peak_GiB"].idxmin()]
-    tied = sweep[(sweep["activation_peak_GiB"] <= best["activation_peak_GiB"] * (1 + TIE))
-                 & (sweep.index != best.name)]
-    if not tied.empty and abs(resident[best.name] - usual) > RESIDENT_SLACK_GIB:
-        best, tied = tied.iloc[0], sweep.loc[[best.name]]  # name the tie by the row whose peak is clean
+    tied = sweep[(sweep["activation_peak_GiB"] <= best["activation_peak_GiB"] * (1 + TIE)) & (sweep.index != best.name)]
+    if not tied.empty and not clean[best.name]:
+        best, tied = tied.iloc[0], sweep.loc[[best.name]]  # lead the tie with the row whose peak is clean
     k = float(best["block_size"])
     sizes = sorted(float(x) for x in table["block_size"])
+
+    reasoning = ""
+    if block_bytes and input_bytes and preset:
+        optimum = (get_config(preset).num_layers * input_bytes / block_bytes) ** 0.5
+        reasoning = (f"Segments of $k$ blocks hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus, "
+                     f"while one segment is recomputed, $k$ blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB "
+                     f"each; the sum is least at $k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / "
+                     f"{block_bytes / 2**20:.0f}}}$ = {optimum:.2f}, "
+                     + ("below one block, so the finest split should win: one block per segment, or each block's "
+                        "attention and feed-forward branches checkpointed separately (two inputs per block, half a "
+                        "block's residuals at a time). " if optimum < 1 else "rounded to a whole block. "))
+    state = (f" (the fp32 weights and AdamW state are {fmt.sig(12 * param_counts(preset)['total'] / 2**30)} GiB of "
+             "it; the gradients are allocated during the step)" if preset else "")
+    measured = (f"Measured, the best is {_segment_name(k)}: a peak of {fmt.sig(best['peak_GiB'])} GiB, "
+                f"{fmt.sig(best['activation_peak_GiB'])} GiB of it allocated during the step above the "
+                f"{fmt.sig(resident[best.name])} GiB held between steps{state}; one step takes "
+                f"{fmt.sig(best['step_ms'] / 1e3)} s.")
     at = sizes.index(k)
     neighbours = []
     for j in (at - 1, at + 1):
-        if 0 <= j < len(sizes):
-            row = table[table["block_size"] == sizes[j]].iloc[0]
-            neighbours.append(f"{_segment_name(sizes[j], short=True)}: " + (
-                f"{fmt.sig(row['activation_peak_GiB'])} GiB during the step" if row["status"] == "ok"
-                else "out of memory"))
-    odd = [r for i, r in sweep.iterrows() if abs(resident[i] - usual) > RESIDENT_SLACK_GIB]
-    odd_text = "".join(
-        f" ({_segment_name(float(r['block_size']), short=True).capitalize()} measured {fmt.sig(r['peak_GiB'] - r['activation_peak_GiB'] - usual)}"
-        " GiB more resident between steps than the other rows, leftovers of the configuration before it, so its "
-        "total peak is not comparable.)" for r in odd)
-    counted = (f", of which the fp32 weights and AdamW state count "
-               f"{fmt.sig(12 * param_counts(preset)['total'] / 2**30)} GiB (gradients are allocated during the step)"
-               if preset else "")
-    tie_names = [_segment_name(float(r["block_size"]), short=True) for _, r in tied.iterrows()]
-    why = ""
-    if block_bytes and input_bytes and preset:
-        optimum = get_config(preset).num_layers * input_bytes / block_bytes
-        split_tied = SUBLAYER in {float(r["block_size"]) for _, r in tied.iterrows()} or k == SUBLAYER and tie_names
-        why = (f" Why: segments of $k$ blocks hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus $k$ "
-               f"blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB each, least at "
-               f"$k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / {block_bytes / 2**20:.0f}}}$"
-               + (f" = {optimum ** 0.5:.2f}, below one block: the finest split should win, and checkpointing each "
-                  "branch of a block separately keeps two inputs per block but recomputes only half a block's "
-                  "residuals at a time" + (
-                      "; measured, the two tie, so at this shape the split's saving does not lower the step's "
-                      "peak." if split_tied else "." if k == SUBLAYER else
-                      f"; measured, {_segment_name(k)} won, so the halves' own temporaries "
-                      "outweigh what the split saves here." if SUBLAYER in sizes else
-                      f"; this sweep did not try it (block size {SUBLAYER:g}).")
-                  if optimum < 1 else ", rounded to a whole block."))
-    lead = _segment_name(k) + (f" (tied within {TIE:.0%} with {', '.join(tie_names)})" if tie_names else "")
-    return Text(f"Best: {lead}, {fmt.sig(best['activation_peak_GiB'])} GiB allocated during the step above the "
-                f"{fmt.sig(resident[best.name])} GiB resident between steps{counted}: a measured peak of "
-                f"{fmt.sig(best['peak_GiB'])} GiB, one step in {fmt.sig(best['step_ms'] / 1e3)} s. Its neighbours in "
-                f"the sweep: {'; '.join(neighbours)}." + odd_text + why)
+        if not 0 <= j < len(sizes):
+            continue
+        row = table[table["block_size"] == sizes[j]].iloc[0]
+        name = _segment_name(sizes[j], short=True)
+        if row["status"] != "ok":
+            neighbours.append(f"{name}: out of memory")
+        elif row.name in tied.index:
+            position = list(table.index).index(row.name)
+            before = table.iloc[position - 1]["status"] if position else "ok"
+            neighbours.append(f"{name}: {fmt.sig(row['activation_peak_GiB'])} GiB during the step, a tie within "
+                              f"{TIE:.0%}" + ("" if clean.get(row.name, True) else
+                                              f" (its peak of {fmt.sig(row['peak_GiB'])} GiB is not comparable: it "
+                                              f"held {fmt.sig(resident[row.name] - usual)} GiB more between steps, "
+                                              "left from the " + ("out-of-memory run" if before != "ok" else "run")
+                                              + " before it)"))
+        else:
+            neighbours.append(f"{name}: a peak of {fmt.sig(row['peak_GiB'])} GiB "
+                              f"({fmt.sig(row['activation_peak_GiB'])} GiB during the step)")
+    said = f" Its neighbours: {'; '.join(neighbours)}." if neighbours else ""
+    if SUBLAYER in {float(r["block_size"]) for _, r in tied.iterrows()} or (k == SUBLAYER and not tied.empty):
+        said += " So at this shape splitting a block does not lower the step's peak."
+    elif reasoning and SUBLAYER not in sizes:
+        said += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
+    return Text(reasoning + measured + said)
 
 
 SECTION = Section(

@@ -100,10 +100,8 @@ EDITION_2026: tuple[Entry, ...] = (
     Entry("8", ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs"),
           "parallelism_strategies"),
     Entry("9", ("leaderboard",), "leaderboard", title="Leaderboard: a full training step of an 8B model on two GPUs",
-          note="The memory plan below says what the full shape needs fused, sharded and checkpointed to fit two "
-               "GPUs (of 180 GB, as the course's); the step is timed on one GPU at a reduced shape. The full "
-               "shape on two GPUs under our FSDP (`--set nproc=2 --set num_layers=34 --set context_length=32768`) "
-               "is not timed yet."),
+          note="The handout's step at its full shape on two GPUs under our FSDP, the torch-native reference "
+               "beside it, then the memory plan that chose which blocks to checkpoint."),
     Entry("10", ("beyond the handout",), "training_step"),
     Entry("11", ("the course's tests",), "course_tests"),
 )
