@@ -247,6 +247,58 @@ def _checkpointed_blocks_save_only_their_inputs() -> dict:
     return {}
 
 
+def _recomputation_is_no_new_use() -> dict:
+    """Checkpointing re-runs each block's forward inside backward only to regenerate saved tensors; under FSDP
+    that is no new use of the weights. A checkpointed model is gathered as often as the plain one (the
+    recomputation's gather is the backward copy its regathers find), and every gradient is reduce-scattered
+    during backward, none left waiting for finish_gradient_synchronization."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems.checkpointing import checkpoint_layers
+
+    torch.manual_seed(7)
+    base = BasicsTransformerLM(vocab_size=32, context_length=8, d_model=16, num_layers=3, num_heads=2, d_ff=32,
+                               rope_theta=10000.0)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    seen = {}
+    for levels in ([], [1], [2, 1]):
+        fsdp = FSDP(checkpoint_layers(copy.deepcopy(base), levels))
+        for _ in range(2):  # the second step prefetches in the recorded order
+            before = dict(fsdp.stats)
+            fsdp(x).float().square().mean().backward()
+            waiting = [s for s in fsdp._shards if s.grad_sum is not None or s.uses_awaiting_grad]
+            fsdp.finish_gradient_synchronization()
+        seen[str(levels)] = ({k: fsdp.stats[k] - before[k] for k in ("forward_gathers", "backward_gathers")},
+                             len(waiting))
+    assert seen["[1]"] == seen["[2, 1]"] == seen["[]"], seen
+    assert seen["[]"][1] == 0
+    # Reentrant checkpointing does backpropagate its recomputed graph: there the recomputation is the use.
+    from torch.utils.checkpoint import checkpoint
+
+    class Reentrant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Linear(8, 8), Linear(8, 8)
+            self.reentrant: bool | None = None
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            run = lambda h: self.b(torch.relu(self.a(h)))  # noqa: E731
+            return run(h) if self.reentrant is None else checkpoint(run, h, use_reentrant=self.reentrant)
+
+    torch.manual_seed(0)
+    small, h = Reentrant(), torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for mode in (None, True, False):
+        model = copy.deepcopy(small)
+        model.reentrant = mode
+        wrapped = FSDP(model)
+        wrapped(h).square().sum().backward()
+        wrapped.finish_gradient_synchronization()
+        grads.append([p.grad for p in wrapped.parameters()])
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+    return {}
+
+
 _sgd = lambda ps: torch.optim.SGD(ps, lr=0.01)  # noqa: E731
 _adamw = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)  # noqa: E731
 
@@ -260,6 +312,7 @@ CHECKS = {
     "wrapper_contract": _wrapper_contract,
     "checkpointed_blocks_fused_head": _checkpointed_blocks_with_fused_head,
     "checkpointed_blocks_save_only_their_inputs": _checkpointed_blocks_save_only_their_inputs,
+    "recomputation_is_no_new_use": _recomputation_is_no_new_use,
 }
 
 

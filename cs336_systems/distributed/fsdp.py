@@ -105,6 +105,15 @@ class _Unshard(torch.autograd.Function):
         return None, None, None, None
 
 
+def _in_recomputation(outer: tuple[Any, Any] | None) -> bool:
+    """Whether the running forward is ``torch.utils.checkpoint``'s (non-reentrant) recomputation: its hooks are
+    the innermost, or a nested checkpoint's forward runs inside backward (within an enclosing recomputation).
+    Reentrant checkpointing backpropagates its recomputed graph and installs no hooks: it is a real use."""
+    name = getattr(outer[0], "__qualname__", "") if outer is not None else ""
+    return name.startswith("_recomputation_hook.") or (
+        name.startswith("_checkpoint_hook.") and torch._C._current_graph_task_id() != -1)
+
+
 @dataclass(frozen=True)
 class _Outer:
     """A saved tensor handed to the saved-tensor hooks that enclose the layer's forward (activation
@@ -145,6 +154,7 @@ class ShardedLayer:
     backward_copy: dict[str, torch.Tensor] = field(default_factory=dict)
     current: dict[str, torch.Tensor] = field(default_factory=dict)  # gathered weights during forward
     outer: tuple[Any, Any] | None = None  # the saved-tensor hooks around the running forward (checkpoint's)
+    recomputing: bool = False  # the running forward is activation checkpointing's recomputation
 
     def start_gather(self) -> dict[str, PendingGather]:
         self.fsdp._count_gather(self)
@@ -156,7 +166,8 @@ class ShardedLayer:
     def pack(self, t: torch.Tensor) -> Any:
         for name, full in self.current.items():
             if _same_storage(t, full):
-                self.fsdp._needs_backward_gather(self)
+                if not self.recomputing:  # (a recomputation's gathered weights are already the backward copy)
+                    self.fsdp._needs_backward_gather(self)
                 return _Regather(name, t.size(), t.stride(), t.storage_offset())
         return _Outer(self.outer, self.outer[0](t)) if self.outer is not None else t
 
@@ -366,23 +377,32 @@ class FSDP(nn.Module):
         return {name: p.wait() for name, p in pending.items()}
 
     def _run_layer(self, layer: ShardedLayer, original: Any, args: tuple, kwargs: dict) -> Any:
-        gathered = self._take_forward_gather(layer)
-        if torch.is_grad_enabled():
-            for shard in layer.shards.values():
-                shard.note_use()
-            gathered = {
-                name: _Unshard.apply(layer.shards[name].param, full, layer, name) for name, full in gathered.items()
-            }
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        recomputing = _in_recomputation(outer)
+        if recomputing:
+            # Checkpointing re-runs the forward inside backward only to regenerate saved tensors: its graph is
+            # never backpropagated (the original forward's is), so it is no new use of the weights. Its gather
+            # becomes the layer's backward copy, which the original graph's regathers then find.
+            # The copies require grad as the original forward's did, so autograd saves the same tensors.
+            gathered = {name: full.detach().requires_grad_() for name, full in
+                        self._fetch_for_recomputation(layer).items()}
+        else:
+            gathered = self._take_forward_gather(layer)
+            if torch.is_grad_enabled():
+                for shard in layer.shards.values():
+                    shard.note_use()
+                gathered = {
+                    name: _Unshard.apply(layer.shards[name].param, full, layer, name) for name, full in gathered.items()
+                }
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
-        layer.current = gathered
-        layer.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        layer.current, layer.outer, layer.recomputing = gathered, outer, recomputing
         try:
             with self._substituted(layer.module, gathered), torch.autograd.graph.saved_tensors_hooks(
                 layer.pack, layer.unpack
             ):
                 return original(*args, **kwargs)
         finally:
-            layer.current, layer.outer = {}, None
+            layer.current, layer.outer, layer.recomputing = {}, None, False
 
     @staticmethod
     @contextlib.contextmanager
@@ -419,6 +439,19 @@ class FSDP(nn.Module):
         if self.prefetch and stack and stack[-1] not in self._bwd_prefetched:
             self._bwd_prefetched[stack[-1]] = self.layers[stack[-1]].start_gather()
         return {name: p.wait() for name, p in pending.items()}
+
+    def _fetch_for_recomputation(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
+        """The layer's weights for checkpointing's recomputation (a backward prefetch of it if one was
+        launched), kept as its backward copy until its gradient is known."""
+        if not layer.backward_copy:
+            pending = self._bwd_prefetched.pop(layer.index, None)
+            if pending is not None:
+                self.stats["prefetch_hits"] += 1
+            else:
+                pending = layer.start_gather()
+            self.stats["backward_gathers"] += 1
+            layer.backward_copy.update({name: p.wait() for name, p in pending.items()})
+        return dict(layer.backward_copy)
 
     def _count_gather(self, layer: ShardedLayer) -> None:
         count, digest = self._gathers_this_step
