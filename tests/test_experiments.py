@@ -216,7 +216,9 @@ def test_leaderboard_step_on_two_ranks_writes_its_own_table(tmp_path, monkeypatc
     assert main(["leaderboard", "--smoke", "--set", "nproc=2"]) == 0
     assert (tmp_path / "leaderboard" / "step_2ranks.csv").exists()
     assert not (tmp_path / "leaderboard" / "step.csv").exists()
-    assert "under our FSDP at 2 layers, context 16, batch 2" in capsys.readouterr().out
+    said = " ".join(capsys.readouterr().out.split())  # the console wraps the answer's lines
+    assert "**Our step: " in said and "(2 layers, context 16, batch 2, " in said and "under our FSDP" in said
+    assert "The torch-native reference in the same job" in said  # run beside ours (FSDP2, compiled blocks)
 
 
 def test_an_edition_grid_is_a_parameter_set_and_a_folder_of_its_own(tmp_path, monkeypatch, capsys) -> None:

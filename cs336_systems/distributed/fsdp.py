@@ -356,14 +356,20 @@ class FSDP(nn.Module):
             return {k: self._cast_inputs(v) for k, v in value.items()}
         return value
 
-    def _take_forward_gather(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
-        self._recording.append(layer.index)
-        pending = self._prefetched.pop(layer.index, None)
+    def _claim_gather(self, prefetched: dict[int, dict[str, PendingGather]], layer: ShardedLayer,
+                      counter: str) -> dict[str, PendingGather]:
+        """The layer's gather launched ahead into ``prefetched`` (a prefetch hit), else one launched now."""
+        pending = prefetched.pop(layer.index, None)
         if pending is not None:
             self.stats["prefetch_hits"] += 1
         else:
             pending = layer.start_gather()
-        self.stats["forward_gathers"] += 1
+        self.stats[counter] += 1
+        return pending
+
+    def _take_forward_gather(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
+        self._recording.append(layer.index)
+        pending = self._claim_gather(self._prefetched, layer, "forward_gathers")
         # Launch the next layer's gather before waiting on this one, so it overlaps this layer's compute.
         order, pos = self._forward_order, self._forward_pos
         if order is not None and pos is not None:
@@ -426,12 +432,7 @@ class FSDP(nn.Module):
             self._backward_stack.append(layer.index)
 
     def _fetch_for_backward(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
-        pending = self._bwd_prefetched.pop(layer.index, None)
-        if pending is not None:
-            self.stats["prefetch_hits"] += 1
-        else:
-            pending = layer.start_gather()
-        self.stats["backward_gathers"] += 1
+        pending = self._claim_gather(self._bwd_prefetched, layer, "backward_gathers")
         stack = self._backward_stack
         if layer.index in stack:  # backward visits layers in reverse forward order
             while stack and stack.pop() != layer.index:
@@ -444,12 +445,7 @@ class FSDP(nn.Module):
         """The layer's weights for checkpointing's recomputation (a backward prefetch of it if one was
         launched), kept as its backward copy until its gradient is known."""
         if not layer.backward_copy:
-            pending = self._bwd_prefetched.pop(layer.index, None)
-            if pending is not None:
-                self.stats["prefetch_hits"] += 1
-            else:
-                pending = layer.start_gather()
-            self.stats["backward_gathers"] += 1
+            pending = self._claim_gather(self._bwd_prefetched, layer, "backward_gathers")
             layer.backward_copy.update({name: p.wait() for name, p in pending.items()})
         return dict(layer.backward_copy)
 

@@ -257,9 +257,10 @@ def _ranks_blocks(d: SectionData) -> list[Block | None]:
         blocks += [
             Text(f"**Our step: {fmt.ms(r['step_ms'])} on {int(r['gpus'])} × {meta.get('device', 'GPU')}** "
                  f"({'the handout' + chr(39) + 's shape, ' if handout else r['shape'] + ', '}"
-                 f"{fmt.params(r['params'])} parameters, under our FSDP{chosen}), "
-                 + (f"{mfu}, " if mfu else "") + f"{peak.removeprefix(', ')}; {fmt.sig(r['wall_s'])} s from launch "
-                 "to the last timed step, process start-up and compilation included: "
+                 f"{fmt.params(r['params'])} parameters, under our FSDP{chosen})"
+                 + "".join(f", {part}" for part in (mfu, peak.removeprefix(", ")) if part)
+                 + f"; {fmt.sig(r['wall_s'])} s from launch to the last timed step, process start-up and "
+                 "compilation included: "
                  + ("within" if bool(r["within_10_min"]) else "over") + " the 10-minute rule. "
                  + (f"Timed with `do_bench`'s loop, re-implemented so both ranks run the same number of steps "
                     f"({fmt.sig(warmup / 1e3)} s of warm-up, then {fmt.sig(rep / 1e3)} s of timed steps; the slowest "
