@@ -115,7 +115,7 @@ def test_the_two_rank_step_is_the_one_gpu_step_under_fsdp(fused: bool) -> None:
 def test_the_step_on_two_ranks_is_timed_with_agreed_counts() -> None:
     result = lb.time_step_on_ranks(TINY, lb.StepOptions(attention="sdpa", checkpoint=(1,)), 2, warmup_ms=0,
                                    rep_ms=200)
-    assert result["gpus"] == 2 and result["step_ms"] > 0 and result["within_10_min"]
+    assert result["gpus"] == 2 and result["step_ms"] > 0 and result["within_10_min"] and result["empty_caches"]
     assert result["params"] == param_counts(TINY.config())["total"]
     with pytest.raises(ValueError, match="needs nproc >= 2"):
         lb.time_step_on_ranks(TINY, lb.StepOptions(attention="sdpa"), 1)
@@ -249,3 +249,33 @@ def test_the_time_split_of_a_small_step_on_two_gpus_covers_its_window(tmp_path) 
     for _, one in table.groupby(["stack", "rank"]):
         assert one["share"].sum() == pytest.approx(1.0, abs=0.05)  # compute on one stream: buckets tile the window
     assert (tmp_path / "time_split.png").stat().st_size > 0
+
+
+def test_spawned_ranks_compile_into_empty_caches_and_the_answer_says_so(monkeypatch) -> None:
+    import os
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with lb.empty_compile_caches() as emptied:
+        folders = [os.environ[name] for name in lb.CACHE_VARIABLES]
+        assert emptied and all(os.path.basename(f) in ("triton_cache_dir", "torchinductor_cache_dir") for f in folders)
+        assert not any(os.path.exists(f) and os.listdir(f) for f in folders)
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    with lb.empty_compile_caches(False) as emptied:
+        assert not emptied and os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
+
+
+def test_the_time_split_sentence_names_the_largest_work_and_the_waits() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.leaderboard import _split_sentence
+
+    rows = [("ours", 0, "matmul", 3000.0), ("ours", 0, "attention", 2000.0), ("ours", 0, "optimizer", 100.0),
+            ("ours", 0, "norms & elementwise", 500.0), ("ours", 0, "communication (exposed)", 300.0),
+            ("ours", 0, "idle", 200.0), ("ours", 1, "matmul", 9999.0)]
+    split = pd.DataFrame(rows, columns=["stack", "rank", "bucket", "ms_per_step"])
+    said = _split_sentence(split, 2).markdown
+    assert said.startswith("Where the time goes on one GPU (rank 0; 2 profiled steps")
+    assert ("ours, 6,100 ms per profiled step: matmul 3,000 ms, attention 2,000 ms, norms & elementwise 500 ms; "
+            "communication alone 300 ms, idle 200 ms.") in said
+    assert _split_sentence(split.drop(columns="rank"), 2) is None

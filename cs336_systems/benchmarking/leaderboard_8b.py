@@ -27,10 +27,13 @@ same model, head and checkpointed blocks under FSDP2, SDPA with cuDNN first, fus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -380,6 +383,14 @@ def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
     return agree(statistics.median(times)), agree(_spread(times))
 
 
+def _largest_over_ranks(value: float, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def _spread(times: list[float]) -> float:
     """Half the range from the 20th to the 80th percentile: the step-to-step spread a comparison must exceed."""
     import statistics
@@ -404,7 +415,8 @@ def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.devic
     _, world = _world()
     if world > 1:
         ms, spread = collective_bench(step, warmup_ms, rep_ms, device)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        peak = _largest_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device) \
+            if device.type == "cuda" else float("nan")
     elif device.type == "cuda":
         import triton.testing
 
@@ -427,16 +439,24 @@ def time_step(shape: LeaderboardShape, options: StepOptions, device: torch.devic
 
 
 def _rank_worker(shape: LeaderboardShape, options: StepOptions, warmup_ms: float, rep_ms: float) -> dict[str, object]:
+    import gc
+
     from cs336_systems.distributed import launch
 
-    return time_step(shape, options, launch.current_context().device, warmup_ms, rep_ms)
+    device = launch.current_context().device
+    result = time_step(shape, options, device, warmup_ms, rep_ms)
+    gc.collect()  # under torchrun the next stack runs in these processes: leave it the memory
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def time_step_on_ranks(shape: LeaderboardShape, options: StepOptions, nproc: int, warmup_ms: float = 10_000.0,
                        rep_ms: float = 30_000.0) -> dict[str, object]:
     """:func:`time_step` under FSDP on ``nproc`` spawned ranks (or on the ranks of ``torchrun``/``srun``, which
-    fix the count): rank 0's result (the step time is already the slowest rank's), with the wall time of the
-    whole run, process start-up included, against the 10-minute rule."""
+    fix the count): rank 0's result (the step time is already the slowest rank's, the peak the largest), with the
+    wall time of the whole run, process start-up included, against the 10-minute rule. Spawned ranks compile
+    into empty Triton and Inductor caches (:func:`empty_compile_caches`; ``empty_caches`` in the result)."""
     from cs336_systems.distributed import runner
 
     started = time.perf_counter()
@@ -445,12 +465,40 @@ def time_step_on_ranks(shape: LeaderboardShape, options: StepOptions, nproc: int
         raise ValueError(f"time_step_on_ranks needs nproc >= 2, got {nproc}")
     # A collective may wait for a rank's whole first step (minutes at the full shape), so no short timeout; and
     # no limit on the run: one past 10 minutes is measured to the end and reported as such (within_10_min).
-    result = dict(runner.run_on_ranks(_rank_worker, 0 if external else nproc, shape, options, warmup_ms, rep_ms,
-                                      collective_timeout_s=TIME_LIMIT_S)[0])
+    with empty_compile_caches(not external) as emptied:
+        result = dict(runner.run_on_ranks(_rank_worker, 0 if external else nproc, shape, options, warmup_ms, rep_ms,
+                                          collective_timeout_s=TIME_LIMIT_S)[0])
+    result["empty_caches"] = emptied
     if not external:
         result["wall_s"] = time.perf_counter() - started
         result["within_10_min"] = result["wall_s"] <= TIME_LIMIT_S
     return result
+
+
+#: The environment variables that place Triton's and Inductor's on-disk caches.
+CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+@contextlib.contextmanager
+def empty_compile_caches(enabled: bool = True) -> Iterator[bool]:
+    """Point Triton's and Inductor's caches at a new empty folder for the processes started inside (the rule
+    is "from an empty cache"); yields whether it did. Ranks started by an outside launcher (torchrun, srun) have
+    their environment already: there it yields False and the result says so."""
+    if not enabled:
+        yield False
+        return
+    saved = {name: os.environ.get(name) for name in CACHE_VARIABLES}
+    with tempfile.TemporaryDirectory(prefix="cs336-empty-cache-") as folder:
+        for name in CACHE_VARIABLES:
+            os.environ[name] = os.path.join(folder, name.lower())
+        try:
+            yield True
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

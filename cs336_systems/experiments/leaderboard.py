@@ -11,6 +11,8 @@ Two results (:mod:`cs336_systems.benchmarking.leaderboard_8b`):
   context), with its peak memory and the whole run's wall time against the 10-minute rule.
 - ``step_<n>ranks`` (``--set nproc=2``): the step on several GPUs under our FSDP, and in the same job the
   torch-native reference (:meth:`~cs336_systems.benchmarking.leaderboard_8b.StepOptions.reference`), one row each.
+- ``time_split_<n>ranks``: then, on a GPU, a profile of a few steps of each stack on every rank: where each GPU's
+  time goes (:func:`~cs336_systems.profiling.step_split.overlapped_time_split`), with a figure.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
+import torch
 
 from cs336_systems.benchmarking.leaderboard_8b import (
     TIME_LIMIT_S,
@@ -33,6 +37,7 @@ from cs336_systems.benchmarking.sweep import run_sweep
 from cs336_systems.distributed import runner
 from cs336_systems.experiments.section import Section, check_positive, param
 from cs336_systems.measured_code import MODEL
+from cs336_systems.profiling.step_split import plot_time_split
 from cs336_systems.results import ResultWriter
 
 _FULL = LeaderboardShape()
@@ -56,6 +61,8 @@ class Params:
     compile: bool = param(False, "torch.compile the model body (one rank; our FSDP runs eager)")
     reference: bool = param(True, "with nproc >= 2, also time the torch-native reference in the same job: FSDP2, "
                                   "SDPA (cuDNN), fused AdamW, compiled blocks, the same checkpointed blocks")
+    split_steps: int = param(2, "with nproc >= 2, then profile this many steps of each stack on every rank for the "
+                                "time split (0: none)")
     warmup_ms: float = param(10_000.0, "do_bench warm-up")
     rep_ms: float = param(30_000.0, "do_bench measuring time")
     nproc: int = param(1, "timed step: ranks (2 or more: FSDP over that many GPUs, each with batch / nproc "
@@ -79,6 +86,8 @@ class Params:
         self.options().check()
         check_positive(warmup_ms=self.warmup_ms, rep_ms=self.rep_ms, plan_gpus=self.plan_gpus,
                        plan_gpu_gb=self.plan_gpu_gb, nproc=self.nproc)
+        if self.split_steps < 0:
+            raise ValueError(f"split_steps must be >= 0, got {self.split_steps}")
         if self.batch_size % self.nproc:
             raise ValueError(f"batch_size {self.batch_size} does not split over nproc={self.nproc} ranks")
 
@@ -118,7 +127,24 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
     name = f"step_{world}ranks" if ranks else "step"  # a failed multi-rank row must not replace the one-GPU table
     out.table(step, name, extra={"shape": asdict(shape), "options": asdict(options),
                                  **({"reference_options": asdict(stacks["torch reference"])} if len(stacks) > 1 else {})})
-    return {"memory_plan": plan, name: step}
+    result = {"memory_plan": plan, name: step}
+    if ranks and p.split_steps and torch.cuda.is_available():  # the split reads GPU kernels
+        split = time_split(shape, stacks, p.nproc, p.split_steps)
+        out.table(split, f"time_split_{world}ranks", extra={"steps": p.split_steps})
+        fig = plot_time_split({s: t[t["rank"] == 0] for s, t in split.groupby("stack", sort=False)})
+        out.figure(fig, f"time_split_{world}ranks")
+        plt.close(fig)
+        result[f"time_split_{world}ranks"] = split
+    return result
+
+
+def time_split(shape: LeaderboardShape, stacks: dict[str, StepOptions], nproc: int, steps: int) -> pd.DataFrame:
+    """Each stack's time split on every rank (:mod:`~cs336_systems.benchmarking.leaderboard_split`), one after
+    the other, after the timed runs: the profiler slows the steps, so these steps are not the timed ones."""
+    from cs336_systems.benchmarking.leaderboard_split import split_on_ranks
+
+    return pd.concat([split_on_ranks(shape, options, nproc, steps).assign(stack=stack)
+                      for stack, options in stacks.items()], ignore_index=True)
 
 
 # === Answers: formatting only; changes below this line do not make results stale ===
@@ -135,6 +161,7 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "leaderboard", "A full training step of the 8B model (batch 2, context 32,768, bf16, AdamW) "
                  "on two GPUs, timed with `do_bench` within 10 minutes from an empty cache.", [
             *ranks,
+            *_split_blocks(d),
             _plan_sentence(d.frame("memory_plan"), d.meta("memory_plan")),
             _own_card_plan(d),
             d.table("memory_plan", caption="Per-GPU memory (GB) of the full shape, each measure added to the ones "
@@ -151,6 +178,37 @@ def answer(d: SectionData) -> list[Block]:
                                        "step, recomputation not counted)." + mfu_note(d.meta("step"), ("bf16",))),
         ], what="the timed step and the memory plan"),
     ]
+
+
+def _split_blocks(d: SectionData) -> list[Block | None]:
+    """Where each stack's step time goes on one GPU (rank 0), as a sentence and a figure."""
+    from cs336_systems.profiling.step_split import OVERLAP_BUCKETS
+
+    blocks: list[Block | None] = []
+    for name in sorted(n for n in d.tables if n.startswith("time_split_")):
+        blocks += [_split_sentence(d.frame(name), (d.meta(name).get("extra") or {}).get("steps")),
+                   d.figure(name, caption="Each stack's step on one GPU by kind of work: compute kernels by kind, "
+                            "communication only where no compute ran beside it, and time no kernel ran ("
+                            + ", ".join(OVERLAP_BUCKETS) + ").")]
+    return blocks
+
+
+def _split_sentence(split: pd.DataFrame | None, steps: Any) -> Text | None:
+    """Rank 0's split per stack: the three largest kinds of compute, communication alone and idle time."""
+    if split is None or not {"stack", "rank", "bucket", "ms_per_step"} <= set(split.columns):
+        return None
+    said = []
+    for stack, one in split[split["rank"] == 0].groupby("stack", sort=False):
+        ms = one.set_index("bucket")["ms_per_step"]
+        top = ms.drop(["communication (exposed)", "idle"], errors="ignore").sort_values(ascending=False).index[:3]
+        said.append(f"{stack}, {fmt.ms(ms.sum())} per profiled step: "
+                    + ", ".join(f"{b} {fmt.ms(ms[b])}" for b in top)
+                    + f"; communication alone {fmt.ms(ms.get('communication (exposed)', 0.0))}, idle "
+                    f"{fmt.ms(ms.get('idle', 0.0))}")
+    if not said:
+        return None
+    return Text(f"Where the time goes on one GPU (rank 0; {steps} profiled steps after the timed runs, slower than "
+                "those by the profiler's cost): " + "; ".join(said) + ".")
 
 
 def _own_card_plan(d: SectionData) -> Text | None:
@@ -267,7 +325,9 @@ def _ranks_blocks(d: SectionData) -> list[Block | None]:
                     "rank's median, where `do_bench` defaults to the mean"
                     + (f"; the steps varied by ±{fmt.ms(spread)}" if pd.notna(spread) else "")
                     + "). " if warmup and rep else "")
-                 + "The harness does not clear Triton's or Inductor's caches itself. The handout's GPUs are B200s "
+                 + ("The ranks compiled into empty Triton and Inductor caches. " if _true(r.get("empty_caches"))
+                    else "The run did not empty Triton's or Inductor's caches. ")
+                 + "The handout's GPUs are B200s "
                  "(180 GB, a higher peak); these are the GPUs measured here. The handout's naive baseline is 10 s."
                  + _reference_sentence(d.frame(name), meta, r)
                  + " The step runs the kernels and the FSDP that the workbook's tests check against plain PyTorch "
@@ -281,6 +341,11 @@ def _ranks_blocks(d: SectionData) -> list[Block | None]:
                     + mfu_note(meta, ("bf16",))),
         ]
     return blocks
+
+
+def _true(value: Any) -> bool:
+    """A recorded flag (``True`` in memory, ``"True"`` or a number from a CSV; missing is False)."""
+    return str(value).strip().lower() in ("true", "1", "1.0")
 
 
 def _mfu_words(row: pd.Series) -> str:
@@ -365,6 +430,8 @@ SECTION = Section(
     problems=("leaderboard, 2026",), answer=answer, presets=PRESETS, run=run,
     depends=(*MODEL, "cs336_systems/benchmarking/leaderboard_8b.py", "cs336_systems/lm_head_loss.py",
              "cs336_systems/checkpointing.py", "cs336_systems/attention/", "cs336_systems/benchmarking/sweep.py",
-             "cs336_systems/distributed/fsdp.py", "cs336_systems/distributed/launch.py",
-             "cs336_systems/distributed/runner.py"),
+             "cs336_systems/distributed/fsdp.py", "cs336_systems/distributed/fsdp_shards.py",
+             "cs336_systems/distributed/launch.py",
+             "cs336_systems/distributed/runner.py", "cs336_systems/benchmarking/leaderboard_split.py",
+             "cs336_systems/profiling/step_split.py", "cs336_systems/profiling/timeline.py"),
 )
