@@ -325,8 +325,10 @@ def _ranks_blocks(d: SectionData) -> list[Block | None]:
                     "rank's median, where `do_bench` defaults to the mean"
                     + (f"; the steps varied by ±{fmt.ms(spread)}" if pd.notna(spread) else "")
                     + "). " if warmup and rep else "")
-                 + ("The ranks compiled into empty Triton and Inductor caches. " if _true(r.get("empty_caches"))
-                    else "The run did not empty Triton's or Inductor's caches. ")
+                 + ("Whether Triton's and Inductor's caches were empty was not recorded. "
+                    if pd.isna(r.get("empty_caches", float("nan")))
+                    else "The ranks compiled into empty Triton and Inductor caches. " if _true(r["empty_caches"])
+                    else "The ranks (from an outside launcher) kept the caches they had. ")
                  + "The handout's GPUs are B200s "
                  "(180 GB, a higher peak); these are the GPUs measured here. The handout's naive baseline is 10 s."
                  + _reference_sentence(d.frame(name), meta, r)
