@@ -228,7 +228,7 @@ def answer(d: SectionData) -> list[Block]:
             d.table("checkpointing", frame=subset(_with_mfu(d), "block_size", "status", "levels", "peak_GiB",
                                                   "activation_peak_GiB", "step_ms", "MFU_pct"),
                     caption="A full training step (forward, backward, AdamW) per checkpoint segment size "
-                            "(0: none): peak memory and its part above the model and optimizer state; MFU counts "
+                            "(0: none): peak memory and its part above what is held between steps; MFU counts "
                             "the model's FLOPs, not the recomputation, against the FP32 peak; 0.5 is each block "
                             "checkpointed by sublayer."),
             # one fitting size makes a plot of one point: the table says it all

@@ -448,7 +448,10 @@ def _largest_text(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -
         if "no Python frame" in part:
             parts[i] = part if not seen else part.split(" (inside")[0]
             seen = True
-    return Text("The largest allocations: " + "; ".join(parts) + ".")
+    config = (meta.get("extra") or {}).get("config") or []
+    which = (f" ({_MODE_WORDS.get(config[2], config[2])}, {config[0]}, context {int(config[1]):,})"
+             if len(config) == 3 else "")
+    return Text(f"The largest allocations{which}: " + "; ".join(parts) + ".")
 
 
 def _allocation_table(d: SectionData, name: str) -> pd.DataFrame | None:

@@ -362,7 +362,7 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
         naive_text = _naive_sentence(sp, sweep)
         if naive_text is not None:
             blocks.append(naive_text)
-        blocks.append(Text("Speed-up of our Triton kernels over the fastest built-in PyTorch attention in each cell "
+        blocks.append(Text("Speed-up of our Triton kernels over the fastest SDPA backend in each cell "
                            "(built-in time / ours; above 1 means ours is faster): " + "; ".join(parts) + "."))
         label = {"ours_ms": "ours", "naive_ms": "PyTorch", "best_builtin_ms": "best SDPA"}
         wides = []
@@ -425,7 +425,8 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
             ours_failed = sweep[(sweep["impl"] == ours) & (sweep["status"] == "OOM") & (sweep["seq_len"] >= first)
                                 & (sweep["pass"] == "forward+backward")
                                 & ((sweep["dtype"] == dtype) if "dtype" in sweep.columns else True)]
-            text += (f"; PyTorch's forward + backward runs out of memory from {first:,} tokens (its forward alone "
+            text += (f"; in {dtype} PyTorch's forward + backward runs out of memory from {first:,} tokens "
+                     "(its forward alone "
                      "may still fit), " + ("ours does not" if ours_failed.empty else
                                            f"ours from {int(ours_failed['seq_len'].min()):,}"))
         parts.append(text)
