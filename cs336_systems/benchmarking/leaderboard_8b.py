@@ -83,6 +83,8 @@ class StepOptions:
     ``checkpointed_blocks`` is the fewest that fit."""
     stack: str = "ours"
     """``ours`` (our FSDP on several ranks) or ``fsdp2`` (``fully_shard``; with ``compile``, each block compiled)."""
+    compile_backend: str = "inductor"
+    """``torch.compile``'s backend (``aot_eager`` traces and differentiates without generating kernels)."""
 
     def reference(self) -> StepOptions:
         """The torch-native step to compare with: the same model, head and checkpointed blocks under FSDP2, with
@@ -94,6 +96,12 @@ class StepOptions:
 
         if self.attention not in available_attention_impls():
             raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
+        if self.compile:
+            import torch._dynamo
+
+            if self.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+                raise ValueError(f"unknown torch.compile backend {self.compile_backend!r}; available: "
+                                 f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
         if self.stack not in STACKS:
             raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -228,12 +236,12 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
         from cs336_systems.lm_head_loss import hidden_states, linear_cross_entropy
 
         hidden = partial(hidden_states, model)
-        body = torch.compile(hidden) if options.compile else hidden
+        body = torch.compile(hidden, backend=options.compile_backend) if options.compile else hidden
 
         def loss_fn() -> torch.Tensor:
             return linear_cross_entropy(body(inputs), model.lm_head.weight, targets, options.chunk_size)
     else:
-        forward = torch.compile(model) if options.compile else model
+        forward = torch.compile(model, backend=options.compile_backend) if options.compile else model
 
         def loss_fn() -> torch.Tensor:
             return cross_entropy(forward(inputs), targets).sum()
@@ -324,7 +332,7 @@ def _fsdp2_step(model: torch.nn.Module, options: StepOptions, inputs: torch.Tens
     for block in model.layers.children():  # (a checkpointed ``layers`` iterates over segments, not blocks)
         fully_shard(block)
         if options.compile:
-            block.compile()
+            block.compile(backend=options.compile_backend)
     net = FusedLMLoss(model, options.chunk_size) if options.fused_head else model
     fully_shard(net)
     if options.fused_head:
