@@ -1208,6 +1208,14 @@ def test_implemented_reads_each_suite_s_own_file_for_a_problem(tmp_path) -> None
             "`2025` run and 1 of 2 passed in the `2026-cpu` run (§4).") in overlap.markdown
     bucketed = implemented(d, "x", "y.py", "t.py", {"2025": "test_ddp.py"})
     assert "1 of 1 passed in the `2025` run (§4)." in bucketed.markdown and "2026" not in bucketed.markdown
+    # an edition grid cites the runs its own §4 shows: CSE599-O's, which run the 2025 suite's files
+    (tmp_path / "ddp_overlap_individual" / "cse599o").mkdir(parents=True)
+    (folder / "cse599o").mkdir()
+    (folder / "cse599o" / "cse599o-cpu.json").write_text(json.dumps({"tests": runs["2025"]}))
+    (folder / "cse599o" / "cse599o-cpu.meta.json").write_text("{}")
+    grid = implemented(SectionData(tmp_path, "ddp_overlap_individual/cse599o"), "x", "y.py", "t.py",
+                       {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"}).markdown
+    assert grid.endswith(": 1 of 1 passed in the `cse599o-cpu` run (§4).") and "`2025` run" not in grid
 
 
 def test_nsys_answers_sum_up_every_profile() -> None:
