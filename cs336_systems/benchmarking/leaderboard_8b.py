@@ -352,7 +352,6 @@ def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
     over the ranks. On CPU, ``perf_counter`` replaces CUDA events."""
     import statistics
 
-    import torch.distributed as dist
 
     cuda = device.type == "cuda"
 
@@ -360,18 +359,13 @@ def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
         if cuda:
             torch.cuda.synchronize(device)
 
-    def agree(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
     fn()
     sync()
     t0 = time.perf_counter()
     for _ in range(5):
         fn()
     sync()
-    estimate = agree((time.perf_counter() - t0) * 1e3 / 5)
+    estimate = _largest_over_ranks((time.perf_counter() - t0) * 1e3 / 5, device)
     n_warmup, n_repeat = max(1, int(warmup_ms / estimate)), max(1, int(rep_ms / estimate))
     for _ in range(n_warmup):
         fn()
@@ -388,7 +382,8 @@ def collective_bench(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return agree(statistics.median(times)), agree(_spread(times))
+    return (_largest_over_ranks(statistics.median(times), device),
+            _largest_over_ranks(_spread(times), device))
 
 
 def _largest_over_ranks(value: float, device: torch.device) -> float:
