@@ -84,3 +84,21 @@ def test_the_cse599o_grid_is_shown_by_the_test_files_its_handout_names(tmp_path)
     assert table.caption.startswith("The CS336 2025 suite's files the CSE599-O handout runs (course version 1.0.5)")
     assert table.frame.to_dict("records") == [{"file": "tests/test_ddp.py", "passed": 2, "failed": 0},
                                               {"file": "tests/test_sharded_optimizer.py", "passed": 0, "failed": 1}]
+
+
+def test_a_suite_run_on_a_gpu_machine_is_calibrated(tmp_path, monkeypatch) -> None:
+    """The suite runs its GPU tests where CUDA is present, so that run is a GPU job: its result carries the
+    machine's calibration like any other (here with a faked GPU reading; the runner itself is stubbed)."""
+    from cs336_systems import calibration
+
+    reading = [{"index": 0, "device": "NVIDIA H200", "bf16_matmul_tflops": 700.0}]
+    monkeypatch.setattr(calibration, "measure_in_subprocess", lambda: reading)
+    monkeypatch.setattr(calibration.JobCalibration, "wanted", staticmethod(lambda smoke: not smoke))
+    monkeypatch.setattr(calibration, "JOB", calibration.JobCalibration())
+    monkeypatch.setattr(course_tests, "run_suite", lambda *a: {"counts": {"passed": 1}, "tests": {}, "failures": {},
+                                                              "exit_code": 0, "command": "pytest", "tail": "1 passed"})
+    monkeypatch.setattr(course_tests, "course_version", lambda checkout: "9.9.9")
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "out"))
+    assert experiments(["course_tests", "--set", f"checkout={tmp_path}", "--set", "edition=2099"]) == 0
+    meta = json.loads((tmp_path / "out" / "course_tests" / "2099.meta.json").read_text())
+    assert meta["calibration"]["start"] == reading

@@ -129,6 +129,9 @@ PRESETS = {preset: Params() for preset in ("smoke", "quick", "full")}
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     """Run the suite and write ``<edition>.json``; a suite that ran with failures is still a result."""
     checkout = Path(p.checkout).expanduser().resolve()
+    from cs336_systems.calibration import JOB
+
+    JOB.begin(out.smoke)  # on a GPU machine the suite times and runs the GPU tests there: calibrate it (else a no-op)
     try:
         result = run_suite(checkout, p.pytest_args, p.timeout_s)
     except subprocess.TimeoutExpired:
