@@ -283,3 +283,22 @@ def test_the_time_split_sentence_names_the_largest_work_and_the_waits() -> None:
     assert ("ours, 6,100 ms per profiled step: matmul 3,000 ms, attention 2,000 ms, norms & elementwise 500 ms; "
             "communication alone 300 ms, idle 200 ms.") in said
     assert _split_sentence(split.drop(columns="rank"), 2) is None
+
+
+def test_the_time_split_difference_names_what_the_slower_stack_loses() -> None:
+    """Each kind of work's difference on rank 0, largest first; under 1% of the step is left out."""
+    import pandas as pd
+
+    from cs336_systems.experiments.leaderboard import _split_difference
+
+    ours = {"matmul": 2300.0, "attention": 2900.0, "norms & elementwise": 900.0, "optimizer": 23.0, "idle": 8.0}
+    ref = {"matmul": 2500.0, "attention": 2400.0, "norms & elementwise": 380.0, "optimizer": 22.0, "idle": 9.0}
+    rows = [(stack, rank, b, ms) for stack, split in (("ours", ours), ("torch reference", ref))
+            for rank in (0, 1) for b, ms in split.items()]
+    said = _split_difference(pd.DataFrame(rows, columns=["stack", "rank", "bucket", "ms_per_step"])).markdown
+    assert said.startswith("Our profiled step is 820 ms longer than the torch reference's: norms & elementwise "
+                           "+520 ms, attention +500 ms, matmul −200 ms.")
+    assert "optimizer" not in said.split(".")[0] and "idle" not in said.split(".")[0]
+    assert "compiles each block" in said and "cuDNN" in said
+    alone = pd.DataFrame([("ours", 0, "matmul", 1.0)], columns=["stack", "rank", "bucket", "ms_per_step"])
+    assert _split_difference(alone) is None
