@@ -63,9 +63,12 @@ def test_every_shared_table_names_a_table_its_section_writes() -> None:
 
     cells = agreement.shared_cells(FIGURES_DIR)
     for spec in agreement.SHARED:
-        assert (FIGURES_DIR / spec.folder / f"{spec.table}.csv").is_file(), spec
-        assert any((c.folder, c.table) == (spec.folder, spec.table) for c in cells), spec
+        tables = spec.tables(FIGURES_DIR)
+        assert tables, spec
+        assert all(any((c.folder, c.table) == (folder, table) for c in cells) for folder, table, _ in tables), spec
     assert len(agreement.shared_keys(FIGURES_DIR)) >= 20
+    # the data-parallel sections' steps are compared in every edition grid too
+    assert {c.folder for c in cells} >= {"naive_ddp", "ddp_flat/cse599o", "ddp_overlap_individual/2026"}
 
 
 def test_an_answer_reconciles_its_shared_cells_with_the_other_sections(tmp_path) -> None:
@@ -85,3 +88,30 @@ def test_the_same_configuration_on_another_gpu_is_not_compared(tmp_path) -> None
     meta = tmp_path / "mixed_precision" / "precision_timings.meta.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "device": "NVIDIA H200"}))
     assert agreement.disagreements(tmp_path) == [] and agreement.shared_keys(tmp_path) == set()
+
+
+def _ddp_steps(root, folder: str, naive_ms: float, std: float = 1.0) -> None:
+    rows = [("single", None, None, 200.0), ("naive", None, "fp32", naive_ms)]
+    _write(root, folder, "steps_large_fp32", pd.DataFrame(
+        [{"variant": v, "bucket_size_mb": b, "comm_dtype": c, "grad_views": False, "cuda_graph": False,
+          "step_ms": ms, "step_ms_std": std, "preset": "large", "autocast": "fp32", "context_length": 512,
+          "batch_per_rank": 2, "world_size": 1 if v == "single" else 2} for v, b, c, ms in rows]), {})
+
+
+def test_data_parallel_steps_are_compared_across_sections_and_edition_grids(tmp_path) -> None:
+    """The naive DDP step of one model, precision and world size, in two sections' edition grids: 20% apart
+    beyond both runs' spread is flagged; within the spread, or measured by one section only, it is not."""
+    _ddp_steps(tmp_path, "naive_ddp/cse599o", 220.0)
+    _ddp_steps(tmp_path, "ddp_flat/cse599o", 264.0)
+    found = agreement.disagreements(tmp_path)
+    assert [(d.key[0], d.key[1], d.key[6]) for d in found] == [("DDP step ms", "naive", "large")]
+    assert "naive_ddp/cse599o/steps_large_fp32: 220, ddp_flat/cse599o/steps_large_fp32: 264 (20% apart)" in \
+        found[0].line()
+    assert len(agreement.shared_keys(tmp_path)) == 2  # the single-GPU row is shared too, and agrees
+    noisy = tmp_path / "noisy"
+    _ddp_steps(noisy, "naive_ddp/cse599o", 220.0, std=10.0)
+    _ddp_steps(noisy, "ddp_flat/cse599o", 264.0, std=10.0)
+    assert agreement.disagreements(noisy) == []
+    alone = tmp_path / "alone"
+    _ddp_steps(alone, "naive_ddp/cse599o", 220.0)
+    assert agreement.shared_keys(alone) == set()

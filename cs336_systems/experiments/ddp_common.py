@@ -372,7 +372,7 @@ def _world_runs(d: SectionData) -> dict[str, pd.DataFrame]:
 
 def torch_parity(d: SectionData, bucket_mb: float = 25.0) -> Text | None:
     """The bar our bucketed DDP is held to, in one sentence per world size: its step time over torch DDP's
-    (which buckets at 25 MB by default) at the same bucket size and gradient wire format, eager and captured,
+    (which buckets at 25 MiB by default) at the same bucket size and gradient wire format, eager and captured,
     per autocast setting, each pair timed in one process; a ratio within the two runs' spread is no difference."""
     from cs336_systems.profiling.timeline import paired_ratios
 
@@ -406,7 +406,7 @@ def torch_parity(d: SectionData, bucket_mb: float = 25.0) -> Text | None:
                 ("in fp32 " if ac == "fp32" else f"under {ac} autocast ") + ", ".join(cells))
     if not by_world:
         return None
-    return Text(f"**Against torch DDP** (`DistributedDataParallel`, both with {bucket_mb:g} MB buckets and fp32 "
+    return Text(f"**Against torch DDP** (`DistributedDataParallel`, both with {bucket_mb:g} MiB buckets and fp32 "
                 "gradients on the wire, timed in the same process), our bucketed step takes, of torch's step time: "
                 + "; ".join(f"on {world} GPUs " + "; ".join(parts) for world, parts in sorted(by_world.items())) + ".")
 

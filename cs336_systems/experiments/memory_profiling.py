@@ -218,9 +218,10 @@ def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str
             f"keeps batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block.")
 
 
-def _train_peak_breakdown(peaks: pd.DataFrame | None) -> str:
+def _train_peak_breakdown(peaks: pd.DataFrame | None, counted_gib: float | None = None) -> str:
     """What sets the training step's peak at each context: the state held between steps plus the forward's
-    activations (the end of the forward), or that state plus the gradients (the optimizer step)."""
+    activations (the end of the forward), or that state plus the gradients (the optimizer step). ``counted_gib``:
+    the fp32 parameters by the calculator's count, beside what the run had allocated before its forward."""
     need = {"precision", "mode", "context_length", "status", "peak_GiB", "allocated_before_GiB"}
     if peaks is None or not need <= set(peaks.columns):
         return ""
@@ -240,7 +241,10 @@ def _train_peak_breakdown(peaks: pd.DataFrame | None) -> str:
         parts.append(f"context {int(c)}: {fmt.gib(acts * 2**30)} of activations, so {which} "
                      f"({fmt.gib(max(end_of_forward, optimizer) * 2**30)} predicted, "
                      f"{fmt.gib(float(train.loc[c, 'peak_GiB']) * 2**30)} measured)")
-    return (f" Between steps the training run holds the {fmt.gib(weights * 2**30)} of fp32 weights and AdamW's two "
+    held = (f"the fp32 weights ({fmt.gib(counted_gib * 2**30)} of parameters by the calculator's count; the run had "
+            f"{fmt.gib(weights * 2**30)} allocated before its forward, the inputs and other small allocations "
+            "included)" if counted_gib else f"the {fmt.gib(weights * 2**30)} of fp32 weights")
+    return (f" Between steps the training run holds {held} and AdamW's two "
             f"moments, {fmt.gib(state * 2**30)} in all ({fmt.sig(state / weights, 2)} copies of the weights; "
             "`zero_grad` frees the gradients). A step then peaks at the larger of two moments: the end of the "
             "forward, that state plus the activations saved for backward (the forward's peak minus the weights), "
@@ -251,6 +255,8 @@ def _train_peak_breakdown(peaks: pd.DataFrame | None) -> str:
 
 
 def answer(d: SectionData) -> list[Block]:
+    from cs336_systems.configs import param_counts
+
     meta = d.meta("peak_memory") or d.meta("residual_stream")
     size = str((meta.get("params") or {}).get("size", "2.7B"))
     device = meta.get("device", "the GPU")
@@ -275,7 +281,8 @@ def answer(d: SectionData) -> list[Block]:
 
         b_text = Text(f"Peak memory of the {size} model, " + " / ".join(
             w for m, w in _MODE_WORDS.items() if f"{m}_peak_GiB" in fp32.columns) + ": " + join_words([
-            cell(r) for _, r in fp32.iterrows()]) + "." + _inference_note(fp32) + _train_peak_breakdown(peaks)
+            cell(r) for _, r in fp32.iterrows()]) + "." + _inference_note(fp32)
+            + _train_peak_breakdown(peaks, param_counts(cfg)["total"] * 4 / 2**30)
             + f"{failed}" + _why_out_of_memory(peaks, cfg, device))
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {size} model on "

@@ -170,7 +170,9 @@ def _other_precision(d: SectionData, shown: str | None, shown_naive: Any = None)
     naive = row(other, "naive") if other is not None else None
     if naive is None or known(naive.get("sync_ms")) is None:
         return ""
-    text = (f" Under {other['precision'].iloc[0]}: {fmt.ms(naive['step_ms'])} per step, {fmt.ms(naive['sync_ms'])} "
+    std = known(naive.get("step_ms_std"))
+    spread = f" (± {fmt.ms(std)} step to step)" if std is not None and std >= 0.05 * naive["step_ms"] else ""
+    text = (f" Under {other['precision'].iloc[0]}: {fmt.ms(naive['step_ms'])} per step{spread}, {fmt.ms(naive['sync_ms'])} "
             f"communicating ({fmt.pct(naive['sync_ms'] / naive['step_ms'])}). The gradients stay fp32 under autocast, "
             "so the bytes all-reduced are the same")
     before = known(shown_naive.get("sync_ms")) if shown_naive is not None else None

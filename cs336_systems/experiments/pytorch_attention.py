@@ -159,6 +159,16 @@ def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
+def _grid(d: SectionData, value: str) -> pd.DataFrame | None:
+    """The grid of ``value`` from the full-precision timings, to four significant digits (the committed grid's
+    strings are rounded to 0.01 ms, which a table would print as 0.2500 for a 0.2506 ms cell); None: the grid as
+    committed."""
+    timings = d.frame("timings")
+    if timings is None or not {value, "d_model", "seq_len"} <= set(timings.columns):
+        return None
+    return status_grid(timings, value, "d_model", "seq_len", "{:.4g}").reset_index()
+
+
 def answer(d: SectionData) -> list[Block]:
     timings = d.frame("timings")
     acc = d.json("oom_accounting")
@@ -198,9 +208,9 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "timings", "Forward and backward time and memory of naive attention (batch 8, one head) over "
                  "$d \\in \\{16, 32, 64, 128\\}$ and sequence lengths 256–16384.", [
                      t_text,
-                     d.table("grid_forward_ms", caption="Forward time (ms) by head size (rows) and sequence "
-                             "length (columns); OOM: out of memory."),
-                     d.table("grid_backward_ms", caption="Backward time (ms)."),
+                     d.table("grid_forward_ms", frame=_grid(d, "forward_mean_ms"), caption="Forward time (ms) by "
+                             "head size (rows) and sequence length (columns); OOM: out of memory."),
+                     d.table("grid_backward_ms", frame=_grid(d, "backward_mean_ms"), caption="Backward time (ms)."),
                      d.table("grid_memory_before_backward_MiB", caption="Memory in use before the backward pass "
                              "(MiB)."),
                  ], what="the attention sweep"),

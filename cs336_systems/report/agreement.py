@@ -45,11 +45,17 @@ class Cell:
 @dataclass(frozen=True)
 class Shared:
     """Where one section keeps cells other sections measure too: ``table`` of ``folder``, and a function of
-    the table and its run's parameters that yields ``(key, value, row, std)``."""
+    the table and its run's parameters that yields ``(key, value, row, std)``. ``folder`` and ``table`` may be
+    glob patterns (``naive_ddp/*``: every edition grid; ``steps_*``: a table per preset and precision)."""
 
     folder: str
     table: str
     cells: Callable[[pd.DataFrame, dict[str, Any]], Iterator[tuple[Key, float, str]]]
+
+    def tables(self, root: Path) -> list[tuple[str, str, Path]]:
+        """``(folder, table, csv)`` of every committed table this spec names under ``root``."""
+        found = sorted(Path(root).glob(f"{self.folder}/{self.table}.csv"))
+        return [(csv.parent.relative_to(root).as_posix(), csv.stem, csv) for csv in found]
 
 
 def _model_batch(size: str) -> int:
@@ -97,6 +103,22 @@ def _eager_attention(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tu
             yield key, float(row[column]), f"d={row['d_model']} seq {row['seq_len']} {phase}", _std(row, column)
 
 
+def _ddp_steps(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
+    """Cells of a data-parallel step table: one per variant and setting (the single-GPU step, torch DDP, naive,
+    flat, per-parameter, bucketed), keyed by model, precision, context, batch per rank and ranks."""
+    settings = ("variant", "bucket_size_mb", "comm_dtype", "grad_views", "cuda_graph")
+    for _, row in frame.iterrows():
+        setting = tuple(None if pd.isna(row.get(c)) else row.get(c) for c in settings)
+        key = ("DDP step ms", *setting, row["preset"], row["autocast"], int(row["context_length"]),
+               int(row["batch_per_rank"]), int(row["world_size"]))
+        yield (key, float(row["step_ms"]), f"{row['variant']} {row['preset']} {row['autocast']} on "
+               f"{int(row['world_size'])} GPU(s)", float(row["step_ms_std"]) if pd.notna(row.get("step_ms_std")) else 0.0)
+
+
+#: The data-parallel sections' step tables (each edition grid too): their single-GPU, torch DDP and naive rows
+#: are measured by every one of them.
+_DDP_FOLDERS = ("naive_ddp", "ddp_flat", "ddp_overlap_individual", "ddp_bucketed")
+
 SHARED: tuple[Shared, ...] = (
     Shared("benchmarking", "timings", _model_forward("forward_mean_ms", precision="fp32")),
     Shared("mixed_precision", "precision_timings", _model_forward("forward_mean_ms")),
@@ -105,6 +127,7 @@ SHARED: tuple[Shared, ...] = (
         "total_mean_ms", precision="fp32", where=lambda f: (f["mode"] == "forward") & ~f["compiled"].astype(bool))),
     Shared("pytorch_attention", "timings", _eager_attention),
     Shared("torch_compile", "attention_timings", _eager_attention),
+    *(Shared(folder, "steps_*", _ddp_steps) for section in _DDP_FOLDERS for folder in (section, f"{section}/*")),
 )
 
 
@@ -133,9 +156,9 @@ class Disagreement:
 def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
     """Every shared cell of the committed (not smoke) results under ``root``."""
     out = []
-    for spec in shared:
-        csv, meta_path = Path(root) / spec.folder / f"{spec.table}.csv", Path(root) / spec.folder / f"{spec.table}.meta.json"
-        if not csv.is_file() or not meta_path.is_file():
+    for spec, folder, table, csv in ((s, *t) for s in shared for t in s.tables(root)):
+        meta_path = csv.with_suffix(".meta.json")
+        if not meta_path.is_file():
             continue
         meta = json.loads(meta_path.read_text())
         if meta.get("smoke"):
@@ -146,7 +169,7 @@ def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
             continue
         # Only the same machine and matmul precision measure the same thing.
         machine = (meta.get("device"), meta.get("float32_matmul_precision"))
-        out += [Cell((*key, *machine), value, spec.folder, spec.table, row, std) for key, value, row, std in cells]
+        out += [Cell((*key, *machine), value, folder, table, row, std) for key, value, row, std in cells]
     return out
 
 
@@ -218,7 +241,7 @@ def _flags(root: str, stamp: tuple) -> dict[tuple[str, str], str]:
 
 def flag(root: Path, folder: str, table: str) -> str | None:
     """Why the table ``folder/table`` disagrees with another section's, in one line (``None`` if it does not)."""
-    stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for s in SHARED
-                  for p in (Path(root) / s.folder / f"{s.table}.csv", Path(root) / s.folder / f"{s.table}.meta.json")
+    stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for s in SHARED for *_, csv in s.tables(root)
+                  for p in (csv, csv.with_suffix(".meta.json"))
                   if p.is_file())  # any file changed, added or removed: computed again
     return _flags(str(root), stamp).get((folder, table))
