@@ -733,7 +733,7 @@ def test_bucketed_ddp_states_its_step_time_against_torch_ddp_and_calls_a_differe
             four.loc[four["bucket_size_mb"] == 25.0, "step_ms"] = 80.0
             four.assign(step_ms_median=four["step_ms"]).to_csv(folder / "np4_xl_fp32.csv", index=False)
     text = torch_parity(SectionData(tmp_path, "ddp_bucketed")).markdown
-    assert "both with 25 MB buckets" in text
+    assert "both with 25 MiB buckets" in text
     # 1 ms of spread per pair: 110 vs 100 is slower, 99.5 no difference, 90 faster, 101.2 slower; the 1 MB rows are not the bar.
     assert ("on 2 GPUs in fp32 eager 1.10× (slower), captured 0.995× (within the steps' spread of ±1.00 ms: no "
             "difference); under bf16 autocast eager 0.900× (faster), captured 1.01× (slower); "
