@@ -1229,3 +1229,14 @@ def test_nsys_answers_sum_up_every_profile() -> None:
         "kernel time.")
     assert " for 0.0200× their FLOPs, 25.0–40.0 times the time per FLOP." in _softmax_across(summary)
     assert _across(summary.iloc[:1], "top_non_matmul_kernel", "top_non_matmul_percent", "x") == ""
+
+
+def test_the_2026_model_table_says_how_the_other_tables_name_its_models() -> None:
+    """2026's Table 1 names its models as its handout does; the sections that time the workbook's presets call
+    2026's xl "2.7B" and have a row "xl" that is 2025's: the model-size answer of the 2026 grid says so."""
+    from cs336_systems.experiments.model_sizes import _names_elsewhere
+
+    said = _names_elsewhere("2026")
+    assert "this handout's xl is their row 2.7B and its 10B is their row 10B@2026" in said
+    assert "their row xl is the 2025 handout's xl (1600/6400/48/25)" in said
+    assert _names_elsewhere("2025") == _names_elsewhere("cse599o") == _names_elsewhere("") == ""

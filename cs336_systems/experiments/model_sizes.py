@@ -80,7 +80,7 @@ def answer(d: SectionData) -> list[Block]:
     edition = d.folder.partition("/")[2]
     shown = table.assign(size=table["size"].astype(str).str.removesuffix(f"@{edition}")) if edition else None
     text = text.replace(f"@{edition}", "") if edition else text
-    return [Text(text), d.table("presets", frame=shown,
+    return [Text(text + _names_elsewhere(edition)), d.table("presets", frame=shown,
                                 caption="Model presets: parameters, FLOPs per token and memory."),
             Text("", role=BEYOND_HANDOUT),  # the table is the context later sections need; the plot repeats it
             d.figure("presets", caption="Parameters and training FLOPs per token by preset.")]
@@ -92,3 +92,25 @@ SECTION = Section(
     editions={"cse599o": {"sizes": ["large"]},  # CSE599-O's Table 1 holds one model (1280/5120/36/20)
               "2026": {"sizes": ["small", "medium", "large", "xl@2026", "10B@2026"]}},  # the 2026 handout's Table 1
 )
+
+
+def _shape(cfg: configs.ModelConfig) -> tuple[int, int, int, int]:
+    return cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.num_heads
+
+
+def _names_elsewhere(edition: str) -> str:
+    """For an edition whose table renames the workbook's models: how the other sections' tables, which time the
+    workbook's presets, name this table's models, and which of their rows is another handout's model."""
+    if not edition or edition not in configs.HANDOUT_SIZES_BY_EDITION or len(configs.HANDOUT_SIZES_BY_EDITION[edition]) < 2:
+        return ""
+    mine = [n for n in configs.HANDOUT_SIZES_BY_EDITION[edition] if "@" in n]
+    if not mine:
+        return ""
+    workbook = {_shape(configs.get_config(n)): n for n in configs.HANDOUT_SIZES}
+    rows = [f"its {n.partition('@')[0]} is their row {workbook.get(_shape(configs.get_config(n)), n)}" for n in mine]
+    clashes = [n for n in configs.HANDOUT_SIZES if n in {m.partition("@")[0] for m in mine}]
+    clash = ", and ".join(
+        f"their row {n} is the 2025 handout's {n} ({'/'.join(str(v) for v in _shape(configs.get_config(n)))})"
+        for n in clashes)
+    return (" The other sections' tables time the workbook's presets under the 2025 handout's names: this handout's "
+            + " and ".join(rows).removeprefix("its ") + (f"; {clash}" if clash else "") + ".")
