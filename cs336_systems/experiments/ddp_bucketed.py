@@ -78,6 +78,9 @@ def _previous(d: SectionData, df: Any) -> tuple[Any, Any]:
         if hit is None:
             _, theirs = steps_table(d.sibling(folder))
             hit = row(ddp_common.eager_rows(theirs), mode) if theirs is not None else None
+            if hit is not None:  # another job's run: the comparison says so
+                hit = hit.copy()
+                hit["_from"] = {"ddp_flat": "§2.3.1", "ddp_overlap_individual": "§2.3.2"}[folder]
         found.append(hit)
     return found[0], found[1]
 
@@ -119,7 +122,8 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
         won, lost = [], []
         for label, other in (("flat", flat), ("per-parameter overlap", individual)):
             noise = spread(best.get("step_ms_std"), other.get("step_ms_std"))  # this pair's step-to-step spread
-            (won if mine < _typical(other) - noise else lost).append(f"{label} ({fmt.ms(_typical(other))})")
+            where = f", {other['_from']}'s run" if isinstance(other.get("_from"), str) else ""
+            (won if mine < _typical(other) - noise else lost).append(f"{label} ({fmt.ms(_typical(other))}{where})")
         verdict = ("beats both" if not lost else f"beats {join_words(won)} but not {join_words(lost)} beyond the "
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")
         which = "median" if "step_ms_median" in b.columns else "mean"
