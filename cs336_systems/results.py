@@ -388,3 +388,14 @@ def result_metas(folder: Path) -> dict[str, dict[str, Any]]:
         except (OSError, json.JSONDecodeError):
             metas[path.name.removesuffix(".meta.json")] = {}
     return metas
+
+
+def flat_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Recorded parameters with each group's spelled as ``GROUP.NAME`` (how ``--set`` names them)."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in flat_params(value).items()})
+        else:
+            out[key] = value
+    return out

@@ -396,3 +396,56 @@ def test_sharding_extra_world_sizes_are_tagged_with_their_own_size(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"nproc=\[2, 4\] needs 4 GPUs and this machine has 2"):
         oss.run(p, out)
+
+
+from cs336_systems.experiments.section import group as _group  # noqa: E402
+from cs336_systems.experiments.section import param as _param  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+    rounds: int = _param(3, "alternating rounds")
+    dims: list[int] = _param([64, 128], "head dimensions")
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupedParams:
+    budget_s: float = _param(60.0, "time budget")
+    shapes: _Shapes = _group(_Shapes(), "the shapes grid")
+
+
+def test_a_group_of_parameters_is_set_by_dotted_name_listed_and_recorded_flat() -> None:
+    """One part's parameters as a group: ``--set shapes.rounds=5`` (or a nested dict from a notebook) reaches
+    inside it, a wrong name fails in one line naming the group's parameters, ``--help`` lists ``shapes.rounds``,
+    and the run-parameters line spells what differs from the preset the same way."""
+    from cs336_systems.experiments.section import Section
+    from cs336_systems.report.data import params_line, register_section
+    from cs336_systems.results import _jsonable, flat_params
+
+    Shapes, Params = _Shapes, _GroupedParams
+    section = Section("grouped_demo", "9.9", "demo", (), answer=lambda d: [], gpus=0,
+                      presets={p: Params() for p in PRESETS})
+    p = section.params("full", {"shapes.rounds": CommandLineText("5"), "budget_s": 30})
+    assert (p.shapes.rounds, p.shapes.dims, p.budget_s) == (5, [64, 128], 30.0)
+    assert section.params("full", {"shapes": {"dims": [32]}}).shapes == Shapes(3, [32])
+    assert section.params("full").shapes == Shapes()  # the preset itself is unchanged
+    with pytest.raises(ValueError, match=r"grouped_demo.shapes has no parameter 'round'; parameters: rounds, dims"):
+        section.params("full", {"shapes.round": 5})
+    with pytest.raises(ValueError, match=r"grouped_demo.shapes is a group of parameters: set grouped_demo.shapes.NAME"):
+        section.params("full", {"shapes": 5})
+    with pytest.raises(ValueError, match=r"grouped_demo.budget_s is a parameter, not a group"):
+        section.params("full", {"budget_s.x": 5})
+    with pytest.raises(ValueError, match=r"grouped_demo.shapes.rounds"):
+        section.params("full", {"shapes.rounds": "many"})
+    assert [row[0] for row in section.describe_params()] == ["budget_s", "shapes.rounds", "shapes.dims"]
+    recorded = json.loads(json.dumps(_jsonable(p)))
+    assert recorded["shapes"] == {"rounds": 5, "dims": [64, 128]}
+    assert flat_params(recorded) == {"budget_s": 30.0, "shapes.rounds": 5, "shapes.dims": [64, 128]}
+    register_section(section)
+    try:
+        line = params_line({"section": "grouped_demo", "params": {**recorded, "run_preset": "full"}})
+    finally:
+        from cs336_systems.report.data import SECTIONS as registered
+
+        registered.pop("grouped_demo", None)
+    assert line == "--full, with budget_s=30, shapes.rounds=5"

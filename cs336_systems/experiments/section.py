@@ -174,18 +174,7 @@ class Section:
             return None
         if preset not in self.presets:
             raise ValueError(f"unknown preset {preset!r} for {self.name}; presets: {', '.join(self.presets)}")
-        base = self.presets[preset]
-        fields = {f.name: f for f in dataclasses.fields(base)}
-        changes = {}
-        hints = typing.get_type_hints(type(base))
-        for key, value in (overrides or {}).items():
-            if key not in fields:
-                raise ValueError(f"{self.name} has no parameter {key!r}; parameters: {', '.join(fields)}")
-            what = f"{self.name}.{key}"
-            if isinstance(value, CommandLineText):
-                value = from_text(str(value), hints[key], what)
-            changes[key] = coerce(value, hints[key], what)
-        params = dataclasses.replace(base, **changes)
+        params = _replaced(self.presets[preset], _dotted(overrides or {}), self.name)
         check = getattr(params, "check", None)
         if check is not None:
             check()
@@ -195,11 +184,19 @@ class Section:
         """``(name, type, {preset: value}, help)`` per parameter, for ``--help`` and the README."""
         if not self.presets:
             return []
-        hints = typing.get_type_hints(self.params_type)
         rows = []
-        for f in dataclasses.fields(self.presets["full"]):
-            values = {p: getattr(self.presets[p], f.name) for p in self.presets}
-            rows.append((f.name, type_name(hints[f.name]), values, f.metadata.get("help", "")))
+
+        def walk(params: dict[str, Any], prefix: str) -> None:  # preset -> that preset's (group's) values
+            first = next(iter(params.values()))
+            hints = typing.get_type_hints(type(first))
+            for f in dataclasses.fields(first):
+                if f.metadata.get("group"):  # a group's parameters, named group.parameter
+                    walk({p: getattr(v, f.name) for p, v in params.items()}, f"{prefix}{f.name}.")
+                    continue
+                values = {p: getattr(v, f.name) for p, v in params.items()}
+                rows.append((prefix + f.name, type_name(hints[f.name]), values, f.metadata.get("help", "")))
+
+        walk(dict(self.presets), "")
         return rows
 
     # -- what the writeup says about it ---------------------------------------------------------------
@@ -271,6 +268,54 @@ def param(default: Any, help: str = "") -> Any:  # noqa: A002 - mirrors dataclas
     if isinstance(default, (list, dict, tuple)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def group(default: Any, help: str = "") -> Any:  # noqa: A002 - mirrors dataclasses.field
+    """A group of parameters: a field whose value is a frozen dataclass of :func:`param` fields (one part of a
+    section's run, e.g. its shapes grid), set as ``--set GROUP.NAME=VALUE`` (or ``{"GROUP": {"NAME": VALUE}}``
+    from a notebook) and recorded nested (``{"GROUP": {"NAME": VALUE}}``)."""
+    if not dataclasses.is_dataclass(default) or isinstance(default, type):
+        raise TypeError(f"group() needs a dataclass instance, got {default!r}")
+    return field(default_factory=lambda: default, metadata={"help": help, "group": True})
+
+
+def _dotted(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Overrides with every nested dict spelled as dotted keys: ``{"g": {"x": 1}}`` -> ``{"g.x": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and not isinstance(value, CommandLineText):
+            out.update({f"{key}.{k}": v for k, v in _dotted(value).items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _replaced(base: Any, overrides: dict[str, Any], where: str) -> Any:
+    """``base`` (a parameters dataclass) with ``overrides`` (dotted keys reach into groups), each value read
+    and checked against its field's type; an unknown name raises ``ValueError`` listing the valid ones."""
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    hints = typing.get_type_hints(type(base))
+    changes: dict[str, Any] = {}
+    inner: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        name, dot, rest = key.partition(".")
+        if name not in fields:
+            raise ValueError(f"{where} has no parameter {name!r}; parameters: {', '.join(fields)}")
+        is_group = bool(fields[name].metadata.get("group"))
+        if is_group != bool(dot):
+            raise ValueError(f"{where}.{name} is a group of parameters: set {where}.{name}.NAME" if is_group else
+                             f"{where}.{name} is a parameter, not a group: got {key!r}")
+        if is_group:
+            inner.setdefault(name, {})[rest] = value
+            continue
+        what = f"{where}.{key}"
+        if isinstance(value, CommandLineText):
+            value = from_text(str(value), hints[key], what)
+        changes[key] = coerce(value, hints[key], what)
+    for name, values in inner.items():
+        changes[name] = _replaced(getattr(base, name), values, f"{where}.{name}")
+    return dataclasses.replace(base, **changes)
+
 
 
 def check_presets(*names: str) -> None:

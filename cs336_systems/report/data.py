@@ -278,12 +278,15 @@ def params_line(meta: dict[str, Any], limit: int = 240) -> str:
     """The run's parameters, compactly: against its section's preset, only the values that differ (what a
     reader needs to repeat the run: ``--full --set k=v ...``), and the value a parameter that defaults to None
     ("auto") was resolved to; every value for a record of no known section. None values are left out."""
+    from cs336_systems.results import flat_params
+
     section = str(meta.get("section") or "")
-    params = {k: v for k, v in run_params(section, meta.get("params") or {}).items() if v is not None}
+    params = {k: v for k, v in flat_params(run_params(section, meta.get("params") or {})).items() if v is not None}
     if not params:
         return ""
     run = params.pop("run_preset", None)
     defaults = preset_defaults(section, run, params.get("edition"))
+    defaults = flat_params(defaults) if defaults is not None else None
     if defaults is None:
         text = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
     else:
