@@ -438,6 +438,11 @@ def test_a_group_of_parameters_is_set_by_dotted_name_listed_and_recorded_flat() 
     with pytest.raises(ValueError, match=r"grouped_demo.shapes.rounds"):
         section.params("full", {"shapes.rounds": "many"})
     assert [row[0] for row in section.describe_params()] == ["budget_s", "shapes.rounds", "shapes.dims"]
+    from cs336_systems.experiments.__main__ import assignment
+
+    assert assignment("shapes.rounds=5") == ("shapes.rounds", "5")
+    with pytest.raises(Exception, match="expected KEY=VALUE"):
+        assignment("shapes..rounds=5")
     recorded = json.loads(json.dumps(_jsonable(p)))
     assert recorded["shapes"] == {"rounds": 5, "dims": [64, 128]}
     assert flat_params(recorded) == {"budget_s": 30.0, "shapes.rounds": 5, "shapes.dims": [64, 128]}

@@ -146,9 +146,10 @@ def listing() -> str:
 
 
 def assignment(text: str) -> tuple[str, CommandLineText]:
-    """``KEY=VALUE`` for ``--set``; VALUE is read later, by the parameter's type."""
+    """``KEY=VALUE`` for ``--set`` (``GROUP.KEY=VALUE`` inside a group of parameters); VALUE is read later, by
+    the parameter's type."""
     key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
+    if not sep or not all(part.isidentifier() for part in key.split(".")):
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a parameter name as KEY, got {text!r}")
     return key, CommandLineText(value)
 
