@@ -101,7 +101,17 @@ def test_naive_sentence_says_which_pass_ran_out_of_memory_and_checks_ours_did_no
                           "seq_len": [65536, 65536, 131072, 65536]})  # another backend's failure is not ours
     text = _naive_sentence(sp, sweep).markdown
     assert "at 65,536 tokens 0.200×;" in text  # one cell: no range of one value
-    assert "PyTorch's forward + backward runs out of memory from 65,536 tokens (its forward alone may still fit), " \
-           "ours from 131,072." in text
+    assert "PyTorch's forward + backward runs out of memory from 65,536 tokens (its forward alone not measured " \
+           "there), ours from 131,072." in text
     assert text.endswith("ours does not.") is False
     assert _naive_sentence(sp, sweep.iloc[[0, 1, 3]]).markdown.endswith("ours does not.")
+    forward = pd.DataFrame({"impl": ["naive"], "status": ["ok"], "pass": ["forward"], "dtype": ["bf16"],
+                            "seq_len": [65536]})
+    assert "(its forward alone runs there)" in _naive_sentence(sp, pd.concat([sweep, forward])).markdown
+    # cells where ours is slower: named by head size, with the pass that loses
+    sp2 = pd.DataFrame({"pass": ["forward+backward", "forward", "backward"] * 2, "dtype": ["fp32"] * 6,
+                        "head_dim": [128] * 3 + [64] * 3, "seq_len": [2048] * 3 + [4096] * 3,
+                        "speedup_vs_naive": [0.8, 1.2, 0.7, 2.0, 2.0, 2.0]})
+    said = _naive_sentence(sp2, None).markdown
+    assert ("ours is slower in 1 of 2 cells (d = 128 at 2,048 tokens): in every one of them our backward is the "
+            "slower pass and our forward is faster") in said

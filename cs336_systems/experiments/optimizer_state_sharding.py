@@ -338,19 +338,29 @@ def main(argv: list[str] | None = None) -> int:
 from cs336_systems.report.answers import implemented, mfu_note, spread, step_mfu, step_verdict  # noqa: E402  (answers only)
 
 
+def _zero1_bytes_note(d: SectionData) -> str:
+    """The table's volumes as the formulas give them at the run's world size (Ψ counted in fp32 bytes)."""
+    params = d.meta("zero1_comparison").get("params") or {}
+    world = params.get("world_size")
+    return (f" The table evaluates these at $P = {int(world)}$ with fp32 gradients and parameters (4 bytes per "
+            f"element, so $\\Psi$ is the model's fp32 bytes): DDP and ZeRO-1 send "
+            f"${2 * (world - 1) / world:g}\\Psi$, ours ${3 * (world - 1) / world:g}\\Psi$." if world else "")
+
+
 def _sharding_verdict(timing: pd.DataFrame) -> str:
     """What the step times show about sharding's cost, judged against the rows' step-to-step spread."""
     by = timing.set_index("optimizer")
     why = ("The sharded step runs AdamW on its own shard only ($1/P$ of the update) and then broadcasts every "
-           "parameter from its owner, an extra $\\Psi$ of traffic per step that the replicated optimizer does not "
-           "need")
+           "parameter from its owner, an extra $\\tfrac{P-1}{P}\\Psi$ of traffic per step that the replicated "
+           "optimizer does not need")
     if not {"adamw", "sharded"} <= set(by.index) or "step_ms_std" not in by.columns:
         return why + "."
     a, b = by.loc["adamw"], by.loc["sharded"]
     diff, noise = float(b["step_ms"] - a["step_ms"]), spread(a["step_ms_std"], b["step_ms_std"])
     if abs(diff) <= noise:
         return (why + "; the two roughly cancel here: the difference is within the steps' spread (replicated "
-                f"AdamW's steps vary by ±{fmt.ms(a['step_ms_std'])}), so this run shows no cost of sharding.")
+                f"AdamW's steps vary by ±{fmt.ms(a['step_ms_std'])}, a few slow steps in its mean), so this run cannot "
+                "tell a cost or a saving of sharding from the noise.")
     if diff > 0:
         return why + (f"; the broadcast costs more than the smaller update saves: {fmt.ms(diff)} per step net "
                       "here.")
@@ -440,11 +450,13 @@ def answer(d: SectionData) -> list[Block]:
             Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
                  "memory by the world size $P$. ZeRO-1 partitions a flat buffer at element granularity, so every "
                  "rank owns exactly $\\Psi/P$ elements, and replaces DDP's all-reduce with a reduce-scatter of "
-                 "gradients and an all-gather of updated parameters, $2\\Psi$ per rank in total, the same volume "
-                 "as DDP. Our sharding assigns whole parameter tensors to ranks (balanced greedily, so shards are "
-                 "only approximately equal), keeps the full gradient all-reduce ($2\\Psi$) and then broadcasts each "
-                 "updated parameter from its owner ($\\Psi$ more), $3\\Psi$ in total: simpler and model-agnostic, "
-                 "but with 1.5× the communication volume of ZeRO-1."),
+                 "gradients and an all-gather of updated parameters, $\\tfrac{P-1}{P}\\Psi$ each, so "
+                 "$2\\tfrac{P-1}{P}\\Psi$ sent per rank: the same volume as DDP's ring all-reduce (which is a "
+                 "reduce-scatter followed by an all-gather). Our sharding assigns whole parameter tensors to ranks "
+                 "(balanced greedily, so shards are only approximately equal), keeps the full gradient all-reduce "
+                 "($2\\tfrac{P-1}{P}\\Psi$) and then broadcasts each updated parameter from its owner "
+                 "($\\tfrac{P-1}{P}\\Psi$ more), $3\\tfrac{P-1}{P}\\Psi$ in total: simpler and model-agnostic, "
+                 "but with 1.5× the communication volume of ZeRO-1." + _zero1_bytes_note(d)),
             d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step.")]),
         Text("", role=BEYOND_HANDOUT),  # the memory study in detail, and more GPUs: the appendix
         *([question(d, "a", "The memory study in detail: what the peaks hold beyond the breakdown.", [

@@ -398,6 +398,33 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
     return blocks, rest
 
 
+def _cells_by_head(cells: pd.DataFrame) -> str:
+    """Sweep cells as "d = 128 at 2,048–8,192 tokens, d = 16 at 128"."""
+    said = []
+    for d, g in cells.groupby("head_dim", sort=True):
+        lo, hi = int(g["seq_len"].min()), int(g["seq_len"].max())
+        said.append(f"d = {int(d)} at {lo:,}" + (f"–{hi:,}" if hi != lo else "") + " tokens")
+    return ", ".join(said)
+
+
+def _slower_pass(sp: pd.DataFrame, slower: pd.DataFrame, dtype: str) -> str:
+    """Which pass loses in the cells where ours is slower overall: the forward, the backward or both."""
+    if "speedup_vs_naive" not in sp.columns:
+        return ""
+    keys = set(zip(slower["head_dim"], slower["seq_len"]))
+    losing = {}
+    for phase in ("forward", "backward"):
+        rows = sp[(sp["pass"] == phase) & (sp["dtype"] == dtype)]
+        rows = rows[[(d, t) in keys for d, t in zip(rows["head_dim"], rows["seq_len"])]]
+        losing[phase] = int((rows["speedup_vs_naive"] < 1).sum())
+    n = len(slower)
+    if losing["backward"] == n and losing["forward"] == 0:
+        return ": in every one of them our backward is the slower pass and our forward is faster"
+    if losing["forward"] == n and losing["backward"] == 0:
+        return ": in every one of them our forward is the slower pass and our backward is faster"
+    return f": our forward is slower in {losing['forward']} of them, our backward in {losing['backward']}"
+
+
 def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None:
     """Ours against regular PyTorch attention (what the handout compares with), forward + backward."""
     if "speedup_vs_naive" not in sp.columns:
@@ -416,8 +443,8 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
         text = (f"{dtype}: in the median cell ours takes {fmt.ratio(1 / v['speedup_vs_naive'].median())} PyTorch's "
                 f"time, at {int(longest['seq_len'].iloc[0]):,} tokens {low}" + (f"–{high}" if high != low else ""))
         if not slower.empty:
-            text += (f"; ours is slower in {len(slower)} of {len(v)} cells, all at or below "
-                     f"{int(slower['seq_len'].max()):,} tokens, where fixed per-call costs outweigh the quadratic work")
+            text += f"; ours is slower in {len(slower)} of {len(v)} cells ({_cells_by_head(slower)})" + \
+                _slower_pass(sp, slower, dtype)
         mine = oom[oom["dtype"] == dtype] if "dtype" in oom.columns else oom
         if not mine.empty:
             first = int(mine["seq_len"].min())
@@ -425,10 +452,13 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
             ours_failed = sweep[(sweep["impl"] == ours) & (sweep["status"] == "OOM") & (sweep["seq_len"] >= first)
                                 & (sweep["pass"] == "forward+backward")
                                 & ((sweep["dtype"] == dtype) if "dtype" in sweep.columns else True)]
+            forward = sweep[(sweep["impl"] == "naive") & (sweep["pass"] == "forward") & (sweep["seq_len"] == first)
+                            & ((sweep["dtype"] == dtype) if "dtype" in sweep.columns else True)]
+            alone = ("its forward alone runs there" if (forward["status"] == "ok").any() else
+                     "its forward alone too" if len(forward) else "its forward alone not measured there")
             text += (f"; in {dtype} PyTorch's forward + backward runs out of memory from {first:,} tokens "
-                     "(its forward alone "
-                     "may still fit), " + ("ours does not" if ours_failed.empty else
-                                           f"ours from {int(ours_failed['seq_len'].min()):,}"))
+                     f"({alone}), " + ("ours does not" if ours_failed.empty else
+                                       f"ours from {int(ours_failed['seq_len'].min()):,}"))
         parts.append(text)
     if not parts:
         return None
