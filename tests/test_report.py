@@ -1240,3 +1240,18 @@ def test_the_2026_model_table_says_how_the_other_tables_name_its_models() -> Non
     assert "this handout's xl is their row 2.7B and its 10B is their row 10B@2026" in said
     assert "their row xl is the 2025 handout's xl (1600/6400/48/25)" in said
     assert _names_elsewhere("2025") == _names_elsewhere("cse599o") == _names_elsewhere("") == ""
+
+
+def test_the_warm_up_answer_says_whether_one_or_two_steps_match_five() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.benchmarking import _few_against_five
+
+    study = pd.DataFrame({"size": ["small"] * 3 + ["xl"] * 3, "warmup": [1, 2, 5] * 2, "status": ["ok"] * 6,
+                          "forward_mean_ms": [20.0, 20.1, 20.0, 250.0, 238.0, 238.0],
+                          "forward_std_ms": [0.5, 0.5, 0.5, 0.2, 0.2, 0.2]})
+    assert _few_against_five(study) == " Here 1 of 4 such cells differ from 5 warm-up steps beyond the spread: " \
+                                       "xl after 1: 250 ms against 238 ms."
+    calm = study.assign(forward_mean_ms=[20.0, 20.1, 20.0, 238.1, 238.0, 238.0])
+    assert "every size's forward takes what it takes after 5, within the steps' spread" in _few_against_five(calm)
+    assert _few_against_five(None) == ""

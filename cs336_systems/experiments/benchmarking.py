@@ -180,7 +180,8 @@ def answer(d: SectionData) -> list[Block]:
                                                              "optimizer_std_ms", "total_mean_ms", "tokens_per_s",
                                                              "TFLOP_per_s", "MFU_pct", "peak_memory_GiB"),
                                      caption=f"Time per step by model size and phase ({_mode(d.meta('timings'))} "
-                                             "steps); the 2026 table's xl is the row 2.7B."
+                                             f"steps, {_shape(d.meta('timings'))}); the 2026 table's xl is the row "
+                                             "2.7B."
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             warmup,
@@ -188,9 +189,9 @@ def answer(d: SectionData) -> list[Block]:
                 "Without warm-up the measured steps include one-time costs (CUDA context and cuBLAS handles, lazy "
                 "loading of kernel modules, a GEMM algorithm chosen per shape, the allocator obtaining memory with "
                 "`cudaMalloc`), which inflate the mean and above all the standard deviation. After one step every "
-                "shape has been seen once; one or two warm-up steps can still differ from five by what comes "
-                "later (the GPU's clocks settle over a few steps) and by single slow steps, which with few timed "
-                "steps move the mean (the appendix names them)."),
+                "shape has been seen once, so one or two warm-up steps can differ from five only by what a later "
+                "step still changes or by single slow steps, which with few timed steps move the mean."
+                + _few_against_five(study)),
         ], what=None if warmup is not None else "timings with 0, 1 and 2 warm-up steps"),
         Text("", role=BEYOND_HANDOUT),  # the plots and the study's full table
         question(d, "b", "Time per step and phase, plotted.", [
@@ -232,6 +233,14 @@ def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None
     return Text(text)
 
 
+def _shape(meta: dict[str, Any] | None) -> str:
+    """The batch and context a run timed (every preset's batch is the handout's, 4)."""
+    from cs336_systems.configs import HANDOUT_SIZES, get_config
+
+    context = ((meta or {}).get("params") or {}).get("context_length")
+    return f"batch {get_config(HANDOUT_SIZES[0]).batch_size}, context {context}" if context else "the handout's batch"
+
+
 def _mode(meta: dict[str, Any] | None) -> str:
     """The timed mode of a run (runs before the ``mode`` parameter timed forward + backward)."""
     return ((meta or {}).get("params") or {}).get("mode", "forward_backward")
@@ -267,9 +276,36 @@ def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = Non
                 + "; the fresh process reported the failure, and the run keeps no further message"
                 + (", while the same model ran after the other warm-up counts"
                    if failed["size"].isin(ok["size"]).all() else "")
-                + ("." if not cause else ". " + cause if explain else " (the appendix gives the likely cause)."))
+                + ("." if not cause else ". " + cause if explain else
+                   ": a failure of the harness, not of the model's memory (the appendix traces it to the cell that "
+                   "ran out of memory just before it)."))
     return Text("Forward time (mean ± standard deviation) after the given number of warm-up steps: "
                 + "; ".join(sentences) + "." + note)
+
+
+def _few_against_five(study: pd.DataFrame | None, spreads: float = 3.0) -> str:
+    """Whether 1 and 2 warm-up steps time the forward like the most warm-up the study ran, size by size: equal
+    within ``spreads`` standard deviations of the two cells, or which cells differ and by how much."""
+    ok = ok_rows(study)
+    if ok.empty or not {"size", "warmup", "forward_mean_ms", "forward_std_ms"} <= set(ok.columns):
+        return ""
+    most = int(ok["warmup"].max())
+    ref = ok[ok["warmup"] == most].set_index("size")
+    few = ok[(ok["warmup"] >= 1) & (ok["warmup"] < most) & ok["size"].isin(ref.index)]
+    if few.empty:
+        return ""
+    differ = []
+    for _, r in few.iterrows():
+        base = ref.loc[r["size"]]
+        gap = float(r["forward_mean_ms"] - base["forward_mean_ms"])
+        if abs(gap) > spreads * (float(r["forward_std_ms"]) + float(base["forward_std_ms"])):
+            differ.append(f"{r['size']} after {int(r['warmup'])}: {fmt.ms(r['forward_mean_ms'])} against "
+                          f"{fmt.ms(base['forward_mean_ms'])}")
+    if not differ:
+        return (f" Here they do not: after 1 or 2 warm-up steps every size's forward takes what it takes after "
+                f"{most}, within the steps' spread.")
+    return f" Here {len(differ)} of {len(few)} such cells differ from {most} warm-up steps beyond the spread: " + \
+        join_words(differ) + "."
 
 
 def _late_outliers(study: pd.DataFrame | None, factor: float = 1.3) -> str:
