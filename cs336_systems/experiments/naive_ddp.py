@@ -179,8 +179,7 @@ def _other_precision(d: SectionData, shown: str | None, shown_naive: Any = None)
     if before is None or abs(naive["sync_ms"] / before - 1) <= 0.1:
         return text + "; the share changes with the step's length."
     return (text + f", yet they took {fmt.ms(naive['sync_ms'])} here against {fmt.ms(before)}: the same calls on "
-            "the same bytes, so the gap is the calls' speed in the two runs (the gradients' arrival and the NCCL "
-            "kernels beside the bf16 backward), not the traffic.")
+            "the same bytes, so the gap is in how fast the same calls ran in the two runs, not in the traffic.")
 
 
 def _model_name(df: Any) -> str:
