@@ -180,8 +180,10 @@ def answer(d: SectionData) -> list[Block]:
                                                              "optimizer_std_ms", "total_mean_ms", "tokens_per_s",
                                                              "TFLOP_per_s", "MFU_pct", "peak_memory_GiB"),
                                      caption=f"Time per step by model size and phase ({_mode(d.meta('timings'))} "
-                                             f"steps, {_shape(d.meta('timings'))}); the 2026 table's xl is the row "
-                                             "2.7B."
+                                             f"steps, {_shape(d.meta('timings'))}); total: the whole step from the "
+                                             "first synchronize to the last, the phases plus `zero_grad` and the "
+                                             "host's time between them, so a little more than their sum; the 2026 "
+                                             "table's xl is the row 2.7B."
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             warmup,
