@@ -376,7 +376,8 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
             wides.append(wide.assign(dtype=dtype))
             rest.append(d.table("sweep_speedup", frame=wide, caption=f"Latency (ms) of our "
                                 f"Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
-                                f"fastest SDPA backend, {dtype}, batch 1, causal; blank: out of memory."))
+                                f"fastest SDPA backend, {dtype}, batch 1, causal; blank: out of memory. "
+                                + _FWD_BWD_NOTE))
         both = pd.concat(wides, ignore_index=True)
         if SHOWN_HEAD_DIM in set(both["head_dim"]):
             shown = both[both["head_dim"] == SHOWN_HEAD_DIM].drop(columns="head_dim")
@@ -384,7 +385,7 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
             blocks.append(d.table("sweep_speedup", frame=shown.reset_index(drop=True), caption=f"Latency (ms) of "
                                   f"our Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
                                   f"fastest SDPA backend at head size {SHOWN_HEAD_DIM}, batch 1, causal; blank: out "
-                                  "of memory. Every head size: the appendix."))
+                                  "of memory. " + _FWD_BWD_NOTE + " Every head size: the appendix."))
         else:  # no such head size: the full tables are the answer
             blocks += rest
             rest = []
@@ -396,6 +397,13 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
         blocks += [d.table(name, caption=f"Latency by implementation, head size, sequence length and pass "
                            f"({name.removeprefix('sweep_')}).") for name in SWEEP_TABLES]
     return blocks, rest
+
+
+#: Why a short sequence's forward + backward exceeds its two passes' sum.
+_FWD_BWD_NOTE = ("Forward + backward is one timed call of the forward and `backward()` through autograd, host work "
+                 "included, where each pass alone is timed on its own; at short sequences, where a pass takes "
+                 "microseconds, the host's launches and autograd bookkeeping set that call's time, so it exceeds the "
+                 "sum of the two.")
 
 
 def _cells_by_head(cells: pd.DataFrame) -> str:
