@@ -45,7 +45,8 @@ def answer(d: SectionData) -> list[Block]:
                  "is masked with $-10^6$ before the maximum."),
         ]),
         question(d, "flash_backward", "The backward pass by recomputation.", [
-            Text("Only $O$ and $L$ are saved. With $D = \\mathrm{rowsum}(O \\circ dO)$ the backward recomputes "
+            Text("Beside the inputs $Q, K, V$, the forward saves only $O$ and the log-sum-exp $L$: no $T \\times T$ "
+                 "matrix. With $D = \\mathrm{rowsum}(O \\circ dO)$ the backward recomputes "
                  "$P = \\exp(S - L)$ tile by tile:"),
             Equation([
                 r"dV = P^\top dO,\quad dP = dO\,V^\top,\quad dS = P \circ (dP - D),",
@@ -54,7 +55,8 @@ def answer(d: SectionData) -> list[Block]:
             Text("It exists twice: `FlashAttentionPytorch` does it in tiled PyTorch under `torch.compile` (the "
                  "handout's version), and `FlashAttentionTriton`, the implementation benchmarked below, in two "
                  "Triton kernels: the first owns a query block, computes its $D$ from the $O$ and $dO$ tiles it "
-                 "loads and accumulates $dQ$ over the key blocks, writing $L$ and $D$ for the second, which owns "
+                 "loads and accumulates $dQ$ over the key blocks, writing $D$ and a copy of $L$ in base-2 units beside it "
+                 "for the second, which owns "
                  "a key block and accumulates $dK, dV$ over the query blocks; no two programs write the same "
                  "output and no atomics are needed. Its forward is a Triton kernel, or on Hopper "
                  "a warp-specialized Gluon kernel with TMA loads."),
