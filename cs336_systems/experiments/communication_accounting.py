@@ -209,8 +209,8 @@ def answer(d: SectionData) -> list[Block]:
                  "parallelism (only activations cross stages, and micro-batches hide the bubble), and expert "
                  "parallelism. Overlapping the FSDP all-gathers of layer $\\ell+1$ with the compute of layer "
                  "$\\ell$ hides communication rather than amortizing it over a larger batch, and lower-precision "
-                 "weights (bf16/fp8 all-gathers) halve or quarter the bytes moved, lowering the "
-                 "compute-bound threshold $B/X \\geq C/(W_{\\mathrm{ici}}M_X)$ proportionally "
+                 "weights on the wire move fewer bytes: gathering fp8 instead of (c)'s bf16 halves them, and with "
+                 "them the compute-bound threshold $B/X \\geq C/(W_{\\mathrm{ici}}M_X)$ "
                  "(see the TPU Scaling Book, “How to Parallelize a Transformer for Training”)."),
             d.table("batch_reduction_levers", caption="Compute-bound batch under alternative layouts."),
         ]),
