@@ -351,7 +351,7 @@ def _sharding_verdict(timing: pd.DataFrame) -> str:
     """What the step times show about sharding's cost, judged against the rows' step-to-step spread."""
     by = timing.set_index("optimizer")
     why = ("The sharded step runs AdamW on its own shard only ($1/P$ of the update) and then broadcasts every "
-           "parameter from its owner, an extra $\\tfrac{P-1}{P}\\Psi$ of traffic per step that the replicated "
+           "parameter from its owner, an extra $\\frac{P-1}{P}\\Psi$ of traffic per step that the replicated "
            "optimizer does not need")
     if not {"adamw", "sharded"} <= set(by.index) or "step_ms_std" not in by.columns:
         return why + "."
@@ -450,12 +450,12 @@ def answer(d: SectionData) -> list[Block]:
             Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
                  "memory by the world size $P$. ZeRO-1 partitions a flat buffer at element granularity, so every "
                  "rank owns exactly $\\Psi/P$ elements, and replaces DDP's all-reduce with a reduce-scatter of "
-                 "gradients and an all-gather of updated parameters, $\\tfrac{P-1}{P}\\Psi$ each, so "
-                 "$2\\tfrac{P-1}{P}\\Psi$ sent per rank: the same volume as DDP's ring all-reduce (which is a "
+                 "gradients and an all-gather of updated parameters, $\\frac{P-1}{P}\\Psi$ each, so "
+                 "$2\\frac{P-1}{P}\\Psi$ sent per rank: the same volume as DDP's ring all-reduce (which is a "
                  "reduce-scatter followed by an all-gather). Our sharding assigns whole parameter tensors to ranks "
                  "(balanced greedily, so shards are only approximately equal), keeps the full gradient all-reduce "
-                 "($2\\tfrac{P-1}{P}\\Psi$) and then broadcasts each updated parameter from its owner "
-                 "($\\tfrac{P-1}{P}\\Psi$ more), $3\\tfrac{P-1}{P}\\Psi$ in total: simpler and model-agnostic, "
+                 "($2\\frac{P-1}{P}\\Psi$) and then broadcasts each updated parameter from its owner "
+                 "($\\frac{P-1}{P}\\Psi$ more), $3\\frac{P-1}{P}\\Psi$ in total: simpler and model-agnostic, "
                  "but with 1.5× the communication volume of ZeRO-1." + _zero1_bytes_note(d)),
             d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step.")]),
         Text("", role=BEYOND_HANDOUT),  # the memory study in detail, and more GPUs: the appendix
