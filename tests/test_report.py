@@ -862,9 +862,12 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
     from cs336_systems.experiments.optimizer_state_sharding import _sharding_verdict
 
     naive = pd.Series({"step_ms": 100.0, "step_ms_std": float("nan"), "num_buckets": 435.0, "grad_bytes": 8e9})
-    assert _verdict(naive, pd.Series({"step_ms": 68.0, "step_ms_std": None})).startswith("Batching pays, by 32.0 ms")
-    assert _verdict(naive, pd.Series({"step_ms": 110.0})).startswith("Flat DDP is slower, by 10.0 ms per step")
-    assert "The step is 1.00 ms longer, within the rows' step-to-step spread (±5.00 ms), so this run shows no gain" in \
+    assert _verdict(naive, pd.Series({"step_ms": 68.0, "step_ms_std": None})).startswith(
+        "One all-reduce of the flattened gradients takes the step from 100 ms to 68.0 ms, 32.0 ms shorter, more than "
+        "the rows' spread (±0 ms): batching pays.")
+    assert "10.0 ms longer, more than the rows' spread (±0 ms): flat DDP is slower." in \
+        _verdict(naive, pd.Series({"step_ms": 110.0}))
+    assert "to 101 ms, within the rows' step-to-step spread (±5.00 ms): no gain in step time." in \
         _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}))
     # With §2.1.3's fit the reason is the measured split: 435 calls × 20 µs = 8.7 ms fixed, 8 GB / 400 GB/s = 20 ms.
     why = _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}), {"o": 20e-6, "w": 400e9})
