@@ -34,6 +34,8 @@ def run(p: DDPParams, out: ResultWriter) -> dict[str, Any]:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402  (answers only)
+
 
 def _why(ov: Any, rows: dict[str, Any]) -> str:
     """The reason in one sentence: how much of the communication the overlap hid (from the traces), and what
@@ -100,7 +102,10 @@ def answer(d: SectionData) -> list[Block]:
             [f"{r['variant']} {fmt.pct(r['comm_during_backward_ms'] / r['comm_ms'])}" for _, r in ov.iterrows()
              if r["comm_ms"] > 0]) + ".")
         text = (text or "") + _why(ov, rows)
-    text = Text(text + _other_precision(d, name)) if text else None
+    text = Text(text) if text else None
+    other = _other_precision(d, name).strip()
+    other_name = next((n for n in d.tables if n.startswith("steps") and n != name and n.endswith(("_bf16", "_fp32"))
+                       and not n.endswith(("_timeline", "_overlap"))), None) if other else None
     timeline = named(d.figures, "timeline")
     timelines = [d.figure(timeline or "", caption="Kernels of one training step on rank 0, compute and "
                           "communication streams, per strategy, drawn from a torch.profiler trace of the step (the "
@@ -120,6 +125,9 @@ def answer(d: SectionData) -> list[Block]:
                  [ov_text, *timelines, d.table(overlap_name or "", caption="Communication kernel time and the part "
                                                "of it inside the backward pass.")],
                  what="the overlap timelines"),
+        *([Text("", role=BEYOND_HANDOUT),
+           question(d, "a", "The same comparison under the run's other precision.",
+                    [Text(other), steps_blocks(d, other_name, STEPS_CAPTION)])] if other else []),
         *ddp_common.scaling_blocks(d),
     ]
 
