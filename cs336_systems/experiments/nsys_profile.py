@@ -229,7 +229,7 @@ def answer(d: SectionData) -> list[Block]:
                     frame[col] = frame[col].map(short_kernel)
         return d.table("summary", caption=caption, frame=frame)
 
-    a = b = c = dd = e = None
+    a = b = c = dd = e = a_more = None
     if row is not None:
         ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
         a = Text(f"For {where} the profiler's kernels sum to {fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
@@ -239,8 +239,8 @@ def answer(d: SectionData) -> list[Block]:
                  "and short contexts), time the Python timer sees and the kernel sum does not"
                  + ("; above 100% the two numbers come from different passes, the profiled ones slower than the "
                     "Python-timed ones (on one stream a pass cannot spend longer in kernels than it lasts), so there the "
-                    "ratio compares two runs rather than splitting one." if ratios.max() > 1 else ".")
-                 + (" " + _reconciled(d) if _reconciled(d) else "") + (" " + _longest_fit(summary) if _longest_fit(summary) else ""))
+                    "ratio compares two runs rather than splitting one." if ratios.max() > 1 else "."))
+        a_more = " ".join(x for x in (_reconciled(d), _longest_fit(summary)) if x) or None
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
             sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
@@ -296,6 +296,8 @@ def answer(d: SectionData) -> list[Block]:
                  what=None if e else "softmax vs matmul timings inside attention"),
         # The answers above quote one configuration; every size and context is the appendix's.
         Text("", role=BEYOND_HANDOUT),
+        *([question(d, "a", "The timed forward passes against the other sections', and the longest contexts.",
+                    [Text(a_more)])] if a_more else []),
         *([Text("The ten largest kernels behind (b) and (c), and the matmul share behind (d).")]
           if row is not None else []),
         *[b for b in (_top_kernels(d, top, row),
