@@ -429,7 +429,7 @@ def _prompt(d: SectionData) -> str:
 
 def answer(d: SectionData) -> list[Block]:
     df = d.frame("allreduce")
-    text = None
+    text = more = None
     if df is not None and {"backend", "world_size", "size_bytes", "time_ms"} <= set(df.columns) and len(df):
         parts = []
         big = df[df["size_bytes"] == df["size_bytes"].max()]
@@ -446,10 +446,10 @@ def answer(d: SectionData) -> list[Block]:
         asked = meta.get("params", {}).get("nproc") or []
         missing = [n for n in asked if n not in set(df.loc[df["backend"] == "nccl", "world_size"])]
         if missing and "nccl" in set(df["backend"]):
-            vs += (f" **Not measured: NCCL with {join_words([str(n) for n in missing])} processes**: the machine had "
-                   f"{meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own; `python -m "
-                   f"cs336_systems.experiments {SECTION_NAME} --full{_edition_flag(d)}` on a node with "
-                   f"{max(missing)} GPUs adds them.")
+            vs += (f" **Not measured: NCCL with {join_words([str(n) for n in missing])} processes** (the machine had "
+                   f"{meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own).")
+            more = (f"`python -m cs336_systems.experiments {SECTION_NAME} --full{_edition_flag(d)}` on a node with "
+                    f"{max(missing)} GPUs adds the process counts not measured.")
         topo = d.json("topology")
         peak = (topo or {}).get("peak_busbw_GBps") or {}
         nccl = big[big["backend"] == "nccl"] if "busbw_GBps" in big.columns else big.iloc[0:0]
@@ -458,14 +458,14 @@ def answer(d: SectionData) -> list[Block]:
             top = peak.get(str(int(r["world_size"])))
             link = topo["links"].get("0-1") or sorted(set(topo["links"].values()))[0]  # the first two ranks' link
             if top:
-                vs += (f" The reference curve: `nvidia-smi topo -m` shows {link} between the GPUs (bonded NVLinks of "
+                more = (f"The reference curve: `nvidia-smi topo -m` shows {link} between the GPUs (bonded NVLinks of "
                        f"{fmt.sig(topo.get('gbps_per_link', 0))} GB/s per direction each), {fmt.sig(top)} GB/s of bus "
                        f"bandwidth at most; {int(r['world_size'])} ranks reach {fmt.pct(r['busbw_GBps'] / top)} of it "
-                       f"at {size}.")
+                       f"at {size}." + (" " + more if more else ""))
         text = Text(f"All-reducing {size}: " + join_words(parts) + "." + vs + " Small messages are latency bound "
-                    "(the time hardly changes with size), large ones bandwidth bound; bus bandwidth, which scales "
-                    "the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, makes process counts "
-                    "comparable.")
+                    "(the time hardly changes with size), large ones bandwidth bound.")
+        more = ("Bus bandwidth, which scales the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, "
+                "makes process counts comparable. " + (more or "")).strip()
     fit = d.frame("allreduce_alpha_beta")
     fit_text = None
     if fit is not None and len(fit) and {"backend", "world_size", "alpha_us", "bandwidth_GBps"} <= set(fit.columns):
@@ -489,6 +489,8 @@ def answer(d: SectionData) -> list[Block]:
                               "process count (dashed: the topology's peak)."),
                  ], what="the all-reduce benchmark"),
         Text("", role=BEYOND_HANDOUT),  # the latency-bandwidth model the DDP sections use: the appendix
+        *([question(d, "distributed_communication_single_node", "Bus bandwidth and the links' peak.",
+                    [Text(more)])] if more else []),
         *([question(d, "distributed_communication_single_node", "Beyond the handout: a latency–bandwidth model of "
                     "the all-reduce, which the DDP sections use to predict their communication.", [
             fit_text,
