@@ -115,8 +115,9 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
     outcome = f" {shape}."
     per_tensor = known(individual.get("num_buckets")) if individual is not None else None
     if per_tensor and known(best.get("num_buckets")) and best["num_buckets"] >= per_tensor:
-        outcome += (f" At {fmt.sig(best['bucket_size_mb'])} MiB every bucket holds one tensor "
-                    f"({int(best['num_buckets'])} buckets), so the best size is per-parameter overlap again.")
+        outcome = outcome.removesuffix(".") + (f"; at {fmt.sig(best['bucket_size_mb'])} MiB every bucket holds one "
+                                               f"tensor ({int(best['num_buckets'])} buckets), so the best size is "
+                                               "per-parameter overlap again.")
     if flat is not None and individual is not None:
         mine = _typical(best)
         won, lost = [], []
@@ -139,7 +140,7 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
 
 def answer(d: SectionData) -> list[Block]:
     name, df = steps_table(d)
-    text = None
+    text = why = None
     eager = ddp_common.eager_rows(df) if df is not None else None
     if eager is not None and "mode" in eager.columns and (eager["mode"] == "bucketed").any():
         df = eager
@@ -165,8 +166,9 @@ def answer(d: SectionData) -> list[Block]:
             why = (" Tiny buckets pay the per-call cost many times, huge ones cannot start communicating until most "
                    "of backward is done; in between, communication hides behind the remaining backward compute.")
         text = Text("Step time by bucket size: " + join_words(parts) + f"; the best is {fmt.sig(best['bucket_size_mb'])} "
-                    "MiB" + (f" (reference: {join_words(refs)})." if refs else ".") + why
+                    "MiB" + (f" (reference: {join_words(refs)})." if refs else ".")
                     + _expectations(b, *_previous(d, df)))
+        why = Text(why.strip())
     sweep = named(d.figures, "bucket_sweep")
     return [
         question(d, "ddp_overlap_bucketed", "DDP that groups gradients into buckets of a maximum size and "
@@ -176,13 +178,15 @@ def answer(d: SectionData) -> list[Block]:
                      "arrives)", "cs336_systems/distributed/ddp_bucketed.py", "tests/test_ddp_strategies.py",
                      {"2025": "test_ddp.py"})]),  # 2026's test_ddp.py tests per-parameter overlap
         question(d, "a", "Bucketed DDP with bucket sizes 1, 10, 100 and 1000 MB, compared with the unbucketed "
-                 "variants.", [setup(df), text, ddp_common.torch_parity(d), steps_blocks(d, name, STEPS_CAPTION + " Eager steps; the captured ones "
-                                                                  "are in the appendix.", eager_only=True),
+                 "variants.", [setup(df), text, steps_blocks(d, name, STEPS_CAPTION + " Eager steps; the captured "
+                                                            "ones are in the appendix.", eager_only=True),
                                d.figure(sweep or "", caption="Step time against bucket size.")],
                  what="bucketed DDP timings"),
         question(d, "b", "A model of DDP's communication overhead and the bucket size that minimizes it.",
                  ddp_common.bucket_model(d.sibling("distributed_communication_single_node"), d)),
-        Text("", role=BEYOND_HANDOUT),  # CUDA-graph capture and weak scaling: the writeup's appendix
+        Text("", role=BEYOND_HANDOUT),  # torch DDP, CUDA-graph capture and weak scaling: the writeup's appendix
+        *([question(d, "a", "The bucket sizes' spread, and our bucketed step against torch DDP.",
+                    [why, ddp_common.torch_parity(d)])] if why is not None or ddp_common.torch_parity(d) else []),
         *ddp_common.captured_steps(d),
         *ddp_common.scaling_blocks(d),
     ]
