@@ -194,7 +194,9 @@ def answer(d: SectionData) -> list[Block]:
         B, T, dd = int(acc["batch_size"]), int(acc["seq_len"]), int(acc["d_model"])
         total = acc["terms_MiB"].get("total", float("nan"))
         acc_blocks = [
-            Text(f"Configuration: $d = {dd}$, $T = {fmt.tex_int(T)}$, $B = {B}$ ({acc.get('source', '')}):"),
+            Text(f"Configuration: $d = {dd}$, $T = {fmt.tex_int(T)}$, $B = {B}$ ({acc.get('source', '')}"
+                 + (f" on the {d.meta('oom_accounting').get('device')}" if "predicted" in str(acc.get("source", ""))
+                    and d.meta("oom_accounting").get("device") else "") + "):"),
             Equation([(rf"M_{{\mathrm{{saved}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
                       rf" + {T}^2 = {fmt.tex_sig(total, 4)}\,\mathrm{{MiB}}")]),
         ]
