@@ -301,7 +301,11 @@ def answer(d: SectionData) -> list[Block]:
                                     fmt.sig(r.max(), 2) else fmt.sig(r.min(), 2)))
         if parts:
             grows = any(x.max() > 1 for x in ratios)
-            c_text = Text("bf16 autocast changes the " + join_words(parts) + " (bf16 / fp32). Autocast keeps the "
+            # The handout asks whether it matters: yes where any peak moves by more than a tenth, else no.
+            moved = max(max(abs(float(x.max()) - 1), abs(1 - float(x.min()))) for x in ratios)
+            verdict = ("Not significantly: no peak moves by more than 10%. " if moved <= 0.10 else
+                       f"Significantly for some peaks (up to {fmt.pct(moved, 2)}), little for others. ")
+            c_text = Text(verdict + "bf16 autocast changes the " + join_words(parts) + " (bf16 / fp32). Autocast keeps the "
                           "fp32 weights, gradients and optimizer state and adds bf16 copies of weights for the "
                           "matmuls, so only the activations saved for backward shrink"
                           + ("; where the peak grows, those weight copies outweigh the smaller activations." if grows
