@@ -410,6 +410,9 @@ def answer(d: SectionData) -> list[Block]:
             parts = [f"{c} {fmt.sig(st.loc[c, 'adamw measured'])} / {fmt.sig(st.loc[c, 'sharded measured'])} GiB"
                      for c in ("parameters", "gradients", "optimizer_state", "activations")
                      if c in st.index and pd.notna(st.loc[c, "adamw measured"])]
+            buckets = _buckets_gib(rank0, st)
+            if buckets:  # what the tensor count leaves out, so the parts add up to the peaks (details: the appendix)
+                parts.append(f"torch DDP's gradient buckets {fmt.sig(buckets)} GiB in both")
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
                             + "; ".join(parts).replace("_", " ") + "." + _expectation(st))
             detail += _buckets_note(rank0, st) + _not_all_at_once(rank0, st) + _step_temporaries(rank0)
@@ -504,19 +507,28 @@ def _step_temporaries(rank0: pd.DataFrame) -> str:
             f"at the peak after the step ({fmt.sig(saved)} GiB) is larger than the state sharding removes.")
 
 
+def _buckets_gib(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> float | None:
+    """What the allocator holds after initialization beyond the parameters, where it is torch DDP's gradient buckets
+    (at least half the parameters' size), else None."""
+    if "parameters" not in breakdown.index or "adamw measured" not in breakdown.columns:
+        return None
+    row = rank0[rank0["optimizer"] == "adamw"]
+    if not len(row) or "after_init_allocated" not in row.columns:
+        return None
+    params = float(breakdown.loc["parameters", "adamw measured"])
+    extra = float(row["after_init_allocated"].iloc[0]) - params
+    return extra if params and extra >= 0.5 * params else None
+
+
 def _buckets_note(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> str:
     """What the tensor breakdown does not count: after initialization the allocator already holds more than the
     parameters, torch DDP's gradient buckets (flat buffers for every gradient, allocated when it wraps the
     model; with the default ``gradient_as_bucket_view=False`` they are a second copy of the gradients)."""
-    if "parameters" not in breakdown.index or "adamw measured" not in breakdown.columns:
+    extra = _buckets_gib(rank0, breakdown)
+    if extra is None:
         return ""
     row = rank0[rank0["optimizer"] == "adamw"]
-    if not len(row) or "after_init_allocated" not in row.columns:
-        return ""
     params = float(breakdown.loc["parameters", "adamw measured"])
-    extra = float(row["after_init_allocated"].iloc[0]) - params
-    if not params or extra < 0.5 * params:
-        return ""
     return (f" The breakdown counts tensors the model and optimizer own; the allocator holds {fmt.sig(extra)} GiB "
             f"more from initialization on ({fmt.sig(float(row['after_init_allocated'].iloc[0]))} GiB allocated "
             f"against {fmt.sig(params)} GiB of parameters): torch DDP's gradient buckets, flat buffers for every "
