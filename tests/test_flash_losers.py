@@ -101,7 +101,7 @@ def test_naive_sentence_says_which_pass_ran_out_of_memory_and_checks_ours_did_no
                           "seq_len": [65536, 65536, 131072, 65536]})  # another backend's failure is not ours
     text = _naive_sentence(sp, sweep).markdown
     assert "at 65,536 tokens 0.200×;" in text  # one cell: no range of one value
-    assert "PyTorch's forward + backward runs out of memory from 65,536 tokens (its forward alone not measured " \
+    assert "PyTorch's forward + backward runs out of memory at 65,536 tokens (its forward alone not measured " \
            "there), ours from 131,072." in text
     assert text.endswith("ours does not.") is False
     assert _naive_sentence(sp, sweep.iloc[[0, 1, 3]]).markdown.endswith("ours does not.")

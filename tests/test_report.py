@@ -686,7 +686,7 @@ def test_bucketed_ddp_answer_says_what_was_expected_whether_it_held_and_what_set
     text = " ".join(b.markdown for b in question.blocks if hasattr(b, "markdown"))
     assert "**Expected:** a U in bucket size" in text
     assert "**No U:**" in text  # the committed sweep: 1 MB best, every larger size slower
-    assert "Comparing median steps, the best size" in text  # against flat and per-parameter overlap
+    assert "Comparing median steps (the CSV's; the tables show means), the best size" in text  # against flat and per-parameter overlap
     assert "**A setup that would show the expected shape:** a slower link" in text
 
 
@@ -864,10 +864,10 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
     naive = pd.Series({"step_ms": 100.0, "step_ms_std": float("nan"), "num_buckets": 435.0, "grad_bytes": 8e9})
     assert _verdict(naive, pd.Series({"step_ms": 68.0, "step_ms_std": None})).startswith(
         "One all-reduce of the flattened gradients takes the step from 100 ms to 68.0 ms, 32.0 ms shorter, more than "
-        "the rows' spread (±0 ms): batching pays.")
-    assert "10.0 ms longer, more than the rows' spread (±0 ms): flat DDP is slower." in \
+        "the two rows' summed spread (±0 ms): batching pays.")
+    assert "10.0 ms longer, more than the two rows' summed spread (±0 ms): flat DDP is slower." in \
         _verdict(naive, pd.Series({"step_ms": 110.0}))
-    assert "to 101 ms, within the rows' step-to-step spread (±5.00 ms): no gain in step time." in \
+    assert "to 101 ms, within the two rows' summed step-to-step spread (±5.00 ms): no gain in step time." in \
         _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}))
     # With §2.1.3's fit the reason is the measured split: 435 calls × 20 µs = 8.7 ms fixed, 8 GB / 400 GB/s = 20 ms.
     why = _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}), {"o": 20e-6, "w": 400e9})
@@ -876,7 +876,7 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
     def timing(adamw: float, sharded: float, std: float) -> pd.DataFrame:
         return pd.DataFrame({"optimizer": ["adamw", "sharded"], "step_ms": [adamw, sharded], "step_ms_std": [std, 1.0]})
 
-    assert "roughly cancel here" in _sharding_verdict(timing(475.0, 456.0, 73.0))
+    assert "here the difference (-19.0 ms) is within the steps' spread" in _sharding_verdict(timing(475.0, 456.0, 73.0))
     assert "4.00 ms per step net here" in _sharding_verdict(timing(627.0, 631.0, 0.5))
     assert "saves more than the broadcast costs, 20.0 ms" in _sharding_verdict(timing(476.0, 456.0, float("nan")))
 

@@ -218,7 +218,7 @@ def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None
         cv = pd.concat([ok[f"{ph}_std_ms"] / ok[f"{ph}_mean_ms"] for ph in phases], keys=phases)
         phase, idx = cv.idxmax()
         noisy = cv[cv > 0.1]
-        text += (f" The standard deviation is a median {fmt.pct(cv.median(), 2)} of the mean and at most "
+        text += (f" The standard deviation has a median of {fmt.pct(cv.median(), 2)} of the mean and at most "
                  f"{fmt.pct(cv.max(), 2)} ({ok.loc[idx, 'size']} {phase})"
                  + (": after warm-up most measurements vary little, but "
                     + join_words([f"{ok.loc[i, 'size']} {ph}" for ph, i in noisy.index])

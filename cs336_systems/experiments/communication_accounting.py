@@ -205,12 +205,12 @@ def answer(d: SectionData) -> list[Block]:
                  ], what="the compute-bound batch size"),
         question(d, "d", "Tricks that keep throughput with a smaller overall batch.", [
             Text("More model parallelism along axes that do not multiply the batch: tensor parallelism on a larger "
-                 "$Y$ (its condition $F \\geq YC/(W_{\\mathrm{ici}}M_Y)$ is independent of $B$), pipeline "
-                 "parallelism (only activations cross stages, and micro-batches hide the bubble), and expert "
-                 "parallelism. Overlapping the FSDP all-gathers of layer $\\ell+1$ with the compute of layer "
-                 "$\\ell$ hides communication rather than amortizing it over a larger batch, and lower-precision "
-                 "weights on the wire move fewer bytes: gathering fp8 instead of (c)'s bf16 halves them, and with "
-                 "them the compute-bound threshold $B/X \\geq C/(W_{\\mathrm{ici}}M_X)$ "
+                 "$Y$ (its condition $F \\geq YC/(W_{\\mathrm{ici}}M_Y)$ is independent of $B$), and "
+                 "pipeline parallelism (only activations cross stages, and micro-batches hide the bubble). Fewer bytes on "
+                 "the wire: gathering fp8 weights instead of (c)'s bf16 halves them, and with them the "
+                 "compute-bound threshold $B/X \\geq C/(W_{\\mathrm{ici}}M_X)$. Overlapping the FSDP all-gathers "
+                 "of layer $\\ell+1$ with the compute of layer $\\ell$ is what lets a step run at that threshold "
+                 "at all (the condition compares the two as if they ran side by side), not a way below it "
                  "(see the TPU Scaling Book, “How to Parallelize a Transformer for Training”)."),
             d.table("batch_reduction_levers", caption="Compute-bound batch under alternative layouts."),
         ]),

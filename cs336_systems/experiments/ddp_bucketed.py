@@ -128,7 +128,8 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
         verdict = ("beats both" if not lost else f"beats {join_words(won)} but not {join_words(lost)} beyond the "
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")
         which = "median" if "step_ms_median" in b.columns else "mean"
-        outcome += (f" Comparing {which} steps, the best size ({fmt.ms(mine)}) {verdict}" + (
+        label = f"{which} steps (the CSV's; the tables show means)" if which == "median" else f"{which} steps"
+        outcome += (f" Comparing {label}, the best size ({fmt.ms(mine)}) {verdict}" + (
             ": on this node's interconnect the gradients' all-reduce is a small share of the step, so there is little communication "
             "left to hide, and what remains is host launch cost and the all-reduce kernels slowing the backward "
             "they overlap with (§2.3.2's traces)." if lost else "."))

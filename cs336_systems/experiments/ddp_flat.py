@@ -45,11 +45,11 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
     noise = spread(naive.get("step_ms_std"), flat.get("step_ms_std"))
     saved = float(naive["step_ms"]) - float(flat["step_ms"])
     if saved > noise:
-        judged = f"{fmt.ms(saved)} shorter, more than the rows' spread (±{fmt.ms(noise)}): batching pays"
+        judged = f"{fmt.ms(saved)} shorter, more than the two rows' summed spread (±{fmt.ms(noise)}): batching pays"
     elif abs(saved) <= noise:
-        judged = f"within the rows' step-to-step spread (±{fmt.ms(noise)}): no gain in step time"
+        judged = f"within the two rows' summed step-to-step spread (±{fmt.ms(noise)}): no gain in step time"
     else:
-        judged = f"{fmt.ms(-saved)} longer, more than the rows' spread (±{fmt.ms(noise)}): flat DDP is slower"
+        judged = f"{fmt.ms(-saved)} longer, more than the two rows' summed spread (±{fmt.ms(noise)}): flat DDP is slower"
     comm = ""
     if known(naive.get("sync_ms")) and known(flat.get("sync_ms")):
         change = float(naive["sync_ms"]) - float(flat["sync_ms"])

@@ -463,7 +463,7 @@ def answer(d: SectionData) -> list[Block]:
                        f"bandwidth at most; {int(r['world_size'])} ranks reach {fmt.pct(r['busbw_GBps'] / top)} of it "
                        f"at {size}." + (" " + more if more else ""))
         text = Text(f"All-reducing {size}: " + join_words(parts) + "." + vs + " Small messages are latency bound "
-                    "(the time hardly changes with size), large ones bandwidth bound.")
+                    "(their time grows far more slowly than their size), large ones bandwidth bound.")
         more = ("Bus bandwidth, which scales the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, "
                 "makes process counts comparable. " + (more or "")).strip()
     fit = d.frame("allreduce_alpha_beta")

@@ -358,7 +358,7 @@ def _sharding_verdict(timing: pd.DataFrame) -> str:
     a, b = by.loc["adamw"], by.loc["sharded"]
     diff, noise = float(b["step_ms"] - a["step_ms"]), spread(a["step_ms_std"], b["step_ms_std"])
     if abs(diff) <= noise:
-        return (why + "; the two roughly cancel here: the difference is within the steps' spread (replicated "
+        return (why + f"; here the difference ({fmt.ms(diff)}) is within the steps' spread (replicated "
                 f"AdamW's steps vary by ±{fmt.ms(a['step_ms_std'])}, a few slow steps in its mean), so this run cannot "
                 "tell a cost or a saving of sharding from the noise.")
     if diff > 0:

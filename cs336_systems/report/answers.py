@@ -79,7 +79,7 @@ def step_verdict(ours: float, theirs: float, noise_ms: float) -> str:
         return "faster" if ours < theirs else "slower"
     if noise_ms > NOISY_SPREAD * min(ours, theirs):  # a broken measurement, not a tie
         return (f"the steps varied by ±{fmt.ms(noise_ms)}, {noise_ms / min(ours, theirs):.0%} of the step: too noisy "
-                "to compare; the comparison needs a quieter run")
+                "to compare")
     return f"within the steps' spread of ±{fmt.ms(noise_ms)}: no difference"
 
 

@@ -45,7 +45,7 @@ def answer(d: SectionData) -> list[Block]:
                  "is masked with $-10^6$ before the maximum."),
         ]),
         question(d, "flash_backward", "The backward pass by recomputation.", [
-            Text("Beside the inputs $Q, K, V$, the forward saves only $O$ and the log-sum-exp $L$: no $T \\times T$ "
+            Text("Besides the inputs $Q, K, V$, the forward saves only $O$ and the log-sum-exp $L$: no $T \\times T$ "
                  "matrix. With $D = \\mathrm{rowsum}(O \\circ dO)$ the backward recomputes "
                  "$P = \\exp(S - L)$ tile by tile:"),
             Equation([
@@ -378,7 +378,7 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
             wides.append(wide.assign(dtype=dtype))
             rest.append(d.table("sweep_speedup", frame=wide, caption=f"Latency (ms) of our "
                                 f"Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
-                                f"fastest SDPA backend, {dtype}, batch 1, causal; blank: out of memory. "
+                                f"fastest SDPA backend, {dtype}, batch 1, causal; —: out of memory. "
                                 + _FWD_BWD_NOTE))
         both = pd.concat(wides, ignore_index=True)
         if SHOWN_HEAD_DIM in set(both["head_dim"]):
@@ -386,8 +386,8 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
             shown = shown[["dtype", *[c for c in shown.columns if c != "dtype"]]]
             blocks.append(d.table("sweep_speedup", frame=shown.reset_index(drop=True), caption=f"Latency (ms) of "
                                   f"our Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
-                                  f"fastest SDPA backend at head size {SHOWN_HEAD_DIM}, batch 1, causal; blank: out "
-                                  "of memory. " + _FWD_BWD_NOTE + " Every head size: the appendix."))
+                                  f"fastest SDPA backend at head size {SHOWN_HEAD_DIM}, batch 1, causal; —: out of "
+                                  "memory. " + _FWD_BWD_NOTE + " Every head size: the appendix."))
         else:  # no such head size: the full tables are the answer
             blocks += rest
             rest = []
@@ -403,7 +403,7 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
 
 #: Why a short sequence's forward + backward exceeds its two passes' sum.
 _FWD_BWD_NOTE = ("Forward + backward is one timed call of the forward and `backward()` through autograd, host work "
-                 "included, where each pass alone is timed on its own; at short sequences, where a pass takes "
+                 "included, whereas each pass alone is timed on its own; at short sequences, where a pass takes "
                  "microseconds, the host's launches and autograd bookkeeping set that call's time, so it exceeds the "
                  "sum of the two.")
 
@@ -452,7 +452,9 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
         low, high = (fmt.ratio(1 / longest["speedup_vs_naive"].max()), fmt.ratio(1 / longest["speedup_vs_naive"].min()))
         text = (f"{dtype}: in the median cell ours takes {fmt.ratio(1 / v['speedup_vs_naive'].median())} PyTorch's "
                 f"time, at {int(longest['seq_len'].iloc[0]):,} tokens {low}" + (f"–{high}" if high != low else ""))
-        if not slower.empty:
+        if slower.empty:
+            text += f"; ours is faster in all {len(v)} cells"
+        else:
             text += f"; ours is slower in {len(slower)} of {len(v)} cells ({_cells_by_head(slower)})" + \
                 _slower_pass(sp, slower, dtype)
         mine = oom[oom["dtype"] == dtype] if "dtype" in oom.columns else oom
@@ -466,7 +468,9 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
                             & ((sweep["dtype"] == dtype) if "dtype" in sweep.columns else True)]
             alone = ("its forward alone runs there" if (forward["status"] == "ok").any() else
                      "its forward alone too" if len(forward) else "its forward alone not measured there")
-            text += (f"; in {dtype} PyTorch's forward + backward runs out of memory from {first:,} tokens "
+            text += (f"; in {dtype} PyTorch's forward + backward runs out of memory "
+                     + (f"at {first:,} tokens" if first == int(g["seq_len"].max()) else f"from {first:,} tokens")
+                     + " "
                      f"({alone}), " + ("ours does not" if ours_failed.empty else
                                        f"ours from {int(ours_failed['seq_len'].min()):,}"))
         parts.append(text)
