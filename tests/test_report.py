@@ -1261,3 +1261,16 @@ def test_the_warm_up_answer_says_whether_one_or_two_steps_match_five() -> None:
     calm = study.assign(forward_mean_ms=[20.0, 20.1, 20.0, 238.1, 238.0, 238.0])
     assert "every size's forward takes what it takes after 5, within the steps' spread" in _few_against_five(calm)
     assert _few_against_five(None) == ""
+
+
+def test_a_course_test_skipped_on_cpu_is_not_counted_as_a_failure(tmp_path) -> None:
+    from cs336_systems.report.answers import implemented
+    from cs336_systems.report.data import SectionData
+
+    (tmp_path / "course_tests").mkdir()
+    (tmp_path / "course_tests" / "2025-cpu.json").write_text(json.dumps({"tests": {
+        "tests/test_attention.py::test_flash_forward_pass_pytorch": "passed",
+        "tests/test_attention.py::test_flash_forward_pass_triton[True]": "skipped"}}))
+    text = implemented(SectionData(tmp_path, "flash_benchmarking"), "ours", "x.py", "tests/x.py",
+                       "test_attention.py").markdown
+    assert "1 of 2 passed (1 skipped, which need CUDA) in the `2025-cpu` run (§4)." in text

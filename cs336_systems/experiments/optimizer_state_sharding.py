@@ -342,9 +342,9 @@ def _zero1_bytes_note(d: SectionData) -> str:
     """The table's volumes as the formulas give them at the run's world size (Ψ counted in fp32 bytes)."""
     params = d.meta("zero1_comparison").get("params") or {}
     world = params.get("world_size")
-    return (f" The table evaluates these at $P = {int(world)}$ with fp32 gradients and parameters (4 bytes per "
-            f"element, so $\\Psi$ is the model's fp32 bytes): DDP and ZeRO-1 send "
-            f"${2 * (world - 1) / world:g}\\Psi$, ours ${3 * (world - 1) / world:g}\\Psi$." if world else "")
+    return (f" The table evaluates these at $P = {int(world)}$ in bytes, fp32 gradients and parameters taking 4 bytes "
+            f"per element: DDP and ZeRO-1 send ${2 * (world - 1) / world:g} \\cdot 4\\Psi$ bytes, ours "
+            f"${3 * (world - 1) / world:g} \\cdot 4\\Psi$." if world else "")
 
 
 def _sharding_verdict(timing: pd.DataFrame) -> str:

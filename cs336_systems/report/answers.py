@@ -187,8 +187,9 @@ def implemented(d: SectionData, what: str, where: str, ours: str, course_file: s
         file = files.get(_SUITE_FILES_OF.get(suite, suite)) if files is not None else course_file
         mine = [v for k, v in record["tests"].items() if file and k.split("::")[0].endswith(file)]
         if mine:
-            passed = sum(v == "passed" for v in mine)
-            outcomes.append(f"{passed} of {len(mine)} passed in the `{name}` run")
+            passed, skipped = sum(v == "passed" for v in mine), sum(v == "skipped" for v in mine)
+            outcomes.append(f"{passed} of {len(mine)} passed" + (f" ({skipped} skipped, which need CUDA)" if skipped
+                                                                 else "") + f" in the `{name}` run")
     shown = f"`{course_file}`" if files is None else join_words([f"`{v}` ({k})" for k, v in files.items()])
     course = (f" The course's {shown}: " + join_words(outcomes) + " (§4)." if outcomes else
               f" The course's {shown} runs through `tests/adapters.py` (§4 has the command).")

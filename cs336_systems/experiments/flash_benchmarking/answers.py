@@ -15,7 +15,7 @@ from cs336_systems.benchmarking.flash.host import HOST_KEYS
 from cs336_systems.benchmarking.flash.shapes import SHAPE_KEYS
 from cs336_systems.experiments.flash_benchmarking import SWEEP_TABLES, Params
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import join_words, question, subset
+from cs336_systems.report.answers import implemented, join_words, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text
 
@@ -58,8 +58,11 @@ def answer(d: SectionData) -> list[Block]:
                  "loads and accumulates $dQ$ over the key blocks, writing $D$ and a copy of $L$ in base-2 units beside it "
                  "for the second, which owns "
                  "a key block and accumulates $dK, dV$ over the query blocks; no two programs write the same "
-                 "output and no atomics are needed. Its forward is a Triton kernel, or on Hopper "
-                 "a warp-specialized Gluon kernel with TMA loads."),
+                 "output and no atomics are needed. `FlashAttentionTriton`'s forward is a Triton kernel, or on "
+                 "Hopper (the H100 and H200 runs below) a warp-specialized Gluon kernel with TMA loads."),
+            implemented(d, "`FlashAttentionPytorch` and `FlashAttentionTriton` (autograd functions, forward and "
+                        "backward)", "cs336_systems/attention/", "tests/test_flash_attention.py",
+                        "test_attention.py", against="regular attention in float64"),
         ]),
         question(d, "flash_benchmarking", "Triton FlashAttention-2 versus PyTorch attention (batch 1, causal) over "
                  "sequence lengths $2^7$–$2^{16}$, head sizes $2^4$–$2^7$, bf16 and fp32: forward, backward and "
