@@ -133,6 +133,13 @@ def handout_size(name: str, edition: str) -> str:
     return sizes.get(name.lower(), name)
 
 
+def model_shape(name: str | ModelConfig) -> tuple[int, int, int, int]:
+    """A preset's architecture as ``(d_model, d_ff, num_layers, num_heads)``: equal for the presets that are the
+    same model under two editions' names (``2.7B`` and ``xl@2026``)."""
+    c = get_config(name)
+    return c.d_model, c.d_ff, c.num_layers, c.num_heads
+
+
 def get_config(name: str | ModelConfig, **overrides: Any) -> ModelConfig:
     """A preset by name (case-insensitive; ``xl@2026`` for the 2026 table, see the module docstring), with
     optional field overrides such as ``context_length``."""

@@ -180,7 +180,7 @@ def answer(d: SectionData) -> list[Block]:
                                                              "optimizer_std_ms", "total_mean_ms", "tokens_per_s",
                                                              "TFLOP_per_s", "MFU_pct", "peak_memory_GiB"),
                                      caption=f"Time per step by model size and phase ({_mode(d.meta('timings'))} "
-                                             f"steps, {_shape(d.meta('timings'))}); total: the whole step from the "
+                                             f"steps, {_batch_and_context(d.meta('timings'))}); total: the whole step from the "
                                              "first synchronize to the last, the phases plus `zero_grad` and the "
                                              "host's time between them, so a little more than their sum; the 2026 "
                                              "table's xl is the row 2.7B."
@@ -235,7 +235,7 @@ def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None
     return Text(text)
 
 
-def _shape(meta: dict[str, Any] | None) -> str:
+def _batch_and_context(meta: dict[str, Any] | None) -> str:
     """The batch and context a run timed (every preset's batch is the handout's, 4)."""
     from cs336_systems.configs import HANDOUT_SIZES, get_config
 

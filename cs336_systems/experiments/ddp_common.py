@@ -132,12 +132,18 @@ def plot_scaling(table: pd.DataFrame, title: str) -> plt.Figure:
 from cs336_systems.report.answers import known, mfu_note, spread, step_mfu, step_verdict  # noqa: E402  (answers only)
 
 
-def other_precision_table(d: SectionData, shown: str | None) -> pd.DataFrame | None:
-    """The eager rows of the run's other precision (``steps_<preset>_bf16`` beside ``_fp32``), if measured."""
+def other_precision_name(d: SectionData, shown: str | None) -> str | None:
+    """The step table of the run's other precision (``steps_<preset>_bf16`` beside ``_fp32``), if measured."""
     other = [n for n in d.tables if n.startswith("steps") and n != shown and n.endswith(("_bf16", "_fp32"))
              and not n.endswith(("_timeline", "_overlap"))]
-    return eager_rows(d.frame(other[0])).assign(precision="bf16 autocast" if other[0].endswith("_bf16") else "fp32") \
-        if other and shown is not None else None
+    return other[0] if other and shown is not None else None
+
+
+def other_precision_table(d: SectionData, shown: str | None) -> pd.DataFrame | None:
+    """The eager rows of the run's other precision (:func:`other_precision_name`), if measured."""
+    other = other_precision_name(d, shown)
+    return eager_rows(d.frame(other)).assign(precision="bf16 autocast" if other.endswith("_bf16") else "fp32") \
+        if other else None
 
 
 def outlier_note(r: Any) -> str:

@@ -104,8 +104,7 @@ def answer(d: SectionData) -> list[Block]:
         text = (text or "") + _why(ov, rows)
     text = Text(text) if text else None
     other = _other_precision(d, name).strip()
-    other_name = next((n for n in d.tables if n.startswith("steps") and n != name and n.endswith(("_bf16", "_fp32"))
-                       and not n.endswith(("_timeline", "_overlap"))), None) if other else None
+    other_name = ddp_common.other_precision_name(d, name) if other else None
     timeline = named(d.figures, "timeline")
     timelines = [d.figure(timeline or "", caption="Kernels of one training step on rank 0, compute and "
                           "communication streams, per strategy, drawn from a torch.profiler trace of the step (the "

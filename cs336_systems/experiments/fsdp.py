@@ -404,14 +404,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _model_label(name: str) -> str:
     """A model by name and shape, with the presets of the same shape (2.7B is 2026's xl, xl@2026)."""
-    from cs336_systems.configs import PRESETS
+    from cs336_systems.configs import PRESETS, model_shape
 
     try:
-        c = accounting.ladder_config(name)
+        shape = model_shape(accounting.ladder_config(name))
     except ValueError:
         return name
-    shape = (c.d_model, c.d_ff, c.num_layers, c.num_heads)
-    same = [p for p, o in PRESETS.items() if p != name and (o.d_model, o.d_ff, o.num_layers, o.num_heads) == shape]
+    same = [p for p, o in PRESETS.items() if p != name and model_shape(o) == shape]
     return f"{name} ({'/'.join(map(str, shape))}" + (f", the same as {join_words(same)}" if same else "") + ")"
 
 

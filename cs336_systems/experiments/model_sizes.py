@@ -94,10 +94,6 @@ SECTION = Section(
 )
 
 
-def _shape(cfg: configs.ModelConfig) -> tuple[int, int, int, int]:
-    return cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.num_heads
-
-
 def _names_elsewhere(edition: str) -> str:
     """For an edition whose table renames the workbook's models: how the other sections' tables, which time the
     workbook's presets, name this table's models, and which of their rows is another handout's model."""
@@ -106,11 +102,11 @@ def _names_elsewhere(edition: str) -> str:
     mine = [n for n in configs.HANDOUT_SIZES_BY_EDITION[edition] if "@" in n]
     if not mine:
         return ""
-    workbook = {_shape(configs.get_config(n)): n for n in configs.HANDOUT_SIZES}
-    rows = [f"its {n.partition('@')[0]} is their row {workbook.get(_shape(configs.get_config(n)), n)}" for n in mine]
+    workbook = {configs.model_shape(n): n for n in configs.HANDOUT_SIZES}
+    rows = [f"its {n.partition('@')[0]} is their row {workbook.get(configs.model_shape(n), n)}" for n in mine]
     clashes = [n for n in configs.HANDOUT_SIZES if n in {m.partition("@")[0] for m in mine}]
     clash = ", and ".join(
-        f"their row {n} is the 2025 handout's {n} ({'/'.join(str(v) for v in _shape(configs.get_config(n)))})"
+        f"their row {n} is the 2025 handout's {n} ({'/'.join(str(v) for v in configs.model_shape(n))})"
         for n in clashes)
     return (" The other sections' tables time the workbook's presets under the 2025 handout's names: this handout's "
             + " and ".join(rows).removeprefix("its ") + (f"; {clash}" if clash else "") + ".")

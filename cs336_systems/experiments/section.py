@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cs336_systems.results import REPO_ROOT
+from cs336_systems.results import REPO_ROOT, flat_params
 
 PRESETS = ("smoke", "quick", "full")
 
@@ -174,7 +174,7 @@ class Section:
             return None
         if preset not in self.presets:
             raise ValueError(f"unknown preset {preset!r} for {self.name}; presets: {', '.join(self.presets)}")
-        params = _replaced(self.presets[preset], _dotted(overrides or {}), self.name)
+        params = _replaced(self.presets[preset], flat_params(overrides or {}), self.name)  # nested dicts as GROUP.NAME
         check = getattr(params, "check", None)
         if check is not None:
             check()
@@ -279,17 +279,6 @@ def group(default: Any, help: str = "") -> Any:  # noqa: A002 - mirrors dataclas
     return field(default_factory=lambda: default, metadata={"help": help, "group": True})
 
 
-def _dotted(overrides: dict[str, Any]) -> dict[str, Any]:
-    """Overrides with every nested dict spelled as dotted keys: ``{"g": {"x": 1}}`` -> ``{"g.x": 1}``."""
-    out: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if isinstance(value, dict) and not isinstance(value, CommandLineText):
-            out.update({f"{key}.{k}": v for k, v in _dotted(value).items()})
-        else:
-            out[key] = value
-    return out
-
-
 def _replaced(base: Any, overrides: dict[str, Any], where: str) -> Any:
     """``base`` (a parameters dataclass) with ``overrides`` (dotted keys reach into groups), each value read
     and checked against its field's type; an unknown name raises ``ValueError`` listing the valid ones."""
@@ -315,7 +304,6 @@ def _replaced(base: Any, overrides: dict[str, Any], where: str) -> Any:
     for name, values in inner.items():
         changes[name] = _replaced(getattr(base, name), values, f"{where}.{name}")
     return dataclasses.replace(base, **changes)
-
 
 
 def check_presets(*names: str) -> None:

@@ -69,10 +69,15 @@ def _ok(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _std(row: pd.Series, column: str) -> float:
-    """The standard deviation a table gives beside ``column`` (``x_mean_ms`` -> ``x_std_ms``), else 0."""
-    name = column.replace("_mean_", "_std_") if "_mean_" in column else column.replace("_ms", "_std_ms")
-    value = row.get(name)
-    return float(value) if value is not None and pd.notna(value) else 0.0
+    """The standard deviation a table gives beside ``column`` (``x_mean_ms`` -> ``x_std_ms``, ``x_ms`` ->
+    ``x_std_ms`` or ``x_ms_std``), else 0."""
+    names = ([column.replace("_mean_", "_std_")] if "_mean_" in column else
+             [column.replace("_ms", "_std_ms"), f"{column}_std"])
+    for name in names:
+        value = row.get(name)
+        if value is not None and pd.notna(value):
+            return float(value)
+    return 0.0
 
 
 def _model_forward(column: str, *, precision: str | None = None, context: str | None = None,
@@ -112,7 +117,7 @@ def _ddp_steps(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Ke
         key = ("DDP step ms", *setting, row["preset"], row["autocast"], int(row["context_length"]),
                int(row["batch_per_rank"]), int(row["world_size"]))
         yield (key, float(row["step_ms"]), f"{row['variant']} {row['preset']} {row['autocast']} on "
-               f"{int(row['world_size'])} GPU(s)", float(row["step_ms_std"]) if pd.notna(row.get("step_ms_std")) else 0.0)
+               f"{int(row['world_size'])} GPU(s)", _std(row, "step_ms"))
 
 
 #: The data-parallel sections' step tables (each edition grid too): their single-GPU, torch DDP and naive rows
