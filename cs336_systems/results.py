@@ -344,7 +344,7 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
         return None
     if meta.get("git_commit") != git_commit() and not _same_measuring_code(meta, out.section):
         return None
-    if any(earlier.get(k) != params[k] for k in same):
+    if any(recorded(earlier, k) != recorded(params, k) for k in same):
         return None
     return load_table(out.section, name, root=out.root)
 
@@ -388,6 +388,16 @@ def result_metas(folder: Path) -> dict[str, dict[str, Any]]:
         except (OSError, json.JSONDecodeError):
             metas[path.name.removesuffix(".meta.json")] = {}
     return metas
+
+
+def recorded(params: dict[str, Any], name: str, default: Any = None) -> Any:
+    """The recorded parameter ``name``; ``GROUP.NAME`` reads into a group's nested record."""
+    value: Any = params
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value
 
 
 def flat_params(params: dict[str, Any]) -> dict[str, Any]:

@@ -54,8 +54,8 @@ def test_command_line_text_is_read_by_the_parameters_type() -> None:
     assert from_text("None", int | None, "x") is None and from_text("3", int | None, "x") == 3
     assert coerce(from_text("1,10", list[float], "x"), list[float], "x") == [1.0, 10.0]
     flash = get("flash_benchmarking").params("full", {"poly_exp2": CommandLineText("None"),
-                                                      "lb_head_dims": CommandLineText("64")})
-    assert flash.poly_exp2 is None and flash.lb_head_dims == [64]
+                                                      "leaderboard.head_dims": CommandLineText("64")})
+    assert flash.poly_exp2 is None and flash.leaderboard.head_dims == [64]
 
 
 def test_gpu_presets_are_refused_without_gpus(monkeypatch) -> None:

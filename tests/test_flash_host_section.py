@@ -52,12 +52,12 @@ def test_answer_reads_the_summary(tmp_path) -> None:
 
 
 def test_bad_host_parameters_are_one_line_errors() -> None:
-    with pytest.raises(ValueError, match=r"host_shapes takes \[batch, heads, seq_len, head_dim\].*got \[1, 16, 1024\]"):
-        fb.Params(parts=["host"], host_shapes=[[1, 16, 1024]]).check()
-    with pytest.raises(ValueError, match="host_layouts takes some of bhsd, bshd"):
-        fb.Params(parts=["host"], host_layouts=["sbhd"]).check()
-    with pytest.raises(ValueError, match="host_rounds"):
-        fb.Params(parts=["host"], host_rounds=0).check()
+    with pytest.raises(ValueError, match=r"host.shapes takes \[batch, heads, seq_len, head_dim\].*got \[1, 16, 1024\]"):
+        fb.Params(parts=["host"], host=fb.Host(shapes=[[1, 16, 1024]])).check()
+    with pytest.raises(ValueError, match="host.layouts takes some of bhsd, bshd"):
+        fb.Params(parts=["host"], host=fb.Host(layouts=["sbhd"])).check()
+    with pytest.raises(ValueError, match="host.rounds"):
+        fb.Params(parts=["host"], host=fb.Host(rounds=0)).check()
     fb.Params(parts=["host"]).check()
 
 

@@ -85,8 +85,8 @@ def test_losers_part_on_cpu_says_what_it_needs(tmp_path, monkeypatch, capsys) ->
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     assert main(["flash_benchmarking", "--smoke", "--set", "parts=losers"]) == 0
     assert "losers skipped: it profiles GPU kernels, which needs a GPU" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="losers"):
-        fb.Params(parts=["losers"], losers=0).check()
+    with pytest.raises(ValueError, match="losers.count must be positive"):
+        fb.Params(parts=["losers"], losers=fb.Losers(count=0)).check()
 
 
 def test_naive_sentence_says_which_pass_ran_out_of_memory_and_checks_ours_did_not() -> None:

@@ -47,14 +47,14 @@ def test_summary_calls_a_tie_inside_the_spread_and_a_winner_outside_it() -> None
 
 
 def test_bad_model_ab_parameters_are_one_line_errors() -> None:
-    with pytest.raises(ValueError, match="ab_impls takes two"):
-        fb.Params(parts=["model_ab"], ab_impls=["sdpa"]).check()
+    with pytest.raises(ValueError, match="model_ab.impls takes two"):
+        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(impls=["sdpa"])).check()
     with pytest.raises(ValueError, match="not a multiple of context 3000"):
-        fb.Params(parts=["model_ab"], ab_contexts=[1024, 3000]).check()
+        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(contexts=[1024, 3000])).check()
     with pytest.raises(ValueError, match="preset"):
-        fb.Params(parts=["model_ab"], ab_presets=["huge"]).check()
-    with pytest.raises(ValueError, match="names round 2, not one of ab_rounds=2"):
-        fb.Params(parts=["model_ab"], ab_only_rounds=[2]).check()
+        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(presets=["huge"])).check()
+    with pytest.raises(ValueError, match="names round 2, not one of model_ab.rounds=2"):
+        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(only_rounds=[2])).check()
     with pytest.raises(ValueError, match="round -1 is not one of the 2 rounds"):
         flash_model.model_ab_configs(["tiny"], [16], [False], rounds=2, only_rounds=[-1])
     fb.Params(parts=["model_ab"]).check()
@@ -65,8 +65,8 @@ def test_model_ab_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     from cs336_systems.experiments.__main__ import main
 
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
-    assert main(["flash_benchmarking", "--smoke", "--set", "parts=model_ab", "--set", "ab_contexts=[16]",
-                 "--set", "ab_compile=[False]"]) == 0
+    assert main(["flash_benchmarking", "--smoke", "--set", "parts=model_ab", "--set", "model_ab.contexts=[16]",
+                 "--set", "model_ab.compile=[False]"]) == 0
     out = capsys.readouterr().out
     assert "(model_ab) Beyond the handout: flash_pytorch against sdpa" in out and "Over 1 cell " in out
     long = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab.csv")
@@ -86,26 +86,26 @@ def test_model_ab_jobs_of_one_commit_combine_their_cells(tmp_path, monkeypatch, 
     table = tmp_path / "flash_benchmarking" / "model_ab.csv"
 
     def job(*sets: str) -> pd.DataFrame:
-        args = ["flash_benchmarking", "--smoke", "--set", "parts=model_ab", "--set", "ab_compile=[False]"]
+        args = ["flash_benchmarking", "--smoke", "--set", "parts=model_ab", "--set", "model_ab.compile=[False]"]
         for s in sets:
             args += ["--set", s]
         assert main(args) == 0
         capsys.readouterr()
         return pd.read_csv(table)
 
-    first = job("ab_contexts=[16]")
-    both = job("ab_contexts=[32]")
+    first = job("model_ab.contexts=[16]")
+    both = job("model_ab.contexts=[32]")
     assert sorted(both["context_length"].unique()) == [16, 32] and len(both) == 8
     pd.testing.assert_frame_equal(both[both["context_length"] == 16].reset_index(drop=True), first)
-    again = job("ab_contexts=[16]")
+    again = job("model_ab.contexts=[16]")
     assert len(again) == 8 and list(again["context_length"]) == [32] * 4 + [16] * 4  # 16 measured anew
     summary = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab_summary.csv")
     assert sorted(summary["context_length"]) == [16, 32]
-    other = job("ab_contexts=[32]", "ab_steps=2")  # other step settings: the earlier cells are not comparable
+    other = job("model_ab.contexts=[32]", "model_ab.steps=2")  # other step settings: the earlier cells are not comparable
     assert list(other["context_length"].unique()) == [32] and len(other) == 4
     # an xl compiled cell's two rounds outlast one GPU job: one round per job, combined into one cell
-    job("ab_contexts=[64]", "ab_only_rounds=[0]")
-    split = job("ab_contexts=[64]", "ab_only_rounds=[1]")
+    job("model_ab.contexts=[64]", "model_ab.only_rounds=[0]")
+    split = job("model_ab.contexts=[64]", "model_ab.only_rounds=[1]")
     cell = split[split["context_length"] == 64]
     assert list(zip(cell["round"], cell["attention_impl"])) == [(0, "sdpa"), (0, "flash_pytorch"),
                                                                 (1, "flash_pytorch"), (1, "sdpa")]
@@ -136,9 +136,13 @@ def test_writeup_table_has_a_row_per_preset_and_context_eager_then_compiled() ->
 
 def test_cells_of_the_recorded_grid_without_a_row_are_named() -> None:
     summary = pd.DataFrame({"preset": ["xl", "xl"], "context_length": [1024, 1024], "compile": [False, True]})
-    params = {"ab_presets": ["xl"], "ab_contexts": [1024, 4096], "ab_compile": [False, True]}
+    grid = {"presets": ["xl"], "contexts": [1024, 4096], "compile": [False, True]}
+    params = {"model_ab": grid}
     assert fb.answers._model_ab_absent(summary, params) == [("xl", 4096, False), ("xl", 4096, True)]
-    assert fb.answers._model_ab_absent(summary, {**params, "ab_contexts": [1024]}) == []
+    assert fb.answers._model_ab_absent(summary, {"model_ab": {**grid, "contexts": [1024]}}) == []
+    # records from before the parameter groups name the grid flat
+    flat = {f"ab_{k}": v for k, v in grid.items()}
+    assert fb.answers._model_ab_absent(summary, flat) == [("xl", 4096, False), ("xl", 4096, True)]
     assert fb.answers._model_ab_absent(summary, {}) == []
 
 
@@ -165,7 +169,7 @@ def test_cells_no_job_measured_are_named_even_when_the_last_job_covered_only_its
     planned = fb.answers._model_ab_planned()
     assert len(planned) == len(set(planned)) == 18  # small, medium, xl × 1024, 2048, 4096 × eager, compiled
     summary = pd.DataFrame({"preset": ["medium"], "context_length": [4096], "compile": [True]})
-    last_job = {"ab_presets": ["medium"], "ab_contexts": [4096], "ab_compile": [True]}
+    last_job = {"model_ab": {"presets": ["medium"], "contexts": [4096], "compile": [True]}}
     absent = fb.answers._model_ab_absent(summary, last_job, planned)
     assert len(absent) == 17 and ("medium", 4096, True) not in absent and ("xl", 2048, True) in absent
 

@@ -72,7 +72,7 @@ MODEL_AB_IMPLS = ("sdpa", "flash_triton")
 MODEL_AB_CELL = ("preset", "context_length", "compile")
 #: One round of a cell: the unit separate jobs combine (an xl compiled cell's two rounds outlast one GPU job).
 MODEL_AB_ROUND = (*MODEL_AB_CELL, "round")
-MODEL_AB_SAME = ("ab_impls", "ab_tokens_per_step", "ab_rounds", "ab_steps", "kernel_options")
+MODEL_AB_SAME = ("model_ab.impls", "model_ab.tokens_per_step", "model_ab.rounds", "model_ab.steps", "kernel_options")
 
 
 def model_ab_configs(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool], rounds: int,

@@ -71,7 +71,7 @@ from cs336_systems.benchmarking.flash.sweep import (
     speedup_table,
 )
 from cs336_systems.benchmarking.sweep import OK
-from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, param
+from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, group, param
 from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
@@ -80,52 +80,86 @@ PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab", "ho
 
 
 @dataclass(frozen=True)
+class Leaderboard:
+    batch: int = param(16, "batch (heads folded in)")
+    seq_len: int = param(16384, "sequence length")
+    head_dims: list[int] = param([64, 128], "head dimensions (also the breakdown's)")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    seq_lens: list[int] = param(SWEEP_SEQ_LENS, "sequence lengths")
+    head_dims: list[int] = param(SWEEP_HEAD_DIMS, "head dimensions")
+    dtypes: list[str] = param(SWEEP_DTYPES, "torch dtype names")
+    budget_s: float = param(600.0, "time budget in seconds")
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    contexts: list[int] = param([1024, 2048, 4096, 8192, 16384], "context lengths")
+    preset: str = param("small", "model preset")
+    steps: int = param(3, "timed steps per cell")
+    budget_s: float = param(120.0, "time budget in seconds")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    shapes: list[list[int]] = param(SHAPES_BHN, "[batch, heads, seq_len] triples")
+    head_dims: list[int] = param([64, 128], "head dimensions")
+    dtypes: list[str] = param(["bfloat16", "float16"], "torch dtype names")
+    causal: list[bool] = param([True, False], "causal settings")
+    budget_s: float = param(540.0, "time budget in seconds")
+    rounds: int = param(3, "alternating rounds per shape (the implementations in turn, the order rotating)")
+
+
+@dataclass(frozen=True)
+class ModelAB:
+    presets: list[str] = param(["small", "medium", "xl"], "model presets")
+    contexts: list[int] = param([1024, 2048, 4096], "context lengths")
+    compile: list[bool] = param([False, True], "eager and/or torch.compile'd steps")
+    impls: list[str] = param(list(MODEL_AB_IMPLS), "baseline attention, then ours")
+    tokens_per_step: int = param(8192, "tokens per step (batch = tokens / context)")
+    rounds: int = param(2, "alternating rounds per cell")
+    only_rounds: list[int] = param([], "measure only these of the cell's rounds (0-based; a later job measures the "
+                                       "rest; empty: all)")
+    steps: int = param(5, "timed steps per implementation and round")
+    budget_s: float = param(540.0, "time budget in seconds")
+
+
+@dataclass(frozen=True)
+class Host:
+    shapes: list[list[int]] = param([[1, 16, 1024, 64], [8, 12, 1024, 64], [8, 25, 1024, 64], [4, 32, 1024, 80]],
+                                    "[batch, heads, seq_len, head_dim] (the issue's, then small, xl and 2.7B at "
+                                    "8,192 or 4,096 tokens)")
+    layouts: list[str] = param(["bhsd", "bshd"], "contiguous (batch, heads, seq, d) and/or the model's head views "
+                                                 "of (batch, seq, heads, d)")
+    rounds: int = param(5, "alternating rounds per shape")
+    calls: int = param(20, "calls per measurement")
+
+
+@dataclass(frozen=True)
+class Losers:
+    count: int = param(6, "how many of the shapes grid's worst shapes (against cuDNN) to profile")
+    rounds: int = param(3, "alternating rounds per shape")
+
+
+@dataclass(frozen=True)
 class Params:
     parts: list[str] = param(["leaderboard", "sweep", "model", "host"], f"what to run, of {', '.join(PARTS)}")
-    seq_lens: list[int] = param(SWEEP_SEQ_LENS, "sweep: sequence lengths")
-    head_dims: list[int] = param(SWEEP_HEAD_DIMS, "sweep: head dimensions")
-    dtypes: list[str] = param(SWEEP_DTYPES, "sweep: torch dtype names")
     warmup_ms: float = param(5.0, "do_bench warm-up per timing")
     rep_ms: float = param(25.0, "do_bench measuring time per timing")
-    sweep_budget_s: float = param(600.0, "sweep: time budget in seconds")
-    lb_batch: int = param(16, "leaderboard: batch (heads folded in)")
-    lb_seq_len: int = param(16384, "leaderboard: sequence length")
-    lb_head_dims: list[int] = param([64, 128], "leaderboard and breakdown: head dimensions")
-    contexts: list[int] = param([1024, 2048, 4096, 8192, 16384], "model: context lengths")
-    model: str = param("small", "model: preset")
-    model_steps: int = param(3, "model: timed steps per cell")
-    model_budget_s: float = param(120.0, "model: time budget in seconds")
-    shapes: list[list[int]] = param(SHAPES_BHN, "shapes: [batch, heads, seq_len] triples")
-    shapes_head_dims: list[int] = param([64, 128], "shapes: head dimensions")
-    shapes_dtypes: list[str] = param(["bfloat16", "float16"], "shapes: torch dtype names")
-    shapes_causal: list[bool] = param([True, False], "shapes: causal settings")
-    shapes_budget_s: float = param(540.0, "shapes: time budget in seconds")
-    shapes_rounds: int = param(3, "shapes: alternating rounds per shape (the implementations in turn, the order "
-                                  "rotating)")
-    ab_presets: list[str] = param(["small", "medium", "xl"], "model_ab: presets")
-    ab_contexts: list[int] = param([1024, 2048, 4096], "model_ab: context lengths")
-    ab_compile: list[bool] = param([False, True], "model_ab: eager and/or torch.compile'd steps")
-    ab_impls: list[str] = param(list(MODEL_AB_IMPLS), "model_ab: baseline attention, then ours")
-    ab_tokens_per_step: int = param(8192, "model_ab: tokens per step (batch = tokens / context)")
-    ab_rounds: int = param(2, "model_ab: alternating rounds per cell")
-    ab_only_rounds: list[int] = param([], "model_ab: measure only these of the cell's rounds (0-based; a later job "
-                                          "measures the rest; empty: all)")
-    ab_steps: int = param(5, "model_ab: timed steps per implementation and round")
-    ab_budget_s: float = param(540.0, "model_ab: time budget in seconds")
-    host_shapes: list[list[int]] = param([[1, 16, 1024, 64], [8, 12, 1024, 64], [8, 25, 1024, 64], [4, 32, 1024, 80]],
-                                         "host: [batch, heads, seq_len, head_dim] (the issue's, then small, xl "
-                                         "and 2.7B at 8,192 or 4,096 tokens)")
-    host_layouts: list[str] = param(["bhsd", "bshd"], "host: contiguous (batch, heads, seq, d) and/or the "
-                                                      "model's head views of (batch, seq, heads, d)")
-    host_rounds: int = param(5, "host: alternating rounds per shape")
-    host_calls: int = param(20, "host: calls per measurement")
-    losers: int = param(6, "losers: how many of the shapes grid's worst shapes (against cuDNN) to profile")
-    losers_rounds: int = param(3, "losers: alternating rounds per shape")
     candidates: str = param("default", "kernel tiles tried by the autotuner: default | wide")
     autotune: bool = param(True, "False: each phase's first tile, untuned")
     poly_exp2: str | None = param(None, "phases on the FMA-pipe exponential: forward,dkdv,dq | all | none "
                                         "(None: each tile's pin)")
     gluon: bool = param(True, "the warp-specialized Gluon forward on Hopper (False: the Triton forward)")
+    leaderboard: Leaderboard = group(Leaderboard(), "the handout's leaderboard configuration, and the breakdown's")
+    sweep: Sweep = group(Sweep(), "batch 1, one head, causal: every length x head dimension x dtype")
+    model: ModelStep = group(ModelStep(), "a training step with each attention over context lengths")
+    shapes: Shapes = group(Shapes(), "the shapes grid against the fast backends")
+    model_ab: ModelAB = group(ModelAB(), "ours against SDPA in eager and compiled training steps")
+    host: Host = group(Host(), "the host's cost per call")
+    losers: Losers = group(Losers(), "the shapes grid's worst shapes, kernel by kernel")
 
     def check(self) -> None:
         check_parts("flash_benchmarking", self.parts, PARTS)
@@ -134,46 +168,49 @@ class Params:
         if "host" in self.parts:
             from cs336_systems.benchmarking.flash_host_overhead import LAYOUTS
 
-            check_positive(host_rounds=self.host_rounds, host_calls=self.host_calls)
-            bad = [s for s in self.host_shapes if len(s) != 4 or min(s) < 1]
+            host = self.host
+            check_positive(**{"host.rounds": host.rounds, "host.calls": host.calls})
+            bad = [s for s in host.shapes if len(s) != 4 or min(s) < 1]
             if bad:
-                raise ValueError(f"flash_benchmarking: host_shapes takes [batch, heads, seq_len, head_dim] of positive "
+                raise ValueError(f"flash_benchmarking: host.shapes takes [batch, heads, seq_len, head_dim] of positive "
                                  f"sizes, got {bad[0]}")
-            if not self.host_layouts or set(self.host_layouts) - set(LAYOUTS):
-                raise ValueError(f"flash_benchmarking: host_layouts takes some of {', '.join(LAYOUTS)}, "
-                                 f"got {self.host_layouts}")
+            if not host.layouts or set(host.layouts) - set(LAYOUTS):
+                raise ValueError(f"flash_benchmarking: host.layouts takes some of {', '.join(LAYOUTS)}, "
+                                 f"got {host.layouts}")
         if "shapes" in self.parts:
-            check_positive(shapes_rounds=self.shapes_rounds)
+            check_positive(**{"shapes.rounds": self.shapes.rounds})
         if "losers" in self.parts:
-            check_positive(losers=self.losers, losers_rounds=self.losers_rounds)
+            check_positive(**{"losers.count": self.losers.count, "losers.rounds": self.losers.rounds})
         if "model_ab" in self.parts:
-            if len(self.ab_impls) != 2:
-                raise ValueError(f"flash_benchmarking: ab_impls takes two attention implementations (the baseline, "
-                                 f"then ours), got {self.ab_impls}")
-            check_presets(*self.ab_presets)
-            check_positive(ab_rounds=self.ab_rounds, ab_steps=self.ab_steps,
-                           ab_tokens_per_step=self.ab_tokens_per_step, ab_budget_s=self.ab_budget_s)
-            outside = [r for r in self.ab_only_rounds if not 0 <= r < self.ab_rounds]
+            ab = self.model_ab
+            if len(ab.impls) != 2:
+                raise ValueError(f"flash_benchmarking: model_ab.impls takes two attention implementations (the "
+                                 f"baseline, then ours), got {ab.impls}")
+            check_presets(*ab.presets)
+            check_positive(**{"model_ab.rounds": ab.rounds, "model_ab.steps": ab.steps,
+                              "model_ab.tokens_per_step": ab.tokens_per_step, "model_ab.budget_s": ab.budget_s})
+            outside = [r for r in ab.only_rounds if not 0 <= r < ab.rounds]
             if outside:
-                raise ValueError(f"flash_benchmarking: ab_only_rounds={self.ab_only_rounds} names round {outside[0]}, "
-                                 f"not one of ab_rounds={self.ab_rounds} (0..{self.ab_rounds - 1})")
-            bad = [c for c in self.ab_contexts if c < 1 or self.ab_tokens_per_step % c]
+                raise ValueError(f"flash_benchmarking: model_ab.only_rounds={ab.only_rounds} names round {outside[0]}, "
+                                 f"not one of model_ab.rounds={ab.rounds} (0..{ab.rounds - 1})")
+            bad = [c for c in ab.contexts if c < 1 or ab.tokens_per_step % c]
             if bad:
-                raise ValueError(f"flash_benchmarking: ab_tokens_per_step={self.ab_tokens_per_step} is not a multiple "
-                                 f"of context {bad[0]}")
+                raise ValueError(f"flash_benchmarking: model_ab.tokens_per_step={ab.tokens_per_step} is not a "
+                                 f"multiple of context {bad[0]}")
 
 
 PRESETS = {
     "full": Params(),
-    "quick": Params(seq_lens=[2**i for i in range(7, 17, 2)], sweep_budget_s=240.0, contexts=[1024, 4096, 16384],
-                    model_budget_s=60.0),
-    "smoke": Params(seq_lens=[32], head_dims=[16], dtypes=["float32"], warmup_ms=1.0, rep_ms=2.0,
-                    shapes=[[2, 2, 24], [1, 2, 40]], shapes_head_dims=[16], shapes_dtypes=["float32"],
-                    shapes_causal=[True, False], shapes_budget_s=30.0,
-                    sweep_budget_s=30.0, lb_batch=2, lb_seq_len=64, lb_head_dims=[16], contexts=[16],
-                    model="tiny", model_steps=1, model_budget_s=30.0,
-                    ab_presets=["tiny"], ab_contexts=[16, 32], ab_impls=["sdpa", "flash_pytorch"],
-                    ab_tokens_per_step=64, ab_steps=1, ab_budget_s=60.0),
+    "quick": Params(sweep=Sweep(seq_lens=[2**i for i in range(7, 17, 2)], budget_s=240.0),
+                    model=ModelStep(contexts=[1024, 4096, 16384], budget_s=60.0)),
+    "smoke": Params(warmup_ms=1.0, rep_ms=2.0,
+                    sweep=Sweep(seq_lens=[32], head_dims=[16], dtypes=["float32"], budget_s=30.0),
+                    shapes=Shapes(shapes=[[2, 2, 24], [1, 2, 40]], head_dims=[16], dtypes=["float32"],
+                                  causal=[True, False], budget_s=30.0),
+                    leaderboard=Leaderboard(batch=2, seq_len=64, head_dims=[16]),
+                    model=ModelStep(contexts=[16], preset="tiny", steps=1, budget_s=30.0),
+                    model_ab=ModelAB(presets=["tiny"], contexts=[16, 32], impls=["sdpa", "flash_pytorch"],
+                                     tokens_per_step=64, steps=1, budget_s=60.0)),
 }
 
 
@@ -192,9 +229,9 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
     results: dict[str, Any] = {}
     commands, smoke = p.parts, out.smoke
     if "leaderboard" in commands:
-        for head_dim in p.lb_head_dims:
+        for head_dim in p.leaderboard.head_dims:
             started = time.monotonic()
-            table = run_leaderboard(p.lb_batch, p.lb_seq_len, head_dim)
+            table = run_leaderboard(p.leaderboard.batch, p.leaderboard.seq_len, head_dim)
             suffix = "" if head_dim == 64 else f"_d{head_dim}"
             out.table(table, f"leaderboard{suffix}", params={"head_dim": head_dim})
             summary = leaderboard_summary(table, ours=table["impl"].iloc[0])
@@ -204,11 +241,11 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
             results[f"leaderboard{suffix}"] = table
     if "sweep" in commands:
         # One table per dtype, each within its own budget: the handout's full grid is longer than one GPU job
-        # may run, so `--set dtypes=bfloat16` and `--set dtypes=float32` can refresh it in two runs.
-        for dtype in p.dtypes:
+        # may run, so `--set sweep.dtypes=bfloat16` and `--set sweep.dtypes=float32` can refresh it in two runs.
+        for dtype in p.sweep.dtypes:
             started = time.monotonic()
-            long = run_flash_sweep(p.seq_lens, p.head_dims, [dtype], warmup_ms=p.warmup_ms, rep_ms=p.rep_ms,
-                                   budget_s=p.sweep_budget_s)
+            long = run_flash_sweep(p.sweep.seq_lens, p.sweep.head_dims, [dtype], warmup_ms=p.warmup_ms, rep_ms=p.rep_ms,
+                                   budget_s=p.sweep.budget_s)
             out.table(long, f"sweep_{dtype}")
             results[f"sweep_{dtype}"] = long
             print(f"sweep {dtype} took {time.monotonic() - started:.0f} s")
@@ -219,10 +256,11 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
             print("breakdown skipped: it times the Triton kernels, which need a GPU (or TRITON_INTERPRET=1)")
         else:
             started = time.monotonic()
-            parts = [run_kernel_breakdown(p.lb_batch, p.lb_seq_len, d) for d in p.lb_head_dims]
-            summary = pd.DataFrame([p[0] for p in parts])
-            kernels = pd.concat([p[1] for p in parts], ignore_index=True)
-            tuning = pd.concat([p[2] for p in parts], ignore_index=True)
+            lb = p.leaderboard
+            parts = [run_kernel_breakdown(lb.batch, lb.seq_len, d) for d in lb.head_dims]
+            summary = pd.DataFrame([part[0] for part in parts])
+            kernels = pd.concat([part[1] for part in parts], ignore_index=True)
+            tuning = pd.concat([part[2] for part in parts], ignore_index=True)
             extra = {"options": options.current().describe(), "poly_exp2": _poly_exp2_label()}
             out.table(summary, "kernel_breakdown", params=extra)
             out.table(kernels, "kernel_breakdown_kernels", params=extra)
@@ -237,8 +275,9 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
     if "shapes" in commands:
         started = time.monotonic()
         impls = SHAPES_IMPLS if torch.cuda.is_available() else SHAPES_SMOKE_IMPLS
-        long = run_shapes(p.shapes, p.shapes_head_dims, p.shapes_dtypes, p.shapes_causal, impls,
-                          rounds=p.shapes_rounds, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms, budget_s=p.shapes_budget_s)
+        g = p.shapes
+        long = run_shapes(g.shapes, g.head_dims, g.dtypes, g.causal, impls,
+                          rounds=g.rounds, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms, budget_s=g.budget_s)
         out.table(long, "shapes")
         ratio = shapes_ratio(long, ours=impls[0])
         out.table(ratio, "shapes_ratio")
@@ -255,10 +294,10 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         started = time.monotonic()
         impls = ("naive", "sdpa", "flash_triton") if not smoke else ("naive", "sdpa", "flash_pytorch")
         table = run_model_comparison(
-            p.contexts, impls, model=p.model, budget_s=p.model_budget_s,
+            p.model.contexts, impls, model=p.model.preset, budget_s=p.model.budget_s,
             precision="fp32" if smoke else "bf16",
-            warmup=min(2, p.model_steps),
-            steps=p.model_steps,
+            warmup=min(2, p.model.steps),
+            steps=p.model.steps,
         )  # fmt: skip
         out.table(table, "model_step")
         out.figure(plot_model_comparison(table), "model_step")
@@ -275,7 +314,7 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
             print("host skipped: it measures what CUDA launches cost the CPU, which needs a GPU")
         else:
             started = time.monotonic()
-            rows = run_host_overhead(p.host_shapes, p.host_layouts, rounds=p.host_rounds, calls=p.host_calls)
+            rows = run_host_overhead(p.host.shapes, p.host.layouts, rounds=p.host.rounds, calls=p.host.calls)
             summary = summarize_host_overhead(rows)
             out.table(rows, "host_overhead")
             out.table(summary, "host_overhead_summary",
@@ -288,8 +327,9 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         # The worst shapes come from this job's shapes grid, or from an earlier job's at this commit and device.
         ratio = results.get("shapes_ratio")
         if ratio is None and torch.cuda.is_available():
-            ratio = rows_of_this_run(out, "shapes_ratio", out.params, ("shapes", "shapes_head_dims", "shapes_dtypes",
-                                                                       "shapes_causal", "kernel_options"))
+            ratio = rows_of_this_run(out, "shapes_ratio", out.params, ("shapes.shapes", "shapes.head_dims",
+                                                                       "shapes.dtypes", "shapes.causal",
+                                                                       "kernel_options"))
         if not torch.cuda.is_available():
             print("losers skipped: it profiles GPU kernels, which needs a GPU")
         elif ratio is None or "vs_sdpa_cudnn" not in ratio:
@@ -297,8 +337,8 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
                   "first (or with it)")
         else:
             started = time.monotonic()
-            shapes = worst_shapes(ratio, count=p.losers)
-            kernels = run_losers(shapes, rounds=p.losers_rounds)
+            shapes = worst_shapes(ratio, count=p.losers.count)
+            kernels = run_losers(shapes, rounds=p.losers.rounds)
             summary = summarize_losers(kernels)
             out.table(kernels, "losers_kernels", extra={"gpu_us": "median GPU µs per forward+backward call"})
             out.table(summary, "losers", extra={"loses_most_in": "the phase with the largest gap, ours - cuDNN"})
@@ -307,15 +347,15 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
             results.update(losers=summary, losers_kernels=kernels)
     if "model_ab" in commands:
         started = time.monotonic()
-        table = run_model_ab(p.ab_presets, p.ab_contexts, p.ab_compile, impls=p.ab_impls, rounds=p.ab_rounds,
-                             only_rounds=p.ab_only_rounds,
-                             tokens_per_step=p.ab_tokens_per_step, precision="fp32" if smoke else "bf16",
-                             steps=p.ab_steps, budget_s=p.ab_budget_s)
+        ab = p.model_ab
+        table = run_model_ab(ab.presets, ab.contexts, ab.compile, impls=ab.impls, rounds=ab.rounds,
+                             only_rounds=ab.only_rounds, tokens_per_step=ab.tokens_per_step,
+                             precision="fp32" if smoke else "bf16", steps=ab.steps, budget_s=ab.budget_s)
         # Split over jobs by preset, compile or round (the grid is longer than one GPU job): rounds of an earlier
         # job of this commit, device and step settings stay, rounds measured again are replaced.
         earlier = rows_of_this_run(out, "model_ab", out.params, MODEL_AB_SAME)  # as recorded: kernel options too
         table = merge_rows(table, earlier, MODEL_AB_ROUND)
-        summary = summarize_model_ab(table, *p.ab_impls[:2])
+        summary = summarize_model_ab(table, *ab.impls[:2])
         out.table(table, "model_ab")
         out.table(summary, "model_ab_summary")
         print(summary.to_markdown(index=False, floatfmt=".4g"))
@@ -368,18 +408,18 @@ SECTION = Section(
     # at xl and 2.5 min at xl 2048 on that host, so xl's compiled cells run one round per job; run again on the
     # same machine, a compiled job takes about half (jobs 5 and 7: 134 and 156 s), its graphs cached
     jobs=(
-        Job({"dtypes": ["bfloat16"]}, 4.7, "leaderboard at d 64 and 128, the bf16 sweep, the model step, host cost"),
-        Job({"parts": ["sweep"], "dtypes": ["float32"]}, 5.4),
+        Job({"sweep.dtypes": ["bfloat16"]}, 4.7, "leaderboard at d 64 and 128, the bf16 sweep, the model step, host cost"),
+        Job({"parts": ["sweep"], "sweep.dtypes": ["float32"]}, 5.4),
         Job({"parts": ["shapes"]}, 7.5),
         Job({"parts": ["losers"]}, 0.6, "reads the shapes grid of the job before"),
-        Job({"parts": ["model_ab"], "ab_presets": ["small"]}, 5.5, "eager and compiled"),
-        Job({"parts": ["model_ab"], "ab_presets": ["medium", "xl"], "ab_compile": [False]}, 1.3),
-        Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [1024, 2048]}, 6.5),
-        Job({"parts": ["model_ab"], "ab_presets": ["medium"], "ab_compile": [True], "ab_contexts": [4096]}, 2.8),
+        Job({"parts": ["model_ab"], "model_ab.presets": ["small"]}, 5.5, "eager and compiled"),
+        Job({"parts": ["model_ab"], "model_ab.presets": ["medium", "xl"], "model_ab.compile": [False]}, 1.3),
+        Job({"parts": ["model_ab"], "model_ab.presets": ["medium"], "model_ab.compile": [True], "model_ab.contexts": [1024, 2048]}, 6.5),
+        Job({"parts": ["model_ab"], "model_ab.presets": ["medium"], "model_ab.compile": [True], "model_ab.contexts": [4096]}, 2.8),
         # xl compiled, measured at 63e88b2 on one warm H100 (jobs 9-14 one after another): round 1 compiles the
         # model and took 3.5-3.8 min; round 2, run next on the same machine, found the graphs cached (0.6-0.7 min)
-        *(Job({"parts": ["model_ab"], "ab_presets": ["xl"], "ab_compile": [True], "ab_contexts": [context],
-               "ab_only_rounds": [r]}, minutes[r], f"round {r + 1} of 2"
+        *(Job({"parts": ["model_ab"], "model_ab.presets": ["xl"], "model_ab.compile": [True], "model_ab.contexts": [context],
+               "model_ab.only_rounds": [r]}, minutes[r], f"round {r + 1} of 2"
               + ("" if r == 0 else "; about 4 min on a machine that has not run round 1"))
           for context, minutes in ((1024, (3.8, 0.6)), (2048, (3.5, 0.7)), (4096, (3.6, 0.7))) for r in (0, 1)),
     ),

@@ -18,6 +18,7 @@ from cs336_systems.report import fmt
 from cs336_systems.report.answers import implemented, join_words, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text
+from cs336_systems.results import recorded
 
 from cs336_systems.report.answers import mfu_note, with_mfu  # noqa: E402  (answers only)
 
@@ -258,9 +259,12 @@ def _model_ab(d: SectionData) -> list[Block]:
 
 
 def _model_ab_grid(params: dict[str, Any]) -> list[tuple[str, int, bool]]:
-    """The cells ``ab_presets`` × ``ab_contexts`` × ``ab_compile`` of a parameter record."""
-    return [(str(p), int(c), bool(k)) for p in params.get("ab_presets") or [] for c in params.get("ab_contexts") or []
-            for k in params.get("ab_compile") or []]
+    """The cells presets × contexts × compile of a parameter record (its ``model_ab`` group, or the flat
+    ``ab_*`` names that records from before the groups carry)."""
+    def value(name: str) -> list[Any]:
+        return recorded(params, f"model_ab.{name}") or params.get(f"ab_{name}") or []
+
+    return [(str(p), int(c), bool(k)) for p in value("presets") for c in value("contexts") for k in value("compile")]
 
 
 def _model_ab_absent(summary: pd.DataFrame, params: dict[str, Any],
@@ -276,12 +280,12 @@ def _model_ab_absent(summary: pd.DataFrame, params: dict[str, Any],
 def _model_ab_planned() -> list[tuple[str, int, bool]]:
     """The cells the full run's model_ab jobs measure between them (each job covers part of the grid, and the
     last job's parameters name only its own part)."""
-    defaults = Params()
+    defaults = Params().model_ab
     cells: list[tuple[str, int, bool]] = []
     for job in section.SECTION.jobs:
         if "model_ab" in job.sets.get("parts", ()):
-            sets = {k: job.sets.get(k, getattr(defaults, k)) for k in ("ab_presets", "ab_contexts", "ab_compile")}
-            cells += [cell for cell in _model_ab_grid(sets) if cell not in cells]
+            sets = {k: job.sets.get(f"model_ab.{k}", getattr(defaults, k)) for k in ("presets", "contexts", "compile")}
+            cells += [cell for cell in _model_ab_grid({"model_ab": sets}) if cell not in cells]
     return cells
 
 
