@@ -34,17 +34,31 @@ attention's ``seq × seq`` scores at long contexts), that is where the peak is l
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 #: The parts of a pre-norm block that ``sublayers`` checkpoints one by one: (norm, branch) pairs.
 SUBLAYERS = (("ln1", "attn"), ("ln2", "ffn"))
+#: The profiler range around a segment's replay in the backward: a step's time split
+#: (:mod:`cs336_systems.profiling.step_split`) counts the kernels launched inside it as recomputation.
+RECOMPUTE_RANGE = "recompute"
+
+
+def _recompute_range() -> AbstractContextManager[object]:
+    """A ``record_function`` range while autograd runs a backward, where a checkpointed forward is its
+    recomputation (not inside a compiled region, which traces no profiler ranges)."""
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+        return nullcontext()
+    return record_function(RECOMPUTE_RANGE)
 
 
 def _branch(norm: nn.Module, branch: nn.Module, x: Tensor) -> Tensor:
-    return branch(norm(x))
+    with _recompute_range():
+        return branch(norm(x))
 
 
 def _by_sublayer(block: nn.Module, x: Tensor) -> Tensor:
@@ -57,15 +71,16 @@ def _by_sublayer(block: nn.Module, x: Tensor) -> Tensor:
 def _run(blocks: Sequence[nn.Module], levels: Sequence[int], x: Tensor, sublayers: bool = False) -> Tensor:
     """Run ``blocks`` on ``x``, checkpointing segments of ``levels[0]`` blocks, each recursively with the
     remaining levels; at the innermost level each block by sublayer if ``sublayers``."""
-    if not levels:
-        for block in blocks:
-            x = _by_sublayer(block, x) if sublayers else block(x)
+    with _recompute_range():
+        if not levels:
+            for block in blocks:
+                x = _by_sublayer(block, x) if sublayers else block(x)
+            return x
+        size, inner = levels[0], levels[1:]
+        for start in range(0, len(blocks), size):
+            segment = blocks[start:start + size]
+            x = checkpoint(_run, segment, inner, x, sublayers, use_reentrant=False)
         return x
-    size, inner = levels[0], levels[1:]
-    for start in range(0, len(blocks), size):
-        segment = blocks[start:start + size]
-        x = checkpoint(_run, segment, inner, x, sublayers, use_reentrant=False)
-    return x
 
 
 class SegmentedLayers(nn.ModuleList):
@@ -143,4 +158,4 @@ def stored_block_activations(num_blocks: int, levels: Sequence[int]) -> int:
     return held + span
 
 
-__all__ = ["SegmentedLayers", "checkpoint_layers", "stored_block_activations"]
+__all__ = ["RECOMPUTE_RANGE", "SegmentedLayers", "checkpoint_layers", "stored_block_activations"]

@@ -85,11 +85,15 @@ class StepOptions:
     """``ours`` (our FSDP on several ranks) or ``fsdp2`` (``fully_shard``; with ``compile``, each block compiled)."""
     compile_backend: str = "inductor"
     """``torch.compile``'s backend (``aot_eager`` traces and differentiates without generating kernels)."""
+    compile_pointwise: bool = False
+    """Compile only RMSNorm, RoPE and SwiGLU's gate (:func:`cs336_systems.pointwise_compile.compile_pointwise`):
+    the part of ``compile`` that runs under our FSDP, whose hooks a whole compiled block would break on."""
 
     def reference(self) -> StepOptions:
         """The torch-native step to compare with: the same model, head and checkpointed blocks under FSDP2, with
         SDPA (cuDNN first) for attention, fused AdamW and every block compiled."""
-        return replace(self, stack="fsdp2", attention="sdpa", optimizer="torch_fused", compile=True)
+        return replace(self, stack="fsdp2", attention="sdpa", optimizer="torch_fused", compile=True,
+                       compile_pointwise=False)
 
     def check(self) -> None:
         from cs336_basics.model import available_attention_impls
@@ -102,6 +106,8 @@ class StepOptions:
             if self.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
                 raise ValueError(f"unknown torch.compile backend {self.compile_backend!r}; available: "
                                  f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
+        if self.compile and self.compile_pointwise:
+            raise ValueError("compile_pointwise compiles part of what compile compiles whole: choose one")
         if self.stack not in STACKS:
             raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -222,6 +228,10 @@ def build_step(shape: LeaderboardShape, options: StepOptions, device: torch.devi
         from cs336_systems.checkpointing import checkpoint_layers
 
         checkpoint_layers(model, options.checkpoint, first=options.checkpoint_blocks)
+    if options.compile_pointwise:
+        from cs336_systems.pointwise_compile import compile_pointwise
+
+        compile_pointwise(model, backend=options.compile_backend)
     gen = torch.Generator(device=device).manual_seed(seed)
     inputs, targets = torch.randint(0, cfg.vocab_size, (2, shape.batch_size, shape.context_length), device=device,
                                     generator=gen)
@@ -519,6 +529,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="torch_fused")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model body (one rank) or each "
                         "block (--stack fsdp2)")
+    parser.add_argument("--compile-pointwise", action="store_true", help="compile only RMSNorm, RoPE and SwiGLU's "
+                        "gate (runs under our FSDP, unlike --compile)")
     parser.add_argument("--stack", choices=STACKS, default="ours", help="who shards the step over ranks")
     parser.add_argument("--reference", action="store_true", help="time the torch-native reference instead: "
                         "FSDP2, SDPA (cuDNN), fused AdamW, compiled blocks, the same checkpointed blocks")
@@ -541,7 +553,8 @@ def run_command(args: argparse.Namespace) -> int:
     shape.config()
     own_plan = memory_plan(shape, max(args.nproc, 1), args.gpu_gb) if args.checkpoint_blocks == "plan" else plan
     options = StepOptions(args.attention, not args.unfused_head, levels, args.optimizer, args.compile,
-                          checkpoint_blocks=checkpoint_blocks(args.checkpoint_blocks, own_plan), stack=args.stack)
+                          checkpoint_blocks=checkpoint_blocks(args.checkpoint_blocks, own_plan), stack=args.stack,
+                          compile_pointwise=args.compile_pointwise)
     if args.reference:
         options = options.reference()
     options.check()

@@ -59,6 +59,7 @@ class Params:
                                           "the timed shape fit nproc GPUs of plan_gpu_gb) or a number")
     optimizer: str = param("torch_fused", "torch_fused (torch.optim.AdamW(fused=True)) or basics (ours)")
     compile: bool = param(False, "torch.compile the model body (one rank; our FSDP runs eager)")
+    compile_pointwise: bool = param(False, "compile only RMSNorm, RoPE and SwiGLU's gate (runs under our FSDP)")
     reference: bool = param(True, "with nproc >= 2, also time the torch-native reference in the same job: FSDP2, "
                                   "SDPA (cuDNN), fused AdamW, compiled blocks, the same checkpointed blocks")
     split_steps: int = param(2, "with nproc >= 2, then profile this many steps of each stack on every rank for the "
@@ -79,7 +80,8 @@ class Params:
         # "plan": the fewest blocks that let the timed shape fit its ranks at plan_gpu_gb each
         plan = memory_plan(self.shape(), self.nproc, self.plan_gpu_gb) if self.checkpoint_blocks == "plan" else None
         return StepOptions(self.attention, self.fused_head, tuple(self.checkpoint), self.optimizer, self.compile,
-                           checkpoint_blocks=checkpoint_blocks(self.checkpoint_blocks, plan))
+                           checkpoint_blocks=checkpoint_blocks(self.checkpoint_blocks, plan),
+                           compile_pointwise=self.compile_pointwise)
 
     def check(self) -> None:
         self.shape().config()  # impossible shapes fail in one line
