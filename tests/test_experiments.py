@@ -285,6 +285,36 @@ def test_warmup_answer_names_an_out_of_memory_timing_before_a_failed_first_cell(
     assert "ran out of memory in the measuring" not in _warmup_sentence(study.iloc[::-1], timings).markdown
 
 
+def test_warmup_answer_compares_cold_and_warm_cells_of_the_sizes_measured_both_ways() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.benchmarking import _cold_against_warm
+
+    study = pd.DataFrame({"size": ["small", "small", "xl", "xl", "large"], "warmup": [0, 5, 0, 5, 5],
+                          "status": ["ok"] * 5, "forward_mean_ms": [30.0, 20.0, 250.0, 240.0, 100.0],
+                          "forward_std_ms": [40.0, 0.1, 80.0, 0.3, 9.0]})
+    text = _cold_against_warm(study)
+    assert text.startswith("Without warm-up the forward's mean is 1.04×–1.50× the mean after 5 warm-up steps")
+    assert "standard deviation 40.0 ms–80.0 ms against at most 0.300 ms" in text  # large has no cold cell
+    assert "(worst, small: 30.0 ms ± 40 against 20.0 ms ± 0.10;" in text
+    assert _cold_against_warm(study[study["warmup"] == 5]) == ""
+
+
+def test_timing_answer_says_whether_the_spread_is_small_and_which_cells_are_noisy() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.benchmarking import _timing_sentence
+
+    ok = {"status": "ok", "forward_mean_ms": 10.0, "forward_std_ms": 0.1, "backward_mean_ms": 20.0,
+          "backward_std_ms": 0.2}
+    df = pd.DataFrame([{**ok, "size": "small"}, {**ok, "size": "xl", "backward_std_ms": 4.0}])
+    text = _timing_sentence(df).markdown
+    assert "the standard deviation is small (median 1.0% of the mean, at most 20% for xl backward; above 10% " \
+           "only for xl backward, from a few slow steps)." in text
+    quiet = _timing_sentence(df.assign(backward_std_ms=0.2)).markdown
+    assert "(median 1.0% of the mean, at most 1.0% for small forward). " in quiet and "above 10%" not in quiet
+
+
 def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch, capsys, tmp_path) -> None:
     """A section too long for one GPU job lists its parts: each part's values are parameters of the section,
     ``--job N`` runs part N (any --set applying over it), and ``writeup status --jobs`` prints the commands of

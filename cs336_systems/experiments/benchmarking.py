@@ -162,8 +162,7 @@ def _study_caption(params: dict[str, Any]) -> str:
 def answer(d: SectionData) -> list[Block]:
     timings = d.frame("timings")
     study = d.frame("warmup_study")
-    warmup = _warmup_sentence(study, timings, explain=False)
-    oom = _after_oom(study, timings) if study is not None else ""
+    warmup = _warmup_sentence(study, timings)
     return [
         question(d, "a", "A script for end-to-end benchmarking: forward only, forward and backward, or full "
                  "training steps with the optimizer.", [
@@ -186,21 +185,20 @@ def answer(d: SectionData) -> list[Block]:
                                              "table's xl is the row 2.7B."
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
-            warmup,
             None if study is None else Text(
-                "Without warm-up the measured steps include one-time costs (CUDA context and cuBLAS handles, lazy "
-                "loading of kernel modules, a GEMM algorithm chosen per shape, the allocator obtaining memory with "
-                "`cudaMalloc`), which inflate the mean and above all the standard deviation. After one step every "
-                "shape has been seen once, so one or two warm-up steps can differ from five only by what a later "
-                "step still changes or by single slow steps, which with few timed steps move the mean."
+                _cold_against_warm(study) + "The cold steps pay one-time costs (CUDA context and cuBLAS handles, "
+                "lazy loading of kernel modules, a GEMM algorithm chosen per shape, the allocator growing with "
+                "`cudaMalloc`). One or two warm-up steps have seen every shape once, so they can still differ from "
+                "five only through what later steps change (allocator growth, clocks) or single slow steps, which "
+                "move a mean of few steps."
                 + _few_against_five(study)),
-        ], what=None if warmup is not None else "timings with 0, 1 and 2 warm-up steps"),
+        ], what=None if study is not None else "timings with 0, 1 and 2 warm-up steps"),
         Text("", role=BEYOND_HANDOUT),  # the plots and the study's full table
         question(d, "b", "Time per step and phase, plotted.", [
             d.figure("timings", caption="Time per step and phase (error bars: one standard deviation).")]),
         question(d, "c", "The warm-up study in full.", [
+            warmup,
             Text(_late_outliers(study).strip()) if _late_outliers(study) else None,
-            Text("Why its first cell failed: " + oom[0].lower() + oom[1:]) if oom else None,
             d.table("warmup_study", caption=_study_caption(d.meta("warmup_study").get("params") or {})),
             d.figure("warmup_study", caption="Spread of the forward time against the number of warm-up steps."),
         ]),
@@ -218,13 +216,10 @@ def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None
         cv = pd.concat([ok[f"{ph}_std_ms"] / ok[f"{ph}_mean_ms"] for ph in phases], keys=phases)
         phase, idx = cv.idxmax()
         noisy = cv[cv > 0.1]
-        text += (f" The standard deviation has a median of {fmt.pct(cv.median(), 2)} of the mean and at most "
-                 f"{fmt.pct(cv.max(), 2)} ({ok.loc[idx, 'size']} {phase})"
-                 + (": after warm-up most measurements vary little, but "
-                    + join_words([f"{ok.loc[i, 'size']} {ph}" for ph, i in noisy.index])
-                    + " vary by more than 10%: a few slow steps, which the mean "
-                    "carries and a median would not." if cv.median() < 0.05 and len(noisy) else
-                    ": after warm-up the variability is low." if cv.median() < 0.05 else "."))
+        noisy_cells = join_words([f"{ok.loc[i, 'size']} {ph}" for ph, i in noisy.index])
+        text = (text[:-1] + f"; the standard deviation is {'small' if cv.median() < 0.05 else 'large'} (median "
+                f"{fmt.pct(cv.median(), 2)} of the mean, at most {fmt.pct(cv.max(), 2)} for {ok.loc[idx, 'size']} "
+                f"{phase}" + (f"; above 10% only for {noisy_cells}, from a few slow steps)." if len(noisy) else ")."))
     failed = failed_rows(df)
     if not failed.empty:
         text += " Not measured: " + join_words([f"{r['size']} ({r['status']}{_state_note(r['size'], r['status'])})"
@@ -283,6 +278,29 @@ def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = Non
                    "ran out of memory just before it)."))
     return Text("Forward time (mean ± standard deviation) after the given number of warm-up steps: "
                 + "; ".join(sentences) + "." + note)
+
+
+def _cold_against_warm(study: pd.DataFrame) -> str:
+    """One sentence: the forward's mean and standard deviation without warm-up against the most warm-up, over the
+    sizes measured both ways, with the size where warm-up matters most ("" when no size has both cells)."""
+    ok = ok_rows(study)
+    if ok.empty or not {"size", "warmup", "forward_mean_ms", "forward_std_ms"} <= set(ok.columns):
+        return ""
+    most = int(ok["warmup"].max())
+    cold = ok[ok["warmup"] == 0].set_index("size")
+    warm = ok[ok["warmup"] == most].set_index("size")
+    both = [s for s in cold.index if s in warm.index]
+    if not both or most == 0:
+        return ""
+    mean = cold.loc[both, "forward_mean_ms"] / warm.loc[both, "forward_mean_ms"]
+    worst = mean.idxmax()
+    return (f"Without warm-up the forward's mean is {fmt.ratio(mean.min())}–{fmt.ratio(mean.max())} the mean after "
+            f"{most} warm-up steps, and its standard deviation {fmt.ms(cold.loc[both, 'forward_std_ms'].min())}–"
+            f"{fmt.ms(cold.loc[both, 'forward_std_ms'].max())} against at most "
+            f"{fmt.ms(warm.loc[both, 'forward_std_ms'].max())} (worst, {worst}: "
+            f"{fmt.ms(cold.loc[worst, 'forward_mean_ms'])} ± {fmt.sig(cold.loc[worst, 'forward_std_ms'], 2)} against "
+            f"{fmt.ms(warm.loc[worst, 'forward_mean_ms'])} ± {fmt.sig(warm.loc[worst, 'forward_std_ms'], 2)}; every "
+            f"cell in the appendix). ")
 
 
 def _few_against_five(study: pd.DataFrame | None, spreads: float = 3.0) -> str:
