@@ -243,8 +243,8 @@ def answer(d: SectionData) -> list[Block]:
             f"{effect(first['backward_speedup'])} and {effect(last['backward_speedup'])}. Larger models "
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
             "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
-            "kernels (which autocast does not speed up and its casts add to) weigh more."
-            + _noise_note(d.frame("precision_timings")))
+            "kernels (which autocast does not speed up and its casts add to) weigh more.")
+    noise = _noise_note(d.frame("precision_timings")).strip()
     return [
         question(d, "mixed_precision_accumulation", "Accumulating 0.01 a thousand times in fp32, fp16 and "
                  "mixtures.", [acc_text, d.table("accumulation", caption="The four accumulation loops.", digits=7)],
@@ -267,7 +267,7 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "a", "The ToyModel's tensors and their dtypes under fp16 autocast, as measured.", [
             d.table("toy_model_dtypes", caption="ToyModel tensors under fp16 autocast.")]),
         question(d, "c", "The same steps as throughput, and the speed-up plotted.", [
-            _mfu_table(d), d.figure("bf16_speedup", caption="bf16 autocast speed-up by model size.")]),
+            Text(noise) if noise else None, _mfu_table(d), d.figure("bf16_speedup", caption="bf16 autocast speed-up by model size.")]),
     ]
 
 
