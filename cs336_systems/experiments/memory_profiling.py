@@ -326,17 +326,13 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "a", f"Memory timelines of the {size} model: forward pass and full training step.", [
             timeline,
             None if timeline is None else Text(
-                ("Inference only (no autograd) stays flat above the weights: each block's intermediates are "
-                 "freed as soon as the next op has read them, so the spikes are one block's transients (attention's "
-                 "scores at long contexts) and the logits at the end. " if "inference" in modes else "")
-                + "With autograd on, the forward pass instead climbs in a staircase, one step per block as its "
-                "activations are saved, and peaks at the end of the forward pass, when every block's saved "
-                "activations and the logits are resident together. The training-step panels start higher: the "
-                "snapshot is taken "
-                "after one warm-up step, so AdamW's two moment buffers are already resident from the first "
-                "event. The step then repeats the forward ramp, falls as backward frees each block's "
-                "activations while the gradients appear, and ends with the optimizer's update, whose "
-                "temporaries are small: the phases are recognizable from the shape alone."),
+                ("Inference (no autograd) stays flat above the weights, its spikes one block's transients and the "
+                 "logits at the end. " if "inference" in modes else "")
+                + "With autograd on, the forward climbs a staircase, one step per block as its activations are "
+                "saved, and peaks at its end with every block's activations and the logits resident. The training "
+                "step starts higher (AdamW's two moments are resident after the warm-up step), repeats that ramp, "
+                "falls as the backward frees each block's activations while gradients appear, and ends with the "
+                "optimizer's small temporaries: each phase shows in the shape alone."),
         ], what="memory timelines"),
         question(d, "b", "Peak memory by context length, forward pass and full training step.",
                  [b_text, d.table("peak_memory", frame=fp32, caption=f"Peak allocated memory of the {size} model, "
