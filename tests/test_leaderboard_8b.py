@@ -299,6 +299,9 @@ def test_the_time_split_difference_names_what_the_slower_stack_loses() -> None:
     assert said.startswith("Our profiled step is 820 ms longer than the torch reference's: norms & elementwise "
                            "+520 ms, attention +500 ms, matmul −200 ms.")
     assert "optimizer" not in said.split(".")[0] and "idle" not in said.split(".")[0]
-    assert "compiles each block" in said and "cuDNN" in said
+    assert "compiles each block" in said and "cuDNN" in said and "one PyTorch kernel at a time" in said
+    frame = pd.DataFrame(rows, columns=["stack", "rank", "bucket", "ms_per_step"])
+    compiled = _split_difference(frame, pointwise_compiled=True).markdown
+    assert "compiles only those three" in compiled and "one PyTorch kernel at a time" not in compiled
     alone = pd.DataFrame([("ours", 0, "matmul", 1.0)], columns=["stack", "rank", "bucket", "ms_per_step"])
     assert _split_difference(alone) is None

@@ -191,16 +191,19 @@ def _split_blocks(d: SectionData) -> list[Block | None]:
         split = d.frame(name)
         shown = [b for b in OVERLAP_BUCKETS if split is None or "bucket" not in split
                  or split.loc[split["bucket"] == b, "ms_per_step"].sum() > 0]
-        blocks += [_split_sentence(split, (d.meta(name).get("extra") or {}).get("steps")),
-                   _split_difference(split),
+        extra = d.meta(name).get("extra") or {}
+        options = extra.get("options") or (d.meta("step").get("extra") or {}).get("options") or {}
+        blocks += [_split_sentence(split, extra.get("steps")),
+                   _split_difference(split, pointwise_compiled=bool(options.get("compile_pointwise"))),
                    d.figure(name, caption="Each stack's step on one GPU by kind of work: compute kernels by kind "
                             "(a checkpointed block's recomputation counts as the kernels it runs), communication "
                             "only where no compute ran beside it, and time no kernel ran (" + ", ".join(shown) + ").")]
     return blocks
 
 
-def _split_difference(split: pd.DataFrame | None) -> Text | None:
-    """Where the first stack's step loses to the second's (rank 0): each kind of work's difference, largest first."""
+def _split_difference(split: pd.DataFrame | None, pointwise_compiled: bool = False) -> Text | None:
+    """Where the first stack's step loses to the second's (rank 0): each kind of work's difference, largest first
+    (``pointwise_compiled``: ours ran with :func:`~cs336_systems.pointwise_compile.compile_pointwise`)."""
     if split is None or not {"stack", "rank", "bucket", "ms_per_step"} <= set(split.columns):
         return None
     per = split[split["rank"] == 0].pivot_table(index="bucket", columns="stack", values="ms_per_step", sort=False)
@@ -216,9 +219,13 @@ def _split_difference(split: pd.DataFrame | None) -> Text | None:
     text = (f"{_whose(first).capitalize()} profiled step is {fmt.ms(abs(total))} "
             f"{'longer' if total > 0 else 'shorter'} than {_whose(second)}: " + ", ".join(parts) + ".")
     if (first, second) == ("ours", "torch reference"):
-        why = {"norms & elementwise": "the reference compiles each block, so RMSNorm, RoPE, SwiGLU's gate and their "
+        why = {"norms & elementwise": ("the reference compiles each block whole, so Inductor also fuses the casts and "
+               "residual additions around RMSNorm, RoPE and SwiGLU's gate into its kernels, where ours compiles only "
+               "those three (our FSDP gathers each weight from Python hooks inside the block, which a compiled block "
+               "would break on)" if pointwise_compiled else
+               "the reference compiles each block, so RMSNorm, RoPE, SwiGLU's gate and their "
                "casts run as a few fused kernels, where ours runs them one PyTorch kernel at a time (our FSDP "
-               "gathers each weight from Python hooks inside the block, and the step does not compile through them)",
+               "gathers each weight from Python hooks inside the block, and the step does not compile through them)"),
                "attention": "our Triton FlashAttention-2 against cuDNN's attention at this context (§1.3.2 "
                "compares them kernel to kernel)"}
         said = [f"{b}: {why[b]}" for b in diff.index[:2] if b in why and diff[b] > 0]
