@@ -137,6 +137,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.profiling.torch_profiler import short_kernel  # noqa: E402 (answers only)
+from cs336_systems.report.data import short_device  # noqa: E402 (answers only)
 
 
 def _largest_ok(df: pd.DataFrame) -> pd.Series | None:
@@ -232,7 +233,7 @@ def answer(d: SectionData) -> list[Block]:
     a = b = c = dd = e = a_more = None
     if row is not None:
         ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
-        a = Text(f"For {where} the profiler's kernels sum to {fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
+        a = Text(f"For {where} on the {short_device(d.meta('summary'))} the profiler's kernels sum to {fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
                  f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer; over all configurations "
                  f"the kernel time is {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward "
                  "pass. Below 100% the GPU idles between kernels (launch overhead, which dominates small models "
