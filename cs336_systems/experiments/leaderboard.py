@@ -59,7 +59,8 @@ class Params:
                                           "the timed shape fit nproc GPUs of plan_gpu_gb) or a number")
     optimizer: str = param("torch_fused", "torch_fused (torch.optim.AdamW(fused=True)) or basics (ours)")
     compile: bool = param(False, "torch.compile the model body (one rank; our FSDP runs eager)")
-    compile_pointwise: bool = param(False, "compile only RMSNorm, RoPE and SwiGLU's gate (runs under our FSDP)")
+    compile_pointwise: bool = param(True, "compile only RMSNorm, RoPE and SwiGLU's gate (runs under our FSDP; "
+                                          "ignored with compile, which compiles them with the rest)")
     reference: bool = param(True, "with nproc >= 2, also time the torch-native reference in the same job: FSDP2, "
                                   "SDPA (cuDNN), fused AdamW, compiled blocks, the same checkpointed blocks")
     split_steps: int = param(2, "with nproc >= 2, then profile this many steps of each stack on every rank for the "
@@ -81,7 +82,7 @@ class Params:
         plan = memory_plan(self.shape(), self.nproc, self.plan_gpu_gb) if self.checkpoint_blocks == "plan" else None
         return StepOptions(self.attention, self.fused_head, tuple(self.checkpoint), self.optimizer, self.compile,
                            checkpoint_blocks=checkpoint_blocks(self.checkpoint_blocks, plan),
-                           compile_pointwise=self.compile_pointwise)
+                           compile_pointwise=self.compile_pointwise and not self.compile)
 
     def check(self) -> None:
         self.shape().config()  # impossible shapes fail in one line
@@ -97,8 +98,9 @@ class Params:
 PRESETS = {
     "full": Params(),
     "quick": Params(num_layers=2, context_length=4096, warmup_ms=2_000.0, rep_ms=5_000.0),
+    # (smoke: no Inductor, whose C++ compile of the pointwise graphs takes about 40 s on a CPU)
     "smoke": Params(num_layers=2, context_length=16, d_model=32, d_ff=64, num_heads=4, vocab_size=64,
-                    attention="sdpa", warmup_ms=1.0, rep_ms=1_000.0),
+                    attention="sdpa", warmup_ms=1.0, rep_ms=1_000.0, compile_pointwise=False),
 }
 
 
@@ -355,6 +357,7 @@ def _ranks_blocks(d: SectionData) -> list[Block | None]:
             f"; the first {ckpt} of {shape.get('num_layers', '?')} blocks checkpointed"
             + (f", the memory plan's fewest for {params.get('nproc', '?')} GPUs of {params.get('plan_gpu_gb'):g} GB"
                if params.get("checkpoint_blocks") == "plan" and params.get("plan_gpu_gb") else ""))
+        chosen += "; RMSNorm, RoPE and SwiGLU's gate compiled" if options.get("compile_pointwise") else ""
         warmup, rep = params.get("warmup_ms"), params.get("rep_ms")
         spread = r.get("step_spread_ms")
         blocks += [
@@ -458,6 +461,8 @@ def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None, taken
         first = options.get("checkpoint_blocks")
         how.append("every block checkpointed" if first is None else f"the first {first} blocks checkpointed")
     how.append("fused AdamW" if options.get("optimizer") == "torch_fused" else "our AdamW")
+    if options.get("compile_pointwise"):
+        how.append("RMSNorm, RoPE and SwiGLU's gate compiled")
     peak = "" if pd.isna(r.get("peak_GiB")) else f", peak {fmt.sig(r['peak_GiB'])} GiB"
     words = _mfu_words(r) if "MFU_causal_pct" in r else ""
     if words:
