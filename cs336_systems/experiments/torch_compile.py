@@ -225,10 +225,14 @@ def answer(d: SectionData) -> list[Block]:
     if model is not None and {"mode", "speedup"} <= set(model.columns) and len(model):
         parts = [f"{r['size']} {r['mode']} {fmt.ratio(r['speedup'])}" for _, r in model.iterrows()]
         missing = failed_rows(timings)
+        measured = set(model["size"])
+        absent = [s for s in _planned_sizes() if s not in measured and s not in set(missing.get("size", []))]
         b_text = Text("Speed-up of the compiled model (eager / compiled time): " + join_words(parts) + "."
                       + (" Not measured: " + join_words(sorted({f"{r['size']} ({r['status']})"
                                                                 for _, r in missing.iterrows()})) + "."
-                         if not missing.empty else ""))
+                         if not missing.empty else "")
+                      + (f" Not measured yet: {join_words(absent)} (the full run's model jobs, listed by `python -m "
+                         "cs336_systems.experiments torch_compile --help`)." if absent else ""))
     return [
         question(d, "a", "Compiled versus eager attention, forward and backward.",
                  [a_text, d.table("attention_speedup", frame=_without_ok_status(att),
@@ -270,10 +274,19 @@ def _with_mfu(model: pd.DataFrame | None, meta: dict) -> pd.DataFrame | None:
 from cs336_systems.experiments.section import Job  # noqa: E402
 
 
+def _planned_sizes() -> list[str]:
+    """The sizes the full run's model jobs measure between them, in order."""
+    sizes = [s for job in SECTION.jobs if "model" in job.sets.get("parts", ()) for s in job.sets.get("sizes", ())]
+    return list(dict.fromkeys(sizes or PRESETS["full"].sizes))
+
+
 SECTION = Section(
     name="torch_compile", number="1.3.1", title="torch.compile", problems=("torch_compile",), answer=answer,
     presets=PRESETS, run=run, derive=derive, derive_inputs=("attention_speedup", "model_speedup"),
     depends=(*MODEL, *TIMING, "cs336_systems/benchmarking/attention.py", "cs336_systems/experiments/pytorch_attention.py"),
-    jobs=(Job({"parts": ["attention"]}), Job({"parts": ["model"], "sizes": ["small", "medium", "large"]}),
-          Job({"parts": ["model"], "sizes": ["xl", "2.7B"]})),
+    # wall times seen on an H200 at d1391de (not on an H100, so not as minutes): the attention grid's eager half
+    # took 1.7 min; job 2 6.6 min; job 3 had measured 3 of its 8 cells (xl) after 3 min when its call ended
+    jobs=(Job({"parts": ["attention"]}, note="its eager half 1.7 min on an H200"),
+          Job({"parts": ["model"], "sizes": ["small", "medium", "large"]}, note="6.6 min on an H200"),
+          Job({"parts": ["model"], "sizes": ["xl", "2.7B"]}, note="3 of 8 cells in 3 min on an H200: run it alone")),
 )
