@@ -1274,3 +1274,36 @@ def test_a_course_test_skipped_on_cpu_is_not_counted_as_a_failure(tmp_path) -> N
     text = implemented(SectionData(tmp_path, "flash_benchmarking"), "ours", "x.py", "tests/x.py",
                        "test_attention.py").markdown
     assert "1 of 2 passed (1 skipped, which need CUDA) in the `2025-cpu` run (§4)." in text
+
+
+def test_model_rows_are_those_of_the_writeups_handout_under_its_names() -> None:
+    """One run measures both handouts' model tables; each writeup shows its own (2026: 2025's 2.7B is its xl,
+    the same architecture), and a model no handout lists stays."""
+    from cs336_systems.report.answers import edition_rows
+
+    df = pd.DataFrame({"size": ["small", "xl", "2.7B", "10B@2026", "tiny"], "ms": [1.0, 2.0, 3.0, 4.0, 5.0]})
+    assert edition_rows(df, "2025")[["size", "ms"]].values.tolist() == [["small", 1.0], ["xl", 2.0], ["2.7B", 3.0],
+                                                                        ["tiny", 5.0]]
+    twenty_six = edition_rows(df, "2026")
+    assert twenty_six[["size", "ms"]].values.tolist() == [["small", 1.0], ["xl", 3.0], ["10B", 4.0], ["tiny", 5.0]]
+    assert twenty_six["preset"].tolist() == ["small", "2.7B", "10B@2026", "tiny"]  # for the FLOPs and parameters
+    assert edition_rows(None, "2026") is None and edition_rows(df, "nonesuch") is df
+
+
+def test_each_writeup_answers_with_its_handouts_model_table(results: Path) -> None:
+    from cs336_systems.experiments.benchmarking import SECTION
+    from cs336_systems.report.data import SectionData
+
+    rows = [{"size": s, "status": "ok", "forward_mean_ms": f, "forward_std_ms": 0.1, "backward_mean_ms": 2 * f,
+             "backward_std_ms": 0.2} for s, f in (("small", 10.0), ("xl", 20.0), ("2.7B", 30.0))]
+    rows.append({"size": "10B@2026", "status": "OOM"})
+    ResultWriter("benchmarking", params={"warmup": 5, "steps": 10}, smoke=False).table(pd.DataFrame(rows), "timings")
+
+    def text(edition: str) -> str:
+        (b, *_) = [q for q in SECTION.answer(SectionData(results, "benchmarking", edition=edition))
+                   if getattr(q, "label", None) == "b"]
+        return " ".join(x.plain() for x in b.blocks if hasattr(x, "plain"))
+
+    assert "xl 20.0 ms / 40.0 ms and 2.7B 30.0 ms / 60.0 ms" in text("2025") and "10B" not in text("2025")
+    assert "small 10.0 ms / 20.0 ms and xl 30.0 ms / 60.0 ms" in text("2026")
+    assert "Not measured: 10B (OOM: 12.8 B parameters" in text("2026")

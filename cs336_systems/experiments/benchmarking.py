@@ -146,7 +146,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.configs import param_counts  # noqa: E402 (answers only)
-from cs336_systems.report.answers import mfu_note, subset, with_mfu  # noqa: E402 (answers only)
+from cs336_systems.report.answers import edition_rows, mfu_note, subset, with_mfu  # noqa: E402 (answers only)
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
@@ -160,9 +160,10 @@ def _study_caption(params: dict[str, Any]) -> str:
 
 
 def answer(d: SectionData) -> list[Block]:
-    timings = d.frame("timings")
-    study = d.frame("warmup_study")
-    warmup = _warmup_sentence(study, timings)
+    # The rows of this writeup's handout, under its names (one run measures both handouts' tables).
+    timings = edition_rows(d.frame("timings"), d.edition)
+    study = edition_rows(d.frame("warmup_study"), d.edition)
+    warmup = _warmup_sentence(study, d.frame("timings"))  # the cause of a failed cell may be the other table's
     return [
         question(d, "a", "A script for end-to-end benchmarking: forward only, forward and backward, or full "
                  "training steps with the optimizer.", [
@@ -181,8 +182,7 @@ def answer(d: SectionData) -> list[Block]:
                                      caption=f"Time per step by model size and phase ({_mode(d.meta('timings'))} "
                                              f"steps, {_batch_and_context(d.meta('timings'))}); total: the whole step from the "
                                              "first synchronize to the last, the phases plus `zero_grad` and the "
-                                             "host's time between them, so a little more than their sum; the 2026 "
-                                             "table's xl is the row 2.7B."
+                                             "host's time between them, so a little more than their sum."
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             None if study is None else Text(
@@ -222,7 +222,8 @@ def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None
                 f"{phase}" + (f"; above 10% only for {noisy_cells}, from a few slow steps)." if len(noisy) else ")."))
     failed = failed_rows(df)
     if not failed.empty:
-        text += " Not measured: " + join_words([f"{r['size']} ({r['status']}{_state_note(r['size'], r['status'])})"
+        text += " Not measured: " + join_words([f"{r['size']} ({r['status']}"
+                                                f"{_state_note(r.get('preset', r['size']), r['status'])})"
                                                 for _, r in failed.iterrows()]) + "."
     if "optimizer" not in phases:
         text += (f" This run timed {_mode(meta)} steps, without the optimizer; the 2026 handout's optimizer step is timed "

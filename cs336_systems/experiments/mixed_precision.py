@@ -185,7 +185,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
-from cs336_systems.report.answers import mfu_note, model_tflops, with_mfu  # noqa: E402 (answers only)
+from cs336_systems.report.answers import edition_rows, mfu_note, model_tflops, with_mfu  # noqa: E402 (answers only)
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
@@ -215,7 +215,7 @@ def _noise_note(timings: pd.DataFrame | None) -> str:
 def answer(d: SectionData) -> list[Block]:
     acc = d.frame("accumulation")
     dtypes = d.frame("toy_model_dtypes")
-    speed = d.frame("bf16_speedup")
+    speed = edition_rows(d.frame("bf16_speedup"), d.edition)  # this writeup's handout's models, by its names
     acc_text = None
     if acc is not None and {"loop", "result", "abs_error"} <= set(acc.columns):
         parts = [f"`{r['loop']}` gives {r['result']:.6f} (error {fmt.sig(r['abs_error'], 2)})" for _, r in acc.iterrows()]
@@ -244,7 +244,7 @@ def answer(d: SectionData) -> list[Block]:
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
             "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
             "kernels (which autocast does not speed up and its casts add to) weigh more.")
-    noise = _noise_note(d.frame("precision_timings")).strip()
+    noise = _noise_note(edition_rows(d.frame("precision_timings"), d.edition)).strip()
     return [
         question(d, "mixed_precision_accumulation", "Accumulating 0.01 a thousand times in fp32, fp16 and "
                  "mixtures.", [acc_text, d.table("accumulation", caption="The four accumulation loops.", digits=7)],
@@ -260,8 +260,9 @@ def answer(d: SectionData) -> list[Block]:
                      "but its 8-bit significand makes the sums even less precise than fp16's: the statistics "
                      "still belong in fp32.")]),
         question(d, "c", "Forward and backward timings with and without bf16 mixed precision, by model size.",
-                 [speed_text, d.table("bf16_speedup", caption="fp32 vs. bf16 autocast, mean time per step and "
-                                      "speed-up (fp32 time / bf16 time).")],
+                 [speed_text, d.table("bf16_speedup", frame=None if speed is None else speed.drop(columns="preset"),
+                                      caption="fp32 vs. bf16 autocast, mean time per step and speed-up (fp32 time "
+                                              "/ bf16 time).")],
                  what="bf16 vs fp32 timings by model size"),
         Text("", role=BEYOND_HANDOUT),  # the tables and plot behind the answers in words
         question(d, "a", "The ToyModel's tensors and their dtypes under fp16 autocast, as measured.", [
@@ -275,7 +276,7 @@ def answer(d: SectionData) -> list[Block]:
 
 def _mfu_table(d: SectionData):
     """Forward + backward throughput in model TFLOP/s and MFU, fp32 against bf16, from the speed-up table."""
-    speed = d.frame("bf16_speedup")
+    speed = edition_rows(d.frame("bf16_speedup"), d.edition)
     need = {"size", "forward_fp32_ms", "backward_fp32_ms", "forward_bf16_ms", "backward_bf16_ms"}
     if speed is None or not need <= set(speed.columns):
         return None
@@ -286,7 +287,7 @@ def _mfu_table(d: SectionData):
         row = {"size": r["size"]}
         for p in ("fp32", "bf16"):
             ms = r[f"forward_{p}_ms"] + r[f"backward_{p}_ms"]
-            row[f"{p}_TFLOP_per_s"] = model_tflops(str(r["size"]), ms, ctx, "train")
+            row[f"{p}_TFLOP_per_s"] = model_tflops(str(r["preset"]), ms, ctx, "train")
         rows.append(row)
     frame = pd.DataFrame(rows)
     for p in ("fp32", "bf16"):

@@ -87,6 +87,29 @@ def step_verdict(ours: float, theirs: float, noise_ms: float) -> str:
 NOISY_SPREAD = 0.10
 
 
+def edition_rows(df: pd.DataFrame | None, edition: str, column: str = "size") -> pd.DataFrame | None:
+    """The rows of ``df`` whose model is in ``edition``'s handout table, named as that handout names it (2026:
+    ``xl`` for the ``2.7B`` row, the same architecture; ``10B`` for ``10B@2026``), in place of another edition's
+    models; rows of models no handout lists (``tiny``) stay. The preset's own name moves to ``preset``."""
+    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, model_shape
+
+    if df is None or column not in df.columns or edition not in HANDOUT_SIZES_BY_EDITION:
+        return df
+    ours = {model_shape(n): n.partition("@")[0] for n in HANDOUT_SIZES_BY_EDITION[edition]}
+    handout = {n for table in HANDOUT_SIZES_BY_EDITION.values() for n in table}
+    keep, labels = [], []
+    for name in df[column].astype(str):
+        try:
+            label = ours.get(model_shape(name))
+        except ValueError:  # not a preset
+            label = None
+        keep.append(label is not None or name not in handout)
+        labels.append(label or name)
+    out = df.assign(**{"preset" if "preset" not in df.columns else "preset_name": df[column]})
+    out[column] = labels
+    return out[keep].reset_index(drop=True)
+
+
 def join_words(items: list[str]) -> str:
     """``["a", "b", "c"]`` → ``"a, b and c"``."""
     items = [str(i) for i in items]

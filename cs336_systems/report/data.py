@@ -48,9 +48,11 @@ class SectionData:
     """The artefacts of ``<root>/<folder>/``: tables (CSV), figures (PNG), JSON records, and metadata."""
 
     def __init__(self, root: Path, folder: str, command: str = "", note: str = "", alternative: str = "",
-                 depends: tuple[str, ...] | None = None):
+                 depends: tuple[str, ...] | None = None, edition: str = "2025"):
         self.root = Path(root)
         self.folder = folder
+        #: The handout whose writeup these answers are for (names its models as that handout does).
+        self.edition = edition
         #: Library paths whose change stales these results (None: the section's, or the whole library).
         self.depends = depends
         self.command = command or f"the notebook notebooks/{folder}.ipynb"
@@ -64,8 +66,8 @@ class SectionData:
         section's grid of the same edition where it is measured, else its own results."""
         _, _, edition = self.folder.partition("/")
         if edition and (self.root / section / edition).is_dir():
-            return SectionData(self.root, f"{section}/{edition}")
-        return SectionData(self.root, section)
+            return SectionData(self.root, f"{section}/{edition}", edition=self.edition)
+        return SectionData(self.root, section, edition=self.edition)
 
     @functools.cached_property
     def references(self) -> dict[str, dict[str, float]]:

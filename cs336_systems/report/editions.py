@@ -62,9 +62,9 @@ EDITION_2026: tuple[Entry, ...] = (
     Entry("2.1.2", (), "model_sizes"),
     Entry("2.1.3", ("benchmarking_script",), "benchmarking",
           note="One grid answers both handouts: it times forward, backward and the AdamW step of every model of "
-               "both tables, each once. The 2026 table's xl (2560/10240/32/32) is the row 2.7B and its 10B the "
-               "row 10B@2026; small, medium and large are the same in both. "
-               f"`--set sizes=...` (e.g. {_SIZES_2026}) times any other list."),
+               "both tables, each once, and each writeup shows its own table's: here 2026's xl "
+               "(2560/10240/32/32, the preset 2.7B) and 10B (the preset 10B@2026); small, medium and large are the "
+               f"same in both. `--set sizes=...` (e.g. {_SIZES_2026}) times any other list."),
     Entry("2.1.4", ("nsys_profile",), "nsys_profile",
           note="2026 asks for two sizes at three power-of-two contexts above 128 each, up to the longest that "
                "fits; until that grid is measured (`python -m cs336_systems.experiments nsys_profile --full "

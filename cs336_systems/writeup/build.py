@@ -55,17 +55,20 @@ def sections_() -> list[Any]:
 
 
 def build_section(
-    spec: Any, root: Path, strict: bool = False, notebooks: Path = NOTEBOOK_DIR, edition: str | None = None
+    spec: Any, root: Path, strict: bool = False, notebooks: Path = NOTEBOOK_DIR, edition: str | None = None,
+    answers_for: str = "2025",
 ) -> tuple[Section, SectionData]:
-    """One section: the spec's answers (from its ``edition`` grid's results, if given), and (as ``further``,
-    for the results index) every artefact of its folders that the answers did not use.
+    """One section: the spec's answers (from its ``edition`` grid's results, if given) in the writeup of the
+    ``answers_for`` handout, and (as ``further``, for the results index) every artefact of its folders that the
+    answers did not use.
 
     A builder that fails on unexpected data (a renamed column, say) must not cost the whole writeup:
     unless ``strict``, the section says in red that its answers could not be formatted, the error is
     printed, and its results still appear generically.
     """
     folder, command = spec.results_folder(edition), spec.command_for(edition)
-    data = SectionData(root, folder, command=command, note=spec.where, depends=spec.depends or None)
+    data = SectionData(root, folder, command=command, note=spec.where, depends=spec.depends or None,
+                       edition=answers_for)
     blocks: list[Block] = []
     if data.empty:
         blocks.append(Missing(f"no results in `{root.name}/{folder}/`", command, spec.where))
@@ -186,7 +189,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
             continue
         spec = SECTIONS[entry.section]
         own = _own_grid(spec, root, edition) is not None
-        section, _ = build_section(spec, root, strict, notebooks, _own_grid(spec, root, edition))
+        section, _ = build_section(spec, root, strict, notebooks, _own_grid(spec, root, edition), answers_for=edition)
         section.number, section.problems = entry.number, entry.problems
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
         section.blocks = [b for b in section.blocks
@@ -258,7 +261,7 @@ def _borrowed(spec: Any, root: Path, strict: bool, notebooks: Path, edition: str
     """The questions labelled ``label`` of another section's answers (from its grid of ``edition`` where
     measured), relabelled ``here``: a part of a problem that the workbook measures in another section."""
     grid = _own_grid(spec, root, edition)
-    lender, _ = build_section(spec, root, strict, notebooks, grid)
+    lender, _ = build_section(spec, root, strict, notebooks, grid, answers_for=edition)
     found = [dataclasses.replace(b, label=here) for b in lender.blocks if isinstance(b, Question) and b.label == label]
     if not found:
         return [Missing(f"part ({here}), answered by {spec.title}", spec.command_for(grid))]
