@@ -420,9 +420,9 @@ def answer(d: SectionData) -> list[Block]:
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
                  + (f" ({fmt.ratio(r['slowdown_vs_adamw'])})" if "slowdown_vs_adamw" in r else "")
                  for _, r in timing.iterrows()]
-        time_text = Text(_setup(d.meta("timing")) + "Time per training step (relative to replicated AdamW): "
-                         + join_words(parts) + ". "
-                         + _sharding_verdict(timing))
+        setup = _setup(d.meta("timing"))
+        time_text = Text("Time per training step" + (f" ({setup})" if setup else "") + ", relative to replicated "
+                         "AdamW: " + join_words(parts) + ". " + _sharding_verdict(timing))
     return [
         question(d, "optimizer_state_sharding", "An optimizer wrapper that keeps each parameter's state on one "
                  "rank only and broadcasts the updated parameters from their owners.", [implemented(
@@ -543,9 +543,9 @@ def _setup(meta: dict[str, Any]) -> str:
     if not {"model", "global_batch", "context_length"} <= set(p):
         return ""
     world = int(p.get("world_size") or (p.get("nproc") or [2])[0])
-    return (f"Setup: the {p['model']} model in fp32, {p['global_batch']} sequences of {p['context_length']} tokens "
-            f"per step split over {world} GPUs, torch DDP for the gradients, mean over {p.get('steps', '?')} steps "
-            f"after {p.get('warmup', '?')} warm-up steps. ")
+    return (f"{p['model']}, fp32, {p['global_batch']} sequences of {p['context_length']} tokens per step over {world} "
+            f"GPUs, torch DDP for the gradients, mean of {p.get('steps', '?')} steps after {p.get('warmup', '?')} "
+            "warm-up steps")
 
 
 def _not_all_at_once(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> str:
