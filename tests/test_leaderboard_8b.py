@@ -239,11 +239,11 @@ def test_the_time_split_tool_refuses_what_it_cannot_split_in_one_line() -> None:
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_the_time_split_of_a_small_step_on_two_gpus_covers_its_window(tmp_path) -> None:
-    """Two GPUs, 2 layers at context 4096: every bucket is non-negative, the shares cover the profiled window,
-    and FSDP's collectives show up (exposed or hidden, the NCCL kernels ran)."""
+    """Two GPUs, 2 layers at context 4096, ours with its pointwise parts compiled: every bucket is non-negative,
+    the shares cover the profiled window, and the checkpointed blocks' replay counts as recomputation."""
     from cs336_systems.benchmarking import leaderboard_split as split
 
-    assert split.main(["--layers", "2", "--context", "4096", "--steps", "1", "--warmup", "1",
+    assert split.main(["--layers", "2", "--context", "4096", "--steps", "1", "--warmup", "1", "--compile-pointwise",
                        "--out", str(tmp_path)]) == 0
     import pandas as pd
 
@@ -252,6 +252,8 @@ def test_the_time_split_of_a_small_step_on_two_gpus_covers_its_window(tmp_path) 
     assert (table["ms_per_step"] >= 0).all()
     for _, one in table.groupby(["stack", "rank"]):
         assert one["share"].sum() == pytest.approx(1.0, abs=0.05)  # compute on one stream: buckets tile the window
+    recomputed = table[(table["bucket"] == "recomputation") & (table["stack"] == "ours")]["ms_per_step"]
+    assert len(recomputed) == 2 and (recomputed > 0).all()
     assert (tmp_path / "time_split.png").stat().st_size > 0
 
 

@@ -79,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks (FSDP over that many GPUs)")
     parser.add_argument("--checkpoint", default="1", help="checkpoint levels, e.g. 1 (blocks one by one)")
     parser.add_argument("--checkpoint-blocks", default="all", help="how many blocks, from the first: all or a number")
+    parser.add_argument("--compile-pointwise", action="store_true", help="ours with RMSNorm, RoPE and SwiGLU's gate "
+                        "compiled (as §1.5 runs it)")
     parser.add_argument("--stacks", default=",".join(STACKS), help="ours, reference or both (comma-separated)")
     parser.add_argument("--steps", type=int, default=2, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps before profiling")
@@ -99,7 +101,8 @@ def run_command(args: argparse.Namespace) -> int:
     shape = replace(LeaderboardShape(), num_layers=args.layers, context_length=args.context)
     shape.config()
     ours = StepOptions(checkpoint=parse_levels(args.checkpoint),
-                       checkpoint_blocks=checkpoint_blocks(args.checkpoint_blocks, None))
+                       checkpoint_blocks=checkpoint_blocks(args.checkpoint_blocks, None),
+                       compile_pointwise=args.compile_pointwise)
     ours.check()
     splits = {}
     for stack in stacks:
