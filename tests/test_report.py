@@ -857,6 +857,25 @@ def test_memory_b_answers_inference_and_the_training_step_per_context_and_names_
     assert list(table.frame.columns) == ["context_length", "inference_peak_GiB", "forward_peak_GiB", "train_peak_GiB"]
 
 
+def test_memory_d_derives_the_residual_stream_at_the_reference_shape_and_names_the_measured_one(tmp_path) -> None:
+    """The handout's reference hyperparameters are batch 4 and context 512; a run that measured the tensor at its
+    longest context gives that size beside it."""
+    import json
+
+    from cs336_systems.experiments import memory_profiling as mp
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "memory_profiling"
+    folder.mkdir()
+    (folder / "residual_stream.json").write_text(json.dumps({"shape": [4, 2048, 2560], "dtype": "torch.float32",
+                                                             "measured_bytes": 83886080, "predicted_bytes": 83886080}))
+    (folder / "residual_stream.meta.json").write_text(json.dumps({"params": {"size": "xl@2026"}}))
+    d = next(q for q in mp.answer(SectionData(tmp_path, "memory_profiling")) if getattr(q, "label", None) == "d")
+    text = " ".join(getattr(x, "markdown", "") for x in d.blocks)
+    assert "At the reference batch size 4 and context length 512 one residual-stream tensor is 20.00 MiB; at " \
+           "context 2048, where the run measured it, 80.00 MiB." in text
+
+
 def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
     from cs336_systems.experiments.ddp_flat import _verdict
     from cs336_systems.experiments.optimizer_state_sharding import _sharding_verdict

@@ -267,6 +267,7 @@ def answer(d: SectionData) -> list[Block]:
     batch, context = (int(shape[0]), int(shape[1])) if shape and len(shape) == 3 else (cfg.batch_size,
                                                                                         cfg.context_length)
     act = residual_stream_bytes(cfg, batch, context, "fp32")
+    ref = residual_stream_bytes(cfg, cfg.batch_size, cfg.context_length, "fp32")  # the handout's reference shape
     peaks = d.frame("peak_memory")
     fp32 = _peak_pivot(peaks, "fp32") if peaks is not None else None
     bf16 = _peak_pivot(peaks, "bf16") if peaks is not None else None
@@ -347,11 +348,13 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "d", f"Size of one residual-stream activation of the {size} model in fp32.", [
             Equation([
                 (r"B \cdot T \cdot d_{\mathrm{model}} \cdot 4\,\mathrm{bytes} = "
-                rf"{batch} \cdot {context} \cdot {cfg.d_model} \cdot 4 = {fmt.tex_int(act)}\,\mathrm{{B}}"
-                rf" = {act / 2**20:g}\,\mathrm{{MiB}}"),
+                rf"{cfg.batch_size} \cdot {cfg.context_length} \cdot {cfg.d_model} \cdot 4 = {fmt.tex_int(ref)}"
+                rf"\,\mathrm{{B}} = {ref / 2**20:g}\,\mathrm{{MiB}}"),
             ]),
-            Text(f"At the reference batch size {batch} and context length {context} one "
-                 f"residual-stream tensor is {fmt.mib(act, 4)}."),
+            Text(f"At the reference batch size {cfg.batch_size} and context length {cfg.context_length} one "
+                 f"residual-stream tensor is {fmt.mib(ref, 4)}"
+                 + (f"; at context {context}, where the run measured it, {fmt.mib(act, 4)}." if context !=
+                    cfg.context_length or batch != cfg.batch_size else ".")),
             rs_text,
         ]),
         question(d, "e", "The largest allocations in the forward pass's active-memory timeline and where they "
