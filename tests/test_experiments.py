@@ -200,7 +200,7 @@ def test_benchmarking_times_each_phase_of_a_full_step_and_says_why_a_size_does_n
     oom = pd.concat([timings, pd.DataFrame([{"size": "10B@2026", "status": "OOM"}])], ignore_index=True)
     text = _timing_sentence(oom, meta).markdown
     assert "Forward / backward / optimizer time per step: tiny " in text
-    assert "10B@2026 (OOM: 12.8 B parameters need 205 GB for fp32 weights, gradients and AdamW moments)" in text
+    assert "10B@2026 (OOM: 12.8 B parameters need 191 GiB for fp32 weights, gradients and AdamW moments alone)" in text
     # a run of the earlier forward + backward grid says what it lacks
     old = _timing_sentence(timings.drop(columns=[c for c in timings if c.startswith("optimizer_")]), {"params": {}})
     assert "timed forward_backward steps, without the optimizer" in old.markdown
@@ -309,10 +309,10 @@ def test_timing_answer_says_whether_the_spread_is_small_and_which_cells_are_nois
           "backward_std_ms": 0.2}
     df = pd.DataFrame([{**ok, "size": "small"}, {**ok, "size": "xl", "backward_std_ms": 4.0}])
     text = _timing_sentence(df).markdown
-    assert "the standard deviation is small (median 1.0% of the mean, at most 20% for xl backward; above 10% " \
-           "only for xl backward, from a few slow steps)." in text
+    assert "the standard deviation is small: a median of 1.0% of the mean, and the backward pass's 20% for xl (a " \
+           "few slow steps)." in text
     quiet = _timing_sentence(df.assign(backward_std_ms=0.2)).markdown
-    assert "(median 1.0% of the mean, at most 1.0% for small forward). " in quiet and "above 10%" not in quiet
+    assert "a median of 1.0% of the mean, at most 1.0% (small forward). " in quiet and "slow steps" not in quiet
 
 
 def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch, capsys, tmp_path) -> None:
