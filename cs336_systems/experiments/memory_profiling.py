@@ -267,7 +267,8 @@ def answer(d: SectionData) -> list[Block]:
     batch, context = (int(shape[0]), int(shape[1])) if shape and len(shape) == 3 else (cfg.batch_size,
                                                                                         cfg.context_length)
     act = residual_stream_bytes(cfg, batch, context, "fp32")
-    ref = residual_stream_bytes(cfg, cfg.batch_size, cfg.context_length, "fp32")  # the handout's reference shape
+    # (d) at the handout's reference shape, the measured context beside it
+    ref = residual_stream_bytes(cfg, cfg.batch_size, cfg.context_length, "fp32")
     peaks = d.frame("peak_memory")
     fp32 = _peak_pivot(peaks, "fp32") if peaks is not None else None
     bf16 = _peak_pivot(peaks, "bf16") if peaks is not None else None
@@ -348,8 +349,8 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "d", f"Size of one residual-stream activation of the {size} model in fp32.", [
             Equation([
                 (r"B \cdot T \cdot d_{\mathrm{model}} \cdot 4\,\mathrm{bytes} = "
-                rf"{cfg.batch_size} \cdot {cfg.context_length} \cdot {cfg.d_model} \cdot 4 = {fmt.tex_int(ref)}"
-                rf"\,\mathrm{{B}} = {ref / 2**20:g}\,\mathrm{{MiB}}"),
+                rf"{cfg.batch_size} \cdot {cfg.context_length} \cdot {cfg.d_model} \cdot 4 = "
+                rf"{fmt.tex_int(ref)}\,\mathrm{{B}} = {ref / 2**20:g}\,\mathrm{{MiB}}"),
             ]),
             Text(f"At the reference batch size {cfg.batch_size} and context length {cfg.context_length} one "
                  f"residual-stream tensor is {fmt.mib(ref, 4)}"

@@ -177,6 +177,24 @@ def _longest_fit(df: pd.DataFrame | None) -> str:
     return ("The longest context each size trained at on this GPU: " + join_words(parts) + ".") if parts else ""
 
 
+def _grid_sentence(df: pd.DataFrame | None) -> str:
+    """The profiled grid in one sentence: sizes, contexts, how many ran, and the cells that did not (the
+    handout asks to note where a size runs out of memory)."""
+    from cs336_systems.report.answers import join_words
+
+    if df is None or not {"size", "context_length", "status"} <= set(df.columns) or df.empty:
+        return ""
+    sizes = list(dict.fromkeys(df["size"].astype(str)))
+    contexts = sorted({int(c) for c in df["context_length"]})
+    failed = df[df["status"] != "ok"]
+    why = {"OOM": "out of memory"}
+    cells = [f"{r['size']} at {int(r['context_length']):,} ({why.get(r['status'], r['status'])})"
+             for _, r in failed.iterrows()]
+    return (f"Profiled: {join_words(sizes)} at contexts {join_words([f'{c:,}' for c in contexts])}, "
+            f"{len(df) - len(failed)} of {len(df)} configurations"
+            + (f"; not run: {join_words(cells)}. " if cells else ", all of them. "))
+
+
 def _profiles(summary: pd.DataFrame) -> pd.DataFrame:
     return summary[summary["status"] == "ok"] if "status" in summary.columns else summary
 
@@ -233,7 +251,9 @@ def answer(d: SectionData) -> list[Block]:
     a = b = c = dd = e = a_more = None
     if row is not None:
         ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
-        a = Text(f"For {where} on the {short_device(d.meta('summary'))} the profiler's kernels sum to {fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
+        device = short_device(d.meta("summary"))
+        a = Text(_grid_sentence(summary) + f"For {where} on the {device} the profiler's kernels sum to "
+                 f"{fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
                  f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer; over all configurations "
                  f"the kernel time is {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward "
                  "pass. Below 100% the GPU idles between kernels (launch overhead, which dominates small models "
