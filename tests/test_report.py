@@ -1307,6 +1307,9 @@ def test_model_rows_are_those_of_the_writeups_handout_under_its_names() -> None:
     assert twenty_six[["size", "ms"]].values.tolist() == [["small", 1.0], ["xl", 3.0], ["10B", 4.0], ["tiny", 5.0]]
     assert twenty_six["preset"].tolist() == ["small", "2.7B", "10B@2026", "tiny"]  # for the FLOPs and parameters
     assert edition_rows(None, "2026") is None and edition_rows(df, "nonesuch") is df
+    both = pd.concat([df, pd.DataFrame({"size": ["xl@2026"], "ms": [6.0]})], ignore_index=True)
+    assert edition_rows(both, "2026")["ms"].tolist() == [1.0, 4.0, 5.0, 6.0]  # its own preset, not 2.7B's row
+    assert edition_rows(both, "2025")["ms"].tolist() == [1.0, 2.0, 3.0, 5.0]  # and 2.7B's here
 
 
 def test_each_writeup_answers_with_its_handouts_model_table(results: Path) -> None:

@@ -60,6 +60,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from cs336_systems.report.answers import edition_rows  # noqa: E402 (answers only)
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
@@ -67,6 +68,9 @@ def answer(d: SectionData) -> list[Block]:
     table = d.frame("presets")
     if table is None or table.empty or not {"size", "params_M"} <= set(table.columns):
         return []
+    filtered = "/" not in d.folder  # the workbook's grid, every preset: show this writeup's handout's models
+    if filtered:
+        table = edition_rows(table[table["size"] != "tiny"], d.edition).drop(columns="preset")
     big = table.loc[table["params_M"].idxmax()]
     one = "/" in d.folder and len(table) == 1  # an edition grid of its handout's one model
     text = ((f"The handout's model ({big['size']}) has" if one else f"The largest preset, {big['size']}, has")
@@ -78,7 +82,8 @@ def answer(d: SectionData) -> list[Block]:
         text += f" A training step costs {fmt.sig(ratio.iloc[0])}× the forward FLOPs (backward = 2× forward)."
     # An edition's own grid names its models as its handout does ("xl", not the workbook's "xl@2026").
     edition = d.folder.partition("/")[2]
-    shown = table.assign(size=table["size"].astype(str).str.removesuffix(f"@{edition}")) if edition else None
+    shown = table.assign(size=table["size"].astype(str).str.removesuffix(f"@{edition}")) if edition else \
+        (table if filtered else None)
     text = text.replace(f"@{edition}", "") if edition else text
     return [Text(text + _names_elsewhere(edition)), d.table("presets", frame=shown,
                                 caption="Model presets: parameters, FLOPs per token and memory."),
@@ -108,5 +113,5 @@ def _names_elsewhere(edition: str) -> str:
     clash = ", and ".join(
         f"their row {n} is the 2025 handout's {n} ({'/'.join(str(v) for v in configs.model_shape(n))})"
         for n in clashes)
-    return (" The other sections' tables time the workbook's presets under the 2025 handout's names: this handout's "
+    return (" Where other sections' tables time the workbook's presets under the 2025 handout's names, this handout's "
             + " and ".join(rows).removeprefix("its ") + (f"; {clash}" if clash else "") + ".")

@@ -90,21 +90,32 @@ NOISY_SPREAD = 0.10
 def edition_rows(df: pd.DataFrame | None, edition: str, column: str = "size") -> pd.DataFrame | None:
     """The rows of ``df`` whose model is in ``edition``'s handout table, named as that handout names it (2026:
     ``xl`` for the ``2.7B`` row, the same architecture; ``10B`` for ``10B@2026``), in place of another edition's
-    models; rows of models no handout lists (``tiny``) stay. The preset's own name moves to ``preset``."""
+    models; a model measured under both names keeps its row under this handout's preset; rows of models no
+    handout lists (``tiny``) stay. The preset's own name moves to ``preset``."""
     from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, model_shape
 
     if df is None or column not in df.columns or edition not in HANDOUT_SIZES_BY_EDITION:
         return df
-    ours = {model_shape(n): n.partition("@")[0] for n in HANDOUT_SIZES_BY_EDITION[edition]}
-    handout = {n for table in HANDOUT_SIZES_BY_EDITION.values() for n in table}
+    table = HANDOUT_SIZES_BY_EDITION[edition]
+    own = {model_shape(n): n for n in table}  # the model -> this handout's preset of it
+    handout = {n for t in HANDOUT_SIZES_BY_EDITION.values() for n in t}
+    names = set(df[column].astype(str))
+
+    def shape(name: str) -> tuple[int, int, int, int] | None:
+        try:
+            return model_shape(name)
+        except ValueError:  # not a preset
+            return None
+
     keep, labels = [], []
     for name in df[column].astype(str):
-        try:
-            label = ours.get(model_shape(name))
-        except ValueError:  # not a preset
-            label = None
-        keep.append(label is not None or name not in handout)
-        labels.append(label or name)
+        preset = own.get(shape(name))
+        if preset is None:
+            keep.append(name not in handout)
+            labels.append(name)
+        else:  # another handout's name for this handout's model counts only where its own preset was not measured
+            keep.append(name == preset or preset not in names)
+            labels.append(preset.partition("@")[0])
     out = df.assign(**{"preset" if "preset" not in df.columns else "preset_name": df[column]})
     out[column] = labels
     return out[keep].reset_index(drop=True)
