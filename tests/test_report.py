@@ -1228,9 +1228,12 @@ def test_implemented_reads_each_suite_s_own_file_for_a_problem(tmp_path) -> None
         (folder / f"{name}.json").write_text(json.dumps({"tests": tests}))
         (folder / f"{name}.meta.json").write_text("{}")
     d = SectionData(tmp_path, "ddp_overlap_individual")
-    overlap = implemented(d, "x", "y.py", "t.py", {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"})
+    files = {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"}
+    overlap = implemented(d, "x", "y.py", "t.py", files)
     assert ("The course's `test_ddp_individual_parameters.py` (2025) and `test_ddp.py` (2026): 1 of 1 passed in the "
-            "`2025` run and 1 of 2 passed in the `2026-cpu` run (§4).") in overlap.markdown
+            "`2025` run (§4).") in overlap.markdown  # the 2025 writeup cites the 2025 suite's runs
+    twenty_six = implemented(SectionData(tmp_path, "ddp_overlap_individual", edition="2026"), "x", "y.py", "t.py", files)
+    assert "1 of 2 passed in the `2026-cpu` run (§4)." in twenty_six.markdown and "`2025` run" not in twenty_six.markdown
     bucketed = implemented(d, "x", "y.py", "t.py", {"2025": "test_ddp.py"})
     assert "1 of 1 passed in the `2025` run (§4)." in bucketed.markdown and "2026" not in bucketed.markdown
     # an edition grid cites the runs its own §4 shows: CSE599-O's, which run the 2025 suite's files
