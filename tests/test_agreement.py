@@ -115,3 +115,23 @@ def test_data_parallel_steps_are_compared_across_sections_and_edition_grids(tmp_
     alone = tmp_path / "alone"
     _ddp_steps(alone, "naive_ddp/cse599o", 220.0)
     assert agreement.shared_keys(alone) == set()
+
+
+def test_the_eager_training_step_of_the_benchmark_and_of_the_compile_comparison_are_compared(tmp_path) -> None:
+    """§1.1.3's whole step (when its run timed training steps) and §1.3.1's eager one share a key."""
+    _write(tmp_path, "benchmarking", "timings", pd.DataFrame(
+        {"size": ["small"], "status": ["ok"], "forward_mean_ms": [19.0], "total_mean_ms": [66.0],
+         "total_std_ms": [0.5]}), {"context_length": 512, "mode": "train"})
+    _write(tmp_path, "torch_compile", "model_timings", pd.DataFrame(
+        {"size": ["small"] * 4, "mode": ["forward", "forward", "train", "train"], "compiled": [False, True] * 2,
+         "status": ["ok"] * 4, "total_mean_ms": [19.5, 16.0, 81.0, 60.0], "total_std_ms": [0.1, 0.1, 1.0, 1.0]}),
+        {"context_length": 512})
+    (found,) = agreement.disagreements(tmp_path)
+    assert found.key[:5] == ("model train step ms", "small", "fp32", 512, 4)
+    assert sorted(c.value for c in found.cells) == [66.0, 81.0]  # the compiled step is not a shared cell
+    forward_backward = tmp_path / "fb"  # a run of forward + backward only has no whole training step
+    _write(forward_backward, "benchmarking", "timings", pd.read_csv(tmp_path / "benchmarking" / "timings.csv"),
+           {"context_length": 512, "mode": "forward_backward"})
+    _write(forward_backward, "torch_compile", "model_timings",
+           pd.read_csv(tmp_path / "torch_compile" / "model_timings.csv"), {"context_length": 512})
+    assert agreement.disagreements(forward_backward) == []

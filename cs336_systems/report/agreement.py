@@ -2,7 +2,8 @@
 
 Several sections time the same thing as part of their own question: the fp32 forward of a model preset at
 context 512 is a row of §1.1.3 (end-to-end), §1.1.4 (profiling, Python-timed), §1.1.5 (mixed precision)
-and §1.3.1 (eager beside compiled); the eager attention of one shape is in §1.2.1 and again in §1.3.1.
+and §1.3.1 (eager beside compiled), its eager training step one of §1.1.3 and §1.3.1; the eager attention
+of one shape is in §1.2.1 and again in §1.3.1; the data-parallel sections share their steps.
 Measured by different jobs, on different days or machines, they can disagree, and a reader sees two
 answers to one question. :data:`SHARED` lists where each section keeps such cells and the key that says
 what a cell measured (quantity, model or shape, precision, context, batch, pass);
@@ -81,8 +82,10 @@ def _std(row: pd.Series, column: str) -> float:
 
 
 def _model_forward(column: str, *, precision: str | None = None, context: str | None = None,
-                   where: Callable[[pd.DataFrame], pd.Series] | None = None) -> Callable:
-    """Cells of a model's Python-timed forward: key (quantity, size, precision, context, batch)."""
+                   where: Callable[[pd.DataFrame], pd.Series] | None = None,
+                   quantity: str = "model forward ms") -> Callable:
+    """Cells of a model's Python-timed forward (or, with ``quantity``, another pass): key (quantity, size,
+    precision, context, batch)."""
 
     def cells(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
         frame = _ok(frame)
@@ -91,10 +94,18 @@ def _model_forward(column: str, *, precision: str | None = None, context: str | 
         for _, row in frame.iterrows():
             prec = row["precision"] if precision is None else precision
             ctx = int(row[context]) if context else int(params["context_length"])
-            key = ("model forward ms", row["size"], prec, ctx, _model_batch(row["size"]))
+            key = (quantity, row["size"], prec, ctx, _model_batch(row["size"]))
             yield key, float(row[column]), f"{row['size']} {prec} context {ctx}", _std(row, column)
 
     return cells
+
+
+def _model_train_step(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
+    """§1.1.3's whole-step time, where its run timed training steps (its ``mode``; runs from before the
+    parameter timed forward + backward only)."""
+    if params.get("mode", "forward_backward") != "train" or "total_mean_ms" not in frame:
+        return iter(())
+    return _model_forward("total_mean_ms", precision="fp32", quantity="model train step ms")(frame, params)
 
 
 def _eager_attention(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
@@ -130,6 +141,11 @@ SHARED: tuple[Shared, ...] = (
     Shared("nsys_profile", "summary", _model_forward("python_forward_ms", precision="fp32", context="context_length")),
     Shared("torch_compile", "model_timings", _model_forward(
         "total_mean_ms", precision="fp32", where=lambda f: (f["mode"] == "forward") & ~f["compiled"].astype(bool))),
+    # the whole eager training step (forward, backward, AdamW), first synchronize to last
+    Shared("benchmarking", "timings", _model_train_step),
+    Shared("torch_compile", "model_timings", _model_forward(
+        "total_mean_ms", precision="fp32", quantity="model train step ms",
+        where=lambda f: (f["mode"] == "train") & ~f["compiled"].astype(bool))),
     Shared("pytorch_attention", "timings", _eager_attention),
     Shared("torch_compile", "attention_timings", _eager_attention),
     *(Shared(folder, "steps_*", _ddp_steps) for section in _DDP_FOLDERS for folder in (section, f"{section}/*")),
