@@ -458,8 +458,9 @@ def answer(d: SectionData) -> list[Block]:
                  "(balanced greedily, so shards are only approximately equal), keeps the full gradient all-reduce "
                  "($2\\frac{P-1}{P}\\Psi$) and then broadcasts each updated parameter from its owner "
                  "($\\frac{P-1}{P}\\Psi$ more), $3\\frac{P-1}{P}\\Psi$ in total: simpler and model-agnostic, "
-                 "but with 1.5× the communication volume of ZeRO-1." + _zero1_bytes_note(d)),
-            d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step.")]),
+                 "but with 1.5× the communication volume of ZeRO-1."),
+            d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step."
+                    + _zero1_bytes_note(d))]),
         Text("", role=BEYOND_HANDOUT),  # the memory study in detail, and more GPUs: the appendix
         *([question(d, "a", "The memory study in detail: what the peaks hold beyond the breakdown.", [
             Text(detail),
