@@ -1332,3 +1332,14 @@ def test_each_writeup_answers_with_its_handouts_model_table(results: Path) -> No
     assert "xl 20.0 ms / 40.0 ms and 2.7B 30.0 ms / 60.0 ms" in text("2025") and "10B" not in text("2025")
     assert "small 10.0 ms / 20.0 ms and xl 30.0 ms / 60.0 ms" in text("2026")
     assert "Not measured: 10B (OOM: 12.8 B parameters" in text("2026")
+
+
+def test_mixed_precision_names_a_larger_model_whose_bf16_pass_is_faster() -> None:
+    from cs336_systems.experiments.mixed_precision import _not_monotonic
+    from cs336_systems.report.answers import edition_rows
+
+    speed = edition_rows(pd.DataFrame({"size": ["large", "xl", "2.7B"], "forward_bf16_ms": [70.0, 77.0, 85.0],
+                                       "backward_bf16_ms": [84.0, 155.0, 141.0]}), "2025")
+    assert _not_monotonic(speed).startswith("; not monotonically, though: 2.7B's bf16 backward (141 ms) is faster "
+                                            "than xl's (155 ms), a larger model in 32 layers against 48")
+    assert _not_monotonic(speed.assign(backward_bf16_ms=[84.0, 130.0, 141.0])) == ""

@@ -189,6 +189,30 @@ from cs336_systems.report.answers import edition_rows, mfu_note, model_tflops, w
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
+def _not_monotonic(speed: pd.DataFrame) -> str:
+    """Where a larger model's bf16 pass is faster than a smaller one's (the table's rows in size order): a
+    deeper model runs more, smaller kernels, whose launches bf16's faster matmuls no longer hide."""
+    from cs336_systems.configs import get_config
+
+    found = []
+    for phase in ("forward", "backward"):
+        col = f"{phase}_bf16_ms"
+        if col not in speed or "preset" not in speed:
+            continue
+        rows = list(speed.dropna(subset=[col]).itertuples(index=False))
+        for small, large in zip(rows, rows[1:]):
+            if getattr(large, col) < getattr(small, col):
+                found.append((phase, small, large))
+    if not found:
+        return ""
+    phase, small, large = found[0]
+    layers = {r.size: get_config(str(r.preset)).num_layers for r in (small, large)}
+    return (f"; not monotonically, though: {large.size}'s bf16 {phase} ({fmt.ms(getattr(large, f'{phase}_bf16_ms'))})"
+            f" is faster than {small.size}'s ({fmt.ms(getattr(small, f'{phase}_bf16_ms'))}), a larger model in "
+            f"{layers[large.size]} layers against {layers[small.size]}: fewer, larger kernels, where bf16's faster "
+            "matmuls leave per-kernel overheads more exposed in the deeper model.")
+
+
 def _noise_note(timings: pd.DataFrame | None) -> str:
     """The bf16 rows' spread, where it is large enough to blur the means: with the fastest steps beside them."""
     need = {"size", "precision", "forward_mean_ms", "forward_std_ms", "forward_min_ms"}
@@ -243,7 +267,8 @@ def answer(d: SectionData) -> list[Block]:
             f"{effect(first['backward_speedup'])} and {effect(last['backward_speedup'])}. Larger models "
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
             "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
-            "kernels (which autocast does not speed up and its casts add to) weigh more.")
+            "kernels (which autocast does not speed up and its casts add to) weigh more"
+            + (_not_monotonic(speed) or "."))
     noise = _noise_note(edition_rows(d.frame("precision_timings"), d.edition)).strip()
     return [
         question(d, "mixed_precision_accumulation", "Accumulating 0.01 a thousand times in fp32, fp16 and "
