@@ -225,12 +225,12 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "gradient_checkpointing_b", "2026 xl, batch 4, context 2048, one level of recomputation: the "
                  "best segment size, and the peak memory of it and of its neighbours.", [
             best_text,
-            d.table("checkpointing", frame=subset(_with_mfu(d), "block_size", "status", "levels", "peak_GiB",
-                                                  "activation_peak_GiB", "step_ms", "MFU_pct"),
-                    caption="A full training step (forward, backward, AdamW) per checkpoint segment size "
-                            "(0: none): peak memory and its part above what is held between steps; MFU counts "
-                            "the model's FLOPs, not the recomputation, against the FP32 peak; 0.5 is each block "
-                            "checkpointed by sublayer."),
+            d.table("checkpointing", frame=_segment_labels(subset(_with_mfu(d), "block_size", "status", "peak_GiB",
+                                                                  "activation_peak_GiB", "step_ms", "MFU_pct")),
+                    caption="A full training step (forward, backward, AdamW) per checkpoint segment: none, each "
+                            "block's two branches apart (sublayer) or k blocks: peak memory and its part above what "
+                            "is held between steps; MFU counts the model's FLOPs, not the recomputation, against "
+                            "the FP32 peak."),
             # one fitting size makes a plot of one point: the table says it all
             d.figure("checkpointing", caption="Peak memory and step time against the segment size.")
             if len(sweep) > 1 else None,
@@ -357,6 +357,14 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
     elif reasoning and SUBLAYER not in sizes:
         said += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
     return Text(reasoning + measured + said)
+
+
+def _segment_labels(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The segment size as a reader names it: "none", "sublayer" or a number of blocks."""
+    if frame is None or "block_size" not in frame:
+        return frame
+    words = ["none" if k == 0 else "sublayer" if k == SUBLAYER else f"{k:g} blocks" for k in frame["block_size"]]
+    return frame.assign(block_size=words).rename(columns={"block_size": "segment"})
 
 
 SECTION = Section(
