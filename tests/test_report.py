@@ -349,12 +349,14 @@ def test_sections_open_with_their_notebooks_commentary(results: Path, tmp_path: 
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("# §2.2 Naive DDP\n\nEvery rank all-reduces each gradient."),
+    nb.cells = [nbformat.v4.new_markdown_cell("# §2.2 Naive DDP\n\nEvery rank all-reduces each gradient.\n\n"
+                                              "The section's code, parameters and answer text: `naive_ddp.py`."),
                 nbformat.v4.new_code_cell("print(1)")]
     nbformat.write(nb, notebooks / "naive_ddp.ipynb")
     doc = build_document(results, strict=True, notebooks=notebooks)
     text = doc.section("2.2").plain()
     assert "Every rank all-reduces each gradient." in text and "# §2.2" not in text
+    assert "naive_ddp.py" not in text  # the notebook's pointer to its code is for the notebook's reader
     assert "notebooks/" not in doc.section("2.3.1").plain()
 
     pdf, manifest = tmp_path / "w.pdf", tmp_path / "m.json"
@@ -364,7 +366,7 @@ def test_sections_open_with_their_notebooks_commentary(results: Path, tmp_path: 
     nb.cells[1].source = "print(2)"  # code is not quoted: still fresh
     nbformat.write(nb, notebooks / "naive_ddp.ipynb")
     assert mf.check_manifest(pdf, results, manifest, notebooks) == []
-    nb.cells[0].source += " Edited."
+    nb.cells[0].source = nb.cells[0].source.replace("gradient.", "gradient. Edited.")
     nbformat.write(nb, notebooks / "naive_ddp.ipynb")
     assert mf.check_manifest(pdf, results, manifest, notebooks) == [
         "notebook file changed since the last build: " + str((notebooks / "naive_ddp.ipynb").resolve())]
