@@ -1280,7 +1280,7 @@ def test_the_warm_up_answer_says_whether_one_or_two_steps_match_five() -> None:
     study = pd.DataFrame({"size": ["small"] * 3 + ["xl"] * 3, "warmup": [1, 2, 5] * 2, "status": ["ok"] * 6,
                           "forward_mean_ms": [20.0, 20.1, 20.0, 250.0, 238.0, 238.0],
                           "forward_std_ms": [0.5, 0.5, 0.5, 0.2, 0.2, 0.2]})
-    assert _few_against_five(study) == " Here 1 of 4 such cells differ from 5 warm-up steps beyond the spread: " \
+    assert _few_against_five(study) == "; here 1 of 4 such cells differ from 5 warm-up steps beyond the spread: " \
                                        "xl after 1: 250 ms against 238 ms."
     calm = study.assign(forward_mean_ms=[20.0, 20.1, 20.0, 238.1, 238.0, 238.0])
     assert "every size's forward takes what it takes after 5, within the steps' spread" in _few_against_five(calm)

@@ -36,13 +36,11 @@ INDEX_NAME = _manifest.INDEX_NAME
 def _preamble(root: Path, html: str = "writeup.html") -> list[Block]:
     return [
         Text(
-            f"Every number, table and figure is read from the committed results in `{root.name}/`; the line under "
-            "each names the device, date and commit it was measured on. **STALE** marks a result whose code "
-            "changed since, **SUSPECT** one from a machine that measured more than 10% below its reference, "
-            "**DISAGREES** one that another section measured differently, each with the command that refreshes it "
-            f"(`python -m cs336_systems.writeup status` lists them). The results index `{root.name}/{INDEX_NAME}` "
-            f"holds the full records and every result no answer cites; `{html}` is this document as a web page; "
-            f"`{_manifest.REBUILD_COMMAND}` rebuilds all three."
+            f"Every number, table and figure is read from the measured results in `{root.name}/`; the line under "
+            "each names the device and date. **STALE** marks a result measured on older code, **SUSPECT** one from "
+            "a machine that measured more than 10% slow, **DISAGREES** one that another section measured "
+            "differently. The appendix holds what goes beyond the handout, and the results index "
+            f"`{root.name}/{INDEX_NAME}` every run's full record (`{html}` is this document as a web page)."
         )
     ]
 
