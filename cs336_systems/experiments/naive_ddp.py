@@ -178,8 +178,9 @@ def _other_precision(d: SectionData, shown: str | None, shown_naive: Any = None)
     before = known(shown_naive.get("sync_ms")) if shown_naive is not None else None
     if before is None or abs(naive["sync_ms"] / before - 1) <= 0.1:
         return text + "; the share changes with the step's length."
-    return (text + f", yet they took {fmt.ms(naive['sync_ms'])} here against {fmt.ms(before)}: the same calls on "
-            "the same bytes, so the gap is in how fast the same calls ran in the two runs, not in the traffic.")
+    return (text + f", yet they took {fmt.ms(naive['sync_ms'])} here against {fmt.ms(before)}: not more traffic, "
+            "but a collective's time on one rank also counts its wait for the other ranks to reach the call, which "
+            "differs from run to run.")
 
 
 def _model_name(df: Any) -> str:
