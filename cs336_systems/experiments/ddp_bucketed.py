@@ -108,7 +108,7 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
     rising = all(x <= y + e for x, y, e in zip(times, times[1:], noise[1:]))  # never lower beyond a row's spread
     lowest = int(times.index(min(times)))
     shape = ("Too few sizes to see a shape" if len(times) < 3 else
-             "**No U:** the step time only rises with the bucket size (within the steps' spread), so the "
+             "**No U:** no larger bucket is faster than the next smaller one beyond the steps' spread, so the "
              "smallest size is the best" if rising
              else "A U: the best size lies inside the range" if 0 < lowest < len(times) - 1
              else "No clear U")
