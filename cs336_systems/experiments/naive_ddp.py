@@ -210,11 +210,11 @@ def _against_microbenchmark(d: SectionData, naive: Any) -> Text | None:
            if ratio > 1 else
            "less than predicted: the fit's latency is an average over message sizes, and small messages run "
            "faster than it")
-    per_step = (f", $2(p-1)\\alpha$ with its fitted $\\alpha$ = {fmt.sig(fit['alpha_us'], 3)} µs per ring step"
+    per_step = (f" (the ring's $2(p-1)$ steps of $\\alpha$ = {fmt.sig(fit['alpha_us'], 3)} µs each)"
                 if "alpha_us" in fit else "")
-    return Text(f"Against the all-reduce microbenchmark (§2.1.3, NCCL on {int(naive['world_size'])} GPUs: a call "
-                f"costs $o$ = {fmt.sig(fit['o'] * 1e6, 2)} µs{per_step}, plus its bytes at $w$ = "
-                f"{fmt.sig(fit['w'] / 1e9)} GB/s): "
+    return Text(f"Against the all-reduce microbenchmark (§2.1.3, NCCL on {int(naive['world_size'])} GPUs), a call "
+                f"costs a fixed $o$ = {fmt.sig(fit['o'] * 1e6, 2)} µs{per_step} plus its bytes $S$ at "
+                f"$w$ = {fmt.sig(fit['w'] / 1e9)} GB/s: "
                 f"{n} calls moving {fmt.sig(size / 1e9)} GB predict $n\\,o + S/w$ = {fmt.ms(predicted)}; the naive "
                 f"step measured {fmt.ms(naive['sync_ms'])}, {fmt.ratio(ratio)} the prediction, {why}.")
 
