@@ -187,8 +187,9 @@ def answer(d: SectionData) -> list[Block]:
                          (r"M_{\mathrm{device}} = \frac{16\,N + A/2}{N_{\mathrm{FSDP}}} + \frac{A}{2}"
                          r" < 95\,\mathrm{GB}"),
                      ]),
-                     b_text, d.table("min_fsdp_devices", caption="Smallest $N_{\\mathrm{FSDP}}$ below 95 GB per "
-                                     "device, by activation tokens per device."),
+                     b_text, d.table("min_fsdp_devices", digits=5,  # 94.998 GB is below the bound; 95.00 reads as on it
+                                     caption="Smallest $N_{\\mathrm{FSDP}}$ below 95 GB per device, by activation "
+                                             "tokens per device."),
                  ], what="the sharded memory accounting"),
         question(d, "c", "Forward pass only, TPU v5p ($W_{\\mathrm{ici}} = 2\\cdot 9\\cdot 10^{10}$ B/s, "
                  "$C = 4.6\\cdot 10^{14}$ FLOP/s), $M_X = 2$, $M_Y = 1$, $X = 16$ (FSDP), $Y = 4$ (TP): the "
