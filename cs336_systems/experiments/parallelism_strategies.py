@@ -249,9 +249,10 @@ def answer(d: SectionData) -> list[Block]:
         c, w = (fmt.tex_sig(meta.get(k, float("nan"))) for k in ("C", "W"))
         r = bounds.iloc[min(1, len(bounds) - 1)]
         bound_text = Text(
-            f"At $C = {c}$ FLOP/s, $W = {w}$ B/s (an H100's bf16 dense peak and NVLink egress; the handout leaves "
-            "$C$ and $W$ symbolic) "
-            f"and $B = {int(r['B']):,}$ tokens, an FFN with $D = {int(r['D'])}$, $D_{{FF}} = {int(r['D_FF'])}$ stays "
+            f"At $C = {c}$ FLOP/s, $W = {w}$ B/s"
+            + (" (an H100's bf16 dense peak and NVLink egress; the handout leaves them symbolic) "
+               if (meta.get("C"), meta.get("W")) == (989e12, 450e9) else " ")
+            + f"and $B = {int(r['B']):,}$ tokens, an FFN with $D = {int(r['D'])}$, $D_{{FF}} = {int(r['D_FF'])}$ stays "
             f"compute bound up to {fmt.sig(r['DP'])} devices under DP or FSDP, {fmt.sig(r['TP fwd'])} (forward) and "
             f"{fmt.sig(r['TP bwd'])} (backward) under TP, and {fmt.sig(r['FSDP x TP overlapped'])} under FSDP × TP "
             f"({fmt.sig(r['FSDP x TP shared'])} when the two axes share the network).")
