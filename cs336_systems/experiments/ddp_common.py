@@ -130,6 +130,7 @@ def plot_scaling(table: pd.DataFrame, title: str) -> plt.Figure:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.report.answers import known, mfu_note, spread, step_mfu, step_verdict  # noqa: E402  (answers only)
+from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402  (answers only)
 
 
 def other_precision_name(d: SectionData, shown: str | None) -> str | None:
@@ -278,7 +279,8 @@ def scaling_blocks(d: SectionData) -> list[Block]:
                 + join_words([f"{int(r['world_size'])} GPUs {fmt.sig(r['sequences_per_s'], 3)} sequences/s with "
                               f"{r['variant']} ({r['autocast']}, {fmt.pct(r['scaling_efficiency'])} of the "
                               "single-GPU step rate per GPU)" for _, r in best.iterrows()]) + ".")
-    return [question(d, "scaling", "Beyond the handout: the same step on more GPUs.", [
+    return [Text("", role=BEYOND_HANDOUT),  # the appendix, wherever the section puts it
+            question(d, "scaling", "Beyond the handout: the same step on more GPUs.", [
         text, d.table("scaling", frame=table, caption="Step time and throughput by world size; efficiency is the "
                       "single-GPU step time over the step time (1 is perfect weak scaling), each row against the "
                       "single-GPU step timed the same way (eager or captured in a CUDA graph) in the same run."),
