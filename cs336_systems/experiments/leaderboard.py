@@ -156,31 +156,33 @@ def time_split(shape: LeaderboardShape, stacks: dict[str, StepOptions], nproc: i
 from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import mfu_note, ok_rows, question, step_mfu, step_verdict, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
-from cs336_systems.report.document import Block, Text  # noqa: E402
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Text  # noqa: E402
 
 
 def answer(d: SectionData) -> list[Block]:
     ranks = _ranks_blocks(d)
-    return [
-        question(d, "leaderboard", "A full training step of the 8B model (batch 2, context 32,768, bf16, AdamW) "
-                 "on two GPUs, timed with `do_bench` within 10 minutes from an empty cache.", [
-            *ranks,
-            *_split_blocks(d),
-            _plan_sentence(d.frame("memory_plan"), d.meta("memory_plan")),
-            _own_card_plan(d),
+    step = _step_with_mfu(d.frame("step"), d.meta("step"))
+    one_gpu = [_step_sentence(step, d.meta("step"), taken_on_ranks=bool(ranks),
+                              why_not=_why_not_timed(d.frame("memory_plan"), d.meta("memory_plan"), d.meta("step"))),
+               # with the full step timed, the one-GPU smoke check is a sentence (its table is in the results index)
+               None if ranks else d.table("step", frame=step, caption="The same step on one GPU at a reduced shape "
+                                          "(`do_bench` median, peak memory, the run's wall time from the first line, "
+                                          "compilation and autotuning included, and MFU: the model's FLOPs at that "
+                                          "shape over the step, recomputation not counted)."
+                                          + mfu_note(d.meta("step"), ("bf16",)))]
+    plan = [_plan_sentence(d.frame("memory_plan"), d.meta("memory_plan")), _own_card_plan(d),
             d.table("memory_plan", caption="Per-GPU memory (GB) of the full shape, each measure added to the ones "
                     "above it (bf16 weights, gradients and AdamW moments; the activations each block saves; the "
-                    "logits with their float32 log-softmax). Analytic: the calculator's count, not a measurement."),
-            _step_sentence(_step_with_mfu(d.frame("step"), d.meta("step")), d.meta("step"),
-                           taken_on_ranks=bool(ranks),
-                           why_not=_why_not_timed(d.frame("memory_plan"), d.meta("memory_plan"), d.meta("step"))),
-            # with the full step timed, the one-GPU smoke check is a sentence (its table is in the results index)
-            None if ranks else d.table("step", frame=_step_with_mfu(d.frame("step"), d.meta("step")),
-                                       caption="The same step on one GPU at a reduced shape (`do_bench` median, "
-                                       "peak memory, the run's wall time from the first line, compilation and "
-                                       "autotuning included, and MFU: the model's FLOPs at that shape over the "
-                                       "step, recomputation not counted)." + mfu_note(d.meta("step"), ("bf16",))),
-        ], what="the timed step and the memory plan"),
+                    "logits with their float32 log-softmax). Analytic: the calculator's count, not a measurement.")]
+    return [
+        # The handout asks for the step: the two-GPU timing where it ran (else the one-GPU check, and why not)
+        question(d, "leaderboard", "A full training step of the 8B model (batch 2, context 32,768, bf16, AdamW) "
+                 "on two GPUs, timed with `do_bench` within 10 minutes from an empty cache.",
+                 ranks if ranks else one_gpu, what="the timed step"),
+        Text("", role=BEYOND_HANDOUT),  # where the time goes, the memory plan and the one-GPU check: the appendix
+        question(d, "leaderboard", "Beyond the handout: where the step's time goes, the memory plan, and the step "
+                 "on one GPU.", [*_split_blocks(d), *plan, *(one_gpu if ranks else [])],
+                 what="the memory plan"),
     ]
 
 
@@ -194,7 +196,9 @@ def _split_blocks(d: SectionData) -> list[Block | None]:
         shown = [b for b in OVERLAP_BUCKETS if split is None or "bucket" not in split
                  or split.loc[split["bucket"] == b, "ms_per_step"].sum() > 0]
         extra = d.meta(name).get("extra") or {}
-        options = extra.get("options") or (d.meta("step").get("extra") or {}).get("options") or {}
+        # the options of the timed step of the same job (time_split_2ranks beside step_2ranks)
+        step_of_job = d.meta(name.replace("time_split_", "step_")).get("extra") or {}
+        options = step_of_job.get("options") or {}
         blocks += [_split_sentence(split, extra.get("steps")),
                    _split_difference(split, pointwise_compiled=bool(options.get("compile_pointwise"))),
                    d.figure(name, caption="Each stack's step on one GPU by kind of work: compute kernels by kind "
