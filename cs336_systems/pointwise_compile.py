@@ -12,6 +12,10 @@ of one class differ only in their tensors), as do the blocks' gates; the model c
 however deep it is, a few seconds, instead of a graph per block.
 
     model = compile_pointwise(BasicsTransformerLM(...))   # in place; before wrapping it in FSDP
+
+Under our FSDP a module's parameters are views of the gathered buffer, not leaves, and Dynamo reads ``.grad`` of
+every tensor it wraps: tracing warns about it once per graph, which is harmless (``tests/test_fsdp.py`` trains
+such a model against micro-batched training).
 """
 
 from __future__ import annotations
