@@ -348,14 +348,9 @@ def _worst_shapes(ratio: pd.DataFrame | None, column: str) -> pd.DataFrame | Non
     return ratio.sort_values(column).head(WORST_SHAPES)[shown].reset_index(drop=True)
 
 
-#: The head size of the sweep's table in the answers (the leaderboard's: 1024 in 16 heads); every head size
-#: continues in the appendix.
-SHOWN_HEAD_DIM = 64
-
-
 def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]]:
-    """The sweep's answer (sentences and one head size's table) and what continues in the appendix (every head
-    size's table, the plots)."""
+    """The sweep's answer (sentences and every dtype's table, as the handout asks) and what continues in the
+    appendix (the plots)."""
     frames = [f for f in (d.frame(name) for name in SWEEP_TABLES) if f is not None]
     sweep = pd.concat(frames, ignore_index=True) if frames else None  # shown through the speed-up table
     sp = d.frame("sweep_speedup")
@@ -374,7 +369,6 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
         blocks.append(Text("Speed-up of our Triton kernels over the fastest SDPA backend in each cell "
                            "(built-in time / ours; above 1 means ours is faster): " + "; ".join(parts) + "."))
         label = {"ours_ms": "ours", "naive_ms": "PyTorch", "best_builtin_ms": "best SDPA"}
-        wides = []
         for dtype, g in sp.groupby("dtype", sort=False):
             values = [v for v in ("ours_ms", "naive_ms", "best_builtin_ms") if v in g.columns]
             wide = g.pivot_table(index=["seq_len", "head_dim"], columns="pass", values=values, sort=False)
@@ -382,22 +376,13 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
             order = [c for ph in ("forward", "backward", "forward+backward") for c in
                      (f"{ph} ours ms", f"{ph} PyTorch ms", f"{ph} best SDPA ms") if c in wide.columns]
             wide = wide[order].reset_index()
-            wides.append(wide.assign(dtype=dtype))
             rest.append(d.table("sweep_speedup", frame=wide, caption=f"Latency (ms) of our "
                                 f"Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
                                 f"fastest SDPA backend, {dtype}, batch 1, causal; —: out of memory. "
                                 + _FWD_BWD_NOTE))
-        both = pd.concat(wides, ignore_index=True)
-        if SHOWN_HEAD_DIM in set(both["head_dim"]):
-            shown = both[both["head_dim"] == SHOWN_HEAD_DIM].drop(columns="head_dim")
-            shown = shown[["dtype", *[c for c in shown.columns if c != "dtype"]]]
-            blocks.append(d.table("sweep_speedup", frame=shown.reset_index(drop=True), caption=f"Latency (ms) of "
-                                  f"our Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
-                                  f"fastest SDPA backend at head size {SHOWN_HEAD_DIM}, batch 1, causal; —: out of "
-                                  "memory. " + _FWD_BWD_NOTE + " Every head size: the appendix."))
-        else:  # no such head size: the full tables are the answer
-            blocks += rest
-            rest = []
+        # the handout's deliverable is the table of the whole sweep: every dtype's, in the answer
+        blocks += rest
+        rest = []
     rest.append(d.figure("sweep_speedup", caption="Speed-up over the fastest built-in per cell."))
     rest.append(d.figure("sweep_latency_d64", caption="Latency against sequence length, head size 64."))
     if not any(b is not None for b in blocks[-1:]):  # no speed-up table: whatever there is answers
