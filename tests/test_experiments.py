@@ -332,7 +332,7 @@ def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch,
         assert len(commands) == len(section.jobs) and f"{section.name} --job {len(section.jobs)}" in commands[-1]
     training = get("training_step")
     assert "--set presets=xl --set contexts=4096" in training.job_commands()[3]
-    assert "--set 'longest_presets=[]'" in training.job_commands()[0] and "(5.8 min)" in training.job_commands()[0]
+    assert "--set 'longest.presets=[]'" in training.job_commands()[0] and "(5.8 min)" in training.job_commands()[0]
     assert command_text([]) == "[]" and command_text([True, False]) == "true,false" and command_text(4.0) == "4.0"
 
     ran = []
@@ -365,7 +365,7 @@ def test_the_longest_context_answer_names_the_presets_no_job_searched_at_this_co
 
     from cs336_systems.experiments.training_step import _longest_text
 
-    full = get("training_step").presets["full"].longest_presets
+    full = get("training_step").presets["full"].longest.presets
     rows = [{"preset": pr, "context_length": 256, "fits": True, "peak_GiB": 2.0, "longest": 256} for pr in full]
     params = {"longest_high": 131072, "attention": "flash_triton"}
     assert "Not searched" not in str(_longest_text(pd.DataFrame(rows), params))

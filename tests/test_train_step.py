@@ -172,7 +172,7 @@ def test_a_preset_measured_in_two_runs_combines_only_at_one_commit(tmp_path, mon
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     monkeypatch.setattr(results, "git_commit", lambda: "a" * 40)
     section = get("training_step")
-    base = dict(presets=["tiny"], split_steps=0, longest_presets=[])
+    base = {"presets": ["tiny"], "split_steps": 0, "longest.presets": []}
 
     def measure(contexts: list[int]) -> list[int]:
         p = section.params("smoke", {**base, "contexts": contexts})
@@ -335,7 +335,7 @@ def test_each_cell_times_and_profiles_the_baseline_and_the_answer_compares_befor
 
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     section = get("training_step")
-    p = section.params("smoke", {"presets": ["tiny"], "contexts": [16], "longest_presets": []})
+    p = section.params("smoke", {"presets": ["tiny"], "contexts": [16], "longest.presets": []})
     assert p.baseline and p.split_steps
     training_step.run(p, writer(section, p, "smoke", publish=True))
     steps = results.load_table("training_step", "steps_tiny", root=tmp_path)
@@ -389,7 +389,7 @@ def test_longest_context_searches_of_several_jobs_combine_by_preset(tmp_path, mo
     section = get("training_step")
 
     def search(presets: list[str], **extra) -> list[str]:
-        p = section.params("smoke", {"presets": [], "longest_presets": presets, **extra})
+        p = section.params("smoke", {"presets": [], "longest.presets": presets, **extra})
         training_step.run(p, writer(section, p, "smoke", publish=True))
         return list(results.load_table("training_step", "longest_context", root=tmp_path)["preset"])
 
@@ -397,7 +397,7 @@ def test_longest_context_searches_of_several_jobs_combine_by_preset(tmp_path, mo
     assert search(["small", "tiny"]) == ["tiny", "small", "xl"]  # combined, in the presets' order
     assert searched == ["xl", "small", "tiny"]  # one preset at a time
     assert search(["small"]) == ["tiny", "small", "xl"]  # searched again: its rows replaced
-    assert search(["small"], longest_high=64) == ["small"]  # another setting: starts over
+    assert search(["small"], **{"longest.high": 64}) == ["small"]  # another setting: starts over
 
 
 def test_longest_answer_gives_peak_memory_and_says_at_least_where_the_search_stopped() -> None:
@@ -411,14 +411,17 @@ def test_longest_answer_gives_peak_memory_and_says_at_least_where_the_search_sto
         {"preset": "xl", "context_length": 512, "fits": True, "peak_GiB": 41.25, "longest": 512},
         {"preset": "2.7B", "context_length": 256, "fits": False, "peak_GiB": float("nan"), "longest": float("nan")},
     ])
-    text = training_step._longest_text(rows, {"longest_high": 1024, "longest_checkpoint": [4],
+    text = training_step._longest_text(rows, {"longest": {"high": 1024, "checkpoint": [4]},
                                               "attention": "flash_triton"}).markdown
+    flat = training_step._longest_text(rows, {"longest_high": 1024, "longest_checkpoint": [4],
+                                              "attention": "flash_triton"}).markdown
+    assert flat == text  # records from before the parameter groups read the same
     assert "small at least 1,024 (9.5 GiB peak)" in text and "xl 512 (41.2 GiB peak)" in text
     assert "2.7B none" in text and "segments of 4 blocks" in text
     assert "so small may train at longer contexts" in text
     # searched past every preset's limit: no "at least", no note
-    text = training_step._longest_text(rows, {"longest_high": 4096}).markdown
-    assert "at least" not in text and "longest_high" not in text
+    text = training_step._longest_text(rows, {"longest": {"high": 4096}}).markdown
+    assert "at least" not in text and "longest.high" not in text
     assert training_step._longest_text(None, {}) is None
     # the writeup's table: each preset's longest fit and shortest failure, in context order
     edge = training_step._boundary(rows)

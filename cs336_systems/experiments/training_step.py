@@ -32,9 +32,16 @@ from cs336_systems.benchmarking import train_step
 from cs336_systems.benchmarking.end_to_end import default_device
 from cs336_systems.benchmarking.sweep import OK, deadline_left, run_sweep
 from cs336_systems.configs import PRESETS as ALL_PRESETS
-from cs336_systems.experiments.section import Section, check_positive, check_presets, param
+from cs336_systems.experiments.section import Section, check_positive, check_presets, group, param
 from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
+
+
+@dataclass(frozen=True)
+class LongestSearch:
+    presets: list[str] = param(["small", "medium", "large", "xl", "2.7B"], "presets searched ([]: none)")
+    checkpoint: list[int] = param([4], "checkpoint levels of the search's steps")
+    high: int = param(131072, "longest context tried")
 
 
 @dataclass(frozen=True)
@@ -60,20 +67,17 @@ class Params:
     split_steps: int = param(3, "profiled steps per stack for the time split of each cell (0: none)")
     baseline: bool = param(True, "also time and profile our model as it started (eager, SDPA, per-parameter "
                            "AdamW: train_step.BASELINE_CHANGES) after each cell's pair, on its own")
-    longest_presets: list[str] = param(["small", "medium", "large", "xl", "2.7B"],
-                                       "presets whose longest trainable context is searched ([]: none)")
-    longest_checkpoint: list[int] = param([4], "checkpoint levels for the longest-context search")
-    longest_high: int = param(131072, "longest context tried")
+    longest: LongestSearch = group(LongestSearch(), "the longest context each preset trains at")
     ceiling_sizes: list[int] = param([4096, 8192, 16384], "square matmul sizes of the measured ceiling ([]: none)")
 
     def check(self) -> None:
-        check_presets(*self.presets, *self.longest_presets)
+        check_presets(*self.presets, *self.longest.presets)
         if self.resident not in train_step.RESIDENCY:
             raise ValueError(f"resident must be one of {', '.join(train_step.RESIDENCY)}, got {self.resident!r}")
         if self.split_steps < 0:
             raise ValueError(f"split_steps must be >= 0, got {self.split_steps}")
         check_positive(tokens_per_step=self.tokens_per_step, rounds=self.rounds, steps=self.steps,
-                       budget_s=self.budget_s, longest_high=self.longest_high,
+                       budget_s=self.budget_s, **{"longest.high": self.longest.high},
                        **{f"contexts[{i}]": c for i, c in enumerate(self.contexts)})
         bad = [c for c in self.contexts if self.tokens_per_step % c]
         if bad:
@@ -84,10 +88,11 @@ class Params:
 
 PRESETS = {
     "full": Params(),
-    "quick": Params(presets=["small", "xl"], contexts=[1024], rounds=2, budget_s=240.0, longest_presets=["xl"]),
+    "quick": Params(presets=["small", "xl"], contexts=[1024], rounds=2, budget_s=240.0,
+                    longest=LongestSearch(presets=["xl"])),
     "smoke": Params(presets=["tiny"], contexts=[16, 32], tokens_per_step=64, precision="fp32", compile=False,
-                    attention="sdpa", rounds=1, steps=1, warmup=0, budget_s=60.0, split_steps=1, longest_presets=["tiny"],
-                    longest_checkpoint=[1], longest_high=32, ceiling_sizes=[64]),
+                    attention="sdpa", rounds=1, steps=1, warmup=0, budget_s=60.0, split_steps=1,
+                    longest=LongestSearch(presets=["tiny"], checkpoint=[1], high=32), ceiling_sizes=[64]),
 }
 
 
@@ -161,18 +166,19 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
         configs = [{"context_length": c} for c in p.contexts]
         run_sweep(cell, configs, desc=f"training step {preset}", budget_s=deadline_left(deadline), on_row=write)
-    if p.longest_presets:
+    if p.longest.presets:
         from cs336_systems.benchmarking.max_context import longest_contexts
 
         base = train_step.StepSpec(batch_size=1, precision=p.precision, attention=p.attention,
-                                   optimizer=p.optimizer, checkpoint=tuple(p.longest_checkpoint),
+                                   optimizer=p.optimizer, checkpoint=tuple(p.longest.checkpoint),
                                    fused_projections=p.fused_projections)
         # One preset at a time, each written when its search ends: all five take longer than one GPU job, so
-        # jobs split by preset (--set 'presets=[]' --set longest_presets=xl) combine at one commit and setting.
+        # jobs split by preset (--set 'presets=[]' --set longest.presets=xl) combine at one commit and setting.
         longest = rows_of_this_run(out, "longest_context", asdict(p), LONGEST_PARAMS)
-        for preset in p.longest_presets:
-            found = longest_contexts([preset], base, low=min(256, p.longest_high), high=p.longest_high,
-                                     granularity=min(256, p.longest_high), device=device)
+        for preset in p.longest.presets:
+            high = p.longest.high
+            found = longest_contexts([preset], base, low=min(256, high), high=high, granularity=min(256, high),
+                                     device=device)
             longest = merge_rows(found, longest, "preset", order=list(ALL_PRESETS))
             out.table(longest, "longest_context")
         result["longest_context"] = longest
@@ -185,7 +191,7 @@ STEP_PARAMS = ("tokens_per_step", "precision", "compile", "compile_mode", "atten
 
 
 #: Parameters that change what the longest-context search finds: searches that agree on them combine.
-LONGEST_PARAMS = ("precision", "attention", "optimizer", "fused_projections", "longest_checkpoint", "longest_high")
+LONGEST_PARAMS = ("precision", "attention", "optimizer", "fused_projections", "longest.checkpoint", "longest.high")
 
 
 #: Every preset's measured tables (the order of the combined tables).
@@ -250,6 +256,7 @@ from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import join_words, ok_rows, question, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
 from cs336_systems.report.document import Block, Text  # noqa: E402
+from cs336_systems.results import recorded  # noqa: E402
 
 
 def answer(d: SectionData) -> list[Block]:
@@ -364,7 +371,8 @@ def _longest_text(longest: pd.DataFrame | None, params: dict[str, Any]) -> Text 
     tried is reported as "at least" that, since the search never looked further."""
     if longest is None or not {"preset", "longest"} <= set(longest.columns):
         return None
-    high = params.get("longest_high")
+    # the search's group, or the flat names of records from before the parameter groups
+    high = recorded(params, "longest.high", params.get("longest_high"))
     found, at_top = [], []
     for preset, rows in longest.groupby("preset", sort=False):
         best = rows["longest"].iloc[0]
@@ -377,17 +385,17 @@ def _longest_text(longest: pd.DataFrame | None, params: dict[str, Any]) -> Text 
         memory = f" ({peak.iloc[0]:.1f} GiB peak)" if peak is not None and len(peak) and pd.notna(peak.iloc[0]) else ""
         found.append(f"{preset} {'at least ' if top else ''}{int(best):,}{memory}")
     how = [f"{params['attention']} attention"] if params.get("attention") else []
-    levels = params.get("longest_checkpoint") or []
+    levels = recorded(params, "longest.checkpoint", params.get("longest_checkpoint")) or []
     if levels:
         how.append("activation checkpointing in segments of " + " within ".join(map(str, levels)) + " blocks")
     text = ("Longest context of a batch-1 training step (forward, loss, backward and optimizer step, run twice "
             "without running out of memory" + (", with " + join_words(how) if how else "") + "): "
             + join_words(found) + ".")
     if at_top:
-        text += (f" The search stops at {int(high):,} tokens (`longest_high`), so {join_words(at_top)} may train "
+        text += (f" The search stops at {int(high):,} tokens (`longest.high`), so {join_words(at_top)} may train "
                  "at longer contexts still.")
     searched = set(longest["preset"])
-    unsearched = [pr for pr in PRESETS["full"].longest_presets if pr not in searched]
+    unsearched = [pr for pr in PRESETS["full"].longest.presets if pr not in searched]
     if unsearched:
         text += f" Not searched in these runs: {join_words(unsearched)}."
     return Text(text)
@@ -497,7 +505,7 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
 from cs336_systems.experiments.section import Job  # noqa: E402
 
 #: What every grid job of the full run sets: no search (its own jobs), two rounds, a budget inside ten minutes.
-_GRID_JOB = {"longest_presets": [], "rounds": 2, "budget_s": 540.0}
+_GRID_JOB = {"longest.presets": [], "rounds": 2, "budget_s": 540.0}
 
 
 SECTION = Section(
@@ -521,8 +529,8 @@ SECTION = Section(
             ({"presets": ["2.7B"], "tokens_per_step": 4096, "contexts": [1024]}, 5.0),  # 8192 tokens: out of memory
             ({"presets": ["2.7B"], "tokens_per_step": 4096, "contexts": [4096]}, 4.2),
         )),
-        Job({"presets": [], "longest_presets": ["small", "medium", "large"]}, 1.7, "the longest-context search"),
-        Job({"presets": [], "longest_presets": ["xl"]}, 6.9, "the longest-context search"),
-        Job({"presets": [], "longest_presets": ["2.7B"]}, 2.6, "the longest-context search"),
+        Job({"presets": [], "longest.presets": ["small", "medium", "large"]}, 1.7, "the longest-context search"),
+        Job({"presets": [], "longest.presets": ["xl"]}, 6.9, "the longest-context search"),
+        Job({"presets": [], "longest.presets": ["2.7B"]}, 2.6, "the longest-context search"),
     ),
 )
