@@ -158,6 +158,11 @@ def _parameters(size: object) -> float:
         return -1.0
 
 
+def _status_words(status: str) -> str:
+    """A failed cell's status as the answers say it."""
+    return "out of memory" if status == "OOM" else str(status)
+
+
 def _longest_fit(df: pd.DataFrame | None) -> str:
     """Per size, the longest context that ran and the shortest that did not (the grid's memory limit)."""
     from cs336_systems.report.answers import join_words
@@ -171,7 +176,7 @@ def _longest_fit(df: pd.DataFrame | None) -> str:
         if failed.empty:
             continue  # every context ran: the grid did not reach this size's limit
         first = failed.sort_values("context_length").iloc[0]
-        why = "out of memory" if first["status"] == "OOM" else str(first["status"])
+        why = _status_words(first["status"])
         parts.append(f"{size} up to {int(ran.max()):,} ({int(first['context_length']):,}: {why})" if not ran.empty
                      else f"{size} at none of its contexts ({why})")
     return ("The longest context each size trained at on this GPU: " + join_words(parts) + ".") if parts else ""
@@ -187,8 +192,7 @@ def _grid_sentence(df: pd.DataFrame | None) -> str:
     sizes = list(dict.fromkeys(df["size"].astype(str)))
     contexts = sorted({int(c) for c in df["context_length"]})
     failed = df[df["status"] != "ok"]
-    why = {"OOM": "out of memory"}
-    cells = [f"{r['size']} at {int(r['context_length']):,} ({why.get(r['status'], r['status'])})"
+    cells = [f"{r['size']} at {int(r['context_length']):,} ({_status_words(r['status'])})"
              for _, r in failed.iterrows()]
     return (f"Profiled: {join_words(sizes)} at contexts {join_words([f'{c:,}' for c in contexts])}, "
             f"{len(df) - len(failed)} of {len(df)} configurations"
