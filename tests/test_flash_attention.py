@@ -945,6 +945,108 @@ def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, la
         assert err_gluon <= 1.5 * err_triton + tol / 4, f"{name}: {err_gluon:.3g} vs Triton {err_triton:.3g}"
 
 
+# --------------------------------------------------------------------------------------------------
+# The Gluon dK/dV backward (Hopper): eligibility and an offline sm_90 compile anywhere, numerics on a Hopper GPU
+# --------------------------------------------------------------------------------------------------
+
+
+def test_gluon_backward_eligibility() -> None:
+    """The Gluon dK/dV kernel is off unless asked for; then it takes what the Gluon forward takes (16-bit,
+    head dims 64 and 128, contiguous or head views, 16-byte aligned) plus a placeable dO and unit-stride
+    dK/dV, and says why it declines anything else; its tiles are an option checked in one line."""
+    from cs336_systems.attention import flash_bwd_sm90 as sm90
+
+    q, k, v, do = (torch.randn(2, 3, 40, 64, dtype=torch.bfloat16) for _ in range(4))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    assert "disabled" in sm90.ineligibility(q, k, v, do, dk, dv, (9, 0))  # off by default
+    with options.use(gluon_backward=True):
+        assert sm90.ineligibility(q, k, v, do, dk, dv, (9, 0)) is None
+        assert "Hopper" in sm90.ineligibility(q, k, v, do, dk, dv, (8, 0))
+        assert "float16 or bfloat16" in sm90.ineligibility(*(t.float() for t in (q, k, v, do)), dk, dv, (9, 0))
+        narrow = [t[..., :32].contiguous() for t in (q, k, v, do)]
+        assert "head dim 32" in sm90.ineligibility(*narrow, dk, dv, (9, 0))
+        assert "do is not contiguous" in sm90.ineligibility(q, k, v, do.transpose(2, 3).contiguous().transpose(2, 3),
+                                                              dk, dv, (9, 0))  # fmt: skip
+        shifted = torch.randn(v.numel() + 1, dtype=torch.bfloat16)[1:].view(v.shape)
+        assert "16-byte" in sm90.ineligibility(q, k, shifted, do, dk, dv, (9, 0))
+        assert "unit stride" in sm90.ineligibility(q, k, v, do, dk.transpose(2, 3).contiguous().transpose(2, 3),
+                                                    dv, (9, 0))  # fmt: skip
+    with options.use(gluon_backward=True, gluon_head_views=True):
+        views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do)]
+        assert sm90.ineligibility(*views, dk, dv, (9, 0)) is None
+        assert "laid out differently" in sm90.ineligibility(views[0], k, views[2], views[3], dk, dv, (9, 0))
+    with options.use(gluon_backward_tiles={64: (64, 192, 3)}):
+        assert sm90.tile_for(64) == (64, 192, 3) and sm90.tile_for(128) == sm90.TILES[128]
+    with pytest.raises(ValueError, match="gluon_backward_tiles: head dim 64 or 128 to"):
+        options.FlashOptions(gluon_backward_tiles={64: (64, 64, 2)})  # 64 keys: one consumer
+    with pytest.raises(ValueError, match="gluon_backward must be True or False"):
+        options.FlashOptions(gluon_backward=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("head_dim", "poly"), [(64, True), (64, False), (128, True)], ids=str)
+def test_gluon_backward_compiles_for_hopper(head_dim: int, poly: bool) -> None:
+    """The warp-specialized dK/dV kernel builds for sm_90 with this Triton: rebalanced registers,
+    asynchronous wgmma products, TMA copies, shared memory inside 227 KiB; the polynomial exponential
+    replaces every ``ex2`` when asked for; at head dim 64 no register spills (where cuobjdump ships)."""
+    import json
+    import subprocess
+    import sys
+
+    script = f"""
+import glob, json, os, subprocess, tempfile, triton
+from cs336_systems.attention import flash_bwd_sm90
+compiled = flash_bwd_sm90.compile_for_hopper({head_dim}, True, None, {poly})
+usage = ""
+tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
+if tools:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"]); cubin.flush()
+        usage = subprocess.run([tools[0], "-res-usage", cubin.name], capture_output=True, text=True).stdout
+print(json.dumps({{"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "usage": usage}}))
+"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
+    assert ("ex2.approx" in result["ptx"]) != poly
+    assert result["shared"] <= 227 * 1024
+    if result["usage"] and head_dim == 64:
+        assert "LOCAL:0" in result["usage"].replace(" ", ""), result["usage"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("case", [Case(1000, 1000, 64, True, 3), Case(700, 1000, 64, False, 2),
+                                  Case(77, 77, 64, True, 1), Case(1030, 1030, 128, False, 2),
+                                  Case(2048, 2048, 128, True, 2), Case(300, 300, 64, True, None)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, layout: str) -> None:
+    """Where it applies the Gluon dK/dV kernel runs, and dK and dV match the Triton kernel's and float64
+    (dQ is the Triton kernel's either way)."""
+    from cs336_systems.attention import flash_triton
+
+    q, k, v, do = _inputs(case, dtype)
+    if layout == "bshd":
+        if case.heads is None:
+            pytest.skip("3-D inputs have no heads to lay out")
+        q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
+    four_d = [t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v, do)]
+    with options.use(gluon_backward=True, gluon_head_views=layout == "bshd"):
+        assert flash_triton._gluon_backward_module(*four_d, four_d[1], four_d[2]) is not None
+        gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    want = _reference(q, k, v, do, case.is_causal)
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    for name, a, b, ref in list(zip(NAMES, gluon, triton_, want))[3:]:
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+        err_gluon, err_triton = (a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item()
+        assert err_gluon <= 1.5 * err_triton + tol / 4, f"{name}: {err_gluon:.3g} vs Triton {err_triton:.3g}"
+
+
 def test_descriptors_filled_in_directly_equal_triton_s_validated_ones() -> None:
     """``_descriptor`` skips ``TensorDescriptor``'s checks (host time on every call) by filling in its fields;
     the result must be the very descriptor the constructor builds, and a Triton whose descriptor has other

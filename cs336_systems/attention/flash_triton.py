@@ -244,6 +244,18 @@ def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> M
     return module if module.ineligibility(q, k, v, capability, is_causal) is None else None
 
 
+def _gluon_backward_module(q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor) -> ModuleType | None:
+    """:mod:`.flash_bwd_sm90` when its Hopper dK/dV kernel covers these 4-D tensors, else None (Triton's);
+    what it takes is decided by ``flash_bwd_sm90.ineligibility``, as for the forward."""
+    if q.device.type != "cuda" or interpreter_enabled() or not options.current().gluon_backward:
+        return None
+    capability = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if capability != (9, 0):
+        return None
+    module = importlib.import_module(".flash_bwd_sm90", __package__)
+    return module if module.ineligibility(q, k, v, do, dk, dv, capability) is None else None
+
+
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
@@ -346,7 +358,8 @@ def _backward(
 def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, ld: Tensor, dq: Tensor,
                      dk: Tensor, dv: Tensor, is_causal: bool, scale: float) -> None:
     """Launch the two backward kernels: dQ, which also fills ``ld`` (:func:`_row_buffer`'s
-    ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them."""
+    ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them (the Gluon
+    dK/dV kernel on Hopper where ``options.gluon_backward`` asks for it and it applies)."""
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
@@ -377,6 +390,10 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
         *q.stride(), *do.stride(), *o.stride(), *lse.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group,
         *shape_args,
     ), constexprs)  # fmt: skip
+    gluon = _gluon_backward_module(q, k, v, do, dk, dv)
+    if gluon is not None:
+        gluon.flash_backward_dkdv(q, k, v, do, ld, dk, dv, is_causal, scale)
+        return
     FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
         k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv,
         *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,

@@ -62,11 +62,15 @@ DEFAULT_CANDIDATES: dict[str, tuple[Tile, ...]] = {
 
 #: Default :attr:`FlashOptions.l2_share` (docs/flash_attention/l2_head_groups.md).
 DEFAULT_L2_SHARE = 0.5
-#: The Gluon forward's tiles: (BLOCK_M, BLOCK_N, STAGES) with BLOCK_M two or three 64-row consumers.
-_GLUON_BLOCK_M = (128, 192)
+#: The Gluon kernels' tiles, (BLOCK_M, BLOCK_N) choices: the forward's BLOCK_M is two or three 64-query
+#: consumers, the dK/dV backward's BLOCK_N two or three 64-key consumers.
+_GLUON_FORWARD_TILES = ((128, 192), (64, 128))
+_GLUON_BACKWARD_TILES = ((64, 128), (128, 192))
 
 
-def _gluon_tiles(value: Any) -> tuple[tuple[int, tuple[int, int, int]], ...] | None:
+def _gluon_tiles(value: Any, name: str = "gluon_tiles",
+                 allowed: tuple[tuple[int, ...], tuple[int, ...]] = _GLUON_FORWARD_TILES,
+                 ) -> tuple[tuple[int, tuple[int, int, int]], ...] | None:
     """``{head_dim: (BLOCK_M, BLOCK_N, STAGES)}`` (JSON keys may be strings) as a sorted, hashable tuple."""
     if value is None:
         return None
@@ -76,11 +80,11 @@ def _gluon_tiles(value: Any) -> tuple[tuple[int, tuple[int, int, int]], ...] | N
         try:
             d, tile = int(d), tuple(int(x) for x in tile)
         except (TypeError, ValueError):
-            raise ValueError(f"gluon_tiles maps a head dim to (BLOCK_M, BLOCK_N, STAGES), got {d!r}: {tile!r}") \
+            raise ValueError(f"{name} maps a head dim to (BLOCK_M, BLOCK_N, STAGES), got {d!r}: {tile!r}") \
                 from None
-        if d not in (64, 128) or len(tile) != 3 or tile[0] not in _GLUON_BLOCK_M or tile[1] not in (64, 128) \
+        if d not in (64, 128) or len(tile) != 3 or tile[0] not in allowed[0] or tile[1] not in allowed[1] \
                 or not 1 <= tile[2] <= 6:
-            raise ValueError(f"gluon_tiles: head dim 64 or 128 to (BLOCK_M in {_GLUON_BLOCK_M}, BLOCK_N 64 or 128, "
+            raise ValueError(f"{name}: head dim 64 or 128 to (BLOCK_M in {allowed[0]}, BLOCK_N in {allowed[1]}, "
                              f"STAGES 1-6), got {d}: {tile}")
         tiles.append((d, tile))
     return tuple(sorted(tiles))
@@ -124,6 +128,9 @@ class FlashOptions:
     when causal), is at least this; shorter rows run the Triton forward, whose lighter programs finish
     sooner (the threshold and the measurements behind it: docs/flash_attention/short_forward.md). 0: the Gluon
     forward wherever it applies.
+    ``gluon_backward``: run the warp-specialized Gluon dK/dV kernel on Hopper where it applies
+    (:mod:`.flash_bwd_sm90`); the dQ kernel is Triton's either way.
+    ``gluon_backward_tiles``: ``{head_dim: (BLOCK_M, BLOCK_N, STAGES)}`` for that kernel, e.g. for A/B.
     """
 
     autotune: bool = True
@@ -134,9 +141,11 @@ class FlashOptions:
     l2_share: float | None = DEFAULT_L2_SHARE
     gluon_tiles: Any = None
     gluon_min_key_work: int = DEFAULT_GLUON_MIN_KEY_WORK
+    gluon_backward: bool = False
+    gluon_backward_tiles: Any = None
 
     def __post_init__(self) -> None:
-        for flag in ("autotune", "gluon", "gluon_head_views"):
+        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         share = self.l2_share
@@ -146,6 +155,8 @@ class FlashOptions:
         if isinstance(work, bool) or not isinstance(work, int) or work < 0:
             raise ValueError(f"gluon_min_key_work must be a non-negative integer (keys x head dim), got {work!r}")
         object.__setattr__(self, "gluon_tiles", _gluon_tiles(self.gluon_tiles))
+        object.__setattr__(self, "gluon_backward_tiles", _gluon_tiles(self.gluon_backward_tiles,
+                                                                      "gluon_backward_tiles", _GLUON_BACKWARD_TILES))
         object.__setattr__(self, "poly_exp2", _phases(self.poly_exp2))
         given = dict(self.candidates or {})
         unknown = set(given) - set(PHASES)
@@ -178,6 +189,9 @@ class FlashOptions:
             "l2_share": self.l2_share,
             "gluon_tiles": {d: list(t) for d, t in self.gluon_tiles} if self.gluon_tiles else None,
             "gluon_min_key_work": self.gluon_min_key_work,
+            "gluon_backward": self.gluon_backward,
+            "gluon_backward_tiles": ({d: list(t) for d, t in self.gluon_backward_tiles}
+                                     if self.gluon_backward_tiles else None),
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),
         }

@@ -1,0 +1,340 @@
+"""The FlashAttention dK/dV backward for Hopper (sm_90) in Gluon: warp-specialized, like the forward.
+
+Why a second dK/dV kernel. The Triton dK/dV kernel holds one 64-key tile per program and lets Triton
+pipeline the Q and dO tiles it streams; the four products per step (``Sᵀ = K Qᵀ``, ``dPᵀ = V dOᵀ``,
+``dV += Pᵀ dO``, ``dK += dSᵀ Q``) then wait on each other and on the exponentials between them. Here a
+producer warp streams Q and dO through a ring of shared-memory buffers with TMA, and two or three consumer
+warpgroups, each owning 64 keys of the program's key tile, share every streamed tile: one copy of Q and dO
+feeds ``BLOCK_N`` keys, and one consumer's exponentials run under another's products (the forward's
+reason for several consumers, :mod:`.flash_fwd_sm90`).
+
+Per query tile a consumer issues ``Sᵀ`` and ``dPᵀ`` asynchronously, waits for ``Sᵀ`` only, exponentiates
+(``Pᵀ = 2^(Sᵀ·scale·log2 e − L·log2 e)``), issues ``dV += Pᵀ dO`` from registers, then waits for ``dPᵀ``,
+forms ``dSᵀ = Pᵀ ∘ (dPᵀ − D)`` and issues ``dK += dSᵀ Q``. Working on transposed score tiles keeps Pᵀ and
+dSᵀ in the registers that feed the next products: nothing is transposed through shared memory.
+
+dQ is not computed here: the Triton dQ kernel runs first (it also writes the ``[L·log2 e; D]`` row pairs
+this kernel reads), as in the Triton backward. Scope: as the Gluon forward (16-bit inputs, head dims 64
+and 128, Q, K, V and dO each contiguous or, with ``gluon_head_views``, a head view); :func:`ineligibility`
+says why a call is not covered, and the Triton dK/dV kernel then runs.
+
+Gluon has no CPU interpreter: CI compiles the kernel for sm_90 offline (:func:`compile_for_hopper`); the GPU
+tests check its numerics against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import options
+from .flash_fwd_sm90 import _GLUON_DTYPES, _MAX_ROWS, _Placement, _tma_load, placement
+from .flash_common import _exp2_fma
+from .launch_cache import FLASH_LAUNCHES
+from .scheduling import heads_per_l2_group
+
+#: Keys per consumer warpgroup: one ``wgmma`` row block of ``Sᵀ``.
+ROWS = gl.constexpr(64)
+#: ``(BLOCK_M, BLOCK_N, STAGES)`` per head dim: queries per streamed tile, keys per program (64 per consumer),
+#: depth of the Q/dO ring. At head dim 128 a consumer holds dK and dV (64 x 128 float32 each) besides Sᵀ and
+#: dPᵀ, so the query tile stays at 64.
+TILES: dict[int, tuple[int, int, int]] = {64: (64, 128, 3), 128: (64, 128, 2)}
+#: Registers per thread of a consumer and of the producer warp (``setmaxnreg``), by the number of consumers.
+REGISTERS: dict[int, tuple[int, int]] = {2: (240, 24), 3: (160, 24)}
+#: How this kernel exponentiates, as the options decide for a dK/dV tile that pins nothing.
+_POLY_PIN = options.Tile(64, 128, 4, 2)
+#: Warps per consumer partition (one warpgroup).
+_CONSUMER_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+              k_row0, kv_col, q_row0, q_col, do_row0, do_col, n_steps,
+              CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """TMA copies: each consumer's K and V rows once, then query tile ``i`` of Q and dO into buffer
+    ``i % STAGES`` once every consumer is done with it."""
+    mbarrier.expect(kv_bar, 2 * CONSUMERS * k_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        _tma_load(k_desc, [k_row0 + c * ROWS, kv_col], kv_bar, k_smem.index(c))
+        _tma_load(v_desc, [k_row0 + c * ROWS, kv_col], kv_bar, v_smem.index(c))
+    for i in range(n_steps):
+        stage = i % STAGES
+        # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once.
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row0 + i * BLOCK_M, q_col], bar, q_smem.index(stage))
+        _tma_load(do_desc, [do_row0 + i * BLOCK_M, do_col], bar, do_smem.index(stage))
+
+
+@gluon.jit
+def _consumer(part, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow,
+              DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps,
+              qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
+    """dK and dV of keys ``[start_n + part·ROWS, +ROWS)`` over ``n_steps`` query tiles from ``lo``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    first = start_n + part * ROWS
+    keys = first + gl.arange(0, ROWS, layout=s_rows)
+    key_ok = gl.expand_dims(keys < n_keys, 1)
+    k_tile = k_smem.index(part)
+    v_tile = v_smem.index(part)
+    no_acc = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    # Query tiles that lie inside the sequence and (causal) wholly at or after this warpgroup's last key
+    # see every score unmasked.
+    clean_from = first + ROWS if IS_CAUSAL else 0
+    clean_to = (n_queries // BLOCK_M) * BLOCK_M
+    all_keys = first + ROWS <= n_keys
+
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_steps):
+        stage = i % STAGES
+        start_m = lo + i * BLOCK_M
+        queries = start_m + gl.arange(0, BLOCK_M, layout=s_cols)
+        query_ok = queries < n_queries
+        lse2 = gl.load(LD + ld_head + queries, mask=query_ok, other=0.0)
+        delta = gl.load(LD + ld_head + stride_ldrow + queries, mask=query_ok, other=0.0)
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        st_token = warpgroup_mma(k_tile, q_tile.permute((1, 0)), no_acc, use_acc=False, is_async=True)
+        dpt_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), no_acc, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=[st_token])  # Sᵀ is done; dPᵀ may still run
+        x = st * qk_scale - gl.expand_dims(lse2, 0)
+        if POLY_EXP2:  # on the FMA pipe (flash_common._exp2_fma), leaving MUFU to the other consumer
+            pt = _exp2_fma(x)
+        else:
+            pt = gl.exp2(x)
+        if (start_m < clean_from) or (start_m + BLOCK_M > clean_to) or (not all_keys):
+            visible = key_ok & gl.expand_dims(query_ok, 0)
+            if IS_CAUSAL:
+                visible = visible & (gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1))
+            pt = gl.where(visible, pt, 0.0)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv_token = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dPᵀ is done; dV's product may still run
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        dst_op = gl.convert_layout(dst.to(dtype), op_layout)
+        dk_token = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, pt_op, dst_op])
+        mbarrier.arrive(empty.index(stage))  # this warpgroup has read Q_i and dO_i
+
+    acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    acc_cols: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    rows = gl.expand_dims(first + gl.arange(0, ROWS, layout=acc_rows), 1)
+    cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=acc_cols), 0)
+    rows_ok = rows < n_keys
+    gl.store(DK + dk_head + rows.to(gl.int64) * stride_dkn + cols, (dk * sm_scale).to(dtype), mask=rows_ok)
+    gl.store(DV + dv_head + rows.to(gl.int64) * stride_dvn + cols, dv.to(dtype), mask=rows_ok)
+
+
+@gluon.jit
+def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV, n_queries, n_keys, qk_scale,
+                                     sm_scale, n_heads, head_group, kv_rows_b, kv_rows_h, kv_col_h, q_rows_b,
+                                     q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h, stride_ldbh, stride_ldrow,
+                                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                     PRODUCER_REGS: gl.constexpr, POLY_EXP2: gl.constexpr):
+    CONSUMERS: gl.constexpr = BLOCK_N // ROWS
+    gl.static_assert(BLOCK_N == 128 or BLOCK_N == 192, "BLOCK_N: two or three consumer warpgroups of 64 keys")
+    dtype: gl.constexpr = q_desc.dtype
+    # Program -> (key tile, batch * head) as the Triton dK/dV kernel decodes it (``_tile_and_head``):
+    # groups of ``head_group`` heads whose Q, dO and [L; D] fit in L2, heads fastest inside a group; causal
+    # key tiles in order, since the first see the most queries.
+    pid = gl.program_id(0)
+    n_tiles_n = gl.cdiv(n_keys, BLOCK_N)
+    n_bh = gl.num_programs(0) // n_tiles_n
+    first_bh = (pid // (head_group * n_tiles_n)) * head_group
+    size = gl.minimum(head_group, n_bh - first_bh)
+    in_group = pid - first_bh * n_tiles_n
+    tile_n = in_group // size
+    bh = first_bh + in_group % size
+    start_n = tile_n * BLOCK_N
+    b = bh // n_heads
+    h = bh % n_heads
+    if IS_CAUSAL:
+        lo = gl.minimum((start_n // BLOCK_M) * BLOCK_M, n_queries)  # earlier queries see none of these keys
+    else:
+        lo = 0
+    n_steps = gl.cdiv(n_queries - lo, BLOCK_M)
+    k_row0 = b * kv_rows_b + h * kv_rows_h + start_n
+    q_row0 = b * q_rows_b + h * q_rows_h + lo
+    do_row0 = b * do_rows_b + h * do_rows_h + lo
+    ld_head = bh.to(gl.int64) * stride_ldbh
+    dk_head = b.to(gl.int64) * stride_dkb + h.to(gl.int64) * stride_dkh
+    dv_head = b.to(gl.int64) * stride_dvb + h.to(gl.int64) * stride_dvh
+
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    # Register budgets as in the forward: the producer warp keeps few, the consumers share the rest.
+    # ``warp_specialize`` takes a literal list of (function, arguments) pairs (see flash_fwd_sm90).
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (0, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
+                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
+                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+            (_consumer, (1, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
+                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
+                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                         k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
+                         BLOCK_M, STAGES)),
+        ], [_CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
+                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
+                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+            (_consumer, (1, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
+                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
+                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+            (_consumer, (2, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
+                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
+                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                         k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
+                         BLOCK_M, STAGES)),
+        ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+
+def ineligibility(q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor,
+                  capability: tuple[int, int] | None) -> str | None:
+    """Why this kernel does not run these ``(batch, heads, n, d)`` tensors, or None when it does.
+    ``options.use(gluon_backward=False)`` turns it off (the Triton dK/dV kernel then runs everywhere)."""
+    opts = options.current()
+    if not opts.gluon_backward:
+        return "disabled by the options (gluon_backward=False)"
+    if capability != (9, 0):
+        return f"needs a Hopper GPU (compute capability 9.0), got {capability}"
+    if q.dtype not in _GLUON_DTYPES:
+        return f"needs float16 or bfloat16, got {q.dtype}"
+    if q.shape[-1] not in TILES:
+        return f"head dim {q.shape[-1]} not in {sorted(TILES)}"
+    places = {}
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
+        where = places[name] = placement(t, opts.gluon_head_views)
+        if where is None:
+            return (f"{name} is neither contiguous nor a (batch, seq, heads, d) head view" if opts.gluon_head_views
+                    else f"{name} is not contiguous")
+        if t.data_ptr() % 16 or where.row_stride * t.element_size() % 16:
+            return f"{name} does not start on a 16-byte boundary or its rows are not whole 16-byte units"
+        if where.shape[0] > _MAX_ROWS:
+            return f"{name} has more than 2**31 - 1 rows"
+    if places["k"][2:] != places["v"][2:]:
+        return "k and v are laid out differently"
+    if dk.stride(-1) != 1 or dv.stride(-1) != 1:
+        return "dk and dv need unit stride along the head dim"
+    return None
+
+
+def tile_for(d: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, STAGES)`` for head dim ``d``: ``options.gluon_backward_tiles`` if it names ``d``,
+    else :data:`TILES`."""
+    for head_dim, tile in options.current().gluon_backward_tiles or ():
+        if head_dim == d:
+            return tile
+    return TILES[d]
+
+
+@functools.cache
+def _layouts(dtype: torch.dtype, d: int, block_m: int) -> tuple[Any, Any]:
+    """Shared-memory layouts of the K/V tiles (64 keys) and the streamed Q/dO tiles (``block_m`` queries)."""
+    gl_dtype = _GLUON_DTYPES[dtype]
+    return (gl.NVMMASharedLayout.get_default_for([ROWS.value, d], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([block_m, d], gl_dtype))
+
+
+def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor, dk: Tensor, dv: Tensor,
+                        is_causal: bool, scale: float) -> None:
+    """Write dK and dV for inputs that :func:`ineligibility` accepts. ``ld``: the float32
+    ``(batch * heads, 2, n_queries)`` ``[L·log2 e; D]`` row pairs the Triton dQ kernel wrote."""
+    batch, heads, n_queries, d = q.shape
+    n_keys = k.shape[2]
+    block_m, block_n, stages = tile_for(d)
+    kv_layout, q_layout = _layouts(q.dtype, d, block_m)
+    head_views = options.current().gluon_head_views
+    q_at, do_at, kv_at = placement(q, head_views), placement(do, head_views), placement(k, head_views)
+    assert q_at is not None and do_at is not None and kv_at is not None, "inputs that ineligibility() rejects"
+
+    def descriptor(t: Tensor, at: _Placement, rows: int, layout: Any) -> Any:
+        return TensorDescriptor(t, list(at.shape), [at.row_stride, 1], [rows, d], layout)
+
+    k_desc, v_desc = descriptor(k, kv_at, ROWS.value, kv_layout), descriptor(v, kv_at, ROWS.value, kv_layout)
+    q_desc, do_desc = descriptor(q, q_at, block_m, q_layout), descriptor(do, do_at, block_m, q_layout)
+    grid = (-(-n_keys // block_n) * batch * heads,)
+    group = heads_per_l2_group(batch * heads, n_queries * (2 * d * q.element_size() + 8), q.device)
+    FLASH_LAUNCHES.launch(flash_backward_dkdv_gluon_kernel, grid, (
+        k_desc, v_desc, q_desc, do_desc, ld, dk, dv, n_queries, n_keys, scale * 1.4426950408889634, scale,
+        heads, group, *kv_at[2:], *q_at[2:], *do_at[2:], *ld.stride()[:2],
+        *dk.stride()[:3], *dv.stride()[:3],
+    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
+            CONSUMER_REGS=REGISTERS[block_n // 64][0], PRODUCER_REGS=REGISTERS[block_n // 64][1],
+            POLY_EXP2=options.current().poly_for("dkdv", _POLY_PIN),
+            num_warps=_CONSUMER_WARPS.value))  # fmt: skip
+
+
+def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None,
+                       poly: bool = False):
+    """Compile the kernel for sm_90 without a GPU, as :func:`.flash_fwd_sm90.compile_for_hopper` does for the
+    forward (same caveat: not under ``TRITON_INTERPRET=1``); returns Triton's compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    block_m, block_n, stages = tile or TILES[head_dim]
+
+    def descriptor(rows: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
+                  "IS_CAUSAL": is_causal, "CONSUMER_REGS": REGISTERS[block_n // 64][0],
+                  "PRODUCER_REGS": REGISTERS[block_n // 64][1], "POLY_EXP2": poly}  # fmt: skip
+    types = {"k_desc": descriptor(ROWS.value), "v_desc": descriptor(ROWS.value), "q_desc": descriptor(block_m),
+             "do_desc": descriptor(block_m), "LD": "*fp32", "DK": "*bf16", "DV": "*bf16", "qk_scale": "fp32",
+             "sm_scale": "fp32", **dict.fromkeys(constexprs, "constexpr")}  # fmt: skip
+    signature = {name: types.get(name, "i32") for name in flash_backward_dkdv_gluon_kernel.arg_names}
+    kernel = flash_backward_dkdv_gluon_kernel
+    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("LD", "DK", "DV")}
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": _CONSUMER_WARPS.value})
