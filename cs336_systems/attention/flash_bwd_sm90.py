@@ -3,15 +3,21 @@
 Why a second dK/dV kernel. The Triton dK/dV kernel holds one 64-key tile per program and lets Triton
 pipeline the Q and dO tiles it streams; the four products per step (``Sᵀ = K Qᵀ``, ``dPᵀ = V dOᵀ``,
 ``dV += Pᵀ dO``, ``dK += dSᵀ Q``) then wait on each other and on the exponentials between them. Here a
-producer warp streams Q and dO through a ring of shared-memory buffers with TMA, and two or three consumer
+producer warp streams Q and dO through a ring of shared-memory buffers with TMA, and two consumer
 warpgroups, each owning 64 keys of the program's key tile, share every streamed tile: one copy of Q and dO
 feeds ``BLOCK_N`` keys, and one consumer's exponentials run under another's products (the forward's
-reason for several consumers, :mod:`.flash_fwd_sm90`).
+reason for several consumers, :mod:`.flash_fwd_sm90`). Three consumers (``BLOCK_N`` = 192) compile but
+spill at the registers three warpgroups leave each.
 
 Per query tile a consumer issues ``Sᵀ`` and ``dPᵀ`` asynchronously, waits for ``Sᵀ`` only, exponentiates
 (``Pᵀ = 2^(Sᵀ·scale·log2 e − L·log2 e)``), issues ``dV += Pᵀ dO`` from registers, then waits for ``dPᵀ``,
 forms ``dSᵀ = Pᵀ ∘ (dPᵀ − D)`` and issues ``dK += dSᵀ Q``. Working on transposed score tiles keeps Pᵀ and
-dSᵀ in the registers that feed the next products: nothing is transposed through shared memory.
+dSᵀ in the registers that feed the next products: nothing is transposed through shared memory. A
+software-pipelined variant (waiting for a step's dV and dK products only after issuing the next step's
+scores) measured slower and was dropped.
+
+Off by default (``options.gluon_backward``): on an H200 it is level with the Triton dK/dV kernel at head dim
+128 and slower at 64 (docs/flash_attention/gluon_backward.md has the numbers and what to try next).
 
 dQ is not computed here: the Triton dQ kernel runs first (it also writes the ``[L·log2 e; D]`` row pairs
 this kernel reads), as in the Triton backward. Scope: as the Gluon forward (16-bit inputs, head dims 64
@@ -25,7 +31,6 @@ tests check its numerics against the float64 reference.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -52,10 +57,9 @@ ROWS = gl.constexpr(64)
 #: depth of the Q/dO ring. At head dim 128 a consumer holds dK and dV (64 x 128 float32 each) besides Sᵀ and
 #: dPᵀ, so the query tile stays at 64.
 TILES: dict[int, tuple[int, int, int]] = {64: (64, 128, 3), 128: (64, 128, 2)}
-#: Registers per thread of a consumer and of the producer warp (``setmaxnreg``), by the number of consumers.
+#: Registers per thread of a consumer and of the producer warp (``setmaxnreg``), by the number of consumers:
+#: at head dim 128 a consumer's dK, dV, Sᵀ and dPᵀ nearly fill 240, and 232 spilled more.
 REGISTERS: dict[int, tuple[int, int]] = {2: (240, 24), 3: (160, 24)}
-#: How this kernel exponentiates, as the options decide for a dK/dV tile that pins nothing.
-_POLY_PIN = options.Tile(64, 128, 4, 2)
 #: Warps per consumer partition (one warpgroup).
 _CONSUMER_WARPS = gl.constexpr(4)
 
@@ -124,7 +128,7 @@ def _consumer(part, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, l
         dpt_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), no_acc, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=[st_token])  # Sᵀ is done; dPᵀ may still run
         x = st * qk_scale - gl.expand_dims(lse2, 0)
-        if POLY_EXP2:  # on the FMA pipe (flash_common._exp2_fma), leaving MUFU to the other consumer
+        if POLY_EXP2:  # on the FMA pipe (flash_common._exp2_fma) instead of MUFU
             pt = _exp2_fma(x)
         else:
             pt = gl.exp2(x)
@@ -267,6 +271,15 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: T
     return None
 
 
+def _polynomial_exp2() -> bool:
+    """Whether to exponentiate on the FMA pipe: only where ``options.poly_exp2`` names ``dkdv`` explicitly.
+    Unlike the Triton dK/dV kernel (whose tiles default to the polynomial) this one runs ``ex2`` by default:
+    with a second consumer's products to overlap, the polynomial's extra FMA work measured slower at both
+    head dims (docs/flash_attention/gluon_backward.md)."""
+    phases = options.current().poly_exp2
+    return phases is not None and "dkdv" in phases
+
+
 def tile_for(d: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, STAGES)`` for head dim ``d``: ``options.gluon_backward_tiles`` if it names ``d``,
     else :data:`TILES`."""
@@ -309,7 +322,7 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
         *dk.stride()[:3], *dv.stride()[:3],
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
             CONSUMER_REGS=REGISTERS[block_n // 64][0], PRODUCER_REGS=REGISTERS[block_n // 64][1],
-            POLY_EXP2=options.current().poly_for("dkdv", _POLY_PIN),
+            POLY_EXP2=_polynomial_exp2(),
             num_warps=_CONSUMER_WARPS.value))  # fmt: skip
 
 
