@@ -118,7 +118,7 @@ def test_data_parallel_steps_are_compared_across_sections_and_edition_grids(tmp_
 
 
 def test_the_eager_training_step_of_the_benchmark_and_of_the_compile_comparison_are_compared(tmp_path) -> None:
-    """§1.1.3's whole step (when its run timed training steps) and §1.3.1's eager one share a key."""
+    """§1.1.3's whole step (when its run timed training steps) and §1.3's eager one share a key."""
     _write(tmp_path, "benchmarking", "timings", pd.DataFrame(
         {"size": ["small"], "status": ["ok"], "forward_mean_ms": [19.0], "total_mean_ms": [66.0],
          "total_std_ms": [0.5]}), {"context_length": 512, "mode": "train"})

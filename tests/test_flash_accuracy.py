@@ -168,7 +168,7 @@ def test_out_of_memory_is_recorded_as_such(monkeypatch) -> None:
     assert (rows["status"] == fa.OOM).all() and rows["note"].str.startswith("CUDA out of memory").all()
 
 
-# --- §1.3.3, the writeup section over the grid ------------------------------------------------------------------
+# --- §1.3.5, the writeup section over the grid ------------------------------------------------------------------
 
 
 def _cell_rows(dtype: str, seq: int, errors: dict[str, float], ours: str = "ours") -> list[dict]:

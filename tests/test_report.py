@@ -27,7 +27,7 @@ from cs336_systems.results import ResultWriter
 
 SECTIONS = list(_SECTIONS.values())
 
-EXPECTED_SECTIONS = ["1.1.2", "1.1.3", "1.1.4", "1.1.5", "1.1.6", "1.1.7", "1.2.1", "1.3.1", "1.3.2", "1.3.3", "1.4", "1.5", "2.1.3", "2.2", "2.3.1",
+EXPECTED_SECTIONS = ["1.1.2", "1.1.3", "1.1.4", "1.1.5", "1.1.6", "1.1.7", "1.2.1", "1.3", "1.3.2", "1.3.5", "1.4", "1.5", "2.1", "2.2", "2.3.1",
                      "2.3.2", "2.3.3", "2.4", "2.5", "3", "3.1", "4"]
 
 
@@ -812,11 +812,11 @@ def test_an_edition_writeup_cites_its_own_section_numbers() -> None:
     from cs336_systems.writeup.build import _renumbered
     from cs336_systems.report.document import Figure, Question, Text
 
-    numbers = {"2.1.3": "5.1", "2.3.2": "5.3.2"}
-    text = _renumbered(Text("the fit of §2.1.3 and the profile in §2.3.2; §1.4 is not here"), numbers).markdown
+    numbers = {"2.1": "5.1", "2.3.2": "5.3.2"}
+    text = _renumbered(Text("the fit of §2.1 and the profile in §2.3.2; §1.4 is not here"), numbers).markdown
     assert text == "the fit of §5.1 and the profile in §5.3.2; `writeup.pdf` §1.4 is not here"
-    assert _renumbered(Text("run `notes §2.1.3` as in §2.1.3"), numbers).markdown == "run `notes §2.1.3` as in §5.1"
-    q = _renumbered(Question("a", "as in §2.1.3", [Figure(Path("x.png"), "see §2.3.2", "", {})]), numbers)
+    assert _renumbered(Text("run `notes §2.1` as in §2.1"), numbers).markdown == "run `notes §2.1` as in §5.1"
+    q = _renumbered(Question("a", "as in §2.1", [Figure(Path("x.png"), "see §2.3.2", "", {})]), numbers)
     assert q.prompt == "as in §5.1" and q.blocks[0].caption == "see §5.3.2"
 
 
@@ -892,7 +892,7 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
         _verdict(naive, pd.Series({"step_ms": 110.0}))
     assert "to 101 ms, within the two rows' summed step-to-step spread (±5.00 ms): no gain in step time." in \
         _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}))
-    # With §2.1.3's fit the reason is the measured split: 435 calls × 20 µs = 8.7 ms fixed, 8 GB / 400 GB/s = 20 ms.
+    # With §2.1's fit the reason is the measured split: 435 calls × 20 µs = 8.7 ms fixed, 8 GB / 400 GB/s = 20 ms.
     why = _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}), {"o": 20e-6, "w": 400e9})
     assert "435 calls' fixed cost is 8.70 ms against 20.0 ms to move 8.00 GB" in why
 
@@ -937,7 +937,7 @@ def test_fsdp_answer_discloses_the_course_fsdp_tests_that_fail(tmp_path) -> None
 
 def test_edition_grids_read_their_own_edition_of_other_sections(tmp_path) -> None:
     """An edition grid's answers compare with the same edition's all-reduce fit (one cost model per writeup):
-    §2.1.3's alpha per ring step becomes a call's latency 2(p-1)·alpha and its bandwidth B·p/(2(p-1))."""
+    §2.1's alpha per ring step becomes a call's latency 2(p-1)·alpha and its bandwidth B·p/(2(p-1))."""
     from cs336_systems.experiments.ddp_common import published_fit
     from cs336_systems.report.data import SectionData
 

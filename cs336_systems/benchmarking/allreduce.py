@@ -3,7 +3,7 @@ worker that times every size on the current process group (or spawns local ranks
 
 Conventions follow nccl-tests (``doc/PERFORMANCE.md``): **algbw** = ``size / time``; **busbw** = ``algbw ×
 2(n−1)/n``, the per-rank link bandwidth a ring all-reduce actually used; time is the slowest rank's mean
-over the timed iterations. Used by the all-reduce section (§2.1.3) and by the DDP step benchmark, which
+over the timed iterations. Used by the all-reduce section (§2.1) and by the DDP step benchmark, which
 times all-reduces on its own process group for the bucket-size model.
 """
 

@@ -158,7 +158,7 @@ def outlier_note(r: Any) -> str:
 
 
 def published_fit(allreduce: SectionData, backend: str = "nccl", world_size: int = 2) -> dict | None:
-    """Per-call latency ``o`` (s) and algorithm bandwidth ``w`` (bytes/s) from §2.1.3's own latency-bandwidth
+    """Per-call latency ``o`` (s) and algorithm bandwidth ``w`` (bytes/s) from §2.1's own latency-bandwidth
     fit (``allreduce_alpha_beta``: t = 2(p-1) alpha + 2 (p-1)/p n/B, so o = 2(p-1) alpha and w = B p / (2(p-1))),
     so every section quotes the one cost model; else fitted here to its raw times."""
     fit = allreduce.frame("allreduce_alpha_beta")
@@ -454,7 +454,7 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
 
     Instantiated with the bucketed benchmark's own fit (``overhead_model_*``: ``o`` and ``w`` from
     all-reduces timed in the same run, ``s`` of the benchmarked model) when it exists, else with ``o``
-    and ``w`` fitted to the §2.1.3 NCCL all-reduce times and the XL model's fp32 gradients."""
+    and ``w`` fitted to the §2.1 NCCL all-reduce times and the XL model's fp32 gradients."""
     blocks: list[Block] = [
         Text("Split the $s$ bytes of gradients into $n_b$ equal buckets. One bucket's all-reduce takes "
              "$o + s/(n_b w)$; by assumption computing one bucket's gradients takes as long as its bandwidth term, "

@@ -38,7 +38,7 @@ from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402  (answers
 
 def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
     """The handout's one or two sentences: the step and the communication, batched against per parameter, judged
-    against the two rows' step-to-step spread; then why, with the per-call cost and bandwidth of §2.1.3's fit
+    against the two rows' step-to-step spread; then why, with the per-call cost and bandwidth of §2.1's fit
     where it is measured."""
     calls, gb = known(naive.get("num_buckets")), known(naive.get("grad_bytes"))
     n = f"{int(calls)} calls" if calls else "one call per parameter"
@@ -59,7 +59,7 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
              f"{fmt.ms(flat['step_ms'])}, {judged}{comm}.")
     if fit is not None and calls and gb:
         fixed, transfer = calls * fit["o"] * 1e3, gb / fit["w"] * 1e3
-        return first + (f" With §2.1.3's fit, {n}' fixed cost is {fmt.ms(fixed)} against {fmt.ms(transfer)} to "
+        return first + (f" With §2.1's fit, {n}' fixed cost is {fmt.ms(fixed)} against {fmt.ms(transfer)} to "
                         f"move {fmt.sig(gb / 1e9)} GB: flattening can remove at most the first, and it adds a copy "
                         "of every gradient into the flat buffer and back.")
     if saved > noise:
@@ -78,7 +78,7 @@ def _memory(naive: Any, flat: Any) -> str:
 
 
 def _fit(d: SectionData, naive: Any, name: str | None) -> dict | None:
-    """§2.1.3's all-reduce fit for this grid and world size, where it was measured on the same device."""
+    """§2.1's all-reduce fit for this grid and world size, where it was measured on the same device."""
     allreduce = d.sibling("distributed_communication_single_node")
     if "world_size" not in naive.index or allreduce.meta("allreduce").get("device") != d.meta(name or "").get("device"):
         return None  # another machine's links say nothing about this run

@@ -1,4 +1,4 @@
-"""All-reduce benchmark (§2.1.3): time, algorithm bandwidth and bus bandwidth of fp32 all-reduce for
+"""All-reduce benchmark (§2.1): time, algorithm bandwidth and bus bandwidth of fp32 all-reduce for
 several message sizes, backends (gloo on CPU, NCCL on GPU) and process counts, next to the peak the
 measured NVLink topology allows.
 
@@ -504,7 +504,7 @@ def answer(d: SectionData) -> list[Block]:
 
 
 SECTION = Section(
-    name=SECTION_NAME, number="2.1.3", title="Single-node collective communication",
+    name=SECTION_NAME, number="2.1", title="Single-node collective communication",
     problems=("distributed_communication_single_node",), answer=answer, presets=PRESETS, run=run, derive=derive,
     derive_inputs=("allreduce", "topology"), gpus=2,
     editions={"cse599o": {"backends": ["nccl"], "nproc": [2, 4, 8]}},  # its Problem 1: NCCL on 2, 4 and 8 GPUs

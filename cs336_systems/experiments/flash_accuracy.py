@@ -1,4 +1,4 @@
-"""§1.3.3 FlashAttention accuracy against float64 (beyond the handout): at every shape of §1.3.2's shapes grid,
+"""§1.3.5 FlashAttention accuracy against float64 (beyond the handout): at every shape of §1.3.2's shapes grid,
 the error of our O, dQ, dK and dV against an exact float64 reference, beside SDPA's flash and cuDNN backends.
 
 A faster kernel is only a replacement if it is as accurate as the one it replaces. The bar: our error at most
@@ -291,7 +291,7 @@ def _largest(table: pd.DataFrame | None) -> pd.DataFrame | None:
 
 
 SECTION = Section(
-    name="flash_accuracy", number="1.3.3", title="FlashAttention accuracy against float64 (beyond the handout)",
+    name="flash_accuracy", number="1.3.5", title="FlashAttention accuracy against float64 (beyond the handout)",
     problems=("beyond the handout",), answer=answer, presets=PRESETS, run=run, derive=derive,
     derive_inputs=ERROR_TABLES,
     depends=("cs336_systems/attention/", "cs336_systems/benchmarking/flash_accuracy.py",

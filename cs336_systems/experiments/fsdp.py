@@ -537,7 +537,7 @@ def _idle_text(d: SectionData) -> Text | None:
 
 
 def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) -> str:
-    """The forward's all-gathers against §2.1.3's latency-bandwidth fit: a ring all-gather of S bytes in all
+    """The forward's all-gathers against §2.1's latency-bandwidth fit: a ring all-gather of S bytes in all
     over p ranks takes (p-1)·alpha + (p-1)/p·S/B per call set; kernel time far above that is waiting."""
     from cs336_systems.experiments.ddp_common import published_fit
 
@@ -552,8 +552,8 @@ def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) ->
     bandwidth = fit["w"] * 2 * (p - 1) / p  # back to the fit's B per rank
     predicted = (int(r["gathers"]) * (p - 1) * fit["alpha_us"] * 1e-6 + (p - 1) / p * psi * width / bandwidth) * 1e3
     if float(r["gather_ms"]) < 2 * predicted:
-        return f" §2.1.3's fit predicts {fmt.ms(predicted)} for these gathers, close to what their kernels took."
-    return (f" §2.1.3's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(psi * width / 1e9)} GB gathered "
+        return f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers, close to what their kernels took."
+    return (f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(psi * width / 1e9)} GB gathered "
             f"in {int(r['gathers'])} calls); their kernels took {fmt.ratio(float(r['gather_ms']) / predicted)} "
             "that. An NCCL kernel also counts the time it waits for the other rank to arrive, and the other rank "
             "runs the same launch-bound forward, so this kernel time is an upper bound on the transfer; which part "
@@ -561,7 +561,7 @@ def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) ->
 
 
 def _gathers_against_fit(d: SectionData) -> Text | None:
-    """Beyond the question: the profiled forward's gathers against §2.1.3's fit (the appendix)."""
+    """Beyond the question: the profiled forward's gathers against §2.1's fit (the appendix)."""
     summary = d.frame("gathers_summary")
     if summary is None or not len(summary) or not {"gathers", "gather_ms"} <= set(summary.columns):
         return None
@@ -669,7 +669,7 @@ def answer(d: SectionData) -> list[Block]:
                  "weights finish in time for the forward pass?", _gathers_blocks(d),
                  what="the all-gather profile (`--set parts=gathers`)"),
         Text("", role=BEYOND_HANDOUT),  # the gathers' cost against the communication model: the appendix
-        *([question(d, "fsdp_accounting (b)", "The forward's all-gathers against §2.1.3's latency–bandwidth fit.",
+        *([question(d, "fsdp_accounting (b)", "The forward's all-gathers against §2.1's latency–bandwidth fit.",
                     [fit])] if (fit := _gathers_against_fit(d)) is not None else []),
     ]
 

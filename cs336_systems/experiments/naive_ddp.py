@@ -189,7 +189,7 @@ def _model_name(df: Any) -> str:
 
 
 def _against_microbenchmark(d: SectionData, naive: Any) -> Text | None:
-    """The naive step's communication against what the all-reduce microbenchmark (§2.1.3) predicts for the same
+    """The naive step's communication against what the all-reduce microbenchmark (§2.1) predicts for the same
     calls: ``n`` all-reduces moving ``S`` bytes in all take ``n·o + S/w`` with the latency ``o`` and algorithm
     bandwidth ``w`` fitted there (NCCL, the same world size)."""
     need = ("num_buckets", "grad_bytes", "sync_ms", "world_size")
@@ -212,7 +212,7 @@ def _against_microbenchmark(d: SectionData, naive: Any) -> Text | None:
            "faster than it")
     per_step = (f" (the ring's $2(p-1)$ steps of $\\alpha$ = {fmt.sig(fit['alpha_us'], 3)} µs each)"
                 if "alpha_us" in fit else "")
-    return Text(f"Against the all-reduce microbenchmark (§2.1.3, NCCL on {int(naive['world_size'])} GPUs), a call "
+    return Text(f"Against the all-reduce microbenchmark (§2.1, NCCL on {int(naive['world_size'])} GPUs), a call "
                 f"costs a fixed $o$ = {fmt.sig(fit['o'] * 1e6, 2)} µs{per_step} plus its bytes $S$ at "
                 f"$w$ = {fmt.sig(fit['w'] / 1e9)} GB/s: "
                 f"{n} calls moving {fmt.sig(size / 1e9)} GB predict $n\\,o + S/w$ = {fmt.ms(predicted)}; the naive "

@@ -231,7 +231,7 @@ def _softmax_across(summary: pd.DataFrame) -> str:
 
 
 def _reconciled(d: SectionData) -> str | None:
-    """How this section's Python-timed forwards compare with §1.1.3's, §1.1.5's and §1.3.1's of the same models."""
+    """How this section's Python-timed forwards compare with §1.1.3's, §1.1.5's and §1.3's of the same models."""
     from cs336_systems.report.agreement import reconcile
 
     return reconcile(d.root, d.folder, "summary", "The Python-timed forward passes")

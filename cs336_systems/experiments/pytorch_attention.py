@@ -2,7 +2,7 @@
 head): forward and backward time, memory before backward, which cells run out of memory, and the
 memory accounting of the smallest one that does.
 
-Problem ``pytorch_attention``. The grid and its heatmap are shared with §1.3.1 (``torch_compile``).
+Problem ``pytorch_attention``. The grid and its heatmap are shared with §1.3 (``torch_compile``).
 """
 
 from __future__ import annotations

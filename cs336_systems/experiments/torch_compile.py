@@ -1,4 +1,4 @@
-"""§1.3.1 torch.compile: the §1.2.1 attention grid compiled against eager (same run), and the whole model
+"""§1.3 torch.compile: the §1.2.1 attention grid compiled against eager (same run), and the whole model
 compiled against vanilla for a forward pass and a full training step.
 
 Problem ``torch_compile``.
@@ -167,7 +167,7 @@ def plot_compile_speedup(attention_speedup: pd.DataFrame, model_speedup: pd.Data
 
 
 def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
-    """Figures of §1.3.1 from its ``attention_speedup`` (and, when measured, ``model_speedup``) tables."""
+    """Figures of §1.3 from its ``attention_speedup`` (and, when measured, ``model_speedup``) tables."""
     fig = plot_compile_speedup(tables["attention_speedup"], tables.get("model_speedup"), meta)
     return Derived(figures={"compile_speedup": (fig, "attention_speedup")})
 
@@ -281,7 +281,7 @@ def _planned_sizes() -> list[str]:
 
 
 SECTION = Section(
-    name="torch_compile", number="1.3.1", title="torch.compile", problems=("torch_compile",), answer=answer,
+    name="torch_compile", number="1.3", title="torch.compile", problems=("torch_compile",), answer=answer,
     presets=PRESETS, run=run, derive=derive, derive_inputs=("attention_speedup", "model_speedup"),
     depends=(*MODEL, *TIMING, "cs336_systems/benchmarking/attention.py", "cs336_systems/experiments/pytorch_attention.py"),
     # wall times seen on an H200 at d1391de (not on an H100, so not as minutes): the attention grid's eager half

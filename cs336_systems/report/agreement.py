@@ -2,8 +2,8 @@
 
 Several sections time the same thing as part of their own question: the fp32 forward of a model preset at
 context 512 is a row of §1.1.3 (end-to-end), §1.1.4 (profiling, Python-timed), §1.1.5 (mixed precision)
-and §1.3.1 (eager beside compiled), its eager training step one of §1.1.3 and §1.3.1; the eager attention
-of one shape is in §1.2.1 and again in §1.3.1; the data-parallel sections share their steps.
+and §1.3 (eager beside compiled), its eager training step one of §1.1.3 and §1.3; the eager attention
+of one shape is in §1.2.1 and again in §1.3; the data-parallel sections share their steps.
 Measured by different jobs, on different days or machines, they can disagree, and a reader sees two
 answers to one question. :data:`SHARED` lists where each section keeps such cells and the key that says
 what a cell measured (quantity, model or shape, precision, context, batch, pass);

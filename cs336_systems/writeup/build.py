@@ -122,7 +122,7 @@ _CITATION = re.compile(r"(`[^`]*`)|§(\d+(?:\.\d+)*)")  # a code span (left as i
 
 
 def _renumbered(block: Block, numbers: dict[str, str]) -> Block:
-    """``block`` with its citations of workbook sections (``§2.1.3``) in another edition's numbers; a section
+    """``block`` with its citations of workbook sections (``§2.1``) in another edition's numbers; a section
     that edition lacks becomes ``writeup.pdf §N``. Prose and captions only: tables and figures keep their data."""
     def one(m: re.Match) -> str:
         if m.group(1):
