@@ -498,7 +498,7 @@ def test_fsdp_gather_answer_reads_the_profile(results: Path) -> None:
     out.table(gather_summary(tl), "gathers_summary", extra=extra)
     out.table(gather_waits(tl), "gathers_forward", extra=extra)
     text = build_document(results, strict=False).section("3.1").plain()
-    assert "xl@2026 (3.41 B parameters)" in text and "issued 2 all-gathers" in text
+    assert "2.7B (3.41 B parameters)" in text and "issued 2 all-gathers" in text  # 2026's xl, as 2025 names it
     assert "Yes, except where nothing can hide it: compute waited for 1 of them (the first" in text
     assert "0.9 ms in all" in text or "0.900 ms in all" in text
 
@@ -1051,7 +1051,7 @@ def test_sharding_memory_explains_a_saving_after_the_step_larger_than_the_state(
 
 
 def test_fsdp_expected_saving_from_the_accounting_beside_the_measured_one() -> None:
-    """2026's fsdp_accounting (a), for the largest model at the first world size; shapes name their aliases."""
+    """2026's fsdp_accounting (a), for the largest model at the first world size, named as each handout names it."""
     from cs336_systems.experiments.fsdp import _expected_saving, _model_label
 
     rows = []
@@ -1061,11 +1061,13 @@ def test_fsdp_expected_saving_from_the_accounting_beside_the_measured_one() -> N
                          "parameters": 12.7 * share * scale, "gradients": 12.7 * share * scale,
                          "optimizer_state": 25.4 * share * scale, "predicted_total": (63.3 if share == 1 else 38.2) * scale,
                          "before_step_peak": peak * scale - 1, "after_step_peak": peak * scale})
-    text = _expected_saving(pd.DataFrame(rows)).markdown
-    assert "for 2.7B (2560/10240/32/32, the same as xl@2026)" in text
+    text = _expected_saving(pd.DataFrame(rows), "2025").markdown
+    assert "for 2.7B (2560/10240/32/32)" in text
     assert "a saving of 42.7 GiB" in text and "more than expected" in text
-    assert _model_label("xl") == "xl (1600/6400/48/25)"
-    assert _expected_saving(pd.DataFrame(rows[:1])) is None  # no FSDP row
+    assert "for xl (2560/10240/32/32)" in _expected_saving(pd.DataFrame(rows), "2026").markdown
+    assert _model_label("xl", "2025") == "xl (1600/6400/48/25)"
+    assert _model_label("xl", "2026") == "CS336 2025's xl (1600/6400/48/25)"
+    assert _expected_saving(pd.DataFrame(rows[:1]), "2025") is None  # no FSDP row
 
 
 def test_overlap_answer_says_when_the_other_precision_reverses_it(tmp_path) -> None:
@@ -1348,3 +1350,17 @@ def test_mixed_precision_names_a_larger_model_whose_bf16_pass_is_faster() -> Non
     assert _not_monotonic(speed).startswith("; not monotonically, though: 2.7B's bf16 backward (141 ms) is faster "
                                             "than xl's (155 ms), a larger model in 32 layers against 48")
     assert _not_monotonic(speed.assign(backward_bf16_ms=[84.0, 130.0, 141.0])) == ""
+
+
+def test_models_are_named_as_each_handout_names_them() -> None:
+    """2026 calls 2025's 2.7B its xl; a model only another handout lists is named with that handout."""
+    import pandas as pd
+
+    from cs336_systems.report.answers import edition_models, handout_model
+
+    assert handout_model("2.7B", "2026") == handout_model("xl@2026", "2026") == "xl"
+    assert handout_model("xl", "2026") == "CS336 2025's xl"
+    assert handout_model("xl@2026", "2025") == "2.7B" and handout_model("xl", "2025") == "xl"
+    assert handout_model("tiny", "2026") == "tiny" and handout_model("not a preset", "2026") == "not a preset"
+    frame = edition_models(pd.DataFrame({"model": ["xl", "2.7B"], "ms": [1.0, 2.0]}), "2026")
+    assert list(frame["model"]) == ["CS336 2025's xl", "xl"] and list(frame["ms"]) == [1.0, 2.0]

@@ -50,7 +50,7 @@ from cs336_systems.profiling.gather_waits import gather_summary, gather_waits
 from cs336_systems.profiling.timeline import plot_timeline, profile_timeline
 from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import join_words, question, spread, step_verdict, subset
+from cs336_systems.report.answers import edition_models, handout_model, join_words, question, spread, step_verdict, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text
 from cs336_systems.measured_code import MODEL
@@ -402,19 +402,18 @@ def main(argv: list[str] | None = None) -> int:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
-def _model_label(name: str) -> str:
-    """A model by name and shape, with the presets of the same shape (2.7B is 2026's xl, xl@2026)."""
-    from cs336_systems.configs import PRESETS, model_shape
+def _model_label(name: str, edition: str) -> str:
+    """A model by the name ``edition``'s handout gives it (2026 calls 2.7B its xl) and its shape."""
+    from cs336_systems.configs import model_shape
 
     try:
         shape = model_shape(accounting.ladder_config(name))
     except ValueError:
         return name
-    same = [p for p, o in PRESETS.items() if p != name and model_shape(o) == shape]
-    return f"{name} ({'/'.join(map(str, shape))}" + (f", the same as {join_words(same)}" if same else "") + ")"
+    return f"{handout_model(name, edition)} ({'/'.join(map(str, shape))})"
 
 
-def _expected_saving(df: pd.DataFrame | None) -> Text | None:
+def _expected_saving(df: pd.DataFrame | None, edition: str) -> Text | None:
     """fsdp_accounting (a): the saving the optimizer-state accounting (§3) predicts for FSDP against DDP, and the one measured, for
     the largest model of the first world size."""
     need = {"model", "world_size", "strategy", "predicted_total", "parameters", "gradients", "optimizer_state",
@@ -434,7 +433,7 @@ def _expected_saving(df: pd.DataFrame | None) -> Text | None:
     measured = peak["ddp"] - peak["fsdp"]
     return Text(
         f"**Expected:** FSDP divides what optimizer-state sharding (§3) shards and more: the parameters, gradients and AdamW state ($16\\Psi$ "
-        f"bytes, {fmt.sig(state)} GiB for {_model_label(big)}) by $P$ = {p}, while the activations stay; the "
+        f"bytes, {fmt.sig(state)} GiB for {_model_label(big, edition)}) by $P$ = {p}, while the activations stay; the "
         f"accounting's peak per GPU goes from {fmt.sig(ddp['predicted_total'])} to {fmt.sig(fsdp['predicted_total'])} "
         f"GiB, a saving of {fmt.sig(expected)} GiB. **Measured:** {fmt.sig(peak['ddp'])} → {fmt.sig(peak['fsdp'])} "
         f"GiB, {fmt.sig(measured)} GiB saved"
@@ -444,7 +443,7 @@ def _expected_saving(df: pd.DataFrame | None) -> Text | None:
            ", as expected." if measured > 0.9 * expected else ", less than expected."))
 
 
-def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
+def _fsdp_sentence(df: pd.DataFrame | None, edition: str, peak: str = "after_step_peak",
                    label: str = "Peak memory per GPU after the optimizer step") -> Text | None:
     """Memory and time of every strategy for each (model, dtype, world size) they were run on."""
     need = {"model", "world_size", "strategy", peak, "step_ms"}
@@ -461,7 +460,7 @@ def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
             elif pd.notna(r[peak]):
                 parts.append(f"{r['strategy']} ({fmt.sig(r[peak])} GiB, {fmt.ms(r['step_ms'])})")
         if parts:
-            where = _model_label(key["model"]) + (f" {key['dtype']}" if "dtype" in key else "") + \
+            where = _model_label(key["model"], edition) + (f" {key['dtype']}" if "dtype" in key else "") + \
                 f" on {key['world_size']} GPUs"
             sentences.append(f"{where}: " + join_words(parts))
     if not sentences:
@@ -469,7 +468,7 @@ def _fsdp_sentence(df: pd.DataFrame | None, peak: str = "after_step_peak",
     return Text(f"{label} and time per step: " + "; ".join(sentences) + ".")
 
 
-def _against_fsdp2(df: pd.DataFrame | None) -> Text | None:
+def _against_fsdp2(df: pd.DataFrame | None, edition: str) -> Text | None:
     """The bar: our FSDP's step time over FSDP2's, per model, dtype and world size, judged against the spread."""
     need = {"model", "world_size", "strategy", "step_ms"}
     if df is None or not need <= set(df.columns):
@@ -484,7 +483,8 @@ def _against_fsdp2(df: pd.DataFrame | None) -> Text | None:
         ours, theirs = float(by.loc["fsdp", "step_ms"]), float(by.loc["fsdp2", "step_ms"])
         noise = spread(by.loc["fsdp", "step_ms_std"], by.loc["fsdp2", "step_ms_std"]) if "step_ms_std" in by.columns else 0.0
         key = dict(zip(keys, key))
-        parts.append(f"{key['model']}{' ' + key['dtype'] if 'dtype' in key else ''} on {key['world_size']} GPUs "
+        parts.append(f"{handout_model(key['model'], edition)}{' ' + key['dtype'] if 'dtype' in key else ''} on "
+                     f"{key['world_size']} GPUs "
                      f"{fmt.ratio(ours / theirs)} ({step_verdict(ours, theirs, noise)})")
     if not parts:
         return None
@@ -600,7 +600,7 @@ def _gathers_blocks(d: SectionData) -> list[Block | None]:
                        + f" {fmt.ms(r['wait_ms'])} in all ({fmt.pct(share)} of the forward; the longest wait "
                        f"{fmt.ms(r['max_wait_ms'])}).")
         text = Text(
-            f"One training step of {model} ({fmt.params(param_counts(accounting.ladder_config(model))['total'])} "
+            f"One training step of {handout_model(model, d.edition)} ({fmt.params(param_counts(accounting.ladder_config(model))['total'])} "
             f"parameters) with our FSDP on {ws} {'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, "
             f"{extra.get('compute_dtype', '?')} compute, {params.get('global_batch', '?')} sequences of "
             f"{params.get('context_length', '?')} tokens per step (split over the ranks), profiled on rank 0: the "
@@ -642,15 +642,15 @@ def answer(d: SectionData) -> list[Block]:
                      Equation([(r"M_{\mathrm{rank}} = \frac{16\,\Psi}{P} + M_{\mathrm{act}} + "
                                r"M_{\mathrm{gathered\ layers}},\qquad V_{\mathrm{rank}} \approx 3\,\Psi"
                                r"\ \mathrm{elements}")]),
-                     _fsdp_sentence(d.frame("relative_to_ddp"), "peak_GiB", "Peak memory per GPU")
-                     or _fsdp_sentence(d.frame("fsdp_vs_ddp")),
-                     _against_fsdp2(d.frame("fsdp_vs_ddp")),
+                     _fsdp_sentence(d.frame("relative_to_ddp"), d.edition, "peak_GiB", "Peak memory per GPU")
+                     or _fsdp_sentence(d.frame("fsdp_vs_ddp"), d.edition),
+                     _against_fsdp2(d.frame("fsdp_vs_ddp"), d.edition),
                      _course_test_failures(d),
                      d.figure("memory_and_time", caption="Per-GPU memory and step time: DDP, our FSDP and "
                               "PyTorch's FSDP2."),
-                     d.table("relative_to_ddp", caption="Per-GPU peak memory (GiB, measured and predicted) and "
+                     d.table("relative_to_ddp", frame=edition_models(d.frame("relative_to_ddp"), d.edition), caption="Per-GPU peak memory (GiB, measured and predicted) and "
                              "step time, and both relative to DDP (all measured columns: `fsdp_vs_ddp.csv`).")
-                     or d.table("fsdp_vs_ddp", frame=subset(d.frame("fsdp_vs_ddp"), "model", "dtype", "world_size",
+                     or d.table("fsdp_vs_ddp", frame=subset(edition_models(d.frame("fsdp_vs_ddp"), d.edition), "model", "dtype", "world_size",
                                                             "strategy", "status", "predicted_total", "before_step_peak",
                                                             "after_step_peak", "step_ms", "tokens_per_s"),
                                 caption="Per-GPU memory (GiB: predicted, and measured peaks before and after the "
@@ -664,7 +664,7 @@ def answer(d: SectionData) -> list[Block]:
                              "(of the sizes tried: a lower bound)."),
                  ], what="FSDP memory and step time"),
         question(d, "fsdp_accounting (a)", "How much memory do you expect FSDP to save from the peak, given the "
-                 "accounting of optimizer-state sharding (2026)?", [_expected_saving(d.frame("fsdp_vs_ddp"))]),
+                 "accounting of optimizer-state sharding (2026)?", [_expected_saving(d.frame("fsdp_vs_ddp"), d.edition)]),
         question(d, "fsdp_accounting (b)", "Profile the xl model (2026 table) on two GPUs: does the all-gather of "
                  "weights finish in time for the forward pass?", _gathers_blocks(d),
                  what="the all-gather profile (`--set parts=gathers`)"),

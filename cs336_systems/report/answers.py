@@ -121,6 +121,33 @@ def edition_rows(df: pd.DataFrame | None, edition: str, column: str = "size") ->
     return out[keep].reset_index(drop=True)
 
 
+def handout_model(preset: str, edition: str) -> str:
+    """What ``edition``'s handout calls the model of ``preset``: its own size name for the same architecture
+    (2026: ``xl`` for ``2.7B`` and for ``xl@2026``), else the preset under the handout that lists it (``CS336
+    2025's xl`` in the 2026 writeup); a name no handout lists, or that is no preset, stays as it is."""
+    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, model_shape
+    from cs336_systems.report.editions import HANDOUT_NAMES
+
+    try:
+        shape = model_shape(preset)
+    except ValueError:
+        return preset
+    for name in HANDOUT_SIZES_BY_EDITION.get(edition, ()):
+        if model_shape(name) == shape:
+            return name.partition("@")[0]
+    for other, table in HANDOUT_SIZES_BY_EDITION.items():
+        if preset in table and other != edition:
+            return f"{HANDOUT_NAMES.get(other, other)}'s {preset.partition('@')[0]}"
+    return preset
+
+
+def edition_models(df: pd.DataFrame | None, edition: str, column: str = "model") -> pd.DataFrame | None:
+    """``df`` with its ``column`` of presets named as ``edition``'s handout names them (:func:`handout_model`)."""
+    if df is None or column not in df.columns:
+        return df
+    return df.assign(**{column: [handout_model(str(x), edition) for x in df[column]]})
+
+
 def join_words(items: list[str]) -> str:
     """``["a", "b", "c"]`` → ``"a, b and c"``."""
     items = [str(i) for i in items]

@@ -95,8 +95,9 @@ EDITION_2026: tuple[Entry, ...] = (
     Entry("6", ("optimizer_state_sharding", "optimizer_state_sharding_accounting"), "optimizer_state_sharding",
           note=_xl_note("optimizer_state_sharding")),
     Entry("7", ("fsdp", "fsdp_accounting"), "fsdp",
-          note="The comparison below runs 2025's xl and 2.7B; fsdp_accounting (b) profiles 2026's xl "
-               "(`python -m cs336_systems.experiments fsdp --set parts=gathers`, two GPUs)."),
+          note="The comparison below runs this handout's xl (2025's 2.7B, the same model) and CS336 2025's smaller "
+               "xl; fsdp_accounting (b) profiles this handout's xl (`python -m cs336_systems.experiments fsdp "
+               "--set parts=gathers`, two GPUs)."),
     Entry("8", ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs"),
           "parallelism_strategies"),
     Entry("9", ("leaderboard",), "leaderboard", title="Leaderboard: a full training step of an 8B model on two GPUs",
