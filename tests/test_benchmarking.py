@@ -159,6 +159,39 @@ def test_sweep_records_oom_and_continues():
     assert table.loc["big", 1024] == "OOM" and table.loc["big", 128] == "128"
 
 
+def test_sweep_frees_what_an_out_of_memory_step_left_before_the_next_runs():
+    """A step that runs out of memory leaves its objects in its traceback's frames, often in reference cycles
+    that only the collector frees; the sweep must collect after the except block has dropped the traceback,
+    so the next configuration does not start with the failed one's tensors still allocated."""
+    import gc
+    import sys
+    import weakref
+
+    class Held:  # stands in for the failed step's model, optimizer state and activations
+        pass
+
+    refs: list[weakref.ref] = []
+
+    def step(i: int) -> dict:
+        if i == 0:
+            held = Held()
+            refs.append(weakref.ref(held))
+            cycle = [held]
+            cycle.append(sys._getframe())  # frame -> its locals -> cycle -> frame: only the collector frees it
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 38.00 GiB")
+        return {"failed_step_freed": refs[0]() is None}
+
+    enabled = gc.isenabled()
+    gc.disable()  # deterministic: nothing but the sweep's own collection may free the cycle
+    try:
+        df = run_sweep(step, grid(i=[0, 1]), progress=False)
+    finally:
+        if enabled:
+            gc.enable()
+    assert list(df["status"]) == ["OOM", "ok"]
+    assert bool(df["failed_step_freed"].iloc[1])
+
+
 def test_sweep_propagates_real_errors_and_honours_budget():
     def broken(x: int) -> dict:
         raise ValueError("a bug, not a result")

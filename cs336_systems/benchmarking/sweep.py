@@ -85,12 +85,13 @@ def run_sweep(
         except Exception as exc:  # noqa: BLE001 - filtered right below
             if not is_oom(exc):
                 raise
-            del exc
-            free_memory()
             rows.append({**config, "status": OOM})
         else:
             rows.append({**config, "status": OK, **result})
-            free_memory()
+        # Outside the except block: while it runs, the exception's traceback keeps the failed step's frames (its
+        # model, optimizer state and activations) reachable, so collecting there freed nothing and the next
+        # configuration ran with them still allocated.
+        free_memory()
         if on_row is not None:
             on_row(pd.DataFrame(rows))
     return pd.DataFrame(rows)
