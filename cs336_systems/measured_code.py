@@ -179,27 +179,48 @@ def _definitions_at(commit: str, depends: tuple[str, ...], repo: Path) -> Counte
     return found
 
 
-#: Commits declared not to change what any measurement measures (``HASH  reason`` per line; ``#`` comments).
+#: Commits declared not to change what any measurement measures (``HASH  reason`` per line; ``#`` comments), or
+#: not what some results measure (``HASH  [results: FOLDER, FOLDER]  reason``: neutral for those results folders
+#: only, e.g. a fix whose changed path none of their runs took).
 NEUTRAL_COMMITS = REPO_ROOT / "figures" / "neutral_commits.txt"
 
 
-def neutral_commits(repo: Path) -> list[str]:
-    """The commits of ``figures/neutral_commits.txt`` in ``repo``: each changed measuring code in a way that
-    changes no measurement (the model's attention plugins found through an entry point rather than by name,
-    say). Staleness carries a result's definitions across such a commit instead of calling them changed;
-    the reason on each line is what a reviewer checks."""
+def _neutral_ledger(repo: Path) -> list[tuple[str, frozenset[str] | None]]:
+    """``(commit, results folders or None for all)`` per line of the ledger in ``repo``."""
     ledger = Path(repo) / NEUTRAL_COMMITS.relative_to(REPO_ROOT)
     if not ledger.exists():
         return []
-    return [line.split()[0] for line in ledger.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    entries = []
+    for line in ledger.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        commit, _, rest = line.strip().partition(" ")
+        rest = rest.strip()
+        scope = None
+        if rest.startswith("[results:"):
+            inside, closed, _ = rest[len("[results:"):].partition("]")
+            if not closed:
+                raise ValueError(f"{NEUTRAL_COMMITS.name}: unclosed [results: ...] on the line of {commit}")
+            scope = frozenset(x.strip() for x in inside.split(",") if x.strip())
+        entries.append((commit, scope))
+    return entries
+
+
+def neutral_commits(repo: Path, results: str | None = None) -> list[str]:
+    """The commits of ``figures/neutral_commits.txt`` in ``repo`` that apply to the results folder ``results``
+    (every unscoped one; with ``results`` None, only those): each changed measuring code in a way that changes
+    no measurement (the model's attention plugins found through an entry point rather than by name, say).
+    Staleness carries a result's definitions across such a commit instead of calling them changed; the reason
+    on each line is what a reviewer checks."""
+    return [commit for commit, scope in _neutral_ledger(repo) if scope is None or (results is not None and results in scope)]
 
 
 def _carried_across_neutral_commits(commit: str, then: Counter[tuple[str, str]], depends: tuple[str, ...],
-                                    repo: Path) -> Counter[tuple[str, str]]:
-    """``then`` (the definitions at ``commit``) as each neutral commit after ``commit`` rewrote them: a
-    definition such a commit replaced gives way to everything that commit added (a rename or a split keeps
-    being tracked), so a later change to what it wrote still counts."""
-    listed = neutral_commits(repo)
+                                    repo: Path, results: str | None = None) -> Counter[tuple[str, str]]:
+    """``then`` (the definitions at ``commit``) as each neutral commit after ``commit`` (for the results folder
+    ``results``) rewrote them: a definition such a commit replaced gives way to everything that commit added (a
+    rename or a split keeps being tracked), so a later change to what it wrote still counts."""
+    listed = neutral_commits(repo, results)
     if not listed:
         return then
     later = (git(["rev-list", "--reverse", "--topo-order", f"{commit}..HEAD"], repo) or "").split()
@@ -215,10 +236,12 @@ def _carried_across_neutral_commits(commit: str, then: Counter[tuple[str, str]],
 
 
 @functools.lru_cache(maxsize=1024)
-def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT) -> tuple[str, ...] | None:
+def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT,
+                  results: str | None = None) -> tuple[str, ...] | None:
     """The files (as they were at ``commit``) under ``depends`` with a definition that no longer exists
-    unchanged anywhere under ``depends`` in the working tree (committed or not), after the neutral commits'
-    rewrites; ``None`` when ``commit`` is not a commit of this repository."""
+    unchanged anywhere under ``depends`` in the working tree (committed or not), after the rewrites of the
+    neutral commits that apply to the results folder ``results``; ``None`` when ``commit`` is not a commit of
+    this repository."""
     repo = Path(repo)
     if git(["cat-file", "-e", f"{commit}^{{commit}}"], repo) is None:
         return None
@@ -235,7 +258,7 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT)
     then = {path: (_file_definitions_at(commit, path, repo) if path in touched or not (repo / path).is_file()
                    else _file_definitions_now(repo / path))
             for path in then_files}
-    lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo) - now
+    lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo, results) - now
     if not lost:
         return ()
     names = {name for name, _ in lost}  # at the commit (as carried), and not as often now: blame their files
@@ -244,12 +267,14 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT)
                  or [f"{depends[0]} (a definition rewritten by a neutral commit)"])
 
 
-def same_measuring_code(commit: str, now: str, depends: Sequence[str], repo: Path = REPO_ROOT) -> bool:
-    """Whether a result measured at ``commit`` and the running code at ``now`` agree on every dependency:
-    both committed (no ``-dirty``), and no definition under ``depends`` changed between them."""
+def same_measuring_code(commit: str, now: str, depends: Sequence[str], repo: Path = REPO_ROOT,
+                        results: str | None = None) -> bool:
+    """Whether a result measured at ``commit`` (in the results folder ``results``) and the running code at
+    ``now`` agree on every dependency: both committed (no ``-dirty``), and no definition under ``depends``
+    changed between them."""
     if not commit or commit.endswith("-dirty") or now.endswith("-dirty") or now == "unknown":
         return False
-    return commit == now or changed_since(commit, tuple(depends), Path(repo)) == ()
+    return commit == now or changed_since(commit, tuple(depends), Path(repo), results) == ()
 
 
 @dataclass(frozen=True)
@@ -275,7 +300,8 @@ def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_RO
         return Freshness("stale", None, (), "no commit recorded: the code it measured is unknown")
     if raw.endswith("-dirty"):
         return Freshness("stale", commit, (), f"measured with uncommitted library changes on top of {commit[:9]}")
-    changed = changed_since(commit, tuple(depends), Path(repo))
+    results = meta.get("section")
+    changed = changed_since(commit, tuple(depends), Path(repo), str(results) if results else None)
     if changed is None:
         return Freshness("stale", commit, (), f"measured at {commit[:9]}, a commit this repository does not have")
     if changed:

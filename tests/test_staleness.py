@@ -192,6 +192,31 @@ def test_a_declared_neutral_commit_is_carried_across_and_a_later_change_still_co
     assert verdict.stale and verdict.changed == ("lib/kernel.py",)  # a later change to it still counts
 
 
+def test_a_neutral_commit_scoped_to_results_folders_carries_only_their_results(repo: Path) -> None:
+    """``HASH  [results: a, b/2026]  reason``: neutral for those results folders (a fix whose changed path their
+    runs never took), while every other folder measured before it goes stale; a bad scope is one line."""
+    from cs336_systems import measured_code
+
+    first = _git(repo, "rev-parse", "HEAD")
+    (repo / "figures").mkdir()
+    _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef sweep():\n    return 'before'\n")
+    measured = _git(repo, "rev-parse", "HEAD")
+    fix = _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef sweep():\n    return 'after'\n")
+    (repo / "figures" / "neutral_commits.txt").write_text(f"{fix[:12]}  [results: a, b/2026]  no run of theirs failed\n")
+    _git(repo, "add", "figures")
+    _commit(repo, "lib/other.py", "y = 1\n")
+    measured_code.changed_since.cache_clear()
+    for folder, state in (("a", "fresh"), ("b/2026", "fresh"), ("b", "stale"), (None, "stale")):
+        meta = {"git_commit": measured, **({"section": folder} if folder else {})}
+        assert staleness.freshness(meta, ["lib/"], repo).state == state, folder
+    assert staleness.freshness({"git_commit": first, "section": "b"}, ["lib/"], repo).state == "fresh"  # no sweep then
+    (repo / "figures" / "neutral_commits.txt").write_text(f"{fix[:12]}  [results: a  reason\n")
+    measured_code.changed_since.cache_clear()
+    with pytest.raises(ValueError, match=r"unclosed \[results: \.\.\.\]"):
+        staleness.freshness({"git_commit": measured, "section": "a"}, ["lib/"], repo)
+    measured_code.changed_since.cache_clear()
+
+
 def test_a_neutral_commit_rewriting_two_definitions_of_one_name(repo: Path) -> None:
     """Two files each with a ``main``, both rewritten by one declared commit: carried across once each."""
     (repo / "figures").mkdir()
