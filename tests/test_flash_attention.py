@@ -879,20 +879,18 @@ def test_gluon_forward_reads_head_views_when_asked() -> None:
         options.FlashOptions(gluon_head_views="yes")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("head_dim", "tile"), [(64, None), (128, None), (64, (128, 128, 3))], ids=str)
-def test_gluon_forward_compiles_for_hopper(head_dim: int, tile: tuple[int, int, int] | None) -> None:
-    """The warp-specialized kernel builds for sm_90 with this Triton: partitions with rebalanced registers,
-    asynchronous wgmma products, TMA copies, its buffers inside the 227 KiB of shared memory, and no
-    register spills (where this Triton ships cuobjdump)."""
+def _compile_offline_in_subprocess(call: str) -> dict:
+    """Run ``call`` (a ``compile_for_hopper`` of :mod:`cs336_systems.attention`'s Gluon modules) in a process
+    without ``TRITON_INTERPRET`` and return its PTX, shared-memory bytes and, where this Triton ships
+    cuobjdump, the cubin's resource usage."""
     import json
     import subprocess
     import sys
 
     script = f"""
-import glob, json, os, re, subprocess, tempfile, triton
-from cs336_systems.attention import flash_fwd_sm90
-compiled = flash_fwd_sm90.compile_for_hopper({head_dim}, True, {tile})
+import glob, json, os, subprocess, tempfile, triton
+from cs336_systems.attention import flash_bwd_sm90, flash_fwd_sm90
+compiled = {call}
 usage = ""
 tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
 if tools:
@@ -905,7 +903,16 @@ print(json.dumps({{"ptx": compiled.asm["ptx"], "shared": compiled.metadata.share
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("head_dim", "tile"), [(64, None), (128, None), (64, (128, 128, 3))], ids=str)
+def test_gluon_forward_compiles_for_hopper(head_dim: int, tile: tuple[int, int, int] | None) -> None:
+    """The warp-specialized kernel builds for sm_90 with this Triton: partitions with rebalanced registers,
+    asynchronous wgmma products, TMA copies, its buffers inside the 227 KiB of shared memory, and no
+    register spills (where this Triton ships cuobjdump)."""
+    result = _compile_offline_in_subprocess(f"flash_fwd_sm90.compile_for_hopper({head_dim}, True, {tile})")
     assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
     assert result["shared"] <= 227 * 1024
     if result["usage"]:
@@ -975,10 +982,10 @@ def test_gluon_backward_eligibility() -> None:
         views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do)]
         assert sm90.ineligibility(*views, dk, dv, (9, 0)) is None
         assert "laid out differently" in sm90.ineligibility(views[0], k, views[2], views[3], dk, dv, (9, 0))
-    with options.use(gluon_backward_tiles={64: (64, 192, 3)}):
-        assert sm90.tile_for(64) == (64, 192, 3) and sm90.tile_for(128) == sm90.TILES[128]
+    with options.use(gluon_backward_tiles={64: (128, 128, 3)}):
+        assert sm90.tile_for(64) == (128, 128, 3) and sm90.tile_for(128) == sm90.TILES[128]
     with pytest.raises(ValueError, match="gluon_backward_tiles: head dim 64 or 128 to"):
-        options.FlashOptions(gluon_backward_tiles={64: (64, 64, 2)})  # 64 keys: one consumer
+        options.FlashOptions(gluon_backward_tiles={64: (64, 192, 2)})  # 192 keys: three consumers, removed
     with pytest.raises(ValueError, match="gluon_backward must be True or False"):
         options.FlashOptions(gluon_backward=1)
 
@@ -989,27 +996,7 @@ def test_gluon_backward_compiles_for_hopper(head_dim: int, poly: bool) -> None:
     """The warp-specialized dK/dV kernel builds for sm_90 with this Triton: rebalanced registers,
     asynchronous wgmma products, TMA copies, shared memory inside 227 KiB; the polynomial exponential
     replaces every ``ex2`` when asked for; at head dim 64 no register spills (where cuobjdump ships)."""
-    import json
-    import subprocess
-    import sys
-
-    script = f"""
-import glob, json, os, subprocess, tempfile, triton
-from cs336_systems.attention import flash_bwd_sm90
-compiled = flash_bwd_sm90.compile_for_hopper({head_dim}, True, None, {poly})
-usage = ""
-tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
-if tools:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"]); cubin.flush()
-        usage = subprocess.run([tools[0], "-res-usage", cubin.name], capture_output=True, text=True).stdout
-print(json.dumps({{"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "usage": usage}}))
-"""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _compile_offline_in_subprocess(f"flash_bwd_sm90.compile_for_hopper({head_dim}, True, None, {poly})")
     assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
     assert ("ex2.approx" in result["ptx"]) != poly
     assert result["shared"] <= 227 * 1024

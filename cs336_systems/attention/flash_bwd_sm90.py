@@ -6,8 +6,8 @@ pipeline the Q and dO tiles it streams; the four products per step (``Sᵀ = K Q
 producer warp streams Q and dO through a ring of shared-memory buffers with TMA, and two consumer
 warpgroups, each owning 64 keys of the program's key tile, share every streamed tile: one copy of Q and dO
 feeds ``BLOCK_N`` keys, and one consumer's exponentials run under another's products (the forward's
-reason for several consumers, :mod:`.flash_fwd_sm90`). Three consumers (``BLOCK_N`` = 192) compile but
-spill at the registers three warpgroups leave each.
+reason for several consumers, :mod:`.flash_fwd_sm90`). Three consumers spilled at the registers three
+warpgroups leave each, and were removed (docs/flash_attention/gluon_backward.md).
 
 Per query tile a consumer issues ``Sᵀ`` and ``dPᵀ`` asynchronously, waits for ``Sᵀ`` only, exponentiates
 (``Pᵀ = 2^(Sᵀ·scale·log2 e − L·log2 e)``), issues ``dV += Pᵀ dO`` from registers, then waits for ``dPᵀ``,
@@ -46,7 +46,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import options
-from .flash_fwd_sm90 import _GLUON_DTYPES, _MAX_ROWS, _Placement, _tma_load, placement
+from .flash_fwd_sm90 import (
+    _GLUON_DTYPES,
+    _Placement,
+    _tma_load,
+    compile_offline,
+    layout_problem,
+    placement,
+    tensor_descriptor_type,
+)
 from .flash_common import _exp2_fma
 from .launch_cache import FLASH_LAUNCHES
 from .scheduling import heads_per_l2_group
@@ -57,9 +65,10 @@ ROWS = gl.constexpr(64)
 #: depth of the Q/dO ring. At head dim 128 a consumer holds dK and dV (64 x 128 float32 each) besides Sᵀ and
 #: dPᵀ, so the query tile stays at 64.
 TILES: dict[int, tuple[int, int, int]] = {64: (64, 128, 3), 128: (64, 128, 2)}
-#: Registers per thread of a consumer and of the producer warp (``setmaxnreg``), by the number of consumers:
-#: at head dim 128 a consumer's dK, dV, Sᵀ and dPᵀ nearly fill 240, and 232 spilled more.
-REGISTERS: dict[int, tuple[int, int]] = {2: (240, 24), 3: (160, 24)}
+#: Registers per thread of a consumer and of the producer warp (``setmaxnreg``): at head dim 128 a consumer's
+#: dK, dV, Sᵀ and dPᵀ nearly fill 240, and 232 spilled more.
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
 #: Warps per consumer partition (one warpgroup).
 _CONSUMER_WARPS = gl.constexpr(4)
 
@@ -161,10 +170,9 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
                                      q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h, stride_ldbh, stride_ldrow,
                                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                     PRODUCER_REGS: gl.constexpr, POLY_EXP2: gl.constexpr):
+                                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
     CONSUMERS: gl.constexpr = BLOCK_N // ROWS
-    gl.static_assert(BLOCK_N == 128 or BLOCK_N == 192, "BLOCK_N: two or three consumer warpgroups of 64 keys")
+    gl.static_assert(BLOCK_N == 128, "BLOCK_N: two consumer warpgroups of 64 keys")
     dtype: gl.constexpr = q_desc.dtype
     # Program -> (key tile, batch * head) as the Triton dK/dV kernel decodes it (``_tile_and_head``):
     # groups of ``head_group`` heads whose Q, dO and [L; D] fit in L2, heads fastest inside a group; causal
@@ -207,33 +215,17 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
 
     # Register budgets as in the forward: the producer warp keeps few, the consumers share the rest.
     # ``warp_specialize`` takes a literal list of (function, arguments) pairs (see flash_fwd_sm90).
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (0, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
-                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
-            (_consumer, (1, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
-                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                         k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
-                         BLOCK_M, STAGES)),
-        ], [_CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
-                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
-            (_consumer, (1, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
-                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
-            (_consumer, (2, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
-                         dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                         sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
-            (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                         k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
-                         BLOCK_M, STAGES)),
-        ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+    gl.warp_specialize([
+        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
+                     dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
+                     sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
+                     dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
+                     sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                     k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
+                     BLOCK_M, STAGES)),
+    ], [_CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,18 +246,9 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: T
         return f"needs float16 or bfloat16, got {q.dtype}"
     if q.shape[-1] not in TILES:
         return f"head dim {q.shape[-1]} not in {sorted(TILES)}"
-    places = {}
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
-        where = places[name] = placement(t, opts.gluon_head_views)
-        if where is None:
-            return (f"{name} is neither contiguous nor a (batch, seq, heads, d) head view" if opts.gluon_head_views
-                    else f"{name} is not contiguous")
-        if t.data_ptr() % 16 or where.row_stride * t.element_size() % 16:
-            return f"{name} does not start on a 16-byte boundary or its rows are not whole 16-byte units"
-        if where.shape[0] > _MAX_ROWS:
-            return f"{name} has more than 2**31 - 1 rows"
-    if places["k"][2:] != places["v"][2:]:
-        return "k and v are laid out differently"
+    problem = layout_problem({"q": q, "k": k, "v": v, "do": do}, opts.gluon_head_views)
+    if problem is not None:
+        return problem
     if dk.stride(-1) != 1 or dv.stride(-1) != 1:
         return "dk and dv need unit stride along the head dim"
     return None
@@ -321,7 +304,6 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
         heads, group, *kv_at[2:], *q_at[2:], *do_at[2:], *ld.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3],
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
-            CONSUMER_REGS=REGISTERS[block_n // 64][0], PRODUCER_REGS=REGISTERS[block_n // 64][1],
             POLY_EXP2=_polynomial_exp2(),
             num_warps=_CONSUMER_WARPS.value))  # fmt: skip
 
@@ -330,24 +312,11 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
                        poly: bool = False):
     """Compile the kernel for sm_90 without a GPU, as :func:`.flash_fwd_sm90.compile_for_hopper` does for the
     forward (same caveat: not under ``TRITON_INTERPRET=1``); returns Triton's compiled kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     block_m, block_n, stages = tile or TILES[head_dim]
-
-    def descriptor(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
-
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal, "CONSUMER_REGS": REGISTERS[block_n // 64][0],
-                  "PRODUCER_REGS": REGISTERS[block_n // 64][1], "POLY_EXP2": poly}  # fmt: skip
-    types = {"k_desc": descriptor(ROWS.value), "v_desc": descriptor(ROWS.value), "q_desc": descriptor(block_m),
-             "do_desc": descriptor(block_m), "LD": "*fp32", "DK": "*bf16", "DV": "*bf16", "qk_scale": "fp32",
-             "sm_scale": "fp32", **dict.fromkeys(constexprs, "constexpr")}  # fmt: skip
-    signature = {name: types.get(name, "i32") for name in flash_backward_dkdv_gluon_kernel.arg_names}
-    kernel = flash_backward_dkdv_gluon_kernel
-    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("LD", "DK", "DV")}
-    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": _CONSUMER_WARPS.value})
+                  "IS_CAUSAL": is_causal, "POLY_EXP2": poly}  # fmt: skip
+    types = {"k_desc": tensor_descriptor_type(ROWS.value, head_dim), "v_desc": tensor_descriptor_type(ROWS.value, head_dim),
+             "q_desc": tensor_descriptor_type(block_m, head_dim), "do_desc": tensor_descriptor_type(block_m, head_dim),
+             "LD": "*fp32", "DK": "*bf16", "DV": "*bf16", "qk_scale": "fp32", "sm_scale": "fp32"}
+    return compile_offline(flash_backward_dkdv_gluon_kernel, types, constexprs, ("LD", "DK", "DV"),
+                           _CONSUMER_WARPS.value)

@@ -306,17 +306,24 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
     if work < opts.gluon_min_key_work:
         return (f"short rows: {k.shape[-2]} keys x head dim {d}{' / 2 (causal)' if is_causal else ''} = {work} < "
                 f"gluon_min_key_work = {opts.gluon_min_key_work}, where the Triton forward is faster")
+    return layout_problem({"q": q, "k": k, "v": v}, opts.gluon_head_views)
+
+
+def layout_problem(tensors: dict[str, Tensor], head_views: bool) -> str | None:
+    """Why the Gluon kernels cannot read ``tensors`` (named ``(batch, heads, n, d)`` tensors, K and V among
+    them) through 2-D tensor descriptors, or None: each must have a :func:`placement`, start on a 16-byte
+    boundary with rows of whole 16-byte units and at most 2**31 - 1 rows, and K and V must be laid out alike."""
     places = {}
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        where = places[name] = placement(t, opts.gluon_head_views)
+    for name, t in tensors.items():
+        where = places[name] = placement(t, head_views)
         if where is None:
-            return (f"{name} is neither contiguous nor a (batch, seq, heads, d) head view" if opts.gluon_head_views
+            return (f"{name} is neither contiguous nor a (batch, seq, heads, d) head view" if head_views
                     else f"{name} is not contiguous")
         if t.data_ptr() % 16 or where.row_stride * t.element_size() % 16:
             return f"{name} does not start on a 16-byte boundary or its rows are not whole 16-byte units"
         if where.shape[0] > _MAX_ROWS:
             return f"{name} has more than 2**31 - 1 rows"
-    if places["k"][2:] != places["v"][2:]:  # type: ignore[index]
+    if places["k"][2:] != places["v"][2:]:
         return "k and v are laid out differently"
     return None
 
@@ -383,24 +390,31 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
     would on first use, at ``tile`` (default: the head dim's long-sequence tile); returns Triton's compiled
     kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``). Run it in a process without
     ``TRITON_INTERPRET=1``: Gluon's reductions are Triton functions, and the interpreter replaces those at import."""
+    block_m, block_n, stages = tile or TILES[head_dim]
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
+                  "IS_CAUSAL": is_causal}  # fmt: skip
+    types = {"q_desc": tensor_descriptor_type(ROWS.value, head_dim), "k_desc": tensor_descriptor_type(block_n, head_dim),
+             "v_desc": tensor_descriptor_type(block_n, head_dim), "O": "*bf16", "L": "*fp32", "qk_scale": "fp32"}
+    return compile_offline(flash_forward_gluon_kernel, types, constexprs, ("O", "L"), _CONSUMER_WARPS.value)
+
+
+def tensor_descriptor_type(rows: int, head_dim: int) -> str:
+    """The signature type of a bf16 ``rows x head_dim`` tensor-descriptor argument, for :func:`compile_offline`."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+    return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+
+
+def compile_offline(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], pointers: tuple[str, ...],
+                    num_warps: int) -> Any:
+    """Compile a Gluon ``kernel`` for sm_90 without a GPU: ``types`` gives its non-``i32`` arguments' types
+    (every other argument is a 32-bit integer), ``constexprs`` their values, ``pointers`` the arguments aligned to
+    16 bytes, as the launcher would specialize them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_m, block_n, stages = tile or TILES[head_dim]
-
-    def descriptor(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
-
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal}  # fmt: skip
-    signature = {"q_desc": descriptor(ROWS.value), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
-                 "O": "*bf16", "L": "*fp32", "n_queries": "i32", "n_keys": "i32", "qk_scale": "fp32",
-                 **dict.fromkeys(("n_heads", "head_group", "q_rows_b", "q_rows_h", "q_col_h", "kv_rows_b", "kv_rows_h", "kv_col_h",
-                                  "stride_ob", "stride_oh", "stride_on"), "i32"),
-                 **dict.fromkeys(constexprs, "constexpr")}  # fmt: skip
-    kernel = flash_forward_gluon_kernel
-    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "L")}
+    types = {**types, **dict.fromkeys(constexprs, "constexpr")}
+    signature = {name: types.get(name, "i32") for name in kernel.arg_names}
+    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     source = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": _CONSUMER_WARPS.value})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

@@ -63,9 +63,9 @@ DEFAULT_CANDIDATES: dict[str, tuple[Tile, ...]] = {
 #: Default :attr:`FlashOptions.l2_share` (docs/flash_attention/l2_head_groups.md).
 DEFAULT_L2_SHARE = 0.5
 #: The Gluon kernels' tiles, (BLOCK_M, BLOCK_N) choices: the forward's BLOCK_M is two or three 64-query
-#: consumers, the dK/dV backward's BLOCK_N two or three 64-key consumers.
+#: consumers, the dK/dV backward's BLOCK_N two 64-key consumers.
 _GLUON_FORWARD_TILES = ((128, 192), (64, 128))
-_GLUON_BACKWARD_TILES = ((64, 128), (128, 192))
+_GLUON_BACKWARD_TILES = ((64, 128), (128,))
 
 
 def _gluon_tiles(value: Any, name: str = "gluon_tiles",
