@@ -55,7 +55,7 @@ from .flash_fwd_sm90 import (
     placement,
     tensor_descriptor_type,
 )
-from .flash_common import _exp2_fma
+from .flash_common import _exp2_fma, _tile_and_head
 from .launch_cache import FLASH_LAUNCHES
 from .scheduling import heads_per_l2_group
 
@@ -174,20 +174,14 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
     CONSUMERS: gl.constexpr = BLOCK_N // ROWS
     gl.static_assert(BLOCK_N == 128, "BLOCK_N: two consumer warpgroups of 64 keys")
     dtype: gl.constexpr = q_desc.dtype
-    # Program -> (key tile, batch * head) as the Triton dK/dV kernel decodes it (``_tile_and_head``):
-    # groups of ``head_group`` heads whose Q, dO and [L; D] fit in L2, heads fastest inside a group; causal
-    # key tiles in order, since the first see the most queries.
-    pid = gl.program_id(0)
-    n_tiles_n = gl.cdiv(n_keys, BLOCK_N)
-    n_bh = gl.num_programs(0) // n_tiles_n
-    first_bh = (pid // (head_group * n_tiles_n)) * head_group
-    size = gl.minimum(head_group, n_bh - first_bh)
-    in_group = pid - first_bh * n_tiles_n
-    tile_n = in_group // size
-    bh = first_bh + in_group % size
+    # Program -> (key tile, batch, head) as the Triton dK/dV kernel decodes it: groups of ``head_group`` heads
+    # whose Q, dO and [L; D] fit in L2, heads fastest inside a group; causal key tiles in order, since the first
+    # see the most queries.
+    tile_n, b64, h64 = _tile_and_head(n_keys, n_heads, head_group, BLOCK_N, False)
+    b = b64.to(gl.int32)  # descriptor coordinates are 32-bit
+    h = h64.to(gl.int32)
+    bh = b * n_heads + h
     start_n = tile_n * BLOCK_N
-    b = bh // n_heads
-    h = bh % n_heads
     if IS_CAUSAL:
         lo = gl.minimum((start_n // BLOCK_M) * BLOCK_M, n_queries)  # earlier queries see none of these keys
     else:
