@@ -919,11 +919,34 @@ def test_gluon_forward_compiles_for_hopper(head_dim: int, tile: tuple[int, int, 
         assert "LOCAL:0" in result["usage"].replace(" ", ""), result["usage"]
 
 
+#: The Gluon kernels' GPU cases: both head dims, causal and full, ragged lengths, 3-D inputs.
+GLUON_CASES = [Case(1000, 1000, 64, True, 3), Case(700, 1000, 64, False, 2), Case(77, 77, 64, True, 1),
+               Case(1030, 1030, 128, False, 2), Case(2048, 2048, 128, True, 2), Case(300, 300, 64, True, None)]
+
+
+def _gluon_inputs(case: Case, dtype: torch.dtype, layout: str) -> tuple[torch.Tensor, ...]:
+    """``_inputs``, as contiguous tensors (``bhsd``) or head views of ``(batch, seq, heads, d)`` ones (``bshd``)."""
+    q, k, v, do = _inputs(case, dtype)
+    if layout == "bshd":
+        if case.heads is None:
+            pytest.skip("3-D inputs have no heads to lay out")
+        q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
+    return q, k, v, do
+
+
+def _assert_gluon_matches(names, gluon, triton_, want, dtype: torch.dtype) -> None:
+    """A Gluon kernel's outputs match the Triton kernel's (same arithmetic: a few 16-bit roundings) and are
+    no further from float64 than the Triton kernel's, up to a quarter of the tolerance."""
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    for name, a, b, ref in zip(names, gluon, triton_, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+        err_gluon, err_triton = (a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item()
+        assert err_gluon <= 1.5 * err_triton + tol / 4, f"{name}: {err_gluon:.3g} vs Triton {err_triton:.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("case", [Case(1000, 1000, 64, True, 3), Case(700, 1000, 64, False, 2),
-                                  Case(77, 77, 64, True, 1), Case(1030, 1030, 128, False, 2),
-                                  Case(2048, 2048, 128, True, 2), Case(300, 300, 64, True, None)], ids=str)
+@pytest.mark.parametrize("case", GLUON_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, layout: str,
@@ -933,23 +956,14 @@ def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, la
     views of (batch, seq, heads, d) tensors, read with ``gluon_head_views``."""
     from cs336_systems.attention import flash_triton
 
-    q, k, v, do = _inputs(case, dtype)
-    if layout == "bshd":
-        if case.heads is None:
-            pytest.skip("3-D inputs have no heads to lay out")
-        q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
+    q, k, v, do = _gluon_inputs(case, dtype, layout)
     with options.use(gluon_head_views=layout == "bshd", gluon_min_key_work=0):  # short cases too
         assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon"
         gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     with options.use(gluon=False):
         assert flash_triton.forward_kernel_name(q, k, v) == "triton"
         triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    want = _reference(q, k, v, do, case.is_causal)
-    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
-    for name, a, b, ref in zip(NAMES, gluon, triton_, want):
-        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
-        err_gluon, err_triton = (a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item()
-        assert err_gluon <= 1.5 * err_triton + tol / 4, f"{name}: {err_gluon:.3g} vs Triton {err_triton:.3g}"
+    _assert_gluon_matches(NAMES, gluon, triton_, _reference(q, k, v, do, case.is_causal), dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1006,9 +1020,7 @@ def test_gluon_backward_compiles_for_hopper(head_dim: int, poly: bool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("case", [Case(1000, 1000, 64, True, 3), Case(700, 1000, 64, False, 2),
-                                  Case(77, 77, 64, True, 1), Case(1030, 1030, 128, False, 2),
-                                  Case(2048, 2048, 128, True, 2), Case(300, 300, 64, True, None)], ids=str)
+@pytest.mark.parametrize("case", GLUON_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, layout: str) -> None:
@@ -1016,22 +1028,13 @@ def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, 
     (dQ is the Triton kernel's either way)."""
     from cs336_systems.attention import flash_triton
 
-    q, k, v, do = _inputs(case, dtype)
-    if layout == "bshd":
-        if case.heads is None:
-            pytest.skip("3-D inputs have no heads to lay out")
-        q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
+    q, k, v, do = _gluon_inputs(case, dtype, layout)
     four_d = [t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v, do)]
     with options.use(gluon_backward=True, gluon_head_views=layout == "bshd"):
         assert flash_triton._gluon_backward_module(*four_d, four_d[1], four_d[2]) is not None
         gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    want = _reference(q, k, v, do, case.is_causal)
-    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
-    for name, a, b, ref in list(zip(NAMES, gluon, triton_, want))[3:]:
-        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
-        err_gluon, err_triton = (a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item()
-        assert err_gluon <= 1.5 * err_triton + tol / 4, f"{name}: {err_gluon:.3g} vs Triton {err_triton:.3g}"
+    _assert_gluon_matches(NAMES[3:], gluon[3:], triton_[3:], _reference(q, k, v, do, case.is_causal)[3:], dtype)
 
 
 def test_descriptors_filled_in_directly_equal_triton_s_validated_ones() -> None:
