@@ -114,9 +114,11 @@ def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> N
                           "step_ms": [None, 7000.0, 6600.0, None]})
     text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
     assert ("Measured, the best is each block by sublayer (its attention and feed-forward branches checkpointed "
-            "separately): a peak of 66.0 GiB, 8.50 GiB of it allocated during the step above the 57.5 GiB") in text
-    assert ("Its neighbours: no checkpointing: out of memory; segments of 1 block: a peak of 74.7 GiB (17.2 GiB "
-            "during the step).") in text
+            "separately): a peak of 66.0 GiB, 8.50 GiB of it allocated during the step above the 57.5 GiB held "
+            "between steps (the fp32 weights and AdamW state are 38.1 GiB of it, the other 19.4 GiB are neither the "
+            "model's nor the optimizer's;") in text
+    # neighbours by the memory a segment size holds: the next coarser is 1 block; no checkpointing is the coarsest
+    assert "Its neighbours: segments of 1 block: a peak of 74.7 GiB (17.2 GiB during the step)." in text
     assert "= 0.38, below one block, so the finest split should win" in text  # sqrt(32 * 80 MiB / 17 GiB)
     with pytest.raises(ValueError, match=r"whole blocks >= 0 \(0: no checkpointing\) or 0.5 \(by sublayer\), got 1.5"):
         Params(block_sizes=[0, 1.5]).check()
@@ -168,12 +170,13 @@ def test_checkpointing_answer_compares_on_the_steps_memory_and_names_a_row_with_
                           "peak_GiB": [None, 109.9, 71.9, 79.4], "activation_peak_GiB": [None, 27.0, 27.1, 34.6],
                           "step_ms": [None, 6174.0, 6242.0, 6378.0]})
     text = _best_segment(table, block_bytes=7990 * 2**20, input_bytes=80 * 2**20, preset="xl@2026").markdown
-    assert ("Measured, the best is segments of 1 block: a peak of 71.9 GiB, 27.1 GiB of it allocated during the "
-            "step above the 44.8 GiB held between steps") in text
-    assert ("checkpointing by sublayer: 27.0 GiB during the step, a tie within 1% (its peak of 110 GiB is not "
-            "comparable: it held 38.1 GiB more between steps, left from the out-of-memory run before it)") in text
+    assert ("Measured, checkpointing by sublayer and segments of 1 block tie within 1%: segments of 1 block, a peak "
+            "of 71.9 GiB, 27.1 GiB of it allocated during the step above the 44.8 GiB held between steps") in text
+    assert ("Their neighbours: segments of 2 blocks: a peak of 79.4 GiB (34.6 GiB during the step); checkpointing "
+            "by sublayer's own peak of 110 GiB is not comparable: it held 38.1 GiB more between steps, left from the "
+            "out-of-memory run before it.") in text
     assert text.endswith("So at this shape splitting a block does not lower the step's peak.")
     clean = table.assign(peak_GiB=[None, 71.8, 71.9, 79.4])  # no leftovers: the lower one leads the tie
     assert _best_segment(clean, preset="xl@2026").markdown.startswith(
-        "Measured, the best is each block by sublayer (its attention and feed-forward branches checkpointed "
-        "separately): a peak of 71.8 GiB")
+        "Measured, checkpointing by sublayer and segments of 1 block tie within 1%: checkpointing by sublayer, a "
+        "peak of 71.8 GiB")

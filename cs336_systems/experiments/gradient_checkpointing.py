@@ -167,7 +167,7 @@ def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
 
 from cs336_systems.configs import param_counts  # noqa: E402
 from cs336_systems.report import fmt  # noqa: E402
-from cs336_systems.report.answers import ok_rows, question, step_mfu, subset  # noqa: E402
+from cs336_systems.report.answers import join_words, ok_rows, question, step_mfu, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
 from cs336_systems.report.document import Block, Text  # noqa: E402
 
@@ -312,7 +312,6 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
     if not tied.empty and not clean[best.name]:
         best, tied = tied.iloc[0], sweep.loc[[best.name]]  # lead the tie with the row whose peak is clean
     k = float(best["block_size"])
-    sizes = sorted(float(x) for x in table["block_size"])
 
     reasoning = ""
     if block_bytes and input_bytes and preset:
@@ -322,41 +321,56 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                      f"each; the sum is least at $k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / "
                      f"{block_bytes / 2**20:.0f}}}$ = {optimum:.2f}, "
                      + ("below one block, so the finest split should win: one block per segment, or each block's "
-                        "attention and feed-forward branches checkpointed separately (two inputs per block, half a "
-                        "block's residuals at a time). " if optimum < 1 else "rounded to a whole block. "))
-    state = (f" (the fp32 weights and AdamW state are {fmt.sig(12 * param_counts(preset)['total'] / 2**30)} GiB of "
-             "it; the gradients are allocated during the step)" if preset else "")
-    measured = (f"Measured, the best is {_segment_name(k)}: a peak of {fmt.sig(best['peak_GiB'])} GiB, "
-                f"{fmt.sig(best['activation_peak_GiB'])} GiB of it allocated during the step above the "
-                f"{fmt.sig(resident[best.name])} GiB held between steps{state}; one step takes "
-                f"{fmt.sig(best['step_ms'] / 1e3)} s.")
-    at = sizes.index(k)
+                        "attention and feed-forward branches checkpointed separately (two inputs per block; it "
+                        "lowers the peak as far as the two branches' residuals are balanced). " if optimum < 1
+                        else "rounded to a whole block. "))
+    held = float(resident[best.name])
+    state = 12 * param_counts(preset)["total"] / 2**30 if preset else None
+    owned = "" if state is None else (
+        f" (the fp32 weights and AdamW state are {fmt.sig(state)} GiB of it" +
+        (f", the other {fmt.sig(held - state)} GiB are neither the model's nor the optimizer's"
+         if held - state > RESIDENT_SLACK_GIB else "") + "; the gradients are allocated during the step)")
+    group = [k, *(float(x) for x in tied["block_size"])]
+    lead = (f"Measured, the best is {_segment_name(k)}: a peak" if tied.empty else
+            f"Measured, {join_words([_segment_name(x, short=True) for x in sorted(group, key=_memory_order)])} tie "
+            f"within {TIE:.0%}: {_segment_name(k, short=True)}, a peak")
+    measured = (f"{lead} of {fmt.sig(best['peak_GiB'])} GiB, {fmt.sig(best['activation_peak_GiB'])} GiB of "
+                f"it allocated during the step above the {fmt.sig(held)} GiB held between steps{owned}; one step "
+                f"takes {fmt.sig(best['step_ms'] / 1e3)} s.")
+    ordered = sorted((float(x) for x in table["block_size"]), key=_memory_order)
+    inside = [i for i, x in enumerate(ordered) if x in group]
     neighbours = []
-    for j in (at - 1, at + 1):
-        if not 0 <= j < len(sizes):
+    for j in (min(inside) - 1, max(inside) + 1):
+        if not 0 <= j < len(ordered):
             continue
-        row = table[table["block_size"] == sizes[j]].iloc[0]
-        name = _segment_name(sizes[j], short=True)
+        row = table[table["block_size"] == ordered[j]].iloc[0]
+        name = _segment_name(ordered[j], short=True)
         if row["status"] != "ok":
             neighbours.append(f"{name}: out of memory")
-        elif row.name in tied.index:
-            position = list(table.index).index(row.name)
-            before = table.iloc[position - 1]["status"] if position else "ok"
-            neighbours.append(f"{name}: {fmt.sig(row['activation_peak_GiB'])} GiB during the step, a tie within "
-                              f"{TIE:.0%}" + ("" if clean.get(row.name, True) else
-                                              f" (its peak of {fmt.sig(row['peak_GiB'])} GiB is not comparable: it "
-                                              f"held {fmt.sig(resident[row.name] - usual)} GiB more between steps, "
-                                              "left from the " + ("out-of-memory run" if before != "ok" else "run")
-                                              + " before it)"))
         else:
             neighbours.append(f"{name}: a peak of {fmt.sig(row['peak_GiB'])} GiB "
                               f"({fmt.sig(row['activation_peak_GiB'])} GiB during the step)")
-    said = f" Its neighbours: {'; '.join(neighbours)}." if neighbours else ""
-    if SUBLAYER in {float(r["block_size"]) for _, r in tied.iterrows()} or (k == SUBLAYER and not tied.empty):
+    for _, row in tied.iterrows():
+        if not clean.get(row.name, True):
+            position = list(table.index).index(row.name)
+            before = table.iloc[position - 1]["status"] if position else "ok"
+            neighbours.append(f"{_segment_name(float(row['block_size']), short=True)}'s own peak of "
+                              f"{fmt.sig(row['peak_GiB'])} GiB is not comparable: it held "
+                              f"{fmt.sig(resident[row.name] - usual)} GiB more between steps, left from the "
+                              + ("out-of-memory run" if before != "ok" else "run") + " before it")
+    said = f" {'Its' if tied.empty else 'Their'} neighbours: {'; '.join(neighbours)}." if neighbours else ""
+    sizes = set(ordered)
+    if SUBLAYER in group and len(group) > 1:
         said += " So at this shape splitting a block does not lower the step's peak."
     elif reasoning and SUBLAYER not in sizes:
         said += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
     return Text(reasoning + measured + said)
+
+
+def _memory_order(k: float) -> float:
+    """Segment sizes from the least memory held to the most: by sublayer, 1, 2, ... blocks, then no checkpointing
+    (one segment of every block)."""
+    return float("inf") if k == 0 else k
 
 
 def _segment_labels(frame: pd.DataFrame | None) -> pd.DataFrame | None:
