@@ -17,7 +17,7 @@ from cs336_systems.benchmarking.ddp_overhead_model import fit_latency_bandwidth,
 from cs336_systems.configs import get_config, param_counts
 from cs336_systems.experiments.section import check_presets, param
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import join_words, question, subset
+from cs336_systems.report.answers import handout_model, join_words, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
 from cs336_systems.measured_code import MODEL
@@ -287,12 +287,13 @@ def scaling_blocks(d: SectionData) -> list[Block]:
         d.figure("scaling", caption="Throughput against the number of GPUs.")])]
 
 
-def setup(df: pd.DataFrame | None) -> Text | None:
+def setup(df: pd.DataFrame | None, edition: str = "2025") -> Text | None:
+    """The setup line of a DDP section's table, the model named as ``edition``'s handout names it."""
     r = df.iloc[0] if df is not None and len(df) else None
     if r is None or "preset" not in df.columns:
         return None
     ws = int(df["world_size"].max()) if "world_size" in df.columns else "?"
-    return Text(f"Setup: the {r['preset']} model, {r.get('autocast', 'fp32')}, {int(r['batch_per_rank'])} sequences "
+    return Text(f"Setup: the {handout_model(str(r['preset']), edition)} model, {r.get('autocast', 'fp32')}, {int(r['batch_per_rank'])} sequences "
                 f"of {int(r['context_length'])} tokens per rank, {ws} GPUs on one node, mean over "
                 f"{int(r['steps'])} steps after warm-up; every variant starts from the same weights.")
 

@@ -19,7 +19,7 @@ from cs336_systems.benchmarking.sweep import CPU_NOTE, free_memory, run_sweep
 from cs336_systems.configs import get_config, memory_breakdown, residual_stream_bytes
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import join_words, ok_rows, question, subset
+from cs336_systems.report.answers import handout_model, join_words, ok_rows, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text
 from cs336_systems.measured_code import MODEL, TIMING
@@ -259,6 +259,7 @@ def answer(d: SectionData) -> list[Block]:
 
     meta = d.meta("peak_memory") or d.meta("residual_stream")
     size = str((meta.get("params") or {}).get("size", "2.7B"))
+    shown = handout_model(size, d.edition)  # as this edition's handout names it (2026: xl for xl@2026)
     device = meta.get("device", "the GPU")
     cfg = get_config(size)
     rs = d.json("residual_stream")
@@ -281,13 +282,13 @@ def answer(d: SectionData) -> list[Block]:
                     if f"{m}_peak_GiB" in r and pd.notna(r[f"{m}_peak_GiB"])]
             return " / ".join(done) + f" at context {int(r['context_length'])}"
 
-        b_text = Text(f"Peak memory of the {size} model, " + " / ".join(
+        b_text = Text(f"Peak memory of the {shown} model, " + " / ".join(
             w for m, w in _MODE_WORDS.items() if f"{m}_peak_GiB" in fp32.columns) + ": " + join_words([
             cell(r) for _, r in fp32.iterrows()]) + "." + _inference_note(fp32)
             + _train_peak_breakdown(peaks, param_counts(cfg)["total"] * 4 / 2**30)
             + f"{failed}" + _why_out_of_memory(peaks, cfg, device))
     elif failed:
-        b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {size} model on "
+        b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {shown} model on "
                       f"{device}.{failed}")
     if fp32 is not None and bf16 is not None:
         m = fp32.merge(bf16, on="context_length", suffixes=("_fp32", "_bf16"))
@@ -325,7 +326,7 @@ def answer(d: SectionData) -> list[Block]:
     largest_name = d.frame_name("largest_allocations_inference", "largest_allocations")
     largest = _largest_text(d.frame(largest_name), d.meta(largest_name)) if largest_name else None
     return [
-        question(d, "a", f"Memory timelines of the {size} model: forward pass and full training step.", [
+        question(d, "a", f"Memory timelines of the {shown} model: forward pass and full training step.", [
             timeline,
             None if timeline is None else Text(
                 ("Inference (no autograd) stays flat above the weights, its spikes one block's transients and the "
@@ -337,16 +338,16 @@ def answer(d: SectionData) -> list[Block]:
                 "optimizer's small temporaries: each phase shows in the shape alone."),
         ], what="memory timelines"),
         question(d, "b", "Peak memory by context length, forward pass and full training step.",
-                 [b_text, d.table("peak_memory", frame=fp32, caption=f"Peak allocated memory of the {size} model, "
+                 [b_text, d.table("peak_memory", frame=fp32, caption=f"Peak allocated memory of the {shown} model, "
                                   "fp32 (GiB): inference is the forward pass the handout asks for (no autograd); "
                                   "forward keeps autograd on, the activations a training step saves.")],
                  what="peak memory by context length"),
         question(d, "c", "Peak memory with bf16 mixed precision.",
-                 [c_text, d.table("peak_memory", frame=bf16, caption=f"Peak allocated memory of the {size} model "
+                 [c_text, d.table("peak_memory", frame=bf16, caption=f"Peak allocated memory of the {shown} model "
                                   "under bf16 autocast (GiB)."),
                   d.figure("timeline_bf16", caption="Active memory timelines under bf16 autocast.")],
                  what="peak memory with mixed precision"),
-        question(d, "d", f"Size of one residual-stream activation of the {size} model in fp32.", [
+        question(d, "d", f"Size of one residual-stream activation of the {shown} model in fp32.", [
             Equation([
                 (r"B \cdot T \cdot d_{\mathrm{model}} \cdot 4\,\mathrm{bytes} = "
                 rf"{cfg.batch_size} \cdot {cfg.context_length} \cdot {cfg.d_model} \cdot 4 = "

@@ -154,7 +154,7 @@ def answer(d: SectionData) -> list[Block]:
                             "baseline!\"."),
             _equivalence_sentence(d.frame(named(d.tables, "toy_equivalence") or ""))]),
         question(d, "naive_ddp_benchmarking", "Time per training step and the share spent communicating gradients "
-                 f"({_model_name(df)} model, one node, 2 GPUs).", [setup(df), text, _against_microbenchmark(d, naive),
+                 f"({_model_name(df)} model, one node, 2 GPUs).", [setup(df, d.edition), text, _against_microbenchmark(d, naive),
                                                    steps_blocks(d, name, STEPS_CAPTION),
                                                    d.figure(name or "", caption="Step time split into phases.")],
                  what="naive DDP step and communication times"),
