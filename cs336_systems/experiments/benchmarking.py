@@ -309,13 +309,16 @@ def _cold_against_warm(study: pd.DataFrame) -> str:
         return ""
     mean = cold.loc[both, "forward_mean_ms"] / warm.loc[both, "forward_mean_ms"]
     worst = mean.idxmax()
+    unrun = [str(s) for s in study.loc[(study["warmup"] == 0) & (study["status"] != "ok"), "size"]] \
+        if "status" in study.columns else []
     return (f"Without warm-up the forward's mean is {fmt.ratio(mean.min())}–{fmt.ratio(mean.max())} the mean after "
             f"{most} warm-up steps, and its standard deviation {fmt.ms(cold.loc[both, 'forward_std_ms'].min())}–"
             f"{fmt.ms(cold.loc[both, 'forward_std_ms'].max())} against at most "
             f"{fmt.ms(warm.loc[both, 'forward_std_ms'].max())} (worst, {worst}: "
             f"{fmt.ms(cold.loc[worst, 'forward_mean_ms'])} ± {fmt.sig(cold.loc[worst, 'forward_std_ms'], 2)} against "
             f"{fmt.ms(warm.loc[worst, 'forward_mean_ms'])} ± {fmt.sig(warm.loc[worst, 'forward_std_ms'], 2)}; every "
-            f"cell in the appendix). ")
+            f"cell in the appendix" + (f", where it says why {join_words(unrun)} without warm-up did not run" if unrun
+                                       else "") + "). ")
 
 
 def _few_against_five(study: pd.DataFrame | None, spreads: float = 3.0) -> str:

@@ -24,7 +24,7 @@ from cs336_systems.experiments.section import Section, check_parts, check_positi
 from cs336_systems.plotting import grouped_bars, measured_on, status_heatmap
 from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import failed_rows, join_words, question
+from cs336_systems.report.answers import failed_rows, handout_model, in_handout, join_words, question
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.measured_code import MODEL, TIMING
@@ -207,6 +207,12 @@ def _against_eager_table(att: pd.DataFrame, eager: pd.DataFrame | None) -> str:
               "the same conditions.")
 
 
+def _handout_sizes(sizes: list[str], edition: str) -> list[str]:
+    """``sizes`` (presets) that ``edition``'s handout lists, under its names, once each (2026: 2.7B is its xl,
+    and 2025's xl is not its model)."""
+    return list(dict.fromkeys(handout_model(s, edition) for s in sizes if in_handout(s, edition)))
+
+
 def answer(d: SectionData) -> list[Block]:
     att = d.frame("attention_speedup")
     model = d.frame("model_speedup")
@@ -231,8 +237,8 @@ def answer(d: SectionData) -> list[Block]:
                       + (" Not measured: " + join_words(sorted({f"{r['size']} ({r['status']})"
                                                                 for _, r in missing.iterrows()})) + "."
                          if not missing.empty else "")
-                      + (f" Not measured yet: {join_words(absent)} (the full run's model jobs, listed by `python -m "
-                         "cs336_systems.experiments torch_compile --help`)." if absent else ""))
+                      + (f" Not timed yet: {join_words(unrun)}." if (unrun := _handout_sizes(absent, d.edition))
+                         else ""))
     return [
         question(d, "a", "Compiled versus eager attention, forward and backward.",
                  [a_text, d.table("attention_speedup", frame=_without_ok_status(att),

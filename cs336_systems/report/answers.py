@@ -141,6 +141,17 @@ def handout_model(preset: str, edition: str) -> str:
     return preset
 
 
+def in_handout(preset: str, edition: str) -> bool:
+    """Whether ``edition``'s handout lists the model of ``preset`` (under any name: 2026 lists 2.7B, as its xl)."""
+    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, model_shape
+
+    try:
+        shape = model_shape(preset)
+    except ValueError:
+        return False
+    return any(model_shape(name) == shape for name in HANDOUT_SIZES_BY_EDITION.get(edition, ()))
+
+
 def edition_models(df: pd.DataFrame | None, edition: str, column: str = "model") -> pd.DataFrame | None:
     """``df`` with its ``column`` of presets named as ``edition``'s handout names them (:func:`handout_model`)."""
     if df is None or column not in df.columns:
