@@ -218,6 +218,44 @@ def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str
             f"keeps batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block.")
 
 
+def _peak_moments(peaks: pd.DataFrame | None) -> list[tuple[int, str]]:
+    """Per fp32 context with both a forward and a training step: which moment sets the training step's peak,
+    "the end of the forward" (the state held between steps plus the activations saved for backward) or "the
+    optimizer step" (that state plus the gradients, a copy of the weights)."""
+    need = {"precision", "mode", "context_length", "status", "peak_GiB", "allocated_before_GiB"}
+    if peaks is None or not need <= set(peaks.columns):
+        return []
+    p = peaks[(peaks["precision"] == "fp32") & (peaks["status"] == "ok")]
+    fwd, train = (p[p["mode"] == m].set_index("context_length") for m in ("forward", "train"))
+    contexts = [c for c in train.index if c in fwd.index]
+    if not contexts:
+        return []
+    weights = float(fwd["allocated_before_GiB"].iloc[0])
+    return [(int(c), "the end of the forward" if float(fwd.loc[c, "peak_GiB"]) - weights > weights else
+             "the optimizer step") for c in contexts]
+
+
+def _training_shape(peaks: pd.DataFrame | None) -> str:
+    """How the training step's timeline moves through the backward, from which moment sets its peak (the
+    activations it frees against the gradients it allocates)."""
+    moments = _peak_moments(peaks)
+    falls = [c for c, which in moments if which == "the end of the forward"]
+    rises = [c for c, which in moments if which == "the optimizer step"]
+    shapes = {
+        "falls": (falls, "it peaks at the end of the forward and falls as the backward frees each block's activations "
+                         "faster than gradients appear"),
+        "rises": (rises, "it keeps rising through the backward, whose gradients (a copy of the weights) outweigh the "
+                         "activations it frees, and peaks at the optimizer step"),
+    }
+    present = sorted((v for v in shapes.values() if v[0]), key=lambda v: min(v[0]))
+    both = len(present) > 1
+    parts = [("at context " + join_words([f"{c:,}" for c in where]) + " " if both else "") + words
+             for where, words in present] or ["the backward then frees each block's activations while gradients appear"]
+    return ("The training step starts higher (AdamW's two moments are resident after the warm-up step) and repeats "
+            "that ramp; " + "; ".join(parts) + ". It ends with the optimizer's small temporaries: each phase shows "
+            "in the shape alone.")
+
+
 def _train_peak_breakdown(peaks: pd.DataFrame | None, counted_gib: float | None = None) -> str:
     """What sets the training step's peak at each context: the state held between steps plus the forward's
     activations (the end of the forward), or that state plus the gradients (the optimizer step). ``counted_gib``:
@@ -225,18 +263,17 @@ def _train_peak_breakdown(peaks: pd.DataFrame | None, counted_gib: float | None 
     need = {"precision", "mode", "context_length", "status", "peak_GiB", "allocated_before_GiB"}
     if peaks is None or not need <= set(peaks.columns):
         return ""
+    moments = _peak_moments(peaks)
+    if not moments:
+        return ""
     p = peaks[(peaks["precision"] == "fp32") & (peaks["status"] == "ok")]
     fwd, train = (p[p["mode"] == m].set_index("context_length") for m in ("forward", "train"))
-    contexts = [c for c in train.index if c in fwd.index]
-    if not contexts:
-        return ""
     weights = float(fwd["allocated_before_GiB"].iloc[0])
     state = float(train["allocated_before_GiB"].iloc[0])
     parts, kinds = [], []
-    for c in contexts:
+    for c, which in moments:
         acts = float(fwd.loc[c, "peak_GiB"]) - weights
         end_of_forward, optimizer = state + acts, state + weights
-        which = "the end of the forward" if end_of_forward > optimizer else "the optimizer step"
         kinds.append(which)
         parts.append(f"context {int(c)}: {fmt.gib(acts * 2**30)} of activations, so {which} "
                      f"({fmt.gib(max(end_of_forward, optimizer) * 2**30)} predicted, "
@@ -332,10 +369,8 @@ def answer(d: SectionData) -> list[Block]:
                 ("Inference (no autograd) stays flat above the weights, its spikes one block's transients and the "
                  "logits at the end. " if "inference" in modes else "")
                 + "With autograd on, the forward climbs a staircase, one step per block as its activations are "
-                "saved, and peaks at its end with every block's activations and the logits resident. The training "
-                "step starts higher (AdamW's two moments are resident after the warm-up step), repeats that ramp, "
-                "falls as the backward frees each block's activations while gradients appear, and ends with the "
-                "optimizer's small temporaries: each phase shows in the shape alone."),
+                "saved, and peaks at its end with every block's activations and the logits resident. "
+                + _training_shape(peaks)),
         ], what="memory timelines"),
         question(d, "b", "Peak memory by context length, forward pass and full training step.",
                  [b_text, d.table("peak_memory", frame=fp32, caption=f"Peak allocated memory of the {shown} model, "
