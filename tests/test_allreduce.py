@@ -149,3 +149,24 @@ def test_alpha_beta_fit_recovers_a_ring_model_and_draws_it() -> None:
     fig = plot_alpha_beta(df, fit.reset_index(), theory)
     assert len(fig.axes) == 2
     plt.close(fig)
+
+
+def test_answer_says_how_process_count_interacts_with_message_size() -> None:
+    def row(backend: str, ranks: int, size: str, size_bytes: int, ms: float, busbw: float) -> dict:
+        return {"backend": backend, "world_size": ranks, "size": size, "size_bytes": size_bytes, "time_ms": ms,
+                "busbw_GBps": busbw}
+
+    df = pd.DataFrame([row("nccl", 2, "1MB", 10**6, 0.040, 25.0), row("nccl", 4, "1MB", 10**6, 0.050, 30.0),
+                       row("nccl", 2, "1GB", 10**9, 3.0, 320.0), row("nccl", 4, "1GB", 10**9, 4.2, 350.0),
+                       row("gloo", 2, "1GB", 10**9, 380.0, 2.6), row("gloo", 4, "1GB", 10**9, 590.0, 2.5),
+                       row("gloo", 6, "1GB", 10**9, 740.0, 2.3)])
+    assert allreduce._interaction(df) == (
+        " The process count interacts with the message size: for NCCL, 4 ranks are slower than 2 at 1MB (50.0 µs "
+        "against 40.0 µs), while at 1GB they reach more bus bandwidth (350 GB/s against 320 GB/s); Gloo's bus "
+        "bandwidth at 1GB falls from 2.60 GB/s with 2 ranks to 2.30 GB/s with 6.")
+    flipped = df.assign(time_ms=[0.050, 0.040, 3.0, 4.2, 380.0, 590.0, 740.0],
+                        busbw_GBps=[25.0, 30.0, 350.0, 320.0, 2.3, 2.6, 2.5])
+    text = allreduce._interaction(flipped)  # the words follow the data, not the usual direction
+    assert "4 ranks are faster than 2 at 1MB" in text and "they reach less bus bandwidth" in text
+    assert "goes, not monotonically, from 2.30 GB/s with 2 ranks to 2.50 GB/s with 6" in text
+    assert allreduce._interaction(df[df["world_size"] == 2]) == ""  # one process count: nothing to compare

@@ -484,3 +484,27 @@ def test_a_group_of_parameters_is_set_by_dotted_name_listed_and_recorded_flat() 
 
         registered.pop("grouped_demo", None)
     assert line == "--full, with budget_s=30, shapes.rounds=5"
+
+
+def test_communication_accounting_states_the_tokens_its_activation_total_counts(tmp_path, monkeypatch) -> None:
+    """(a)'s activation total is for the run's tokens per device: the answer says how many, and whether they are
+    (c)'s compute-bound batch."""
+    from pathlib import Path
+
+    from cs336_systems.report.data import SectionData
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    section = get("communication_accounting")
+
+    def part_a(tokens: int | None) -> str:
+        assert main(["communication_accounting", "--full"] + (["--set", f"tokens_per_device={tokens}"]
+                                                              if tokens else [])) == 0
+        (a, *_) = [q for q in section.answer(SectionData(Path(tmp_path), "communication_accounting"))
+                   if getattr(q, "label", None) == "a"]
+        return " ".join(b.plain() for b in a.blocks if hasattr(b, "plain"))
+
+    assert ("17.5 MB per token ($2\\,L\\,(d_{\\mathrm{model}} + d_{\\mathrm{ff}})$ bytes: each linear keeps its "
+            "input), so 5.62 GB for the table's 320 tokens per device (the compute-bound batch per device of part "
+            "(c), rounded up).") in part_a(None)
+    text = part_a(1024)
+    assert "so 18.0 GB for the table's 1,024 tokens per device." in text and "part (c)" not in text

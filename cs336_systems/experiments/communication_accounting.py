@@ -135,6 +135,20 @@ def _quantity(df: pd.DataFrame | None, name: str, col: str) -> float | None:
     return float(sel[col].iloc[0]) if len(sel) else None
 
 
+def _activation_tokens(d: SectionData, mem: pd.DataFrame | None) -> str:
+    """The tokens per device the table's activations total counts (the run's ``tokens_per_device``), and that
+    they are (c)'s compute-bound batch per device where they are, or ""."""
+    tokens = (d.meta("xxl_memory").get("params") or {}).get("tokens_per_device")
+    total_gb = _quantity(mem, "activations", "GB")
+    if not tokens or total_gb is None:
+        return ""
+    cb = d.frame("compute_bound_batch")
+    from_c = (cb is not None and "per_device_tokens" in cb.columns and len(cb)
+              and int(np.ceil(cb["per_device_tokens"].iloc[0])) == int(tokens))
+    return (f", so {fmt.sig(total_gb)} GB for the table's {int(tokens):,} tokens per device"
+            + (" (the compute-bound batch per device of part (c), rounded up)" if from_c else ""))
+
+
 def answer(d: SectionData) -> list[Block]:
     mem = d.frame("xxl_memory")
     extra = d.meta("xxl_memory").get("extra", {}) if mem is not None else {}
@@ -150,7 +164,7 @@ def answer(d: SectionData) -> list[Block]:
             f"{fmt.sig(h100)} H100s' worth of 80 GB"
             + (f"; the bf16 activations saved for backward add {fmt.sig(per_tok / 1e6)} MB per token "
                f"($2\\,L\\,(d_{{\\mathrm{{model}}}} + d_{{\\mathrm{{ff}}}})$ bytes: each linear keeps its "
-               "input)" if per_tok else "") + ".")
+               "input)" + _activation_tokens(d, mem) if per_tok else "") + ".")
     mins = d.frame("min_fsdp_devices")
     b_text = None
     if mins is not None and {"tokens_per_device", "min_N_FSDP"} <= set(mins.columns) and len(mins):

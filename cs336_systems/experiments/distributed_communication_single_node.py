@@ -427,6 +427,44 @@ def _prompt(d: SectionData) -> str:
             f"{join_words([str(n) for n in counts])} processes.")
 
 
+def _interaction(df: pd.DataFrame) -> str:
+    """How the process count interacts with the message size: NCCL's time at the smallest size and bus bandwidth
+    at the largest, fewest ranks against most; Gloo's bus bandwidth at the largest size by rank count."""
+    if "busbw_GBps" not in df.columns:
+        return ""
+
+    def label(size_bytes: int) -> str:
+        row = df[df["size_bytes"] == size_bytes].iloc[0]
+        return str(row["size"]) if "size" in df.columns else fmt.sig(size_bytes)
+
+    parts = []
+    nccl = df[df["backend"] == "nccl"]
+    if nccl["world_size"].nunique() > 1:
+        small, large = nccl["size_bytes"].min(), nccl["size_bytes"].max()
+        few, many = nccl["world_size"].min(), nccl["world_size"].max()
+
+        def at(size_bytes: int, ranks: int, column: str) -> float:
+            return float(nccl.loc[(nccl["size_bytes"] == size_bytes) & (nccl["world_size"] == ranks), column].mean())
+
+        t_few, t_many = at(small, few, "time_ms"), at(small, many, "time_ms")
+        b_few, b_many = at(large, few, "busbw_GBps"), at(large, many, "busbw_GBps")
+        parts.append(f"for NCCL, {int(many)} ranks are {'slower' if t_many > t_few else 'faster'} than {int(few)} at "
+                     f"{label(small)} ({fmt.sig(1e3 * t_many)} µs against {fmt.sig(1e3 * t_few)} µs), while at {label(large)} they reach "
+                     f"{'more' if b_many > b_few else 'less'} bus bandwidth ({fmt.sig(b_many)} GB/s against "
+                     f"{fmt.sig(b_few)} GB/s)")
+    gloo = df[(df["backend"] == "gloo") & (df["size_bytes"] == df.loc[df["backend"] == "gloo", "size_bytes"].max())]
+    if gloo["world_size"].nunique() > 1:
+        bw = gloo.groupby("world_size")["busbw_GBps"].mean()
+        trend = ("falls" if bw.is_monotonic_decreasing else "rises" if bw.is_monotonic_increasing else
+                 "goes, not monotonically,")
+        parts.append(f"Gloo's bus bandwidth at {label(gloo['size_bytes'].iloc[0])} {trend} from "
+                     f"{fmt.sig(bw.iloc[0])} GB/s with {int(bw.index[0])} ranks to {fmt.sig(bw.iloc[-1])} GB/s with "
+                     f"{int(bw.index[-1])}")
+    if not parts:
+        return ""
+    return " The process count interacts with the message size: " + "; ".join(parts) + "."
+
+
 def answer(d: SectionData) -> list[Block]:
     df = d.frame("allreduce")
     text = more = None
@@ -463,7 +501,8 @@ def answer(d: SectionData) -> list[Block]:
                        f"bandwidth at most; {int(r['world_size'])} ranks reach {fmt.pct(r['busbw_GBps'] / top)} of it "
                        f"at {size}." + (" " + more if more else ""))
         text = Text(f"All-reducing {size}: " + join_words(parts) + "." + vs + " Small messages are latency bound "
-                    "(their time grows far more slowly than their size), large ones bandwidth bound.")
+                    "(their time grows far more slowly than their size), large ones bandwidth bound."
+                    + _interaction(df))
         more = ("Bus bandwidth, which scales the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, "
                 "makes process counts comparable. " + (more or "")).strip()
     fit = d.frame("allreduce_alpha_beta")

@@ -213,27 +213,83 @@ def _not_monotonic(speed: pd.DataFrame) -> str:
             "matmuls leave per-kernel overheads more exposed in the deeper model.")
 
 
-def _noise_note(timings: pd.DataFrame | None) -> str:
-    """The bf16 rows' spread, where it is large enough to blur the means: with the fastest steps beside them."""
-    need = {"size", "precision", "forward_mean_ms", "forward_std_ms", "forward_min_ms"}
-    if timings is None or not need <= set(timings.columns):
-        return ""
+NOISY = 0.2  # a standard deviation, as a share of the mean, past which a phase's means blur the trend
+
+
+def _fastest(timings: pd.DataFrame | None, phase: str = "forward") -> pd.DataFrame | None:
+    """For ``phase``, by size (in the table's order), from the rows that ran: each precision's spread (standard
+    deviation / mean: ``fp32_cv``, ``bf16_cv``), bf16's fastest step (``bf16_min_ms``) and the speed-up by each
+    run's fastest step (``speedup``: fp32's fastest / bf16's; NaN where one precision is missing); None without
+    the columns or any bf16 row."""
+    cols = [f"{phase}_mean_ms", f"{phase}_std_ms", f"{phase}_min_ms"]
+    if timings is None or not {"size", "precision", *cols} <= set(timings.columns):
+        return None
     ok = timings[timings["status"].astype(str) == "ok"] if "status" in timings.columns else timings
-    cols = ["forward_mean_ms", "forward_std_ms", "forward_min_ms"]
     t = ok[ok["precision"].isin(["fp32", "bf16"])].groupby(["size", "precision"], sort=False)[cols].mean()
     if "bf16" not in t.index.get_level_values("precision"):
-        return ""
+        return None
+    mean, std, low = cols
     bf16 = t.xs("bf16", level="precision")
-    cv = (bf16["forward_std_ms"] / bf16["forward_mean_ms"]).dropna()
-    if cv.empty or cv.max() < 0.2:
+    fp32 = t.xs("fp32", level="precision").reindex(bf16.index) if "fp32" in t.index.get_level_values(
+        "precision") else bf16 * float("nan")
+    return pd.DataFrame({"fp32_cv": fp32[std] / fp32[mean], "bf16_cv": bf16[std] / bf16[mean],
+                         "bf16_min_ms": bf16[low], "speedup": fp32[low] / bf16[low]})
+
+
+def _noise_note(timings: pd.DataFrame | None) -> str:
+    """The bf16 rows' spread, where it is large enough to blur the means: with the fastest steps beside them."""
+    f = _fastest(timings, "forward")
+    cv = pd.Series(dtype=float) if f is None else f["bf16_cv"].dropna()
+    if cv.empty or cv.max() < NOISY:
         return ""
-    sizes = [s for s in bf16.index if (s, "fp32") in t.index]
-    fastest = [f"{s} {fmt.ratio(t.loc[(s, 'fp32'), 'forward_min_ms'] / bf16.loc[s, 'forward_min_ms'])}" for s in sizes]
+    fastest = [f"{s} {fmt.ratio(x)}" for s, x in f["speedup"].dropna().items()]
     if not fastest:
         return ""
     return (f" The bf16 forward times are noisy in this run (standard deviation up to {fmt.pct(cv.max(), 2)} of the "
             f"mean, {cv.idxmax()}), so their means blur the trend; by each run's fastest step the forward speed-up is "
             + join_words(fastest) + ".")
+
+
+def _robust(speed: pd.DataFrame, timings: pd.DataFrame | None) -> tuple[pd.DataFrame, list[str], str]:
+    """``speed`` with each phase whose means are noisy (either precision's standard deviation past :data:`NOISY`
+    of the mean, in a size of the table) timed by each run's fastest step instead (its ``*_bf16_ms`` and
+    ``*_speedup``), those phases, and a clause saying so; ``speed``, [] and "" where no phase is noisy or the
+    steps' spread was not recorded."""
+    out, noisy = speed.copy(), {}
+    for phase in ("forward", "backward"):
+        f = _fastest(timings, phase)
+        if f is None:
+            continue
+        f = f.reindex(speed["size"].astype(str))
+        cv = f[["fp32_cv", "bf16_cv"]].rename(columns=lambda c: c.removesuffix("_cv")).stack().dropna()
+        if cv.empty or cv.max() < NOISY or f["speedup"].isna().any():
+            continue
+        noisy[phase] = cv
+        out[f"{phase}_speedup"] = f["speedup"].to_numpy()
+        out[f"{phase}_bf16_ms"] = f["bf16_min_ms"].to_numpy()
+    if not noisy:
+        return speed, [], ""
+    cv = pd.concat(noisy)
+    phase, size, precision = cv.idxmax()
+    which = "" if len(noisy) == 2 else f" for the {next(iter(noisy))} pass"
+    return out, list(noisy), (f" by each run's fastest step{which}, since the means are noisy (standard deviation "
+                              f"up to {fmt.pct(cv.max(), 2)} of the mean, {size} {precision} {phase})")
+
+
+def _not_run(speed: pd.DataFrame, timings: pd.DataFrame | None, edition: str) -> str:
+    """The handout's sizes with no row in ``speed``: each with its status where its run failed."""
+    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION
+
+    have = set(speed["size"].astype(str))
+    missing = [n.partition("@")[0] for n in HANDOUT_SIZES_BY_EDITION.get(edition, [])]
+    missing = [n for n in missing if n not in have]
+    if not missing:
+        return ""
+    failed = {}
+    if timings is not None and {"size", "status"} <= set(timings.columns):
+        failed = {str(r["size"]): str(r["status"]) for _, r in timings.iterrows() if str(r["status"]) != "ok"}
+    parts = [f"{n} ({failed[n]})" if n in failed else n for n in missing]
+    return f" The handout's {join_words(parts)} {'was' if len(parts) == 1 else 'were'} not run."
 
 
 def answer(d: SectionData) -> list[Block]:
@@ -254,22 +310,28 @@ def answer(d: SectionData) -> list[Block]:
         dtype_text = Text("Under `torch.autocast(\"cuda\", dtype=torch.float16)`: " + "; ".join(
             f"{join_words(q)}: `{dt}`" for dt, q in groups.items()) + ". Parameters stay fp32 (autocast casts "
             "copies for each matmul), so their gradients are fp32 too.")
-    speed_text = None
+    timings = edition_rows(d.frame("precision_timings"), d.edition)
+    speed_text, table = None, None if speed is None else speed.drop(columns="preset")
+    fastest_note = ""  # the table's columns by each run's fastest step, where the text quotes them
     if speed is not None and {"size", "forward_speedup", "backward_speedup"} <= set(speed.columns) and len(speed):
-        first, last = speed.iloc[0], speed.iloc[-1]
+        shown, robust, why = _robust(speed, timings)
+        table = table.assign(**{f"{p}_fastest_speedup": shown[f"{p}_speedup"] for p in robust})
+        fastest_note = "; `*_fastest_speedup`: by each run's fastest step" if robust else ""
+        first, last = shown.iloc[0], shown.iloc[-1]
 
         def effect(x: float) -> str:
             return f"{fmt.ratio(x)}" + (" (slower)" if x < 1 else "")
 
         speed_text = Text(
-            f"Speed-up of bf16 autocast (fp32 time / bf16 time): the forward pass {effect(first['forward_speedup'])} "
-            f"for {first['size']} and {effect(last['forward_speedup'])} for {last['size']}; the backward pass "
-            f"{effect(first['backward_speedup'])} and {effect(last['backward_speedup'])}. Larger models "
+            f"Speed-up of bf16 autocast (fp32 time / bf16 time){why}: the forward pass "
+            f"{effect(first['forward_speedup'])} for {first['size']} and {effect(last['forward_speedup'])} for "
+            f"{last['size']}; the backward pass {effect(first['backward_speedup'])} and "
+            f"{effect(last['backward_speedup'])}.{_not_run(speed, timings, d.edition)} Larger models "
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
             "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
             "kernels (which autocast does not speed up and its casts add to) weigh more"
-            + (_not_monotonic(speed) or "."))
-    noise = _noise_note(edition_rows(d.frame("precision_timings"), d.edition)).strip()
+            + (_not_monotonic(shown) or "."))
+    noise = _noise_note(timings).strip()
     return [
         question(d, "mixed_precision_accumulation", "Accumulating 0.01 a thousand times in fp32, fp16 and "
                  "mixtures.", [acc_text, d.table("accumulation", caption="The four accumulation loops.", digits=7)],
@@ -285,9 +347,9 @@ def answer(d: SectionData) -> list[Block]:
                      "but its 8-bit significand makes the sums even less precise than fp16's: the statistics "
                      "still belong in fp32.")]),
         question(d, "c", "Forward and backward timings with and without bf16 mixed precision, by model size.",
-                 [speed_text, d.table("bf16_speedup", frame=None if speed is None else speed.drop(columns="preset"),
+                 [speed_text, d.table("bf16_speedup", frame=table,
                                       caption="fp32 vs. bf16 autocast, mean time per step and speed-up (fp32 time "
-                                              "/ bf16 time).")],
+                                              "/ bf16 time)" + fastest_note + ".")],
                  what="bf16 vs fp32 timings by model size"),
         Text("", role=BEYOND_HANDOUT),  # the tables and plot behind the answers in words
         question(d, "a", "The ToyModel's tensors and their dtypes under fp16 autocast, as measured.", [

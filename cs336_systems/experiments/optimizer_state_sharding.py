@@ -458,7 +458,7 @@ def answer(d: SectionData) -> list[Block]:
                  "(balanced greedily, so shards are only approximately equal), keeps the full gradient all-reduce "
                  "($2\\frac{P-1}{P}\\Psi$) and then broadcasts each updated parameter from its owner "
                  "($\\frac{P-1}{P}\\Psi$ more), $3\\frac{P-1}{P}\\Psi$ in total: simpler and model-agnostic, "
-                 "but with 1.5× the communication volume of ZeRO-1."),
+                 "but with 1.5× the communication volume of ZeRO-1." + _zero_note(d)),
             d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step."
                     + _zero1_bytes_note(d))]),
         Text("", role=BEYOND_HANDOUT),  # the memory study in detail, and more GPUs: the appendix
@@ -485,10 +485,32 @@ def _expectation(st: pd.DataFrame) -> str:
                 if state[f"{o} predicted"])
     return (" **Against expectations:** sharding should divide only AdamW's two fp32 moments ($8\\Psi$ bytes) by "
             f"the world size{', and it does' if close else ''}: the optimizer state goes from {fmt.sig(state['adamw measured'])} to "
-            f"{fmt.sig(state['sharded measured'])} GiB, " + ("as predicted" if close else "against a prediction of")
-            + f" ({fmt.sig(state['adamw predicted'])} → {fmt.sig(state['sharded predicted'])}); parameters and "
+            f"{fmt.sig(state['sharded measured'])} GiB, " + _prediction(state, close) + "; parameters and "
             f"gradients do not change; the activations are {fmt.pct(abs(off))} {'above' if off >= 0 else 'below'} "
             "the accounting's per-block estimate, with or without sharding." if off == off else "")
+
+
+def _prediction(state: pd.Series, close: bool) -> str:
+    """The predicted state beside the measured: its numbers only where they read differently from the measured
+    ones just given."""
+    pred = [fmt.sig(state[f"{o} predicted"]) for o in ("adamw", "sharded")]
+    if not close:
+        return f"against a prediction of {pred[0]} → {pred[1]} GiB"
+    same = pred == [fmt.sig(state[f"{o} measured"]) for o in ("adamw", "sharded")]
+    return "as predicted" + ("" if same else f" ({pred[0]} → {pred[1]})")
+
+
+def _zero_note(d: SectionData) -> str:
+    """Where the run measured PyTorch's ZeroRedundancyOptimizer: that it communicates as ours does, so the
+    comparison table's ``zero1`` row (the analytic ZeRO-1) is not its measurement."""
+    runs = [d.frame(n) for n in ("timing", "memory")]
+    table = d.frame("zero1_comparison")
+    if not any(f is not None and "optimizer" in f.columns and "zero" in set(f["optimizer"]) for f in runs) \
+            or table is None or "strategy" not in table.columns or "zero1" not in set(table["strategy"]):
+        return ""
+    return (" The ZeroRedundancyOptimizer rows of (a) and (b) are PyTorch's, which keeps DDP's full all-reduce and "
+            "then broadcasts each parameter from its owner, our communication pattern; the table's `zero1` row is "
+            "the analytic reduce-scatter/all-gather scheme above.")
 
 
 def _step_temporaries(rank0: pd.DataFrame) -> str:

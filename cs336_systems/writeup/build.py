@@ -198,9 +198,9 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         section.blocks = _foreign_to_appendix(section.blocks, entry.problems, _problem_ids(edition))
         section.blocks = [_renumbered(b, numbers) for b in section.blocks]  # the answers cite this edition's numbers
         section.blocks[:0] = [_console(root, name, command) for name, command in entry.console]
-        # Measured on this edition's grid: the note on the other grid's results no longer applies.
-        section.blocks[:0] = note(f"measured on its own grid (`{spec.command_for(edition)}`, results in "
-                                  f"`{root.name}/{spec.results_folder(edition)}/`)." if own else entry.note)
+        # Measured on this edition's grid: the note on the other grid's results no longer applies, and nothing
+        # needs saying (the source line under each table names the folder).
+        section.blocks[:0] = note("" if own else entry.note)
         section.further = []  # the results index belongs to the workbook's own writeup
         sections.append(section)
         rows.append(f"| §{entry.number} | {', '.join(entry.problems) or '(context)'} | §{spec.number} {spec.title} |")
