@@ -1276,8 +1276,10 @@ def test_sharding_timing_states_its_setup() -> None:
 
     meta = {"params": {"model": "xl@2026", "global_batch": 4, "context_length": 512, "warmup": 3, "steps": 10,
                        "nproc": [2, 4], "world_size": 2}}
-    assert _setup(meta) == ("xl@2026, fp32, 4 sequences of 512 tokens per step over 2 GPUs, torch DDP for the "
-                            "gradients, mean of 10 steps after 3 warm-up steps")
+    assert _setup(meta, "2026") == ("xl, fp32, 4 sequences of 512 tokens per step over 2 GPUs, torch DDP for the "
+                                    "gradients, torch's default (multi-tensor) AdamW, mean of 10 steps after 3 warm-up "
+                                    "steps")
+    assert _setup(meta).startswith("2.7B, fp32")  # the 2025 handout's name for the same model
     assert _setup({"params": {"model": "xl"}}) == ""
 
 

@@ -351,7 +351,7 @@ def answer(d: SectionData) -> list[Block]:
                           + ("; where the peak grows, those weight copies outweigh the smaller activations." if grows
                              else "; the saving grows with context length, where activations dominate."))
     modes = [m for m in _MODE_WORDS if fp32 is not None and f"{m}_peak_GiB" in fp32.columns]
-    timeline = d.figure("timeline_fp32", caption=f"Active memory over allocation events, {size}, fp32, one row per "
+    timeline = d.figure("timeline_fp32", caption=f"Active memory over allocation events, {shown}, fp32, one row per "
                         f"mode ({', '.join(_MODE_WORDS[m] for m in modes) or 'forward pass and training step'}, top "
                         "to bottom) and one column per context length.")
     rs_text = None

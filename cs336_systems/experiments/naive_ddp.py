@@ -41,7 +41,7 @@ from cs336_systems.experiments.ddp_common import (
 )
 from cs336_systems.experiments.section import Section, param
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import known, question, subset
+from cs336_systems.report.answers import handout_model, known, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.results import ResultWriter
@@ -154,7 +154,7 @@ def answer(d: SectionData) -> list[Block]:
                             "baseline!\"."),
             _equivalence_sentence(d.frame(named(d.tables, "toy_equivalence") or ""))]),
         question(d, "naive_ddp_benchmarking", "Time per training step and the share spent communicating gradients "
-                 f"({_model_name(df)} model, one node, 2 GPUs).", [setup(df, d.edition), text, _against_microbenchmark(d, naive),
+                 f"({handout_model(_model_name(df), d.edition)} model, one node, 2 GPUs).", [setup(df, d.edition), text, _against_microbenchmark(d, naive),
                                                    steps_blocks(d, name, STEPS_CAPTION),
                                                    d.figure(name or "", caption="Step time split into phases.")],
                  what="naive DDP step and communication times"),

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 
-from cs336_systems.report.answers import implemented, mfu_note, spread, step_mfu, step_verdict  # noqa: E402  (answers only)
+from cs336_systems.report.answers import handout_model, implemented, mfu_note, spread, step_mfu, step_verdict  # noqa: E402  (answers only)
 
 
 def _zero1_bytes_note(d: SectionData) -> str:
@@ -420,7 +420,7 @@ def answer(d: SectionData) -> list[Block]:
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
                  + (f" ({fmt.ratio(r['slowdown_vs_adamw'])})" if "slowdown_vs_adamw" in r else "")
                  for _, r in timing.iterrows()]
-        setup = _setup(d.meta("timing"))
+        setup = _setup(d.meta("timing"), d.edition)
         time_text = Text("Time per training step" + (f" ({setup})" if setup else "") + ", relative to replicated "
                          "AdamW: " + join_words(parts) + ". " + _sharding_verdict(timing))
     return [
@@ -435,7 +435,7 @@ def answer(d: SectionData) -> list[Block]:
                           "breakdown and the time per iteration, from the same benchmark as the tables below.")
                      if d.folder.endswith("/cse599o") else None]),
         question(d, "a", "Peak memory after model initialization, before and after the optimizer step, with and "
-                 f"without optimizer-state sharding ({(d.meta('memory').get('params') or {}).get('model', 'xl')}, "
+                 f"without optimizer-state sharding ({handout_model(str((d.meta('memory').get('params') or {}).get('model', 'xl')), d.edition)}, "
                  "one node, 2 GPUs), with a breakdown.",
                  [mem_text, d.table("memory", caption="Allocated and peak memory per rank at the three points "
                                     "(GiB)."),
@@ -559,15 +559,15 @@ def _buckets_note(rank0: pd.DataFrame, breakdown: pd.DataFrame) -> str:
             "`gradient_as_bucket_view` is off by default), the same for every optimizer.")
 
 
-def _setup(meta: dict[str, Any]) -> str:
+def _setup(meta: dict[str, Any], edition: str = "2025") -> str:
     """The run's setup in one sentence (what a reader comparing with §2's DDP steps needs: a different batch
     or context explains a different step time)."""
     p = meta.get("params") or {}
     if not {"model", "global_batch", "context_length"} <= set(p):
         return ""
     world = int(p.get("world_size") or (p.get("nproc") or [2])[0])
-    return (f"{p['model']}, fp32, {p['global_batch']} sequences of {p['context_length']} tokens per step over {world} "
-            f"GPUs, torch DDP for the gradients, mean of {p.get('steps', '?')} steps after {p.get('warmup', '?')} "
+    return (f"{handout_model(str(p['model']), edition)}, fp32, {p['global_batch']} sequences of {p['context_length']} "
+            f"tokens per step over {world} GPUs, torch DDP for the gradients, torch's default (multi-tensor) AdamW, mean of {p.get('steps', '?')} steps after {p.get('warmup', '?')} "
             "warm-up steps")
 
 
