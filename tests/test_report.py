@@ -791,7 +791,7 @@ def test_scaling_efficiency_holds_a_captured_step_to_the_captured_single_gpu_ste
 
 
 def test_fsdp_accounting_b_finds_the_gpu_idle_between_kernels_of_the_profiled_forward(tmp_path) -> None:
-    from cs336_systems.experiments.fsdp import _idle_text
+    from cs336_systems.experiments.fsdp_gathers import _idle_text
     from cs336_systems.report.data import SectionData
 
     folder = tmp_path / "fsdp"
@@ -1158,7 +1158,7 @@ def test_fsdp_gathers_are_compared_with_the_all_reduce_fit(tmp_path) -> None:
     """Ring all-gather of S bytes over p ranks: (p-1)·alpha per call + (p-1)/p·S/B."""
     from cs336_systems.configs import param_counts
     from cs336_systems import accounting
-    from cs336_systems.experiments.fsdp import _gather_model
+    from cs336_systems.experiments.fsdp_gathers import _gather_model
     from cs336_systems.report import fmt
     from cs336_systems.report.data import SectionData
 

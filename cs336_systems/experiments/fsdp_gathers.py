@@ -1,0 +1,163 @@
+"""fsdp_accounting (b)'s answer: whether the forward's all-gathers finish in time, read from the profiled step
+(``figures/fsdp/gathers_*``), and why they run late when they do: the gathers' transfer time by §2.1's
+latency-bandwidth fit, compute's share of the forward, and how fast the host issued kernels. Answer text only:
+nothing here measures, so nothing here makes a result stale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from cs336_systems import accounting
+from cs336_systems.configs import param_counts
+from cs336_systems.report import fmt
+from cs336_systems.report.answers import handout_model
+from cs336_systems.report.data import SectionData
+from cs336_systems.report.document import Block, Text
+
+
+def _idle_text(d: SectionData) -> Text | None:
+    """Why the profiled forward is longer than its kernels: the GPU's idle time between kernels, read from the
+    step's kernel timeline (the union of both streams' kernels inside the forward phase)."""
+    tl, summary = d.frame("gathers_timeline"), d.frame("gathers_summary")
+    if tl is None or summary is None or not {"kind", "name", "start_ms", "dur_ms"} <= set(tl.columns):
+        return None
+    forward = tl[(tl["kind"] == "phase") & tl["name"].astype(str).str.contains("forward")]
+    if not len(forward):
+        return None
+    start, span = float(forward["start_ms"].iloc[0]), float(forward["dur_ms"].iloc[0])
+    kernels = tl[(tl["kind"] != "phase") & (tl["start_ms"] >= start) & (tl["start_ms"] < start + span)]
+    if len(kernels) < 2:
+        return None
+    gaps, end = [], start
+    for s, e in sorted(zip(kernels["start_ms"], kernels["start_ms"] + kernels["dur_ms"])):
+        if s > end:
+            gaps.append(s - end)
+        end = max(end, e)
+    idle = sum(gaps) + max(start + span - end, 0.0)
+    if not gaps or idle / span < 0.3:  # the GPU is mostly busy: nothing beyond the gathers to explain
+        return None
+    compute = kernels[kernels["kind"] == "compute"]
+    comm = kernels[kernels["kind"] == "comm"]
+    model = (d.meta("gathers_summary").get("extra") or {}).get("model")
+    layers = accounting.ladder_config(model).num_layers if model else None
+    r = summary.iloc[0]
+    per_layer = (f", {fmt.sig(len(comm) / layers, 2)} per layer where one gather of a layer's flat shard would do"
+                 if layers and len(comm) > layers else "")
+    return Text(
+        f"**Why the forward is longer than its kernels.** Of its {fmt.ms(span)} the GPU is idle for {fmt.ms(idle)} "
+        f"({fmt.pct(idle / span)}), in {len(gaps):,} gaps between kernels (median "
+        f"{fmt.sig(float(pd.Series(gaps).median()) * 1e3, 2)} µs) spread over the whole forward, not bunched before "
+        f"the gathers: the forward is launch-bound. Rank 0's host issued {len(compute):,} compute kernels and "
+        f"{len(comm)} all-gathers{per_layer}, one every {fmt.sig(span / len(kernels) * 1e3, 2)} µs, while a compute "
+        f"kernel ran {fmt.sig(float(compute['dur_ms'].mean()) * 1e3, 2)} µs on average (a small batch per rank, and "
+        "the profiler adds host time to every operator). "
+        + ("So the gathers are in time" if float(r["wait_ms"]) < 0.05 * span else
+           f"The gathers also hold compute back ({fmt.ms(r['wait_ms'])} of waits), but less than the host does")
+        + f", and only {fmt.ms(r['gather_beside_compute_ms'])} of their {fmt.ms(r['gather_ms'])} overlap a compute "
+        "kernel because most of the time there is none to overlap: they hide behind the host's launches, not "
+        "behind compute. What would shorten the forward is on the host's side: more tokens per rank, fewer and "
+        "larger gathers, or capturing the step in a CUDA graph (not measured here).")
+
+
+def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) -> str:
+    """The forward's all-gathers against §2.1's latency-bandwidth fit: a ring all-gather of S bytes in all
+    over p ranks takes (p-1)·alpha + (p-1)/p·S/B per call set; kernel time far above that is waiting."""
+    from cs336_systems.experiments.ddp_common import published_fit
+
+    try:
+        p, width = int(world), {"bf16": 2, "fp16": 2, "fp32": 4}[str(dtype)]
+        psi = param_counts(accounting.ladder_config(model))["total"]
+    except (KeyError, TypeError, ValueError):
+        return ""
+    fit = published_fit(d.sibling("distributed_communication_single_node"), world_size=p) if p > 1 else None
+    if fit is None or "alpha_us" not in fit or not r["gathers"]:
+        return ""
+    bandwidth = fit["w"] * 2 * (p - 1) / p  # back to the fit's B per rank
+    predicted = (int(r["gathers"]) * (p - 1) * fit["alpha_us"] * 1e-6 + (p - 1) / p * psi * width / bandwidth) * 1e3
+    if float(r["gather_ms"]) < 2 * predicted:
+        return f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers, close to what their kernels took."
+    return (f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(psi * width / 1e9)} GB gathered "
+            f"in {int(r['gathers'])} calls); their kernels took {fmt.ratio(float(r['gather_ms']) / predicted)} "
+            "that. An NCCL kernel also counts the time it waits for the other rank to arrive, and the other rank "
+            "runs the same launch-bound forward, so this kernel time is an upper bound on the transfer; which part "
+            "is waiting for the peer needs both ranks' timelines, which this profile does not record.")
+
+
+def gathers_against_fit(d: SectionData) -> Text | None:
+    """Beyond the question: the profiled forward's gathers against §2.1's fit (the appendix)."""
+    summary = d.frame("gathers_summary")
+    if summary is None or not len(summary) or not {"gathers", "gather_ms"} <= set(summary.columns):
+        return None
+    meta = d.meta("gathers_summary")
+    params, extra = meta.get("params", {}), meta.get("extra", {})
+    model = extra.get("model", params.get("gathers_model", "?"))
+    text = _gather_model(d, model, (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), summary.iloc[0])
+    return Text(text.strip()) if text else None
+
+
+def host_paced(d: SectionData) -> Text | None:
+    """Why the gathers run late when the link could carry them in time: how little of the forward is compute and
+    how often the host issued a kernel."""
+    summary, tl = d.frame("gathers_summary"), d.frame("gathers_timeline")
+    if summary is None or tl is None or not len(summary) or not {"compute_ms", "span_ms", "late_gathers"} <= set(
+            summary.columns) or not {"kind", "start_ms"} <= set(tl.columns):
+        return None
+    r = summary.iloc[0]
+    if not r["late_gathers"] or not r["span_ms"]:
+        return None
+    forward = tl[(tl["kind"] != "phase") & (tl["start_ms"] < float(r["span_ms"]))]
+    if not len(forward):
+        return None
+    return Text(
+        f"Compute ran {fmt.ms(r['compute_ms'])} of the forward's {fmt.ms(r['span_ms'])}, and rank 0's host issued a "
+        f"kernel every {fmt.sig(float(r['span_ms']) / len(forward) * 1e3, 2)} µs (the profiler adds host time to "
+        "every operator): the forward is paced by the hosts' launches, not by the link. Fewer, larger gathers or a "
+        "CUDA graph of the forward would shorten it (not measured here).")
+
+
+def gathers_blocks(d: SectionData) -> list[Block | None]:
+    """fsdp_accounting (b): does the forward's all-gather finish in time? From the profiled step."""
+    summary = d.frame("gathers_summary")
+    text = None
+    if summary is not None and len(summary) and {"span_ms", "gathers", "late_gathers", "wait_ms"} <= set(summary.columns):
+        r = summary.iloc[0]
+        meta = d.meta("gathers_summary")
+        params, extra = meta.get("params", {}), meta.get("extra", {})
+        ws = (params.get("nproc") or ["?"])[0]
+        model = extra.get("model", params.get("gathers_model", "?"))
+        waits = d.frame("gathers_forward")
+        first_late = waits is not None and len(waits) and bool(waits.sort_values("start_ms")["late"].iloc[0])
+        share = r["wait_ms"] / r["span_ms"] if r["span_ms"] else float("nan")
+        if r["gathers"] == 0:
+            verdict = ("The timeline shows no all-gather kernel in the forward, so it cannot answer the question: "
+                       "on CPU processes gloo's collectives are host operators, merged with the compute around them.")
+        elif r["late_gathers"] == 0:
+            verdict = ("Yes: every all-gather ended while compute was still busy with an earlier layer, so the "
+                       "prefetch hides the forward's communication completely.")
+        else:
+            verdict = (("Yes, except where nothing can hide it" if r["late_gathers"] == 1 and first_late else
+                        "In time but for a few" if share < 0.05 else "No")
+                       + f": compute waited for {int(r['late_gathers'])} of them"
+                       + (" (the first, which no compute precedes)" if first_late and r["late_gathers"] == 1 else
+                          ", including the first, which no compute precedes," if first_late else "")
+                       + f" {fmt.ms(r['wait_ms'])} in all ({fmt.pct(share)} of the forward; the longest wait "
+                       f"{fmt.ms(r['max_wait_ms'])}).")
+        text = Text(
+            f"One training step of {handout_model(model, d.edition)} ({fmt.params(param_counts(accounting.ladder_config(model))['total'])} "
+            f"parameters) with our FSDP on {ws} {'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, "
+            f"{extra.get('compute_dtype', '?')} compute, {params.get('global_batch', '?')} sequences of "
+            f"{params.get('context_length', '?')} tokens per step (split over the ranks), profiled on rank 0: the "
+            f"forward ran {fmt.ms(r['span_ms'])} on the GPU and issued {int(r['gathers'])} all-gathers, "
+            f"{fmt.ms(r['gather_ms'])} of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it beside compute. "
+            + verdict)
+    return [
+        text,
+        _idle_text(d),
+        d.figure("gathers_timeline", caption="Kernels of one FSDP training step on rank 0 by stream (compute grey, "
+                 "communication red) under the phases the GPU ran; the forward's all-gathers are the red bars "
+                 "beside its compute."),
+        d.table("gathers_summary", caption="The forward's all-gathers: kernel time, the part beside compute, and "
+                "how long compute waited for a gather (it resumed within 30 µs of the gather's end)."),
+    ]
