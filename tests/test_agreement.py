@@ -49,7 +49,7 @@ def test_shared_cells_within_ten_percent_or_the_runs_spread_and_smoke_runs_are_n
     _two_sections(noisy, 446.0)
     for folder, table in (("benchmarking", "timings"), ("mixed_precision", "precision_timings")):
         frame = pd.read_csv(noisy / folder / f"{table}.csv")
-        frame.assign(forward_std_ms=40.0).to_csv(noisy / folder / f"{table}.csv", index=False)
+        frame.assign(forward_std_ms=120.0).to_csv(noisy / folder / f"{table}.csv", index=False)
     assert agreement.disagreements(noisy) == [] and len(agreement.shared_keys(noisy)) == 2
     assert DISAGREES_MARK not in provenance_line(SectionData(tmp_path, "benchmarking", depends=()).meta("timings"))
     smoke = tmp_path / "smoke"
@@ -109,9 +109,13 @@ def test_data_parallel_steps_are_compared_across_sections_and_edition_grids(tmp_
         found[0].line()
     assert len(agreement.shared_keys(tmp_path)) == 2  # the single-GPU row is shared too, and agrees
     noisy = tmp_path / "noisy"
-    _ddp_steps(noisy, "naive_ddp/cse599o", 220.0, std=10.0)
-    _ddp_steps(noisy, "ddp_flat/cse599o", 264.0, std=10.0)
+    _ddp_steps(noisy, "naive_ddp/cse599o", 220.0, std=25.0)
+    _ddp_steps(noisy, "ddp_flat/cse599o", 264.0, std=25.0)
     assert agreement.disagreements(noisy) == []
+    spread = tmp_path / "spread"  # 44 ms apart against 2 x 20 ms of step-to-step spread: beyond it, so flagged
+    _ddp_steps(spread, "naive_ddp/cse599o", 220.0, std=20.0)
+    _ddp_steps(spread, "ddp_flat/cse599o", 264.0, std=20.0)
+    assert len(agreement.disagreements(spread)) == 1
     alone = tmp_path / "alone"
     _ddp_steps(alone, "naive_ddp/cse599o", 220.0)
     assert agreement.shared_keys(alone) == set()

@@ -27,8 +27,10 @@ import pandas as pd
 
 #: Two sections' values of one cell may differ by this fraction of the smaller before they disagree.
 TOLERANCE = 0.10
-#: ... and by more than this many standard deviations of each of the two runs, summed.
-SPREADS = 3.0
+#: ... and by more than this many standard deviations of each of the two runs, summed: one, so a difference is
+#: no difference only when it is smaller than the runs' spread (each a step-to-step standard deviation; for two
+#: means of ten steps, their sum is about three standard errors of the difference).
+SPREADS = 1.0
 
 Key = tuple[Any, ...]
 
