@@ -312,6 +312,8 @@ def answer(d: SectionData) -> list[Block]:
     bf16 = _peak_pivot(peaks, "bf16") if peaks is not None else None
     b_text = c_text = None
     failed = _failed_cells(peaks)
+    # What sets the training step's peak, derived: beyond the handout's two numbers per context (the appendix).
+    breakdown = _train_peak_breakdown(peaks, param_counts(cfg)["total"] * 4 / 2**30).strip()
     if fp32 is not None and "train_peak_GiB" in fp32.columns and ({"inference_peak_GiB", "forward_peak_GiB"}
                                                                    & set(fp32.columns)):
         def cell(r: pd.Series) -> str:
@@ -322,7 +324,6 @@ def answer(d: SectionData) -> list[Block]:
         b_text = Text(f"Peak memory of the {shown} model, " + " / ".join(
             w for m, w in _MODE_WORDS.items() if f"{m}_peak_GiB" in fp32.columns) + ": " + join_words([
             cell(r) for _, r in fp32.iterrows()]) + "." + _inference_note(fp32)
-            + _train_peak_breakdown(peaks, param_counts(cfg)["total"] * 4 / 2**30)
             + f"{failed}" + _why_out_of_memory(peaks, cfg, device))
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {shown} model on "
@@ -397,8 +398,10 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "e", "The largest allocations in the forward pass's active-memory timeline and where they "
                  "come from.", [largest],
                  what=None if largest is not None else "the largest allocations"),  # its table is the appendix's
-        # (e)'s answer names the tensors; the allocation tables behind it are the appendix's.
+        # (e)'s answer names the tensors; the allocation tables behind it, and (b)'s derivation, are the appendix's.
         Text("", role=BEYOND_HANDOUT),
+        *([question(d, "b", "What sets the training step's peak at each context.", [Text(breakdown)])]
+          if breakdown else []),
         *[t for t in (
             d.table("largest_allocations_inference", frame=_allocation_table(d, "largest_allocations_inference"),
                     caption="§1.1.6 (e): largest allocations of the fp32 inference forward pass at the longest "
