@@ -1354,6 +1354,13 @@ def test_nsys_answers_sum_up_every_profile() -> None:
         "kernel time.")
     assert " for 0.0200× their FLOPs, 25.0–40.0 times the time per FLOP." in _softmax_across(summary)
     assert _across(summary.iloc[:1], "top_non_matmul_kernel", "top_non_matmul_percent", "x") == ""
+    from cs336_systems.experiments.nsys_profile import _matmul_shares
+
+    shares = summary.assign(matmul_percent_forward=[90.0, 60.0, None], matmul_percent_train_step=[80.0, 55.0, None])
+    assert _matmul_shares(shares).markdown == (
+        "Matmuls take 60.0%–90.0% of the kernel time in the forward pass and 55.0%–80.0% of a full training step, "
+        "so the other kernels take 10.0%–40.0% of the forward and 20.0%–45.0% of the step: the AdamW update "
+        "(elementwise over every parameter) and the backward of the elementwise ops add non-matmul time.")
 
 
 def test_the_2026_model_table_says_how_the_other_tables_name_its_models() -> None:

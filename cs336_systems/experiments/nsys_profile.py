@@ -237,6 +237,20 @@ def _reconciled(d: SectionData) -> str | None:
     return reconcile(d.root, d.folder, "summary", "The Python-timed forward passes")
 
 
+def _matmul_shares(summary: pd.DataFrame) -> Text:
+    """(d): the matmul share of the kernel time in the forward and in the training step, and the other kernels'."""
+    mm = ok_rows(summary)
+    fwd_share, step_share = mm["matmul_percent_forward"], mm["matmul_percent_train_step"]
+    others_fwd, others_step = 100 - fwd_share, 100 - step_share
+    return Text(f"Matmuls take {fmt.pct(fwd_share.min() / 100)}–{fmt.pct(fwd_share.max() / 100)} of the kernel "
+                f"time in the forward pass and {fmt.pct(step_share.min() / 100)}–{fmt.pct(step_share.max() / 100)}"
+                " of a full training step, so the other kernels take "
+                f"{fmt.pct(others_fwd.min() / 100)}–{fmt.pct(others_fwd.max() / 100)} of the forward and "
+                f"{fmt.pct(others_step.min() / 100)}–{fmt.pct(others_step.max() / 100)} of the step"
+                + (": the AdamW update (elementwise over every parameter) and the backward of the elementwise "
+                   "ops add non-matmul time." if (step_share < fwd_share).mean() > 0.5 else "."))
+
+
 def answer(d: SectionData) -> list[Block]:
     summary = d.frame("summary")
     top = d.frame("top_kernels")
@@ -284,13 +298,7 @@ def answer(d: SectionData) -> list[Block]:
                  "activations for few FLOPs, so they are memory bound and take time out of proportion to "
                  "their FLOPs." + _across(summary, "top_non_matmul_kernel", "top_non_matmul_percent",
                                           "the largest non-matmul kernel"))
-        mm = ok_rows(summary)
-        fwd_share, step_share = mm["matmul_percent_forward"], mm["matmul_percent_train_step"]
-        dd = Text(f"Matmuls take {fmt.pct(fwd_share.min() / 100)}–{fmt.pct(fwd_share.max() / 100)} of the kernel "
-                  f"time in the forward pass and {fmt.pct(step_share.min() / 100)}–{fmt.pct(step_share.max() / 100)}"
-                  " of a full training step"
-                  + (": the AdamW update (elementwise over every parameter) and the backward of the elementwise "
-                     "ops add non-matmul time." if (step_share < fwd_share).mean() > 0.5 else "."))
+        dd = _matmul_shares(summary)
         per_flop = row["softmax_to_matmul_time"] / row["softmax_to_matmul_flops"]
         e = Text(f"For {where}, attention's softmax takes {fmt.ratio(row['softmax_to_matmul_time'])} the time of "
                  f"its two matmuls for {fmt.ratio(row['softmax_to_matmul_flops'])} their FLOPs, i.e. "
