@@ -267,6 +267,7 @@ def answer(d: SectionData) -> list[Block]:
         return d.table("summary", caption=caption, frame=frame)
 
     a = b = c = dd = e = a_more = None
+    tallies: list[tuple[str, str]] = []
     if row is not None:
         ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
         device = short_device(d.meta("summary"))
@@ -290,14 +291,12 @@ def answer(d: SectionData) -> list[Block]:
         b = Text(f"For {where} the kernel with the most GPU time in the forward pass is "
                  f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
-                 + (f"; {same}." if same else ".") + _across(summary, "top_forward_kernel", "top_kernel_percent",
-                                                               "the top forward kernel"))
+                 + (f"; {same}." if same else "."))
         c = Text(f"The largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time; elementwise kernels "
                  "(softmax pieces, SwiGLU's SiLU and product, RMSNorm, RoPE, masking) each read and write whole "
                  "activations for few FLOPs, so they are memory bound and take time out of proportion to "
-                 "their FLOPs." + _across(summary, "top_non_matmul_kernel", "top_non_matmul_percent",
-                                          "the largest non-matmul kernel"))
+                 "their FLOPs.")
         dd = _matmul_shares(summary)
         per_flop = row["softmax_to_matmul_time"] / row["softmax_to_matmul_flops"]
         e = Text(f"For {where}, attention's softmax takes {fmt.ratio(row['softmax_to_matmul_time'])} the time of "
@@ -306,7 +305,12 @@ def answer(d: SectionData) -> list[Block]:
                  + (f": the matmuls are compute-bound GEMMs ({_gemm_kind(row['top_forward_kernel'])}) that "
                     "reuse each loaded element many times, while the softmax reads and writes the whole score "
                     "matrix several times for a few FLOPs per element and is limited by memory bandwidth."
-                    if per_flop > 1 else ".") + _softmax_across(summary))
+                    if per_flop > 1 else "."))
+        # The same questions over every profile: the appendix's.
+        tallies = [(label, said.strip()) for label, said in (
+            ("b", _across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel")),
+            ("c", _across(summary, "top_non_matmul_kernel", "top_non_matmul_percent", "the largest non-matmul kernel")),
+            ("e", _softmax_across(summary).strip())) if said.strip()]
     grid = [part("Forward time: Python timer vs. the sum of profiled kernels.", "python_forward_ms",
                  "python_forward_std_ms", "profiled_forward_kernels_ms", "profiled_step_kernels_ms"),
             part("Top kernels of the forward pass.", "top_forward_kernel", "top_kernel_calls_per_forward",
@@ -331,6 +335,7 @@ def answer(d: SectionData) -> list[Block]:
         Text("", role=BEYOND_HANDOUT),
         *([question(d, "a", "The timed forward passes against the other sections', and the longest contexts.",
                     [Text(a_more)])] if a_more else []),
+        *[question(d, label, "The same over every profile.", [Text(said)]) for label, said in tallies],
         *([Text("The ten largest kernels behind (b) and (c), and the matmul share behind (d).")]
           if row is not None else []),
         *[b for b in (_top_kernels(d, top, row),
