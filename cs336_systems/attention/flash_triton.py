@@ -230,29 +230,34 @@ _NO_GUARD = contextlib.nullcontext()
 # --------------------------------------------------------------------------------------------------
 
 
-def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> ModuleType | None:
-    """:mod:`.flash_fwd_sm90` when its Hopper forward covers these 4-D inputs, else None (Triton forward).
+def _hopper_gluon(name: str, q: Tensor) -> tuple[ModuleType, tuple[int, int]] | None:
+    """The Gluon module ``name`` and the GPU's compute capability where ``q`` lives on a Hopper GPU, else None.
 
-    The device checks here only keep CPU runs and other GPUs from importing Gluon; what the kernel takes
-    (including ``options.current().gluon``) is decided in one place, ``flash_fwd_sm90.ineligibility``."""
+    These device checks only keep CPU runs and other GPUs from importing Gluon; what a kernel takes (its
+    options included) is decided in one place, the module's ``ineligibility``."""
     if q.device.type != "cuda" or interpreter_enabled():
         return None
     capability = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if capability != (9, 0):
         return None
-    module = importlib.import_module(".flash_fwd_sm90", __package__)
+    return importlib.import_module(f".{name}", __package__), capability
+
+
+def _gluon_forward_module(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> ModuleType | None:
+    """:mod:`.flash_fwd_sm90` when its Hopper forward covers these 4-D inputs, else None (Triton forward)."""
+    found = _hopper_gluon("flash_fwd_sm90", q)
+    if found is None:
+        return None
+    module, capability = found
     return module if module.ineligibility(q, k, v, capability, is_causal) is None else None
 
 
 def _gluon_backward_module(q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor) -> ModuleType | None:
-    """:mod:`.flash_bwd_sm90` when its Hopper dK/dV kernel covers these 4-D tensors, else None (Triton's);
-    what it takes is decided by ``flash_bwd_sm90.ineligibility``, as for the forward."""
-    if q.device.type != "cuda" or interpreter_enabled() or not options.current().gluon_backward:
+    """:mod:`.flash_bwd_sm90` when its Hopper dK/dV kernel covers these 4-D tensors, else None (Triton's)."""
+    found = _hopper_gluon("flash_bwd_sm90", q) if options.current().gluon_backward else None
+    if found is None:
         return None
-    capability = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if capability != (9, 0):
-        return None
-    module = importlib.import_module(".flash_bwd_sm90", __package__)
+    module, capability = found
     return module if module.ineligibility(q, k, v, do, dk, dv, capability) is None else None
 
 

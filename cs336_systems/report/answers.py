@@ -87,29 +87,37 @@ def step_verdict(ours: float, theirs: float, noise_ms: float) -> str:
 NOISY_SPREAD = 0.10
 
 
+def edition_preset(preset: str, edition: str) -> str | None:
+    """``edition``'s preset of the model ``preset`` names (2026: ``xl@2026`` for ``2.7B``, the same
+    architecture), or None where that handout does not list the model or ``preset`` is no preset."""
+    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, model_shape
+
+    try:
+        shape = model_shape(preset)
+    except ValueError:  # not a preset
+        return None
+    return next((n for n in HANDOUT_SIZES_BY_EDITION.get(edition, ()) if model_shape(n) == shape), None)
+
+
+def in_handout(preset: str, edition: str) -> bool:
+    """Whether ``edition``'s handout lists the model of ``preset`` (under any name: 2026 lists 2.7B, as its xl)."""
+    return edition_preset(preset, edition) is not None
+
+
 def edition_rows(df: pd.DataFrame | None, edition: str, column: str = "size") -> pd.DataFrame | None:
     """The rows of ``df`` whose model is in ``edition``'s handout table, named as that handout names it (2026:
     ``xl`` for the ``2.7B`` row, the same architecture; ``10B`` for ``10B@2026``), in place of another edition's
     models; a model measured under both names keeps its row under this handout's preset; rows of models no
     handout lists (``tiny``) stay. The preset's own name moves to ``preset``."""
-    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, model_shape
+    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION
 
     if df is None or column not in df.columns or edition not in HANDOUT_SIZES_BY_EDITION:
         return df
-    table = HANDOUT_SIZES_BY_EDITION[edition]
-    own = {model_shape(n): n for n in table}  # the model -> this handout's preset of it
     handout = {n for t in HANDOUT_SIZES_BY_EDITION.values() for n in t}
     names = set(df[column].astype(str))
-
-    def shape(name: str) -> tuple[int, int, int, int] | None:
-        try:
-            return model_shape(name)
-        except ValueError:  # not a preset
-            return None
-
     keep, labels = [], []
     for name in df[column].astype(str):
-        preset = own.get(shape(name))
+        preset = edition_preset(name, edition)
         if preset is None:
             keep.append(name not in handout)
             labels.append(name)
@@ -125,31 +133,16 @@ def handout_model(preset: str, edition: str) -> str:
     """What ``edition``'s handout calls the model of ``preset``: its own size name for the same architecture
     (2026: ``xl`` for ``2.7B`` and for ``xl@2026``), else the preset under the handout that lists it (``CS336
     2025's xl`` in the 2026 writeup); a name no handout lists, or that is no preset, stays as it is."""
-    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, model_shape
+    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION
     from cs336_systems.report.editions import HANDOUT_NAMES
 
-    try:
-        shape = model_shape(preset)
-    except ValueError:
-        return preset
-    for name in HANDOUT_SIZES_BY_EDITION.get(edition, ()):
-        if model_shape(name) == shape:
-            return name.partition("@")[0]
+    own = edition_preset(preset, edition)
+    if own is not None:
+        return own.partition("@")[0]
     for other, table in HANDOUT_SIZES_BY_EDITION.items():
         if preset in table and other != edition:
             return f"{HANDOUT_NAMES.get(other, other)}'s {preset.partition('@')[0]}"
     return preset
-
-
-def in_handout(preset: str, edition: str) -> bool:
-    """Whether ``edition``'s handout lists the model of ``preset`` (under any name: 2026 lists 2.7B, as its xl)."""
-    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, model_shape
-
-    try:
-        shape = model_shape(preset)
-    except ValueError:
-        return False
-    return any(model_shape(name) == shape for name in HANDOUT_SIZES_BY_EDITION.get(edition, ()))
 
 
 def edition_models(df: pd.DataFrame | None, edition: str, column: str = "model") -> pd.DataFrame | None:
