@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
+import torch
 
 from cs336_systems.experiments import SECTIONS, get
 from cs336_systems.experiments.__main__ import main, resolve_preset
@@ -159,8 +161,8 @@ def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path,
 
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     monkeypatch.setattr(results, "git_commit", lambda: "a" * 40)
-    monkeypatch.setattr(torch_compile, "benchmark_model",
-                        lambda spec: {"total_mean_ms": 2.0 if not spec.compile else 1.0, "tokens_per_s": 1.0})
+    monkeypatch.setattr(torch_compile, "eager_and_compiled", lambda spec, rounds, compile: {
+        side: {"total_mean_ms": 1.0 if side else 2.0, "tokens_per_s": 1.0} for side in (False, True)})
     section = get("torch_compile")
     base: dict = {"parts": ["model"], "compile": True}
 
@@ -178,6 +180,32 @@ def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path,
     assert measure(["tiny"]) == (["tiny"], ["tiny"])
     with pytest.raises(ValueError, match="unknown part 'graphs'"):
         section.params("smoke", {"parts": ["graphs"]})
+
+
+def test_torch_compile_alternates_eager_and_compiled_on_one_model(monkeypatch) -> None:
+    """The compiled side compiles first (its own warm-up), then each round runs eager then compiled, on the same
+    weights and one optimizer, so neither side is timed right after the other's idle compile."""
+    from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, ModelBenchmark
+    from cs336_systems.experiments import torch_compile
+
+    order: list[str] = []
+    benches: list[ModelBenchmark] = []
+    real_step = ModelBenchmark.step
+
+    def step(self: ModelBenchmark) -> dict[str, float]:
+        order.append("c" if self.spec.compile else "e")
+        benches.append(self)
+        return real_step(self)
+
+    monkeypatch.setattr(ModelBenchmark, "step", step)
+    monkeypatch.setattr(torch, "compile", lambda model: model)  # Inductor takes minutes on a small CPU
+    spec = BenchmarkSpec("tiny", mode="train", context_length=16, warmup=1, steps=2, device="cpu")
+    rows = torch_compile.eager_and_compiled(spec, rounds=2)
+    assert "".join(order) == "c" + "eee" + "ccc" + "eee" + "ccc"
+    eager, compiled = benches[1], benches[0]
+    assert compiled.model is eager.model and compiled.optimizer is eager.optimizer
+    assert rows[True]["wall_incl_compile_s"] > 0 and math.isnan(rows[False]["wall_incl_compile_s"])
+    assert all(row["total_mean_ms"] > 0 and row["tokens_per_s"] > 0 for row in rows.values())
 
 
 @pytest.mark.slow

@@ -6,8 +6,9 @@ Problem ``torch_compile``.
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -15,7 +16,8 @@ import pandas as pd
 import torch
 
 from cs336_systems.benchmarking.attention import HANDOUT_D_MODELS, HANDOUT_SEQ_LENS
-from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model
+from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, ModelBenchmark
+from cs336_systems.benchmarking.timing import TimingStats
 from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, ordered, run_sweep
 from cs336_systems.configs import HANDOUT_SIZES
 from cs336_systems.configs import PRESETS as ALL_PRESETS
@@ -36,7 +38,7 @@ from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 PARTS = ("attention", "model")
 
 #: Settings the model rows of two jobs must share for one table to hold them.
-MODEL_PARAMS = ("context_length", "warmup", "steps", "compile")
+MODEL_PARAMS = ("context_length", "warmup", "steps", "rounds", "compile")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class Params:
     sizes: list[str] = param(list(HANDOUT_SIZES), "model presets compiled")
     context_length: int = param(512, "model: tokens per sequence")
     warmup: int = param(5, "model: untimed steps (compilation happens here)")
-    steps: int = param(10, "model: timed steps")
+    steps: int = param(10, "model: timed steps per round")
+    rounds: int = param(3, "model: eager and compiled alternate this many times, each warm-up + steps")
     compile: bool = param(True, "False: eager against eager (smoke runs: Inductor takes minutes on a small CPU)")
     budget_s: float = param(1200.0, "time budget in seconds; cells past it are recorded as skipped")
     parts: list[str] = param(list(PARTS), "what to run: attention (the grid), model (the sizes); a job of model "
@@ -59,15 +62,15 @@ class Params:
         check_presets(*self.sizes)
         check_parts("torch_compile", self.parts, PARTS)
         check_positive(batch_size=self.batch_size, n_forward=self.n_forward, n_backward=self.n_backward,
-                       context_length=self.context_length, steps=self.steps, budget_s=self.budget_s)
+                       context_length=self.context_length, steps=self.steps, rounds=self.rounds, budget_s=self.budget_s)
 
 
 PRESETS = {
     "full": Params(),
     "quick": Params(n_forward=50, n_backward=50, sizes=["small", "medium", "large"], warmup=3, steps=5,
-                    budget_s=330.0),
+                    rounds=2, budget_s=330.0),
     "smoke": Params(d_models=[16], seq_lens=[32], batch_size=2, n_forward=2, n_backward=2, sizes=["tiny"],
-                    context_length=32, warmup=1, steps=2, compile=False, budget_s=60.0),
+                    context_length=32, warmup=1, steps=2, rounds=1, compile=False, budget_s=60.0),
 }
 
 
@@ -98,27 +101,51 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     return results
 
 
+def eager_and_compiled(spec: BenchmarkSpec, rounds: int, compile: bool = True) -> dict[bool, dict[str, Any]]:
+    """The model eager and compiled in one process on one set of weights, alternating; one row per side.
+
+    The compiled module wraps the eager one (same parameters; in training one AdamW state stepped by both) and
+    compiles first, in warm-up steps of its own (``wall_incl_compile_s``). Then each of ``rounds`` runs
+    ``spec.warmup`` untimed and ``spec.steps`` timed steps eager, then compiled. Timed as separate benchmarks,
+    the eager step ran right after Inductor's compile had left the GPU idle for half a minute and took longer than
+    the same step in §1.1.3; alternating puts both sides in the same state of the GPU.
+    """
+    torch._dynamo.reset()
+    eager = ModelBenchmark(spec)
+    compiled = ModelBenchmark(replace(spec, compile=compile), model=eager.model)
+    compiled.optimizer = eager.optimizer  # AdamW allocates its state at the first step: one state, not two
+    start = time.perf_counter()
+    compiled.run(steps=0)
+    compile_s = time.perf_counter() - start
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for side, bench in ((False, eager), (True, compiled)):
+            times[side] += bench.run()["total"].times_s
+    torch._dynamo.reset()  # compiled graphs hold on to the model's weights
+    tokens = spec.config.batch_size * spec.config.context_length
+    rows = {}
+    for side, seconds in times.items():
+        stats = TimingStats.from_seconds(seconds)
+        rows[side] = {**stats.summary(prefix="total_"), "tokens_per_s": tokens / stats.mean,
+                      "wall_incl_compile_s": compile_s if side else math.nan}
+    return rows
+
+
 def model_part(p: Params, out: ResultWriter, deadline: float) -> dict[str, Any]:
-    """The whole model eager and compiled, forward and training step, per size; rows of sizes this run does
-    not measure are kept from an earlier job of the same commit, device and settings."""
-    compile = p.compile
+    """The whole model eager and compiled (alternating, :func:`eager_and_compiled`), forward and training step,
+    per size; rows of sizes this run does not measure are kept from an earlier job of the same commit, device
+    and settings."""
 
-    def one(size: str, mode: str, compiled: bool) -> dict[str, Any]:
-        spec = BenchmarkSpec(size, mode=mode, context_length=p.context_length, warmup=p.warmup,
-                             steps=p.steps, compile=compiled and compile)
-        torch._dynamo.reset()
-        compile_start = time.perf_counter()
-        row = benchmark_model(spec)
-        row["wall_incl_compile_s"] = time.perf_counter() - compile_start
-        return {k: v for k, v in row.items() if k.startswith("total_") or k in ("tokens_per_s", "wall_incl_compile_s")}
+    def pair(size: str, mode: str) -> dict[str, Any]:
+        spec = BenchmarkSpec(size, mode=mode, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
+        rows = eager_and_compiled(spec, p.rounds, p.compile)
+        return {f"{side}:{k}": v for side, row in rows.items() for k, v in row.items()}
 
-    configs = [{"size": s, "mode": m, "compiled": c} for s in p.sizes for m in ("forward", "train")
-               for c in (False, True)]
+    configs = [{"size": s, "mode": m} for s in p.sizes for m in ("forward", "train")]
     earlier = rows_of_this_run(out, "model_timings", asdict(p), MODEL_PARAMS)
-    model = run_sweep(one, configs, desc="model compiled vs eager", budget_s=deadline_left(deadline))
-    torch._dynamo.reset()  # compiled graphs hold on to the last model's weights
+    pairs = run_sweep(pair, configs, desc="model compiled vs eager", budget_s=deadline_left(deadline))
     free_memory()
-    model = merge_rows(model, earlier, "size", order=list(ALL_PRESETS))
+    model = merge_rows(_one_row_per_side(pairs), earlier, "size", order=list(ALL_PRESETS))
     sizes = list(dict.fromkeys(model["size"]))
     out.table(model, "model_timings", params={"sizes": sizes})
     ok = model[model["status"] == OK]
@@ -132,6 +159,16 @@ def model_part(p: Params, out: ResultWriter, deadline: float) -> dict[str, Any]:
         out.table(speed, "model_speedup", params={"sizes": sizes})
     return {"model_timings": model, "model_speedup": speed}
 
+
+def _one_row_per_side(pairs: pd.DataFrame) -> pd.DataFrame:
+    """The sweep's rows (one per size and mode, columns ``False:…`` and ``True:…``) as one row per side, with
+    ``compiled`` saying which; a failed pair gives two failed rows."""
+    rows = []
+    for _, r in pairs.iterrows():
+        for side in (False, True):
+            values = {k.split(":", 1)[1]: v for k, v in r.items() if str(k).startswith(f"{side}:")}
+            rows.append({"size": r["size"], "mode": r["mode"], "compiled": side, "status": r["status"], **values})
+    return pd.DataFrame(rows)
 
 
 def _pair_status(speedup: pd.DataFrame) -> pd.Series:
@@ -246,8 +283,9 @@ def answer(d: SectionData) -> list[Block]:
                  what="compiled vs eager attention timings"),
         question(d, "b", "The compiled Transformer end to end: forward, and forward + backward + optimizer step.",
                  [b_text, d.table("model_speedup", frame=_with_mfu(model, d.meta("model_speedup")),
-                                  caption="Vanilla vs. compiled model (ms per step), fp32, and both as model "
-                                          "TFLOP/s and MFU." + mfu_note(d.meta("model_speedup")))],
+                                  caption="Vanilla vs. compiled model (ms per step, the two alternating in one "
+                                          "process on the same weights), fp32, and both as model TFLOP/s and MFU."
+                                          + mfu_note(d.meta("model_speedup")))],
                  what="compiled vs eager model timings"),
         Text("", role=BEYOND_HANDOUT),  # the tables above, plotted
         question(d, "b", "The speed-ups plotted.", [
