@@ -17,8 +17,8 @@ import torch
 
 from cs336_systems.benchmarking.attention import HANDOUT_D_MODELS, HANDOUT_SEQ_LENS
 from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, ModelBenchmark
-from cs336_systems.benchmarking.timing import TimingStats
 from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, ordered, run_sweep
+from cs336_systems.benchmarking.timing import TimingStats
 from cs336_systems.configs import HANDOUT_SIZES
 from cs336_systems.configs import PRESETS as ALL_PRESETS
 from cs336_systems.experiments.pytorch_attention import GRID_AXES, attention_grid, grid_axes
