@@ -178,6 +178,20 @@ def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path,
     assert not (tmp_path / "torch_compile" / "attention_timings.csv").exists()  # the attention part did not run
     base["steps"] = 3
     assert measure(["tiny"]) == (["tiny"], ["tiny"])
+    calls = []
+
+    def cut_after_one_pair(spec, rounds, compile):  # a job killed at its time limit during its second pair
+        calls.append(spec.mode)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return {side: {"total_mean_ms": 1.0, "tokens_per_s": 1.0} for side in (False, True)}
+
+    monkeypatch.setattr(torch_compile, "eager_and_compiled", cut_after_one_pair)
+    base["steps"] = 4
+    with pytest.raises(KeyboardInterrupt):
+        measure(["small"])
+    timings = results.load_table("torch_compile", "model_timings", root=tmp_path)
+    assert list(zip(timings["mode"], timings["compiled"])) == [("forward", False), ("forward", True)]
     with pytest.raises(ValueError, match="unknown part 'graphs'"):
         section.params("smoke", {"parts": ["graphs"]})
 

@@ -143,21 +143,27 @@ def model_part(p: Params, out: ResultWriter, deadline: float) -> dict[str, Any]:
 
     configs = [{"size": s, "mode": m} for s in p.sizes for m in ("forward", "train")]
     earlier = rows_of_this_run(out, "model_timings", asdict(p), MODEL_PARAMS)
-    pairs = run_sweep(pair, configs, desc="model compiled vs eager", budget_s=deadline_left(deadline))
+
+    def write(pairs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+        model = merge_rows(_one_row_per_side(pairs), earlier, "size", order=list(ALL_PRESETS))
+        sizes = list(dict.fromkeys(model["size"]))
+        out.table(model, "model_timings", params={"sizes": sizes})
+        ok = model[model["status"] == OK]
+        speed = pd.DataFrame()
+        if not ok.empty and ok["compiled"].nunique() == 2:
+            wide = ok.pivot_table(index=["size", "mode"], columns="compiled", values="total_mean_ms")
+            speed = wide.rename(columns={False: "eager_ms", True: "compiled_ms"}).dropna().reset_index()
+            speed["speedup"] = speed["eager_ms"] / speed["compiled_ms"]
+            speed = ordered(speed, "size", sizes).sort_values(["size", "mode"]).reset_index(drop=True)
+            speed["size"] = speed["size"].astype(str)
+            out.table(speed, "model_speedup", params={"sizes": sizes})
+        return {"model_timings": model, "model_speedup": speed}
+
+    # Written after every pair: a large preset compiles for a minute per mode, and a job cut at its time limit
+    # keeps the pairs it measured.
+    pairs = run_sweep(pair, configs, desc="model compiled vs eager", budget_s=deadline_left(deadline), on_row=write)
     free_memory()
-    model = merge_rows(_one_row_per_side(pairs), earlier, "size", order=list(ALL_PRESETS))
-    sizes = list(dict.fromkeys(model["size"]))
-    out.table(model, "model_timings", params={"sizes": sizes})
-    ok = model[model["status"] == OK]
-    speed = pd.DataFrame()
-    if not ok.empty and ok["compiled"].nunique() == 2:
-        wide = ok.pivot_table(index=["size", "mode"], columns="compiled", values="total_mean_ms")
-        speed = wide.rename(columns={False: "eager_ms", True: "compiled_ms"}).dropna().reset_index()
-        speed["speedup"] = speed["eager_ms"] / speed["compiled_ms"]
-        speed = ordered(speed, "size", sizes).sort_values(["size", "mode"]).reset_index(drop=True)
-        speed["size"] = speed["size"].astype(str)
-        out.table(speed, "model_speedup", params={"sizes": sizes})
-    return {"model_timings": model, "model_speedup": speed}
+    return write(pairs)
 
 
 def _one_row_per_side(pairs: pd.DataFrame) -> pd.DataFrame:
