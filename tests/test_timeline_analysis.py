@@ -177,3 +177,19 @@ def test_trace_reduction_merges_compute_and_keeps_communication() -> None:
     summary = ta.overlap_summary(rows).iloc[0]
     assert summary["comm_ms"] == pytest.approx(0.080)
     assert summary["comm_during_backward_ms"] == pytest.approx(0.070)  # backward ends at 1100 µs, comm at 1110 µs
+
+
+def test_timeline_lanes_are_named_by_what_ran_on_them() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from cs336_systems.profiling.timeline import plot_timeline
+
+    rows = [("phase", "phase", "backward", 0.0, 5.0), ("cuda:7", "compute", "3 kernels", 0.0, 4.0),
+            ("cuda:20", "comm", "ncclDevKernel_AllReduce", 1.0, 2.0), ("cuda:9", "compute", "copy", 0.0, 1.0),
+            ("cuda:9", "comm", "ncclDevKernel_AllReduce", 2.0, 1.0)]
+    df = pd.DataFrame([{"variant": "overlap", "lane": lane, "kind": kind, "name": name, "start_ms": t, "dur_ms": d}
+                       for lane, kind, name, t, d in rows])
+    fig = plot_timeline(df)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["phase", "NCCL (stream 20)", "compute (stream 7)", "compute + NCCL (stream 9)"]

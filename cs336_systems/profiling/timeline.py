@@ -178,7 +178,7 @@ def plot_timeline(df: Any, variants: list[str] | None = None) -> Any:
             else:
                 for kind, grp in part.groupby("kind"):
                     ax.broken_barh(list(zip(grp.start_ms, grp.dur_ms)), (y - 0.4, 0.8), color=colors.get(kind, "k"))
-        ax.set_yticks(range(len(lanes)), lanes)
+        ax.set_yticks(range(len(lanes)), [_lane_label(lane, sub[sub["lane"] == lane]) for lane in lanes])
         ax.invert_yaxis()
         ax.set_title(v, loc="left", fontsize=10)
         ax.set_xlabel("time since step start (ms)")
@@ -186,6 +186,17 @@ def plot_timeline(df: Any, variants: list[str] | None = None) -> Any:
     fig.legend(handles=handles, loc="upper right", ncol=6, fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
+
+
+def _lane_label(lane: str, rows: Any) -> str:
+    """A lane named by what ran on it (``cuda:7`` → ``compute (stream 7)``, ``NCCL (stream 20)``): the stream
+    ids alone mean nothing to a reader, and differ between runs."""
+    if lane == "phase":
+        return "phase"
+    where, _, ident = lane.partition(":")
+    kinds = set(rows["kind"])
+    what = "NCCL" if kinds == {"comm"} else "compute" if "comm" not in kinds else "compute + NCCL"
+    return f"{what} ({'stream' if where == 'cuda' else 'thread'} {ident})"
 
 
 def overlap_summary(df: Any) -> Any:
