@@ -180,3 +180,21 @@ def test_checkpointing_answer_compares_on_the_steps_memory_and_names_a_row_with_
     assert _best_segment(clean, preset="xl@2026").markdown.startswith(
         "Measured, checkpointing by sublayer and segments of 1 block tie within 1%: checkpointing by sublayer, a "
         "peak of 71.8 GiB")
+
+
+def test_checkpointing_answer_names_memory_left_by_the_jobs_earlier_parts() -> None:
+    """Memory allocated before a configuration's model was built is the job's, not the configuration's: the
+    answer attributes what is held between steps beyond weights and AdamW state to it when the two agree."""
+    import pandas as pd
+
+    from cs336_systems.experiments.gradient_checkpointing import _best_segment
+
+    table = pd.DataFrame({"block_size": [0.5, 1], "status": ["ok", "ok"], "peak_GiB": [80.0, 71.9],
+                          "activation_peak_GiB": [35.2, 27.1], "step_ms": [6174.0, 6242.0]})
+    unknown = _best_segment(table, preset="xl@2026").markdown
+    assert "the other 6.73 GiB are neither the model's nor the optimizer's" in unknown
+    left = _best_segment(table.assign(leftover_GiB=[6.7, 6.7]), preset="xl@2026").markdown
+    assert "and 6.70 GiB were allocated before this configuration's model was built, left by the job's" in left
+    assert "neither the model's" not in left
+    clean = _best_segment(table.assign(leftover_GiB=[0.0, 0.0]), preset="xl@2026").markdown
+    assert "the other 6.73 GiB are neither the model's nor the optimizer's" in clean

@@ -101,12 +101,15 @@ def checkpointed_step(p: Params, block_size: float, device: torch.device) -> dic
 
     by_sublayer = block_size == SUBLAYER
     levels = (int(block_size),) if block_size and not by_sublayer else ()
+    cuda = device.type == "cuda"
+    # allocated before this configuration exists: what earlier parts of the job left behind, counted in every
+    # "held between steps" below and owned by no configuration
+    leftover = torch.cuda.memory_allocated(device) if cuda else float("nan")
     spec = StepSpec(p.preset, p.context_length, p.batch_size, "fp32", attention=p.attention, checkpoint=levels)
     run = TrainStep("ours", spec, device)
     if by_sublayer:  # the same blocks, run branch by branch; parameters and optimizer unchanged
         checkpoint_layers(run.model, [], sublayers=True)
     run.step()
-    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -121,7 +124,8 @@ def checkpointed_step(p: Params, block_size: float, device: torch.device) -> dic
             "held_block_activations": float("nan") if by_sublayer else
             stored_block_activations(p.config().num_layers, list(levels)),
             "step_ms": ms, "peak_GiB": peak / 2**30,
-            "activation_peak_GiB": (peak - before) / 2**30 if cuda else float("nan")}
+            "activation_peak_GiB": (peak - before) / 2**30 if cuda else float("nan"),
+            "leftover_GiB": leftover / 2**30}
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
@@ -326,10 +330,15 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                         else "rounded to a whole block. "))
     held = float(resident[best.name])
     state = 12 * param_counts(preset)["total"] / 2**30 if preset else None
+    left = float(best["leftover_GiB"]) if "leftover_GiB" in best and pd.notna(best["leftover_GiB"]) else None
+    other = held - state if state is not None else 0.0
     owned = "" if state is None else (
         f" (the fp32 weights and AdamW state are {fmt.sig(state)} GiB of it" +
-        (f", the other {fmt.sig(held - state)} GiB are neither the model's nor the optimizer's"
-         if held - state > RESIDENT_SLACK_GIB else "") + "; the gradients are allocated during the step)")
+        ("" if other <= RESIDENT_SLACK_GIB else
+         f", and {fmt.sig(left)} GiB were allocated before this configuration's model was built, left by the "
+         "job's earlier parts" if left is not None and abs(left - other) <= RESIDENT_SLACK_GIB else
+         f", the other {fmt.sig(other)} GiB are neither the model's nor the optimizer's") +
+        "; the gradients are allocated during the step)")
     group = [k, *(float(x) for x in tied["block_size"])]
     lead = (f"Measured, the best is {_segment_name(k)}: a peak" if tied.empty else
             f"Measured, {join_words([_segment_name(x, short=True) for x in sorted(group, key=_memory_order)])} tie "
