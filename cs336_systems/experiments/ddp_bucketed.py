@@ -96,28 +96,25 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
     ``b``: the fp32 bucketed rows by bucket size."""
     typical = b.apply(_typical, axis=1)
     best, largest = b.loc[typical.idxmin()], b.loc[b["bucket_size_mb"].idxmax()]
-    few = (f"{int(largest['num_buckets'])} buckets that start only as each {fmt.sig(largest['bucket_size_mb'])} MiB "
-           "of gradients completes, close to flat DDP" if known(largest.get("num_buckets")) else "a few buckets "
-           "that start late, close to flat DDP")
-    expected = (" **Expected:** a U in bucket size (1 MiB pays a collective's fixed cost hundreds of times; the "
-                f"largest size leaves {few}), with the best size faster than both flat DDP (no overlap) and "
-                "per-parameter overlap (one call per tensor).")
+    few = (f"{fmt.sig(largest['bucket_size_mb'])} MiB's {int(largest['num_buckets'])} buckets start late, like "
+           "flat DDP" if known(largest.get("num_buckets")) else "the largest buckets start late, like flat DDP")
+    expected = (" **Expected:** a U in bucket size (1 MiB pays a collective's fixed cost hundreds of times, "
+                f"{few}), its best beating flat DDP and per-parameter overlap.")
     ordered = b.sort_values("bucket_size_mb")
     times = [_typical(r) for _, r in ordered.iterrows()]
     noise = [known(v) or 0.0 for v in ordered.get("step_ms_std", [0.0] * len(ordered))]
     rising = all(x <= y + e for x, y, e in zip(times, times[1:], noise[1:]))  # never lower beyond a row's spread
     lowest = int(times.index(min(times)))
     shape = ("Too few sizes to see a shape" if len(times) < 3 else
-             "**No U:** no larger bucket is faster than the next smaller one beyond the steps' spread, so the "
-             "smallest size is the best" if rising
+             "**No U:** no larger bucket is faster beyond the steps' spread" if rising
              else "A U: the best size lies inside the range" if 0 < lowest < len(times) - 1
              else "No clear U")
     outcome = f" {shape}."
     per_tensor = known(individual.get("num_buckets")) if individual is not None else None
     if per_tensor and known(best.get("num_buckets")) and best["num_buckets"] >= per_tensor:
-        outcome = outcome.removesuffix(".") + (f"; at {fmt.sig(best['bucket_size_mb'])} MiB every bucket holds one "
-                                               f"tensor ({int(best['num_buckets'])} buckets), so the best size is "
-                                               "per-parameter overlap again.")
+        outcome = outcome.removesuffix(".") + (f", and at {fmt.sig(best['bucket_size_mb'])} MiB every bucket holds "
+                                               f"one tensor ({int(best['num_buckets'])} buckets): per-parameter "
+                                               "overlap again.")
     if flat is not None and individual is not None:
         mine = _typical(best)
         won, lost = [], []
@@ -128,14 +125,11 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
         verdict = ("beats both" if not lost else f"beats {join_words(won)} but not {join_words(lost)} beyond the "
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")
         which = "median" if "step_ms_median" in b.columns else "mean"
-        label = f"{which} steps (the CSV's; the tables show means)" if which == "median" else f"{which} steps"
-        outcome += (f" Comparing {label}, the best size ({fmt.ms(mine)}) {verdict}" + (
-            ": on this node's interconnect the gradients' all-reduce is a small share of the step, so there is little communication "
-            "left to hide, and what remains is host launch cost and the all-reduce kernels slowing the backward "
-            "they overlap with (§2.3.2's traces)." if lost else "."))
-    change = (" **A setup that would show the expected shape:** a slower link (PCIe, or two nodes over InfiniBand or "
-              "Ethernet), or more gradient bytes per unit of compute (a larger model per GPU, fewer tokens per step), "
-              "so that the all-reduce is a large share of the step and overlapping it pays.")
+        outcome += (f" The best size ({fmt.ms(mine)}, {which} step) {verdict}" + (
+            ": over NVLink the all-reduce is a small share of the step, so little is left to hide, and overlapped "
+            "all-reduces slow the backward they share the GPU with (§2.3.2's traces)." if lost else "."))
+    change = (" **A setup that would show the expected shape:** a slower link (PCIe, or nodes over InfiniBand or "
+              "Ethernet) or more gradient bytes per FLOP (a larger model per GPU, fewer tokens per step).")
     return expected + outcome + change
 
 
