@@ -250,6 +250,23 @@ def _against_eager_table(att: pd.DataFrame, eager: pd.DataFrame | None) -> str:
               "the same conditions.")
 
 
+def _long_and_short(att: pd.DataFrame) -> str:
+    """The speed-ups split where the eager forward takes a millisecond: above it the kernels decide them; below
+    it the host's launches do, and the ratios scatter."""
+    long = att[att["forward_eager_ms"] >= 1.0]
+    short = att[att["forward_eager_ms"] < 1.0]
+    if long.empty or short.empty:
+        return ""
+
+    def span(df: pd.DataFrame, ph: str) -> str:
+        return f"{fmt.ratio(df[f'{ph}_speedup'].min())}–{fmt.ratio(df[f'{ph}_speedup'].max())}"
+
+    return (f" Where the eager forward takes a millisecond or more ({int(long['seq_len'].min()):,} tokens and "
+            f"beyond) compiling gains {span(long, 'forward')} forward and {span(long, 'backward')} backward; at the "
+            f"shorter sequences (well under a millisecond, launch-bound) the ratios scatter, {span(short, 'forward')} "
+            f"and {span(short, 'backward')}, following the host's launch cost rather than the kernels.")
+
+
 def _handout_sizes(sizes: list[str], edition: str) -> list[str]:
     """``sizes`` (presets) that ``edition``'s handout lists, under its names, once each (2026: 2.7B is its xl,
     and 2025's xl is not its model)."""
@@ -268,7 +285,7 @@ def answer(d: SectionData) -> list[Block]:
                       f"(eager / compiled) and the backward by {fmt.ratio(att['backward_speedup'].min())}–"
                       f"{fmt.ratio(att['backward_speedup'].max())}: Inductor fuses the scaling, masking and "
                       "softmax into one or two Triton kernels, but the $T\\times T$ matrices are still written "
-                      "to memory.")
+                      "to memory." + _long_and_short(att))
     if a_text is not None:
         a_text = Text(a_text.markdown + _against_eager_table(att, d.sibling("pytorch_attention").frame("timings")))
     if model is not None and {"mode", "speedup"} <= set(model.columns) and len(model):
