@@ -11,7 +11,10 @@ context 2048, float32):
   for every ``k`` in ``block_sizes`` (0: no checkpointing), next to the calculator's count of block-activation
   sets held at the peak (:func:`~cs336_systems.checkpointing.stored_block_activations`).
 
-Problems ``gradient_checkpointing`` (and ``memory_profiling`` (f) of 2026, from the residual table).
+- ``backward_by_block``: the memory allocated as the backward pass enters and leaves each block of a model of
+  that block shape: the drop across a block is what it saved for backward less the gradients its backward writes.
+
+Problems ``gradient_checkpointing`` (and ``memory_profiling`` (f) of 2026, from the residual and backward tables).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class Params:
     block_sizes: list[float] = param([0, 0.5, 1, 2, 4, 8, 16, 32],
                                      "checkpoint segment sizes in blocks (0: none; 0.5: each block's attention and "
                                      "feed-forward branches checkpointed separately)")
+    backward_layers: int = param(4, "blocks of the model whose backward is traced block by block (the preset's "
+                                    "block shape, batch and context; the whole preset does not fit without "
+                                    "checkpointing)")
     top: int = param(5, "producing ops listed per residual table")
     budget_s: float = param(480.0, "time budget of the checkpointing sweep")
 
@@ -51,7 +57,7 @@ class Params:
         from cs336_basics.model import available_attention_impls
 
         self.config()  # unknown presets and impossible shapes fail in one line
-        check_positive(top=self.top, budget_s=self.budget_s)
+        check_positive(top=self.top, budget_s=self.budget_s, backward_layers=self.backward_layers)
         if self.attention not in available_attention_impls():
             raise ValueError(f"unknown attention {self.attention!r}; available: {available_attention_impls()}")
         bad = [k for k in self.block_sizes if k != SUBLAYER and (k < 0 or k != int(k))]
@@ -67,7 +73,8 @@ SUBLAYER = 0.5
 PRESETS = {
     "full": Params(),
     "quick": Params(block_sizes=[0, 4, 8], budget_s=240.0),
-    "smoke": Params(preset="tiny", batch_size=2, context_length=16, block_sizes=[0, 0.5, 1, 2], budget_s=60.0),
+    "smoke": Params(preset="tiny", batch_size=2, context_length=16, block_sizes=[0, 0.5, 1, 2], backward_layers=2,
+                    budget_s=60.0),
 }
 
 
@@ -89,6 +96,42 @@ def block_residuals(p: Params, device: torch.device, compiled: bool) -> pd.DataF
     else:
         table = saved_residuals(lambda: block(x))
     torch._dynamo.reset()  # the compiled graph holds the block
+    return table
+
+
+def backward_by_block(p: Params, device: torch.device) -> pd.DataFrame:
+    """Memory allocated when the backward pass enters and leaves each block of a ``p.backward_layers``-block
+    model of ``p``'s block shape, batch and context (fp32, one forward and backward): the handout's "how much
+    memory usage changes for every TransformerBlock in the backward pass", read from the caching allocator in
+    module backward hooks where Nsight would read it between NVTX ranges.
+
+    Across one block the allocated memory drops by what the block saved for backward, its input included, less
+    the gradients its backward writes: its weights' (kept until ``zero_grad``) and, replacing its output's, its
+    input's (the same size, so no change)."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_basics.nn_utils import cross_entropy
+
+    cfg = p.config()
+    model = BasicsTransformerLM(**{**cfg.model_kwargs(), "num_layers": p.backward_layers},
+                                attention_impl=p.attention, device=device)
+    cuda = device.type == "cuda"
+    marks: dict[tuple[int, str], float] = {}
+
+    def mark(i: int, when: str) -> None:
+        marks[(i, when)] = torch.cuda.memory_allocated(device) if cuda else float("nan")
+
+    for i, block in enumerate(model.layers):
+        block.register_full_backward_pre_hook(lambda m, g, i=i: mark(i, "start"))
+        block.register_full_backward_hook(lambda m, gi, go, i=i: mark(i, "end"))
+    shape = (cfg.batch_size, cfg.context_length)
+    inputs = torch.randint(0, cfg.vocab_size, shape, device=device)
+    targets = torch.randint(0, cfg.vocab_size, shape, device=device)
+    cross_entropy(model(inputs), targets).backward()
+    rows = [{"block": i, "start_MiB": marks[(i, "start")] / 2**20, "end_MiB": marks[(i, "end")] / 2**20}
+            for i in reversed(range(p.backward_layers))]
+    table = pd.DataFrame(rows)
+    table["drop_MiB"] = table["start_MiB"] - table["end_MiB"]
+    del model
     return table
 
 
@@ -141,6 +184,9 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         out.table(table, name, extra=extra)
         result[name] = table
         free_memory()
+    result["backward_by_block"] = backward_by_block(p, device)
+    out.table(result["backward_by_block"], "backward_by_block", extra=extra)
+    free_memory()
     wide = run_sweep(lambda block_size: checkpointed_step(p, block_size, device),
                      [{"block_size": k} for k in p.block_sizes], desc="checkpointing", budget_s=p.budget_s)
     out.table(wide, "checkpointing", extra=extra)
@@ -197,6 +243,8 @@ def answer(d: SectionData) -> list[Block]:
                         + (f" Compiled with `torch.compile`, the same block saves {fmt.sig(total_c / 2**20)} MiB."
                            if total_c else ""))
     grad_text = _gradients_text(d.meta("residuals"), total)
+    measured = _measured_gradients(d.frame("backward_by_block"), d.meta("backward_by_block"), total,
+                                   _block_input_bytes(d.frame("residuals")))
     best_text = _best_segment(d.frame("checkpointing"), total, _block_input_bytes(d.frame("residuals")),
                               (d.meta("checkpointing").get("params") or {}).get("preset"))
     sweep = ok_rows(d.frame("checkpointing"))
@@ -205,6 +253,7 @@ def answer(d: SectionData) -> list[Block]:
                  "ops and their share, eager and compiled.", [
             res_text,
             grad_text,
+            measured,
             d.table("residuals", caption="The largest producing ops of what one block saves for backward (eager); "
                     "residuals.csv lists every tensor.",
                     frame=top if top is not None else None),
@@ -261,6 +310,31 @@ def _gradients_text(meta: dict | None, residual_bytes: float | None) -> Text | N
                 r"expected: the saved activations grow with $B \cdot T$ (the naive attention's scores and "
                 r"probabilities with $B \cdot h \cdot T^2$), the gradients only with the parameters, so at "
                 "training batch and context the activations dominate.")
+
+
+def _measured_gradients(table: pd.DataFrame | None, meta: dict | None, saved_bytes: float | None,
+                        input_bytes: float | None) -> Text | None:
+    """(f)'s measurement: how much the allocated memory drops as backward crosses a block, and the gradients
+    that implies (what the block saved, its input included, less the drop), against its weights' gradients."""
+    params = (meta or {}).get("params") or {}
+    if table is None or "drop_MiB" not in table.columns or not table["drop_MiB"].notna().any() \
+            or not saved_bytes or not input_bytes or not params.get("preset"):
+        return None
+    cfg = get_config(params["preset"])
+    weights = 4 * (4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model) / 2**20
+    drop = float(table["drop_MiB"].median())
+    freed = (saved_bytes + input_bytes) / 2**20
+    written = freed - drop
+    verdict = (f"as expected: the weights' gradients, within {fmt.pct(abs(written / weights - 1))}" if
+               abs(written / weights - 1) <= 0.1 else
+               f"{fmt.ratio(written / weights)} the weights' gradients, not what they alone predict")
+    return Text(f"Measured: as the backward pass of a {len(table)}-block model of this shape crosses a block, the "
+                f"allocated memory drops by {fmt.sig(drop)} MiB (median over the blocks, "
+                f"{fmt.sig(float(table['drop_MiB'].min()))}–{fmt.sig(float(table['drop_MiB'].max()))}; the caching "
+                "allocator read in module backward hooks, where Nsight Systems would read it between NVTX ranges). "
+                f"The block had saved {fmt.sig(freed)} MiB, its {fmt.sig(input_bytes / 2**20)} MiB input included, "
+                f"so its backward wrote {fmt.sig(written)} MiB of gradients against the {fmt.sig(weights)} MiB of "
+                f"its weights': {verdict}.")
 
 
 def _with_mfu(d: SectionData) -> pd.DataFrame | None:
