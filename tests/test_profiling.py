@@ -217,7 +217,13 @@ def test_plot_and_largest_allocations(tmp_path):
     grid = plot_memory_timelines({"a": snap, "b": snap, "c": None}, ncols=3, top=1)
     assert len(grid.legends) == 1 and not any(ax.get_legend() for ax in grid.axes)
     labels = [t.get_text() for t in grid.legends[0].get_texts()]
-    assert labels == ["model.py:120 forward", OTHER, BEFORE_RECORDING]
+    # named by the allocating line of cs336_basics (model.py:120 here), not by its place
+    from cs336_systems.profiling.memory import origin_label
+
+    assert labels == [origin_label("model.py:120 forward"), OTHER, BEFORE_RECORDING]
+    assert labels[0].endswith(" (forward)") and not labels[0].startswith("model.py")
+    plain = plot_memory_timelines({"a": snap}, ncols=1, top=1, label=str)
+    assert plain.legends[0].get_texts()[0].get_text() == "model.py:120 forward"
     assert grid.legends[0].get_texts()[0].get_fontsize() >= 10
     colours = [tuple(ax.collections[-1].get_facecolor()[0]) for ax in grid.axes[:2]]
     assert colours[0] == colours[1]
@@ -391,3 +397,19 @@ def test_overlapped_split_counts_communication_only_where_it_ran_alone() -> None
         overlapped_time_split({"traceEvents": []}, steps=1)
     with pytest.raises(ValueError, match="need steps >= 1"):
         overlapped_time_split({"traceEvents": events}, steps=0)
+
+
+def test_origin_label_shows_the_allocating_line_and_leaves_other_origins_alone() -> None:
+    import inspect
+
+    import cs336_basics.model
+    from cs336_systems.profiling.memory import origin_label
+
+    lines, start = inspect.getsourcelines(cs336_basics.model.scaled_dot_product_attention)
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("scores ="))
+    label = origin_label(f"model.py:{start + at} scaled_dot_product_attention", width=200)
+    assert label == f"{' '.join(lines[at].split())} (scaled_dot_product_attention)"
+    assert origin_label(f"model.py:{start + at} scaled_dot_product_attention", width=12).endswith(
+        "… (scaled_dot_product_attention)")
+    for origin in ("(no user frame)", "elsewhere.py:3 f", "model.py:999999 forward", "not an origin"):
+        assert origin_label(origin) == origin

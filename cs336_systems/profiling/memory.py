@@ -118,6 +118,26 @@ def format_frame(frame: dict[str, Any]) -> str:
     return f"{Path(str(frame.get('filename', '?'))).name}:{frame.get('line', '?')} {frame.get('name', '?')}"
 
 
+def origin_label(origin: str, package: str = "cs336_basics", width: int = 44) -> str:
+    """A legend entry that shows the allocating code instead of its place: ``scores = Q @ K.transpose(-2, -1)
+    / m… (scaled_dot_product_attention)`` for ``model.py:146 scaled_dot_product_attention``, the line read from
+    ``package`` as this process runs it (so the one that allocated); ``origin`` unchanged where the frame is not
+    the package's."""
+    import importlib.util
+    import linecache
+    import re
+
+    match = re.match(r"(\w+\.py):(\d+) (\S+)$", origin)
+    spec = importlib.util.find_spec(package) if match else None
+    if not match or spec is None or not spec.submodule_search_locations:
+        return origin
+    path = Path(next(iter(spec.submodule_search_locations))) / match.group(1)
+    code = " ".join(linecache.getline(str(path), int(match.group(2))).split())
+    if not code:
+        return origin
+    return f"{code if len(code) <= width else code[:width - 1] + '…'} ({match.group(3)})"
+
+
 def user_stack(frames: Sequence[dict[str, Any]], depth: int = 3) -> list[str]:
     """The innermost ``depth`` user-code frames of an allocation's stack (innermost first)."""
     return [format_frame(f) for f in frames if is_user_frame(f)][:depth]
@@ -269,10 +289,12 @@ def plot_active_memory_timeline(
 
 
 def plot_memory_timelines(
-    panels: dict[str, dict[str, Any] | None], *, ncols: int, top: int = 6, panel_size: tuple[float, float] = (5.0, 3.4)
+    panels: dict[str, dict[str, Any] | None], *, ncols: int, top: int = 6, panel_size: tuple[float, float] = (5.0, 3.4),
+    label: Callable[[str], str] = origin_label,
 ) -> plt.Figure:
     """A grid of :func:`active_memory_timeline` panels (title → snapshot, row by row; None leaves a panel
-    empty) sharing one colour per origin and one legend under the grid, in type a page can print legibly."""
+    empty) sharing one colour per origin and one legend under the grid, in type a page can print legibly; the
+    legend names each origin by ``label`` (the allocating line of code)."""
     titles = list(panels)
     timelines = {t: active_memory_timeline(s, top=top) for t, s in panels.items() if s is not None}
     if not timelines:
@@ -289,7 +311,8 @@ def plot_memory_timelines(
     legend = [c for c in used if c not in _GREYS] + [c for c in (OTHER, BEFORE_RECORDING) if c in used]
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[c]) for c in legend]
     fig.tight_layout(rect=(0, 0.06 + 0.03 * (-(-len(legend) // 3)) / nrows, 1, 1))
-    fig.legend(handles, legend, loc="lower center", ncol=3, fontsize=10, frameon=False)
+    fig.legend(handles, [c if c in _GREYS else label(c) for c in legend], loc="lower center", ncol=3, fontsize=10,
+               frameon=False)
     return fig
 
 
