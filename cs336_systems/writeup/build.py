@@ -75,9 +75,11 @@ def build_section(
     failed = False
     try:
         answers = spec.answer(data)
-        # The handout's answers first; how they were measured after them, before anything beyond the handout.
+        # The handout's answers in the main body; how they were measured opens the section's part of the appendix
+        # (a grader reads the answers, a reader who reruns them the method), before anything beyond the handout.
         cut = next((i for i, b in enumerate(answers) if isinstance(b, Text) and b.role == BEYOND_HANDOUT), len(answers))
-        blocks.extend([*answers[:cut], *method, *answers[cut:]])
+        marker = answers[cut:cut + 1] or ([Text("", role=BEYOND_HANDOUT)] if method else [])
+        blocks.extend([*answers[:cut], *marker, *method, *answers[cut + 1:]])
         method = []
     except Exception as exc:
         failed = True
