@@ -336,7 +336,8 @@ def test_warmup_answer_compares_cold_and_warm_cells_of_the_sizes_measured_both_w
                           "status": ["ok"] * 5, "forward_mean_ms": [30.0, 20.0, 250.0, 240.0, 100.0],
                           "forward_std_ms": [40.0, 0.1, 80.0, 0.3, 9.0]})
     text = _cold_against_warm(study)
-    assert text.startswith("Without warm-up the forward's mean is 1.04×–1.50× the mean after 5 warm-up steps")
+    assert text.startswith("In the warm-up study (each setting in a fresh process, a run apart from (b)'s), without "
+                           "warm-up the forward's mean is 1.04×–1.50× the mean after 5 warm-up steps")
     assert "standard deviation 40.0 ms–80.0 ms against at most 0.300 ms" in text  # large has no cold cell
     assert "(worst, small: 30.0 ms ± 40 against 20.0 ms ± 0.10;" in text
     assert _cold_against_warm(study[study["warmup"] == 5]) == ""

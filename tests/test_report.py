@@ -952,7 +952,7 @@ def test_mixed_precision_speedups_use_the_fastest_steps_where_the_means_are_nois
     assert _not_run(pd.DataFrame({"size": ["small", "medium", "large", "xl", "2.7B"]}), timings, "2025") == ""
 
 
-def test_mixed_precision_answer_quotes_the_fastest_steps_and_no_slowdown_from_noisy_means(tmp_path) -> None:
+def test_mixed_precision_answer_quotes_the_fastest_steps_and_explains_the_means_slowdown(tmp_path) -> None:
     from cs336_systems.experiments.mixed_precision import SECTION
     from cs336_systems.report.data import SectionData
 
@@ -982,8 +982,9 @@ def test_mixed_precision_answer_quotes_the_fastest_steps_and_no_slowdown_from_no
     text, columns = part_c("2025")
     assert ("(fp32 time / bf16 time) by each run's fastest step, since the means are noisy (standard deviation up "
             "to 37% of the mean, small bf16 forward): the forward pass 1.57× for small and 4.69× for 2.7B; the "
-            "backward pass 1.34× and 5.03×. The handout's medium, large and xl were not run.") in text
-    assert "slower" not in text  # the means' 0.92× forward for small rests on noisy steps
+            "backward pass 1.34× and 5.03×. By the means, bf16 is slower in small forward 0.920×: a few slow bf16 "
+            "steps (the spread above), not the precision, since the same runs' fastest steps are faster in bf16. "
+            "The handout's medium, large and xl were not run.") in text  # the table's mean columns, explained
     assert columns[-2:] == ["forward_fastest_speedup", "backward_fastest_speedup"]
     text, _ = part_c("2026")
     assert "4.69× for xl;" in text and "The handout's medium, large and 10B were not run." in text

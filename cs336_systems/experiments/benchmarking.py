@@ -311,7 +311,8 @@ def _cold_against_warm(study: pd.DataFrame) -> str:
     worst = mean.idxmax()
     unrun = [str(s) for s in study.loc[(study["warmup"] == 0) & (study["status"] != "ok"), "size"]] \
         if "status" in study.columns else []
-    return (f"Without warm-up the forward's mean is {fmt.ratio(mean.min())}–{fmt.ratio(mean.max())} the mean after "
+    return ("In the warm-up study (each setting in a fresh process, a run apart from (b)'s), without warm-up the "
+            f"forward's mean is {fmt.ratio(mean.min())}–{fmt.ratio(mean.max())} the mean after "
             f"{most} warm-up steps, and its standard deviation {fmt.ms(cold.loc[both, 'forward_std_ms'].min())}–"
             f"{fmt.ms(cold.loc[both, 'forward_std_ms'].max())} against at most "
             f"{fmt.ms(warm.loc[both, 'forward_std_ms'].max())} (worst, {worst}: "

@@ -145,6 +145,9 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
                        + f" {fmt.ms(r['wait_ms'])} in all ({fmt.pct(share)} of the forward; the longest wait "
                        f"{fmt.ms(r['max_wait_ms'])}).")
         text = Text(
+            "Our FSDP prefetches one layer ahead: when layer $k$ starts its forward (layer $k-1$, two before $k+1$, "
+            "has finished), the all-gather of layer $k+1$ is launched asynchronously, in the order the first forward "
+            "recorded, so that it can overlap layer $k$'s compute. "
             f"One training step of {handout_model(model, d.edition)} ({fmt.params(param_counts(accounting.ladder_config(model))['total'])} "
             f"parameters) with our FSDP on {ws} {'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, "
             f"{extra.get('compute_dtype', '?')} compute, {params.get('global_batch', '?')} sequences of "

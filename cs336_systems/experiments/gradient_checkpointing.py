@@ -203,10 +203,10 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
     """Peak memory and step time against the checkpoint segment size."""
     ok = wide[wide["status"] == OK]
-    labels = ["none" if k == 0 else "½ (by sublayer)" if k == SUBLAYER else f"{k:g}" for k in ok["block_size"]]
+    labels = ["none" if k == 0 else "½" if k == SUBLAYER else f"{k:g}" for k in ok["block_size"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
     a.bar(labels, ok["peak_GiB"])
-    a.set(xlabel="blocks per checkpoint segment", ylabel="peak memory (GiB)")
+    a.set(xlabel="blocks per checkpoint segment (½: by sublayer)", ylabel="peak memory (GiB)")
     b.bar(labels, ok["step_ms"], color="tab:orange")
     b.set(xlabel="blocks per checkpoint segment", ylabel="step time (ms)")
     fig.tight_layout()
@@ -460,7 +460,8 @@ def _segment_labels(frame: pd.DataFrame | None) -> pd.DataFrame | None:
     """The segment size as a reader names it: "none", "sublayer" or a number of blocks."""
     if frame is None or "block_size" not in frame:
         return frame
-    words = ["none" if k == 0 else "sublayer" if k == SUBLAYER else f"{k:g} blocks" for k in frame["block_size"]]
+    words = ["none" if k == 0 else "sublayer" if k == SUBLAYER else f"{k:g} block{'s' if k != 1 else ''}"
+             for k in frame["block_size"]]
     return frame.assign(block_size=words).rename(columns={"block_size": "segment"})
 
 

@@ -276,6 +276,17 @@ def _robust(speed: pd.DataFrame, timings: pd.DataFrame | None) -> tuple[pd.DataF
                               f"up to {fmt.pct(cv.max(), 2)} of the mean, {size} {precision} {phase})")
 
 
+def _slower_by_the_mean(speed: pd.DataFrame, robust: list[str]) -> str:
+    """Where the text quotes fastest steps: the cells whose *means* make bf16 slower, said outright, so the
+    table's mean columns and the text do not seem to disagree."""
+    slower = [f"{r['size']} {phase} {fmt.ratio(r[f'{phase}_speedup'])}" for phase in robust
+              for _, r in speed.iterrows() if r[f"{phase}_speedup"] < 1]
+    if not slower:
+        return ""
+    return (f" By the means, bf16 is slower in {join_words(slower)}: a few slow bf16 steps (the spread above), "
+            "not the precision, since the same runs' fastest steps are faster in bf16.")
+
+
 def _not_run(speed: pd.DataFrame, timings: pd.DataFrame | None, edition: str) -> str:
     """The handout's sizes with no row in ``speed``: each with its status where its run failed."""
     from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION
@@ -326,7 +337,8 @@ def answer(d: SectionData) -> list[Block]:
             f"Speed-up of bf16 autocast (fp32 time / bf16 time){why}: the forward pass "
             f"{effect(first['forward_speedup'])} for {first['size']} and {effect(last['forward_speedup'])} for "
             f"{last['size']}; the backward pass {effect(first['backward_speedup'])} and "
-            f"{effect(last['backward_speedup'])}.{_not_run(speed, timings, d.edition)} Larger models "
+            f"{effect(last['backward_speedup'])}.{_slower_by_the_mean(speed, robust)}"
+            f"{_not_run(speed, timings, d.edition)} Larger models "
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
             "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
             "kernels (which autocast does not speed up and its casts add to) weigh more"

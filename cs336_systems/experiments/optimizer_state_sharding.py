@@ -483,7 +483,7 @@ def _expectation(st: pd.DataFrame) -> str:
     off = act["adamw measured"] / act["adamw predicted"] - 1 if act["adamw predicted"] else float("nan")
     close = all(abs(state[f"{o} measured"] / state[f"{o} predicted"] - 1) < 0.05 for o in ("adamw", "sharded")
                 if state[f"{o} predicted"])
-    return (" **Against expectations:** sharding should divide only AdamW's two fp32 moments ($8\\Psi$ bytes) by "
+    return (" **Compared with expectations:** sharding should divide only AdamW's two fp32 moments ($8\\Psi$ bytes) by "
             f"the world size{', and it does' if close else ''}: the optimizer state goes from {fmt.sig(state['adamw measured'])} to "
             f"{fmt.sig(state['sharded measured'])} GiB, " + _prediction(state, close) + "; parameters and "
             f"gradients do not change; the activations are {fmt.pct(abs(off))} {'above' if off >= 0 else 'below'} "

@@ -216,10 +216,10 @@ def mfu_note(meta: dict, precisions: tuple[str, ...] = ("fp32",)) -> str:
     known = [f"{p} {v:g}" for p, v in dict(peaks).items() if v]
     if not known:
         return ""
-    return (" TFLOP/s counts the model's FLOPs (6 × matmul parameters × tokens for forward + backward, 2 × for a "
-            "forward pass, plus attention's two sequence × sequence products); MFU divides by the device's dense "
-            f"peak from its data sheet ({', '.join(known)} TFLOP/s; fp32 matmuls at PyTorch's default "
-            "\"highest\" precision run on the FP32 units, not tensor cores).")
+    units = "; fp32 at PyTorch's \"highest\" precision runs on the FP32 units" if any(
+        p == "fp32" for p, _ in peaks) else ""
+    return (f" MFU: the model's FLOPs (6 × matmul parameters × tokens a training step, 2 × a forward, plus "
+            f"attention's) over the data sheet's dense peak ({', '.join(known)} TFLOP/s{units}).")
 
 
 def model_tflops(size: str, ms: float, context_length: int, mode: str = "train", batch_size: int | None = None) -> float:
