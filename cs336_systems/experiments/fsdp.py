@@ -533,10 +533,10 @@ def answer(d: SectionData) -> list[Block]:
                                 "optimizer step) and step time by model, dtype, world size and strategy (all columns: "
                                 "the CSV)."),
                      d.table("predicted_vs_measured", frame=edition_models(d.frame("predicted_vs_measured"), d.edition), caption="Predicted vs. measured memory per rank."),
-                     d.table("largest_model", frame=edition_models(edition_models(d.frame("largest_model"), d.edition,
-                                                                                  "largest_predicted"), d.edition,
-                                                                   "largest_trained"), caption="Largest model each strategy can train on one node: predicted "
-                             "by `accounting` and the largest it trained here, of the sizes tried (a lower bound)."),
+                     d.table("largest_model", frame=_largest_shown(d), caption="Largest model each strategy can "
+                             "train on one node: predicted by `accounting` and the largest it trained here, of the "
+                             "sizes tried (a lower bound; —: the strategy was not trained)."
+                             + _ladder_note(_largest_shown(d))),
                      d.table("largest_model_predicted", caption="Largest model each strategy can train, predicted."),
                      d.table("largest_model_measured", caption="Largest model each strategy trained, measured "
                              "(of the sizes tried: a lower bound)."),
@@ -549,6 +549,31 @@ def answer(d: SectionData) -> list[Block]:
                  what="the all-gather profile (`--set parts=gathers`)"),
     ]
 
+
+
+def _largest_shown(d: SectionData) -> pd.DataFrame | None:
+    """The largest-model table under this edition's model names, "—" where a strategy was not trained."""
+    frame = edition_models(edition_models(d.frame("largest_model"), d.edition, "largest_predicted"), d.edition,
+                           "largest_trained")
+    if frame is None or "largest_trained" not in frame.columns:
+        return frame
+    trained = frame["largest_trained"]
+    return frame.assign(largest_trained=trained.where(trained.notna() & (trained.astype(str) != "nan"), "—"))
+
+
+def _ladder_note(frame: pd.DataFrame | None) -> str:
+    """The sizes of the accounting's scale ladder a table names (no handout defines them): their shapes."""
+    if frame is None or "largest_predicted" not in frame.columns:
+        return ""
+    from cs336_systems.configs import PRESETS as HANDOUT_PRESETS
+
+    named = {c.name: c for c in accounting.SCALE_LADDER if c.name not in HANDOUT_PRESETS}
+    used = [named[n] for n in dict.fromkeys(frame["largest_predicted"].astype(str)) if n in named]
+    if not used:
+        return ""
+    return (" Sizes beyond the handouts' tables are the accounting's scale ladder: " + "; ".join(
+        f"{c.name} = $d_{{model}}$ {c.d_model}, $d_{{ff}}$ {c.d_ff}, {c.num_layers} layers, {c.num_heads} heads"
+        for c in used) + ".")
 
 
 from cs336_systems.experiments.section import Job  # noqa: E402
