@@ -215,7 +215,10 @@ def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str
     scores = cfg.batch_size * cfg.num_heads * c * c * 4
     return (f" At context {c} the calculator predicts {fmt.gib(need['total'])} for an fp32 training step, "
             f"{fmt.gib(need['activations'])} of it activations, against the {device}'s memory: naive attention "
-            f"keeps batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block.")
+            f"keeps batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block. "
+            "The calculator counts two such tensors per block (scores and probabilities); what autograd saves holds "
+            "three (the masked scores, their exponentials and the probabilities: the 2026 residual listing), so the "
+            "true activations are larger still.")
 
 
 def _peak_moments(peaks: pd.DataFrame | None) -> list[tuple[int, str]]:
