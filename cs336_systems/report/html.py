@@ -109,7 +109,7 @@ figure.console pre { font: 7.8pt "Liberation Mono", "DejaVu Sans Mono", monospac
 img.math { display: inline; }
 div.error p { color: #b00; }
 div.method { border-left: 1.5pt solid #bbb; padding: 0 0 0 3mm; margin: 2mm 0 3mm 0; color: #333;
-             font-size: 9.5pt; }
+             font-size: 8.8pt; line-height: 1.3; }
 div.method p { margin: 0.8mm 0; }
 div.further { break-after: avoid; }
 p.deferred { font-size: 8.8pt; color: #555; }
