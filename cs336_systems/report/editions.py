@@ -48,9 +48,6 @@ class Entry:
 CONSOLE_FOLDER = "cse599o"
 
 
-_SIZES_2026 = "`--set sizes=small,medium,large,xl@2026,10B@2026`"
-
-
 def _xl_note(section: str) -> str:
     """Until a section sized by the handout's xl has measured 2026's xl, what its results are instead."""
     return (f"2026's xl is 2560/10240/32/32 (2025's 2.7B); until that grid is measured (`python -m "
@@ -64,7 +61,7 @@ EDITION_2026: tuple[Entry, ...] = (
           note="One grid answers both handouts: it times forward, backward and the AdamW step of every model of "
                "both tables, each once, and each writeup shows its own table's: here 2026's xl "
                "(2560/10240/32/32, the preset 2.7B) and 10B (the preset 10B@2026); small, medium and large are the "
-               f"same in both. `--set sizes=...` (e.g. {_SIZES_2026}) times any other list."),
+               "same in both."),
     Entry("2.1.4", ("nsys_profile",), "nsys_profile",
           note="2026 asks for two sizes at three power-of-two contexts above 128 each, up to the longest that "
                "fits; until that grid is measured (`python -m cs336_systems.experiments nsys_profile --full "
