@@ -273,7 +273,7 @@ def answer(d: SectionData) -> list[Block]:
         device = short_device(d.meta("summary"))
         a = Text(_grid_sentence(summary) + f"For {where} on the {device} the profiler's kernels sum to "
                  f"{fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
-                 f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer; over all configurations "
+                 f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer in the same run; over all configurations "
                  f"the kernel time is {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward "
                  "pass. Below 100% the GPU idles between kernels (launch overhead, which dominates small models "
                  "and short contexts), time the Python timer sees and the kernel sum does not"
