@@ -357,7 +357,10 @@ def answer(d: SectionData) -> list[Block]:
     modes = [m for m in _MODE_WORDS if fp32 is not None and f"{m}_peak_GiB" in fp32.columns]
     timeline = d.figure("timeline_fp32", caption=f"Active memory over allocation events, {shown}, fp32, one row per "
                         f"mode ({', '.join(_MODE_WORDS[m] for m in modes) or 'forward pass and training step'}, top "
-                        "to bottom) and one column per context length.")
+                        "to bottom) and one column per context length. Drawn by us from the allocator trace "
+                        "(`torch.cuda.memory._snapshot()`) that pytorch.org/memory_viz reads, stacked like its Active "
+                        "Memory Timeline; a run keeps its longest context's fp32 snapshots for that viewer in "
+                        "`.scratch/memory/`.")
     rs_text = None
     if isinstance(rs, dict) and "measured_bytes" in rs:
         rs_text = Text(f"Measured in a forward pass (the first block's output, shape {tuple(rs.get('shape', []))}, "
