@@ -210,8 +210,10 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "timings", "Forward and backward time and memory of naive attention (batch 8, one head) over "
                  "$d \\in \\{16, 32, 64, 128\\}$ and sequence lengths 256–16384.", [
                      t_text,
-                     d.table("grid_forward_ms", frame=_grid(d, "forward_mean_ms"), caption="Forward time (ms) by "
-                             "head size (rows) and sequence length (columns); OOM: out of memory."),
+                     d.table("grid_forward_ms", frame=(forward := _grid(d, "forward_mean_ms")),
+                             caption="Forward time (ms) by head size (rows) and sequence length (columns)"
+                             + ("; OOM: out of memory." if forward is not None and
+                                forward.astype(str).isin(["OOM"]).any().any() else ".")),
                      d.table("grid_backward_ms", frame=_grid(d, "backward_mean_ms"), caption="Backward time (ms)."),
                      d.table("grid_memory_before_backward_MiB", caption="Memory in use before the backward pass "
                              "(MiB)."),
