@@ -68,3 +68,16 @@ def test_host_part_says_it_needs_a_gpu_on_cpu(tmp_path, monkeypatch, capsys) -> 
     assert main(["flash_benchmarking", "--smoke", "--set", "parts=host"]) == 0
     assert "host skipped: it measures what CUDA launches cost the CPU, which needs a GPU" in capsys.readouterr().out
     assert not (tmp_path / "flash_benchmarking" / "host_overhead_summary.csv").exists()
+
+
+def test_leaderboard_calls_a_gap_inside_the_runs_spread_a_tie() -> None:
+    """do_bench keeps no deviation; each run's mean-to-median gap stands in for its spread."""
+    from cs336_systems.experiments.flash_benchmarking.answers import _leaderboard_verdict
+
+    summary = {"triton_fwd_bwd_ms": 4.24, "triton_fwd_bwd_median_ms": 4.07, "speedup_vs_sdpa_cudnn": 1.008,
+               "sdpa_cudnn_fwd_bwd_ms": 4.276, "sdpa_cudnn_fwd_bwd_median_ms": 4.282,
+               "sdpa_flash_fwd_bwd_ms": 6.86, "sdpa_flash_fwd_bwd_median_ms": 6.87, "speedup_vs_sdpa_flash": 1.62}
+    assert _leaderboard_verdict(summary, "triton", "sdpa_cudnn") == "a tie: within the runs' spread of ±0.176 ms"
+    assert _leaderboard_verdict(summary, "triton", "sdpa_flash") == "faster"
+    assert _leaderboard_verdict({**summary, "triton_fwd_bwd_median_ms": 4.24}, "triton", "sdpa_cudnn") == "faster"
+    assert _leaderboard_verdict({"speedup_vs_x": 0.9}, "triton", "x") == "slower"

@@ -509,12 +509,25 @@ def _model_step_sentence(df: pd.DataFrame | None) -> Text | None:
                 + join_words(parts) + ".")
 
 
+def _leaderboard_verdict(summary: dict, ours: str, other: str) -> str:
+    """``faster`` / ``slower``, or a tie where the two means lie closer than their runs' spread, read as each
+    run's mean-to-median gap (do_bench keeps no deviation; a few slow calls pull the mean from the median)."""
+    mine, theirs = summary.get(f"{ours}_fwd_bwd_ms"), summary.get(f"{other}_fwd_bwd_ms")
+    if mine is None or theirs is None:
+        return "faster" if summary.get(f"speedup_vs_{other}", 0) > 1 else "slower"
+    noise = sum(abs(summary[f"{name}_fwd_bwd_ms"] - summary[f"{name}_fwd_bwd_median_ms"]) for name in (ours, other)
+                if f"{name}_fwd_bwd_median_ms" in summary)
+    if abs(theirs - mine) <= noise:
+        return f"a tie: within the runs' spread of ±{fmt.ms(noise)}"
+    return "faster" if theirs > mine else "slower"
+
+
 def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
     ours = summary.get("ours", "triton")
     ms_ = summary.get(f"{ours}_fwd_bwd_ms")
     if ms_ is None:
         return None
-    vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)} ({'faster' if v > 1 else 'slower'})"
+    vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)} ({_leaderboard_verdict(summary, ours, k.removeprefix('speedup_vs_'))})"
           for k, v in summary.items() if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
     lead = f"{head_dim}our kernels" if head_dim else "Our kernels"
     return Text(f"{lead} ({ours}) take {fmt.ms(ms_)} for forward + backward"
