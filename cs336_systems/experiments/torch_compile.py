@@ -286,8 +286,8 @@ def answer(d: SectionData) -> list[Block]:
                       f"{fmt.ratio(att['backward_speedup'].max())}: Inductor fuses the scaling, masking and "
                       "softmax into one or two Triton kernels, but the $T\\times T$ matrices are still written "
                       "to memory." + _long_and_short(att))
-    if a_text is not None:
-        a_text = Text(a_text.markdown + _against_eager_table(att, d.sibling("pytorch_attention").frame("timings")))
+    against = (_against_eager_table(att, d.sibling("pytorch_attention").frame("timings")).strip()
+               if a_text is not None else "")
     if model is not None and {"mode", "speedup"} <= set(model.columns) and len(model):
         parts = [f"{r['size']} {r['mode']} {fmt.ratio(r['speedup'])}" for _, r in model.iterrows()]
         missing = failed_rows(timings)
@@ -311,6 +311,8 @@ def answer(d: SectionData) -> list[Block]:
                                           + mfu_note(d.meta("model_speedup")))],
                  what="compiled vs eager model timings"),
         Text("", role=BEYOND_HANDOUT),  # the tables above, plotted
+        *([question(d, "a", "This run's eager attention against §1.2.1's table.", [Text(against)])]
+          if against else []),
         question(d, "b", "The speed-ups plotted.", [
             d.figure("compile_speedup", caption="Speed-up from torch.compile.")]),
     ]
