@@ -40,6 +40,11 @@ def test_a_shared_cell_more_than_ten_percent_apart_is_flagged(tmp_path) -> None:
     line = provenance_line(SectionData(tmp_path, "mixed_precision", depends=()).meta("precision_timings"))
     assert (f"{DISAGREES_MARK}: 1 cell(s) disagree with benchmarking/timings by more than 10%, up to 81% "
             "(xl fp32 context 512)") in line
+    # the speed-up table the writeup shows repeats those times, so it carries the same mark
+    _write(tmp_path, "mixed_precision", "bf16_speedup", pd.DataFrame({"size": ["xl"], "forward_speedup": [4.9]}), {})
+    shown = provenance_line(SectionData(tmp_path, "mixed_precision", depends=()).meta("bf16_speedup"))
+    assert f"{DISAGREES_MARK}: 1 cell(s) disagree with benchmarking/timings" in shown
+    assert DISAGREES_MARK not in provenance_line(SectionData(tmp_path, "benchmarking", depends=()).meta("other"))
 
 
 def test_shared_cells_within_ten_percent_or_the_runs_spread_and_smoke_runs_are_not_flagged(tmp_path) -> None:

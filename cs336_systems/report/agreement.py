@@ -262,9 +262,22 @@ def _flags(root: str, stamp: tuple) -> dict[tuple[str, str], str]:
     return out
 
 
+#: Tables the writeup shows in place of a shared table, with its values (a grid of it, or a speed-up table that
+#: repeats its times): they carry the shared table's mark, since the numbers a reader sees are the same.
+SHOWN_AS: dict[tuple[str, str], tuple[str, str]] = {
+    ("torch_compile", "attention_speedup"): ("torch_compile", "attention_timings"),
+    ("torch_compile", "model_speedup"): ("torch_compile", "model_timings"),
+    ("pytorch_attention", "grid_forward_ms"): ("pytorch_attention", "timings"),
+    ("pytorch_attention", "grid_backward_ms"): ("pytorch_attention", "timings"),
+    ("mixed_precision", "bf16_speedup"): ("mixed_precision", "precision_timings"),
+}
+
+
 def flag(root: Path, folder: str, table: str) -> str | None:
-    """Why the table ``folder/table`` disagrees with another section's, in one line (``None`` if it does not)."""
+    """Why the table ``folder/table`` (or the shared table it shows, :data:`SHOWN_AS`) disagrees with another
+    section's, in one line (``None`` if it does not)."""
     stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for s in SHARED for *_, csv in s.tables(root)
                   for p in (csv, csv.with_suffix(".meta.json"))
                   if p.is_file())  # any file changed, added or removed: computed again
-    return _flags(str(root), stamp).get((folder, table))
+    flags = _flags(str(root), stamp)
+    return flags.get((folder, table)) or flags.get(SHOWN_AS.get((folder, table), (folder, table)))
