@@ -122,7 +122,9 @@ def answer(d: SectionData) -> list[Block]:
                  what="time per iteration of the overlapping DDP"),
         question(d, "b", "Traces: communication overlapped with the backward pass.",
                  [ov_text, *timelines, d.table(overlap_name or "", caption="Communication kernel time and the part "
-                                               "of it inside the backward pass.")],
+                                               "of it inside the backward pass. Each step also broadcasts the "
+                                               "model's buffers once as its forward starts (as `DistributedDataParallel`'s "
+                                               "`broadcast_buffers` does), one kernel more than the all-reduces.")],
                  what="the overlap timelines"),
         *([Text("", role=BEYOND_HANDOUT),
            question(d, "a", "The same comparison under the run's other precision.",
