@@ -248,7 +248,21 @@ def _matmul_shares(summary: pd.DataFrame) -> Text:
                 f"{fmt.pct(others_fwd.min() / 100)}–{fmt.pct(others_fwd.max() / 100)} of the forward and "
                 f"{fmt.pct(others_step.min() / 100)}–{fmt.pct(others_step.max() / 100)} of the step"
                 + (": the AdamW update (elementwise over every parameter) and the backward of the elementwise "
-                   "ops add non-matmul time." if (step_share < fwd_share).mean() > 0.5 else "."))
+                   "ops add non-matmul time." if (step_share < fwd_share).mean() > 0.5 else ".")
+                + _per_configuration(mm.assign(drop=fwd_share - step_share)))
+
+
+def _per_configuration(mm: pd.DataFrame) -> str:
+    """How the share moves within each configuration (``drop``: forward share minus step share, in points),
+    which the ranges above do not show."""
+    drop = mm["drop"]
+    if not (drop > 0).all():
+        return f" The share falls in {int((drop > 0).sum())} of {len(drop)} configurations."
+    shortest = {"size", "context_length"} <= set(mm.columns) and all(
+        g.sort_values("context_length")["drop"].iloc[0] == g["drop"].max() for _, g in mm.groupby("size", sort=False))
+    return (f" In every configuration the share falls, by {fmt.sig(drop.min(), 2)}–{fmt.sig(drop.max(), 2)} points"
+            + (", most at each size's shortest context, where the optimizer update (fixed per parameter) weighs "
+               "most against matmul work that grows with the tokens." if shortest else "."))
 
 
 def answer(d: SectionData) -> list[Block]:
@@ -315,7 +329,6 @@ def answer(d: SectionData) -> list[Block]:
                  "python_forward_std_ms", "profiled_forward_kernels_ms", "profiled_step_kernels_ms"),
             part("Top kernels of the forward pass.", "top_forward_kernel", "top_kernel_calls_per_forward",
                  "top_kernel_percent", "top_non_matmul_kernel", "top_non_matmul_percent"),
-            part("Share of kernel time in matmuls (%).", "matmul_percent_forward", "matmul_percent_train_step"),
             part("Attention's matmuls vs. its softmax, time and FLOPs.", "attention_matmul_ms",
                  "attention_softmax_ms", "softmax_to_matmul_time", "softmax_to_matmul_flops")]
     # An answer in words needs no "not measured yet": the tables and plot behind it continue in the appendix.
@@ -327,7 +340,9 @@ def answer(d: SectionData) -> list[Block]:
                  what=None if b else "kernel table of the forward pass"),
         question(d, "c", "Non-matmul kernels with non-trivial runtime in the forward pass.", [c],
                  what=None if c else "kernel categories of the forward pass"),
-        question(d, "d", "How the matmul share of GPU time changes for a full training step with AdamW.", [dd],
+        question(d, "d", "How the matmul share of GPU time changes for a full training step with AdamW.",
+                 [dd, part("Share of kernel time in matmuls (%), forward pass and training step, per "
+                           "configuration.", "matmul_percent_forward", "matmul_percent_train_step")],
                  what=None if dd else "kernel shares of a training step"),
         question(d, "e", "Softmax versus matmul runtime inside self-attention, against their FLOP ratio.", [e],
                  what=None if e else "softmax vs matmul timings inside attention"),
