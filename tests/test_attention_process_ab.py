@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pandas as pd
 import pytest
 
@@ -33,8 +35,8 @@ def test_a_real_process_times_the_cells_and_bad_input_is_one_line() -> None:
         ab.one_process("nsys_profile", [(16, 16)], 2, 1, "cpu")
     with pytest.raises(ValueError, match="must be positive"):
         ab.measure(rounds=0)
-    with pytest.raises(SystemExit):
-        ab.main(["--cell", "16"])
+    with pytest.raises(ValueError, match="--cell is D,SEQ"):
+        ab.run_command(argparse.Namespace(cell=["16"], rounds=1, n=1, batch=1, device="cpu"))
     assert isinstance(ab.summarize(pd.DataFrame([
         {"round": 0, "section": s, "d_model": 16, "seq_len": 16, "phase": "forward", "ms": 1.0}
         for s in ab.SECTIONS])), pd.DataFrame)

@@ -38,6 +38,7 @@ TOOLS = {
     "flash_accuracy": "cs336_systems.benchmarking.flash_accuracy",
     "flash_host_overhead": "cs336_systems.benchmarking.flash_host_overhead",
     "op_registration": "cs336_systems.benchmarking.op_registration",
+    "attention_process_ab": "cs336_systems.benchmarking.attention_process_ab",
     "ddp_steps": "cs336_systems.benchmarking.ddp_steps",
     "ddp_host_overhead": "cs336_systems.benchmarking.ddp_host_overhead",
     "timeline": "cs336_systems.profiling.timeline",

@@ -76,25 +76,39 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     return wide.reset_index()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This tool's options: ``python -m cs336_systems.benchmarking attention_process_ab --help``."""
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--n", type=int, default=100, help="timed forward and backward passes per cell")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--cell", action="append", default=None, metavar="D,SEQ",
                         help="a cell to time (repeatable; default: the cells that disagreed)")
     parser.add_argument("--device", default=None, help="default: cuda when present")
-    args = parser.parse_args(argv)
-    try:
-        cells = [tuple(int(x) for x in c.split(",")) for c in args.cell] if args.cell else list(CELLS)
-    except ValueError:
-        parser.error("--cell takes D,SEQ, e.g. --cell 128,256")
-    if any(len(c) != 2 for c in cells):
-        parser.error("--cell takes D,SEQ, e.g. --cell 128,256")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cells = []
+    for text in args.cell or [f"{d},{s}" for d, s in CELLS]:
+        try:
+            cell = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            cell = ()
+        if len(cell) != 2 or min(cell) < 1:
+            raise ValueError(f"--cell is D,SEQ (two positive integers), got {text!r}")
+        cells.append(cell)
     table = summarize(measure(SECTIONS, cells, args.rounds, args.n, args.batch, args.device))
     print(table.to_markdown(index=False, floatfmt=".4g"))
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The same as ``python -m cs336_systems.benchmarking attention_process_ab`` (this module's own command form)."""
+    from cs336_systems.benchmarking.__main__ import main as benchmarking
+
+    return benchmarking(["attention_process_ab", *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from cs336_systems.cli import run_main
+
+    sys.exit(run_main(main, "python -m cs336_systems.benchmarking.attention_process_ab"))
