@@ -29,6 +29,21 @@ def parse_value(text: str) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+_COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+
+
+def parse_positive_ints(text: str, count: int, usage: str) -> tuple[int, ...]:
+    """``count`` positive integers separated by commas (``"8,16,1024,64"``), for an option whose form ``usage``
+    names (``"--shape is batch,heads,seq,head_dim"``); anything else is a one-line ``ValueError``."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != count or min(values) < 1:
+        raise ValueError(f"{usage} ({_COUNT_WORDS.get(count, count)} positive integers), got {text!r}")
+    return values
+
+
 def parse_assignment(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` with VALUE as :func:`parse_value` reads it (``budget_s=120``, ``kind=quick``,
     ``seq_lens=128,256``, ``seq_lens=[128, 256]``).

@@ -87,15 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    cells = []
-    for text in args.cell or [f"{d},{s}" for d, s in CELLS]:
-        try:
-            cell = tuple(int(x) for x in text.split(","))
-        except ValueError:
-            cell = ()
-        if len(cell) != 2 or min(cell) < 1:
-            raise ValueError(f"--cell is D,SEQ (two positive integers), got {text!r}")
-        cells.append(cell)
+    from cs336_systems.cli import parse_positive_ints
+
+    cells = [parse_positive_ints(text, 2, "--cell is D,SEQ") for text in args.cell] if args.cell else list(CELLS)
     table = summarize(measure(SECTIONS, cells, args.rounds, args.n, args.batch, args.device))
     print(table.to_markdown(index=False, floatfmt=".4g"))
     return 0

@@ -141,15 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("needs a CUDA GPU: host time is measured while the GPU sleeps")
-    shapes = []
-    for text in args.shape or ["8,16,1024,64"]:
-        try:
-            shape = tuple(int(x) for x in text.split(","))
-        except ValueError:
-            shape = ()
-        if len(shape) != 4 or min(shape) < 1:
-            raise ValueError(f"--shape is batch,heads,seq,head_dim (four positive integers), got {text!r}")
-        shapes.append(shape)  # type: ignore[arg-type]
+    from cs336_systems.cli import parse_positive_ints
+
+    shapes = [parse_positive_ints(text, 4, "--shape is batch,heads,seq,head_dim")
+              for text in args.shape or ["8,16,1024,64"]]
     dtype = getattr(torch, args.dtype)
     rows = pd.concat([measure(s, dtype, not args.full, args.rounds, args.calls, layout=args.layout)
                       for s in shapes], ignore_index=True)

@@ -306,15 +306,19 @@ def _against_the_snippet(meta: dict | None) -> str:
             "the heads.")
 
 
+def _block_params(preset: str) -> int:
+    """Parameters of one block of ``preset``: attention projections, SwiGLU and two RMSNorm gains."""
+    cfg = get_config(preset)
+    return 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
+
+
 def _gradients_text(meta: dict | None, residual_bytes: float | None) -> Text | None:
     """(f)'s second half: one block's fp32 gradients beside what it saves for backward, and whether that is
     what the shapes predict."""
     params = (meta or {}).get("params") or {}
     if not residual_bytes or not params.get("preset"):
         return None
-    cfg = get_config(params["preset"])
-    d, f = cfg.d_model, cfg.d_ff
-    n = 4 * d * d + 3 * d * f + 2 * d  # attention projections, SwiGLU, two RMSNorm gains
+    n = _block_params(params["preset"])
     grads = 4 * n
     batch, context = params.get("batch_size"), params.get("context_length")
     if batch is None or context is None:
@@ -335,8 +339,7 @@ def _measured_gradients(table: pd.DataFrame | None, meta: dict | None, saved_byt
     if table is None or "drop_MiB" not in table.columns or not table["drop_MiB"].notna().any() \
             or not saved_bytes or not input_bytes or not params.get("preset"):
         return None
-    cfg = get_config(params["preset"])
-    weights = 4 * (4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model) / 2**20
+    weights = 4 * _block_params(params["preset"]) / 2**20
     drop = float(table["drop_MiB"].median())
     freed = (saved_bytes + input_bytes) / 2**20
     written = freed - drop
