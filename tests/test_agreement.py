@@ -144,3 +144,30 @@ def test_the_eager_training_step_of_the_benchmark_and_of_the_compile_comparison_
     _write(forward_backward, "torch_compile", "model_timings",
            pd.read_csv(tmp_path / "torch_compile" / "model_timings.csv"), {"context_length": 512})
     assert agreement.disagreements(forward_backward) == []
+
+
+def _eager_attention(root, folder: str, table: str, forward_ms: float) -> None:
+    _write(root, folder, table, pd.DataFrame([{"d_model": 128, "seq_len": 256, "status": "ok", "compiled": False,
+                                               "forward_mean_ms": forward_ms, "forward_std_ms": 0.005,
+                                               "backward_mean_ms": 0.7, "backward_std_ms": 0.01}]),
+           {"batch_size": 8})
+
+
+def test_a_launch_bound_cell_is_compared_against_its_spread_between_processes(tmp_path) -> None:
+    """One process's step-to-step spread of a sub-millisecond cell is tiny, so two sections 30% apart disagree;
+    once the cell has been timed in fresh processes whose standard deviation covers the gap, they do not."""
+    _eager_attention(tmp_path, "pytorch_attention", "timings", 0.21)
+    _eager_attention(tmp_path, "torch_compile", "attention_timings", 0.16)
+    assert [d.key[0] for d in agreement.disagreements(tmp_path)] == ["eager attention forward ms"]
+    rounds = [0.15, 0.19, 0.24, 0.17]  # std 0.039 for one section; the other's is smaller and does not count
+    _write(tmp_path, "torch_compile", "attention_processes", pd.DataFrame(
+        [{"round": r, "section": section, "d_model": 128, "seq_len": 256, "phase": phase, "ms": ms}
+         for r, ms in enumerate(rounds) for section, scale in (("pytorch_attention", 1.0), ("torch_compile", 0.0))
+         for phase in ("forward", "backward") for ms in [0.16 + scale * (ms - 0.16)]]), {"batch_size": 8})
+    assert agreement.disagreements(tmp_path) == []
+    cell = next(c for c in agreement.shared_cells(tmp_path) if c.key[0] == "eager attention forward ms")
+    assert abs(cell.std - pd.Series(rounds).std()) < 1e-9
+    # another batch size is another cell: its spread between processes says nothing of this one
+    meta = tmp_path / "torch_compile" / "attention_processes.meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "params": {"batch_size": 4}}))
+    assert len(agreement.disagreements(tmp_path)) == 1

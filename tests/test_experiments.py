@@ -196,6 +196,35 @@ def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path,
         section.params("smoke", {"parts": ["graphs"]})
 
 
+def test_torch_compile_times_the_short_cells_in_fresh_processes_of_both_sections(tmp_path, monkeypatch) -> None:
+    """The ``processes`` part records every round's process of each section (the check across sections reads
+    its spread between processes); it measures the grid's head dimensions at its own sequence lengths."""
+    from cs336_systems import results
+    from cs336_systems.benchmarking import attention_process_ab
+    from cs336_systems.experiments import get
+    from cs336_systems.experiments.__main__ import writer
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    seen = []
+
+    def one_process(section, cells, n, batch, device):
+        seen.append((section, tuple(cells), n, batch))
+        return [{"d_model": d, "seq_len": s, "forward_ms": 0.2, "backward_ms": 0.7} for d, s in cells]
+
+    monkeypatch.setattr(attention_process_ab, "one_process", one_process)
+    section = get("torch_compile")
+    p = section.params("smoke", {"parts": ["processes"], "d_models": [16, 32], "process_seq_lens": [64],
+                                 "process_rounds": 2})
+    section.run(p, writer(section, p, "smoke", publish=True))
+    table = results.load_table("torch_compile", "attention_processes", root=tmp_path)
+    assert [s for s, *_ in seen] == ["pytorch_attention", "torch_compile", "torch_compile", "pytorch_attention"]
+    assert seen[0][1:] == (((16, 64), (32, 64)), p.n_forward, p.batch_size)
+    assert len(table) == 2 * 2 * 2 * 2 and set(table["phase"]) == {"forward", "backward"}
+    assert not (tmp_path / "torch_compile" / "attention_timings.csv").exists()
+    with pytest.raises(ValueError, match="process_rounds must be positive"):
+        section.params("smoke", {"process_rounds": 0})
+
+
 def test_torch_compile_alternates_eager_and_compiled_on_one_model(monkeypatch) -> None:
     """The compiled side compiles first (its own warm-up), then each round runs eager then compiled, on the same
     weights and one optimizer, so neither side is timed right after the other's idle compile."""

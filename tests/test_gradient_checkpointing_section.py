@@ -73,16 +73,17 @@ def test_the_sweep_gains_mfu_where_its_record_names_the_model(tmp_path) -> None:
 
 def test_backward_by_block_reads_the_memory_at_each_block_and_the_answer_derives_the_gradients() -> None:
     """Every block's backward start and end are recorded, last block first; the answer turns the median drop
-    into the gradients written (what the block saved, its input included, less the drop)."""
+    into the gradients written (what the block saved, its input included, less the drop) and checks them against
+    the weights' and the input's gradients."""
     table = gc.backward_by_block(SMOKE, torch.device("cpu"))
     assert list(table["block"]) == list(reversed(range(SMOKE.backward_layers)))
     assert {"start_MiB", "end_MiB", "drop_MiB"} <= set(table.columns)
     meta = {"params": {"preset": "xl@2026"}}
     saved, inputs = 7990 * 2**20, 80 * 2**20
-    drops = pd.DataFrame({"block": [3, 2, 1, 0], "drop_MiB": [7670.0, 7670.0, 7669.0, 7671.0]})
+    drops = pd.DataFrame({"block": [3, 2, 1, 0], "drop_MiB": [7590.0, 7590.0, 7589.0, 7591.0]})
     text = gc._measured_gradients(drops, meta, saved, inputs).markdown
-    assert "drops by 7,670 MiB" in text and "so its backward wrote 400 MiB of gradients" in text
-    assert "as expected: the weights' gradients" in text
-    off = gc._measured_gradients(drops.assign(drop_MiB=7270.0), meta, saved, inputs).markdown
-    assert "2.00× the weights' gradients, not what they alone predict" in off
+    assert "drops by 7,590 MiB" in text and "so its backward wrote 480 MiB of gradients" in text
+    assert "its weights' 400 MiB and its input's 80.0 MiB, 480 MiB in all, as expected" in text
+    off = gc._measured_gradients(drops.assign(drop_MiB=7110.0), meta, saved, inputs).markdown
+    assert "2.00× of that, more than they account for" in off
     assert gc._measured_gradients(drops.assign(drop_MiB=float("nan")), meta, saved, inputs) is None

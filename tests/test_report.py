@@ -1300,6 +1300,24 @@ def test_compile_answer_compares_its_eager_times_with_the_attention_table() -> N
     assert _against_eager_table(att, None) == ""
 
 
+def test_compile_answer_sets_the_sections_gap_against_the_spread_between_processes() -> None:
+    from cs336_systems.experiments.torch_compile import _between_processes
+
+    def processes(pytorch: list[float], compiled: list[float]) -> pd.DataFrame:
+        return pd.DataFrame([{"round": r, "section": section, "d_model": 128, "seq_len": 256, "phase": "forward",
+                              "ms": ms} for section, times in (("pytorch_attention", pytorch), ("torch_compile", compiled))
+                             for r, ms in enumerate(times)])
+
+    text, table = _between_processes(processes([0.22, 0.16, 0.35], [0.16, 0.24, 0.15]))
+    assert "Timed again in 3 fresh processes per section" in text and "cells at 256 tokens" in text
+    assert "no larger than between one process and the next" in text and len(table) == 1
+    steady, _ = _between_processes(processes([0.30, 0.31, 0.30], [0.16, 0.17, 0.16]))
+    assert "a steady gap, beyond the processes' spread" in steady
+    once, _ = _between_processes(processes([0.3], [0.2]))
+    assert "one process each" in once
+    assert _between_processes(None) == ("", None)
+
+
 def test_2026_answers_memory_profiling_f_in_its_own_section_with_the_residuals_measured_in_3() -> None:
     """The handout asks (f) under memory profiling; the workbook measures it with the checkpointing section.
     The edition shows it where the handout asks it, once."""

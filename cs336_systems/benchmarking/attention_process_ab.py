@@ -2,12 +2,13 @@
 
 §1.2.1 (``pytorch_attention``) and §1.3 (``torch_compile``) time eager attention through the same
 ``benchmark_attention``, yet on two machines (an H100, then an H200 in consecutive jobs) §1.3's process ran the
-sub-millisecond cells (256 and 1,024 tokens) 12-39% faster, while the cells of a millisecond or more agreed
-within 4%. The code timed is the same; what differs is the process around it (the modules each section imports)
+sub-millisecond cells (256 and 1,024 tokens) faster, while the cells of a millisecond or more agreed. The code timed is the same; what differs is the process around it (the modules each section imports)
 and the job around that (what ran before it on the machine). This entry point separates the two: every round
 starts one fresh process per section, each importing its section's module and then timing the same cells, in
 alternating order, so both see the same machine in the same minutes. Equal medians put the difference on the
-jobs; a steady gap puts it on the imports.
+jobs; a steady gap puts it on the imports. §1.3's ``processes`` part records the same measurement as a result,
+and the cross-section check (:mod:`cs336_systems.report.agreement`) takes each cell's standard deviation between
+processes as the spread two sections' values of it may differ by.
 
     python -m cs336_systems.benchmarking.attention_process_ab --rounds 3
 """
@@ -66,10 +67,11 @@ def measure(sections: Sequence[str] = SECTIONS, cells: Sequence[tuple[int, int]]
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Per cell and pass: each section's median over the rounds and spread (max - min), and the first section's
-    median over the second's."""
+    """Per cell and pass: each section's median over the rounds, spread (max - min) and standard deviation (NaN
+    with one round), and the first section's median over the second's."""
     by = df.groupby(["d_model", "seq_len", "phase", "section"])["ms"]
-    wide = pd.concat({"median_ms": by.median(), "spread_ms": by.max() - by.min()}, axis=1).unstack("section")
+    wide = pd.concat({"median_ms": by.median(), "spread_ms": by.max() - by.min(), "std_ms": by.std()},
+                     axis=1).unstack("section")
     wide.columns = [f"{section}_{stat}" for stat, section in wide.columns]
     first, second = list(dict.fromkeys(df["section"]))[:2]
     wide[f"{first}_over_{second}"] = wide[f"{first}_median_ms"] / wide[f"{second}_median_ms"]

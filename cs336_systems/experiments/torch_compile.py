@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
+from cs336_systems.benchmarking import attention_process_ab
 from cs336_systems.benchmarking.attention import HANDOUT_D_MODELS, HANDOUT_SEQ_LENS
 from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, ModelBenchmark
 from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, ordered, run_sweep
@@ -34,8 +35,10 @@ from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
 
 #: What a run measures; the whole model at every size takes longer than one GPU job may, so the model part
-#: also runs size by size (``--set sizes=xl``) in jobs of its own.
-PARTS = ("attention", "model")
+#: also runs size by size (``--set sizes=xl``) in jobs of its own. ``processes`` times the launch-bound eager
+#: attention cells in fresh processes of this section and of §1.2.1, alternating: how far one cell moves between
+#: processes, which one process's step-to-step spread does not show.
+PARTS = ("attention", "model", "processes")
 
 #: Settings the model rows of two jobs must share for one table to hold them.
 MODEL_PARAMS = ("context_length", "warmup", "steps", "rounds", "compile")
@@ -55,27 +58,34 @@ class Params:
     rounds: int = param(3, "model: eager and compiled alternate this many times, each warm-up + steps")
     compile: bool = param(True, "False: eager against eager (smoke runs: Inductor takes minutes on a small CPU)")
     budget_s: float = param(1200.0, "time budget in seconds; cells past it are recorded as skipped")
-    parts: list[str] = param(list(PARTS), "what to run: attention (the grid), model (the sizes); a job of model "
-                                          "sizes adds its rows to the model tables of the same commit and settings")
+    process_seq_lens: list[int] = param([256, 1024], "processes: the sequence lengths (every head dimension) "
+                                                     "timed in fresh processes")
+    process_rounds: int = param(5, "processes: rounds, each one fresh process per section, in alternating order")
+    parts: list[str] = param(list(PARTS), "what to run: attention (the grid), model (the sizes), processes (the "
+                                          "short cells in fresh processes); a job of model sizes adds its rows to "
+                                          "the model tables of the same commit and settings")
 
     def check(self) -> None:
         check_presets(*self.sizes)
         check_parts("torch_compile", self.parts, PARTS)
         check_positive(batch_size=self.batch_size, n_forward=self.n_forward, n_backward=self.n_backward,
-                       context_length=self.context_length, steps=self.steps, rounds=self.rounds, budget_s=self.budget_s)
+                       context_length=self.context_length, steps=self.steps, rounds=self.rounds, budget_s=self.budget_s,
+                       process_rounds=self.process_rounds, **{f"process_seq_len {s}": s for s in self.process_seq_lens})
 
 
 PRESETS = {
     "full": Params(),
     "quick": Params(n_forward=50, n_backward=50, sizes=["small", "medium", "large"], warmup=3, steps=5,
-                    rounds=2, budget_s=330.0),
+                    rounds=2, process_rounds=3, budget_s=330.0),
     "smoke": Params(d_models=[16], seq_lens=[32], batch_size=2, n_forward=2, n_backward=2, sizes=["tiny"],
-                    context_length=32, warmup=1, steps=2, rounds=1, compile=False, budget_s=60.0),
+                    context_length=32, warmup=1, steps=2, rounds=1, compile=False, process_seq_lens=[32],
+                    process_rounds=1, budget_s=60.0),
 }
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
-    """Attention eager then compiled over the grid; the model eager and compiled, forward and train."""
+    """Attention eager then compiled over the grid; the model eager and compiled, forward and train; the short
+    eager cells in fresh processes."""
     compile = p.compile
     if not compile:
         print("torch.compile skipped in the smoke run (inductor compilation takes minutes on a small CPU); "
@@ -98,6 +108,12 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
         results.update(attention_timings=both, attention_speedup=ratio)
     if "model" in p.parts:
         results.update(model_part(p, out, deadline))
+    if "processes" in p.parts:
+        cells = [(d, s) for d in p.d_models for s in p.process_seq_lens]
+        processes = attention_process_ab.measure(cells=cells, rounds=p.process_rounds, n=p.n_forward,
+                                                 batch=p.batch_size)
+        out.table(processes, "attention_processes")
+        results["attention_processes"] = processes
     return results
 
 
@@ -250,6 +266,38 @@ def _against_eager_table(att: pd.DataFrame, eager: pd.DataFrame | None) -> str:
               "the same conditions.")
 
 
+def _between_processes(processes: pd.DataFrame | None) -> tuple[str, pd.DataFrame | None]:
+    """The short eager cells timed in fresh processes of both sections: one sentence on how far a cell moves
+    between processes against how far the two sections' medians lie apart, and the per-cell summary."""
+    if processes is None or not {"round", "section", "phase", "ms"} <= set(processes.columns) or processes.empty:
+        return "", None
+    table = attention_process_ab.summarize(processes)
+    first, second = list(dict.fromkeys(processes["section"]))[:2]
+    ratio = table[f"{first}_over_{second}"]
+    stds = table[[f"{first}_std_ms", f"{second}_std_ms"]].max(axis=1)
+    gap = (table[f"{first}_median_ms"] - table[f"{second}_median_ms"]).abs()
+    rel = stds / table[[f"{first}_median_ms", f"{second}_median_ms"]].min(axis=1)
+    inside = int((gap <= table[f"{first}_std_ms"].fillna(0) + table[f"{second}_std_ms"].fillna(0)).sum())
+    rounds = processes["round"].nunique()
+    cells = join_words([f"{int(c):,}" for c in sorted(set(processes["seq_len"]))])
+    apart = f"{fmt.ratio(float(ratio.min()))}–{fmt.ratio(float(ratio.max()))}"
+    if rounds < 2 or stds.isna().all():
+        return (f" Timed again in one fresh process per section, the cells at {cells} tokens: the two sections' "
+                f"times lie {apart} apart (one process each: no spread between processes to set them against)."), table
+    verdict = ("the difference between the sections is no larger than between one process and the next, so these "
+               "cells' times are set by the process they run in, not by the section's imports"
+               if inside == len(table) else
+               "a steady gap, beyond the processes' spread: the section's imports, not only the process, set these "
+               "cells' times" if inside == 0 else
+               f"inside the two standard deviations in {inside} of {len(table)} cells and passes")
+    text = (f" Timed again in {rounds} fresh processes per section, the two alternating, the cells at {cells} "
+            f"tokens move between one process and the next by a standard deviation of up to "
+            f"{fmt.ms(float(stds.max()))} ({fmt.pct(float(rel.max()))} of the cell); the two sections' medians lie "
+            f"{apart} apart: {verdict}. The check across sections compares these cells against their spread "
+            "between processes.")
+    return text, table
+
+
 def _long_and_short(att: pd.DataFrame) -> str:
     """The speed-ups split where the eager forward takes a millisecond: above it the kernels decide them; below
     it the host's launches do, and the ratios scatter."""
@@ -288,6 +336,8 @@ def answer(d: SectionData) -> list[Block]:
                       "to memory." + _long_and_short(att))
     against = (_against_eager_table(att, d.sibling("pytorch_attention").frame("timings")).strip()
                if a_text is not None else "")
+    processes_text, processes = _between_processes(d.frame("attention_processes"))
+    against = (against + processes_text).strip()
     if model is not None and {"mode", "speedup"} <= set(model.columns) and len(model):
         parts = [f"{r['size']} {r['mode']} {fmt.ratio(r['speedup'])}" for _, r in model.iterrows()]
         missing = failed_rows(timings)
@@ -311,7 +361,13 @@ def answer(d: SectionData) -> list[Block]:
                                           + mfu_note(d.meta("model_speedup")))],
                  what="compiled vs eager model timings"),
         Text("", role=BEYOND_HANDOUT),  # the tables above, plotted
-        *([question(d, "a", "This run's eager attention against §1.2.1's table.", [Text(against)])]
+        *([question(d, "a", "This run's eager attention against §1.2.1's table.", [
+            Text(against),
+            d.table("attention_processes", frame=processes,
+                    caption="The short eager cells timed in fresh processes, each importing §1.2.1's or this "
+                            "section's module: per section, the median, range and standard deviation over the "
+                            "processes (ms), and the first section's median over the second's.")
+            if processes is not None else None])]
           if against else []),
         question(d, "b", "The speed-ups plotted.", [
             d.figure("compile_speedup", caption="Speed-up from torch.compile.")]),
@@ -352,13 +408,15 @@ def _planned_sizes() -> list[str]:
 SECTION = Section(
     name="torch_compile", number="1.3", title="torch.compile", problems=("torch_compile",), answer=answer,
     presets=PRESETS, run=run, derive=derive, derive_inputs=("attention_speedup", "model_speedup"),
-    depends=(*MODEL, *TIMING, "cs336_systems/benchmarking/attention.py", "cs336_systems/experiments/pytorch_attention.py"),
+    depends=(*MODEL, *TIMING, "cs336_systems/benchmarking/attention.py", "cs336_systems/experiments/pytorch_attention.py",
+             "cs336_systems/benchmarking/attention_process_ab.py"),
     # wall times seen on an H200 at dc1acda (not on an H100, so not as minutes): the attention grid 4.9 min (eager
     # 2.2, compiled 2.2); the small pair 1.1 min and medium 0.6-1.9 (Inductor's cache warm or cold); a large pair
-    # compiles about a minute per mode and its job was cut at 2.3 min; xl and 2.7B were never timed to the end
+    # compiles 1.3-1.5 min per mode; xl's job took 5.0 min and a 2.7B job was cut at 4.5 min
     jobs=(Job({"parts": ["attention"]}, note="4.9 min on an H200"),
           Job({"parts": ["model"], "sizes": ["small", "medium"]}, note="3 min on an H200"),
-          Job({"parts": ["model"], "sizes": ["large"]}, note="over 2.3 min on an H200"),
-          Job({"parts": ["model"], "sizes": ["xl"]}, note="not yet timed: run it alone"),
-          Job({"parts": ["model"], "sizes": ["2.7B"]}, note="not yet timed: run it alone")),
+          Job({"parts": ["model"], "sizes": ["large"]}, note="3.2 min on an H200"),
+          Job({"parts": ["model"], "sizes": ["xl"]}, note="5 min on an H200"),
+          Job({"parts": ["model"], "sizes": ["2.7B"]}, note="over 4.5 min on an H200: run it alone"),
+          Job({"parts": ["processes"]}, note="3 rounds took 71 s on an H200; 5 about 2 min")),
 )

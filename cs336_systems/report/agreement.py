@@ -9,9 +9,11 @@ answers to one question. :data:`SHARED` lists where each section keeps such cell
 what a cell measured (quantity, model or shape, precision, context, batch, pass);
 :func:`disagreements` groups every committed cell by key and reports each group whose extreme values lie
 more than :data:`TOLERANCE` apart *and* farther apart than their runs' own spread (:data:`SPREADS` standard
-deviations of each): a difference smaller than the spread of repeated runs is no difference (a
-sub-millisecond, launch-bound timing moves by a third between processes). ``writeup status`` prints them (and fails while any remain), and the writeup
-marks the tables they come from, until one side is re-measured.
+deviations of each): a difference smaller than the spread of repeated runs is no difference. A table's spread
+is step to step within one process; a sub-millisecond, launch-bound timing also moves between processes, by
+more than that. Where a section has timed such cells in repeated fresh processes (:data:`BETWEEN_PROCESSES`),
+the larger of the two standard deviations is the cell's spread. ``writeup status`` prints the disagreements
+(and fails while any remain), and the writeup marks the tables they come from, until one side is re-measured.
 """
 
 from __future__ import annotations
@@ -176,9 +178,26 @@ class Disagreement:
         return f"{what} ({' · '.join(map(str, config))}): {cells} ({self.spread:.0%} apart)"
 
 
-def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
-    """Every shared cell of the committed (not smoke) results under ``root``."""
-    out = []
+def _eager_attention_between_processes(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float]]:
+    """§1.3's ``attention_processes`` (one row per round, section, cell and pass): per cell and pass, the larger of
+    the two sections' standard deviations over their fresh processes."""
+    by = frame.groupby(["d_model", "seq_len", "phase", "section"])["ms"].std().groupby(level=[0, 1, 2]).max()
+    for (d, seq, phase), std in by.items():
+        if pd.notna(std):
+            yield (f"eager attention {phase} ms", int(d), int(seq), int(params["batch_size"])), float(std)
+
+
+#: Tables of cells timed in repeated fresh processes, and a function yielding ``(key, std)``: the cell's standard
+#: deviation between processes.
+BETWEEN_PROCESSES: tuple[Shared, ...] = (
+    Shared("torch_compile", "attention_processes", _eager_attention_between_processes),
+)
+
+
+def _committed(shared: tuple[Shared, ...], root: Path) -> Iterator[tuple[Shared, str, str, list, tuple]]:
+    """``(spec, folder, table, items, machine)`` of every committed (not smoke) table the specs name, ``items``
+    what the spec's function yields for it; ``machine`` (the device and matmul precision) ends every key, since
+    only the same machine and precision measure the same thing."""
     for spec, folder, table, csv in ((s, *t) for s in shared for t in s.tables(root)):
         meta_path = csv.with_suffix(".meta.json")
         if not meta_path.is_file():
@@ -187,12 +206,22 @@ def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
         if meta.get("smoke"):
             continue
         try:
-            cells = list(spec.cells(pd.read_csv(csv), meta.get("params") or {}))
+            items = list(spec.cells(pd.read_csv(csv), meta.get("params") or {}))
         except (KeyError, ValueError, TypeError):  # a table of another layout (an older run, a test's): no cells
             continue
-        # Only the same machine and matmul precision measure the same thing.
-        machine = (meta.get("device"), meta.get("float32_matmul_precision"))
-        out += [Cell((*key, *machine), value, folder, table, row, std) for key, value, row, std in cells]
+        yield spec, folder, table, items, (meta.get("device"), meta.get("float32_matmul_precision"))
+
+
+def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
+    """Every shared cell of the committed (not smoke) results under ``root``, its spread widened to the
+    between-process standard deviation where :data:`BETWEEN_PROCESSES` measured one."""
+    between = {(*key, *machine): std for *_, items, machine in _committed(BETWEEN_PROCESSES, root)
+               for key, std in items}
+    out = []
+    for _, folder, table, items, machine in _committed(shared, root):
+        for key, value, row, std in items:
+            full = (*key, *machine)
+            out.append(Cell(full, value, folder, table, row, max(std, between.get(full, 0.0))))
     return out
 
 
@@ -276,7 +305,8 @@ SHOWN_AS: dict[tuple[str, str], tuple[str, str]] = {
 def flag(root: Path, folder: str, table: str) -> str | None:
     """Why the table ``folder/table`` (or the shared table it shows, :data:`SHOWN_AS`) disagrees with another
     section's, in one line (``None`` if it does not)."""
-    stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for s in SHARED for *_, csv in s.tables(root)
+    stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size)
+                  for s in (*SHARED, *BETWEEN_PROCESSES) for *_, csv in s.tables(root)
                   for p in (csv, csv.with_suffix(".meta.json"))
                   if p.is_file())  # any file changed, added or removed: computed again
     flags = _flags(str(root), stamp)
