@@ -235,6 +235,29 @@ def test_attention_memory_prediction_matches_what_autograd_saves(causal):
     assert naive_attention_memory(1, 4, 2, grad_output=True)["grad_output"] == 32
 
 
+def test_attention_step_memory_needs_a_gpu_and_positive_sizes():
+    from cs336_systems.benchmarking.attention import attention_step_memory
+
+    with pytest.raises(ValueError, match="reads the CUDA caching allocator; got device cpu"):
+        attention_step_memory(16, 64, device="cpu")
+
+
+@pytest.mark.gpu
+def test_attention_step_memory_reads_the_backward_peak_and_reports_oom_as_a_row():
+    from cs336_systems.benchmarking.attention import attention_step_memory
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    row = attention_step_memory(16, 2048, batch_size=4)
+    predicted = naive_attention_memory(4, 2048, 16, grad_output=True)["total"] / 2**20
+    assert row["status"] == "ok" and row["oom_in"] is None
+    assert row["memory_before_backward_MiB"] >= predicted  # what the formula counts, and the allocator's rounding
+    assert row["peak_MiB"] > row["memory_before_backward_MiB"]  # the backward's gradients of the T x T tensors
+    too_big = attention_step_memory(16, 2**20, batch_size=64)  # 64 · 2^40 fp32 scores: petabytes
+    assert too_big["status"] == "OOM" and too_big["oom_in"] == "forward"
+    assert torch.cuda.memory_allocated() < 2**30  # nothing of the failed step is left behind
+
+
 def test_benchmark_attention_row():
     row = benchmark_attention(8, 16, batch_size=2, n_forward=2, n_backward=2, warmup=1, device="cpu")
     assert row["forward_mean_ms"] > 0 and row["backward_mean_ms"] > 0

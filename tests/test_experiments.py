@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -112,7 +113,8 @@ def test_cli_smoke_run_writes_results_and_prints_answers(tmp_path, monkeypatch, 
 def test_params_record_every_field() -> None:
     """What a result's meta records is the whole typed parameter set, so a rerun can reproduce it."""
     p = get("pytorch_attention").params("quick")
-    assert set(dataclasses.asdict(p)) == {"d_models", "seq_lens", "batch_size", "n_forward", "n_backward", "budget_s"}
+    assert set(dataclasses.asdict(p)) == {"d_models", "seq_lens", "batch_size", "n_forward", "n_backward", "budget_s",
+                                          "probe_doublings"}
 
 
 @pytest.mark.slow
@@ -223,6 +225,40 @@ def test_torch_compile_times_the_short_cells_in_fresh_processes_of_both_sections
     assert not (tmp_path / "torch_compile" / "attention_timings.csv").exists()
     with pytest.raises(ValueError, match="process_rounds must be positive"):
         section.params("smoke", {"process_rounds": 0})
+
+
+def test_attention_probes_beyond_a_grid_that_fits_and_accounts_for_the_first_oom(monkeypatch) -> None:
+    """Where every grid cell fits, the smallest d is doubled past the grid until one step runs out of memory; the
+    accounting is that configuration's, and the answer sets what the backward adds against the GPU's memory."""
+    from cs336_systems.experiments import pytorch_attention as pa
+
+    grid = pd.DataFrame({"d_model": [16, 32], "seq_len": [1024, 1024], "status": ["ok", "ok"],
+                         "memory_before_backward_MiB": [80.0, 90.0]})
+    steps = []
+
+    def step(d, seq, batch_size, device=None):
+        steps.append((d, seq))
+        fits = seq <= 2048
+        return {"d_model": d, "seq_len": seq, "status": "ok" if fits else "OOM", "oom_in": None if fits else "backward",
+                "memory_before_backward_MiB": 4.0 * seq if fits else float("nan"),
+                "peak_MiB": 6.0 * seq if fits else float("nan")}
+
+    monkeypatch.setattr(pa, "attention_step_memory", step)
+    monkeypatch.setattr(pa.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pa.torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 2**40}))
+    p = pa.Params(d_models=[16, 32], seq_lens=[1024], batch_size=8, probe_doublings=3)
+    probe = pa.oom_probe(p, grid)
+    assert steps == [(16, 1024), (16, 2048), (16, 4096)] and list(probe["status"]) == ["ok", "ok", "OOM"]
+    _, acc = pa.attention_memory_accounting(grid, 8, probe)
+    assert (acc["d_model"], acc["seq_len"]) == (16, 4096) and "the first that ran out of memory, in its backward" \
+        in acc["source"]
+    text = pa._backward_peak(acc).markdown
+    assert "at $T = 2\\,048$ the step's peak was 12,288 MiB against 8,192 MiB before the backward (1.50×)" in text
+    assert "1,562 MiB, fits the GPU's" in text and "it needs about 2,343 MiB" in text
+    assert text.endswith("the step ran out of memory in its backward.")
+    assert pa.oom_probe(p, grid.assign(status=["ok", "OOM"])) is None  # the grid has its own smallest OOM
+    monkeypatch.setattr(pa.torch.cuda, "is_available", lambda: False)
+    assert pa.oom_probe(p, grid) is None
 
 
 def test_torch_compile_alternates_eager_and_compiled_on_one_model(monkeypatch) -> None:

@@ -35,6 +35,18 @@ def test_checkpointed_steps_count_what_they_hold() -> None:
     assert plain["levels"] == "[]" and plain["held_block_activations"] == n
     assert segments["levels"] == "[2]" and segments["held_block_activations"] == n // 2 + 2
     assert plain["step_ms"] > 0 and math.isnan(plain["peak_GiB"])  # peak memory is a CUDA measurement
+    assert math.isnan(plain["backward_peak_GiB"])  # read as the optimizer step begins: the hook ran
+
+
+def test_a_tie_on_the_step_peak_says_where_the_peak_came() -> None:
+    tied = pd.DataFrame({"block_size": [gc.SUBLAYER, 1.0], "peak_GiB": [71.9, 71.9]})
+    assert "equal to the MiB" in gc._where_the_peak_is(tied) and "cannot tell" in gc._where_the_peak_is(tied)
+    later = tied.assign(backward_peak_GiB=[60.1, 63.4])
+    assert "each comes in the optimizer step" in gc._where_the_peak_is(later)
+    assert "60.1 GiB (checkpointing by sublayer) and 63.4 GiB (segments of 1 block)" in gc._where_the_peak_is(later)
+    inside = tied.assign(backward_peak_GiB=[71.9, 71.9])
+    assert "splitting a block does not lower the peak" in gc._where_the_peak_is(inside)
+    assert "does not lower" in gc._where_the_peak_is(tied.assign(peak_GiB=[71.9, 72.3]))
 
 
 def test_bad_parameters_fail_in_one_line() -> None:
@@ -82,8 +94,9 @@ def test_backward_by_block_reads_the_memory_at_each_block_and_the_answer_derives
     saved, inputs = 7990 * 2**20, 80 * 2**20
     drops = pd.DataFrame({"block": [3, 2, 1, 0], "drop_MiB": [7590.0, 7590.0, 7589.0, 7591.0]})
     text = gc._measured_gradients(drops, meta, saved, inputs).markdown
-    assert "drops by 7,590 MiB" in text and "so its backward wrote 480 MiB of gradients" in text
-    assert "its weights' 400 MiB and its input's 80.0 MiB, 480 MiB in all, as expected" in text
+    assert "drops by 7,590 MiB" in text and "so its backward left 480 MiB of gradients behind" in text
+    assert "Expected: its weights' 400 MiB, plus its input's 80.0 MiB gradient" in text
+    assert text.endswith("480 MiB, and the measurement is within 1% of it.")
     off = gc._measured_gradients(drops.assign(drop_MiB=7110.0), meta, saved, inputs).markdown
-    assert "2.00× of that, more than they account for" in off
+    assert "and the measurement is 2.00× of that, more than they account for" in off
     assert gc._measured_gradients(drops.assign(drop_MiB=float("nan")), meta, saved, inputs) is None

@@ -5,6 +5,9 @@ term. :func:`benchmark_attention` times 100 forward passes and 100 backward pass
 attention implementation (eager or ``torch.compile``-d) and records the memory in use just before a
 backward pass; :func:`naive_attention_memory` predicts that memory tensor by tensor, and
 :func:`saved_tensor_bytes` measures what autograd actually saved, which is how the prediction is tested.
+:func:`attention_step_memory` runs one forward and backward and reads the allocator before the backward and at
+the step's peak: where a grid fits the GPU everywhere, it finds the sequence length that does not, and shows
+what the backward adds to what the forward saved.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from cs336_basics.model import get_attention
 
 from .end_to_end import default_device
+from .sweep import OK, OOM, free_memory, is_oom
 from .timing import TimingStats, synchronize, time_calls
 
 HANDOUT_D_MODELS = [16, 32, 64, 128]
@@ -84,6 +88,45 @@ def benchmark_attention(
     q.grad = k.grad = v.grad = None
     row = {**fwd.summary("forward_"), **TimingStats.from_seconds(times).summary("backward_")}
     row["memory_before_backward_MiB"] = memory_before_backward / 2**20 if device.type == "cuda" else float("nan")
+    return row
+
+
+def attention_step_memory(d_model: int, seq_len: int, *, batch_size: int = 8, dtype: torch.dtype = torch.float32,
+                          device: str | torch.device | None = None) -> dict[str, Any]:
+    """One forward and one backward of naive causal attention (one head, ``(batch, 1, seq, d)``) on a CUDA device:
+    ``status`` (ok or OOM), ``oom_in`` (the pass that ran out of memory, else None), the memory allocated before
+    the backward and the step's peak, in MiB (NaN where the step did not get that far)."""
+    device = torch.device(device) if device else default_device()
+    if device.type != "cuda":
+        raise ValueError(f"attention_step_memory reads the CUDA caching allocator; got device {device}")
+    if min(d_model, seq_len, batch_size) < 1:
+        raise ValueError(f"d_model, seq_len and batch_size must be positive, got {d_model}, {seq_len}, {batch_size}")
+    row: dict[str, Any] = {"d_model": d_model, "seq_len": seq_len, "status": OK, "oom_in": None,
+                           "memory_before_backward_MiB": float("nan"), "peak_MiB": float("nan")}
+    fn = attention_callable("naive")
+
+    def step() -> None:  # its tensors die with its frame, also when it raises
+        shape = (batch_size, 1, seq_len, d_model)
+        row["oom_in"] = "forward"
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad_out = torch.randn(shape, device=device, dtype=dtype)
+        out = fn(q, k, v)
+        torch.cuda.synchronize(device)
+        row["memory_before_backward_MiB"] = torch.cuda.memory_allocated(device) / 2**20
+        row["oom_in"] = "backward"
+        out.backward(grad_out)
+        torch.cuda.synchronize(device)
+        row["peak_MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
+        row["oom_in"] = None
+
+    free_memory()  # the peak counts from here
+    try:
+        step()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        row["status"] = OOM
+    free_memory()
     return row
 
 

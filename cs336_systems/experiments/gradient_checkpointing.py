@@ -139,7 +139,9 @@ def backward_by_block(p: Params, device: torch.device) -> pd.DataFrame:
 def checkpointed_step(p: Params, block_size: float, device: torch.device) -> dict[str, Any]:
     """Peak memory (of the second step, after AdamW's state exists) and time of one training step: our
     stack of :class:`~cs336_systems.benchmarking.train_step.TrainStep` in float32, its blocks checkpointed in
-    segments of ``block_size`` (0: none; :data:`SUBLAYER`: each block branch by branch)."""
+    segments of ``block_size`` (0: none; :data:`SUBLAYER`: each block branch by branch). The forward and
+    backward's own peak is read as the optimizer step begins: checkpointing changes that one, while the whole
+    step's peak may come in the optimizer step, from the gradients and AdamW's temporaries."""
     from cs336_systems.benchmarking.train_step import StepSpec, TrainStep
     from cs336_systems.checkpointing import checkpoint_layers, stored_block_activations
 
@@ -158,27 +160,42 @@ def checkpointed_step(p: Params, block_size: float, device: torch.device) -> dic
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
+    backward_peak: list[float] = []
+
+    def optimizer_begins(*_: Any) -> None:
+        backward_peak.append(torch.cuda.max_memory_allocated(device) if cuda else float("nan"))
+
+    hook = run.optimizer.register_step_pre_hook(optimizer_begins)
     t0 = time.perf_counter()
     run.step()
     if cuda:
         torch.cuda.synchronize(device)
     ms = (time.perf_counter() - t0) * 1e3
+    hook.remove()
     peak = torch.cuda.max_memory_allocated(device) if cuda else float("nan")
     return {"levels": "by sublayer" if by_sublayer else str(list(levels)),
             "held_block_activations": float("nan") if by_sublayer else
             stored_block_activations(p.config().num_layers, list(levels)),
             "step_ms": ms, "peak_GiB": peak / 2**30,
             "activation_peak_GiB": (peak - before) / 2**30 if cuda else float("nan"),
+            "backward_peak_GiB": backward_peak[0] / 2**30,
             "leftover_GiB": leftover / 2**30}
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
-    """Residuals of one block (eager and compiled), then the checkpointing sweep."""
+    """The checkpointing sweep, then the residuals of one block (eager and compiled) and the backward read block
+    by block. The sweep runs first, on an empty GPU: the residual measurement leaves memory allocated, which every
+    configuration's peak would otherwise carry."""
     device = default_device()
     cfg = p.config()
     extra = {"model": cfg.name, "shape": [cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.num_heads],
              "batch_size": p.batch_size, "context_length": p.context_length}
     result: dict[str, Any] = {}
+    wide = run_sweep(lambda block_size: checkpointed_step(p, block_size, device),
+                     [{"block_size": k} for k in p.block_sizes], desc="checkpointing", budget_s=p.budget_s)
+    out.table(wide, "checkpointing", extra=extra)
+    result["checkpointing"] = wide
+    free_memory()
     for compiled in (False, True):
         name = "residuals_compiled" if compiled else "residuals"
         table = block_residuals(p, device, compiled)
@@ -188,10 +205,6 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     result["backward_by_block"] = backward_by_block(p, device)
     out.table(result["backward_by_block"], "backward_by_block", extra=extra)
     free_memory()
-    wide = run_sweep(lambda block_size: checkpointed_step(p, block_size, device),
-                     [{"block_size": k} for k in p.block_sizes], desc="checkpointing", budget_s=p.budget_s)
-    out.table(wide, "checkpointing", extra=extra)
-    result["checkpointing"] = wide
     if device.type != "cuda":
         print(CPU_NOTE)
     elif (wide["status"] == OK).any():
@@ -280,11 +293,15 @@ def answer(d: SectionData) -> list[Block]:
                  "best segment size, and the peak memory of it and of its neighbours.", [
             best_text,
             d.table("checkpointing", frame=_segment_labels(subset(_with_mfu(d), "block_size", "status", "peak_GiB",
-                                                                  "activation_peak_GiB", "step_ms", "MFU_pct")),
+                                                                  "activation_peak_GiB", "backward_peak_GiB", "step_ms",
+                                                                  "MFU_pct")).rename(columns={
+                        "activation_peak_GiB": "above_held_GiB", "backward_peak_GiB": "fwd_bwd_peak_GiB"}),
                     caption="A full training step (forward, backward, AdamW) per checkpoint segment: none, each "
-                            "block's two branches apart (sublayer) or k blocks: peak memory and its part above what "
-                            "is held between steps; MFU counts the model's FLOPs, not the recomputation, against "
-                            "the FP32 peak."),
+                            "block's two branches apart (sublayer) or k blocks: the step's peak memory, its part "
+                            "above what is held between steps (the gradients included)"
+                            + (", the forward and backward's own peak" if "backward_peak_GiB" in
+                               (d.frame("checkpointing") if d.frame("checkpointing") is not None else ()) else "")
+                            + "; MFU counts the model's FLOPs, not the recomputation, against the FP32 peak."),
             # one fitting size makes a plot of one point: the table says it all
             d.figure("checkpointing", caption="Peak memory and step time against the segment size.")
             if len(sweep) > 1 else None,
@@ -345,18 +362,19 @@ def _measured_gradients(table: pd.DataFrame | None, meta: dict | None, saved_byt
     freed = (saved_bytes + input_bytes) / 2**20
     written = freed - drop
     expected = weights + input_bytes / 2**20
-    verdict = (f"as expected, within {fmt.pct(abs(written / expected - 1))}" if abs(written / expected - 1) <= 0.1
-               else f"{fmt.ratio(written / expected)} of that, more than they account for")
+    off = abs(written / expected - 1)
+    verdict = (f"and the measurement is within {'1%' if off < 0.01 else fmt.pct(off)} of it" if off <= 0.1
+               else f"and the measurement is {fmt.ratio(written / expected)} of that, more than they account for")
     return Text(f"Measured: as the backward pass of a {len(table)}-block model of this shape crosses a block, the "
                 f"allocated memory drops by {fmt.sig(drop)} MiB (median over the blocks, "
                 f"{fmt.sig(float(table['drop_MiB'].min()))}–{fmt.sig(float(table['drop_MiB'].max()))}; the caching "
                 "allocator read in module backward hooks, where Nsight Systems would read it between NVTX ranges). "
                 f"The block had saved {fmt.sig(freed)} MiB, its {fmt.sig(input_bytes / 2**20)} MiB input included, "
-                f"so its backward wrote {fmt.sig(written)} MiB of gradients: its weights' {fmt.sig(weights)} MiB "
-                f"and its input's {fmt.sig(input_bytes / 2**20)} MiB, {fmt.sig(expected)} MiB in all, {verdict}. "
-                "The input's gradient counts because the hook that reads the memory as backward leaves a block "
-                "still holds the gradient of the block's output (its argument); that one is freed, and the pair "
-                "back to one activation-sized gradient, once the hook returns.")
+                f"so its backward left {fmt.sig(written)} MiB of gradients behind. Expected: its weights' "
+                f"{fmt.sig(weights)} MiB, plus its input's {fmt.sig(input_bytes / 2**20)} MiB gradient, which the "
+                "reading includes because the hook that reads the memory as the backward leaves the block still "
+                "holds the gradient of the block's output (freed once the hook returns): "
+                f"{fmt.sig(expected)} MiB, {verdict}.")
 
 
 def _with_mfu(d: SectionData) -> pd.DataFrame | None:
@@ -431,8 +449,9 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
     owned = "" if state is None else (
         f" (the fp32 weights and AdamW state are {fmt.sig(state)} GiB of it" +
         ("" if other <= RESIDENT_SLACK_GIB else
-         f", and {fmt.sig(left)} GiB were allocated before this configuration's model was built, left by the "
-         "job's earlier parts" if left is not None and abs(left - other) <= RESIDENT_SLACK_GIB else
+         f", and {fmt.sig(left)} GiB were allocated before this configuration's model was built, by the "
+         "measurement of one block's residuals that ran first in the same process; without them the peak is "
+         f"{fmt.sig(best['peak_GiB'] - left)} GiB" if left is not None and abs(left - other) <= RESIDENT_SLACK_GIB else
          f", the other {fmt.sig(other)} GiB are neither the model's nor the optimizer's") +
         "; the gradients are allocated during the step)")
     group = [k, *(float(x) for x in tied["block_size"])]
@@ -466,7 +485,7 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
     said = f" {'Its' if tied.empty else 'Their'} neighbours: {'; '.join(neighbours)}." if neighbours else ""
     sizes = set(ordered)
     if SUBLAYER in group and len(group) > 1:
-        said += " So at this shape splitting a block does not lower the step's peak."
+        said += _where_the_peak_is(sweep[sweep["block_size"].isin(group)])
     elif reasoning and SUBLAYER not in sizes:
         said += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
     return Text(reasoning + measured + said)
@@ -476,6 +495,25 @@ def _memory_order(k: float) -> float:
     """Segment sizes from the least memory held to the most: by sublayer, 1, 2, ... blocks, then no checkpointing
     (one segment of every block)."""
     return float("inf") if k == 0 else k
+
+
+def _where_the_peak_is(tied: pd.DataFrame) -> str:
+    """Why strategies that hold different activations tie on the step's peak: where that peak comes (the forward
+    and backward's own peak, read as the optimizer step begins, where the sweep recorded it)."""
+    names = [_segment_name(float(k), short=True) for k in tied["block_size"]]
+    if "backward_peak_GiB" in tied and tied["backward_peak_GiB"].notna().all():
+        peaks = join_words([f"{fmt.sig(v)} GiB ({n})" for n, v in zip(names, tied["backward_peak_GiB"])])
+        if ((tied["peak_GiB"] - tied["backward_peak_GiB"]) > 2**-10).all():  # the step's peak came after the backward
+            return (" Their whole-step peaks tie because each comes in the optimizer step, where AdamW's update "
+                    "allocates parameter-sized temporaries beside the gradients; the forward and backward, which "
+                    f"checkpointing changes, peak at {peaks}.")
+        return f" The forward and backward peak at {peaks}: at this shape splitting a block does not lower the peak."
+    if float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) < 2**-10:  # within a MiB: the same moment of the step
+        return (" Their peaks are equal to the MiB, so neither is set inside the checkpointed backward, which differs "
+                "between them; the step's peak comes outside it, most likely in the optimizer step, where AdamW's "
+                "update allocates parameter-sized temporaries beside the gradients. This sweep did not read the "
+                "backward's own peak, so it cannot tell whether splitting a block lowers that one.")
+    return " So at this shape splitting a block does not lower the step's peak."
 
 
 def _segment_labels(frame: pd.DataFrame | None) -> pd.DataFrame | None:

@@ -359,8 +359,7 @@ def answer(d: SectionData) -> list[Block]:
                         f"mode ({', '.join(_MODE_WORDS[m] for m in modes) or 'forward pass and training step'}, top "
                         "to bottom) and one column per context length. Drawn by us from the allocator trace "
                         "(`torch.cuda.memory._snapshot()`) that pytorch.org/memory_viz reads, stacked like its Active "
-                        "Memory Timeline; a run keeps its longest context's fp32 snapshots for that viewer in "
-                        "`.scratch/memory/`.")
+                        "Memory Timeline; a run keeps its longest context's fp32 snapshots for that viewer.")
     rs_text = None
     if isinstance(rs, dict) and "measured_bytes" in rs:
         rs_text = Text(f"Measured in a forward pass (the first block's output, shape {tuple(rs.get('shape', []))}, "

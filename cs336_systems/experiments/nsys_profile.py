@@ -285,7 +285,9 @@ def answer(d: SectionData) -> list[Block]:
     if row is not None:
         ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
         device = short_device(d.meta("summary"))
-        a = Text(_grid_sentence(summary) + f"For {where} on the {device} the profiler's kernels sum to "
+        a = Text("The GPU machines have no Nsight Systems, so these profiles come from PyTorch's profiler, which "
+                 "reads the same CUDA kernel records (CUPTI) that nsys does. "
+                 + _grid_sentence(summary) + f"For {where} on the {device} the profiler's kernels sum to "
                  f"{fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
                  f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer in the same run; over all configurations "
                  f"the kernel time is {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward "

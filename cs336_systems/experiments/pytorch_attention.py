@@ -18,6 +18,7 @@ import torch
 from cs336_systems.benchmarking.attention import (
     HANDOUT_D_MODELS,
     HANDOUT_SEQ_LENS,
+    attention_step_memory,
     benchmark_attention,
     naive_attention_memory,
 )
@@ -41,10 +42,13 @@ class Params:
     n_forward: int = param(100, "timed forward passes per cell")
     n_backward: int = param(100, "timed backward passes per cell")
     budget_s: float = param(900.0, "time budget in seconds; cells past it are recorded as skipped")
+    probe_doublings: int = param(3, "where no cell of the grid runs out of memory (on a GPU): one forward and "
+                                    "backward at the smallest d and the longest sequence, then at up to this many "
+                                    "doublings of it, until one does")
 
     def check(self) -> None:
         check_positive(batch_size=self.batch_size, n_forward=self.n_forward, n_backward=self.n_backward,
-                       budget_s=self.budget_s, **{f"d_model {d}": d for d in self.d_models},
+                       budget_s=self.budget_s, probe_doublings=self.probe_doublings, **{f"d_model {d}": d for d in self.d_models},
                        **{f"seq_len {s}": s for s in self.seq_lens})
 
 
@@ -64,10 +68,27 @@ def attention_grid(p: dict[str, Any], compile: bool, budget_s: float, desc: str)
     return df.assign(compiled=compile)
 
 
-def attention_memory_accounting(grid: pd.DataFrame, batch_size: int) -> tuple[pd.DataFrame, dict[str, Any]]:
+def oom_probe(p: Params, grid: pd.DataFrame, device: str | torch.device | None = None) -> pd.DataFrame | None:
+    """Where no cell of the grid ran out of memory on a GPU: one forward and backward at the smallest d and the
+    longest sequence, then at each doubling of it (up to ``p.probe_doublings``) until one runs out of memory
+    (:func:`attention_step_memory`); None where a cell did, or without a GPU."""
+    if (grid["status"] == OOM).any() or not torch.cuda.is_available():
+        return None
+    d, seq = min(p.d_models), max(p.seq_lens)
+    rows = []
+    for _ in range(p.probe_doublings + 1):
+        rows.append(attention_step_memory(d, seq, batch_size=p.batch_size, device=device))
+        if rows[-1]["status"] != OK:
+            break
+        seq *= 2
+    return pd.DataFrame(rows)
+
+
+def attention_memory_accounting(grid: pd.DataFrame, batch_size: int,
+                                probe: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Predicted (:func:`naive_attention_memory`) vs measured memory before backward for every cell, and the
-    accounting of the smallest OOM configuration (or, if nothing ran out of memory, the first sequence
-    length predicted not to fit this device)."""
+    accounting of the smallest OOM configuration: of the grid, else of the ``probe`` beyond it (else the first
+    sequence length predicted not to fit this device)."""
     rows = []
     for _, r in grid.iterrows():
         pred = naive_attention_memory(batch_size, int(r["seq_len"]), int(r["d_model"]), grad_output=True)
@@ -77,10 +98,16 @@ def attention_memory_accounting(grid: pd.DataFrame, batch_size: int) -> tuple[pd
     table = pd.DataFrame(rows)
     table["measured_over_predicted"] = table["measured_MiB"] / table["predicted_MiB"]
     ooms = grid[grid["status"] == OOM].sort_values(["seq_len", "d_model"])
+    probed = probe[probe["status"] == OOM] if probe is not None and len(probe) else pd.DataFrame()
     if not ooms.empty:
         first = ooms.iloc[0]
         d, s = int(first["d_model"]), int(first["seq_len"])
         source = "smallest configuration that ran out of memory"
+    elif not probed.empty:
+        first = probed.iloc[0]
+        d, s = int(first["d_model"]), int(first["seq_len"])
+        source = (f"every cell of the grid fits; doubling the sequence at the smallest d, the first that ran out of "
+                  f"memory, in its {first['oom_in']}")
     else:
         d = int(grid["d_model"].min())
         capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
@@ -93,6 +120,11 @@ def attention_memory_accounting(grid: pd.DataFrame, batch_size: int) -> tuple[pd
     terms = {k: v / 2**20 for k, v in naive_attention_memory(batch_size, s, d, grad_output=True).items()}
     below = grid[(grid["d_model"] == d) & (grid["seq_len"] < s) & (grid["status"] == OK)].sort_values("seq_len")
     accounting = {"source": source, "d_model": d, "seq_len": s, "batch_size": batch_size, "terms_MiB": terms}
+    if torch.cuda.is_available():
+        accounting["capacity_MiB"] = torch.cuda.get_device_properties(0).total_memory / 2**20
+    if probe is not None and len(probe):
+        accounting["probe"] = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+                               for r in probe.to_dict("records")]
     if not below.empty:
         b = below.iloc[-1]
         measured = float(b.get("memory_before_backward_MiB", math.nan))
@@ -106,7 +138,7 @@ def attention_memory_accounting(grid: pd.DataFrame, batch_size: int) -> tuple[pd
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
-    """The eager grid, its status grids and the memory accounting."""
+    """The eager grid, its status grids, the probe beyond the grid where it all fits, and the memory accounting."""
     df = attention_grid(p, compile=False, budget_s=p.budget_s, desc="attention grid")
     out.table(df, "timings")
     grids = {
@@ -116,7 +148,10 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     }
     for name, g in grids.items():
         out.table(g, f"grid_{name}", index=True)
-    table, accounting = attention_memory_accounting(df, p.batch_size)
+    probe = oom_probe(p, df)
+    if probe is not None:
+        out.table(probe, "oom_probe")
+    table, accounting = attention_memory_accounting(df, p.batch_size, probe)
     out.table(table, "memory_accounting")
     out.json(accounting, "oom_accounting")
     return {"timings": df, **{f"grid_{k}": g.reset_index() for k, g in grids.items()},
@@ -169,6 +204,28 @@ def _grid(d: SectionData, value: str) -> pd.DataFrame | None:
     return status_grid(timings, value, "d_model", "seq_len", "{:.4g}").reset_index()
 
 
+def _backward_peak(acc: dict[str, Any]) -> Text | None:
+    """Where the grid fit and the probe beyond it ran out of memory: what the backward adds to the memory saved
+    for it (measured one size below) and what that predicts at the configuration that did not fit."""
+    fitted = [r for r in acc.get("probe") or [] if r.get("status") == "ok" and r.get("peak_MiB")
+              and r.get("memory_before_backward_MiB")]
+    failed = [r for r in acc.get("probe") or [] if r.get("status") != "ok"]
+    capacity = acc.get("capacity_MiB")
+    if not fitted or not failed or not capacity:
+        return None
+    last, oom = fitted[-1], failed[0]
+    growth = last["peak_MiB"] / last["memory_before_backward_MiB"]
+    need = acc["terms_MiB"]["total"] * growth
+    return Text(f"What the backward adds: at $T = {fmt.tex_int(last['seq_len'])}$ the step's peak was "
+                f"{fmt.sig(last['peak_MiB'], 4)} MiB against {fmt.sig(last['memory_before_backward_MiB'], 4)} MiB "
+                f"before the backward ({fmt.ratio(growth)}): the gradients of the $T\times T$ tensors (of $P$, of "
+                f"the exponentials, of $S$) are allocated while the tensors they are the gradients of still live. At "
+                f"$T = {fmt.tex_int(oom['seq_len'])}$ the saved memory alone, {fmt.sig(acc['terms_MiB']['total'], 4)} "
+                f"MiB, {'fits' if acc['terms_MiB']['total'] < capacity else 'does not fit'} the GPU's "
+                f"{fmt.sig(capacity, 4)} MiB; with the backward's share it needs about {fmt.sig(need, 4)} MiB, and "
+                f"the step ran out of memory in its {oom.get('oom_in') or 'step'}.")
+
+
 def answer(d: SectionData) -> list[Block]:
     timings = d.frame("timings")
     acc = d.json("oom_accounting")
@@ -195,7 +252,8 @@ def answer(d: SectionData) -> list[Block]:
         total = acc["terms_MiB"].get("total", float("nan"))
         acc_blocks = [
             Text(f"Configuration: $d = {dd}$, $T = {fmt.tex_int(T)}$, $B = {B}$ ({acc.get('source', '')}"
-                 + (f" on the {d.meta('oom_accounting').get('device')}" if "predicted" in str(acc.get("source", ""))
+                 + (f" on the {d.meta('oom_accounting').get('device')}" if ("predicted" in str(acc.get("source", ""))
+                                                                    or acc.get("probe"))
                     and d.meta("oom_accounting").get("device") else "") + "):"),
             Equation([(rf"M_{{\mathrm{{saved}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
                       rf" + {T}^2 = {fmt.tex_sig(total, 4)}\,\mathrm{{MiB}}")]),
@@ -206,6 +264,7 @@ def answer(d: SectionData) -> list[Block]:
                 f"Check one size below ($T = {fmt.tex_int(below['seq_len'])}$): measured "
                 f"{fmt.sig(below['measured_MiB'], 4)} MiB before backward, predicted "
                 f"{fmt.sig(below['predicted_MiB'], 4)} MiB."))
+        acc_blocks.append(_backward_peak(acc))
     return [
         question(d, "timings", "Forward and backward time and memory of naive attention (batch 8, one head) over "
                  "$d \\in \\{16, 32, 64, 128\\}$ and sequence lengths 256–16384.", [
