@@ -696,7 +696,8 @@ def test_bucketed_ddp_answer_says_what_was_expected_whether_it_held_and_what_set
     text = " ".join(b.markdown for b in question.blocks if hasattr(b, "markdown"))
     assert "**Expected:** a U in bucket size" in text
     assert "**No U:**" in text  # the committed sweep: 1 MB best, every larger size slower
-    assert "median step) beats" in text or "median step) does not beat" in text  # against flat and per-parameter overlap
+    assert "Compared by median step (one slow step moves a mean of ten), the best size (" in text
+    assert ") beats" in text or ") does not beat" in text  # against flat and per-parameter overlap
     assert "**A setup that would show the expected shape:** a slower link" in text
 
 
@@ -860,9 +861,9 @@ def test_memory_b_answers_inference_and_the_training_step_per_context_and_names_
     blocks = mp.answer(SectionData(tmp_path, "memory_profiling"))
     b = next(q for q in blocks if getattr(q, "label", None) == "b")
     text = " ".join(getattr(x, "markdown", "") for x in b.blocks)
-    assert "inference forward / forward with autograd / training-step:" in text
-    assert "14.0 GiB inference forward / 16.0 GiB forward with autograd / 52.0 GiB training-step at context 128" in text
-    assert "20.0 GiB inference forward at context 2048" in text
+    assert ("in fp32: at context 128, inference forward 14.0 GiB, forward with autograd 16.0 GiB, training step "
+            "52.0 GiB; at context 2048, inference forward 20.0 GiB.") in text
+    assert "Did not run: fp32 forward with autograd and fp32 training step at context 2048 (out of memory)" in text
     assert "raises the forward's peak from 14.0 GiB to 16.0 GiB" in text
     assert "out of memory" in text
     table = next(x for x in b.blocks if hasattr(x, "frame"))

@@ -120,12 +120,13 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
         won, lost = [], []
         for label, other in (("flat", flat), ("per-parameter overlap", individual)):
             noise = spread(best.get("step_ms_std"), other.get("step_ms_std"))  # this pair's step-to-step spread
-            where = f", {other['_from']}'s run" if isinstance(other.get("_from"), str) else ""
+            where = f" in {other['_from']}'s run" if isinstance(other.get("_from"), str) else ""
             (won if mine < _typical(other) - noise else lost).append(f"{label} ({fmt.ms(_typical(other))}{where})")
         verdict = ("beats both" if not lost else f"beats {join_words(won)} but not {join_words(lost)} beyond the "
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")
         which = "median" if "step_ms_median" in b.columns else "mean"
-        outcome += (f" The best size ({fmt.ms(mine)}, {which} step) {verdict}" + (
+        outcome += (f" Compared by {which} step (one slow step moves a mean of ten), the best size ({fmt.ms(mine)}) "
+                    f"{verdict}" + (
             ": over NVLink the all-reduce is a small share of the step, so little is left to hide, and overlapped "
             "all-reduces slow the backward they share the GPU with (§2.3.2's traces)." if lost else "."))
     change = (" **A setup that would show the expected shape:** a slower link (PCIe, or nodes over InfiniBand or "

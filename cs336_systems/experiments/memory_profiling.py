@@ -177,7 +177,7 @@ def _peak_pivot(peaks: pd.DataFrame, precision: str) -> pd.DataFrame | None:
 
 
 #: The modes in the order the answers name them, in the answers' words.
-_MODE_WORDS = {"inference": "inference forward", "forward": "forward with autograd", "train": "training-step"}
+_MODE_WORDS = {"inference": "inference forward", "forward": "forward with autograd", "train": "training step"}
 
 
 def _inference_note(fp32: pd.DataFrame) -> str:
@@ -193,15 +193,17 @@ def _inference_note(fp32: pd.DataFrame) -> str:
             "difference is the activations saved for backward, which inference frees block by block.")
 
 
-def _failed_cells(peaks: pd.DataFrame | None) -> str:
-    """A sentence naming the cells that did not run (out of memory, skipped), or ''."""
+def _failed_cells(peaks: pd.DataFrame | None, precision: str | None = None) -> str:
+    """A sentence naming the cells (of ``precision``, when given) that did not run (out of memory, skipped), or ''."""
     if peaks is None or "status" not in peaks.columns:
         return ""
     bad = peaks[peaks["status"] != "ok"]
+    if precision is not None and "precision" in bad.columns:
+        bad = bad[bad["precision"] == precision]
     if bad.empty:
         return ""
     groups = bad.groupby(["status", "context_length"], sort=True)
-    parts = [f"{join_words(sorted({f'{pr} {m}' for pr, m in zip(g['precision'], g['mode'])}))} at context {int(c)} "
+    parts = [f"{join_words(sorted({f'{pr} {_MODE_WORDS.get(m, m)}' for pr, m in zip(g['precision'], g['mode'])}))} at context {int(c)} "
              f"({'out of memory' if status == 'OOM' else status})" for (status, c), g in groups]
     return " Did not run: " + "; ".join(parts) + "."
 
@@ -314,19 +316,18 @@ def answer(d: SectionData) -> list[Block]:
     fp32 = _peak_pivot(peaks, "fp32") if peaks is not None else None
     bf16 = _peak_pivot(peaks, "bf16") if peaks is not None else None
     b_text = c_text = None
-    failed = _failed_cells(peaks)
+    failed = _failed_cells(peaks, "fp32")  # (b) is the fp32 question; (c) names bf16's own
     # What sets the training step's peak, derived: beyond the handout's two numbers per context (the appendix).
     breakdown = _train_peak_breakdown(peaks, param_counts(cfg)["total"] * 4 / 2**30).strip()
     if fp32 is not None and "train_peak_GiB" in fp32.columns and ({"inference_peak_GiB", "forward_peak_GiB"}
                                                                    & set(fp32.columns)):
         def cell(r: pd.Series) -> str:
-            done = [f"{fmt.gib(r[f'{m}_peak_GiB'] * 2**30)} {what}" for m, what in _MODE_WORDS.items()
+            done = [f"{what} {fmt.gib(r[f'{m}_peak_GiB'] * 2**30)}" for m, what in _MODE_WORDS.items()
                     if f"{m}_peak_GiB" in r and pd.notna(r[f"{m}_peak_GiB"])]
-            return " / ".join(done) + f" at context {int(r['context_length'])}"
+            return f"at context {int(r['context_length'])}, " + ", ".join(done)
 
-        b_text = Text(f"Peak memory of the {shown} model, " + " / ".join(
-            w for m, w in _MODE_WORDS.items() if f"{m}_peak_GiB" in fp32.columns) + ": " + join_words([
-            cell(r) for _, r in fp32.iterrows()]) + "." + _inference_note(fp32)
+        b_text = Text(f"Peak memory of the {shown} model in fp32: " + "; ".join(
+            cell(r) for _, r in fp32.iterrows()) + "." + _inference_note(fp32)
             + f"{failed}" + _why_out_of_memory(peaks, cfg, device))
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {shown} model on "
@@ -359,7 +360,9 @@ def answer(d: SectionData) -> list[Block]:
                         f"mode ({', '.join(_MODE_WORDS[m] for m in modes) or 'forward pass and training step'}, top "
                         "to bottom) and one column per context length. Drawn by us from the allocator trace "
                         "(`torch.cuda.memory._snapshot()`) that pytorch.org/memory_viz reads, stacked like its Active "
-                        "Memory Timeline; a run keeps its longest context's fp32 snapshots for that viewer.")
+                        "Memory Timeline; a run keeps its longest context's fp32 snapshots for that viewer. The dashed peak is "
+                        "the largest sum of the allocations the trace records, which can sit a little below the "
+                        "allocator's own peak in the table.")
     rs_text = None
     if isinstance(rs, dict) and "measured_bytes" in rs:
         rs_text = Text(f"Measured in a forward pass (the first block's output, shape {tuple(rs.get('shape', []))}, "
@@ -495,8 +498,10 @@ def _largest_text(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -
     if df is None or df.empty or not {"size_MiB", "origin"} <= set(df.columns):
         return None
     meta = meta or {}
+    # three, or every site of the largest size where more share it (a reader counts what the answer omits)
+    shown = max(3, int((df["size_MiB"] >= df["size_MiB"].max() - 1e-9).sum()))
     parts = [f"{fmt.mib(r['size_MiB'] * 2**20)}" + (f" ×{int(r['count'])}" if "count" in df.columns else "")
-             + f": {_tensor_of(str(r['origin']), r['size_MiB'] * 2**20, meta)}" for _, r in df.head(3).iterrows()]
+             + f": {_tensor_of(str(r['origin']), r['size_MiB'] * 2**20, meta)}" for _, r in df.head(shown).iterrows()]
     # the first frameless allocation says where such allocations come from; the others only that they have none
     seen = False
     for i, part in enumerate(parts):

@@ -308,7 +308,7 @@ def answer(d: SectionData) -> list[Block]:
                  f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
                  + (f"; {same}." if same else "."))
-        c = Text(f"The largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
+        c = Text(f"For {where}, the largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time; elementwise kernels "
                  "(softmax pieces, SwiGLU's SiLU and product, RMSNorm, RoPE, masking) each read and write whole "
                  "activations for few FLOPs, so they are memory bound and take time out of proportion to "

@@ -392,8 +392,9 @@ def answer(d: SectionData) -> list[Block]:
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])}: {fmt.sig(r['after_init_peak'])} / "
                  f"{fmt.sig(r['before_step_peak'])} / {fmt.sig(r['after_step_peak'])} GiB"
                  for _, r in rank0.iterrows()]
-        mem_text = Text("Peak memory on rank 0 after initialization / before the optimizer step / after it: "
-                        + "; ".join(parts) + ".")
+        mem_text = Text("Peak memory on rank 0 after initialization / before the optimizer step / after it, each the "
+                        "peak since the point before it (the allocator's peak is reset at each point, so the three "
+                        "need not rise): " + "; ".join(parts) + ".")
         detail = ("After initialization the three are equal (no state yet); the state is allocated by the first "
                   "optimizer step, so the measured step, which follows warm-up steps, already holds it before its "
                   "update, and the saving shows at both later points.")

@@ -338,6 +338,10 @@ def answer(d: SectionData) -> list[Block]:
                if a_text is not None else "")
     processes_text, processes = _between_processes(d.frame("attention_processes"))
     against = (against + processes_text).strip()
+    if against and a_text is not None:
+        a_text = Text(a_text.markdown + " Each speed-up pairs a compiled time with the eager time of this run; how "
+                      "these eager times compare with §1.2.1's table, and why the sub-millisecond shapes differ "
+                      "between runs, is in the appendix.")
     shown = edition_rows(_with_mfu(model, d.meta("model_speedup")), d.edition)  # this handout's models, its names
     if shown is not None and "preset" in shown.columns:
         shown = shown.drop(columns="preset")
