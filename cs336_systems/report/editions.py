@@ -58,10 +58,8 @@ def _xl_note(section: str) -> str:
 EDITION_2026: tuple[Entry, ...] = (
     Entry("2.1.2", (), "model_sizes"),
     Entry("2.1.3", ("benchmarking_script",), "benchmarking",
-          note="One grid answers both handouts: it times forward, backward and the AdamW step of every model of "
-               "both tables, each once, and each writeup shows its own table's: here 2026's xl "
-               "(2560/10240/32/32, the preset 2.7B) and 10B (the preset 10B@2026); small, medium and large are the "
-               "same in both."),
+          note="The grid times the models of both handouts' tables; this writeup shows this handout's: its xl "
+               "(2560/10240/32/32) and 10B beside small, medium and large, which the two share."),
     Entry("2.1.4", ("nsys_profile",), "nsys_profile",
           note="2026 asks for two sizes at three power-of-two contexts above 128 each, up to the longest that "
                "fits; until that grid is measured (`python -m cs336_systems.experiments nsys_profile --full "
@@ -93,8 +91,7 @@ EDITION_2026: tuple[Entry, ...] = (
           note=_xl_note("optimizer_state_sharding")),
     Entry("7", ("fsdp", "fsdp_accounting"), "fsdp",
           note="The comparison below runs this handout's xl (2025's 2.7B, the same model) and CS336 2025's smaller "
-               "xl; fsdp_accounting (b) profiles this handout's xl (`python -m cs336_systems.experiments fsdp "
-               "--set parts=gathers`, two GPUs)."),
+               "xl; fsdp_accounting (b) profiles this handout's xl on two GPUs."),
     Entry("8", ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs"),
           "parallelism_strategies"),
     Entry("9", ("leaderboard",), "leaderboard", title="Leaderboard: a full training step of an 8B model on two GPUs",
