@@ -100,3 +100,16 @@ def test_backward_by_block_reads_the_memory_at_each_block_and_the_answer_derives
     off = gc._measured_gradients(drops.assign(drop_MiB=7110.0), meta, saved, inputs).markdown
     assert "and the measurement is 2.00× of that, more than they account for" in off
     assert gc._measured_gradients(drops.assign(drop_MiB=float("nan")), meta, saved, inputs) is None
+
+
+def test_the_per_block_backward_is_plotted_where_it_was_measured() -> None:
+    table = pd.DataFrame({"block": [3, 2, 1, 0], "start_MiB": [41140.0, 33470.0, 25800.0, 18130.0],
+                          "end_MiB": [33550.0, 25880.0, 18210.0, 10530.0]}).assign(
+        drop_MiB=lambda f: f["start_MiB"] - f["end_MiB"])
+    derived = gc.derive({"backward_by_block": table}, {"device": "NVIDIA H200", "torch": "2.11"})
+    fig, source = derived.figures["backward_memory"]
+    assert source == "backward_by_block"
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["block 3", "block 2", "block 1", "block 0"]
+    assert "−7.41 GiB" in [t.get_text() for t in fig.axes[0].texts]
+    cpu = table.assign(start_MiB=float("nan"), end_MiB=float("nan"), drop_MiB=float("nan"))
+    assert gc.derive({"backward_by_block": cpu}, {}).figures == {}

@@ -2,7 +2,8 @@
 
 §1.2.1 (``pytorch_attention``) and §1.3 (``torch_compile``) time eager attention through the same
 ``benchmark_attention``, yet on two machines (an H100, then an H200 in consecutive jobs) §1.3's process ran the
-sub-millisecond cells (256 and 1,024 tokens) faster, while the cells of a millisecond or more agreed. The code timed is the same; what differs is the process around it (the modules each section imports)
+sub-millisecond cells (256 and 1,024 tokens) faster, while the cells of a millisecond or more agreed.
+The code timed is the same; what differs is the process around it (the modules each section imports)
 and the job around that (what ran before it on the machine). This entry point separates the two: every round
 starts one fresh process per section, each importing its section's module and then timing the same cells, in
 alternating order, so both see the same machine in the same minutes. Equal medians put the difference on the

@@ -100,7 +100,12 @@ def answer(d: SectionData) -> list[Block]:
     if ov is not None and {"variant", "comm_ms", "comm_during_backward_ms"} <= set(ov.columns) and len(ov):
         ov_text = Text("Share of communication kernel time that ran during the backward pass: " + join_words(
             [f"{r['variant']} {fmt.pct(r['comm_during_backward_ms'] / r['comm_ms'])}" for _, r in ov.iterrows()
-             if r["comm_ms"] > 0]) + ".")
+             if r["comm_ms"] > 0]) + "."
+            + (" The non-overlapped side of the comparison is flat DDP (§2.3.1's strategy, profiled in this "
+               "run), which, like the initial implementation, starts communicating only once the backward has finished (one all-reduce where "
+               "the initial one issues one per parameter): what the traces contrast is when communication runs, "
+               "and that is the same for both." if "flat" in set(ov["variant"]) and "naive" not in set(ov["variant"])
+               else ""))
         text = (text or "") + _why(ov, rows)
     text = Text(text) if text else None
     other = _other_precision(d, name).strip()

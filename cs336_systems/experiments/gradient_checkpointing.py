@@ -30,8 +30,10 @@ import torch
 from cs336_systems.benchmarking.end_to_end import default_device
 from cs336_systems.benchmarking.sweep import CPU_NOTE, OK, free_memory, run_sweep
 from cs336_systems.configs import ModelConfig, get_config
+from cs336_systems.derived import Derived
 from cs336_systems.experiments.section import Section, check_positive, param
 from cs336_systems.measured_code import MODEL
+from cs336_systems.plotting import measured_on
 from cs336_systems.results import ResultWriter
 
 
@@ -214,6 +216,33 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
     return result
 
 
+def plot_backward_by_block(table: pd.DataFrame, meta: dict[str, Any] | None = None) -> plt.Figure:
+    """Allocated memory as the backward enters and leaves each block, in the order it runs (last block first):
+    the drop across a block is what it saved less the gradients its backward leaves."""
+    rows = table.reset_index(drop=True)
+    x = [i + dx for i in range(len(rows)) for dx in (0.0, 0.8)]
+    y = [v / 1024 for _, r in rows.iterrows() for v in (r["start_MiB"], r["end_MiB"])]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(x, y, marker="o")
+    for i, r in rows.iterrows():
+        ax.annotate(f"−{r['drop_MiB'] / 1024:.2f} GiB", (i + 0.4, (r["start_MiB"] + r["end_MiB"]) / 2048),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([i + 0.4 for i in range(len(rows))], [f"block {int(b)}" for b in rows["block"]])
+    ax.set(xlabel="backward pass, in the order it runs", ylabel="allocated memory (GiB)",
+           title=f"Memory across each block's backward, {measured_on(meta)}")
+    fig.tight_layout()
+    return fig
+
+
+def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Derived:
+    """§1.1.7's per-block backward plot from its ``backward_by_block`` table."""
+    table = tables.get("backward_by_block")
+    if table is None or not {"block", "start_MiB", "end_MiB", "drop_MiB"} <= set(table.columns) \
+            or not table["drop_MiB"].notna().any():
+        return Derived()
+    return Derived(figures={"backward_memory": (plot_backward_by_block(table, meta), "backward_by_block")})
+
+
 def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
     """Peak memory and step time against the checkpoint segment size."""
     ok = wide[wide["status"] == OK]
@@ -268,6 +297,9 @@ def answer(d: SectionData) -> list[Block]:
             res_text,
             grad_text,
             measured,
+            d.figure("backward_memory", caption="Allocated memory as the backward pass enters and leaves each block "
+                     "(read in module backward hooks, where Nsight Systems would show it between NVTX ranges).")
+            if measured is not None else None,
             d.table("residuals", caption="The largest producing ops of what one block saves for backward (eager); "
                     "residuals.csv lists every tensor.",
                     frame=top if top is not None else None),
@@ -529,6 +561,7 @@ SECTION = Section(
     name="gradient_checkpointing", number="1.1.7",
     title="Autograd residuals and gradient checkpointing (2026 handout)",
     problems=("gradient_checkpointing", "memory_profiling (f), 2026"), answer=answer, presets=PRESETS, run=run,
+    derive=derive, derive_inputs=("backward_by_block",),
     depends=(*MODEL, "cs336_systems/checkpointing.py", "cs336_systems/profiling/residuals.py",
              "cs336_systems/benchmarking/sweep.py"),
 )

@@ -203,7 +203,8 @@ def _failed_cells(peaks: pd.DataFrame | None, precision: str | None = None) -> s
     if bad.empty:
         return ""
     groups = bad.groupby(["status", "context_length"], sort=True)
-    parts = [f"{join_words(sorted({f'{pr} {_MODE_WORDS.get(m, m)}' for pr, m in zip(g['precision'], g['mode'])}))} at context {int(c)} "
+    parts = [f"{join_words(sorted({f'{pr} {_MODE_WORDS.get(m, m)}' for pr, m in zip(g['precision'], g['mode'])}))}"
+             f" at context {int(c)} "
              f"({'out of memory' if status == 'OOM' else status})" for (status, c), g in groups]
     return " Did not run: " + "; ".join(parts) + "."
 
@@ -360,8 +361,8 @@ def answer(d: SectionData) -> list[Block]:
                         f"mode ({', '.join(_MODE_WORDS[m] for m in modes) or 'forward pass and training step'}, top "
                         "to bottom) and one column per context length. Drawn by us from the allocator trace "
                         "(`torch.cuda.memory._snapshot()`) that pytorch.org/memory_viz reads, stacked like its Active "
-                        "Memory Timeline; a run keeps its longest context's fp32 snapshots for that viewer. The dashed peak is "
-                        "the largest sum of the allocations the trace records, which can sit a little below the "
+                        "Memory Timeline; a run keeps its longest context's fp32 snapshots for that viewer. The dashed "
+                        "peak is the largest sum of the allocations the trace records, which can sit a little below the "
                         "allocator's own peak in the table.")
     rs_text = None
     if isinstance(rs, dict) and "measured_bytes" in rs:

@@ -312,9 +312,10 @@ def answer(d: SectionData) -> list[Block]:
         parts = [f"`{r['loop']}` gives {r['result']:.6f} (error {fmt.sig(r['abs_error'], 2)})" for _, r in acc.iterrows()]
         acc_text = Text(
             "Adding 0.01 one thousand times: " + "; ".join(parts) + ". 0.01 is not exactly representable in "
-            "either format, and fp16's 10 stored mantissa bits make its spacing near 10 about $2^{-7} \\approx 0.008$, "
-            "so every addition into an fp16 accumulator rounds away a large part of the summand. Keeping the "
-            "accumulator in fp32 leaves only the one-time error of rounding 0.01 to fp16: accumulate in fp32.")
+            "either format, and fp16's 10 stored mantissa bits make its spacing near 10 about "
+            "$2^{-7} \\approx 0.008$, so every addition into an fp16 accumulator rounds away a large part of the "
+            "summand. Keeping the accumulator in fp32 leaves only the one-time error of rounding 0.01 to fp16: "
+            "accumulate in fp32.")
     dtype_text = None
     if dtypes is not None and {"quantity", "dtype"} <= set(dtypes.columns):
         groups = dtypes.groupby("dtype", sort=False)["quantity"].apply(list)
@@ -356,8 +357,8 @@ def answer(d: SectionData) -> list[Block]:
                      "and $1/\\sqrt{\\sigma^2 + \\epsilon}$ amplifies errors in a small variance. fp16 also "
                      "overflows on $x^2$ once $|x| > 256$ (its maximum is 65504), so autocast keeps "
                      "normalization in fp32. bf16 has fp32's exponent range, so overflow is no longer the risk, "
-                     "but its 7 stored mantissa bits (fp16 has 10) make the sums even less precise than fp16's: the statistics "
-                     "still belong in fp32.")]),
+                     "but its 7 stored mantissa bits (fp16 has 10) make the sums even less precise than "
+                     "fp16's: the statistics still belong in fp32.")]),
         question(d, "c", "Forward and backward timings with and without bf16 mixed precision, by model size.",
                  [speed_text, d.table("bf16_speedup", frame=table,
                                       caption="fp32 vs. bf16 autocast, mean time per step and speed-up (fp32 time "

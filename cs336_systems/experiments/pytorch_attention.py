@@ -48,7 +48,8 @@ class Params:
 
     def check(self) -> None:
         check_positive(batch_size=self.batch_size, n_forward=self.n_forward, n_backward=self.n_backward,
-                       budget_s=self.budget_s, probe_doublings=self.probe_doublings, **{f"d_model {d}": d for d in self.d_models},
+                       budget_s=self.budget_s, probe_doublings=self.probe_doublings,
+                       **{f"d_model {d}": d for d in self.d_models},
                        **{f"seq_len {s}": s for s in self.seq_lens})
 
 
