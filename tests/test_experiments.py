@@ -307,7 +307,8 @@ def test_benchmarking_times_each_phase_of_a_full_step_and_says_why_a_size_does_n
     oom = pd.concat([timings, pd.DataFrame([{"size": "10B@2026", "status": "OOM"}])], ignore_index=True)
     text = _timing_sentence(oom, meta).markdown
     assert "Forward / backward / optimizer time per step: tiny " in text
-    assert "10B@2026 (OOM: 12.8 B parameters need 191 GiB for fp32 weights, gradients and AdamW moments alone)" in text
+    assert ("10B@2026 (OOM: 12.8 B parameters need 191 GiB for fp32 weights, gradients and AdamW moments alone, "
+            "which every training step timed here holds (a forward pass alone holds the 47.8 GiB of weights))") in text
     # a run of the earlier forward + backward grid says what it lacks
     old = _timing_sentence(timings.drop(columns=[c for c in timings if c.startswith("optimizer_")]), {"params": {}})
     assert "timed forward_backward steps, without the optimizer" in old.markdown

@@ -263,7 +263,8 @@ def _state_note(size: str, status: str) -> str:
         return ""
     n = param_counts(size)["total"]
     return (f": {fmt.params(n)} parameters need {fmt.gib(16 * n)} for fp32 weights, gradients and AdamW moments "
-            "alone")
+            f"alone, which every training step timed here holds (a forward pass alone holds the {fmt.gib(4 * n)} "
+            "of weights)")
 
 
 def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = None,

@@ -324,10 +324,7 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "gradient_checkpointing_b", "2026 xl, batch 4, context 2048, one level of recomputation: the "
                  "best segment size, and the peak memory of it and of its neighbours.", [
             best_text,
-            d.table("checkpointing", frame=_segment_labels(subset(_with_mfu(d), "block_size", "status", "peak_GiB",
-                                                                  "activation_peak_GiB", "backward_peak_GiB", "step_ms",
-                                                                  "MFU_pct")).rename(columns={
-                        "activation_peak_GiB": "above_held_GiB", "backward_peak_GiB": "fwd_bwd_peak_GiB"}),
+            d.table("checkpointing", frame=_shown_sweep(d),
                     caption="A full training step (forward, backward, AdamW) per checkpoint segment: none, each "
                             "block's two branches apart (sublayer) or k blocks: the step's peak memory, its part "
                             "above what is held between steps (the gradients included)"
@@ -546,6 +543,15 @@ def _where_the_peak_is(tied: pd.DataFrame) -> str:
                 "update allocates parameter-sized temporaries beside the gradients. This sweep did not read the "
                 "backward's own peak, so it cannot tell whether splitting a block lowers that one.")
     return " So at this shape splitting a block does not lower the step's peak."
+
+
+def _shown_sweep(d: SectionData) -> pd.DataFrame | None:
+    """The sweep as (b)'s table shows it: segments named, the peak above what is held between steps (gradients
+    included, so not "activations") and the forward and backward's own peak where recorded, and MFU."""
+    frame = _segment_labels(subset(_with_mfu(d), "block_size", "status", "peak_GiB", "activation_peak_GiB",
+                                   "backward_peak_GiB", "step_ms", "MFU_pct"))
+    return None if frame is None else frame.rename(columns={"activation_peak_GiB": "above_held_GiB",
+                                                            "backward_peak_GiB": "fwd_bwd_peak_GiB"})
 
 
 def _segment_labels(frame: pd.DataFrame | None) -> pd.DataFrame | None:
