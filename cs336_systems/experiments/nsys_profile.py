@@ -289,13 +289,13 @@ def answer(d: SectionData) -> list[Block]:
                  "reads the same CUDA kernel records (CUPTI) that nsys does. "
                  + _grid_sentence(summary) + f"For {where} on the {device} the profiler's kernels sum to "
                  f"{fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
-                 f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer in the same run; over all configurations "
-                 f"the kernel time is {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward "
-                 "pass. Below 100% the GPU idles between kernels (launch overhead, which dominates small models "
-                 "and short contexts), time the Python timer sees and the kernel sum does not"
-                 + ("; above 100% the two numbers come from different passes, the profiled ones slower than the "
-                    "Python-timed ones (on one stream a pass cannot spend longer in kernels than it lasts), so there the "
-                    "ratio compares two runs rather than splitting one." if ratios.max() > 1 else "."))
+                 f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer (the profiled and the timed "
+                 "passes are different passes of one process); over all configurations the kernel time is "
+                 f"{fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward pass. Below 100% the "
+                 "GPU idles between kernels (launch overhead, which dominates small models and short contexts), "
+                 "time the Python timer sees and the kernel sum does not"
+                 + ("; above 100% the profiled passes ran slower than the timed ones (on one stream a pass cannot "
+                    "spend longer in kernels than it lasts)." if ratios.max() > 1 else "."))
         a_more = " ".join(x for x in (_reconciled(d), _longest_fit(summary)) if x) or None
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
