@@ -1514,3 +1514,22 @@ def test_memory_timeline_text_follows_which_moment_sets_the_training_peak() -> N
     both = _training_shape(peaks({128: 4.0, 2048: 25.0}))
     assert ("at context 128 it keeps rising through the backward" in both
             and "; at context 2,048 it peaks at the end of the forward and falls" in both)
+
+
+def test_mixed_precision_says_when_the_end_to_end_timings_ran_on_another_gpu(tmp_path) -> None:
+    from cs336_systems.experiments.mixed_precision import _other_machine
+    from cs336_systems.report.data import SectionData
+
+    def record(folder: str, table: str, device: str) -> None:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / f"{table}.meta.json").write_text(json.dumps({"device": device, "device_type": "cuda",
+                                                                           "num_gpus": 1}))
+        (tmp_path / folder / f"{table}.csv").write_text("size\nsmall\n")
+
+    record("mixed_precision", "precision_timings", "NVIDIA H100 80GB HBM3")
+    record("benchmarking", "timings", "NVIDIA H200")
+    assert _other_machine(SectionData(tmp_path, "mixed_precision")) == (
+        " These runs are an H100's and §1.1.3's fp32 timings an H200's: compare the two sections' ratios, not "
+        "their times.")
+    record("benchmarking", "timings", "NVIDIA H100 80GB HBM3")
+    assert _other_machine(SectionData(tmp_path, "mixed_precision")) == ""

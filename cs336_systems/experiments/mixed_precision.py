@@ -28,7 +28,7 @@ from cs336_systems.configs import HANDOUT_SIZES
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
-from cs336_systems.report.data import SectionData
+from cs336_systems.report.data import SectionData, short_device
 from cs336_systems.report.document import Block, Text
 from cs336_systems.measured_code import MODEL, TIMING
 from cs336_systems.results import ResultWriter
@@ -303,6 +303,17 @@ def _not_run(speed: pd.DataFrame, timings: pd.DataFrame | None, edition: str) ->
     return f" The handout's {join_words(parts)} {'was' if len(parts) == 1 else 'were'} not run."
 
 
+def _other_machine(d: SectionData) -> str:
+    """Where §1.1.3's fp32 timings of the same models come from another GPU model than this section's: a clause
+    saying so, since the agreement check compares only one machine's tables."""
+    mine, theirs = d.meta("precision_timings"), d.sibling("benchmarking").meta("timings")
+    if not mine or not theirs or not mine.get("device") or not theirs.get("device") \
+            or mine.get("device") == theirs.get("device"):
+        return ""
+    return (f" These runs are an {short_device(mine)}'s and §1.1.3's fp32 timings an {short_device(theirs)}'s: "
+            "compare the two sections' ratios, not their times.")
+
+
 def answer(d: SectionData) -> list[Block]:
     acc = d.frame("accumulation")
     dtypes = d.frame("toy_model_dtypes")
@@ -345,6 +356,8 @@ def answer(d: SectionData) -> list[Block]:
             "kernels (which autocast does not speed up and its casts add to) weigh more"
             + (_not_monotonic(shown) or "."))
     noise = _noise_note(timings).strip()
+    if speed_text is not None:
+        speed_text = Text(speed_text.markdown + _other_machine(d))
     return [
         question(d, "mixed_precision_accumulation", "Accumulating 0.01 a thousand times in fp32, fp16 and "
                  "mixtures.", [acc_text, d.table("accumulation", caption="The four accumulation loops.", digits=7)],
