@@ -67,6 +67,12 @@ def measure(sections: Sequence[str] = SECTIONS, cells: Sequence[tuple[int, int]]
     return pd.DataFrame(rows)
 
 
+def between_process_std(df: pd.DataFrame) -> pd.Series:
+    """Per cell and pass (index ``d_model, seq_len, phase``): the larger of the sections' standard deviations over
+    their processes (NaN with one round), how far one cell moves from one fresh process to the next."""
+    return df.groupby(["d_model", "seq_len", "phase", "section"])["ms"].std().groupby(level=[0, 1, 2]).max()
+
+
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per cell and pass: each section's median over the rounds, spread (max - min) and standard deviation (NaN
     with one round), and the first section's median over the second's."""

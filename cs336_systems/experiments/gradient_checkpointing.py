@@ -324,12 +324,12 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "gradient_checkpointing_b", "2026 xl, batch 4, context 2048, one level of recomputation: the "
                  "best segment size, and the peak memory of it and of its neighbours.", [
             best_text,
-            d.table("checkpointing", frame=_shown_sweep(d),
+            d.table("checkpointing", frame=(shown := _shown_sweep(d)),
                     caption="A full training step (forward, backward, AdamW) per checkpoint segment: none, each "
                             "block's two branches apart (sublayer) or k blocks: the step's peak memory, its part "
                             "above what is held between steps (the gradients included)"
-                            + (", the forward and backward's own peak" if "backward_peak_GiB" in
-                               (d.frame("checkpointing") if d.frame("checkpointing") is not None else ()) else "")
+                            + (", the forward and backward's own peak"
+                               if "fwd_bwd_peak_GiB" in getattr(shown, "columns", ()) else "")
                             + "; MFU counts the model's FLOPs, not the recomputation, against the FP32 peak."),
             # one fitting size makes a plot of one point: the table says it all
             d.figure("checkpointing", caption="Peak memory and step time against the segment size.")

@@ -98,6 +98,7 @@ def attention_memory_accounting(grid: pd.DataFrame, batch_size: int,
                      "measured_MiB": r.get("memory_before_backward_MiB", math.nan)})
     table = pd.DataFrame(rows)
     table["measured_over_predicted"] = table["measured_MiB"] / table["predicted_MiB"]
+    capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     ooms = grid[grid["status"] == OOM].sort_values(["seq_len", "d_model"])
     probed = probe[probe["status"] == OOM] if probe is not None and len(probe) else pd.DataFrame()
     if not ooms.empty:
@@ -111,7 +112,6 @@ def attention_memory_accounting(grid: pd.DataFrame, batch_size: int,
                   f"memory, in its {first['oom_in']}")
     else:
         d = int(grid["d_model"].min())
-        capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
         s = int(grid["seq_len"].max()) * 2
         if capacity:
             while naive_attention_memory(batch_size, s, d, grad_output=True)["total"] < capacity:
@@ -121,8 +121,8 @@ def attention_memory_accounting(grid: pd.DataFrame, batch_size: int,
     terms = {k: v / 2**20 for k, v in naive_attention_memory(batch_size, s, d, grad_output=True).items()}
     below = grid[(grid["d_model"] == d) & (grid["seq_len"] < s) & (grid["status"] == OK)].sort_values("seq_len")
     accounting = {"source": source, "d_model": d, "seq_len": s, "batch_size": batch_size, "terms_MiB": terms}
-    if torch.cuda.is_available():
-        accounting["capacity_MiB"] = torch.cuda.get_device_properties(0).total_memory / 2**20
+    if capacity:
+        accounting["capacity_MiB"] = capacity / 2**20
     if probe is not None and len(probe):
         accounting["probe"] = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
                                for r in probe.to_dict("records")]

@@ -181,8 +181,9 @@ class Disagreement:
 def _eager_attention_between_processes(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float]]:
     """§1.3's ``attention_processes`` (one row per round, section, cell and pass): per cell and pass, the larger of
     the two sections' standard deviations over their fresh processes."""
-    by = frame.groupby(["d_model", "seq_len", "phase", "section"])["ms"].std().groupby(level=[0, 1, 2]).max()
-    for (d, seq, phase), std in by.items():
+    from cs336_systems.benchmarking.attention_process_ab import between_process_std
+
+    for (d, seq, phase), std in between_process_std(frame).items():
         if pd.notna(std):
             yield (f"eager attention {phase} ms", int(d), int(seq), int(params["batch_size"])), float(std)
 
