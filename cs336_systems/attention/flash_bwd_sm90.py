@@ -17,7 +17,8 @@ software-pipelined variant (waiting for a step's dV and dK products only after i
 scores) measured slower and was dropped.
 
 Off by default (``options.gluon_backward``): on an H200 it is level with the Triton dK/dV kernel at head dim
-128 and slower at 64 (docs/flash_attention/gluon_backward.md has the numbers and what to try next).
+128 and slower at 64 with long rows, even with the ``L``/``D`` rows loaded a step ahead
+(docs/flash_attention/gluon_backward.md has the profile, the numbers and what to try next).
 
 dQ is not computed here: the Triton dQ kernel runs first (it also writes the ``[L·log2 e; D]`` row pairs
 this kernel reads), as in the Triton backward. Scope: as the Gluon forward (16-bit inputs, head dims 64
@@ -69,6 +70,10 @@ TILES: dict[int, tuple[int, int, int]] = {64: (64, 128, 3), 128: (64, 128, 2)}
 #: dK, dV, Sᵀ and dPᵀ nearly fill 240, and 232 spilled more.
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
+#: Per head dim: whether a consumer loads the next query tile's ``L`` and ``D`` rows a step ahead, so their
+#: global-memory latency runs under the current step's products instead of stalling its exponentials. At head
+#: dim 128 the 32 registers it takes are not free (a consumer's accumulators nearly fill its budget).
+LD_AHEAD: dict[int, bool] = {64: True, 128: False}
 #: Warps per consumer partition (one warpgroup).
 _CONSUMER_WARPS = gl.constexpr(4)
 
@@ -97,7 +102,7 @@ def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 def _consumer(part, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow,
               DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps,
               qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
+              IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, LD_AHEAD: gl.constexpr):
     """dK and dV of keys ``[start_n + part·ROWS, +ROWS)`` over ``n_steps`` query tiles from ``lo``."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -122,14 +127,25 @@ def _consumer(part, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, l
     clean_to = (n_queries // BLOCK_M) * BLOCK_M
     all_keys = first + ROWS <= n_keys
 
+    if LD_AHEAD:  # step 0's rows; each step then loads the next step's while its products run
+        queries = lo + gl.arange(0, BLOCK_M, layout=s_cols)
+        lse2_next = gl.load(LD + ld_head + queries, mask=queries < n_queries, other=0.0)
+        delta_next = gl.load(LD + ld_head + stride_ldrow + queries, mask=queries < n_queries, other=0.0)
     mbarrier.wait(kv_bar, 0)
     for i in range(n_steps):
         stage = i % STAGES
         start_m = lo + i * BLOCK_M
         queries = start_m + gl.arange(0, BLOCK_M, layout=s_cols)
         query_ok = queries < n_queries
-        lse2 = gl.load(LD + ld_head + queries, mask=query_ok, other=0.0)
-        delta = gl.load(LD + ld_head + stride_ldrow + queries, mask=query_ok, other=0.0)
+        if LD_AHEAD:
+            lse2 = lse2_next
+            delta = delta_next
+            ahead = queries + BLOCK_M
+            lse2_next = gl.load(LD + ld_head + ahead, mask=ahead < n_queries, other=0.0)
+            delta_next = gl.load(LD + ld_head + stride_ldrow + ahead, mask=ahead < n_queries, other=0.0)
+        else:
+            lse2 = gl.load(LD + ld_head + queries, mask=query_ok, other=0.0)
+            delta = gl.load(LD + ld_head + stride_ldrow + queries, mask=query_ok, other=0.0)
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
@@ -170,7 +186,8 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
                                      q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h, stride_ldbh, stride_ldrow,
                                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
+                                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr,
+                                     LD_AHEAD: gl.constexpr):
     CONSUMERS: gl.constexpr = BLOCK_N // ROWS
     gl.static_assert(BLOCK_N == 128, "BLOCK_N: two consumer warpgroups of 64 keys")
     dtype: gl.constexpr = q_desc.dtype
@@ -212,10 +229,10 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
                      dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                     sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+                     sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, LD_AHEAD)),
         (_consumer, (1, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
                      dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                     sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2)),
+                     sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, LD_AHEAD)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                      k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
                      BLOCK_M, STAGES)),
@@ -298,7 +315,7 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
         heads, group, *kv_at[2:], *q_at[2:], *do_at[2:], *ld.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3],
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
-            POLY_EXP2=_polynomial_exp2(),
+            POLY_EXP2=_polynomial_exp2(), LD_AHEAD=LD_AHEAD[d],
             num_warps=_CONSUMER_WARPS.value))  # fmt: skip
 
 
@@ -308,7 +325,7 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
     forward (same caveat: not under ``TRITON_INTERPRET=1``); returns Triton's compiled kernel."""
     block_m, block_n, stages = tile or TILES[head_dim]
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal, "POLY_EXP2": poly}  # fmt: skip
+                  "IS_CAUSAL": is_causal, "POLY_EXP2": poly, "LD_AHEAD": LD_AHEAD[head_dim]}  # fmt: skip
     types = {"k_desc": tensor_descriptor_type(ROWS.value, head_dim), "v_desc": tensor_descriptor_type(ROWS.value, head_dim),
              "q_desc": tensor_descriptor_type(block_m, head_dim), "do_desc": tensor_descriptor_type(block_m, head_dim),
              "LD": "*fp32", "DK": "*bf16", "DV": "*bf16", "qk_scale": "fp32", "sm_scale": "fp32"}
