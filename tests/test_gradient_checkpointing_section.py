@@ -44,8 +44,11 @@ def test_a_tie_on_the_step_peak_says_where_the_peak_came() -> None:
     later = tied.assign(backward_peak_GiB=[60.1, 63.4])
     assert "each comes in the optimizer step" in gc._where_the_peak_is(later)
     assert "60.1 GiB (checkpointing by sublayer) and 63.4 GiB (segments of 1 block)" in gc._where_the_peak_is(later)
-    inside = tied.assign(backward_peak_GiB=[71.9, 71.9])
-    assert "splitting a block does not lower the peak" in gc._where_the_peak_is(inside)
+    inside = tied.assign(backward_peak_GiB=[71.9, 71.9])  # the same moment of the backward: explained
+    assert "attention backward of the first block" in gc._where_the_peak_is(inside)
+    apart = tied.assign(peak_GiB=[71.9, 72.3], backward_peak_GiB=[71.9, 72.3])  # inside the backward, not tied
+    assert "splitting a block does not lower the peak" in gc._where_the_peak_is(apart)
+    assert "attention backward" not in gc._where_the_peak_is(apart)
     assert "does not lower" in gc._where_the_peak_is(tied.assign(peak_GiB=[71.9, 72.3]))
 
 

@@ -536,6 +536,13 @@ def _where_the_peak_is(tied: pd.DataFrame) -> str:
             return (" Their whole-step peaks tie because each comes in the optimizer step, where AdamW's update "
                     "allocates parameter-sized temporaries beside the gradients; the forward and backward, which "
                     f"checkpointing changes, peak at {peaks}.")
+        if float(tied["backward_peak_GiB"].max() - tied["backward_peak_GiB"].min()) < 2**-10:  # the same moment
+            return (f" The forward and backward peak at {peaks}, equal to the MiB: both come in the attention "
+                    "backward of the first block, the last the backward reaches (a memory snapshot of each step "
+                    "shows it), where the two hold the same tensors: every weight's gradient, that block's input, "
+                    "its recomputed attention residuals and the gradients of its score-sized tensors. By then the "
+                    "feed-forward branch's residuals and the sublayer split's extra checkpoints are freed, so "
+                    "splitting a block lowers the memory earlier in the backward, not its peak.")
         return f" The forward and backward peak at {peaks}: at this shape splitting a block does not lower the peak."
     if float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) < 2**-10:  # within a MiB: the same moment of the step
         return (" Their peaks are equal to the MiB, so neither is set inside the checkpointed backward, which differs "
