@@ -171,3 +171,19 @@ def test_a_launch_bound_cell_is_compared_against_its_spread_between_processes(tm
     meta = tmp_path / "torch_compile" / "attention_processes.meta.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "params": {"batch_size": 4}}))
     assert len(agreement.disagreements(tmp_path)) == 1
+
+
+def test_a_size_timed_in_a_lighter_mode_shares_only_the_passes_it_timed(tmp_path) -> None:
+    """§1.1.3 times a size too large to train in a lighter mode: its whole "step" is then a forward pass and is
+    no training step, and a forward without autograd is not the forward the other sections time."""
+    _write(tmp_path, "benchmarking", "timings", pd.DataFrame(
+        {"size": ["small", "xl"], "status": ["ok", "ok"], "timed_mode": ["forward", "inference"],
+         "out_of_memory": ["train", "train"], "forward_mean_ms": [19.0, 240.0], "total_mean_ms": [19.5, 241.0]}),
+        {"context_length": 512, "mode": "train"})
+    _write(tmp_path, "torch_compile", "model_timings", pd.DataFrame(
+        {"size": ["small", "small", "xl"], "mode": ["forward", "train", "forward"], "compiled": [False] * 3,
+         "status": ["ok"] * 3, "total_mean_ms": [30.0, 81.0, 400.0]}), {"context_length": 512})
+    (found,) = agreement.disagreements(tmp_path)  # the forward with autograd is compared ...
+    assert found.key[:2] == ("model forward ms", "small")
+    keys = {cell.key[:2] for cell in agreement.shared_cells(tmp_path) if cell.folder == "benchmarking"}
+    assert keys == {("model forward ms", "small")}  # ... neither the lighter "step" nor the no-grad forward

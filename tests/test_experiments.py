@@ -314,6 +314,48 @@ def test_benchmarking_times_each_phase_of_a_full_step_and_says_why_a_size_does_n
     assert "timed forward_backward steps, without the optimizer" in old.markdown
 
 
+def test_a_size_too_large_to_train_is_timed_in_the_lightest_mode_that_fits(monkeypatch) -> None:
+    """Out of memory in a training step falls through to forward + backward, then forward, then a forward
+    without autograd; the row says what it timed and what did not fit, and the answer and table say so."""
+    import pandas as pd
+    import torch
+
+    from cs336_systems.experiments import benchmarking as bm
+
+    fits = {"forward"}
+    asked = []
+
+    def fake(spec):
+        asked.append(spec.mode)
+        if spec.mode not in fits:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"forward_mean_ms": 250.0, "forward_std_ms": 1.0, "total_mean_ms": 251.0}
+
+    monkeypatch.setattr(bm, "benchmark_model", fake)
+    row = bm.time_what_fits("10B@2026", bm.Params())
+    assert asked == ["train", "forward_backward", "forward"]
+    assert (row["timed_mode"], row["out_of_memory"], row["forward_mean_ms"]) == ("forward", "train", 250.0)
+    fits.clear()
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # nothing fits: the sweep records the size as OOM
+        bm.time_what_fits("10B@2026", bm.Params())
+    monkeypatch.setattr(bm, "benchmark_model", lambda spec: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):  # only out-of-memory falls through
+        bm.time_what_fits("small", bm.Params())
+
+    table = pd.DataFrame([
+        {"size": "small", "status": "ok", "timed_mode": "train", "out_of_memory": None, "forward_mean_ms": 20.0,
+         "forward_std_ms": 0.1, "backward_mean_ms": 40.0, "backward_std_ms": 0.1, "optimizer_mean_ms": 10.0,
+         "optimizer_std_ms": 0.1},
+        {"size": "10B@2026", **row, "status": "ok"}])
+    text = bm._timing_sentence(table, {"params": {"mode": "train"}}).markdown
+    assert "Forward / backward / optimizer time per step: small 20" in text and "10B@2026 250" not in text
+    assert "10B@2026's training step ran out of memory: 12.8 B parameters need 191 GiB" in text
+    assert "timed forward only: its forward 250 ms" in text
+    inference = table.assign(timed_mode=["train", "inference"])
+    assert "under `torch.no_grad`" in bm._timing_sentence(inference, {"params": {"mode": "train"}}).markdown
+    assert list(bm._lighter_shown(table)["status"]) == ["ok", "forward only"]
+
+
 @pytest.mark.slow
 def test_leaderboard_step_on_two_ranks_writes_its_own_table(tmp_path, monkeypatch, capsys) -> None:
     """§1.5 with ``nproc=2``: the FSDP step (gloo ranks here) lands in ``step_2ranks`` beside the one-GPU

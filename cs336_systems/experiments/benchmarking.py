@@ -22,7 +22,7 @@ import seaborn as sns
 import torch
 
 from cs336_systems.benchmarking.end_to_end import MODES, BenchmarkSpec, benchmark_model
-from cs336_systems.benchmarking.sweep import OK, deadline_left, run_sweep
+from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, is_oom, run_sweep
 from cs336_systems.configs import HANDOUT_SIZES, HANDOUT_SIZES_BY_EDITION, ModelConfig, get_config
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report import fmt
@@ -91,20 +91,39 @@ def run_model_in_subprocess(spec: BenchmarkSpec, timeout_s: float = 300) -> dict
 
 
 
+#: What a step runs, heaviest first: a size whose step of one mode runs out of memory is timed in the next,
+#: so a model too large to train still has its forward pass measured (last without autograd, ``inference``).
+LIGHTER = {"train": "forward_backward", "forward_backward": "forward", "forward": "inference"}
+
+
+def time_what_fits(size: str, p: Params) -> dict[str, Any]:
+    """Time ``size`` in ``p.mode``, or where that runs out of memory in the next lighter mode (:data:`LIGHTER`):
+    the row says which mode it timed (``timed_mode``) and, if not the asked one, the mode that did not fit
+    (``out_of_memory``). Out of memory in every mode raises, and the sweep records the size as OOM."""
+    mode, failed = p.mode, None
+    while True:
+        spec = BenchmarkSpec(size, mode=mode, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
+        try:
+            return {"timed_mode": mode, "out_of_memory": failed, **benchmark_model(spec)}
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory falls through to a lighter mode
+            if not is_oom(exc) or mode not in LIGHTER:
+                raise
+        free_memory()  # outside the except block, whose traceback still holds the failed step's tensors
+        failed = failed or mode
+        mode = LIGHTER[mode]
+
+
 def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
     """Time per phase (mean ± std) of a ``mode`` step per size; the warm-up study (forward and backward) for
     each warm-up count, each setting in a fresh process (``fresh_process``; smoke runs stay in-process to be
     quick, so their warm-up study only exercises the pipeline)."""
     deadline = time.monotonic() + p.budget_s
 
-    def one(size: str) -> dict[str, Any]:
-        spec = BenchmarkSpec(size, mode=p.mode, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
-        return benchmark_model(spec)
-
-    timings = run_sweep(one, [{"size": s} for s in p.sizes], desc=f"{p.mode} timings", budget_s=0.7 * p.budget_s)
+    timings = run_sweep(lambda size: time_what_fits(size, p), [{"size": s} for s in p.sizes],
+                        desc=f"{p.mode} timings", budget_s=0.7 * p.budget_s)
     phases = ("forward_", "backward_", "optimizer_", "total_")
-    keep = ["size", "status"] + [c for c in timings.columns if c.startswith(phases)
-                                 or c in ("tokens_per_s", "TFLOP_per_s", "peak_memory_GiB")]
+    keep = ["size", "status", "timed_mode", "out_of_memory"] + [
+        c for c in timings.columns if c.startswith(phases) or c in ("tokens_per_s", "TFLOP_per_s", "peak_memory_GiB")]
     timings = timings[[c for c in keep if c in timings.columns]]
     out.table(timings, "timings", extra={"context_length": p.context_length})  # the mode is in the params
 
@@ -174,7 +193,8 @@ def answer(d: SectionData) -> list[Block]:
                  "`python -m cs336_systems.experiments benchmarking` runs this section's whole sweep.")]),
         question(d, "b", "Forward, backward and optimizer-step timings for the model sizes of §1.1.2 (5 warm-up, "
                  "10 measured steps).", [_timing_sentence(timings, d.meta("timings")),
-                             d.table("timings", frame=subset(with_mfu(timings, d.meta("timings")), "size", "status",
+                             d.table("timings", frame=subset(with_mfu(_lighter_shown(timings), d.meta("timings")),
+                                                             "size", "status",
                                                              "forward_mean_ms", "forward_std_ms", "backward_mean_ms",
                                                              "backward_std_ms", "optimizer_mean_ms",
                                                              "optimizer_std_ms", "total_mean_ms", "tokens_per_s",
@@ -205,8 +225,45 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
+def _in_run_mode(ok: pd.DataFrame) -> pd.Series:
+    """Which rows were timed in the run's mode (the others in a lighter one, :data:`LIGHTER`; tables from before
+    the ``timed_mode`` column timed every row in it)."""
+    if "out_of_memory" not in ok.columns:
+        return pd.Series(True, index=ok.index)
+    return ok["out_of_memory"].isna()
+
+
+def _lighter_shown(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The table as shown: a size timed in a lighter mode than the run's says so in its status."""
+    if df is None or "out_of_memory" not in df.columns:
+        return df
+    lighter = (df["status"] == OK) & df["out_of_memory"].notna()
+    shown = df.copy()
+    shown.loc[lighter, "status"] = [_MODE_SHOWN[m] + " only" for m in df.loc[lighter, "timed_mode"]]
+    return shown
+
+
+#: A timed mode in words.
+_MODE_SHOWN = {"inference": "forward (no autograd)", "forward": "forward", "forward_backward": "forward + backward",
+               "train": "training step"}
+
+
+def _lighter_sentence(ok: pd.DataFrame) -> str:
+    """For the sizes a training step did not fit: what ran out of memory, why, and the pass that was timed."""
+    parts = []
+    for _, r in ok[~_in_run_mode(ok)].iterrows():
+        timed = [ph for ph in ("forward", "backward") if pd.notna(r.get(f"{ph}_mean_ms"))]
+        times = " and ".join(f"its {ph} {fmt.ms(r[f'{ph}_mean_ms'])}" for ph in timed)
+        no_grad = " under `torch.no_grad`, since even the activations a backward needs did not fit" \
+            if r["timed_mode"] == "inference" else ""
+        why = _state_note(r["size"], "OOM") if r["out_of_memory"] == "train" else ""
+        parts.append(f"{r['size']}'s {_MODE_SHOWN[r['out_of_memory']]} ran out of memory{why}; timed {_MODE_SHOWN[r['timed_mode']]} only{no_grad}: {times}")
+    return (" " + "; ".join(parts) + ".") if parts else ""
+
+
 def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -> Text | None:
-    ok = ok_rows(df)
+    all_ok = ok_rows(df)
+    ok = all_ok[_in_run_mode(all_ok)] if not all_ok.empty else all_ok
     if ok.empty or not {"forward_mean_ms", "backward_mean_ms"} <= set(ok.columns):
         return None
     phases = [ph for ph in ("forward", "backward", "optimizer") if f"{ph}_mean_ms" in ok.columns]
@@ -221,6 +278,7 @@ def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None
                                                                if len(noisy) else
                                                                f", at most {fmt.pct(cv.max(), 2)} "
                                                                f"({ok.loc[idx, 'size']} {phase})."))
+    text += _lighter_sentence(all_ok)
     failed = failed_rows(df)
     if not failed.empty:
         text += " Not measured: " + join_words([f"{r['size']} ({r['status']}"
