@@ -1533,3 +1533,22 @@ def test_mixed_precision_says_when_the_end_to_end_timings_ran_on_another_gpu(tmp
         "their times.")
     record("benchmarking", "timings", "NVIDIA H100 80GB HBM3")
     assert _other_machine(SectionData(tmp_path, "mixed_precision")) == ""
+
+
+def test_no_answer_text_loses_a_latex_command_to_a_python_escape() -> None:
+    """``"$T\\times T$"`` in a plain (not raw) string is a tab and ``imes``: the math renders as "TimesT". No
+    string in the answer code holds a control character where a LaTeX command would start (``\\t``imes,
+    ``\\f``rac, ``\\b``eta, ``\\v``ec, ``\\a``lpha, ``\\r``ho)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import cs336_systems
+
+    escaped = re.compile(r"[\t\x08\x0c\x0b\x07\r][a-z]")
+    found = []
+    for path in sorted(Path(cs336_systems.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and escaped.search(node.value):
+                found.append(f"{path.name}:{node.lineno} {node.value[:60]!r}")
+    assert not found, found

@@ -219,7 +219,7 @@ def _backward_peak(acc: dict[str, Any]) -> Text | None:
     need = acc["terms_MiB"]["total"] * growth
     return Text(f"What the backward adds: at $T = {fmt.tex_int(last['seq_len'])}$ the step's peak was "
                 f"{fmt.sig(last['peak_MiB'], 4)} MiB against {fmt.sig(last['memory_before_backward_MiB'], 4)} MiB "
-                f"before the backward ({fmt.ratio(growth)}): the gradients of the $T\times T$ tensors (of $P$, of "
+                f"before the backward ({fmt.ratio(growth)}): the gradients of the $T \\times T$ tensors (of $P$, of "
                 f"the exponentials, of $S$) are allocated while the tensors they are the gradients of still live. At "
                 f"$T = {fmt.tex_int(oom['seq_len'])}$ the saved memory alone, {fmt.sig(acc['terms_MiB']['total'], 4)} "
                 f"MiB, {'fits' if acc['terms_MiB']['total'] < capacity else 'does not fit'} the GPU's "
