@@ -205,26 +205,48 @@ def _grid(d: SectionData, value: str) -> pd.DataFrame | None:
     return status_grid(timings, value, "d_model", "seq_len", "{:.4g}").reset_index()
 
 
+def _probe_rows(acc: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The probe's last configuration that ran a whole step (with its peak) and its first that did not."""
+    probe = acc.get("probe") or []
+    fitted = [r for r in probe if r.get("status") == "ok" and r.get("peak_MiB") and r.get("memory_before_backward_MiB")]
+    failed = [r for r in probe if r.get("status") != "ok"]
+    return (fitted[-1] if fitted else None), (failed[0] if failed else None)
+
+
+def _which_size(acc: dict[str, Any], device: str | None) -> Text:
+    """The direct answer: the smallest configuration that ran out of memory, where, and on what."""
+    dd, T = int(acc["d_model"]), int(acc["seq_len"])
+    _, oom = _probe_rows(acc)
+    where = f" on the {device}" if device else ""
+    if oom is not None:
+        return Text(f"Every configuration of the grid fits{where}; doubling the sequence at the smallest $d$, the "
+                    f"first that runs out of memory is $d = {dd}$, $T = {fmt.tex_int(T)}$ (batch {acc['batch_size']}), "
+                    f"in its {oom.get('oom_in') or 'step'}.")
+    return Text(f"The smallest configuration that runs out of memory{where}: $d = {dd}$, $T = {fmt.tex_int(T)}$ "
+                f"(batch {acc['batch_size']}; {acc.get('source', '')}).")
+
+
 def _backward_peak(acc: dict[str, Any]) -> Text | None:
-    """Where the grid fit and the probe beyond it ran out of memory: what the backward adds to the memory saved
-    for it (measured one size below) and what that predicts at the configuration that did not fit."""
-    fitted = [r for r in acc.get("probe") or [] if r.get("status") == "ok" and r.get("peak_MiB")
-              and r.get("memory_before_backward_MiB")]
-    failed = [r for r in acc.get("probe") or [] if r.get("status") != "ok"]
+    """Where the grid fit and the probe beyond it ran out of memory: the saved memory measured at that
+    configuration, what the backward adds (measured one size below, in score-sized tensors) and what that
+    predicts at the configuration that did not fit."""
+    last, oom = _probe_rows(acc)
     capacity = acc.get("capacity_MiB")
-    if not fitted or not failed or not capacity:
+    if last is None or oom is None or not capacity:
         return None
-    last, oom = fitted[-1], failed[0]
     growth = last["peak_MiB"] / last["memory_before_backward_MiB"]
     need = acc["terms_MiB"]["total"] * growth
-    return Text(f"What the backward adds: at $T = {fmt.tex_int(last['seq_len'])}$ the step's peak was "
-                f"{fmt.sig(last['peak_MiB'], 4)} MiB against {fmt.sig(last['memory_before_backward_MiB'], 4)} MiB "
-                f"before the backward ({fmt.ratio(growth)}): the gradients of the $T \\times T$ tensors (of $P$, of "
-                f"the exponentials, of $S$) are allocated while the tensors they are the gradients of still live. At "
-                f"$T = {fmt.tex_int(oom['seq_len'])}$ the saved memory alone, {fmt.sig(acc['terms_MiB']['total'], 4)} "
-                f"MiB, {'fits' if acc['terms_MiB']['total'] < capacity else 'does not fit'} the GPU's "
-                f"{fmt.sig(capacity, 4)} MiB; with the backward's share it needs about {fmt.sig(need, 4)} MiB, and "
-                f"the step ran out of memory in its {oom.get('oom_in') or 'step'}.")
+    score_MiB = 4 * acc["batch_size"] * last["seq_len"] ** 2 / 2**20  # one fp32 B x T x T tensor one size below
+    added = (last["peak_MiB"] - last["memory_before_backward_MiB"]) / score_MiB
+    measured = oom.get("memory_before_backward_MiB")
+    return Text((f"Measured before its backward: {fmt.sig(measured, 4)} MiB, which fits the GPU's "
+                 f"{fmt.sig(capacity, 4)} MiB. " if measured is not None and pd.notna(measured) else "")
+                + f"The backward then adds about {added:.0f} more $B \\times T \\times T$ fp32 tensors (at "
+                f"$T = {fmt.tex_int(last['seq_len'])}$ the step peaked at {fmt.sig(last['peak_MiB'], 4)} MiB against "
+                f"{fmt.sig(last['memory_before_backward_MiB'], 4)} MiB before the backward, {fmt.ratio(growth)}): the "
+                f"softmax's gradients and temporaries, allocated while the saved tensors still live. At "
+                f"$T = {fmt.tex_int(oom['seq_len'])}$ that is about {fmt.sig(need, 4)} MiB, so the step ran out of "
+                f"memory in its {oom.get('oom_in') or 'step'}.")
 
 
 def answer(d: SectionData) -> list[Block]:
@@ -252,20 +274,18 @@ def answer(d: SectionData) -> list[Block]:
         B, T, dd = int(acc["batch_size"]), int(acc["seq_len"]), int(acc["d_model"])
         total = acc["terms_MiB"].get("total", float("nan"))
         acc_blocks = [
-            Text(f"Configuration: $d = {dd}$, $T = {fmt.tex_int(T)}$, $B = {B}$ ({acc.get('source', '')}"
-                 + (f" on the {d.meta('oom_accounting').get('device')}" if ("predicted" in str(acc.get("source", ""))
-                                                                    or acc.get("probe"))
-                    and d.meta("oom_accounting").get("device") else "") + "):"),
+            Text("At that configuration:"),
             Equation([(rf"M_{{\mathrm{{saved}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
                       rf" + {T}^2 = {fmt.tex_sig(total, 4)}\,\mathrm{{MiB}}")]),
         ]
+        peak = _backward_peak(acc)
         below = acc.get("below")
-        if isinstance(below, dict) and below.get("measured_MiB") is not None:
+        if peak is None and isinstance(below, dict) and below.get("measured_MiB") is not None:
             acc_blocks.append(Text(
                 f"Check one size below ($T = {fmt.tex_int(below['seq_len'])}$): measured "
                 f"{fmt.sig(below['measured_MiB'], 4)} MiB before backward, predicted "
                 f"{fmt.sig(below['predicted_MiB'], 4)} MiB."))
-        acc_blocks.append(_backward_peak(acc))
+        acc_blocks.append(peak)
     return [
         question(d, "timings", "Forward and backward time and memory of naive attention (batch 8, one head) over "
                  "$d \\in \\{16, 32, 64, 128\\}$ and sequence lengths 256–16384.", [
@@ -280,6 +300,8 @@ def answer(d: SectionData) -> list[Block]:
                  ], what="the attention sweep"),
         question(d, "memory", "Memory accounting for the smallest configuration that runs out of memory, and how "
                  "to remove that cost.", [
+                     _which_size(acc, d.meta("oom_accounting").get("device")) if isinstance(acc, dict)
+                     and "terms_MiB" in acc else None,
                      Text("Eager attention keeps, per batch element, three $T\\times T$ fp32 tensors alive for the "
                           "backward pass (the masked scores $S = QK^\\top/\\sqrt{d}$, their exponentials, and the "
                           "probabilities $P$), a boolean $T\\times T$ causal mask, the row max and sum, and "
