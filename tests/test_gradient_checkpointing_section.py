@@ -45,7 +45,8 @@ def test_a_tie_on_the_step_peak_says_where_the_peak_came() -> None:
     assert "each comes in the optimizer step" in gc._where_the_peak_is(later)
     assert "60.1 GiB (checkpointing by sublayer) and 63.4 GiB (segments of 1 block)" in gc._where_the_peak_is(later)
     inside = tied.assign(backward_peak_GiB=[71.9, 71.9])  # the same moment of the backward: explained
-    assert "attention backward of the first block" in gc._where_the_peak_is(inside)
+    assert "first block's attention backward" in gc._where_the_peak_is(inside)
+    assert "the hypothesis fails" in gc._where_the_peak_is(inside)
     apart = tied.assign(peak_GiB=[71.9, 72.3], backward_peak_GiB=[71.9, 72.3])  # inside the backward, not tied
     assert "splitting a block does not lower the peak" in gc._where_the_peak_is(apart)
     assert "attention backward" not in gc._where_the_peak_is(apart)
@@ -116,3 +117,13 @@ def test_the_per_block_backward_is_plotted_where_it_was_measured() -> None:
     assert "−7.41 GiB" in [t.get_text() for t in fig.axes[0].texts]
     cpu = table.assign(start_MiB=float("nan"), end_MiB=float("nan"), drop_MiB=float("nan"))
     assert gc.derive({"backward_by_block": cpu}, {}).figures == {}
+
+
+def test_each_further_block_per_segment_is_set_against_one_blocks_residuals() -> None:
+    """(b) reads the peak's growth per block from the sweep (median over whole-block sizes), which says the
+    peak is set while a segment is recomputed; fewer than three whole-block sizes say nothing."""
+    sweep = pd.DataFrame({"block_size": [0.5, 1.0, 2.0, 4.0, 8.0], "peak_GiB": [65.28, 65.28, 72.76, 87.74, 117.7]})
+    text = gc._per_block(sweep, 7990 * 2**20)
+    assert text == " Each further block per segment adds 7.49 GiB to the peak (1 to 8 blocks), about one block's " \
+        "residuals (7.80 GiB)."
+    assert gc._per_block(sweep.iloc[:3], 7990 * 2**20) == ""

@@ -465,12 +465,17 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
         optimum = (get_config(preset).num_layers * input_bytes / block_bytes) ** 0.5
         reasoning = (f"Segments of $k$ blocks hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus, "
                      f"while one segment is recomputed, $k$ blocks' residuals of {fmt.sig(block_bytes / 2**20)} MiB "
-                     f"each; the sum is least at $k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / "
+                     "each, on top of the weights, the AdamW state and the gradients, which no segment size changes; "
+                     f"the sum is least at $k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / "
                      f"{block_bytes / 2**20:.0f}}}$ = {optimum:.2f}, "
-                     + ("below one block, so the finest split should win: one block per segment, or each block's "
-                        "attention and feed-forward branches checkpointed separately (two inputs per block; it "
-                        "lowers the peak as far as the two branches' residuals are balanced). " if optimum < 1
+                     + ("below one block, so the finest split should win: one block per segment, or, the hypothesis "
+                        "to test, each block's attention and feed-forward branches checkpointed separately (two "
+                        "inputs per block, and half a block recomputed at a time). " if optimum < 1
                         else "rounded to a whole block. "))
+        heads = get_config(preset).num_heads
+        if heads != SNIPPET_HEADS:
+            reasoning = f"This is the model table's xl, with {heads} heads (the snippet's block has {SNIPPET_HEADS}). " \
+                + reasoning
     held = float(resident[best.name])
     state = 12 * param_counts(preset)["total"] / 2**30 if preset else None
     left = float(best["leftover_GiB"]) if "leftover_GiB" in best and pd.notna(best["leftover_GiB"]) else None
@@ -484,9 +489,11 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
          f", the other {fmt.sig(other)} GiB are neither the model's nor the optimizer's") +
         "; the gradients are allocated during the step)")
     group = [k, *(float(x) for x in tied["block_size"])]
+    names = join_words([_segment_name(x, short=True) for x in sorted(group, key=_memory_order)])
+    identical = not tied.empty and float((tied["peak_GiB"] - best["peak_GiB"]).abs().max()) < 2**-10
     lead = (f"Measured, the best is {_segment_name(k)}: a peak" if tied.empty else
-            f"Measured, {join_words([_segment_name(x, short=True) for x in sorted(group, key=_memory_order)])} tie "
-            f"within {TIE:.0%}: {_segment_name(k, short=True)}, a peak")
+            f"Measured, {names} peak identically: {_segment_name(k, short=True)}, a peak" if identical else
+            f"Measured, {names} tie within {TIE:.0%}: {_segment_name(k, short=True)}, a peak")
     measured = (f"{lead} of {fmt.sig(best['peak_GiB'])} GiB, {fmt.sig(best['activation_peak_GiB'])} GiB of "
                 f"it allocated during the step above the {fmt.sig(held)} GiB held between steps{owned}; one step "
                 f"takes {fmt.sig(best['step_ms'] / 1e3)} s.")
@@ -513,11 +520,24 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                               + ("out-of-memory run" if before != "ok" else "run") + " before it")
     said = f" {'Its' if tied.empty else 'Their'} neighbours: {'; '.join(neighbours)}." if neighbours else ""
     sizes = set(ordered)
+    said += _per_block(sweep, block_bytes)
     if SUBLAYER in group and len(group) > 1:
         said += _where_the_peak_is(sweep[sweep["block_size"].isin(group)])
     elif reasoning and SUBLAYER not in sizes:
         said += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
     return Text(reasoning + measured + said)
+
+
+def _per_block(sweep: pd.DataFrame, block_bytes: float | None) -> str:
+    """What each further block per segment adds to the peak (the median over consecutive whole-block sizes that
+    ran), against one block's residuals: equal, the peak is set while a segment is recomputed."""
+    whole = sweep[sweep["block_size"] >= 1].sort_values("block_size")
+    if len(whole) < 3:
+        return ""
+    slope = float((whole["peak_GiB"].diff() / whole["block_size"].diff()).median())
+    sizes = f"{whole['block_size'].iloc[0]:g} to {whole['block_size'].iloc[-1]:g} blocks"
+    residuals = f", about one block's residuals ({fmt.sig(block_bytes / 2**30)} GiB)" if block_bytes else ""
+    return f" Each further block per segment adds {fmt.sig(slope)} GiB to the peak ({sizes}){residuals}."
 
 
 def _memory_order(k: float) -> float:
@@ -537,12 +557,12 @@ def _where_the_peak_is(tied: pd.DataFrame) -> str:
                     "allocates parameter-sized temporaries beside the gradients; the forward and backward, which "
                     f"checkpointing changes, peak at {peaks}.")
         if float(tied["backward_peak_GiB"].max() - tied["backward_peak_GiB"].min()) < 2**-10:  # the same moment
-            return (f" The forward and backward peak at {peaks}, equal to the MiB: both come in the attention "
-                    "backward of the first block, the last the backward reaches (a memory snapshot of each step "
-                    "shows it), where the two hold the same tensors: every weight's gradient, that block's input, "
-                    "its recomputed attention residuals and the gradients of its score-sized tensors. By then the "
-                    "feed-forward branch's residuals and the sublayer split's extra checkpoints are freed, so "
-                    "splitting a block lowers the memory earlier in the backward, not its peak.")
+            return (" The peak is set while the last segment is recomputed, late in the backward, when nearly "
+                    "every gradient exists and most checkpoints are freed (a memory snapshot of each step puts "
+                    "both in the first block's attention backward): there the two hold the same tensors, that "
+                    "block's input, its recomputed attention residuals and the attention backward's score-sized "
+                    "temporaries, so the hypothesis fails: splitting a block lowers the memory earlier in the "
+                    "backward, not its peak.")
         return f" The forward and backward peak at {peaks}: at this shape splitting a block does not lower the peak."
     if float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) < 2**-10:  # within a MiB: the same moment of the step
         return (" Their peaks are equal to the MiB, so neither is set inside the checkpointed backward, which differs "
@@ -557,8 +577,11 @@ def _shown_sweep(d: SectionData) -> pd.DataFrame | None:
     included, so not "activations") and the forward and backward's own peak where recorded, and MFU."""
     frame = _segment_labels(subset(_with_mfu(d), "block_size", "status", "peak_GiB", "activation_peak_GiB",
                                    "backward_peak_GiB", "step_ms", "MFU_pct"))
-    return None if frame is None else frame.rename(columns={"activation_peak_GiB": "above_held_GiB",
-                                                            "backward_peak_GiB": "fwd_bwd_peak_GiB"})
+    if frame is None:
+        return None
+    if "backward_peak_GiB" in frame and ((frame["peak_GiB"] - frame["backward_peak_GiB"]).abs() < 2**-10).all():
+        frame = frame.drop(columns="backward_peak_GiB")  # the step peaked in its forward and backward: no new column
+    return frame.rename(columns={"activation_peak_GiB": "above_held_GiB", "backward_peak_GiB": "fwd_bwd_peak_GiB"})
 
 
 def _segment_labels(frame: pd.DataFrame | None) -> pd.DataFrame | None:
