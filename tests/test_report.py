@@ -949,7 +949,9 @@ def test_mixed_precision_speedups_use_the_fastest_steps_where_the_means_are_nois
     assert _robust(speed, timings.assign(forward_std_ms=1.0)) == (speed, [], "")  # steady: the means as they are
     assert _robust(speed, None)[2] == ""
     # The 2026 handout's 10B: named where no row has it, with its status where its run failed.
-    assert _not_run(speed, timings, "2026") == " The handout's medium, large and 10B were not run."
+    assert _not_run(speed, timings, "2026") == (" The handout's medium, large and 10B (the sweep times the 2025 "
+                                                "handout's models; its fp32 weights and gradients alone would take "
+                                                "95.6 GiB) were not run.")
     failed = pd.concat([timings, pd.DataFrame([("10B", "fp32", "OOM")], columns=cols[:3])])
     assert _not_run(speed.assign(size=["small", "xl"]), failed, "2026").endswith("10B (OOM) were not run.")
     assert _not_run(pd.DataFrame({"size": ["small", "medium", "large", "xl", "2.7B"]}), timings, "2025") == ""
@@ -986,11 +988,12 @@ def test_mixed_precision_answer_quotes_the_fastest_steps_and_explains_the_means_
     assert ("(fp32 time / bf16 time) by each run's fastest step, since the means are noisy (standard deviation up "
             "to 37% of the mean, small bf16 forward): the forward pass 1.57× for small and 4.69× for 2.7B; the "
             "backward pass 1.34× and 5.03×. By the means, bf16 is slower in small forward 0.920×: a few slow bf16 "
-            "steps (the spread above), not the precision, since the same runs' fastest steps are faster in bf16. "
-            "The handout's medium, large and xl were not run.") in text  # the table's mean columns, explained
+            "steps (the spread above), not the precision, since the same runs' fastest steps are faster in bf16.") \
+        in text  # the table's mean columns, explained
+    assert text.count("The handout's medium, large and xl were not run.") == 1  # last, after the reasons
     assert columns[-2:] == ["forward_fastest_speedup", "backward_fastest_speedup"]
     text, _ = part_c("2026")
-    assert "4.69× for xl;" in text and "The handout's medium, large and 10B were not run." in text
+    assert "4.69× for xl;" in text and "The handout's medium, large and 10B (the sweep times" in text
 
 
 def test_fsdp_answer_discloses_the_course_fsdp_tests_that_fail(tmp_path) -> None:
@@ -1476,7 +1479,7 @@ def test_mixed_precision_names_a_larger_model_whose_bf16_pass_is_faster() -> Non
     speed = edition_rows(pd.DataFrame({"size": ["large", "xl", "2.7B"], "forward_bf16_ms": [70.0, 77.0, 85.0],
                                        "backward_bf16_ms": [84.0, 155.0, 141.0]}), "2025")
     assert _not_monotonic(speed).startswith("; not monotonically, though: 2.7B's bf16 backward (141 ms) is faster "
-                                            "than xl's (155 ms), a larger model in 32 layers against 48")
+                                            "than xl's (155 ms): the larger model has 32 layers to 48")
     assert _not_monotonic(speed.assign(backward_bf16_ms=[84.0, 130.0, 141.0])) == ""
 
 
@@ -1552,3 +1555,16 @@ def test_no_answer_text_loses_a_latex_command_to_a_python_escape() -> None:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and escaped.search(node.value):
                 found.append(f"{path.name}:{node.lineno} {node.value[:60]!r}")
     assert not found, found
+
+
+def test_mixed_precision_names_a_bf16_forward_as_long_as_its_backward() -> None:
+    """A bf16 forward that takes as long as its backward, where fp32's takes about half, is the host's time:
+    named with both pairs; a size whose forward keeps fp32's proportion is not."""
+    from cs336_systems.experiments.mixed_precision import _host_bound_forward
+
+    timings = pd.DataFrame({"size": ["small", "small", "medium", "medium"], "precision": ["fp32", "bf16"] * 2,
+                            "forward_mean_ms": [19.4, 14.8, 52.5, 39.1], "backward_mean_ms": [37.9, 31.3, 104.3, 38.5]})
+    text = _host_bound_forward(timings)
+    assert "medium's bf16 forward takes as long as its backward (39.1 ms against 38.5 ms), where in fp32 it takes " \
+        "50% of it" in text and "small" not in text
+    assert _host_bound_forward(timings.assign(forward_mean_ms=[19.4, 14.8, 52.5, 20.0])) == ""

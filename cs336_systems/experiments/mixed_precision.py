@@ -208,12 +208,12 @@ def _not_monotonic(speed: pd.DataFrame) -> str:
     phase, small, large = found[0]
     layers = {r.size: get_config(str(r.preset)).num_layers for r in (small, large)}
     return (f"; not monotonically, though: {large.size}'s bf16 {phase} ({fmt.ms(getattr(large, f'{phase}_bf16_ms'))})"
-            f" is faster than {small.size}'s ({fmt.ms(getattr(small, f'{phase}_bf16_ms'))}), a larger model in "
-            f"{layers[large.size]} layers against {layers[small.size]}: fewer, larger kernels, where bf16's faster "
-            "matmuls leave per-kernel overheads more exposed in the deeper model.")
+            f" is faster than {small.size}'s ({fmt.ms(getattr(small, f'{phase}_bf16_ms'))}): the larger model has "
+            f"{layers[large.size]} layers to {layers[small.size]}, so fewer, larger kernels, while bf16's faster "
+            "matmuls leave the deeper model's per-kernel overheads more exposed.")
 
 
-NOISY = 0.2  # a standard deviation, as a share of the mean, past which a phase's means blur the trend
+NOISY = 0.1  # a standard deviation, as a share of the mean, past which a phase's means blur the trend
 
 
 def _fastest(timings: pd.DataFrame | None, phase: str = "forward") -> pd.DataFrame | None:
@@ -299,8 +299,49 @@ def _not_run(speed: pd.DataFrame, timings: pd.DataFrame | None, edition: str) ->
     failed = {}
     if timings is not None and {"size", "status"} <= set(timings.columns):
         failed = {str(r["size"]): str(r["status"]) for _, r in timings.iterrows() if str(r["status"]) != "ok"}
-    parts = [f"{n} ({failed[n]})" if n in failed else n for n in missing]
+    parts = [f"{n} ({failed[n]})" if n in failed else n + _why_not(n, edition) for n in missing]
     return f" The handout's {join_words(parts)} {'was' if len(parts) == 1 else 'were'} not run."
+
+
+def _why_not(size: str, edition: str) -> str:
+    """Why the sweep has no row of a size of this edition's handout that the 2025 handout lacks (the sweep times
+    the 2025 table, which holds the other sizes of both): said so, with what its fp32 training state needs."""
+    from cs336_systems.configs import HANDOUT_SIZES, get_config, param_counts
+
+    try:
+        config = get_config(f"{size}@{edition}")
+    except (KeyError, ValueError):
+        return ""
+    shape = config.replace(name="")
+    if any(get_config(s).replace(name="") == shape for s in HANDOUT_SIZES):
+        return ""
+    n = param_counts(f"{size}@{edition}")["total"]
+    return (f" (the sweep times the 2025 handout's models; its fp32 weights and gradients alone would take "
+            f"{fmt.gib(8 * n)})")
+
+
+def _host_bound_forward(timings: pd.DataFrame | None) -> str:
+    """Sizes whose bf16 forward takes about as long as their bf16 backward (by the means), where fp32's takes
+    about half: the host issuing autocast's casts and kernels, not the GPU, sets that forward's time."""
+    cols = {"size", "precision", "forward_mean_ms", "backward_mean_ms"}
+    if timings is None or not cols <= set(timings.columns):
+        return ""
+    t = timings.set_index(["size", "precision"])
+    found = []
+    for size in dict.fromkeys(timings["size"]):
+        try:
+            bf16, fp32 = t.loc[(size, "bf16")], t.loc[(size, "fp32")]
+        except KeyError:
+            continue
+        if bf16["forward_mean_ms"] >= 0.9 * bf16["backward_mean_ms"] and \
+                fp32["forward_mean_ms"] <= 0.6 * fp32["backward_mean_ms"]:
+            found.append(f"{size}'s bf16 forward takes as long as its backward ({fmt.ms(bf16['forward_mean_ms'])} "
+                         f"against {fmt.ms(bf16['backward_mean_ms'])}), where in fp32 it takes "
+                         f"{fmt.pct(fp32['forward_mean_ms'] / fp32['backward_mean_ms'], 2)} of it")
+    if not found:
+        return ""
+    return (" Where the bf16 kernels finish sooner than the host issues them, autocast's extra casts and dispatches "
+            "set the time: " + "; ".join(found) + ".")
 
 
 def _other_machine(d: SectionData) -> str:
@@ -349,12 +390,11 @@ def answer(d: SectionData) -> list[Block]:
             f"Speed-up of bf16 autocast (fp32 time / bf16 time){why}: the forward pass "
             f"{effect(first['forward_speedup'])} for {first['size']} and {effect(last['forward_speedup'])} for "
             f"{last['size']}; the backward pass {effect(first['backward_speedup'])} and "
-            f"{effect(last['backward_speedup'])}.{_slower_by_the_mean(speed, robust)}"
-            f"{_not_run(speed, timings, d.edition)} Larger models "
+            f"{effect(last['backward_speedup'])}.{_slower_by_the_mean(speed, robust)} Larger models "
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
             "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
             "kernels (which autocast does not speed up and its casts add to) weigh more"
-            + (_not_monotonic(shown) or "."))
+            + (_not_monotonic(shown) or ".") + _host_bound_forward(timings) + _not_run(speed, timings, d.edition))
     noise = _noise_note(timings).strip()
     if speed_text is not None:
         speed_text = Text(speed_text.markdown + _other_machine(d))
