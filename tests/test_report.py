@@ -681,9 +681,11 @@ def test_memory_answer_names_the_tensors_not_file_and_line() -> None:
 
     data = SectionData(FIGURES_DIR, "memory_profiling")
     text = mp._largest_text(data.frame("largest_allocations"), data.meta("largest_allocations")).markdown
-    assert "`scores` = `Q @ K.transpose(-2, -1) / math.sqrt(d)` in `scaled_dot_product_attention`, a batch × heads " \
-           "× seq × seq tensor (4 × 32 × 512 × 512, fp32)" in text
+    assert "are 128 MiB, each a batch × heads × seq × seq tensor (4 × 32 × 512 × 512, fp32), made at 5 lines: " in text
+    assert "`scores` = `Q @ K.transpose(-2, -1) / math.sqrt(d)` in `scaled_dot_product_attention` (×64, twice per " \
+           "layer)" in text  # the product and its scaled copy: counted, and said per layer
     assert "model.py:" not in text
+    assert mp._per_layer(64, 32) == "twice per layer" and mp._per_layer(33, 32) == "33 over 32 layers"
 
 
 def test_bucketed_ddp_answer_says_what_was_expected_whether_it_held_and_what_setup_would_show_it() -> None:

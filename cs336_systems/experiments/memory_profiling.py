@@ -349,11 +349,15 @@ def answer(d: SectionData) -> list[Block]:
             grows = any(x.max() > 1 for x in ratios)
             # The handout asks whether it matters: yes where any peak moves by more than a tenth, else no.
             moved = max(max(abs(float(x.max()) - 1), abs(1 - float(x.min()))) for x in ratios)
+            up, down = max(float(x.max()) for x in ratios) - 1, 1 - min(float(x.min()) for x in ratios)
+            change = join_words(([f"raises some by up to {fmt.pct(up, 2)}"] if up > 0.10 else [])
+                                + ([f"lowers some by up to {fmt.pct(down, 2)}"] if down > 0.10 else []))
             verdict = ("Not significantly: no peak moves by more than 10%. " if moved <= 0.10 else
-                       f"Significantly for some peaks (up to {fmt.pct(moved, 2)}), little for others. ")
+                       f"For some peaks: mixed precision {change}, and moves the others by 10% or less. ")
             c_text = Text(verdict + "bf16 autocast changes the " + join_words(parts) + " (bf16 / fp32). Autocast keeps the "
                           "fp32 weights, gradients and optimizer state and adds bf16 copies of weights for the "
-                          "matmuls, so only the activations saved for backward shrink"
+                          "matmuls, so only the activations shrink (those saved for backward, or without autograd "
+                          "the transient ones, such as the attention scores)"
                           + ("; where the peak grows, those weight copies outweigh the smaller activations." if grows
                              else "; the saving grows with context length, where activations dominate."))
     modes = [m for m in _MODE_WORDS if fp32 is not None and f"{m}_peak_GiB" in fp32.columns]
@@ -478,9 +482,9 @@ def _shape_words(nbytes: float, meta: dict[str, Any]) -> str:
     return ""
 
 
-def _tensor_of(origin: str, nbytes: float, meta: dict[str, Any], code: bool = True) -> str:
-    """The tensor an allocation is, by the name its line of the model assigns (and its shape), not by file and
-    line number; ``code=False`` leaves out the markdown (for a table cell)."""
+def _tensor_of(origin: str, nbytes: float, meta: dict[str, Any], code: bool = True, shape: bool = True) -> str:
+    """The tensor an allocation is, by the name its line of the model assigns (and, with ``shape``, its shape),
+    not by file and line number; ``code=False`` leaves out the markdown (for a table cell)."""
     if origin.startswith("(no user frame"):
         return "no Python frame (inside autograd's backward or the optimizer's C++ code)"
     function = origin.split(" ", 1)[1] if " " in origin else origin
@@ -490,7 +494,7 @@ def _tensor_of(origin: str, nbytes: float, meta: dict[str, Any], code: bool = Tr
         return f"{q}{origin}{q}"
     name, line = found
     what = f"{q}{name}{q} = {q}{line.split('=', 1)[1].strip()}{q}" if name else f"{q}{line}{q}"
-    return f"{what} in {q}{function}{q}{_shape_words(nbytes, meta)}"
+    return f"{what} in {q}{function}{q}{_shape_words(nbytes, meta) if shape else ''}"
 
 
 def _largest_text(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -> Text | None:
@@ -501,18 +505,43 @@ def _largest_text(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -
     meta = meta or {}
     # three, or every site of the largest size where more share it (a reader counts what the answer omits)
     shown = max(3, int((df["size_MiB"] >= df["size_MiB"].max() - 1e-9).sum()))
+    top = df.head(shown)
+    config = (meta.get("extra") or {}).get("config") or []
+    which = (f" ({_MODE_WORDS.get(config[2], config[2])}, {config[0]}, context {int(config[1]):,})"
+             if len(config) == 3 else "")
+    if top["size_MiB"].nunique() == 1 and "count" in top.columns:  # one size: say it and its shape once
+        nbytes = float(top["size_MiB"].iloc[0]) * 2**20
+        size = (meta.get("params") or {}).get("size")
+        layers = _layers(str(size)) if size else None
+        sites = [f"{_tensor_of(str(r['origin']), nbytes, meta, shape=False)} (×{int(r['count'])}"
+                 + (f", {_per_layer(int(r['count']), layers)}" if layers else "") + ")" for _, r in top.iterrows()]
+        shape = _shape_words(nbytes, meta).replace(", a ", ", each a ", 1)
+        return Text(f"The largest allocations{which} are {fmt.mib(nbytes)}{shape}, made at {len(sites)} lines: "
+                    + "; ".join(sites) + ".")
     parts = [f"{fmt.mib(r['size_MiB'] * 2**20)}" + (f" ×{int(r['count'])}" if "count" in df.columns else "")
-             + f": {_tensor_of(str(r['origin']), r['size_MiB'] * 2**20, meta)}" for _, r in df.head(shown).iterrows()]
+             + f": {_tensor_of(str(r['origin']), r['size_MiB'] * 2**20, meta)}" for _, r in top.iterrows()]
     # the first frameless allocation says where such allocations come from; the others only that they have none
     seen = False
     for i, part in enumerate(parts):
         if "no Python frame" in part:
             parts[i] = part if not seen else part.split(" (inside")[0]
             seen = True
-    config = (meta.get("extra") or {}).get("config") or []
-    which = (f" ({_MODE_WORDS.get(config[2], config[2])}, {config[0]}, context {int(config[1]):,})"
-             if len(config) == 3 else "")
     return Text(f"The largest allocations{which}: " + "; ".join(parts) + ".")
+
+
+def _layers(preset: str) -> int | None:
+    try:
+        return get_config(preset).num_layers
+    except (KeyError, ValueError):
+        return None
+
+
+def _per_layer(count: int, layers: int) -> str:
+    """How often a line allocates per layer, in words ("once per layer", "twice per layer")."""
+    if count % layers:
+        return f"{count} over {layers} layers"
+    times = count // layers
+    return {1: "once", 2: "twice"}.get(times, f"{times} times") + " per layer"
 
 
 def _allocation_table(d: SectionData, name: str) -> pd.DataFrame | None:
