@@ -865,7 +865,11 @@ def test_memory_b_answers_inference_and_the_training_step_per_context_and_names_
     text = " ".join(getattr(x, "markdown", "") for x in b.blocks)
     assert ("in fp32: at context 128, inference forward 14.0 GiB, forward with autograd 16.0 GiB, training step "
             "52.0 GiB; at context 2048, inference forward 20.0 GiB.") in text
-    assert "Did not run: fp32 forward with autograd and fp32 training step at context 2048 (out of memory)" in text
+    assert "Ran out of memory: fp32 forward with autograd and fp32 training step at context 2048." in text
+    skipped = mp._failed_cells(pd.DataFrame(rows, columns=["mode", "context_length", "peak_GiB", "status"]).assign(
+        precision="fp32", status=["ok"] * 4 + ["OOM", "skipped (time budget)"]))
+    assert skipped == (" Ran out of memory: fp32 forward with autograd at context 2048. Not run: fp32 training step "
+                       "at context 2048 (skipped (time budget)).")
     assert "raises the forward's peak from 14.0 GiB to 16.0 GiB" in text
     assert "out of memory" in text
     table = next(x for x in b.blocks if hasattr(x, "frame"))
@@ -1570,3 +1574,14 @@ def test_mixed_precision_names_a_bf16_forward_as_long_as_its_backward() -> None:
     assert "medium's bf16 forward takes as long as its backward (39.1 ms against 38.5 ms), where in fp32 it takes " \
         "50% of it" in text and "small" not in text
     assert _host_bound_forward(timings.assign(forward_mean_ms=[19.4, 14.8, 52.5, 20.0])) == ""
+
+
+def test_nsys_grid_sentence_says_which_profiles_ran_out_of_memory() -> None:
+    """Out of memory is said as such (not "not run"); a grid that all ran says so once."""
+    from cs336_systems.experiments.nsys_profile import _grid_sentence
+
+    grid = pd.DataFrame({"size": ["small", "small", "large", "large"], "context_length": [128, 2048] * 2,
+                         "status": ["ok", "ok", "ok", "OOM"]})
+    assert _grid_sentence(grid) == ("Profiled: small and large at contexts 128 and 2,048, 3 of 4 configurations; out "
+                                    "of memory: large at 2,048. ")
+    assert _grid_sentence(grid.assign(status="ok")).endswith(", all 4 configurations. ")

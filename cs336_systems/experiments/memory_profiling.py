@@ -202,11 +202,13 @@ def _failed_cells(peaks: pd.DataFrame | None, precision: str | None = None) -> s
         bad = bad[bad["precision"] == precision]
     if bad.empty:
         return ""
-    groups = bad.groupby(["status", "context_length"], sort=True)
-    parts = [f"{join_words(sorted({f'{pr} {_MODE_WORDS.get(m, m)}' for pr, m in zip(g['precision'], g['mode'])}))}"
-             f" at context {int(c)} "
-             f"({'out of memory' if status == 'OOM' else status})" for (status, c), g in groups]
-    return " Did not run: " + "; ".join(parts) + "."
+    out = ""
+    for oom, cells in bad.groupby(bad["status"] == "OOM", sort=False):
+        parts = [f"{join_words(sorted({f'{pr} {_MODE_WORDS.get(m, m)}' for pr, m in zip(g['precision'], g['mode'])}))}"
+                 f" at context {int(c)}" + ("" if oom else f" ({status})")
+                 for (status, c), g in cells.groupby(["status", "context_length"], sort=True)]
+        out += (" Ran out of memory: " if oom else " Not run: ") + "; ".join(parts) + "."
+    return out
 
 
 def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str:

@@ -192,11 +192,15 @@ def _grid_sentence(df: pd.DataFrame | None) -> str:
     sizes = list(dict.fromkeys(df["size"].astype(str)))
     contexts = sorted({int(c) for c in df["context_length"]})
     failed = df[df["status"] != "ok"]
+    oom = failed[failed["status"] == "OOM"]
     cells = [f"{r['size']} at {int(r['context_length']):,} ({_status_words(r['status'])})"
-             for _, r in failed.iterrows()]
+             for _, r in failed.drop(oom.index).iterrows()]
     return (f"Profiled: {join_words(sizes)} at contexts {join_words([f'{c:,}' for c in contexts])}, "
-            f"{len(df) - len(failed)} of {len(df)} configurations"
-            + (f"; not run: {join_words(cells)}. " if cells else ", all of them. "))
+            + (f"{len(df) - len(failed)} of {len(df)} configurations" if len(failed) else f"all {len(df)} "
+               "configurations")
+            + (f"; out of memory: {join_words([f'{r.size} at {int(r.context_length):,}' for r in oom.itertuples()])}"
+               if len(oom) else "")
+            + (f"; not run: {join_words(cells)}" if cells else "") + ". ")
 
 
 def _profiles(summary: pd.DataFrame) -> pd.DataFrame:
