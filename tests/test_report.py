@@ -1585,3 +1585,22 @@ def test_nsys_grid_sentence_says_which_profiles_ran_out_of_memory() -> None:
     assert _grid_sentence(grid) == ("Profiled: small and large at contexts 128 and 2,048, 3 of 4 configurations; out "
                                     "of memory: large at 2,048. ")
     assert _grid_sentence(grid.assign(status="ok")).endswith(", all 4 configurations. ")
+
+
+def test_nsys_c_names_the_profiles_largest_non_matmul_kernels_and_their_operations() -> None:
+    """(c) lists the profile's own non-matmul kernels (not a guessed list), each with its share and, where the
+    kernel is known, the model's operation; matmuls and other configurations are left out."""
+    from cs336_systems.experiments.nsys_profile import _non_matmul
+
+    top = pd.DataFrame({
+        "size": ["xl"] * 4 + ["small"], "context_length": [512] * 4 + [512], "range": ["forward"] * 5,
+        "rank": [1, 2, 3, 4, 1], "percent": [70.0, 3.0, 2.0, 1.0, 9.0],
+        "category": ["matmul", "elementwise", "copy", "elementwise", "elementwise"],
+        "name": ["sm80_xmma_gemm_f32f32", "void at::native::elementwise_kernel<128, 2, DivFunctor<float> >(int)",
+                 "Memcpy DtoD (Device -> Device)", "void at::native::flip_kernel_impl<float>(int)",
+                 "void at::native::elementwise_kernel<128, 2, MulFunctor<float> >(int)"]})
+    row = pd.Series({"size": "xl", "context_length": 512, "matmul_percent_forward": 88.0})
+    text = _non_matmul(top, row)
+    assert text.startswith("non-matmul kernels take 12.0% of the forward kernel time; the largest are ")
+    assert "(the score scaling and the softmax's division)" in text and "Memcpy" in text and "MulFunctor" not in text
+    assert "gemm" not in text and _non_matmul(None, row) == ""

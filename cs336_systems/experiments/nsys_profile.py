@@ -285,21 +285,19 @@ def answer(d: SectionData) -> list[Block]:
         return d.table("summary", caption=caption, frame=frame)
 
     a = b = c = dd = e = a_more = None
-    tallies: list[tuple[str, str]] = []
     if row is not None:
         ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
         device = short_device(d.meta("summary"))
-        a = Text("The GPU machines have no Nsight Systems, so these profiles come from PyTorch's profiler, which "
-                 "reads the same CUDA kernel records (CUPTI) that nsys does. "
-                 + _grid_sentence(summary) + f"For {where} on the {device} the profiler's kernels sum to "
-                 f"{fmt.ms(row['profiled_forward_kernels_ms'])} per forward "
-                 f"pass against {fmt.ms(row['python_forward_ms'])} from the Python timer (the profiled and the timed "
-                 "passes are different passes of one process); over all configurations the kernel time is "
-                 f"{fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed forward pass. Below 100% the "
-                 "GPU idles between kernels (launch overhead, which dominates small models and short contexts), "
-                 "time the Python timer sees and the kernel sum does not"
-                 + ("; above 100% the profiled passes ran slower than the timed ones (on one stream a pass cannot "
-                    "spend longer in kernels than it lasts)." if ratios.max() > 1 else "."))
+        a = Text(f"For {where} on the {device} the profiled kernels sum to "
+                 f"{fmt.ms(row['profiled_forward_kernels_ms'])} per forward pass against "
+                 f"{fmt.ms(row['python_forward_ms'])} from the Python timer; over all {len(ratios)} profiles the "
+                 f"kernels take {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed pass, the rest "
+                 "being the GPU idle between kernels (launch overhead, most at small models and short contexts)"
+                 + ("; above 100% the profiled passes ran slower than the timed ones (different passes of one "
+                    "process)." if ratios.max() > 1 else ".")
+                 + " The profiles come from PyTorch's profiler, which reads the same CUDA kernel records (CUPTI) "
+                 "as Nsight Systems, absent on these machines."
+                 + (" " + _grid_sentence(summary).strip() if (summary["status"] != "ok").any() else ""))
         a_more = " ".join(x for x in (_reconciled(d), _longest_fit(summary)) if x) or None
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
@@ -311,12 +309,14 @@ def answer(d: SectionData) -> list[Block]:
         b = Text(f"For {where} the kernel with the most GPU time in the forward pass is "
                  f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
-                 + (f"; {same}." if same else "."))
-        c = Text(f"For {where}, the largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
-                 f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time; elementwise kernels "
-                 "(softmax pieces, SwiGLU's SiLU and product, RMSNorm, RoPE, masking) each read and write whole "
-                 "activations for few FLOPs, so they are memory bound and take time out of proportion to "
-                 "their FLOPs.")
+                 + (f"; {same}." if same else ".")
+                 + _across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel"))
+        c = Text(f"For {where}, " + (_non_matmul(top, row) or
+                 f"the largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
+                 f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time")
+                 + ": elementwise kernels that read and write whole activations for a few FLOPs each, so they are "
+                 "memory bound and take time out of proportion to their FLOPs."
+                 + _across(summary, "top_non_matmul_kernel", "top_non_matmul_percent", "the largest non-matmul kernel"))
         dd = _matmul_shares(summary)
         per_flop = row["softmax_to_matmul_time"] / row["softmax_to_matmul_flops"]
         e = Text(f"For {where}, attention's softmax takes {fmt.ratio(row['softmax_to_matmul_time'])} the time of "
@@ -325,12 +325,7 @@ def answer(d: SectionData) -> list[Block]:
                  + (f": the matmuls are compute-bound GEMMs ({_gemm_kind(row['top_forward_kernel'])}) that "
                     "reuse each loaded element many times, while the softmax reads and writes the whole score "
                     "matrix several times for a few FLOPs per element and is limited by memory bandwidth."
-                    if per_flop > 1 else "."))
-        # The same questions over every profile: the appendix's.
-        tallies = [(label, said.strip()) for label, said in (
-            ("b", _across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel")),
-            ("c", _across(summary, "top_non_matmul_kernel", "top_non_matmul_percent", "the largest non-matmul kernel")),
-            ("e", _softmax_across(summary).strip())) if said.strip()]
+                    if per_flop > 1 else ".") + _softmax_across(summary))
     grid = [part("Forward time: Python timer vs. the sum of profiled kernels.", "python_forward_ms",
                  "python_forward_std_ms", "profiled_forward_kernels_ms", "profiled_step_kernels_ms"),
             part("Top kernels of the forward pass.", "top_forward_kernel", "top_kernel_calls_per_forward",
@@ -356,7 +351,6 @@ def answer(d: SectionData) -> list[Block]:
         Text("", role=BEYOND_HANDOUT),
         *([question(d, "a", "The timed forward passes against the other sections', and the longest contexts.",
                     [Text(a_more)])] if a_more else []),
-        *[question(d, label, "The same over every profile.", [Text(said)]) for label, said in tallies],
         *([Text("The ten largest kernels behind (b) and (c), and the matmul share behind (d).")]
           if row is not None else []),
         *[b for b in (_top_kernels(d, top, row),
@@ -364,6 +358,32 @@ def answer(d: SectionData) -> list[Block]:
         *([Text("Every size and context behind the answers (a), (b), (d) and (e) of this section.")]
           + [t for t in grid if t is not None] if any(t is not None for t in grid) else []),
     ]
+
+
+#: What the elementwise kernels of the model's forward compute, by a part of their short name.
+_KERNEL_OPS = (("DivFunctor", "the score scaling and the softmax's division"),
+               ("CUDAFunctor_add", "the residual additions"), ("masked_fill", "the causal mask"),
+               ("exp_kernel", "the softmax's exponential"),
+               ("direct_copy", "copies to contiguous memory"), ("silu", "SwiGLU's SiLU"))
+
+
+def _non_matmul(top: pd.DataFrame | None, row: pd.Series, n: int = 5) -> str:
+    """The largest non-matmul kernels of ``row``'s forward profile, with their share and (where known) the
+    model's operation, and all non-matmul kernels' share; "" without the kernel table."""
+    if top is None or not {"range", "rank", "name", "percent", "category"} <= set(top.columns):
+        return ""
+    mine = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
+               & (top["range"] == "forward") & (top["category"] != "matmul")].sort_values("rank").head(n)
+    if mine.empty:
+        return ""
+    parts = []
+    for _, r in mine.iterrows():
+        name = short_kernel(r["name"])
+        op = next((words for key, words in _KERNEL_OPS if key in name), None)
+        parts.append(f"`{name}` {fmt.pct(r['percent'] / 100)}" + (f" ({op})" if op else ""))
+    share = (f"non-matmul kernels take {fmt.pct(1 - row['matmul_percent_forward'] / 100)} of the forward kernel "
+             "time; the largest are " if "matmul_percent_forward" in row else "the largest non-matmul kernels are ")
+    return share + join_words(parts)
 
 
 def _gemm_kind(kernel: object) -> str:
