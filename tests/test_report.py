@@ -1404,13 +1404,13 @@ def test_nsys_answers_sum_up_every_profile() -> None:
 
 
 def test_the_2026_model_table_says_how_the_other_tables_name_its_models() -> None:
-    """2026's Table 1 names its models as its handout does; the sections that time the workbook's presets call
-    2026's xl "2.7B" and have a row "xl" that is 2025's: the model-size answer of the 2026 grid says so."""
+    """2026's Table 1 names its models as its handout does, and so do the other sections' tables of the 2026
+    writeup; the 2025 handout's xl, which some of them measure too, is named so: the model-size answer says it."""
     from cs336_systems.experiments.model_sizes import _names_elsewhere
 
     said = _names_elsewhere("2026")
-    assert "this handout's xl is their row 2.7B and its 10B is their row 10B@2026" in said
-    assert "their row xl is the 2025 handout's xl (1600/6400/48/25)" in said
+    assert said == (" The other sections name these models as this table does; one that also measures the 2025 "
+                    "handout's xl calls it CS336 2025's xl (1600/6400/48/25).")
     assert _names_elsewhere("2025") == _names_elsewhere("cse599o") == _names_elsewhere("") == ""
 
 
@@ -1604,3 +1604,11 @@ def test_nsys_c_names_the_profiles_largest_non_matmul_kernels_and_their_operatio
     assert text.startswith("non-matmul kernels take 12.0% of the forward kernel time; the largest are ")
     assert "(the score scaling and the softmax's division)" in text and "Memcpy" in text and "MulFunctor" not in text
     assert "gemm" not in text and _non_matmul(None, row) == ""
+
+
+def test_the_fsdp_gathers_table_names_the_model_as_the_writeups_handout_does() -> None:
+    from cs336_systems.experiments.fsdp_gathers import _named_for_the_handout
+
+    table = pd.DataFrame({"variant": ["xl@2026, bf16 compute, 2 ranks (rank 0)"], "span_ms": [150.3]})
+    assert _named_for_the_handout(table, "2026")["variant"].tolist() == ["xl, bf16 compute, 2 ranks (rank 0)"]
+    assert _named_for_the_handout(table, "2025")["variant"].tolist() == ["2.7B, bf16 compute, 2 ranks (rank 0)"]

@@ -161,6 +161,21 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
         d.figure("gathers_timeline", caption="Kernels of one FSDP training step on rank 0 by stream (compute grey, "
                  "communication red) under the phases the GPU ran; the forward's all-gathers are the red bars "
                  "beside its compute."),
-        d.table("gathers_summary", caption="The forward's all-gathers: kernel time, the part beside compute, and "
-                "how long compute waited for a gather (it resumed within 30 µs of the gather's end)."),
+        d.table("gathers_summary", frame=_named_for_the_handout(d.frame("gathers_summary"), d.edition),
+                caption="The forward's all-gathers: kernel time, the part beside compute, and how long compute "
+                "waited for a gather (it resumed within 30 µs of the gather's end)."),
     ]
+
+
+def _named_for_the_handout(summary: pd.DataFrame | None, edition: str) -> pd.DataFrame | None:
+    """The table with its variant labels' model named as this writeup's handout names it (``xl@2026`` -> ``xl``)."""
+    from cs336_systems.report.answers import handout_model
+
+    if summary is None or "variant" not in summary.columns:
+        return summary
+    def label(text: object) -> object:
+        if not isinstance(text, str) or "," not in text:
+            return text
+        model, rest = text.split(",", 1)
+        return f"{handout_model(model, edition)},{rest}"
+    return summary.assign(variant=summary["variant"].map(label))

@@ -218,11 +218,12 @@ def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str
     c = int(peaks[peaks["status"] == "OOM"]["context_length"].min())
     need = memory_breakdown(cfg, cfg.batch_size, c)
     scores = cfg.batch_size * cfg.num_heads * c * c * 4
-    return (f" At context {c} the calculator predicts {fmt.gib(need['total'])} for an fp32 training step, "
+    return (f" At context {c} our memory accounting predicts {fmt.gib(need['total'])} for an fp32 "
+            "training step, "
             f"{fmt.gib(need['activations'])} of it activations, against the {device}'s memory: naive attention "
             f"keeps batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block. "
-            "The calculator counts two such tensors per block (scores and probabilities); what autograd saves holds "
-            "three (the masked scores, their exponentials and the probabilities: the 2026 residual listing), so the "
+            "The accounting counts two such tensors per block (scores and probabilities); what autograd saves holds "
+            "three (the masked scores, their exponentials and the probabilities: §1.1.7's residual listing), so the "
             "true activations are larger still.")
 
 
@@ -286,7 +287,7 @@ def _train_peak_breakdown(peaks: pd.DataFrame | None, counted_gib: float | None 
         parts.append(f"context {int(c)}: {fmt.gib(acts * 2**30)} of activations, so {which} "
                      f"({fmt.gib(max(end_of_forward, optimizer) * 2**30)} predicted, "
                      f"{fmt.gib(float(train.loc[c, 'peak_GiB']) * 2**30)} measured)")
-    held = (f"the fp32 weights ({fmt.gib(counted_gib * 2**30)} of parameters by the calculator's count; the run had "
+    held = (f"the fp32 weights ({fmt.gib(counted_gib * 2**30)} of parameters by our count; the run had "
             f"{fmt.gib(weights * 2**30)} allocated before its forward, the inputs and other small allocations "
             "included)" if counted_gib else f"the {fmt.gib(weights * 2**30)} of fp32 weights")
     return (f" Between steps the training run holds {held} and AdamW's two "

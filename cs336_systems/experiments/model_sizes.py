@@ -100,18 +100,18 @@ SECTION = Section(
 
 
 def _names_elsewhere(edition: str) -> str:
-    """For an edition whose table renames the workbook's models: how the other sections' tables, which time the
-    workbook's presets, name this table's models, and which of their rows is another handout's model."""
+    """For an edition whose table renames the workbook's models: that the other sections' tables use this table's
+    names, and how they name the 2025 handout's model of a clashing name (``CS336 2025's xl``)."""
+    from cs336_systems.report.answers import handout_model, join_words
+
     if not edition or edition not in configs.HANDOUT_SIZES_BY_EDITION or len(configs.HANDOUT_SIZES_BY_EDITION[edition]) < 2:
         return ""
     mine = [n for n in configs.HANDOUT_SIZES_BY_EDITION[edition] if "@" in n]
     if not mine:
         return ""
-    workbook = {configs.model_shape(n): n for n in configs.HANDOUT_SIZES}
-    rows = [f"its {n.partition('@')[0]} is their row {workbook.get(configs.model_shape(n), n)}" for n in mine]
     clashes = [n for n in configs.HANDOUT_SIZES if n in {m.partition("@")[0] for m in mine}]
-    clash = ", and ".join(
-        f"their row {n} is the 2025 handout's {n} ({'/'.join(str(v) for v in configs.model_shape(n))})"
-        for n in clashes)
-    return (" Where other sections' tables time the workbook's presets under the 2025 handout's names, this handout's "
-            + " and ".join(rows).removeprefix("its ") + (f"; {clash}" if clash else "") + ".")
+    named = join_words([f"{handout_model(n, edition)} ({'/'.join(str(v) for v in configs.model_shape(n))})"
+                        for n in clashes])
+    return (" The other sections name these models as this table does"
+            + (f"; one that also measures the 2025 handout's {join_words(clashes)} calls it {named}." if clashes
+               else "."))

@@ -373,7 +373,7 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "b", "The compiled Transformer end to end: forward, and forward + backward + optimizer step.",
                  [b_text, d.table("model_speedup", frame=shown,
                                   caption="Vanilla vs. compiled model (ms per step, the two alternating in one "
-                                          "process on the same weights), fp32, and both as model TFLOP/s and MFU."
+                                          "process on the same weights), fp32, and each one's MFU."
                                           + mfu_note(d.meta("model_speedup")))],
                  what="compiled vs eager model timings"),
         Text("", role=BEYOND_HANDOUT),  # the tables above, plotted

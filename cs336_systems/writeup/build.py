@@ -209,7 +209,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
     preamble = _preamble(root, f"writeup-{edition}.html") + [
         Text(f"This document answers {editions.handout_name(edition)}, in its order and under its numbers. "
              "It reads the same results as `writeup.pdf`, the workbook's full writeup; where a result answers "
-             f"the other edition's wording, a note at the top of the section says how, and how to refresh it. "
+             f"the other edition's wording, a note at the top of the section says how. "
              "Answers cite this document's numbers; a section it does not have is cited as `writeup.pdf`'s:"),
         Text("\n".join(rows)),
     ]
