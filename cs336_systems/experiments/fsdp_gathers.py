@@ -61,24 +61,33 @@ def _idle_text(d: SectionData) -> Text | None:
         "larger gathers, or capturing the step in a CUDA graph (not measured here).")
 
 
-def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) -> str:
-    """The forward's all-gathers against §2.1's latency-bandwidth fit: a ring all-gather of S bytes in all
-    over p ranks takes (p-1)·alpha + (p-1)/p·S/B per call set; kernel time far above that is waiting."""
+def _predicted_gather_ms(d: SectionData, model: str, world: Any, dtype: Any, r: Any) -> tuple[float, float] | None:
+    """§2.1's latency-bandwidth fit for the forward's all-gathers: a ring all-gather of S bytes in all over p ranks
+    takes (p-1)·alpha + (p-1)/p·S/B per call set. ``(predicted ms, bytes gathered)``, None without the fit."""
     from cs336_systems.experiments.ddp_common import published_fit
 
     try:
         p, width = int(world), {"bf16": 2, "fp16": 2, "fp32": 4}[str(dtype)]
         psi = param_counts(accounting.ladder_config(model))["total"]
     except (KeyError, TypeError, ValueError):
-        return ""
+        return None
     fit = published_fit(d.sibling("distributed_communication_single_node"), world_size=p) if p > 1 else None
     if fit is None or "alpha_us" not in fit or not r["gathers"]:
-        return ""
+        return None
     bandwidth = fit["w"] * 2 * (p - 1) / p  # back to the fit's B per rank
-    predicted = (int(r["gathers"]) * (p - 1) * fit["alpha_us"] * 1e-6 + (p - 1) / p * psi * width / bandwidth) * 1e3
+    return (int(r["gathers"]) * (p - 1) * fit["alpha_us"] * 1e-6 + (p - 1) / p * psi * width / bandwidth) * 1e3, \
+        psi * width
+
+
+def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) -> str:
+    """The forward's all-gathers against §2.1's fit: kernel time far above it is waiting."""
+    found = _predicted_gather_ms(d, model, world, dtype, r)
+    if found is None:
+        return ""
+    predicted, nbytes = found
     if float(r["gather_ms"]) < 2 * predicted:
         return f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers, close to what their kernels took."
-    return (f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(psi * width / 1e9)} GB gathered "
+    return (f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(nbytes / 1e9)} GB gathered "
             f"in {int(r['gathers'])} calls); their kernels took {fmt.ratio(float(r['gather_ms']) / predicted)} "
             "that. An NCCL kernel also counts the time it waits for the other rank to arrive, and the other rank "
             "runs the same launch-bound forward, so this kernel time is an upper bound on the transfer; which part "
@@ -110,11 +119,18 @@ def host_paced(d: SectionData) -> Text | None:
     forward = tl[(tl["kind"] != "phase") & (tl["start_ms"] < float(r["span_ms"]))]
     if not len(forward):
         return None
+    meta = d.meta("gathers_summary")
+    params, extra = meta.get("params", {}), meta.get("extra", {})
+    found = _predicted_gather_ms(d, extra.get("model", params.get("gathers_model", "?")),
+                                 (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), r)
+    link = (f" The link would carry the gathers in {fmt.ms(found[0])} (§2.1's fit), yet their kernels took "
+            f"{fmt.ms(r['gather_ms'])}: an NCCL kernel also waits for the other rank, whose forward is as "
+            "launch-bound." if found is not None and float(r["gather_ms"]) >= 2 * found[0] else "")
     return Text(
         f"Compute ran {fmt.ms(r['compute_ms'])} of the forward's {fmt.ms(r['span_ms'])}, and rank 0's host issued a "
         f"kernel every {fmt.sig(float(r['span_ms']) / len(forward) * 1e3, 2)} µs (the profiler adds host time to "
-        "every operator): the forward is paced by the hosts' launches, not by the link. Fewer, larger gathers or a "
-        "CUDA graph of the forward would shorten it (not measured here).")
+        "every operator): the forward is paced by the hosts' launches, not by the link." + link
+        + " Fewer, larger gathers or a CUDA graph of the forward would shorten it (not measured here).")
 
 
 def gathers_blocks(d: SectionData) -> list[Block | None]:
