@@ -295,8 +295,9 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "residuals", "What one TransformerBlock saves for backward: the five largest producing "
                  "ops and their share, eager and compiled.", [
             res_text,
-            grad_text,
-            measured,
+            # the gradients, expected and measured, are one paragraph (the handout allows two in all)
+            Text(grad_text.markdown + " " + measured.markdown) if grad_text is not None and measured is not None
+            else grad_text or measured,
             d.figure("backward_memory", caption="Allocated memory as the backward pass enters and leaves each block "
                      "(read in module backward hooks, where Nsight Systems would show it between NVTX ranges).")
             if measured is not None else None,

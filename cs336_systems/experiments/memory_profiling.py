@@ -261,8 +261,7 @@ def _training_shape(peaks: pd.DataFrame | None) -> str:
     parts = [("at context " + join_words([f"{c:,}" for c in where]) + " " if both else "") + words
              for where, words in present] or ["the backward then frees each block's activations while gradients appear"]
     return ("The training step starts higher (AdamW's two moments are resident after the warm-up step) and repeats "
-            "that ramp; " + "; ".join(parts) + ". It ends with the optimizer's small temporaries: each phase shows "
-            "in the shape alone.")
+            "that ramp; " + "; ".join(parts) + ", so each phase shows in the shape alone.")
 
 
 def _train_peak_breakdown(peaks: pd.DataFrame | None, counted_gib: float | None = None) -> str:
