@@ -481,7 +481,7 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
             preset = (bucketed.meta(own).get("params", {}).get("preset")
                       or _model_column(bucketed, own, "overhead_model") or "the benchmarked")
             blocks += [
-                Text(f"Fitted in the bucketed benchmark's own run ({preset} model, `{own}.json`): "
+                Text(f"Fitted to the bucketed benchmark's own steps ({preset} model): "
                      f"$o = {fmt.tex_sig(m['o_us'])}$ µs, $w = {fmt.tex_sig(m['w_GBps'])}$ GB/s, "
                      f"$s = {fmt.tex_sig(m['s_GB'] * 1e3)}$ MB of gradients:"),
                 Equation([(rf"n_b^* = {fmt.tex_sig(m.get('optimal_num_buckets', float('nan')))},\qquad "
