@@ -1060,7 +1060,7 @@ def test_a_code_problem_names_its_implementation_and_the_course_tests_outcome(tm
     text = implemented(SectionData(tmp_path, "ddp_bucketed"), "`DDPBucketed`", "cs336_systems/distributed/ddp_bucketed.py",
                        "tests/test_ddp_strategies.py", "test_ddp.py").markdown
     assert "`uv run pytest tests/test_ddp_strategies.py` checks it against single-process training" in text
-    assert "The course's `test_ddp.py`: 1 of 2 passed in the `2025` run (§4)." in text
+    assert "The course's `test_ddp.py`: 1 of 2 passed on the GPU (§4)." in text
     none = implemented(SectionData(tmp_path, "x"), "X", "x.py", "tests/t.py", "test_missing.py").markdown
     assert "runs through `tests/adapters.py`" in none
 
@@ -1359,12 +1359,12 @@ def test_implemented_reads_each_suite_s_own_file_for_a_problem(tmp_path) -> None
     d = SectionData(tmp_path, "ddp_overlap_individual")
     files = {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"}
     overlap = implemented(d, "x", "y.py", "t.py", files)
-    assert ("The course's `test_ddp_individual_parameters.py` (2025) and `test_ddp.py` (2026): 1 of 1 passed in the "
-            "`2025` run (§4).") in overlap.markdown  # the 2025 writeup cites the 2025 suite's runs
+    assert ("The course's `test_ddp_individual_parameters.py` (2025) and `test_ddp.py` (2026): 1 of 1 passed on the "
+            "GPU (§4).") in overlap.markdown  # the 2025 writeup cites the 2025 suite's runs
     twenty_six = implemented(SectionData(tmp_path, "ddp_overlap_individual", edition="2026"), "x", "y.py", "t.py", files)
-    assert "1 of 2 passed in the `2026-cpu` run (§4)." in twenty_six.markdown and "`2025` run" not in twenty_six.markdown
+    assert "1 of 2 passed on CPU (§4)." in twenty_six.markdown and "on the GPU" not in twenty_six.markdown
     bucketed = implemented(d, "x", "y.py", "t.py", {"2025": "test_ddp.py"})
-    assert "1 of 1 passed in the `2025` run (§4)." in bucketed.markdown and "2026" not in bucketed.markdown
+    assert "1 of 1 passed on the GPU (§4)." in bucketed.markdown and "2026" not in bucketed.markdown
     # an edition grid cites the runs its own §4 shows: CSE599-O's, which run the 2025 suite's files
     (tmp_path / "ddp_overlap_individual" / "cse599o").mkdir(parents=True)
     (folder / "cse599o").mkdir()
@@ -1372,7 +1372,7 @@ def test_implemented_reads_each_suite_s_own_file_for_a_problem(tmp_path) -> None
     (folder / "cse599o" / "cse599o-cpu.meta.json").write_text("{}")
     grid = implemented(SectionData(tmp_path, "ddp_overlap_individual/cse599o"), "x", "y.py", "t.py",
                        {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"}).markdown
-    assert grid.endswith(": 1 of 1 passed in the `cse599o-cpu` run (§4).") and "`2025` run" not in grid
+    assert grid.endswith(": 1 of 1 passed in the cse599o suite on CPU (§4).") and "on the GPU" not in grid
 
 
 def test_nsys_answers_sum_up_every_profile() -> None:
@@ -1439,7 +1439,7 @@ def test_a_course_test_skipped_on_cpu_is_not_counted_as_a_failure(tmp_path) -> N
         "tests/test_attention.py::test_flash_forward_pass_triton[True]": "skipped"}}))
     text = implemented(SectionData(tmp_path, "flash_benchmarking"), "ours", "x.py", "tests/x.py",
                        "test_attention.py").markdown
-    assert "1 of 2 passed (1 skipped, which need CUDA) in the `2025-cpu` run (§4)." in text
+    assert "1 of 2 passed (1 skipped, which need CUDA) on CPU (§4)." in text
 
 
 def test_model_rows_are_those_of_the_writeups_handout_under_its_names() -> None:

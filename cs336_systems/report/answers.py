@@ -235,6 +235,13 @@ def model_tflops(size: str, ms: float, context_length: int, mode: str = "train",
 _SUITE_FILES_OF = {"cse599o": "2025"}
 
 
+def _where_run(name: str, suite: str | None) -> str:
+    """A run of the course's suites in words: "on the GPU", "on CPU" (runs named ``-cpu``), and which handout's
+    suite where it is not the writeup's own."""
+    place = "on CPU" if name.endswith("-cpu") else "on the GPU"
+    return f" {place}" if suite is None else f" in the {suite} suite {place}"
+
+
 def implemented(d: SectionData, what: str, where: str, ours: str, course_file: str | dict[str, str],
                 against: str = "single-process training") -> Text:
     """A code problem's answer: where the implementation lives, the project's own tests of it, and the course's
@@ -258,7 +265,7 @@ def implemented(d: SectionData, what: str, where: str, ours: str, course_file: s
         if mine:
             passed, skipped = sum(v == "passed" for v in mine), sum(v == "skipped" for v in mine)
             outcomes.append(f"{passed} of {len(mine)} passed" + (f" ({skipped} skipped, which need CUDA)" if skipped
-                                                                 else "") + f" in the `{name}` run")
+                                                                 else "") + _where_run(name, None if own else suite))
     shown = f"`{course_file}`" if files is None else join_words([f"`{v}` ({k})" for k, v in files.items()])
     course = (f" The course's {shown}: " + join_words(outcomes) + " (§4)." if outcomes else
               f" The course's {shown} runs through `tests/adapters.py` (§4 has the command).")
