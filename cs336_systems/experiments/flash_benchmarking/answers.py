@@ -60,7 +60,7 @@ def answer(d: SectionData) -> list[Block]:
                  "for the second, which owns "
                  "a key block and accumulates $dK, dV$ over the query blocks; no two programs write the same "
                  "output and no atomics are needed. `FlashAttentionTriton`'s forward is a Triton kernel, or on "
-                 "Hopper (the H100 and H200 runs below) a warp-specialized Gluon kernel with TMA loads."),
+                 "Hopper GPUs (H100, H200) a warp-specialized Gluon kernel with TMA loads."),
             implemented(d, "`FlashAttentionPytorch` and `FlashAttentionTriton` (autograd functions, forward and "
                         "backward)", "cs336_systems/attention/", "tests/test_flash_attention.py",
                         "test_attention.py", against="regular attention in float64"),
