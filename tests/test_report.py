@@ -1612,3 +1612,24 @@ def test_the_fsdp_gathers_table_names_the_model_as_the_writeups_handout_does() -
     table = pd.DataFrame({"variant": ["xl@2026, bf16 compute, 2 ranks (rank 0)"], "span_ms": [150.3]})
     assert _named_for_the_handout(table, "2026")["variant"].tolist() == ["xl, bf16 compute, 2 ranks (rank 0)"]
     assert _named_for_the_handout(table, "2025")["variant"].tolist() == ["2.7B, bf16 compute, 2 ranks (rank 0)"]
+
+
+def test_memory_b_points_an_out_of_memory_step_to_the_checkpointed_one_that_fits(tmp_path) -> None:
+    """Where the fp32 training step ran out of memory at the context §1.1.7 checkpoints the same model at, (b) says
+    that the checkpointed step fits and at what peak; another model or context says nothing."""
+    from cs336_systems.experiments import memory_profiling as mp
+    from cs336_systems.report.data import SectionData
+
+    peaks = pd.DataFrame({"mode": ["train", "train"], "precision": ["fp32"] * 2, "context_length": [128, 2048],
+                          "status": ["ok", "OOM"]})
+    folder = tmp_path / "gradient_checkpointing"
+    folder.mkdir()
+    pd.DataFrame({"block_size": [0.0, 0.5, 1.0, 2.0], "status": ["OOM", "ok", "ok", "ok"],
+                  "peak_GiB": [None, 65.28, 65.28, 72.76]}).to_csv(folder / "checkpointing.csv", index=False)
+    params = {"preset": "xl@2026", "batch_size": 4, "context_length": 2048}
+    (folder / "checkpointing.meta.json").write_text(json.dumps({"params": params}))
+    d = SectionData(tmp_path, "memory_profiling")
+    assert mp._fits_checkpointed(d, "xl@2026", peaks) == (" With its blocks checkpointed the training step fits at "
+                                                          "context 2,048: a peak of 65.3 GiB (§1.1.7 (b)).")
+    assert mp._fits_checkpointed(d, "2.7B", peaks) == ""
+    assert mp._fits_checkpointed(d, "xl@2026", peaks.assign(status="ok")) == ""

@@ -211,6 +211,25 @@ def _failed_cells(peaks: pd.DataFrame | None, precision: str | None = None) -> s
     return out
 
 
+def _fits_checkpointed(d: SectionData, size: str, peaks: pd.DataFrame | None) -> str:
+    """Where the fp32 training step ran out of memory at a context §1.1.7's checkpointing sweep ran for the same
+    model and batch: that with checkpointing it fits, and at what peak (the sweep's lowest that ran)."""
+    if peaks is None or not {"status", "mode", "precision", "context_length"} <= set(peaks.columns):
+        return ""
+    oom = peaks[(peaks["status"] == "OOM") & (peaks["mode"] == "train") & (peaks["precision"] == "fp32")]
+    sibling = d.sibling("gradient_checkpointing")
+    sweep, params = sibling.frame("checkpointing"), (sibling.meta("checkpointing").get("params") or {})
+    if oom.empty or sweep is None or params.get("preset") != size or "peak_GiB" not in sweep.columns:
+        return ""
+    if int(params.get("context_length", -1)) not in set(oom["context_length"].astype(int)):
+        return ""
+    ran = sweep[(sweep["status"] == "ok") & (sweep["block_size"] > 0)] if "status" in sweep.columns else sweep
+    if ran.empty or int(params.get("batch_size", -1)) != get_config(size).batch_size:
+        return ""
+    return (f" With its blocks checkpointed the training step fits at context {int(params['context_length']):,}: "
+            f"a peak of {fmt.gib(float(ran['peak_GiB'].min()) * 2**30)} (§1.1.7 (b)).")
+
+
 def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str:
     """What the calculator predicts for the shortest context that ran out of memory."""
     if peaks is None or "status" not in peaks.columns or not (peaks["status"] == "OOM").any():
@@ -331,7 +350,7 @@ def answer(d: SectionData) -> list[Block]:
 
         b_text = Text(f"Peak memory of the {shown} model in fp32: " + "; ".join(
             cell(r) for _, r in fp32.iterrows()) + "." + _inference_note(fp32)
-            + f"{failed}" + _why_out_of_memory(peaks, cfg, device))
+            + f"{failed}" + _why_out_of_memory(peaks, cfg, device) + _fits_checkpointed(d, size, peaks))
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {shown} model on "
                       f"{device}.{failed}")
