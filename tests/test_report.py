@@ -1633,3 +1633,15 @@ def test_memory_b_points_an_out_of_memory_step_to_the_checkpointed_one_that_fits
                                                           "context 2,048: a peak of 65.3 GiB (§1.1.7 (b)).")
     assert mp._fits_checkpointed(d, "2.7B", peaks) == ""
     assert mp._fits_checkpointed(d, "xl@2026", peaks.assign(status="ok")) == ""
+
+
+def test_mixed_precision_table_shows_each_mean_with_its_spread() -> None:
+    from cs336_systems.experiments.mixed_precision import _with_spread
+
+    table = pd.DataFrame({"size": ["xl"], "forward_fp32_ms": [237.61], "forward_bf16_ms": [68.35],
+                          "forward_speedup": [3.48]})
+    timings = pd.DataFrame({"size": ["xl", "xl"], "precision": ["fp32", "bf16"], "forward_std_ms": [0.058, 11.8],
+                            "backward_std_ms": [0.2, 4.4]})
+    shown = _with_spread(table, timings)
+    assert shown.iloc[0].tolist() == ["xl", "237.6 ± 0.058", "68.35 ± 12", 3.48]
+    assert _with_spread(table, None) is table

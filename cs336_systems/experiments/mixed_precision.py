@@ -344,6 +344,23 @@ def _host_bound_forward(timings: pd.DataFrame | None) -> str:
             "set the time: " + "; ".join(found) + ".")
 
 
+def _with_spread(table: pd.DataFrame, timings: pd.DataFrame | None) -> pd.DataFrame:
+    """The speed-up table with each mean shown as ``mean ± standard deviation`` over the steps, from the timings it
+    was computed from: a reader sees which means are noisy."""
+    cols = {"size", "precision", "forward_std_ms", "backward_std_ms"}
+    if timings is None or not cols <= set(timings.columns):
+        return table
+    std = timings.set_index(["size", "precision"])
+    out = table.copy()
+    for phase in ("forward", "backward"):
+        for prec in ("fp32", "bf16"):
+            mean = f"{phase}_{prec}_ms"
+            if mean in out.columns:
+                out[mean] = [f"{fmt.sig(m, 4)} ± {fmt.sig(std[f'{phase}_std_ms'].get((size, prec), float('nan')), 2)}"
+                             for size, m in zip(out["size"], out[mean])]
+    return out
+
+
 def _other_machine(d: SectionData) -> str:
     """Where §1.1.3's fp32 timings of the same models come from another GPU model than this section's: a clause
     saying so, since the agreement check compares only one machine's tables."""
@@ -379,7 +396,8 @@ def answer(d: SectionData) -> list[Block]:
     fastest_note = ""  # the table's columns by each run's fastest step, where the text quotes them
     if speed is not None and {"size", "forward_speedup", "backward_speedup"} <= set(speed.columns) and len(speed):
         shown, robust, why = _robust(speed, timings)
-        table = table.assign(**{f"{p}_fastest_speedup": shown[f"{p}_speedup"] for p in robust})
+        table = _with_spread(table, timings).assign(
+            **{f"{p}_fastest_speedup": shown[f"{p}_speedup"].to_numpy() for p in robust})
         fastest_note = "; `*_fastest_speedup`: by each run's fastest step" if robust else ""
         first, last = shown.iloc[0], shown.iloc[-1]
 
@@ -414,8 +432,9 @@ def answer(d: SectionData) -> list[Block]:
                      "fp16's: the statistics still belong in fp32.")]),
         question(d, "c", "Forward and backward timings with and without bf16 mixed precision, by model size.",
                  [speed_text, d.table("bf16_speedup", frame=table,
-                                      caption="fp32 vs. bf16 autocast, mean time per step and speed-up (fp32 time "
-                                              "/ bf16 time)" + fastest_note + ".")],
+                                      caption="fp32 vs. bf16 autocast, time per step (mean ± standard deviation) "
+                                              "and speed-up (fp32 time / bf16 time, by the means)" + fastest_note
+                                              + ".")],
                  what="bf16 vs fp32 timings by model size"),
         Text("", role=BEYOND_HANDOUT),  # the tables and plot behind the answers in words
         question(d, "a", "The ToyModel's tensors and their dtypes under fp16 autocast, as measured.", [
