@@ -57,9 +57,7 @@ def _xl_note(section: str) -> str:
 #: The 2026 handout (26.1.x) in its own order.
 EDITION_2026: tuple[Entry, ...] = (
     Entry("2.1.2", (), "model_sizes"),
-    Entry("2.1.3", ("benchmarking_script",), "benchmarking",
-          note="The grid times the models of both handouts' tables; this writeup shows this handout's: its xl "
-               "(2560/10240/32/32) and 10B beside small, medium and large, which the two share."),
+    Entry("2.1.3", ("benchmarking_script",), "benchmarking"),
     Entry("2.1.4", ("nsys_profile",), "nsys_profile",
           note="2026 asks for two sizes at three power-of-two contexts above 128 each, up to the longest that "
                "fits; until that grid is measured (`python -m cs336_systems.experiments nsys_profile --full "
