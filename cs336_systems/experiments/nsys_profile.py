@@ -203,6 +203,15 @@ def _grid_sentence(df: pd.DataFrame | None) -> str:
             + (f"; not run: {join_words(cells)}" if cells else "") + ". ")
 
 
+def _why_these_sizes(summary: pd.DataFrame) -> str:
+    """Where the grid profiles two sizes (the 2026 handout's choice of two): why a small and a large one."""
+    sizes = list(dict.fromkeys(summary["size"].astype(str)))
+    if len(sizes) != 2:
+        return ""
+    return (f" Two sizes, {sizes[0]} and {sizes[1]}: the smaller shows the launch overhead of short kernels, the "
+            "larger the matmuls that dominate at scale.")
+
+
 def _profiles(summary: pd.DataFrame) -> pd.DataFrame:
     return summary[summary["status"] == "ok"] if "status" in summary.columns else summary
 
@@ -284,7 +293,7 @@ def answer(d: SectionData) -> list[Block]:
                     frame[col] = frame[col].map(short_kernel)
         return d.table("summary", caption=caption, frame=frame)
 
-    a = b = c = dd = e = a_more = None
+    a = b = c = dd = e = a_more = intro = None
     if row is not None:
         ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
         device = short_device(d.meta("summary"))
@@ -294,10 +303,10 @@ def answer(d: SectionData) -> list[Block]:
                  f"kernels take {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed pass, the rest "
                  "being the GPU idle between kernels (launch overhead, most at small models and short contexts)"
                  + ("; above 100% the profiled passes ran slower than the timed ones (different passes of one "
-                    "process)." if ratios.max() > 1 else ".")
-                 + " The profiles come from PyTorch's profiler, which reads the same CUDA kernel records (CUPTI) "
-                 "as Nsight Systems, absent on these machines."
-                 + (" " + _grid_sentence(summary).strip() if (summary["status"] != "ok").any() else ""))
+                    "process)." if ratios.max() > 1 else "."))
+        intro = Text("The profiles come from PyTorch's profiler, which reads the same CUDA kernel records (CUPTI) as "
+                     "Nsight Systems, absent on these machines. " + _grid_sentence(summary).strip()
+                     + _why_these_sizes(summary))
         a_more = " ".join(x for x in (_reconciled(d), _longest_fit(summary)) if x) or None
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
@@ -334,6 +343,7 @@ def answer(d: SectionData) -> list[Block]:
                  "attention_softmax_ms", "softmax_to_matmul_time", "softmax_to_matmul_flops")]
     # An answer in words needs no "not measured yet": the tables and plot behind it continue in the appendix.
     return [
+        intro,
         question(d, "a", "Total forward time from the profiler, compared with the Python timer.", [a],
                  what=None if a else "profiled forward-pass time"),
         question(d, "b", "The kernel with the most cumulative GPU time in the forward pass; how often it runs; "
