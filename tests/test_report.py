@@ -1602,7 +1602,8 @@ def test_nsys_c_names_the_profiles_largest_non_matmul_kernels_and_their_operatio
     row = pd.Series({"size": "xl", "context_length": 512, "matmul_percent_forward": 88.0})
     text = _non_matmul(top, row)
     assert text.startswith("non-matmul kernels take 12.0% of the forward kernel time; the largest are ")
-    assert "(the score scaling and the softmax's division)" in text and "Memcpy" in text and "MulFunctor" not in text
+    assert "DivFunctor>` 3.00% (the softmax's division by its row sums)" in text and "Memcpy" in text
+    assert "MulFunctor" not in text  # another configuration's kernel
     assert "gemm" not in text and _non_matmul(None, row) == ""
 
 
@@ -1645,3 +1646,14 @@ def test_mixed_precision_table_shows_each_mean_with_its_spread() -> None:
     shown = _with_spread(table, timings)
     assert shown.iloc[0].tolist() == ["xl", "237.6 ± 0.058", "68.35 ± 12", 3.48]
     assert _with_spread(table, None) is table
+
+
+def test_nsys_attention_matmul_time_is_the_matmul_kernels_of_its_ranges() -> None:
+    """The scores' range also runs the scaling and the mask: those are counted apart, not as matmul time."""
+    from cs336_systems.experiments.nsys_profile import attention_products
+
+    scores = pd.DataFrame({"name": ["gemm", "mul", "masked_fill"], "total_ms": [10.0, 2.0, 3.0],
+                           "category": ["matmul", "elementwise", "elementwise"]})
+    final = pd.DataFrame({"name": ["gemm"], "total_ms": [9.0], "category": ["matmul"]})
+    assert attention_products([scores, final]) == (19.0, 5.0)
+    assert attention_products([scores.iloc[:0], final.iloc[:0]]) == (0.0, 0.0)

@@ -53,6 +53,17 @@ PRESETS = {
 }
 
 
+def attention_products(tables: list[pd.DataFrame]) -> tuple[float, float]:
+    """``(matmul ms, other ms)`` of the kernel tables of attention's two product ranges: the matmuls are their
+    matmul kernels; the scores' range also runs the 1/sqrt(d) scaling and the mask, elementwise passes over the
+    score matrix like the softmax's, which are the other part."""
+    products = pd.concat(tables)
+    if products.empty:
+        return 0.0, 0.0
+    matmul = float(products.loc[products["category"] == "matmul", "total_ms"].sum())
+    return matmul, float(products["total_ms"].sum()) - matmul
+
+
 def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
     """Profile each (size, context): a Python-timed forward pass and ``profile_steps`` full training steps
     under ``torch.profiler``, reduced to per-range kernel tables."""
@@ -79,8 +90,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
             export_chrome_trace(prof, SCRATCH_DIR / "traces" / f"{size}_ctx{context_length}_train.json")
         fwd = kernel_table(prof, "forward", per=n)
         step = kernel_table(prof, "step", per=n)
-        scores = kernel_table(prof, "computing attention scores", per=n)["total_ms"].sum()
-        final = kernel_table(prof, "final matmul", per=n)["total_ms"].sum()
+        matmul, scale_mask = attention_products(
+            [kernel_table(prof, r, per=n) for r in ("computing attention scores", "final matmul")])
         softmax = kernel_table(prof, "computing softmax", per=n)["total_ms"].sum()
         for name, table in (("forward", fwd), ("step", step)):
             top_rows.append(table.head(10).assign(size=size, context_length=context_length, range=name,
@@ -102,9 +113,10 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
             "top_non_matmul_percent": non_matmul.iloc[0]["percent"] if not non_matmul.empty else math.nan,
             "matmul_percent_forward": category_shares(fwd).get("matmul", 0.0),
             "matmul_percent_train_step": category_shares(step).get("matmul", 0.0),
-            "attention_matmul_ms": scores + final,
+            "attention_matmul_ms": matmul,
+            "attention_scale_mask_ms": scale_mask,
             "attention_softmax_ms": softmax,
-            "softmax_to_matmul_time": softmax / (scores + final) if scores + final else math.nan,
+            "softmax_to_matmul_time": softmax / matmul if matmul else math.nan,
             "softmax_to_matmul_flops": softmax_flops(heads, context_length, context_length) / matmul_flops,
         }
 
@@ -304,8 +316,9 @@ def answer(d: SectionData) -> list[Block]:
                  "being the GPU idle between kernels (launch overhead, most at small models and short contexts)"
                  + ("; above 100% the profiled passes ran slower than the timed ones (different passes of one "
                     "process)." if ratios.max() > 1 else "."))
-        intro = Text("The profiles come from PyTorch's profiler, which reads the same CUDA kernel records (CUPTI) as "
-                     "Nsight Systems, absent on these machines. " + _grid_sentence(summary).strip()
+        intro = Text("Nsight Systems is not installed on these machines, so we profiled with PyTorch's profiler, "
+                     "which reads the same CUDA kernel records (CUPTI); the model's NVTX ranges mark the same regions. "
+                     + _grid_sentence(summary).strip()
                      + _why_these_sizes(summary))
         a_more = " ".join(x for x in (_reconciled(d), _longest_fit(summary)) if x) or None
         step_top = None
@@ -334,13 +347,18 @@ def answer(d: SectionData) -> list[Block]:
                  + (f": the matmuls are compute-bound GEMMs ({_gemm_kind(row['top_forward_kernel'])}) that "
                     "reuse each loaded element many times, while the softmax reads and writes the whole score "
                     "matrix several times for a few FLOPs per element and is limited by memory bandwidth."
-                    if per_flop > 1 else ".") + _softmax_across(summary))
+                    if per_flop > 1 else ".")
+                 + ("" if "attention_scale_mask_ms" in row and pd.notna(row["attention_scale_mask_ms"]) else
+                    " (This run counted the score scaling and the mask, which share the scores' range, as matmul "
+                    "time, so the softmax's share is understated.)")
+                 + _softmax_across(summary))
     grid = [part("Forward time: Python timer vs. the sum of profiled kernels.", "python_forward_ms",
                  "python_forward_std_ms", "profiled_forward_kernels_ms", "profiled_step_kernels_ms"),
             part("Top kernels of the forward pass.", "top_forward_kernel", "top_kernel_calls_per_forward",
                  "top_kernel_percent", "top_non_matmul_kernel", "top_non_matmul_percent"),
             part("Attention's matmuls vs. its softmax, time and FLOPs.", "attention_matmul_ms",
-                 "attention_softmax_ms", "softmax_to_matmul_time", "softmax_to_matmul_flops")]
+                 "attention_scale_mask_ms", "attention_softmax_ms", "softmax_to_matmul_time",
+                 "softmax_to_matmul_flops")]
     # An answer in words needs no "not measured yet": the tables and plot behind it continue in the appendix.
     return [
         intro,
@@ -371,10 +389,13 @@ def answer(d: SectionData) -> list[Block]:
 
 
 #: What the elementwise kernels of the model's forward compute, by a part of their short name.
-_KERNEL_OPS = (("DivFunctor", "the score scaling and the softmax's division"),
-               ("CUDAFunctor_add", "the residual additions"), ("masked_fill", "the causal mask"),
-               ("exp_kernel", "the softmax's exponential"),
-               ("direct_copy", "copies to contiguous memory"), ("silu", "SwiGLU's SiLU"))
+#: An exact short name first (the broadcasting ``elementwise_kernel`` and the contiguous
+#: ``vectorized_elementwise_kernel`` of one functor are different operations of the model), else a part of it.
+_KERNEL_OPS = (("elementwise_kernel<DivFunctor>", "the softmax's division by its row sums"),
+               ("elementwise_kernel<CUDAFunctor_add>", "the softmax's subtraction of its row maxima"),
+               ("vectorized_elementwise_kernel<CUDAFunctor_add>", "the residual additions"),
+               ("masked_fill", "the causal mask"), ("exp_kernel", "the softmax's exponential"),
+               ("direct_copy", "copies to contiguous memory (the heads' transposes)"), ("silu", "SwiGLU's SiLU"))
 
 
 def _non_matmul(top: pd.DataFrame | None, row: pd.Series, n: int = 5) -> str:
@@ -389,7 +410,8 @@ def _non_matmul(top: pd.DataFrame | None, row: pd.Series, n: int = 5) -> str:
     parts = []
     for _, r in mine.iterrows():
         name = short_kernel(r["name"])
-        op = next((words for key, words in _KERNEL_OPS if key in name), None)
+        op = next((words for key, words in _KERNEL_OPS if key == name), None) or next(
+            (words for key, words in _KERNEL_OPS if "<" not in key and key in name), None)
         parts.append(f"`{name}` {fmt.pct(r['percent'] / 100)}" + (f" ({op})" if op else ""))
     share = (f"non-matmul kernels take {fmt.pct(1 - row['matmul_percent_forward'] / 100)} of the forward kernel "
              "time; the largest are " if "matmul_percent_forward" in row else "the largest non-matmul kernels are ")
