@@ -1657,3 +1657,23 @@ def test_nsys_attention_matmul_time_is_the_matmul_kernels_of_its_ranges() -> Non
     final = pd.DataFrame({"name": ["gemm"], "total_ms": [9.0], "category": ["matmul"]})
     assert attention_products([scores, final]) == (19.0, 5.0)
     assert attention_products([scores.iloc[:0], final.iloc[:0]]) == (0.0, 0.0)
+
+
+def test_memory_c_says_for_which_peaks_mixed_precision_matters(tmp_path) -> None:
+    """(c)'s verdict names the peaks that move by more than 10% and those that do not, and which way is in the
+    factors that follow."""
+    from cs336_systems.experiments import memory_profiling as mp
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "memory_profiling"
+    folder.mkdir()
+    rows = [(mode, 128, peak, prec) for mode, fp32, bf16 in (("inference", 13.0, 12.9), ("forward", 17.4, 22.1),
+                                                             ("train", 51.4, 51.0))
+            for prec, peak in (("fp32", fp32), ("bf16", bf16))]
+    pd.DataFrame(rows, columns=["mode", "context_length", "peak_GiB", "precision"]).assign(
+        status="ok", allocated_before_GiB=12.75).to_csv(folder / "peak_memory.csv", index=False)
+    (folder / "peak_memory.meta.json").write_text(json.dumps({"params": {"size": "2.7B"}, "device": "H200"}))
+    c = next(q for q in mp.answer(SectionData(tmp_path, "memory_profiling")) if getattr(q, "label", None) == "c")
+    text = " ".join(getattr(x, "markdown", "") for x in c.blocks)
+    assert text.startswith("Not significantly for the inference forward and training step peaks (within 10%); it "
+                           "moves the forward with autograd peak by up to 27%.")
