@@ -948,8 +948,8 @@ def test_mixed_precision_speedups_use_the_fastest_steps_where_the_means_are_nois
                           "forward_speedup": [0.8, 200 / 60], "backward_speedup": [40 / 30, 4.0]})
     shown, phases, why = _robust(speed, timings)
     assert phases == ["forward"]  # the backward steps are steady: their means stay
-    assert why == (" by each run's fastest step for the forward pass, since the means are noisy (standard deviation "
-                   "up to 40% of the mean, small bf16 forward)")
+    assert why == (" by each run's fastest step for the forward pass (the backward by its means), since the means "
+                   "are noisy (standard deviation up to 40% of the mean, small bf16 forward)")
     assert shown["forward_speedup"].tolist() == [1.9, 198 / 55] and shown["forward_bf16_ms"].tolist() == [10.0, 55.0]
     assert shown["backward_speedup"].tolist() == speed["backward_speedup"].tolist()
     assert _robust(speed, timings.assign(forward_std_ms=1.0)) == (speed, [], "")  # steady: the means as they are

@@ -271,7 +271,8 @@ def _robust(speed: pd.DataFrame, timings: pd.DataFrame | None) -> tuple[pd.DataF
         return speed, [], ""
     cv = pd.concat(noisy)
     phase, size, precision = cv.idxmax()
-    which = "" if len(noisy) == 2 else f" for the {next(iter(noisy))} pass"
+    steady = [p for p in ("forward", "backward") if p not in noisy]
+    which = "" if not steady else f" for the {next(iter(noisy))} pass (the {steady[0]} by its means)"
     return out, list(noisy), (f" by each run's fastest step{which}, since the means are noisy (standard deviation "
                               f"up to {fmt.pct(cv.max(), 2)} of the mean, {size} {precision} {phase})")
 
@@ -344,6 +345,17 @@ def _host_bound_forward(timings: pd.DataFrame | None) -> str:
             "set the time: " + "; ".join(found) + ".")
 
 
+def _setting(meta: dict[str, Any] | None) -> str:
+    """The run's batch, context and step counts, as a caption's clause (", batch 4, context 512, ...")."""
+    from cs336_systems.configs import HANDOUT_SIZES, get_config
+
+    params = (meta or {}).get("params") or {}
+    if not params.get("context_length"):
+        return ""
+    return (f", batch {get_config(HANDOUT_SIZES[0]).batch_size}, context {params['context_length']}, "
+            f"{params.get('warmup', '?')} warm-up and {params.get('steps', '?')} timed steps")
+
+
 def _with_spread(table: pd.DataFrame, timings: pd.DataFrame | None) -> pd.DataFrame:
     """The speed-up table with each mean shown as ``mean ± standard deviation`` over the steps, from the timings it
     was computed from: a reader sees which means are noisy."""
@@ -398,7 +410,7 @@ def answer(d: SectionData) -> list[Block]:
         shown, robust, why = _robust(speed, timings)
         table = _with_spread(table, timings).assign(
             **{f"{p}_fastest_speedup": shown[f"{p}_speedup"].to_numpy() for p in robust})
-        fastest_note = "; `*_fastest_speedup`: by each run's fastest step" if robust else ""
+        fastest_note = ("; fastest speed-up: fp32's fastest step / bf16's" if robust else "")
         first, last = shown.iloc[0], shown.iloc[-1]
 
         def effect(x: float) -> str:
@@ -432,9 +444,9 @@ def answer(d: SectionData) -> list[Block]:
                      "fp16's: the statistics still belong in fp32.")]),
         question(d, "c", "Forward and backward timings with and without bf16 mixed precision, by model size.",
                  [speed_text, d.table("bf16_speedup", frame=table,
-                                      caption="fp32 vs. bf16 autocast, time per step (mean ± standard deviation) "
-                                              "and speed-up (fp32 time / bf16 time, by the means)" + fastest_note
-                                              + ".")],
+                                      caption="fp32 vs. bf16 autocast, time per pass (mean ± standard deviation"
+                                              f"{_setting(d.meta('precision_timings'))}) and speed-up (fp32 time / "
+                                              "bf16 time, by the means)" + fastest_note + ".")],
                  what="bf16 vs fp32 timings by model size"),
         Text("", role=BEYOND_HANDOUT),  # the tables and plot behind the answers in words
         question(d, "a", "The ToyModel's tensors and their dtypes under fp16 autocast, as measured.", [
