@@ -256,7 +256,8 @@ def test_attention_probes_beyond_a_grid_that_fits_and_accounts_for_the_first_oom
     assert "at $T = 2\\,048$ the step peaked at 12,288 MiB against 8,192 MiB before the backward, 1.50×" in text
     assert "adds about 32 more $B \\times T \\times T$ fp32 tensors" in text  # 4,096 MiB of 128 MiB tensors
     assert "Measured before its backward" not in text  # the failed step read nothing before its backward
-    assert text.endswith("At $T = 4\\,096$ that is about 2,343 MiB, so the step ran out of memory in its backward.")
+    # at the configuration that did not fit: 1,562 MiB saved + 32 score-sized tensors of 512 MiB
+    assert text.endswith("At $T = 4\\,096$ that is about 17,946 MiB, so the step ran out of memory in its backward.")
     measured = {**acc, "probe": [*acc["probe"][:-1], {**acc["probe"][-1], "memory_before_backward_MiB": 1600.0}]}
     assert "Measured before its backward: 1,600 MiB, which fits the GPU's" in pa._backward_peak(measured).markdown
     assert "the first that runs out of memory is $d = 16$, $T = 4\\,096$ (batch 8), in its backward." in \

@@ -235,9 +235,10 @@ def _backward_peak(acc: dict[str, Any]) -> Text | None:
     if last is None or oom is None or not capacity:
         return None
     growth = last["peak_MiB"] / last["memory_before_backward_MiB"]
-    need = acc["terms_MiB"]["total"] * growth
     score_MiB = 4 * acc["batch_size"] * last["seq_len"] ** 2 / 2**20  # one fp32 B x T x T tensor one size below
     added = (last["peak_MiB"] - last["memory_before_backward_MiB"]) / score_MiB
+    # the same number of score-sized tensors at the configuration that did not fit, on top of its saved memory
+    need = acc["terms_MiB"]["total"] + round(added) * 4 * acc["batch_size"] * oom["seq_len"] ** 2 / 2**20
     measured = oom.get("memory_before_backward_MiB")
     return Text((f"Measured before its backward: {fmt.sig(measured, 4)} MiB, which fits the GPU's "
                  f"{fmt.sig(capacity, 4)} MiB. " if measured is not None and pd.notna(measured) else "")
@@ -303,14 +304,15 @@ def answer(d: SectionData) -> list[Block]:
                      _which_size(acc, d.meta("oom_accounting").get("device")) if isinstance(acc, dict)
                      and "terms_MiB" in acc else None,
                      Text("Eager attention keeps, per batch element, three $T\\times T$ fp32 tensors alive for the "
-                          "backward pass (the masked scores $S = QK^\\top/\\sqrt{d}$, their exponentials, and the "
-                          "probabilities $P$), a boolean $T\\times T$ causal mask, the row max and sum, and "
-                          "$Q, K, V$, the output $O$ and the upstream gradient ($T\\times d$ each):"),
+                          "backward pass (the scores $S = QK^\\top/\\sqrt{d}$ with the mask applied, their "
+                          "exponentials, and the probabilities $P$), the row max and sum, and $Q, K, V$, the output "
+                          "$O$ and the upstream gradient ($T\\times d$ each); and one boolean $T\\times T$ causal "
+                          "mask for the batch:"),
                      Equation([r"M_{\mathrm{saved}}(B, T, d) = 4B\,(3T^2 + 2T + 5Td) + T^2\ \mathrm{bytes}."]),
                      *acc_blocks,
                      Text("The $T^2$ terms dominate: doubling $T$ quadruples the memory, whatever $d$. "
                           "FlashAttention removes them by recomputing $S$ and $P$ tile by tile in the backward pass "
-                          "and saving only $O$ and the row-wise log-sum-exp $L$ ($T$ values), so the saved memory "
+                          "and saving, beyond its inputs $Q, K, V$, only $O$ and the row-wise log-sum-exp $L$ ($T$ values), so the saved memory "
                           "becomes linear in $T$." + (" The appendix checks the formula against every cell of "
                                                        "the grid." if d.frame("memory_accounting") is not None
                                                        else "")),
