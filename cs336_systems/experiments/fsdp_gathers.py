@@ -176,7 +176,8 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
         _idle_text(d),
         d.figure("gathers_timeline", caption="Kernels of one FSDP training step on rank 0 by stream (compute grey, "
                  "communication red) under the phases the GPU ran; the forward's all-gathers are the red bars "
-                 "beside its compute."),
+                 "beside its compute. Drawn from PyTorch's profiler (CUPTI kernel records) in place of an Nsight "
+                 "Systems screenshot: Nsight Systems is not installed on these machines."),
         d.table("gathers_summary", frame=_named_for_the_handout(d.frame("gathers_summary"), d.edition),
                 caption="The forward's all-gathers: kernel time, the part beside compute, and how long compute "
                 "waited for a gather (it resumed within 30 µs of the gather's end)."),

@@ -397,8 +397,9 @@ def _measured_gradients(table: pd.DataFrame | None, meta: dict | None, saved_byt
                else f"and the measurement is {fmt.ratio(written / expected)} of that, more than they account for")
     return Text(f"Measured: as the backward pass of a {len(table)}-block model of this shape crosses a block, the "
                 f"allocated memory drops by {fmt.sig(drop)} MiB (median over the blocks, "
-                f"{fmt.sig(float(table['drop_MiB'].min()))}–{fmt.sig(float(table['drop_MiB'].max()))}; the caching "
-                "allocator read in module backward hooks, where Nsight Systems would read it between NVTX ranges). "
+                f"{fmt.sig(float(table['drop_MiB'].min()))}–{fmt.sig(float(table['drop_MiB'].max()))}). Nsight "
+                "Systems is not installed on these machines, so in place of its screenshots the caching allocator "
+                "is read in module backward hooks as the backward enters and leaves each block (the figure). "
                 f"The block had saved {fmt.sig(freed)} MiB, its {fmt.sig(input_bytes / 2**20)} MiB input included, "
                 f"so its backward left {fmt.sig(written)} MiB of gradients behind. Expected: its weights' "
                 f"{fmt.sig(weights)} MiB, plus its input's {fmt.sig(input_bytes / 2**20)} MiB gradient, which the "
