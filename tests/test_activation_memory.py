@@ -113,8 +113,8 @@ def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> N
                           "peak_GiB": [None, 66.0, 74.7, None], "activation_peak_GiB": [None, 8.5, 17.2, None],
                           "step_ms": [None, 7000.0, 6600.0, None]})
     text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
-    assert ("Measured, the best is each block by sublayer (its attention and feed-forward branches checkpointed "
-            "separately): a peak of 66.0 GiB, 8.50 GiB of it allocated during the step above the 57.5 GiB held "
+    assert ("Best, measured: each block by sublayer (its attention and feed-forward branches checkpointed "
+            "separately), a peak of 66.0 GiB, 8.50 GiB of it allocated during the step above the 57.5 GiB held "
             "between steps (the fp32 weights and AdamW state are 38.1 GiB of it, the other 19.4 GiB are neither the "
             "model's nor the optimizer's;") in text
     # neighbours by the memory a segment size holds: the next coarser is 1 block; no checkpointing is the coarsest
@@ -150,7 +150,7 @@ def test_checkpointing_answer_reports_a_whole_block_win_when_the_model_predicted
                           "activation_peak_GiB": [23.0, 17.2, None], "step_ms": [7000.0, 6600.0, None]})
     table["peak_GiB"] = [80.7, 74.7, None]  # the same memory resident between steps in both rows
     text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
-    assert "Measured, the best is segments of 1 block: a peak of 74.7 GiB, 17.2 GiB of it allocated" in text
+    assert text.startswith("Best, measured: segments of 1 block, a peak of 74.7 GiB, 17.2 GiB of it allocated")
     assert "below one block, so the finest split should win" in text
     assert "checkpointing by sublayer: a peak of 80.7 GiB (23.0 GiB during the step)" in text
 
@@ -170,16 +170,16 @@ def test_checkpointing_answer_compares_on_the_steps_memory_and_names_a_row_with_
                           "peak_GiB": [None, 109.9, 71.9, 79.4], "activation_peak_GiB": [None, 27.0, 27.1, 34.6],
                           "step_ms": [None, 6174.0, 6242.0, 6378.0]})
     text = _best_segment(table, block_bytes=7990 * 2**20, input_bytes=80 * 2**20, preset="xl@2026").markdown
-    assert ("Measured, checkpointing by sublayer and segments of 1 block tie within 1%: segments of 1 block, a peak "
-            "of 71.9 GiB, 27.1 GiB of it allocated during the step above the 44.8 GiB held between steps") in text
+    assert ("Best, measured: checkpointing by sublayer and segments of 1 block, within 1% of each other; segments of 1 "
+            "block, a peak of 71.9 GiB, 27.1 GiB of it allocated during the step above the 44.8 GiB held between steps") in text
     assert ("Their neighbours: segments of 2 blocks: a peak of 79.4 GiB (34.6 GiB during the step); checkpointing "
             "by sublayer's own peak of 110 GiB is not comparable: it held 38.1 GiB more between steps, left from the "
             "out-of-memory run before it.") in text
     assert text.endswith("So at this shape splitting a block does not lower the step's peak.")
     clean = table.assign(peak_GiB=[None, 71.8, 71.9, 79.4])  # no leftovers: the lower one leads the tie
     assert _best_segment(clean, preset="xl@2026").markdown.startswith(
-        "Measured, checkpointing by sublayer and segments of 1 block tie within 1%: checkpointing by sublayer, a "
-        "peak of 71.8 GiB")
+        "Best, measured: checkpointing by sublayer and segments of 1 block, within 1% of each other; checkpointing by "
+        "sublayer, a peak of 71.8 GiB")
 
 
 def test_checkpointing_answer_names_memory_left_by_the_jobs_earlier_parts() -> None:
@@ -199,3 +199,18 @@ def test_checkpointing_answer_names_memory_left_by_the_jobs_earlier_parts() -> N
     assert "neither the model's" not in left
     clean = _best_segment(table.assign(leftover_GiB=[0.0, 0.0]), preset="xl@2026").markdown
     assert "the other 6.73 GiB are neither the model's nor the optimizer's" in clean
+
+
+def test_checkpointing_answer_leads_with_identical_peaks_then_neighbours_then_reasoning() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.gradient_checkpointing import _best_segment
+
+    table = pd.DataFrame({"block_size": [0, 0.5, 1, 2], "status": ["OOM", "ok", "ok", "ok"],
+                          "peak_GiB": [None, 65.28, 65.28, 72.76], "activation_peak_GiB": [None, 27.1, 27.1, 34.6],
+                          "step_ms": [None, 6178.0, 6249.0, 6386.0]})
+    text = _best_segment(table, block_bytes=7990 * 2**20, input_bytes=80 * 2**20, preset="xl@2026").markdown
+    assert text.startswith("Best, measured: checkpointing by sublayer and segments of 1 block, which peak "
+                           "identically; checkpointing by sublayer, a peak of 65.3 GiB")
+    neighbours, reasoning = text.index("Their neighbours: segments of 2 blocks"), text.index("Segments of $k$ blocks")
+    assert neighbours < reasoning and "This is the model table's xl, with 32 heads" in text

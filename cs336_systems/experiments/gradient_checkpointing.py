@@ -493,9 +493,9 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
     group = [k, *(float(x) for x in tied["block_size"])]
     names = join_words([_segment_name(x, short=True) for x in sorted(group, key=_memory_order)])
     identical = not tied.empty and float((tied["peak_GiB"] - best["peak_GiB"]).abs().max()) < 2**-10
-    lead = (f"Measured, the best is {_segment_name(k)}: a peak" if tied.empty else
-            f"Measured, {names} peak identically: {_segment_name(k, short=True)}, a peak" if identical else
-            f"Measured, {names} tie within {TIE:.0%}: {_segment_name(k, short=True)}, a peak")
+    lead = (f"Best, measured: {_segment_name(k)}, a peak" if tied.empty else
+            f"Best, measured: {names}, which peak identically; {_segment_name(k, short=True)}, a peak" if identical
+            else f"Best, measured: {names}, within {TIE:.0%} of each other; {_segment_name(k, short=True)}, a peak")
     measured = (f"{lead} of {fmt.sig(best['peak_GiB'])} GiB, {fmt.sig(best['activation_peak_GiB'])} GiB of "
                 f"it allocated during the step above the {fmt.sig(held)} GiB held between steps{owned}; one step "
                 f"takes {fmt.sig(best['step_ms'] / 1e3)} s.")
@@ -527,7 +527,11 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
         said += _where_the_peak_is(sweep[sweep["block_size"].isin(group)])
     elif reasoning and SUBLAYER not in sizes:
         said += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
-    return Text(reasoning + measured + said)
+    # the answer first (the strategy and its measured peak, its neighbours), then the reasoning and what it missed
+    first, _, rest = said.partition(". ") if said.startswith(" Their neighbours") or said.startswith(" Its neigh") \
+        else ("", "", said)
+    return Text(measured + (first + "." if first else "") + (" " + reasoning.strip() if reasoning else "")
+                + ((" " + rest.strip()) if rest.strip() else ""))
 
 
 def _per_block(sweep: pd.DataFrame, block_bytes: float | None) -> str:
@@ -561,7 +565,7 @@ def _where_the_peak_is(tied: pd.DataFrame) -> str:
         if float(tied["backward_peak_GiB"].max() - tied["backward_peak_GiB"].min()) < 2**-10:  # the same moment
             return (" The peak is set while the last segment is recomputed, late in the backward, when nearly "
                     "every gradient exists and most checkpoints are freed (a memory snapshot of each step puts "
-                    "both in the first block's attention backward): there the two hold the same tensors, that "
+                    "both peaks in the first block's attention backward): there the two hold the same tensors, that "
                     "block's input, its recomputed attention residuals and the attention backward's score-sized "
                     "temporaries, so the hypothesis fails: splitting a block lowers the memory earlier in the "
                     "backward, not its peak.")
