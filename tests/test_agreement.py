@@ -80,11 +80,13 @@ def test_an_answer_reconciles_its_shared_cells_with_the_other_sections(tmp_path)
     _two_sections(tmp_path, 446.0)
     differ = agreement.reconcile(tmp_path, "mixed_precision", "precision_timings", "The fp32 forwards")
     assert differ.startswith("The fp32 forwards differ from the same configurations measured elsewhere "
-                             "(benchmarking/timings) by up to 81% (xl fp32 context 512: 1.81× theirs)")
+                             "(benchmarking) by up to 81% (xl fp32 context 512: 1.81× theirs)")
     agree = tmp_path / "agree"
     _two_sections(agree, 250.0)
     assert agreement.reconcile(agree, "benchmarking", "timings", "They") == \
-        "They agree with the same configurations measured elsewhere (mixed_precision/precision_timings) within 5%."
+        "They agree with the same configurations measured elsewhere (mixed_precision) within 5%."
+    named = agreement.reconcile(agree, "benchmarking", "timings", "They", lambda folder: f"§{len(folder)}")
+    assert named == "They agree with the same configurations measured elsewhere (§15) within 5%."
     assert agreement.reconcile(agree, "nsys_profile", "summary", "They") is None
 
 

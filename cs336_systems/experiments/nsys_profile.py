@@ -259,7 +259,13 @@ def _reconciled(d: SectionData) -> str | None:
     """How this section's Python-timed forwards compare with §1.1.3's, §1.1.5's and §1.3's of the same models."""
     from cs336_systems.report.agreement import reconcile
 
-    return reconcile(d.root, d.folder, "summary", "The Python-timed forward passes")
+    from cs336_systems.experiments import SECTIONS
+
+    def section(folder: str) -> str:
+        spec = SECTIONS.get(folder.split("/")[0])
+        return f"§{spec.number}" if spec is not None else folder
+
+    return reconcile(d.root, d.folder, "summary", "The Python-timed forward passes", section)
 
 
 def _matmul_shares(summary: pd.DataFrame) -> Text:
@@ -315,12 +321,13 @@ def answer(d: SectionData) -> list[Block]:
                  f"kernels take {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed pass, the rest "
                  "being the GPU idle between kernels (launch overhead, most at small models and short contexts)"
                  + ("; above 100% the profiled passes ran slower than the timed ones (different passes of one "
-                    "process)." if ratios.max() > 1 else "."))
+                    "process)." if ratios.max() > 1 else ".")
+                 + (" " + _reconciled(d) if _reconciled(d) else ""))
         intro = Text("Nsight Systems is not installed on these machines, so we profiled with PyTorch's profiler, "
                      "which reads the same CUDA kernel records (CUPTI); the model's NVTX ranges mark the same regions. "
                      + _grid_sentence(summary).strip()
                      + _why_these_sizes(summary))
-        a_more = " ".join(x for x in (_reconciled(d), _longest_fit(summary)) if x) or None
+        a_more = _longest_fit(summary) or None
         step_top = None
         if top is not None and {"range", "rank", "name"} <= set(top.columns):
             sel = top[(top["size"] == row["size"]) & (top["context_length"] == row["context_length"])
@@ -361,7 +368,7 @@ def answer(d: SectionData) -> list[Block]:
                  "softmax_to_matmul_flops")]
     # An answer in words needs no "not measured yet": the tables and plot behind it continue in the appendix.
     return [
-        intro,
+        *([intro] if intro is not None else []),
         question(d, "a", "Total forward time from the profiler, compared with the Python timer.", [a],
                  what=None if a else "profiled forward-pass time"),
         question(d, "b", "The kernel with the most cumulative GPU time in the forward pass; how often it runs; "

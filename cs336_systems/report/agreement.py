@@ -267,10 +267,11 @@ def disagreements(root: Path, shared: tuple[Shared, ...] = SHARED, tolerance: fl
     return sorted(out, key=lambda d: -d.spread)
 
 
-def reconcile(root: Path, folder: str, table: str, what: str) -> str | None:
+def reconcile(root: Path, folder: str, table: str, what: str,
+              name: Callable[[str], str] = lambda folder: folder) -> str | None:
     """One sentence for an answer: how this table's shared cells compare with the other sections' measurements
-    of the same configurations (``what`` names them, e.g. "The Python-timed forward passes"); ``None`` when no
-    other section measures them."""
+    of the same configurations (``what`` names them, e.g. "The Python-timed forward passes"; ``name`` names a
+    section by its results folder, e.g. as "§1.1.3"); ``None`` when no other section measures them."""
     groups: dict[Key, list[Cell]] = {}
     for cell in shared_cells(root):
         groups.setdefault(cell.key, []).append(cell)
@@ -281,11 +282,13 @@ def reconcile(root: Path, folder: str, table: str, what: str) -> str | None:
         if mine and theirs:
             reference = sorted(c.value for c in theirs)[len(theirs) // 2]
             ratios += [(c.value / reference, c.row) for c in mine if reference > 0]
-            others |= {f"{c.folder}/{c.table}" for c in theirs}
+            others |= {name(c.folder) for c in theirs}
     if not ratios:
         return None
     worst, row = max(ratios, key=lambda r: abs(r[0] - 1))
-    sources = ", ".join(sorted(others))
+    from cs336_systems.report.fmt import join_words
+
+    sources = join_words(sorted(others))
     if abs(worst - 1) <= TOLERANCE:
         return (f"{what} agree with the same configurations measured elsewhere ({sources}) within "
                 f"{abs(worst - 1):.0%}.")

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from cs336_systems.report import fmt
+from cs336_systems.report.fmt import join_words  # noqa: F401 (answers.join_words: the sections import it from here)
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Figure, Missing, Question, Table, Text
 
@@ -150,14 +151,6 @@ def edition_models(df: pd.DataFrame | None, edition: str, column: str = "model")
     if df is None or column not in df.columns:
         return df
     return df.assign(**{column: [handout_model(str(x), edition) for x in df[column]]})
-
-
-def join_words(items: list[str]) -> str:
-    """``["a", "b", "c"]`` → ``"a, b and c"``."""
-    items = [str(i) for i in items]
-    if len(items) <= 1:
-        return "".join(items)
-    return ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def subset(df: pd.DataFrame | None, *columns: str) -> pd.DataFrame | None:

@@ -87,3 +87,11 @@ def cell(v: Any, digits: int = 4) -> str:
             return f"{int(f):,}"
         return sig(f, digits)
     return str(v)
+
+
+def join_words(items: list[str]) -> str:
+    """``["a", "b", "c"]`` → ``"a, b and c"``."""
+    items = [str(i) for i in items]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
