@@ -127,3 +127,25 @@ def test_each_further_block_per_segment_is_set_against_one_blocks_residuals() ->
     assert text == " Each further block per segment adds 7.49 GiB to the peak (1 to 8 blocks), about one block's " \
         "residuals (7.80 GiB)."
     assert gc._per_block(sweep.iloc[:3], 7990 * 2**20) == ""
+
+
+def test_the_sweep_table_drops_the_forward_backward_peak_where_it_is_the_steps_peak() -> None:
+    """Rows that ran out of memory (no peaks) do not keep a column that equals the peak in every row that ran."""
+    from cs336_systems.report.data import SectionData
+
+    class Data(SectionData):
+        def __init__(self, frame: pd.DataFrame) -> None:
+            self._frame = frame
+
+        def frame(self, name: str) -> pd.DataFrame:
+            return self._frame
+
+        def meta(self, name: str) -> dict:
+            return {}
+
+    sweep = pd.DataFrame({"block_size": [0.0, 1.0, 2.0], "status": ["OOM", "ok", "ok"],
+                          "peak_GiB": [None, 65.28, 72.76], "activation_peak_GiB": [None, 27.1, 34.6],
+                          "backward_peak_GiB": [None, 65.28, 72.76], "step_ms": [None, 6249.0, 6386.0]})
+    assert "fwd_bwd_peak_GiB" not in gc._shown_sweep(Data(sweep)).columns
+    apart = sweep.assign(backward_peak_GiB=[None, 60.0, 72.76])
+    assert "fwd_bwd_peak_GiB" in gc._shown_sweep(Data(apart)).columns

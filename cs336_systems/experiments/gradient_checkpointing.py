@@ -585,7 +585,8 @@ def _shown_sweep(d: SectionData) -> pd.DataFrame | None:
                                    "backward_peak_GiB", "step_ms", "MFU_pct"))
     if frame is None:
         return None
-    if "backward_peak_GiB" in frame and ((frame["peak_GiB"] - frame["backward_peak_GiB"]).abs() < 2**-10).all():
+    ran = frame.dropna(subset=["peak_GiB", "backward_peak_GiB"]) if "backward_peak_GiB" in frame else frame.iloc[:0]
+    if len(ran) and ((ran["peak_GiB"] - ran["backward_peak_GiB"]).abs() < 2**-10).all():
         frame = frame.drop(columns="backward_peak_GiB")  # the step peaked in its forward and backward: no new column
     return frame.rename(columns={"activation_peak_GiB": "above_held_GiB", "backward_peak_GiB": "fwd_bwd_peak_GiB"})
 
