@@ -149,3 +149,7 @@ def test_the_sweep_table_drops_the_forward_backward_peak_where_it_is_the_steps_p
     assert "fwd_bwd_peak_GiB" not in gc._shown_sweep(Data(sweep)).columns
     apart = sweep.assign(backward_peak_GiB=[None, 60.0, 72.76])
     assert "fwd_bwd_peak_GiB" in gc._shown_sweep(Data(apart)).columns
+
+
+def test_the_attention_residuals_are_named_beside_their_producing_ops() -> None:
+    assert gc._SAVED_AS["div"] == " (the probabilities)" and "mm" not in gc._SAVED_AS  # named only where certain

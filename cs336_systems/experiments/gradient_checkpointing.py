@@ -280,7 +280,8 @@ def answer(d: SectionData) -> list[Block]:
     _, total_c = _top(d, "residuals_compiled")
     res_text = None
     if top is not None and len(top):
-        ops = ", ".join(f"{r['op']} {fmt.sig(r['bytes'] / 2**20)} MiB ({r['share']:.0%})" for _, r in top.iterrows())
+        ops = ", ".join(f"{r['op']}{_SAVED_AS.get(str(r['op']), '')} {fmt.sig(r['bytes'] / 2**20)} MiB "
+                        f"({r['share']:.0%})" for _, r in top.iterrows())
         res_text = Text(f"One block saves {fmt.sig(total / 2**20)} MiB for backward (its input and weights "
                         f"excluded); the largest producers are {ops}."
                         + (f" Compiled with `torch.compile`, the same block saves {fmt.sig(total_c / 2**20)} MiB."
@@ -341,6 +342,11 @@ def answer(d: SectionData) -> list[Block]:
 
 #: The heads of the block in the 2026 handout's residual snippet (§3.2), which reports 3,651 MiB compiled.
 SNIPPET_HEADS = 16
+
+
+#: The tensor a producing op's saved output is in the naive attention (the softmax's exponentials and quotient,
+#: the scores with the mask applied), named beside the op.
+_SAVED_AS = {"exp": " (the exponentials)", "masked_fill": " (the masked scores)", "div": " (the probabilities)"}
 
 
 def _against_the_snippet(meta: dict | None) -> str:
