@@ -165,7 +165,9 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.configs import param_counts  # noqa: E402 (answers only)
-from cs336_systems.report.answers import edition_rows, mfu_note, subset, with_mfu  # noqa: E402 (answers only)
+from cs336_systems.report.agreement import in_run_mode  # noqa: E402 (answers only)
+from cs336_systems.report.answers import (  # noqa: E402 (answers only)
+    batch_and_context, edition_rows, mfu_note, subset, with_mfu)
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
@@ -200,8 +202,8 @@ def answer(d: SectionData) -> list[Block]:
                                                              "optimizer_std_ms", "total_mean_ms", "tokens_per_s",
                                                              "TFLOP_per_s", "MFU_pct", "peak_memory_GiB"),
                                      caption=f"Time per step by model size and phase ({_mode(d.meta('timings'))} "
-                                             f"steps, {_batch_and_context(d.meta('timings'))}); total: the whole step from the "
-                                             "first synchronize to the last, the phases plus `zero_grad` and the "
+                                             f"steps, {batch_and_context(d.meta('timings'))}); total: the whole "
+                                             "step from the first synchronize to the last, the phases plus `zero_grad` and the "
                                              "host's time between them, so a little more than their sum."
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
@@ -225,14 +227,6 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
-def _in_run_mode(ok: pd.DataFrame) -> pd.Series:
-    """Which rows were timed in the run's mode (the others in a lighter one, :data:`LIGHTER`; tables from before
-    the ``timed_mode`` column timed every row in it)."""
-    if "out_of_memory" not in ok.columns:
-        return pd.Series(True, index=ok.index)
-    return ok["out_of_memory"].isna()
-
-
 def _lighter_shown(df: pd.DataFrame | None) -> pd.DataFrame | None:
     """The table as shown: a size timed in a lighter mode than the run's says so in its status."""
     if df is None or "out_of_memory" not in df.columns:
@@ -251,19 +245,20 @@ _MODE_SHOWN = {"inference": "forward (no autograd)", "forward": "forward", "forw
 def _lighter_sentence(ok: pd.DataFrame) -> str:
     """For the sizes a training step did not fit: what ran out of memory, why, and the pass that was timed."""
     parts = []
-    for _, r in ok[~_in_run_mode(ok)].iterrows():
+    for _, r in ok[~in_run_mode(ok)].iterrows():
         timed = [ph for ph in ("forward", "backward") if pd.notna(r.get(f"{ph}_mean_ms"))]
         times = " and ".join(f"its {ph} {fmt.ms(r[f'{ph}_mean_ms'])}" for ph in timed)
         no_grad = " under `torch.no_grad`, since even the activations a backward needs did not fit" \
             if r["timed_mode"] == "inference" else ""
         why = _state_note(r["size"], "OOM") if r["out_of_memory"] == "train" else ""
-        parts.append(f"{r['size']}'s {_MODE_SHOWN[r['out_of_memory']]} ran out of memory{why}; timed {_MODE_SHOWN[r['timed_mode']]} only{no_grad}: {times}")
+        parts.append(f"{r['size']}'s {_MODE_SHOWN[r['out_of_memory']]} ran out of memory{why}; timed "
+                     f"{_MODE_SHOWN[r['timed_mode']]} only{no_grad}: {times}")
     return (" " + "; ".join(parts) + ".") if parts else ""
 
 
 def _timing_sentence(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -> Text | None:
     all_ok = ok_rows(df)
-    ok = all_ok[_in_run_mode(all_ok)] if not all_ok.empty else all_ok
+    ok = all_ok[in_run_mode(all_ok)] if not all_ok.empty else all_ok
     if ok.empty or not {"forward_mean_ms", "backward_mean_ms"} <= set(ok.columns):
         return None
     phases = [ph for ph in ("forward", "backward", "optimizer") if f"{ph}_mean_ms" in ok.columns]
@@ -300,14 +295,6 @@ def _noisy_cells(cv: pd.Series, ok: pd.DataFrame, above: float = 0.1) -> str:
         name = "the optimizer step's" if phase == "optimizer" else f"the {phase} pass's"
         parts.append(f"{name} {lo if lo == hi else f'{lo}–{hi}'} for {sizes}")
     return join_words(parts)
-
-
-def _batch_and_context(meta: dict[str, Any] | None) -> str:
-    """The batch and context a run timed (every preset's batch is the handout's, 4)."""
-    from cs336_systems.configs import HANDOUT_SIZES, get_config
-
-    context = ((meta or {}).get("params") or {}).get("context_length")
-    return f"batch {get_config(HANDOUT_SIZES[0]).batch_size}, context {context}" if context else "the handout's batch"
 
 
 def _mode(meta: dict[str, Any] | None) -> str:

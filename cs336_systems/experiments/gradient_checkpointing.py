@@ -527,17 +527,14 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                               f"{fmt.sig(resident[row.name] - usual)} GiB more between steps, left from the "
                               + ("out-of-memory run" if before != "ok" else "run") + " before it")
     said = f" {'Its' if tied.empty else 'Their'} neighbours: {'; '.join(neighbours)}." if neighbours else ""
-    sizes = set(ordered)
-    said += _per_block(sweep, block_bytes)
+    # what the measurement showed beyond the neighbours: the growth per block and where the peak is
+    shown = _per_block(sweep, block_bytes)
     if SUBLAYER in group and len(group) > 1:
-        said += _where_the_peak_is(sweep[sweep["block_size"].isin(group)])
-    elif reasoning and SUBLAYER not in sizes:
-        said += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
+        shown += _where_the_peak_is(sweep[sweep["block_size"].isin(group)])
+    elif reasoning and SUBLAYER not in set(ordered):
+        shown += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
     # the answer first (the strategy and its measured peak, its neighbours), then the reasoning and what it missed
-    first, _, rest = said.partition(". ") if said.startswith(" Their neighbours") or said.startswith(" Its neigh") \
-        else ("", "", said)
-    return Text(measured + (first + "." if first else "") + (" " + reasoning.strip() if reasoning else "")
-                + ((" " + rest.strip()) if rest.strip() else ""))
+    return Text(measured + said + (" " + reasoning.strip() if reasoning else "") + shown)
 
 
 def _per_block(sweep: pd.DataFrame, block_bytes: float | None) -> str:

@@ -185,7 +185,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
-from cs336_systems.report.answers import edition_rows, mfu_note, model_tflops, with_mfu  # noqa: E402 (answers only)
+from cs336_systems.report.answers import (  # noqa: E402 (answers only)
+    batch_and_context, edition_preset, edition_rows, mfu_note, model_tflops, with_mfu)
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
@@ -307,16 +308,12 @@ def _not_run(speed: pd.DataFrame, timings: pd.DataFrame | None, edition: str) ->
 def _why_not(size: str, edition: str) -> str:
     """Why the sweep has no row of a size of this edition's handout that the 2025 handout lacks (the sweep times
     the 2025 table, which holds the other sizes of both): said so, with what its fp32 training state needs."""
-    from cs336_systems.configs import HANDOUT_SIZES, get_config, param_counts
+    from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, param_counts
 
-    try:
-        config = get_config(f"{size}@{edition}")
-    except (KeyError, ValueError):
+    preset = next((p for p in HANDOUT_SIZES_BY_EDITION.get(edition, ()) if p.partition("@")[0] == size), None)
+    if preset is None or edition_preset(preset, "2025") is not None:
         return ""
-    shape = config.replace(name="")
-    if any(get_config(s).replace(name="") == shape for s in HANDOUT_SIZES):
-        return ""
-    n = param_counts(f"{size}@{edition}")["total"]
+    n = param_counts(preset)["total"]
     return (f" (the sweep times the 2025 handout's models; its fp32 weights and gradients alone would take "
             f"{fmt.gib(8 * n)})")
 
@@ -347,13 +344,11 @@ def _host_bound_forward(timings: pd.DataFrame | None) -> str:
 
 def _setting(meta: dict[str, Any] | None) -> str:
     """The run's batch, context and step counts, as a caption's clause (", batch 4, context 512, ...")."""
-    from cs336_systems.configs import HANDOUT_SIZES, get_config
-
     params = (meta or {}).get("params") or {}
     if not params.get("context_length"):
         return ""
-    return (f", batch {get_config(HANDOUT_SIZES[0]).batch_size}, context {params['context_length']}, "
-            f"{params.get('warmup', '?')} warm-up and {params.get('steps', '?')} timed steps")
+    return (f", {batch_and_context(meta)}, {params.get('warmup', '?')} warm-up and {params.get('steps', '?')} "
+            "timed steps")
 
 
 def _with_spread(table: pd.DataFrame, timings: pd.DataFrame | None) -> pd.DataFrame:

@@ -322,7 +322,7 @@ def answer(d: SectionData) -> list[Block]:
                  "being the GPU idle between kernels (launch overhead, most at small models and short contexts)"
                  + ("; above 100% the profiled passes ran slower than the timed ones (different passes of one "
                     "process)." if ratios.max() > 1 else ".")
-                 + (" " + _reconciled(d) if _reconciled(d) else ""))
+                 + (f" {matches}" if (matches := _reconciled(d)) else ""))
         intro = Text("Nsight Systems is not installed on these machines, so we profiled with PyTorch's profiler, "
                      "which reads the same CUDA kernel records (CUPTI); the model's NVTX ranges mark the same regions. "
                      + _grid_sentence(summary).strip()

@@ -235,10 +235,13 @@ def _backward_peak(acc: dict[str, Any]) -> Text | None:
     if last is None or oom is None or not capacity:
         return None
     growth = last["peak_MiB"] / last["memory_before_backward_MiB"]
-    score_MiB = 4 * acc["batch_size"] * last["seq_len"] ** 2 / 2**20  # one fp32 B x T x T tensor one size below
-    added = (last["peak_MiB"] - last["memory_before_backward_MiB"]) / score_MiB
+
+    def score_MiB(seq: int) -> float:  # one fp32 B x T x T tensor
+        return 4 * acc["batch_size"] * seq**2 / 2**20
+
+    added = (last["peak_MiB"] - last["memory_before_backward_MiB"]) / score_MiB(last["seq_len"])
     # the same number of score-sized tensors at the configuration that did not fit, on top of its saved memory
-    need = acc["terms_MiB"]["total"] + round(added) * 4 * acc["batch_size"] * oom["seq_len"] ** 2 / 2**20
+    need = acc["terms_MiB"]["total"] + round(added) * score_MiB(oom["seq_len"])
     measured = oom.get("memory_before_backward_MiB")
     return Text((f"Measured before its backward: {fmt.sig(measured, 4)} MiB, which fits the GPU's "
                  f"{fmt.sig(capacity, 4)} MiB. " if measured is not None and pd.notna(measured) else "")
@@ -312,8 +315,8 @@ def answer(d: SectionData) -> list[Block]:
                      *acc_blocks,
                      Text("The $T^2$ terms dominate: doubling $T$ quadruples the memory, whatever $d$. "
                           "FlashAttention removes them by recomputing $S$ and $P$ tile by tile in the backward pass "
-                          "and saving, beyond its inputs $Q, K, V$, only $O$ and the row-wise log-sum-exp $L$ ($T$ values), so the saved memory "
-                          "becomes linear in $T$." + (" The appendix checks the formula against every cell of "
+                          "and saving, beyond its inputs $Q, K, V$, only $O$ and the row-wise log-sum-exp $L$ "
+                          "($T$ values), so the saved memory becomes linear in $T$." + (" The appendix checks the formula against every cell of "
                                                        "the grid." if d.frame("memory_accounting") is not None
                                                        else "")),
                  ], what=None if acc_blocks else "the memory accounting"),

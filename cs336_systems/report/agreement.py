@@ -27,6 +27,8 @@ from typing import Any
 
 import pandas as pd
 
+from cs336_systems.report.fmt import join_words
+
 #: Two sections' values of one cell may differ by this fraction of the smaller before they disagree.
 TOLERANCE = 0.10
 #: ... and by more than this many standard deviations of each of the two runs, summed: one, so a difference is
@@ -104,20 +106,21 @@ def _model_forward(column: str, *, precision: str | None = None, context: str | 
     return cells
 
 
-def _timed_mode(mode: str, equal: bool = True) -> Callable[[pd.DataFrame], pd.Series]:
-    """§1.1.3's rows timed in ``mode`` (``equal``) or in another: a size too large for the run's mode is timed in
-    a lighter one (``timed_mode``; tables from before that column timed every row in the run's mode)."""
-    def where(f: pd.DataFrame) -> pd.Series:
-        if "timed_mode" not in f:
-            return pd.Series(equal == (mode == "train"), index=f.index)
-        return (f["timed_mode"] == mode) == equal
-    return where
+# §1.1.3 times a size too large for its run's mode in a lighter one (``timed_mode``, and ``out_of_memory`` the mode
+# that did not fit); tables from before those columns timed every row in the run's mode.
+
+def in_run_mode(f: pd.DataFrame) -> pd.Series:
+    """The rows of a §1.1.3 table timed in its run's mode."""
+    return f["out_of_memory"].isna() if "out_of_memory" in f else pd.Series(True, index=f.index)
+
+
+def _with_autograd(f: pd.DataFrame) -> pd.Series:
+    return f["timed_mode"] != "inference" if "timed_mode" in f else pd.Series(True, index=f.index)
 
 
 def _benchmark_forward(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
     """§1.1.3's forward passes with autograd on (a forward timed under ``inference`` is another quantity)."""
-    return _model_forward("forward_mean_ms", precision="fp32", where=_timed_mode("inference", equal=False))(
-        frame, params)
+    return _model_forward("forward_mean_ms", precision="fp32", where=_with_autograd)(frame, params)
 
 
 def _model_train_step(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
@@ -126,7 +129,7 @@ def _model_train_step(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[t
     if params.get("mode", "forward_backward") != "train" or "total_mean_ms" not in frame:
         return iter(())
     return _model_forward("total_mean_ms", precision="fp32", quantity="model train step ms",
-                          where=_timed_mode("train"))(frame, params)
+                          where=in_run_mode)(frame, params)
 
 
 def _eager_attention(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float, str]]:
@@ -286,8 +289,6 @@ def reconcile(root: Path, folder: str, table: str, what: str,
     if not ratios:
         return None
     worst, row = max(ratios, key=lambda r: abs(r[0] - 1))
-    from cs336_systems.report.fmt import join_words
-
     sources = join_words(sorted(others))
     if abs(worst - 1) <= TOLERANCE:
         return (f"{what} agree with the same configurations measured elsewhere ({sources}) within "

@@ -88,6 +88,14 @@ def step_verdict(ours: float, theirs: float, noise_ms: float) -> str:
 NOISY_SPREAD = 0.10
 
 
+def batch_and_context(meta: dict[str, Any] | None) -> str:
+    """The batch and context a model run timed (every preset's batch is the handout's, 4)."""
+    from cs336_systems.configs import HANDOUT_SIZES, get_config
+
+    context = ((meta or {}).get("params") or {}).get("context_length")
+    return f"batch {get_config(HANDOUT_SIZES[0]).batch_size}, context {context}" if context else "the handout's batch"
+
+
 def edition_preset(preset: str, edition: str) -> str | None:
     """``edition``'s preset of the model ``preset`` names (2026: ``xl@2026`` for ``2.7B``, the same
     architecture), or None where that handout does not list the model or ``preset`` is no preset."""
