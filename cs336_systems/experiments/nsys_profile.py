@@ -452,7 +452,8 @@ SECTION = Section(
     name="nsys_profile", number="1.1.4", title="Profiling the forward and backward passes",
     problems=("nsys_profile",), answer=answer, presets=PRESETS, run=run,
     # 2026: two sizes at three power-of-two contexts above 128 each, up to the longest that fits. large is
-    # the largest 2026 size with three such contexts on 80 GB (xl@2026 fits 256 and 512 only).
-    editions={"2026": {"sizes": ["small", "large"], "context_lengths": [256, 512, 1024, 2048, 4096]}},
+    # the largest 2026 size with three such contexts on 80 GB (xl@2026 fits 256 and 512 only); the grid runs
+    # one context past the longest small fitted on an H200 (4,096), so each size's limit is found, not assumed.
+    editions={"2026": {"sizes": ["small", "large"], "context_lengths": [256, 512, 1024, 2048, 4096, 8192]}},
     depends=(*MODEL, *TIMING, "cs336_systems/profiling/torch_profiler.py"),
 )
