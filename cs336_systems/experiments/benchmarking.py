@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -24,13 +24,13 @@ import torch
 from cs336_systems.benchmarking.end_to_end import MODES, BenchmarkSpec, benchmark_model
 from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, is_oom, run_sweep
 from cs336_systems.configs import HANDOUT_SIZES, HANDOUT_SIZES_BY_EDITION, ModelConfig, get_config
-from cs336_systems.experiments.section import Section, check_positive, check_presets, param
+from cs336_systems.experiments.section import Job, Section, check_parts, check_positive, check_presets, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import failed_rows, join_words, ok_rows, question
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.measured_code import MODEL, TIMING
-from cs336_systems.results import ResultWriter
+from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
 
 def _shape(cfg: ModelConfig) -> ModelConfig:
@@ -41,6 +41,12 @@ def _shape(cfg: ModelConfig) -> ModelConfig:
 BOTH_EDITIONS_SIZES = list(HANDOUT_SIZES) + [
     s for s in HANDOUT_SIZES_BY_EDITION["2026"]
     if _shape(get_config(s)) not in {_shape(get_config(t)) for t in HANDOUT_SIZES}]
+
+
+#: The section's two tables, each a part a job can run alone (the fresh-process study is most of the time).
+PARTS = ("timings", "warmup_study")
+#: Settings two jobs must share for the study's rows to be one table.
+STUDY_PARAMS = ("context_length", "steps", "warmup_study", "fresh_process")
 
 
 @dataclass(frozen=True)
@@ -55,9 +61,12 @@ class Params:
     warmup_study_sizes: list[str] = param(list(HANDOUT_SIZES), "presets of the warm-up study")
     fresh_process: bool = param(True, "each warm-up setting in a new Python process (honest one-time costs)")
     budget_s: float = param(600.0, "time budget in seconds; cells past it are recorded as skipped")
+    parts: list[str] = param(list(PARTS), "what to run: timings (the sizes), warmup_study; a job of some warm-up "
+                                          "study sizes adds its rows to the study of the same commit and settings")
 
     def check(self) -> None:
         check_presets(*self.sizes, *self.warmup_study_sizes)
+        check_parts("benchmarking", self.parts, PARTS)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         check_positive(context_length=self.context_length, steps=self.steps, budget_s=self.budget_s)
@@ -118,25 +127,37 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
     each warm-up count, each setting in a fresh process (``fresh_process``; smoke runs stay in-process to be
     quick, so their warm-up study only exercises the pipeline)."""
     deadline = time.monotonic() + p.budget_s
+    tables: dict[str, pd.DataFrame] = {}
+    if "timings" in p.parts:
+        tables["timings"] = timings = run_sweep(
+            lambda size: time_what_fits(size, p), [{"size": s} for s in p.sizes], desc=f"{p.mode} timings",
+            budget_s=(0.7 if "warmup_study" in p.parts else 1.0) * p.budget_s)
+        phases = ("forward_", "backward_", "optimizer_", "total_")
+        keep = ["size", "status", "timed_mode", "out_of_memory"] + [
+            c for c in timings.columns
+            if c.startswith(phases) or c in ("tokens_per_s", "TFLOP_per_s", "peak_memory_GiB")]
+        timings = timings[[c for c in keep if c in timings.columns]]
+        out.table(timings, "timings", extra={"context_length": p.context_length})  # the mode is in the params
+        _plot_timings(timings, p, out)
 
-    timings = run_sweep(lambda size: time_what_fits(size, p), [{"size": s} for s in p.sizes],
-                        desc=f"{p.mode} timings", budget_s=0.7 * p.budget_s)
-    phases = ("forward_", "backward_", "optimizer_", "total_")
-    keep = ["size", "status", "timed_mode", "out_of_memory"] + [
-        c for c in timings.columns if c.startswith(phases) or c in ("tokens_per_s", "TFLOP_per_s", "peak_memory_GiB")]
-    timings = timings[[c for c in keep if c in timings.columns]]
-    out.table(timings, "timings", extra={"context_length": p.context_length})  # the mode is in the params
+    if "warmup_study" in p.parts:
+        def warm(size: str, warmup: int) -> dict[str, Any]:
+            spec = BenchmarkSpec(size, mode="forward_backward", context_length=p.context_length, warmup=warmup,
+                                 steps=p.steps)
+            row = run_model_in_subprocess(spec) if p.fresh_process else benchmark_model(spec)
+            return {k: v for k, v in row.items() if k.startswith(("forward_", "backward_"))}
 
-    def warm(size: str, warmup: int) -> dict[str, Any]:
-        spec = BenchmarkSpec(size, mode="forward_backward", context_length=p.context_length, warmup=warmup,
-                             steps=p.steps)
-        row = run_model_in_subprocess(spec) if p.fresh_process else benchmark_model(spec)
-        return {k: v for k, v in row.items() if k.startswith(("forward_", "backward_"))}
+        earlier = rows_of_this_run(out, "warmup_study", asdict(p), STUDY_PARAMS)
+        configs = [{"size": s, "warmup": w} for s in p.warmup_study_sizes for w in p.warmup_study]
+        study = run_sweep(warm, configs, desc="warm-up study", budget_s=deadline_left(deadline))
+        study = merge_rows(study, earlier, ["size", "warmup"])
+        tables["warmup_study"] = study
+        out.table(study, "warmup_study", params={"warmup_study_sizes": list(dict.fromkeys(study["size"]))})
+        _plot_study(study, out)
+    return tables
 
-    configs = [{"size": s, "warmup": w} for s in p.warmup_study_sizes for w in p.warmup_study]
-    study = run_sweep(warm, configs, desc="warm-up study", budget_s=deadline_left(deadline))
-    out.table(study, "warmup_study")
 
+def _plot_timings(timings: pd.DataFrame, p: Params, out: ResultWriter) -> None:
     ok = timings[timings["status"] == OK]
     if not ok.empty:
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -151,6 +172,9 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
         ax.set(ylabel="ms per step (mean ± std)", title=f"Time per phase, context {p.context_length}")
         out.figure(fig, "timings")
         plt.close(fig)
+
+
+def _plot_study(study: pd.DataFrame, out: ResultWriter) -> None:
     study_ok = study[study["status"] == OK] if "status" in study else study
     if not study_ok.empty:
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -158,7 +182,6 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
         ax.set(yscale="log", ylabel="std of forward time (ms)", title="Variability vs warm-up steps (fresh process)")
         out.figure(fig, "warmup_study")
         plt.close(fig)
-    return {"timings": timings, "warmup_study": study}
 
 
 
@@ -437,4 +460,10 @@ def _after_oom(study: pd.DataFrame, timings: pd.DataFrame | None) -> str:
 SECTION = Section(
     name="benchmarking", number="1.1.3", title="End-to-end benchmarking", problems=("benchmarking_script",),
     answer=answer, presets=PRESETS, run=run, depends=(*MODEL, *TIMING), also=("model_sizes",),
+    # the fresh-process warm-up study is 20 processes of 20-30 s each on an H200, so the full run (about 10.5 min
+    # there) is longer than one GPU job; the study's jobs add their rows to one table
+    jobs=(Job({"parts": ["timings"]}, note="1.7 min on an H200; 10B tries three modes before its forward fits"),
+          Job({"parts": ["warmup_study"], "warmup_study_sizes": ["small", "medium", "large"]},
+              note="4.4 min on an H200"),
+          Job({"parts": ["warmup_study"], "warmup_study_sizes": ["xl", "2.7B"]}, note="about 4 min on an H200")),
 )
