@@ -274,9 +274,10 @@ def _lighter_sentence(ok: pd.DataFrame) -> str:
         times = " and ".join(f"its {ph} {fmt.ms(r[f'{ph}_mean_ms'])}" for ph in timed)
         no_grad = " under `torch.no_grad`, since even the activations a backward needs did not fit" \
             if r["timed_mode"] == "inference" else ""
-        why = _state_note(r["size"], "OOM") if r["out_of_memory"] == "train" else ""
+        why = _state_note(r.get("preset", r["size"]), "OOM") if r["out_of_memory"] == "train" else ""
+        peak = f" (peak {fmt.gib(r['peak_memory_GiB'] * 2**30)})" if pd.notna(r.get("peak_memory_GiB")) else ""
         parts.append(f"{r['size']}'s {_MODE_SHOWN[r['out_of_memory']]} ran out of memory{why}; timed "
-                     f"{_MODE_SHOWN[r['timed_mode']]} only{no_grad}: {times}")
+                     f"{_MODE_SHOWN[r['timed_mode']]} only{no_grad}{peak}: {times}")
     return (" " + "; ".join(parts) + ".") if parts else ""
 
 
