@@ -348,3 +348,23 @@ def test_cli_sweep_writes_table(tmp_path, monkeypatch, capsys):
     df = pd.read_csv(tmp_path / "cli_sweep" / "sweep.csv")
     assert list(df["mode"]) == ["inference", "forward"] and (df["status"] == "ok").all()
     assert (tmp_path / "cli_sweep" / "sweep.meta.json").exists()
+
+
+def test_section_jobs_run_one_part_and_the_study_jobs_add_their_rows(tmp_path, monkeypatch) -> None:
+    """§1.1.3's full run is split into GPU jobs: a job of the warm-up study writes no timings, and a second job
+    of other sizes adds its rows to the first job's study instead of replacing it."""
+    from cs336_systems.experiments.__main__ import main as experiments
+    from cs336_systems.experiments.benchmarking import Params
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    study = ["benchmarking", "--smoke", "--set", "parts=warmup_study", "--set", "warmup_study=0"]
+    assert experiments([*study, "--set", "warmup_study_sizes=tiny"]) == 0
+    folder = tmp_path / "benchmarking"
+    assert not (folder / "timings.csv").exists()
+    assert experiments([*study, "--set", "warmup_study_sizes=small"]) == 0
+    rows = pd.read_csv(folder / "warmup_study.csv")
+    assert list(rows["size"]) == ["tiny", "small"]
+    meta = json.loads((folder / "warmup_study.meta.json").read_text())
+    assert meta["params"]["warmup_study_sizes"] == ["tiny", "small"]
+    with pytest.raises(ValueError, match="unknown part 'timing'"):
+        Params(parts=["timing"]).check()

@@ -152,8 +152,9 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
         study = run_sweep(warm, configs, desc="warm-up study", budget_s=deadline_left(deadline))
         study = merge_rows(study, earlier, ["size", "warmup"])
         tables["warmup_study"] = study
-        out.table(study, "warmup_study", params={"warmup_study_sizes": list(dict.fromkeys(study["size"]))})
-        _plot_study(study, out)
+        measured = {"warmup_study_sizes": list(dict.fromkeys(study["size"]))}  # this job's and earlier jobs'
+        out.table(study, "warmup_study", params=measured)
+        _plot_study(study, out, measured)
     return tables
 
 
@@ -175,13 +176,13 @@ def _plot_timings(timings: pd.DataFrame, p: Params, out: ResultWriter) -> None:
     plt.close(fig)
 
 
-def _plot_study(study: pd.DataFrame, out: ResultWriter) -> None:
+def _plot_study(study: pd.DataFrame, out: ResultWriter, params: dict[str, Any]) -> None:
     study_ok = study[study["status"] == OK] if "status" in study else study
     if not study_ok.empty:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         sns.pointplot(study_ok, x="warmup", y="forward_std_ms", hue="size", ax=ax)
         ax.set(yscale="log", ylabel="std of forward time (ms)", title="Variability vs warm-up steps (fresh process)")
-        out.figure(fig, "warmup_study")
+        out.figure(fig, "warmup_study", params)
         plt.close(fig)
 
 
