@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
-from cs336_systems.experiments.fsdp_gathers import gathers_blocks, gathers_against_fit, host_paced  # noqa: E402
+from cs336_systems.experiments.fsdp_gathers import PREFETCH, gathers_against_fit, gathers_blocks, host_paced  # noqa: E402
 from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402 (answers only)
 
 
@@ -550,8 +550,9 @@ def answer(d: SectionData) -> list[Block]:
                  [*gathers_blocks(d)[:1], host_paced(d), *gathers_blocks(d)[1:]],
                  what="the all-gather profile (`--set parts=gathers`)"),
         *([Text("", role=BEYOND_HANDOUT),
-           question(d, "fsdp_accounting (b)", "The gathers' kernel time against §2.1's fit.", [fit])]
-          if (fit := gathers_against_fit(d)) is not None else []),
+           question(d, "fsdp_accounting (b)", "How the gathers are scheduled, and their kernel time against §2.1's "
+                    "fit.", [PREFETCH, gathers_against_fit(d)])]
+          if d.frame("gathers_summary") is not None else []),
     ]
 
 

@@ -94,6 +94,14 @@ def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) ->
             "is waiting for the peer needs both ranks' timelines, which this profile does not record.")
 
 
+#: How our FSDP schedules the forward's gathers (the appendix: the question asks for timings).
+PREFETCH = Text(
+    "Our FSDP prefetches one layer ahead: when layer $k$ starts its forward (layer $k-1$, two before $k+1$, has "
+    "finished), the all-gather of layer $k+1$ is launched asynchronously, in the order the first forward recorded, "
+    "so that it can overlap layer $k$'s compute. Where the forward is paced by the host's launches, fewer and larger "
+    "gathers or a CUDA graph of the forward would shorten it (not measured here).")
+
+
 def gathers_against_fit(d: SectionData) -> Text | None:
     """Beyond the question: the profiled forward's gathers against §2.1's fit (the appendix)."""
     summary = d.frame("gathers_summary")
@@ -123,14 +131,17 @@ def host_paced(d: SectionData) -> Text | None:
     params, extra = meta.get("params", {}), meta.get("extra", {})
     found = _predicted_gather_ms(d, extra.get("model", params.get("gathers_model", "?")),
                                  (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), r)
-    link = (f" The link would carry the gathers in {fmt.ms(found[0])} (§2.1's fit), yet their kernels took "
-            f"{fmt.ms(r['gather_ms'])}: an NCCL kernel also waits for the other rank, whose forward is as "
-            "launch-bound." if found is not None and float(r["gather_ms"]) >= 2 * found[0] else "")
+    per_kernel = fmt.sig(float(r["span_ms"]) / len(forward) * 1e3, 2)
+    if found is not None and float(r["gather_ms"]) >= 2 * found[0]:
+        return Text(
+            f"The link is not what is slow: §2.1's fit carries these gathers in {fmt.ms(found[0])}, yet their kernels "
+            f"took {fmt.ms(r['gather_ms'])}, while compute ran only {fmt.ms(r['compute_ms'])} of the forward and rank "
+            f"0's host issued a kernel every {per_kernel} µs, so both ranks' forwards are paced by the host's launches "
+            "and each gather's kernel also waits for the slower rank.")
     return Text(
-        f"Compute ran {fmt.ms(r['compute_ms'])} of the forward's {fmt.ms(r['span_ms'])}, and rank 0's host issued a "
-        f"kernel every {fmt.sig(float(r['span_ms']) / len(forward) * 1e3, 2)} µs (the profiler adds host time to "
-        "every operator): the forward is paced by the hosts' launches, not by the link." + link
-        + " Fewer, larger gathers or a CUDA graph of the forward would shorten it (not measured here).")
+        f"Compute ran only {fmt.ms(r['compute_ms'])} of the forward's {fmt.ms(r['span_ms'])} and rank 0's host issued "
+        f"a kernel every {per_kernel} µs (the profiler adds host time to every operator): the forward is paced by "
+        "the host's launches, not by the link.")
 
 
 def gathers_blocks(d: SectionData) -> list[Block | None]:
@@ -152,25 +163,21 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
         elif r["late_gathers"] == 0:
             verdict = ("Yes: every all-gather ended while compute was still busy with an earlier layer, so the "
                        "prefetch hides the forward's communication completely.")
+        elif r["late_gathers"] == 1 and first_late:
+            verdict = "Yes, except the first gather, which no compute precedes to hide it."
         else:
-            verdict = (("Yes, except where nothing can hide it" if r["late_gathers"] == 1 and first_late else
-                        "In time but for a few" if share < 0.05 else "No")
-                       + f": compute waited for {int(r['late_gathers'])} of them"
-                       + (" (the first, which no compute precedes)" if first_late and r["late_gathers"] == 1 else
-                          ", including the first, which no compute precedes," if first_late else "")
-                       + f" {fmt.ms(r['wait_ms'])} in all ({fmt.pct(share)} of the forward; the longest wait "
-                       f"{fmt.ms(r['max_wait_ms'])}).")
+            verdict = ("In time but for a few." if share < 0.05 else
+                       "No: most of the forward's all-gathers finish after the compute that should hide them.")
         text = Text(
-            "Our FSDP prefetches one layer ahead: when layer $k$ starts its forward (layer $k-1$, two before $k+1$, "
-            "has finished), the all-gather of layer $k+1$ is launched asynchronously, in the order the first forward "
-            "recorded, so that it can overlap layer $k$'s compute. "
-            f"One training step of {handout_model(model, d.edition)} ({fmt.params(param_counts(accounting.ladder_config(model))['total'])} "
-            f"parameters) with our FSDP on {ws} {'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, "
-            f"{extra.get('compute_dtype', '?')} compute, {params.get('global_batch', '?')} sequences of "
-            f"{params.get('context_length', '?')} tokens per step (split over the ranks), profiled on rank 0: the "
-            f"forward ran {fmt.ms(r['span_ms'])} on the GPU and issued {int(r['gathers'])} all-gathers, "
-            f"{fmt.ms(r['gather_ms'])} of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it beside compute. "
-            + verdict)
+            f"{verdict} One training step of {handout_model(model, d.edition)} "
+            f"({fmt.params(param_counts(accounting.ladder_config(model))['total'])} parameters) with our FSDP on {ws} "
+            f"{'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, {extra.get('compute_dtype', '?')} "
+            f"compute, {params.get('global_batch', '?')} sequences of {params.get('context_length', '?')} tokens, "
+            f"profiled on rank 0: the forward ran {fmt.ms(r['span_ms'])} on the GPU with {int(r['gathers'])} "
+            f"all-gathers ({fmt.ms(r['gather_ms'])} of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it "
+            "beside compute)" + (f"; compute waited for {int(r['late_gathers'])} of them, {fmt.ms(r['wait_ms'])} in "
+                                 f"all ({fmt.pct(share)} of the forward; the longest wait {fmt.ms(r['max_wait_ms'])})."
+                                 if r["late_gathers"] else "."))
     return [
         text,
         _idle_text(d),
