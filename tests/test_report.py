@@ -508,6 +508,11 @@ def test_fsdp_gather_answer_reads_the_profile(results: Path) -> None:
     # why late when the link could carry it: compute's share of the forward and how often the host issued a kernel
     flat = " ".join(text.split())
     assert "Compute ran only 8.60 ms of the forward's 10.0 ms and rank 0's host issued a kernel every 2,000 µs" in flat
+    from cs336_systems.experiments.fsdp_gathers import _lanes_named
+    from cs336_systems.report.data import SectionData
+
+    assert _lanes_named(SectionData(results, "fsdp", edition="2026")) == (
+        " Rows: cuda:7 is the compute stream, cuda:19 is NCCL's stream; the title's xl@2026 is this handout's xl.")
 
 
 def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> None:

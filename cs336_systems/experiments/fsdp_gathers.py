@@ -183,12 +183,27 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
         _idle_text(d),
         d.figure("gathers_timeline", caption="Kernels of one FSDP training step on rank 0 by stream (compute grey, "
                  "communication red) under the phases the GPU ran; the forward's all-gathers are the red bars "
-                 "beside its compute. Drawn from PyTorch's profiler (CUPTI kernel records) in place of an Nsight "
-                 "Systems screenshot: Nsight Systems is not installed on these machines."),
+                 "beside its compute." + _lanes_named(d) + " Drawn from PyTorch's profiler (CUPTI kernel records) in "
+                 "place of an Nsight Systems screenshot: Nsight Systems is not installed on these machines."),
         d.table("gathers_summary", frame=_named_for_the_handout(d.frame("gathers_summary"), d.edition),
                 caption="The forward's all-gathers: kernel time, the part beside compute, and how long compute "
                 "waited for a gather (it resumed within 30 µs of the gather's end)."),
     ]
+
+
+def _lanes_named(d: SectionData) -> str:
+    """The figure's lane and title labels in words: its rows are CUDA streams named as the profiler names them
+    (``cuda:7``), and its title names the preset (``xl@2026`` is the 2026 handout's xl)."""
+    tl = d.frame("gathers_timeline")
+    if tl is None or not {"lane", "kind"} <= set(tl.columns):
+        return ""
+    streams = tl[tl["kind"] != "phase"].groupby("lane", sort=False)["kind"].agg(lambda k: k.mode().iloc[0])
+    what = {"compute": "the compute stream", "comm": "NCCL's stream"}
+    named = [f"{lane} is {what.get(kind, kind)}" for lane, kind in streams.items()]
+    model = (d.meta("gathers_summary").get("extra") or {}).get("model")
+    title = (f"; the title's {model} is this handout's {handout_model(model, d.edition)}"
+             if model and handout_model(model, d.edition) != model else "")
+    return (" Rows: " + ", ".join(named) + title + ".") if named else ""
 
 
 def _named_for_the_handout(summary: pd.DataFrame | None, edition: str) -> pd.DataFrame | None:

@@ -306,7 +306,7 @@ def answer(d: SectionData) -> list[Block]:
                     "residuals.csv lists every tensor.",
                     frame=top if top is not None else None),
         ], what="the residual table"),
-        question(d, "gradient_checkpointing_a", "The checkpointing strategy that minimizes peak activation memory, "
+        question(d, "gradient_checkpointing (a)", "The checkpointing strategy that minimizes peak activation memory, "
                  "its asymptotic memory and compute.", [
             Text("Ignoring compute, chain the checkpoints so that every block's input is recomputed from the "
                  "model's input: the last block runs on a checkpoint of the first $N-1$, which runs on a checkpoint "
@@ -323,7 +323,7 @@ def answer(d: SectionData) -> list[Block]:
                  "        return blocks[-1](h)\n\n"
                  "    y = checkpoint(run, blocks, x, use_reentrant=False)"),
         ]),
-        question(d, "gradient_checkpointing_b", "2026 xl, batch 4, context 2048, one level of recomputation: the "
+        question(d, "gradient_checkpointing (b)", "2026 xl, batch 4, context 2048, one level of recomputation: the "
                  "best segment size, and the peak memory of it and of its neighbours.", [
             best_text,
             d.table("checkpointing", frame=(shown := _shown_sweep(d)),
