@@ -502,7 +502,7 @@ def test_fsdp_gather_answer_reads_the_profile(results: Path) -> None:
     out.table(gather_waits(tl), "gathers_forward", extra=extra)
     out.table(tl, "gathers_timeline", extra=extra)
     text = build_document(results, strict=False).section("3.1").plain()
-    assert "2.7B (3.41 B parameters)" in text and "with 2 all-gathers" in text  # 2026's xl, as 2025 names it
+    assert "2.7B (3.41 B parameters)" in text and "with 2 all-gathers, one per sharded weight matrix" in " ".join(text.split())  # 2026's xl, as 2025 names it
     assert "Yes, except the first gather, which no compute precedes to hide it." in text
     assert "compute waited for 1 of them, 0.900 ms in all" in " ".join(text.split())
     # why late when the link could carry it: compute's share of the forward and how often the host issued a kernel

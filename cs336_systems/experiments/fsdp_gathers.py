@@ -174,8 +174,9 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
             f"{'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, {extra.get('compute_dtype', '?')} "
             f"compute, {params.get('global_batch', '?')} sequences of {params.get('context_length', '?')} tokens, "
             f"profiled on rank 0: the forward ran {fmt.ms(r['span_ms'])} on the GPU with {int(r['gathers'])} "
-            f"all-gathers ({fmt.ms(r['gather_ms'])} of kernel time, {fmt.ms(r['gather_beside_compute_ms'])} of it "
-            "beside compute)" + (f"; compute waited for {int(r['late_gathers'])} of them, {fmt.ms(r['wait_ms'])} in "
+            "all-gathers, one per sharded weight matrix (each Linear and Embedding), "
+            f"{fmt.ms(r['gather_ms'])} of kernel time of which {fmt.ms(r['gather_beside_compute_ms'])} overlapped "
+            "compute" + (f"; compute waited for {int(r['late_gathers'])} of them, {fmt.ms(r['wait_ms'])} in "
                                  f"all ({fmt.pct(share)} of the forward; the longest wait {fmt.ms(r['max_wait_ms'])})."
                                  if r["late_gathers"] else "."))
     return [
@@ -186,7 +187,7 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
                  "beside its compute." + _lanes_named(d) + " Drawn from PyTorch's profiler (CUPTI kernel records) in "
                  "place of an Nsight Systems screenshot: Nsight Systems is not installed on these machines."),
         d.table("gathers_summary", frame=_named_for_the_handout(d.frame("gathers_summary"), d.edition),
-                caption="The forward's all-gathers: kernel time, the part beside compute, and how long compute "
+                caption="The forward's all-gathers: kernel time, the part that overlapped compute, and how long compute "
                 "waited for a gather (it resumed within 30 µs of the gather's end)."),
     ]
 
