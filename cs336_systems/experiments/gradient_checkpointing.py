@@ -346,7 +346,10 @@ SNIPPET_HEADS = 16
 
 #: The tensor a producing op's saved output is in the naive attention (the softmax's exponentials and quotient,
 #: the scores with the mask applied), named beside the op.
-_SAVED_AS = {"exp": " (the exponentials)", "masked_fill": " (the masked scores)", "div": " (the probabilities)"}
+#: The tensors an op's saved outputs are in this model's block (autograd names the op that produced them).
+_SAVED_AS = {"exp": " (the exponentials)", "masked_fill": " (the masked scores)", "div": " (the probabilities)",
+             "mm": " (the feed-forward's $W_1x$ and $W_3x$)",
+             "clone": " (contiguous copies of $Q$, $K^\\top$ and $V$ split by head, and of the merged attention output)"}
 
 
 def _against_the_snippet(meta: dict | None) -> str:
