@@ -960,9 +960,9 @@ def test_mixed_precision_speedups_use_the_fastest_steps_where_the_means_are_nois
     assert _robust(speed, timings.assign(forward_std_ms=1.0)) == (speed, [], "")  # steady: the means as they are
     assert _robust(speed, None)[2] == ""
     # The 2026 handout's 10B: named where no row has it, with its status where its run failed.
-    assert _not_run(speed, timings, "2026") == (" The handout's medium, large and 10B (the sweep times the 2025 "
-                                                "handout's models; its fp32 weights and gradients alone would take "
-                                                "95.6 GiB) were not run.")
+    assert _not_run(speed, timings, "2026") == (" The handout's medium, large and 10B (this run's sizes leave it "
+                                                "out; its fp32 weights and gradients alone take 95.6 GiB, and §1.1.3 "
+                                                "times its fp32 forward and backward) were not run.")
     failed = pd.concat([timings, pd.DataFrame([("10B", "fp32", "OOM")], columns=cols[:3])])
     assert _not_run(speed.assign(size=["small", "xl"]), failed, "2026").endswith("10B (OOM) were not run.")
     assert _not_run(pd.DataFrame({"size": ["small", "medium", "large", "xl", "2.7B"]}), timings, "2025") == ""
@@ -1004,7 +1004,7 @@ def test_mixed_precision_answer_quotes_the_fastest_steps_and_explains_the_means_
     assert text.count("The handout's medium, large and xl were not run.") == 1  # last, after the reasons
     assert columns[-2:] == ["forward_fastest_speedup", "backward_fastest_speedup"]
     text, _ = part_c("2026")
-    assert "4.69× for xl;" in text and "The handout's medium, large and 10B (the sweep times" in text
+    assert "4.69× for xl;" in text and "The handout's medium, large and 10B (this run's sizes leave it out" in text
 
 
 def test_fsdp_answer_discloses_the_course_fsdp_tests_that_fail(tmp_path) -> None:

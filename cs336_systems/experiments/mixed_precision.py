@@ -24,7 +24,7 @@ from torch import nn
 from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model, default_device
 from cs336_systems.benchmarking.sweep import OK, run_sweep
 from cs336_systems.checks.toy_models import ToyModel  # the course's toy, shared with the DDP tests
-from cs336_systems.configs import HANDOUT_SIZES
+from cs336_systems.experiments.benchmarking import BOTH_EDITIONS_SIZES
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
@@ -122,7 +122,8 @@ def autocast_dtypes(
 
 @dataclass(frozen=True)
 class Params:
-    sizes: list[str] = param(list(HANDOUT_SIZES), "model presets timed in fp32 and under bf16 autocast")
+    sizes: list[str] = param(BOTH_EDITIONS_SIZES, "model presets timed in fp32 and under bf16 autocast (default: "
+                                                  "both handouts' tables, each model once)")
     context_length: int = param(512, "tokens per sequence")
     warmup: int = param(5, "untimed steps per cell")
     steps: int = param(10, "timed steps per cell")
@@ -314,8 +315,8 @@ def _why_not(size: str, edition: str) -> str:
     if preset is None or edition_preset(preset, "2025") is not None:
         return ""
     n = param_counts(preset)["total"]
-    return (f" (the sweep times the 2025 handout's models; its fp32 weights and gradients alone would take "
-            f"{fmt.gib(8 * n)})")
+    return (f" (this run's sizes leave it out; its fp32 weights and gradients alone take {fmt.gib(8 * n)}, and "
+            "§1.1.3 times its fp32 forward and backward)")
 
 
 def _host_bound_forward(timings: pd.DataFrame | None) -> str:
