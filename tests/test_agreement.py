@@ -84,9 +84,9 @@ def test_an_answer_reconciles_its_shared_cells_with_the_other_sections(tmp_path)
     agree = tmp_path / "agree"
     _two_sections(agree, 250.0)
     assert agreement.reconcile(agree, "benchmarking", "timings", "They") == \
-        "They agree with the same configurations measured elsewhere (mixed_precision) within 5%."
+        "They agree with the median of the same configurations measured elsewhere (mixed_precision) within 5%."
     named = agreement.reconcile(agree, "benchmarking", "timings", "They", lambda folder: f"§{len(folder)}")
-    assert named == "They agree with the same configurations measured elsewhere (§15) within 5%."
+    assert named == "They agree with the median of the same configurations measured elsewhere (§15) within 5%."
     assert agreement.reconcile(agree, "nsys_profile", "summary", "They") is None
 
 
