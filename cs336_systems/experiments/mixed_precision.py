@@ -257,26 +257,28 @@ def _robust(speed: pd.DataFrame, timings: pd.DataFrame | None) -> tuple[pd.DataF
     of the mean, in a size of the table) timed by each run's fastest step instead (its ``*_bf16_ms`` and
     ``*_speedup``), those phases, and a clause saying so; ``speed``, [] and "" where no phase is noisy or the
     steps' spread was not recorded."""
-    out, noisy = speed.copy(), {}
+    out, noisy, fastest = speed.copy(), {}, {}
     for phase in ("forward", "backward"):
         f = _fastest(timings, phase)
         if f is None:
             continue
         f = f.reindex(speed["size"].astype(str))
-        cv = f[["fp32_cv", "bf16_cv"]].rename(columns=lambda c: c.removesuffix("_cv")).stack().dropna()
-        if cv.empty or cv.max() < NOISY or f["speedup"].isna().any():
+        if f["speedup"].isna().any():
             continue
-        noisy[phase] = cv
-        out[f"{phase}_speedup"] = f["speedup"].to_numpy()
-        out[f"{phase}_bf16_ms"] = f["bf16_min_ms"].to_numpy()
+        fastest[phase] = f
+        cv = f[["fp32_cv", "bf16_cv"]].rename(columns=lambda c: c.removesuffix("_cv")).stack().dropna()
+        if not cv.empty and cv.max() >= NOISY:
+            noisy[phase] = cv
     if not noisy:
         return speed, [], ""
+    # one basis for both passes: a noisy pass is read by its fastest steps, so the steady one is too
+    for phase, f in fastest.items():
+        out[f"{phase}_speedup"] = f["speedup"].to_numpy()
+        out[f"{phase}_bf16_ms"] = f["bf16_min_ms"].to_numpy()
     cv = pd.concat(noisy)
     phase, size, precision = cv.idxmax()
-    steady = [p for p in ("forward", "backward") if p not in noisy]
-    which = "" if not steady else f" for the {next(iter(noisy))} pass (the {steady[0]} by its means)"
-    return out, list(noisy), (f" by each run's fastest step{which}, since the means are noisy (standard deviation "
-                              f"up to {fmt.pct(cv.max(), 2)} of the mean, {size} {precision} {phase})")
+    return out, list(fastest), (f" by each run's fastest step in both passes, since the means are noisy (standard "
+                                f"deviation up to {fmt.pct(cv.max(), 2)} of the mean, {size} {precision} {phase})")
 
 
 def _slower_by_the_mean(speed: pd.DataFrame, robust: list[str]) -> str:
