@@ -230,20 +230,53 @@ def _fits_checkpointed(d: SectionData, size: str, peaks: pd.DataFrame | None) ->
             f"a peak of {fmt.gib(float(ran['peak_GiB'].min()) * 2**30)} (§1.1.7 (b)).")
 
 
-def _why_out_of_memory(peaks: pd.DataFrame | None, cfg: Any, device: str) -> str:
-    """What the calculator predicts for the shortest context that ran out of memory."""
+def _not_rescued(peaks: pd.DataFrame | None) -> str:
+    """The modes bf16 autocast ran out of memory in as fp32 did, per context: what mixed precision does not save."""
+    need = {"status", "precision", "mode", "context_length"}
+    if peaks is None or not need <= set(peaks.columns):
+        return ""
+    oom = peaks[peaks["status"] == "OOM"]
+    both = oom[oom["precision"] == "bf16"].merge(oom[oom["precision"] == "fp32"], on=["mode", "context_length"])
+    parts = [f"at context {int(c):,} its {join_words([_MODE_WORDS.get(m, m) for m in g['mode']])} still "
+             f"{'runs' if len(g) == 1 else 'run'} out of memory, as in fp32"
+             for c, g in both.groupby("context_length", sort=True)]
+    return ("It does not rescue a longer context: " + "; ".join(parts) + ". ") if parts else ""
+
+
+def _saved_per_block(d: SectionData, size: str, batch: int, context: int) -> float | None:
+    """Bytes one block saves for backward, as §1.1.7 measured it, where it measured this model at this batch and
+    context (saved-tensor hooks on one block; its input and weights excluded); None otherwise."""
+    from cs336_systems.profiling.residuals import residuals_by_op
+
+    sibling = d.sibling("gradient_checkpointing")
+    extra, table = sibling.meta("residuals").get("extra") or {}, sibling.frame("residuals")
+    if table is None or "bytes" not in table.columns or (extra.get("model"), extra.get("batch_size"),
+                                                         extra.get("context_length")) != (size, batch, context):
+        return None
+    return float(residuals_by_op(table)["bytes"].sum())
+
+
+def _why_out_of_memory(d: SectionData, peaks: pd.DataFrame | None, cfg: Any, device: str) -> str:
+    """Why the shortest context that ran out of memory did: what one block saves for backward times the blocks,
+    on top of the training state (from §1.1.7's measurement where it measured this shape, else the accounting)."""
     if peaks is None or "status" not in peaks.columns or not (peaks["status"] == "OOM").any():
         return ""
     c = int(peaks[peaks["status"] == "OOM"]["context_length"].min())
-    need = memory_breakdown(cfg, cfg.batch_size, c)
     scores = cfg.batch_size * cfg.num_heads * c * c * 4
-    return (f" At context {c} our memory accounting predicts {fmt.gib(need['total'])} for an fp32 "
-            "training step, "
-            f"{fmt.gib(need['activations'])} of it activations, against the {device}'s memory: naive attention "
-            f"keeps batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block. "
-            "The accounting counts two such tensors per block (scores and probabilities); what autograd saves holds "
-            "three (the masked scores, their exponentials and the probabilities: §1.1.7's residual listing), so the "
-            "true activations are larger still.")
+    from cs336_systems.configs import param_counts
+
+    state = 16 * param_counts(cfg)["total"]  # fp32 weights, gradients and AdamW's two moments
+    per_block = _saved_per_block(d, cfg.name, cfg.batch_size, c)
+    if per_block is not None:
+        return (f" At context {c} one block saves {fmt.gib(per_block)} for backward (§1.1.7 measured it at this "
+                f"batch and context), so the {cfg.num_layers} blocks hold about {fmt.gib(cfg.num_layers * per_block)} "
+                f"of activations on top of {fmt.gib(state)} of fp32 weights, gradients and AdamW moments, about "
+                f"{fmt.gib(cfg.num_layers * per_block + state)} against the {device}'s memory; three of each block's "
+                f"saved tensors are naive attention's batch × heads × context² scores ({fmt.gib(scores)} each in fp32).")
+    need = memory_breakdown(cfg, cfg.batch_size, c)
+    return (f" At context {c} our memory accounting predicts {fmt.gib(need['total'])} for an fp32 training step, "
+            f"{fmt.gib(need['activations'])} of it activations, against the {device}'s memory: naive attention keeps "
+            f"batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block.")
 
 
 def _peak_moments(peaks: pd.DataFrame | None) -> list[tuple[int, str]]:
@@ -350,7 +383,7 @@ def answer(d: SectionData) -> list[Block]:
 
         b_text = Text(f"Peak memory of the {shown} model in fp32: " + "; ".join(
             cell(r) for _, r in fp32.iterrows()) + "." + _inference_note(fp32)
-            + f"{failed}" + _why_out_of_memory(peaks, cfg, device) + _fits_checkpointed(d, size, peaks))
+            + f"{failed}" + _why_out_of_memory(d, peaks, cfg, device) + _fits_checkpointed(d, size, peaks))
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {shown} model on "
                       f"{device}.{failed}")
@@ -372,10 +405,13 @@ def answer(d: SectionData) -> list[Block]:
             # The handout asks whether it matters: yes where any peak moves by more than a tenth, else no.
             moved = max(max(abs(float(x.max()) - 1), abs(1 - float(x.min()))) for x in ratios)
             steady = [w for w, x in moves.items() if x <= 0.10]
-            moving = [f"the {w} peak by up to {fmt.pct(x, 2)}" for w, x in moves.items() if x > 0.10]
+            direction = {words: "raises" if float(r.max()) - 1 >= 1 - float(r.min()) else "lowers"
+                         for words, r in zip(moves, ratios)}
+            moving = [f"{direction[w]} the {w} peak by up to {fmt.pct(x, 2)}" for w, x in moves.items() if x > 0.10]
             verdict = ("Not significantly: no peak moves by more than 10%. " if moved <= 0.10 else
-                       (f"Not significantly for the {join_words(steady)} peaks (within 10%); it moves " if steady
-                        else "Yes: it moves ") + join_words(moving) + ". ")
+                       (f"Not significantly for the {join_words(steady)} peaks (within 10%); it " if steady
+                        else "Yes: it ") + join_words(moving) + ". ")
+            verdict += _not_rescued(peaks)
             c_text = Text(verdict + "bf16 autocast changes the " + join_words(parts) + " (bf16 / fp32). Autocast keeps the "
                           "fp32 weights, gradients and optimizer state and adds bf16 copies of weights for the "
                           "matmuls, so only the activations shrink (those saved for backward, or without autograd "
