@@ -314,7 +314,7 @@ def test_benchmarking_times_each_phase_of_a_full_step_and_says_why_a_size_does_n
     text = _timing_sentence(oom, meta).markdown
     assert "Forward / backward / optimizer time per step: tiny " in text
     assert ("10B@2026 (OOM: 12.8 B parameters need 191 GiB for fp32 weights, gradients and AdamW moments alone, "
-            "which every training step timed here holds (a forward pass alone holds the 47.8 GiB of weights))") in text
+            "where a forward pass holds only the 47.8 GiB of weights)") in text
     # a run of the earlier forward + backward grid says what it lacks
     old = _timing_sentence(timings.drop(columns=[c for c in timings if c.startswith("optimizer_")]), {"params": {}})
     assert "timed forward_backward steps, without the optimizer" in old.markdown
@@ -360,6 +360,8 @@ def test_a_size_too_large_to_train_is_timed_in_the_lightest_mode_that_fits(monke
     inference = table.assign(timed_mode=["train", "inference"])
     assert "under `torch.no_grad`" in bm._timing_sentence(inference, {"params": {"mode": "train"}}).markdown
     assert list(bm._lighter_shown(table)["status"]) == ["ok", "forward only"]
+    assert "not comparable with the training steps" in bm._lighter_caption(table)
+    assert bm._lighter_caption(table.iloc[:1].assign(out_of_memory=None)) == ""
 
 
 @pytest.mark.slow

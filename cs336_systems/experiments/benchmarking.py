@@ -230,6 +230,7 @@ def answer(d: SectionData) -> list[Block]:
                                              f"steps, {batch_and_context(d.meta('timings'))}); total: the whole "
                                              "step from the first synchronize to the last, the phases plus `zero_grad` and the "
                                              "host's time between them, so a little more than their sum."
+                                             + _lighter_caption(timings)
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             None if study is None else Text(
@@ -250,6 +251,14 @@ def answer(d: SectionData) -> list[Block]:
             d.figure("warmup_study", caption="Spread of the forward time against the number of warm-up steps."),
         ]),
     ]
+
+
+def _lighter_caption(df: pd.DataFrame | None) -> str:
+    """Where a row was timed in a lighter mode: its total, throughput and MFU are that mode's, not a step's."""
+    if df is None or "out_of_memory" not in df.columns or not df["out_of_memory"].notna().any():
+        return ""
+    return (" A row whose status names a lighter mode timed only that: its total, tokens/s and MFU are of that "
+            "mode, not comparable with the training steps above it.")
 
 
 def _lighter_shown(df: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -334,8 +343,7 @@ def _state_note(size: str, status: str) -> str:
         return ""
     n = param_counts(size)["total"]
     return (f": {fmt.params(n)} parameters need {fmt.gib(16 * n)} for fp32 weights, gradients and AdamW moments "
-            f"alone, which every training step timed here holds (a forward pass alone holds the {fmt.gib(4 * n)} "
-            "of weights)")
+            f"alone, where a forward pass holds only the {fmt.gib(4 * n)} of weights")
 
 
 def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = None,
