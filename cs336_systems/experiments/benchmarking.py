@@ -399,7 +399,24 @@ def _cold_against_warm(study: pd.DataFrame) -> str:
             f"{fmt.ms(cold.loc[worst, 'forward_mean_ms'])} ± {fmt.sig(cold.loc[worst, 'forward_std_ms'], 2)} against "
             f"{fmt.ms(warm.loc[worst, 'forward_mean_ms'])} ± {fmt.sig(warm.loc[worst, 'forward_std_ms'], 2)}; every "
             f"cell in the appendix" + (f", where it says why {join_words(unrun)} without warm-up did not run" if unrun
-                                       else "") + "). ")
+                                       else "") + ")." + _cold_backward(cold.loc[both], warm.loc[both]) + " ")
+
+
+def _cold_backward(cold: pd.DataFrame, warm: pd.DataFrame) -> str:
+    """The backward's side of the cold start (the study times both passes): its mean without warm-up against the
+    most warm-up, over the same sizes."""
+    if not {"backward_mean_ms", "backward_std_ms"} <= set(cold.columns):
+        return ""
+    mean = (cold["backward_mean_ms"] / warm["backward_mean_ms"]).dropna()
+    if mean.empty:
+        return ""
+    worst = mean.idxmax()
+    return (f" The backward's cold mean is {fmt.ratio(mean.min())}–{fmt.ratio(mean.max())} its warm one (worst, "
+            f"{worst}: {fmt.ms(cold.loc[worst, 'backward_mean_ms'])} ± {fmt.sig(cold.loc[worst, 'backward_std_ms'], 2)}"
+            f" against {fmt.ms(warm.loc[worst, 'backward_mean_ms'])} ± "
+            f"{fmt.sig(warm.loc[worst, 'backward_std_ms'], 2)}): the first backward runs after the first forward, "
+            "which has already set up the CUDA context and cuBLAS handles, so it pays only its own kernels' first "
+            "use.")
 
 
 def _few_against_five(study: pd.DataFrame | None, spreads: float = 3.0) -> str:
