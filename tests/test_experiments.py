@@ -483,7 +483,7 @@ def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch,
     from cs336_systems.writeup.__main__ import main as report_main
 
     split = [s for s in SECTIONS.values() if s.jobs]
-    assert {"flash_benchmarking", "training_step"} <= {s.name for s in split}
+    assert {"benchmarking", "flash_benchmarking", "training_step"} <= {s.name for s in split}
     for section in split:
         for job in section.jobs:
             section.params("full", job.sets)  # unknown names or bad values would raise here
@@ -504,7 +504,7 @@ def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch,
     with pytest.raises(ValueError, match=r"training_step has jobs 1\.\.9; got --job 10"):
         cli.main(["training_step", "--job", "10"])
     with pytest.raises(ValueError, match="its full run is one job"):
-        cli.main(["benchmarking", "--job", "1"])
+        cli.main(["mixed_precision", "--job", "1"])
     with pytest.raises(SystemExit):
         cli.main(["training_step", "--smoke", "--job", "1"])
     assert "--job runs a part of one section's --full run" in capsys.readouterr().err
@@ -514,7 +514,7 @@ def test_split_full_runs_are_jobs_of_valid_parameters_run_by_number(monkeypatch,
     report_main(["status", "--figures", str(empty), "--jobs"])
     out = capsys.readouterr().out
     assert "    uv run python -m cs336_systems.experiments flash_benchmarking --job 11" in out
-    assert "training_step --job 9" in out and "experiments benchmarking --job" not in out
+    assert "training_step --job 9" in out and "experiments mixed_precision --job" not in out
 
 
 def test_the_longest_context_answer_names_the_presets_no_job_searched_at_this_commit():

@@ -490,8 +490,9 @@ SECTION = Section(
     answer=answer, presets=PRESETS, run=run, depends=(*MODEL, *TIMING), also=("model_sizes",),
     # the fresh-process warm-up study is 20 processes of 20-30 s each on an H200, so the full run (about 10.5 min
     # there) is longer than one GPU job; the study's jobs add their rows to one table
-    jobs=(Job({"parts": ["timings"]}, note="1.7 min on an H200; 10B tries three modes before its forward fits"),
+    jobs=(Job({"parts": ["timings"]}, note="2.2 min on an H200; 10B trains out of memory first, then fits forward + backward"),
           Job({"parts": ["warmup_study"], "warmup_study_sizes": ["small", "medium", "large"]},
-              note="4.4 min on an H200"),
-          Job({"parts": ["warmup_study"], "warmup_study_sizes": ["xl", "2.7B"]}, note="about 4 min on an H200")),
+              note="5.4 min on an H200"),
+          Job({"parts": ["warmup_study"], "warmup_study_sizes": ["xl", "2.7B"]},
+              note="4.4 min on an H200; run every job at one commit, or the machine cannot combine them"))
 )
