@@ -153,3 +153,15 @@ def test_the_sweep_table_drops_the_forward_backward_peak_where_it_is_the_steps_p
 
 def test_the_attention_residuals_are_named_beside_their_producing_ops() -> None:
     assert gc._SAVED_AS["div"] == " (the probabilities)" and "mm" not in gc._SAVED_AS  # named only where certain
+    # a matmul's or a copy's outputs are named only where every one has the shape the name implies
+    meta = {"extra": {"shape": [8, 32, 2, 2], "batch_size": 2, "context_length": 4}}
+    table = pd.DataFrame({"op": ["mm", "mm", "clone", "silu"], "shape": ["(2, 4, 32)", "(2, 4, 32)", "(4, 2, 8)",
+                                                                        "(2, 4, 32)"],
+                          "bytes": [1024, 1024, 256, 1024]})
+    assert gc._saved_as("mm", table, meta) == " (the feed-forward's $W_1x$ and $W_3x$)"
+    assert gc._saved_as("clone", table, meta).startswith(" (contiguous copies of $Q$")
+    assert gc._saved_as("mm", table.assign(shape=["(2, 4, 32)", "(2, 4, 8)", "(4, 2, 8)", "(2, 4, 32)"]), meta) == ""
+    assert gc._saved_as("mm", table, {}) == "" and gc._saved_as("silu", table, meta) == ""
+    top = table.groupby("op")["bytes"].sum().sort_values(ascending=False).reset_index().head(1)  # mm, 2048
+    assert gc._tied_with_last(table.assign(bytes=[512, 512, 256, 1024]), top.assign(bytes=1024.0)) == \
+        " (tied with silu, which save as much)"  # mm is shown: only the op the cut left out is named

@@ -258,6 +258,8 @@ def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+import math  # noqa: E402 (answers only)
+
 from cs336_systems.configs import param_counts  # noqa: E402
 from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import join_words, ok_rows, question, step_mfu, subset  # noqa: E402
@@ -280,10 +282,12 @@ def answer(d: SectionData) -> list[Block]:
     _, total_c = _top(d, "residuals_compiled")
     res_text = None
     if top is not None and len(top):
-        ops = ", ".join(f"{r['op']}{_SAVED_AS.get(str(r['op']), '')} {fmt.sig(r['bytes'] / 2**20)} MiB "
+        ops = ", ".join(f"{r['op']}{_saved_as(str(r['op']), d.frame('residuals'), d.meta('residuals'))} "
+                        f"{fmt.sig(r['bytes'] / 2**20)} MiB "
                         f"({r['share']:.0%})" for _, r in top.iterrows())
+        tied = _tied_with_last(d.frame("residuals"), top)
         res_text = Text(f"One block saves {fmt.sig(total / 2**20)} MiB for backward (its input and weights "
-                        f"excluded); the largest producers are {ops}."
+                        f"excluded); the largest producers are {ops}{tied}."
                         + (f" Compiled with `torch.compile`, the same block saves {fmt.sig(total_c / 2**20)} MiB."
                            if total_c else "") + _against_the_snippet(d.meta("residuals")))
     grad_text = _gradients_text(d.meta("residuals"), total)
@@ -347,9 +351,43 @@ SNIPPET_HEADS = 16
 #: The tensor a producing op's saved output is in the naive attention (the softmax's exponentials and quotient,
 #: the scores with the mask applied), named beside the op.
 #: The tensors an op's saved outputs are in this model's block (autograd names the op that produced them).
-_SAVED_AS = {"exp": " (the exponentials)", "masked_fill": " (the masked scores)", "div": " (the probabilities)",
-             "mm": " (the feed-forward's $W_1x$ and $W_3x$)",
-             "clone": " (contiguous copies of $Q$, $K^\\top$ and $V$ split by head, and of the merged attention output)"}
+_SAVED_AS = {"exp": " (the exponentials)", "masked_fill": " (the masked scores)", "div": " (the probabilities)"}
+#: Ops whose outputs are named only where every saved output has the shape that name implies (given the block's
+#: d_model, d_ff and tokens): a matmul or a copy elsewhere in another model would be something else.
+_SAVED_AS_BY_SHAPE = {
+    "mm": (" (the feed-forward's $W_1x$ and $W_3x$)", lambda shape, d, ff, tokens: shape[-1] == ff),
+    "clone": (" (contiguous copies of $Q$, $K^\\top$ and $V$ split by head, and of the merged attention output)",
+              lambda shape, d, ff, tokens: math.prod(shape) == tokens * d),
+}
+
+
+def _tied_with_last(table: pd.DataFrame | None, top: pd.DataFrame) -> str:
+    """The ops left out of the top list that save exactly as much as its last one: a tie the cut hides."""
+    from cs336_systems.profiling.residuals import residuals_by_op
+
+    if table is None or top is None or not len(top):
+        return ""
+    by = residuals_by_op(table)
+    last = float(top["bytes"].iloc[-1])
+    shown = set(top["op"].astype(str))
+    tied = [str(op) for op, b in zip(by["op"], by["bytes"]) if str(op) not in shown and float(b) == last]
+    return f" (tied with {join_words(tied)}, which save as much)" if tied else ""
+
+
+def _saved_as(op: str, table: pd.DataFrame | None, meta: dict | None) -> str:
+    """What ``op``'s saved outputs are, in words: by name (:data:`_SAVED_AS`) or, for an op that produces other
+    tensors in other blocks, where all of its rows in the residual ``table`` have the implied shape."""
+    if op in _SAVED_AS:
+        return _SAVED_AS[op]
+    extra = (meta or {}).get("extra") or {}
+    shape, batch, context = extra.get("shape") or [], extra.get("batch_size"), extra.get("context_length")
+    if op not in _SAVED_AS_BY_SHAPE or table is None or len(shape) < 2 or not batch or not context:
+        return ""
+    words, fits = _SAVED_AS_BY_SHAPE[op]
+    rows = table[table["op"].astype(str) == op]
+    shapes = [tuple(int(x) for x in str(v).strip("()").split(",") if x.strip()) for v in rows["shape"]]
+    ok = bool(shapes) and all(fits(sh, int(shape[0]), int(shape[1]), int(batch) * int(context)) for sh in shapes)
+    return words if ok else ""
 
 
 def _against_the_snippet(meta: dict | None) -> str:
