@@ -1688,3 +1688,12 @@ def test_memory_c_says_for_which_peaks_mixed_precision_matters(tmp_path) -> None
     assert mp._not_rescued(oom) == ("It does not rescue a longer context: at context 2,048 its forward with autograd "
                                     "and training step still run out of memory, as in fp32. ")
     assert mp._not_rescued(oom[oom["precision"] == "fp32"]) == ""
+
+
+def test_short_attention_cells_that_do_not_order_by_head_size_are_called_launch_bound() -> None:
+    from cs336_systems.experiments.pytorch_attention import _launch_bound
+
+    grid = pd.DataFrame({"d_model": [16, 128, 16, 128], "seq_len": [256, 256, 4096, 4096],
+                         "forward_mean_ms": [0.30, 0.17, 2.0, 3.0]})
+    assert _launch_bound(grid).startswith(" At 256 tokens the forward times do not grow with $d$ (0.170 ms–0.300 ms)")
+    assert _launch_bound(grid.assign(forward_mean_ms=[0.17, 0.30, 2.0, 3.0])) == ""

@@ -226,6 +226,20 @@ def _which_size(acc: dict[str, Any], device: str | None) -> Text:
                 f"(batch {acc['batch_size']}; {acc.get('source', '')}).")
 
 
+def _launch_bound(ok: pd.DataFrame) -> str:
+    """Where the shortest sequence's passes do not order by head size: a pass there is a few small kernels whose
+    launch and host costs, not their FLOPs or bytes, set the time, so a larger $d$ can time faster."""
+    short = ok[ok["seq_len"] == ok["seq_len"].min()].sort_values("d_model")
+    if len(short) < 2:
+        return ""
+    f = short["forward_mean_ms"].to_numpy()
+    if all(a <= b for a, b in zip(f, f[1:])):
+        return ""
+    return (f" At {int(short['seq_len'].iloc[0]):,} tokens the forward times do not grow with $d$ "
+            f"({fmt.ms(f.min())}–{fmt.ms(f.max())}): each pass is a few kernels too small to fill the GPU, so launch "
+            "and host costs, not the arithmetic, set the time.")
+
+
 def _backward_peak(acc: dict[str, Any]) -> Text | None:
     """Where the grid fit and the probe beyond it ran out of memory: the saved memory measured at that
     configuration, what the backward adds (measured one size below, in score-sized tensors) and what that
@@ -272,14 +286,14 @@ def answer(d: SectionData) -> list[Block]:
             f"{fmt.ms(big['forward_mean_ms'].min())}–{fmt.ms(big['forward_mean_ms'].max())} and a backward pass "
             f"{fmt.ms(big['backward_mean_ms'].min())}–{fmt.ms(big['backward_mean_ms'].max())} across head sizes."
             + (" Out of memory or not run: " + join_words([f"$d={int(r['d_model'])}, T={fmt.tex_int(r['seq_len'])}$ "
-               f"({r['status']})" for _, r in failed.iterrows()]) + "." if not failed.empty else ""))
+               f"({r['status']})" for _, r in failed.iterrows()]) + "." if not failed.empty else "") + _launch_bound(ok))
     acc_blocks: list[Block | None] = []
     if isinstance(acc, dict) and "terms_MiB" in acc:
         B, T, dd = int(acc["batch_size"]), int(acc["seq_len"]), int(acc["d_model"])
         total = acc["terms_MiB"].get("total", float("nan"))
         acc_blocks = [
             Text("At that configuration:"),
-            Equation([(rf"M_{{\mathrm{{saved}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
+            Equation([(rf"M_{{\mathrm{{before\ backward}}}} = 4 \cdot {B}\,(3 \cdot {T}^2 + 2 \cdot {T} + 5 \cdot {T} \cdot {dd})"
                       rf" + {T}^2 = {fmt.tex_sig(total, 4)}\,\mathrm{{MiB}}")]),
         ]
         peak = _backward_peak(acc)
@@ -306,12 +320,13 @@ def answer(d: SectionData) -> list[Block]:
                  "to remove that cost.", [
                      _which_size(acc, d.meta("oom_accounting").get("device")) if isinstance(acc, dict)
                      and "terms_MiB" in acc else None,
-                     Text("Eager attention keeps, per batch element, three $T\\times T$ fp32 tensors alive for the "
-                          "backward pass (the scores $S = QK^\\top/\\sqrt{d}$ with the mask applied, their "
-                          "exponentials, and the probabilities $P$), the row max and sum, and $Q, K, V$, the output "
-                          "$O$ and the upstream gradient ($T\\times d$ each); and one boolean $T\\times T$ causal "
-                          "mask for the batch:"),
-                     Equation([r"M_{\mathrm{saved}}(B, T, d) = 4B\,(3T^2 + 2T + 5Td) + T^2\ \mathrm{bytes}."]),
+                     Text("Just before the backward pass, eager attention holds per batch element three $T\\times T$ "
+                          "fp32 tensors saved for it (the masked scores $\\mathrm{mask}(QK^\\top/\\sqrt{d})$, their "
+                          "exponentials, and the probabilities $P$), the row max and sum, and $Q, K, V$ (saved), the "
+                          "output $O$ and the upstream gradient $dO$ (live, not saved; $T\\times d$ each); and one "
+                          "boolean $T\\times T$ causal mask for the batch:"),
+                     Equation([r"M_{\mathrm{before\ backward}}(B, T, d) = 4B\,(3T^2 + 2T + 5Td) + T^2\ "
+                               r"\mathrm{bytes}."]),
                      *acc_blocks,
                      Text("The $T^2$ terms dominate: doubling $T$ quadruples the memory, whatever $d$. "
                           "FlashAttention removes them by recomputing $S$ and $P$ tile by tile in the backward pass "
