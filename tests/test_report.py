@@ -1697,3 +1697,18 @@ def test_short_attention_cells_that_do_not_order_by_head_size_are_called_launch_
                          "forward_mean_ms": [0.30, 0.17, 2.0, 3.0]})
     assert _launch_bound(grid).startswith(" At 256 tokens the forward times do not grow with $d$ (0.170 ms–0.300 ms)")
     assert _launch_bound(grid.assign(forward_mean_ms=[0.17, 0.30, 2.0, 3.0])) == ""
+
+
+def test_profiled_elementwise_kernels_are_named_by_the_operation_they_run() -> None:
+    """A multiply by a Python scalar (the 1/sqrt(d) scaling) and a tensor-tensor multiply share a short name;
+    the full name tells them apart."""
+    from cs336_systems.experiments.nsys_profile import _non_matmul
+
+    scalar = ("void at::native::vectorized_elementwise_kernel<4, at::native::BUnaryFunctor<float, float, float, "
+              "at::native::binary_internal::MulFunctor<float>>, std::array<char*, 2ul>>(int, ...)")
+    tensor = scalar.replace("BUnaryFunctor<float, float, float,", "BinaryFunctor<float, float, float,")
+    top = pd.DataFrame({"size": "large", "context_length": 1024, "range": "forward", "rank": [1, 2],
+                        "name": [scalar, tensor], "percent": [2.19, 1.0], "category": "elementwise"})
+    text = _non_matmul(top, pd.Series({"size": "large", "context_length": 1024}))
+    assert "2.19% (the $1/\\sqrt{d}$ score scaling, a multiply by the reciprocal)" in text
+    assert text.endswith("`vectorized_elementwise_kernel<MulFunctor>` 1.00%")

@@ -349,7 +349,9 @@ def answer(d: SectionData) -> list[Block]:
         dd = _matmul_shares(summary)
         per_flop = row["softmax_to_matmul_time"] / row["softmax_to_matmul_flops"]
         e = Text(f"For {where}, attention's softmax takes {fmt.ratio(row['softmax_to_matmul_time'])} the time of "
-                 f"its two matmuls for {fmt.ratio(row['softmax_to_matmul_flops'])} their FLOPs, i.e. "
+                 f"its two matmuls for {fmt.ratio(row['softmax_to_matmul_flops'])} their FLOPs (about 5 per score "
+                 "for the max, subtraction, exponential, sum and division, against $2 \\cdot 2T^2 d_h$ for $QK^\\top$ "
+                 "and $PV$ per head: $5 / (4 d_h)$), i.e. "
                  f"{fmt.sig(per_flop)} times the time per FLOP"
                  + (f": the matmuls are compute-bound GEMMs ({_gemm_kind(row['top_forward_kernel'])}) that "
                     "reuse each loaded element many times, while the softmax reads and writes the whole score "
@@ -405,6 +407,13 @@ _KERNEL_OPS = (("elementwise_kernel<DivFunctor>", "the softmax's division by its
                ("direct_copy", "copies to contiguous memory (the heads' transposes)"), ("silu", "SwiGLU's SiLU"))
 
 
+#: Kernels the short name cannot tell apart, by a part of the full name: a tensor times a Python scalar runs as
+#: ``BUnaryFunctor<…MulFunctor…>``, and the model's only such multiply in the forward is the score scaling
+#: (``scores / math.sqrt(d)`` multiplies by the reciprocal).
+_FULL_NAME_OPS = (("BUnaryFunctor<float, float, float, at::native::binary_internal::MulFunctor",
+                   "the $1/\\sqrt{d}$ score scaling, a multiply by the reciprocal"),)
+
+
 def _non_matmul(top: pd.DataFrame | None, row: pd.Series, n: int = 5) -> str:
     """The largest non-matmul kernels of ``row``'s forward profile, with their share and (where known) the
     model's operation, and all non-matmul kernels' share; "" without the kernel table."""
@@ -418,7 +427,8 @@ def _non_matmul(top: pd.DataFrame | None, row: pd.Series, n: int = 5) -> str:
     for _, r in mine.iterrows():
         name = short_kernel(r["name"])
         op = next((words for key, words in _KERNEL_OPS if key == name), None) or next(
-            (words for key, words in _KERNEL_OPS if "<" not in key and key in name), None)
+            (words for key, words in _KERNEL_OPS if "<" not in key and key in name), None) or next(
+            (words for key, words in _FULL_NAME_OPS if key in str(r["name"])), None)
         parts.append(f"`{name}` {fmt.pct(r['percent'] / 100)}" + (f" ({op})" if op else ""))
     share = (f"non-matmul kernels take {fmt.pct(1 - row['matmul_percent_forward'] / 100)} of the forward kernel "
              "time; the largest are " if "matmul_percent_forward" in row else "the largest non-matmul kernels are ")
