@@ -295,7 +295,7 @@ def setup(df: pd.DataFrame | None, edition: str = "2025") -> Text | None:
     ws = int(df["world_size"].max()) if "world_size" in df.columns else "?"
     return Text(f"Setup: the {handout_model(str(r['preset']), edition)} model, {r.get('autocast', 'fp32')}, {int(r['batch_per_rank'])} sequences "
                 f"of {int(r['context_length'])} tokens per rank, {ws} GPUs on one node, AdamW (torch's fused "
-                f"implementation on GPUs; §3 steps the default multi-tensor one), mean over "
+                f"implementation on GPUs; the sharding section uses PyTorch's default AdamW), mean over "
                 f"{int(r['steps'])} steps after warm-up; every variant starts from the same weights.")
 
 

@@ -264,7 +264,7 @@ from cs336_systems.configs import param_counts  # noqa: E402
 from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import join_words, ok_rows, question, step_mfu, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
-from cs336_systems.report.document import Block, Text  # noqa: E402
+from cs336_systems.report.document import BEYOND_HANDOUT, Block, Text  # noqa: E402
 
 
 def _top(d: SectionData, name: str, top: int = 5) -> tuple[pd.DataFrame | None, float | None]:
@@ -293,8 +293,14 @@ def answer(d: SectionData) -> list[Block]:
     grad_text = _gradients_text(d.meta("residuals"), total)
     measured = _measured_gradients(d.frame("backward_by_block"), d.meta("backward_by_block"), total,
                                    _block_input_bytes(d.frame("residuals")))
-    best_text = _best_segment(d.frame("checkpointing"), total, _block_input_bytes(d.frame("residuals")),
-                              (d.meta("checkpointing").get("params") or {}).get("preset"))
+    parts = _best_segment_parts(d.frame("checkpointing"), total, _block_input_bytes(d.frame("residuals")),
+                                (d.meta("checkpointing").get("params") or {}).get("preset"))
+    # (b) in the handout's form: the reasoning and hypothesis, the measured peaks, the verdict; the accounting of
+    # the peak, the growth per block and where the peak sits go to the appendix
+    best_text = None if parts is None else Text(
+        (parts["reasoning"] + parts["peak_only"] + parts["neighbours"] + parts["verdict"]).strip())
+    best_detail = None if parts is None or not (parts["measured"] or parts["shown"]) else Text(
+        (parts["heads"] + parts["measured"] + parts["shown"]).strip())
     sweep = ok_rows(d.frame("checkpointing"))
     return [
         question(d, "residuals", "What one TransformerBlock saves for backward: the five largest producing "
@@ -327,7 +333,7 @@ def answer(d: SectionData) -> list[Block]:
                  "        return blocks[-1](h)\n\n"
                  "    y = checkpoint(run, blocks, x, use_reentrant=False)"),
         ]),
-        question(d, "gradient_checkpointing (b)", "2026 xl, batch 4, context 2048, one level of recomputation: the "
+        question(d, "gradient_checkpointing (b)", "The xl model, batch 4, context 2048, one level of recomputation: the "
                  "best segment size, and the peak memory of it and of its neighbours.", [
             best_text,
             d.table("checkpointing", frame=(shown := _shown_sweep(d)),
@@ -341,6 +347,9 @@ def answer(d: SectionData) -> list[Block]:
             d.figure("checkpointing", caption="Peak memory and step time against the segment size.")
             if len(sweep) > 1 else None,
         ], what="the checkpointing sweep"),
+        *([Text("", role=BEYOND_HANDOUT),
+           question(d, "gradient_checkpointing (b)", "The best segment's peak, accounted for, and where it sits.",
+                    [best_detail])] if best_detail is not None else []),
     ]
 
 
@@ -491,6 +500,16 @@ RESIDENT_SLACK_GIB = 1.0
 
 def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                   input_bytes: float | None = None, preset: str | None = None) -> Text | None:
+    """(b) in one text: the measured answer, its neighbours, the reasoning and what the sweep showed."""
+    parts = _best_segment_parts(table, block_bytes, input_bytes, preset)
+    if parts is None:
+        return None
+    return Text(parts["measured"] + parts["neighbours"] + (" " + parts["heads"] + parts["reasoning"]).rstrip()
+                + parts["shown"])
+
+
+def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = None,
+                        input_bytes: float | None = None, preset: str | None = None) -> dict[str, str] | None:
     """The direct answer to (b), in the handout's form: the reasoning, the measured strategy's peak, and its
     neighbours in the sweep.
 
@@ -521,10 +540,10 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
                         "to test, each block's attention and feed-forward branches checkpointed separately (two "
                         "inputs per block, and half a block recomputed at a time). " if optimum < 1
                         else "rounded to a whole block. "))
-        heads = get_config(preset).num_heads
-        if heads != SNIPPET_HEADS:
-            reasoning = f"This is the model table's xl, with {heads} heads (the snippet's block has {SNIPPET_HEADS}). " \
-                + reasoning
+    heads_note = ""
+    if preset and get_config(preset).num_heads != SNIPPET_HEADS:
+        heads_note = (f"This is the model table's xl, with {get_config(preset).num_heads} heads (the snippet's block "
+                      f"has {SNIPPET_HEADS}). ")
     held = float(resident[best.name])
     state = 12 * param_counts(preset)["total"] / 2**30 if preset else None
     left = float(best["leftover_GiB"]) if "leftover_GiB" in best and pd.notna(best["leftover_GiB"]) else None
@@ -574,8 +593,22 @@ def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
         shown += _where_the_peak_is(sweep[sweep["block_size"].isin(group)])
     elif reasoning and SUBLAYER not in set(ordered):
         shown += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
-    # the answer first (the strategy and its measured peak, its neighbours), then the reasoning and what it missed
-    return Text(measured + said + (" " + reasoning.strip() if reasoning else "") + shown)
+    step = f"one step {fmt.sig(best['step_ms'] / 1e3)} s"
+    peak_only = (f"Best, measured: {names}, which peak identically at {fmt.sig(best['peak_GiB'])} GiB ({step})."
+                 if identical else f"{lead} of {fmt.sig(best['peak_GiB'])} GiB ({step}).")
+    return {"measured": measured, "peak_only": peak_only, "neighbours": said, "heads": heads_note,
+            "reasoning": reasoning, "shown": shown, "verdict": _verdict(sweep, group)}
+
+
+def _verdict(sweep: pd.DataFrame, group: list[float]) -> str:
+    """The hypothesis's fate in one sentence, where the sweep tried the split below one block."""
+    if SUBLAYER not in group or len(group) < 2:
+        return ""
+    tied = sweep[sweep["block_size"].isin(group)]
+    if float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) >= 2**-10:
+        return ""
+    return (" So the hypothesis fails: the peak comes late in the backward, where both strategies hold the same "
+            "tensors, and splitting a block only lowers the memory earlier (the appendix shows where).")
 
 
 def _per_block(sweep: pd.DataFrame, block_bytes: float | None) -> str:

@@ -384,7 +384,7 @@ def _ranks_blocks(d: SectionData) -> list[Block | None]:
                  + "The handout's GPUs are B200s "
                  "(180 GB, a higher peak); these are the GPUs measured here. The handout's naive baseline is 10 s."
                  + _reference_sentence(d.frame(name), meta, r)
-                 + " The step runs the kernels and the FSDP that the workbook's tests check against plain PyTorch "
+                 + " The step runs the kernels and the FSDP that our tests check against plain PyTorch "
                    "(`tests/test_fsdp.py`, `tests/test_flash_attention.py`, `tests/test_lm_head_loss.py`)."),
             d.table(name, frame=subset(frame, "stack", "status", "step_ms", "step_spread_ms", "peak_GiB", "wall_s",
                                        "TFLOP_per_s", "MFU_causal_pct", "MFU_pct"),

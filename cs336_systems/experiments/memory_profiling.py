@@ -423,7 +423,7 @@ def answer(d: SectionData) -> list[Block]:
                         f"mode ({', '.join(_MODE_WORDS[m] for m in modes) or 'forward pass and training step'}, top "
                         "to bottom) and one column per context length. Drawn by us from the allocator trace "
                         "(`torch.cuda.memory._snapshot()`) that pytorch.org/memory_viz reads, stacked like its Active "
-                        "Memory Timeline; a run keeps its longest context's fp32 snapshots for that viewer. The dashed "
+                        "Memory Timeline; the longest context's fp32 snapshots are kept for that viewer. The dashed "
                         "peak is the largest sum of the allocations the trace records, which can sit a little below the "
                         "allocator's own peak in the table.")
     rs_text = None

@@ -441,7 +441,7 @@ def answer(d: SectionData) -> list[Block]:
                  [mem_text, d.table("memory", caption="Allocated and peak memory per rank at the three points "
                                     "(GiB)."),
                   d.table("memory_breakdown", frame=bd, caption="Rank 0's memory by component, measured by counting "
-                          "tensors and predicted by `accounting.training_memory_per_rank` (GiB).")],
+                          "tensors and predicted by our memory accounting (GiB).")],
                  what="peak memory with and without sharding"),
         question(d, "b", "Time per iteration with and without optimizer-state sharding.",
                  [time_text, d.table("timing", frame=_timing_with_mfu(d.frame("timing"), d.meta("timing")),

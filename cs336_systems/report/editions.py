@@ -83,7 +83,7 @@ EDITION_2026: tuple[Entry, ...] = (
     Entry("5.3.2", ("ddp_overlap_individual_parameters", "ddp_overlap_individual_parameters_benchmarking"),
           "ddp_overlap_individual", note=_xl_note("ddp_overlap_individual")),
     Entry("5.3.3", ("beyond the 2026 handout",), "ddp_bucketed",
-          note="The 2026 handout dropped bucketed DDP; the workbook keeps it beyond the handout (2026's "
+          note="The 2026 handout dropped bucketed DDP; it is kept here beyond the handout (2026's "
                "`get_ddp` is §5.3.2's per-parameter overlap)."),
     Entry("6", ("optimizer_state_sharding", "optimizer_state_sharding_accounting"), "optimizer_state_sharding",
           note=_xl_note("optimizer_state_sharding")),
