@@ -1712,3 +1712,18 @@ def test_profiled_elementwise_kernels_are_named_by_the_operation_they_run() -> N
     text = _non_matmul(top, pd.Series({"size": "large", "context_length": 1024}))
     assert "2.19% (the $1/\\sqrt{d}$ score scaling, a multiply by the reciprocal)" in text
     assert text.endswith("`vectorized_elementwise_kernel<MulFunctor>` 1.00%")
+
+
+def test_nsys_b_counts_the_top_kernel_per_block_and_names_steps_led_by_other_kernels() -> None:
+    from cs336_systems.experiments.nsys_profile import _calls_per_block, _step_leaders
+
+    assert _calls_per_block(pd.Series({"size": "large", "top_kernel_calls_per_forward": 109})) == \
+        " (3 per block × 36 blocks + 1)"
+    summary = pd.DataFrame({"size": ["small", "small"], "context_length": [512, 4096], "status": "ok",
+                            "top_forward_kernel": ["gemm_a", "gemm_a"]})
+    top = pd.DataFrame({"size": ["small", "small"], "context_length": [512, 4096], "range": "step", "rank": 1,
+                        "name": ["gemm_a", "div_kernel"], "percent": [30.0, 12.5], "category": ["matmul", "elementwise"]})
+    text = _step_leaders(top, summary)
+    assert text.startswith(" The training step's top kernel is the forward's in 1 of 2 profiles; in small at 4,096 (")
+    assert "12.5% of the step) it is not a matmul" in text
+    assert _step_leaders(top.iloc[:1], summary) == " The training step's top kernel is the forward's in 1 of 1 profiles."

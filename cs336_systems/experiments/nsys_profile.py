@@ -338,8 +338,10 @@ def answer(d: SectionData) -> list[Block]:
         b = Text(f"For {where} the kernel with the most GPU time in the forward pass is "
                  f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
+                 + _calls_per_block(row)
                  + (f"; {same}." if same else ".")
-                 + _across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel"))
+                 + _across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel")
+                 + _step_leaders(top, summary))
         c = Text(f"For {where}, " + (_non_matmul(top, row) or
                  f"the largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time")
@@ -412,6 +414,38 @@ _KERNEL_OPS = (("elementwise_kernel<DivFunctor>", "the softmax's division by its
 #: (``scores / math.sqrt(d)`` multiplies by the reciprocal).
 _FULL_NAME_OPS = (("BUnaryFunctor<float, float, float, at::native::binary_internal::MulFunctor",
                    "the $1/\\sqrt{d}$ score scaling, a multiply by the reciprocal"),)
+
+
+def _calls_per_block(row: pd.Series) -> str:
+    """The top kernel's launch count as so many per block plus the rest (the LM head's), so it can be checked."""
+    try:
+        calls, layers = int(row["top_kernel_calls_per_forward"]), get_config(str(row["size"])).num_layers
+    except (KeyError, TypeError, ValueError):
+        return ""
+    per, rest = divmod(calls, layers)
+    if not per:
+        return ""
+    return f" ({per} per block × {layers} blocks" + (f" + {rest}" if rest else "") + ")"
+
+
+def _step_leaders(top: pd.DataFrame | None, summary: pd.DataFrame) -> str:
+    """Across the profiles: in how many the training step's top kernel is the forward's, and the profiles whose
+    step is led by a kernel that is not a matmul (named, with its share of the step)."""
+    if top is None or not {"range", "rank", "name", "percent", "category"} <= set(top.columns):
+        return ""
+    first = top[(top["range"] == "step") & (top["rank"] == 1)]
+    ok = summary[summary["status"] == "ok"] if "status" in summary.columns else summary
+    merged = ok.merge(first, on=["size", "context_length"])
+    if merged.empty:
+        return ""
+    same = int((merged["name"] == merged["top_forward_kernel"]).sum())
+    other = merged[merged["category"] != "matmul"]
+    text = f" The training step's top kernel is the forward's in {same} of {len(merged)} profiles"
+    if other.empty:
+        return text + "."
+    cells = [f"{r['size']} at {int(r['context_length']):,} (`{short_kernel(r['name'])}`, "
+             f"{fmt.pct(r['percent'] / 100)} of the step)" for _, r in other.iterrows()]
+    return text + f"; in {join_words(cells)} it is not a matmul: the softmax over the scores grows as $T^2$, most of the matmul work as $T$."
 
 
 def _non_matmul(top: pd.DataFrame | None, row: pd.Series, n: int = 5) -> str:
