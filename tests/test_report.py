@@ -1018,6 +1018,11 @@ def test_fsdp_answer_discloses_the_course_fsdp_tests_that_fail(tmp_path) -> None
     (folder / "2025.json").write_text(json.dumps({"failures": {}}))
     text = _course_test_failures(SectionData(tmp_path, "fsdp")).markdown
     assert text.startswith("The course's own suite fails `test_fsdp_correctness[fp32]`:") and "test_other" not in text
+    (folder / "2026.json").write_text(json.dumps({"failures": {
+        "tests/test_fsdp.py::test_fsdp_correctness[fp32]":
+            "AssertionError: Step 0: Parameter embedding.weight mismatch. Max diff: 2.9802322387695312e-08"}}))
+    text = _course_test_failures(SectionData(tmp_path, "fsdp")).markdown
+    assert "one rounding step of one parameter: at step 0, `embedding.weight` by 2.98e-08)" in text
     (folder / "2026.json").write_text(json.dumps({"failures": []}))
     assert _course_test_failures(SectionData(tmp_path, "fsdp")) is None
 

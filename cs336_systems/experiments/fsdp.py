@@ -401,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+import re  # noqa: E402 (answers only)
+
 from cs336_systems.experiments.fsdp_gathers import PREFETCH, gathers_against_fit, gathers_blocks, host_paced  # noqa: E402
 from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402 (answers only)
 
@@ -495,18 +497,31 @@ def _against_fsdp2(df: pd.DataFrame | None, edition: str) -> Text | None:
                 + join_words(parts) + ".")
 
 
+def _failures(recorded: Any) -> list[tuple[str, str]]:
+    """A record's failed tests with their reasons (a mapping), or without (a list, as older records keep them)."""
+    if isinstance(recorded, dict):
+        return [(str(t), str(w)) for t, w in recorded.items()]
+    return [(str(t), "") for t in recorded or ()]
+
+
 def _course_test_failures(d: SectionData) -> Text | None:
     """The course's own FSDP tests that failed in the recorded runs (§4), said where FSDP is answered."""
     tests = SectionData(d.root, "course_tests")
-    failed = sorted({t for n in tests.records if isinstance(r := tests.json(n), dict)
-                     for t in (r.get("failures") or {}) if "fsdp" in t.lower()})
+    why = {t: str(w) for n in tests.records if isinstance(r := tests.json(n), dict)
+           for t, w in _failures(r.get("failures")) if "fsdp" in t.lower()}
+    failed = sorted(why)
     if not failed:
         return None
+    # the assertion's own words: which parameter at which step, by how much
+    found = [m for w in why.values()
+             for m in [re.search(r"Step (\d+): Parameter (\S+) mismatch\. Max diff: ([0-9.eE+-]+)", w)] if m]
+    gaps = sorted({f"at step {m.group(1)}, `{m.group(2)}` by {float(m.group(3)):.3g}" for m in found})
+    gap = (": " + "; ".join(gaps)) if gaps else ""
     return Text("The course's own suite fails " + join_words([f"`{t.split('::')[-1]}`" for t in failed])
                 + ": it compares FSDP's parameters after each step with full-batch training's bit for bit. In "
                 "float32 two per-rank gradient products summed need not round like one product over the whole "
                 "batch, and where a last-bit difference survives the update's own rounding the parameters differ "
-                "(here by one rounding step of one parameter); §4 reproduces the gap without FSDP, and our tests "
+                f"(here by one rounding step of one parameter{gap}); §4 reproduces the gap without FSDP, and our tests "
                 "check FSDP bit for bit against micro-batched training, where equality is what correct code gives.")
 
 
