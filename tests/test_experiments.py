@@ -667,3 +667,16 @@ def test_communication_accounting_states_the_tokens_its_activation_total_counts(
             "(c), rounded up).") in part_a(None)
     text = part_a(1024)
     assert "so 18.0 GB for the table's 1,024 tokens per device." in text and "part (c)" not in text
+
+
+def test_the_warmup_table_names_models_as_the_writeups_handout_does() -> None:
+    """2026's table shows its xl (the 2.7B preset) with the preset beside it, and not 2025's xl."""
+    import pandas as pd
+
+    from cs336_systems.experiments.benchmarking import _preset_where_renamed
+    from cs336_systems.report.answers import edition_rows
+
+    study = pd.DataFrame({"size": ["small", "xl", "2.7B"], "warmup": 0, "status": "ok"})
+    shown = _preset_where_renamed(edition_rows(study, "2026"))
+    assert list(shown["size"]) == ["small", "xl"] and list(shown["preset"]) == ["small", "2.7B"]
+    assert "preset" not in _preset_where_renamed(edition_rows(study, "2025")).columns

@@ -247,10 +247,19 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "c", "The warm-up study in full.", [
             warmup,
             Text(_late_outliers(study).strip()) if _late_outliers(study) else None,
-            d.table("warmup_study", caption=_study_caption(d.meta("warmup_study").get("params") or {})),
+            d.table("warmup_study", frame=_preset_where_renamed(study), caption=_study_caption(d.meta("warmup_study").get("params") or {})),
             d.figure("warmup_study", caption="Spread of the forward time against the number of warm-up steps."),
         ]),
     ]
+
+
+def _preset_where_renamed(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    """An edition's rows with the preset column kept only where this handout renames a model (2026's xl is the
+    2.7B preset), so the table and the prose name a model alike."""
+    if df is None or "preset" not in df.columns:
+        return df
+    renamed = df["preset"].astype(str).str.partition("@")[0] != df["size"].astype(str)
+    return df if renamed.any() else df.drop(columns="preset")
 
 
 def _lighter_caption(df: pd.DataFrame | None) -> str:
