@@ -172,7 +172,9 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
             f"{verdict} One training step of {handout_model(model, d.edition)} "
             f"({fmt.params(param_counts(accounting.ladder_config(model))['total'])} parameters) with our FSDP on {ws} "
             f"{'GPUs' if meta.get('device_type') == 'cuda' else 'CPU processes'}, {extra.get('compute_dtype', '?')} "
-            f"compute, {params.get('global_batch', '?')} sequences of {params.get('context_length', '?')} tokens, "
+            "compute" + (" (the handout's mixed precision: each weight is cast before it is gathered, halving the "
+                         "bytes sent)" if extra.get("compute_dtype") in ("bf16", "fp16") else "")
+            + f", {params.get('global_batch', '?')} sequences of {params.get('context_length', '?')} tokens, "
             f"profiled on rank 0: the forward ran {fmt.ms(r['span_ms'])} on the GPU with {int(r['gathers'])} "
             "all-gathers, one per sharded weight matrix (each Linear and Embedding), "
             f"{fmt.ms(r['gather_ms'])} of kernel time of which {fmt.ms(r['gather_beside_compute_ms'])} overlapped "
