@@ -225,12 +225,19 @@ def test_checkpointing_answer_in_the_handouts_form_reasons_measures_and_conclude
 
     table = pd.DataFrame({"block_size": [0, 0.5, 1, 2], "status": ["OOM", "ok", "ok", "ok"],
                           "peak_GiB": [None, 65.28, 65.28, 72.76], "activation_peak_GiB": [None, 27.1, 27.1, 34.6],
-                          "step_ms": [None, 6180.0, 6249.0, 6386.0], "leftover_GiB": [None, 0.03, 0.03, 0.03]})
+                          "step_ms": [None, 6180.0, 6249.0, 6386.0], "leftover_GiB": [None, 0.03, 0.03, 0.03],
+                          "backward_peak_GiB": [None, 65.28, 65.28, 72.76]})
     parts = _best_segment_parts(table, block_bytes=7990 * 2**20, input_bytes=80 * 2**20, preset="xl@2026")
     assert parts["reasoning"].startswith("Segments of $k$ blocks hold $N/k$ block inputs")
     assert parts["peak_only"] == ("Best, measured: checkpointing by sublayer and segments of 1 block, which peak "
                                   "identically at 65.3 GiB (one step 6.18 s).")
     assert parts["verdict"].startswith(" So the hypothesis fails")
     assert "held between steps" in parts["measured"] and "held between steps" not in parts["peak_only"]
-    apart = _best_segment_parts(table.assign(peak_GiB=[None, 65.0, 65.28, 72.76]), preset="xl@2026")
+    apart = _best_segment_parts(table.assign(peak_GiB=[None, 65.0, 65.28, 72.76]), block_bytes=7990 * 2**20,
+                                input_bytes=80 * 2**20, preset="xl@2026")
     assert apart["verdict"] == ""  # not identical: no claim that both hold the same tensors
+    # no hypothesis stated (the residuals were not measured), or the peak set after the backward: no verdict
+    assert _best_segment_parts(table, preset="xl@2026")["verdict"] == ""
+    later = table.assign(backward_peak_GiB=[None, 60.0, 61.0, 70.0])
+    assert _best_segment_parts(later, block_bytes=7990 * 2**20, input_bytes=80 * 2**20,
+                               preset="xl@2026")["verdict"] == ""

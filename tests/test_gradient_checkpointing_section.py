@@ -164,4 +164,4 @@ def test_the_attention_residuals_are_named_beside_their_producing_ops() -> None:
     assert gc._saved_as("mm", table, {}) == "" and gc._saved_as("silu", table, meta) == ""
     top = table.groupby("op")["bytes"].sum().sort_values(ascending=False).reset_index().head(1)  # mm, 2048
     assert gc._tied_with_last(table.assign(bytes=[512, 512, 256, 1024]), top.assign(bytes=1024.0)) == \
-        " (tied with silu, which save as much)"  # mm is shown: only the op the cut left out is named
+        "; silu saves as much as mm"  # mm is shown: only the op the cut left out is named

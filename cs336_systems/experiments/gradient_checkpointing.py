@@ -353,20 +353,21 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
+#: Peaks closer than this (a MiB) were set by the same tensors at the same moment of the step.
+SAME_PEAK_GIB = 2**-10
+
 #: The heads of the block in the 2026 handout's residual snippet (§3.2), which reports 3,651 MiB compiled.
 SNIPPET_HEADS = 16
 
 
-#: The tensor a producing op's saved output is in the naive attention (the softmax's exponentials and quotient,
-#: the scores with the mask applied), named beside the op.
 #: The tensors an op's saved outputs are in this model's block (autograd names the op that produced them).
 _SAVED_AS = {"exp": " (the exponentials)", "masked_fill": " (the masked scores)", "div": " (the probabilities)"}
 #: Ops whose outputs are named only where every saved output has the shape that name implies (given the block's
 #: d_model, d_ff and tokens): a matmul or a copy elsewhere in another model would be something else.
 _SAVED_AS_BY_SHAPE = {
-    "mm": (" (the feed-forward's $W_1x$ and $W_3x$)", lambda shape, d, ff, tokens: shape[-1] == ff),
+    "mm": (" (the feed-forward's $W_1x$ and $W_3x$)", lambda tensor_shape, d, ff, tokens: tensor_shape[-1] == ff),
     "clone": (" (contiguous copies of $Q$, $K^\\top$ and $V$ split by head, and of the merged attention output)",
-              lambda shape, d, ff, tokens: math.prod(shape) == tokens * d),
+              lambda tensor_shape, d, ff, tokens: math.prod(tensor_shape) == tokens * d),
 }
 
 
@@ -380,7 +381,9 @@ def _tied_with_last(table: pd.DataFrame | None, top: pd.DataFrame) -> str:
     last = float(top["bytes"].iloc[-1])
     shown = set(top["op"].astype(str))
     tied = [str(op) for op, b in zip(by["op"], by["bytes"]) if str(op) not in shown and float(b) == last]
-    return f" (tied with {join_words(tied)}, which save as much)" if tied else ""
+    if not tied:
+        return ""
+    return f"; {join_words(tied)} {'saves' if len(tied) == 1 else 'save'} as much as {top['op'].iloc[-1]}"
 
 
 def _saved_as(op: str, table: pd.DataFrame | None, meta: dict | None) -> str:
@@ -389,13 +392,13 @@ def _saved_as(op: str, table: pd.DataFrame | None, meta: dict | None) -> str:
     if op in _SAVED_AS:
         return _SAVED_AS[op]
     extra = (meta or {}).get("extra") or {}
-    shape, batch, context = extra.get("shape") or [], extra.get("batch_size"), extra.get("context_length")
-    if op not in _SAVED_AS_BY_SHAPE or table is None or len(shape) < 2 or not batch or not context:
+    dims, batch, context = extra.get("shape") or [], extra.get("batch_size"), extra.get("context_length")  # d, d_ff, ...
+    if op not in _SAVED_AS_BY_SHAPE or table is None or len(dims) < 2 or not batch or not context:
         return ""
     words, fits = _SAVED_AS_BY_SHAPE[op]
     rows = table[table["op"].astype(str) == op]
     shapes = [tuple(int(x) for x in str(v).strip("()").split(",") if x.strip()) for v in rows["shape"]]
-    ok = bool(shapes) and all(fits(sh, int(shape[0]), int(shape[1]), int(batch) * int(context)) for sh in shapes)
+    ok = bool(shapes) and all(fits(sh, int(dims[0]), int(dims[1]), int(batch) * int(context)) for sh in shapes)
     return words if ok else ""
 
 
@@ -528,7 +531,7 @@ def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = 
         best, tied = tied.iloc[0], sweep.loc[[best.name]]  # lead the tie with the row whose peak is clean
     k = float(best["block_size"])
 
-    reasoning = ""
+    reasoning, optimum = "", float("inf")
     if block_bytes and input_bytes and preset:
         optimum = (get_config(preset).num_layers * input_bytes / block_bytes) ** 0.5
         reasoning = (f"Segments of $k$ blocks hold $N/k$ block inputs of {fmt.sig(input_bytes / 2**20)} MiB plus, "
@@ -558,7 +561,7 @@ def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = 
         "; the gradients are allocated during the step)")
     group = [k, *(float(x) for x in tied["block_size"])]
     names = join_words([_segment_name(x, short=True) for x in sorted(group, key=_memory_order)])
-    identical = not tied.empty and float((tied["peak_GiB"] - best["peak_GiB"]).abs().max()) < 2**-10
+    identical = not tied.empty and float((tied["peak_GiB"] - best["peak_GiB"]).abs().max()) < SAME_PEAK_GIB
     lead = (f"Best, measured: {_segment_name(k)}, a peak" if tied.empty else
             f"Best, measured: {names}, which peak identically; {_segment_name(k, short=True)}, a peak" if identical
             else f"Best, measured: {names}, within {TIE:.0%} of each other; {_segment_name(k, short=True)}, a peak")
@@ -597,15 +600,22 @@ def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = 
     peak_only = (f"Best, measured: {names}, which peak identically at {fmt.sig(best['peak_GiB'])} GiB ({step})."
                  if identical else f"{lead} of {fmt.sig(best['peak_GiB'])} GiB ({step}).")
     return {"measured": measured, "peak_only": peak_only, "neighbours": said, "heads": heads_note,
-            "reasoning": reasoning, "shown": shown, "verdict": _verdict(sweep, group)}
+            "reasoning": reasoning, "shown": shown,
+            "verdict": _verdict(sweep, group, hypothesis=bool(reasoning) and optimum < 1)}
 
 
-def _verdict(sweep: pd.DataFrame, group: list[float]) -> str:
-    """The hypothesis's fate in one sentence, where the sweep tried the split below one block."""
-    if SUBLAYER not in group or len(group) < 2:
+def _verdict(sweep: pd.DataFrame, group: list[float], hypothesis: bool) -> str:
+    """The sublayer hypothesis's fate in one sentence, said only where the reasoning stated it (``hypothesis``)
+    and the step's peak is set in the same moment of the backward by both strategies, as
+    :func:`_where_the_peak_is` establishes in full for the appendix."""
+    if not hypothesis or SUBLAYER not in group or len(group) < 2:
         return ""
     tied = sweep[sweep["block_size"].isin(group)]
-    if float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) >= 2**-10:
+    if "backward_peak_GiB" not in tied or not tied["backward_peak_GiB"].notna().all():
+        return ""
+    late = ((tied["peak_GiB"] - tied["backward_peak_GiB"]) <= SAME_PEAK_GIB).all()
+    same = all(float(tied[c].max() - tied[c].min()) < SAME_PEAK_GIB for c in ("peak_GiB", "backward_peak_GiB"))
+    if not (late and same):
         return ""
     return (" So the hypothesis fails: the peak comes late in the backward, where both strategies hold the same "
             "tensors, and splitting a block only lowers the memory earlier (the appendix shows where).")
@@ -635,11 +645,11 @@ def _where_the_peak_is(tied: pd.DataFrame) -> str:
     names = [_segment_name(float(k), short=True) for k in tied["block_size"]]
     if "backward_peak_GiB" in tied and tied["backward_peak_GiB"].notna().all():
         peaks = join_words([f"{fmt.sig(v)} GiB ({n})" for n, v in zip(names, tied["backward_peak_GiB"])])
-        if ((tied["peak_GiB"] - tied["backward_peak_GiB"]) > 2**-10).all():  # the step's peak came after the backward
+        if ((tied["peak_GiB"] - tied["backward_peak_GiB"]) > SAME_PEAK_GIB).all():  # the step's peak came after the backward
             return (" Their whole-step peaks tie because each comes in the optimizer step, where AdamW's update "
                     "allocates parameter-sized temporaries beside the gradients; the forward and backward, which "
                     f"checkpointing changes, peak at {peaks}.")
-        if float(tied["backward_peak_GiB"].max() - tied["backward_peak_GiB"].min()) < 2**-10:  # the same moment
+        if float(tied["backward_peak_GiB"].max() - tied["backward_peak_GiB"].min()) < SAME_PEAK_GIB:  # the same moment
             return (" The peak is set while the last segment is recomputed, late in the backward, when nearly "
                     "every gradient exists and most checkpoints are freed (a memory snapshot of each step puts "
                     "both peaks in the first block's attention backward): there the two hold the same tensors, that "
@@ -647,7 +657,7 @@ def _where_the_peak_is(tied: pd.DataFrame) -> str:
                     "temporaries, so the hypothesis fails: splitting a block lowers the memory earlier in the "
                     "backward, not its peak.")
         return f" The forward and backward peak at {peaks}: at this shape splitting a block does not lower the peak."
-    if float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) < 2**-10:  # within a MiB: the same moment of the step
+    if float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) < SAME_PEAK_GIB:  # within a MiB: the same moment of the step
         return (" Their peaks are equal to the MiB, so neither is set inside the checkpointed backward, which differs "
                 "between them; the step's peak comes outside it, most likely in the optimizer step, where AdamW's "
                 "update allocates parameter-sized temporaries beside the gradients. This sweep did not read the "
@@ -663,7 +673,7 @@ def _shown_sweep(d: SectionData) -> pd.DataFrame | None:
     if frame is None:
         return None
     ran = frame.dropna(subset=["peak_GiB", "backward_peak_GiB"]) if "backward_peak_GiB" in frame else frame.iloc[:0]
-    if len(ran) and ((ran["peak_GiB"] - ran["backward_peak_GiB"]).abs() < 2**-10).all():
+    if len(ran) and ((ran["peak_GiB"] - ran["backward_peak_GiB"]).abs() < SAME_PEAK_GIB).all():
         frame = frame.drop(columns="backward_peak_GiB")  # the step peaked in its forward and backward: no new column
     return frame.rename(columns={"activation_peak_GiB": "above_held_GiB", "backward_peak_GiB": "fwd_bwd_peak_GiB"})
 
