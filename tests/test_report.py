@@ -957,12 +957,15 @@ def test_mixed_precision_speedups_use_the_fastest_steps_where_the_means_are_nois
                    "to 40% of the mean, small bf16 forward)")
     assert shown["forward_speedup"].tolist() == [1.9, 198 / 55] and shown["forward_bf16_ms"].tolist() == [10.0, 55.0]
     assert shown["backward_speedup"].tolist() == [39 / 29, 399 / 99]
+    assert shown.attrs["noisy"] == ["forward"]  # the backward is only rebased: its means are not blamed on noise
+    one = _robust(speed, timings.drop(columns="backward_min_ms"))
+    assert one[1] == ["forward"] and one[2].startswith(" by each run's fastest step in the forward pass,")
     assert _robust(speed, timings.assign(forward_std_ms=1.0)) == (speed, [], "")  # steady: the means as they are
     assert _robust(speed, None)[2] == ""
     # The 2026 handout's 10B: named where no row has it, with its status where its run failed.
     assert _not_run(speed, timings, "2026") == (" The handout's medium, large and 10B (this run's sizes leave it "
-                                                "out; its fp32 weights and gradients alone take 95.6 GiB, and §1.1.3 "
-                                                "times its fp32 forward and backward) were not run.")
+                                                "out; its fp32 weights and gradients alone take 95.6 GiB) were not "
+                                                "run.")
     failed = pd.concat([timings, pd.DataFrame([("10B", "fp32", "OOM")], columns=cols[:3])])
     assert _not_run(speed.assign(size=["small", "xl"]), failed, "2026").endswith("10B (OOM) were not run.")
     assert _not_run(pd.DataFrame({"size": ["small", "medium", "large", "xl", "2.7B"]}), timings, "2025") == ""

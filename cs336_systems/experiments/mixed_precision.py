@@ -253,10 +253,10 @@ def _noise_note(timings: pd.DataFrame | None) -> str:
 
 
 def _robust(speed: pd.DataFrame, timings: pd.DataFrame | None) -> tuple[pd.DataFrame, list[str], str]:
-    """``speed`` with each phase whose means are noisy (either precision's standard deviation past :data:`NOISY`
-    of the mean, in a size of the table) timed by each run's fastest step instead (its ``*_bf16_ms`` and
-    ``*_speedup``), those phases, and a clause saying so; ``speed``, [] and "" where no phase is noisy or the
-    steps' spread was not recorded."""
+    """Where either phase's means are noisy (either precision's standard deviation past :data:`NOISY` of the
+    mean, in a size of the table): ``speed`` with every phase whose fastest steps were recorded timed by them
+    instead (its ``*_bf16_ms`` and ``*_speedup``; one basis for both passes), those phases, and a clause saying
+    so; ``speed``, [] and "" where no phase is noisy or the steps' spread was not recorded."""
     out, noisy, fastest = speed.copy(), {}, {}
     for phase in ("forward", "backward"):
         f = _fastest(timings, phase)
@@ -275,9 +275,11 @@ def _robust(speed: pd.DataFrame, timings: pd.DataFrame | None) -> tuple[pd.DataF
     for phase, f in fastest.items():
         out[f"{phase}_speedup"] = f["speedup"].to_numpy()
         out[f"{phase}_bf16_ms"] = f["bf16_min_ms"].to_numpy()
+    out.attrs["noisy"] = list(noisy)  # the phases whose means are blurred (the others are steady, only rebased)
     cv = pd.concat(noisy)
     phase, size, precision = cv.idxmax()
-    return out, list(fastest), (f" by each run's fastest step in both passes, since the means are noisy (standard "
+    passes = "in both passes" if len(fastest) == 2 else f"in the {next(iter(fastest))} pass"
+    return out, list(fastest), (f" by each run's fastest step {passes}, since the means are noisy (standard "
                                 f"deviation up to {fmt.pct(cv.max(), 2)} of the mean, {size} {precision} {phase})")
 
 
@@ -309,16 +311,15 @@ def _not_run(speed: pd.DataFrame, timings: pd.DataFrame | None, edition: str) ->
 
 
 def _why_not(size: str, edition: str) -> str:
-    """Why the sweep has no row of a size of this edition's handout that the 2025 handout lacks (the sweep times
-    the 2025 table, which holds the other sizes of both): said so, with what its fp32 training state needs."""
+    """Why a run has no row of a size of this edition's handout that the 2025 handout lacks (runs before the
+    default grid took both handouts' tables timed the 2025 one): said so, with what its fp32 state needs."""
     from cs336_systems.configs import HANDOUT_SIZES_BY_EDITION, param_counts
 
     preset = next((p for p in HANDOUT_SIZES_BY_EDITION.get(edition, ()) if p.partition("@")[0] == size), None)
     if preset is None or edition_preset(preset, "2025") is not None:
         return ""
     n = param_counts(preset)["total"]
-    return (f" (this run's sizes leave it out; its fp32 weights and gradients alone take {fmt.gib(8 * n)}, and "
-            "§1.1.3 times its fp32 forward and backward)")
+    return f" (this run's sizes leave it out; its fp32 weights and gradients alone take {fmt.gib(8 * n)})"
 
 
 def _host_bound_forward(timings: pd.DataFrame | None) -> str:
@@ -418,7 +419,7 @@ def answer(d: SectionData) -> list[Block]:
             f"Speed-up of bf16 autocast (fp32 time / bf16 time){why}: the forward pass "
             f"{effect(first['forward_speedup'])} for {first['size']} and {effect(last['forward_speedup'])} for "
             f"{last['size']}; the backward pass {effect(first['backward_speedup'])} and "
-            f"{effect(last['backward_speedup'])}.{_slower_by_the_mean(speed, robust)} Larger models "
+            f"{effect(last['backward_speedup'])}.{_slower_by_the_mean(speed, shown.attrs.get('noisy', robust))} Larger models "
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
             "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
             "kernels (which autocast does not speed up and its casts add to) weigh more"
