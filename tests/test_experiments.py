@@ -360,7 +360,7 @@ def test_a_size_too_large_to_train_is_timed_in_the_lightest_mode_that_fits(monke
     inference = table.assign(timed_mode=["train", "inference"])
     assert "under `torch.no_grad`" in bm._timing_sentence(inference, {"params": {"mode": "train"}}).markdown
     assert list(bm._lighter_shown(table)["status"]) == ["ok", "forward only"]
-    assert "not comparable with the training steps" in bm._lighter_caption(table)
+    assert "not comparable with the other rows' training steps." in bm._lighter_caption(table, {"params": {"mode": "train"}})
     assert bm._lighter_caption(table.iloc[:1].assign(out_of_memory=None)) == ""
 
 

@@ -129,14 +129,14 @@ def run(p: Params, out: ResultWriter) -> dict[str, pd.DataFrame]:
     deadline = time.monotonic() + p.budget_s
     tables: dict[str, pd.DataFrame] = {}
     if "timings" in p.parts:
-        tables["timings"] = timings = run_sweep(
+        timings = run_sweep(
             lambda size: time_what_fits(size, p), [{"size": s} for s in p.sizes], desc=f"{p.mode} timings",
             budget_s=(0.7 if "warmup_study" in p.parts else 1.0) * p.budget_s)
         phases = ("forward_", "backward_", "optimizer_", "total_")
         keep = ["size", "status", "timed_mode", "out_of_memory"] + [
             c for c in timings.columns
             if c.startswith(phases) or c in ("tokens_per_s", "TFLOP_per_s", "peak_memory_GiB")]
-        timings = timings[[c for c in keep if c in timings.columns]]
+        tables["timings"] = timings = timings[[c for c in keep if c in timings.columns]]
         out.table(timings, "timings", extra={"context_length": p.context_length})  # the mode is in the params
         _plot_timings(timings, p, out)
 
@@ -230,7 +230,7 @@ def answer(d: SectionData) -> list[Block]:
                                              f"steps, {batch_and_context(d.meta('timings'))}); total: the whole "
                                              "step from the first synchronize to the last, the phases plus `zero_grad` and the "
                                              "host's time between them, so a little more than their sum."
-                                             + _lighter_caption(timings)
+                                             + _lighter_caption(timings, d.meta("timings"))
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             None if study is None else Text(
@@ -262,12 +262,12 @@ def _preset_where_renamed(df: pd.DataFrame | None) -> pd.DataFrame | None:
     return df if renamed.any() else df.drop(columns="preset")
 
 
-def _lighter_caption(df: pd.DataFrame | None) -> str:
-    """Where a row was timed in a lighter mode: its total, throughput and MFU are that mode's, not a step's."""
+def _lighter_caption(df: pd.DataFrame | None, meta: dict[str, Any] | None = None) -> str:
+    """Where a row was timed in a lighter mode: its total, throughput and MFU are that mode's, not the run's."""
     if df is None or "out_of_memory" not in df.columns or not df["out_of_memory"].notna().any():
         return ""
     return (" A row whose status names a lighter mode timed only that: its total, tokens/s and MFU are of that "
-            "mode, not comparable with the training steps above it.")
+            f"mode, not comparable with the other rows' {_MODE_SHOWN.get(_mode(meta), _mode(meta))}s.")
 
 
 def _lighter_shown(df: pd.DataFrame | None) -> pd.DataFrame | None:

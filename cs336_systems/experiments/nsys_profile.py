@@ -423,7 +423,7 @@ def _calls_per_block(row: pd.Series) -> str:
     except (KeyError, TypeError, ValueError):
         return ""
     per, rest = divmod(calls, layers)
-    if not per:
+    if not per or rest > 1:  # not so many per block plus at most the LM head: no count worth decomposing
         return ""
     return f" ({per} per block × {layers} blocks" + (f" + {rest}" if rest else "") + ")"
 
