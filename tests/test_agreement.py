@@ -189,3 +189,14 @@ def test_a_size_timed_in_a_lighter_mode_shares_only_the_passes_it_timed(tmp_path
     assert found.key[:2] == ("model forward ms", "small")
     keys = {cell.key[:2] for cell in agreement.shared_cells(tmp_path) if cell.folder == "benchmarking"}
     assert keys == {("model forward ms", "small")}  # ... neither the lighter "step" nor the no-grad forward
+
+
+def test_reconcile_compares_with_the_other_sections_median_and_names_a_wider_single_pair(tmp_path) -> None:
+    _two_sections(tmp_path, 250.0)  # small: benchmarking 20.0, mixed precision 21.0
+    _write(tmp_path, "nsys_profile", "summary", pd.DataFrame(
+        {"size": ["small"], "context_length": [512], "status": ["ok"], "python_forward_ms": [19.0]}), {})
+    text = agreement.reconcile(tmp_path, "nsys_profile", "summary", "They")
+    # 19.0 against the median 20.5 is 7% off; against mixed precision's 21.0 alone, 10%
+    assert text == ("They agree with the median of the same configurations measured elsewhere (benchmarking and "
+                    "mixed_precision) within 7%; the widest single pair is small fp32 context 512, 10% from "
+                    "mixed_precision's measurement.")

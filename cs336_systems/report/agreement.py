@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,7 +284,7 @@ def reconcile(root: Path, folder: str, table: str, what: str,
         mine = [c for c in cells if (c.folder, c.table) == (folder, table)]
         theirs = [c for c in cells if (c.folder, c.table) != (folder, table)]
         if mine and theirs:
-            reference = sorted(c.value for c in theirs)[len(theirs) // 2]
+            reference = statistics.median(c.value for c in theirs)
             ratios += [(c.value / reference, c.row) for c in mine if reference > 0]
             pairs += [(c.value / t.value, c.row, name(t.folder)) for c in mine for t in theirs if t.value > 0]
             others |= {name(c.folder) for c in theirs}
@@ -294,7 +295,7 @@ def reconcile(root: Path, folder: str, table: str, what: str,
     if abs(worst - 1) <= TOLERANCE:
         widest, pair_row, where = max(pairs, key=lambda r: abs(r[0] - 1))
         single = ("" if round(abs(widest - 1), 2) <= round(abs(worst - 1), 2) else
-                  f"; the widest single pair is {pair_row}, {abs(widest - 1):.0%} from {where}'s")
+                  f"; the widest single pair is {pair_row}, {abs(widest - 1):.0%} from {where}'s measurement")
         return (f"{what} agree with the median of the same configurations measured elsewhere ({sources}) within "
                 f"{abs(worst - 1):.0%}{single}.")
     return (f"{what} differ from the same configurations measured elsewhere ({sources}) by up to {abs(worst - 1):.0%} "
