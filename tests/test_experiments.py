@@ -680,3 +680,19 @@ def test_the_warmup_table_names_models_as_the_writeups_handout_does() -> None:
     shown = _preset_where_renamed(edition_rows(study, "2026"))
     assert list(shown["size"]) == ["small", "xl"] and list(shown["preset"]) == ["small", "2.7B"]
     assert "preset" not in _preset_where_renamed(edition_rows(study, "2025")).columns
+
+
+def test_the_cold_start_is_given_for_both_passes() -> None:
+    import pandas as pd
+
+    from cs336_systems.experiments.benchmarking import _cold_against_warm
+
+    study = pd.DataFrame({"size": ["small", "small"], "warmup": [0, 5], "status": "ok",
+                          "forward_mean_ms": [58.0, 19.8], "forward_std_ms": [121.0, 0.36],
+                          "backward_mean_ms": [44.4, 38.2], "backward_std_ms": [19.0, 0.11]})
+    text = _cold_against_warm(study)
+    assert "the forward's mean is 2.93× the mean after 5 warm-up steps" in text  # one size: one value, no range
+    assert "The backward's cold mean is 1.16× its warm one (worst, small: 44.4 ms ± 19 against 38.2 ms ± 0.11): " \
+           "the first backward runs after" in text
+    slower = study.assign(backward_mean_ms=[200.0, 38.2])  # the backward hit harder than the forward: no cause given
+    assert _cold_against_warm(slower).rstrip().endswith("against 38.2 ms ± 0.11).")
