@@ -1693,8 +1693,8 @@ def test_memory_c_says_for_which_peaks_mixed_precision_matters(tmp_path) -> None
     # a context both precisions ran out of memory at is named: mixed precision did not rescue it
     oom = pd.DataFrame([(m, 2048, None, prec, "OOM") for m in ("forward", "train") for prec in ("fp32", "bf16")],
                        columns=["mode", "context_length", "peak_GiB", "precision", "status"])
-    assert mp._not_rescued(oom) == ("It does not rescue a longer context: at context 2,048 its forward with autograd "
-                                    "and training step still run out of memory, as in fp32. ")
+    assert mp._not_rescued(oom) == ("It does not rescue a longer context: at context 2,048 the forward with autograd "
+                                    "and training step still run out of memory under bf16, as in fp32. ")
     assert mp._not_rescued(oom[oom["precision"] == "fp32"]) == ""
 
 

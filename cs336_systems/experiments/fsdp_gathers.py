@@ -96,9 +96,9 @@ def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) ->
 
 #: How our FSDP schedules the forward's gathers (the appendix: the question asks for timings).
 PREFETCH = Text(
-    "Our FSDP prefetches one layer ahead: when layer $k$ starts its forward (layer $k-1$, two before $k+1$, has "
-    "finished), the all-gather of layer $k+1$ is launched asynchronously, in the order the first forward recorded, "
-    "so that it can overlap layer $k$'s compute. Where the forward is paced by the host's launches, fewer and larger "
+    "Our FSDP prefetches one layer ahead: when layer $k$ starts its forward, the all-gather of layer $k+1$ is "
+    "launched asynchronously, in the order the first forward recorded, so that it can overlap layer $k$'s compute; "
+    "by then layer $k-1$ has finished, as the handout asks before gathering the layer two after it. Where the forward is paced by the host's launches, fewer and larger "
     "gathers or a CUDA graph of the forward would shorten it (not measured here).")
 
 

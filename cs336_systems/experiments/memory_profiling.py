@@ -237,8 +237,8 @@ def _not_rescued(peaks: pd.DataFrame | None) -> str:
         return ""
     oom = peaks[peaks["status"] == "OOM"]
     both = oom[oom["precision"] == "bf16"].merge(oom[oom["precision"] == "fp32"], on=["mode", "context_length"])
-    parts = [f"at context {int(c):,} its {join_words([_MODE_WORDS.get(m, m) for m in g['mode']])} still "
-             f"{'runs' if len(g) == 1 else 'run'} out of memory, as in fp32"
+    parts = [f"at context {int(c):,} the {join_words([_MODE_WORDS.get(m, m) for m in g['mode']])} still "
+             f"{'runs' if len(g) == 1 else 'run'} out of memory under bf16, as in fp32"
              for c, g in both.groupby("context_length", sort=True)]
     return ("It does not rescue a longer context: " + "; ".join(parts) + ". ") if parts else ""
 
@@ -267,11 +267,14 @@ def _why_out_of_memory(d: SectionData, peaks: pd.DataFrame | None, cfg: Any, dev
 
     state = 16 * param_counts(cfg)["total"]  # fp32 weights, gradients and AdamW's two moments
     per_block = _saved_per_block(d, cfg.name, cfg.batch_size, c)
+    gib = d.meta("peak_memory").get("gpu_memory_gib")
+    capacity = f"{fmt.sig(float(gib))} GiB" if gib else "memory"
     if per_block is not None:
         return (f" At context {c} one block saves {fmt.gib(per_block)} for backward (§1.1.7 measured it at this "
                 f"batch and context), so the {cfg.num_layers} blocks hold about {fmt.gib(cfg.num_layers * per_block)} "
                 f"of activations on top of {fmt.gib(state)} of fp32 weights, gradients and AdamW moments, about "
-                f"{fmt.gib(cfg.num_layers * per_block + state)} against the {device}'s memory; three of each block's "
+                f"{fmt.gib(cfg.num_layers * per_block + state)} against the {device}'s {capacity}; three of each "
+                "block's "
                 f"saved tensors are naive attention's batch × heads × context² scores ({fmt.gib(scores)} each in fp32).")
     need = memory_breakdown(cfg, cfg.batch_size, c)
     return (f" At context {c} our memory accounting predicts {fmt.gib(need['total'])} for an fp32 training step, "
