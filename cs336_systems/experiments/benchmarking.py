@@ -209,7 +209,9 @@ def answer(d: SectionData) -> list[Block]:
     # The rows of this writeup's handout, under its names (one run measures both handouts' tables).
     timings = edition_rows(d.frame("timings"), d.edition)
     study = edition_rows(d.frame("warmup_study"), d.edition)
-    warmup = _warmup_sentence(study, d.frame("timings"))  # the cause of a failed cell may be the other table's
+    # the cause of a failed study cell may be the other table's, where one run (one process) wrote both
+    one_run = all(d.meta("timings").get(k) == d.meta("warmup_study").get(k) for k in ("argv", "git_commit"))
+    warmup = _warmup_sentence(study, d.frame("timings") if one_run else None)
     return [
         question(d, "a", "A script for end-to-end benchmarking: forward only, forward and backward, or full "
                  "training steps with the optimizer.", [
@@ -484,7 +486,8 @@ def _late_outliers(study: pd.DataFrame | None, factor: float = 1.3) -> str:
 
 
 def _after_oom(study: pd.DataFrame, timings: pd.DataFrame | None) -> str:
-    """The likely cause when the warm-up study's first cell failed right after a timing ran out of memory."""
+    """The likely cause when the warm-up study's first cell failed right after a timing ran out of memory in the
+    same measuring process (the caller passes ``timings`` only where one run wrote both tables)."""
     oom = timings[timings["status"] == "OOM"] if timings is not None and "status" in timings.columns else None
     if oom is None or oom.empty or study.empty or study.iloc[0]["status"] == "ok" or timings.iloc[-1]["status"] != "OOM":
         return ""
