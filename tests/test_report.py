@@ -1763,3 +1763,23 @@ def test_fsdp_host_paced_sentence_only_where_compute_leaves_the_gpu_idle() -> No
     assert host_paced(Data({"gathers_summary": busy, "gathers_timeline": tl, "gathers_forward": late_second})) is None
     first = late_second.assign(late=[True, False])
     assert host_paced(Data({"gathers_summary": summary, "gathers_timeline": tl, "gathers_forward": first})) is None
+
+
+def test_a_large_figure_of_many_panels_is_shown_wide_only_where_it_is_tall(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.report.document import Figure
+    from cs336_systems.report.html import figure_html
+
+    def png(name: str, size: tuple[float, float], large: bool) -> Figure:
+        fig = plt.figure(figsize=size, dpi=100)
+        fig.savefig(tmp_path / name)
+        plt.close(fig)
+        return Figure(tmp_path / name, f"caption {name}", name, {}, large=large)
+
+    assert 'class="large"' in figure_html(png("grid.png", (10, 10), True), 1)
+    assert 'class="large"' not in figure_html(png("wide.png", (15, 10), True), 2)  # wide: the height cap is enough
+    assert 'class="large"' not in figure_html(png("plain.png", (10, 10), False), 3)

@@ -422,7 +422,7 @@ def answer(d: SectionData) -> list[Block]:
                           + ("; where the peak grows, those weight copies outweigh the smaller activations." if grows
                              else "; the saving grows with context length, where activations dominate."))
     modes = [m for m in _MODE_WORDS if fp32 is not None and f"{m}_peak_GiB" in fp32.columns]
-    timeline = d.figure("timeline_fp32", caption=f"Active memory over allocation events, {shown}, fp32, one row per "
+    timeline = d.figure("timeline_fp32", large=True, caption=f"Active memory over allocation events, {shown}, fp32, one row per "
                         f"mode ({', '.join(_MODE_WORDS[m] for m in modes) or 'forward pass and training step'}, top "
                         "to bottom) and one column per context length. Drawn by us from the allocator trace "
                         "(`torch.cuda.memory._snapshot()`) that pytorch.org/memory_viz reads, stacked like its Active "
@@ -455,7 +455,7 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "c", "Peak memory with bf16 mixed precision.",
                  [c_text, d.table("peak_memory", frame=bf16, caption=f"Peak allocated memory of the {shown} model "
                                   "under bf16 autocast (GiB)."),
-                  d.figure("timeline_bf16", caption="Active memory timelines under bf16 autocast.")],
+                  d.figure("timeline_bf16", large=True, caption="Active memory timelines under bf16 autocast.")],
                  what="peak memory with mixed precision"),
         question(d, "d", f"Size of one residual-stream activation of the {shown} model in fp32.", [
             Equation([

@@ -181,13 +181,14 @@ class SectionData:
         name = self._resolve(names, self.records)
         return self.meta(name) if name else {}
 
-    def figure(self, *names: str, caption: str | None = None) -> Figure | None:
+    def figure(self, *names: str, caption: str | None = None, large: bool = False) -> Figure | None:
         name = self._resolve(names, self.figures)
         if name is None:
             return None
         self._used.add(name + ".png")
         path = self.dir / f"{name}.png"
-        return Figure(path=path, caption=caption or humanize(name), source=display_path(path), meta=self.meta(name))
+        return Figure(path=path, caption=caption or humanize(name), source=display_path(path), meta=self.meta(name),
+                      large=large)
 
     # -- everything not yet shown ------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ class Figure:
     caption: str
     source: str
     meta: dict[str, Any]
+    large: bool = False
+    """Many small panels: shown at up to the page's width where the PNG is about as tall as it is wide."""
 
     def plain(self) -> str:
         return f"[figure {self.source}] {self.caption}"

@@ -75,6 +75,7 @@ figure img { max-width: 92%; max-height: 82mm; }
 @page landscape { size: A4 landscape; }
 figure.landscape { page: landscape; }
 figure.landscape img { max-width: 100%; max-height: 160mm; }
+figure.large img { max-width: 100%; max-height: 150mm; }
 figure.landscape.shared img { max-height: 70mm; }
 section.landscape { page: landscape; }  /* a section of landscape figures alone: its heading on their page */
 section.landscape figure.landscape img { max-height: 135mm; }
@@ -298,9 +299,19 @@ def is_landscape(data: bytes) -> bool:
     return bool(h) and w / h > LANDSCAPE_ASPECT and w > LANDSCAPE_MIN_PX
 
 
+#: A figure at most this wide per unit of height is "tall": shown at the text height cap it would be narrow.
+TALL_ASPECT = 1.1
+
+
+def is_tall(data: bytes) -> bool:
+    """Whether a PNG is about as tall as it is wide (a grid of panels squeezed by the usual height cap)."""
+    w, h = _png_size(data)
+    return bool(h) and w / h <= TALL_ASPECT
+
+
 def figure_html(block: Figure, n: int, link_from: Path | None = None, full: bool = True) -> str:
     data = block.path.read_bytes()
-    cls = ' class="landscape"' if is_landscape(data) else ""
+    cls = ' class="landscape"' if is_landscape(data) else ' class="large"' if block.large and is_tall(data) else ""
     if link_from is None:
         uri = "data:image/png;base64," + base64.b64encode(data).decode()
     else:
