@@ -331,3 +331,10 @@ def describe_presets(names: list[str] | None = None, context_length: int | None 
             }
         )
     return rows
+
+
+#: Both handouts' tables, each model once: the 2025 table, then the 2026 models it lacks (``10B@2026``; 2026's
+#: xl is 2025's 2.7B, the same shape under another name).
+BOTH_EDITIONS_SIZES = list(HANDOUT_SIZES) + [
+    s for s in HANDOUT_SIZES_BY_EDITION["2026"]
+    if get_config(s).replace(name="") not in {get_config(t).replace(name="") for t in HANDOUT_SIZES}]

@@ -23,7 +23,7 @@ import torch
 
 from cs336_systems.benchmarking.end_to_end import MODES, BenchmarkSpec, benchmark_model
 from cs336_systems.benchmarking.sweep import OK, deadline_left, free_memory, is_oom, run_sweep
-from cs336_systems.configs import HANDOUT_SIZES, HANDOUT_SIZES_BY_EDITION, ModelConfig, get_config
+from cs336_systems.configs import BOTH_EDITIONS_SIZES, HANDOUT_SIZES, get_config
 from cs336_systems.experiments.section import Job, Section, check_parts, check_positive, check_presets, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import failed_rows, join_words, ok_rows, question
@@ -31,16 +31,6 @@ from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.measured_code import MODEL, TIMING
 from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
-
-
-def _shape(cfg: ModelConfig) -> ModelConfig:
-    return cfg.replace(name="")
-
-
-#: Both handouts' tables, each model once: the 2025 table, then the 2026 models it lacks (``10B@2026``).
-BOTH_EDITIONS_SIZES = list(HANDOUT_SIZES) + [
-    s for s in HANDOUT_SIZES_BY_EDITION["2026"]
-    if _shape(get_config(s)) not in {_shape(get_config(t)) for t in HANDOUT_SIZES}]
 
 
 #: The section's two tables, each a part a job can run alone (the fresh-process study is most of the time).

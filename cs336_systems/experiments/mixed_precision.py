@@ -24,7 +24,7 @@ from torch import nn
 from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, benchmark_model, default_device
 from cs336_systems.benchmarking.sweep import OK, run_sweep
 from cs336_systems.checks.toy_models import ToyModel  # the course's toy, shared with the DDP tests
-from cs336_systems.experiments.benchmarking import BOTH_EDITIONS_SIZES
+from cs336_systems.configs import BOTH_EDITIONS_SIZES
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
