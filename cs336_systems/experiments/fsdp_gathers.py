@@ -114,6 +114,13 @@ def gathers_against_fit(d: SectionData) -> Text | None:
     return Text(text.strip()) if text else None
 
 
+def _first_gather_late(d: SectionData) -> bool:
+    """Whether the forward's first all-gather made compute wait: it has no compute before it to hide behind."""
+    waits = d.frame("gathers_forward")
+    return waits is not None and bool(len(waits)) and "late" in waits.columns and bool(
+        waits.sort_values("start_ms")["late"].iloc[0])
+
+
 #: Compute below this share of the forward leaves the GPU idle most of the time: the host's launches set the pace.
 HOST_PACED_BELOW = 0.5
 
@@ -128,9 +135,7 @@ def host_paced(d: SectionData) -> Text | None:
     r = summary.iloc[0]
     if not r["late_gathers"] or not r["span_ms"] or float(r["compute_ms"]) / float(r["span_ms"]) > HOST_PACED_BELOW:
         return None  # compute fills the forward: the host does not set its pace
-    waits = d.frame("gathers_forward")
-    if int(r["late_gathers"]) == 1 and waits is not None and len(waits) and "late" in waits.columns and bool(
-            waits.sort_values("start_ms")["late"].iloc[0]):
+    if int(r["late_gathers"]) == 1 and _first_gather_late(d):
         return None  # the one late gather is the first, which no compute precedes: the verdict says so
     forward = tl[(tl["kind"] != "phase") & (tl["start_ms"] < float(r["span_ms"]))]
     if not len(forward):
@@ -162,8 +167,7 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
         params, extra = meta.get("params", {}), meta.get("extra", {})
         ws = (params.get("nproc") or ["?"])[0]
         model = extra.get("model", params.get("gathers_model", "?"))
-        waits = d.frame("gathers_forward")
-        first_late = waits is not None and len(waits) and bool(waits.sort_values("start_ms")["late"].iloc[0])
+        first_late = _first_gather_late(d)
         share = r["wait_ms"] / r["span_ms"] if r["span_ms"] else float("nan")
         if r["gathers"] == 0:
             verdict = ("The timeline shows no all-gather kernel in the forward, so it cannot answer the question: "

@@ -605,20 +605,29 @@ def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = 
 
 
 def _verdict(sweep: pd.DataFrame, group: list[float], hypothesis: bool) -> str:
-    """The sublayer hypothesis's fate in one sentence, said only where the reasoning stated it (``hypothesis``)
-    and the step's peak is set in the same moment of the backward by both strategies, as
-    :func:`_where_the_peak_is` establishes in full for the appendix."""
+    """The sublayer hypothesis's fate in one sentence, said only where the reasoning stated it (``hypothesis``),
+    both strategies peak alike, and :func:`_peak_moment` puts that peak late in the backward (the appendix says
+    where in full)."""
     if not hypothesis or SUBLAYER not in group or len(group) < 2:
         return ""
     tied = sweep[sweep["block_size"].isin(group)]
-    if "backward_peak_GiB" not in tied or not tied["backward_peak_GiB"].notna().all():
-        return ""
-    late = ((tied["peak_GiB"] - tied["backward_peak_GiB"]) <= SAME_PEAK_GIB).all()
-    same = all(float(tied[c].max() - tied[c].min()) < SAME_PEAK_GIB for c in ("peak_GiB", "backward_peak_GiB"))
-    if not (late and same):
+    if _peak_moment(tied) != "late backward" or float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) >= SAME_PEAK_GIB:
         return ""
     return (" So the hypothesis fails: the peak comes late in the backward, where both strategies hold the same "
             "tensors, and splitting a block only lowers the memory earlier (the appendix shows where).")
+
+
+def _peak_moment(tied: pd.DataFrame) -> str | None:
+    """Where strategies that tie set the step's peak, from the forward and backward's own peak (read as the
+    optimizer step begins): "optimizer" (every step peaks after its backward), "late backward" (the backward
+    peaks are equal), "differs" (they are not); None where the sweep did not record them."""
+    if "backward_peak_GiB" not in tied or not tied["backward_peak_GiB"].notna().all():
+        return None
+    if ((tied["peak_GiB"] - tied["backward_peak_GiB"]) > SAME_PEAK_GIB).all():
+        return "optimizer"
+    if float(tied["backward_peak_GiB"].max() - tied["backward_peak_GiB"].min()) < SAME_PEAK_GIB:
+        return "late backward"
+    return "differs"
 
 
 def _per_block(sweep: pd.DataFrame, block_bytes: float | None) -> str:
@@ -643,13 +652,14 @@ def _where_the_peak_is(tied: pd.DataFrame) -> str:
     """Why strategies that hold different activations tie on the step's peak: where that peak comes (the forward
     and backward's own peak, read as the optimizer step begins, where the sweep recorded it)."""
     names = [_segment_name(float(k), short=True) for k in tied["block_size"]]
-    if "backward_peak_GiB" in tied and tied["backward_peak_GiB"].notna().all():
+    moment = _peak_moment(tied)
+    if moment is not None:
         peaks = join_words([f"{fmt.sig(v)} GiB ({n})" for n, v in zip(names, tied["backward_peak_GiB"])])
-        if ((tied["peak_GiB"] - tied["backward_peak_GiB"]) > SAME_PEAK_GIB).all():  # the step's peak came after the backward
+        if moment == "optimizer":  # the step's peak came after the backward
             return (" Their whole-step peaks tie because each comes in the optimizer step, where AdamW's update "
                     "allocates parameter-sized temporaries beside the gradients; the forward and backward, which "
                     f"checkpointing changes, peak at {peaks}.")
-        if float(tied["backward_peak_GiB"].max() - tied["backward_peak_GiB"].min()) < SAME_PEAK_GIB:  # the same moment
+        if moment == "late backward":  # the same moment
             return (" The peak is set while the last segment is recomputed, late in the backward, when nearly "
                     "every gradient exists and most checkpoints are freed (a memory snapshot of each step puts "
                     "both peaks in the first block's attention backward): there the two hold the same tensors, that "
