@@ -258,13 +258,14 @@ def plot_checkpointing(wide: pd.DataFrame) -> plt.Figure:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
-import math  # noqa: E402 (answers only)
-
 from cs336_systems.configs import param_counts  # noqa: E402
 from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import join_words, ok_rows, question, step_mfu, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Text  # noqa: E402
+# answers only; the names table stays reachable here, where the residuals answer is read and tested
+from cs336_systems.experiments.residual_names import (  # noqa: E402, F401
+    SAVED_AS as _SAVED_AS, saved_as as _saved_as, tied_with_last as _tied_with_last)
 
 
 def _top(d: SectionData, name: str, top: int = 5) -> tuple[pd.DataFrame | None, float | None]:
@@ -358,48 +359,6 @@ SAME_PEAK_GIB = 2**-10
 
 #: The heads of the block in the 2026 handout's residual snippet (§3.2), which reports 3,651 MiB compiled.
 SNIPPET_HEADS = 16
-
-
-#: The tensors an op's saved outputs are in this model's block (autograd names the op that produced them).
-_SAVED_AS = {"exp": " (the exponentials)", "masked_fill": " (the masked scores)", "div": " (the probabilities)"}
-#: Ops whose outputs are named only where every saved output has the shape that name implies (given the block's
-#: d_model, d_ff and tokens): a matmul or a copy elsewhere in another model would be something else.
-_SAVED_AS_BY_SHAPE = {
-    "mm": (" (the feed-forward's $W_1x$ and $W_3x$)", lambda tensor_shape, d, ff, tokens: tensor_shape[-1] == ff),
-    "clone": (" (contiguous copies of $Q$, $K^\\top$ and $V$ split by head, and of the merged attention output)",
-              lambda tensor_shape, d, ff, tokens: math.prod(tensor_shape) == tokens * d),
-}
-
-
-def _tied_with_last(table: pd.DataFrame | None, top: pd.DataFrame) -> str:
-    """The ops left out of the top list that save exactly as much as its last one: a tie the cut hides."""
-    from cs336_systems.profiling.residuals import residuals_by_op
-
-    if table is None or top is None or not len(top):
-        return ""
-    by = residuals_by_op(table)
-    last = float(top["bytes"].iloc[-1])
-    shown = set(top["op"].astype(str))
-    tied = [str(op) for op, b in zip(by["op"], by["bytes"]) if str(op) not in shown and float(b) == last]
-    if not tied:
-        return ""
-    return f"; {join_words(tied)} {'saves' if len(tied) == 1 else 'save'} as much as {top['op'].iloc[-1]}"
-
-
-def _saved_as(op: str, table: pd.DataFrame | None, meta: dict | None) -> str:
-    """What ``op``'s saved outputs are, in words: by name (:data:`_SAVED_AS`) or, for an op that produces other
-    tensors in other blocks, where all of its rows in the residual ``table`` have the implied shape."""
-    if op in _SAVED_AS:
-        return _SAVED_AS[op]
-    extra = (meta or {}).get("extra") or {}
-    dims, batch, context = extra.get("shape") or [], extra.get("batch_size"), extra.get("context_length")  # d, d_ff, ...
-    if op not in _SAVED_AS_BY_SHAPE or table is None or len(dims) < 2 or not batch or not context:
-        return ""
-    words, fits = _SAVED_AS_BY_SHAPE[op]
-    rows = table[table["op"].astype(str) == op]
-    shapes = [tuple(int(x) for x in str(v).strip("()").split(",") if x.strip()) for v in rows["shape"]]
-    ok = bool(shapes) and all(fits(sh, int(dims[0]), int(dims[1]), int(batch) * int(context)) for sh in shapes)
-    return words if ok else ""
 
 
 def _against_the_snippet(meta: dict | None) -> str:
