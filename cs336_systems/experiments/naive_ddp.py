@@ -7,6 +7,9 @@ cs336_systems.experiments naive_ddp``); the course-style script form does one or
     python -m cs336_systems.experiments.naive_ddp --model transformer    # XL: time/step and communication
     torchrun --nproc-per-node 2 -m cs336_systems.experiments.naive_ddp --model toy
 
+``--set parts=processes`` times the eager single-GPU and torch DDP steps again in fresh launches (a job of its own,
+``naive_ddp --full --set parts=processes``): how far a host-bound step moves from one job to the next.
+
 ``--model toy`` trains the course's ToyModel with :class:`DataParallelNaive` on ``--nproc`` ranks and a
 single process on the full batch, and exits non-zero if any rank's parameters differ. ``--model
 transformer`` times naive DDP next to single-GPU training and torch DDP (the same machinery as
@@ -25,6 +28,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from cs336_systems.benchmarking import ddp_steps
 from cs336_systems.benchmarking.ddp_steps import add_run_arguments, run_from_args
 from cs336_systems.checks.equivalence import train_and_compare
 from cs336_systems.distributed import runner
@@ -39,7 +43,7 @@ from cs336_systems.experiments.ddp_common import (
     steps_blocks,
     steps_table,
 )
-from cs336_systems.experiments.section import Section, param
+from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, param
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import handout_model, known, question, subset
 from cs336_systems.report.data import SectionData
@@ -79,24 +83,78 @@ def toy_check(nproc: int, steps: int, global_batch: int, backend: str | None = N
     return table
 
 
+PARTS = ("toy", "steps", "processes")
+
+
 @dataclass(frozen=True)
 class Params(DDPParams):
     toy_steps: int = param(5, "training steps of the toy-model check")
     toy_batch: int = param(16, "global batch of the toy-model check")
+    parts: list[str] = param(["toy", "steps"], "what to run: toy (the handout's check), steps (the step timings), "
+                                               "processes (the single-GPU and torch DDP steps in fresh launches)")
+    process_rounds: int = param(5, "processes: launches per model, the models alternating")
+    process_presets: list[str] = param(["large", "xl"], "processes: the models (those the step tables time)")
+    process_autocast: list[str] = param(["bf16"], "processes: the precisions")
+
+    def check(self) -> None:
+        super().check()
+        check_parts("naive_ddp", self.parts, PARTS)
+        check_positive(process_rounds=self.process_rounds)
+        check_presets(*self.process_presets)
+        if bad := [a for a in self.process_autocast if a not in ("fp32", "bf16")]:
+            raise ValueError(f"process_autocast must be fp32 or bf16, got {bad}")
 
 
-PRESETS = ddp_common.ddp_presets(Params)
+PRESETS = ddp_common.ddp_presets(Params, process_presets=["tiny"], process_rounds=2, process_autocast=["fp32"])
+
+
+def step_processes(p: Params) -> pd.DataFrame:
+    """The single-GPU and torch DDP steps of the step tables, timed again in ``p.process_rounds`` fresh launches
+    per model (each :func:`~cs336_systems.benchmarking.ddp_steps.run_benchmark` spawns its ranks anew; the models
+    alternate), eager and, on GPUs, captured in a CUDA graph. Every DDP section's table times these two steps in
+    a job of its own, and an eager step this small waits on the host's Python and kernel launches, so its time
+    moves with the job; the launches measure by how much, the spread the check across sections
+    (:mod:`cs336_systems.report.agreement`) lets two tables' values of one step differ by. One row per round,
+    model, precision and variant."""
+    graphs = [False, True] if torch.cuda.is_available() else [False]
+    frames = []
+    for r in range(p.process_rounds):
+        for preset in (p.process_presets if r % 2 == 0 else p.process_presets[::-1]):
+            for ac in p.process_autocast:
+                cfg = ddp_steps.DDPBenchConfig(preset=preset, context_length=p.context_length,
+                                               batch_per_rank=p.batch_per_rank, autocast=ac, modes=["single", "torch"],
+                                               warmup=p.warmup, steps=p.steps, cuda_graph=graphs)
+                result = ddp_steps.run_benchmark(cfg, p.nproc[0], p.backend)
+                frames.append(pd.DataFrame(result["rows"]).assign(round=r))
+    return pd.concat(frames, ignore_index=True)
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
-    """The toy-model equality check (its printout is the handout's deliverable), then the step timings."""
-    table = toy_check(p.nproc[0], p.toy_steps, p.toy_batch)
-    out.table(table, "toy_check", extra={"tolerance": TOLERANCE})
-    print(table.to_string(index=False))
-    if not table["matches"].all():
-        raise RuntimeError("Naive DDP does NOT match the single-process baseline on the toy model")
-    print("Naive DDP matches baseline!")
-    return {"toy_check": table, **ddp_common.run_ddp("naive_ddp", p, out, ["single", "torch", "naive"])}
+    """The toy-model equality check (its printout is the handout's deliverable), the step timings, and the
+    parts asked for beyond them."""
+    results: dict[str, Any] = {}
+    if "toy" in p.parts:
+        table = results["toy_check"] = toy_check(p.nproc[0], p.toy_steps, p.toy_batch)
+        out.table(table, "toy_check", extra={"tolerance": TOLERANCE})
+        print(table.to_string(index=False))
+        if not table["matches"].all():
+            raise RuntimeError("Naive DDP does NOT match the single-process baseline on the toy model")
+        print("Naive DDP matches baseline!")
+    if "steps" in p.parts:
+        results.update(ddp_common.run_ddp("naive_ddp", p, out, ["single", "torch", "naive"]))
+    if "processes" in p.parts:
+        table = results["step_processes"] = step_processes(p)
+        out.table(table, "step_processes")
+        print(between_launches(table).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    return results
+
+
+def between_launches(table: pd.DataFrame) -> pd.DataFrame:
+    """Per model, precision and variant of :func:`step_processes`' table: the median step over the launches,
+    their standard deviation (NaN with one launch) and range."""
+    by = table.groupby(["preset", "autocast", "variant"], sort=False)["step_ms"]
+    return pd.DataFrame({"launches": by.size(), "median_ms": by.median(), "std_ms": by.std(),
+                         "min_ms": by.min(), "max_ms": by.max()}).reset_index()
 
 
 def main(argv: list[str] | None = None) -> int:
