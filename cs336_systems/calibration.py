@@ -9,7 +9,11 @@ starts and after it ends, for a few seconds each:
 - ``hbm_copy_tbps``: a 1 GiB device-to-device copy, bytes read plus written per second (HBM bandwidth).
 
 Each is the median of repeated timings with CUDA events, measured in a subprocess of its own so the job
-keeps no CUDA context or memory of it, one GPU after another. The numbers go into every result's
+keeps no CUDA context or memory of it, one GPU after another, after half a second of the same work
+(:data:`METHOD`, ``sustained``): timed after three calls (``burst``, the records before it), the GPU measured
+second in a process read 5-11% low in fp32 on 2 × H200, whichever GPU it was, while a sustained bf16 matmul
+runs at the power limit's clocks, about 15% under its burst (``docs/benchmarking/NOTES.md``). A reading is
+judged against the reference of its own method. The numbers go into every result's
 provenance (``calibration: {start: [...], end: [...]}``, one entry per GPU), and
 :func:`verdict` compares them with the device model's reference (``figures/calibration_reference.json``,
 the median of calibrations on machines that behaved): a job whose GPU measured more than
@@ -38,6 +42,9 @@ from cs336_systems.measured_code import REPO_ROOT
 
 #: Metric -> what a reader calls it.
 METRICS = {"bf16_matmul_tflops": "bf16 matmul", "fp32_matmul_tflops": "fp32 matmul", "hbm_copy_tbps": "HBM copy"}
+#: How a calibration is measured, recorded with it: ``sustained`` (each metric after :data:`_WARM_S` of the same
+#: work); records without a method were measured ``burst`` (after three calls), against references of their own.
+METHOD, LEGACY_METHOD = "sustained", "burst"
 #: A GPU measuring more than this fraction below its reference makes the job's results suspect.
 SUSPECT_BELOW = 0.10
 REFERENCE_PATH = REPO_ROOT / "figures" / "calibration_reference.json"
@@ -52,8 +59,7 @@ _MATMUL_BF16_N, _MATMUL_FP32_N, _COPY_BYTES, _REPEATS, _WARM_S = 8192, 4096, 2**
 def _median_ms(fn: Any, device: Any, repeats: int = _REPEATS, warm_s: float = _WARM_S) -> float:
     import torch
 
-    # Busy the GPU for warm_s first: a few calls left the GPU measured second in a process 5-11% low in fp32
-    # (either GPU, whichever came second), the clocks not yet at their steady state.
+    # busy the GPU for warm_s first (the module docstring says why): what is timed is the sustained rate
     start_s = time.perf_counter()
     while True:
         for _ in range(5):
@@ -170,7 +176,7 @@ class JobCalibration:
 
     def record(self) -> dict[str, Any] | None:
         """What a sidecar written now records (the start; the end comes at :meth:`finish`)."""
-        return {"start": self.start} if self.active and self.start is not None else None
+        return {"method": METHOD, "start": self.start} if self.active and self.start is not None else None
 
     def note_written(self, meta_path: Path) -> None:
         if self.active and meta_path not in self.written:
@@ -184,7 +190,7 @@ class JobCalibration:
         start, written = self.start, self.written
         self.active, self.start, self.written = False, None, []
         atexit.unregister(self.finish)
-        record = {"start": start, "end": measure_in_subprocess()}
+        record = {"method": METHOD, "start": start, "end": measure_in_subprocess()}
         for path in written:
             try:
                 meta = json.loads(path.read_text())
@@ -216,11 +222,13 @@ class Verdict:
         return self.state == "suspect"
 
 
-def load_references(path: Path = REFERENCE_PATH) -> dict[str, dict[str, float]]:
-    """Device name -> metric -> reference value."""
+def load_references(path: Path = REFERENCE_PATH) -> dict[str, dict[str, dict[str, float]]]:
+    """Calibration method -> device name -> metric -> reference value (empty without the file)."""
     if not Path(path).is_file():
         return {}
-    return {name: entry["reference"] for name, entry in json.loads(Path(path).read_text())["devices"].items()}
+    methods = json.loads(Path(path).read_text())["methods"]
+    return {method: {name: entry["reference"] for name, entry in table["devices"].items()}
+            for method, table in methods.items()}
 
 
 def shortfalls(gpus: list[dict[str, Any]], references: dict[str, dict[str, float]]) -> list[str]:
@@ -236,17 +244,19 @@ def shortfalls(gpus: list[dict[str, Any]], references: dict[str, dict[str, float
     return out
 
 
-def verdict(meta: dict[str, Any], references: dict[str, dict[str, float]] | None = None) -> Verdict:
-    """Whether the machine behind a result was measured, and how it compared with its reference."""
+def verdict(meta: dict[str, Any], references: dict[str, dict[str, dict[str, float]]] | None = None) -> Verdict:
+    """Whether the machine behind a result was measured, and how it compared with the reference of the record's
+    own method (``references`` as :func:`load_references` returns them; by default the committed ones)."""
     if meta.get("smoke") or meta.get("device_type") != "cuda":
         return Verdict("n/a")
     record = meta.get("calibration")
     if not record or not record.get("start"):
         return Verdict("uncalibrated", "the machine was not calibrated")
-    references = load_references() if references is None else references
+    method = record.get("method", LEGACY_METHOD)
+    references = (load_references() if references is None else references).get(method, {})
     measured = [gpu for phase in ("start", "end") for gpu in (record.get(phase) or [])]
     if not any(gpu.get("device") in references for gpu in measured):
-        return Verdict("unreferenced", f"no calibration reference for {meta.get('device')}")
+        return Verdict("unreferenced", f"no {method} calibration reference for {meta.get('device')}")
     problems = []
     for phase in ("start", "end"):
         problems += [f"{p} at the job's {phase}" for p in shortfalls(record.get(phase) or [], references)]
@@ -269,7 +279,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not gpus:
         print("no CUDA GPU here: nothing to calibrate")
         return 0
-    references = load_references()
+    references = load_references().get(METHOD, {})
     for gpu in gpus:
         reference = references.get(gpu["device"], {})
         cells = [f"{label} {gpu[m]:g}" + (f" ({gpu[m] / reference[m]:.0%} of reference)" if m in reference else "")

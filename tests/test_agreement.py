@@ -128,6 +128,32 @@ def test_data_parallel_steps_are_compared_across_sections_and_edition_grids(tmp_
     assert agreement.shared_keys(alone) == set()
 
 
+def _step_launches(root, naive_ms: list[float]) -> None:
+    """§2.2's steps timed again in fresh launches: one steps table per launch, as rows with their round."""
+    frames = []
+    for r, ms in enumerate(naive_ms):
+        _ddp_steps(root / "launch", "x", ms)
+        frames.append(pd.read_csv(root / "launch" / "x" / "steps_large_fp32.csv").assign(round=r))
+    _write(root, "naive_ddp", "step_processes", pd.concat(frames), {})
+
+
+def test_a_host_bound_step_is_compared_against_its_spread_between_launches(tmp_path) -> None:
+    """Two sections' eager naive steps 44 ms apart with 1 ms of step-to-step spread disagree; timed again in fresh
+    launches, a standard deviation of 15 ms between them covers the gap (3 standard errors of the difference of
+    two draws: 64 ms), one of 5 ms does not (21 ms); the single-GPU step, the same in every launch, keeps none."""
+    _ddp_steps(tmp_path, "naive_ddp/cse599o", 220.0)
+    _ddp_steps(tmp_path, "ddp_flat/cse599o", 264.0)
+    assert len(agreement.disagreements(tmp_path)) == 1
+    _step_launches(tmp_path, [225.0, 250.0, 230.0, 262.0, 240.0])  # std 14.7 ms
+    assert agreement.disagreements(tmp_path) == []
+    naive = next(c for c in agreement.shared_cells(tmp_path) if c.key[1] == "naive" and c.folder == "ddp_flat/cse599o")
+    assert abs(naive.between - pd.Series([225.0, 250.0, 230.0, 262.0, 240.0]).std()) < 1e-9
+    single = next(c for c in agreement.shared_cells(tmp_path) if c.key[1] == "single")
+    assert single.between == 0.0
+    _step_launches(tmp_path, [240.0, 245.0, 250.0, 236.0, 248.0])  # std 5.8 ms
+    assert len(agreement.disagreements(tmp_path)) == 1
+
+
 def test_the_eager_training_step_of_the_benchmark_and_of_the_compile_comparison_are_compared(tmp_path) -> None:
     """§1.1.3's whole step (when its run timed training steps) and §1.3's eager one share a key."""
     _write(tmp_path, "benchmarking", "timings", pd.DataFrame(
@@ -168,7 +194,7 @@ def test_a_launch_bound_cell_is_compared_against_its_spread_between_processes(tm
          for phase in ("forward", "backward") for ms in [0.16 + scale * (ms - 0.16)]]), {"batch_size": 8})
     assert agreement.disagreements(tmp_path) == []
     cell = next(c for c in agreement.shared_cells(tmp_path) if c.key[0] == "eager attention forward ms")
-    assert abs(cell.std - pd.Series(rounds).std()) < 1e-9
+    assert abs(cell.between - pd.Series(rounds).std()) < 1e-9
     # another batch size is another cell: its spread between processes says nothing of this one
     meta = tmp_path / "torch_compile" / "attention_processes.meta.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "params": {"batch_size": 4}}))

@@ -696,3 +696,43 @@ def test_the_cold_start_is_given_for_both_passes() -> None:
            "the first backward runs after" in text
     slower = study.assign(backward_mean_ms=[200.0, 38.2])  # the backward hit harder than the forward: no cause given
     assert _cold_against_warm(slower).rstrip().endswith("against 38.2 ms ± 0.11).")
+
+
+def test_the_ddp_launches_part_times_the_single_and_torch_steps_in_fresh_launches(tmp_path, monkeypatch) -> None:
+    """naive_ddp's processes part alone: every round launches the ranks anew for each model, models alternating;
+    the table keeps each launch's rows with its round, the other parts write nothing, and the answer gives the
+    spread between launches."""
+    from cs336_systems import results
+    from cs336_systems.benchmarking import ddp_steps
+    from cs336_systems.experiments import get, naive_ddp
+    from cs336_systems.experiments.__main__ import writer
+    from cs336_systems.report.data import SectionData
+
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    launches = []
+
+    def run_benchmark(cfg, nproc, backend):
+        launches.append((cfg.preset, tuple(cfg.modes), nproc))
+        ms = 100.0 + 10 * len(launches)
+        return {"rows": [{"variant": v, "mode": v, "bucket_size_mb": 25.0 if v == "torch" else None, "comm_dtype": None,
+                          "grad_views": False, "cuda_graph": False, "step_ms": ms, "step_ms_std": 1.0, "preset": cfg.preset,
+                          "autocast": cfg.autocast, "context_length": cfg.context_length,
+                          "batch_per_rank": cfg.batch_per_rank, "world_size": 1 if v == "single" else nproc}
+                         for v in cfg.modes]}
+
+    monkeypatch.setattr(ddp_steps, "run_benchmark", run_benchmark)
+    section = get("naive_ddp")
+    p = section.params("smoke", {"parts": ["processes"], "process_presets": ["tiny", "small"], "process_rounds": 2})
+    section.run(p, writer(section, p, "smoke", publish=True))
+    assert launches == [("tiny", ("single", "torch"), 2), ("small", ("single", "torch"), 2),
+                        ("small", ("single", "torch"), 2), ("tiny", ("single", "torch"), 2)]
+    table = results.load_table("naive_ddp", "step_processes", root=tmp_path)
+    assert sorted(table["round"].unique()) == [0, 1] and len(table) == 8
+    assert not (tmp_path / "naive_ddp" / "toy_check.csv").exists()
+    summary = naive_ddp.between_launches(table)
+    tiny = summary[(summary["preset"] == "tiny") & (summary["variant"] == "single")].iloc[0]
+    assert (tiny["launches"], tiny["median_ms"], tiny["min_ms"], tiny["max_ms"]) == (2, 125.0, 110.0, 140.0)
+    text = naive_ddp._launches(SectionData(tmp_path, "naive_ddp")).plain()
+    assert text.startswith("Timed again in 2 fresh launches per model (fp32, 2 GPUs)") and "tiny single 125 ms (110–140)" in text
+    with pytest.raises(ValueError, match="unknown part 'launches'"):
+        section.params("smoke", {"parts": ["launches"]})

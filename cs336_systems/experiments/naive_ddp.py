@@ -45,7 +45,7 @@ from cs336_systems.experiments.ddp_common import (
 )
 from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, param
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import handout_model, known, question, subset
+from cs336_systems.report.answers import handout_model, join_words, known, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Text
 from cs336_systems.results import ResultWriter
@@ -201,7 +201,8 @@ def answer(d: SectionData) -> list[Block]:
                        if single is not None else "."))
     # Beyond the handout's two numbers: the other precision and the all-reduce benchmark's prediction (the appendix).
     other = _other_precision(d, name, naive).strip() if naive is not None else ""
-    beyond = [b for b in (Text(other) if other else None, _against_microbenchmark(d, naive)) if b is not None]
+    beyond = [b for b in (Text(other) if other else None, _against_microbenchmark(d, naive), _launches(d))
+              if b is not None]
     return [
         question(d, "naive_ddp", "Data parallelism by all-reducing every gradient after the backward pass.", [
             Text("Each rank holds a full replica, runs forward and backward on its $1/P$ slice of the batch, then "
@@ -245,6 +246,33 @@ def _other_precision(d: SectionData, shown: str | None, shown_naive: Any = None)
     return (text + f", yet they took {fmt.ms(naive['sync_ms'])} here against {fmt.ms(before)}: not more traffic, "
             "but a collective's time on one rank also counts its wait for the other ranks to reach the call, which "
             "differs from run to run.")
+
+
+def _launches(d: SectionData) -> Text | None:
+    """How far the eager single-GPU and torch DDP steps move between fresh launches, against the same steps
+    captured in a CUDA graph (``step_processes``, in the main grid's folder for every edition)."""
+    table = SectionData(d.root, "naive_ddp", edition=d.edition).frame("step_processes")
+    if table is None or table["round"].nunique() < 2:
+        return None
+    summary = between_launches(table)
+    captured = summary["variant"].str.contains("CUDA graph")
+    eager, graph = summary[~captured], summary[captured]
+
+    def name(r: pd.Series) -> str:
+        return f"{r['preset']} {r['variant'].replace(' (CUDA graph)', '')}"
+
+    ranges = join_words([f"{name(r)} {fmt.ms(r['median_ms'])} ({fmt.sig(r['min_ms'], 3)}–{fmt.sig(r['max_ms'], 3)})"
+                         for _, r in eager.iterrows()])
+    medians = join_words([f"{name(r)} {fmt.ms(r['median_ms'])}" for _, r in graph.iterrows()])
+    precisions = join_words(list(dict.fromkeys(table["autocast"])))
+    return Text(f"Timed again in {table['round'].nunique()} fresh launches per model ({precisions}, "
+                f"{int(table['world_size'].max())} GPUs), the eager steps move from one launch to the next by a "
+                f"standard deviation of {fmt.sig(eager['std_ms'].min(), 3)}–{fmt.ms(eager['std_ms'].max())} "
+                f"(median and range: {ranges}); captured in a CUDA graph, the same steps move by at most "
+                f"{fmt.ms(graph['std_ms'].max())} ({medians}). Eager, a step of batch "
+                f"{int(table['batch_per_rank'].iloc[0])} waits on the host's Python and kernel launches, so its time "
+                "follows the host of the job that ran it; the check across sections compares the DDP sections' values "
+                "of these steps against this spread.")
 
 
 def _model_name(df: Any) -> str:

@@ -10,9 +10,10 @@ what a cell measured (quantity, model or shape, precision, context, batch, pass)
 :func:`disagreements` groups every committed cell by key and reports each group whose extreme values lie
 more than :data:`TOLERANCE` apart *and* farther apart than their runs' own spread (:data:`SPREADS` standard
 deviations of each): a difference smaller than the spread of repeated runs is no difference. A table's spread
-is step to step within one process; a sub-millisecond, launch-bound timing also moves between processes, by
-more than that. Where a section has timed such cells in repeated fresh processes (:data:`BETWEEN_PROCESSES`),
-the larger of the two standard deviations is the cell's spread. ``writeup status`` prints the disagreements
+is step to step within one process; a launch-bound timing (a sub-millisecond attention cell, an eager step
+that waits on the host) also moves between processes, by more than that. Where a section has timed such cells
+in repeated fresh processes (:data:`BETWEEN_PROCESSES`), a table's value of the cell is one draw from that
+spread, and two of them disagree only beyond :data:`BETWEEN_SE` standard errors of their difference. ``writeup status`` prints the disagreements
 (and fails while any remain), and the writeup marks the tables they come from, until one side is re-measured.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +39,11 @@ TOLERANCE = 0.10
 #: means of ten steps, their sum is about three standard errors of the difference).
 SPREADS = 1.0
 
+#: ... and, for a cell timed in fresh processes, by more than this many standard errors of the difference of two
+#: draws, √(σ₁² + σ₂²) with σ the cell's standard deviation between processes: the bar the rule above sets for
+#: two means of ten steps.
+BETWEEN_SE = 3.0
+
 Key = tuple[Any, ...]
 
 
@@ -48,6 +55,7 @@ class Cell:
     table: str
     row: str  # the row, in words
     std: float = 0.0  # the run's standard deviation of the value, where the table gives it
+    between: float = 0.0  # the cell's standard deviation between fresh processes, where one was measured
 
 
 @dataclass(frozen=True)
@@ -191,7 +199,10 @@ class Disagreement:
     def beyond_noise(self) -> bool:
         """The extreme values lie farther apart than :data:`SPREADS` standard deviations of each."""
         low, high = min(self.cells, key=lambda c: c.value), max(self.cells, key=lambda c: c.value)
-        return high.value - low.value > SPREADS * (high.std + low.std)
+        gap = high.value - low.value
+        if gap <= SPREADS * (high.std + low.std):
+            return False
+        return not (high.between or low.between) or gap > BETWEEN_SE * math.hypot(high.between, low.between)
 
     def line(self) -> str:
         what, *config = self.key[:-2]  # the device and matmul precision: the same for every cell of a key
@@ -209,10 +220,22 @@ def _eager_attention_between_processes(frame: pd.DataFrame, params: dict[str, An
             yield (f"eager attention {phase} ms", int(d), int(seq), int(params["batch_size"])), float(std)
 
 
+def _ddp_steps_between_launches(frame: pd.DataFrame, params: dict[str, Any]) -> Iterator[tuple[Key, float]]:
+    """§2.2's ``step_processes`` (one row per launch, model, precision and variant): per step cell, the standard
+    deviation of its step time over the launches."""
+    values: dict[Key, list[float]] = {}
+    for key, value, *_ in _ddp_steps(frame, params):
+        values.setdefault(key, []).append(value)
+    for key, launches in values.items():
+        if len(launches) > 1:
+            yield key, statistics.stdev(launches)
+
+
 #: Tables of cells timed in repeated fresh processes, and a function yielding ``(key, std)``: the cell's standard
 #: deviation between processes.
 BETWEEN_PROCESSES: tuple[Shared, ...] = (
     Shared("torch_compile", "attention_processes", _eager_attention_between_processes),
+    Shared("naive_ddp", "step_processes", _ddp_steps_between_launches),
 )
 
 
@@ -235,15 +258,15 @@ def _committed(shared: tuple[Shared, ...], root: Path) -> Iterator[tuple[Shared,
 
 
 def shared_cells(root: Path, shared: tuple[Shared, ...] = SHARED) -> list[Cell]:
-    """Every shared cell of the committed (not smoke) results under ``root``, its spread widened to the
-    between-process standard deviation where :data:`BETWEEN_PROCESSES` measured one."""
+    """Every shared cell of the committed (not smoke) results under ``root``, with its standard deviation between
+    processes where :data:`BETWEEN_PROCESSES` measured one."""
     between = {(*key, *machine): std for *_, items, machine in _committed(BETWEEN_PROCESSES, root)
                for key, std in items}
     out = []
     for _, folder, table, items, machine in _committed(shared, root):
         for key, value, row, std in items:
             full = (*key, *machine)
-            out.append(Cell(full, value, folder, table, row, max(std, between.get(full, 0.0))))
+            out.append(Cell(full, value, folder, table, row, std, between.get(full, 0.0)))
     return out
 
 

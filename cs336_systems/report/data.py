@@ -70,8 +70,8 @@ class SectionData:
         return SectionData(self.root, section, edition=self.edition)
 
     @functools.cached_property
-    def references(self) -> dict[str, dict[str, float]]:
-        """The calibration references (device -> metric -> value) results are judged against."""
+    def references(self) -> dict[str, dict[str, dict[str, float]]]:
+        """The calibration references (method -> device -> metric -> value) results are judged against."""
         return calibration.load_references(self.root / calibration.REFERENCE_PATH.name)
 
     # -- what exists -------------------------------------------------------------------------------
