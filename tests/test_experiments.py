@@ -736,3 +736,5 @@ def test_the_ddp_launches_part_times_the_single_and_torch_steps_in_fresh_launche
     assert text.startswith("Timed again in 2 fresh launches per model (fp32, 2 GPUs)") and "tiny single 125 ms (110–140)" in text
     with pytest.raises(ValueError, match="unknown part 'launches'"):
         section.params("smoke", {"parts": ["launches"]})
+    with pytest.raises(ValueError, match=r"process_modes: unknown \['flatt'\]"):
+        section.params("smoke", {"process_modes": ["single", "flatt"]})

@@ -95,6 +95,8 @@ class Params(DDPParams):
     process_rounds: int = param(5, "processes: launches per model, the models alternating")
     process_presets: list[str] = param(["large", "xl"], "processes: the models (those the step tables time)")
     process_autocast: list[str] = param(["bf16"], "processes: the precisions")
+    process_modes: list[str] = param(["single", "torch"], "processes: the steps timed (modes of ddp_steps; the "
+                                                          "other DDP sections' own, flat or bucketed, too)")
 
     def check(self) -> None:
         super().check()
@@ -103,17 +105,20 @@ class Params(DDPParams):
         check_presets(*self.process_presets)
         if bad := [a for a in self.process_autocast if a not in ("fp32", "bf16")]:
             raise ValueError(f"process_autocast must be fp32 or bf16, got {bad}")
+        if bad := [m for m in self.process_modes if m not in ddp_steps.ALL_MODES]:
+            raise ValueError(f"process_modes: unknown {bad}; modes: {', '.join(ddp_steps.ALL_MODES)}")
 
 
 PRESETS = ddp_common.ddp_presets(Params, process_presets=["tiny"], process_rounds=2, process_autocast=["fp32"])
 
 
 def step_processes(p: Params) -> pd.DataFrame:
-    """The single-GPU and torch DDP steps of the step tables, timed again in ``p.process_rounds`` fresh launches
-    per model (each :func:`~cs336_systems.benchmarking.ddp_steps.run_benchmark` spawns its ranks anew; the models
-    alternate), eager and, on GPUs, captured in a CUDA graph. Every DDP section's table times these two steps in
-    a job of its own, and an eager step this small waits on the host's Python and kernel launches, so its time
-    moves with the job; the launches measure by how much, the spread the check across sections
+    """The steps the DDP sections share (``p.process_modes``: single GPU and torch DDP by default), timed again
+    in ``p.process_rounds`` fresh launches per model (each
+    :func:`~cs336_systems.benchmarking.ddp_steps.run_benchmark` spawns its ranks anew; the models alternate),
+    eager and, on GPUs, captured in a CUDA graph. Every DDP section's table times these steps in a job of its
+    own, and an eager step this small waits on the host's Python and kernel launches, so its time moves with
+    the job; the launches measure by how much, the spread the check across sections
     (:mod:`cs336_systems.report.agreement`) lets two tables' values of one step differ by. One row per round,
     model, precision and variant."""
     graphs = [False, True] if torch.cuda.is_available() else [False]
@@ -122,7 +127,7 @@ def step_processes(p: Params) -> pd.DataFrame:
         for preset in (p.process_presets if r % 2 == 0 else p.process_presets[::-1]):
             for ac in p.process_autocast:
                 cfg = ddp_steps.DDPBenchConfig(preset=preset, context_length=p.context_length,
-                                               batch_per_rank=p.batch_per_rank, autocast=ac, modes=["single", "torch"],
+                                               batch_per_rank=p.batch_per_rank, autocast=ac, modes=p.process_modes,
                                                warmup=p.warmup, steps=p.steps, cuda_graph=graphs)
                 result = ddp_steps.run_benchmark(cfg, p.nproc[0], p.backend)
                 frames.append(pd.DataFrame(result["rows"]).assign(round=r))
