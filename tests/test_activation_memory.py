@@ -10,6 +10,19 @@ from cs336_systems.checkpointing import SegmentedLayers, checkpoint_layers, stor
 from cs336_systems.profiling.residuals import FROM_OUTSIDE, residuals_by_op, saved_residuals
 
 
+
+def _best_segment(table, block_bytes=None, input_bytes=None, preset=None):
+    """(b) in one text, as the answer joins its parts: the measured answer, its neighbours, the reasoning and
+    what the sweep showed."""
+    from cs336_systems.experiments.gradient_checkpointing import _best_segment_parts
+    from cs336_systems.report.document import Text
+
+    parts = _best_segment_parts(table, block_bytes, input_bytes, preset)
+    if parts is None:
+        return None
+    return Text(parts["measured"] + parts["neighbours"] + (" " + parts["heads"] + parts["reasoning"]).rstrip()
+                + parts["shown"])
+
 def _model(seed: int = 0) -> BasicsTransformerLM:
     torch.manual_seed(seed)
     return BasicsTransformerLM(vocab_size=64, context_length=16, d_model=32, num_layers=8, num_heads=4, d_ff=64,
@@ -107,7 +120,7 @@ def test_saved_residuals_of_a_linear_and_a_block() -> None:
 def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> None:
     import pandas as pd
 
-    from cs336_systems.experiments.gradient_checkpointing import Params, _best_segment
+    from cs336_systems.experiments.gradient_checkpointing import Params
 
     table = pd.DataFrame({"block_size": [0, 0.5, 1, 2], "status": ["OOM", "ok", "ok", "OOM"],
                           "peak_GiB": [None, 66.0, 74.7, None], "activation_peak_GiB": [None, 8.5, 17.2, None],
@@ -144,8 +157,6 @@ def test_checkpointing_only_the_first_blocks_keeps_gradients_and_saves_in_betwee
 def test_checkpointing_answer_reports_a_whole_block_win_when_the_model_predicted_the_split() -> None:
     import pandas as pd
 
-    from cs336_systems.experiments.gradient_checkpointing import _best_segment
-
     table = pd.DataFrame({"block_size": [0.5, 1, 2], "status": ["ok", "ok", "OOM"], "peak_GiB": [80.0, 74.7, None],
                           "activation_peak_GiB": [23.0, 17.2, None], "step_ms": [7000.0, 6600.0, None]})
     table["peak_GiB"] = [80.7, 74.7, None]  # the same memory resident between steps in both rows
@@ -163,8 +174,6 @@ def test_checkpointing_answer_compares_on_the_steps_memory_and_names_a_row_with_
     """A configuration run after an out-of-memory one may still hold its tensors between steps: its total peak is
     inflated, so configurations are compared on what the step itself allocates, and a tie is called a tie."""
     import pandas as pd
-
-    from cs336_systems.experiments.gradient_checkpointing import _best_segment
 
     table = pd.DataFrame({"block_size": [0, 0.5, 1, 2], "status": ["OOM", "ok", "ok", "ok"],
                           "peak_GiB": [None, 109.9, 71.9, 79.4], "activation_peak_GiB": [None, 27.0, 27.1, 34.6],
@@ -187,8 +196,6 @@ def test_checkpointing_answer_names_memory_left_by_the_jobs_earlier_parts() -> N
     answer attributes what is held between steps beyond weights and AdamW state to it when the two agree."""
     import pandas as pd
 
-    from cs336_systems.experiments.gradient_checkpointing import _best_segment
-
     table = pd.DataFrame({"block_size": [0.5, 1], "status": ["ok", "ok"], "peak_GiB": [80.0, 71.9],
                           "activation_peak_GiB": [35.2, 27.1], "step_ms": [6174.0, 6242.0]})
     unknown = _best_segment(table, preset="xl@2026").markdown
@@ -203,8 +210,6 @@ def test_checkpointing_answer_names_memory_left_by_the_jobs_earlier_parts() -> N
 
 def test_checkpointing_answer_leads_with_identical_peaks_then_neighbours_then_reasoning() -> None:
     import pandas as pd
-
-    from cs336_systems.experiments.gradient_checkpointing import _best_segment
 
     table = pd.DataFrame({"block_size": [0, 0.5, 1, 2], "status": ["OOM", "ok", "ok", "ok"],
                           "peak_GiB": [None, 65.28, 65.28, 72.76], "activation_peak_GiB": [None, 27.1, 27.1, 34.6],

@@ -460,16 +460,6 @@ TIE = 0.01
 RESIDENT_SLACK_GIB = 1.0
 
 
-def _best_segment(table: pd.DataFrame | None, block_bytes: float | None = None,
-                  input_bytes: float | None = None, preset: str | None = None) -> Text | None:
-    """(b) in one text: the measured answer, its neighbours, the reasoning and what the sweep showed."""
-    parts = _best_segment_parts(table, block_bytes, input_bytes, preset)
-    if parts is None:
-        return None
-    return Text(parts["measured"] + parts["neighbours"] + (" " + parts["heads"] + parts["reasoning"]).rstrip()
-                + parts["shown"])
-
-
 def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = None,
                         input_bytes: float | None = None, preset: str | None = None) -> dict[str, str] | None:
     """The direct answer to (b), in the handout's form: the reasoning, the measured strategy's peak, and its
