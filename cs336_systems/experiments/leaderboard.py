@@ -236,7 +236,8 @@ def _split_difference(split: pd.DataFrame | None, pointwise_compiled: bool = Fal
                "compares them kernel to kernel)"}
         said = [f"{b}: {why[b]}" for b in diff.index[:2] if b in why and diff[b] > 0]
         if said:
-            text += " Where the two largest come from: " + "; ".join(said) + "."
+            text += (" Where the two largest come from: " if len(said) == 2 else " Where the largest comes from: ") \
+                + "; ".join(said) + "."
     return Text(text)
 
 

@@ -191,9 +191,10 @@ from cs336_systems.report.answers import (  # noqa: E402 (answers only)
 from cs336_systems.report.document import BEYOND_HANDOUT  # (answers only)
 
 
-def _not_monotonic(speed: pd.DataFrame) -> str:
+def _not_monotonic(speed: pd.DataFrame, fastest: bool = False) -> str:
     """Where a larger model's bf16 pass is faster than a smaller one's (the table's rows in size order): a
-    deeper model runs more, smaller kernels, whose launches bf16's faster matmuls no longer hide."""
+    deeper model runs more, smaller kernels, whose launches bf16's faster matmuls no longer hide. ``fastest``:
+    the times are each run's fastest step (:func:`_robust`), and the text says so."""
     from cs336_systems.configs import get_config
 
     found = []
@@ -209,7 +210,8 @@ def _not_monotonic(speed: pd.DataFrame) -> str:
         return ""
     phase, small, large = found[0]
     layers = {r.size: get_config(str(r.preset)).num_layers for r in (small, large)}
-    return (f"; not monotonically, though: {large.size}'s bf16 {phase} ({fmt.ms(getattr(large, f'{phase}_bf16_ms'))})"
+    which = f"fastest bf16 {phase} step" if fastest else f"bf16 {phase}"
+    return (f"; not monotonically, though: {large.size}'s {which} ({fmt.ms(getattr(large, f'{phase}_bf16_ms'))})"
             f" is faster than {small.size}'s ({fmt.ms(getattr(small, f'{phase}_bf16_ms'))}): the larger model has "
             f"{layers[large.size]} layers to {layers[small.size]}, so fewer, larger kernels, while bf16's faster "
             "matmuls leave the deeper model's per-kernel overheads more exposed.")
@@ -422,8 +424,9 @@ def answer(d: SectionData) -> list[Block]:
             f"{effect(last['backward_speedup'])}.{_slower_by_the_mean(speed, shown.attrs.get('noisy', robust))} Larger models "
             "spend a larger share of their time in big matmuls, where bf16 tensor cores have the most advantage "
             "over fp32 (TF32 off); the small models' steps are short and their matmuls small, so elementwise "
-            "kernels (which autocast does not speed up and its casts add to) weigh more"
-            + (_not_monotonic(shown) or ".") + _host_bound_forward(timings) + _not_run(speed, timings, d.edition))
+            "kernels (which autocast does not speed up and its casts add to) and the host's kernel launches, which "
+            "no precision shortens, weigh more"
+            + (_not_monotonic(shown, fastest=bool(robust)) or ".") + _host_bound_forward(timings) + _not_run(speed, timings, d.edition))
     noise = _noise_note(timings).strip()
     if speed_text is not None:
         speed_text = Text(speed_text.markdown + _other_machine(d))

@@ -264,7 +264,7 @@ def _launches(d: SectionData) -> Text | None:
     eager, graph = summary[~captured], summary[captured]
 
     def name(r: pd.Series) -> str:
-        return f"{r['preset']} {r['variant'].replace(' (CUDA graph)', '')}"
+        return f"{handout_model(r['preset'], d.edition)} {r['variant'].replace(' (CUDA graph)', '')}"
 
     ranges = join_words([f"{name(r)} {fmt.ms(r['median_ms'])} ({fmt.sig(r['min_ms'], 3)}–{fmt.sig(r['max_ms'], 3)})"
                          for _, r in eager.iterrows()])
@@ -276,8 +276,22 @@ def _launches(d: SectionData) -> Text | None:
                 f"(median and range: {ranges}); captured in a CUDA graph, the same steps move by at most "
                 f"{fmt.ms(graph['std_ms'].max())} ({medians}). Eager, a step of batch "
                 f"{int(table['batch_per_rank'].iloc[0])} waits on the host's Python and kernel launches, so its time "
-                "follows the host of the job that ran it; the check across sections compares the DDP sections' values "
-                "of these steps against this spread.")
+                "follows the host of the job that ran it"
+                + (f": these launches ran on {_host(d, table)}, the step tables above on {_host(d, None)}: "
+                   "another host, so the launches' medians are not those tables' values; their spread carries over" if _host(d, table) != _host(d, None) else "")
+                + ". The check across sections compares the DDP sections' values of these steps by this spread "
+                  "(a gap beyond three standard errors of the difference of two launches is a disagreement).")
+
+
+def _host(d: SectionData, launches: pd.DataFrame | None) -> str:
+    """The machine a table was measured on, in words: its GPU count and model (the launches' table, or the step
+    table the answer shows)."""
+    if launches is not None:
+        meta = SectionData(d.root, "naive_ddp", edition=d.edition).meta("step_processes")
+    else:
+        name, _ = steps_table(d)
+        meta = d.meta(name or "")
+    return f"a {meta.get('num_gpus', '?')}-GPU {meta.get('device', 'machine')} host"
 
 
 def _model_name(df: Any) -> str:

@@ -351,9 +351,9 @@ def answer(d: SectionData) -> list[Block]:
         dd = _matmul_shares(summary)
         per_flop = row["softmax_to_matmul_time"] / row["softmax_to_matmul_flops"]
         e = Text(f"For {where}, attention's softmax takes {fmt.ratio(row['softmax_to_matmul_time'])} the time of "
-                 f"its two matmuls for {fmt.ratio(row['softmax_to_matmul_flops'])} their FLOPs (about 5 per score "
-                 "for the max, subtraction, exponential, sum and division, against $2 \\cdot 2T^2 d_h$ for $QK^\\top$ "
-                 "and $PV$ per head: $5 / (4 d_h)$), i.e. "
+                 f"its two matmuls for {fmt.ratio(row['softmax_to_matmul_flops'])} their FLOPs, the ratio "
+                 "$5 / (4 d_h)$ of about 5 FLOPs per score (the max, subtraction, exponential, sum and division) to "
+                 "$2 \\cdot 2T^2 d_h$ for $QK^\\top$ and $PV$ per head; that is "
                  f"{fmt.sig(per_flop)} times the time per FLOP"
                  + (f": the matmuls are compute-bound GEMMs ({_gemm_kind(row['top_forward_kernel'])}) that "
                     "reuse each loaded element many times, while the softmax reads and writes the whole score "
@@ -438,14 +438,19 @@ def _step_leaders(top: pd.DataFrame | None, summary: pd.DataFrame) -> str:
     merged = ok.merge(first, on=["size", "context_length"])
     if merged.empty:
         return ""
-    same = int((merged["name"] == merged["top_forward_kernel"]).sum())
+    same_kernel = merged["name"] == merged["top_forward_kernel"]
     other = merged[merged["category"] != "matmul"]
-    text = f" The training step's top kernel is the forward's in {same} of {len(merged)} profiles"
+    another_gemm = int((~same_kernel & (merged["category"] == "matmul")).sum())
+    text = f" The training step's top kernel is the forward's in {int(same_kernel.sum())} of {len(merged)} profiles"
+    if another_gemm:
+        text += (f", another matmul kernel (the backward's products, of other shapes and transposes) in "
+                 f"{another_gemm}")
     if other.empty:
         return text + "."
     cells = [f"{r['size']} at {int(r['context_length']):,} (`{short_kernel(r['name'])}`, "
              f"{fmt.pct(r['percent'] / 100)} of the step)" for _, r in other.iterrows()]
-    return text + f"; in {join_words(cells)} it is not a matmul: the softmax over the scores grows as $T^2$, most of the matmul work as $T$."
+    return (text + f"; in {join_words(cells)} it is not a matmul: the softmax over the scores grows as $T^2$, most "
+            "of the matmul work as $T$.")
 
 
 def _non_matmul(top: pd.DataFrame | None, row: pd.Series, n: int = 5) -> str:

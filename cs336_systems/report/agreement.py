@@ -171,7 +171,8 @@ _DDP_FOLDERS = ("naive_ddp", "ddp_flat", "ddp_overlap_individual", "ddp_bucketed
 SHARED: tuple[Shared, ...] = (
     Shared("benchmarking", "timings", _benchmark_forward),
     Shared("mixed_precision", "precision_timings", _model_forward("forward_mean_ms")),
-    Shared("nsys_profile", "summary", _model_forward("python_forward_ms", precision="fp32", context="context_length")),
+    *(Shared(folder, "summary", _model_forward("python_forward_ms", precision="fp32", context="context_length"))
+      for folder in ("nsys_profile", "nsys_profile/2026")),
     Shared("torch_compile", "model_timings", _model_forward(
         "total_mean_ms", precision="fp32", where=lambda f: (f["mode"] == "forward") & ~f["compiled"].astype(bool))),
     # the whole eager training step (forward, backward, AdamW), first synchronize to last
@@ -319,8 +320,9 @@ def reconcile(root: Path, folder: str, table: str, what: str,
         widest, pair_row, where = max(pairs, key=lambda r: abs(r[0] - 1))
         single = ("" if round(abs(widest - 1), 2) <= round(abs(worst - 1), 2) else
                   f"; the widest single pair is {pair_row}, {abs(widest - 1):.0%} from {where}'s measurement")
+        # "within" rounds up: 4.5% apart is not within 4%
         return (f"{what} agree with the median of the same configurations measured elsewhere ({sources}) within "
-                f"{abs(worst - 1):.0%}{single}.")
+                f"{math.ceil(round(abs(worst - 1) * 100, 6))}%{single}.")
     return (f"{what} differ from the same configurations measured elsewhere ({sources}) by up to {abs(worst - 1):.0%} "
             f"({row}: {worst:.2f}× theirs); the runs came from different jobs, and `writeup status` lists the "
             "pair until one is measured again on a calibrated machine.")
