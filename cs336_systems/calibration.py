@@ -9,12 +9,12 @@ starts and after it ends, for a few seconds each:
 - ``hbm_copy_tbps``: a 1 GiB device-to-device copy, bytes read plus written per second (HBM bandwidth).
 
 Each is the median of repeated timings with CUDA events, measured in a subprocess of its own so the job
-keeps no CUDA context or memory of it, one GPU after another, after half a second of the same work
-(:data:`METHOD`, ``sustained``): timed after three calls (``burst``, the records before it), the GPU measured
-second in a process read 5-11% low in fp32 on 2 × H200, whichever GPU it was, while a sustained bf16 matmul
-runs at the power limit's clocks, about 15% under its burst (``docs/benchmarking/NOTES.md``). A reading is
-judged against the reference of its own method. The numbers go into every result's
-provenance (``calibration: {start: [...], end: [...]}``, one entry per GPU), and
+keeps no CUDA context or memory of it, one GPU after another, each after half a second of the same work
+(:data:`METHOD`, ``sustained``). Timed after only three calls (``burst``, the records before the method was
+recorded), the GPU measured second in a process read 5-11% low in fp32 on 2 × H200, whichever GPU it was;
+held for half a second, a bf16 matmul runs at the power limit's clocks, about 15% under its burst
+(``docs/benchmarking/NOTES.md``). So a reading is judged against the reference of its own method. The numbers
+go into every result's provenance (``calibration: {method, start: [...], end: [...]}``, one entry per GPU), and
 :func:`verdict` compares them with the device model's reference (``figures/calibration_reference.json``,
 the median of calibrations on machines that behaved): a job whose GPU measured more than
 :data:`SUSPECT_BELOW` under the reference at its start or end is *suspect*, which ``writeup status`` and

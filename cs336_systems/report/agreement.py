@@ -13,8 +13,9 @@ deviations of each): a difference smaller than the spread of repeated runs is no
 is step to step within one process; a launch-bound timing (a sub-millisecond attention cell, an eager step
 that waits on the host) also moves between processes, by more than that. Where a section has timed such cells
 in repeated fresh processes (:data:`BETWEEN_PROCESSES`), a table's value of the cell is one draw from that
-spread, and two of them disagree only beyond :data:`BETWEEN_SE` standard errors of their difference. ``writeup status`` prints the disagreements
-(and fails while any remain), and the writeup marks the tables they come from, until one side is re-measured.
+spread, and two of them disagree only beyond :data:`BETWEEN_SE` standard errors of their difference.
+``writeup status`` prints the disagreements (and fails while any remain), and the writeup marks the tables
+they come from, until one side is re-measured.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ class Disagreement:
 
     @property
     def beyond_noise(self) -> bool:
-        """The extreme values lie farther apart than :data:`SPREADS` standard deviations of each."""
+        """The extreme values lie farther apart than :data:`SPREADS` standard deviations of each and, where the
+        cell was timed in fresh processes, than :data:`BETWEEN_SE` standard errors of two draws' difference."""
         low, high = min(self.cells, key=lambda c: c.value), max(self.cells, key=lambda c: c.value)
         gap = high.value - low.value
         if gap <= SPREADS * (high.std + low.std):
