@@ -692,8 +692,8 @@ def test_the_cold_start_is_given_for_both_passes() -> None:
                           "backward_mean_ms": [44.4, 38.2], "backward_std_ms": [19.0, 0.11]})
     text = _cold_against_warm(study)
     assert "the forward's mean is 2.93× the mean after 5 warm-up steps" in text  # one size: one value, no range
-    assert "The backward's cold mean is 1.16× its warm one (worst, small: 44.4 ms ± 19 against 38.2 ms ± 0.11): " \
-           "the first backward runs after" in text
+    assert "; the backward's cold mean is 1.16× its warm one (worst, small: 44.4 ms ± 19 against 38.2 ms ± 0.11), " \
+           "since the first forward has already set up" in text
     slower = study.assign(backward_mean_ms=[200.0, 38.2])  # the backward hit harder than the forward: no cause given
     assert _cold_against_warm(slower).rstrip().endswith("against 38.2 ms ± 0.11).")
 

@@ -226,11 +226,11 @@ def answer(d: SectionData) -> list[Block]:
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             None if study is None else Text(
-                _cold_against_warm(study) + "The cold steps pay one-time costs (CUDA context and cuBLAS handles, "
-                "lazy loading of kernel modules, a GEMM algorithm chosen per shape, the allocator growing with "
-                "`cudaMalloc`). One or two warm-up steps have seen every shape once, so they can still differ from "
-                "five only through what later steps change (allocator growth, clocks) or single slow steps, which "
-                "move a mean of few steps"
+                _cold_against_warm(study) + "The cold steps pay one-time costs: the CUDA context and cuBLAS handles, "
+                "lazily loaded kernel modules, a GEMM algorithm chosen per shape, and the allocator growing with "
+                "`cudaMalloc`. One or two warm-up steps have paid these for every shape, so they can still differ "
+                "from five only through what later steps change (allocator growth, clocks) or a single slow step in "
+                "a mean of few steps"
                 + (_few_against_five(study) or ".")),
         ], what=None if study is not None else "timings with 0, 1 and 2 warm-up steps"),
         Text("", role=BEYOND_HANDOUT),  # the plots and the study's full table
@@ -410,16 +410,15 @@ def _cold_against_warm(study: pd.DataFrame) -> str:
             f"forward's mean is {f_range} the mean after {most} warm-up steps, and its standard deviation "
             f"{fmt.ms(cold['forward_std_ms'].min())}–{fmt.ms(cold['forward_std_ms'].max())} against at most "
             f"{fmt.ms(warm['forward_std_ms'].max())} (worst, {f_worst}; every cell in the appendix"
-            + (f", where it says why {join_words(unrun)} without warm-up did not run" if unrun else "") + ").")
+            + (f", where it says why {join_words(unrun)} without warm-up did not run" if unrun else "") + ")")
     if {"backward_mean_ms", "backward_std_ms"} <= set(cold.columns):
         backward, b_range, b_worst = _cold_slowdown(cold, warm, "backward")
         if b_range:
-            text += f" The backward's cold mean is {b_range} its warm one (worst, {b_worst})"
+            text += f"; the backward's cold mean is {b_range} its warm one (worst, {b_worst})"
             # why, where the data agree: the first backward finds the CUDA context and handles the forward set up
-            text += (": the first backward runs after the first forward, which has already set up the CUDA context "
-                     "and cuBLAS handles, so it pays only its own kernels' first use." if backward.max() < forward.max()
-                     else ".")
-    return text + " "
+            text += (", since the first forward has already set up the CUDA context and cuBLAS handles"
+                     if backward.max() < forward.max() else "")
+    return text + ". "
 
 
 def _few_against_five(study: pd.DataFrame | None, spreads: float = 3.0) -> str:

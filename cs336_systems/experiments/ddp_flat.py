@@ -60,11 +60,9 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
     if fit is not None and calls and gb:
         fixed, transfer = calls * fit["o"] * 1e3, gb / fit["w"] * 1e3
         return first + (f" With §2.1's fit, {n}' fixed cost is {fmt.ms(fixed)} against {fmt.ms(transfer)} to "
-                        f"move {fmt.sig(gb / 1e9)} GB: flattening can remove at most the first, and it adds a copy "
-                        "of every gradient into the flat buffer and back. The fit times one synchronized call at a "
-                        "time; launched back to back, the calls overlap their fixed costs, so the per-parameter "
-                        "communication takes less than the two terms' sum and flattening saves less than the "
-                        "first.")
+                        f"move {fmt.sig(gb / 1e9)} GB, and calls launched back to back overlap even that (the fit "
+                        "times one synchronized call at a time), so flattening has little to remove, while it adds "
+                        "a copy of every gradient into the flat buffer and back.")
     if saved > noise:
         return first + (" One call instead of many saves each call's fixed launch and synchronization cost, which "
                         "outweighs the copies into and out of the flat buffer.")

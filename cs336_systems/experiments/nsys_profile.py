@@ -228,6 +228,15 @@ def _profiles(summary: pd.DataFrame) -> pd.DataFrame:
     return summary[summary["status"] == "ok"] if "status" in summary.columns else summary
 
 
+def _one_sentence(first: str, second: str) -> str:
+    """Two sentences (each with its leading space, or empty) joined into one by a semicolon: the handout asks
+    for one or two sentences."""
+    if not first or not second:
+        return first + second
+    second = second.strip()
+    return f"{first.rstrip('.')}; {second[0].lower()}{second[1:]}"
+
+
 def _across(summary: pd.DataFrame, kernel: str, percent: str, what: str) -> str:
     """The same answer for every profile, in one sentence: which kernel it is, in how many profiles, and its
     share's range (the handout asks each profile's)."""
@@ -340,8 +349,8 @@ def answer(d: SectionData) -> list[Block]:
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
                  + _calls_per_block(row)
                  + (f"; {same}." if same else ".")
-                 + _across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel")
-                 + _step_leaders(top, summary))
+                 + _one_sentence(_across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel"),
+                                 _step_leaders(top, summary)))
         c = Text(f"For {where}, " + (_non_matmul(top, row) or
                  f"the largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time")
