@@ -482,6 +482,8 @@ def _step_sentence(step: pd.DataFrame | None, meta: dict[str, Any] | None, taken
                                             + why_not))
 
 
+from cs336_systems.experiments.section import Job  # noqa: E402  (the jobs, below the answers' marker)
+
 SECTION = Section(
     name="leaderboard", number="1.5", title="The 2026 leaderboard: an 8B training step on two GPUs (2026 handout)",
     problems=("leaderboard, 2026",), answer=answer, presets=PRESETS, run=run,
@@ -491,4 +493,9 @@ SECTION = Section(
              "cs336_systems/distributed/launch.py",
              "cs336_systems/distributed/runner.py", "cs336_systems/benchmarking/leaderboard_split.py",
              "cs336_systems/profiling/step_split.py", "cs336_systems/profiling/timeline.py"),
+    # the two-GPU job first: it writes a memory plan for its own 141 GB GPUs, which the one-GPU job then replaces
+    # with the handout's (two 180 GB GPUs), the plan the answer reads
+    jobs=(Job({"nproc": 2, "num_layers": 34, "context_length": 32768, "plan_gpu_gb": 141, "checkpoint_blocks": "plan"},
+              note="2 × H200, 5.9 min: the handout's shape, ours and the torch reference, then the time split"),
+          Job({}, note="one GPU, 1.6 min: the memory plan and the reduced shape's step")),
 )
