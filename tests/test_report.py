@@ -1498,7 +1498,7 @@ def test_mixed_precision_names_a_larger_model_whose_bf16_pass_is_faster() -> Non
     speed = edition_rows(pd.DataFrame({"size": ["large", "xl", "2.7B"], "forward_bf16_ms": [70.0, 77.0, 85.0],
                                        "backward_bf16_ms": [84.0, 155.0, 141.0]}), "2025")
     assert _not_monotonic(speed).startswith("; not monotonically, though: 2.7B's bf16 backward (141 ms) is faster "
-                                            "than xl's (155 ms): the larger model has 32 layers to 48")
+                                            "than xl's (155 ms), probably because the larger model has 32 layers to 48")
     assert _not_monotonic(speed.assign(backward_bf16_ms=[84.0, 130.0, 141.0])) == ""
     # timed by each run's fastest step (the means too noisy), the text says so rather than quote them as means
     assert _not_monotonic(speed, fastest=True).startswith("; not monotonically, though: 2.7B's fastest bf16 backward "
@@ -1786,3 +1786,20 @@ def test_a_large_figure_of_many_panels_is_shown_wide_only_where_it_is_tall(tmp_p
     assert 'class="large"' in figure_html(png("grid.png", (10, 10), True), 1)
     assert 'class="large"' not in figure_html(png("wide.png", (15, 10), True), 2)  # wide: the height cap is enough
     assert 'class="large"' not in figure_html(png("plain.png", (10, 10), False), 3)
+
+
+def test_an_answer_with_marked_tables_says_so_before_its_numbers() -> None:
+    """A table measured on older code, on a machine that calibrated slow, or disagreeing with another section
+    puts one caveat at the top of its answer, naming each mark once; an answer with clean tables gets none."""
+    from cs336_systems.report.answers import marked_results
+    from cs336_systems.report.document import Table, Text
+
+    def table(**meta):
+        return Table(pd.DataFrame({"ms": [1.0]}), "caption", "figures/x/t.csv", meta)
+
+    assert marked_results([Text("prose"), table()]) == ""
+    caveat = marked_results([table(stale="changed since: x.py"), table(stale="again"),
+                             table(machine={"state": "suspect", "reason": "GPU 1 slow"})])
+    assert caveat.count("STALE") == 1 and "SUSPECT" in caveat and "DISAGREES" not in caveat
+    assert marked_results([table(machine={"state": "uncalibrated"})]) == ""  # no calibration is no mark
+    assert "DISAGREES" in marked_results([table(disagrees="§1.3: 0.84×")])

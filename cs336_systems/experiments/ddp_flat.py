@@ -54,7 +54,8 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
     if known(naive.get("sync_ms")) and known(flat.get("sync_ms")):
         change = float(naive["sync_ms"]) - float(flat["sync_ms"])
         comm = (f"; the communication {'shrinks' if change >= 0 else 'grows'} from {fmt.ms(naive['sync_ms'])} to "
-                f"{fmt.ms(flat['sync_ms'])} ({fmt.pct(abs(change) / float(naive['sync_ms']))})")
+                f"{fmt.ms(flat['sync_ms'])} ({fmt.pct(abs(change) / float(naive['sync_ms']))} "
+                f"{'less' if change >= 0 else 'more'})")
     first = (f"One all-reduce of the flattened gradients takes the step from {fmt.ms(naive['step_ms'])} to "
              f"{fmt.ms(flat['step_ms'])}, {judged}{comm}.")
     if fit is not None and calls and gb:

@@ -282,7 +282,7 @@ def answer(d: SectionData) -> list[Block]:
             if params.get("n_forward") else "") if x)
         t_text = Text(
             f"{len(ok)} of {len(timings)} configurations ran" + (f" ({setup})" if setup else "") + ". "
-            f"At the longest sequence that ran, {int(big['seq_len'].iloc[0]):,}, a forward pass takes "
+            f"At the grid's longest sequence that ran, {int(big['seq_len'].iloc[0]):,}, a forward pass takes "
             f"{fmt.ms(big['forward_mean_ms'].min())}–{fmt.ms(big['forward_mean_ms'].max())} and a backward pass "
             f"{fmt.ms(big['backward_mean_ms'].min())}–{fmt.ms(big['backward_mean_ms'].max())} across head sizes."
             + (" Out of memory or not run: " + join_words([f"$d={int(r['d_model'])}, T={fmt.tex_int(r['seq_len'])}$ "

@@ -41,7 +41,27 @@ def question(d: SectionData, label: str, prompt: str, blocks: list[Block | None]
     kept = [b for b in blocks if b is not None]
     if what and not d.empty and not any(isinstance(b, (Table, Figure)) for b in kept):
         kept.append(pending(d, what))
-    return Question(label, prompt, kept)
+    caveat = marked_results(kept)
+    return Question(label, prompt, [Text(caveat), *kept] if caveat else kept)
+
+
+def marked_results(blocks: list[Block]) -> str:
+    """One sentence for the top of an answer whose tables or figures carry a mark (stale, suspect, disagreeing):
+    the numbers the prose quotes come from them, so a reader meets the caveat before the numbers, not only on
+    the source lines below ("" when none is marked)."""
+    why = {}
+    for b in blocks:
+        meta = (b.meta or {}) if isinstance(b, (Table, Figure)) else {}
+        if meta.get("stale"):
+            why["stale"] = "measured on older code (STALE)"
+        if (meta.get("machine") or {}).get("state") == "suspect":
+            why["suspect"] = "from a job whose machine calibrated slow (SUSPECT)"
+        if meta.get("disagrees"):
+            why["disagrees"] = "more than 10% from another section's measurement of the same configuration (DISAGREES)"
+    if not why:
+        return ""
+    return (f"*Read with care: numbers below come from results {join_words(list(why.values()))}; each one's source "
+            "line says why, and they stand until measured again.*")
 
 
 def ok_rows(df: pd.DataFrame | None) -> pd.DataFrame:
