@@ -1095,7 +1095,7 @@ def test_the_all_reduce_question_is_the_grids_own(tmp_path) -> None:
     q = blocks[0]
     assert q.prompt == "All-reduce latency for NCCL (GPU), 1 MB–1 GB of float32, 2, 4 and 8 processes."
     text = q.blocks[0].markdown
-    assert "**Not measured: NCCL with 4 and 8 processes** (the machine had 2 GPUs" in text
+    assert "; **not measured: NCCL with 4 and 8 processes** (the machine had 2 GPUs" in text
     more = blocks[2].blocks[0].markdown  # the appendix: the links' peak and the command for the missing counts
     assert ("`python -m cs336_systems.experiments distributed_communication_single_node --full --edition cse599o` "
             "on a node with 8 GPUs") in more

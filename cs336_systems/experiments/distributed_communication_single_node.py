@@ -478,14 +478,14 @@ def answer(d: SectionData) -> list[Block]:
         vs = ""
         both = big[big["world_size"] == big["world_size"].min()].set_index("backend")["time_ms"]
         if {"nccl", "gloo"} <= set(both.index):
-            vs = (f" With {int(big['world_size'].min())} processes NCCL (GPU memory, NVLink) is "
-                  f"{fmt.ratio(both['gloo'] / both['nccl'])} faster than Gloo (host memory, CPU reduction).")
+            vs = (f"; with {int(big['world_size'].min())} processes NCCL (GPU memory, NVLink) is "
+                  f"{fmt.ratio(both['gloo'] / both['nccl'])} faster than Gloo (host memory, CPU reduction)")
         meta = d.meta("allreduce")
         asked = meta.get("params", {}).get("nproc") or []
         missing = [n for n in asked if n not in set(df.loc[df["backend"] == "nccl", "world_size"])]
         if missing and "nccl" in set(df["backend"]):
-            vs += (f" **Not measured: NCCL with {join_words([str(n) for n in missing])} processes** (the machine had "
-                   f"{meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own).")
+            vs += (f"; **not measured: NCCL with {join_words([str(n) for n in missing])} processes** (the machine had "
+                   f"{meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own)")
             more = (f"`python -m cs336_systems.experiments {SECTION_NAME} --full{_edition_flag(d)}` on a node with "
                     f"{max(missing)} GPUs adds the process counts not measured.")
         topo = d.json("topology")
@@ -500,7 +500,7 @@ def answer(d: SectionData) -> list[Block]:
                        f"{fmt.sig(topo.get('gbps_per_link', 0))} GB/s per direction each), {fmt.sig(top)} GB/s of bus "
                        f"bandwidth at most; {int(r['world_size'])} ranks reach {fmt.pct(r['busbw_GBps'] / top)} of it "
                        f"at {size}." + (" " + more if more else ""))
-        text = Text(f"All-reducing {size}: " + join_words(parts) + "." + vs + " Small messages are latency bound "
+        text = Text(f"All-reducing {size}: " + join_words(parts) + vs + ". Small messages are latency bound "
                     "(their time grows far more slowly than their size), large ones bandwidth bound."
                     + _interaction(df))
         more = ("Bus bandwidth, which scales the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, "
