@@ -41,8 +41,7 @@ def question(d: SectionData, label: str, prompt: str, blocks: list[Block | None]
     kept = [b for b in blocks if b is not None]
     if what and not d.empty and not any(isinstance(b, (Table, Figure)) for b in kept):
         kept.append(pending(d, what))
-    caveat = marked_results(kept)
-    return Question(label, prompt, [Text(caveat), *kept] if caveat else kept)
+    return Question(label, prompt, kept, caveat=marked_results(kept))
 
 
 def marked_results(blocks: list[Block]) -> str:
@@ -60,8 +59,8 @@ def marked_results(blocks: list[Block]) -> str:
             why["disagrees"] = "more than 10% from another section's measurement of the same configuration (DISAGREES)"
     if not why:
         return ""
-    return (f"*Read with care: numbers below come from results {join_words(list(why.values()))}; each one's source "
-            "line says why, and they stand until measured again.*")
+    return (f"Read with care: numbers below come from results {join_words(list(why.values()))}; each one's source "
+            "line says why, and they stand until measured again.")
 
 
 def ok_rows(df: pd.DataFrame | None) -> pd.DataFrame:

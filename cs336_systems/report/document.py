@@ -110,9 +110,12 @@ class Question:
     label: str
     prompt: str
     blocks: list[Block] = field(default_factory=list)
+    caveat: str = ""
+    """One sentence shown above the answer where its results carry a mark (stale, suspect, disagreeing)."""
 
     def plain(self) -> str:
-        return "\n".join([f"({self.label}) {self.prompt}", *(b.plain() for b in self.blocks)])
+        return "\n".join([f"({self.label}) {self.prompt}", *([self.caveat] if self.caveat else []),
+                          *(b.plain() for b in self.blocks)])
 
 
 Block = Text | Equation | Table | Figure | Missing | Console | Question

@@ -92,6 +92,7 @@ table.wide { font-size: 7pt; }
 table.wider { font-size: 6.2pt; }
 table.wider th, table.wider td { padding: 0.4mm 1mm; }
 figcaption .note { color: #555; }
+p.caveat { font-style: italic; color: #8a1c1c; }
 thead { display: table-header-group; }
 tr { break-inside: avoid; }
 th, td { padding: 0.5mm 1.6mm; border-bottom: 0.3pt solid #ccc; }
@@ -364,7 +365,9 @@ def block_html(block: Block, counter: _Counter) -> str:
         prompt = markdown_inline(block.prompt)
         return (
             f'<section class="question"><h3><span class="label">({html.escape(block.label)})</span>'
-            f'<span class="prompt">{prompt}</span></h3>{inner}</section>'
+            f'<span class="prompt">{prompt}</span></h3>'
+            + (f'<p class="caveat">{markdown_inline(block.caveat)}</p>' if block.caveat else "")
+            + f'{inner}</section>'
         )
     raise TypeError(f"unknown block type {type(block).__name__}")
 
