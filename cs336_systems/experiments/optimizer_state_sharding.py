@@ -451,17 +451,14 @@ def answer(d: SectionData) -> list[Block]:
                  what="iteration times with and without sharding"),
         question(d, "c", "How this differs from ZeRO stage 1 ($P_{os}$).", [
             Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
-                 "memory by the world size $P$. ZeRO-1 partitions a flat buffer at element granularity, so every "
-                 "rank owns exactly $\\Psi/P$ elements, and replaces DDP's all-reduce with a reduce-scatter of "
-                 "gradients and an all-gather of updated parameters, $\\frac{P-1}{P}\\Psi$ each, so "
-                 "$2\\frac{P-1}{P}\\Psi$ sent per rank: the same volume as DDP's ring all-reduce (which is a "
-                 "reduce-scatter followed by an all-gather). Our sharding assigns whole parameter tensors to ranks "
-                 "(balanced greedily, so shards are only approximately equal), keeps the full gradient all-reduce "
-                 "($2\\frac{P-1}{P}\\Psi$) and then broadcasts each updated parameter from its owner "
-                 "($\\frac{P-1}{P}\\Psi$ more), $3\\frac{P-1}{P}\\Psi$ in total: simpler and model-agnostic, "
-                 "but with 1.5× the communication volume of ZeRO-1." + _zero_note(d)),
+                 "memory by the world size $P$. ZeRO-1 partitions a flat buffer into exact $\\Psi/P$ slices and "
+                 "replaces DDP's all-reduce with a reduce-scatter of gradients and an all-gather of updated "
+                 "parameters, $2\\frac{P-1}{P}\\Psi$ sent per rank, the same volume as DDP's ring all-reduce; ours "
+                 "assigns whole parameter tensors to ranks (balanced greedily, so shards are only about equal), keeps "
+                 "the full all-reduce and then broadcasts each updated parameter from its owner, "
+                 "$3\\frac{P-1}{P}\\Psi$ in all: simpler and model-agnostic, but 1.5× ZeRO-1's communication."),
             d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step."
-                    + _zero1_bytes_note(d))]),
+                    + _zero1_bytes_note(d) + _zero_note(d))]),
         Text("", role=BEYOND_HANDOUT),  # the memory study in detail, and more GPUs: the appendix
         *([question(d, "a", "The memory study in detail: what the peaks hold beyond the breakdown.", [
             Text(detail),
