@@ -703,7 +703,7 @@ def test_bucketed_ddp_answer_says_what_was_expected_whether_it_held_and_what_set
     text = " ".join(b.markdown for b in question.blocks if hasattr(b, "markdown"))
     assert "**Expected:** a U in bucket size" in text
     assert "**No U:**" in text  # the committed sweep: 1 MB best, every larger size slower
-    assert "Compared by median step (one slow step moves a mean of ten), the best size (" in text
+    assert "; by median step (one slow step moves a mean of ten) the best size (" in text
     assert ") beats" in text or ") does not beat" in text  # against flat and per-parameter overlap
     assert "**A setup that would show the expected shape:** a slower link" in text
 

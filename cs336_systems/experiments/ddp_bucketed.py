@@ -125,7 +125,8 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
         verdict = ("beats both" if not lost else f"beats {join_words(won)} but not {join_words(lost)} beyond the "
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")
         which = "median" if "step_ms_median" in b.columns else "mean"
-        outcome += (f" Compared by {which} step (one slow step moves a mean of ten), the best size ({fmt.ms(mine)}) "
+        outcome = outcome.removesuffix(".") + (
+                    f"; by {which} step (one slow step moves a mean of ten) the best size ({fmt.ms(mine)}) "
                     f"{verdict}" + (
             ": over NVLink the all-reduce is a small share of the step, so little is left to hide, and overlapped "
             "all-reduces slow the backward they share the GPU with (§2.3.2's traces)." if lost else "."))
