@@ -288,6 +288,7 @@ def answer(d: SectionData) -> list[Block]:
             + (" Out of memory or not run: " + join_words([f"$d={int(r['d_model'])}, T={fmt.tex_int(r['seq_len'])}$ "
                f"({r['status']})" for _, r in failed.iterrows()]) + "." if not failed.empty else "") + _launch_bound(ok))
     acc_blocks: list[Block | None] = []
+    peak = None  # what the backward adds at that configuration: the appendix's
     if isinstance(acc, dict) and "terms_MiB" in acc:
         B, T, dd = int(acc["batch_size"]), int(acc["seq_len"]), int(acc["d_model"])
         total = acc["terms_MiB"].get("total", float("nan"))
@@ -303,7 +304,6 @@ def answer(d: SectionData) -> list[Block]:
                 f"Check one size below ($T = {fmt.tex_int(below['seq_len'])}$): measured "
                 f"{fmt.sig(below['measured_MiB'], 4)} MiB before backward, predicted "
                 f"{fmt.sig(below['predicted_MiB'], 4)} MiB."))
-        acc_blocks.append(peak)
     return [
         question(d, "timings", "Forward and backward time and memory of naive attention (batch 8, one head) over "
                  "$d \\in \\{16, 32, 64, 128\\}$ and sequence lengths 256–16384.", [
@@ -340,8 +340,9 @@ def answer(d: SectionData) -> list[Block]:
             d.figure("attention_grid", caption="Forward and backward time and memory over the grid."),
             Text("Full timings with standard deviations: `timings.csv` in this section's results folder.")
             if timings is not None else None]),
-        question(d, "memory", "The memory formula against every cell of the grid.", [
-            d.table("memory_accounting", caption="Predicted vs. measured memory before backward.")]),
+        question(d, "memory", "What the backward adds at that configuration, and the memory formula against every "
+                 "cell of the grid.", [
+            peak, d.table("memory_accounting", caption="Predicted vs. measured memory before backward.")]),
     ]
 
 
