@@ -481,7 +481,9 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
             preset = (bucketed.meta(own).get("params", {}).get("preset")
                       or _model_column(bucketed, own, "overhead_model") or "the benchmarked")
             blocks += [
-                Text(f"Fitted to the bucketed benchmark's own steps ({preset} model): "
+                Text(f"Fitted to all-reduce timings taken in the bucketed benchmark's own run, on its process group "
+                     f"({preset} model; §2.1 fits the same link in a job of its own, so its $o$ and $w$ differ a "
+                     "little): "
                      f"$o = {fmt.tex_sig(m['o_us'])}$ µs, $w = {fmt.tex_sig(m['w_GBps'])}$ GB/s, "
                      f"$s = {fmt.tex_sig(m['s_GB'] * 1e3)}$ MB of gradients:"),
                 Equation([(rf"n_b^* = {fmt.tex_sig(m.get('optimal_num_buckets', float('nan')))},\qquad "

@@ -414,8 +414,8 @@ def answer(d: SectionData) -> list[Block]:
             if buckets:  # what the tensor count leaves out, so the parts add up to the peaks (details: the appendix)
                 parts.append(f"torch DDP's gradient buckets {fmt.sig(buckets)} GiB in both")
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
-                            + "; ".join(parts).replace("_", " ") + "." + _expectation(st))
-            detail += _buckets_note(rank0, st) + _not_all_at_once(rank0, st) + _step_temporaries(rank0)
+                            + "; ".join(parts).replace("_", " ") + "." + _expectation(st) + _step_temporaries(rank0))
+            detail += _buckets_note(rank0, st) + _not_all_at_once(rank0, st)
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
