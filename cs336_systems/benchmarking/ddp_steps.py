@@ -478,7 +478,6 @@ def plot_bucket_sweep(df: Any, title: str = "") -> Any:
 NOTEBOOK_SECTIONS: dict[str, tuple[list[str], list[str]]] = {
     "naive_ddp": (["single", "naive", "torch"], []),
     "ddp_flat": (["single", "flat", "torch", "naive"], ["flat"]),
-    # the handout's traces: the initial (naive) DDP beside the overlapped one; flat, §2.3.1's, as well
     "ddp_overlap_individual": (["single", "individual", "torch", "naive", "flat"], ["naive", "flat", "individual"]),
     "ddp_bucketed": (["single", "bucketed", "torch", "naive", "flat", "individual"], []),
 }
