@@ -256,7 +256,8 @@ def _other_precision(d: SectionData, shown: str | None, shown_naive: Any = None)
 def _launches(d: SectionData) -> Text | None:
     """How far the eager single-GPU and torch DDP steps move between fresh launches, against the same steps
     captured in a CUDA graph (``step_processes``, in the main grid's folder for every edition)."""
-    table = SectionData(d.root, "naive_ddp", edition=d.edition).frame("step_processes")
+    main = SectionData(d.root, "naive_ddp", edition=d.edition)
+    table = main.frame("step_processes")
     if table is None or table["round"].nunique() < 2:
         return None
     summary = between_launches(table)
@@ -270,6 +271,7 @@ def _launches(d: SectionData) -> Text | None:
                          for _, r in eager.iterrows()])
     medians = join_words([f"{name(r)} {fmt.ms(r['median_ms'])}" for _, r in graph.iterrows()])
     precisions = join_words(list(dict.fromkeys(table["autocast"])))
+    launched_on, tables_on = _host(main.meta("step_processes")), _host(d.meta(steps_table(d)[0] or ""))
     return Text(f"Timed again in {table['round'].nunique()} fresh launches per model ({precisions}, "
                 f"{int(table['world_size'].max())} GPUs), the eager steps move from one launch to the next by a "
                 f"standard deviation of {fmt.sig(eager['std_ms'].min(), 3)}–{fmt.ms(eager['std_ms'].max())} "
@@ -277,20 +279,15 @@ def _launches(d: SectionData) -> Text | None:
                 f"{fmt.ms(graph['std_ms'].max())} ({medians}). Eager, a step of batch "
                 f"{int(table['batch_per_rank'].iloc[0])} waits on the host's Python and kernel launches, so its time "
                 "follows the host of the job that ran it"
-                + (f": these launches ran on {_host(d, table)}, the step tables above on {_host(d, None)}: "
-                   "another host, so the launches' medians are not those tables' values; their spread carries over" if _host(d, table) != _host(d, None) else "")
+                + (f": these launches ran on {launched_on}, the step tables above on {tables_on}: another host, so "
+                   "the launches' medians are not those tables' values; their spread carries over"
+                   if launched_on != tables_on else "")
                 + ". The check across sections compares the DDP sections' values of these steps by this spread "
                   "(a gap beyond three standard errors of the difference of two launches is a disagreement).")
 
 
-def _host(d: SectionData, launches: pd.DataFrame | None) -> str:
-    """The machine a table was measured on, in words: its GPU count and model (the launches' table, or the step
-    table the answer shows)."""
-    if launches is not None:
-        meta = SectionData(d.root, "naive_ddp", edition=d.edition).meta("step_processes")
-    else:
-        name, _ = steps_table(d)
-        meta = d.meta(name or "")
+def _host(meta: dict[str, Any]) -> str:
+    """The machine a result was measured on, in words: its GPU count and model."""
     return f"a {meta.get('num_gpus', '?')}-GPU {meta.get('device', 'machine')} host"
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from cs336_systems.report import fmt
+from cs336_systems.report import agreement, fmt
 from cs336_systems.report.fmt import join_words  # noqa: F401 (answers.join_words: the sections import it from here)
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Figure, Missing, Question, Table, Text
@@ -56,7 +56,8 @@ def marked_results(blocks: list[Block]) -> str:
         if (meta.get("machine") or {}).get("state") == "suspect":
             why["suspect"] = "from a job whose machine calibrated slow (SUSPECT)"
         if meta.get("disagrees"):
-            why["disagrees"] = "more than 10% from another section's measurement of the same configuration (DISAGREES)"
+            why["disagrees"] = (f"more than {agreement.TOLERANCE:.0%} from another section's measurement of the same "
+                                "configuration (DISAGREES)")
     if not why:
         return ""
     return (f"Read with care: numbers below come from results {join_words(list(why.values()))}; each one's source "
