@@ -180,6 +180,15 @@ def test_torch_compile_model_sizes_measured_in_two_jobs_make_one_table(tmp_path,
     assert not (tmp_path / "torch_compile" / "attention_timings.csv").exists()  # the attention part did not run
     base["steps"] = 3
     assert measure(["tiny"]) == (["tiny"], ["tiny"])
+    sweep = torch_compile.run_sweep
+
+    def job_beside(*args, **kwargs):  # another job of these settings writes its size while this one measures
+        monkeypatch.setattr(torch_compile, "run_sweep", sweep)
+        measure(["small"])
+        return sweep(*args, **kwargs)
+
+    monkeypatch.setattr(torch_compile, "run_sweep", job_beside)
+    assert measure(["tiny"]) == (["tiny", "small"], ["tiny", "small"])  # jobs side by side keep both
     calls = []
 
     def cut_after_one_pair(spec, rounds, compile):  # a job killed at its time limit during its second pair

@@ -186,6 +186,16 @@ def test_a_preset_measured_in_two_runs_combines_only_at_one_commit(tmp_path, mon
     assert measure([16]) == [16]  # other code: the table starts over
     base["rounds"] = 2
     assert measure([32]) == [32]  # other settings: likewise
+    monkeypatch.setattr(results, "git_commit", lambda: "c" * 40)
+    sweep = training_step.run_sweep
+
+    def job_beside(*args, **kwargs):  # another job of the preset writes its row while this one measures
+        monkeypatch.setattr(training_step, "run_sweep", sweep)
+        measure([16])
+        return sweep(*args, **kwargs)
+
+    monkeypatch.setattr(training_step, "run_sweep", job_beside)
+    assert measure([32]) == [16, 32]  # two jobs side by side on one host keep each other's rows
 
 
 @pytest.mark.gpu

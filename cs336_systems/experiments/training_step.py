@@ -145,12 +145,13 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
             return {"resident": resident, "matmul_ceiling_TFLOP_per_s": ceiling, **status,
                     **{f"{stack}_{col}": table.loc[stack, col] for stack in table.index for col in table.columns}}
 
-        # one preset's contexts may take longer than a GPU job (xl: about 5 minutes a context with one stack
-        # resident): rows of an earlier job of this commit, device and step parameters stay
-        earlier = {name: rows_of_this_run(out, f"{name}_{preset}", asdict(p), STEP_PARAMS)
-                   for name in ("steps", "time_split")}
-
         def write(rows: pd.DataFrame, preset: str = preset, splits: list = splits) -> None:
+            # one preset's contexts may take longer than a GPU job (xl: about 5 minutes a context with one stack
+            # resident): rows of another job of this commit, device and step parameters stay. Read when
+            # writing, not when the job starts, so jobs of one preset run side by side on two GPUs of a host
+            # keep each other's rows.
+            earlier = {name: rows_of_this_run(out, f"{name}_{preset}", asdict(p), STEP_PARAMS)
+                       for name in ("steps", "time_split")}
             rows = rows.assign(preset=preset)[["preset", *rows.columns]]
             rows["batch_size"] = p.tokens_per_step // rows["context_length"]
             rows = merge_rows(rows, earlier["steps"], "context_length")
@@ -173,13 +174,14 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
                                    optimizer=p.optimizer, checkpoint=tuple(p.longest.checkpoint),
                                    fused_projections=p.fused_projections)
         # One preset at a time, each written when its search ends: all five take longer than one GPU job, so
-        # jobs split by preset (--set 'presets=[]' --set longest.presets=xl) combine at one commit and setting.
-        longest = rows_of_this_run(out, "longest_context", asdict(p), LONGEST_PARAMS)
+        # jobs split by preset (--set 'presets=[]' --set longest.presets=xl) combine at one commit and setting,
+        # reading the table when writing it, so jobs running side by side keep each other's presets.
         for preset in p.longest.presets:
             high = p.longest.high
             found = longest_contexts([preset], base, low=min(256, high), high=high, granularity=min(256, high),
                                      device=device)
-            longest = merge_rows(found, longest, "preset", order=list(ALL_PRESETS))
+            longest = merge_rows(found, rows_of_this_run(out, "longest_context", asdict(p), LONGEST_PARAMS),
+                                 "preset", order=list(ALL_PRESETS))
             out.table(longest, "longest_context")
         result["longest_context"] = longest
     return result
