@@ -300,6 +300,87 @@ def test_head_groups_change_the_order_not_the_numbers() -> None:
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [Case(40, 40, 16, True, 3), Case(37, 53, 80, False, 2)], ids=str)
+def test_persistent_grid_changes_the_order_not_the_numbers(case: Case) -> None:
+    """A persistent grid (one program taking every item, or four programs taking them in turn, with a remainder)
+    gives bit-identical outputs and gradients to one program per item, ragged and two-slab head dims included:
+    each item is computed as before, only by another program."""
+    from cs336_systems.attention import scheduling
+
+    q, k, v, do = _inputs(case, torch.float32)
+    plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    for per_sm in (1, 4):
+        with options.use(persistent=per_sm):
+            assert scheduling.persistent_programs(q.device) == per_sm  # one nominal SM on CPU
+            persistent = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+        for name, a, b in zip(NAMES, persistent, plain):
+            assert torch.equal(a, b), (per_sm, name)
+
+
+def test_persistent_grid_is_sized_to_the_gpu() -> None:
+    """Off by default (one program per item); on, at most ``persistent`` programs per SM and never more
+    programs than items; anything but a non-negative integer is a one-line error."""
+    from cs336_systems.attention import scheduling
+
+    cpu = torch.device("cpu")
+    assert options.current().persistent == 0 and scheduling.persistent_programs(cpu) == 0
+    assert scheduling.grid(1000, 0) == (1000,)
+    with options.use(persistent=2):
+        assert scheduling.persistent_programs(cpu) == 2 * scheduling._NOMINAL_SMS
+    assert scheduling.grid(1000, 264) == (264,) and scheduling.grid(100, 264) == (100,)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="persistent must be a non-negative integer"):
+            options.FlashOptions(persistent=bad)
+
+
+@pytest.mark.slow
+def test_triton_kernels_compile_for_hopper_one_program_per_item_or_persistent() -> None:
+    """The three Triton kernels build for sm_90 both ways, and ``PERSISTENT`` builds another kernel (its loop
+    over items), not the one-program-per-item kernel again."""
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cs336_systems.attention import flash_bwd, flash_fwd
+desc = "tensordesc<bf16[1, 1, 64, 64]>"
+kernels = {
+    "forward": (flash_fwd.flash_forward_kernel, {"Q": "*bf16", "O": "*bf16", "L": "*fp32", "qk_scale": "fp32",
+                                                 "K_DESC": desc, "V_DESC": desc}, ("KT_DESC", "VT_DESC")),
+    "dq": (flash_bwd.flash_backward_dq_kernel, {"Q": "*bf16", "DO": "*bf16", "O": "*bf16", "L": "*fp32",
+                                                "LD": "*fp32", "DQ": "*bf16", "qk_scale": "fp32", "sm_scale": "fp32",
+                                                "K_DESC": desc, "V_DESC": desc}, ("KT_DESC", "VT_DESC")),
+    "dkdv": (flash_bwd.flash_backward_dkdv_kernel, {"K": "*bf16", "V": "*bf16", "DK": "*bf16", "DV": "*bf16",
+                                                    "qk_scale": "fp32", "sm_scale": "fp32", "Q_DESC": desc,
+                                                    "DO_DESC": desc, "LD_DESC": "tensordesc<fp32[1, 2, 64]>"},
+             ("QT_DESC", "DOT_DESC")),
+}
+out = {}
+for name, (fn, types, absent) in kernels.items():
+    for persistent in (False, True):
+        constexprs = {"HEAD_DIM": 64, "D_MAIN": 64, "D_TAIL": 0, "IS_CAUSAL": True, "DOT_PRECISION": "tf32",
+                      "POLY_EXP2": False, "BLOCK_M": 64, "BLOCK_N": 64, "PERSISTENT": persistent,
+                      **dict.fromkeys(absent)}
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        out[f"{name} {persistent}"] = hash(ptx.split(".entry", 1)[1])
+print(json.dumps(out))
+"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(built) == 6
+    for name in ("forward", "dq", "dkdv"):
+        assert built[f"{name} True"] != built[f"{name} False"], name
+
+
 def test_gluon_forward_tile_per_length() -> None:
     """The Gluon forward takes 128-row query tiles where 192 rows would pad more than an eighth of them
     (256 tokens: 384 rows computed), its long tile elsewhere; ``gluon_tiles`` pins one tile per head dim."""

@@ -9,9 +9,11 @@ import triton.language as tl
 from .flash_common import (
     INTERPRETED,
     _exp2,
+    _item_tile_and_head,
     _jit,
     _key_ranges,
     _load_cols,
+    _persistent_items,
     _query_ranges,
     _store_cols,
     _tile,
@@ -103,11 +105,41 @@ def flash_backward_dkdv_kernel(
     n_heads, head_group, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False,
+):
+    """One program per (key tile, head), or with ``PERSISTENT`` a grid sized to the GPU whose programs take the
+    items in turn (:func:`flash_common._persistent_items`): K and V stay in registers while query tiles stream
+    past."""
+    # Causal: early key tiles see the most queries, so they go first (no reversal).
+    if PERSISTENT:
+        first, end, step, n_tiles = _persistent_items(n_keys, Q_DESC.shape[0] * n_heads, BLOCK_N)
+        for item in range(first, end, step):
+            tile_n, b, h = _item_tile_and_head(item, n_tiles, end // n_tiles, n_heads, head_group, False)
+            _dkdv_tile(tile_n, b, h, K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV, stride_kb,
+                       stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dkb,
+                       stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, n_heads,
+                       n_queries, n_keys, qk_scale, sm_scale, HEAD_DIM, D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION,
+                       POLY_EXP2, BLOCK_M, BLOCK_N)
+    else:
+        tile_n, b, h = _tile_and_head(n_keys, n_heads, head_group, BLOCK_N, False)
+        _dkdv_tile(tile_n, b, h, K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV, stride_kb, stride_kh,
+                   stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dkb, stride_dkh,
+                   stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, n_heads, n_queries,
+                   n_keys, qk_scale, sm_scale, HEAD_DIM, D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2,
+                   BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _dkdv_tile(
+    tile_n, b, h, K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV,
+    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    n_heads, n_queries, n_keys, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program per (key tile, head): K and V stay in registers while query tiles stream past."""
-    # Causal: early key tiles see the most queries, so they go first (no reversal).
-    tile_n, b, h = _tile_and_head(n_keys, n_heads, head_group, BLOCK_N, False)
+    """dK and dV of key tile ``tile_n`` of head ``h`` of batch ``b``."""
     start_n = tile_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < n_keys
@@ -223,7 +255,7 @@ def flash_backward_dq_kernel(
     n_heads, head_group, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False,
 ):
     """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past.
 
@@ -232,7 +264,35 @@ def flash_backward_dq_kernel(
     ``2 x BLOCK_M`` descriptor box, L already in the base-2 units of the kernels' ``exp2``. Computing D here,
     where dO is loaded anyway, replaces a separate preprocess kernel: one launch and one pass over O and dO
     fewer per backward."""
-    tile_m, b, h = _tile_and_head(n_queries, n_heads, head_group, BLOCK_M, IS_CAUSAL)
+    if PERSISTENT:
+        first, end, step, n_tiles = _persistent_items(n_queries, K_DESC.shape[0] * n_heads, BLOCK_M)
+        for item in range(first, end, step):
+            tile_m, b, h = _item_tile_and_head(item, n_tiles, end // n_tiles, n_heads, head_group, IS_CAUSAL)
+            _dq_tile(tile_m, b, h, Q, K_DESC, V_DESC, KT_DESC, VT_DESC, DO, O, L, LD, DQ, stride_qb, stride_qh,
+                     stride_qn, stride_qd, stride_dob, stride_doh, stride_don, stride_dod, stride_ob, stride_oh,
+                     stride_on, stride_od, stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow, stride_dqb,
+                     stride_dqh, stride_dqn, stride_dqd, n_heads, n_queries, n_keys, qk_scale, sm_scale, HEAD_DIM,
+                     D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2, BLOCK_M, BLOCK_N)
+    else:
+        tile_m, b, h = _tile_and_head(n_queries, n_heads, head_group, BLOCK_M, IS_CAUSAL)
+        _dq_tile(tile_m, b, h, Q, K_DESC, V_DESC, KT_DESC, VT_DESC, DO, O, L, LD, DQ, stride_qb, stride_qh,
+                 stride_qn, stride_qd, stride_dob, stride_doh, stride_don, stride_dod, stride_ob, stride_oh,
+                 stride_on, stride_od, stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow, stride_dqb,
+                 stride_dqh, stride_dqn, stride_dqd, n_heads, n_queries, n_keys, qk_scale, sm_scale, HEAD_DIM,
+                 D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _dq_tile(
+    tile_m, b, h, Q, K_DESC, V_DESC, KT_DESC, VT_DESC, DO, O, L, LD, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_dob, stride_doh, stride_don, stride_dod,
+    stride_ob, stride_oh, stride_on, stride_od, stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd, n_heads, n_queries, n_keys, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ and the ``[L; D]`` rows of query tile ``tile_m`` of head ``h`` of batch ``b``."""
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_queries

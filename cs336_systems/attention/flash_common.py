@@ -104,27 +104,43 @@ def _query_ranges(start_n, n_queries, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 @triton.jit
 def _tile_and_head(n, n_heads, head_group, BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
     """Decode a 1-D program id into (tile index along the sequence, batch index, head index), the last two
-    as int64 so that offsets computed from them cannot overflow.
-
-    A 1-D grid has no 65,535 limit on batch * heads. Programs come in groups of ``head_group`` (batch, head)
-    pairs, every tile of a group before the next group starts: the operands the group's programs stream
-    (K and V, or Q and dO) then fit in L2 and are read from memory about once, not once per tile
-    (``flash_triton.heads_per_l2_group`` sizes the group). Inside a group heads vary fastest, so a wave runs
-    the same tile of each of its heads; with ``HEAVY_LAST`` (causal query tiles, whose work grows with the
-    index) the order of tiles is reversed so that the longest programs start first and the tail stays
-    short. ``head_group`` = batch * heads is one group: heads fastest over the whole grid.
-    """
+    as int64 so that offsets computed from them cannot overflow: :func:`_item_tile_and_head` of this program,
+    one program per item. A 1-D grid has no 65,535 limit on batch * heads."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(n, BLOCK)
-    n_bh = tl.num_programs(0) // n_tiles
-    first_bh = (pid // (head_group * n_tiles)) * head_group
+    return _item_tile_and_head(pid, n_tiles, tl.num_programs(0) // n_tiles, n_heads, head_group, HEAVY_LAST)
+
+
+@triton.jit
+def _item_tile_and_head(item, n_tiles, n_bh, n_heads, head_group, HEAVY_LAST: tl.constexpr):
+    """(tile, batch, head) of work item ``item`` of ``n_tiles * n_bh``: a program's id, or in a persistent grid
+    (:func:`_persistent_items`) each item a program takes in turn.
+
+    Items come in groups of ``head_group`` (batch, head) pairs, every tile of a group before the next group
+    starts: the operands the group's programs stream (K and V, or Q and dO) then fit in L2 and are read from
+    memory about once, not once per tile (``scheduling.heads_per_l2_group`` sizes the group). Inside a group
+    heads vary fastest, so a wave runs the same tile of each of its heads; with ``HEAVY_LAST`` (causal query
+    tiles, whose work grows with the index) the order of tiles is reversed so that the longest items start
+    first and the tail stays short. ``head_group`` = batch * heads is one group: heads fastest over the grid.
+    """
+    first_bh = (item // (head_group * n_tiles)) * head_group
     size = tl.minimum(head_group, n_bh - first_bh)  # the last group may be smaller
-    in_group = pid - first_bh * n_tiles  # every earlier group is full
+    in_group = item - first_bh * n_tiles  # every earlier group is full
     tile = in_group // size
     if HEAVY_LAST:
         tile = n_tiles - 1 - tile
     pid_bh = first_bh + in_group % size
     return tile, (pid_bh // n_heads).to(tl.int64), (pid_bh % n_heads).to(tl.int64)
+
+
+@triton.jit
+def _persistent_items(n, n_bh, BLOCK: tl.constexpr):
+    """``(first, end, step, n_tiles)`` of a persistent program's loop over items: this program takes items
+    ``first, first + step, ...`` below ``end``, in the order :func:`_item_tile_and_head` decodes. The grid is
+    sized to the GPU (``flash_triton._programs``), so a short sequence's many small items pay one program's
+    start-up each SM slot, not one per item, and the last wave's tail is at most one item per program."""
+    n_tiles = tl.cdiv(n, BLOCK)
+    return tl.program_id(0), n_tiles * n_bh, tl.num_programs(0), n_tiles
 
 
 @triton.jit

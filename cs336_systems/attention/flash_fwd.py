@@ -12,6 +12,8 @@ from .flash_common import (
     _key_visible,
     _load_cols,
     _store_cols,
+    _item_tile_and_head,
+    _persistent_items,
     _tile,
     _tile_and_head,
 )
@@ -88,9 +90,36 @@ def flash_forward_kernel(
     n_heads, head_group, n_queries, n_keys, qk_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False,
+):
+    """One program per (query tile, head), or with ``PERSISTENT`` a grid sized to the GPU whose programs take
+    the (query tile, head) items in turn (:func:`flash_common._persistent_items`)."""
+    if PERSISTENT:
+        first, end, step, n_tiles = _persistent_items(n_queries, K_DESC.shape[0] * n_heads, BLOCK_M)
+        for item in range(first, end, step):
+            tile_m, b, h = _item_tile_and_head(item, n_tiles, end // n_tiles, n_heads, head_group, IS_CAUSAL)
+            _forward_tile(tile_m, b, h, Q, K_DESC, V_DESC, KT_DESC, VT_DESC, O, L,
+                          stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+                          stride_lb, stride_lh, stride_ln, n_queries, n_keys, qk_scale, HEAD_DIM, D_MAIN, D_TAIL,
+                          IS_CAUSAL, DOT_PRECISION, POLY_EXP2, BLOCK_M, BLOCK_N)
+    else:
+        tile_m, b, h = _tile_and_head(n_queries, n_heads, head_group, BLOCK_M, IS_CAUSAL)
+        _forward_tile(tile_m, b, h, Q, K_DESC, V_DESC, KT_DESC, VT_DESC, O, L,
+                      stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+                      stride_lb, stride_lh, stride_ln, n_queries, n_keys, qk_scale, HEAD_DIM, D_MAIN, D_TAIL,
+                      IS_CAUSAL, DOT_PRECISION, POLY_EXP2, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _forward_tile(
+    tile_m, b, h, Q, K_DESC, V_DESC, KT_DESC, VT_DESC, O, L,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln, n_queries, n_keys, qk_scale,
+    HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tile_m, b, h = _tile_and_head(n_queries, n_heads, head_group, BLOCK_M, IS_CAUSAL)
+    """O and L of query tile ``tile_m`` of head ``h`` of batch ``b``."""
     start_m = tile_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_queries

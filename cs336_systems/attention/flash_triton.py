@@ -47,6 +47,7 @@ from . import options
 from ._validation import validate_attention_inputs
 from .launch_cache import FLASH_LAUNCHES
 from .launch_plan import FLASH_PLANS
+from . import scheduling
 from .scheduling import heads_per_l2_group
 
 #: Head dimensions that run as a single slab (tl.dot needs >= 16; powers of two keep tiles aligned). Others up
@@ -280,6 +281,12 @@ def _head_dim_constexprs(d: int) -> dict[str, int]:
     return dict(HEAD_DIM=d, D_MAIN=d_main, D_TAIL=d_tail)
 
 
+def _persistent(programs: int) -> dict[str, bool]:
+    """The kernels' ``PERSISTENT`` argument for a grid of ``programs`` (0: one program per item, where the
+    argument is left at its default so the launch is the one-program-per-item kernel's)."""
+    return {"PERSISTENT": True} if programs else {}
+
+
 def _aligned(t: Tensor) -> bool:
     return t.data_ptr() % _TMA_ALIGN == 0
 
@@ -312,8 +319,10 @@ def _launch_forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_
     n_keys = k.shape[2]
     k, v = _tma_ready(k), _tma_ready(v)
 
+    programs = scheduling.persistent_programs(q.device)
+
     def grid(meta: dict) -> tuple[int]:
-        return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
+        return scheduling.grid(_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads, programs)
 
     (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
     group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
@@ -321,7 +330,8 @@ def _launch_forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_
         q, k_main, v_main, k_tail, v_tail, o, lse,
         *q.stride(), *o.stride(), *lse.stride(),
         heads, group, n_queries, n_keys, _LOG2_E * scale, _seq_class(n_queries, n_keys),
-    ), dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype)))  # fmt: skip
+    ), dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+            **_persistent(programs)))  # fmt: skip
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
@@ -376,13 +386,15 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     precision = _dot_precision(q.dtype)
     opts = options.current()
 
-    constexprs = dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=precision)
+    programs = scheduling.persistent_programs(q.device)
+    constexprs = dict(_head_dim_constexprs(d), IS_CAUSAL=is_causal, DOT_PRECISION=precision,
+                      **_persistent(programs))
 
     def key_tiles(meta: dict) -> tuple[int]:
-        return (_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads,)
+        return scheduling.grid(_cdiv(n_keys, meta["BLOCK_N"]) * batch * heads, programs)
 
     def query_tiles(meta: dict) -> tuple[int]:
-        return (_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads,)
+        return scheduling.grid(_cdiv(n_queries, meta["BLOCK_M"]) * batch * heads, programs)
 
     # Descriptors per launch: dK/dV streams Q and dO along BLOCK_M, dQ streams K and V along BLOCK_N (each
     # config's pre-hook sizes its own), and the [L; D] row pairs as one 1 x 2 x BLOCK_M box per query tile.

@@ -131,6 +131,10 @@ class FlashOptions:
     ``gluon_backward``: run the warp-specialized Gluon dK/dV kernel on Hopper where it applies
     (:mod:`.flash_bwd_sm90`); the dQ kernel is Triton's either way.
     ``gluon_backward_tiles``: ``{head_dim: (BLOCK_M, BLOCK_N, STAGES)}`` for that kernel, e.g. for A/B.
+    ``persistent``: programs per SM of a persistent grid for the Triton kernels (forward, dQ, dK/dV): where a
+    call has more (tile, head) items than that many programs, each program takes items in turn
+    (``flash_common._persistent_items``) instead of one program per item. 0 (the default): one program per
+    item. Opt-in until measured (docs/flash_attention/persistent.md).
     """
 
     autotune: bool = True
@@ -143,6 +147,7 @@ class FlashOptions:
     gluon_min_key_work: int = DEFAULT_GLUON_MIN_KEY_WORK
     gluon_backward: bool = False
     gluon_backward_tiles: Any = None
+    persistent: int = 0
 
     def __post_init__(self) -> None:
         for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward"):
@@ -154,6 +159,9 @@ class FlashOptions:
         work = self.gluon_min_key_work
         if isinstance(work, bool) or not isinstance(work, int) or work < 0:
             raise ValueError(f"gluon_min_key_work must be a non-negative integer (keys x head dim), got {work!r}")
+        if isinstance(self.persistent, bool) or not isinstance(self.persistent, int) or self.persistent < 0:
+            raise ValueError(f"persistent must be a non-negative integer (programs per SM; 0: off), "
+                             f"got {self.persistent!r}")
         object.__setattr__(self, "gluon_tiles", _gluon_tiles(self.gluon_tiles))
         object.__setattr__(self, "gluon_backward_tiles", _gluon_tiles(self.gluon_backward_tiles,
                                                                       "gluon_backward_tiles", _GLUON_BACKWARD_TILES))
@@ -192,6 +200,7 @@ class FlashOptions:
             "gluon_backward": self.gluon_backward,
             "gluon_backward_tiles": ({d: list(t) for d, t in self.gluon_backward_tiles}
                                      if self.gluon_backward_tiles else None),
+            "persistent": self.persistent,
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),
         }

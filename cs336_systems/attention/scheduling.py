@@ -42,3 +42,30 @@ def heads_per_l2_group(n_bh: int, streamed_bytes_per_head: int, device: torch.de
     else:
         l2 = _NOMINAL_L2_BYTES
     return max(1, min(n_bh, int(share * l2) // max(1, streamed_bytes_per_head)))
+
+
+#: SMs assumed where the device cannot be asked (CPU tensors under the interpreter): one, so that a persistent
+#: grid there is ``options.persistent`` programs and each takes several items.
+_NOMINAL_SMS = 1
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent grid on ``device`` (``options.current().persistent`` per SM), or 0 when the
+    kernels run one program per (tile, head) item."""
+    per_sm = options.current().persistent
+    if not per_sm:
+        return 0
+    if device.type == "cuda":
+        return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return per_sm * _NOMINAL_SMS
+
+
+def grid(items: int, programs: int) -> tuple[int]:
+    """The 1-D grid for ``items`` (tile, head) items: one program each, or at most ``programs`` programs that
+    take them in turn (a persistent grid, ``programs`` > 0)."""
+    return (min(items, programs) if programs else items,)
