@@ -318,6 +318,27 @@ def test_persistent_grid_changes_the_order_not_the_numbers(case: Case) -> None:
             assert torch.equal(a, b), (per_sm, name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [Case(40, 40, 16, True, 3), Case(37, 53, 80, False, 2)], ids=str)
+def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> None:
+    """``dq_atomic``: dK/dV adds every tile's ``dS K`` to a float32 dQ (the dQ kernel writes only the
+    ``[L; D]`` rows). O, L, dK and dV are bit-identical to the two-kernel backward; dQ differs only by the order
+    of its float32 sums, and also under a persistent grid."""
+    q, k, v, do = _inputs(case, torch.float32)
+    plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    for extra in ({}, {"persistent": 2}):
+        with options.use(dq_atomic=True, **extra):
+            fused = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+        for name, a, b in zip(NAMES, fused, plain):
+            if name == "dQ":
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+                assert not torch.equal(a, torch.zeros_like(a))
+            else:
+                assert torch.equal(a, b), (extra, name)
+    with pytest.raises(ValueError, match="dq_atomic must be True or False"):
+        options.FlashOptions(dq_atomic=1)
+
+
 def test_persistent_grid_is_sized_to_the_gpu() -> None:
     """Off by default (one program per item); on, at most ``persistent`` programs per SM and never more
     programs than items; anything but a non-negative integer is a one-line error."""
@@ -337,13 +358,13 @@ def test_persistent_grid_is_sized_to_the_gpu() -> None:
 @pytest.mark.slow
 def test_triton_kernels_compile_for_hopper_one_program_per_item_or_persistent() -> None:
     """The three Triton kernels build for sm_90 both ways, and ``PERSISTENT`` builds another kernel (its loop
-    over items), not the one-program-per-item kernel again."""
+    over items), not the one-program-per-item kernel again; dK/dV with ``DQ_ACC`` builds with float32 atomic adds."""
     import json
     import subprocess
     import sys
 
     script = """
-import json, triton
+import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from cs336_systems.attention import flash_bwd, flash_fwd
@@ -357,18 +378,26 @@ kernels = {
     "dkdv": (flash_bwd.flash_backward_dkdv_kernel, {"K": "*bf16", "V": "*bf16", "DK": "*bf16", "DV": "*bf16",
                                                     "qk_scale": "fp32", "sm_scale": "fp32", "Q_DESC": desc,
                                                     "DO_DESC": desc, "LD_DESC": "tensordesc<fp32[1, 2, 64]>"},
-             ("QT_DESC", "DOT_DESC")),
+             ("QT_DESC", "DOT_DESC", "DQ_ACC")),
 }
 out = {}
 for name, (fn, types, absent) in kernels.items():
     for persistent in (False, True):
         constexprs = {"HEAD_DIM": 64, "D_MAIN": 64, "D_TAIL": 0, "IS_CAUSAL": True, "DOT_PRECISION": "tf32",
                       "POLY_EXP2": False, "BLOCK_M": 64, "BLOCK_N": 64, "PERSISTENT": persistent,
-                      **dict.fromkeys(absent)}
+                      "LD_ONLY": False, **dict.fromkeys(absent)}
+        constexprs = {key: value for key, value in constexprs.items() if key in fn.arg_names}
         sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         out[f"{name} {persistent}"] = hash(ptx.split(".entry", 1)[1])
+fn, types, _ = kernels["dkdv"]  # dq_atomic: dK/dV adds dS K to a float32 dQ with reductions
+constexprs = {"HEAD_DIM": 64, "D_MAIN": 64, "D_TAIL": 0, "IS_CAUSAL": True, "DOT_PRECISION": "tf32",
+              "POLY_EXP2": False, "BLOCK_M": 64, "BLOCK_N": 64, "PERSISTENT": False, "QT_DESC": None, "DOT_DESC": None}
+sig = {n: "constexpr" if n in constexprs else {**types, "DQ_ACC": "*fp32"}.get(n, "i32") for n in fn.arg_names}
+ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 4}).asm["ptx"]
+out["dkdv atomic"] = len(re.findall(r"\\b(?:atom|red)\\.global[.a-z]*\\.add\\.f32", ptx))
 print(json.dumps(out))
 """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -376,7 +405,7 @@ print(json.dumps(out))
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(built) == 6
+    assert len(built) == 7 and built.pop("dkdv atomic") > 0
     for name in ("forward", "dq", "dkdv"):
         assert built[f"{name} True"] != built[f"{name} False"], name
 

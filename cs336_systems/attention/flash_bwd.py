@@ -57,10 +57,13 @@ def _dkdv_query_loop(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
+    DQ_ACC,
+    HEAD_DIM: tl.constexpr,
 ):
     """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled; ``dk_t``, ``dv_t``: the tail slab) over
     query tiles ``[lo, hi)``, working on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever
-    transposed."""
+    transposed. With ``DQ_ACC`` (float32, ``(batch * heads, n_queries, HEAD_DIM)`` contiguous) also add each
+    query tile's ``dS K`` to it atomically: the fifth product, which makes the dQ kernel's three unneeded."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _tile(q_desc, b, h, start_m, 0, BLOCK_M, D_MAIN)
@@ -84,6 +87,16 @@ def _dkdv_query_loop(
         dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
         if D_TAIL > 0:
             dk_t = tl.dot(dst, q_t, dk_t, input_precision=DOT_PRECISION)
+        if DQ_ACC is not None:
+            ds = tl.trans(dst)
+            rows = DQ_ACC + (bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
+            row_ok = offs_m[:, None] < n_queries
+            cols = tl.arange(0, D_MAIN)[None, :]
+            tl.atomic_add(rows + cols, tl.dot(ds, k, input_precision=DOT_PRECISION), mask=row_ok, sem="relaxed")
+            if D_TAIL > 0:
+                cols = D_MAIN + tl.arange(0, D_TAIL)[None, :]
+                tl.atomic_add(rows + cols, tl.dot(ds, k_t, input_precision=DOT_PRECISION),
+                              mask=row_ok & (cols < HEAD_DIM), sem="relaxed")
     return dk, dv, dk_t, dv_t
 
 
@@ -99,7 +112,7 @@ DKDV_DESCRIPTORS = {"Q_DESC": "BLOCK_M", "DO_DESC": "BLOCK_M", "QT_DESC": "BLOCK
 
 @_jit
 def flash_backward_dkdv_kernel(
-    K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV,
+    K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV, DQ_ACC,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, head_group, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
@@ -119,14 +132,14 @@ def flash_backward_dkdv_kernel(
                        stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dkb,
                        stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, n_heads,
                        n_queries, n_keys, qk_scale, sm_scale, HEAD_DIM, D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION,
-                       POLY_EXP2, BLOCK_M, BLOCK_N)
+                       POLY_EXP2, BLOCK_M, BLOCK_N, DQ_ACC)
     else:
         tile_n, b, h = _tile_and_head(n_keys, n_heads, head_group, BLOCK_N, False)
         _dkdv_tile(tile_n, b, h, K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV, stride_kb, stride_kh,
                    stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dkb, stride_dkh,
                    stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, n_heads, n_queries,
                    n_keys, qk_scale, sm_scale, HEAD_DIM, D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2,
-                   BLOCK_M, BLOCK_N)
+                   BLOCK_M, BLOCK_N, DQ_ACC)
 
 
 @triton.jit
@@ -137,7 +150,7 @@ def _dkdv_tile(
     n_heads, n_queries, n_keys, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_ACC,
 ):
     """dK and dV of key tile ``tile_n`` of head ``h`` of batch ``b``."""
     start_n = tile_n * BLOCK_N
@@ -168,13 +181,16 @@ def _dkdv_tile(
     # Query tiles across the diagonal (masked), then those that see the whole key tile, then the ragged end.
     dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
                                           LD_DESC, b32, h32, bh, offs_n, lo, diag, n_queries, n_keys, qk_scale, D_MAIN,
-                                          D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
+                                          D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2,
+                                          DQ_ACC, HEAD_DIM)
     dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
                                           LD_DESC, b32, h32, bh, offs_n, diag, tail, n_queries, n_keys, qk_scale,
-                                          D_MAIN, D_TAIL, BLOCK_M, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2)
+                                          D_MAIN, D_TAIL, BLOCK_M, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2,
+                                          DQ_ACC, HEAD_DIM)
     dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
                                           LD_DESC, b32, h32, bh, offs_n, tail, n_queries, n_queries, n_keys, qk_scale,
-                                          D_MAIN, D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2)
+                                          D_MAIN, D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2,
+                                          DQ_ACC, HEAD_DIM)
 
     dk_head, dv_head = DK + b * stride_dkb + h * stride_dkh, DV + b * stride_dvb + h * stride_dvh
     _store_cols(dk_head, offs_n, stride_dkn, stride_dkd, key_ok, (dk * sm_scale).to(DK.dtype.element_ty),
@@ -255,7 +271,7 @@ def flash_backward_dq_kernel(
     n_heads, head_group, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr = False, LD_ONLY: tl.constexpr = False,
 ):
     """One program per (query tile, head): Q, dO, L and D stay in registers while key tiles stream past.
 
@@ -272,14 +288,14 @@ def flash_backward_dq_kernel(
                      stride_qn, stride_qd, stride_dob, stride_doh, stride_don, stride_dod, stride_ob, stride_oh,
                      stride_on, stride_od, stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow, stride_dqb,
                      stride_dqh, stride_dqn, stride_dqd, n_heads, n_queries, n_keys, qk_scale, sm_scale, HEAD_DIM,
-                     D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2, BLOCK_M, BLOCK_N)
+                     D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2, BLOCK_M, BLOCK_N, LD_ONLY)
     else:
         tile_m, b, h = _tile_and_head(n_queries, n_heads, head_group, BLOCK_M, IS_CAUSAL)
         _dq_tile(tile_m, b, h, Q, K_DESC, V_DESC, KT_DESC, VT_DESC, DO, O, L, LD, DQ, stride_qb, stride_qh,
                  stride_qn, stride_qd, stride_dob, stride_doh, stride_don, stride_dod, stride_ob, stride_oh,
                  stride_on, stride_od, stride_lb, stride_lh, stride_ln, stride_ldbh, stride_ldrow, stride_dqb,
                  stride_dqh, stride_dqn, stride_dqd, n_heads, n_queries, n_keys, qk_scale, sm_scale, HEAD_DIM,
-                 D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2, BLOCK_M, BLOCK_N)
+                 D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2, BLOCK_M, BLOCK_N, LD_ONLY)
 
 
 @triton.jit
@@ -290,7 +306,7 @@ def _dq_tile(
     stride_dqb, stride_dqh, stride_dqn, stride_dqd, n_heads, n_queries, n_keys, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LD_ONLY: tl.constexpr,
 ):
     """dQ and the ``[L; D]`` rows of query tile ``tile_m`` of head ``h`` of batch ``b``."""
     start_m = tile_m * BLOCK_M
@@ -317,18 +333,19 @@ def _dq_tile(
     ld_row = LD + (b * n_heads + h) * stride_ldbh + offs_m
     tl.store(ld_row, lse2, mask=row_ok)
     tl.store(ld_row + stride_ldrow, delta, mask=row_ok)
-    b32, h32 = b.to(tl.int32), h.to(tl.int32)  # descriptor coordinates are 32-bit
+    if not LD_ONLY:  # LD_ONLY: the rows alone, for a dK/dV kernel that also accumulates dQ (its DQ_ACC)
+        b32, h32 = b.to(tl.int32), h.to(tl.int32)  # descriptor coordinates are 32-bit
 
-    mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, K_DESC, V_DESC, KT_DESC, VT_DESC, b32, h32,
-                            offs_m, 0, mid, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, False,
-                            DOT_PRECISION, POLY_EXP2)
-    dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, K_DESC, V_DESC, KT_DESC, VT_DESC, b32, h32,
-                            offs_m, mid, hi, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, True,
-                            DOT_PRECISION, POLY_EXP2)
-    dq_head = DQ + b * stride_dqb + h * stride_dqh
-    _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq * sm_scale).to(DQ.dtype.element_ty),
-                0, D_MAIN, HEAD_DIM)
-    if D_TAIL > 0:
-        _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq_t * sm_scale).to(DQ.dtype.element_ty),
-                    D_MAIN, D_TAIL, HEAD_DIM)
+        mid, hi = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, K_DESC, V_DESC, KT_DESC, VT_DESC, b32, h32,
+                                offs_m, 0, mid, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, False,
+                                DOT_PRECISION, POLY_EXP2)
+        dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, K_DESC, V_DESC, KT_DESC, VT_DESC, b32, h32,
+                                offs_m, mid, hi, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, True,
+                                DOT_PRECISION, POLY_EXP2)
+        dq_head = DQ + b * stride_dqb + h * stride_dqh
+        _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq * sm_scale).to(DQ.dtype.element_ty),
+                    0, D_MAIN, HEAD_DIM)
+        if D_TAIL > 0:
+            _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq_t * sm_scale).to(DQ.dtype.element_ty),
+                        D_MAIN, D_TAIL, HEAD_DIM)

@@ -354,27 +354,39 @@ def _backward(
     ``out``: tensors of Q's, K's and V's shapes (any strides) to write the gradients into, such as head views
     of one packed buffer (:mod:`.flash_qkvpacked`); by default they are new tensors in the inputs' layouts.
     Replays recorded launches as :func:`_forward` does."""
-    batch, heads, n_queries, _ = q.shape
+    batch, heads, n_queries, d = q.shape
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, is_causal, scale)
+    dq_acc = None  # float32 dQ that the dK/dV kernel adds to (options.dq_atomic)
+    if options.current().dq_atomic and _gluon_backward_module(q, k, v, do, dk, dv) is None:
+        dq_acc = torch.zeros((batch * heads, n_queries, d), dtype=torch.float32, device=q.device)
+    launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)
     if q.device.type != "cuda":
         launch()
-        return dq, dk, dv
+        return _scaled_dq(dq, dq_acc, scale), dk, dv
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(), q.dtype,
            q.device.index, is_causal, scale, _aligned(q), _aligned(k), _aligned(v), _aligned(do), _aligned(o),
            options.generation(), _dot_precision(q.dtype),
            None if out is None else (dq.stride(), dk.stride(), dv.stride(), _aligned(dq), _aligned(dk), _aligned(dv)))
     with _device_guard(q):
-        FLASH_PLANS.run(key, (do, q, k, v, o, lse, ld, dq, dk, dv), launch)
-    return dq, dk, dv
+        FLASH_PLANS.run(key, (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
+        return _scaled_dq(dq, dq_acc, scale), dk, dv
+
+
+def _scaled_dq(dq: Tensor, dq_acc: Tensor | None, scale: float) -> Tensor:
+    """``dq``, filled from the float32 sums the dK/dV kernel accumulated (``dq_acc``, when it did) times the
+    softmax scale, as the dQ kernel scales its own."""
+    if dq_acc is not None:
+        dq.copy_(dq_acc.view(dq.shape).mul_(scale))
+    return dq
 
 
 def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, ld: Tensor, dq: Tensor,
-                     dk: Tensor, dv: Tensor, is_causal: bool, scale: float) -> None:
+                     dk: Tensor, dv: Tensor, dq_acc: Tensor | None, is_causal: bool, scale: float) -> None:
     """Launch the two backward kernels: dQ, which also fills ``ld`` (:func:`_row_buffer`'s
     ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them (the Gluon
-    dK/dV kernel on Hopper where ``options.gluon_backward`` asks for it and it applies)."""
+    dK/dV kernel on Hopper where ``options.gluon_backward`` asks for it and it applies). With ``dq_acc`` the
+    first kernel writes the rows only and dK/dV adds dQ's products to ``dq_acc`` (``options.dq_atomic``)."""
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
@@ -406,13 +418,13 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
         q, k_main, v_main, k_tail, v_tail, do, o, lse, ld, dq,
         *q.stride(), *do.stride(), *o.stride(), *lse.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group,
         *shape_args,
-    ), constexprs)  # fmt: skip
-    gluon = _gluon_backward_module(q, k, v, do, dk, dv)
+    ), constexprs if dq_acc is None else dict(constexprs, LD_ONLY=True))  # fmt: skip
+    gluon = _gluon_backward_module(q, k, v, do, dk, dv) if dq_acc is None else None
     if gluon is not None:
         gluon.flash_backward_dkdv(q, k, v, do, ld, dk, dv, is_causal, scale)
         return
     FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
-        k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv,
+        k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv, dq_acc,
         *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
     ), constexprs)  # fmt: skip
 
