@@ -703,9 +703,9 @@ def test_bucketed_ddp_answer_says_what_was_expected_whether_it_held_and_what_set
     text = " ".join(b.markdown for b in question.blocks if hasattr(b, "markdown"))
     assert "**Expected:** a U in bucket size" in text
     assert "**No U:**" in text  # the committed sweep: 1 MB best, every larger size slower
-    assert "; by median step (one slow step moves a mean of ten) the best size (" in text
+    assert ", and by median step the best size (" in text
     assert ") beats" in text or ") does not beat" in text  # against flat and per-parameter overlap
-    assert "**A setup that would show the expected shape:** a slower link" in text
+    assert "**A setup that would show the U:** a slower link" in text
 
 
 def test_bucketed_ddp_shape_reads_medians_and_names_the_per_tensor_degenerate_case() -> None:
@@ -718,7 +718,7 @@ def test_bucketed_ddp_shape_reads_medians_and_names_the_per_tensor_degenerate_ca
     individual = pd.Series({"step_ms": 219.0, "step_ms_median": 209.0, "step_ms_std": 20.0, "num_buckets": 327.0})
     flat = pd.Series({"step_ms": 220.0, "step_ms_median": 219.5, "step_ms_std": 1.7, "num_buckets": 1.0})
     rising = _expectations(rows([207, 208, 212, 213], [206, 207.5, 211, 212], [327, 40, 8, 4]), flat, individual)
-    assert "**No U:**" in rising and "every bucket holds one tensor (327 buckets)" in rising
+    assert "**No U:**" in rising and "every bucket holds one tensor, 327 buckets" in rising
     # Medians (209, not the outlier-inflated 219) and each pair's own spread.
     assert "beats flat (220 ms) but not per-parameter overlap (209 ms) beyond the spread" in rising
     u_shape = _expectations(rows([215, 200, 205, 213], [215, 200, 205, 213], [300, 40, 8, 4]), flat,
@@ -1372,8 +1372,8 @@ def test_implemented_reads_each_suite_s_own_file_for_a_problem(tmp_path) -> None
     d = SectionData(tmp_path, "ddp_overlap_individual")
     files = {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"}
     overlap = implemented(d, "x", "y.py", "t.py", files)
-    assert ("The course's `test_ddp_individual_parameters.py` (2025) and `test_ddp.py` (2026): 1 of 1 passed on the "
-            "GPU (§4).") in overlap.markdown  # the 2025 writeup cites the 2025 suite's runs
+    assert ("The course's `test_ddp_individual_parameters.py`: 1 of 1 passed on the GPU (§4).") in overlap.markdown
+    assert "test_ddp.py" not in overlap.markdown  # the 2025 writeup cites the 2025 suite's runs, and names its file
     twenty_six = implemented(SectionData(tmp_path, "ddp_overlap_individual", edition="2026"), "x", "y.py", "t.py", files)
     assert "1 of 2 passed on CPU (§4)." in twenty_six.markdown and "on the GPU" not in twenty_six.markdown
     bucketed = implemented(d, "x", "y.py", "t.py", {"2025": "test_ddp.py"})
@@ -1386,6 +1386,7 @@ def test_implemented_reads_each_suite_s_own_file_for_a_problem(tmp_path) -> None
     grid = implemented(SectionData(tmp_path, "ddp_overlap_individual/cse599o"), "x", "y.py", "t.py",
                        {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"}).markdown
     assert grid.endswith(": 1 of 1 passed in the cse599o suite on CPU (§4).") and "on the GPU" not in grid
+    assert "`test_ddp_individual_parameters.py`: " in grid and "test_ddp.py" not in grid  # the file that ran, alone
 
 
 def test_nsys_answers_sum_up_every_profile() -> None:

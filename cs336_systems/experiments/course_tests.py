@@ -156,8 +156,9 @@ def answer(d: SectionData) -> list[Block]:
     cse599o = d.folder.endswith("/cse599o")
     blocks.append(Text(
         ("The CSE599-O handout runs `tests/test_ddp_individual_parameters.py`, `tests/test_ddp.py` and "
-         "`tests/test_sharded_optimizer.py`. Its own repository is not public; the files of those names in the "
-         "CS336 2025 suite, which this course's handout follows, ran unmodified " if cse599o else
+         "`tests/test_sharded_optimizer.py`. Its repository (github.com/uw-syfi/assignment2-systems) was not "
+         "available to these runs, so the files of those names in the CS336 2025 suite, which this course's handout "
+         "follows, ran unmodified " if cse599o else
          "Each table is one run of the course's unmodified test suite ")
         + "(copied from a checkout of the course's repository, with our `tests/adapters.py` in place of its stub) by "
         "`python -m cs336_systems.experiments course_tests`. Tests that need CUDA skip on a CPU-only machine."))
@@ -168,7 +169,8 @@ def answer(d: SectionData) -> list[Block]:
         frame = pd.DataFrame([{o: int(counts.get(o, 0)) for o in OUTCOMES}])
         suite = ("The CS336 2025 suite's files the CSE599-O handout runs" if cse599o else
                  f"The course's {params.get('edition', name)} suite")
-        caption = (f"{suite} (course version {params.get('course_version', 'unknown')}) on "
+        version = "the CS336 2025 suite's version" if cse599o else "course version"
+        caption = (f"{suite} ({version} {params.get('course_version', 'unknown')}) on "
                    f"{meta.get('device', 'an unknown device')}")
         if cse599o and result.get("tests"):  # by file, the form its handout names them in
             by_file = pd.Series(result["tests"]).rename_axis("test").reset_index(name="outcome")
@@ -196,7 +198,7 @@ def answer(d: SectionData) -> list[Block]:
 SECTION = Section(
     name="course_tests", number="4", title="Test evidence: the course's own test suites", problems=("tests/adapters.py",),
     answer=answer, presets=PRESETS, run=run, gpus=0,
-    # CSE599-O's handout runs three of the CS336 2025 suite's files (its own checkout is not public)
+    # CSE599-O's handout runs three of the CS336 2025 suite's files (its own repository was not available)
     editions={"cse599o": {"pytest_args": ["-k", "ddp or sharded"]}},
     # What tests/adapters.py imports: the kernels and the training code, not the benchmarks beside them.
     depends=("tests/adapters.py", "cs336-basics/cs336_basics/", "cs336_systems/attention/",

@@ -112,9 +112,9 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
     outcome = f" {shape}."
     per_tensor = known(individual.get("num_buckets")) if individual is not None else None
     if per_tensor and known(best.get("num_buckets")) and best["num_buckets"] >= per_tensor:
-        outcome = outcome.removesuffix(".") + (f", and at {fmt.sig(best['bucket_size_mb'])} MiB every bucket holds "
-                                               f"one tensor ({int(best['num_buckets'])} buckets): per-parameter "
-                                               "overlap again.")
+        outcome = outcome.removesuffix(".") + (f" (at {fmt.sig(best['bucket_size_mb'])} MiB every bucket holds "
+                                               f"one tensor, {int(best['num_buckets'])} buckets: per-parameter "
+                                               "overlap again).")
     if flat is not None and individual is not None:
         mine = _typical(best)
         won, lost = [], []
@@ -126,12 +126,10 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")
         which = "median" if "step_ms_median" in b.columns else "mean"
         outcome = outcome.removesuffix(".") + (
-                    f"; by {which} step (one slow step moves a mean of ten) the best size ({fmt.ms(mine)}) "
-                    f"{verdict}" + (
-            ": over NVLink the all-reduce is a small share of the step, so little is left to hide, and overlapped "
-            "all-reduces slow the backward they share the GPU with (§2.3.2's traces)." if lost else "."))
-    change = (" **A setup that would show the expected shape:** a slower link (PCIe, or nodes over InfiniBand or "
-              "Ethernet) or more gradient bytes per FLOP (a larger model per GPU, fewer tokens per step).")
+                    f", and by {which} step the best size ({fmt.ms(mine)}) {verdict}" + (
+            ": over NVLink the all-reduce is a small share of the step, so little is left to hide." if lost else "."))
+    change = (" **A setup that would show the U:** a slower link (PCIe, or nodes over InfiniBand or Ethernet) or "
+              "more gradient bytes per FLOP (a larger model per GPU, fewer tokens per step).")
     return expected + outcome + change
 
 

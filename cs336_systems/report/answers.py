@@ -271,7 +271,7 @@ def implemented(d: SectionData, what: str, where: str, ours: str, course_file: s
     per-parameter overlap in the file that 2025's uses for bucketed DDP."""
     files = course_file if isinstance(course_file, dict) else None
     tests = d.sibling("course_tests")  # an edition grid's answers cite the runs its own §4 shows
-    outcomes = []
+    outcomes, used = [], []
     # The runs of this writeup's handout's suite (2025: `2025` and `2025-cpu`), all runs where it has none.
     own = any(name.split("-")[0] == d.edition for name in tests.records)
     for name in tests.records:
@@ -284,9 +284,13 @@ def implemented(d: SectionData, what: str, where: str, ours: str, course_file: s
         file = files.get(_SUITE_FILES_OF.get(suite, suite)) if files is not None else course_file
         mine = [v for k, v in record["tests"].items() if file and k.split("::")[0].endswith(file)]
         if mine:
+            used.append(_SUITE_FILES_OF.get(suite, suite))
             passed, skipped = sum(v == "passed" for v in mine), sum(v == "skipped" for v in mine)
             outcomes.append(f"{passed} of {len(mine)} passed" + (f" ({skipped} skipped, which need CUDA)" if skipped
                                                                  else "") + _where_run(name, None if own else suite))
+    if files is not None and len({files.get(k) for k in used}) == 1:  # one suite's file reported: name it alone
+        files = None
+        course_file = next(v for k, v in course_file.items() if k == used[0])  # type: ignore[union-attr]
     shown = f"`{course_file}`" if files is None else join_words([f"`{v}` ({k})" for k, v in files.items()])
     course = (f" The course's {shown}: " + join_words(outcomes) + " (§4)." if outcomes else
               f" The course's {shown} runs through `tests/adapters.py` (§4 has the command).")

@@ -136,6 +136,8 @@ def _renumbered(block: Block, numbers: dict[str, str]) -> Block:
 
     if isinstance(block, Missing):
         return dataclasses.replace(block, note=cite(block.note), alternative=cite(block.alternative))
+    if isinstance(block, Console):
+        return dataclasses.replace(block, note=cite(block.note))
     if isinstance(block, Text):
         return dataclasses.replace(block, markdown=cite(block.markdown))
     if isinstance(block, (Table, Figure)):
@@ -160,9 +162,10 @@ def _console(root: Path, name: str, command: str) -> Block:
     return Console(ran, [str(x) for x in record["lines"]], f"{root.name}/{editions.CONSOLE_FOLDER}/{name}.json",
                    meta, note=f"Run in `cs336_systems/cse599o/` on one node with {gpus}; the staff's "
                    f"`srun --gpus-per-node=2 uv run {ran}` starts the same script as one Slurm task, which "
-                   "spawns a rank per GPU (`tests/test_slurm.py` runs it under a real Slurm). It is a run of its own, "
-                   "with the few iterations the handout asks for; the tables below are the section's benchmark, "
-                   "more steps on the same code, so their numbers differ by run-to-run variation.")
+                   "spawns a rank per GPU. It is a launch of its own with the few iterations the handout asks for; "
+                   "the tables below time more steps of the same code in other launches, and an eager step moves "
+                   "by tens of milliseconds from one launch to the next (§2.2 measures how far), so the two differ "
+                   "by about that much.")
 
 
 def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -> Document:
@@ -199,7 +202,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
                                                                       edition, label, here))
         section.blocks = _foreign_to_appendix(section.blocks, entry.problems, _problem_ids(edition))
         section.blocks = [_renumbered(b, numbers) for b in section.blocks]  # the answers cite this edition's numbers
-        section.blocks[:0] = [_console(root, name, command) for name, command in entry.console]
+        section.blocks[:0] = [_renumbered(_console(root, name, command), numbers) for name, command in entry.console]
         # Measured on this edition's grid: the note on the other grid's results no longer applies, and nothing
         # needs saying (the source line under each table names the folder).
         section.blocks[:0] = note("" if own else entry.note)
