@@ -1136,13 +1136,15 @@ def test_overlap_reason_follows_the_measured_share() -> None:
 
 
 def test_sharding_memory_explains_a_saving_after_the_step_larger_than_the_state() -> None:
-    from cs336_systems.experiments.optimizer_state_sharding import _step_temporaries
+    from cs336_systems.experiments.optimizer_state_sharding import _step_saving, _step_temporaries
 
     rank0 = pd.DataFrame({"optimizer": ["adamw", "sharded"], "after_step_peak": [22.15, 16.56],
                           "after_step_allocated": [18.54, 14.75]})
     text = _step_temporaries(rank0)
     assert "by 3.61 GiB replicated and 1.81 GiB sharded" in text and "(5.59 GiB)" in text
+    assert _step_saving(rank0).startswith("; the peak after the step falls by more (5.59 GiB)")  # (a)'s clause
     assert _step_temporaries(rank0.assign(after_step_allocated=[22.15, 16.56])) == ""  # no transient at all
+    assert _step_saving(rank0.assign(after_step_allocated=[22.15, 16.56])) == ""
 
 
 def test_fsdp_expected_saving_from_the_accounting_beside_the_measured_one() -> None:
@@ -1229,10 +1231,11 @@ def test_answers_report_the_other_precision_flattening_memory_and_the_sharding_e
                        "adamw predicted": [25.4, 12.53], "sharded predicted": [12.7, 12.53]},
                       index=["optimizer_state", "activations"])
     said = _expectation(st)
-    assert "goes from 25.4 to 12.7 GiB, as predicted;" in said and "8.62% above" in said  # not the numbers twice
+    assert "goes from 25.4 to 12.7 GiB, as predicted," in said and "8.62% above" in said  # not the numbers twice
+    assert said.endswith("estimate either way.") and _expectation(st, "; more").endswith("either way; more.")
     close = _expectation(st.assign(**{"sharded measured": [12.9, 13.6]}))  # within 5%, but reads differently
-    assert "goes from 25.4 to 12.9 GiB, as predicted (25.4 → 12.7);" in close
-    assert "goes from 25.4 to 20.0 GiB, against a prediction of 25.4 → 12.7 GiB;" in _expectation(
+    assert "goes from 25.4 to 12.9 GiB, as predicted (25.4 → 12.7)," in close
+    assert "goes from 25.4 to 20.0 GiB, against a prediction of 25.4 → 12.7 GiB," in _expectation(
         st.assign(**{"sharded measured": [20.0, 13.6]}))
 
 

@@ -184,10 +184,10 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "b", "A model of DDP's communication overhead and the bucket size that minimizes it.",
                  model[:measured]),
         Text("", role=BEYOND_HANDOUT),  # torch DDP, CUDA-graph capture and weak scaling: the writeup's appendix
-        *([question(d, "b", "The model against the measured overhead.", model[measured:])]
-          if model[measured:] else []),
         *([question(d, "a", "The bucket sizes' spread, and our bucketed step against torch DDP.",
                     [why, ddp_common.torch_parity(d)])] if why is not None or ddp_common.torch_parity(d) else []),
+        *([question(d, "b", "The model against the measured overhead.", model[measured:])]
+          if model[measured:] else []),
         *ddp_common.captured_steps(d),
         *ddp_common.scaling_blocks(d),
     ]

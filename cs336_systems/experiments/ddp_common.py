@@ -481,10 +481,14 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
         if isinstance(m, dict) and {"o_us", "w_GBps", "s_GB", "optimal_bucket_size_mb"} <= set(m):
             preset = (bucketed.meta(own).get("params", {}).get("preset")
                       or _model_column(bucketed, own, "overhead_model") or "the benchmarked")
+            other = published_fit(allreduce) if allreduce is not None else None
+            apart = ("; §2.1 fits the same link in a job of its own, to $o$ = "
+                     f"{fmt.sig(other['o'] * 1e6, 3)} µs and $w$ = {fmt.sig(other['w'] / 1e9)} GB/s, from calls of one "
+                     "size back to back rather than a training step's mix of sizes"
+                     if other else "")
             blocks += [
                 Text(f"Fitted to all-reduce timings taken in the bucketed benchmark's own run, on its process group "
-                     f"({preset} model; §2.1 fits the same link in a job of its own, so its $o$ and $w$ differ a "
-                     "little): "
+                     f"({preset} model{apart}): "
                      f"$o = {fmt.tex_sig(m['o_us'])}$ µs, $w = {fmt.tex_sig(m['w_GBps'])}$ GB/s, "
                      f"$s = {fmt.tex_sig(m['s_GB'] * 1e3)}$ MB of gradients:"),
                 Equation([(rf"n_b^* = {fmt.tex_sig(m.get('optimal_num_buckets', float('nan')))},\qquad "

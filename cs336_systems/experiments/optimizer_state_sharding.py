@@ -392,9 +392,8 @@ def answer(d: SectionData) -> list[Block]:
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])}: {fmt.sig(r['after_init_peak'])} / "
                  f"{fmt.sig(r['before_step_peak'])} / {fmt.sig(r['after_step_peak'])} GiB"
                  for _, r in rank0.iterrows()]
-        mem_text = Text("Peak memory on rank 0 after initialization / before the optimizer step / after it, each the "
-                        "peak since the point before it (the allocator's peak is reset at each point, so the three "
-                        "need not rise): " + "; ".join(parts) + ".")
+        mem_text = Text("Peak memory on rank 0 after initialization / before the optimizer step / after it (each the "
+                        "peak since the point before): " + "; ".join(parts) + ".")
         detail = ("After initialization the three are equal (no state yet); the state is allocated by the first "
                   "optimizer step, so the measured step, which follows warm-up steps, already holds it before its "
                   "update, and the saving shows at both later points.")
@@ -413,9 +412,11 @@ def answer(d: SectionData) -> list[Block]:
             buckets = _buckets_gib(rank0, st)
             if buckets:  # what the tensor count leaves out, so the parts add up to the peaks (details: the appendix)
                 parts.append(f"torch DDP's gradient buckets {fmt.sig(buckets)} GiB in both")
+            apart = (" (together more than the peak: backward frees each block's activations as it makes its "
+                     "gradients)" if _not_all_at_once(rank0, st) else "")
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
-                            + "; ".join(parts).replace("_", " ") + "." + _expectation(st) + _step_temporaries(rank0))
-            detail += _buckets_note(rank0, st) + _not_all_at_once(rank0, st)
+                            + "; ".join(parts).replace("_", " ") + apart + "." + _expectation(st, _step_saving(rank0)))
+            detail += _buckets_note(rank0, st) + _not_all_at_once(rank0, st) + _step_temporaries(rank0)
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
@@ -471,9 +472,10 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
-def _expectation(st: pd.DataFrame) -> str:
+def _expectation(st: pd.DataFrame, after_step: str = "") -> str:
     """(a)'s "do the results align with your expectations?": the state against the accounting's prediction,
-    and the activations, which the accounting estimates."""
+    and the activations, which the accounting estimates; ``after_step`` (:func:`_step_saving`) ends the
+    sentence."""
     need = {"adamw measured", "sharded measured", "adamw predicted", "sharded predicted"}
     if not need <= set(st.columns) or not {"optimizer_state", "activations"} <= set(st.index):
         return ""
@@ -483,9 +485,19 @@ def _expectation(st: pd.DataFrame) -> str:
                 if state[f"{o} predicted"])
     return (" **Compared with expectations:** sharding should divide only AdamW's two fp32 moments ($8\\Psi$ bytes) by "
             f"the world size{', and it does' if close else ''}: the optimizer state goes from {fmt.sig(state['adamw measured'])} to "
-            f"{fmt.sig(state['sharded measured'])} GiB, " + _prediction(state, close) + "; parameters and "
-            f"gradients do not change; the activations are {fmt.pct(abs(off))} {'above' if off >= 0 else 'below'} "
-            "the accounting's per-block estimate, with or without sharding." if off == off else "")
+            f"{fmt.sig(state['sharded measured'])} GiB, " + _prediction(state, close) + ", parameters and "
+            f"gradients do not change, and the activations are {fmt.pct(abs(off))} {'above' if off >= 0 else 'below'} "
+            "the accounting's per-block estimate either way" + after_step + "." if off == off else "")
+
+
+def _step_saving(rank0: pd.DataFrame) -> str:
+    """The clause of (a) on the saving after the step, larger than the state's (the detail: :func:`_step_temporaries`)."""
+    by = rank0.set_index("optimizer")
+    if not _step_temporaries(rank0):
+        return ""
+    saved = by.loc["adamw", "after_step_peak"] - by.loc["sharded", "after_step_peak"]
+    return (f"; the peak after the step falls by more ({fmt.sig(saved)} GiB), since the update's temporaries (one "
+            "fp32 copy of the parameters it updates) shrink with the shard too")
 
 
 def _prediction(state: pd.Series, close: bool) -> str:
@@ -521,7 +533,7 @@ def _step_temporaries(rank0: pd.DataFrame) -> str:
     saved = by.loc["adamw", "after_step_peak"] - by.loc["sharded", "after_step_peak"]
     if transient.isna().any() or transient.loc["adamw"] <= transient.loc["sharded"]:
         return ""
-    return (f" After the step the peak exceeds what stays allocated by {fmt.sig(transient.loc['adamw'])} GiB "
+    return (f" After the step, the peak exceeds what stays allocated by {fmt.sig(transient.loc['adamw'])} GiB "
             f"replicated and {fmt.sig(transient.loc['sharded'])} GiB sharded: the update's temporaries (PyTorch's "
             "multi-tensor AdamW computes $\\sqrt{v}$ for all the parameters it updates at once, one fp32 copy of "
             "them), which shrink with the shard; so the saving "
