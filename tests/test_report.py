@@ -1807,3 +1807,23 @@ def test_an_answer_with_marked_tables_says_so_before_its_numbers() -> None:
     assert caveat.count("STALE") == 1 and "SUSPECT" in caveat and "DISAGREES" not in caveat
     assert marked_results([table(machine={"state": "uncalibrated"})]) == ""  # no calibration is no mark
     assert "DISAGREES" in marked_results([table(disagrees="§1.3: 0.84×")])
+
+
+def test_overlap_traces_name_the_idle_host_time_between_backward_and_the_optimizer() -> None:
+    """The traced step's time with no kernel between backward's end and the optimizer, per variant (a kernel
+    running into the gap counts only for its part), beside the untraced steps' exposed wait."""
+    from cs336_systems.experiments.ddp_overlap_individual import _idle_after_backward
+
+    def phases(variant, backward_end, optimizer_start):
+        return [(variant, "phase", "phase", "backward", 0.0, backward_end),
+                (variant, "phase", "phase", "optimizer", optimizer_start, 5.0)]
+
+    timeline = pd.DataFrame(
+        [*phases("flat", 100.0, 110.0), ("flat", "cuda:1", "comm", "allreduce", 100.0, 10.0),
+         *phases("individual", 100.0, 116.0), ("individual", "cuda:1", "compute", "k", 99.0, 2.0),
+         ("individual", "cuda:2", "comm", "allreduce", 110.0, 1.0)],
+        columns=["variant", "lane", "kind", "name", "start_ms", "dur_ms"])
+    text = _idle_after_backward(timeline, pd.Series({"sync_ms": 1.92}))
+    assert "idle for individual 14.0 ms: host time" in text  # flat's gap is its all-reduce: not idle
+    assert text.endswith("the untraced steps of the table in (a) leave 1.92 ms there.")
+    assert _idle_after_backward(timeline[timeline["variant"] == "flat"]) == ""
