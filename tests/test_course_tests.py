@@ -79,9 +79,10 @@ def test_the_cse599o_grid_is_shown_by_the_test_files_its_handout_names(tmp_path)
     (folder / "cse599o-cpu.meta.json").write_text(json.dumps(
         {"params": {"edition": "cse599o-cpu", "course_version": "1.0.5"}, "device": "CPU"}))
     blocks = answer(SectionData(tmp_path, "course_tests/cse599o"))
-    assert "Its own repository is not public" in blocks[0].markdown
+    assert "Its repository (github.com/uw-syfi/assignment2-systems) was not available" in blocks[0].markdown
     table = blocks[1]
-    assert table.caption.startswith("The CS336 2025 suite's files the CSE599-O handout runs (course version 1.0.5)")
+    assert table.caption.startswith("The CS336 2025 suite's files the CSE599-O handout runs (the CS336 2025 suite's "
+                                    "version 1.0.5)")
     assert table.frame.to_dict("records") == [{"file": "tests/test_ddp.py", "passed": 2, "failed": 0},
                                               {"file": "tests/test_sharded_optimizer.py", "passed": 0, "failed": 1}]
 

@@ -869,7 +869,7 @@ def test_dq_kernel_writes_base2_lse_and_delta_row_pairs(d: int) -> None:
     assert padded is not None and padded.shape[-1] == 40
     padded.fill_(-7.0)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
-    flash_triton._launch_backward(do, q, k, v, o, lse, ld, *grads, True, d**-0.5)
+    flash_triton._launch_backward(do, q, k, v, o, lse, ld, *grads, None, True, d**-0.5)
     pairs = ld.view(batch, heads, 2, n)
     torch.testing.assert_close(pairs[:, :, 0], lse * 1.4426950408889634)
     torch.testing.assert_close(pairs[:, :, 1], (o * do).sum(-1))
