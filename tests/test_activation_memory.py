@@ -131,7 +131,7 @@ def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> N
             "between steps (the fp32 weights and AdamW state are 38.1 GiB of it, the other 19.4 GiB are neither the "
             "model's nor the optimizer's;") in text
     # neighbours by the memory a segment size holds: the next coarser is 1 block; no checkpointing is the coarsest
-    assert "Its neighbours: segments of 1 block: a peak of 74.7 GiB (17.2 GiB during the step)." in text
+    assert "Its neighbours: segments of 1 block: a peak of 74.7 GiB (17.2 GiB above what it held before the step)." in text
     assert "= 0.38, below one block, so the finest split should win" in text  # sqrt(32 * 80 MiB / 17 GiB)
     with pytest.raises(ValueError, match=r"whole blocks >= 0 \(0: no checkpointing\) or 0.5 \(by sublayer\), got 1.5"):
         Params(block_sizes=[0, 1.5]).check()
@@ -163,7 +163,7 @@ def test_checkpointing_answer_reports_a_whole_block_win_when_the_model_predicted
     text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
     assert text.startswith("Best, measured: segments of 1 block, a peak of 74.7 GiB, 17.2 GiB of it allocated")
     assert "below one block, so the finest split should win" in text
-    assert "checkpointing by sublayer: a peak of 80.7 GiB (23.0 GiB during the step)" in text
+    assert "checkpointing by sublayer: a peak of 80.7 GiB (23.0 GiB above what it held before the step)" in text
 
     unswept = _best_segment(table[table["block_size"] != 0.5], block_bytes=17 * 2**30, input_bytes=80 * 2**20,
                             preset="xl@2026").markdown
@@ -181,7 +181,7 @@ def test_checkpointing_answer_compares_on_the_steps_memory_and_names_a_row_with_
     text = _best_segment(table, block_bytes=7990 * 2**20, input_bytes=80 * 2**20, preset="xl@2026").markdown
     assert ("Best, measured: checkpointing by sublayer and segments of 1 block, within 1% of each other; segments of 1 "
             "block, a peak of 71.9 GiB, 27.1 GiB of it allocated during the step above the 44.8 GiB held between steps") in text
-    assert ("Their neighbours: segments of 2 blocks: a peak of 79.4 GiB (34.6 GiB during the step); checkpointing "
+    assert ("Their neighbours: segments of 2 blocks: a peak of 79.4 GiB (34.6 GiB above what it held before the step); checkpointing "
             "by sublayer's own peak of 110 GiB is not comparable: it held 38.1 GiB more between steps, left from the "
             "out-of-memory run before it.") in text
     assert text.endswith("So at this shape splitting a block does not lower the step's peak.")
@@ -235,7 +235,7 @@ def test_checkpointing_answer_in_the_handouts_form_reasons_measures_and_conclude
     parts = _best_segment_parts(table, block_bytes=7990 * 2**20, input_bytes=80 * 2**20, preset="xl@2026")
     assert parts["reasoning"].startswith("Segments of $k$ blocks hold $N/k$ block inputs")
     assert parts["peak_only"] == ("Best, measured: checkpointing by sublayer and segments of 1 block, which peak "
-                                  "identically at 65.3 GiB (one step 6.18 s).")
+                                  "identically at 65.3 GiB (one step 6.18 s and 6.25 s).")  # each its own
     assert parts["verdict"].startswith(" So the hypothesis fails")
     assert "held between steps" in parts["measured"] and "held between steps" not in parts["peak_only"]
     apart = _best_segment_parts(table.assign(peak_GiB=[None, 65.0, 65.28, 72.76]), block_bytes=7990 * 2**20,

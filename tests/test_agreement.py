@@ -224,8 +224,8 @@ def test_reconcile_compares_with_the_other_sections_median_and_names_a_wider_sin
     text = agreement.reconcile(tmp_path, "nsys_profile", "summary", "They")
     # 19.0 against the median 20.5 is 7.3% off, so within 8% (rounded up); against mixed precision's 21.0 alone, 10%
     assert text == ("They agree with the median of the same configurations measured elsewhere (benchmarking and "
-                    "mixed_precision) within 8%; the widest single pair is small fp32 context 512, 10% from "
-                    "mixed_precision's measurement.")
+                    "mixed_precision) within 8%; against each other measurement alone, the widest gap is small fp32 "
+                    "context 512, 10% from mixed_precision's.")
 
 
 def test_the_2026_profiling_grid_is_compared_with_the_2025_one(tmp_path) -> None:

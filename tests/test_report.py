@@ -1160,7 +1160,8 @@ def test_fsdp_expected_saving_from_the_accounting_beside_the_measured_one() -> N
                          "before_step_peak": peak * scale - 1, "after_step_peak": peak * scale})
     text = _expected_saving(pd.DataFrame(rows), "2025").markdown
     assert "for 2.7B (2560/10240/32/32)" in text
-    assert "a saving of 42.7 GiB" in text and "more than expected" in text
+    assert "a saving of 43.2 GiB, ignoring the all-gather buffers" in text and "more than expected" in text
+    assert "(the accounting with them: 108 → 64.9 GiB per GPU)" in text
     assert "for xl (2560/10240/32/32)" in _expected_saving(pd.DataFrame(rows), "2026").markdown
     assert _model_label("xl", "2025") == "xl (1600/6400/48/25)"
     assert _model_label("xl", "2026") == "CS336 2025's xl (1600/6400/48/25)"
@@ -1827,3 +1828,13 @@ def test_overlap_traces_name_the_idle_host_time_between_backward_and_the_optimiz
     assert "idle for individual 14.0 ms: host time" in text  # flat's gap is its all-reduce: not idle
     assert text.endswith("the untraced steps of the table in (a) leave 1.92 ms there.")
     assert _idle_after_backward(timeline[timeline["variant"] == "flat"]) == ""
+
+
+def test_an_edition_cites_the_part_that_shows_a_borrowed_question() -> None:
+    """2026's memory-profiling section shows the checkpointing section's residuals as its (f): answers cite that
+    part; the workbook's own order has no borrowing."""
+    from cs336_systems.report.editions import borrowed_as
+
+    assert borrowed_as("2026", "memory_profiling", "gradient_checkpointing", "residuals") == "f"
+    assert borrowed_as("2025", "memory_profiling", "gradient_checkpointing", "residuals") is None
+    assert borrowed_as("2026", "memory_profiling", "gradient_checkpointing", "b") is None

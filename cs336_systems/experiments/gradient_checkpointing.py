@@ -529,7 +529,7 @@ def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = 
             neighbours.append(f"{name}: out of memory")
         else:
             neighbours.append(f"{name}: a peak of {fmt.sig(row['peak_GiB'])} GiB "
-                              f"({fmt.sig(row['activation_peak_GiB'])} GiB during the step)")
+                              f"({fmt.sig(row['activation_peak_GiB'])} GiB above what it held before the step)")
     for _, row in tied.iterrows():
         if not clean.get(row.name, True):
             position = list(table.index).index(row.name)
@@ -545,7 +545,9 @@ def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = 
         shown += _where_the_peak_is(sweep[sweep["block_size"].isin(group)])
     elif reasoning and SUBLAYER not in set(ordered):
         shown += f" The sweep did not try the split below one block (block size {SUBLAYER:g})."
-    step = f"one step {fmt.sig(best['step_ms'] / 1e3)} s"
+    timed = table[table["block_size"].isin(group) & (table["status"] == "ok")] if identical else best.to_frame().T
+    timed = sorted(zip(timed["block_size"], timed["step_ms"]), key=lambda t: _memory_order(float(t[0])))
+    step = "one step " + join_words([f"{fmt.sig(float(ms) / 1e3)} s" for _, ms in timed])  # in the names' order
     peak_only = (f"Best, measured: {names}, which peak identically at {fmt.sig(best['peak_GiB'])} GiB ({step})."
                  if identical else f"{lead} of {fmt.sig(best['peak_GiB'])} GiB ({step}).")
     return {"measured": measured, "peak_only": peak_only, "neighbours": said, "heads": heads_note,

@@ -18,7 +18,7 @@ from cs336_systems.benchmarking.end_to_end import BenchmarkSpec, ModelBenchmark,
 from cs336_systems.benchmarking.sweep import CPU_NOTE, free_memory, run_sweep
 from cs336_systems.configs import get_config, memory_breakdown, residual_stream_bytes
 from cs336_systems.experiments.section import Section, check_positive, check_presets, param
-from cs336_systems.report import fmt
+from cs336_systems.report import editions, fmt
 from cs336_systems.report.answers import handout_model, join_words, ok_rows, question, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text
@@ -270,7 +270,9 @@ def _why_out_of_memory(d: SectionData, peaks: pd.DataFrame | None, cfg: Any, dev
     gib = d.meta("peak_memory").get("gpu_memory_gib")
     capacity = f"{fmt.sig(float(gib))} GiB" if gib else "memory"
     if per_block is not None:
-        return (f" At context {c} one block saves {fmt.gib(per_block)} for backward (§1.1.7 measured it at this "
+        here = editions.borrowed_as(d.edition, "memory_profiling", "gradient_checkpointing", "residuals")
+        where = f"part ({here}) below measures it" if here else "§1.1.7 measured it"
+        return (f" At context {c} one block saves {fmt.gib(per_block)} for backward ({where} at this "
                 f"batch and context), so the {cfg.num_layers} blocks hold about {fmt.gib(cfg.num_layers * per_block)} "
                 f"of activations on top of {fmt.gib(state)} of fp32 weights, gradients and AdamW moments, about "
                 f"{fmt.gib(cfg.num_layers * per_block + state)} against the {device}'s {capacity}; three of each "
@@ -410,7 +412,9 @@ def answer(d: SectionData) -> list[Block]:
             steady = [w for w, x in moves.items() if x <= 0.10]
             direction = {words: "raises" if float(r.max()) - 1 >= 1 - float(r.min()) else "lowers"
                          for words, r in zip(moves, ratios)}
-            moving = [f"{direction[w]} the {w} peak by up to {fmt.pct(x, 2)}" for w, x in moves.items() if x > 0.10]
+            cells = {words: len(r) for words, r in zip(moves, ratios)}  # "up to" only over several contexts
+            moving = [f"{direction[w]} the {w} peak by {'up to ' if cells[w] > 1 else ''}{fmt.pct(x, 2)}"
+                      for w, x in moves.items() if x > 0.10]
             verdict = ("Not significantly: no peak moves by more than 10%. " if moved <= 0.10 else
                        (f"Not significantly for the {join_words(steady)} peaks (within 10%); it " if steady
                         else "Yes: it ") + join_words(moving) + ". ")

@@ -202,6 +202,13 @@ from cs336_systems.report.data import SectionData  # noqa: E402
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text  # noqa: E402
 
 
+def _large_n(row: Any, meta: dict[str, Any]) -> float:
+    """(c)'s large-N FSDP × TP bound at a bounds row's shape and the run's C and W: what the shared-network
+    bound is a quarter of."""
+    return pc.max_devices(pc.FSDP_TP["bound_overlapped_large_n"], batch=row["B"], d_model=row["D"], d_ff=row["D_FF"],
+                          flops=meta["C"], egress=meta["W"])
+
+
 def _eq(formulas: pd.DataFrame | None, problem: str, quantity: str, pass_: str = "") -> Equation | None:
     if formulas is None:
         return None
@@ -255,7 +262,8 @@ def answer(d: SectionData) -> list[Block]:
             + f"and $B = {int(r['B']):,}$ tokens, an FFN with $D = {int(r['D'])}$, $D_{{FF}} = {int(r['D_FF'])}$ stays "
             f"compute bound up to {fmt.sig(r['DP'])} devices under DP or FSDP, {fmt.sig(r['TP fwd'])} (forward) and "
             f"{fmt.sig(r['TP bwd'])} (backward) under TP, and {fmt.sig(r['FSDP x TP overlapped'])} under FSDP × TP "
-            f"({fmt.sig(r['FSDP x TP shared'])} when the two axes share the network).")
+            f"(the exact bound; its large-$N$ form gives {fmt.sig(_large_n(r, meta))}, and a quarter of that, "
+            f"{fmt.sig(r['FSDP x TP shared'])}, when the two axes share the network).")
     just = {
         "dp_a": "On its $B/N_{DP}$ rows each device runs the backward's six matmuls of "
                 "$2 (B/N_{DP}) D D_{FF}$ FLOPs each: $dz$, $dW_3$, the two products summed into $dx$, $dW_1$ and "

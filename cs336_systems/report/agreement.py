@@ -321,7 +321,8 @@ def reconcile(root: Path, folder: str, table: str, what: str,
     if abs(worst - 1) <= TOLERANCE:
         widest, pair_row, where = max(pairs, key=lambda r: abs(r[0] - 1))
         single = ("" if round(abs(widest - 1), 2) <= round(abs(worst - 1), 2) else
-                  f"; the widest single pair is {pair_row}, {abs(widest - 1):.0%} from {where}'s measurement")
+                  f"; against each other measurement alone, the widest gap is {pair_row}, {abs(widest - 1):.0%} "
+                  f"from {where}'s")
         # "within" rounds up: 4.5% apart is not within 4%
         return (f"{what} agree with the median of the same configurations measured elsewhere ({sources}) within "
                 f"{math.ceil(round(abs(worst - 1) * 100, 6))}%{single}.")

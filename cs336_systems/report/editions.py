@@ -190,6 +190,15 @@ def in_appendix(edition: str, section: str, problems: tuple[str, ...] = ()) -> b
     return edition == "2025" and section in APPENDIX_2025
 
 
+def borrowed_as(edition: str, section: str, lender: str, label: str) -> str | None:
+    """The part label under which ``edition``'s ``section`` shows ``lender``'s question ``label`` (an entry's
+    ``borrow``), or None where it does not: an answer cites the part the reader finds, not the section that lent it."""
+    for entry in entries(edition) or ():
+        if entry.section == section:
+            return next((here for name, lent, here in entry.borrow if (name, lent) == (lender, label)), None)
+    return None
+
+
 def entries(edition: str) -> tuple[Entry, ...] | None:
     """The edition's sections in order, or None for the workbook's own order (2025)."""
     if edition not in EDITIONS:
