@@ -1697,7 +1697,7 @@ def test_memory_c_says_for_which_peaks_mixed_precision_matters(tmp_path) -> None
     c = next(q for q in mp.answer(SectionData(tmp_path, "memory_profiling")) if getattr(q, "label", None) == "c")
     text = " ".join(getattr(x, "markdown", "") for x in c.blocks)
     assert text.startswith("Not significantly for the inference forward and training step peaks (within 10%); it "
-                           "raises the forward with autograd peak by up to 27%.")
+                           "raises the forward with autograd peak by 27%.")  # one context: not "up to"
     # a context both precisions ran out of memory at is named: mixed precision did not rescue it
     oom = pd.DataFrame([(m, 2048, None, prec, "OOM") for m in ("forward", "train") for prec in ("fp32", "bf16")],
                        columns=["mode", "context_length", "peak_GiB", "precision", "status"])

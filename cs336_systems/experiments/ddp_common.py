@@ -233,6 +233,8 @@ def steps_blocks(d: SectionData, name: str | None, caption: str, eager_only: boo
     # the median beside the mean: answers compare medians where one slow step moves a mean of ten
     frame = subset(eager_rows(rows) if eager_only else rows, "variant", "num_buckets", "step_ms", "step_ms_median",
                    "step_ms_std", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single", "MFU_pct")
+    if frame is not None:  # a bucket is one all-reduce; naive DDP's "buckets" are its per-parameter calls
+        frame = frame.rename(columns={"num_buckets": "all_reduce_calls"})
     precisions = tuple(rows["autocast"].dropna().astype(str).unique()) if rows is not None and "autocast" in rows \
         else ("fp32",)
     note = mfu_note(d.meta(name), precisions) if frame is not None and "MFU_pct" in frame else ""
