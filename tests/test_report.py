@@ -1161,7 +1161,7 @@ def test_fsdp_expected_saving_from_the_accounting_beside_the_measured_one() -> N
     text = _expected_saving(pd.DataFrame(rows), "2025").markdown
     assert "for 2.7B (2560/10240/32/32)" in text
     assert "a saving of 43.2 GiB, ignoring the all-gather buffers" in text and "more than expected" in text
-    assert "(the accounting with them: 108 → 64.9 GiB per GPU)" in text
+    assert "(the accounting with them: 108 → 64.9 GiB per GPU). **Measured:** 130 → 56.8 GiB, 73.3 GiB saved" in text
     assert "for xl (2560/10240/32/32)" in _expected_saving(pd.DataFrame(rows), "2026").markdown
     assert _model_label("xl", "2025") == "xl (1600/6400/48/25)"
     assert _model_label("xl", "2026") == "CS336 2025's xl (1600/6400/48/25)"
@@ -1838,3 +1838,16 @@ def test_an_edition_cites_the_part_that_shows_a_borrowed_question() -> None:
     assert borrowed_as("2026", "memory_profiling", "gradient_checkpointing", "residuals") == "f"
     assert borrowed_as("2025", "memory_profiling", "gradient_checkpointing", "residuals") is None
     assert borrowed_as("2026", "memory_profiling", "gradient_checkpointing", "b") is None
+
+
+def test_committed_writeups_have_no_unformatted_placeholders() -> None:
+    """An answer string missing its f prefix prints its placeholders (``{fmt.sig(peak['ddp'])}``) verbatim."""
+    import re
+
+    from cs336_systems.results import REPO_ROOT
+
+    pages = sorted(REPO_ROOT.glob("writeup*.html"))
+    assert pages
+    for page in pages:
+        left = re.findall(r"\{(?:fmt\.|[a-z_]+\[['\"])[^}]*\}", page.read_text())
+        assert not left, (page.name, left[:3])

@@ -441,7 +441,7 @@ def _expected_saving(df: pd.DataFrame | None, edition: str) -> Text | None:
         f"bytes, {fmt.sig(state)} GiB for {_model_label(big, edition)}) by $P$ = {p}, while the activations stay: a "
         f"saving of {fmt.sig(expected)} GiB, ignoring the all-gather buffers as the handout allows (the accounting "
         f"with them: {fmt.sig(ddp['predicted_total'])} → {fmt.sig(fsdp['predicted_total'])} GiB per GPU). "
-        "**Measured:** {fmt.sig(peak['ddp'])} → {fmt.sig(peak['fsdp'])} "
+        f"**Measured:** {fmt.sig(peak['ddp'])} → {fmt.sig(peak['fsdp'])} "
         f"GiB, {fmt.sig(measured)} GiB saved"
         + (", more than expected: DDP's peak also holds what §3 found beside the accounted tensors, torch DDP's "
            "gradient buckets (a second gradient copy) and the multi-tensor AdamW's parameter-sized temporaries, "
