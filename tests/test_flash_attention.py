@@ -319,7 +319,8 @@ def test_persistent_grid_changes_the_order_not_the_numbers(case: Case) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [Case(40, 40, 16, True, 3), Case(37, 53, 80, False, 2)], ids=str)
+@pytest.mark.parametrize("case", [Case(40, 40, 16, True, 3), Case(37, 53, 80, False, 2), Case(33, 33, 24, True, 2)],
+                         ids=str)
 def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> None:
     """``dq_atomic``: dK/dV adds every tile's ``dS K`` to a float32 dQ (the dQ kernel writes only the
     ``[L; D]`` rows). O, L, dK and dV are bit-identical to the two-kernel backward; dQ differs only by the order
@@ -337,6 +338,17 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> 
                 assert torch.equal(a, b), (extra, name)
     with pytest.raises(ValueError, match="dq_atomic must be True or False"):
         options.FlashOptions(dq_atomic=1)
+
+
+def test_dq_accumulated_by_the_dkdv_kernel_is_zeroed_around_autotuning() -> None:
+    """Every candidate the tuner times adds into the float32 dQ: its dK/dV tuner zeroes it before each and before
+    the chosen config's run (a GPU-only path: the interpreter times nothing). The other kernels have no such buffer."""
+    from cs336_systems.attention import flash_triton
+
+    tuned = flash_triton.kernel_module().tuned
+    assert tuned("dkdv", options.FlashOptions(dq_atomic=True)).reset_to_zero == ["DQ_ACC"]
+    assert tuned("dkdv", options.FlashOptions()).reset_to_zero == []
+    assert tuned("dq", options.FlashOptions(dq_atomic=True)).reset_to_zero == []
 
 
 def test_persistent_grid_is_sized_to_the_gpu() -> None:

@@ -1143,6 +1143,7 @@ def test_sharding_memory_explains_a_saving_after_the_step_larger_than_the_state(
     text = _step_temporaries(rank0)
     assert "by 3.61 GiB replicated and 1.81 GiB sharded" in text and "(5.59 GiB)" in text
     assert _step_saving(rank0).startswith("; the peak after the step falls by more (5.59 GiB)")  # (a)'s clause
+    assert _step_saving(rank0, 3.61) and _step_saving(rank0, 6.0) == ""  # "more" only beyond the state's saving
     assert _step_temporaries(rank0.assign(after_step_allocated=[22.15, 16.56])) == ""  # no transient at all
     assert _step_saving(rank0.assign(after_step_allocated=[22.15, 16.56])) == ""
 
@@ -1826,8 +1827,10 @@ def test_overlap_traces_name_the_idle_host_time_between_backward_and_the_optimiz
         columns=["variant", "lane", "kind", "name", "start_ms", "dur_ms"])
     text = _idle_after_backward(timeline, pd.Series({"sync_ms": 1.92}))
     assert "idle for individual 14.0 ms: host time" in text  # flat's gap is its all-reduce: not idle
-    assert text.endswith("the untraced steps of the table in (a) leave 1.92 ms there.")
+    assert text.endswith("its untraced steps in the table of (a) leave 1.92 ms there.")
     assert _idle_after_backward(timeline[timeline["variant"] == "flat"]) == ""
+    gapped_flat = timeline.assign(dur_ms=timeline["dur_ms"].where(timeline["kind"] != "comm", 3.0))  # 7 ms idle
+    assert "flat" not in _idle_after_backward(gapped_flat).split(":")[0]  # flat's gap is its all-reduce's, not a wait
 
 
 def test_an_edition_cites_the_part_that_shows_a_borrowed_question() -> None:

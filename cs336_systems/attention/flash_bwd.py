@@ -92,7 +92,8 @@ def _dkdv_query_loop(
             rows = DQ_ACC + (bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
             row_ok = offs_m[:, None] < n_queries
             cols = tl.arange(0, D_MAIN)[None, :]
-            tl.atomic_add(rows + cols, tl.dot(ds, k, input_precision=DOT_PRECISION), mask=row_ok, sem="relaxed")
+            main_ok = row_ok & (cols < HEAD_DIM) if D_MAIN > HEAD_DIM else row_ok  # a padded slab: not past d
+            tl.atomic_add(rows + cols, tl.dot(ds, k, input_precision=DOT_PRECISION), mask=main_ok, sem="relaxed")
             if D_TAIL > 0:
                 cols = D_MAIN + tl.arange(0, D_TAIL)[None, :]
                 tl.atomic_add(rows + cols, tl.dot(ds, k_t, input_precision=DOT_PRECISION),

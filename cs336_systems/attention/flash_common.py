@@ -137,8 +137,9 @@ def _item_tile_and_head(item, n_tiles, n_bh, n_heads, head_group, HEAVY_LAST: tl
 def _persistent_items(n, n_bh, BLOCK: tl.constexpr):
     """``(first, end, step, n_tiles)`` of a persistent program's loop over items: this program takes items
     ``first, first + step, ...`` below ``end``, in the order :func:`_item_tile_and_head` decodes. The grid is
-    sized to the GPU (``flash_triton._programs``), so a short sequence's many small items pay one program's
-    start-up each SM slot, not one per item, and the last wave's tail is at most one item per program."""
+    sized to the GPU (``scheduling.persistent_programs``, ``scheduling.grid``), so a short sequence's many small
+    items pay one program's start-up per SM slot, not one per item, and the last wave's tail is at most one item
+    per program."""
     n_tiles = tl.cdiv(n, BLOCK)
     return tl.program_id(0), n_tiles * n_bh, tl.num_programs(0), n_tiles
 

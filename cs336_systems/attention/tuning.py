@@ -149,12 +149,13 @@ def _fit_configs(resident_rows: Callable[[int, int], int], streamed_rows: Callab
     return prune
 
 
-def _autotune(configs: list[triton.Config], prune: Callable):
+def _autotune(configs: list[triton.Config], prune: Callable, reset_to_zero: list[str] | None = None):
     """``triton.autotune`` keyed on the shape class, with a shorter benchmark per config than Triton's
     (10 ms warm-up, 50 ms of timed runs instead of 25/100) where this Triton lets us pass one: at the
     leaderboard size 20 ms held only a handful of runs of the dK/dV kernel, too few to separate close
     candidates, and compilation, not timing, is most of the tuning time (docs/flash_attention/NOTES.md)."""
-    kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})
+    kwargs: dict = dict(configs=configs, key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune},
+                        reset_to_zero=reset_to_zero)
     if "do_bench" in inspect.signature(triton.autotune).parameters and not INTERPRETED:
         kwargs["do_bench"] = functools.partial(triton.testing.do_bench, warmup=10, rep=50)
     return triton.autotune(**kwargs)
@@ -178,4 +179,7 @@ def tuned(phase: str, options: FlashOptions) -> Any:
     switching options back and forth re-tunes nothing."""
     kernel, (resident, streamed, min_block_m) = _PHASE_KERNELS[phase]
     prune = _fit_configs(resident, streamed, min_block_m, options.autotune)
-    return _autotune(_configs(phase, options), prune)(kernel)
+    # dQ accumulated by dK/dV (options.dq_atomic) is added to, not written: every timed candidate would add its
+    # own copy, so the tuner zeroes it before each and before the chosen config's real run
+    reset = ["DQ_ACC"] if phase == "dkdv" and options.dq_atomic else None
+    return _autotune(_configs(phase, options), prune, reset)(kernel)

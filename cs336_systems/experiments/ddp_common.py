@@ -226,6 +226,12 @@ def row(df: pd.DataFrame | None, mode: str) -> pd.Series | None:
     return sel.iloc[0] if len(sel) else None
 
 
+def _calls(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """A step table's bucket count under what it counts: a bucket is one all-reduce, and naive DDP's "buckets"
+    are its per-parameter calls."""
+    return None if frame is None else frame.rename(columns={"num_buckets": "all_reduce_calls"})
+
+
 def steps_blocks(d: SectionData, name: str | None, caption: str, eager_only: bool = False):
     if name is None:
         return None
@@ -233,8 +239,7 @@ def steps_blocks(d: SectionData, name: str | None, caption: str, eager_only: boo
     # the median beside the mean: answers compare medians where one slow step moves a mean of ten
     frame = subset(eager_rows(rows) if eager_only else rows, "variant", "num_buckets", "step_ms", "step_ms_median",
                    "step_ms_std", "fwd_bwd_ms", "sync_ms", "optimizer_ms", "overhead_ms", "vs_single", "MFU_pct")
-    if frame is not None:  # a bucket is one all-reduce; naive DDP's "buckets" are its per-parameter calls
-        frame = frame.rename(columns={"num_buckets": "all_reduce_calls"})
+    frame = _calls(frame)
     precisions = tuple(rows["autocast"].dropna().astype(str).unique()) if rows is not None and "autocast" in rows \
         else ("fp32",)
     note = mfu_note(d.meta(name), precisions) if frame is not None and "MFU_pct" in frame else ""
@@ -357,8 +362,8 @@ def captured_steps(d: SectionData) -> list[Block]:
     bf16 = next((n for n in runs if n.endswith("_bf16")), None)
     shown = bf16 or sorted(runs)[0]
     f = runs[shown]
-    table = d.table(shown, frame=subset(f[_captured(f)], "variant", "num_buckets", "step_ms", "step_ms_std",
-                                        "overhead_ms", "vs_single"),
+    table = d.table(shown, frame=_calls(subset(f[_captured(f)], "variant", "num_buckets", "step_ms", "step_ms_std",
+                                               "overhead_ms", "vs_single")),
                     caption=f"The captured steps of the {f['autocast'].iloc[0]} autocast run (its eager rows, and the "
                             "fp32 run's, are in the CSVs).")
     return [question(d, "c", "Beyond the assignment: the same comparison with every step captured in a CUDA graph.", [

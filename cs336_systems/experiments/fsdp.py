@@ -446,7 +446,8 @@ def _expected_saving(df: pd.DataFrame | None, edition: str) -> Text | None:
         + (", more than expected: DDP's peak also holds what §3 found beside the accounted tensors, torch DDP's "
            "gradient buckets (a second gradient copy) and the multi-tensor AdamW's parameter-sized temporaries, "
            "which FSDP does not keep or shards with the rest." if measured > 1.1 * expected else
-           ", as expected." if measured > 0.9 * expected else ", less than expected."))
+           ", as expected." if measured > 0.9 * expected else
+           ", less than expected: FSDP's peak also holds the gathered layers' buffers the estimate leaves out."))
 
 
 def _fsdp_sentence(df: pd.DataFrame | None, edition: str, peak: str = "after_step_peak",

@@ -415,7 +415,7 @@ def answer(d: SectionData) -> list[Block]:
             apart = (" (together more than the peak: backward frees each block's activations as it makes its "
                      "gradients)" if _not_all_at_once(rank0, st) else "")
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
-                            + "; ".join(parts).replace("_", " ") + apart + "." + _expectation(st, _step_saving(rank0)))
+                            + "; ".join(parts).replace("_", " ") + apart + "." + _expectation(st, _step_saving(rank0, _state_saved(st))))
             detail += _buckets_note(rank0, st) + _not_all_at_once(rank0, st) + _step_temporaries(rank0)
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
@@ -490,12 +490,15 @@ def _expectation(st: pd.DataFrame, after_step: str = "") -> str:
             "the accounting's per-block estimate either way" + after_step + "." if off == off else "")
 
 
-def _step_saving(rank0: pd.DataFrame) -> str:
-    """The clause of (a) on the saving after the step, larger than the state's (the detail: :func:`_step_temporaries`)."""
+def _step_saving(rank0: pd.DataFrame, state_saved: float | None = None) -> str:
+    """The clause of (a) on the saving after the step where it is larger than the state's (``state_saved``, GiB,
+    when known; the detail: :func:`_step_temporaries`)."""
     by = rank0.set_index("optimizer")
     if not _step_temporaries(rank0):
         return ""
     saved = by.loc["adamw", "after_step_peak"] - by.loc["sharded", "after_step_peak"]
+    if state_saved is not None and not saved > state_saved:
+        return ""
     return (f"; the peak after the step falls by more ({fmt.sig(saved)} GiB), since the update's temporaries (one "
             "fp32 copy of the parameters it updates) shrink with the shard too")
 
@@ -521,6 +524,13 @@ def _zero_note(d: SectionData) -> str:
     return (" The ZeroRedundancyOptimizer rows of (a) and (b) are PyTorch's, which keeps DDP's full all-reduce and "
             "then broadcasts each parameter from its owner, our communication pattern; the table's `zero1` row is "
             "the analytic reduce-scatter/all-gather scheme above.")
+
+
+def _state_saved(st: pd.DataFrame) -> float | None:
+    """The optimizer state sharding removed on rank 0 (GiB), from the measured breakdown."""
+    if "optimizer_state" not in st.index or not {"adamw measured", "sharded measured"} <= set(st.columns):
+        return None
+    return float(st.loc["optimizer_state", "adamw measured"] - st.loc["optimizer_state", "sharded measured"])
 
 
 def _step_temporaries(rank0: pd.DataFrame) -> str:

@@ -203,8 +203,10 @@ from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text 
 
 
 def _large_n(row: Any, meta: dict[str, Any]) -> float:
-    """(c)'s large-N FSDP × TP bound at a bounds row's shape and the run's C and W: what the shared-network
-    bound is a quarter of."""
+    """(c)'s large-N FSDP × TP bound at a bounds row's shape and the run's C and W (NaN where the run recorded
+    neither): what the shared-network bound is a quarter of."""
+    if "C" not in meta or "W" not in meta:
+        return float("nan")
     return pc.max_devices(pc.FSDP_TP["bound_overlapped_large_n"], batch=row["B"], d_model=row["D"], d_ff=row["D_FF"],
                           flops=meta["C"], egress=meta["W"])
 
@@ -255,6 +257,10 @@ def answer(d: SectionData) -> list[Block]:
         meta = d.meta("bounds").get("extra", {})
         c, w = (fmt.tex_sig(meta.get(k, float("nan"))) for k in ("C", "W"))
         r = bounds.iloc[min(1, len(bounds) - 1)]
+        large, shared = _large_n(r, meta), fmt.sig(r["FSDP x TP shared"])
+        combined = (f"(the exact bound; its large-$N$ form gives {fmt.sig(large)}, and a quarter of that, {shared}, "
+                    "when the two axes share the network)." if large == large else
+                    f"({shared} when the two axes share the network).")
         bound_text = Text(
             f"At $C = {c}$ FLOP/s, $W = {w}$ B/s"
             + (" (an H100's bf16 dense peak and NVLink egress; the handout leaves them symbolic) "
@@ -262,8 +268,7 @@ def answer(d: SectionData) -> list[Block]:
             + f"and $B = {int(r['B']):,}$ tokens, an FFN with $D = {int(r['D'])}$, $D_{{FF}} = {int(r['D_FF'])}$ stays "
             f"compute bound up to {fmt.sig(r['DP'])} devices under DP or FSDP, {fmt.sig(r['TP fwd'])} (forward) and "
             f"{fmt.sig(r['TP bwd'])} (backward) under TP, and {fmt.sig(r['FSDP x TP overlapped'])} under FSDP × TP "
-            f"(the exact bound; its large-$N$ form gives {fmt.sig(_large_n(r, meta))}, and a quarter of that, "
-            f"{fmt.sig(r['FSDP x TP shared'])}, when the two axes share the network).")
+            + combined)
     just = {
         "dp_a": "On its $B/N_{DP}$ rows each device runs the backward's six matmuls of "
                 "$2 (B/N_{DP}) D D_{FF}$ FLOPs each: $dz$, $dW_3$, the two products summed into $dx$, $dW_1$ and "

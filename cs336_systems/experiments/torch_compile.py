@@ -159,7 +159,7 @@ def model_part(p: Params, out: ResultWriter, deadline: float) -> dict[str, Any]:
 
     configs = [{"size": s, "mode": m} for s in p.sizes for m in ("forward", "train")]
     def write(pairs: pd.DataFrame) -> dict[str, pd.DataFrame]:
-        # rows of another job of this code and setting stay; read now, so jobs running side by side keep both
+        # rows of another job of this code and setting stay; read now, so jobs side by side nearly always keep both
         earlier = rows_of_this_run(out, "model_timings", asdict(p), MODEL_PARAMS)
         model = merge_rows(_one_row_per_side(pairs), earlier, "size", order=list(ALL_PRESETS))
         sizes = list(dict.fromkeys(model["size"]))

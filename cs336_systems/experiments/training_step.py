@@ -149,7 +149,7 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
             # one preset's contexts may take longer than a GPU job (xl: about 5 minutes a context with one stack
             # resident): rows of another job of this commit, device and step parameters stay. Read when
             # writing, not when the job starts, so jobs of one preset run side by side on two GPUs of a host
-            # keep each other's rows.
+            # keep each other's rows (all but a write in the same instant: the read and write are not atomic).
             earlier = {name: rows_of_this_run(out, f"{name}_{preset}", asdict(p), STEP_PARAMS)
                        for name in ("steps", "time_split")}
             rows = rows.assign(preset=preset)[["preset", *rows.columns]]

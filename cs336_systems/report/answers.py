@@ -290,7 +290,7 @@ def implemented(d: SectionData, what: str, where: str, ours: str, course_file: s
                                                                  else "") + _where_run(name, None if own else suite))
     if files is not None and len({files.get(k) for k in used}) == 1:  # one suite's file reported: name it alone
         files = None
-        course_file = next(v for k, v in course_file.items() if k == used[0])  # type: ignore[union-attr]
+        course_file = course_file[used[0]]  # type: ignore[index]
     shown = f"`{course_file}`" if files is None else join_words([f"`{v}` ({k})" for k, v in files.items()])
     course = (f" The course's {shown}: " + join_words(outcomes) + " (§4)." if outcomes else
               f" The course's {shown} runs through `tests/adapters.py` (§4 has the command).")
