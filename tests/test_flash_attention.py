@@ -310,12 +310,16 @@ def test_persistent_grid_changes_the_order_not_the_numbers(case: Case) -> None:
 
     q, k, v, do = _inputs(case, torch.float32)
     plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    for per_sm in (1, 4):
-        with options.use(persistent=per_sm):
+    n_bh = q.shape[0] * q.shape[1]
+    four_heads = 4 * (2 * case.n_keys * case.head_dim * 4) / scheduling._NOMINAL_L2_BYTES  # K and V of four heads
+    for per_sm, share in ((1, options.DEFAULT_L2_SHARE), (4, options.DEFAULT_L2_SHARE), (3, four_heads)):
+        with options.use(persistent=per_sm, l2_share=share):
             assert scheduling.persistent_programs(q.device) == per_sm  # one nominal SM on CPU
+            if share == four_heads:  # 6 heads: a group of 4, then a smaller one, the decode's edge case
+                assert scheduling.heads_per_l2_group(n_bh, 2 * case.n_keys * case.head_dim * 4, q.device) == 4
             persistent = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
         for name, a, b in zip(NAMES, persistent, plain):
-            assert torch.equal(a, b), (per_sm, name)
+            assert torch.equal(a, b), (per_sm, share, name)
 
 
 @pytest.mark.slow
