@@ -1326,6 +1326,9 @@ def test_compile_answer_compares_its_eager_times_with_the_attention_table() -> N
     assert "at the same 2 shapes" in text and "(farthest at d = 16, 256 tokens: 0.300 ms against 0.380 ms)" in text
     assert "the shapes whose forward takes 1 ms or more agree within 3.00%" in text  # the compiled row is not eager
     assert _against_eager_table(att, None) == ""
+    from cs336_systems.experiments.torch_compile import _long_cells_gap  # the main text's figure, the same one
+
+    assert _long_cells_gap(att, eager) == pytest.approx(0.03) and _long_cells_gap(att.iloc[:1], eager) is None
 
 
 def test_compile_answer_sets_the_sections_gap_against_the_spread_between_processes() -> None:
