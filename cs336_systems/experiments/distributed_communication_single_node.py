@@ -467,7 +467,7 @@ def _interaction(df: pd.DataFrame) -> str:
 
 def answer(d: SectionData) -> list[Block]:
     df = d.frame("allreduce")
-    text = more = None
+    text = more = reference = None
     if df is not None and {"backend", "world_size", "size_bytes", "time_ms"} <= set(df.columns) and len(df):
         parts = []
         big = df[df["size_bytes"] == df["size_bytes"].max()]
@@ -495,11 +495,11 @@ def answer(d: SectionData) -> list[Block]:
             r = nccl.sort_values("world_size").iloc[0]
             top = peak.get(str(int(r["world_size"])))
             link = topo["links"].get("0-1") or sorted(set(topo["links"].values()))[0]  # the first two ranks' link
-            if top:
-                more = (f"The reference curve: `nvidia-smi topo -m` shows {link} between the GPUs (bonded NVLinks of "
-                       f"{fmt.sig(topo.get('gbps_per_link', 0))} GB/s per direction each), {fmt.sig(top)} GB/s of bus "
-                       f"bandwidth at most; {int(r['world_size'])} ranks reach {fmt.pct(r['busbw_GBps'] / top)} of it "
-                       f"at {size}." + (" " + more if more else ""))
+            if top:  # the handout's reference curve, derived where the answer shows it
+                reference = (f"The reference curve: `nvidia-smi topo -m` shows {link} between the GPUs (bonded NVLinks "
+                             f"of {fmt.sig(topo.get('gbps_per_link', 0))} GB/s per direction each), "
+                             f"{fmt.sig(top)} GB/s of bus bandwidth at most; {int(r['world_size'])} ranks reach "
+                             f"{fmt.pct(r['busbw_GBps'] / top)} of it at {size}.")
         text = Text(f"All-reducing {size}: " + join_words(parts) + vs + ". Small messages are latency bound "
                     "(their time grows far more slowly than their size), large ones bandwidth bound."
                     + _interaction(df))
@@ -508,6 +508,13 @@ def answer(d: SectionData) -> list[Block]:
     fit = d.frame("allreduce_alpha_beta")
     fit_text = None
     if fit is not None and len(fit) and {"backend", "world_size", "alpha_us", "bandwidth_GBps"} <= set(fit.columns):
+        used = fit[(fit["backend"] == "nccl") & (fit["world_size"] == fit["world_size"].min())]
+        if len(used) and text is not None:  # the fit later sections cite, where a reader of this answer finds it
+            r = used.iloc[0]
+            text = Text(text.markdown + " Later sections predict their communication from a fit of these times to "
+                        "$t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$: for NCCL with "
+                        f"{int(r['world_size'])} processes, $\\alpha$ = {fmt.sig(r['alpha_us'])} µs per ring step and "
+                        f"$B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s (every fit: the appendix).")
         parts = [f"{r['backend']} with {int(r['world_size'])} processes $\\alpha$ = {fmt.sig(r['alpha_us'])} µs and "
                  f"$B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s (worst at {r.get('worst_size', '?')}, "
                  f"{fmt.pct(r['max_rel_error'])} off)"
@@ -521,7 +528,7 @@ def answer(d: SectionData) -> list[Block]:
                         "and takes $B$ from the link specification.")
     return [
         question(d, "distributed_communication_single_node", _prompt(d), [
-                     text,
+                     text, Text(reference) if reference else None,
                      d.table("allreduce", caption="All-reduce time and bandwidth (algorithm bandwidth = bytes per "
                              "rank / time; bus bandwidth = algorithm bandwidth × 2(n−1)/n)."),
                      d.figure("allreduce_bandwidth", caption="All-reduce bus bandwidth by message size, backend and "
