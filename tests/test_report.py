@@ -1096,10 +1096,11 @@ def test_the_all_reduce_question_is_the_grids_own(tmp_path) -> None:
     assert q.prompt == "All-reduce latency for NCCL (GPU), 1 MB–1 GB of float32, 2, 4 and 8 processes."
     text = q.blocks[0].markdown
     assert "; **not measured: NCCL with 4 and 8 processes** (the machine had 2 GPUs" in text
-    more = blocks[2].blocks[0].markdown  # the appendix: the links' peak and the command for the missing counts
+    more = blocks[2].blocks[0].markdown  # the appendix: the command for the missing counts
     assert ("`python -m cs336_systems.experiments distributed_communication_single_node --full --edition cse599o` "
             "on a node with 8 GPUs") in more
-    assert "NV18" in more and "73.3% of it at 1GB" in more
+    reference = q.blocks[1].markdown  # the handout's reference curve, derived in the answer itself
+    assert reference.startswith("The reference curve:") and "NV18" in reference and "73.3% of it at 1GB" in reference
 
 
 def test_sharding_memory_names_ddp_buckets_when_the_allocator_holds_more_than_the_parameters() -> None:
