@@ -37,6 +37,11 @@ def run(p: DDPParams, out: ResultWriter) -> dict[str, Any]:
 from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402  (answers only)
 
 
+def _overlapping(variant: Any) -> bool:
+    """Whether a traced variant is the per-parameter overlapping one (named ``individual`` or ``overlap``)."""
+    return "individual" in str(variant) or "overlap" in str(variant)
+
+
 #: Idle time (ms) after backward below which a traced step's gap is not worth a sentence.
 IDLE_MS = 1.0
 
@@ -50,7 +55,7 @@ def _idle_after_backward(timeline: Any, timed: Any = None) -> str:
         return ""
     gaps = []
     for variant, sub in timeline.groupby("variant", sort=False):
-        if not ("individual" in str(variant) or "overlap" in str(variant)):
+        if not _overlapping(variant):
             continue  # flat's gap is its flatten, all-reduce and copy back: not a wait on handles
         phases = sub[sub["kind"] == "phase"].set_index("name")
         if not {"backward", "optimizer"} <= set(phases.index):
@@ -86,7 +91,7 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
     """The reason in one sentence: how much of the communication the overlap hid (from the traces), and what
     it costs the backward it shares the GPU with (forward+backward time against flat's)."""
     by = ov.set_index("variant")
-    hit = [v for v in by.index if "individual" in str(v) or "overlap" in str(v)]
+    hit = [v for v in by.index if _overlapping(v)]
     if not hit or not by.loc[hit[0], "comm_ms"]:
         return ""
     r = by.loc[hit[0]]
