@@ -163,6 +163,59 @@ def test_a_configs_pre_hook_runs_before_every_replay_with_this_calls_arguments()
     assert seen[0]["n"] == 128 and seen[0]["scale"] == 0.125
 
 
+def test_parameters_left_at_their_defaults_are_replayed_with_them() -> None:
+    """An opt-in path adds constexprs with defaults that the default call does not pass (Triton binds them):
+    the cache must replay them too, not give up on the kernel and send every call down Triton's slow path."""
+
+    def kernel(X, n, stride, scale, HEAD_DIM, BLOCK_M, PERSISTENT=False, LD_ONLY=False):  # noqa: ANN001, N803
+        pass
+
+    class Wrapped(FakeJit):  # an autotuner around a JIT function around the function written
+        arg_names = [*FakeJit.arg_names, "PERSISTENT", "LD_ONLY"]
+
+        def __init__(self) -> None:
+            super().__init__(Config({"BLOCK_M": 32}))
+            self.fn = type("Jit", (), {"fn": staticmethod(kernel)})()
+
+    fn = Wrapped()
+    cache = MetaLaunchCache()
+    for _ in range(2):
+        cache.launch(fn, _grid, _args(), {"HEAD_DIM": 64})
+    assert len(fn.slow_calls) == 1 and cache.hits == 1
+    assert fn.kernel.launches[0][-4:] == (64, 32, False, False)
+
+
+def test_every_attention_launch_can_be_replayed() -> None:
+    """The real kernels, run once forward and backward (under the interpreter on CPU): for each launch the
+    cache must be able to rebuild the full parameter list, or every call pays Triton's launch path."""
+    from cs336_systems.attention import FlashAttentionTriton
+    from cs336_systems.attention.launch_cache import FLASH_LAUNCHES
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU tests above check the replays themselves")
+    remembered: list = []
+    original = LaunchCache._remember
+
+    def remember(fn, args, constexprs, kernel):  # noqa: ANN001, ANN202
+        entry = original(fn, args, constexprs, RecordingKernel())  # the interpreter returns no compiled kernel
+        remembered.append((getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", fn), entry))
+        return None  # nothing is replayed on CPU: only whether it could be
+
+    shape = (1, 2, 32, 16)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(FLASH_LAUNCHES, "device_type", "cpu")
+    mp.setattr(LaunchCache, "_remember", staticmethod(remember))
+    try:
+        with launch_plan.disabled():
+            o = FlashAttentionTriton.apply(q, k, v, True)
+            torch.autograd.grad(o, (q, k, v), torch.randn(shape))
+    finally:
+        mp.undo()
+    assert len(remembered) >= 3, remembered  # forward, dQ and dK/dV at least
+    assert all(entry is not None for _, entry in remembered), [name for name, entry in remembered if entry is None]
+
+
 def test_disabled_cache_and_lru_bound() -> None:
     fn = FakeJit(Config({"BLOCK_M": 32}))
     cache = MetaLaunchCache(max_entries=2)

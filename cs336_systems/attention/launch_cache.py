@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -180,13 +181,25 @@ class LaunchCache:
             return None  # the interpreter, or a Triton whose launch path we do not know
         config = getattr(fn, "best_config", None)
         names = tuple(fn.arg_names)
-        meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
+        # Parameters the caller leaves at their defaults (an opt-in path's constexprs) are bound by Triton too.
+        meta = {**_defaults(fn), **constexprs, **(config.all_kwargs() if config is not None else {})}
         try:
             tail = tuple(meta[name] for name in names[len(args):])
         except KeyError:
             return None
         scalars = {name: a for name, a in zip(names, args) if isinstance(a, (int, float, bool))}
         return kernel, {**scalars, **meta}, tail, getattr(config, "pre_hook", None)
+
+
+def _defaults(fn: Any) -> dict[str, Any]:
+    """The default values of ``fn``'s parameters: autotuner, heuristics, ``JITFunction`` and the interpreter's
+    function each wrap the next in ``.fn``, down to the Python function written; empty where there is none."""
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    if not inspect.isfunction(fn):
+        return {}
+    parameters = inspect.signature(fn).parameters
+    return {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
 
 
 def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
