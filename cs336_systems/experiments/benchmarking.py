@@ -226,9 +226,8 @@ def answer(d: SectionData) -> list[Block]:
                                              + mfu_note(d.meta("timings")))], what="end-to-end timings by model size"),
         question(d, "c", "The effect of warm-up steps.", [
             None if study is None else Text(
-                _cold_against_warm(study) + "The cold steps pay one-time costs: the CUDA context and cuBLAS handles, "
-                "lazily loaded kernel modules, a GEMM algorithm chosen per shape, and the allocator growing with "
-                "`cudaMalloc`. One or two warm-up steps have paid these for every shape, so they can still differ "
+                _cold_against_warm(study) + "The cold steps pay one-time costs: the CUDA context, lazily loaded "
+                "kernels, a GEMM algorithm chosen per shape and the allocator's `cudaMalloc` growth. One or two warm-up steps have paid these for every shape, so they can still differ "
                 "from five only through what later steps change (allocator growth, clocks) or a single slow step in "
                 "a mean of few steps"
                 + (_few_against_five(study) or ".")),
@@ -403,20 +402,20 @@ def _cold_against_warm(study: pd.DataFrame) -> str:
     if not both or most == 0:
         return ""
     cold, warm = cold.loc[both], warm.loc[both]
-    forward, f_range, f_worst = _cold_slowdown(cold, warm, "forward")
+    forward, f_range, _ = _cold_slowdown(cold, warm, "forward")
     unrun = [str(s) for s in study.loc[(study["warmup"] == 0) & (study["status"] != "ok"), "size"]] \
         if "status" in study.columns else []
-    text = ("In the warm-up study (each setting in a fresh process, a run apart from (b)'s), without warm-up the "
-            f"forward's mean is {f_range} the mean after {most} warm-up steps, and its standard deviation "
-            f"{fmt.ms(cold['forward_std_ms'].min())}–{fmt.ms(cold['forward_std_ms'].max())} against at most "
-            f"{fmt.ms(warm['forward_std_ms'].max())} (worst, {f_worst}; every cell in the appendix"
-            + (f", where it says why {join_words(unrun)} without warm-up did not run" if unrun else "") + ")")
+    # (c) asks for 2-3 sentences: the ranges here, each cell (and the worst) in the appendix's table
+    text = (f"Without warm-up the forward's mean is {f_range} its mean after {most} warm-up steps and its standard "
+            f"deviation {fmt.ms(cold['forward_std_ms'].min())}–{fmt.ms(cold['forward_std_ms'].max())}, against at "
+            f"most {fmt.ms(warm['forward_std_ms'].max())}"
+            + (f" (the appendix says why {join_words(unrun)} without warm-up did not run)" if unrun else ""))
     if {"backward_mean_ms", "backward_std_ms"} <= set(cold.columns):
-        backward, b_range, b_worst = _cold_slowdown(cold, warm, "backward")
+        backward, b_range, _ = _cold_slowdown(cold, warm, "backward")
         if b_range:
-            text += f"; the backward's cold mean is {b_range} its warm one (worst, {b_worst})"
+            text += f", while the backward's cold mean is {b_range} its warm one"
             # why, where the data agree: the first backward finds the CUDA context and handles the forward set up
-            text += (", since the first forward has already set up the CUDA context and cuBLAS handles"
+            text += (" (the first forward has already set up the CUDA context)"
                      if backward.max() < forward.max() else "")
     return text + ". "
 

@@ -105,10 +105,11 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
         parts = [known(own.get(k)) for k in ("step_ms_median", "sync_ms", "optimizer_ms")]
         if ddp_common.outlier_note(own) and all(x is not None for x in parts):
             # The mean forward+backward carries the slow steps too: take the median step less the rest.
-            mine, how = parts[0] - parts[1] - parts[2], ", the median step less the exposed wait and the optimizer,"
-        out += (f"; what it costs{' instead' if share >= 0.9 else ' besides'} is a slower backward (forward and backward {fmt.ms(mine)}{how} against "
-                f"flat's {fmt.ms(flat['fwd_bwd_ms'])}), the NCCL kernels taking SMs and memory bandwidth from the "
-                "gradient kernels beside them, plus a launch per parameter")
+            mine, how = parts[0] - parts[1] - parts[2], " from the median step"
+        # (a) asks for 1-2 sentences: the mechanism in a clause
+        out += (f", {'but' if share >= 0.9 else 'and'} the backward slows ({fmt.ms(mine)} forward and backward{how}, "
+                f"against flat's {fmt.ms(flat['fwd_bwd_ms'])}) as the NCCL kernels share SMs and memory bandwidth "
+                "with it and each parameter costs a launch")
     return out + "."
 
 

@@ -419,7 +419,8 @@ def answer(d: SectionData) -> list[Block]:
                        (f"Not significantly for the {join_words(steady)} peaks (within 10%); it " if steady
                         else "Yes: it ") + join_words(moving) + ". ")
             verdict += _not_rescued(peaks)
-            c_text = Text(verdict + "bf16 autocast changes the " + join_words(parts) + " (bf16 / fp32). Autocast keeps the "
+            # (c) asks for 2-3 sentences: the verdict, the longer context, why (each peak is in the table)
+            c_text = Text(verdict + "Autocast keeps the "
                           "fp32 weights, gradients and optimizer state and adds bf16 copies of weights for the "
                           "matmuls, so only the activations shrink (those saved for backward, or without autograd "
                           "the transient ones, such as the attention scores)"

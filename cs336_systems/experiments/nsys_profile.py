@@ -320,18 +320,18 @@ def answer(d: SectionData) -> list[Block]:
                     frame[col] = frame[col].map(short_kernel)
         return d.table("summary", caption=caption, frame=frame)
 
-    a = b = c = dd = e = a_more = intro = None
+    a = b = c = dd = e = a_more = b_more = e_more = matches = intro = None
     if row is not None:
         ratios = ok_rows(summary)["profiled_forward_kernels_ms"] / ok_rows(summary)["python_forward_ms"]
         device = short_device(d.meta("summary"))
         a = Text(f"For {where} on the {device} the profiled kernels sum to "
                  f"{fmt.ms(row['profiled_forward_kernels_ms'])} per forward pass against "
-                 f"{fmt.ms(row['python_forward_ms'])} from the Python timer; over all {len(ratios)} profiles the "
-                 f"kernels take {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed pass, the rest "
-                 "being the GPU idle between kernels (launch overhead, most at small models and short contexts)"
-                 + ("; above 100% the profiled passes ran slower than the timed ones (different passes of one "
-                    "process)." if ratios.max() > 1 else ".")
-                 + (f" {matches}" if (matches := _reconciled(d)) else ""))
+                 f"{fmt.ms(row['python_forward_ms'])} from the Python timer, and over all {len(ratios)} profiles "
+                 f"to {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 2)} of the timed pass: the rest is the GPU "
+                 "idle between kernels (launch overhead, most at small models and short contexts)"
+                 + (", and above 100% a profiled pass ran slower than the timed one." if ratios.max() > 1 else "."))
+        # (a) asks for 1-2 sentences: the other sections' timings of the same passes are the appendix's
+        matches = _reconciled(d)
         intro = Text("Nsight Systems is not installed on these machines, so we profiled with PyTorch's profiler, "
                      "which reads the same CUDA kernel records (CUPTI); the model's NVTX ranges mark the same regions. "
                      + _grid_sentence(summary).strip()
@@ -348,9 +348,9 @@ def answer(d: SectionData) -> list[Block]:
                  f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
                  + _calls_per_block(row)
-                 + (f"; {same}." if same else ".")
-                 + _one_sentence(_across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel"),
-                                 _step_leaders(top, summary)))
+                 + (f"; {same}." if same else "."))
+        b_more = _one_sentence(_across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel"),
+                               _step_leaders(top, summary)).strip()
         c = Text(f"For {where}, " + (_non_matmul(top, row) or
                  f"the largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time")
@@ -370,8 +370,8 @@ def answer(d: SectionData) -> list[Block]:
                     if per_flop > 1 else ".")
                  + ("" if "attention_scale_mask_ms" in row and pd.notna(row["attention_scale_mask_ms"]) else
                     " (This run counted the score scaling and the mask, which share the scores' range, as matmul "
-                    "time, so the softmax's share is understated.)")
-                 + _softmax_across(summary))
+                    "time, so the softmax's share is understated.)"))
+        e_more = _softmax_across(summary).strip()
     grid = [part("Forward time: Python timer vs. the sum of profiled kernels.", "python_forward_ms",
                  "python_forward_std_ms", "profiled_forward_kernels_ms", "profiled_step_kernels_ms"),
             part("Top kernels of the forward pass.", "top_forward_kernel", "top_kernel_calls_per_forward",
@@ -398,7 +398,9 @@ def answer(d: SectionData) -> list[Block]:
         # The answers above quote one configuration; every size and context is the appendix's.
         Text("", role=BEYOND_HANDOUT),
         *([question(d, "a", "The timed forward passes against the other sections', and the longest contexts.",
-                    [Text(a_more)])] if a_more else []),
+                    [Text(t) for t in (matches, a_more) if t])] if matches or a_more else []),
+        *([question(d, "b", "The top kernels of every profile.", [Text(b_more)])] if b_more else []),
+        *([question(d, "e", "Softmax against matmuls in every profile.", [Text(e_more)])] if e_more else []),
         *([Text("The ten largest kernels behind (b) and (c), and the matmul share behind (d).")]
           if row is not None else []),
         *[b for b in (_top_kernels(d, top, row),

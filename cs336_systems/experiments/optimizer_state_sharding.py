@@ -412,11 +412,12 @@ def answer(d: SectionData) -> list[Block]:
             buckets = _buckets_gib(rank0, st)
             if buckets:  # what the tensor count leaves out, so the parts add up to the peaks (details: the appendix)
                 parts.append(f"torch DDP's gradient buckets {fmt.sig(buckets)} GiB in both")
-            apart = (" (together more than the peak: backward frees each block's activations as it makes its "
-                     "gradients)" if _not_all_at_once(rank0, st) else "")
+            # (a) asks for 2-3 sentences: the peaks, the breakdown, the expectation; why the parts outsum the
+            # peak and how the activations compare with the accounting are the appendix's
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
-                            + "; ".join(parts).replace("_", " ") + apart + "." + _expectation(st, _step_saving(rank0, _state_saved(st))))
-            detail += _buckets_note(rank0, st) + _not_all_at_once(rank0, st) + _step_temporaries(rank0)
+                            + "; ".join(parts).replace("_", " ") + "." + _expectation(st, _step_saving(rank0, _state_saved(st))))
+            detail += (_buckets_note(rank0, st) + _not_all_at_once(rank0, st) + _activations_note(st)
+                       + _step_temporaries(rank0))
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
@@ -473,21 +474,31 @@ def answer(d: SectionData) -> list[Block]:
 
 
 def _expectation(st: pd.DataFrame, after_step: str = "") -> str:
-    """(a)'s "do the results align with your expectations?": the state against the accounting's prediction,
-    and the activations, which the accounting estimates; ``after_step`` (:func:`_step_saving`) ends the
-    sentence."""
+    """(a)'s "do the results align with your expectations?": the state against the accounting's prediction;
+    ``after_step`` (:func:`_step_saving`) ends the sentence."""
     need = {"adamw measured", "sharded measured", "adamw predicted", "sharded predicted"}
-    if not need <= set(st.columns) or not {"optimizer_state", "activations"} <= set(st.index):
+    if not need <= set(st.columns) or "optimizer_state" not in st.index:
         return ""
-    state, act = st.loc["optimizer_state"], st.loc["activations"]
-    off = act["adamw measured"] / act["adamw predicted"] - 1 if act["adamw predicted"] else float("nan")
+    state = st.loc["optimizer_state"]
     close = all(abs(state[f"{o} measured"] / state[f"{o} predicted"] - 1) < 0.05 for o in ("adamw", "sharded")
                 if state[f"{o} predicted"])
-    return (" **Compared with expectations:** sharding should divide only AdamW's two fp32 moments ($8\\Psi$ bytes) by "
-            f"the world size{', and it does' if close else ''}: the optimizer state goes from {fmt.sig(state['adamw measured'])} to "
-            f"{fmt.sig(state['sharded measured'])} GiB, " + _prediction(state, close) + ", parameters and "
-            f"gradients do not change, and the activations are {fmt.pct(abs(off))} {'above' if off >= 0 else 'below'} "
-            "the accounting's per-block estimate either way" + after_step + "." if off == off else "")
+    return ((" As expected, sharding" if close else " Sharding should") + " divide" + ("s" if close else "")
+            + " only AdamW's two fp32 moments ($8\\Psi$ bytes) by the world size: the optimizer state goes from "
+            f"{fmt.sig(state['adamw measured'])} to {fmt.sig(state['sharded measured'])} GiB, "
+            + _prediction(state, close) + ", while parameters and gradients do not change" + after_step + ".")
+
+
+def _activations_note(st: pd.DataFrame) -> str:
+    """The measured activations against the accounting's per-block estimate (the same with and without
+    sharding)."""
+    if not {"adamw measured", "adamw predicted"} <= set(st.columns) or "activations" not in st.index:
+        return ""
+    act = st.loc["activations"]
+    if not act["adamw predicted"] or act["adamw measured"] != act["adamw measured"]:
+        return ""
+    off = act["adamw measured"] / act["adamw predicted"] - 1
+    return (f" The measured activations ({fmt.sig(act['adamw measured'])} GiB) are {fmt.pct(abs(off))} "
+            f"{'above' if off >= 0 else 'below'} the accounting's per-block estimate, with and without sharding.")
 
 
 def _step_saving(rank0: pd.DataFrame, state_saved: float | None = None) -> str:
