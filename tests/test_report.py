@@ -1873,3 +1873,28 @@ def test_allreduce_answer_gives_the_reference_curve_and_the_fit_later_sections_c
     text = " ".join(getattr(b, "markdown", "") for b in main.blocks if b is not None)
     assert "The reference curve: `nvidia-smi topo -m` shows" in text
     assert "for NCCL with 2 processes, $\\alpha$ = " in text and "(every fit: the appendix)" in text
+
+
+def test_bucketed_answer_gives_each_bucket_sizes_communication_time(tmp_path) -> None:
+    """CSE599-O's Problem 8 asks for communication time per bucket size: the exposed wait (measured) beside what
+    all of a size's all-reduces take, n_b o + s/w from the same run's fit, and the share the backward hid."""
+    import json
+
+    from cs336_systems.experiments.ddp_bucketed import _communication
+    from cs336_systems.report.data import SectionData
+
+    folder = tmp_path / "ddp_bucketed"
+    folder.mkdir()
+    b = pd.DataFrame({"variant": ["bucketed (1MB)", "bucketed (1000MB)"], "mode": "bucketed", "bucket_size_mb": [1.0, 1000.0],
+                      "num_buckets": [300, 4], "step_ms": [100.0, 110.0], "step_ms_median": [99.0, 111.0],
+                      "sync_ms": [0.5, 6.0], "grad_bytes": 2e9})
+    b.to_csv(folder / "steps_large_fp32.csv", index=False)
+    (folder / "overhead_model_large_fp32.json").write_text(json.dumps({"o_us": 30.0, "w_GBps": 400.0}))
+    table = _communication(SectionData(tmp_path, "ddp_bucketed"), "steps_large_fp32", b)
+    frame = table.frame
+    # 300 calls of 30 µs = 9 ms, plus 2 GB at 400 GB/s = 5 ms; 4 calls: 0.12 + 5 ms
+    assert frame["allreduce_total_ms"].tolist() == pytest.approx([14.0, 5.12])
+    assert frame["step_ms"].tolist() == [99.0, 111.0]  # the median step
+    assert frame["hidden_pct"].round(1).tolist() == [96.4, 0.0]  # a wait past the modelled time hid nothing
+    assert "$o$ = 30.0 µs and $w$ = 400 GB/s" in table.caption
+    assert _communication(SectionData(tmp_path, "ddp_bucketed"), "steps_large_bf16", b) is None  # no fit: no table

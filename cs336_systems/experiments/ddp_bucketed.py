@@ -133,13 +133,39 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
     return expected + outcome + change
 
 
+def _communication(d: SectionData, name: str | None, b: Any) -> Table | None:
+    """Communication time per bucket size (CSE599-O's Problem 8 asks for it beside the step time): the wait the
+    backward left (measured, the step table's ``sync``), and the time all of a size's all-reduces take, the
+    linear cost ``n_b o + s/w`` summed over its buckets with ``o`` and ``w`` fitted to all-reduces timed in the
+    same run (the ``overhead_model`` record), so the share the backward hid."""
+    import pandas as pd
+
+    fit_name = name.replace("steps", "overhead_model", 1) if name else None
+    fit = d.json(fit_name) if fit_name in d.records else None
+    need = {"bucket_size_mb", "num_buckets", "sync_ms", "grad_bytes"}
+    if not isinstance(fit, dict) or not {"o_us", "w_GBps"} <= set(fit) or not need <= set(b.columns) or b.empty:
+        return None
+    total = b["num_buckets"] * fit["o_us"] / 1e3 + b["grad_bytes"] / (fit["w_GBps"] * 1e9) * 1e3
+    frame = pd.DataFrame({"bucket_size_mb": b["bucket_size_mb"], "num_buckets": b["num_buckets"],
+                          "step_ms": b.apply(_typical, axis=1), "exposed_comm_ms": b["sync_ms"],
+                          "allreduce_total_ms": total,
+                          # a wait longer than the modelled all-reduces hid nothing (the rest is host time)
+                          "hidden_pct": (100 * (1 - b["sync_ms"] / total)).clip(lower=0)})
+    return d.table(name, frame=frame.reset_index(drop=True), caption=(
+        "Communication by bucket size (fp32 gradients, eager steps): `step_ms` the median step; `exposed_comm_ms` "
+        "measured, the wait for the all-reduces after the backward pass (the step table's `sync`); "
+        "`allreduce_total_ms` the time all of its buckets' all-reduces take, $n_b\\,o + s/w$ with "
+        f"$o$ = {fmt.sig(fit['o_us'], 3)} µs and $w$ = {fmt.sig(fit['w_GBps'])} GB/s fitted to all-reduces timed in "
+        "the same run (the model of (b)); `hidden_pct` the share of that the backward pass hid."))
+
+
 def answer(d: SectionData) -> list[Block]:
     name, df = steps_table(d)
     # (b): the derivation and the fitted optimum are the answer; the measured overhead against the model (its
     # table, split and figure) is the appendix's.
     model = ddp_common.bucket_model(d.sibling("distributed_communication_single_node"), d)
     measured = next((i for i, b in enumerate(model) if isinstance(b, (Table, Figure))), len(model))
-    text = why = None
+    text = why = communication = None
     eager = ddp_common.eager_rows(df) if df is not None else None
     if eager is not None and "mode" in eager.columns and (eager["mode"] == "bucketed").any():
         df = eager
@@ -168,6 +194,7 @@ def answer(d: SectionData) -> list[Block]:
                     "MiB" + (f" (reference: {join_words(refs)})." if refs else ".")
                     + _expectations(b, *_previous(d, df)))
         why = Text(why.strip())
+        communication = _communication(d, name, b)
     sweep = named(d.figures, "bucket_sweep")
     return [
         question(d, "ddp_overlap_bucketed", "DDP that groups gradients into buckets of a maximum size and "
@@ -179,7 +206,7 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "a", "Bucketed DDP with the handout's bucket sizes, 1, 10, 100 and 1000 MB (MiB here; 25, "
                  "torch DDP's default, added), compared with the unbucketed variants.", [setup(df, d.edition), text, steps_blocks(d, name, STEPS_CAPTION + " Eager steps; the captured "
                                                             "ones are in the appendix.", eager_only=True),
-                               d.figure(sweep or "", caption="Step time against bucket size.")],
+                               communication, d.figure(sweep or "", caption="Step time against bucket size.")],
                  what="bucketed DDP timings"),
         question(d, "b", "A model of DDP's communication overhead and the bucket size that minimizes it.",
                  model[:measured]),

@@ -36,11 +36,11 @@ INDEX_NAME = _manifest.INDEX_NAME
 def _preamble(root: Path, html: str = "writeup.html") -> list[Block]:
     return [
         Text(
-            f"Every number, table and figure is read from the measured results in `{root.name}/`; the line under "
-            "each names the device and date. **STALE** marks a result measured on older code, **SUSPECT** one from "
-            "a machine that measured more than 10% slow, **DISAGREES** one that another section measured "
-            "differently. The appendix holds what goes beyond the handout, and the results index "
-            f"`{root.name}/{INDEX_NAME}` every run's full record (`{html}` is this document as a web page)."
+            "Every number, table and figure is read from a measured result; the line under each names the device, "
+            "date and commit. **STALE** marks a result measured on older code, **SUSPECT** one from a machine that "
+            "measured more than 10% slow, **DISAGREES** one that another section measured differently. Work beyond "
+            f"the handout is in the appendix; each run's full record is in `{root.name}/{INDEX_NAME}` (`{html}` is "
+            "this document as a web page)."
         )
     ]
 
@@ -210,10 +210,9 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         sections.append(section)
         rows.append(f"| §{entry.number} | {', '.join(entry.problems) or '(context)'} | §{spec.number} {spec.title} |")
     preamble = _preamble(root, f"writeup-{edition}.html") + [
-        Text(f"This document answers {editions.handout_name(edition)}, in its order and under its numbers. "
-             "It reads the same results as `writeup.pdf`, the workbook's full writeup; where a result answers "
-             f"the other edition's wording, a note at the top of the section says how. "
-             "Answers cite this document's numbers; a section it does not have is cited as `writeup.pdf`'s:"),
+        Text(f"This document answers {editions.handout_name(edition)}, in its order and under its numbers. Its "
+             "sections and the workbook's full writeup (`writeup.pdf`), whose section numbers it cites where it has "
+             "no section of its own:"),
         Text("\n".join(rows)),
     ]
     inputs = _manifest.result_files(root)
