@@ -161,9 +161,9 @@ def test_answer_says_how_process_count_interacts_with_message_size() -> None:
                        row("gloo", 2, "1GB", 10**9, 380.0, 2.6), row("gloo", 4, "1GB", 10**9, 590.0, 2.5),
                        row("gloo", 6, "1GB", 10**9, 740.0, 2.3)])
     assert allreduce._interaction(df) == (
-        " The process count interacts with the message size: for NCCL, 4 ranks are slower than 2 at 1MB (50.0 µs "
-        "against 40.0 µs), while at 1GB they reach more bus bandwidth (350 GB/s against 320 GB/s); Gloo's bus "
-        "bandwidth at 1GB falls from 2.60 GB/s with 2 ranks to 2.30 GB/s with 6.")
+        ", and the process count interacts with the message size: for NCCL, 4 ranks are slower than 2 at 1MB (50.0 "
+        "µs against 40.0 µs), while at 1GB they reach more bus bandwidth (350 GB/s against 320 GB/s); Gloo's bus "
+        "bandwidth at 1GB falls from 2.60 GB/s with 2 ranks to 2.30 GB/s with 6")
     flipped = df.assign(time_ms=[0.050, 0.040, 3.0, 4.2, 380.0, 590.0, 740.0],
                         busbw_GBps=[25.0, 30.0, 350.0, 320.0, 2.3, 2.6, 2.5])
     text = allreduce._interaction(flipped)  # the words follow the data, not the usual direction

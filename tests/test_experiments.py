@@ -461,8 +461,9 @@ def test_warmup_answer_compares_cold_and_warm_cells_of_the_sizes_measured_both_w
                           "status": ["ok"] * 5, "forward_mean_ms": [30.0, 20.0, 250.0, 240.0, 100.0],
                           "forward_std_ms": [40.0, 0.1, 80.0, 0.3, 9.0]})
     text = _cold_against_warm(study)
-    assert text.startswith("Without warm-up the forward's mean is 1.04×–1.50× its mean after 5 warm-up steps")
-    assert "standard deviation 40.0 ms–80.0 ms, against at most 0.300 ms" in text  # large has no cold cell
+    assert text.startswith("In a separate warm-up study (each setting in a fresh process), without warm-up the "
+                           "forward's mean is 1.04×–1.50× its mean after 5 warm-up steps")
+    assert "standard deviation 40.0 ms–80.0 ms, against at most 0.300 ms after 5" in text  # large has no cold cell
     assert "worst" not in text  # (c) asks for 2-3 sentences: each cell is in the appendix's table
     assert _cold_against_warm(study[study["warmup"] == 5]) == ""
 

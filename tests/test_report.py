@@ -1865,14 +1865,18 @@ def test_committed_writeups_have_no_unformatted_placeholders() -> None:
 def test_allreduce_answer_gives_the_reference_curve_and_the_fit_later_sections_cite_in_the_main_text() -> None:
     """The handout's reference curve is derived, and the latency-bandwidth fit the DDP and FSDP sections quote is
     given, in the answer itself, not only in the appendix."""
+    import re
+
     from cs336_systems.experiments import distributed_communication_single_node as comm
     from cs336_systems.report.data import SectionData
     from cs336_systems.results import FIGURES_DIR
 
     main = comm.answer(SectionData(FIGURES_DIR, "distributed_communication_single_node/cse599o", edition="cse599o"))[0]
     text = " ".join(getattr(b, "markdown", "") for b in main.blocks if b is not None)
-    assert "The reference curve: `nvidia-smi topo -m` shows" in text
-    assert "for NCCL with 2 processes, $\\alpha$ = " in text and "(every fit: the appendix)" in text
+    assert "`nvidia-smi topo -m` shows NV18 between the GPUs" in text and "so the reference curve is 450 GB/s" in text
+    assert "NCCL with 2 processes gives $\\alpha$ = " in text and "which later sections use" in text
+    # the handout asks for 2-3 sentences of commentary
+    assert len(re.findall(r"[.!?](?:\s|$)", re.sub(r"\$[^$]*\$", "", text.strip()))) <= 3, text
 
 
 def test_bucketed_answer_gives_each_bucket_sizes_communication_time(tmp_path) -> None:

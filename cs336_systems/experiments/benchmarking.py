@@ -406,9 +406,10 @@ def _cold_against_warm(study: pd.DataFrame) -> str:
     unrun = [str(s) for s in study.loc[(study["warmup"] == 0) & (study["status"] != "ok"), "size"]] \
         if "status" in study.columns else []
     # (c) asks for 2-3 sentences: the ranges here, each cell (and the worst) in the appendix's table
-    text = (f"Without warm-up the forward's mean is {f_range} its mean after {most} warm-up steps and its standard "
-            f"deviation {fmt.ms(cold['forward_std_ms'].min())}–{fmt.ms(cold['forward_std_ms'].max())}, against at "
-            f"most {fmt.ms(warm['forward_std_ms'].max())}"
+    text = (f"In a separate warm-up study (each setting in a fresh process), without warm-up the forward's mean is "
+            f"{f_range} its mean after {most} warm-up steps and its standard deviation "
+            f"{fmt.ms(cold['forward_std_ms'].min())}–{fmt.ms(cold['forward_std_ms'].max())}, against at most "
+            f"{fmt.ms(warm['forward_std_ms'].max())} after {most}"
             + (f" (the appendix says why {join_words(unrun)} without warm-up did not run)" if unrun else ""))
     if {"backward_mean_ms", "backward_std_ms"} <= set(cold.columns):
         backward, b_range, _ = _cold_slowdown(cold, warm, "backward")

@@ -462,7 +462,7 @@ def _interaction(df: pd.DataFrame) -> str:
                      f"{int(bw.index[-1])}")
     if not parts:
         return ""
-    return " The process count interacts with the message size: " + "; ".join(parts) + "."
+    return ", and the process count interacts with the message size: " + "; ".join(parts)
 
 
 def answer(d: SectionData) -> list[Block]:
@@ -475,17 +475,22 @@ def answer(d: SectionData) -> list[Block]:
             bw = f" ({fmt.sig(r['busbw_GBps'])} GB/s bus bandwidth)" if "busbw_GBps" in r and pd.notna(r["busbw_GBps"]) else ""
             parts.append(f"{r['backend']} with {int(r['world_size'])} processes {fmt.ms(r['time_ms'])}{bw}")
         size = big["size"].iloc[0] if "size" in big.columns else fmt.sig(big["size_bytes"].iloc[0])
-        vs = ""
-        both = big[big["world_size"] == big["world_size"].min()].set_index("backend")["time_ms"]
-        if {"nccl", "gloo"} <= set(both.index):
-            vs = (f"; with {int(big['world_size'].min())} processes NCCL (GPU memory, NVLink) is "
-                  f"{fmt.ratio(both['gloo'] / both['nccl'])} faster than Gloo (host memory, CPU reduction)")
+        lead = f"All-reducing {size}: " + join_words(parts)
+        both = big[big["world_size"] == big["world_size"].min()].set_index("backend")
+        if {"nccl", "gloo"} <= set(both.index):  # (the handout's 2-3 sentences: every cell is the table's)
+            nccl_row, gloo_row = both.loc["nccl"], both.loc["gloo"]
+            bw = (f" ({fmt.sig(nccl_row['busbw_GBps'])} GB/s bus bandwidth)" if "busbw_GBps" in both.columns
+                  and pd.notna(nccl_row["busbw_GBps"]) else "")
+            lead = (f"At {size}, NCCL with {int(big['world_size'].min())} processes takes {fmt.ms(nccl_row['time_ms'])}"
+                    f"{bw}, {fmt.ratio(gloo_row['time_ms'] / nccl_row['time_ms'])} faster than Gloo's "
+                    f"{fmt.ms(gloo_row['time_ms'])}: it reduces in GPU memory over NVLink, Gloo through host memory on "
+                    "the CPU")
         meta = d.meta("allreduce")
         asked = meta.get("params", {}).get("nproc") or []
         missing = [n for n in asked if n not in set(df.loc[df["backend"] == "nccl", "world_size"])]
         if missing and "nccl" in set(df["backend"]):
-            vs += (f"; **not measured: NCCL with {join_words([str(n) for n in missing])} processes** (the machine had "
-                   f"{meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own)")
+            lead += (f"; **not measured: NCCL with {join_words([str(n) for n in missing])} processes** (the machine "
+                     f"had {meta.get('num_gpus', '?')} GPUs, and an NCCL rank needs a GPU of its own)")
             more = (f"`python -m cs336_systems.experiments {SECTION_NAME} --full{_edition_flag(d)}` on a node with "
                     f"{max(missing)} GPUs adds the process counts not measured.")
         topo = d.json("topology")
@@ -496,25 +501,26 @@ def answer(d: SectionData) -> list[Block]:
             top = peak.get(str(int(r["world_size"])))
             link = topo["links"].get("0-1") or sorted(set(topo["links"].values()))[0]  # the first two ranks' link
             if top:  # the handout's reference curve, derived where the answer shows it
-                reference = (f"The reference curve: `nvidia-smi topo -m` shows {link} between the GPUs (bonded NVLinks "
-                             f"of {fmt.sig(topo.get('gbps_per_link', 0))} GB/s per direction each), "
-                             f"{fmt.sig(top)} GB/s of bus bandwidth at most; {int(r['world_size'])} ranks reach "
-                             f"{fmt.pct(r['busbw_GBps'] / top)} of it at {size}.")
-        text = Text(f"All-reducing {size}: " + join_words(parts) + vs + ". Small messages are latency bound "
-                    "(their time grows far more slowly than their size), large ones bandwidth bound."
-                    + _interaction(df))
-        more = ("Bus bandwidth, which scales the rate by the $2(n-1)/n$ of the data a ring all-reduce moves per rank, "
-                "makes process counts comparable. " + (more or "")).strip()
+                reference = (f"`nvidia-smi topo -m` shows {link} between the GPUs (bonded NVLinks of "
+                             f"{fmt.sig(topo.get('gbps_per_link', 0))} GB/s per direction each), so the reference "
+                             f"curve is {fmt.sig(top)} GB/s of bus bandwidth, of which {int(r['world_size'])} ranks "
+                             f"reach {fmt.pct(r['busbw_GBps'] / top)} at {size}")
+        text = Text(lead + ". Small messages are latency bound (their time grows far more slowly than their size), "
+                    "large ones bandwidth bound" + _interaction(df) + ".")
+        more = (f"All-reducing {size}: " + join_words(parts) + ". Bus bandwidth, which scales the rate by the "
+                "$2(n-1)/n$ of the data a ring all-reduce moves per rank, makes process counts comparable. "
+                + (more or "")).strip()
     fit = d.frame("allreduce_alpha_beta")
     fit_text = None
     if fit is not None and len(fit) and {"backend", "world_size", "alpha_us", "bandwidth_GBps"} <= set(fit.columns):
         used = fit[(fit["backend"] == "nccl") & (fit["world_size"] == fit["world_size"].min())]
         if len(used) and text is not None:  # the fit later sections cite, where a reader of this answer finds it
             r = used.iloc[0]
-            text = Text(text.markdown + " Later sections predict their communication from a fit of these times to "
-                        "$t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$: for NCCL with "
-                        f"{int(r['world_size'])} processes, $\\alpha$ = {fmt.sig(r['alpha_us'])} µs per ring step and "
-                        f"$B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s (every fit: the appendix).")
+            text = Text(text.markdown + " Fitted to $t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$, NCCL "
+                        f"with {int(r['world_size'])} processes gives $\\alpha$ = {fmt.sig(r['alpha_us'])} µs per ring "
+                        f"step and $B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s, which later sections use"
+                        + (f"; {reference}." if reference else "."))
+            reference = None  # said
         parts = [f"{r['backend']} with {int(r['world_size'])} processes $\\alpha$ = {fmt.sig(r['alpha_us'])} µs and "
                  f"$B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s (worst at {r.get('worst_size', '?')}, "
                  f"{fmt.pct(r['max_rel_error'])} off)"
@@ -528,7 +534,7 @@ def answer(d: SectionData) -> list[Block]:
                         "and takes $B$ from the link specification.")
     return [
         question(d, "distributed_communication_single_node", _prompt(d), [
-                     text, Text(reference) if reference else None,
+                     text, Text(reference[0].upper() + reference[1:] + ".") if reference else None,
                      d.table("allreduce", caption="All-reduce time and bandwidth (algorithm bandwidth = bytes per "
                              "rank / time; bus bandwidth = algorithm bandwidth × 2(n−1)/n)."),
                      d.figure("allreduce_bandwidth", caption="All-reduce bus bandwidth by message size, backend and "

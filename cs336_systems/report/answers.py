@@ -61,7 +61,7 @@ def marked_results(blocks: list[Block]) -> str:
     if not why:
         return ""
     return (f"Read with care: numbers below come from results {join_words(list(why.values()))}; each one's source "
-            "line says why, and they stand until measured again.")
+            "line says which.")
 
 
 def ok_rows(df: pd.DataFrame | None) -> pd.DataFrame:
