@@ -275,13 +275,22 @@ def _why_out_of_memory(d: SectionData, peaks: pd.DataFrame | None, cfg: Any, dev
         return (f" At context {c} one block saves {fmt.gib(per_block)} for backward ({where} at this "
                 f"batch and context), so the {cfg.num_layers} blocks hold about {fmt.gib(cfg.num_layers * per_block)} "
                 f"of activations on top of {fmt.gib(state)} of fp32 weights, gradients and AdamW moments, about "
-                f"{fmt.gib(cfg.num_layers * per_block + state)} against the {device}'s {capacity}; three of each "
-                "block's "
-                f"saved tensors are naive attention's batch × heads × context² scores ({fmt.gib(scores)} each in fp32).")
+                f"{fmt.gib(cfg.num_layers * per_block + state)} against the {device}'s {capacity}.")
     need = memory_breakdown(cfg, cfg.batch_size, c)
     return (f" At context {c} our memory accounting predicts {fmt.gib(need['total'])} for an fp32 training step, "
             f"{fmt.gib(need['activations'])} of it activations, against the {device}'s memory: naive attention keeps "
             f"batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block.")
+
+
+def _scores_note(peaks: pd.DataFrame | None, cfg: Any) -> str:
+    """What dominates a block's saved tensors at the shortest context that ran out of memory: naive attention's
+    score-sized tensors."""
+    if peaks is None or "status" not in peaks.columns or not (peaks["status"] == "OOM").any():
+        return ""
+    c = int(peaks[peaks["status"] == "OOM"]["context_length"].min())
+    scores = cfg.batch_size * cfg.num_heads * c * c * 4
+    return (f" At context {c} three of each block's saved tensors are naive attention's batch × heads × context² "
+            f"scores, {fmt.gib(scores)} each in fp32.")
 
 
 def _peak_moments(peaks: pd.DataFrame | None) -> list[tuple[int, str]]:
@@ -387,8 +396,10 @@ def answer(d: SectionData) -> list[Block]:
             return f"at context {int(r['context_length'])}, " + ", ".join(done)
 
         b_text = Text(f"Peak memory of the {shown} model in fp32: " + "; ".join(
-            cell(r) for _, r in fp32.iterrows()) + "." + _inference_note(fp32)
+            cell(r) for _, r in fp32.iterrows()) + "."
             + f"{failed}" + _why_out_of_memory(d, peaks, cfg, device) + _fits_checkpointed(d, size, peaks))
+        # (b) asks for a table: what autograd adds and what fills a block are the appendix's
+        breakdown = (_inference_note(fp32) + _scores_note(peaks, cfg) + " " + breakdown).strip()
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {shown} model on "
                       f"{device}.{failed}")

@@ -353,13 +353,10 @@ def answer(d: SectionData) -> list[Block]:
     against = (against + processes_text).strip()
     if against and a_text is not None:
         gap = _long_cells_gap(att, d.sibling("pytorch_attention").frame("timings"))
-        a_text = Text(a_text.markdown + " Each speed-up pairs a compiled time with the eager time of this run"
-                      + (f"; its eager forwards of a millisecond or more agree with §1.2.1's table within "
-                         f"{fmt.pct(gap)}, "
-                         "and the sub-millisecond ones move between processes by as much as the two tables differ "
-                         "(the appendix measures both)." if gap is not None else
-                         "; how these eager times compare with §1.2.1's table, and why the sub-millisecond shapes "
-                         "differ between runs, is in the appendix."))
+        # one short sentence: the comparison across sections and processes is the appendix's
+        a_text = Text(a_text.markdown + (f" This run's eager forwards of a millisecond or more agree with §1.2.1's "
+                                         f"within {fmt.pct(gap)}; the shorter ones: the appendix." if gap is not None
+                                         else " How this run's eager times compare with §1.2.1's: the appendix."))
     shown = edition_rows(_with_mfu(model, d.meta("model_speedup")), d.edition)  # this handout's models, its names
     if shown is not None and "preset" in shown.columns:
         shown = shown.drop(columns="preset")
