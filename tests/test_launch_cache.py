@@ -183,6 +183,19 @@ def test_parameters_left_at_their_defaults_are_replayed_with_them() -> None:
         cache.launch(fn, _grid, _args(), {"HEAD_DIM": 64})
     assert len(fn.slow_calls) == 1 and cache.hits == 1
     assert fn.kernel.launches[0][-4:] == (64, 32, False, False)
+    for _ in range(2):  # a value the caller passes beats the default
+        cache.launch(fn, _grid, _args(), {"HEAD_DIM": 64, "PERSISTENT": True})
+    assert len(fn.slow_calls) == 2 and fn.kernel.launches[1][-4:] == (64, 32, True, False)
+
+    class AroundHeuristics(Wrapped):  # triton.heuristics computes values per launch: never replayed
+        def __init__(self) -> None:
+            super().__init__()
+            self.fn = type("Heuristics", (), {"fn": staticmethod(kernel)})()
+
+    wrapped = AroundHeuristics()
+    for _ in range(2):
+        cache.launch(wrapped, _grid, _args(), {"HEAD_DIM": 64})
+    assert len(wrapped.slow_calls) == 2 and wrapped.kernel.launches == []
 
 
 def test_every_attention_launch_can_be_replayed() -> None:

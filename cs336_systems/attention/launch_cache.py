@@ -182,7 +182,10 @@ class LaunchCache:
         config = getattr(fn, "best_config", None)
         names = tuple(fn.arg_names)
         # Parameters the caller leaves at their defaults (an opt-in path's constexprs) are bound by Triton too.
-        meta = {**_defaults(fn), **constexprs, **(config.all_kwargs() if config is not None else {})}
+        defaults = _defaults(fn)
+        if defaults is None:
+            return None
+        meta = {**defaults, **constexprs, **(config.all_kwargs() if config is not None else {})}
         try:
             tail = tuple(meta[name] for name in names[len(args):])
         except KeyError:
@@ -191,10 +194,13 @@ class LaunchCache:
         return kernel, {**scalars, **meta}, tail, getattr(config, "pre_hook", None)
 
 
-def _defaults(fn: Any) -> dict[str, Any]:
-    """The default values of ``fn``'s parameters: autotuner, heuristics, ``JITFunction`` and the interpreter's
-    function each wrap the next in ``.fn``, down to the Python function written; empty where there is none."""
+def _defaults(fn: Any) -> dict[str, Any] | None:
+    """The default values of ``fn``'s parameters: an autotuner, ``JITFunction`` and the interpreter's function
+    each wrap the next in ``.fn``, down to the Python function written; empty where there is none. None where a
+    ``triton.heuristics`` wrapper is in the chain: it computes values at each launch that a replay would not."""
     while hasattr(fn, "fn"):
+        if type(fn).__name__ == "Heuristics":
+            return None
         fn = fn.fn
     if not inspect.isfunction(fn):
         return {}

@@ -375,18 +375,14 @@ def _warmup_sentence(df: pd.DataFrame | None, timings: pd.DataFrame | None = Non
                 + "; ".join(sentences) + "." + note)
 
 
-def _cold_slowdown(cold: pd.DataFrame, warm: pd.DataFrame, phase: str) -> tuple[pd.Series, str, str]:
-    """One pass's cold start over the sizes of both frames: its slowdown (cold mean / warm mean) per size, the range
-    in words ("1.12×–2.92×", one value where all are equal), and the worst size's two cells ("58.0 ms ± 121 against
-    19.8 ms ± 0.36")."""
+def _cold_slowdown(cold: pd.DataFrame, warm: pd.DataFrame, phase: str) -> tuple[pd.Series, str]:
+    """One pass's cold start over the sizes of both frames: its slowdown (cold mean / warm mean) per size, and the
+    range in words ("1.12×–2.92×", one value where all are equal)."""
     slowdown = (cold[f"{phase}_mean_ms"] / warm[f"{phase}_mean_ms"]).dropna()
     if slowdown.empty:
-        return slowdown, "", ""
+        return slowdown, ""
     lo, hi = fmt.ratio(slowdown.min()), fmt.ratio(slowdown.max())
-    worst = slowdown.idxmax()
-    cells = (f"{fmt.ms(cold.loc[worst, f'{phase}_mean_ms'])} ± {fmt.sig(cold.loc[worst, f'{phase}_std_ms'], 2)} "
-             f"against {fmt.ms(warm.loc[worst, f'{phase}_mean_ms'])} ± {fmt.sig(warm.loc[worst, f'{phase}_std_ms'], 2)}")
-    return slowdown, (lo if lo == hi else f"{lo}–{hi}"), f"{worst}: {cells}"
+    return slowdown, (lo if lo == hi else f"{lo}–{hi}")
 
 
 def _cold_against_warm(study: pd.DataFrame) -> str:
@@ -402,7 +398,7 @@ def _cold_against_warm(study: pd.DataFrame) -> str:
     if not both or most == 0:
         return ""
     cold, warm = cold.loc[both], warm.loc[both]
-    forward, f_range, _ = _cold_slowdown(cold, warm, "forward")
+    forward, f_range = _cold_slowdown(cold, warm, "forward")
     unrun = [str(s) for s in study.loc[(study["warmup"] == 0) & (study["status"] != "ok"), "size"]] \
         if "status" in study.columns else []
     # (c) asks for 2-3 sentences: the ranges here, each cell (and the worst) in the appendix's table
@@ -412,7 +408,7 @@ def _cold_against_warm(study: pd.DataFrame) -> str:
             f"{fmt.ms(warm['forward_std_ms'].max())} after {most}"
             + (f" (the appendix says why {join_words(unrun)} without warm-up did not run)" if unrun else ""))
     if {"backward_mean_ms", "backward_std_ms"} <= set(cold.columns):
-        backward, b_range, _ = _cold_slowdown(cold, warm, "backward")
+        backward, b_range = _cold_slowdown(cold, warm, "backward")
         if b_range:
             text += f", while the backward's cold mean is {b_range} its warm one"
             # why, where the data agree: the first backward finds the CUDA context and handles the forward set up

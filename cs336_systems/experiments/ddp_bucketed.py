@@ -152,7 +152,8 @@ def _communication(d: SectionData, name: str | None, b: Any) -> Table | None:
                           # a wait longer than the modelled all-reduces hid nothing (the rest is host time)
                           "hidden_pct": (100 * (1 - b["sync_ms"] / total)).clip(lower=0)})
     return d.table(name, frame=frame.reset_index(drop=True), caption=(
-        "Communication by bucket size (fp32 gradients, eager steps): `step_ms` the median step; `exposed_comm_ms` "
+        "Communication by bucket size (fp32 gradients, eager steps): `step_ms` the median step (the mean where the "
+        "run recorded no median); `exposed_comm_ms` "
         "measured, the wait for the all-reduces after the backward pass (the step table's `sync`); "
         "`allreduce_total_ms` the time all of its buckets' all-reduces take, $n_b\\,o + s/w$ with "
         f"$o$ = {fmt.sig(fit['o_us'], 3)} µs and $w$ = {fmt.sig(fit['w_GBps'])} GB/s fitted to all-reduces timed in "

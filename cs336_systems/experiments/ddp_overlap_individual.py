@@ -106,10 +106,11 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
         if ddp_common.outlier_note(own) and all(x is not None for x in parts):
             # The mean forward+backward carries the slow steps too: take the median step less the rest.
             mine, how = parts[0] - parts[1] - parts[2], " from the median step"
-        # (a) asks for 1-2 sentences: the mechanism in a clause
-        out += (f", {'but' if share >= 0.9 else 'and'} the backward slows ({fmt.ms(mine)} forward and backward{how}, "
-                f"against flat's {fmt.ms(flat['fwd_bwd_ms'])}) as the NCCL kernels share SMs and memory bandwidth "
-                "with it and each parameter costs a launch")
+        # (a) asks for 1-2 sentences: the mechanism in a clause, where the backward did slow
+        if mine > float(flat["fwd_bwd_ms"]):
+            out += (f", {'but' if share >= 0.9 else 'and'} the backward slows ({fmt.ms(mine)} forward and "
+                    f"backward{how}, against flat's {fmt.ms(flat['fwd_bwd_ms'])}) as the NCCL kernels share SMs and "
+                    "memory bandwidth with it and each parameter costs a launch")
     return out + "."
 
 

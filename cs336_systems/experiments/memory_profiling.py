@@ -259,10 +259,10 @@ def _saved_per_block(d: SectionData, size: str, batch: int, context: int) -> flo
 def _why_out_of_memory(d: SectionData, peaks: pd.DataFrame | None, cfg: Any, device: str) -> str:
     """Why the shortest context that ran out of memory did: what one block saves for backward times the blocks,
     on top of the training state (from §1.1.7's measurement where it measured this shape, else the accounting)."""
-    if peaks is None or "status" not in peaks.columns or not (peaks["status"] == "OOM").any():
+    first = _first_oom(peaks, cfg)
+    if first is None:
         return ""
-    c = int(peaks[peaks["status"] == "OOM"]["context_length"].min())
-    scores = cfg.batch_size * cfg.num_heads * c * c * 4
+    c, scores = first
     from cs336_systems.configs import param_counts
 
     state = 16 * param_counts(cfg)["total"]  # fp32 weights, gradients and AdamW's two moments
@@ -282,13 +282,22 @@ def _why_out_of_memory(d: SectionData, peaks: pd.DataFrame | None, cfg: Any, dev
             f"batch × heads × context² scores ({fmt.gib(scores)} per tensor in fp32) several times per block.")
 
 
-def _scores_note(peaks: pd.DataFrame | None, cfg: Any) -> str:
-    """What dominates a block's saved tensors at the shortest context that ran out of memory: naive attention's
-    score-sized tensors."""
+def _first_oom(peaks: pd.DataFrame | None, cfg: Any) -> tuple[int, int] | None:
+    """The shortest context that ran out of memory, and the bytes of one of naive attention's fp32 score
+    tensors there (batch × heads × context²); None where nothing ran out of memory."""
     if peaks is None or "status" not in peaks.columns or not (peaks["status"] == "OOM").any():
-        return ""
+        return None
     c = int(peaks[peaks["status"] == "OOM"]["context_length"].min())
-    scores = cfg.batch_size * cfg.num_heads * c * c * 4
+    return c, cfg.batch_size * cfg.num_heads * c * c * 4
+
+
+def _scores_note(d: SectionData, peaks: pd.DataFrame | None, cfg: Any) -> str:
+    """What dominates a block's saved tensors at the shortest context that ran out of memory, where §1.1.7
+    measured that block (its three score-sized tensors: the masked scores, their exponentials, the probabilities)."""
+    first = _first_oom(peaks, cfg)
+    if first is None or _saved_per_block(d, cfg.name, cfg.batch_size, first[0]) is None:
+        return ""
+    c, scores = first
     return (f" At context {c} three of each block's saved tensors are naive attention's batch × heads × context² "
             f"scores, {fmt.gib(scores)} each in fp32.")
 
@@ -399,13 +408,13 @@ def answer(d: SectionData) -> list[Block]:
             cell(r) for _, r in fp32.iterrows()) + "."
             + f"{failed}" + _why_out_of_memory(d, peaks, cfg, device) + _fits_checkpointed(d, size, peaks))
         # (b) asks for a table: what autograd adds and what fills a block are the appendix's
-        breakdown = (_inference_note(fp32) + _scores_note(peaks, cfg) + " " + breakdown).strip()
+        breakdown = (_inference_note(fp32) + _scores_note(d, peaks, cfg) + " " + breakdown).strip()
     elif failed:
         b_text = Text(f"No fp32 cell with both a forward pass and a training step ran for the {shown} model on "
                       f"{device}.{failed}")
     if fp32 is not None and bf16 is not None:
         m = fp32.merge(bf16, on="context_length", suffixes=("_fp32", "_bf16"))
-        parts, ratios, moves = [], [], {}
+        ratios, moves = [], {}  # bf16 / fp32 peak per mode (each peak is in the table)
         for mode, words in _MODE_WORDS.items():
             a, bcol = f"{mode}_peak_GiB_fp32", f"{mode}_peak_GiB_bf16"
             if a in m and bcol in m:
@@ -413,10 +422,7 @@ def answer(d: SectionData) -> list[Block]:
                 if not r.empty:
                     ratios.append(r)
                     moves[words] = max(abs(float(r.max()) - 1), abs(1 - float(r.min())))
-                    parts.append(f"{words} peaks by a factor of "
-                                 + (f"{fmt.sig(r.min(), 2)}–{fmt.sig(r.max(), 2)}" if fmt.sig(r.min(), 2) !=
-                                    fmt.sig(r.max(), 2) else fmt.sig(r.min(), 2)))
-        if parts:
+        if ratios:
             grows = any(x.max() > 1 for x in ratios)
             # The handout asks whether it matters: yes where any peak moves by more than a tenth, else no.
             moved = max(max(abs(float(x.max()) - 1), abs(1 - float(x.min()))) for x in ratios)
@@ -490,7 +496,8 @@ def answer(d: SectionData) -> list[Block]:
                  what=None if largest is not None else "the largest allocations"),  # its table is the appendix's
         # (e)'s answer names the tensors; the allocation tables behind it, and (b)'s derivation, are the appendix's.
         Text("", role=BEYOND_HANDOUT),
-        *([question(d, "b", "What sets the training step's peak at each context.", [Text(breakdown)])]
+        *([question(d, "b", "What autograd adds to the forward's peak, and what sets the training step's peak.",
+                    [Text(breakdown)])]
           if breakdown else []),
         *[t for t in (
             d.table("largest_allocations_inference", frame=_allocation_table(d, "largest_allocations_inference"),

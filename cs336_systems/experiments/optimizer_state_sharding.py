@@ -480,6 +480,8 @@ def _expectation(st: pd.DataFrame, after_step: str = "") -> str:
     if not need <= set(st.columns) or "optimizer_state" not in st.index:
         return ""
     state = st.loc["optimizer_state"]
+    if state[list(need)].isna().any():
+        return ""
     close = all(abs(state[f"{o} measured"] / state[f"{o} predicted"] - 1) < 0.05 for o in ("adamw", "sharded")
                 if state[f"{o} predicted"])
     return ((" As expected, sharding" if close else " Sharding should") + " divide" + ("s" if close else "")

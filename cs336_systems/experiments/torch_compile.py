@@ -355,8 +355,9 @@ def answer(d: SectionData) -> list[Block]:
         gap = _long_cells_gap(att, d.sibling("pytorch_attention").frame("timings"))
         # one short sentence: the comparison across sections and processes is the appendix's
         a_text = Text(a_text.markdown + (f" This run's eager forwards of a millisecond or more agree with §1.2.1's "
-                                         f"within {fmt.pct(gap)}; the shorter ones: the appendix." if gap is not None
-                                         else " How this run's eager times compare with §1.2.1's: the appendix."))
+                                         f"within {fmt.pct(gap)}; the appendix compares the shorter ones."
+                                         if gap is not None else
+                                         " The appendix compares this run's eager times with §1.2.1's."))
     shown = edition_rows(_with_mfu(model, d.meta("model_speedup")), d.edition)  # this handout's models, its names
     if shown is not None and "preset" in shown.columns:
         shown = shown.drop(columns="preset")
