@@ -270,8 +270,10 @@ def test_committed_writeup_is_up_to_date() -> None:
     # The answers have their own budget (below); with the appendix's full tables the whole stays bounded, and
     # exploratory results live in the index beside it. (The workbook's own writeup carries every edition's
     # problems; 62 since its appendix holds the 2026 leaderboard's two-GPU step and the 4-GPU results, 64 since
-    # each section's account of how it was measured moved there from the answers, which shrank by three pages.)
-    assert recorded["pdf"]["pages"] <= 64, f"writeup.pdf has {recorded['pdf']['pages']} pages"
+    # each section's account of how it was measured moved there from the answers, which shrank by three pages; 65
+    # since answers longer than their deliverable left their detail there and bucketed DDP gained its
+    # communication table.)
+    assert recorded["pdf"]["pages"] <= 65, f"writeup.pdf has {recorded['pdf']['pages']} pages"
     assert set(recorded["outputs"]) == {"writeup.html", "figures/index.html", "writeup-2026.pdf", "writeup-2026.html",
                                         "writeup-cse599o.pdf", "writeup-cse599o.html"}
     # The answers before the appendix are counted for each edition, and are shorter than the whole.
