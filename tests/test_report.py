@@ -1907,3 +1907,13 @@ def test_bucketed_answer_gives_each_bucket_sizes_communication_time(tmp_path) ->
     assert frame["hidden_pct"].round(1).tolist() == [96.4, 0.0]  # a wait past the modelled time hid nothing
     assert "$o$ = 30.0 µs and $w$ = 400 GB/s" in table.caption
     assert _communication(SectionData(tmp_path, "ddp_bucketed"), "steps_large_bf16", b) is None  # no fit: no table
+
+
+def test_stream_lanes_name_each_traced_row_by_its_kernels() -> None:
+    """A traced step's rows are the profiler's stream names (cuda:17); the captions say which carries NCCL."""
+    from cs336_systems.report.answers import stream_lanes
+
+    timeline = pd.DataFrame({"lane": ["cuda:17", "cuda:7", "cuda:7", "cuda:7", "step"],
+                             "kind": ["comm", "compute", "compute", "comm", "phase"]})
+    assert stream_lanes(timeline) == "cuda:17 is NCCL's stream, cuda:7 is the compute stream"
+    assert stream_lanes(None) == "" and stream_lanes(timeline[["lane"]]) == ""

@@ -20,7 +20,7 @@ from cs336_systems.experiments.ddp_common import (
 )
 from cs336_systems.experiments.section import Section
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import implemented, join_words, known, question
+from cs336_systems.report.answers import implemented, join_words, known, question, stream_lanes
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.results import ResultWriter
@@ -163,9 +163,11 @@ def answer(d: SectionData) -> list[Block]:
     other = _other_precision(d, name).strip()
     other_name = ddp_common.other_precision_name(d, name) if other else None
     timeline = named(d.figures, "timeline")
+    lanes = stream_lanes(d.frame(named(d.tables, "timeline") or ""))
     timelines = [d.figure(timeline or "", caption="Kernels of one training step on rank 0, compute and "
                           "communication streams, per strategy, drawn from a torch.profiler trace of the step (the "
-                          "same kernels Nsight Systems would show; the GPU machines have no nsys).")]
+                          "same kernels Nsight Systems would show; the GPU machines have no nsys)."
+                          + (f" Rows: {lanes}." if lanes else ""))]
     gap = _idle_after_backward(d.frame(named(d.tables, "timeline") or ""), rows.get("overlap") if rows else None)
     return [
         question(d, "ddp_overlap_individual_parameters", "DDP that all-reduces each parameter's gradient as soon as "

@@ -12,7 +12,7 @@ import pandas as pd
 from cs336_systems import accounting
 from cs336_systems.configs import param_counts
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import handout_model
+from cs336_systems.report.answers import handout_model, stream_lanes
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 
@@ -212,16 +212,11 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
 def _lanes_named(d: SectionData) -> str:
     """The figure's lane and title labels in words: its rows are CUDA streams named as the profiler names them
     (``cuda:7``), and its title names the preset (``xl@2026`` is the 2026 handout's xl)."""
-    tl = d.frame("gathers_timeline")
-    if tl is None or not {"lane", "kind"} <= set(tl.columns):
-        return ""
-    streams = tl[tl["kind"] != "phase"].groupby("lane", sort=False)["kind"].agg(lambda k: k.mode().iloc[0])
-    what = {"compute": "the compute stream", "comm": "NCCL's stream"}
-    named = [f"{lane} is {what.get(kind, kind)}" for lane, kind in streams.items()]
+    named = stream_lanes(d.frame("gathers_timeline"))
     model = (d.meta("gathers_summary").get("extra") or {}).get("model")
     title = (f"; the title's {model} is this handout's {handout_model(model, d.edition)}"
              if model and handout_model(model, d.edition) != model else "")
-    return (" Rows: " + ", ".join(named) + title + ".") if named else ""
+    return (" Rows: " + named + title + ".") if named else ""
 
 
 def _named_for_the_handout(summary: pd.DataFrame | None, edition: str) -> pd.DataFrame | None:

@@ -296,3 +296,14 @@ def implemented(d: SectionData, what: str, where: str, ours: str, course_file: s
               f" The course's {shown} runs through `tests/adapters.py` (§4 has the command).")
     return Text(f"**Implementation:** {what} in `{where}`; `uv run pytest {ours}` checks it against {against}."
                 + course)
+
+
+def stream_lanes(timeline: pd.DataFrame | None) -> str:
+    """A traced step's rows in words, as the profiler names its CUDA streams: "cuda:17 is NCCL's stream, cuda:7
+    is the compute stream" (each lane by the kind of most of its kernels); "" without a timeline."""
+    if timeline is None or not {"lane", "kind"} <= set(timeline.columns):
+        return ""
+    kernels = timeline[timeline["kind"] != "phase"]
+    streams = kernels.groupby("lane", sort=False)["kind"].agg(lambda k: k.mode().iloc[0])
+    what = {"compute": "the compute stream", "comm": "NCCL's stream"}
+    return ", ".join(f"{lane} is {what.get(kind, kind)}" for lane, kind in streams.items())
