@@ -520,7 +520,7 @@ def answer(d: SectionData) -> list[Block]:
                         f"with {int(r['world_size'])} processes gives $\\alpha$ = {fmt.sig(r['alpha_us'])} µs per ring "
                         f"step and $B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s, which later sections use"
                         + (f"; {reference}." if reference else "."))
-            reference = None  # said
+            reference = None  # folded into the fit's sentence: no block of its own
         parts = [f"{r['backend']} with {int(r['world_size'])} processes $\\alpha$ = {fmt.sig(r['alpha_us'])} µs and "
                  f"$B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s (worst at {r.get('worst_size', '?')}, "
                  f"{fmt.pct(r['max_rel_error'])} off)"

@@ -385,19 +385,18 @@ def _ranks_blocks(d: SectionData) -> tuple[list[Block | None], list[Block | None
         ]
         # how it was timed, on what, and what checks it: the appendix's (the handout asks for the time)
         details.append(Text(
-                 (f"Timed with `do_bench`'s loop, re-implemented so both ranks run the same number of steps "
-                    f"({fmt.sig(warmup / 1e3)} s of warm-up, then {fmt.sig(rep / 1e3)} s of timed steps; the slowest "
-                    "rank's median, where `do_bench` defaults to the mean"
-                    + (f"; the steps varied by ±{fmt.ms(spread)}" if pd.notna(spread) else "")
-                    + "). " if warmup and rep else "")
-                 + ("Whether Triton's and Inductor's caches were empty was not recorded. "
-                    if pd.isna(r.get("empty_caches", float("nan")))
-                    else "The ranks compiled into empty Triton and Inductor caches. " if _true(r["empty_caches"])
-                    else "The ranks (from an outside launcher) kept the caches they had. ")
-                 + "The handout's GPUs are B200s "
-                 "(180 GB, a higher peak); these are the GPUs measured here. The handout's naive baseline is 10 s."
-                 + " The step runs the kernels and the FSDP that our tests check against plain PyTorch "
-                   "(`tests/test_fsdp.py`, `tests/test_flash_attention.py`, `tests/test_lm_head_loss.py`)."))
+            (f"Timed with `do_bench`'s loop, re-implemented so both ranks run the same number of steps "
+             f"({fmt.sig(warmup / 1e3)} s of warm-up, then {fmt.sig(rep / 1e3)} s of timed steps; the slowest "
+             "rank's median, where `do_bench` defaults to the mean"
+             + (f"; the steps varied by ±{fmt.ms(spread)}" if pd.notna(spread) else "")
+             + "). " if warmup and rep else "")
+            + ("Whether Triton's and Inductor's caches were empty was not recorded. "
+               if pd.isna(r.get("empty_caches", float("nan")))
+               else "The ranks compiled into empty Triton and Inductor caches. " if _true(r["empty_caches"])
+               else "The ranks (from an outside launcher) kept the caches they had. ")
+            + "The handout's GPUs are B200s (180 GB, a higher peak); these are the GPUs measured here. The "
+            "handout's naive baseline is 10 s. The step runs the kernels and the FSDP that our tests check against "
+            "plain PyTorch (`tests/test_fsdp.py`, `tests/test_flash_attention.py`, `tests/test_lm_head_loss.py`)."))
     return blocks, details
 
 
