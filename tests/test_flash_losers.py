@@ -68,7 +68,9 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     flash_kernels.summarize_losers(_kernels()).to_csv(folder / "losers.csv", index=False)
     (question,) = fb.answers._losers(SectionData(tmp_path, "flash_benchmarking"))
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
-    assert "at the 2 shapes where ours loses most to cuDNN" in text and "lies in the forward at 2" in text
+    assert "at the 2 shapes where ours loses most to cuDNN" in text
+    assert "At 2 the larger part of the GPU gap lies in the forward at 2" in text
+    assert "no more GPU time than cuDNN" not in text  # both shapes lose on the GPU
     assert "our slowest kernel there: `flash_backward_dkdv_kernel` at 1 and `flash_forward_kernel` at 1." in text
     assert "bfloat16 (8, 25, 1024, 64) causal 120/85.4 and 331/303" in text  # ours/cuDNN forward, backward
     assert not any(isinstance(b, Table) for b in question.blocks)  # the tables are in the results index
@@ -77,6 +79,21 @@ def test_answer_reads_the_summary(tmp_path) -> None:
     # the forward's lever names the profiled lengths' tile arithmetic (d = 64: 192-row tiles, 128-key blocks)
     assert "at 1,024 tokens and d = 64, 192-row query tiles compute 1,152 rows (11% padding)" in text
     assert "at most 8 128-key blocks" in text
+
+
+def test_a_loser_that_wins_on_the_gpu_is_called_host_bound_and_gets_no_lever(tmp_path) -> None:
+    kernels = _kernels()
+    faster = (kernels["seq_len"] == 256) & (kernels["impl"] == "ours")
+    kernels.loc[faster, "gpu_us"] = [10.0, 20.0]  # 30 µs of GPU time against cuDNN's 35
+    folder = tmp_path / "flash_benchmarking"
+    folder.mkdir()
+    flash_kernels.summarize_losers(kernels).to_csv(folder / "losers.csv", index=False)
+    (question,) = fb.answers._losers(SectionData(tmp_path, "flash_benchmarking"))
+    text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
+    assert ("At 1 of them ours takes no more GPU time than cuDNN (bfloat16 (8, 25, 256, 64) causal): the grid "
+            "times calls back to back, so there it measures the host's time" in text)
+    assert "At the other 1 the larger part of the GPU gap lies in the forward at 1" in text
+    assert "at 1,024 tokens and d = 64" in text and "at 256 tokens" not in text  # the lever names GPU losers only
 
 
 def test_losers_part_on_cpu_says_what_it_needs(tmp_path, monkeypatch, capsys) -> None:
