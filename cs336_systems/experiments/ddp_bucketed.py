@@ -151,7 +151,7 @@ def _communication(d: SectionData, name: str | None, b: Any) -> Table | None:
                           "allreduce_total_ms": total,
                           # a wait longer than the modelled all-reduces hid nothing (the rest is host time)
                           "hidden_pct": (100 * (1 - b["sync_ms"] / total)).clip(lower=0)})
-    return d.table(name, frame=frame.reset_index(drop=True), caption=(
+    return d.table(name, frame=ddp_common.mib_labels(frame.reset_index(drop=True)), caption=(
         "Communication by bucket size (fp32 gradients, eager steps): `step_ms` the median step (the mean where the "
         "run recorded no median); `exposed_comm_ms` "
         "measured, the wait for the all-reduces after the backward pass (the step table's `sync`); "

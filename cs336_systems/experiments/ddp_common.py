@@ -229,7 +229,14 @@ def row(df: pd.DataFrame | None, mode: str) -> pd.Series | None:
 def _calls(frame: pd.DataFrame | None) -> pd.DataFrame | None:
     """A step table's bucket count under what it counts: a bucket is one all-reduce, and naive DDP's "buckets"
     are its per-parameter calls."""
-    return None if frame is None else frame.rename(columns={"num_buckets": "all_reduce_calls"})
+    return None if frame is None else mib_labels(frame.rename(columns={"num_buckets": "all_reduce_calls"}))
+
+
+def mib_labels(frame: pd.DataFrame) -> pd.DataFrame:
+    """Variant names with their bucket caps in the unit the caps are in: ``bucketed (1MB)`` is a cap of 1 MiB."""
+    if "variant" not in frame.columns:
+        return frame
+    return frame.assign(variant=frame["variant"].astype(str).str.replace(r"\((\d[\d.]*)MB", r"(\1 MiB", regex=True))
 
 
 def steps_blocks(d: SectionData, name: str | None, caption: str, eager_only: bool = False):

@@ -47,7 +47,9 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
     if saved > noise:
         judged = f"{fmt.ms(saved)} shorter, more than the two rows' summed spread (±{fmt.ms(noise)}): batching pays"
     elif abs(saved) <= noise:
-        judged = f"within the two rows' summed step-to-step spread (±{fmt.ms(noise)}): no gain in step time"
+        judged = (f"{fmt.ms(abs(saved))} ({fmt.pct(abs(saved) / float(naive['step_ms']))}) "
+                  f"{'shorter' if saved >= 0 else 'longer'}, within the two rows' summed step-to-step spread "
+                  f"(±{fmt.ms(noise)}): at most a small {'gain' if saved >= 0 else 'loss'}")
     else:
         judged = f"{fmt.ms(-saved)} longer, more than the two rows' summed spread (±{fmt.ms(noise)}): flat DDP is slower"
     comm = ""

@@ -518,7 +518,10 @@ def answer(d: SectionData) -> list[Block]:
             r = used.iloc[0]
             text = Text(text.markdown + " Fitted to $t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$, NCCL "
                         f"with {int(r['world_size'])} processes gives $\\alpha$ = {fmt.sig(r['alpha_us'])} µs per ring "
-                        f"step and $B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s, which later sections use"
+                        f"step and $B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s, which later sections use as a cost "
+                        f"per call $o = 2(p-1)\\,\\alpha$ = {fmt.sig(2 * (r['world_size'] - 1) * r['alpha_us'])} µs "
+                        f"and a rate $w = \\frac{{p}}{{2(p-1)}}B$ = "
+                        f"{fmt.sig(r['world_size'] / (2 * (r['world_size'] - 1)) * r['bandwidth_GBps'])} GB/s"
                         + (f"; {reference}." if reference else "."))
             reference = None  # folded into the fit's sentence: no block of its own
         parts = [f"{r['backend']} with {int(r['world_size'])} processes $\\alpha$ = {fmt.sig(r['alpha_us'])} µs and "

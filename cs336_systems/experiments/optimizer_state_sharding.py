@@ -347,6 +347,12 @@ def _zero1_bytes_note(d: SectionData) -> str:
             f"${3 * (world - 1) / world:g} \\cdot 4\\Psi$." if world else "")
 
 
+#: Why these steps are longer than the DDP sections' with the same model and batch.
+OPTIMIZER_NOTE = (" The replicated step is longer than the DDP sections' torch DDP step with the same model and batch "
+                  "because the optimizer here is torch's default multi-tensor AdamW, not the fused one they step: it "
+                  "makes several passes over the parameters and both moments where the fused kernel makes one.")
+
+
 def _sharding_verdict(timing: pd.DataFrame) -> str:
     """What the step times show about sharding's cost, judged against the rows' step-to-step spread."""
     by = timing.set_index("optimizer")
@@ -376,6 +382,11 @@ def _timing_with_mfu(timing: pd.DataFrame | None, meta: dict[str, Any]) -> pd.Da
     world = int(params.get("world_size") or (nproc[0] if isinstance(nproc, list) and nproc else nproc) or 1)
     return step_mfu(timing, meta, model=params["model"], batch=int(params["global_batch"]) // world,
                     context=int(params["context_length"]), precision="fp32").drop(columns="TFLOP_per_s")
+
+
+def _shown(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """A timing table as printed: its ratio column says what it divides (below 1 is faster than AdamW)."""
+    return None if frame is None else frame.rename(columns={"slowdown_vs_adamw": "time_vs_adamw"})
 
 
 _OPTIMIZER_NAMES = {"adamw": "AdamW (replicated state)", "sharded": "our sharded AdamW", "zero": "ZeroRedundancyOptimizer"}
@@ -425,7 +436,7 @@ def answer(d: SectionData) -> list[Block]:
                  for _, r in timing.iterrows()]
         setup = _setup(d.meta("timing"), d.edition)
         time_text = Text("Time per training step" + (f" ({setup})" if setup else "") + ", relative to replicated "
-                         "AdamW: " + join_words(parts) + ". " + _sharding_verdict(timing))
+                         "AdamW: " + join_words(parts) + ". " + _sharding_verdict(timing) + OPTIMIZER_NOTE)
     return [
         question(d, "optimizer_state_sharding", "An optimizer wrapper that keeps each parameter's state on one "
                  "rank only and broadcasts the updated parameters from their owners.", [implemented(
@@ -446,7 +457,7 @@ def answer(d: SectionData) -> list[Block]:
                           "tensors and predicted by our memory accounting (GiB).")],
                  what="peak memory with and without sharding"),
         question(d, "b", "Time per iteration with and without optimizer-state sharding.",
-                 [time_text, d.table("timing", frame=_timing_with_mfu(d.frame("timing"), d.meta("timing")),
+                 [time_text, d.table("timing", frame=_shown(_timing_with_mfu(d.frame("timing"), d.meta("timing"))),
                                      caption="Time per training step (max over ranks), and MFU per GPU (one rank's "
                                      "share of the batch over the step)." + mfu_note(d.meta("timing"))),
                   d.figure("step_time", "timing", caption="Time per training step.")],
@@ -464,7 +475,7 @@ def answer(d: SectionData) -> list[Block]:
         Text("", role=BEYOND_HANDOUT),  # the memory study in detail, and more GPUs: the appendix
         *([question(d, "a", "The memory study in detail: what the peaks hold beyond the breakdown.", [
             Text(detail),
-            d.table("savings_vs_adamw", caption="Optimizer-state memory saved against replicated AdamW, and the time "
+            d.table("savings_vs_adamw", frame=_shown(d.frame("savings_vs_adamw")), caption="Optimizer-state memory saved against replicated AdamW, and the time "
                     "it costs."),
             d.figure("memory_points", caption="Memory at the three points of a step."),
             d.figure("memory_components", "memory_breakdown", caption="Measured and predicted memory by component.")])]
@@ -650,7 +661,7 @@ def _more_gpus(d: SectionData) -> list[Block]:
                     [f"{_OPTIMIZER_NAMES.get(o, o)} {fmt.sig(v)} GiB" for o, v in peak.items()]) + "."
         blocks.append(question(d, f"np{world}", f"Beyond the handout: sharding on {world} GPUs.", [
             Text(text),
-            d.table("timing" + tag, caption=f"Time per training step on {world} GPUs (max over ranks)."),
+            d.table("timing" + tag, frame=_shown(d.frame("timing" + tag)), caption=f"Time per training step on {world} GPUs (max over ranks)."),
             d.table("memory" + tag, caption=f"Allocated and peak memory per rank on {world} GPUs (GiB).")]))
     return blocks
 
