@@ -232,9 +232,9 @@ def _calls(frame: pd.DataFrame | None) -> pd.DataFrame | None:
     return None if frame is None else mib_labels(frame.rename(columns={"num_buckets": "all_reduce_calls"}))
 
 
-def mib_labels(frame: pd.DataFrame) -> pd.DataFrame:
+def mib_labels(frame: pd.DataFrame | None) -> pd.DataFrame | None:
     """Variant names with their bucket caps in the unit the caps are in: ``bucketed (1MB)`` is a cap of 1 MiB."""
-    if "variant" not in frame.columns:
+    if frame is None or "variant" not in frame.columns:
         return frame
     return frame.assign(variant=frame["variant"].astype(str).str.replace(r"\((\d[\d.]*)MB", r"(\1 MiB", regex=True))
 
@@ -287,7 +287,7 @@ def scaling_blocks(d: SectionData) -> list[Block]:
     table = d.frame("scaling")
     if table is None or not {"variant", "world_size", "sequences_per_s", "scaling_efficiency"} <= set(table.columns):
         return []
-    table = _paired_efficiency(d, table)
+    table = mib_labels(_paired_efficiency(d, table))
     sizes = sorted(table["world_size"].unique())
     best = table.loc[table.groupby("world_size")["sequences_per_s"].idxmax()]
     text = Text(f"Weak scaling over {join_words([str(n) for n in sizes])} GPUs (the batch per rank fixed): "
@@ -514,7 +514,7 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
                      "one GPU's forward and backward last far longer, so even the smallest buckets' all-reduces "
                      "hide behind the backward and the per-bucket latency the model charges never shows (the "
                      "appendix compares the two by bucket size)."),
-                bucketed.table(own, frame=eager_rows(bucketed.frame(own)),
+                bucketed.table(own, frame=mib_labels(eager_rows(bucketed.frame(own))),
                                caption="Measured overhead (step time minus the single-GPU step) against the model's "
                                "prediction, by bucket size, eager steps (the CSV also has the captured ones)."),
                 overhead_split(steps_table(bucketed)[1]),

@@ -49,7 +49,7 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
     elif abs(saved) <= noise:
         judged = (f"{fmt.ms(abs(saved))} ({fmt.pct(abs(saved) / float(naive['step_ms']))}) "
                   f"{'shorter' if saved >= 0 else 'longer'}, within the two rows' summed step-to-step spread "
-                  f"(±{fmt.ms(noise)}): at most a small {'gain' if saved >= 0 else 'loss'}")
+                  f"(±{fmt.ms(noise)}): a difference this run cannot resolve")
     else:
         judged = f"{fmt.ms(-saved)} longer, more than the two rows' summed spread (±{fmt.ms(noise)}): flat DDP is slower"
     comm = ""

@@ -465,6 +465,18 @@ def _interaction(df: pd.DataFrame) -> str:
     return ", and the process count interacts with the message size: " + "; ".join(parts)
 
 
+def _per_call(d: SectionData, world_size: int) -> str:
+    """The fit as the DDP sections quote it, a cost per call and a rate (``ddp_common.published_fit``, the one
+    conversion), where they use this world size's fit."""
+    from cs336_systems.experiments.ddp_common import published_fit
+
+    fit = published_fit(d, "nccl", world_size) if world_size == 2 else None  # the DDP sections run on 2 GPUs
+    if fit is None:
+        return ""
+    return (f", which later sections use as a cost per call $o = 2(p-1)\\,\\alpha$ = {fmt.sig(fit['o'] * 1e6)} µs "
+            f"and a rate $w = \\frac{{p}}{{2(p-1)}}B$ = {fmt.sig(fit['w'] / 1e9)} GB/s")
+
+
 def answer(d: SectionData) -> list[Block]:
     df = d.frame("allreduce")
     text = more = reference = None
@@ -518,10 +530,8 @@ def answer(d: SectionData) -> list[Block]:
             r = used.iloc[0]
             text = Text(text.markdown + " Fitted to $t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$, NCCL "
                         f"with {int(r['world_size'])} processes gives $\\alpha$ = {fmt.sig(r['alpha_us'])} µs per ring "
-                        f"step and $B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s, which later sections use as a cost "
-                        f"per call $o = 2(p-1)\\,\\alpha$ = {fmt.sig(2 * (r['world_size'] - 1) * r['alpha_us'])} µs "
-                        f"and a rate $w = \\frac{{p}}{{2(p-1)}}B$ = "
-                        f"{fmt.sig(r['world_size'] / (2 * (r['world_size'] - 1)) * r['bandwidth_GBps'])} GB/s"
+                        f"step and $B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s"
+                        + _per_call(d, int(r["world_size"]))
                         + (f"; {reference}." if reference else "."))
             reference = None  # folded into the fit's sentence: no block of its own
         parts = [f"{r['backend']} with {int(r['world_size'])} processes $\\alpha$ = {fmt.sig(r['alpha_us'])} µs and "

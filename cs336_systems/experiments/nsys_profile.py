@@ -305,6 +305,14 @@ def _per_configuration(mm: pd.DataFrame) -> str:
                "most against matmul work that grows with the tokens." if shortest else "."))
 
 
+def _share_above_one(x: float) -> str:
+    """``x`` as a percentage with two significant digits, or as many more as show it above 100% where it is."""
+    digits = 2
+    while x > 1 and digits < 8 and float(fmt.pct(x, digits).rstrip("%").replace(",", "")) <= 100:
+        digits += 1
+    return fmt.pct(x, digits)
+
+
 def answer(d: SectionData) -> list[Block]:
     summary = d.frame("summary")
     top = d.frame("top_kernels")
@@ -327,7 +335,7 @@ def answer(d: SectionData) -> list[Block]:
         a = Text(f"For {where} on the {device} the profiled kernels sum to "
                  f"{fmt.ms(row['profiled_forward_kernels_ms'])} per forward pass against "
                  f"{fmt.ms(row['python_forward_ms'])} from the Python timer, and over all {len(ratios)} profiles "
-                 f"to {fmt.pct(ratios.min(), 2)}–{fmt.pct(ratios.max(), 4 if ratios.max() > 1 else 2)} of the timed pass: the rest is the GPU "
+                 f"to {fmt.pct(ratios.min(), 2)}–{_share_above_one(ratios.max())} of the timed pass: the rest is the GPU "
                  "idle between kernels (launch overhead, most at small models and short contexts)"
                  + (", and above 100% a profiled pass ran slower than the timed one." if ratios.max() > 1 else "."))
         # (a) asks for 1-2 sentences: the other sections' timings of the same passes are the appendix's

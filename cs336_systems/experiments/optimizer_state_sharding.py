@@ -347,10 +347,10 @@ def _zero1_bytes_note(d: SectionData) -> str:
             f"${3 * (world - 1) / world:g} \\cdot 4\\Psi$." if world else "")
 
 
-#: Why these steps are longer than the DDP sections' with the same model and batch.
-OPTIMIZER_NOTE = (" The replicated step is longer than the DDP sections' torch DDP step with the same model and batch "
-                  "because the optimizer here is torch's default multi-tensor AdamW, not the fused one they step: it "
-                  "makes several passes over the parameters and both moments where the fused kernel makes one.")
+#: Why these step times are not the DDP sections' (same model and batch, another optimizer implementation).
+OPTIMIZER_NOTE = (" These steps use torch's default multi-tensor AdamW, which makes several passes over the "
+                  "parameters and both moments, where the DDP sections step the fused one; so their times do not "
+                  "compare with the DDP sections' step times.")
 
 
 def _sharding_verdict(timing: pd.DataFrame) -> str:
