@@ -100,3 +100,23 @@ def test_all_reduce_fit_states_the_per_call_constants_later_sections_quote() -> 
     text = _texts(dc.answer(d))
     assert (f"a cost per call $o = 2(p-1)\\,\\alpha$ = {fmt.sig(fit['o'] * 1e6)} µs and a rate "
             f"$w = \\frac{{p}}{{2(p-1)}}B$ = {fmt.sig(fit['w'] / 1e9)} GB/s") in text
+
+
+def test_a_table_from_some_of_a_hosts_gpus_says_how_many_it_used() -> None:
+    from cs336_systems.report.data import short_device
+
+    meta = {"device": "NVIDIA H200", "device_type": "cuda", "num_gpus": 4}
+    assert short_device({**meta, "params": {"world_size": 2, "nproc": [2, 4]}}) == "2 of 4×H200"
+    assert short_device({**meta, "params": {"nproc": [2, 4]}}) == "4×H200"  # the run used every GPU
+    assert short_device({**meta, "params": {"nproc": 2}}) == "2 of 4×H200"
+    assert short_device({**meta, "num_gpus": 1, "params": {"size": "xl"}}) == "H200"
+    assert short_device({**meta, "params": "not a record"}) == "4×H200"
+
+
+def test_the_peak_memory_caption_glosses_only_the_columns_it_shows() -> None:
+    from cs336_systems.experiments.memory_profiling import _peak_caption
+
+    both = pd.DataFrame({"context_length": [128], "inference_peak_GiB": [1.0], "train_peak_GiB": [3.0]})
+    assert _peak_caption(both) == ": the forward pass (inference, no autograd); the full training step."
+    assert "autograd on" in _peak_caption(both.assign(forward_peak_GiB=[2.0]))
+    assert _peak_caption(None) == "."

@@ -379,6 +379,20 @@ PEAK_COLUMNS = {"inference_peak_GiB": "forward_pass_GiB", "train_peak_GiB": "tra
                 "forward_peak_GiB": "forward_with_autograd_GiB"}
 
 
+#: What each printed peak column holds, for the caption.
+PEAK_MEANINGS = {"forward_pass_GiB": "the forward pass (inference, no autograd)",
+                 "training_step_GiB": "the full training step",
+                 "forward_with_autograd_GiB": "the forward with autograd on, which holds the activations a training "
+                                              "step saves"}
+
+
+def _peak_caption(frame: pd.DataFrame | None) -> str:
+    """The caption's gloss of the columns the table has."""
+    shown = _peak_columns(frame)
+    meanings = [PEAK_MEANINGS[c] for c in (shown.columns if shown is not None else []) if c in PEAK_MEANINGS]
+    return (": " + "; ".join(meanings) + ".") if meanings else "."
+
+
 def _peak_columns(frame: pd.DataFrame | None) -> pd.DataFrame | None:
     if frame is None:
         return None
@@ -483,9 +497,7 @@ def answer(d: SectionData) -> list[Block]:
         ], what="memory timelines"),
         question(d, "b", "Peak memory by context length, forward pass and full training step.",
                  [b_text, d.table("peak_memory", frame=_peak_columns(fp32), caption=f"Peak allocated memory of "
-                                  f"the {shown} model, fp32 (GiB): the forward pass (inference, no autograd) and "
-                                  "the full training step the handout asks for, then the forward with autograd on, "
-                                  "which holds the activations a training step saves.")],
+                                  f"the {shown} model, fp32 (GiB)" + _peak_caption(fp32))],
                  what="peak memory by context length"),
         question(d, "c", "Peak memory with bf16 mixed precision.",
                  [c_text, d.table("peak_memory", frame=_peak_columns(bf16), caption=f"Peak allocated memory of the {shown} model "

@@ -229,7 +229,8 @@ def step_mfu(df: pd.DataFrame | None, meta: dict, *, model: Any = None, batch: i
 
 
 def mfu_note(meta: dict, precisions: tuple[str, ...] = ("fp32",)) -> str:
-    """One sentence stating the MFU convention and the peaks used, for a caption."""
+    """One sentence stating the peaks a table's MFU divides by, for a caption (the FLOP count is defined once, in
+    the writeup's preamble)."""
     from cs336_systems.hardware import matmul_precision, peak_tflops
 
     fmp = meta.get("float32_matmul_precision")
@@ -239,8 +240,7 @@ def mfu_note(meta: dict, precisions: tuple[str, ...] = ("fp32",)) -> str:
         return ""
     units = "; fp32 at PyTorch's \"highest\" precision runs on the FP32 units" if any(
         p == "fp32" for p, _ in peaks) else ""
-    return (f" MFU: the model's FLOPs (6 × matmul parameters × tokens a training step, 2 × a forward, plus "
-            f"attention's) over the data sheet's dense peak ({', '.join(known)} TFLOP/s{units}).")
+    return f" MFU against the dense peak of {', '.join(known)} TFLOP/s{units}."
 
 
 def model_tflops(size: str, ms: float, context_length: int, mode: str = "train", batch_size: int | None = None) -> float:

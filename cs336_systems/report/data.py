@@ -232,8 +232,25 @@ def short_device(meta: dict[str, Any]) -> str:
     if meta.get("device_type") != "cuda":
         return "CPU" if device.startswith("CPU") else device
     name = device.removeprefix("NVIDIA ").split()[0] if device.startswith("NVIDIA ") else device
-    n = meta.get("num_gpus") or 0
+    n = int(meta.get("num_gpus") or 0)
+    used = _ranks_used(meta.get("params"))
+    if used is not None and 0 < used < n:  # a 2-rank job on a 4-GPU host: the table's numbers are 2 GPUs'
+        return f"{used} of {n}×{name}"
     return f"{n}×{name}" if n > 1 else name
+
+
+def _ranks_used(params: Any) -> int | None:
+    """How many GPUs a multi-process run used: its ``world_size``, else the largest of its ``nproc``; None for a
+    run that records neither (single-GPU sections)."""
+    if not isinstance(params, dict):
+        return None
+    used = params.get("world_size") or params.get("nproc")
+    if isinstance(used, list):
+        used = max(used, default=None)
+    try:
+        return int(used) if used is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def provenance_line(meta: dict[str, Any], short: bool = False) -> str:

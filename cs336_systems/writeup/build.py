@@ -33,6 +33,12 @@ NOTEBOOK_DIR = _manifest.NOTEBOOK_DIR
 INDEX_NAME = _manifest.INDEX_NAME
 
 
+#: Said once, in the preamble; each table's caption gives only the peak it divides by (``mfu_note``).
+MFU_DEFINITION = ("MFU (model FLOPs utilization) is the model's FLOPs, 6 × matmul parameters × tokens for a training "
+                  "step and 2 × for a forward, plus attention's, over the GPU data sheet's dense peak for the "
+                  "precision.")
+
+
 def _preamble(root: Path, html: str = "writeup.html") -> list[Block]:
     return [
         Text(
@@ -40,7 +46,7 @@ def _preamble(root: Path, html: str = "writeup.html") -> list[Block]:
             "date and commit. **STALE** marks a result measured on older code, **SUSPECT** one from a machine that "
             "measured more than 10% slow, **DISAGREES** one that another section measured differently. Work beyond "
             f"the handout is in the appendix; each run's full record is in `{root.name}/{INDEX_NAME}` (`{html}` is "
-            "this document as a web page)."
+            "this document as a web page). " + MFU_DEFINITION
         )
     ]
 
