@@ -120,3 +120,26 @@ def test_the_peak_memory_caption_glosses_only_the_columns_it_shows() -> None:
     assert _peak_caption(both) == ": the forward pass (inference, no autograd); the full training step."
     assert "autograd on" in _peak_caption(both.assign(forward_peak_GiB=[2.0]))
     assert _peak_caption(None) == "."
+
+
+def test_a_widely_varying_overlap_row_gives_its_spread_and_median() -> None:
+    from cs336_systems.experiments.ddp_overlap_individual import _spread_note
+
+    varied = pd.Series({"step_ms": 220.2, "step_ms_std": 10.7, "step_ms_median": 222.0})
+    assert _spread_note(varied) == (" (its steps vary by ±10.7 ms around a median of 222 ms, so it ties with any "
+                                    "variant closer than that)")
+    assert _spread_note(pd.Series({**varied, "step_ms_std": 1.7})) == ""  # steady steps: one number describes them
+    assert _spread_note(pd.Series({"step_ms": 220.0, "step_ms_std": 20.0, "step_ms_median": 209.0})) == ""  # slow steps: the outlier note's case
+
+
+def test_an_edition_shows_a_sections_parts_under_its_own_problem_names() -> None:
+    """CSE599-O calls CS336's naive_ddp parts toymodel_naive_ddp and transformer_naive_ddp_benchmarking."""
+    from pathlib import Path
+
+    from cs336_systems.report.document import Question
+    from cs336_systems.writeup.build import build_document
+
+    doc = build_document(Path(__file__).resolve().parents[1] / "figures", edition="cse599o")
+    (naive,) = [s for s in doc.sections if s.number == "2.3"]
+    labels = [b.label for b in naive.blocks if isinstance(b, Question)]
+    assert labels[:2] == ["toymodel_naive_ddp", "transformer_naive_ddp_benchmarking"] and "naive_ddp" not in labels

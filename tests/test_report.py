@@ -514,7 +514,8 @@ def test_fsdp_gather_answer_reads_the_profile(results: Path) -> None:
     from cs336_systems.report.data import SectionData
 
     assert _lanes_named(SectionData(results, "fsdp", edition="2026")) == (
-        " Rows: cuda:7 is the compute stream, cuda:19 is NCCL's stream; the title's xl@2026 is this handout's xl.")
+        " Rows: cuda:7 (stream 7) is the compute stream, cuda:19 (stream 19) is NCCL's stream; the title's xl@2026 "
+        "is this handout's xl.")
 
 
 def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> None:
@@ -923,6 +924,14 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
     # With §2.1's fit the reason is the measured split: 435 calls × 20 µs = 8.7 ms fixed, 8 GB / 400 GB/s = 20 ms.
     why = _verdict(naive, pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}), {"o": 20e-6, "w": 400e9})
     assert "435 calls' fixed cost is 8.70 ms against 20.0 ms to move 8.00 GB" in why
+    assert "so flattening can remove at most the fixed cost" in why and "overlap" not in why  # no wait recorded
+    # naive waited 20 ms for 28.7 ms of calls one at a time: back-to-back calls overlapped
+    fast = _verdict(pd.Series({**naive, "sync_ms": 20.0}), pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}),
+                    {"o": 20e-6, "w": 400e9})
+    assert "naive's wait (20.0 ms) is less than their sum: calls launched back to back overlap" in fast
+    slow = _verdict(pd.Series({**naive, "sync_ms": 28.0}), pd.Series({"step_ms": 101.0, "step_ms_std": 5.0}),
+                    {"o": 20e-6, "w": 400e9})
+    assert "overlap" not in slow and "at most the fixed cost" in slow
 
     def timing(adamw: float, sharded: float, std: float) -> pd.DataFrame:
         return pd.DataFrame({"optimizer": ["adamw", "sharded"], "step_ms": [adamw, sharded], "step_ms_std": [std, 1.0]})
@@ -1907,7 +1916,7 @@ def test_bucketed_answer_gives_each_bucket_sizes_communication_time(tmp_path) ->
     table = _communication(SectionData(tmp_path, "ddp_bucketed"), "steps_large_fp32", b)
     frame = table.frame
     # 300 calls of 30 µs = 9 ms, plus 2 GB at 400 GB/s = 5 ms; 4 calls: 0.12 + 5 ms
-    assert frame["allreduce_total_ms"].tolist() == pytest.approx([14.0, 5.12])
+    assert frame["modelled_allreduce_ms"].tolist() == pytest.approx([14.0, 5.12])
     assert frame["step_ms"].tolist() == [99.0, 111.0]  # the median step
     assert frame["hidden_pct"].round(1).tolist() == [96.4, 0.0]  # a wait past the modelled time hid nothing
     assert "$o$ = 30.0 µs and $w$ = 400 GB/s" in table.caption
@@ -1920,5 +1929,11 @@ def test_stream_lanes_name_each_traced_row_by_its_kernels() -> None:
 
     timeline = pd.DataFrame({"lane": ["cuda:17", "cuda:7", "cuda:7", "cuda:7", "step"],
                              "kind": ["comm", "compute", "compute", "comm", "phase"]})
-    assert stream_lanes(timeline) == "cuda:17 is NCCL's stream, cuda:7 is the compute stream"
+    assert stream_lanes(timeline) == "cuda:17 (stream 17) is NCCL's stream, cuda:7 (stream 7) is the compute stream"
     assert stream_lanes(None) == "" and stream_lanes(timeline[["lane"]]) == ""
+    # naive DDP all-reduces on the compute stream: its panel's row carries both kinds, and the caption says so
+    per_variant = pd.DataFrame({"variant": ["naive"] * 4 + ["flat"] * 4,
+                                "lane": ["cuda:7"] * 4 + ["cuda:7", "cuda:7", "cuda:7", "cuda:17"],
+                                "kind": ["compute", "comm", "compute", "comm", "compute", "compute", "compute", "comm"]})
+    assert stream_lanes(per_variant) == ("cuda:7 (stream 7) is the compute stream (NCCL's kernels run on it too in "
+                                         "naive), cuda:17 (stream 17) is NCCL's stream")

@@ -148,14 +148,14 @@ def _communication(d: SectionData, name: str | None, b: Any) -> Table | None:
     total = b["num_buckets"] * fit["o_us"] / 1e3 + b["grad_bytes"] / (fit["w_GBps"] * 1e9) * 1e3
     frame = pd.DataFrame({"bucket_size_mb": b["bucket_size_mb"], "num_buckets": b["num_buckets"],
                           "step_ms": b.apply(_typical, axis=1), "exposed_comm_ms": b["sync_ms"],
-                          "allreduce_total_ms": total,
+                          "modelled_allreduce_ms": total,
                           # a wait longer than the modelled all-reduces hid nothing (the rest is host time)
                           "hidden_pct": (100 * (1 - b["sync_ms"] / total)).clip(lower=0)})
     return d.table(name, frame=ddp_common.mib_labels(frame.reset_index(drop=True)), caption=(
         "Communication by bucket size (fp32 gradients, eager steps): `step_ms` the median step (the mean where the "
         "run recorded no median); `exposed_comm_ms` "
         "measured, the wait for the all-reduces after the backward pass (the step table's `sync`); "
-        "`allreduce_total_ms` the time all of its buckets' all-reduces take, $n_b\\,o + s/w$ with "
+        "`modelled_allreduce_ms` the time all of its buckets' all-reduces take by the fit, $n_b\\,o + s/w$ with "
         f"$o$ = {fmt.sig(fit['o_us'], 3)} µs and $w$ = {fmt.sig(fit['w_GBps'])} GB/s fitted to all-reduces timed in "
         "the same run (the model of (b)); `hidden_pct` the share of that the backward pass hid."))
 

@@ -87,6 +87,20 @@ def _idle_after_backward(timeline: Any, timed: Any = None) -> str:
 INITIAL_IS_FLAT = ("cse599o",)
 
 
+#: A row's step-to-step spread, as a share of its mean, past which one number does not describe its steps.
+VARIED = 0.03
+
+
+def _spread_note(r: Any) -> str:
+    """Where a row's steps vary widely and no few slow ones explain it (``ddp_common.outlier_note`` says that
+    case), a clause giving the spread and the median; else empty."""
+    mean, std, median = (known(r.get(k)) for k in ("step_ms", "step_ms_std", "step_ms_median"))
+    if ddp_common.outlier_note(r) or mean is None or std is None or median is None or std < VARIED * mean:
+        return ""
+    return (f" (its steps vary by ±{fmt.ms(std)} around a median of {fmt.ms(median)}, so it ties with any variant "
+            "closer than that)")
+
+
 def _why(ov: Any, rows: dict[str, Any]) -> str:
     """The reason in one sentence: how much of the communication the overlap hid (from the traces), and what
     it costs the backward it shares the GPU with (forward+backward time against flat's)."""
@@ -96,10 +110,12 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
         return ""
     r = by.loc[hit[0]]
     share = float(r["comm_during_backward_ms"] / r["comm_ms"])
-    out = (f" Why: {fmt.pct(share)} of its all-reduce kernel time ({fmt.ms(r['comm_ms'])}) ran while backward was "
-           "still computing, " + ("so almost none of it is exposed" if share >= 0.9 else
-                                  f"so {fmt.pct(1 - share)} of it still runs after backward"))
     flat, own = rows.get("flat"), rows.get("overlap")
+    varied = own is not None and bool(_spread_note(own))
+    out = (f" Why: {fmt.pct(share)} of its all-reduce kernel time ({fmt.ms(r['comm_ms'])}) ran while backward was "
+           "still computing" + (" in the traced step" if varied else "") + ", "
+           + ("so almost none of it is exposed" + (" there" if varied else "") if share >= 0.9
+              else f"so {fmt.pct(1 - share)} of it still runs after backward"))
     if flat is not None and own is not None and known(flat.get("fwd_bwd_ms")) and known(own.get("fwd_bwd_ms")):
         mine, how = float(own["fwd_bwd_ms"]), ""
         parts = [known(own.get(k)) for k in ("step_ms_median", "sync_ms", "optimizer_ms")]
@@ -111,7 +127,8 @@ def _why(ov: Any, rows: dict[str, Any]) -> str:
             out += (f", {'but' if share >= 0.9 else 'and'} the backward slows ({fmt.ms(mine)} forward and "
                     f"backward{how}, against flat's {fmt.ms(flat['fwd_bwd_ms'])}) as the NCCL kernels share SMs and "
                     "memory bandwidth with it and each parameter costs a launch")
-    return out + "."
+    return out + "." + (" The wait after backward above is a mean over timed steps that vary; the trace is of one "
+                        "step." if varied else "")
 
 
 def _other_precision(d: SectionData, shown: str | None) -> str:
@@ -143,8 +160,9 @@ def answer(d: SectionData) -> list[Block]:
         others = [f"{m} {fmt.ms(rows[m]['step_ms_median' if median else 'step_ms'])}" for m in ("naive", "flat")
                   if rows[m] is not None]
         text = (f"Overlapping each parameter's all-reduce with the rest of the backward pass gives "
-                f"{fmt.ms(rows['overlap']['step_ms'])} per step{ddp_common.outlier_note(rows['overlap'])}, with "
-                f"{fmt.ms(rows['overlap']['sync_ms'])} of communication left after backward"
+                f"{fmt.ms(rows['overlap']['step_ms'])} per step{ddp_common.outlier_note(rows['overlap'])}"
+                f"{_spread_note(rows['overlap'])}, with {fmt.ms(rows['overlap']['sync_ms'])} of communication left "
+                f"after backward{' on average' if _spread_note(rows['overlap']) else ''}"
                 + (f" (vs. {join_words(others)}{', medians' if median else ''})." if others else "."))
     overlap_name = named(d.tables, "overlap")
     ov = d.frame(overlap_name) if overlap_name else None

@@ -299,11 +299,24 @@ def implemented(d: SectionData, what: str, where: str, ours: str, course_file: s
 
 
 def stream_lanes(timeline: pd.DataFrame | None) -> str:
-    """A traced step's rows in words, as the profiler names its CUDA streams: "cuda:17 is NCCL's stream, cuda:7
-    is the compute stream" (each lane by the kind of most of its kernels); "" without a timeline."""
+    """A traced step's rows in words, each CUDA stream under both names a figure may give it (the profiler's
+    ``cuda:17``, or ``stream 17``): "cuda:17 (stream 17) is NCCL's stream, cuda:7 (stream 7) is the compute
+    stream", each lane by the kind of most of its kernels. A variant whose kernels of the other kind make up a
+    quarter or more of a lane's (naive DDP all-reduces on the compute stream) is named; "" without a timeline."""
     if timeline is None or not {"lane", "kind"} <= set(timeline.columns):
         return ""
     kernels = timeline[timeline["kind"] != "phase"]
-    streams = kernels.groupby("lane", sort=False)["kind"].agg(lambda k: k.mode().iloc[0])
     what = {"compute": "the compute stream", "comm": "NCCL's stream"}
-    return ", ".join(f"{lane} is {what.get(kind, kind)}" for lane, kind in streams.items())
+    also = {"compute": "NCCL's kernels", "comm": "compute kernels"}
+    parts = []
+    for lane, rows in kernels.groupby("lane", sort=False):
+        kind = rows["kind"].mode().iloc[0]
+        device, _, ident = str(lane).partition(":")
+        text = f"{lane} (stream {ident}) is " if device == "cuda" and ident else f"{lane} is "
+        text += what.get(kind, kind)
+        if "variant" in rows.columns and kind in also:
+            shared = [str(v) for v, g in rows.groupby("variant", sort=False) if (g["kind"] != kind).mean() >= 0.25]
+            if shared:
+                text += f" ({also[kind]} run on it too in {join_words(shared)})"
+        parts.append(text)
+    return ", ".join(parts)

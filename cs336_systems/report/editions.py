@@ -39,6 +39,9 @@ class Entry:
     handout's part label and left out of the lending section (a part the handout asks in another place)."""
     remark: str = ""
     """What this edition's readers should know either way (shown after the note)."""
+    labels: tuple[tuple[str, str], ...] = ()
+    """``(workbook label, label here)``: the section's parts under this handout's problem names, where the two
+    handouts name one problem differently."""
     console: tuple[tuple[str, str], ...] = ()
     """``(record, command)`` pairs: the printed output the handout asks to show ("a screenshot"), each kept by
     ``command --record record`` in ``figures/<CONSOLE_FOLDER>/`` and shown as a console block."""
@@ -124,6 +127,7 @@ EDITION_CSE599O: tuple[Entry, ...] = (
                "where the machine did."),
     Entry("2.3", ("toymodel_naive_ddp", "transformer_naive_ddp_benchmarking"), "naive_ddp",
           title="A naive implementation of distributed data parallel training", note=_table1_note("naive_ddp"),
+          labels=(("naive_ddp", "toymodel_naive_ddp"), ("naive_ddp_benchmarking", "transformer_naive_ddp_benchmarking")),
           console=(("naive_toy", "benchmark_naive_ddp.py --model toy"),
                    ("naive_transformer", "benchmark_naive_ddp.py --model transformer"))),
     Entry("2.4.1", ("minimal_ddp_flat_benchmarking",), "ddp_flat", title="Reducing the number of communication calls",

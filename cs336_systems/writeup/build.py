@@ -169,9 +169,8 @@ def _console(root: Path, name: str, command: str) -> Block:
                    meta, note=f"Run in `cs336_systems/cse599o/` on one node with {gpus}; the staff's "
                    f"`srun --gpus-per-node=2 uv run {ran}` starts the same script as one Slurm task, which "
                    "spawns a rank per GPU. It is a launch of its own with the few iterations the handout asks for; "
-                   "the tables below time more steps of the same code in other launches, and an eager step moves "
-                   "by tens of milliseconds from one launch to the next (§2.2 measures how far), so the two differ "
-                   "by about that much.")
+                   "the tables below time more steps of the same code in other launches, so the two differ by "
+                   "what moves between launches and by the few iterations' noise.")
 
 
 def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -> Document:
@@ -203,6 +202,9 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
         section.blocks = [b for b in section.blocks
                           if not (isinstance(b, Question) and (entry.section, b.label) in lent)]
+        renamed = dict(entry.labels)
+        section.blocks = [dataclasses.replace(b, label=renamed[b.label])
+                          if isinstance(b, Question) and b.label in renamed else b for b in section.blocks]
         for name, label, here in entry.borrow:
             section.blocks = _with_borrowed(section.blocks, _borrowed(SECTIONS[name], root, strict, notebooks,
                                                                       edition, label, here))
