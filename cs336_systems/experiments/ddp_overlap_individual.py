@@ -157,12 +157,13 @@ def answer(d: SectionData) -> list[Block]:
     text = None
     if rows["overlap"] is not None:
         median = bool(ddp_common.outlier_note(rows["overlap"]))  # then every row is quoted by its median
+        spread = _spread_note(rows["overlap"])
         others = [f"{m} {fmt.ms(rows[m]['step_ms_median' if median else 'step_ms'])}" for m in ("naive", "flat")
                   if rows[m] is not None]
         text = (f"Overlapping each parameter's all-reduce with the rest of the backward pass gives "
                 f"{fmt.ms(rows['overlap']['step_ms'])} per step{ddp_common.outlier_note(rows['overlap'])}"
-                f"{_spread_note(rows['overlap'])}, with {fmt.ms(rows['overlap']['sync_ms'])} of communication left "
-                f"after backward{' on average' if _spread_note(rows['overlap']) else ''}"
+                f"{spread}, with {fmt.ms(rows['overlap']['sync_ms'])} of communication left "
+                f"after backward{' on average' if spread else ''}"
                 + (f" (vs. {join_words(others)}{', medians' if median else ''})." if others else "."))
     overlap_name = named(d.tables, "overlap")
     ov = d.frame(overlap_name) if overlap_name else None

@@ -374,22 +374,18 @@ def _train_peak_breakdown(peaks: pd.DataFrame | None, counted_gib: float | None 
                "activations outgrow one copy of the weights, they set it." if len(set(kinds)) > 1 else ""))
 
 
-#: The peak table's columns as printed: the handout's two passes first, under the names it gives them.
-PEAK_COLUMNS = {"inference_peak_GiB": "forward_pass_GiB", "train_peak_GiB": "training_step_GiB",
-                "forward_peak_GiB": "forward_with_autograd_GiB"}
-
-
-#: What each printed peak column holds, for the caption.
-PEAK_MEANINGS = {"forward_pass_GiB": "the forward pass (inference, no autograd)",
-                 "training_step_GiB": "the full training step",
-                 "forward_with_autograd_GiB": "the forward with autograd on, which holds the activations a training "
-                                              "step saves"}
+#: The peak table's columns as printed, each with what it holds: the handout's two passes first, under its names.
+PEAK_COLUMNS = {
+    "inference_peak_GiB": ("forward_pass_GiB", "the forward pass (inference, no autograd)"),
+    "train_peak_GiB": ("training_step_GiB", "the full training step"),
+    "forward_peak_GiB": ("forward_with_autograd_GiB", "the forward with autograd on, which holds the activations a "
+                                                      "training step saves"),
+}
 
 
 def _peak_caption(frame: pd.DataFrame | None) -> str:
     """The caption's gloss of the columns the table has."""
-    shown = _peak_columns(frame)
-    meanings = [PEAK_MEANINGS[c] for c in (shown.columns if shown is not None else []) if c in PEAK_MEANINGS]
+    meanings = [PEAK_COLUMNS[c][1] for c in PEAK_COLUMNS if frame is not None and c in frame.columns]
     return (": " + "; ".join(meanings) + ".") if meanings else "."
 
 
@@ -397,7 +393,7 @@ def _peak_columns(frame: pd.DataFrame | None) -> pd.DataFrame | None:
     if frame is None:
         return None
     first = [c for c in frame.columns if c not in PEAK_COLUMNS] + [c for c in PEAK_COLUMNS if c in frame.columns]
-    return frame[first].rename(columns=PEAK_COLUMNS)
+    return frame[first].rename(columns={c: name for c, (name, _) in PEAK_COLUMNS.items()})
 
 
 def answer(d: SectionData) -> list[Block]:

@@ -12,7 +12,7 @@ import pandas as pd
 
 import cs336_systems.experiments.flash_benchmarking as section  # its SECTION is bound after this module loads
 from cs336_systems.benchmarking.flash.host import HOST_KEYS
-from cs336_systems.benchmarking.flash.shapes import SHAPE_KEYS
+from cs336_systems.benchmarking.flash.shapes import SHAPE_CELL, SHAPE_KEYS
 from cs336_systems.experiments.flash_benchmarking import SWEEP_TABLES, Params
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import implemented, join_words, question, subset
@@ -132,17 +132,17 @@ def _losers(d: SectionData) -> list[Block]:
 #: A profiled shape whose back-to-back call in the grid takes this many times its kernels' GPU time is bound by
 #: the host's issuing of calls, not by the kernels (a criterion, not a measurement).
 HOST_BOUND_FACTOR = 1.5
-_SHAPE_KEYS = ["dtype", "batch", "heads", "seq_len", "head_dim", "causal"]
 
 
 def _host_bound_losers(summary: pd.DataFrame, ratio: pd.DataFrame | None) -> pd.DataFrame:
     """The profiled shapes whose grid time (ours, forward+backward) exceeds ``HOST_BOUND_FACTOR`` × their GPU
     time, with that grid time as ``grid_us`` (none without the grid)."""
-    if ratio is None or not {*_SHAPE_KEYS, "pass", "triton_ms"} <= set(ratio.columns):
+    if ratio is None or not {*SHAPE_KEYS, "triton_ms"} <= set(ratio.columns):
         return summary.iloc[:0]
-    grid = ratio[ratio["pass"] == "forward+backward"][[*_SHAPE_KEYS, "triton_ms"]]
+    grid = ratio[ratio["pass"] == "forward+backward"][[*SHAPE_CELL, "triton_ms"]]
+    # the flag as text on both sides: a CSV column of one table may read as bool, the other's as str
     keyed = summary.assign(causal=summary["causal"].astype(str))
-    joined = keyed.reset_index().merge(grid.assign(causal=grid["causal"].astype(str)), how="left", on=_SHAPE_KEYS)
+    joined = keyed.reset_index().merge(grid.assign(causal=grid["causal"].astype(str)), how="left", on=SHAPE_CELL)
     joined = joined.set_index("index").assign(grid_us=lambda f: f["triton_ms"] * 1e3)
     return joined[joined["grid_us"] > HOST_BOUND_FACTOR * joined["ours_total_us"]]
 
