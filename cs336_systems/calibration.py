@@ -194,13 +194,23 @@ class JobCalibration:
         for path in written:
             try:
                 meta = json.loads(path.read_text())
-                meta["calibration"] = record
+                merged = (meta.get("calibration") or {}).get("merged")
+                meta["calibration"] = record if merged is None else {**record, "merged": merged}
                 path.write_text(json.dumps(meta, indent=2) + "\n")
             except (OSError, ValueError) as exc:
                 print(f"calibration: could not record it in {path}: {exc}", file=sys.stderr)
 
 
 JOB = JobCalibration()
+
+
+def merged_records(record: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    """The calibrations behind a table that a new job merges its rows into: the table's own record (None where
+    its job was not calibrated) and the records that table had merged before, flattened."""
+    if record is None:
+        return [None]
+    own = {k: v for k, v in record.items() if k != "merged"}
+    return [own, *(record.get("merged") or [])]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,14 +262,20 @@ def verdict(meta: dict[str, Any], references: dict[str, dict[str, dict[str, floa
     record = meta.get("calibration")
     if not record or not record.get("start"):
         return Verdict("uncalibrated", "the machine was not calibrated")
-    method = record.get("method", LEGACY_METHOD)
-    references = (load_references() if references is None else references).get(method, {})
-    measured = [gpu for phase in ("start", "end") for gpu in (record.get(phase) or [])]
-    if not any(gpu.get("device") in references for gpu in measured):
-        return Verdict("unreferenced", f"no {method} calibration reference for {meta.get('device')}")
+    merged = record.get("merged") or []
+    if any(not earlier or not earlier.get("start") for earlier in merged):
+        return Verdict("uncalibrated", "an earlier job whose rows this table merges was not calibrated")
+    all_references = load_references() if references is None else references
     problems = []
-    for phase in ("start", "end"):
-        problems += [f"{p} at the job's {phase}" for p in shortfalls(record.get(phase) or [], references)]
+    for job, one in enumerate([record, *merged]):  # this job, then the jobs whose rows it merged
+        method = one.get("method", LEGACY_METHOD)
+        references_now = all_references.get(method, {})
+        measured = [gpu for phase in ("start", "end") for gpu in (one.get(phase) or [])]
+        if not any(gpu.get("device") in references_now for gpu in measured):
+            return Verdict("unreferenced", f"no {method} calibration reference for {meta.get('device')}")
+        which = "the job's" if job == 0 else "a merged job's"
+        for phase in ("start", "end"):
+            problems += [f"{p} at {which} {phase}" for p in shortfalls(one.get(phase) or [], references_now)]
     if problems:
         return Verdict("suspect", "; ".join(problems[:2]) + (f" (+{len(problems) - 2} more)" if len(problems) > 2 else ""))
     return Verdict("calibrated")

@@ -182,6 +182,8 @@ class ResultWriter:
         """The results root (``figures/`` or ``.scratch/figures/``); ``section`` may be a subfolder path."""
         self.dir = self.root / section
         self.dir.mkdir(parents=True, exist_ok=True)
+        #: Table name -> the calibrations of the earlier jobs whose rows it merges (:func:`rows_of_this_run`).
+        self.merged_calibrations: dict[str, list[dict[str, Any] | None]] = {}
 
     def path(self, filename: str) -> Path:
         return self.dir / filename
@@ -200,6 +202,8 @@ class ResultWriter:
         job_calibration = calibration.JOB.record()
         if job_calibration is not None:
             meta["calibration"] = job_calibration
+            if name in self.merged_calibrations:  # the earlier jobs' machines too: their rows are in this table
+                meta["calibration"] = {**job_calibration, "merged": self.merged_calibrations[name]}
         if source is not None:
             # Derived from a measurement (a plot or a model fit made later, perhaps on a laptop): the
             # numbers belong to the measuring run, so its device, versions, commit and date are recorded;
@@ -335,7 +339,8 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
     so every table keeps a single provenance. "This code" is this commit, or an earlier one at which none of
     the section's dependencies differed (:mod:`cs336_systems.measured_code`, the test the writeup applies):
     a commit of notes or answer text between two jobs does not split their table. The combined table records
-    the later commit, whose code it describes."""
+    the later commit, whose code it describes, and every job's calibration: the earlier jobs' under the
+    record's ``merged`` (:func:`cs336_systems.calibration.verdict` judges them all)."""
     if not (out.dir / f"{name}.meta.json").exists():
         return None
     meta = load_meta(out.section, name, root=out.root)
@@ -346,6 +351,7 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
         return None
     if any(recorded(earlier, k) != recorded(params, k) for k in same):
         return None
+    out.merged_calibrations[name] = calibration.merged_records(meta.get("calibration"))
     return load_table(out.section, name, root=out.root)
 
 

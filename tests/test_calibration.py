@@ -149,3 +149,36 @@ def test_a_failing_calibration_never_fails_the_job(tmp_path, monkeypatch, capsys
     job.note_written(tmp_path / "gone.meta.json")
     job.finish()
     assert not job.active and "calibration:" in capsys.readouterr().err
+
+
+def test_a_table_merged_over_several_jobs_keeps_every_job_s_calibration(tmp_path, monkeypatch) -> None:
+    """A grid measured in several jobs is one table; each job's machine stays on its record, and a slow earlier
+    job makes the merged table suspect even when the job that wrote it last was fast."""
+    from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
+
+    readings = iter([[_gpu(bf16=790.0)], [_gpu(copy=2.5)], [_gpu(bf16=791.0)], [_gpu(bf16=792.0)]])
+    monkeypatch.setattr(calibration, "measure_in_subprocess", lambda: next(readings))
+    monkeypatch.setattr(JobCalibration, "wanted", staticmethod(lambda smoke: not smoke))
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    records = []
+    for context in (1024, 2048):  # two jobs of one grid, as flash_benchmarking's --job 5 and --job 6
+        job = JobCalibration()
+        monkeypatch.setattr(calibration, "JOB", job)
+        job.begin(smoke=False)
+        out = ResultWriter("sec", params={"n": 1}, smoke=False, publish=True)
+        table = merge_rows(pd.DataFrame({"context": [context], "ms": [1.0]}),
+                           rows_of_this_run(out, "grid", out.params, ("n",)), "context")
+        out.table(table, "grid")
+        job.finish()
+        records.append(json.loads((tmp_path / "sec" / "grid.meta.json").read_text())["calibration"])
+    assert list(pd.read_csv(tmp_path / "sec" / "grid.csv")["context"]) == [1024, 2048]
+    first, merged = records
+    assert "merged" not in first and merged["merged"] == [first]
+    assert merged["start"] == [_gpu(bf16=791.0)] and merged["end"] == [_gpu(bf16=792.0)]
+    meta = _meta(None, calibration=merged)
+    slow = verdict(meta, REFERENCES)
+    assert slow.suspect and slow.reason == "GPU 0 HBM copy at 85% of its reference at a merged job's end"
+    fast_first = {**first, "end": [_gpu()]}
+    assert verdict({**meta, "calibration": {**merged, "merged": [fast_first]}}, REFERENCES).state == "calibrated"
+    assert verdict({**meta, "calibration": {**merged, "merged": [None]}}, REFERENCES).state == "uncalibrated"
+    assert calibration.merged_records(merged) == [{k: v for k, v in merged.items() if k != "merged"}, first]
