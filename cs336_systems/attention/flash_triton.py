@@ -359,7 +359,7 @@ def _backward(
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dq_acc = None  # float32 dQ that the dK/dV kernel adds to (options.dq_atomic)
     if options.current().dq_atomic and _gluon_backward_module(q, k, v, do, dk, dv) is None:
-        dq_acc = torch.zeros((batch * heads, n_queries, d), dtype=torch.float32, device=q.device)
+        dq_acc = torch.zeros((batch, heads, n_queries, d), dtype=torch.float32, device=q.device)
     launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)
     if q.device.type != "cuda":
         launch()
@@ -423,10 +423,19 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     if gluon is not None:
         gluon.flash_backward_dkdv(q, k, v, do, ld, dk, dv, is_causal, scale)
         return
+    # options.dq_tile_reduce: dK/dV adds its dQ tiles through descriptors over dq_acc, one bulk reduction each
+    dq_tiles = _slab_tiles(dq_acc, d) if dq_acc is not None and _tile_reductions(q, opts) else (None, None)
     FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
-        k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv, dq_acc,
+        k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv, dq_acc, *dq_tiles,
         *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
     ), constexprs)  # fmt: skip
+
+
+def _tile_reductions(q: Tensor, opts: options.FlashOptions) -> bool:
+    """Whether dK/dV adds dQ by bulk tensor reductions (``options.dq_tile_reduce``): TMA has them from Hopper on;
+    Triton's interpreter has none."""
+    return (opts.dq_tile_reduce and q.device.type == "cuda" and not interpreter_enabled()
+            and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) >= (9, 0))
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
