@@ -143,3 +143,49 @@ def test_an_edition_shows_a_sections_parts_under_its_own_problem_names() -> None
     (naive,) = [s for s in doc.sections if s.number == "2.3"]
     labels = [b.label for b in naive.blocks if isinstance(b, Question)]
     assert labels[:2] == ["toymodel_naive_ddp", "transformer_naive_ddp_benchmarking"] and "naive_ddp" not in labels
+
+
+def test_flash_sweep_names_every_cell_where_one_pass_alone_loses_to_pytorch() -> None:
+    """The forward + backward verdict can hide a backward slower than PyTorch's in more cells; the answer gives
+    each pass's losing cells, and a head dim whose losers skip a length lists them instead of a range."""
+    import pandas as pd
+
+    from cs336_systems.experiments.flash_benchmarking.answers import _cells_by_head, _passes_alone
+
+    rows = []
+    for d in (64, 128):
+        for t in (512, 1024, 2048, 4096):
+            for phase, speedup in (("forward", 2.0), ("backward", 0.9 if (d == 128 or t in (512, 2048)) else 1.5),
+                                   ("forward+backward", 1.2)):
+                rows.append(dict(dtype="float32", head_dim=d, seq_len=t, speedup_vs_naive=speedup, **{"pass": phase}))
+    sp = pd.DataFrame(rows)
+    assert _passes_alone(sp, "float32") == ("in float32 our backward is slower in 6 of 8 cells "
+                                            "(d = 64 at 512 and 2,048 tokens, d = 128 at 512–4,096 tokens)")
+    assert _passes_alone(sp, "bfloat16") == ""
+    assert _cells_by_head(sp[sp["seq_len"] > 1024].drop_duplicates(["head_dim", "seq_len"])) == \
+        "d = 64 at 2,048–4,096 tokens, d = 128 at 2,048–4,096 tokens"
+
+
+def test_flash_answer_names_the_sweep_rows_the_gluon_forward_ran(tmp_path) -> None:
+    """On a Hopper GPU with Gluon on, the rows of the bf16 sweep whose forward ran the Gluon kernel follow from the
+    recorded options (keys x d / 2 >= gluon_min_key_work, causal); elsewhere the answer says nothing about them."""
+    import json
+
+    from cs336_systems.experiments.flash_benchmarking.answers import _gluon_rows
+
+    folder = tmp_path / "flash_benchmarking"
+    folder.mkdir()
+    (folder / "sweep_bfloat16.csv").write_text("impl\ntriton\n")
+
+    def meta(device: str, gluon: bool = True) -> None:
+        (folder / "sweep_bfloat16.meta.json").write_text(json.dumps({"device": device, "params": {
+            "sweep": {"seq_lens": [512, 1024, 2048, 4096, 8192]},
+            "kernel_options": {"gluon": gluon, "gluon_min_key_work": 98304}}}))
+
+    meta("NVIDIA H200")
+    said = _gluon_rows(SectionData(tmp_path, "flash_benchmarking"))
+    assert "d = 64 from 4,096 tokens and d = 128 from 2,048 tokens" in said
+    meta("NVIDIA H200", gluon=False)
+    assert _gluon_rows(SectionData(tmp_path, "flash_benchmarking")) == ""
+    meta("NVIDIA A100-SXM4-80GB")
+    assert _gluon_rows(SectionData(tmp_path, "flash_benchmarking")) == ""

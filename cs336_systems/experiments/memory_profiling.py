@@ -336,7 +336,12 @@ def _training_shape(peaks: pd.DataFrame | None) -> str:
     parts = [("at context " + join_words([f"{c:,}" for c in where]) + " " if both else "") + words
              for where, words in present] or ["the backward then frees each block's activations while gradients appear"]
     return ("The training step starts higher (AdamW's two moments are resident after the warm-up step) and repeats "
-            "that ramp; " + "; ".join(parts) + ", so each phase shows in the shape alone.")
+            "that ramp; " + "; ".join(parts) + "."
+            + (f" Where the peak comes at the optimizer step (context {join_words([f'{c:,}' for c in rises])}), the "
+               "training panel draws the forward's activations as “other”: each panel colours the sources that hold "
+               "the most memory at its own peak, and by then the backward has freed them." if rises else "")
+            + " “(no user frame)” is the backward's own allocations, the gradients among them: autograd's engine "
+            "makes them on its own thread, where no Python code is on the stack.")
 
 
 def _train_peak_breakdown(peaks: pd.DataFrame | None, counted_gib: float | None = None) -> str:
@@ -487,8 +492,8 @@ def answer(d: SectionData) -> list[Block]:
             None if timeline is None else Text(
                 ("Inference (no autograd) stays flat above the weights, its spikes one block's transients and the "
                  "logits at the end. " if "inference" in modes else "")
-                + "With autograd on, the forward climbs a staircase, one step per block as its activations are "
-                "saved, and peaks at its end with every block's activations and the logits resident. "
+                + "With autograd on, the forward rises as each block saves its activations for the backward, and "
+                "peaks at its end with every block's activations and the logits resident. "
                 + _training_shape(peaks)),
         ], what="memory timelines"),
         question(d, "b", "Peak memory by context length, forward pass and full training step.",

@@ -344,7 +344,9 @@ def answer(d: SectionData) -> list[Block]:
                                           ("compute bound while (shared network)", fwd, just["2d_d"])]),
             bound_text,
             d.table("bounds", caption="The largest compute-bound device count of each strategy at the example "
-                    "numbers, per FFN shape."),
+                    "numbers, per FFN shape. FSDP x TP overlapped is the exact bound; FSDP x TP shared is a quarter "
+                    "of its large-$N$ form, the optimum of the shared-network condition, so the two columns differ "
+                    "by more than a factor of four where the exact and large-$N$ bounds differ."),
         ], what="the bounds"),
         Text("", role=BEYOND_HANDOUT),  # the simulations that check the formulas, and the bounds plotted
         question(d, "alternate_ring_all_reduce", "The simulation that checks the formula.", [

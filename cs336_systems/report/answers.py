@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from cs336_systems import calibration
 from cs336_systems.report import agreement, fmt
 from cs336_systems.report.fmt import join_words  # noqa: F401 (answers.join_words: the sections import it from here)
 from cs336_systems.report.data import SectionData
@@ -54,14 +55,15 @@ def marked_results(blocks: list[Block]) -> str:
         if meta.get("stale"):
             why["stale"] = "measured on older code (STALE)"
         if (meta.get("machine") or {}).get("state") == "suspect":
-            why["suspect"] = "from a job whose machine calibrated slow (SUSPECT)"
+            why["suspect"] = (f"measured on a GPU that ran more than {calibration.SUSPECT_BELOW:.0%} below its reference speed "
+                              "(SUSPECT)")
         if meta.get("disagrees"):
-            why["disagrees"] = (f"more than {agreement.TOLERANCE:.0%} from another section's measurement of the same "
-                                "configuration (DISAGREES)")
+            why["disagrees"] = (f"more than {agreement.TOLERANCE:.0%} away from another section's measurement of the "
+                                "same configuration (DISAGREES)")
     if not why:
         return ""
-    return (f"Read with care: numbers below come from results {join_words(list(why.values()))}; each one's source "
-            "line says which.")
+    return (f"Caveat: some numbers in this answer were {join_words(list(why.values()))}; the source line "
+            "under each table or figure says which.")
 
 
 def ok_rows(df: pd.DataFrame | None) -> pd.DataFrame:

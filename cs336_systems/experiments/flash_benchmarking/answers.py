@@ -59,12 +59,10 @@ def answer(d: SectionData) -> list[Block]:
                  "loads and accumulates $dQ$ over the key blocks, writing $D$ and a copy of $L$ in base-2 units beside it "
                  "for the second, which owns "
                  "a key block and accumulates $dK, dV$ over the query blocks; no two programs write the same "
-                 "output and no atomics are needed. `FlashAttentionTriton`'s forward is the handout's Triton kernel "
-                 "(one program per query tile and batch-head) except on Hopper GPUs (H100, H200), where 16-bit "
-                 "contiguous inputs at head dims 64 and 128 whose rows are long enough (keys × head dim, halved "
-                 "when causal, at least `gluon_min_key_work`) run a warp-specialized Gluon kernel with TMA loads "
-                 "instead; the device in each result's source line says which rule applied. The tests run both "
-                 "kernels against the reference, forcing the Triton one with `options.use(gluon=False)`."),
+                 "output and no atomics are needed. The forward is the handout's Triton kernel (one program per query "
+                 "tile and batch-head), except on Hopper GPUs (H100, H200): there 16-bit inputs at head dims 64 and "
+                 "128 with long rows run a warp-specialized Gluon kernel with TMA loads instead. The tests check "
+                 "both kernels against the reference." + _gluon_rows(d)),
             implemented(d, "`FlashAttentionPytorch` and `FlashAttentionTriton` (autograd functions, forward and "
                         "backward)", "cs336_systems/attention/", "tests/test_flash_attention.py",
                         "test_attention.py", against="regular attention in float64"),
@@ -434,13 +432,60 @@ _FWD_BWD_NOTE = ("Forward + backward is one timed call of the forward and `backw
                  "sum of the two.")
 
 
-def _cells_by_head(cells: pd.DataFrame) -> str:
-    """Sweep cells as "d = 128 at 2,048–8,192 tokens, d = 16 at 128"."""
+#: Hopper GPUs by the names their results record: where the forward of 16-bit inputs may run the Gluon kernel.
+_HOPPER = ("H100", "H200", "H800", "GH200")
+
+
+def _gluon_rows(d: SectionData) -> str:
+    """Which rows of the bf16 sweep's forward ran the Gluon kernel, by the rule the recorded options give
+    (``flash_fwd_sm90.ineligibility``: head dims 64 and 128, and keys × head dim, halved when causal as the
+    sweep is, at least ``gluon_min_key_work``); "" where the sweep's GPU is no Hopper or Gluon was off."""
+    meta = d.meta("sweep_bfloat16")
+    options = (meta.get("params") or {}).get("kernel_options") or {}
+    if not any(name in str(meta.get("device", "")) for name in _HOPPER) or not options.get("gluon"):
+        return ""
+    lengths = sorted((meta.get("params") or {}).get("sweep", {}).get("seq_lens") or [])
+    work = options.get("gluon_min_key_work")
+    if not lengths or not isinstance(work, int):
+        return ""
+    cells = []
+    for head_dim in (64, 128):
+        first = next((t for t in lengths if t * head_dim / 2 >= work), None)
+        if first is not None:
+            cells.append(f"d = {head_dim} from {first:,} tokens")
+    if not cells:
+        return ""
+    return (f" In the bf16 sweep below that is the forward at {join_words(cells)}; every other forward, and every "
+            "float32 one, is the Triton kernel's.")
+
+
+def _cells_by_head(cells: pd.DataFrame, lengths: list[int] | None = None) -> str:
+    """Sweep cells as "d = 128 at 2,048–8,192 tokens, d = 16 at 128". With the grid's ``lengths``, a head dim
+    whose cells skip a length of the grid lists them instead of giving a range that would cover the gap."""
     said = []
     for d, g in cells.groupby("head_dim", sort=True):
-        lo, hi = int(g["seq_len"].min()), int(g["seq_len"].max())
-        said.append(f"d = {int(d)} at {lo:,}" + (f"–{hi:,}" if hi != lo else "") + " tokens")
+        mine = sorted({int(t) for t in g["seq_len"]})
+        lo, hi = mine[0], mine[-1]
+        between = [t for t in (lengths or []) if lo <= t <= hi]
+        if lengths is not None and between != mine:
+            said.append(f"d = {int(d)} at {join_words([f'{t:,}' for t in mine])} tokens")
+        else:
+            said.append(f"d = {int(d)} at {lo:,}" + (f"–{hi:,}" if hi != lo else "") + " tokens")
     return ", ".join(said)
+
+
+def _passes_alone(sp: pd.DataFrame, dtype: str) -> str:
+    """Where each pass alone is slower than PyTorch's over the whole grid: the forward + backward verdict can
+    hide a backward that loses in more cells than the sum does."""
+    lengths = sorted({int(t) for t in sp["seq_len"]})
+    said = []
+    for phase in ("forward", "backward"):
+        rows = sp[(sp["pass"] == phase) & (sp["dtype"] == dtype)].dropna(subset=["speedup_vs_naive"])
+        losing = rows[rows["speedup_vs_naive"] < 1]
+        if len(losing):
+            said.append(f"our {phase} {'is slower ' if not said else ''}in {len(losing)} of {len(rows)} cells "
+                        f"({_cells_by_head(losing, lengths)})")
+    return f"in {dtype} {' and '.join(said)}" if said else ""
 
 
 def _slower_pass(sp: pd.DataFrame, slower: pd.DataFrame, dtype: str) -> str:
@@ -468,7 +513,7 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
     oom = pd.DataFrame()
     if sweep is not None and {"impl", "status", "pass"} <= set(sweep.columns):
         oom = sweep[(sweep["impl"] == "naive") & (sweep["status"] == "OOM") & (sweep["pass"] == "forward+backward")]
-    parts = []
+    parts, alone_clauses = [], []
     for dtype, g in sp[sp["pass"] == "forward+backward"].groupby("dtype", sort=False):
         v = g.dropna(subset=["speedup_vs_naive"])
         if v.empty:
@@ -483,6 +528,7 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
         else:
             text += f"; ours is slower in {len(slower)} of {len(v)} cells ({_cells_by_head(slower)})" + \
                 _slower_pass(sp, slower, dtype)
+        alone_clauses.append(_passes_alone(sp, dtype))
         mine = oom[oom["dtype"] == dtype] if "dtype" in oom.columns else oom
         if not mine.empty:
             first = int(mine["seq_len"].min())
@@ -502,8 +548,10 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
         parts.append(text)
     if not parts:
         return None
+    alone = [c for c in alone_clauses if c]
     return Text("Against regular PyTorch attention (eager, materializing the $T\\times T$ scores), forward + "
-                "backward: " + "; ".join(parts) + ".")
+                "backward: " + "; ".join(parts) + "."
+                + (f" Each pass alone, against PyTorch's: {'; '.join(alone)}." if alone else ""))
 
 
 def _model_step_table(df: pd.DataFrame | None, meta: dict) -> pd.DataFrame | None:
