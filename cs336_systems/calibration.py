@@ -194,8 +194,19 @@ class JobCalibration:
         for path in written:
             try:
                 meta = json.loads(path.read_text())
-                merged = (meta.get("calibration") or {}).get("merged")
-                meta["calibration"] = record if merged is None else {**record, "merged": merged}
+                held = meta.get("calibration") or {}
+                if held.get("start") is not None and not same_job(held, record):
+                    # Another job rewrote the table since (jobs side by side): its record stays on top. Where it
+                    # merged this job's rows, this job's entry gets its end; where it replaced them, nothing here
+                    # is this job's any more.
+                    merged = held.get("merged") or []
+                    if not any(same_job(m, record) for m in merged):
+                        continue
+                    held["merged"] = [{**m, "end": record["end"]} if same_job(m, record) else m for m in merged]
+                    meta["calibration"] = held
+                else:
+                    merged = held.get("merged")
+                    meta["calibration"] = record if merged is None else {**record, "merged": merged}
                 path.write_text(json.dumps(meta, indent=2) + "\n")
             except (OSError, ValueError) as exc:
                 print(f"calibration: could not record it in {path}: {exc}", file=sys.stderr)
@@ -204,13 +215,29 @@ class JobCalibration:
 JOB = JobCalibration()
 
 
-def merged_records(record: dict[str, Any] | None) -> list[dict[str, Any] | None]:
-    """The calibrations behind a table that a new job merges its rows into: the table's own record (None where
-    its job was not calibrated) and the records that table had merged before, flattened."""
+def merged_records(record: dict[str, Any] | None, current: dict[str, Any] | None = None) -> list[dict[str, Any] | None]:
+    """The calibrations behind a table that a job merges its rows into: the table's own record (None where its job
+    was not calibrated) and the records that table had merged before, flattened. ``current``: this job's record
+    (:meth:`JobCalibration.record`); a table this same job wrote before (a section that rewrites its table after
+    every row) adds only what it had merged, not this job again."""
     if record is None:
         return [None]
     own = {k: v for k, v in record.items() if k != "merged"}
-    return [own, *(record.get("merged") or [])]
+    earlier = list(record.get("merged") or [])
+    if current is not None and same_job(own, current):
+        return earlier
+    return [own, *earlier]
+
+
+def same_job(record: dict[str, Any] | None, other: dict[str, Any] | None) -> bool:
+    """Whether two records are one job's: the same method and the same start readings (the end comes later)."""
+    return (record is not None and other is not None and record.get("start") is not None
+            and (record.get("method"), record.get("start")) == (other.get("method"), other.get("start")))
+
+
+def without_merged(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``record`` without the earlier jobs it merged: the one job's own readings."""
+    return None if record is None else {k: v for k, v in record.items() if k != "merged"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,19 +290,25 @@ def verdict(meta: dict[str, Any], references: dict[str, dict[str, dict[str, floa
     if not record or not record.get("start"):
         return Verdict("uncalibrated", "the machine was not calibrated")
     merged = record.get("merged") or []
-    if any(not earlier or not earlier.get("start") for earlier in merged):
-        return Verdict("uncalibrated", "an earlier job whose rows this table merges was not calibrated")
     all_references = load_references() if references is None else references
-    problems = []
+    problems, unreferenced = [], None
+    # A slow machine is said first, whatever else is true of the other jobs: it is what the reader must know.
     for job, one in enumerate([record, *merged]):  # this job, then the jobs whose rows it merged
+        if not one or not one.get("start"):
+            continue
         method = one.get("method", LEGACY_METHOD)
         references_now = all_references.get(method, {})
         measured = [gpu for phase in ("start", "end") for gpu in (one.get(phase) or [])]
         if not any(gpu.get("device") in references_now for gpu in measured):
-            return Verdict("unreferenced", f"no {method} calibration reference for {meta.get('device')}")
+            unreferenced = unreferenced or f"no {method} calibration reference for {meta.get('device')}"
+            continue
         which = "the job's" if job == 0 else "a merged job's"
         for phase in ("start", "end"):
             problems += [f"{p} at {which} {phase}" for p in shortfalls(one.get(phase) or [], references_now)]
+    if not problems and unreferenced:
+        return Verdict("unreferenced", unreferenced)
+    if not problems and any(not one or not one.get("start") for one in merged):
+        return Verdict("uncalibrated", "an earlier job whose rows this table merges was not calibrated")
     if problems:
         return Verdict("suspect", "; ".join(problems[:2]) + (f" (+{len(problems) - 2} more)" if len(problems) > 2 else ""))
     return Verdict("calibrated")

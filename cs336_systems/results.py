@@ -182,8 +182,10 @@ class ResultWriter:
         """The results root (``figures/`` or ``.scratch/figures/``); ``section`` may be a subfolder path."""
         self.dir = self.root / section
         self.dir.mkdir(parents=True, exist_ok=True)
-        #: Table name -> the calibrations of the earlier jobs whose rows it merges (:func:`rows_of_this_run`).
-        self.merged_calibrations: dict[str, list[dict[str, Any] | None]] = {}
+        #: The calibrations of earlier jobs whose rows this writer merged into a table (:func:`rows_of_this_run`).
+        #: Every table it writes afterwards records them: the section's other tables (a summary, a speed-up) are
+        #: computed from the merged rows.
+        self.merged_calibrations: list[dict[str, Any] | None] = []
 
     def path(self, filename: str) -> Path:
         return self.dir / filename
@@ -202,8 +204,8 @@ class ResultWriter:
         job_calibration = calibration.JOB.record()
         if job_calibration is not None:
             meta["calibration"] = job_calibration
-            if name in self.merged_calibrations:  # the earlier jobs' machines too: their rows are in this table
-                meta["calibration"] = {**job_calibration, "merged": self.merged_calibrations[name]}
+            if self.merged_calibrations:  # the earlier jobs' machines too: their rows are in what this job writes
+                meta["calibration"] = {**job_calibration, "merged": list(self.merged_calibrations)}
         if source is not None:
             # Derived from a measurement (a plot or a model fit made later, perhaps on a laptop): the
             # numbers belong to the measuring run, so its device, versions, commit and date are recorded;
@@ -235,7 +237,8 @@ class ResultWriter:
                 # checks), so only the commit, date and command line move, in place.
                 meta = {**old, **{k: meta[k] for k in VOLATILE_META_KEYS if k in meta}}
         _write_bytes_if_changed(path, (json.dumps(meta, indent=2) + "\n").encode())
-        if source is None or (job_calibration is not None and meta.get("calibration") == job_calibration):
+        if source is None or (job_calibration is not None
+                              and calibration.without_merged(meta.get("calibration")) == job_calibration):
             calibration.JOB.note_written(path)  # measured in this job, or derived from what this job measured
         return path
 
@@ -351,7 +354,9 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
         return None
     if any(recorded(earlier, k) != recorded(params, k) for k in same):
         return None
-    out.merged_calibrations[name] = calibration.merged_records(meta.get("calibration"))
+    for record in calibration.merged_records(meta.get("calibration"), calibration.JOB.record()):
+        if not any(r == record or calibration.same_job(r, record) for r in out.merged_calibrations):
+            out.merged_calibrations.append(record)
     return load_table(out.section, name, root=out.root)
 
 

@@ -177,15 +177,66 @@ def test_flash_answer_names_the_sweep_rows_the_gluon_forward_ran(tmp_path) -> No
     folder.mkdir()
     (folder / "sweep_bfloat16.csv").write_text("impl\ntriton\n")
 
-    def meta(device: str, gluon: bool = True) -> None:
+    def meta(device: str, gluon: bool = True, head_dims: tuple = (16, 64, 128)) -> None:
         (folder / "sweep_bfloat16.meta.json").write_text(json.dumps({"device": device, "params": {
-            "sweep": {"seq_lens": [512, 1024, 2048, 4096, 8192]},
+            "sweep": {"seq_lens": [512, 1024, 2048, 4096, 8192], "head_dims": list(head_dims)},
             "kernel_options": {"gluon": gluon, "gluon_min_key_work": 98304}}}))
 
     meta("NVIDIA H200")
     said = _gluon_rows(SectionData(tmp_path, "flash_benchmarking"))
     assert "d = 64 from 4,096 tokens and d = 128 from 2,048 tokens" in said
+    meta("NVIDIA H200", head_dims=[32, 128])  # a grid without 64 says nothing of it
+    assert _gluon_rows(SectionData(tmp_path, "flash_benchmarking")).startswith(
+        " In the bf16 sweep below that is the forward at d = 128 from 2,048 tokens;")
     meta("NVIDIA H200", gluon=False)
     assert _gluon_rows(SectionData(tmp_path, "flash_benchmarking")) == ""
     meta("NVIDIA A100-SXM4-80GB")
     assert _gluon_rows(SectionData(tmp_path, "flash_benchmarking")) == ""
+
+
+def test_nsys_answers_every_profile_in_one_table(tmp_path) -> None:
+    """The handout asks (a)-(e) for each profile: besides the sentences on one configuration, one table gives the
+    numbers of (a), (b) and (e) for every configuration that ran, and none for those out of memory."""
+    import json
+
+    from cs336_systems.experiments import nsys_profile
+
+    folder = tmp_path / "nsys_profile"
+    folder.mkdir()
+    ok = dict(status="ok", python_forward_std_ms=0.1, profiled_step_kernels_ms=30.0,
+              top_non_matmul_kernel="void at::native::elementwise_kernel<DivFunctor>(int)", top_non_matmul_percent=3.0,
+              matmul_percent_forward=70.0, matmul_percent_train_step=60.0, attention_matmul_ms=0.4,
+              attention_scale_mask_ms=0.4, attention_softmax_ms=0.5, softmax_to_matmul_time=1.2,
+              softmax_to_matmul_flops=0.0195)
+    rows = pd.DataFrame([
+        dict(size="small", context_length=256, python_forward_ms=12.4, profiled_forward_kernels_ms=8.9,
+             top_forward_kernel="void sm80_xmma_gemm_f32f32_tn_kernel(int)", top_kernel_calls_per_forward=72.0,
+             top_kernel_percent=54.8, **ok),
+        dict(size="small", context_length=512, python_forward_ms=19.3, profiled_forward_kernels_ms=18.1,
+             top_forward_kernel="void sm80_xmma_gemm_f32f32_nn_kernel(int)", top_kernel_calls_per_forward=61.0,
+             top_kernel_percent=36.6, **ok),
+        dict(size="large", context_length=256, status="OOM"),
+    ])
+    rows.to_csv(folder / "summary.csv", index=False)
+    (folder / "summary.meta.json").write_text(json.dumps({"device": "NVIDIA H200", "device_type": "cuda"}))
+    tables = [t for t in _tables(nsys_profile.answer(SectionData(tmp_path, "nsys_profile")))
+              if t.caption.startswith("Every profile")]
+    assert len(tables) == 1
+    table = tables[0]
+    assert all(f"({part})" in table.caption for part in "abe")
+    assert list(table.frame["context_length"]) == [256, 512]  # the profiles that ran
+    assert {"python_forward_ms", "top_kernel_calls_per_forward", "softmax_to_matmul_flops"} <= set(table.frame.columns)
+    assert not table.frame["top_forward_kernel"].str.startswith("void").any()  # short kernel names
+
+
+def test_an_answer_with_marked_results_opens_with_one_plain_caveat() -> None:
+    from cs336_systems.report.answers import marked_results
+
+    frame = pd.DataFrame({"ms": [1.0]})
+    stale = Table(frame=frame, caption="t", source="s.csv", meta={"stale": True})
+    slow = Table(frame=frame, caption="t", source="s.csv", meta={"machine": {"state": "suspect"}})
+    fine = Table(frame=frame, caption="t", source="s.csv", meta={"machine": {"state": "calibrated"}})
+    assert marked_results([fine]) == ""
+    said = marked_results([stale, slow, fine])
+    assert said.startswith("Caveat: some numbers in this answer were measured on older code (STALE) and measured "
+                           "on a GPU that ran more than 10% below its reference speed (SUSPECT);")

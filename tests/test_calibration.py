@@ -152,33 +152,66 @@ def test_a_failing_calibration_never_fails_the_job(tmp_path, monkeypatch, capsys
 
 
 def test_a_table_merged_over_several_jobs_keeps_every_job_s_calibration(tmp_path, monkeypatch) -> None:
-    """A grid measured in several jobs is one table; each job's machine stays on its record, and a slow earlier
+    """A grid measured in several jobs is one table; each job's machine stays on its record once, however often a
+    job rewrites the table, and a summary the job derives from the merged rows carries them too. A slow earlier
     job makes the merged table suspect even when the job that wrote it last was fast."""
     from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
 
-    readings = iter([[_gpu(bf16=790.0)], [_gpu(copy=2.5)], [_gpu(bf16=791.0)], [_gpu(bf16=792.0)]])
+    starts = [[_gpu(bf16=790.0)], [_gpu(bf16=791.0)], [_gpu(bf16=792.0)]]
+    ends = [[_gpu(copy=2.5)], [_gpu()], [_gpu()]]
+    readings = iter([x for pair in zip(starts, ends) for x in pair])
     monkeypatch.setattr(calibration, "measure_in_subprocess", lambda: next(readings))
     monkeypatch.setattr(JobCalibration, "wanted", staticmethod(lambda smoke: not smoke))
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
-    records = []
-    for context in (1024, 2048):  # two jobs of one grid, as flash_benchmarking's --job 5 and --job 6
+    for job_index, contexts in enumerate(((1024, 1536), (2048, 3072), (4096, 6144))):  # three jobs of one grid
         job = JobCalibration()
         monkeypatch.setattr(calibration, "JOB", job)
         job.begin(smoke=False)
         out = ResultWriter("sec", params={"n": 1}, smoke=False, publish=True)
-        table = merge_rows(pd.DataFrame({"context": [context], "ms": [1.0]}),
-                           rows_of_this_run(out, "grid", out.params, ("n",)), "context")
-        out.table(table, "grid")
+        mine: list[int] = []
+        for context in contexts:  # the table rewritten after every row, as training_step and torch_compile do
+            mine.append(context)
+            table = merge_rows(pd.DataFrame({"context": mine, "ms": 1.0}),
+                               rows_of_this_run(out, "grid", out.params, ("n",)), "context")
+            out.table(table, "grid")
+            out.table(table.assign(ms=2.0), "grid_summary")
         job.finish()
-        records.append(json.loads((tmp_path / "sec" / "grid.meta.json").read_text())["calibration"])
-    assert list(pd.read_csv(tmp_path / "sec" / "grid.csv")["context"]) == [1024, 2048]
-    first, merged = records
-    assert "merged" not in first and merged["merged"] == [first]
-    assert merged["start"] == [_gpu(bf16=791.0)] and merged["end"] == [_gpu(bf16=792.0)]
-    meta = _meta(None, calibration=merged)
+    meta = json.loads((tmp_path / "sec" / "grid.meta.json").read_text())
+    record = meta["calibration"]
+    assert list(pd.read_csv(tmp_path / "sec" / "grid.csv")["context"]) == [1024, 1536, 2048, 3072, 4096, 6144]
+    assert record["start"] == starts[2] and record["end"] == ends[2]
+    merged = record["merged"]
+    assert [m["start"] for m in merged] == [starts[1], starts[0]] and [m["end"] for m in merged] == [ends[1], ends[0]]
+    summary = json.loads((tmp_path / "sec" / "grid_summary.meta.json").read_text())["calibration"]
+    assert summary == record
+    meta = _meta(None, calibration=record)
     slow = verdict(meta, REFERENCES)
     assert slow.suspect and slow.reason == "GPU 0 HBM copy at 85% of its reference at a merged job's end"
-    fast_first = {**first, "end": [_gpu()]}
-    assert verdict({**meta, "calibration": {**merged, "merged": [fast_first]}}, REFERENCES).state == "calibrated"
-    assert verdict({**meta, "calibration": {**merged, "merged": [None]}}, REFERENCES).state == "uncalibrated"
-    assert calibration.merged_records(merged) == [{k: v for k, v in merged.items() if k != "merged"}, first]
+    fast = [{**m, "end": [_gpu()]} for m in merged]
+    assert verdict({**meta, "calibration": {**record, "merged": fast}}, REFERENCES).state == "calibrated"
+    assert verdict({**meta, "calibration": {**record, "merged": [None, *fast]}}, REFERENCES).state == "uncalibrated"
+    # a slow machine is said even where another job was not calibrated or has no reference
+    slow_now = {**record, "end": [_gpu(fp32=40.0)]}
+    assert verdict({**meta, "calibration": {**slow_now, "merged": [None]}}, REFERENCES).suspect
+    other = {**merged[0], "start": [{**_gpu(), "device": "NVIDIA B200"}], "end": None}
+    assert verdict({**meta, "calibration": {**slow_now, "merged": [other]}}, REFERENCES).suspect
+    assert calibration.merged_records(record) == [calibration.without_merged(record), *merged]
+    assert calibration.merged_records(record, calibration.without_merged(record)) == merged
+
+
+def test_a_job_that_finishes_after_another_rewrote_its_table_leaves_that_record_on_top(tmp_path) -> None:
+    """Jobs side by side: the one that finishes first gives its end to its own entry among the merged records of
+    the table the other job rewrote, and touches nothing of a table the other job replaced."""
+    first, second = {"method": "m", "start": [_gpu(bf16=700.0)]}, {"method": "m", "start": [_gpu(bf16=701.0)]}
+    merged = tmp_path / "merged.meta.json"
+    merged.write_text(json.dumps({"calibration": {**second, "merged": [first]}}))
+    replaced = tmp_path / "replaced.meta.json"
+    replaced.write_text(json.dumps({"calibration": second}))
+    job = JobCalibration()
+    job.active, job.start, job.written = True, first["start"], [merged, replaced]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibration, "METHOD", "m")
+        mp.setattr(calibration, "measure_in_subprocess", lambda: [_gpu()])
+        job.finish()
+    assert json.loads(merged.read_text())["calibration"] == {**second, "merged": [{**first, "end": [_gpu()]}]}
+    assert json.loads(replaced.read_text())["calibration"] == second

@@ -346,6 +346,9 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> 
         options.FlashOptions(dq_atomic=1)
     with pytest.raises(ValueError, match="set dq_atomic=True with it"):
         options.FlashOptions(dq_tile_reduce=True)
+    # recorded only when set, so records from before the option compare equal to records at its default
+    assert "dq_tile_reduce" not in options.FlashOptions().describe()
+    assert options.FlashOptions(dq_atomic=True, dq_tile_reduce=True).describe()["dq_tile_reduce"] is True
 
 
 @pytest.mark.gpu
@@ -357,12 +360,22 @@ def test_dq_added_by_tile_reductions_matches_the_dq_kernel_on_hopper(case: Case,
     """``dq_tile_reduce``: the dK/dV kernel adds dQ tiles with TMA bulk reductions. Ragged lengths end inside a
     tile and 80 runs as two slabs, so rows and columns past the tensor must fall outside the descriptors.
     Everything but dQ is bit-identical to the two-kernel backward; dQ is as accurate against float64."""
+    from cs336_systems.attention import flash_triton
+
     q, k, v, do = _inputs(case, dtype)
     want = _reference(q, k, v, do, case.is_causal)
     plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    with options.use(dq_atomic=True, dq_tile_reduce=True):
+    chosen = []
+    original = flash_triton._tile_reductions
+    with pytest.MonkeyPatch.context() as mp, options.use(dq_atomic=True, dq_tile_reduce=True):
+        mp.setattr(flash_triton, "_tile_reductions", lambda *a: chosen.append(original(*a)) or chosen[-1])
         reduced = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    for name, a, b in zip(NAMES, reduced, plain):
+        for _ in range(2):  # the second call records a launch plan, the third replays it with new buffers
+            again = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    assert chosen and all(chosen), "the bulk reductions did not run"
+    for name, a, b, c in zip(NAMES, reduced, plain, again):
+        torch.testing.assert_close(c, a, rtol=0, atol=0) if name != "dQ" else \
+            torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
         if name != "dQ":
             assert torch.equal(a, b), name
     (ours,), (theirs,) = _error(reduced[2:3], want[2:3]), _error(plain[2:3], want[2:3])

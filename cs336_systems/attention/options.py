@@ -214,7 +214,9 @@ class FlashOptions:
                                      if self.gluon_backward_tiles else None),
             "persistent": self.persistent,
             "dq_atomic": self.dq_atomic,
-            "dq_tile_reduce": self.dq_tile_reduce,
+            # Recorded only when set: a record from before the option existed then equals one at its default,
+            # so tables that compare recorded options (model_ab, the losers' grid) still merge across it.
+            **({"dq_tile_reduce": True} if self.dq_tile_reduce else {}),
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),
         }

@@ -277,8 +277,10 @@ def _own_card_plan(d: SectionData) -> Text | None:
     ours = ok[ok["stack"] == "ours"] if "stack" in ok else ok
     plan = memory_plan(_FULL, int(nproc), float(gb))
     k = plan.attrs["checkpointed_blocks"]
-    text = (f"On {int(nproc)} GPUs of {gb:g} GB (their rated capacity, in the handout's GB of 10⁹ bytes), the cards "
-            "measured here, the same calculator checkpoints "
+    have = meta.get("gpu_memory_gib")
+    text = (f"Planned for {int(nproc)} GPUs of {gb:g} GB (the plan's figure, in the handout's GB of 10⁹ bytes"
+            + (f"; these cards report {fmt.sig(float(have))} GiB" if have else "") + "), the cards measured here, "
+            "the same calculator checkpoints "
             + (f"{k} of {_FULL.num_layers} blocks and counts {fmt.sig(plan['total_GB'].iloc[-1])} GB per GPU"
                if k else "no block") + ".")
     if not ours.empty and pd.notna(ours.iloc[0].get("peak_GiB")):
@@ -363,7 +365,7 @@ def _ranks_blocks(d: SectionData) -> tuple[list[Block | None], list[Block | None
             "; every block checkpointed" if ckpt is None else
             f"; the first {ckpt} of {shape.get('num_layers', '?')} blocks checkpointed"
             + (f", the memory plan's fewest for {params.get('nproc', '?')} GPUs of {params.get('plan_gpu_gb'):g} GB "
-               "(10⁹ bytes, as the handout counts)"
+               "(the plan's figure, in 10⁹ bytes)"
                if params.get("checkpoint_blocks") == "plan" and params.get("plan_gpu_gb") else ""))
         chosen += "; RMSNorm, RoPE and SwiGLU's gate compiled" if options.get("compile_pointwise") else ""
         warmup, rep = params.get("warmup_ms"), params.get("rep_ms")

@@ -337,11 +337,12 @@ def _training_shape(peaks: pd.DataFrame | None) -> str:
              for where, words in present] or ["the backward then frees each block's activations while gradients appear"]
     return ("The training step starts higher (AdamW's two moments are resident after the warm-up step) and repeats "
             "that ramp; " + "; ".join(parts) + "."
-            + (f" Where the peak comes at the optimizer step (context {join_words([f'{c:,}' for c in rises])}), the "
+            + (f" Where the peak comes at the optimizer step (context{'s' if len(rises) > 1 else ''} "
+               f"{join_words([f'{c:,}' for c in rises])}), the "
                "training panel draws the forward's activations as “other”: each panel colours the sources that hold "
                "the most memory at its own peak, and by then the backward has freed them." if rises else "")
-            + " “(no user frame)” is the backward's own allocations, the gradients among them: autograd's engine "
-            "makes them on its own thread, where no Python code is on the stack.")
+            + " “(no user frame)” marks allocations made with no Python code on the stack: inside autograd's "
+            "backward, whose engine runs on its own thread (the gradients among them), or the optimizer's C++ code.")
 
 
 def _train_peak_breakdown(peaks: pd.DataFrame | None, counted_gib: float | None = None) -> str:

@@ -422,10 +422,9 @@ def answer(d: SectionData) -> list[Block]:
                      if c in st.index and pd.notna(st.loc[c, "adamw measured"])]
             buckets = _buckets_gib(rank0, st)
             if buckets:  # what the tensor count leaves out, so the parts add up to the peaks (details: the appendix)
-                init = float(rank0.loc[rank0["optimizer"] == "adamw", "after_init_allocated"].iloc[0])
-                parts.append(f"torch DDP's gradient buckets {fmt.sig(buckets)} GiB in both, allocated when DDP wraps "
-                             f"the model (so the {fmt.sig(init)} GiB held after initialization are the parameters and "
-                             "these buckets)")
+                parts.append(f"torch DDP's gradient buckets {fmt.sig(buckets)} GiB in both: what the allocator holds "
+                             "after initialization beyond the parameters, since DDP allocates its buckets when it "
+                             "wraps the model")
             # (a) asks for 2-3 sentences: the peaks, the breakdown, the expectation; why the parts outsum the
             # peak and how the activations compare with the accounting are the appendix's
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "

@@ -444,12 +444,13 @@ def _gluon_rows(d: SectionData) -> str:
     options = (meta.get("params") or {}).get("kernel_options") or {}
     if not any(name in str(meta.get("device", "")) for name in _HOPPER) or not options.get("gluon"):
         return ""
-    lengths = sorted((meta.get("params") or {}).get("sweep", {}).get("seq_lens") or [])
+    sweep = (meta.get("params") or {}).get("sweep") or {}
+    lengths = sorted(sweep.get("seq_lens") or [])
     work = options.get("gluon_min_key_work")
     if not lengths or not isinstance(work, int):
         return ""
     cells = []
-    for head_dim in (64, 128):
+    for head_dim in (d_ for d_ in (64, 128) if d_ in (sweep.get("head_dims") or ())):
         first = next((t for t in lengths if t * head_dim / 2 >= work), None)
         if first is not None:
             cells.append(f"d = {head_dim} from {first:,} tokens")
@@ -526,7 +527,8 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
         if slower.empty:
             text += f"; ours is faster in all {len(v)} cells"
         else:
-            text += f"; ours is slower in {len(slower)} of {len(v)} cells ({_cells_by_head(slower)})" + \
+            lengths = sorted({int(t) for t in v["seq_len"]})
+            text += f"; ours is slower in {len(slower)} of {len(v)} cells ({_cells_by_head(slower, lengths)})" + \
                 _slower_pass(sp, slower, dtype)
         alone_clauses.append(_passes_alone(sp, dtype))
         mine = oom[oom["dtype"] == dtype] if "dtype" in oom.columns else oom
