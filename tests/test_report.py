@@ -1797,6 +1797,16 @@ def test_fsdp_host_paced_sentence_only_where_compute_leaves_the_gpu_idle() -> No
     assert host_paced(Data({"gathers_summary": busy, "gathers_timeline": tl, "gathers_forward": late_second})) is None
     first = late_second.assign(late=[True, False])
     assert host_paced(Data({"gathers_summary": summary, "gathers_timeline": tl, "gathers_forward": first})) is None
+    # where the fit says the link could carry the gathers, the answer gives both causes that fit a rank-0 profile
+    import cs336_systems.experiments.fsdp_gathers as gathers
+
+    slow = summary.assign(gather_ms=9.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
+        said = host_paced(Data({"gathers_summary": slow, "gathers_timeline": tl, "gathers_forward": late_second}))
+    plain = said.plain()
+    assert plain.startswith("The link is not what is slow") and "cannot tell them apart" in plain
+    assert "so rank 0's forward is paced" not in plain  # a cause this profile cannot show is not stated as fact
 
 
 def test_a_large_figure_of_many_panels_is_shown_wide_only_where_it_is_tall(tmp_path: Path) -> None:

@@ -148,9 +148,11 @@ def host_paced(d: SectionData) -> Text | None:
     if found is not None and float(r["gather_ms"]) >= 2 * found[0]:
         return Text(
             f"The link is not what is slow: §2.1's fit carries these gathers in {fmt.ms(found[0])}, yet their kernels "
-            f"took {fmt.ms(r['gather_ms'])}, while compute ran only {fmt.ms(r['compute_ms'])} of the forward and rank "
-            f"0's host issued a kernel every {per_kernel} µs, so rank 0's forward is paced by its host's launches, and "
-            "a gather's kernel may also wait for the other rank (this profile records rank 0 only).")
+            f"took {fmt.ms(r['gather_ms'])}. Beside that, compute ran only {fmt.ms(r['compute_ms'])} of the forward "
+            f"and rank 0's host issued a kernel every {per_kernel} µs. Two causes fit these numbers, and a profile of "
+            "rank 0 alone cannot tell them apart: the host's launches setting the pace (a gather starts only when the "
+            "host reaches its layer), and each gather's kernel waiting inside NCCL until the other rank issues the "
+            "same gather. Traces of both ranks would separate them.")
     return Text(
         f"Compute ran only {fmt.ms(r['compute_ms'])} of the forward's {fmt.ms(r['span_ms'])} and rank 0's host issued "
         f"a kernel every {per_kernel} µs (the profiler adds host time to every operator): the forward is paced by "
