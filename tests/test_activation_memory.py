@@ -132,7 +132,7 @@ def test_checkpointing_answer_names_the_sublayer_split_and_its_neighbours() -> N
             "model's nor the optimizer's;") in text
     # neighbours by the memory a segment size holds: the next coarser is 1 block; no checkpointing is the coarsest
     assert "Its neighbours: segments of 1 block: a peak of 74.7 GiB (17.2 GiB above what it held before the step)." in text
-    assert "= 0.38, below one block, so the finest split should win" in text  # sqrt(32 * 80 MiB / 17 GiB)
+    assert "= 0.38, below one block, so the finest split should give the lowest peak" in text  # sqrt(32 * 80 MiB / 17 GiB)
     with pytest.raises(ValueError, match=r"whole blocks >= 0 \(0: no checkpointing\) or 0.5 \(by sublayer\), got 1.5"):
         Params(block_sizes=[0, 1.5]).check()
 
@@ -162,7 +162,7 @@ def test_checkpointing_answer_reports_a_whole_block_win_when_the_model_predicted
     table["peak_GiB"] = [80.7, 74.7, None]  # the same memory resident between steps in both rows
     text = _best_segment(table, block_bytes=17 * 2**30, input_bytes=80 * 2**20, preset="xl@2026").markdown
     assert text.startswith("Best, measured: segments of 1 block, a peak of 74.7 GiB, 17.2 GiB of it allocated")
-    assert "below one block, so the finest split should win" in text
+    assert "below one block, so the finest split should give the lowest peak" in text
     assert "checkpointing by sublayer: a peak of 80.7 GiB (23.0 GiB above what it held before the step)" in text
 
     unswept = _best_segment(table[table["block_size"] != 0.5], block_bytes=17 * 2**30, input_bytes=80 * 2**20,
@@ -236,7 +236,7 @@ def test_checkpointing_answer_in_the_handouts_form_reasons_measures_and_conclude
     assert parts["reasoning"].startswith("Segments of $k$ blocks hold $N/k$ block inputs")
     assert parts["peak_only"] == ("Best, measured: checkpointing by sublayer and segments of 1 block, which peak "
                                   "identically at 65.3 GiB (one step 6.18 s and 6.25 s).")  # each its own
-    assert parts["verdict"].startswith(" So the hypothesis fails")
+    assert parts["verdict"].startswith(" The measurement rejects the hypothesis")
     assert "held between steps" in parts["measured"] and "held between steps" not in parts["peak_only"]
     apart = _best_segment_parts(table.assign(peak_GiB=[None, 65.0, 65.28, 72.76]), block_bytes=7990 * 2**20,
                                 input_bytes=80 * 2**20, preset="xl@2026")

@@ -240,3 +240,14 @@ def test_an_answer_with_marked_results_opens_with_one_plain_caveat() -> None:
     said = marked_results([stale, slow, fine])
     assert said.startswith("Caveat: some numbers in this answer were measured on older code (STALE) and measured "
                            "on a GPU that ran more than 10% below its reference speed (SUSPECT);")
+
+
+def test_ddp_setup_is_said_in_full_once_and_briefly_after() -> None:
+    from cs336_systems.experiments.ddp_common import setup
+
+    df = pd.DataFrame({"preset": ["xl"], "autocast": ["fp32"], "batch_per_rank": [2], "context_length": [512],
+                       "world_size": [2], "steps": [10]})
+    full, brief = setup(df, "2025").plain(), setup(df, "2025", first=False).plain()
+    assert "every variant starts from the same weights" in full and "sharding section" in full
+    assert brief.startswith("Setup: the xl model, fp32, 2 sequences of 512 tokens per rank, 2 GPUs, fused AdamW")
+    assert len(brief) < len(full) and setup(None) is None

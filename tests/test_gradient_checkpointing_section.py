@@ -46,7 +46,7 @@ def test_a_tie_on_the_step_peak_says_where_the_peak_came() -> None:
     assert "60.1 GiB (checkpointing by sublayer) and 63.4 GiB (segments of 1 block)" in gc._where_the_peak_is(later)
     inside = tied.assign(backward_peak_GiB=[71.9, 71.9])  # the same moment of the backward: explained
     assert "first block's attention backward" in gc._where_the_peak_is(inside)
-    assert "the hypothesis fails" in gc._where_the_peak_is(inside)
+    assert "the measurement rejects the hypothesis" in gc._where_the_peak_is(inside)
     apart = tied.assign(peak_GiB=[71.9, 72.3], backward_peak_GiB=[71.9, 72.3])  # inside the backward, not tied
     assert "splitting a block does not lower the peak" in gc._where_the_peak_is(apart)
     assert "attention backward" not in gc._where_the_peak_is(apart)

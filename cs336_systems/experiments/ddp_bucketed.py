@@ -205,7 +205,7 @@ def answer(d: SectionData) -> list[Block]:
                      "arrives)", "cs336_systems/distributed/ddp_bucketed.py", "tests/test_ddp_strategies.py",
                      {"2025": "test_ddp.py"})]),  # 2026's test_ddp.py tests per-parameter overlap
         question(d, "a", "Bucketed DDP with the handout's bucket sizes, 1, 10, 100 and 1000 MB (MiB here; 25, "
-                 "torch DDP's default, added), compared with the unbucketed variants.", [setup(df, d.edition), text, steps_blocks(d, name, STEPS_CAPTION + " Eager steps; the captured "
+                 "torch DDP's default, added), compared with the unbucketed variants.", [setup(df, d.edition, first=False), text, steps_blocks(d, name, STEPS_CAPTION + " Eager steps; the captured "
                                                             "ones are in the appendix.", eager_only=True),
                                communication, d.figure(sweep or "", caption="Step time against bucket size.")],
                  what="bucketed DDP timings"),

@@ -302,16 +302,21 @@ def scaling_blocks(d: SectionData) -> list[Block]:
         d.figure("scaling", caption="Throughput against the number of GPUs.")])]
 
 
-def setup(df: pd.DataFrame | None, edition: str = "2025") -> Text | None:
-    """The setup line of a DDP section's table, the model named as ``edition``'s handout names it."""
+def setup(df: pd.DataFrame | None, edition: str = "2025", first: bool = True) -> Text | None:
+    """The setup line of a DDP section's table, the model named as ``edition``'s handout names it. ``first``: the
+    first DDP answer (naive DDP's benchmark) says it in full; the later ones only what a reader checks."""
     r = df.iloc[0] if df is not None and len(df) else None
     if r is None or "preset" not in df.columns:
         return None
     ws = int(df["world_size"].max()) if "world_size" in df.columns else "?"
-    return Text(f"Setup: the {handout_model(str(r['preset']), edition)} model, {r.get('autocast', 'fp32')}, {int(r['batch_per_rank'])} sequences "
-                f"of {int(r['context_length'])} tokens per rank, {ws} GPUs on one node, AdamW (torch's fused "
-                f"implementation on GPUs; the sharding section uses PyTorch's default AdamW), mean over "
-                f"{int(r['steps'])} steps after warm-up; every variant starts from the same weights.")
+    shape = (f"the {handout_model(str(r['preset']), edition)} model, {r.get('autocast', 'fp32')}, "
+             f"{int(r['batch_per_rank'])} sequences of {int(r['context_length'])} tokens per rank, {ws} GPUs")
+    if not first:
+        return Text(f"Setup: {shape}, fused AdamW, mean over {int(r['steps'])} steps (the naive DDP benchmark's "
+                    "answer describes the setup in full).")
+    return Text(f"Setup: {shape} on one node, AdamW (torch's fused implementation on GPUs; the sharding section uses "
+                f"PyTorch's default AdamW), mean over {int(r['steps'])} steps after warm-up; every variant starts "
+                "from the same weights.")
 
 
 def _has_graph_column(frame: pd.DataFrame | None) -> bool:

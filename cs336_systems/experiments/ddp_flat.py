@@ -109,7 +109,7 @@ def answer(d: SectionData) -> list[Block]:
     return [
         question(d, "minimal_ddp_flat_benchmarking", "One all-reduce of all gradients flattened into a single "
                  "tensor, compared with one all-reduce per parameter.",
-                 [setup(df, d.edition), text, steps_blocks(d, name, STEPS_CAPTION), d.figure(name or "", caption="Step time "
+                 [setup(df, d.edition, first=False), text, steps_blocks(d, name, STEPS_CAPTION), d.figure(name or "", caption="Step time "
                                                                                       "split into phases.")],
                  what="flat vs per-parameter all-reduce timings"),
         *([Text("", role=BEYOND_HANDOUT),

@@ -196,7 +196,7 @@ def answer(d: SectionData) -> list[Block]:
                      "cs336_systems/distributed/ddp_overlap.py", "tests/test_ddp_strategies.py",
                      {"2025": "test_ddp_individual_parameters.py", "2026": "test_ddp.py"})]),
         question(d, "a", "Overlapping per-parameter all-reduces with the backward pass, compared with the two "
-                 "previous variants.", [setup(df, d.edition), text, steps_blocks(d, name, STEPS_CAPTION)],
+                 "previous variants.", [setup(df, d.edition, first=False), text, steps_blocks(d, name, STEPS_CAPTION)],
                  what="time per iteration of the overlapping DDP"),
         question(d, "b", "Traces: communication overlapped with the backward pass.",
                  [ov_text, *timelines, Text(gap) if gap else None, d.table(overlap_name or "", caption="Communication kernel time and the part "

@@ -488,9 +488,10 @@ def _best_segment_parts(table: pd.DataFrame | None, block_bytes: float | None = 
                      "each, on top of the weights, the AdamW state and the gradients, which no segment size changes; "
                      f"the sum is least at $k^* = \\sqrt{{N \\cdot {input_bytes / 2**20:.0f} / "
                      f"{block_bytes / 2**20:.0f}}}$ = {optimum:.2f}, "
-                     + ("below one block, so the finest split should win: one block per segment, or, the hypothesis "
-                        "to test, each block's attention and feed-forward branches checkpointed separately (two "
-                        "inputs per block, and half a block recomputed at a time). " if optimum < 1
+                     + ("below one block, so the finest split should give the lowest peak. Hypothesis: splitting "
+                        "each block too, its attention and feed-forward branches checkpointed separately (two inputs "
+                        "per block, half a block recomputed at a time), peaks lower than one block per segment. "
+                        if optimum < 1
                         else "rounded to a whole block. "))
     heads_note = ""
     if preset and get_config(preset).num_heads != SNIPPET_HEADS:
@@ -564,8 +565,8 @@ def _verdict(sweep: pd.DataFrame, group: list[float], hypothesis: bool) -> str:
     tied = sweep[sweep["block_size"].isin(group)]
     if _peak_moment(tied) != "late backward" or float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) >= SAME_PEAK_GIB:
         return ""
-    return (" So the hypothesis fails: the peak comes late in the backward, where both strategies hold the same "
-            "tensors, and splitting a block only lowers the memory earlier (the appendix shows where).")
+    return (" The measurement rejects the hypothesis: the peak comes late in the backward, where both strategies "
+            "hold the same tensors, and splitting a block only lowers the memory earlier (the appendix shows where).")
 
 
 def _peak_moment(tied: pd.DataFrame) -> str | None:
@@ -615,8 +616,8 @@ def _where_the_peak_is(tied: pd.DataFrame) -> str:
                     "every gradient exists and most checkpoints are freed (a memory snapshot of each step puts "
                     "both peaks in the first block's attention backward): there the two hold the same tensors, that "
                     "block's input, its recomputed attention residuals and the attention backward's score-sized "
-                    "temporaries, so the hypothesis fails: splitting a block lowers the memory earlier in the "
-                    "backward, not its peak.")
+                    "temporaries. So the measurement rejects the hypothesis: splitting a block lowers the memory "
+                    "earlier in the backward, not its peak.")
         return f" The forward and backward peak at {peaks}: at this shape splitting a block does not lower the peak."
     if float(tied["peak_GiB"].max() - tied["peak_GiB"].min()) < SAME_PEAK_GIB:  # within a MiB: the same moment of the step
         return (" Their peaks are equal to the MiB, so neither is set inside the checkpointed backward, which differs "
