@@ -222,7 +222,7 @@ def merged_records(record: dict[str, Any] | None, current: dict[str, Any] | None
     every row) adds only what it had merged, not this job again."""
     if record is None:
         return [None]
-    own = {k: v for k, v in record.items() if k != "merged"}
+    own = without_merged(record)
     earlier = list(record.get("merged") or [])
     if current is not None and same_job(own, current):
         return earlier

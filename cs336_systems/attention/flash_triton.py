@@ -238,7 +238,7 @@ def _hopper_gluon(name: str, q: Tensor) -> tuple[ModuleType, tuple[int, int]] | 
     options included) is decided in one place, the module's ``ineligibility``."""
     if q.device.type != "cuda" or interpreter_enabled():
         return None
-    capability = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    capability = _capability_of(q)
     if capability != (9, 0):
         return None
     return importlib.import_module(f".{name}", __package__), capability
@@ -265,6 +265,11 @@ def _gluon_backward_module(q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tens
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
+
+
+def _capability_of(t: Tensor) -> tuple[int, int]:
+    """The compute capability of the GPU ``t`` lives on (the current one for an unindexed ``cuda`` device)."""
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> str:
@@ -435,7 +440,7 @@ def _tile_reductions(q: Tensor, opts: options.FlashOptions) -> bool:
     """Whether dK/dV adds dQ by bulk tensor reductions (``options.dq_tile_reduce``): TMA has them from Hopper on;
     Triton's interpreter has none."""
     return (opts.dq_tile_reduce and q.device.type == "cuda" and not interpreter_enabled()
-            and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) >= (9, 0))
+            and _capability_of(q) >= (9, 0))
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())

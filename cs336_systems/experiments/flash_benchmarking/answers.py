@@ -438,7 +438,7 @@ _HOPPER = ("H100", "H200", "H800", "GH200")
 
 def _gluon_rows(d: SectionData) -> str:
     """Which rows of the bf16 sweep's forward ran the Gluon kernel, by the rule the recorded options give
-    (``flash_fwd_sm90.ineligibility``: head dims 64 and 128, and keys × head dim, halved when causal as the
+    (``flash_fwd_sm90.ineligibility``: the head dims of its ``TILES``, and keys × head dim, halved when causal as the
     sweep is, at least ``gluon_min_key_work``); "" where the sweep's GPU is no Hopper or Gluon was off."""
     meta = d.meta("sweep_bfloat16")
     options = (meta.get("params") or {}).get("kernel_options") or {}
@@ -450,7 +450,9 @@ def _gluon_rows(d: SectionData) -> str:
     if not lengths or not isinstance(work, int):
         return ""
     cells = []
-    for head_dim in (d_ for d_ in (64, 128) if d_ in (sweep.get("head_dims") or ())):
+    from cs336_systems.attention.flash_fwd_sm90 import TILES  # the head dims the Gluon forward takes
+
+    for head_dim in (d_ for d_ in sorted(TILES) if d_ in (sweep.get("head_dims") or ())):
         first = next((t for t in lengths if t * head_dim / 2 >= work), None)
         if first is not None:
             cells.append(f"d = {head_dim} from {first:,} tokens")
