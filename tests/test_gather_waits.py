@@ -49,3 +49,43 @@ def test_no_phase_no_rows_and_bad_input_is_refused() -> None:
         gather_waits(tl.drop(columns=["lane"]))
     with pytest.raises(ValueError, match="resume_us"):
         gather_waits(tl, resume_us=-1)
+
+
+def _two_ranks(skew_ms: float = 3.0) -> pd.DataFrame:
+    """Two ranks' forwards on clocks ``skew_ms`` apart. Gather 0: rank 0 starts at 1.0 and spins until rank 1
+    starts at 1.6; both end at 2.0. Gather 1: rank 1 starts first (4.0) and waits for rank 0 (4.3); both end at
+    4.5. Rank 1's rows count from its own start, ``skew_ms`` later."""
+    rows = []
+    for v, shift, gathers in (("r0", 0.0, ((1.0, 1.0), (4.3, 0.2))), ("r1", -skew_ms, ((1.6, 0.4), (4.0, 0.5)))):
+        rows.append((v, "phase", "phase", "forward", 0.0 + shift, 6.0))
+        rows.append((v, "cuda:7", "compute", "4 kernels", 0.0 + shift, 0.9))
+        rows += [(v, "cuda:17", "comm", "ncclDevKernel_AllGather_RING_LL", s + shift, d) for s, d in gathers]
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def test_ranks_are_put_on_one_clock_by_their_gathers_ends() -> None:
+    from cs336_systems.profiling.gather_waits import align_ranks
+
+    moved, clocks = align_ranks(_two_ranks())
+    assert clocks.set_index("variant")["offset_ms"].to_dict() == pytest.approx({"r0": 0.0, "r1": 3.0})
+    assert clocks["residual_us"].max() == pytest.approx(0.0, abs=1e-6)
+    r1 = moved[(moved["variant"] == "r1") & (moved["kind"] == "comm")]["start_ms"].tolist()
+    assert r1 == pytest.approx([1.6, 4.0])
+    uneven = _two_ranks().iloc[:-1]  # rank 1 lost a gather: the ranks cannot be paired
+    with pytest.raises(ValueError, match="different numbers of all-gathers"):
+        align_ranks(uneven)
+
+
+def test_peer_waits_split_each_gather_into_waiting_and_transfer() -> None:
+    from cs336_systems.profiling.gather_waits import align_ranks, peer_summary, peer_waits
+
+    moved, _ = align_ranks(_two_ranks())
+    w = peer_waits(moved).set_index(["variant", "gather"])
+    assert w.loc[("r0", 0), "peer_wait_ms"] == pytest.approx(0.6) and w.loc[("r1", 0), "last"]
+    assert w.loc[("r1", 1), "peer_wait_ms"] == pytest.approx(0.3) and w.loc[("r0", 1), "last"]
+    assert w.loc[("r0", 0), "transfer_ms"] == pytest.approx(0.4)  # the latecomer's kernel
+    s = peer_summary(moved).set_index("variant")
+    assert s.loc["r0", "peer_wait_ms"] == pytest.approx(0.6) and s.loc["r1", "peer_wait_ms"] == pytest.approx(0.3)
+    assert s["arrived_last"].tolist() == [1, 1] and s["transfer_ms"].tolist() == pytest.approx([0.6, 0.6])
+    # on unaligned clocks rank 1 seems to start every gather 3 ms early, and rank 0 would wait for nothing
+    assert peer_summary(_two_ranks())["peer_wait_ms"].iloc[0] == 0.0

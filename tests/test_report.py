@@ -1807,6 +1807,24 @@ def test_fsdp_host_paced_sentence_only_where_compute_leaves_the_gpu_idle() -> No
     plain = said.plain()
     assert plain.startswith("The link is not what is slow") and "cannot tell them apart" in plain
     assert "so rank 0's forward is paced" not in plain  # a cause this profile cannot show is not stated as fact
+    # with both ranks' timelines on one clock, the answer says which part was waiting for the peer
+    two = pd.DataFrame([{**slow.iloc[0].to_dict(), "variant": f"rank {i}", "gathers": 4, "peer_wait_ms": w,
+                         "arrived_last": n, "transfer_ms": 1.5} for i, (w, n) in enumerate(((7.0, 1), (0.5, 3)))])
+    tl2 = tl.assign(variant="rank 0")
+    both = Data({"gathers_summary": two, "gathers_timeline": tl2, "gathers_forward": late_second.assign(
+        variant="rank 0")})
+    both.meta = lambda name: {"extra": {"clocks": [{"variant": "rank 0", "residual_us": 0.0},
+                                                   {"variant": "rank 1", "residual_us": 4.0}]}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
+        plain = host_paced(both).plain()
+    assert "cannot tell them apart" not in plain and "agree within 4.0 µs" in plain
+    assert "7.00 ms passed before rank 1 reached the same gather" in plain and "took 1.50 ms, close to" in plain
+    assert "rank 0 at 1 and rank 1 at 3 of the 4 gathers" in plain and "not the link" in plain
+    both.meta = lambda name: {"extra": {"clocks": [{"variant": "rank 1", "residual_us": 400.0}]}}
+    with pytest.MonkeyPatch.context() as mp:  # clocks that do not line up: back to the rank-0 reading
+        mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
+        assert "cannot tell them apart" in host_paced(both).plain()
 
 
 def test_a_large_figure_of_many_panels_is_shown_wide_only_where_it_is_tall(tmp_path: Path) -> None:
@@ -1947,3 +1965,10 @@ def test_stream_lanes_name_each_traced_row_by_its_kernels() -> None:
                                 "kind": ["compute", "comm", "compute", "comm", "compute", "compute", "compute", "comm"]})
     assert stream_lanes(per_variant) == ("cuda:7 (stream 7) is the compute stream (NCCL's kernels run on it too in "
                                          "naive), cuda:17 (stream 17) is NCCL's stream")
+    # a timeline merges runs of compute kernels into one row: the lane's kind is its kernel time, not its rows'
+    merged = pd.DataFrame({"variant": ["naive"] * 5 + ["flat"] * 3,
+                           "lane": ["cuda:7"] * 5 + ["cuda:7", "cuda:7", "cuda:17"],
+                           "kind": ["compute", "comm", "comm", "comm", "comm", "compute", "comm", "comm"],
+                           "dur_ms": [380.0, 9.0, 9.0, 9.0, 9.0, 390.0, 0.01, 22.0]})
+    assert stream_lanes(merged) == ("cuda:7 (stream 7) is the compute stream (NCCL's kernels run on it too in "
+                                    "naive), cuda:17 (stream 17) is NCCL's stream")

@@ -46,7 +46,7 @@ from cs336_systems.benchmarking.training_memory import (
     random_batch,
 )
 from cs336_systems.experiments.section import Section, param
-from cs336_systems.profiling.gather_waits import gather_summary, gather_waits
+from cs336_systems.profiling.gather_waits import align_ranks, gather_summary, gather_waits, peer_summary
 from cs336_systems.profiling.timeline import plot_timeline, profile_timeline
 from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
@@ -129,8 +129,8 @@ def fsdp_worker(config: dict[str, Any], models: list[str], strategies: list[str]
 
 def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> list[dict[str, Any]]:
     """fsdp_accounting (b): one profiled training step of our FSDP (bf16 compute, our AdamW on each shard)
-    reduced to kernel intervals; every rank profiles (the collectives need all of them), rank 0's rows
-    are kept."""
+    reduced to kernel intervals, on every rank: a gather's kernel on one rank also spins until the others
+    reach the same gather, which only the ranks' timelines side by side can show."""
     from torch.profiler import record_function
 
     from cs336_basics.optimizer import AdamW
@@ -158,24 +158,33 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> 
     for _ in range(cfg.warmup):
         step()
     label = f"{model_name}, {dtype_name} compute, {ctx.world_size} ranks (rank {ctx.rank})"
-    return profile_timeline(step, ctx.device, label, export=ctx.rank == 0)
+    return profile_timeline(step, ctx.device, label)
 
 
 def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
-    """Profile one FSDP step of ``gathers_model`` and write its timeline, the per-gather waits of the
-    forward and their summary (rank 0)."""
+    """Profile one FSDP step of ``gathers_model`` on every rank and write the ranks' timelines on rank 0's
+    clock (:func:`align_ranks`), the per-gather waits of the forward, and their summary per rank, with the time
+    each rank's gathers waited for the other ranks."""
     config = dict(global_batch=p.global_batch, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
     n = None if runner.launched_externally() else p.nproc[0]
     print(f"FSDP all-gather profile: {n or 'torchrun'} ranks, {p.gathers_model}, {p.gathers_dtype}", flush=True)
-    rows = runner.run_on_ranks(gathers_worker, n or 0, config, p.gathers_model, p.gathers_dtype)[0]
+    per_rank = runner.run_on_ranks(gathers_worker, n or 0, config, p.gathers_model, p.gathers_dtype)
     if not runner.is_main_process():
         return None
-    timeline = pd.DataFrame(rows)
-    extra = {"model": p.gathers_model, "compute_dtype": p.gathers_dtype}
+    timeline = pd.DataFrame([row for rows in per_rank for row in rows])
+    extra: dict[str, Any] = {"model": p.gathers_model, "compute_dtype": p.gathers_dtype}
+    summary = None
+    if timeline["variant"].nunique() > 1:
+        try:
+            timeline, clocks = align_ranks(timeline)
+            extra["clocks"] = clocks.to_dict("records")
+            summary = gather_summary(timeline).merge(peer_summary(timeline), on="variant", how="left")
+        except ValueError as e:  # gloo's CPU collectives are host operators: no kernels to put on one clock
+            print(f"the ranks' timelines stay on their own clocks: {e}", flush=True)
     out.table(timeline, "gathers_timeline", floatfmt=".4f", extra=extra)
     waits = gather_waits(timeline)
     out.table(waits, "gathers_forward", extra=extra)
-    summary = gather_summary(timeline)
+    summary = gather_summary(timeline) if summary is None else summary
     out.table(summary, "gathers_summary", extra=extra)
     fig = plot_timeline(timeline)
     out.figure(fig, "gathers_timeline")

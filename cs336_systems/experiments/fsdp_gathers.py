@@ -12,15 +12,24 @@ import pandas as pd
 from cs336_systems import accounting
 from cs336_systems.configs import param_counts
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import handout_model, stream_lanes
+from cs336_systems.report.answers import handout_model, join_words, stream_lanes
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
+
+
+def _rank0(d: SectionData, name: str) -> pd.DataFrame | None:
+    """A table's rows of rank 0, the summary's first variant: a profile of every rank holds each rank's rows."""
+    frame, summary = d.frame(name), d.frame("gathers_summary")
+    if frame is None or summary is None or not len(summary) or "variant" not in frame.columns \
+            or "variant" not in summary.columns:
+        return frame
+    return frame[frame["variant"] == summary["variant"].iloc[0]]
 
 
 def _idle_text(d: SectionData) -> Text | None:
     """Why the profiled forward is longer than its kernels: the GPU's idle time between kernels, read from the
     step's kernel timeline (the union of both streams' kernels inside the forward phase)."""
-    tl, summary = d.frame("gathers_timeline"), d.frame("gathers_summary")
+    tl, summary = _rank0(d, "gathers_timeline"), d.frame("gathers_summary")
     if tl is None or summary is None or not {"kind", "name", "start_ms", "dur_ms"} <= set(tl.columns):
         return None
     forward = tl[(tl["kind"] == "phase") & tl["name"].astype(str).str.contains("forward")]
@@ -116,7 +125,7 @@ def gathers_against_fit(d: SectionData) -> Text | None:
 
 def _first_gather_late(d: SectionData) -> bool:
     """Whether the forward's first all-gather made compute wait: it has no compute before it to hide behind."""
-    waits = d.frame("gathers_forward")
+    waits = _rank0(d, "gathers_forward")
     return waits is not None and bool(len(waits)) and "late" in waits.columns and bool(
         waits.sort_values("start_ms")["late"].iloc[0])
 
@@ -128,7 +137,7 @@ HOST_PACED_BELOW = 0.5
 def host_paced(d: SectionData) -> Text | None:
     """Why the gathers run late when the link could carry them in time: how little of the forward is compute and
     how often the host issued a kernel."""
-    summary, tl = d.frame("gathers_summary"), d.frame("gathers_timeline")
+    summary, tl = d.frame("gathers_summary"), _rank0(d, "gathers_timeline")
     if summary is None or tl is None or not len(summary) or not {"compute_ms", "span_ms", "late_gathers"} <= set(
             summary.columns) or not {"kind", "start_ms"} <= set(tl.columns):
         return None
@@ -146,6 +155,13 @@ def host_paced(d: SectionData) -> Text | None:
                                  (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), r)
     per_kernel = fmt.sig(float(r["span_ms"]) / len(forward) * 1e3, 2)
     if found is not None and float(r["gather_ms"]) >= 2 * found[0]:
+        peers = _peers(d, found[0])
+        if peers:
+            return Text(
+                f"The link is not what is slow: §2.1's fit carries these gathers in {fmt.ms(found[0])}, yet their "
+                f"kernels took {fmt.ms(r['gather_ms'])} on rank 0. Beside that, compute ran only "
+                f"{fmt.ms(r['compute_ms'])} of the forward and rank 0's host issued a kernel every {per_kernel} µs. "
+                + peers)
         return Text(
             f"The link is not what is slow: §2.1's fit carries these gathers in {fmt.ms(found[0])}, yet their kernels "
             f"took {fmt.ms(r['gather_ms'])}. Beside that, compute ran only {fmt.ms(r['compute_ms'])} of the forward "
@@ -159,6 +175,45 @@ def host_paced(d: SectionData) -> Text | None:
         "the host's launches, not by the link.")
 
 
+#: The ranks' clocks are trusted as one when the all-gathers' ends agree this closely after the shift.
+ALIGNED_WITHIN_US = 50.0
+
+
+def _peers(d: SectionData, predicted_ms: float) -> str:
+    """What both ranks' timelines say of the gathers' kernel time: how much of it was one rank waiting inside NCCL
+    for another to reach the same gather, and how long the transfers took with no waiting in them (the kernel of
+    the rank that arrived last). "" for a profile of one rank or clocks that do not line up."""
+    summary = d.frame("gathers_summary")
+    clocks = (d.meta("gathers_summary").get("extra") or {}).get("clocks") or []
+    if summary is None or len(summary) < 2 or not {"peer_wait_ms", "arrived_last", "transfer_ms"} <= set(
+            summary.columns) or summary["peer_wait_ms"].isna().any() or not clocks:
+        return ""
+    residual = max(float(c.get("residual_us", float("inf"))) for c in clocks)
+    if not residual <= ALIGNED_WITHIN_US:
+        return ""
+    r0, transfer = summary.iloc[0], float(summary["transfer_ms"].iloc[0])
+    two = len(summary) == 2
+    peer = "rank 1" if two else "the other ranks"
+    last = join_words([f"rank {i} at {int(n)}" for i, n in enumerate(summary["arrived_last"])])
+    waits = join_words([f"{fmt.ms(w)} on rank {i}" for i, w in enumerate(summary["peer_wait_ms"])])
+    text = (f"The timelines of both ranks, put on one clock by the gathers' ends (a collective ends on every rank "
+            f"together; after the shift the ends agree within {fmt.sig(residual, 2)} µs), show where that time went: of "
+            f"rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, {fmt.ms(r0['peer_wait_ms'])} passed before "
+            f"{peer} reached the same gather, and the transfers themselves (the kernel of the rank that arrived "
+            f"last) took {fmt.ms(transfer)}, ")
+    text += (f"close to the fit's {fmt.ms(predicted_ms)}. " if transfer < 2 * predicted_ms else
+             f"{fmt.ratio(transfer / predicted_ms)} the fit's {fmt.ms(predicted_ms)}. ")
+    text += f"The last to arrive was {last} of the {int(r0['gathers'])} gathers; the waiting adds to {waits}. "
+    why = ("So most of a gather's kernel time is one rank waiting for the other's host to issue the same gather: "
+           "each rank's host reaches a layer at its own pace, and a gather ends only when the slower one gets there.")
+    if transfer < 2 * predicted_ms:
+        text += why + " The cause is the hosts' launches, on both ranks, not the link."
+    else:
+        text += (why + " The transfers themselves also run slower than §2.1's collectives run alone, which this "
+                 "profile does not explain.")
+    return text
+
+
 def gathers_blocks(d: SectionData) -> list[Block | None]:
     """fsdp_accounting (b): does the forward's all-gather finish in time? From the profiled step."""
     summary = d.frame("gathers_summary")
@@ -170,6 +225,7 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
         ws = (params.get("nproc") or ["?"])[0]
         model = extra.get("model", params.get("gathers_model", "?"))
         first_late = _first_gather_late(d)
+        who = "every rank (the numbers are rank 0's)" if len(summary) > 1 else "rank 0"
         share = r["wait_ms"] / r["span_ms"] if r["span_ms"] else float("nan")
         if r["gathers"] == 0:
             verdict = ("The timeline shows no all-gather kernel in the forward, so it cannot answer the question: "
@@ -192,22 +248,29 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
             "compute" + (" (the handout's mixed precision: each weight is cast before it is gathered, halving the "
                          "bytes sent)" if extra.get("compute_dtype") in ("bf16", "fp16") else "")
             + f", {params.get('global_batch', '?')} sequences of {params.get('context_length', '?')} tokens, "
-            f"profiled on rank 0: the forward ran {fmt.ms(r['span_ms'])} on the GPU with {int(r['gathers'])} "
+            f"profiled on {who}: the forward ran {fmt.ms(r['span_ms'])} on the GPU with {int(r['gathers'])} "
             "all-gathers, one per sharded weight matrix (each Linear and Embedding), "
             f"{fmt.ms(r['gather_ms'])} of kernel time of which {fmt.ms(r['gather_beside_compute_ms'])} overlapped "
             "compute" + (f"; compute waited for {int(r['late_gathers'])} of them, {fmt.ms(r['wait_ms'])} in "
                                  f"all ({fmt.pct(share)} of the forward; the longest wait {fmt.ms(r['max_wait_ms'])})."
                                  if r["late_gathers"] else "."))
+    ranks = d.frame("gathers_summary")
+    aligned = bool((d.meta("gathers_summary").get("extra") or {}).get("clocks"))
+    where = ("on rank 0" if ranks is None or len(ranks) < 2 else
+             "on each rank, on rank 0's clock," if aligned else "on each rank, each on its own clock,")
     return [
         text,
         _idle_text(d),
-        d.figure("gathers_timeline", caption="Kernels of one FSDP training step on rank 0 by stream (compute grey, "
+        d.figure("gathers_timeline", caption=f"Kernels of one FSDP training step {where} by stream (compute grey, "
                  "communication red) under the phases the GPU ran; the forward's all-gathers are the red bars "
                  "beside its compute." + _lanes_named(d) + " Drawn from PyTorch's profiler (CUPTI kernel records) in "
                  "place of an Nsight Systems screenshot: Nsight Systems is not installed on these machines."),
         d.table("gathers_summary", frame=_named_for_the_handout(d.frame("gathers_summary"), d.edition),
                 caption="The forward's all-gathers: kernel time, the part that overlapped compute, and how long compute "
-                "waited for a gather (it resumed within 30 µs of the gather's end)."),
+                "waited for a gather (it resumed within 30 µs of the gather's end)"
+                + ("; per rank, the gathers' time waiting for the other rank to arrive (peer_wait_ms), how many it "
+                   "reached last, and the transfers' time with no waiting (transfer_ms)."
+                   if ranks is not None and "peer_wait_ms" in ranks.columns else ".")),
     ]
 
 

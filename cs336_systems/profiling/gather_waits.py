@@ -11,6 +11,8 @@ reading works on any profiled step.
   when it ended, whether compute was busy then, and how long compute waited for it.
 - :func:`gather_summary` — per variant and phase: the phase's GPU span, the gathers' kernel time and how
   much of it ran beside compute, the gathers compute waited for, and the total and longest wait.
+- :func:`align_ranks` and :func:`peer_waits` — with one variant per rank: every rank on rank 0's clock, and
+  which part of each gather's kernel time was spent waiting inside NCCL for the other ranks to arrive.
 """
 
 from __future__ import annotations
@@ -89,3 +91,70 @@ def gather_summary(tl: pd.DataFrame, phase: str = "forward", resume_us: float = 
                      "late_gathers": int(w["late"].sum()), "wait_ms": float(w["waited_ms"].sum()),
                      "max_wait_ms": float(w["waited_ms"].max()) if len(w) else 0.0})
     return pd.DataFrame(rows)
+
+
+def _gathers(sub: pd.DataFrame) -> pd.DataFrame:
+    return sub[sub["name"].str.contains(GATHER_KERNEL) & (sub["kind"] != "phase")].sort_values("start_ms")
+
+
+def align_ranks(tl: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every variant's rows (one variant per rank, the first being rank 0) moved onto the first one's clock.
+
+    Each rank's profile counts from its own first event, and the ranks' clocks are not compared. A collective
+    ends on every rank at nearly the same moment (the last bytes arrive), however early a rank entered it, so
+    the median difference of the all-gathers' ends is the offset between two ranks' clocks. Returns the moved
+    rows and, per variant, ``offset_ms`` and ``residual_us`` (the largest end mismatch left after the move:
+    how far the reading can be trusted). The ranks must have run the same number of all-gathers."""
+    _check(tl)
+    variants = list(dict.fromkeys(tl["variant"]))
+    ends = {v: (lambda g: (g["start_ms"] + g["dur_ms"]).to_numpy(float))(_gathers(tl[tl["variant"] == v]))
+            for v in variants}
+    if not variants or not len(ends[variants[0]]):
+        raise ValueError("align_ranks needs all-gather kernels in the first variant's timeline")
+    counts = {v: len(e) for v, e in ends.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"the ranks ran different numbers of all-gathers: {counts}")
+    moved, rows = tl.copy(), []
+    for v in variants:
+        offset = float(np.median(ends[variants[0]] - ends[v]))
+        moved.loc[moved["variant"] == v, "start_ms"] += offset
+        rows.append({"variant": v, "offset_ms": offset,
+                     "residual_us": float(np.abs(ends[variants[0]] - ends[v] - offset).max()) * 1e3})
+    return moved, pd.DataFrame(rows)
+
+
+def peer_waits(tl: pd.DataFrame, phase: str = "forward") -> pd.DataFrame:
+    """Per all-gather of ``phase`` and rank, on a timeline already on one clock (:func:`align_ranks`):
+    ``start_ms``, ``dur_ms``, ``peer_wait_ms`` (from its start until the last rank's kernel started: an NCCL
+    kernel that starts first spins until its peers arrive), ``last`` (this rank arrived last) and
+    ``transfer_ms`` (the last arrival's kernel time, the gather with no waiting in it). Gathers are paired by
+    their order in the phase."""
+    per = {variant: _gathers(sub)[lambda g, lo=lo, hi=hi: (g["start_ms"] >= lo) & (g["start_ms"] < hi)]
+           for variant, sub, lo, hi, _, _ in _windows(tl, phase)}
+    counts = {v: len(g) for v, g in per.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"the ranks ran different numbers of {phase} all-gathers: {counts}")
+    columns = ["variant", "gather", "start_ms", "dur_ms", "peer_wait_ms", "last", "transfer_ms"]
+    if not per or not next(iter(counts.values())):
+        return pd.DataFrame(columns=columns)
+    starts = np.stack([g["start_ms"].to_numpy(float) for g in per.values()])  # (ranks, gathers)
+    durs = np.stack([g["dur_ms"].to_numpy(float) for g in per.values()])
+    last = starts.argmax(axis=0)
+    transfer = durs[last, np.arange(starts.shape[1])]
+    rows = [{"variant": v, "gather": i, "start_ms": starts[r, i], "dur_ms": durs[r, i],
+             "peer_wait_ms": float(np.clip(starts[last[i], i] - starts[r, i], 0.0, durs[r, i])),
+             "last": bool(last[i] == r), "transfer_ms": float(transfer[i])}
+            for r, v in enumerate(per) for i in range(starts.shape[1])]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def peer_summary(tl: pd.DataFrame, phase: str = "forward") -> pd.DataFrame:
+    """Per rank (variant): ``peer_wait_ms`` (its gathers' time waiting for the other ranks), ``arrived_last``
+    (gathers it was the last to reach) and ``transfer_ms`` (the gathers' time with no waiting, the same on every
+    rank), from :func:`peer_waits`."""
+    w = peer_waits(tl, phase)
+    if w.empty:
+        return pd.DataFrame(columns=["variant", "peer_wait_ms", "arrived_last", "transfer_ms"])
+    transfer = float(w.drop_duplicates("gather")["transfer_ms"].sum())
+    return (w.groupby("variant", sort=False).agg(peer_wait_ms=("peer_wait_ms", "sum"), arrived_last=("last", "sum"))
+            .reset_index().assign(transfer_ms=transfer))

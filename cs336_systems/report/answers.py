@@ -303,21 +303,27 @@ def implemented(d: SectionData, what: str, where: str, ours: str, course_file: s
 def stream_lanes(timeline: pd.DataFrame | None) -> str:
     """A traced step's rows in words, each CUDA stream under both names a figure may give it (the profiler's
     ``cuda:17``, or ``stream 17``): "cuda:17 (stream 17) is NCCL's stream, cuda:7 (stream 7) is the compute
-    stream", each lane by the kind of most of its kernels. A variant whose kernels of the other kind make up a
-    quarter or more of a lane's (naive DDP all-reduces on the compute stream) is named; "" without a timeline."""
+    stream", each lane by the kind of most of its kernel time (``dur_ms``; by count without it: a timeline may
+    merge a run of compute kernels into one row). A variant that ran a quarter or more of its kernel time of the
+    other kind on a lane (naive DDP's blocking all-reduces on the compute stream) is named; "" without a timeline."""
     if timeline is None or not {"lane", "kind"} <= set(timeline.columns):
         return ""
-    kernels = timeline[timeline["kind"] != "phase"]
+    kernels = timeline[timeline["kind"] != "phase"].copy()
+    kernels["weight"] = kernels["dur_ms"].astype(float) if "dur_ms" in kernels.columns else 1.0
     what = {"compute": "the compute stream", "comm": "NCCL's stream"}
     also = {"compute": "NCCL's kernels", "comm": "compute kernels"}
     parts = []
     for lane, rows in kernels.groupby("lane", sort=False):
-        kind = rows["kind"].mode().iloc[0]
+        kind = rows.groupby("kind")["weight"].sum().idxmax()
         device, _, ident = str(lane).partition(":")
         text = f"{lane} (stream {ident}) is " if device == "cuda" and ident else f"{lane} is "
         text += what.get(kind, kind)
         if "variant" in rows.columns and kind in also:
-            shared = [str(v) for v, g in rows.groupby("variant", sort=False) if (g["kind"] != kind).mean() >= 0.25]
+            def other_share(variant: Any) -> float:
+                mine = kernels[(kernels["variant"] == variant) & (kernels["kind"] != kind)]["weight"].sum()
+                here = rows[(rows["variant"] == variant) & (rows["kind"] != kind)]["weight"].sum()
+                return float(here / mine) if mine > 0 else 0.0
+            shared = [str(v) for v in rows["variant"].unique() if other_share(v) >= 0.25]
             if shared:
                 text += f" ({also[kind]} run on it too in {join_words(shared)})"
         parts.append(text)
