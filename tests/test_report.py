@@ -1821,6 +1821,14 @@ def test_fsdp_host_paced_sentence_only_where_compute_leaves_the_gpu_idle() -> No
     assert "cannot tell them apart" not in plain and "agree within 4.0 µs" in plain
     assert "7.00 ms passed before rank 1 reached the same gather" in plain and "took 1.50 ms, close to" in plain
     assert "rank 0 at 1 and rank 1 at 3 of the 4 gathers" in plain and "not the link" in plain
+    always = Data({**both.frames, "gathers_summary": two.assign(arrived_last=[0, 4], peer_wait_ms=[7.0, 0.0],
+                                                                 wait_ms=[6.0, 0.0], compute_ms=[3.0, 2.5])})
+    always.meta = both.meta
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
+        plain = host_paced(always).plain()
+    assert ("Rank 1 reached every one of the 4 gathers last, and its own GPU, which waited for no gather (0 ms), ran "
+            "compute for only 2.50 ms of its 10.0 ms forward") in plain
     both.meta = lambda name: {"extra": {"clocks": [{"variant": "rank 1", "residual_us": 400.0}]}}
     with pytest.MonkeyPatch.context() as mp:  # clocks that do not line up: back to the rank-0 reading
         mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))

@@ -96,9 +96,15 @@ def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) ->
     predicted, nbytes = found
     if float(r["gather_ms"]) < 2 * predicted:
         return f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers, close to what their kernels took."
-    return (f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(nbytes / 1e9)} GB gathered "
+    said = (f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(nbytes / 1e9)} GB gathered "
             f"in {int(r['gathers'])} calls); their kernels took {fmt.ratio(float(r['gather_ms']) / predicted)} "
-            "that. An NCCL kernel also counts the time it waits for the other rank to arrive, and the other rank "
+            "that.")
+    peers = _peer_summary(d)
+    if peers is not None:
+        return (said + " An NCCL kernel also counts the time it waits for the other ranks to arrive; with that "
+                f"taken out (both ranks' timelines, in the answer), the transfers took "
+                f"{fmt.ms(peers[0]['transfer_ms'].iloc[0])}.")
+    return said + (" An NCCL kernel also counts the time it waits for the other rank to arrive, and the other rank "
             "runs the same launch-bound forward, so this kernel time is an upper bound on the transfer; which part "
             "is waiting for the peer needs both ranks' timelines, which this profile does not record.")
 
@@ -179,39 +185,54 @@ def host_paced(d: SectionData) -> Text | None:
 ALIGNED_WITHIN_US = 50.0
 
 
-def _peers(d: SectionData, predicted_ms: float) -> str:
-    """What both ranks' timelines say of the gathers' kernel time: how much of it was one rank waiting inside NCCL
-    for another to reach the same gather, and how long the transfers took with no waiting in them (the kernel of
-    the rank that arrived last). "" for a profile of one rank or clocks that do not line up."""
+def _peer_summary(d: SectionData) -> tuple[pd.DataFrame, float] | None:
+    """The per-rank summary with its peer columns and the clocks' residual (µs), or None for a profile of one rank
+    or clocks that do not line up."""
     summary = d.frame("gathers_summary")
     clocks = (d.meta("gathers_summary").get("extra") or {}).get("clocks") or []
     if summary is None or len(summary) < 2 or not {"peer_wait_ms", "arrived_last", "transfer_ms"} <= set(
             summary.columns) or summary["peer_wait_ms"].isna().any() or not clocks:
-        return ""
+        return None
     residual = max(float(c.get("residual_us", float("inf"))) for c in clocks)
-    if not residual <= ALIGNED_WITHIN_US:
+    return (summary.reset_index(drop=True), residual) if residual <= ALIGNED_WITHIN_US else None
+
+
+def _peers(d: SectionData, predicted_ms: float) -> str:
+    """What both ranks' timelines say of the gathers' kernel time: how much of it was one rank waiting inside NCCL
+    for another to reach the same gather, and how long the transfers took with no waiting in them (the kernel of
+    the rank that arrived last). "" for a profile of one rank or clocks that do not line up."""
+    found = _peer_summary(d)
+    if found is None:
         return ""
-    r0, transfer = summary.iloc[0], float(summary["transfer_ms"].iloc[0])
-    two = len(summary) == 2
-    peer = "rank 1" if two else "the other ranks"
-    last = join_words([f"rank {i} at {int(n)}" for i, n in enumerate(summary["arrived_last"])])
-    waits = join_words([f"{fmt.ms(w)} on rank {i}" for i, w in enumerate(summary["peer_wait_ms"])])
+    summary, residual = found
+    r0, transfer, gathers = summary.iloc[0], float(summary["transfer_ms"].iloc[0]), int(summary["gathers"].iloc[0])
+    peer = "rank 1" if len(summary) == 2 else "the other ranks"
     text = (f"The timelines of both ranks, put on one clock by the gathers' ends (a collective ends on every rank "
-            f"together; after the shift the ends agree within {fmt.sig(residual, 2)} µs), show where that time went: of "
-            f"rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, {fmt.ms(r0['peer_wait_ms'])} passed before "
-            f"{peer} reached the same gather, and the transfers themselves (the kernel of the rank that arrived "
-            f"last) took {fmt.ms(transfer)}, ")
+            f"together; after the shift the ends agree within {fmt.sig(residual, 2)} µs), show where that time "
+            f"went: of rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, {fmt.ms(r0['peer_wait_ms'])} passed "
+            f"before {peer} reached the same gather, and the transfers themselves (the kernel of the rank that "
+            f"arrived last) took {fmt.ms(transfer)}, ")
     text += (f"close to the fit's {fmt.ms(predicted_ms)}. " if transfer < 2 * predicted_ms else
              f"{fmt.ratio(transfer / predicted_ms)} the fit's {fmt.ms(predicted_ms)}. ")
-    text += f"The last to arrive was {last} of the {int(r0['gathers'])} gathers; the waiting adds to {waits}. "
+    always = summary.index[summary["arrived_last"] == gathers]
+    if len(always):
+        late = summary.iloc[int(always[0])]
+        text += (f"Rank {int(always[0])} reached every one of the {gathers} gathers last, and its own GPU, which "
+                 f"waited for no gather ({fmt.ms(late['wait_ms'])}), ran compute for only "
+                 f"{fmt.ms(late['compute_ms'])} of its {fmt.ms(late['span_ms'])} forward: it waits for its host. "
+                 if {"wait_ms", "compute_ms", "span_ms"} <= set(summary.columns) else
+                 f"Rank {int(always[0])} reached every one of the {gathers} gathers last. ")
+    else:
+        text += ("The last to arrive was " + join_words([f"rank {i} at {int(n)}" for i, n in
+                                                         enumerate(summary["arrived_last"])])
+                 + f" of the {gathers} gathers; the waiting adds to "
+                 + join_words([f"{fmt.ms(w)} on rank {i}" for i, w in enumerate(summary["peer_wait_ms"])]) + ". ")
     why = ("So most of a gather's kernel time is one rank waiting for the other's host to issue the same gather: "
            "each rank's host reaches a layer at its own pace, and a gather ends only when the slower one gets there.")
     if transfer < 2 * predicted_ms:
-        text += why + " The cause is the hosts' launches, on both ranks, not the link."
-    else:
-        text += (why + " The transfers themselves also run slower than §2.1's collectives run alone, which this "
-                 "profile does not explain.")
-    return text
+        return text + why + " The cause is the hosts' launches, not the link."
+    return text + why + (" The transfers themselves also run slower than §2.1's collectives run alone, which this "
+                         "profile does not explain.")
 
 
 def gathers_blocks(d: SectionData) -> list[Block | None]:
