@@ -331,9 +331,7 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> 
     of its float32 sums, and also under a persistent grid."""
     q, k, v, do = _inputs(case, torch.float32)
     plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    # dq_tile_reduce: the interpreter has no bulk reductions, so the per-element adds run (the GPU test below
-    # runs the reductions)
-    for extra in ({}, {"persistent": 2}, {"dq_tile_reduce": True}):
+    for extra in ({}, {"persistent": 2}):
         with options.use(dq_atomic=True, **extra):
             fused = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
         for name, a, b in zip(NAMES, fused, plain):
@@ -344,42 +342,6 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> 
                 assert torch.equal(a, b), (extra, name)
     with pytest.raises(ValueError, match="dq_atomic must be True or False"):
         options.FlashOptions(dq_atomic=1)
-    with pytest.raises(ValueError, match="set dq_atomic=True with it"):
-        options.FlashOptions(dq_tile_reduce=True)
-    # recorded only when set, so records from before the option compare equal to records at its default
-    assert "dq_tile_reduce" not in options.FlashOptions().describe()
-    assert options.FlashOptions(dq_atomic=True, dq_tile_reduce=True).describe()["dq_tile_reduce"] is True
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)), reason="needs TMA (sm_90 on)")
-@pytest.mark.parametrize("case", [Case(1000, 1000, 64, True, 3), Case(517, 700, 80, False, 2),
-                                  Case(256, 256, 128, True, 2)], ids=str)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_dq_added_by_tile_reductions_matches_the_dq_kernel_on_hopper(case: Case, dtype: torch.dtype) -> None:
-    """``dq_tile_reduce``: the dK/dV kernel adds dQ tiles with TMA bulk reductions. Ragged lengths end inside a
-    tile and 80 runs as two slabs, so rows and columns past the tensor must fall outside the descriptors.
-    Everything but dQ is bit-identical to the two-kernel backward; dQ is as accurate against float64."""
-    from cs336_systems.attention import flash_triton
-
-    q, k, v, do = _inputs(case, dtype)
-    want = _reference(q, k, v, do, case.is_causal)
-    plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    chosen = []
-    original = flash_triton._tile_reductions
-    with pytest.MonkeyPatch.context() as mp, options.use(dq_atomic=True, dq_tile_reduce=True):
-        mp.setattr(flash_triton, "_tile_reductions", lambda *a: chosen.append(original(*a)) or chosen[-1])
-        reduced = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-        for _ in range(2):  # the second call records a launch plan, the third replays it with new buffers
-            again = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    assert chosen and all(chosen), "the bulk reductions did not run"
-    for name, a, b, c in zip(NAMES, reduced, plain, again):
-        torch.testing.assert_close(c, a, rtol=0, atol=0) if name != "dQ" else \
-            torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
-        if name != "dQ":
-            assert torch.equal(a, b), name
-    (ours,), (theirs,) = _error(reduced[2:3], want[2:3]), _error(plain[2:3], want[2:3])
-    assert ours <= 1.5 * theirs + 1e-6, (ours, theirs)
 
 
 def test_dq_accumulated_by_the_dkdv_kernel_is_zeroed_around_autotuning() -> None:
@@ -432,7 +394,7 @@ kernels = {
     "dkdv": (flash_bwd.flash_backward_dkdv_kernel, {"K": "*bf16", "V": "*bf16", "DK": "*bf16", "DV": "*bf16",
                                                     "qk_scale": "fp32", "sm_scale": "fp32", "Q_DESC": desc,
                                                     "DO_DESC": desc, "LD_DESC": "tensordesc<fp32[1, 2, 64]>"},
-             ("QT_DESC", "DOT_DESC", "DQ_ACC", "DQ_TILES", "DQT_TILES")),
+             ("QT_DESC", "DOT_DESC", "DQ_ACC")),
 }
 out = {}
 for name, (fn, types, absent) in kernels.items():
@@ -447,18 +409,11 @@ for name, (fn, types, absent) in kernels.items():
         out[f"{name} {persistent}"] = hash(ptx.split(".entry", 1)[1])
 fn, types, _ = kernels["dkdv"]  # dq_atomic: dK/dV adds dS K to a float32 dQ with reductions
 constexprs = {"HEAD_DIM": 64, "D_MAIN": 64, "D_TAIL": 0, "IS_CAUSAL": True, "DOT_PRECISION": "tf32",
-              "POLY_EXP2": False, "BLOCK_M": 64, "BLOCK_N": 64, "PERSISTENT": False, "QT_DESC": None, "DOT_DESC": None,
-              "DQ_TILES": None, "DQT_TILES": None}
+              "POLY_EXP2": False, "BLOCK_M": 64, "BLOCK_N": 64, "PERSISTENT": False, "QT_DESC": None, "DOT_DESC": None}
 sig = {n: "constexpr" if n in constexprs else {**types, "DQ_ACC": "*fp32"}.get(n, "i32") for n in fn.arg_names}
 ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": 4}).asm["ptx"]
 out["dkdv atomic"] = len(re.findall(r"\\b(?:atom|red)\\.global[.a-z]*\\.add\\.f32", ptx))
-sig["DQ_TILES"] = "tensordesc<fp32[1, 1, 64, 64]>"  # dq_tile_reduce: one bulk tensor reduction per tile instead
-del constexprs["DQ_TILES"]
-ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-out["dkdv reduce"] = [len(re.findall(r"cp\\.reduce\\.async\\.bulk\\.tensor", ptx)),
-                      len(re.findall(r"\\b(?:atom|red)\\.global[.a-z]*\\.add\\.f32", ptx))]
 print(json.dumps(out))
 """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -466,9 +421,7 @@ print(json.dumps(out))
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(built) == 8 and built.pop("dkdv atomic") > 0
-    reductions, scalar_adds = built.pop("dkdv reduce")
-    assert reductions > 0 and scalar_adds == 0
+    assert len(built) == 7 and built.pop("dkdv atomic") > 0
     for name in ("forward", "dq", "dkdv"):
         assert built[f"{name} True"] != built[f"{name} False"], name
 

@@ -58,18 +58,12 @@ def _dkdv_query_loop(
     DOT_PRECISION: tl.constexpr,
     POLY_EXP2: tl.constexpr,
     DQ_ACC,
-    DQ_TILES,
-    DQT_TILES,
     HEAD_DIM: tl.constexpr,
 ):
     """Accumulate ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` (unscaled; ``dk_t``, ``dv_t``: the tail slab) over
     query tiles ``[lo, hi)``, working on transposed tiles ``Sᵀ = K Qᵀ`` so that no large tile is ever
     transposed. With ``DQ_ACC`` (float32, ``(batch * heads, n_queries, HEAD_DIM)`` contiguous) also add each
-    query tile's ``dS K`` to it atomically: the fifth product, which makes the dQ kernel's three unneeded. With
-    ``DQ_TILES`` (and ``DQT_TILES`` for the tail slab), tensor descriptors over that buffer viewed as
-    ``(batch, heads, n_queries, HEAD_DIM)``, each tile is added by one bulk tensor reduction (TMA's
-    ``cp.reduce.async.bulk.tensor`` on Hopper, as FlashAttention-3 adds its dQ) instead of per-element atomics;
-    rows past ``n_queries`` and columns past ``HEAD_DIM`` fall outside the descriptor and are dropped."""
+    query tile's ``dS K`` to it atomically: the fifth product, which makes the dQ kernel's three unneeded."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _tile(q_desc, b, h, start_m, 0, BLOCK_M, D_MAIN)
@@ -93,14 +87,7 @@ def _dkdv_query_loop(
         dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
         if D_TAIL > 0:
             dk_t = tl.dot(dst, q_t, dk_t, input_precision=DOT_PRECISION)
-        if DQ_TILES is not None:
-            ds = tl.trans(dst)
-            DQ_TILES.atomic_add([b, h, start_m, 0],
-                                tl.dot(ds, k, input_precision=DOT_PRECISION).reshape(1, 1, BLOCK_M, D_MAIN))
-            if D_TAIL > 0:
-                DQT_TILES.atomic_add([b, h, start_m, D_MAIN],
-                                     tl.dot(ds, k_t, input_precision=DOT_PRECISION).reshape(1, 1, BLOCK_M, D_TAIL))
-        elif DQ_ACC is not None:
+        if DQ_ACC is not None:
             ds = tl.trans(dst)
             rows = DQ_ACC + (bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
             row_ok = offs_m[:, None] < n_queries
@@ -121,12 +108,12 @@ def _dkdv_query_loop(
 DKDV_SMEM = (lambda m, n: 2 * n, lambda m, n, t: 2 * t * m, 16 if INTERPRETED else 32)
 #: dK/dV's tensor descriptors and the tile side each streams along (``LD_DESC``: ``1 x 2 x BLOCK_M`` boxes).
 DKDV_DESCRIPTORS = {"Q_DESC": "BLOCK_M", "DO_DESC": "BLOCK_M", "QT_DESC": "BLOCK_M", "DOT_DESC": "BLOCK_M",
-                    "LD_DESC": "BLOCK_M", "DQ_TILES": "BLOCK_M", "DQT_TILES": "BLOCK_M"}
+                    "LD_DESC": "BLOCK_M"}
 
 
 @_jit
 def flash_backward_dkdv_kernel(
-    K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV, DQ_ACC, DQ_TILES, DQT_TILES,
+    K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV, DQ_ACC,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, head_group, n_queries, n_keys, qk_scale, sm_scale, SEQ_CLASS,
@@ -146,14 +133,14 @@ def flash_backward_dkdv_kernel(
                        stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dkb,
                        stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, n_heads,
                        n_queries, n_keys, qk_scale, sm_scale, HEAD_DIM, D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION,
-                       POLY_EXP2, BLOCK_M, BLOCK_N, DQ_ACC, DQ_TILES, DQT_TILES)
+                       POLY_EXP2, BLOCK_M, BLOCK_N, DQ_ACC)
     else:
         tile_n, b, h = _tile_and_head(n_keys, n_heads, head_group, BLOCK_N, False)
         _dkdv_tile(tile_n, b, h, K, V, Q_DESC, DO_DESC, QT_DESC, DOT_DESC, LD_DESC, DK, DV, stride_kb, stride_kh,
                    stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_dkb, stride_dkh,
                    stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd, n_heads, n_queries,
                    n_keys, qk_scale, sm_scale, HEAD_DIM, D_MAIN, D_TAIL, IS_CAUSAL, DOT_PRECISION, POLY_EXP2,
-                   BLOCK_M, BLOCK_N, DQ_ACC, DQ_TILES, DQT_TILES)
+                   BLOCK_M, BLOCK_N, DQ_ACC)
 
 
 @triton.jit
@@ -164,7 +151,7 @@ def _dkdv_tile(
     n_heads, n_queries, n_keys, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, D_MAIN: tl.constexpr, D_TAIL: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, POLY_EXP2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_ACC, DQ_TILES, DQT_TILES,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_ACC,
 ):
     """dK and dV of key tile ``tile_n`` of head ``h`` of batch ``b``."""
     start_n = tile_n * BLOCK_N
@@ -196,15 +183,15 @@ def _dkdv_tile(
     dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
                                           LD_DESC, b32, h32, bh, offs_n, lo, diag, n_queries, n_keys, qk_scale, D_MAIN,
                                           D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2,
-                                          DQ_ACC, DQ_TILES, DQT_TILES, HEAD_DIM)
+                                          DQ_ACC, HEAD_DIM)
     dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
                                           LD_DESC, b32, h32, bh, offs_n, diag, tail, n_queries, n_keys, qk_scale,
                                           D_MAIN, D_TAIL, BLOCK_M, IS_CAUSAL, False, DOT_PRECISION, POLY_EXP2,
-                                          DQ_ACC, DQ_TILES, DQT_TILES, HEAD_DIM)
+                                          DQ_ACC, HEAD_DIM)
     dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, Q_DESC, DO_DESC, QT_DESC, DOT_DESC,
                                           LD_DESC, b32, h32, bh, offs_n, tail, n_queries, n_queries, n_keys, qk_scale,
                                           D_MAIN, D_TAIL, BLOCK_M, IS_CAUSAL, True, DOT_PRECISION, POLY_EXP2,
-                                          DQ_ACC, DQ_TILES, DQT_TILES, HEAD_DIM)
+                                          DQ_ACC, HEAD_DIM)
 
     dk_head, dv_head = DK + b * stride_dkb + h * stride_dkh, DV + b * stride_dvb + h * stride_dvh
     _store_cols(dk_head, offs_n, stride_dkn, stride_dkd, key_ok, (dk * sm_scale).to(DK.dtype.element_ty),

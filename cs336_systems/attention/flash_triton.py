@@ -428,19 +428,10 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     if gluon is not None:
         gluon.flash_backward_dkdv(q, k, v, do, ld, dk, dv, is_causal, scale)
         return
-    # options.dq_tile_reduce: dK/dV adds its dQ tiles through descriptors over dq_acc, one bulk reduction each
-    dq_tiles = _slab_tiles(dq_acc, d) if dq_acc is not None and _tile_reductions(q, opts) else (None, None)
     FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
-        k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv, dq_acc, *dq_tiles,
+        k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv, dq_acc,
         *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
     ), constexprs)  # fmt: skip
-
-
-def _tile_reductions(q: Tensor, opts: options.FlashOptions) -> bool:
-    """Whether dK/dV adds dQ by bulk tensor reductions (``options.dq_tile_reduce``): TMA has them from Hopper on;
-    Triton's interpreter has none."""
-    return (opts.dq_tile_reduce and q.device.type == "cuda" and not interpreter_enabled()
-            and _capability_of(q) >= (9, 0))
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())

@@ -139,10 +139,6 @@ class FlashOptions:
     atomically (five products per key and query tile instead of the two kernels' seven), and the dQ kernel only
     writes the ``[L; D]`` rows. Opt-in until measured; where ``gluon_backward`` picks the Gluon dK/dV kernel,
     that kernel runs and dQ keeps its own kernel.
-    ``dq_tile_reduce``: with ``dq_atomic``, add each ``dS K`` tile to the float32 dQ with one bulk tensor
-    reduction (TMA's ``cp.reduce.async.bulk.tensor``, as FlashAttention-3 adds its dQ) instead of per-element
-    atomic adds. Hopper and later GPUs; elsewhere, and under the interpreter (which has no bulk reductions), the
-    per-element adds run. Opt-in until measured (docs/flash_attention/dq_atomic.md).
     """
 
     autotune: bool = True
@@ -157,14 +153,11 @@ class FlashOptions:
     gluon_backward_tiles: Any = None
     persistent: int = 0
     dq_atomic: bool = False
-    dq_tile_reduce: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "dq_atomic", "dq_tile_reduce"):
+        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "dq_atomic"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.dq_tile_reduce and not self.dq_atomic:
-            raise ValueError("dq_tile_reduce=True changes how dq_atomic adds dQ: set dq_atomic=True with it")
         share = self.l2_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0):
             raise ValueError(f"l2_share must be a positive number (a share of the L2 cache) or None, got {share!r}")
@@ -214,9 +207,6 @@ class FlashOptions:
                                      if self.gluon_backward_tiles else None),
             "persistent": self.persistent,
             "dq_atomic": self.dq_atomic,
-            # Recorded only when set: a record from before the option existed then equals one at its default,
-            # so tables that compare recorded options (model_ab, the losers' grid) still merge across it.
-            **({"dq_tile_reduce": True} if self.dq_tile_reduce else {}),
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),
         }
