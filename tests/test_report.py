@@ -1827,7 +1827,7 @@ def test_fsdp_host_paced_sentence_only_where_compute_leaves_the_gpu_idle() -> No
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
         plain = host_paced(always).plain()
-    assert ("Rank 1 reached every one of the 4 gathers last, and its own GPU, which waited for no gather (0 ms), ran "
+    assert ("Rank 1 reached every one of the 4 gathers last, and its own GPU, which waited for no gather, ran "
             "compute for only 2.50 ms of its 10.0 ms forward") in plain
     both.meta = lambda name: {"extra": {"clocks": [{"variant": "rank 1", "residual_us": 400.0}]}}
     with pytest.MonkeyPatch.context() as mp:  # clocks that do not line up: back to the rank-0 reading

@@ -165,9 +165,7 @@ def host_paced(d: SectionData) -> Text | None:
         if peers:
             return Text(
                 f"The link is not what is slow: §2.1's fit carries these gathers in {fmt.ms(found[0])}, yet their "
-                f"kernels took {fmt.ms(r['gather_ms'])} on rank 0. Beside that, compute ran only "
-                f"{fmt.ms(r['compute_ms'])} of the forward and rank 0's host issued a kernel every {per_kernel} µs. "
-                + peers)
+                f"kernels took {fmt.ms(r['gather_ms'])} on rank 0. " + peers)
         return Text(
             f"The link is not what is slow: §2.1's fit carries these gathers in {fmt.ms(found[0])}, yet their kernels "
             f"took {fmt.ms(r['gather_ms'])}. Beside that, compute ran only {fmt.ms(r['compute_ms'])} of the forward "
@@ -217,9 +215,11 @@ def _peers(d: SectionData, predicted_ms: float) -> str:
     always = summary.index[summary["arrived_last"] == gathers]
     if len(always):
         late = summary.iloc[int(always[0])]
-        text += (f"Rank {int(always[0])} reached every one of the {gathers} gathers last, and its own GPU, which "
-                 f"waited for no gather ({fmt.ms(late['wait_ms'])}), ran compute for only "
-                 f"{fmt.ms(late['compute_ms'])} of its {fmt.ms(late['span_ms'])} forward: it waits for its host. "
+        text += (f"Rank {int(always[0])} reached every one of the {gathers} gathers last, and its own GPU"
+                 + (", which waited for no gather," if not float(late["wait_ms"]) else
+                    f", which waited {fmt.ms(late['wait_ms'])} for gathers,")
+                 + f" ran compute for only {fmt.ms(late['compute_ms'])} of its {fmt.ms(late['span_ms'])} forward: it "
+                 "waits for its host. "
                  if {"wait_ms", "compute_ms", "span_ms"} <= set(summary.columns) else
                  f"Rank {int(always[0])} reached every one of the {gathers} gathers last. ")
     else:
