@@ -132,6 +132,31 @@ def test_a_widely_varying_overlap_row_gives_its_spread_and_median() -> None:
     assert _spread_note(pd.Series({"step_ms": 220.0, "step_ms_std": 20.0, "step_ms_median": 209.0})) == ""  # slow steps: the outlier note's case
 
 
+def test_a_varying_overlap_row_is_set_beside_the_handout_scripts_printed_step(tmp_path) -> None:
+    """CSE599-O records what its script printed; where the table's row varies widely, the answer compares the two."""
+    import json
+
+    from cs336_systems.experiments.ddp_common import printed_step_ms
+    from cs336_systems.experiments.ddp_overlap_individual import _printed_alone
+
+    folder = tmp_path / "ddp_overlap_individual" / "cse599o"
+    folder.mkdir(parents=True)
+    (tmp_path / "cse599o").mkdir()
+    lines = ["large model (...), fp32, 2 ranks", "individual DDP: 207.42 ms per iteration, gradient communication not "
+             "hidden by backward 0.21 ms (0.1% of the iteration)"]
+    (tmp_path / "cse599o" / "individual.json").write_text(json.dumps({"command": "x", "lines": lines}))
+    d = SectionData(tmp_path, "ddp_overlap_individual/cse599o", edition="cse599o")
+    assert printed_step_ms(d, "individual") == 207.42 and printed_step_ms(d, "bucketed") is None
+    row = pd.Series({"step_ms": 220.2, "step_ms_std": 10.7, "step_ms_median": 222.0})
+    assert "printed 207 ms (its output is below), outside that spread" in _printed_alone(d, row)
+    assert _printed_alone(d, pd.Series({**row, "step_ms_median": 210.0})).endswith("within that spread.")
+    # an edition that shows no printed output (2025) gets no clause
+    assert _printed_alone(SectionData(tmp_path, "ddp_overlap_individual", edition="2025"), row) == ""
+    # several printed step times (the bucket sweep) name no single step
+    (tmp_path / "cse599o" / "individual.json").write_text(json.dumps({"lines": [lines[1], lines[1]]}))
+    assert printed_step_ms(d, "individual") is None
+
+
 def test_an_edition_shows_a_sections_parts_under_its_own_problem_names() -> None:
     """CSE599-O calls CS336's naive_ddp parts toymodel_naive_ddp and transformer_naive_ddp_benchmarking."""
     from pathlib import Path

@@ -541,3 +541,17 @@ def bucket_model(allreduce: SectionData | None = None, bucketed: SectionData | N
     ]
     return blocks
 
+
+def printed_step_ms(d: SectionData, record: str) -> float | None:
+    """The step time a CSE599-O script printed in its recorded output ``record`` ("individual DDP: 207.42 ms per
+    iteration, ..."), or None where this edition shows no such output, it was not recorded, or it names no single
+    step time."""
+    import re
+
+    from cs336_systems.report.editions import CONSOLE_FOLDER, entries
+
+    shown = {name for e in (entries(d.edition) or ()) for name, _ in e.console}
+    printed = d.sibling(CONSOLE_FOLDER).json(record) if record in shown else None
+    times = [float(m.group(1)) for line in (printed or {}).get("lines", [])
+             if (m := re.match(r"\S+ DDP: ([0-9.]+) ms per iteration", str(line)))]
+    return times[0] if len(times) == 1 else None

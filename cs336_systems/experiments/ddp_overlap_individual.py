@@ -101,6 +101,20 @@ def _spread_note(r: Any) -> str:
             "closer than that)")
 
 
+def _printed_alone(d: SectionData, r: Any) -> str:
+    """Where this run's steps vary widely and the handout's own script printed this strategy's step (CSE599-O), a
+    clause comparing the two: that script times the one strategy in its processes, this run five in turn."""
+    printed, median, std = ddp_common.printed_step_ms(d, "individual"), known(r.get("step_ms_median")), known(
+        r.get("step_ms_std"))
+    if printed is None or median is None or std is None:
+        return ""
+    return (f" The handout's script, which times this strategy alone in its processes, printed {fmt.ms(printed)} "
+            "(its output is below), "
+            + ("within that spread." if abs(printed - median) <= std else
+               "outside that spread: this run, which times five strategies in turn in one pair of processes, is the "
+               "slower of the two, and what makes it so was not isolated."))
+
+
 def _why(ov: Any, rows: dict[str, Any]) -> str:
     """The reason in one sentence: how much of the communication the overlap hid (from the traces), and what
     it costs the backward it shares the GPU with (forward+backward time against flat's)."""
@@ -164,7 +178,8 @@ def answer(d: SectionData) -> list[Block]:
                 f"{fmt.ms(rows['overlap']['step_ms'])} per step{ddp_common.outlier_note(rows['overlap'])}"
                 f"{spread}, with {fmt.ms(rows['overlap']['sync_ms'])} of communication left "
                 f"after backward{' on average' if spread else ''}"
-                + (f" (vs. {join_words(others)}{', medians' if median else ''})." if others else "."))
+                + (f" (vs. {join_words(others)}{', medians' if median else ''})." if others else ".")
+                + (_printed_alone(d, rows["overlap"]) if spread else ""))
     overlap_name = named(d.tables, "overlap")
     ov = d.frame(overlap_name) if overlap_name else None
     ov_text = None
