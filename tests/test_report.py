@@ -727,6 +727,14 @@ def test_bucketed_ddp_shape_reads_medians_and_names_the_per_tensor_degenerate_ca
     u_shape = _expectations(rows([215, 200, 205, 213], [215, 200, 205, 213], [300, 40, 8, 4]), flat,
                             pd.Series({"step_ms": 230.0, "step_ms_std": 1.0, "num_buckets": 327.0}))
     assert " A U: " in u_shape and "beats both" in u_shape
+    # a variant from another run is compared at this run's speed: scaled by the two runs' single-GPU steps
+    slower_host = pd.Series({**flat, "_from": "§2.3.1", "_single": 220.0})
+    single = pd.Series({"step_ms": 200.0, "step_ms_median": 200.0})
+    scaled = _expectations(rows([207, 208, 212, 213], [206, 207.5, 211, 212], [327, 40, 8, 4]), slower_host,
+                           pd.Series({**individual, "step_ms_median": 200.0}), single)
+    # 219.5 ms on a host whose single step is 220 ms is 199.5 ms at this run's 200 ms: no longer beaten
+    assert "flat (220 ms in §2.3.1's run, 200 ms at this run's single-GPU speed)" in scaled
+    assert "does not beat flat" in scaled
 
 
 def test_bucketed_ddp_states_its_step_time_against_torch_ddp_and_calls_a_difference_within_the_spread_none(

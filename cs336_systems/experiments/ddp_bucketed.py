@@ -78,9 +78,11 @@ def _previous(d: SectionData, df: Any) -> tuple[Any, Any]:
         if hit is None:
             _, theirs = steps_table(d.sibling(folder))
             hit = row(ddp_common.eager_rows(theirs), mode) if theirs is not None else None
-            if hit is not None:  # another job's run: the comparison says so
+            if hit is not None:  # another job's run: the comparison says so, and scales by that run's own single step
                 hit = hit.copy()
                 hit["_from"] = {"ddp_flat": "§2.3.1", "ddp_overlap_individual": "§2.3.2"}[folder]
+                own = row(ddp_common.eager_rows(theirs), "single")
+                hit["_single"] = _typical(own) if own is not None else None
         found.append(hit)
     return found[0], found[1]
 
@@ -91,9 +93,11 @@ def _typical(r: Any) -> float:
     return float(median) if median is not None and median == median else float(r["step_ms"])
 
 
-def _expectations(b: Any, flat: Any, individual: Any) -> str:
+def _expectations(b: Any, flat: Any, individual: Any, single: Any = None) -> str:
     """(a)'s other questions: what we expected, whether the measurement agrees, and what setup would show it.
-    ``b``: the fp32 bucketed rows by bucket size."""
+    ``b``: the fp32 bucketed rows by bucket size; ``single``: this run's single-GPU row. A variant from another
+    run is compared at this run's speed: its step times this run's single-GPU step over its own run's (two jobs'
+    machines differ by as much as the variants do)."""
     typical = b.apply(_typical, axis=1)
     best, largest = b.loc[typical.idxmin()], b.loc[b["bucket_size_mb"].idxmax()]
     few = (f"{fmt.sig(largest['bucket_size_mb'])} MiB's {int(largest['num_buckets'])} buckets start late, like "
@@ -120,8 +124,13 @@ def _expectations(b: Any, flat: Any, individual: Any) -> str:
         won, lost = [], []
         for label, other in (("flat", flat), ("per-parameter overlap", individual)):
             noise = spread(best.get("step_ms_std"), other.get("step_ms_std"))  # this pair's step-to-step spread
-            where = f" in {other['_from']}'s run" if isinstance(other.get("_from"), str) else ""
-            (won if mine < _typical(other) - noise else lost).append(f"{label} ({fmt.ms(_typical(other))}{where})")
+            theirs, where = _typical(other), ""
+            if isinstance(other.get("_from"), str):
+                where = f" in {other['_from']}'s run"
+                if known(other.get("_single")) and single is not None:
+                    theirs *= _typical(single) / float(other["_single"])
+                    where += f", {fmt.ms(theirs)} at this run's single-GPU speed"
+            (won if mine < theirs - noise else lost).append(f"{label} ({fmt.ms(_typical(other))}{where})")
         verdict = ("beats both" if not lost else f"beats {join_words(won)} but not {join_words(lost)} beyond the "
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")
         which = "median" if "step_ms_median" in b.columns else "mean"
@@ -193,7 +202,7 @@ def answer(d: SectionData) -> list[Block]:
                    "of backward is done; in between, communication hides behind the remaining backward compute.")
         text = Text("Step time by bucket size: " + join_words(parts) + f"; the best is {fmt.sig(best['bucket_size_mb'])} "
                     "MiB" + (f" (reference: {join_words(refs)})." if refs else ".")
-                    + _expectations(b, *_previous(d, df)))
+                    + _expectations(b, *_previous(d, df), single))
         why = Text(why.strip())
         communication = _communication(d, name, b)
     sweep = named(d.figures, "bucket_sweep")
