@@ -276,3 +276,13 @@ def test_ddp_setup_is_said_in_full_once_and_briefly_after() -> None:
     assert "every variant starts from the same weights" in full and "sharding section" in full
     assert brief.startswith("Setup: the xl model, fp32, 2 sequences of 512 tokens per rank, 2 GPUs, fused AdamW")
     assert len(brief) < len(full) and setup(None) is None
+
+
+def test_a_traced_all_reduce_longer_than_the_timed_wait_is_explained() -> None:
+    from cs336_systems.experiments.ddp_overlap_individual import _kernel_over_wait
+
+    ov = pd.DataFrame({"variant": ["flat", "individual"], "comm_ms": [25.84, 24.3]})
+    rows = {"flat": pd.Series({"sync_ms": 16.87}), "individual": pd.Series({"sync_ms": 7.0})}
+    said = _kernel_over_wait(ov, rows)
+    assert "(flat's 25.8 ms against its 16.9 ms wait)" in said and "individual" not in said
+    assert _kernel_over_wait(ov, {"flat": pd.Series({"sync_ms": 24.0})}) == ""  # within a fifth: nothing to explain
