@@ -150,6 +150,7 @@ def test_a_varying_overlap_row_is_set_beside_the_handout_scripts_printed_step(tm
     row = pd.Series({"step_ms": 220.2, "step_ms_std": 10.7, "step_ms_median": 222.0})
     assert "printed 207 ms (its output is below), outside that spread" in _printed_alone(d, row)
     assert _printed_alone(d, pd.Series({**row, "step_ms_median": 210.0})).endswith("within that spread.")
+    assert "is the faster of the two" in _printed_alone(d, pd.Series({**row, "step_ms_median": 190.0}))
     # an edition that shows no printed output (2025) gets no clause
     assert _printed_alone(SectionData(tmp_path, "ddp_overlap_individual", edition="2025"), row) == ""
     # several printed step times (the bucket sweep) name no single step

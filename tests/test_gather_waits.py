@@ -89,3 +89,19 @@ def test_peer_waits_split_each_gather_into_waiting_and_transfer() -> None:
     assert s["arrived_last"].tolist() == [1, 1] and s["transfer_ms"].tolist() == pytest.approx([0.6, 0.6])
     # on unaligned clocks rank 1 seems to start every gather 3 ms early, and rank 0 would wait for nothing
     assert peer_summary(_two_ranks())["peer_wait_ms"].iloc[0] == 0.0
+
+
+def test_gathers_are_paired_by_their_number_in_the_step_not_within_each_ranks_window() -> None:
+    """Rank 1's forward window ends before its second forward gather starts, and a backward gather of rank 0
+    would fall inside rank 0's window if windows were per rank: both ranks' gathers are numbered over the step
+    and the phase's are rank 0's, so gather 1 of rank 0 meets gather 1 of rank 1, not a backward one."""
+    from cs336_systems.profiling.gather_waits import peer_waits
+
+    rows = [("r0", "phase", "phase", "forward", 0.0, 6.0), ("r1", "phase", "phase", "forward", 0.0, 4.2)]
+    gathers = {"r0": ((1.0, 1.0), (4.3, 0.2), (7.0, 0.5)), "r1": ((1.6, 0.4), (4.4, 0.1), (7.2, 0.3))}
+    for v, gs in gathers.items():
+        rows += [(v, "cuda:17", "comm", "ncclDevKernel_AllGather_RING_LL", s, d) for s, d in gs]
+        rows.append((v, "cuda:7", "compute", "4 kernels", 0.0, 0.9))
+    w = peer_waits(pd.DataFrame(rows, columns=COLUMNS)).set_index(["variant", "gather"])
+    assert sorted({g for _, g in w.index}) == [0, 1]  # rank 0's two forward gathers
+    assert w.loc[("r1", 1), "start_ms"] == 4.4 and w.loc[("r0", 1), "peer_wait_ms"] == pytest.approx(0.1)

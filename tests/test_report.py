@@ -1819,7 +1819,8 @@ def test_fsdp_host_paced_sentence_only_where_compute_leaves_the_gpu_idle() -> No
     # with both ranks' timelines on one clock, the answer says which part was waiting for the peer
     two = pd.DataFrame([{**slow.iloc[0].to_dict(), "variant": f"rank {i}", "gathers": 4, "peer_wait_ms": w,
                          "arrived_last": n, "transfer_ms": 1.5} for i, (w, n) in enumerate(((7.0, 1), (0.5, 3)))])
-    tl2 = tl.assign(variant="rank 0")
+    # rank 1's rows are in the timeline too: the rank-0 readings must keep to rank 0's
+    tl2 = pd.concat([tl.assign(variant="rank 0"), tl.assign(variant="rank 1", start_ms=tl["start_ms"] + 50.0)])
     both = Data({"gathers_summary": two, "gathers_timeline": tl2, "gathers_forward": late_second.assign(
         variant="rank 0")})
     both.meta = lambda name: {"extra": {"clocks": [{"variant": "rank 0", "residual_us": 0.0},
@@ -1830,6 +1831,13 @@ def test_fsdp_host_paced_sentence_only_where_compute_leaves_the_gpu_idle() -> No
     assert "cannot tell them apart" not in plain and "agree within 4.0 µs" in plain
     assert "7.00 ms passed before rank 1 reached the same gather" in plain and "took 1.50 ms, close to" in plain
     assert "rank 0 at 1 and rank 1 at 3 of the 4 gathers" in plain and "not the link" in plain
+    assert "a kernel every" not in plain  # superseded by the peers' reading
+    from cs336_systems.experiments.fsdp_gathers import _gather_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5e9))
+        fit = _gather_model(both, "xl", 2, "bf16", two.iloc[0])
+    assert "took 9.00× that on rank 0." in fit and "the transfers took 1.50 ms" in fit
     always = Data({**both.frames, "gathers_summary": two.assign(arrived_last=[0, 4], peer_wait_ms=[7.0, 0.0],
                                                                  wait_ms=[6.0, 0.0], compute_ms=[3.0, 2.5])})
     always.meta = both.meta

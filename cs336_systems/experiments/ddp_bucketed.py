@@ -71,7 +71,8 @@ def run(p: Params, out: ResultWriter) -> dict[str, Any]:
 
 def _previous(d: SectionData, df: Any) -> tuple[Any, Any]:
     """The unbucketed runs to compare with: flat and per-parameter overlap from this table, else from their own
-    sections' eager steps (§2.3.1 and §2.3.2, the same model and settings)."""
+    sections' eager steps (§2.3.1 and §2.3.2, the same model and settings), tagged ``_from`` (the section) and
+    ``_single`` (that run's single-GPU step, by which :func:`_expectations` scales it to this run's machine)."""
     found = []
     for mode, folder in (("flat", "ddp_flat"), ("overlap", "ddp_overlap_individual")):
         hit = row(df, mode)

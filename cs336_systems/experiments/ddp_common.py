@@ -546,8 +546,6 @@ def printed_step_ms(d: SectionData, record: str) -> float | None:
     """The step time a CSE599-O script printed in its recorded output ``record`` ("individual DDP: 207.42 ms per
     iteration, ..."), or None where this edition shows no such output, it was not recorded, or it names no single
     step time."""
-    import re
-
     from cs336_systems.report.editions import CONSOLE_FOLDER, entries
 
     shown = {name for e in (entries(d.edition) or ()) for name, _ in e.console}

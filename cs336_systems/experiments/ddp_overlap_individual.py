@@ -101,6 +101,10 @@ def _spread_note(r: Any) -> str:
             "closer than that)")
 
 
+#: A traced all-reduce this much longer than the timed wait after backward calls for a word on why.
+KERNEL_OVER_WAIT = 1.2
+
+
 def _kernel_over_wait(ov: Any, rows: dict[str, Any]) -> str:
     """Where a non-overlapping variant's all-reduce kernels ran longer in the traced step than the wait the timed
     steps measured after its backward, why the two differ (the reader would expect the wait to hold the kernels)."""
@@ -108,7 +112,7 @@ def _kernel_over_wait(ov: Any, rows: dict[str, Any]) -> str:
     for variant in ("naive", "flat"):
         mine, timed = ov[ov["variant"] == variant], rows.get(variant)
         if len(mine) and timed is not None and known(timed.get("sync_ms")) and \
-                float(mine["comm_ms"].iloc[0]) > 1.2 * float(timed["sync_ms"]):
+                float(mine["comm_ms"].iloc[0]) > KERNEL_OVER_WAIT * float(timed["sync_ms"]):
             said.append(f"{variant}'s {fmt.ms(mine['comm_ms'].iloc[0])} against its {fmt.ms(timed['sync_ms'])} wait")
     if not said:
         return ""
@@ -128,8 +132,8 @@ def _printed_alone(d: SectionData, r: Any) -> str:
     return (f" The handout's script, which times this strategy alone in its processes, printed {fmt.ms(printed)} "
             "(its output is below), "
             + ("within that spread." if abs(printed - median) <= std else
-               "outside that spread: this run, which times five strategies in turn in one pair of processes, is the "
-               "slower of the two, and what makes it so was not isolated."))
+               f"outside that spread: this run, which times five strategies in turn in one pair of processes, is the "
+               f"{'slower' if median > printed else 'faster'} of the two, and what makes it so was not isolated."))
 
 
 def _why(ov: Any, rows: dict[str, Any]) -> str:

@@ -176,11 +176,13 @@ def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     summary = None
     if timeline["variant"].nunique() > 1:
         try:
-            timeline, clocks = align_ranks(timeline)
-            extra["clocks"] = clocks.to_dict("records")
-            summary = gather_summary(timeline).merge(peer_summary(timeline), on="variant", how="left")
+            aligned, clocks = align_ranks(timeline)
+            peers = peer_summary(aligned)
         except ValueError as e:  # gloo's CPU collectives are host operators: no kernels to put on one clock
             print(f"the ranks' timelines stay on their own clocks: {e}", flush=True)
+        else:
+            timeline, extra["clocks"] = aligned, clocks.to_dict("records")
+            summary = gather_summary(timeline).merge(peers, on="variant", how="left")
     out.table(timeline, "gathers_timeline", floatfmt=".4f", extra=extra)
     waits = gather_waits(timeline)
     out.table(waits, "gathers_forward", extra=extra)

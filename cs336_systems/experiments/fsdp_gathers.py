@@ -98,11 +98,11 @@ def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) ->
         return f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers, close to what their kernels took."
     said = (f" §2.1's fit predicts {fmt.ms(predicted)} for these gathers ({fmt.sig(nbytes / 1e9)} GB gathered "
             f"in {int(r['gathers'])} calls); their kernels took {fmt.ratio(float(r['gather_ms']) / predicted)} "
-            "that.")
+            "that" + (" on rank 0." if _peer_summary(d) is not None else "."))
     peers = _peer_summary(d)
     if peers is not None:
         return (said + " An NCCL kernel also counts the time it waits for the other ranks to arrive; with that "
-                f"taken out (both ranks' timelines, in the answer), the transfers took "
+                f"taken out (the ranks' timelines, in the answer), the transfers took "
                 f"{fmt.ms(peers[0]['transfer_ms'].iloc[0])}.")
     return said + (" An NCCL kernel also counts the time it waits for the other rank to arrive, and the other rank "
             "runs the same launch-bound forward, so this kernel time is an upper bound on the transfer; which part "
@@ -195,40 +195,58 @@ def _peer_summary(d: SectionData) -> tuple[pd.DataFrame, float] | None:
     return (summary.reset_index(drop=True), residual) if residual <= ALIGNED_WITHIN_US else None
 
 
+def _rank_names(summary: pd.DataFrame) -> list[str]:
+    """Each row's rank as its variant names it ("..., 2 ranks (rank 1)"), else by its position."""
+    import re
+
+    found = [re.search(r"\(rank (\d+)\)", str(v)) for v in summary["variant"]] if "variant" in summary else []
+    return [f"rank {m.group(1)}" if m else f"rank {i}" for i, m in
+            enumerate(found or [None] * len(summary))]
+
+
 def _peers(d: SectionData, predicted_ms: float) -> str:
-    """What both ranks' timelines say of the gathers' kernel time: how much of it was one rank waiting inside NCCL
+    """What the ranks' timelines say of the gathers' kernel time: how much of it was one rank waiting inside NCCL
     for another to reach the same gather, and how long the transfers took with no waiting in them (the kernel of
     the rank that arrived last). "" for a profile of one rank or clocks that do not line up."""
     found = _peer_summary(d)
     if found is None:
         return ""
     summary, residual = found
+    names = _rank_names(summary)
     r0, transfer, gathers = summary.iloc[0], float(summary["transfer_ms"].iloc[0]), int(summary["gathers"].iloc[0])
-    peer = "rank 1" if len(summary) == 2 else "the other ranks"
-    text = (f"The timelines of both ranks, put on one clock by the gathers' ends (a collective ends on every rank "
-            f"together; after the shift the ends agree within {fmt.sig(residual, 2)} µs), show where that time "
-            f"went: of rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, {fmt.ms(r0['peer_wait_ms'])} passed "
-            f"before {peer} reached the same gather, and the transfers themselves (the kernel of the rank that "
-            f"arrived last) took {fmt.ms(transfer)}, ")
+    peer = names[1] if len(summary) == 2 else "the other ranks"
+    text = (f"The timelines of {'both ranks' if len(summary) == 2 else f'all {len(summary)} ranks'}, put on one "
+            "clock by the gathers' ends (a collective ends on every rank at nearly the same moment; after the shift "
+            f"the ends agree within {fmt.sig(residual, 2)} µs), show where that time went: of {names[0]}'s "
+            f"{fmt.ms(r0['gather_ms'])} of gather kernel time, {fmt.ms(r0['peer_wait_ms'])} passed before {peer} "
+            f"reached the same gather, and the transfers themselves (the kernel of the rank that arrived last) took "
+            f"{fmt.ms(transfer)}, ")
     text += (f"close to the fit's {fmt.ms(predicted_ms)}. " if transfer < 2 * predicted_ms else
              f"{fmt.ratio(transfer / predicted_ms)} the fit's {fmt.ms(predicted_ms)}. ")
     always = summary.index[summary["arrived_last"] == gathers]
     if len(always):
-        late = summary.iloc[int(always[0])]
-        text += (f"Rank {int(always[0])} reached every one of the {gathers} gathers last, and its own GPU"
-                 + (", which waited for no gather," if not float(late["wait_ms"]) else
-                    f", which waited {fmt.ms(late['wait_ms'])} for gathers,")
-                 + f" ran compute for only {fmt.ms(late['compute_ms'])} of its {fmt.ms(late['span_ms'])} forward: it "
-                 "waits for its host. "
-                 if {"wait_ms", "compute_ms", "span_ms"} <= set(summary.columns) else
-                 f"Rank {int(always[0])} reached every one of the {gathers} gathers last. ")
+        late, who = summary.iloc[int(always[0])], names[int(always[0])]
+        text += f"{who[0].upper() + who[1:]} reached every one of the {gathers} gathers last"
+        if {"wait_ms", "compute_ms", "span_ms"} <= set(summary.columns) and float(late["span_ms"]) > 0:
+            idle = float(late["compute_ms"]) / float(late["span_ms"]) < HOST_PACED_BELOW
+            text += (", and its own GPU" + (", which waited for no gather," if not float(late["wait_ms"]) else
+                                            f", which waited {fmt.ms(late['wait_ms'])} for gathers,")
+                     + f" ran compute for only {fmt.ms(late['compute_ms'])} of its {fmt.ms(late['span_ms'])} "
+                     "forward" + (": it waits for its host. " if idle and not float(late["wait_ms"]) else ". ")
+                     if idle else ". ")
+        else:
+            text += ". "
     else:
-        text += ("The last to arrive was " + join_words([f"rank {i} at {int(n)}" for i, n in
-                                                         enumerate(summary["arrived_last"])])
+        text += ("The last to arrive was " + join_words([f"{n} at {int(k)}" for n, k in
+                                                         zip(names, summary["arrived_last"])])
                  + f" of the {gathers} gathers; the waiting adds to "
-                 + join_words([f"{fmt.ms(w)} on rank {i}" for i, w in enumerate(summary["peer_wait_ms"])]) + ". ")
-    why = ("So most of a gather's kernel time is one rank waiting for the other's host to issue the same gather: "
-           "each rank's host reaches a layer at its own pace, and a gather ends only when the slower one gets there.")
+                 + join_words([f"{fmt.ms(w)} on {n}" for n, w in zip(names, summary["peer_wait_ms"])]) + ". ")
+    waiting = max(float(w) / float(g) for w, g in zip(summary["peer_wait_ms"], summary["gather_ms"]) if float(g) > 0)
+    if waiting <= 0.5:
+        return text.rstrip() + (" The transfers themselves run slower than §2.1's collectives run alone, which "
+                                "this profile does not explain." if transfer >= 2 * predicted_ms else "")
+    why = ("So most of a gather's kernel time is one rank waiting for another's host to issue the same gather: each "
+           "rank's host reaches a layer at its own pace, and a gather ends only when the slowest one gets there.")
     if transfer < 2 * predicted_ms:
         return text + why + " The cause is the hosts' launches, not the link."
     return text + why + (" The transfers themselves also run slower than §2.1's collectives run alone, which this "
@@ -262,6 +280,11 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
                        "No: most of the forward's all-gathers finish after the compute that should hide them."
                        if late > total / 2 else f"No: {late} of the forward's {total} all-gathers finish after the "
                        "compute that should hide them.")
+        if len(summary) > 1 and "late_gathers" in summary.columns and r["gathers"]:
+            names = _rank_names(summary)
+            verdict += (" That is rank 0's reading; compute waited for " + join_words(
+                [f"{'none' if not int(k) else int(k)} of them on {n}"
+                 for n, k in zip(names[1:], summary["late_gathers"].iloc[1:])]) + ".")
         text = Text(
             f"{verdict} One training step of {handout_model(model, d.edition)} "
             f"({fmt.params(param_counts(accounting.ladder_config(model))['total'])} parameters) with our FSDP on {ws} "

@@ -127,24 +127,32 @@ def peer_waits(tl: pd.DataFrame, phase: str = "forward") -> pd.DataFrame:
     """Per all-gather of ``phase`` and rank, on a timeline already on one clock (:func:`align_ranks`):
     ``start_ms``, ``dur_ms``, ``peer_wait_ms`` (from its start until the last rank's kernel started: an NCCL
     kernel that starts first spins until its peers arrive), ``last`` (this rank arrived last) and
-    ``transfer_ms`` (the last arrival's kernel time, the gather with no waiting in it). Gathers are paired by
-    their order in the phase."""
-    per = {variant: _gathers(sub)[lambda g, lo=lo, hi=hi: (g["start_ms"] >= lo) & (g["start_ms"] < hi)]
-           for variant, sub, lo, hi, _, _ in _windows(tl, phase)}
+    ``transfer_ms`` (the last arrival's kernel time, the gather with no waiting in it). Gathers are numbered over
+    the whole step on every rank (the ranks issue the same collectives in the same order) and the phase's are
+    those that start inside the first variant's (rank 0's) phase: pairing them within each rank's own window
+    would pair different gathers wherever a window's edge falls between two of them."""
+    columns = ["variant", "gather", "start_ms", "dur_ms", "peer_wait_ms", "last", "transfer_ms"]
+    windows = {variant: (lo, hi) for variant, _, lo, hi, _, _ in _windows(tl, phase)}
+    variants = list(dict.fromkeys(tl["variant"]))
+    if not variants or variants[0] not in windows:
+        return pd.DataFrame(columns=columns)
+    per = {v: _gathers(tl[tl["variant"] == v]) for v in variants}
     counts = {v: len(g) for v, g in per.items()}
     if len(set(counts.values())) > 1:
-        raise ValueError(f"the ranks ran different numbers of {phase} all-gathers: {counts}")
-    columns = ["variant", "gather", "start_ms", "dur_ms", "peer_wait_ms", "last", "transfer_ms"]
-    if not per or not next(iter(counts.values())):
+        raise ValueError(f"the ranks ran different numbers of all-gathers: {counts}")
+    lo, hi = windows[variants[0]]
+    first = per[variants[0]]["start_ms"].to_numpy(float)
+    picked = np.flatnonzero((first >= lo) & (first < hi))
+    if not len(picked):
         return pd.DataFrame(columns=columns)
-    starts = np.stack([g["start_ms"].to_numpy(float) for g in per.values()])  # (ranks, gathers)
-    durs = np.stack([g["dur_ms"].to_numpy(float) for g in per.values()])
+    starts = np.stack([g["start_ms"].to_numpy(float)[picked] for g in per.values()])  # (ranks, gathers)
+    durs = np.stack([g["dur_ms"].to_numpy(float)[picked] for g in per.values()])
     last = starts.argmax(axis=0)
-    transfer = durs[last, np.arange(starts.shape[1])]
+    transfer = durs[last, np.arange(len(picked))]
     rows = [{"variant": v, "gather": i, "start_ms": starts[r, i], "dur_ms": durs[r, i],
              "peer_wait_ms": float(np.clip(starts[last[i], i] - starts[r, i], 0.0, durs[r, i])),
              "last": bool(last[i] == r), "transfer_ms": float(transfer[i])}
-            for r, v in enumerate(per) for i in range(starts.shape[1])]
+            for r, v in enumerate(per) for i in range(len(picked))]
     return pd.DataFrame(rows, columns=columns)
 
 

@@ -312,6 +312,12 @@ def stream_lanes(timeline: pd.DataFrame | None) -> str:
     kernels["weight"] = kernels["dur_ms"].astype(float) if "dur_ms" in kernels.columns else 1.0
     what = {"compute": "the compute stream", "comm": "NCCL's stream"}
     also = {"compute": "NCCL's kernels", "comm": "compute kernels"}
+    def other_share(rows: pd.DataFrame, variant: Any, kind: str) -> float:
+        """The share of ``variant``'s kernel time not of ``kind`` that ran on this lane."""
+        mine = kernels[(kernels["variant"] == variant) & (kernels["kind"] != kind)]["weight"].sum()
+        here = rows[(rows["variant"] == variant) & (rows["kind"] != kind)]["weight"].sum()
+        return float(here / mine) if mine > 0 else 0.0
+
     parts = []
     for lane, rows in kernels.groupby("lane", sort=False):
         kind = rows.groupby("kind")["weight"].sum().idxmax()
@@ -319,11 +325,7 @@ def stream_lanes(timeline: pd.DataFrame | None) -> str:
         text = f"{lane} (stream {ident}) is " if device == "cuda" and ident else f"{lane} is "
         text += what.get(kind, kind)
         if "variant" in rows.columns and kind in also:
-            def other_share(variant: Any) -> float:
-                mine = kernels[(kernels["variant"] == variant) & (kernels["kind"] != kind)]["weight"].sum()
-                here = rows[(rows["variant"] == variant) & (rows["kind"] != kind)]["weight"].sum()
-                return float(here / mine) if mine > 0 else 0.0
-            shared = [str(v) for v in rows["variant"].unique() if other_share(v) >= 0.25]
+            shared = [str(v) for v in rows["variant"].unique() if other_share(rows, v, kind) >= 0.25]
             if shared:
                 text += f" ({also[kind]} run on it too in {join_words(shared)})"
         parts.append(text)
