@@ -282,8 +282,8 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
                        "compute that should hide them.")
         if len(summary) > 1 and "late_gathers" in summary.columns and r["gathers"]:
             names = _rank_names(summary)
-            verdict += (" That is rank 0's reading; compute waited for " + join_words(
-                [f"{'none' if not int(k) else int(k)} of them on {n}"
+            verdict += (" That is rank 0's reading; " + join_words(
+                [f"on {n}, compute waited for {'none' if not int(k) else int(k)} of them"
                  for n, k in zip(names[1:], summary["late_gathers"].iloc[1:])]) + ".")
         text = Text(
             f"{verdict} One training step of {handout_model(model, d.edition)} "
