@@ -287,3 +287,15 @@ def test_a_traced_all_reduce_longer_than_the_timed_wait_is_explained() -> None:
     said = _kernel_over_wait(ov, rows)
     assert "(flat's 25.8 ms against its 16.9 ms wait)" in said and "individual" not in said
     assert _kernel_over_wait(ov, {"flat": pd.Series({"sync_ms": 24.0})}) == ""  # within a fifth: nothing to explain
+
+
+def test_flat_ddp_accounts_for_its_wait_with_the_transfer_and_the_copies() -> None:
+    """Flat DDP's wait against the fit's transfer plus two copies of every gradient at the calibrated copy rate."""
+    from cs336_systems.experiments.ddp_flat import _copies
+
+    flat = pd.Series({"sync_ms": 17.4})
+    said = _copies(flat, 12.2, 3.88e9, 4.16)  # 4 x 3.88 GB (read and written, into and back) at 4.16 TB/s
+    assert "move 15.5 GB through memory, 3.73 ms" in said and "1.47 ms the two do not account for" in said
+    assert said.endswith("do not account for.")
+    assert _copies(pd.Series({"sync_ms": 15.0}), 12.2, 3.88e9, 4.16).endswith("the two account for all of it.")
+    assert _copies(flat, 12.2, 3.88e9, None) == ""  # no calibration: no copy time to state

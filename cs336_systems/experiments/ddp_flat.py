@@ -40,7 +40,29 @@ from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402  (answers
 OVERLAPPED = 0.9
 
 
-def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
+def _copy_tbps(d: SectionData, name: str | None) -> float | None:
+    """The run's HBM copy rate (TB/s of bytes read plus written) by its calibration at the start, slowest GPU."""
+    start = ((d.meta(name or "").get("calibration") or {}).get("start")) or []
+    rates = [float(g["hbm_copy_tbps"]) for g in start if isinstance(g, dict) and known(g.get("hbm_copy_tbps"))]
+    return min(rates) if rates else None
+
+
+def _copies(flat: Any, transfer_ms: float, gb: float, copy_tbps: float | None) -> str:
+    """Flat's wait against what it has to do: the fit's transfer plus copying every gradient into the flat buffer
+    and back (each copy reads and writes it), at the run's own calibrated copy rate."""
+    waited = known(flat.get("sync_ms"))
+    if copy_tbps is None or waited is None:
+        return ""
+    copies = 2 * 2 * gb / (copy_tbps * 1e12) * 1e3
+    left = waited - transfer_ms - copies
+    said = (f" The two copies move {fmt.sig(4 * gb / 1e9)} GB through memory, {fmt.ms(copies)} at this GPU's "
+            f"calibrated {fmt.sig(copy_tbps)} TB/s; with the fit's transfer that is {fmt.ms(transfer_ms + copies)}")
+    if left > 0:
+        return said + f" of flat's {fmt.ms(waited)} wait, and {fmt.ms(left)} the two do not account for."
+    return said + f", against flat's {fmt.ms(waited)} wait: the two account for all of it."
+
+
+def _verdict(naive: Any, flat: Any, fit: dict | None = None, copy_tbps: float | None = None) -> str:
     """The handout's one or two sentences: the step and the communication, batched against per parameter, judged
     against the two rows' step-to-step spread; then why, with the per-call cost and bandwidth of §2.1's fit
     where it is measured."""
@@ -75,7 +97,7 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None) -> str:
                             "time), so flattening has little to remove, while it adds a copy of every gradient into "
                             "the flat buffer and back.")
         return first + (head + ", so flattening can remove at most the fixed cost, while it adds a copy of every "
-                        "gradient into the flat buffer and back.")
+                        "gradient into the flat buffer and back.") + _copies(flat, transfer, gb, copy_tbps)
     if saved > noise:
         return first + (" One call instead of many saves each call's fixed launch and synchronization cost, which "
                         "outweighs the copies into and out of the flat buffer.")
@@ -104,7 +126,7 @@ def answer(d: SectionData) -> list[Block]:
     naive, flat = row(df, "naive"), row(df, "flat")
     text = memory = None
     if naive is not None and flat is not None:
-        text = Text(_verdict(naive, flat, _fit(d, naive, name)))
+        text = Text(_verdict(naive, flat, _fit(d, naive, name), _copy_tbps(d, name)))
         memory = _memory(naive, flat).strip() or None
     return [
         question(d, "minimal_ddp_flat_benchmarking", "One all-reduce of all gradients flattened into a single "
