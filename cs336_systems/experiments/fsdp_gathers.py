@@ -204,6 +204,20 @@ def _rank_names(summary: pd.DataFrame) -> list[str]:
             enumerate(found or [None] * len(summary))]
 
 
+def _own_gpu(late: Any) -> str:
+    """Of the rank that arrived last: where its own GPU computed for under half its forward, how long, and (when it
+    also waited for no gather) that it waits for its host; else ""."""
+    if not {"wait_ms", "compute_ms", "span_ms"} <= set(late.index) or not float(late["span_ms"]) > 0:
+        return ""
+    if float(late["compute_ms"]) / float(late["span_ms"]) >= HOST_PACED_BELOW:
+        return ""
+    waited = float(late["wait_ms"])
+    clause = (", and its own GPU" + (", which waited for no gather," if not waited else
+                                     f", which waited {fmt.ms(waited)} for gathers,")
+              + f" ran compute for only {fmt.ms(late['compute_ms'])} of its {fmt.ms(late['span_ms'])} forward")
+    return clause + (": it waits for its host" if not waited else "")
+
+
 def _peers(d: SectionData, predicted_ms: float) -> str:
     """What the ranks' timelines say of the gathers' kernel time: how much of it was one rank waiting inside NCCL
     for another to reach the same gather, and how long the transfers took with no waiting in them (the kernel of
@@ -226,16 +240,8 @@ def _peers(d: SectionData, predicted_ms: float) -> str:
     always = summary.index[summary["arrived_last"] == gathers]
     if len(always):
         late, who = summary.iloc[int(always[0])], names[int(always[0])]
-        text += f"{who[0].upper() + who[1:]} reached every one of the {gathers} gathers last"
-        if {"wait_ms", "compute_ms", "span_ms"} <= set(summary.columns) and float(late["span_ms"]) > 0:
-            idle = float(late["compute_ms"]) / float(late["span_ms"]) < HOST_PACED_BELOW
-            text += (", and its own GPU" + (", which waited for no gather," if not float(late["wait_ms"]) else
-                                            f", which waited {fmt.ms(late['wait_ms'])} for gathers,")
-                     + f" ran compute for only {fmt.ms(late['compute_ms'])} of its {fmt.ms(late['span_ms'])} "
-                     "forward" + (": it waits for its host. " if idle and not float(late["wait_ms"]) else ". ")
-                     if idle else ". ")
-        else:
-            text += ". "
+        text += (f"{who[0].upper() + who[1:]} reached every one of the {gathers} gathers last"
+                 + _own_gpu(late) + ". ")
     else:
         text += ("The last to arrive was " + join_words([f"{n} at {int(k)}" for n, k in
                                                          zip(names, summary["arrived_last"])])
