@@ -137,6 +137,35 @@ def test_no_plan_where_a_replay_would_be_wrong(monkeypatch) -> None:
     assert LaunchPlan.build([(ok, (1, 1, 1), full[:-1])], tensors) is None
 
 
+def test_a_misaligned_address_keys_its_own_plan(monkeypatch) -> None:
+    """Triton specializes pointers on 16-byte alignment and a descriptor's base must be aligned: a plan recorded
+    for aligned tensors must not replay a call whose tensor sits 2 bytes off (it takes the full path)."""
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", _fake_tma)
+    launches = LaunchCache()
+    plans = MetaPlans(launches)
+    kernel = Compiled(SIGNATURE, [{"block_size": [1, 1, 64, 64]}] * 2)
+    full_path_calls = []
+
+    def full_path(full: tuple):  # noqa: ANN202
+        def launch() -> None:
+            full_path_calls.append(full)
+            if launches._records is not None:
+                launches._records.append((kernel, (1, 1, 1), full))
+        return launch
+
+    tensors, full = _call(0)
+    plans.run("a", tensors, full_path(full))  # recorded
+    plans.run("a", tensors, full_path(full))  # replayed
+    assert plans.replays == 1 and len(full_path_calls) == 1
+    x = torch.empty(tensors[0].numel() + 1, dtype=tensors[0].dtype)[1:].view_as(tensors[0])  # 2 bytes off
+    assert x.data_ptr() % 16 != 0
+    shifted = [x, *tensors[1:]]
+    plans.run("a", shifted, full_path((x, *full[1:])))
+    assert plans.replays == 1 and len(full_path_calls) == 2  # not the aligned call's plan
+    assert launch_plan._alignment([16, 32, 48]) is True
+    assert launch_plan._alignment([16, 34, 48]) == (True, False, True)
+
+
 class MetaPlans(PlanCache):
     @staticmethod
     def _stream(device: torch.device) -> int:
@@ -170,12 +199,12 @@ def test_plan_cache_records_once_then_replays_and_remembers_failures(monkeypatch
     # A signature whose recording gave no plan takes the full path from then on, without re-recording.
     copy_full = (full[0].clone(), *full[1:])
     plans.run("b", tensors, full_path(copy_full))
-    assert plans.lookup("b") == (True, None)
+    assert plans.lookup(("b", True)) == (True, None)  # the key as stored: with the alignment
     plans.run("b", tensors, full_path(copy_full))
     assert len(full_path_calls) == 4 and plans.replays == 1
 
     plans.run("c", tensors, full_path(full))  # LRU: "a" (least recently used) is dropped
-    assert plans.lookup("a") == (False, None) and len(plans) == 2
+    assert plans.lookup(("a", True)) == (False, None) and len(plans) == 2
 
     with launch_plan.disabled(plans):
         plans.run("c", tensors, full_path(full))
@@ -222,6 +251,7 @@ def _inputs(shape: tuple, dtype: torch.dtype, layout: str, seed: int) -> list[to
 ])  # fmt: skip
 def test_attention_replayed_through_plans_matches_the_full_path(shape, dtype, layout, causal) -> None:  # noqa: ANN001
     from cs336_systems.attention import FlashAttentionTriton
+    from cs336_systems.attention.flash_triton import validated_calls_off
     from cs336_systems.attention.launch_plan import FLASH_PLANS
 
     def run(seed: int) -> list[torch.Tensor]:
@@ -233,7 +263,7 @@ def test_attention_replayed_through_plans_matches_the_full_path(shape, dtype, la
     replays = FLASH_PLANS.replays
     got = [run(seed) for seed in (1, 2)]  # new tensors (new addresses) through the plans
     assert FLASH_PLANS.replays == replays + 4  # forward and backward, twice
-    with launch_plan.disabled():
+    with launch_plan.disabled(), validated_calls_off():  # the full path: input checks and Triton's launches
         expected = [run(seed) for seed in (1, 2)]
     for g_call, e_call in zip(got, expected, strict=True):
         for g, e in zip(g_call, e_call, strict=True):

@@ -36,6 +36,8 @@ import functools
 import importlib
 import math
 import os
+from collections import OrderedDict
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -217,9 +219,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
-    """Launch on the tensors' GPU, not on whichever one is current (nothing to switch when it is current)."""
-    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
+    """Launch on the tensors' GPU, not on whichever one is current (nothing to switch when it is current).
+    A CUDA tensor exists, so CUDA is initialized: the current device is read without the lazy-init check."""
+    device = t.device
+    if device.type == "cuda" and device.index != torch._C._cuda_getDevice():
+        return torch.cuda.device(device)
     return _NO_GUARD
 
 
@@ -292,22 +296,23 @@ def _persistent(programs: int) -> dict[str, bool]:
     return {"PERSISTENT": True} if programs else {}
 
 
-def _aligned(t: Tensor) -> bool:
-    return t.data_ptr() % _TMA_ALIGN == 0
-
-
-def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+             signature: tuple | None = None) -> tuple[Tensor, Tensor]:
     """``(O, L)`` for ``(batch, heads, n, d)`` inputs, scores scaled by ``scale``; ``L`` is float32
     ``(batch, heads, n_queries)``. A call whose signature was seen before replays its recorded launches
-    (:mod:`.launch_plan`); the first calls take the full path below (:func:`_launch_forward`)."""
+    (:mod:`.launch_plan`); the first calls take the full path below (:func:`_launch_forward`).
+    ``signature``: the autograd function's :func:`_input_signature` of these very tensors, when it has one
+    (it determines shapes, strides, dtypes, device and the mask, so the plan key need not read them again)."""
     o = torch.empty_like(q)  # the layout of q (a head view stays one)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     launch = functools.partial(_launch_forward, q, k, v, o, lse, is_causal, scale)
     if q.device.type != "cuda":
         launch()
         return o, lse
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index, is_causal, scale,
-           _aligned(q), _aligned(k), _aligned(v), options.generation(), _dot_precision(q.dtype))
+    if signature is None:
+        signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index, is_causal,
+                     scale)
+    key = ("forward", signature, options.generation(), _dot_precision(q.dtype))
     with _device_guard(q):
         FLASH_PLANS.run(key, (q, k, v, o, lse), launch)
     return o, lse
@@ -353,12 +358,13 @@ def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[T
 
 def _backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float,
-    out: tuple[Tensor, Tensor, Tensor] | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None, signature: tuple | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV)``: dQ over query tiles (which also computes D), then dK/dV over key tiles (no atomics).
     ``out``: tensors of Q's, K's and V's shapes (any strides) to write the gradients into, such as head views
     of one packed buffer (:mod:`.flash_qkvpacked`); by default they are new tensors in the inputs' layouts.
-    Replays recorded launches as :func:`_forward` does."""
+    Replays recorded launches as :func:`_forward` does; ``signature`` is the forward's (:func:`_forward`),
+    where ``o`` and ``lse`` are that forward's outputs."""
     batch, heads, n_queries, d = q.shape
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
@@ -369,10 +375,11 @@ def _backward(
     if q.device.type != "cuda":
         launch()
         return _scaled_dq(dq, dq_acc, scale), dk, dv
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(), q.dtype,
-           q.device.index, is_causal, scale, _aligned(q), _aligned(k), _aligned(v), _aligned(do), _aligned(o),
-           options.generation(), _dot_precision(q.dtype),
-           None if out is None else (dq.stride(), dk.stride(), dv.stride(), _aligned(dq), _aligned(dk), _aligned(dv)))
+    if signature is None:  # O and L strides too: the forward's outputs follow from its signature, these need not
+        signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), lse.stride(), q.dtype,
+                     q.device.index, is_causal, scale)
+    key = ("backward", signature, do.stride(), options.generation(), _dot_precision(q.dtype),
+           None if out is None else (dq.stride(), dk.stride(), dv.stride()))
     with _device_guard(q):
         FLASH_PLANS.run(key, (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
         return _scaled_dq(dq, dq_acc, scale), dk, dv
@@ -483,6 +490,70 @@ def _eager(t: Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+def _input_signature(q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> tuple:
+    """Everything the input checks look at: shapes, strides, dtypes, devices and the mask flag (with its type,
+    so that ``1`` does not pass for ``True``)."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, type(is_causal), is_causal)
+
+
+class ValidatedCalls:
+    """Input signatures that passed :func:`validate_attention_inputs` and need no reshaping: 4-D, a head dim
+    stored as it is, each head dim contiguous. A call of such a signature skips the checks and the layout
+    decisions, and its signature keys the launch plans directly.
+
+    Why: on the GPU hosts an eager forward + backward spends more host time in this module's Python than
+    in its three kernel launches (docs/flash_attention/host_floor.md); the checks are a large share of it
+    and their outcome is a function of the signature alone. A bad call is never added, so it raises on
+    every call. Only plain eager calls use it (:func:`_eager`): a traced call always runs the checks. Bounded like the plan cache (least recently used dropped); ``enabled=False`` (or
+    :func:`validated_calls_off`) sends every call through the checks, for A/B measurements."""
+
+    def __init__(self, max_entries: int = 512, enabled: bool = True) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.enabled = enabled
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+    def lookup(self, q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> tuple | None:
+        """The signature of this call if it was validated before, else None."""
+        if not self.enabled or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+            return None
+        signature = _input_signature(q, k, v, is_causal)
+        if signature not in self._seen:
+            return None
+        self._seen.move_to_end(signature)
+        return signature
+
+    def add(self, q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> None:
+        """Remember a call that passed the checks (and needs no reshaping)."""
+        if not self.enabled or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+            return
+        self._seen[_input_signature(q, k, v, is_causal)] = None
+        if len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+
+
+#: The signatures :class:`FlashAttentionTriton` has validated.
+VALIDATED = ValidatedCalls()
+
+
+@contextlib.contextmanager
+def validated_calls_off(cache: ValidatedCalls = VALIDATED) -> Iterator[None]:
+    """Every call runs the input checks inside this block (an A/B switch)."""
+    previous, cache.enabled = cache.enabled, False
+    try:
+        yield
+    finally:
+        cache.enabled = previous
+
+
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 on Triton kernels: ``FlashAttentionTriton.apply(Q, K, V, is_causal=False)``.
 
@@ -498,10 +569,20 @@ class FlashAttentionTriton(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False
     ) -> Tensor:
+        signature = VALIDATED.lookup(q, k, v, is_causal) if _eager(q) else None
+        if signature is not None:  # checked before: launch as they are (:class:`ValidatedCalls`)
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            o, lse = _forward(q, k, v, is_causal, scale, signature)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.is_causal, ctx.scale, ctx.head_dim, ctx.signature = is_causal, scale, q.shape[-1], signature
+            return o
+        ctx.signature = None
         shape = validate_attention_inputs(q, k, v, is_causal, head_dims=HEAD_DIMS, implementation=_IMPL_NAME)
         _check_device(q)
         d = q.shape[-1]
         stored = stored_head_dim(d, q.element_size())
+        if shape.has_heads and stored == d and _eager(q) and all(_unit_stride_d(t) is t for t in (q, k, v)):
+            VALIDATED.add(q, k, v, is_causal)  # the next call of this signature skips the checks above
         q, k, v = (_unit_stride_d(t) if stored == d else F.pad(t, (0, stored - d)) for t in (q, k, v))
         scale = 1.0 / math.sqrt(d)
         forward = _forward if _eager(q) else flash_attention_forward
@@ -517,6 +598,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
         q, k, v, o, lse = ctx.saved_tensors
+        if ctx.signature is not None and _eager(do):  # 4-D, unpadded: the forward's fast path
+            return (*_backward(_unit_stride_d(do), q, k, v, o, lse, ctx.is_causal, ctx.scale,
+                               signature=ctx.signature), None)
         d, stored = ctx.head_dim, q.shape[-1]
         do = _unit_stride_d(do) if stored == d else F.pad(do, (0, stored - d))
         backward = _backward if _eager(do) else flash_attention_backward

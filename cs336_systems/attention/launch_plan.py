@@ -55,17 +55,16 @@ class _Replay:
         # (position, index, stand-in descriptor, Triton's metadata, the maps encoded so far by address)
         self.descriptor_slots = descriptor_slots
 
-    def __call__(self, stream: int, tensors: Sequence[Tensor]) -> None:
+    def __call__(self, stream: int, tensors: Sequence[Tensor], addresses: Sequence[int]) -> None:
         args = self.template.copy()
         args[3] = stream
         for pos, i in self.tensor_slots:
-            args[pos] = tensors[i].data_ptr()  # an int: the launcher skips its per-pointer driver query
+            args[pos] = addresses[i]  # an int: the launcher skips its per-pointer driver query
         for pos, i, desc, meta, maps in self.descriptor_slots:
-            t = tensors[i]
-            address = t.data_ptr()
+            address = addresses[i]
             tensor_map = maps.get(address)
             if tensor_map is None:  # encoded once per address: the caching allocator hands out the same few
-                desc.base = t
+                desc.base = tensors[i]
                 tensor_map = _descriptor_encoder()(desc, meta)[0]
                 desc.base = None
                 if len(maps) >= _MAPS_PER_SLOT:
@@ -188,10 +187,14 @@ class LaunchPlan:
         replays = tuple(_replay(r, tensors) for r in records)
         return None if any(r is None for r in replays) else cls(replays)  # type: ignore[arg-type]
 
-    def run(self, tensors: Sequence[Tensor], stream: int) -> None:
-        """Issue every launch on ``stream`` (a raw CUDA stream handle) with ``tensors`` in the recorded roles."""
+    def run(self, tensors: Sequence[Tensor], stream: int, addresses: Sequence[int] | None = None) -> None:
+        """Issue every launch on ``stream`` (a raw CUDA stream handle) with ``tensors`` in the recorded roles;
+        ``addresses``: their ``data_ptr()``s, when the caller has read them already (each is read once per call,
+        not once per launch that takes it)."""
+        if addresses is None:
+            addresses = [t.data_ptr() for t in tensors]
         for replay in self.replays:
-            replay(stream, tensors)
+            replay(stream, tensors, addresses)
 
 
 class PlanCache:
@@ -230,14 +233,17 @@ class PlanCache:
         """Replay ``key``'s plan with ``tensors`` (every tensor the call's launches take, in a fixed order);
         without one, call ``launch`` (the full path) and, the first time a signature is seen while every
         kernel is ready, record it into a plan. ``key`` must determine everything but the tensors' addresses:
-        shapes, strides, dtypes, device, 16-byte alignment, flags and the options' generation."""
+        shapes, strides, dtypes, device, flags and the options' generation. Which of the addresses are 16-byte
+        aligned (what Triton specializes a pointer on, and what a descriptor's base needs) is added here."""
         if not (self.enabled and self.launches.enabled) or _launch_hooks_set():
             launch()
             return
+        addresses = [t.data_ptr() for t in tensors]
+        key = (key, _alignment(addresses))
         known, plan = self.lookup(key)
         if plan is not None:
             self.replays += 1
-            plan.run(tensors, self._stream(tensors[0].device))
+            plan.run(tensors, self._stream(tensors[0].device), addresses)
             return
         if known:
             launch()
@@ -255,6 +261,17 @@ class PlanCache:
 
 
 _MISSING = object()
+
+#: Triton specializes a pointer argument on its divisibility by 16 (and tensor descriptors need it).
+_ALIGN = 16
+
+
+def _alignment(addresses: Sequence[int]) -> bool | tuple[bool, ...]:
+    """True when every address is 16-byte aligned (the usual case, one test), else which ones are."""
+    combined = 0
+    for a in addresses:
+        combined |= a
+    return True if combined % _ALIGN == 0 else tuple(a % _ALIGN == 0 for a in addresses)
 
 
 def _launch_hooks_set() -> bool:
