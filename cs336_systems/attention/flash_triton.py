@@ -37,7 +37,6 @@ import importlib
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -47,7 +46,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import options
 from ._validation import validate_attention_inputs
-from .launch_cache import FLASH_LAUNCHES
+from .launch_cache import FLASH_LAUNCHES, switched_off
 from .launch_plan import FLASH_PLANS
 from . import scheduling
 from .scheduling import heads_per_l2_group
@@ -544,14 +543,9 @@ class ValidatedCalls:
 VALIDATED = ValidatedCalls()
 
 
-@contextlib.contextmanager
-def validated_calls_off(cache: ValidatedCalls = VALIDATED) -> Iterator[None]:
+def validated_calls_off(cache: ValidatedCalls = VALIDATED) -> contextlib.AbstractContextManager[None]:
     """Every call runs the input checks inside this block (an A/B switch)."""
-    previous, cache.enabled = cache.enabled, False
-    try:
-        yield
-    finally:
-        cache.enabled = previous
+    return switched_off(cache)
 
 
 class FlashAttentionTriton(torch.autograd.Function):

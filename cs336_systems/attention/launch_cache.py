@@ -218,10 +218,16 @@ FLASH_LAUNCHES = LaunchCache()
 
 
 @contextlib.contextmanager
-def disabled(cache: LaunchCache = FLASH_LAUNCHES) -> Iterator[None]:
-    """Every launch through ``cache`` takes Triton's own path inside this block (an A/B switch)."""
-    previous, cache.enabled = cache.enabled, False
+def switched_off(switch: Any) -> Iterator[None]:
+    """``switch.enabled`` False inside this block, restored after: the A/B switch that the host path's caches
+    (launches, plans, validated signatures) share."""
+    previous, switch.enabled = switch.enabled, False
     try:
         yield
     finally:
-        cache.enabled = previous
+        switch.enabled = previous
+
+
+def disabled(cache: LaunchCache = FLASH_LAUNCHES) -> contextlib.AbstractContextManager[None]:
+    """Every launch through ``cache`` takes Triton's own path inside this block (an A/B switch)."""
+    return switched_off(cache)

@@ -29,13 +29,13 @@ from __future__ import annotations
 import contextlib
 import types
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .launch_cache import FLASH_LAUNCHES, LaunchCache, launch_hooks
+from .launch_cache import FLASH_LAUNCHES, LaunchCache, launch_hooks, switched_off
 
 #: What LaunchCache hands a recorder per launch: the compiled kernel, the 3-D grid and every argument
 #: (runtime arguments, then constexprs), or None for a launch that went through Triton's own path.
@@ -282,11 +282,6 @@ def _launch_hooks_set() -> bool:
 FLASH_PLANS = PlanCache(FLASH_LAUNCHES)
 
 
-@contextlib.contextmanager
-def disabled(cache: PlanCache = FLASH_PLANS) -> Iterator[None]:
+def disabled(cache: PlanCache = FLASH_PLANS) -> contextlib.AbstractContextManager[None]:
     """Every call takes the full launch path inside this block (an A/B switch)."""
-    previous, cache.enabled = cache.enabled, False
-    try:
-        yield
-    finally:
-        cache.enabled = previous
+    return switched_off(cache)
