@@ -87,3 +87,65 @@ def test_validated_calls_are_bounded_and_least_recent_go_first() -> None:
     assert cache.lookup(*calls[0], False) is None  # the mask is part of the signature
     with pytest.raises(ValueError, match="max_entries"):
         ValidatedCalls(max_entries=0)
+
+
+def test_the_signature_holds_strides_and_every_dtype(monkeypatch) -> None:
+    q, k, v = _qkv((1, 2, 24, 16))
+    _call(q, k, v)
+    ran = []
+    real = flash_triton.validate_attention_inputs
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        ran.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flash_triton, "validate_attention_inputs", counting)
+    heads_view = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    assert heads_view[0].shape == q.shape and heads_view[0].stride() != q.stride()
+    _call(*heads_view)  # same shape, other strides: a head view is checked (and keys its own plans)
+    assert len(ran) == 1
+    with pytest.raises(ValueError, match="one dtype"):
+        _call(q, k, v.detach().half().requires_grad_())  # same shapes and strides, another dtype
+    assert len(ran) == 2
+
+
+def test_the_first_call_keys_its_plan_as_the_later_ones_do(monkeypatch) -> None:
+    """The call that validates a signature hands it to the forward's plan key already, so a signature is
+    recorded into a plan once, not once per key format."""
+    seen = []
+    real = flash_triton._forward
+
+    def spy(q, k, v, is_causal, scale, signature=None):  # noqa: ANN001, ANN202
+        seen.append(signature)
+        return real(q, k, v, is_causal, scale, signature)
+
+    monkeypatch.setattr(flash_triton, "_forward", spy)
+    q, k, v = _qkv((1, 2, 24, 16))
+    _call(q, k, v)
+    _call(q, k, v)
+    assert seen[0] is not None and seen[0] == seen[1]
+    keys = [flash_triton._forward_key(q, k, v, True, 0.25, s) for s in seen]
+    assert keys[0] == keys[1]
+
+
+def test_the_backward_key_reads_the_saved_tensors_own_strides() -> None:
+    """Saved-tensor hooks (``save_on_cpu``, offloading) can hand the backward other layouts than the forward
+    saw; a plan bakes in every stride, so the backward's key must come from the tensors it launches with."""
+    q, k, v = (t.detach() for t in _qkv((1, 2, 24, 16)))
+    packed = torch.randn(1, 24, 3, 2, 16)  # q, k, v as head views of one projection's output
+    pq, pk, pv = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    o, lse, do = torch.empty_like(q), torch.empty(1, 2, 24), torch.randn_like(q)
+    contiguous = flash_triton._backward_key(do, q, k, v, o, lse, True, 0.25)
+    views = flash_triton._backward_key(do, pq, pk, pv, o, lse, True, 0.25)
+    assert contiguous != views
+    assert contiguous == flash_triton._backward_key(do, q.clone(), k.clone(), v.clone(), o, lse, True, 0.25)
+
+
+def test_a_remembered_cpu_call_still_needs_the_interpreter(monkeypatch) -> None:
+    if DEVICE != "cpu":
+        pytest.skip("the interpreter check concerns CPU tensors")
+    q, k, v = _qkv((1, 2, 24, 16))
+    _call(q, k, v)
+    monkeypatch.setattr(flash_triton, "interpreter_enabled", lambda: False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        _call(q, k, v)

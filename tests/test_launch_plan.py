@@ -272,6 +272,28 @@ def test_attention_replayed_through_plans_matches_the_full_path(shape, dtype, la
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_saved_tensors_in_other_layouts_do_not_replay_the_plain_backwards_plan() -> None:
+    """``save_on_cpu`` hands the backward contiguous copies of head views: its plan must be its own."""
+    from cs336_systems.attention import FlashAttentionTriton
+    from cs336_systems.attention.flash_triton import validated_calls_off
+
+    def run(seed: int) -> list[torch.Tensor]:
+        q, k, v, do = _inputs((2, 4, 256, 64), torch.bfloat16, "bshd", seed)
+        o = FlashAttentionTriton.apply(q, k, v, True)
+        return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
+
+    run(0), run(0)  # compile and tune, then record the plain call's plans
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        got = [run(1), run(1)]  # recorded, then replayed, with contiguous saved tensors
+    with launch_plan.disabled(), validated_calls_off():
+        expected = run(1)
+    for call in got:
+        for g, e in zip(call, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_replayed_calls_capture_in_a_cuda_graph() -> None:
     from cs336_systems.attention import FlashAttentionTriton
     from cs336_systems.attention.launch_plan import FLASH_PLANS

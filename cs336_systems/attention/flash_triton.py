@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 from . import options
 from ._validation import validate_attention_inputs
 from .launch_cache import FLASH_LAUNCHES, switched_off
-from .launch_plan import FLASH_PLANS
+from .launch_plan import ALIGN_BYTES, FLASH_PLANS
 from . import scheduling
 from .scheduling import heads_per_l2_group
 
@@ -143,8 +143,9 @@ def _unit_stride_d(t: Tensor) -> Tensor:
     return t if (strides[-1] == 1 and 0 not in strides) else t.contiguous()
 
 
-#: Tensor-descriptor (TMA) loads need 16-byte aligned base addresses and row strides.
-_TMA_ALIGN = 16
+#: Tensor-descriptor (TMA) loads need 16-byte aligned base addresses and row strides (the alignment Triton also
+#: specializes pointers on, which the launch plans key).
+_TMA_ALIGN = ALIGN_BYTES
 
 
 def _tma_ready(t: Tensor) -> Tensor:
@@ -219,7 +220,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
     """Launch on the tensors' GPU, not on whichever one is current (nothing to switch when it is current).
-    A CUDA tensor exists, so CUDA is initialized: the current device is read without the lazy-init check."""
+    A CUDA tensor exists, so CUDA is initialized: the current device is read without going through
+    ``torch.cuda.current_device``'s Python wrapper."""
     device = t.device
     if device.type == "cuda" and device.index != torch._C._cuda_getDevice():
         return torch.cuda.device(device)
@@ -300,21 +302,28 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
     """``(O, L)`` for ``(batch, heads, n, d)`` inputs, scores scaled by ``scale``; ``L`` is float32
     ``(batch, heads, n_queries)``. A call whose signature was seen before replays its recorded launches
     (:mod:`.launch_plan`); the first calls take the full path below (:func:`_launch_forward`).
-    ``signature``: the autograd function's :func:`_input_signature` of these very tensors, when it has one
-    (it determines shapes, strides, dtypes, device and the mask, so the plan key need not read them again)."""
+    ``signature``: the autograd function's :func:`_input_signature` of these very tensors, when it has one.
+    """
     o = torch.empty_like(q)  # the layout of q (a head view stays one)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     launch = functools.partial(_launch_forward, q, k, v, o, lse, is_causal, scale)
     if q.device.type != "cuda":
         launch()
         return o, lse
+    with _device_guard(q):
+        FLASH_PLANS.run(_forward_key(q, k, v, is_causal, scale, signature), (q, k, v, o, lse), launch)
+    return o, lse
+
+
+def _forward_key(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
+                 signature: tuple | None = None) -> tuple:
+    """The forward's launch-plan key: everything its launches depend on but the addresses (which the plan cache
+    adds the alignment of). An :func:`_input_signature` of these tensors already holds their shapes, strides,
+    dtypes, devices and the mask (and the scale follows from the head dim), so it stands in for them."""
     if signature is None:
         signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index, is_causal,
                      scale)
-    key = ("forward", signature, options.generation(), _dot_precision(q.dtype))
-    with _device_guard(q):
-        FLASH_PLANS.run(key, (q, k, v, o, lse), launch)
-    return o, lse
+    return ("forward", signature, options.generation(), _dot_precision(q.dtype))
 
 
 def _launch_forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float) -> None:
@@ -357,13 +366,12 @@ def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[T
 
 def _backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool, scale: float,
-    out: tuple[Tensor, Tensor, Tensor] | None = None, signature: tuple | None = None,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV)``: dQ over query tiles (which also computes D), then dK/dV over key tiles (no atomics).
     ``out``: tensors of Q's, K's and V's shapes (any strides) to write the gradients into, such as head views
     of one packed buffer (:mod:`.flash_qkvpacked`); by default they are new tensors in the inputs' layouts.
-    Replays recorded launches as :func:`_forward` does; ``signature`` is the forward's (:func:`_forward`),
-    where ``o`` and ``lse`` are that forward's outputs."""
+    Replays recorded launches as :func:`_forward` does."""
     batch, heads, n_queries, d = q.shape
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
@@ -374,14 +382,20 @@ def _backward(
     if q.device.type != "cuda":
         launch()
         return _scaled_dq(dq, dq_acc, scale), dk, dv
-    if signature is None:  # O and L strides too: the forward's outputs follow from its signature, these need not
-        signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), lse.stride(), q.dtype,
-                     q.device.index, is_causal, scale)
-    key = ("backward", signature, do.stride(), options.generation(), _dot_precision(q.dtype),
-           None if out is None else (dq.stride(), dk.stride(), dv.stride()))
     with _device_guard(q):
-        FLASH_PLANS.run(key, (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
+        FLASH_PLANS.run(_backward_key(do, q, k, v, o, lse, is_causal, scale, out),
+                        (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
         return _scaled_dq(dq, dq_acc, scale), dk, dv
+
+
+def _backward_key(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool,
+                  scale: float, out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple:
+    """The backward's launch-plan key, from the tensors it launches with. Not from the forward's signature: saved
+    tensors can come back in other layouts than they were saved in (``save_on_cpu`` and other saved-tensor
+    hooks copy them), and a plan bakes in every stride."""
+    return ("backward", q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), lse.stride(),
+            do.stride(), q.dtype, q.device.index, is_causal, scale, options.generation(), _dot_precision(q.dtype),
+            None if out is None else (out[0].stride(), out[1].stride(), out[2].stride()))
 
 
 def _scaled_dq(dq: Tensor, dq_acc: Tensor | None, scale: float) -> Tensor:
@@ -490,8 +504,9 @@ def _eager(t: Tensor) -> bool:
 
 
 def _input_signature(q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> tuple:
-    """Everything the input checks look at: shapes, strides, dtypes, devices and the mask flag (with its type,
-    so that ``1`` does not pass for ``True``)."""
+    """What the input checks and layout decisions look at: shapes, strides, dtypes, devices and the mask flag
+    (with its type, so that ``1`` does not pass for ``True``). The tensors' own types are checked apart
+    (:meth:`ValidatedCalls.lookup`), as is the device (:func:`_check_device`)."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, k.device, v.device, type(is_causal), is_causal)
 
@@ -503,9 +518,11 @@ class ValidatedCalls:
 
     Why: on the GPU hosts an eager forward + backward spends more host time in this module's Python than
     in its three kernel launches (docs/flash_attention/host_floor.md); the checks are a large share of it
-    and their outcome is a function of the signature alone. A bad call is never added, so it raises on
-    every call. Only plain eager calls use it (:func:`_eager`): a traced call always runs the checks. Bounded like the plan cache (least recently used dropped); ``enabled=False`` (or
-    :func:`validated_calls_off`) sends every call through the checks, for A/B measurements."""
+    and their outcome is a function of the signature alone (and of the device check, which the fast path
+    still runs: on CPU it depends on ``TRITON_INTERPRET``). A bad call is never added, so it raises on every
+    call. Only plain eager calls use it (:func:`_eager`): a traced call always runs the checks. Bounded, the
+    least recently used dropped first; ``enabled=False`` (or :func:`validated_calls_off`, process-wide) sends
+    every call through the checks, for A/B measurements."""
 
     def __init__(self, max_entries: int = 512, enabled: bool = True) -> None:
         if max_entries < 1:
@@ -525,18 +542,22 @@ class ValidatedCalls:
         if not self.enabled or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
             return None
         signature = _input_signature(q, k, v, is_causal)
-        if signature not in self._seen:
+        try:
+            self._seen.move_to_end(signature)
+        except KeyError:  # not seen (or dropped meanwhile by another thread's add)
             return None
-        self._seen.move_to_end(signature)
         return signature
 
-    def add(self, q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> None:
-        """Remember a call that passed the checks (and needs no reshaping)."""
+    def add(self, q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> tuple | None:
+        """Remember a call that passed the checks (and needs no reshaping); its signature, or None where the
+        cache is off or a tensor is not a plain one."""
         if not self.enabled or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-            return
-        self._seen[_input_signature(q, k, v, is_causal)] = None
+            return None
+        signature = _input_signature(q, k, v, is_causal)
+        self._seen[signature] = None
         if len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
+        return signature
 
 
 #: The signatures :class:`FlashAttentionTriton` has validated.
@@ -564,19 +585,26 @@ class FlashAttentionTriton(torch.autograd.Function):
         ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False
     ) -> Tensor:
         signature = VALIDATED.lookup(q, k, v, is_causal) if _eager(q) else None
-        if signature is not None:  # checked before: launch as they are (:class:`ValidatedCalls`)
-            scale = 1.0 / math.sqrt(q.shape[-1])
+        if signature is None:
+            shape = validate_attention_inputs(q, k, v, is_causal, head_dims=HEAD_DIMS,
+                                              implementation=_IMPL_NAME)
+            _check_device(q)
+            d = q.shape[-1]
+            stored = stored_head_dim(d, q.element_size())
+            as_is = (shape.has_heads and stored == d and _eager(q)
+                     and all(_unit_stride_d(t) is t for t in (q, k, v)))
+            if as_is:  # the next call of this signature skips the checks above; this one keys its plan alike
+                signature = VALIDATED.add(q, k, v, is_causal)
+        else:  # checked before (:class:`ValidatedCalls`): launch the tensors as they are
+            _check_device(q)  # not a function of the signature on CPU (TRITON_INTERPRET)
+            as_is = True
+        if as_is:
+            d = q.shape[-1]
+            scale = 1.0 / math.sqrt(d)
             o, lse = _forward(q, k, v, is_causal, scale, signature)
             ctx.save_for_backward(q, k, v, o, lse)
-            ctx.is_causal, ctx.scale, ctx.head_dim, ctx.signature = is_causal, scale, q.shape[-1], signature
+            ctx.is_causal, ctx.scale, ctx.head_dim = is_causal, scale, d
             return o
-        ctx.signature = None
-        shape = validate_attention_inputs(q, k, v, is_causal, head_dims=HEAD_DIMS, implementation=_IMPL_NAME)
-        _check_device(q)
-        d = q.shape[-1]
-        stored = stored_head_dim(d, q.element_size())
-        if shape.has_heads and stored == d and _eager(q) and all(_unit_stride_d(t) is t for t in (q, k, v)):
-            VALIDATED.add(q, k, v, is_causal)  # the next call of this signature skips the checks above
         q, k, v = (_unit_stride_d(t) if stored == d else F.pad(t, (0, stored - d)) for t in (q, k, v))
         scale = 1.0 / math.sqrt(d)
         forward = _forward if _eager(q) else flash_attention_forward
@@ -592,9 +620,6 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
         q, k, v, o, lse = ctx.saved_tensors
-        if ctx.signature is not None and _eager(do):  # 4-D, unpadded: the forward's fast path
-            return (*_backward(_unit_stride_d(do), q, k, v, o, lse, ctx.is_causal, ctx.scale,
-                               signature=ctx.signature), None)
         d, stored = ctx.head_dim, q.shape[-1]
         do = _unit_stride_d(do) if stored == d else F.pad(do, (0, stored - d))
         backward = _backward if _eager(do) else flash_attention_backward

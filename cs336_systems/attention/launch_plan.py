@@ -222,6 +222,7 @@ class PlanCache:
         plan = self._plans.get(key, _MISSING)
         if plan is _MISSING:
             return False, None
+        self._plans.move_to_end(key)  # the least recently used go first
         return True, plan  # type: ignore[return-value]
 
     def store(self, key: Hashable, plan: LaunchPlan | None) -> None:
@@ -262,8 +263,8 @@ class PlanCache:
 
 _MISSING = object()
 
-#: Triton specializes a pointer argument on its divisibility by 16 (and tensor descriptors need it).
-_ALIGN = 16
+#: Triton specializes a pointer argument on its divisibility by 16, and a tensor descriptor's base needs it.
+ALIGN_BYTES = 16
 
 
 def _alignment(addresses: Sequence[int]) -> bool | tuple[bool, ...]:
@@ -271,7 +272,7 @@ def _alignment(addresses: Sequence[int]) -> bool | tuple[bool, ...]:
     combined = 0
     for a in addresses:
         combined |= a
-    return True if combined % _ALIGN == 0 else tuple(a % _ALIGN == 0 for a in addresses)
+    return True if combined % ALIGN_BYTES == 0 else tuple(a % ALIGN_BYTES == 0 for a in addresses)
 
 
 def _launch_hooks_set() -> bool:
