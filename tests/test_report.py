@@ -96,7 +96,7 @@ def test_the_2026_writeup_follows_its_handout(results: Path) -> None:
     assert {e.section for e in EDITION_2026} - {None} <= {spec.name for spec in SECTIONS}
     bench = doc.section("2.1.3")
     assert any(isinstance(b, Table) for b in bench.walk())  # the same results as the workbook's §1.1.3
-    assert doc.section("2.1.4").blocks[0].markdown.startswith("**The CS336 2026 handout:**")  # an edition note
+    assert doc.section("2.1.4").blocks[0].markdown.startswith("**Note.**")  # an edition note
     leaderboard = doc.section("9")
     assert any(isinstance(b, Missing) for b in leaderboard.walk())
     assert "§2.1.3 | benchmarking_script | §1.1.3 End-to-end benchmarking" in doc.preamble[-1].markdown
@@ -118,7 +118,7 @@ def test_an_edition_grid_answers_its_edition_and_stays_out_of_the_other(results:
     doc26 = build_document(results, edition="2026")
     section = doc26.section("2.1.4")
     # measured on its own grid: the note about the other grid's results goes, and no banner replaces it
-    assert not any(isinstance(b, Text) and b.markdown.startswith("**The CS336 2026 handout:**")
+    assert not any(isinstance(b, Text) and b.markdown.startswith("**Note.**")
                    for b in section.blocks)
     # The per-configuration tables continue in the appendix (2.1.4+): every one from the 2026 grid.
     sources = {b.source for s in (section, doc26.section("2.1.4+")) for b in s.walk() if isinstance(b, Table)}
@@ -923,8 +923,8 @@ def test_ddp_verdicts_follow_the_numbers_and_survive_missing_spreads() -> None:
 
     naive = pd.Series({"step_ms": 100.0, "step_ms_std": float("nan"), "num_buckets": 435.0, "grad_bytes": 8e9})
     assert _verdict(naive, pd.Series({"step_ms": 68.0, "step_ms_std": None})).startswith(
-        "One all-reduce of the flattened gradients takes the step from 100 ms to 68.0 ms, 32.0 ms shorter, more than "
-        "the two rows' summed spread (±0 ms): batching pays.")
+        "One all-reduce of the flattened gradients takes the step from 100 ms (naive DDP, timed in this run beside "
+        "it) to 68.0 ms, 32.0 ms shorter, more than the two rows' summed spread (±0 ms): batching pays.")
     assert "10.0 ms longer, more than the two rows' summed spread (±0 ms): flat DDP is slower." in \
         _verdict(naive, pd.Series({"step_ms": 110.0}))
     assert ("to 101 ms, 1.00 ms (1.00%) longer, within the two rows' summed step-to-step spread (±5.00 ms): a "
@@ -1478,6 +1478,8 @@ def test_the_warm_up_answer_says_whether_one_or_two_steps_match_five() -> None:
                                        "xl after 1: 250 ms against 238 ms."
     calm = study.assign(forward_mean_ms=[20.0, 20.1, 20.0, 238.1, 238.0, 238.0])
     assert "every size's forward takes what it takes after 5, within the steps' spread" in _few_against_five(calm)
+    assert _few_against_five(calm).endswith("(the largest difference, small after 2: 20.1 ms against 20.0 ms, "
+                                            "0.500%).")
     assert _few_against_five(None) == ""
 
 
@@ -1850,6 +1852,38 @@ def test_fsdp_host_paced_sentence_only_where_compute_leaves_the_gpu_idle() -> No
     with pytest.MonkeyPatch.context() as mp:  # clocks that do not line up: back to the rank-0 reading
         mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
         assert "cannot tell them apart" in host_paced(both).plain()
+
+
+def test_fsdp_cause_in_brief_needs_every_ranks_timeline_and_names_the_host_paced_rank() -> None:
+    import cs336_systems.experiments.fsdp_gathers as gathers
+    from cs336_systems.experiments.fsdp_gathers import cause_in_brief
+
+    class Data:
+        def __init__(self, frames: dict, clocks: list) -> None:
+            self.frames, self.clocks = frames, clocks
+
+        def frame(self, name: str):
+            return self.frames.get(name)
+
+        def meta(self, name: str) -> dict:
+            return {"extra": {"clocks": self.clocks}}
+
+    row = {"span_ms": 10.0, "gathers": 4, "gather_ms": 9.0, "transfer_ms": 1.5}
+    two = pd.DataFrame([{**row, "variant": "xl, 2 ranks (rank 0)", "peer_wait_ms": 7.0, "arrived_last": 0,
+                         "compute_ms": 6.0},
+                        {**row, "variant": "xl, 2 ranks (rank 1)", "peer_wait_ms": 0.0, "arrived_last": 4,
+                         "compute_ms": 2.5}])
+    clocks = [{"variant": "rank 0", "residual_us": 0.0}, {"variant": "rank 1", "residual_us": 4.0}]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
+        plain = cause_in_brief(Data({"gathers_summary": two}, clocks)).plain()
+        assert plain.startswith("Of rank 0's 9.00 ms of gather kernel time, the transfers took 1.50 ms (§2.1's fit: "
+                                "1.00 ms) and 7.00 ms was waiting for the other rank")
+        assert "rank 1's host issued its forward slower than its GPU ran it (2.50 ms of compute in 10.0 ms)" in plain
+        busy = two.assign(compute_ms=[6.0, 8.0])  # the late rank's GPU was busy: no claim about its host
+        assert "host issued" not in cause_in_brief(Data({"gathers_summary": busy}, clocks)).plain()
+        assert cause_in_brief(Data({"gathers_summary": two.iloc[:1]}, clocks)) is None  # one rank's profile
+        assert cause_in_brief(Data({"gathers_summary": two}, [{"residual_us": 400.0}])) is None  # clocks apart
 
 
 def test_a_large_figure_of_many_panels_is_shown_wide_only_where_it_is_tall(tmp_path: Path) -> None:

@@ -428,16 +428,20 @@ def _few_against_five(study: pd.DataFrame | None, spreads: float = 3.0) -> str:
     few = ok[(ok["warmup"] >= 1) & (ok["warmup"] < most) & ok["size"].isin(ref.index)]
     if few.empty:
         return ""
-    differ = []
+    differ, largest = [], None
     for _, r in few.iterrows():
         base = ref.loc[r["size"]]
         gap = float(r["forward_mean_ms"] - base["forward_mean_ms"])
+        if largest is None or abs(gap) / float(base["forward_mean_ms"]) > largest[0]:
+            largest = (abs(gap) / float(base["forward_mean_ms"]), r, base)
         if abs(gap) > spreads * (float(r["forward_std_ms"]) + float(base["forward_std_ms"])):
             differ.append(f"{r['size']} after {int(r['warmup'])}: {fmt.ms(r['forward_mean_ms'])} against "
                           f"{fmt.ms(base['forward_mean_ms'])}")
     if not differ:
+        share, r, base = largest
         return (f"; here they do not: after 1 or 2 warm-up steps every size's forward takes what it takes after "
-                f"{most}, within the steps' spread.")
+                f"{most}, within the steps' spread (the largest difference, {r['size']} after {int(r['warmup'])}: "
+                f"{fmt.ms(r['forward_mean_ms'])} against {fmt.ms(base['forward_mean_ms'])}, {fmt.pct(share)}).")
     return f"; here {len(differ)} of {len(few)} such cells differ from {most} warm-up steps beyond the spread: " + \
         join_words(differ) + "."
 

@@ -59,7 +59,8 @@ def _copies(flat: Any, transfer_ms: float, gb: float, copy_tbps: float | None) -
             f"calibrated {fmt.sig(copy_tbps)} TB/s; with the fit's transfer that is {fmt.ms(transfer_ms + copies)}")
     if left > 0:
         return said + f" of flat's {fmt.ms(waited)} wait, and {fmt.ms(left)} the two do not account for."
-    return said + f", against flat's {fmt.ms(waited)} wait: the two account for all of it."
+    return said + (f", {fmt.ms(-left)} more than flat's {fmt.ms(waited)} wait: the two account for all of it "
+                   "(the estimate overshoots a little: the fit and the copy rate were each measured alone).")
 
 
 def _verdict(naive: Any, flat: Any, fit: dict | None = None, copy_tbps: float | None = None) -> str:
@@ -84,7 +85,8 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None, copy_tbps: float | 
         comm = (f"; the communication {'shrinks' if change >= 0 else 'grows'} from {fmt.ms(naive['sync_ms'])} to "
                 f"{fmt.ms(flat['sync_ms'])} ({fmt.pct(abs(change) / float(naive['sync_ms']))} "
                 f"{'less' if change >= 0 else 'more'})")
-    first = (f"One all-reduce of the flattened gradients takes the step from {fmt.ms(naive['step_ms'])} to "
+    first = (f"One all-reduce of the flattened gradients takes the step from {fmt.ms(naive['step_ms'])} (naive "
+             "DDP, timed in this run beside it) to "
              f"{fmt.ms(flat['step_ms'])}, {judged}{comm}.")
     if fit is not None and calls and gb:
         fixed, transfer = calls * fit["o"] * 1e3, gb / fit["w"] * 1e3

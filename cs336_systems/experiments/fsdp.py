@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
 
 import re  # noqa: E402 (answers only)
 
-from cs336_systems.experiments.fsdp_gathers import PREFETCH, gathers_against_fit, gathers_blocks, host_paced  # noqa: E402
+from cs336_systems.experiments.fsdp_gathers import (  # noqa: E402
+    PREFETCH, cause_in_brief, gathers_against_fit, gathers_blocks, host_paced)
 from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402 (answers only)
 
 
@@ -533,7 +534,8 @@ def _course_test_failures(d: SectionData) -> Text | None:
             + (" on CPU" if "cpu" in n else " on the GPU") for n, m in sorted(found, key=lambda x: x[0])]
     where = (f" ({'; '.join(gaps)})" if gaps else "")
     return Text("The course's own suite fails " + join_words([f"`{t.split('::')[-1]}`" for t in failed])
-                + ": it compares FSDP's parameters after each step with full-batch training's bit for bit. In "
+                + ": after each step it asserts `torch.equal(np_param.data, fsdp_full)` in float32 (course version "
+                "26.1.1; `allclose` only for fp16), so FSDP must match full-batch training bit for bit. In "
                 "float32 two per-rank gradient products summed need not round like one product over the whole "
                 "batch, and where a last-bit difference survives the update's own rounding the parameters differ"
                 f"{where}; §4 reproduces the gap without FSDP, and our tests check FSDP bit for bit against "
@@ -577,11 +579,11 @@ def answer(d: SectionData) -> list[Block]:
                  "accounting of optimizer-state sharding (2026)?", [_expected_saving(d.frame("fsdp_vs_ddp"), d.edition)]),
         question(d, "fsdp_accounting (b)", "Profile the xl model (2026 table) on two GPUs: does the all-gather of "
                  "weights finish in time for the forward pass?",
-                 [*gathers_blocks(d)[:1], host_paced(d), *gathers_blocks(d)[1:]],
+                 [*gathers_blocks(d)[:1], cause_in_brief(d) or host_paced(d), *gathers_blocks(d)[1:]],
                  what="the all-gather profile (`--set parts=gathers`)"),
         *([Text("", role=BEYOND_HANDOUT),
            question(d, "fsdp_accounting (b)", "How the gathers are scheduled, and their kernel time against §2.1's "
-                    "fit.", [PREFETCH, gathers_against_fit(d)])]
+                    "fit.", [PREFETCH, cause_in_brief(d) and host_paced(d), gathers_against_fit(d)])]
           if d.frame("gathers_summary") is not None else []),
     ]
 

@@ -259,6 +259,32 @@ def _peers(d: SectionData, predicted_ms: float) -> str:
                          "profile does not explain.")
 
 
+def cause_in_brief(d: SectionData) -> Text | None:
+    """fsdp_accounting (b) in one sentence: what the gathers' kernel time was, from both ranks' timelines (the
+    appendix gives the whole account, :func:`host_paced`). None without a profile of every rank."""
+    found, summary = _peer_summary(d), d.frame("gathers_summary")
+    if found is None or summary is None:
+        return None
+    peers, _ = found
+    meta = d.meta("gathers_summary")
+    params, extra = meta.get("params", {}), meta.get("extra", {})
+    r0 = peers.iloc[0]
+    fit = _predicted_gather_ms(d, extra.get("model", params.get("gathers_model", "?")),
+                               (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), summary.iloc[0])
+    names = _rank_names(peers)
+    text = (f"Of rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, the transfers took "
+            f"{fmt.ms(float(peers['transfer_ms'].iloc[0]))}" + (f" (§2.1's fit: {fmt.ms(fit[0])})" if fit else "")
+            + f" and {fmt.ms(r0['peer_wait_ms'])} was waiting for the other rank to reach the same gather")
+    always = peers.index[peers["arrived_last"] == int(peers["gathers"].iloc[0])]
+    if len(always) and {"compute_ms", "span_ms"} <= set(peers.columns):
+        late = peers.iloc[int(always[0])]
+        if float(late["compute_ms"]) / float(late["span_ms"]) < HOST_PACED_BELOW:
+            text += (f": {names[int(always[0])]}'s host issued its forward slower than its GPU ran it "
+                     f"({fmt.ms(late['compute_ms'])} of compute in {fmt.ms(late['span_ms'])})")
+    return Text(text + ". So the link keeps up and the hosts' launches do not; the profiler's own host cost per "
+                "operator adds to that, so an unprofiled step waits less (the appendix has the whole account).")
+
+
 def gathers_blocks(d: SectionData) -> list[Block | None]:
     """fsdp_accounting (b): does the forward's all-gather finish in time? From the profiled step."""
     summary = d.frame("gathers_summary")
@@ -288,9 +314,13 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
                        "compute that should hide them.")
         if len(summary) > 1 and "late_gathers" in summary.columns and r["gathers"]:
             names = _rank_names(summary)
-            verdict += (" That is rank 0's reading; " + join_words(
+            last = summary["arrived_last"] if "arrived_last" in summary.columns else [None] * len(summary)
+            verdict = (verdict.replace("No: ", "No on rank 0: ", 1) if verdict.startswith("No: ")
+                       else verdict.removesuffix(".") + " on rank 0").removesuffix(".") + "; " + join_words(
                 [f"on {n}, compute waited for {'none' if not int(k) else int(k)} of them"
-                 for n, k in zip(names[1:], summary["late_gathers"].iloc[1:])]) + ".")
+                 + (", since that rank reached every gather last" if a is not None and int(a) == int(r["gathers"])
+                    else "")
+                 for n, k, a in zip(names[1:], summary["late_gathers"].iloc[1:], list(last)[1:])]) + "."
         text = Text(
             f"{verdict} One training step of {handout_model(model, d.edition)} "
             f"({fmt.params(param_counts(accounting.ladder_config(model))['total'])} parameters) with our FSDP on {ws} "

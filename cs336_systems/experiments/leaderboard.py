@@ -364,8 +364,8 @@ def _ranks_blocks(d: SectionData) -> tuple[list[Block | None], list[Block | None
         chosen = "" if not options.get("checkpoint") else (
             "; every block checkpointed" if ckpt is None else
             f"; the first {ckpt} of {shape.get('num_layers', '?')} blocks checkpointed"
-            + (f", the memory plan's fewest for {params.get('nproc', '?')} GPUs of {params.get('plan_gpu_gb'):g} GB "
-               "(the plan's figure, in 10⁹ bytes)"
+            + (f", the fewest that our memory model fits on {params.get('nproc', '?')} GPUs of "
+               f"{params.get('plan_gpu_gb'):g} GB each"
                if params.get("checkpoint_blocks") == "plan" and params.get("plan_gpu_gb") else ""))
         chosen += "; RMSNorm, RoPE and SwiGLU's gate compiled" if options.get("compile_pointwise") else ""
         warmup, rep = params.get("warmup_ms"), params.get("rep_ms")

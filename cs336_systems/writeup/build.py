@@ -186,7 +186,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
     for entry in editions.entries(edition) or ():
         def note(gap: str, entry: editions.Entry = entry) -> list[Block]:
             said = " ".join(x for x in (gap, entry.remark) if x)
-            return [Text(f"**The {editions.HANDOUT_NAMES[edition]} handout:** {said}")] if said else []
+            return [Text(f"**Note.** {said}")] if said else []
 
         if entry.section is None:
             blocks: list[Block] = [*note(entry.note), Missing(f"{', '.join(entry.problems)} ({editions.HANDOUT_NAMES[edition]} handout)",
