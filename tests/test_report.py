@@ -2031,3 +2031,14 @@ def test_stream_lanes_name_each_traced_row_by_its_kernels() -> None:
                            "dur_ms": [380.0, 9.0, 9.0, 9.0, 9.0, 390.0, 0.01, 22.0]})
     assert stream_lanes(merged) == ("cuda:7 (stream 7) is the compute stream (NCCL's kernels run on it too in "
                                     "naive), cuda:17 (stream 17) is NCCL's stream")
+
+
+def test_fsdp_figure_caption_maps_preset_labels_to_the_handouts_names_where_they_differ() -> None:
+    from cs336_systems.experiments.fsdp import _preset_labels
+
+    runs = pd.DataFrame({"model": ["xl", "2.7B", "xl"]})
+    assert _preset_labels(runs, "2026") == (" Its labels are the presets' names: xl is CS336 2025's xl and 2.7B "
+                                            "is this handout's xl.")
+    assert _preset_labels(runs, "2025") == ""  # the labels are this handout's names
+    assert _preset_labels(runs, "cse599o") == ""  # no size of its own: the text uses CS336 2025's names too
+    assert _preset_labels(None, "2026") == ""

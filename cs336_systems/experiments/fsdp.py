@@ -557,7 +557,7 @@ def answer(d: SectionData) -> list[Block]:
                      _against_fsdp2(d.frame("fsdp_vs_ddp"), d.edition),
                      _course_test_failures(d),
                      d.figure("memory_and_time", caption="Per-GPU memory and step time: DDP, our FSDP and "
-                              "PyTorch's FSDP2."),
+                              "PyTorch's FSDP2." + _preset_labels(d.frame("fsdp_vs_ddp"), d.edition)),
                      d.table("relative_to_ddp", frame=edition_models(d.frame("relative_to_ddp"), d.edition), caption="Per-GPU peak memory (GiB, measured and predicted) and "
                              "step time, and both relative to DDP (all measured columns: `fsdp_vs_ddp.csv`).")
                      or d.table("fsdp_vs_ddp", frame=subset(edition_models(d.frame("fsdp_vs_ddp"), d.edition), "model", "dtype", "world_size",
@@ -587,6 +587,19 @@ def answer(d: SectionData) -> list[Block]:
           if d.frame("gathers_summary") is not None else []),
     ]
 
+
+
+def _preset_labels(df: pd.DataFrame | None, edition: str) -> str:
+    """The figure's model labels (the presets' names) in this handout's names, where they differ."""
+    if df is None or "model" not in df.columns:
+        return ""
+    names = {m.partition("@")[0]: handout_model(m, edition) for m in map(str, df["model"])}
+    own = {label: name for label, name in names.items() if "'s " not in name}  # this handout's own size names
+    if all(label == name for label, name in own.items()):
+        return ""  # every label reads as this handout names it
+    said = [f"{label} is " + (f"this handout's {name}" if label in own else name) for label, name in names.items()
+            if label != name]
+    return f" Its labels are the presets' names: {join_words(said)}."
 
 
 def _largest_shown(d: SectionData) -> pd.DataFrame | None:

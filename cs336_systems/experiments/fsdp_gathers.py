@@ -281,8 +281,9 @@ def cause_in_brief(d: SectionData) -> Text | None:
         if float(late["compute_ms"]) / float(late["span_ms"]) < HOST_PACED_BELOW:
             text += (f": {names[int(always[0])]}'s host issued its forward slower than its GPU ran it "
                      f"({fmt.ms(late['compute_ms'])} of compute in {fmt.ms(late['span_ms'])})")
-    return Text(text + ". So the link keeps up and the hosts' launches do not; the profiler's own host cost per "
-                "operator adds to that, so an unprofiled step waits less (the appendix has the whole account).")
+    return Text(text + ". So the link keeps up and the hosts' launches do not; the profiler adds host time to every "
+                "operator, so an unprofiled step should wait less (not measured here; the appendix has the whole "
+                "account).")
 
 
 def gathers_blocks(d: SectionData) -> list[Block | None]:
