@@ -296,10 +296,11 @@ def answer(d: SectionData) -> list[Block]:
                                    _block_input_bytes(d.frame("residuals")))
     parts = _best_segment_parts(d.frame("checkpointing"), total, _block_input_bytes(d.frame("residuals")),
                                 (d.meta("checkpointing").get("params") or {}).get("preset"))
-    # (b) in the handout's form: the reasoning and hypothesis, the measured peaks, the verdict; the accounting of
-    # the peak, the growth per block and where the peak sits go to the appendix
-    best_text = None if parts is None else Text(
-        (parts["reasoning"] + parts["peak_only"] + parts["neighbours"] + parts["verdict"]).strip())
+    # (b) in the handout's form, its answer first: the best strategy's measured peak and its neighbours', then
+    # the reasoning and hypothesis that predicted it, and the verdict; the accounting of the peak, the growth per
+    # block and where the peak sits go to the appendix
+    order = ("peak_only", "neighbours", "reasoning", "verdict")
+    best_text = None if parts is None else Text(" ".join(parts[x].strip() for x in order if parts[x].strip()))
     best_detail = None if parts is None or not (parts["measured"] or parts["shown"]) else Text(
         (parts["heads"] + parts["measured"] + parts["shown"]).strip())
     sweep = ok_rows(d.frame("checkpointing"))
