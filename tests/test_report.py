@@ -1581,6 +1581,13 @@ def test_memory_timeline_text_follows_which_moment_sets_the_training_peak() -> N
     both = _training_shape(peaks({128: 4.0, 2048: 25.0}))
     assert ("at context 128 it keeps rising through the backward" in both
             and "; at context 2,048 it peaks at the end of the forward and falls" in both)
+    # how to read the panels' colours goes to the figure's caption, not the answer's sentences
+    from cs336_systems.experiments.memory_profiling import _panel_legend
+
+    assert "no user frame" not in both and "“other”" not in both
+    legend = _panel_legend(peaks({128: 4.0, 2048: 25.0}))
+    assert legend.startswith(" Where the peak comes at the optimizer step (context 128), the training panel draws")
+    assert _panel_legend(peaks({2048: 25.0})).startswith(" “(no user frame)” marks allocations")
 
 
 def test_mixed_precision_says_when_the_end_to_end_timings_ran_on_another_gpu(tmp_path) -> None:

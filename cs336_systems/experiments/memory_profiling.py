@@ -336,11 +336,16 @@ def _training_shape(peaks: pd.DataFrame | None) -> str:
     parts = [("at context " + join_words([f"{c:,}" for c in where]) + " " if both else "") + words
              for where, words in present] or ["the backward then frees each block's activations while gradients appear"]
     return ("The training step starts higher (AdamW's two moments are resident after the warm-up step) and repeats "
-            "that ramp; " + "; ".join(parts) + "."
-            + (f" Where the peak comes at the optimizer step (context{'s' if len(rises) > 1 else ''} "
-               f"{join_words([f'{c:,}' for c in rises])}), the "
-               "training panel draws the forward's activations as “other”: each panel colours the sources that hold "
-               "the most memory at its own peak, and by then the backward has freed them." if rises else "")
+            "that ramp; " + "; ".join(parts) + ".")
+
+
+def _panel_legend(peaks: pd.DataFrame | None) -> str:
+    """How to read the timelines' colours (for the figure's caption): what "other" and "(no user frame)" hold."""
+    rises = [c for c, which in _peak_moments(peaks) if which == "the optimizer step"]
+    return ((f" Where the peak comes at the optimizer step (context{'s' if len(rises) > 1 else ''} "
+             f"{join_words([f'{c:,}' for c in rises])}), the training panel draws the forward's activations as "
+             "“other”: each panel colours the sources that hold the most memory at its own peak, and by then the "
+             "backward has freed them." if rises else "")
             + " “(no user frame)” marks allocations made with no Python code on the stack: inside autograd's "
             "backward, whose engine runs on its own thread (the gradients among them), or the optimizer's C++ code.")
 
@@ -478,7 +483,7 @@ def answer(d: SectionData) -> list[Block]:
                         "(`torch.cuda.memory._snapshot()`) that pytorch.org/memory_viz reads, stacked like its Active "
                         "Memory Timeline; the longest context's fp32 snapshots are kept for that viewer. The dashed "
                         "peak is the largest sum of the allocations the trace records, which can sit a little below the "
-                        "allocator's own peak in the table.")
+                        "allocator's own peak in the table." + _panel_legend(peaks))
     rs_text = None
     if isinstance(rs, dict) and "measured_bytes" in rs:
         rs_text = Text(f"Measured in a forward pass (the first block's output, shape {tuple(rs.get('shape', []))}, "
