@@ -543,6 +543,7 @@ def _course_test_failures(d: SectionData) -> Text | None:
 
 
 def answer(d: SectionData) -> list[Block]:
+    brief = cause_in_brief(d)  # with every rank's timeline; else the rank-0 account stays in the answer
     return [
         question(d, "fsdp", "Fully sharded data parallelism: per-layer all-gather of parameters before use, "
                  "reduce-scatter of gradients after the backward pass.", [
@@ -579,11 +580,11 @@ def answer(d: SectionData) -> list[Block]:
                  "accounting of optimizer-state sharding (2026)?", [_expected_saving(d.frame("fsdp_vs_ddp"), d.edition)]),
         question(d, "fsdp_accounting (b)", "Profile the xl model (2026 table) on two GPUs: does the all-gather of "
                  "weights finish in time for the forward pass?",
-                 [*gathers_blocks(d)[:1], cause_in_brief(d) or host_paced(d), *gathers_blocks(d)[1:]],
+                 [*gathers_blocks(d)[:1], brief or host_paced(d), *gathers_blocks(d)[1:]],
                  what="the all-gather profile (`--set parts=gathers`)"),
         *([Text("", role=BEYOND_HANDOUT),
            question(d, "fsdp_accounting (b)", "How the gathers are scheduled, and their kernel time against §2.1's "
-                    "fit.", [PREFETCH, cause_in_brief(d) and host_paced(d), gathers_against_fit(d)])]
+                    "fit.", [PREFETCH, brief and host_paced(d), gathers_against_fit(d)])]
           if d.frame("gathers_summary") is not None else []),
     ]
 

@@ -117,6 +117,15 @@ PREFETCH = Text(
     "gathers or a CUDA graph of the forward would shorten it (not measured here).")
 
 
+def _profiled_fit(d: SectionData, r: Any) -> tuple[float, float] | None:
+    """§2.1's fit for the gathers of the profiled step whose summary row is ``r`` (its model, world size and
+    compute dtype from the record), or None."""
+    meta = d.meta("gathers_summary")
+    params, extra = meta.get("params", {}), meta.get("extra", {})
+    return _predicted_gather_ms(d, extra.get("model", params.get("gathers_model", "?")),
+                                (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), r)
+
+
 def gathers_against_fit(d: SectionData) -> Text | None:
     """Beyond the question: the profiled forward's gathers against §2.1's fit (the appendix)."""
     summary = d.frame("gathers_summary")
@@ -155,10 +164,7 @@ def host_paced(d: SectionData) -> Text | None:
     forward = tl[(tl["kind"] != "phase") & (tl["start_ms"] < float(r["span_ms"]))]
     if not len(forward):
         return None
-    meta = d.meta("gathers_summary")
-    params, extra = meta.get("params", {}), meta.get("extra", {})
-    found = _predicted_gather_ms(d, extra.get("model", params.get("gathers_model", "?")),
-                                 (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), r)
+    found = _profiled_fit(d, r)
     per_kernel = fmt.sig(float(r["span_ms"]) / len(forward) * 1e3, 2)
     if found is not None and float(r["gather_ms"]) >= 2 * found[0]:
         peers = _peers(d, found[0])
@@ -266,11 +272,7 @@ def cause_in_brief(d: SectionData) -> Text | None:
     if found is None or summary is None:
         return None
     peers, _ = found
-    meta = d.meta("gathers_summary")
-    params, extra = meta.get("params", {}), meta.get("extra", {})
-    r0 = peers.iloc[0]
-    fit = _predicted_gather_ms(d, extra.get("model", params.get("gathers_model", "?")),
-                               (params.get("nproc") or ["?"])[0], extra.get("compute_dtype"), summary.iloc[0])
+    r0, fit = peers.iloc[0], _profiled_fit(d, summary.iloc[0])
     names = _rank_names(peers)
     text = (f"Of rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, the transfers took "
             f"{fmt.ms(float(peers['transfer_ms'].iloc[0]))}" + (f" (§2.1's fit: {fmt.ms(fit[0])})" if fit else "")
@@ -316,8 +318,9 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
         if len(summary) > 1 and "late_gathers" in summary.columns and r["gathers"]:
             names = _rank_names(summary)
             last = summary["arrived_last"] if "arrived_last" in summary.columns else [None] * len(summary)
-            verdict = (verdict.replace("No: ", "No on rank 0: ", 1) if verdict.startswith("No: ")
-                       else verdict.removesuffix(".") + " on rank 0").removesuffix(".") + "; " + join_words(
+            head = verdict.removesuffix(".")
+            head = head.replace("No: ", "No on rank 0: ", 1) if head.startswith("No: ") else head + " on rank 0"
+            verdict = head + "; " + join_words(
                 [f"on {n}, compute waited for {'none' if not int(k) else int(k)} of them"
                  + (", since that rank reached every gather last" if a is not None and int(a) == int(r["gathers"])
                     else "")

@@ -79,8 +79,8 @@ EDITION_2026: tuple[Entry, ...] = (
     Entry("4.2.2", ("flash_forward", "flash_backward", "flash_benchmarking"), "flash_benchmarking"),
     Entry("4.2.4", ("beyond the handout",), "flash_accuracy"),
     Entry("5.1", ("distributed_communication_single_node",), "distributed_communication_single_node",
-          note="This handout asks for NCCL all-reduces on 2, 4 or 6 GPUs; the results below add gloo and stop at 4 GPUs, "
-               "the most any machine they ran on had."),
+          note="This handout asks for NCCL all-reduces on 2, 4 or 6 GPUs; the results below add gloo and stop at "
+               "4 GPUs, the most any machine they ran on had."),
     Entry("5.2", ("naive_ddp", "naive_ddp_benchmarking"), "naive_ddp", note=_xl_note("naive_ddp")),
     Entry("5.3.1", ("minimal_ddp_flat_benchmarking",), "ddp_flat", note=_xl_note("ddp_flat")),
     Entry("5.3.2", ("ddp_overlap_individual_parameters", "ddp_overlap_individual_parameters_benchmarking"),
