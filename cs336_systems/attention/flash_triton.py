@@ -165,7 +165,7 @@ def _row_buffer(rows: tuple[int, ...], n: int, device: torch.device) -> Tensor:
     """float32 ``(*rows, n)`` whose rows start on 16-byte boundaries (``n`` padded to a multiple of 4
     in memory), so that the dK/dV kernel can read the ``[L; D]`` row pairs through tensor descriptors."""
     padded = _cdiv(n, _TMA_ALIGN // 4) * (_TMA_ALIGN // 4)
-    buffer = torch.empty((*rows, padded), dtype=torch.float32, device=device)
+    buffer = torch.empty(*rows, padded, dtype=torch.float32, device=device)  # sizes unpacked: parsed faster
     return buffer if padded == n else buffer[..., :n]
 
 
@@ -304,13 +304,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float,
     (:mod:`.launch_plan`); the first calls take the full path below (:func:`_launch_forward`).
     ``signature``: the autograd function's :func:`_input_signature` of these very tensors, when it has one.
     """
+    batch, heads, n_queries, _ = q.shape
     o = torch.empty_like(q)  # the layout of q (a head view stays one)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, n_queries, dtype=torch.float32, device=q.device)  # sizes unpacked: parsed faster
     launch = functools.partial(_launch_forward, q, k, v, o, lse, is_causal, scale)
-    if q.device.type != "cuda":
-        launch()
-        return o, lse
-    with _device_guard(q):
+    with _device_guard(q):  # on CPU (the interpreter) no plan is ever recorded: every call takes the full path
         FLASH_PLANS.run(_forward_key(q, k, v, is_causal, scale, signature), (q, k, v, o, lse), launch)
     return o, lse
 
@@ -379,9 +377,6 @@ def _backward(
     if options.current().dq_atomic and _gluon_backward_module(q, k, v, do, dk, dv) is None:
         dq_acc = torch.zeros((batch, heads, n_queries, d), dtype=torch.float32, device=q.device)
     launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)
-    if q.device.type != "cuda":
-        launch()
-        return _scaled_dq(dq, dq_acc, scale), dk, dv
     with _device_guard(q):
         FLASH_PLANS.run(_backward_key(do, q, k, v, o, lse, is_causal, scale, out),
                         (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
@@ -569,6 +564,16 @@ def validated_calls_off(cache: ValidatedCalls = VALIDATED) -> contextlib.Abstrac
     return switched_off(cache)
 
 
+#: The C ``apply`` under ``torch.autograd.Function.apply``'s Python wrapper (see :meth:`FlashAttentionTriton.apply`).
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def _alive(t: object) -> object:
+    """``t``, or the tensor under it where ``t`` is a wrapper of a functorch transform that has exited (what
+    ``Function.apply`` unwraps)."""
+    return torch._C._functorch.unwrap_if_dead(t) if isinstance(t, Tensor) else t
+
+
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 on Triton kernels: ``FlashAttentionTriton.apply(Q, K, V, is_causal=False)``.
 
@@ -579,6 +584,19 @@ class FlashAttentionTriton(torch.autograd.Function):
     units (odd sizes) is copied with zero columns appended (:func:`stored_head_dim`); scores keep the
     ``1/sqrt(d)`` of the true ``d`` either way.
     """
+
+    @classmethod
+    def apply(cls, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:  # type: ignore[override]
+        """``Function.apply``, minus its Python wrapper on plain eager calls. The wrapper binds default arguments
+        for functions with a ``setup_context`` (this one has none) and unwraps tensors left over from exited
+        functorch transforms (done here too); it costs a few microseconds of host time per call, a share of what
+        separates an eager call from cuDNN's (docs/flash_attention/host_floor.md). Under a functorch transform
+        the wrapper runs as ever."""
+        if torch.compiler.is_compiling():  # Dynamo tracing this very method (``torch.compile(Fn.apply)``)
+            return cls.apply(q, k, v, is_causal)  # not a recursion: Dynamo handles a Function's ``apply`` by name
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(q, k, v, is_causal)
+        return _FUNCTION_APPLY.__get__(None, cls)(_alive(q), _alive(k), _alive(v), is_causal)
 
     @staticmethod
     def forward(  # type: ignore[override]
