@@ -149,36 +149,3 @@ def test_a_remembered_cpu_call_still_needs_the_interpreter(monkeypatch) -> None:
     monkeypatch.setattr(flash_triton, "interpreter_enabled", lambda: False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         _call(q, k, v)
-
-
-def test_apply_without_the_python_wrapper_matches_function_apply() -> None:
-    """``FlashAttentionTriton.apply`` skips ``Function.apply``'s Python wrapper on eager calls: the same outputs,
-    gradients and graph node as the wrapper's path, ``is_causal`` by keyword too."""
-    q, k, v = _qkv((1, 2, 24, 16))
-    wrapped = torch.autograd.Function.apply.__func__(FlashAttentionTriton, q, k, v, True)
-    direct = FlashAttentionTriton.apply(q, k, v, is_causal=True)
-    assert type(direct.grad_fn) is type(wrapped.grad_fn)
-    torch.testing.assert_close(direct, wrapped, rtol=0, atol=0)
-    do = torch.randn_like(direct)
-    for a, b in zip(torch.autograd.grad(direct, (q, k, v), do), torch.autograd.grad(wrapped, (q, k, v), do),
-                    strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_apply_under_a_functorch_transform_takes_the_wrapper() -> None:
-    """Under ``torch.func`` transforms the wrapper decides, as for any ``autograd.Function``: this one defines no
-    ``setup_context``, so it says so instead of running outside the transform."""
-    q, k, v = (t.detach() for t in _qkv((1, 2, 24, 16)))
-    with pytest.raises(RuntimeError, match="setup_context"):
-        torch.func.grad(lambda x: FlashAttentionTriton.apply(x, k, v, True).sum())(q)
-
-
-def test_apply_unwraps_tensors_left_by_an_exited_transform() -> None:
-    """A tensor that escaped a ``torch.func`` transform is a dead wrapper; ``apply`` unwraps it as
-    ``Function.apply`` does, so the call sees the plain tensor under it."""
-    q, k, v = (t.detach() for t in _qkv((1, 2, 24, 16)))
-    leaked = []
-    torch.func.grad(lambda x: (leaked.append(x), x.sum())[1])(q)
-    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
-    torch.testing.assert_close(FlashAttentionTriton.apply(leaked[0], k, v, True),
-                               FlashAttentionTriton.apply(q, k, v, True), rtol=0, atol=0)

@@ -564,16 +564,6 @@ def validated_calls_off(cache: ValidatedCalls = VALIDATED) -> contextlib.Abstrac
     return switched_off(cache)
 
 
-#: The C ``apply`` under ``torch.autograd.Function.apply``'s Python wrapper (see :meth:`FlashAttentionTriton.apply`).
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
-
-
-def _alive(t: object) -> object:
-    """``t``, or the tensor under it where ``t`` is a wrapper of a functorch transform that has exited (what
-    ``Function.apply`` unwraps)."""
-    return torch._C._functorch.unwrap_if_dead(t) if isinstance(t, Tensor) else t
-
-
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 on Triton kernels: ``FlashAttentionTriton.apply(Q, K, V, is_causal=False)``.
 
@@ -584,19 +574,6 @@ class FlashAttentionTriton(torch.autograd.Function):
     units (odd sizes) is copied with zero columns appended (:func:`stored_head_dim`); scores keep the
     ``1/sqrt(d)`` of the true ``d`` either way.
     """
-
-    @classmethod
-    def apply(cls, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:  # type: ignore[override]
-        """``Function.apply``, minus its Python wrapper on plain eager calls. The wrapper binds default arguments
-        for functions with a ``setup_context`` (this one has none) and unwraps tensors left over from exited
-        functorch transforms (done here too); it costs a few microseconds of host time per call, a share of what
-        separates an eager call from cuDNN's (docs/flash_attention/host_floor.md). Under a functorch transform
-        the wrapper runs as ever."""
-        if torch.compiler.is_compiling():  # Dynamo tracing this very method (``torch.compile(Fn.apply)``)
-            return cls.apply(q, k, v, is_causal)  # not a recursion: Dynamo handles a Function's ``apply`` by name
-        if torch._C._are_functorch_transforms_active():
-            return super().apply(q, k, v, is_causal)
-        return _FUNCTION_APPLY.__get__(None, cls)(_alive(q), _alive(k), _alive(v), is_causal)
 
     @staticmethod
     def forward(  # type: ignore[override]
