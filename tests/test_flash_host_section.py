@@ -81,3 +81,14 @@ def test_leaderboard_calls_a_gap_inside_the_runs_spread_a_tie() -> None:
     assert _leaderboard_verdict(summary, "triton", "sdpa_flash") == "faster"
     assert _leaderboard_verdict({**summary, "triton_fwd_bwd_median_ms": 4.24}, "triton", "sdpa_cudnn") == "faster"
     assert _leaderboard_verdict({"speedup_vs_x": 0.9}, "triton", "x") == "slower"
+
+
+def test_leaderboard_speedups_near_one_keep_the_digit_that_carries_the_verdict() -> None:
+    """A 0.35% win beyond the runs' spread must not print as 1.00× (faster)."""
+    from cs336_systems.experiments.flash_benchmarking.answers import _leaderboard_sentence
+
+    summary = {"ours": "triton", "triton_fwd_bwd_ms": 4.2997, "triton_fwd_bwd_median_ms": 4.2994,
+               "sdpa_cudnn_fwd_bwd_ms": 4.3146, "sdpa_cudnn_fwd_bwd_median_ms": 4.3009,
+               "speedup_vs_sdpa_cudnn": 4.3146 / 4.2997}
+    assert "sdpa_cudnn 1.003× (faster)" in _leaderboard_sentence(summary).markdown
+    assert "sdpa_cudnn 1.50×" in _leaderboard_sentence({**summary, "speedup_vs_sdpa_cudnn": 1.5}).markdown

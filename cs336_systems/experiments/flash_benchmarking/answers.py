@@ -210,6 +210,16 @@ def _host(d: SectionData) -> list[Block]:
         text += (f"; SDPA pinned to cuDNN costs {span(keyed['sdpa_cudnn'].dropna())} on the same host, so ours "
                  f"takes {span(over, '', fmt.ratio)} cuDNN's host time. The forward and backward through "
                  "`torch.autograd.grad` are in both numbers")
+        if over.max() > 1:
+            text += (". Where ours costs more, the difference is Python, not the launches: our three kernels are "
+                     "issued from recorded launch plans through Triton's C launcher, and what is left is the autograd "
+                     "function's own Python (its allocations, the lookups of its validated inputs and plans) where "
+                     "cuDNN's path is C++ (`docs/flash_attention/host_floor.md` decomposes it)")
+    if "host_spread_us" in summary:
+        spreads = summary["host_spread_us"]
+        text += (f". Single cells are noisy on this host: a time's round-to-round spread is {fmt.sig(spreads.median())}"
+                 f" µs at the median and {fmt.sig(spreads.max())} µs at the widest, so one cell's ratio is rough; "
+                 "the interleaved decomposition and the A/B runs of that note are the finer measure")
     host_bound = ours[ours["bound"] == "host"]
     text += (f". Ours is host-bound (issuing a call takes longer than the GPU runs it) at {len(host_bound)} of "
              f"{len(ours)}" + (": " + join_words([f"({int(r['batch'])}, {int(r['heads'])}, {int(r['seq_len'])}, "
@@ -608,12 +618,18 @@ def _leaderboard_verdict(summary: dict, ours: str, other: str) -> str:
     return "faster" if theirs > mine else "slower"
 
 
+def _speedup(v: float) -> str:
+    """A speed-up to three digits, or four where three would print 1.00× beside a verdict of faster or slower."""
+    text = fmt.ratio(v)
+    return fmt.ratio(v, 4) if text == fmt.ratio(1.0) and v != 1 else text
+
+
 def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
     ours = summary.get("ours", "triton")
     ms_ = summary.get(f"{ours}_fwd_bwd_ms")
     if ms_ is None:
         return None
-    vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)} ({_leaderboard_verdict(summary, ours, k.removeprefix('speedup_vs_'))})"
+    vs = [f"{k.removeprefix('speedup_vs_')} {_speedup(v)} ({_leaderboard_verdict(summary, ours, k.removeprefix('speedup_vs_'))})"
           for k, v in summary.items() if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
     lead = f"{head_dim}our kernels" if head_dim else "Our kernels"
     return Text(f"{lead} ({ours}) take {fmt.ms(ms_)} for forward + backward"
