@@ -1045,6 +1045,33 @@ def test_gluon_forward_compiles_for_hopper(head_dim: int, tile: tuple[int, int, 
         assert "LOCAL:0" in result["usage"].replace(" ", ""), result["usage"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("head_dim", "causal"), [(64, True), (128, False)], ids=str)
+def test_gluon_persistent_forward_compiles_for_hopper(head_dim: int, causal: bool) -> None:
+    """The persistent form (``options.gluon_persistent``) builds for sm_90 like the one-item form: warp roles,
+    asynchronous products, TMA copies, its buffers plus the ``q_empty`` barrier inside shared memory, no spills."""
+    result = _compile_offline_in_subprocess(
+        f"flash_fwd_sm90.compile_for_hopper({head_dim}, {causal}, None, persistent=True)")
+    assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
+    assert result["shared"] <= 227 * 1024
+    if result["usage"]:
+        assert "LOCAL:0" in result["usage"].replace(" ", ""), result["usage"]
+
+
+def test_gluon_persistent_forward_takes_the_short_rows() -> None:
+    """The persistent grid exists for short rows, so with it on ``gluon_min_key_work`` no longer sends them to the
+    Triton forward; everything else about eligibility stays."""
+    from cs336_systems.attention import flash_fwd_sm90
+
+    q, k, v = (torch.randn(8, 4, 256, 64, dtype=torch.bfloat16) for _ in range(3))
+    assert "short rows" in flash_fwd_sm90.ineligibility(q, k, v, (9, 0), True)
+    with options.use(gluon_persistent=True):
+        assert flash_fwd_sm90.ineligibility(q, k, v, (9, 0), True) is None
+        assert "Hopper" in flash_fwd_sm90.ineligibility(q, k, v, (8, 0), True)
+    with pytest.raises(ValueError, match="gluon_persistent must be True or False"):
+        options.FlashOptions(gluon_persistent=1)
+
+
 #: The Gluon kernels' GPU cases: both head dims, causal and full, ragged lengths, 3-D inputs.
 GLUON_CASES = [Case(1000, 1000, 64, True, 3), Case(700, 1000, 64, False, 2), Case(77, 77, 64, True, 1),
                Case(1030, 1030, 128, False, 2), Case(2048, 2048, 128, True, 2), Case(300, 300, 64, True, None)]
@@ -1090,6 +1117,32 @@ def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, la
         assert flash_triton.forward_kernel_name(q, k, v) == "triton"
         triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     _assert_gluon_matches(NAMES, gluon, triton_, _reference(q, k, v, do, case.is_causal), dtype)
+
+
+#: Persistent-grid cases: more (query tile, head) items than SMs at short rows (each program takes several, the
+#: ring carried from one to the next), ragged lengths, both head dims, causal and full.
+PERSISTENT_CASES = [Case(256, 256, 64, True, 64), Case(1000, 1000, 64, False, 16), Case(300, 300, 128, True, 48),
+                    Case(2048, 2048, 128, True, 8), Case(77, 77, 64, True, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gluon_persistent_forward_gives_the_one_item_forwards_numbers(case: Case, dtype: torch.dtype) -> None:
+    """A persistent program runs each item's arithmetic as a one-item program does, in the same order, so O and L
+    (and the gradients, from the shared backward) are bit-identical; only the schedule differs."""
+    from cs336_systems.attention import flash_triton
+
+    q, k, v, do = _gluon_inputs(case, dtype, "bhsd")
+    with options.use(gluon_min_key_work=0):
+        assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon"
+        one_item = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    with options.use(gluon_persistent=True):
+        assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon"
+        persistent = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    for name, a, b in zip(NAMES, persistent, one_item, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # --------------------------------------------------------------------------------------------------

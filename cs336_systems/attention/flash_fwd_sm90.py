@@ -58,7 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import options
 from .launch_cache import FLASH_LAUNCHES
-from .scheduling import heads_per_l2_group
+from .scheduling import heads_per_l2_group, sm_count
 
 _LOG2_E = 1.4426950408889634
 
@@ -81,21 +81,48 @@ _CONSUMER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_row0, q_col, k_row0,
-              kv_col, n_tiles, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """TMA copies: each consumer's Q rows once, then K/V tile ``j`` into buffer ``j % STAGES`` once it is free."""
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, q_row0, q_col,
+              k_row0, kv_col, n_tiles, t0, q_round, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """TMA copies of one item: each consumer's Q rows, then K/V tile ``j`` into buffer ``(t0 + j) % STAGES`` once it
+    is free. ``t0``: K/V tiles this program streamed before this item; ``q_round``: items before it (a persistent
+    program refills Q once every consumer has issued its last product with it, ``q_empty``)."""
+    if PERSISTENT:
+        mbarrier.wait(q_empty, (q_round & 1) ^ 1)  # the first item passes at once, as for kv_empty below
     mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
         _tma_load(q_desc, [q_row0 + c * ROWS, q_col], q_bar, q_smem.index(c))
     for j in range(n_tiles):
-        stage = j % STAGES
+        t = t0 + j
+        stage = t % STAGES
         # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once
         # (parity 1 names the phase before the first).
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.wait(kv_empty.index(stage), ((t // STAGES) & 1) ^ 1)
         ready = kv_ready.index(stage)
         mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row0 + j * BLOCK_N, kv_col], ready, k_smem.index(stage))
         _tma_load(v_desc, [k_row0 + j * BLOCK_N, kv_col], ready, v_smem.index(stage))
+
+
+@gluon.jit
+def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, n_items,
+                   n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h,
+                   kv_col_h, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """A persistent program's copies: items ``pid, pid + programs, ...``, the ring carried from one to the next,
+    so the next item's Q, K and V load while the consumers finish the current one."""
+    t0 = 0
+    q_round = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        bh, start_m = _item(item, n_tiles_m, n_bh, head_group, BLOCK_M, IS_CAUSAL)
+        n_tiles = _key_tiles(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        b = bh // n_heads
+        h = bh % n_heads
+        _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                  b * q_rows_b + h * q_rows_h + start_m, h * q_col_h, b * kv_rows_b + h * kv_rows_h, h * kv_col_h,
+                  n_tiles, t0, q_round, CONSUMERS, BLOCK_N, STAGES, True)
+        t0 += n_tiles
+        q_round += 1
 
 
 @gluon.jit
@@ -109,10 +136,11 @@ def _mask_scores(s, offs_m, start_n, n_keys, s_cols: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m, n_queries,
-              n_keys, n_tiles, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr):
-    """Online softmax of queries ``[start_m + part·ROWS, +ROWS)`` over ``n_tiles`` key tiles."""
+def _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
+              n_queries, n_keys, n_tiles, qk_scale, t0, q_round, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Online softmax of queries ``[start_m + part·ROWS, +ROWS)`` over ``n_tiles`` key tiles, which the ring holds
+    from its ``t0``-th tile on; ``q_round``: items this program finished before (see :func:`_producer`)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -134,9 +162,9 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
     no_acc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
     # Tile 0 on its own: there is no previous P·V to overlap with yet.
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(kv_ready.index(0), 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), no_acc, use_acc=False)
+    mbarrier.wait(q_bar, q_round & 1)
+    mbarrier.wait(kv_ready.index(t0 % STAGES), (t0 // STAGES) & 1)
+    s = warpgroup_mma(q_tile, k_smem.index(t0 % STAGES).permute((1, 0)), no_acc, use_acc=False)
     if unmasked <= 0:
         s = _mask_scores(s, offs_m, 0, n_keys, s_cols, BLOCK_N, IS_CAUSAL)
     m_i = gl.max(s, 1) * qk_scale  # running max of the scaled scores (base 2); qk_scale > 0
@@ -146,9 +174,10 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     for j in range(1, n_tiles):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
+        t = t0 + j
+        stage = t % STAGES
+        prev = (t - 1) % STAGES
+        mbarrier.wait(kv_ready.index(stage), (t // STAGES) & 1)
         s_token = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), no_acc, use_acc=False, is_async=True)
         o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is done; P_{j-1} V_{j-1} may still run
@@ -164,7 +193,12 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc)
+    if PERSISTENT:
+        mbarrier.arrive(q_empty)  # every S of this item is done: the producer may load the next item's Q
+    last = (t0 + n_tiles - 1) % STAGES
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc)
+    if PERSISTENT:
+        mbarrier.arrive(kv_empty.index(last))  # a one-item program ends here and never needs it back
     o = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
     rows = first + gl.arange(0, ROWS, layout=o_rows)
     cols = gl.arange(0, HEAD_DIM, layout=o_cols)
@@ -175,42 +209,158 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh,
 
 
 @gluon.jit
+def _consumer_loop(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m, n_bh,
+                   head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
+    """A persistent program's consumer: :func:`_consumer` over items ``pid, pid + programs, ...``, following the
+    producer through the ring."""
+    t0 = 0
+    q_round = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        bh, start_m = _item(item, n_tiles_m, n_bh, head_group, BLOCK_M, IS_CAUSAL)
+        n_tiles = _key_tiles(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        o_head = (bh // n_heads).to(gl.int64) * stride_ob + (bh % n_heads).to(gl.int64) * stride_oh
+        _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
+                  start_m, n_queries, n_keys, n_tiles, qk_scale, t0, q_round, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
+                  True)
+        t0 += n_tiles
+        q_round += 1
+
+
+@gluon.jit
+def _item(item, n_tiles_m, n_bh, head_group, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """``(batch * head, first query)`` of (query tile, head) item ``item``, in the order the Triton
+    kernels decode programs (``flash_common._tile_and_head``): groups of ``head_group`` heads whose K and V fit in
+    L2, every tile of a group before the next; inside a group heads fastest, and causal: the longest tiles first."""
+    first_bh = (item // (head_group * n_tiles_m)) * head_group
+    size = gl.minimum(head_group, n_bh - first_bh)
+    in_group = item - first_bh * n_tiles_m
+    tile_m = in_group // size
+    if IS_CAUSAL:
+        tile_m = n_tiles_m - 1 - tile_m
+    bh = first_bh + in_group % size
+    return bh, tile_m * BLOCK_M
+
+
+@gluon.jit
+def _key_tiles(start_m, n_keys, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Key tiles the queries ``[start_m, start_m + BLOCK_M)`` attend to (causal: none past the last query)."""
+    if IS_CAUSAL:
+        return gl.cdiv(gl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)
+    return gl.cdiv(n_keys, BLOCK_N)
+
+
+@gluon.jit
 def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale, n_heads, head_group,
                                q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h, kv_col_h,
                                stride_ob, stride_oh, stride_on,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One program per (query tile, head) item."""
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "BLOCK_M: two or three consumer warpgroups of 64 queries")
-    dtype: gl.constexpr = q_desc.dtype
-    # Program -> (query tile, batch * head) as the Triton kernels decode it (``flash_common._tile_and_head``):
-    # groups of ``head_group`` heads whose K and V fit in L2, every tile of a group before the next; inside
-    # a group heads fastest, and causal: the longest query tiles first.
     pid = gl.program_id(0)
     n_tiles_m = gl.cdiv(n_queries, BLOCK_M)
-    n_bh = gl.num_programs(0) // n_tiles_m
-    first_bh = (pid // (head_group * n_tiles_m)) * head_group
-    size = gl.minimum(head_group, n_bh - first_bh)
-    in_group = pid - first_bh * n_tiles_m
-    tile_m = in_group // size
-    if IS_CAUSAL:
-        tile_m = n_tiles_m - 1 - tile_m
-    bh = first_bh + in_group % size
-    start_m = tile_m * BLOCK_M
+    bh, start_m = _item(pid, n_tiles_m, gl.num_programs(0) // n_tiles_m, head_group, BLOCK_M, IS_CAUSAL)
     # Where this head's rows lie in the 2-D views the descriptors read (see ``_Placement``), and its O.
     b = bh // n_heads
     h = bh % n_heads
     q_row0 = b * q_rows_b + h * q_rows_h + start_m
     k_row0 = b * kv_rows_b + h * kv_rows_h
     o_head = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    if IS_CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)
-    else:
-        n_tiles = gl.cdiv(n_keys, BLOCK_N)
+    n_tiles = _key_tiles(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    # One item per program: Q is never refilled, so no q_empty barrier (q_bar stands in, never waited on as one).
+    q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty = _buffers(q_desc, k_desc, v_desc, CONSUMERS, STAGES,
+                                                                          False)
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    # Registers per thread after ``setmaxnreg`` (the first consumer, the default partition, keeps what is
+    # left): the producer warp needs few; a consumer holds S (64 x 128 float32), P and O. Three consumer
+    # warpgroups and the producer's warpgroup must share 64K registers: 160 per consumer thread.
+    # The lists are spelled out because ``warp_specialize`` takes a literal list of (function, arguments)
+    # pairs: with Triton 3.9 an argument tuple built once and extended per consumer (``(0,) + args``) turns
+    # its constexprs into tuple elements, and a pair held in a variable does not compile.
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
+                         start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
+                         False)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
+                         start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
+                         False)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, 0, 0, CONSUMERS, BLOCK_N, STAGES, False)),
+        ], [_CONSUMER_WARPS, 1], [232, 40])  # fmt: skip
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
+                         start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
+                         False)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
+                         start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
+                         False)),
+            (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
+                         start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
+                         False)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, 0, 0, CONSUMERS, BLOCK_N, STAGES, False)),
+        ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [160, 160, 24])  # fmt: skip
+
+
+@gluon.jit
+def flash_forward_gluon_persistent_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale, n_heads,
+                                          head_group, q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h, kv_col_h,
+                                          stride_ob, stride_oh, stride_on, n_bh,
+                                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                          STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """A grid of at most one program per SM, each taking the (query tile, head) items in turn (FlashAttention-3's
+    persistent schedule). Why: at short rows an item is a few key tiles, and a program per item pays its start,
+    its first loads and its epilogue in full each time; here the producer loads the next item's Q, K and V while
+    the consumers still finish the current one (``q_empty``, and the K/V ring carried across items)."""
+    CONSUMERS: gl.constexpr = BLOCK_M // ROWS
+    gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "BLOCK_M: two or three consumer warpgroups of 64 queries")
+    n_tiles_m = gl.cdiv(n_queries, BLOCK_M)
+    n_items = n_tiles_m * n_bh
+    q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty = _buffers(q_desc, k_desc, v_desc, CONSUMERS, STAGES,
+                                                                          True)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
+                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer_loop, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
+                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                              n_items, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
+                              kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        ], [_CONSUMER_WARPS, 1], [232, 40])  # fmt: skip
+    else:
+        gl.warp_specialize([
+            (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
+                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer_loop, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
+                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer_loop, (2, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
+                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
+                              n_items, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
+                              kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [160, 160, 24])  # fmt: skip
+
+
+@gluon.jit
+def _buffers(q_desc, k_desc, v_desc, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Shared memory of a program: each consumer's Q rows, the K/V ring, and their barriers (``q_bar``: Q landed;
+    ``q_empty``: every consumer is done with Q, persistent programs only; ``kv_ready[s]``, ``kv_empty[s]``: buffer
+    ``s`` landed, is free)."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, k_desc.block_type.shape[1]], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -218,34 +368,13 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
-    fence_async_shared()
-
-    # Registers per thread after ``setmaxnreg`` (the first consumer, the default partition, keeps what is
-    # left): the producer warp needs few; a consumer holds S (64 x 128 float32), P and O. Three consumer
-    # warpgroups and the producer's warpgroup must share 64K registers: 160 per consumer thread.
-    # The two lists are spelled out because ``warp_specialize`` takes a literal list of (function, arguments)
-    # pairs: with Triton 3.9 an argument tuple built once and extended per consumer (``(0,) + args``) turns
-    # its constexprs into tuple elements, and a pair held in a variable does not compile.
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
-                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
-                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
-                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, CONSUMERS, BLOCK_N, STAGES)),
-        ], [_CONSUMER_WARPS, 1], [232, 40])  # fmt: skip
+    if PERSISTENT:
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_empty, count=CONSUMERS)
     else:
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
-                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
-                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (2, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
-                         n_queries, n_keys, n_tiles, qk_scale, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
-                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, CONSUMERS, BLOCK_N, STAGES)),
-        ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [160, 160, 24])  # fmt: skip
+        q_empty = q_bar
+    fence_async_shared()
+    return q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,7 +432,7 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
     if d not in TILES:
         return f"head dim {d} not in {sorted(TILES)}"
     work = k.shape[-2] * d // (2 if is_causal else 1)
-    if work < opts.gluon_min_key_work:
+    if work < opts.gluon_min_key_work and not opts.gluon_persistent:
         return (f"short rows: {k.shape[-2]} keys x head dim {d}{' / 2 (causal)' if is_causal else ''} = {work} < "
                 f"gluon_min_key_work = {opts.gluon_min_key_work}, where the Triton forward is faster")
     return layout_problem({"q": q, "k": k, "v": v}, opts.gluon_head_views)
@@ -375,19 +504,25 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
         lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
     else:
         o, lse = out
-    grid = (-(-n_queries // block_m) * batch * heads,)
+    items = -(-n_queries // block_m) * batch * heads
     group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
-    FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, grid, (
-        q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E * (scale or 1.0 / math.sqrt(d)), heads, group,
-        *q_at[2:], *kv_at[2:], *o.stride()[:3],
-    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
-            num_warps=_CONSUMER_WARPS.value))  # fmt: skip
+    args = (q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E * (scale or 1.0 / math.sqrt(d)), heads, group,
+            *q_at[2:], *kv_at[2:], *o.stride()[:3])
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
+                      num_warps=_CONSUMER_WARPS.value)
+    if options.current().gluon_persistent:  # one program per SM at most (one fits: the ring takes its shared memory)
+        programs = min(items, sm_count(q.device))
+        FLASH_LAUNCHES.launch(flash_forward_gluon_persistent_kernel, (programs,), (*args, batch * heads), constexprs)
+    else:
+        FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, (items,), args, constexprs)
     return o, lse
 
 
-def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None):
-    """Compile the kernel for sm_90 without a GPU (``triton.compile`` with an explicit target), as the GPU
-    would on first use, at ``tile`` (default: the head dim's long-sequence tile); returns Triton's compiled
+def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None,
+                       persistent: bool = False):
+    """Compile the kernel (``persistent``: its persistent-grid form) for sm_90 without a GPU (``triton.compile``
+    with an explicit target), as the GPU would on first use, at ``tile`` (default: the head dim's long-sequence
+    tile); returns Triton's compiled
     kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``). Run it in a process without
     ``TRITON_INTERPRET=1``: Gluon's reductions are Triton functions, and the interpreter replaces those at import."""
     block_m, block_n, stages = tile or TILES[head_dim]
@@ -395,7 +530,8 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
                   "IS_CAUSAL": is_causal}  # fmt: skip
     types = {"q_desc": tensor_descriptor_type(ROWS.value, head_dim), "k_desc": tensor_descriptor_type(block_n, head_dim),
              "v_desc": tensor_descriptor_type(block_n, head_dim), "O": "*bf16", "L": "*fp32", "qk_scale": "fp32"}
-    return compile_offline(flash_forward_gluon_kernel, types, constexprs, ("O", "L"), _CONSUMER_WARPS.value)
+    kernel = flash_forward_gluon_persistent_kernel if persistent else flash_forward_gluon_kernel
+    return compile_offline(kernel, types, constexprs, ("O", "L"), _CONSUMER_WARPS.value)
 
 
 def tensor_descriptor_type(rows: int, head_dim: int) -> str:

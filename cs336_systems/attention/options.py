@@ -135,6 +135,11 @@ class FlashOptions:
     call has more (tile, head) items than that many programs, each program takes items in turn
     (``flash_common._persistent_items``) instead of one program per item. 0 (the default): one program per
     item. Opt-in until measured (docs/flash_attention/persistent.md).
+    ``gluon_persistent``: the Gluon forward runs a persistent grid, at most one program per SM, each taking the
+    (query tile, head) items in turn with the next item's loads issued under the current one's last products
+    and epilogue (FlashAttention-3's schedule); it then also takes the short rows that ``gluon_min_key_work``
+    sends to the Triton forward, which are what it is for. Same outputs as one program per item. Opt-in until
+    measured (docs/flash_attention/persistent.md).
     ``dq_atomic``: the Triton dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer
     atomically (five products per key and query tile instead of the two kernels' seven), and the dQ kernel only
     writes the ``[L; D]`` rows. Opt-in until measured; where ``gluon_backward`` picks the Gluon dK/dV kernel,
@@ -152,10 +157,11 @@ class FlashOptions:
     gluon_backward: bool = False
     gluon_backward_tiles: Any = None
     persistent: int = 0
+    gluon_persistent: bool = False
     dq_atomic: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "dq_atomic"):
+        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "gluon_persistent", "dq_atomic"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         share = self.l2_share
@@ -206,6 +212,7 @@ class FlashOptions:
             "gluon_backward_tiles": ({d: list(t) for d, t in self.gluon_backward_tiles}
                                      if self.gluon_backward_tiles else None),
             "persistent": self.persistent,
+            "gluon_persistent": self.gluon_persistent,
             "dq_atomic": self.dq_atomic,
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),

@@ -58,11 +58,14 @@ def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent grid on ``device`` (``options.current().persistent`` per SM), or 0 when the
     kernels run one program per (tile, head) item."""
     per_sm = options.current().persistent
-    if not per_sm:
-        return 0
+    return per_sm * sm_count(device) if per_sm else 0
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of ``device`` (:data:`_NOMINAL_SMS` for CPU tensors under the interpreter)."""
     if device.type == "cuda":
-        return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return per_sm * _NOMINAL_SMS
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _NOMINAL_SMS
 
 
 def grid(items: int, programs: int) -> tuple[int]:
