@@ -126,8 +126,7 @@ def test_a_widely_varying_overlap_row_gives_its_spread_and_median() -> None:
     from cs336_systems.experiments.ddp_overlap_individual import _spread_note
 
     varied = pd.Series({"step_ms": 220.2, "step_ms_std": 10.7, "step_ms_median": 222.0})
-    assert _spread_note(varied) == (" (its steps vary by ±10.7 ms around a median of 222 ms, so it ties with any "
-                                    "variant closer than that)")
+    assert _spread_note(varied) == " (its steps vary by ±10.7 ms around a median of 222 ms)"
     assert _spread_note(pd.Series({**varied, "step_ms_std": 1.7})) == ""  # steady steps: one number describes them
     assert _spread_note(pd.Series({"step_ms": 220.0, "step_ms_std": 20.0, "step_ms_median": 209.0})) == ""  # slow steps: the outlier note's case
 
@@ -148,7 +147,7 @@ def test_a_varying_overlap_row_is_set_beside_the_handout_scripts_printed_step(tm
     d = SectionData(tmp_path, "ddp_overlap_individual/cse599o", edition="cse599o")
     assert printed_step_ms(d, "individual") == 207.42 and printed_step_ms(d, "bucketed") is None
     row = pd.Series({"step_ms": 220.2, "step_ms_std": 10.7, "step_ms_median": 222.0})
-    assert "printed 207 ms (its output is below), outside that spread" in _printed_alone(d, row)
+    assert "printed 207 ms (its output opens this section), outside that spread" in _printed_alone(d, row)
     assert _printed_alone(d, pd.Series({**row, "step_ms_median": 210.0})).endswith("within that spread.")
     assert "is the faster of the two" in _printed_alone(d, pd.Series({**row, "step_ms_median": 190.0}))
     # an edition that shows no printed output (2025) gets no clause
@@ -300,3 +299,16 @@ def test_flat_ddp_accounts_for_its_wait_with_the_transfer_and_the_copies() -> No
     over = _copies(pd.Series({"sync_ms": 15.0}), 12.2, 3.88e9, 4.16)  # 15.9 ms estimated for a 15.0 ms wait
     assert "0.931 ms more than flat's 15.0 ms wait: the two account for all of it" in over
     assert _copies(flat, 12.2, 3.88e9, None) == ""  # no calibration: no copy time to state
+
+
+def test_individual_ddp_answer_gives_its_verdict_against_both_earlier_variants() -> None:
+    """(a) asks for a comparison: the answer says faster, slower or level against naive and flat DDP, judged by the
+    rows' summed step-to-step spread."""
+    from cs336_systems.experiments.ddp_overlap_individual import _verdict
+
+    row = lambda ms, std: {"step_ms": ms, "step_ms_std": std}  # noqa: E731
+    level = _verdict({"overlap": row(220.2, 10.7), "naive": row(223.4, 1.66), "flat": row(220.2, 1.66)})
+    assert "level with naive (±12.4 ms) and level with flat (±12.4 ms)" in level
+    split = _verdict({"overlap": row(405.0, 1.0), "naive": row(430.0, 1.0), "flat": row(404.0, 1.0)})
+    assert "faster than naive and level with flat" in split
+    assert _verdict({"overlap": row(405.0, 1.0)}) == ""

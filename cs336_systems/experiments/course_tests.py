@@ -158,9 +158,9 @@ def answer(d: SectionData) -> list[Block]:
         ("The CSE599-O handout runs `tests/test_ddp_individual_parameters.py`, `tests/test_ddp.py` and "
          "`tests/test_sharded_optimizer.py`. Its repository (github.com/uw-syfi/assignment2-systems) was not "
          "available to these runs, so the files of those names in the CS336 2025 suite, which this course's handout "
-         "follows, ran unmodified " if cse599o else
-         "Each table is one run of the course's unmodified test suite ")
-        + "(copied from a checkout of the course's repository, with our `tests/adapters.py` in place of its stub) by "
+         "follows, ran unmodified, from a checkout of the CS336 repository " if cse599o else
+         "Each table is one run of the course's unmodified test suite, from a checkout of the course's repository ")
+        + "(kept outside this project; our `tests/adapters.py` stands in for its stub) by "
         "`python -m cs336_systems.experiments course_tests`. Tests that need CUDA skip on a CPU-only machine."))
     for name in d.records:
         result, meta = d.json(name), d.meta(name)

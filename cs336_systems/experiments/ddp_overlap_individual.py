@@ -20,7 +20,7 @@ from cs336_systems.experiments.ddp_common import (
 )
 from cs336_systems.experiments.section import Section
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import implemented, join_words, known, question, stream_lanes
+from cs336_systems.report.answers import implemented, join_words, known, question, spread, step_verdict, stream_lanes
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 from cs336_systems.results import ResultWriter
@@ -97,8 +97,7 @@ def _spread_note(r: Any) -> str:
     mean, std, median = (known(r.get(k)) for k in ("step_ms", "step_ms_std", "step_ms_median"))
     if ddp_common.outlier_note(r) or mean is None or std is None or median is None or std < VARIED * mean:
         return ""
-    return (f" (its steps vary by ±{fmt.ms(std)} around a median of {fmt.ms(median)}, so it ties with any variant "
-            "closer than that)")
+    return f" (its steps vary by ±{fmt.ms(std)} around a median of {fmt.ms(median)})"
 
 
 #: A traced all-reduce this much longer than the timed wait after backward calls for a word on why.
@@ -130,10 +129,26 @@ def _printed_alone(d: SectionData, r: Any) -> str:
     if printed is None or median is None or std is None:
         return ""
     return (f" The handout's script, which times this strategy alone in its processes, printed {fmt.ms(printed)} "
-            "(its output is below), "
+            "(its output opens this section), "
             + ("within that spread." if abs(printed - median) <= std else
                f"outside that spread: this run, which times five strategies in turn in one pair of processes, is the "
                f"{'slower' if median > printed else 'faster'} of the two, and what makes it so was not isolated."))
+
+
+def _verdict(rows: dict[str, Any]) -> str:
+    """(a)'s comparison in one sentence: against naive and flat DDP, faster, slower or level within the two rows'
+    summed step-to-step spread."""
+    own, parts = rows["overlap"], []
+    for other in ("naive", "flat"):
+        them = rows.get(other)
+        if them is None or known(own.get("step_ms")) is None or known(them.get("step_ms")) is None:
+            continue
+        noise = spread(own.get("step_ms_std"), them.get("step_ms_std"))
+        verdict = step_verdict(float(own["step_ms"]), float(them["step_ms"]), noise)
+        parts.append(f"{verdict} than {other}" if verdict in ("faster", "slower") else
+                     f"level with {other} (±{fmt.ms(noise)})" if verdict.endswith("no difference") else
+                     f"not comparable with {other} ({verdict})")
+    return f" So in this run it is {join_words(parts)}, judged by the rows' summed step-to-step spread." if parts else ""
 
 
 def _why(ov: Any, rows: dict[str, Any]) -> str:
@@ -200,7 +215,7 @@ def answer(d: SectionData) -> list[Block]:
                 f"{spread}, with {fmt.ms(rows['overlap']['sync_ms'])} of communication left "
                 f"after backward{' on average' if spread else ''}"
                 + (f" (vs. {join_words(others)}{', medians' if median else ''})." if others else ".")
-                + (_printed_alone(d, rows["overlap"]) if spread else ""))
+                + _verdict(rows) + (_printed_alone(d, rows["overlap"]) if spread else ""))
     overlap_name = named(d.tables, "overlap")
     ov = d.frame(overlap_name) if overlap_name else None
     ov_text = None

@@ -464,7 +464,7 @@ def _calls_per_block(row: pd.Series) -> str:
     per, rest = divmod(calls, layers)
     if not per or rest > 1:  # not so many per block plus at most the LM head: no count worth decomposing
         return ""
-    return f" ({per} per block × {layers} blocks" + (f" + {rest}" if rest else "") + ")"
+    return f" ({per} per block × {layers} blocks" + (f" + {rest}, the LM head's" if rest else "") + ")"
 
 
 def _step_leaders(top: pd.DataFrame | None, summary: pd.DataFrame) -> str:

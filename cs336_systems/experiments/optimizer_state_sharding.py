@@ -433,12 +433,12 @@ def answer(d: SectionData) -> list[Block]:
                 parts.append(f"torch DDP's gradient buckets {fmt.sig(buckets)} GiB in both: what the allocator holds "
                              "after initialization beyond the parameters, since DDP allocates its buckets when it "
                              "wraps the model")
-            # (a) asks for 2-3 sentences: the peaks, the breakdown, the expectation; why the parts outsum the
-            # peak and how the activations compare with the accounting are the appendix's
+            # (a) asks for 2-3 sentences: the peaks, the breakdown (with why its parts outsum the peak), the
+            # expectation; how the activations compare with the accounting is the appendix's
             mem_text = Text(mem_text.markdown + " Measured breakdown on rank 0 (replicated AdamW / sharded): "
-                            + "; ".join(parts).replace("_", " ") + "." + _expectation(st, _step_saving(rank0, _state_saved(st))))
-            detail += (_buckets_note(rank0, st) + _not_all_at_once(rank0, st) + _activations_note(st)
-                       + _step_temporaries(rank0))
+                            + "; ".join(parts).replace("_", " ") + "." + _not_all_at_once(rank0, st)
+                            + _expectation(st, _step_saving(rank0, _state_saved(st))))
+            detail += _buckets_note(rank0, st) + _activations_note(st) + _step_temporaries(rank0)
     time_text = None
     if timing is not None and {"optimizer", "step_ms"} <= set(timing.columns) and len(timing):
         parts = [f"{_OPTIMIZER_NAMES.get(r['optimizer'], r['optimizer'])} {fmt.ms(r['step_ms'])}"
@@ -451,7 +451,8 @@ def answer(d: SectionData) -> list[Block]:
     beyond_zero1 = d.edition in ZERO1_BEYOND
     zero1 = question(d, "ZeRO-1" if beyond_zero1 else "c", "How this differs from ZeRO stage 1 ($P_{os}$).", [
         Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
-             "memory by the world size $P$. ZeRO-1 partitions a flat buffer into exact $\\Psi/P$ slices and "
+             "memory by the world size $P$. ZeRO-1 partitions a flat buffer of all $\\Psi$ parameters into exact "
+             "$\\Psi/P$ slices and "
              "replaces DDP's all-reduce with a reduce-scatter of gradients and an all-gather of updated "
              "parameters, $2\\frac{P-1}{P}\\Psi$ sent per rank, the same volume as DDP's ring all-reduce; ours "
              "assigns whole parameter tensors to ranks (balanced greedily, so shards are only about equal), keeps "
@@ -510,7 +511,8 @@ def _expectation(st: pd.DataFrame, after_step: str = "") -> str:
     close = all(abs(state[f"{o} measured"] / state[f"{o} predicted"] - 1) < 0.05 for o in ("adamw", "sharded")
                 if state[f"{o} predicted"])
     return ((" As expected, sharding" if close else " Sharding should") + " divide" + ("s" if close else "")
-            + " only AdamW's two fp32 moments ($8\\Psi$ bytes) by the world size: the optimizer state goes from "
+            + " only AdamW's two fp32 moments ($8\\Psi$ bytes for $\\Psi$ parameters) by the world size: the "
+            "optimizer state goes from "
             f"{fmt.sig(state['adamw measured'])} to {fmt.sig(state['sharded measured'])} GiB, "
             + _prediction(state, close) + ", while parameters and gradients do not change" + after_step + ".")
 

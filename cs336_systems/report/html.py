@@ -452,6 +452,6 @@ def document_html(doc: Document, link_from: Path | None = None) -> str:
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(doc.title)}</title><style>{CSS}{SCREEN_CSS}</style></head><body>"
         f"<h1>{html.escape(doc.title)}</h1>"
-        f'<div class="subtitle">Results as of {as_of}, from {len(doc.inputs)} committed result files.</div>'
+        f'<div class="subtitle">Results as of {as_of}.</div>'
         f"{preamble}<nav class='toc'>{toc}</nav>{body}</body></html>"
     )
