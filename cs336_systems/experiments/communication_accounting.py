@@ -49,8 +49,7 @@ LEVERS = (
     ("more TP: X=8, Y=8", 8, 8, None, 2),
     ("more TP: X=4, Y=16", 4, 16, None, 2),
     ("too much TP: X=2, Y=32", 2, 32, None, 2),
-    ("FSDP over 3 ICI axes (M_X=3)", 16, 4, 3, 2),
-)
+)  # no layout gives FSDP a third ICI axis: a v5p torus has three, and TP needs one of its own
 
 
 def run(p: Params, out: ResultWriter) -> dict[str, Any]:
