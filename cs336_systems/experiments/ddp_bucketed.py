@@ -130,7 +130,8 @@ def _expectations(b: Any, flat: Any, individual: Any, single: Any = None) -> str
                 where = f" in {other['_from']}'s run"
                 if known(other.get("_single")) and single is not None:
                     theirs *= _typical(single) / float(other["_single"])
-                    where += f", {fmt.ms(theirs)} at this run's single-GPU speed"
+                    where += (f", {fmt.ms(theirs)} scaled to this run by the ratio of the two runs' single-GPU "
+                              "steps")
             (won if mine < theirs - noise else lost).append(f"{label} ({fmt.ms(_typical(other))}{where})")
         verdict = ("beats both" if not lost else f"beats {join_words(won)} but not {join_words(lost)} beyond the "
                    "spread" if won else f"does not beat {join_words(lost)} beyond the spread")

@@ -419,7 +419,8 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
             wide = wide[order].reset_index()
             rest.append(d.table("sweep_speedup", frame=wide, caption=f"Latency (ms) of our "
                                 f"Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
-                                f"fastest SDPA backend, {dtype}, batch 1, causal"
+                                f"fastest SDPA backend, {dtype}, batch 1, causal, each the mean of a "
+                                f"`triton.testing.do_bench` run"
                                 f"{'; —: out of memory' if wide.isna().any().any() else ''}. "
                                 + _FWD_BWD_NOTE))
         # the handout's deliverable is the table of the whole sweep: every dtype's, in the answer
