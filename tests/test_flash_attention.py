@@ -1007,23 +1007,26 @@ def test_gluon_forward_reads_head_views_when_asked() -> None:
 
 def _compile_offline_in_subprocess(call: str) -> dict:
     """Run ``call`` (a ``compile_for_hopper`` of :mod:`cs336_systems.attention`'s Gluon modules) in a process
-    without ``TRITON_INTERPRET`` and return its PTX, shared-memory bytes and, where this Triton ships
-    cuobjdump, the cubin's resource usage."""
+    without ``TRITON_INTERPRET`` and return its PTX, shared-memory bytes and, where this Triton ships ptxas, the
+    bytes of register spills ptxas reports for it (``spill_bytes``; None without ptxas). Spills land in the stack
+    frame, so cuobjdump's ``LOCAL`` column does not show them."""
     import json
     import subprocess
     import sys
 
     script = f"""
-import glob, json, os, subprocess, tempfile, triton
+import glob, json, os, re, subprocess, tempfile, triton
 from cs336_systems.attention import flash_bwd_sm90, flash_fwd_sm90
 compiled = {call}
-usage = ""
-tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
+spills = None
+tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))
 if tools:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"]); cubin.flush()
-        usage = subprocess.run([tools[0], "-res-usage", cubin.name], capture_output=True, text=True).stdout
-print(json.dumps({{"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "usage": usage}}))
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as ptx:
+        ptx.write(compiled.asm["ptx"]); ptx.flush()
+        report = subprocess.run([tools[0], "-v", "--gpu-name", "sm_90a", ptx.name, "-o", os.devnull],
+                                capture_output=True, text=True).stderr
+    spills = sum(int(n) for n in re.findall(r"(\\d+) bytes spill stores", report))
+print(json.dumps({{"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "spill_bytes": spills}}))
 """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
@@ -1037,25 +1040,25 @@ print(json.dumps({{"ptx": compiled.asm["ptx"], "shared": compiled.metadata.share
 def test_gluon_forward_compiles_for_hopper(head_dim: int, tile: tuple[int, int, int] | None) -> None:
     """The warp-specialized kernel builds for sm_90 with this Triton: partitions with rebalanced registers,
     asynchronous wgmma products, TMA copies, its buffers inside the 227 KiB of shared memory, and no
-    register spills (where this Triton ships cuobjdump)."""
+    register spills (where this Triton ships ptxas)."""
     result = _compile_offline_in_subprocess(f"flash_fwd_sm90.compile_for_hopper({head_dim}, True, {tile})")
     assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
     assert result["shared"] <= 227 * 1024
-    if result["usage"]:
-        assert "LOCAL:0" in result["usage"].replace(" ", ""), result["usage"]
+    assert result["spill_bytes"] in (None, 0), result["spill_bytes"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("head_dim", "causal"), [(64, True), (128, False)], ids=str)
-def test_gluon_persistent_forward_compiles_for_hopper(head_dim: int, causal: bool) -> None:
+@pytest.mark.parametrize(("head_dim", "causal", "spill_bytes"), [(64, True, 0), (128, False, 32)], ids=str)
+def test_gluon_persistent_forward_compiles_for_hopper(head_dim: int, causal: bool, spill_bytes: int) -> None:
     """The persistent form (``options.gluon_persistent``) builds for sm_90 like the one-item form: warp roles,
-    asynchronous products, TMA copies, its buffers plus the ``q_empty`` barrier inside shared memory, no spills."""
+    asynchronous products, TMA copies, its buffers plus the ``q_empty`` barrier inside shared memory. Spills: none
+    at d=64 (two consumers, ``PERSISTENT_TILES``); at d=128 at most the 24-32 bytes the item loop's state costs
+    (docs/flash_attention/persistent.md), so that more would show."""
     result = _compile_offline_in_subprocess(
         f"flash_fwd_sm90.compile_for_hopper({head_dim}, {causal}, None, persistent=True)")
     assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
     assert result["shared"] <= 227 * 1024
-    if result["usage"]:
-        assert "LOCAL:0" in result["usage"].replace(" ", ""), result["usage"]
+    assert result["spill_bytes"] is None or result["spill_bytes"] <= spill_bytes, result["spill_bytes"]
 
 
 def test_gluon_persistent_forward_takes_the_short_rows() -> None:
@@ -1188,13 +1191,14 @@ def test_gluon_backward_eligibility() -> None:
 def test_gluon_backward_compiles_for_hopper(head_dim: int, poly: bool) -> None:
     """The warp-specialized dK/dV kernel builds for sm_90 with this Triton: rebalanced registers,
     asynchronous wgmma products, TMA copies, shared memory inside 227 KiB; the polynomial exponential
-    replaces every ``ex2`` when asked for; at head dim 64 no register spills (where cuobjdump ships)."""
+    replaces every ``ex2`` when asked for; at head dim 64 no register spills (where ptxas ships; at 128 the
+    kernel spills, docs/flash_attention/gluon_backward.md)."""
     result = _compile_offline_in_subprocess(f"flash_bwd_sm90.compile_for_hopper({head_dim}, True, None, {poly})")
     assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
     assert ("ex2.approx" in result["ptx"]) != poly
     assert result["shared"] <= 227 * 1024
-    if result["usage"] and head_dim == 64:
-        assert "LOCAL:0" in result["usage"].replace(" ", ""), result["usage"]
+    if head_dim == 64:
+        assert result["spill_bytes"] in (None, 0), result["spill_bytes"]
 
 
 @pytest.mark.gpu

@@ -74,6 +74,9 @@ ROWS = gl.constexpr(64)
 TILES: dict[int, tuple[int, int, int]] = {64: (192, 128, 3), 128: (128, 128, 3)}
 #: The tile at short sequences where 192 query rows would pad more than :data:`MAX_PADDING` of the rows.
 SHORT_TILES: dict[int, tuple[int, int, int]] = {64: (128, 128, 3)}
+#: The persistent kernel's tile where it differs from :data:`TILES`: at d=64 three 160-register consumers spill
+#: (244-280 bytes, some inside the key loop) once the item loop's state stays live; two consumers at 240 do not.
+PERSISTENT_TILES: dict[int, tuple[int, int, int]] = {64: (128, 128, 3)}
 #: The share of padded query rows (past the sequence's end) above which a shorter tile is taken.
 MAX_PADDING = 0.125
 #: Warps per consumer partition (one warpgroup: a ``wgmma`` is issued by four warps together).
@@ -216,16 +219,15 @@ def _consumer_loop(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_em
     """A persistent program's consumer: :func:`_consumer` over items ``pid, pid + programs, ...``, following the
     producer through the ring."""
     t0 = 0
-    q_round = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         bh, start_m = _item(item, n_tiles_m, n_bh, head_group, BLOCK_M, IS_CAUSAL)
         n_tiles = _key_tiles(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
         o_head = (bh // n_heads).to(gl.int64) * stride_ob + (bh % n_heads).to(gl.int64) * stride_oh
+        q_round = (item - gl.program_id(0)) // gl.num_programs(0)  # recomputed, not carried: registers are scarce
         _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
                   start_m, n_queries, n_keys, n_tiles, qk_scale, t0, q_round, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
                   True)
         t0 += n_tiles
-        q_round += 1
 
 
 @gluon.jit
@@ -334,7 +336,7 @@ def flash_forward_gluon_persistent_kernel(q_desc, k_desc, v_desc, O, L, n_querie
             (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
                               n_items, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
                               kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-        ], [_CONSUMER_WARPS, 1], [232, 40])  # fmt: skip
+        ], [_CONSUMER_WARPS, 1], [240, 24])  # 240, not 232: the item loop's state spills less (ptxas -v)  # fmt: skip
     else:
         gl.warp_specialize([
             (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
@@ -457,15 +459,18 @@ def layout_problem(tensors: dict[str, Tensor], head_views: bool) -> str | None:
     return None
 
 
-def tile_for(d: int, n_queries: int) -> tuple[int, int, int]:
+def tile_for(d: int, n_queries: int, persistent: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, STAGES)`` for head dim ``d`` and ``n_queries`` queries: ``options.gluon_tiles`` if
-    it names ``d``; else :data:`TILES`, or :data:`SHORT_TILES` where the longer query tile would leave more
-    than :data:`MAX_PADDING` of its rows past the sequence's end (at 256 tokens 192-row tiles compute 384 rows)."""
+    it names ``d``; else for the ``persistent`` kernel :data:`PERSISTENT_TILES` where it names ``d``; else
+    :data:`TILES`, or :data:`SHORT_TILES` where the longer query tile would leave more than :data:`MAX_PADDING`
+    of its rows past the sequence's end (at 256 tokens 192-row tiles compute 384 rows)."""
     override = options.current().gluon_tiles
     if override:
         for head_dim, tile in override:
             if head_dim == d:
                 return tile
+    if persistent and d in PERSISTENT_TILES:
+        return PERSISTENT_TILES[d]
     tile = TILES[d]
     short = SHORT_TILES.get(d)
     if short is not None and -(-n_queries // tile[0]) * tile[0] - n_queries > MAX_PADDING * n_queries:
@@ -488,7 +493,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     ``torch.empty_like(q)`` and L contiguous (default: new tensors)."""
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
-    block_m, block_n, stages = tile_for(d, n_queries)
+    persistent = options.current().gluon_persistent
+    block_m, block_n, stages = tile_for(d, n_queries, persistent)
     q_layout, kv_layout = _layouts(q.dtype, d, block_n)
     head_views = options.current().gluon_head_views
     q_at, kv_at = placement(q, head_views), placement(k, head_views)
@@ -510,7 +516,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
             *q_at[2:], *kv_at[2:], *o.stride()[:3])
     constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
                       num_warps=_CONSUMER_WARPS.value)
-    if options.current().gluon_persistent:  # one program per SM at most (one fits: the ring takes its shared memory)
+    if persistent:  # one program per SM at most (one fits: the ring takes its shared memory)
         programs = min(items, sm_count(q.device))
         FLASH_LAUNCHES.launch(flash_forward_gluon_persistent_kernel, (programs,), (*args, batch * heads), constexprs)
     else:
@@ -525,7 +531,8 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
     tile); returns Triton's compiled
     kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``). Run it in a process without
     ``TRITON_INTERPRET=1``: Gluon's reductions are Triton functions, and the interpreter replaces those at import."""
-    block_m, block_n, stages = tile or TILES[head_dim]
+    block_m, block_n, stages = tile or (PERSISTENT_TILES.get(head_dim, TILES[head_dim]) if persistent else
+                                        TILES[head_dim])
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
                   "IS_CAUSAL": is_causal}  # fmt: skip
     types = {"q_desc": tensor_descriptor_type(ROWS.value, head_dim), "k_desc": tensor_descriptor_type(block_n, head_dim),
