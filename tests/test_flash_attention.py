@@ -436,10 +436,13 @@ def test_gluon_forward_tile_per_length() -> None:
     assert sm90.tile_for(64, 2048) == sm90.TILES[64] == (192, 128, 3)  # 2,112 rows: 3%
     assert sm90.tile_for(64, 192) == (192, 128, 3)
     assert sm90.tile_for(128, 256) == sm90.TILES[128]
+    assert sm90.tile_for(64, 16384, persistent=True) == sm90.PERSISTENT_TILES[64]  # two consumers: no spills
+    assert sm90.tile_for(128, 16384, persistent=True) == sm90.TILES[128]
     with options.use(gluon_tiles={"64": [128, 64, 4]}):
         assert sm90.tile_for(64, 16384) == (128, 64, 4)
+        assert sm90.tile_for(64, 16384, persistent=True) == (128, 64, 4)
         assert sm90.tile_for(128, 256) == sm90.TILES[128]
-    for bad in ({64: (96, 128, 3)}, {32: (128, 128, 3)}, {64: (128, 128)}, {64: "wide"}):
+    for bad in ({64: (96, 128, 3)}, {32: (128, 128, 3)}, {64: (128, 128)}, {64: "wide"}, {64: (128, 128, 1)}):
         with pytest.raises(ValueError, match="gluon_tiles"):
             options.FlashOptions(gluon_tiles=bad)
 

@@ -83,9 +83,9 @@ def _gluon_tiles(value: Any, name: str = "gluon_tiles",
             raise ValueError(f"{name} maps a head dim to (BLOCK_M, BLOCK_N, STAGES), got {d!r}: {tile!r}") \
                 from None
         if d not in (64, 128) or len(tile) != 3 or tile[0] not in allowed[0] or tile[1] not in allowed[1] \
-                or not 1 <= tile[2] <= 6:
+                or not 2 <= tile[2] <= 6:  # one stage would hang: a consumer frees a buffer after the next lands
             raise ValueError(f"{name}: head dim 64 or 128 to (BLOCK_M in {allowed[0]}, BLOCK_N in {allowed[1]}, "
-                             f"STAGES 1-6), got {d}: {tile}")
+                             f"STAGES 2-6), got {d}: {tile}")
         tiles.append((d, tile))
     return tuple(sorted(tiles))
 
