@@ -1778,7 +1778,7 @@ def test_nsys_b_counts_the_top_kernel_per_block_and_names_steps_led_by_other_ker
     from cs336_systems.experiments.nsys_profile import _calls_per_block, _step_leaders
 
     assert _calls_per_block(pd.Series({"size": "large", "top_kernel_calls_per_forward": 109})) == \
-        " (3 per block × 36 blocks + 1)"
+        " (3 per block × 36 blocks + 1, the LM head's)"
     assert _calls_per_block(pd.Series({"size": "large", "top_kernel_calls_per_forward": 50})) == ""
     summary = pd.DataFrame({"size": ["small", "small"], "context_length": [512, 4096], "status": "ok",
                             "top_forward_kernel": ["gemm_a", "gemm_a"]})
