@@ -102,3 +102,21 @@ def test_record_keeps_what_the_run_printed_and_the_cse599o_writeup_shows_it(tmp_
     # the transformer run was not recorded: the section says which command records it
     assert any(isinstance(b, Missing) and "--record naive_transformer" in b.command for b in blocks)
     assert not any(s.folder == "cse599o" for s in build_document(tmp_path).unclaimed)  # not an orphan folder
+
+
+def test_the_cse599o_writeup_heads_each_problem_with_its_handout_number(tmp_path) -> None:
+    """CSE599-O numbers its problems ("Problem-6 (ddp_overlap_individual_parameters_benchmarking)"): its writeup's
+    section headers and contents table say them so; the CS336 editions, which do not number them, keep the names."""
+    from cs336_systems.report import editions
+    from cs336_systems.report.html import document_html
+    from cs336_systems.writeup.build import build_document
+
+    assert editions.numbered("cse599o", "ddp_bucketed_benchmarking") == "Problem-8 (ddp_bucketed_benchmarking)"
+    assert editions.numbered("2026", "ddp_bucketed_benchmarking") == "ddp_bucketed_benchmarking"
+    doc = build_document(tmp_path, edition="cse599o")
+    section = doc.section("2.4.2")
+    assert section.problem_names == ("Problem-5 (ddp_overlap_individual_parameters)",
+                                     "Problem-6 (ddp_overlap_individual_parameters_benchmarking)")
+    page = document_html(doc)
+    assert "Problem-6 (ddp_overlap_individual_parameters_benchmarking)" in page
+    assert page.count("Problem-10 (optimizer_state_sharding_accounting)") >= 2  # the contents table and §3.1

@@ -137,6 +137,9 @@ class Section:
     further: list[Block] = field(default_factory=list)
     """Artefacts of the section's folders that no answer cites (exploratory runs): listed in the results
     index (``figures/index.html``), not printed in the writeup."""
+    problem_names: tuple[str, ...] = ()
+    """The problems as the section's header shows them where the handout numbers them ("Problem-6 (name)");
+    empty: :attr:`problems` as they are."""
 
     @property
     def anchor(self) -> str:

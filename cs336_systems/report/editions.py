@@ -179,6 +179,21 @@ def asks(edition: str, section: str) -> bool:
     return any(e.section == section and e.problems and not in_appendix(edition, section, e.problems) for e in found)
 
 
+#: Handouts that number their problems, by problem name: CSE599-O heads each "Problem-N (name)".
+PROBLEM_NUMBERS: dict[str, dict[str, int]] = {"cse599o": {name: n for n, name in enumerate((
+    "distributed_communication_single_node", "toymodel_naive_ddp", "transformer_naive_ddp_benchmarking",
+    "minimal_ddp_flat_benchmarking", "ddp_overlap_individual_parameters",
+    "ddp_overlap_individual_parameters_benchmarking", "ddp_overlap_bucketed", "ddp_bucketed_benchmarking",
+    "optimizer_state_sharding", "optimizer_state_sharding_accounting"), start=1)}}
+
+
+def numbered(edition: str, problem: str) -> str:
+    """``problem`` as ``edition``'s handout heads it: ``"Problem-6 (name)"`` where it numbers its problems, else
+    the name itself."""
+    n = PROBLEM_NUMBERS.get(edition, {}).get(problem)
+    return f"Problem-{n} ({problem})" if n else problem
+
+
 def handout_name(edition: str) -> str:
     """``"the CSE599-O handout"``, ``"the CS336 2026 handout"``."""
     if edition not in EDITIONS:

@@ -373,7 +373,7 @@ def block_html(block: Block, counter: _Counter) -> str:
 
 
 def section_html(section: Section, counter: _Counter) -> str:
-    problems = ", ".join(section.problems)
+    problems = ", ".join(section.problem_names or section.problems)
     head = (
         f'<h2 id="{section.anchor}"><span class="num">§{section.number}</span>{html.escape(section.title)}</h2>'
         f'<div class="problems">{html.escape(problems)}</div>'

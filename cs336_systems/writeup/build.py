@@ -199,6 +199,7 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         own = _own_grid(spec, root, edition) is not None
         section, _ = build_section(spec, root, strict, notebooks, _own_grid(spec, root, edition), answers_for=edition)
         section.number, section.problems = entry.number, entry.problems
+        section.problem_names = tuple(editions.numbered(edition, p) for p in entry.problems)
         section.title = entry.title or spec.title.removesuffix(f" ({edition} handout)")
         section.blocks = [b for b in section.blocks
                           if not (isinstance(b, Question) and (entry.section, b.label) in lent)]
@@ -216,7 +217,8 @@ def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -
         section.blocks[:0] = note("" if own else entry.note)
         section.further = []  # the results index belongs to the workbook's own writeup
         sections.append(section)
-        rows.append(f"| §{entry.number} | {', '.join(entry.problems) or '(context)'} | §{spec.number} {spec.title} |")
+        rows.append(f"| §{entry.number} | {', '.join(section.problem_names) or '(context)'} | §{spec.number} "
+                    f"{spec.title} |")
     preamble = _preamble(root, f"writeup-{edition}.html") + [
         Text(f"This document answers {editions.handout_name(edition)}, in its order and under its numbers. Its "
              "sections and the workbook's full writeup (`writeup.pdf`), whose section numbers it cites where it has "
