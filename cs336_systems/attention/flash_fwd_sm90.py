@@ -58,7 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import options
 from .launch_cache import FLASH_LAUNCHES
-from .scheduling import heads_per_l2_group, sm_count
+from .scheduling import grid, heads_per_l2_group, sm_count
 
 _LOG2_E = 1.4426950408889634
 
@@ -360,7 +360,7 @@ def _buffers(q_desc, k_desc, v_desc, CONSUMERS: gl.constexpr, STAGES: gl.constex
     ``q_empty``: every consumer is done with Q, persistent programs only; ``kv_ready[s]``, ``kv_empty[s]``: buffer
     ``s`` landed, is free)."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, k_desc.block_type.shape[1]], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -493,10 +493,10 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     ``torch.empty_like(q)`` and L contiguous (default: new tensors)."""
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
-    persistent = options.current().gluon_persistent
+    opts = options.current()
+    persistent, head_views = opts.gluon_persistent, opts.gluon_head_views
     block_m, block_n, stages = tile_for(d, n_queries, persistent)
     q_layout, kv_layout = _layouts(q.dtype, d, block_n)
-    head_views = options.current().gluon_head_views
     q_at, kv_at = placement(q, head_views), placement(k, head_views)
     assert q_at is not None and kv_at is not None, "flash_forward needs inputs that ineligibility() accepts"
 
@@ -517,8 +517,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
                       num_warps=_CONSUMER_WARPS.value)
     if persistent:  # one program per SM at most (one fits: the ring takes its shared memory)
-        programs = min(items, sm_count(q.device))
-        FLASH_LAUNCHES.launch(flash_forward_gluon_persistent_kernel, (programs,), (*args, batch * heads), constexprs)
+        FLASH_LAUNCHES.launch(flash_forward_gluon_persistent_kernel, grid(items, sm_count(q.device)),
+                              (*args, batch * heads), constexprs)
     else:
         FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, (items,), args, constexprs)
     return o, lse
