@@ -26,6 +26,7 @@ import functools
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,12 +86,22 @@ def _git(*args: str) -> str:
 
 
 def git_commit() -> str:
-    """HEAD's commit, with ``-dirty`` when tracked files under the library differ from it."""
-    commit = os.environ.get("CS336_GIT_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
-    if commit != "unknown" and "CS336_GIT_COMMIT" not in os.environ:
+    """HEAD's commit, with ``-dirty`` when tracked files under the library differ from it; or the commit named by
+    ``CS336_GIT_COMMIT`` (a copy of the tree without its ``.git``), which must be a full hash: staleness and the
+    merging of a grid's jobs compare commits exactly, so a short or mistyped one would orphan the result."""
+    pinned = os.environ.get("CS336_GIT_COMMIT")
+    if pinned:
+        if not _FULL_COMMIT.fullmatch(pinned):
+            raise ValueError(f"CS336_GIT_COMMIT must be a full 40-hex commit hash (optionally -dirty), got {pinned!r}")
+        return pinned
+    commit = _git("rev-parse", "HEAD") or "unknown"
+    if commit != "unknown":
         if _git("status", "--porcelain", "--untracked-files=no", "--", "cs336_systems", "cs336-basics"):
             commit += "-dirty"
     return commit
+
+
+_FULL_COMMIT = re.compile(r"[0-9a-f]{40}(-dirty)?")
 
 
 def device_description() -> dict[str, Any]:

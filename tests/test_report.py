@@ -36,7 +36,7 @@ def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty results root that ResultWriter writes into (as a measured, non-smoke run)."""
     root = tmp_path / "figures"
     monkeypatch.setenv("CS336_FIGURES_DIR", str(root))
-    monkeypatch.setenv("CS336_GIT_COMMIT", "0123456789abcdef")
+    monkeypatch.setenv("CS336_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
     return root
 
 
@@ -172,7 +172,7 @@ def test_uncited_results_go_to_the_index_not_the_writeup(results: Path) -> None:
     assert appendix.folder == "brand_new_notebook" and appendix.number == "A.1"
     (table,) = [b for b in appendix.further if isinstance(b, Table)]
     assert table.frame.set_index("quantity")["value"]["answer"] == 42
-    line = provenance_line(table.meta)  # its commit (0123456789abcdef) is unknown here: stale as well
+    line = provenance_line(table.meta)  # its commit (0123456789abcdef…) is unknown here: stale as well
     assert line.startswith("STALE") and "SMOKE RUN, not a GPU measurement" in line
 
     from cs336_systems.writeup.build import write_html, write_index

@@ -99,22 +99,22 @@ def test_rewriting_an_unchanged_result_leaves_its_bytes(tmp_path, monkeypatch) -
         out.json({"v": value}, "j")
         return {p.name: p.read_bytes() for p in sorted((tmp_path / "sec").iterdir())}
 
-    first = write(3.0, "aaaa")
-    assert write(3.0, "aaaa") == first  # the same result from the same code: nothing rewritten
-    later = write(3.0, "bbbb")  # the same result from newer code: only the sidecars' commit moves
+    first = write(3.0, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa")
+    assert write(3.0, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa") == first  # the same result from the same code: nothing rewritten
+    later = write(3.0, "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb")  # the same result from newer code: only the sidecars' commit moves
     for name, data in first.items():
         if name.endswith(".meta.json"):
             old, new = json.loads(data), json.loads(later[name])
-            assert new["git_commit"] == "bbbb" and list(new) == list(old)  # in place: same key order
+            assert new["git_commit"] == "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb" and list(new) == list(old)  # in place: same key order
             assert {k: v for k, v in new.items() if k not in ("git_commit", "date", "argv")} == \
                 {k: v for k, v in old.items() if k not in ("git_commit", "date", "argv")}
         else:
             assert later[name] == data, name
-    changed = write(5.0, "cccc")
+    changed = write(5.0, "cccccccccccccccccccccccccccccccccccccccc")
     for name in ("t.csv", "t.meta.json", "f.png", "f.meta.json", "j.json", "j.meta.json"):
         assert changed[name] != first[name], name
-    assert json.loads(changed["t.meta.json"])["git_commit"] == "cccc"
-    monkeypatch.setenv("CS336_GIT_COMMIT", "cccc")
+    assert json.loads(changed["t.meta.json"])["git_commit"] == "cccccccccccccccccccccccccccccccccccccccc"
+    monkeypatch.setenv("CS336_GIT_COMMIT", "cccccccccccccccccccccccccccccccccccccccc")
     results.ResultWriter("sec", params={"n": 2}, smoke=False).json({"v": 5.0}, "j")  # new parameters: new record
     assert json.loads((tmp_path / "sec" / "j.meta.json").read_text())["params"] == {"n": 2}
 
@@ -140,14 +140,26 @@ def test_a_rerun_on_unchanged_measuring_code_leaves_every_byte(tmp_path, monkeyp
         plt.close(fig)
         return {p.name: p.read_bytes() for p in sorted((tmp_path / "sec").iterdir())}
 
-    first = write("aaaa")
+    first = write("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa")
     assert json.loads(first["t.meta.json"])["extra"] == {"C": 4.0}
     assert sorted(json.loads(first["t.meta.json"])["files"]) == ["t.csv", "t.md", "t.png"]
-    assert write("aaaa") == first
-    monkeypatch.setattr(results, "_same_measuring_code", lambda meta, section: meta["git_commit"] == "aaaa")
-    assert write("bbbb") == first  # newer commit, same measuring code: byte-identical
+    assert write("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa") == first
+    monkeypatch.setattr(results, "_same_measuring_code", lambda meta, section: meta["git_commit"] == "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa")
+    assert write("bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb") == first  # newer commit, same measuring code: byte-identical
     monkeypatch.setattr(results, "_same_measuring_code", lambda meta, section: False)
-    assert json.loads(write("cccc")["t.meta.json"])["git_commit"] == "cccc"  # the code changed: it says so
+    assert json.loads(write("cccccccccccccccccccccccccccccccccccccccc")["t.meta.json"])["git_commit"] == "cccccccccccccccccccccccccccccccccccccccc"  # the code changed: it says so
+
+
+def test_a_pinned_commit_must_be_a_full_hash(monkeypatch) -> None:
+    """``CS336_GIT_COMMIT`` names the code of a tree copied without ``.git``; a short or mistyped hash would match
+    no commit, so the result would read as stale and a later job of its grid would drop its rows."""
+    for bad in ("64cecce5", "g" * 40, "a" * 41, "A" * 40):
+        monkeypatch.setenv("CS336_GIT_COMMIT", bad)
+        with pytest.raises(ValueError, match="full 40-hex commit hash"):
+            results.git_commit()
+    for good in ("a" * 40, "0" * 40 + "-dirty"):
+        monkeypatch.setenv("CS336_GIT_COMMIT", good)
+        assert results.git_commit() == good
 
 
 def test_committed_sidecars_are_in_the_current_format() -> None:
