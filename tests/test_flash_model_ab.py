@@ -191,3 +191,17 @@ def test_answer_names_the_cells_each_implementation_won(tmp_path) -> None:
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
     assert "1 tie (the medians differ by less than the larger spread of the rounds)" in text
     assert "flash_triton faster in 0, sdpa faster in 1 (small at 2,048, compiled)" in text
+
+
+def test_a_lost_cells_gap_is_split_by_phase() -> None:
+    """Where SDPA wins a cell, the answer says in which phase: the attention runs in the forward and backward,
+    the AdamW step is the same code under both."""
+    phases = ("forward", "backward", "optimizer")
+    rows = pd.DataFrame([{"preset": "small", "context_length": 2048, "compile": True, "round": r,
+                          "attention_impl": impl, "status": "ok", **dict(zip([f"{p}_mean_ms" for p in phases], t)),
+                          "total_mean_ms": sum(t) + 1.0}
+                         for r in (0, 1) for impl, t in (("sdpa", (8.0, 15.0, 7.0)), ("flash_triton", (10.0, 15.5, 9.5)))])
+    lost = pd.DataFrame([{"preset": "small", "context_length": 2048, "compile": True}])
+    text = fb.answers._model_ab_gaps(rows, lost, "sdpa", "flash_triton", lambda r: "small at 2,048, compiled")
+    assert "small at 2,048, compiled, 5.00 ms slower: forward +2.00, backward +0.50, the AdamW step +2.50, the rest +0.00 ms" in text
+    assert fb.answers._model_ab_gaps(rows.drop(columns="optimizer_mean_ms"), lost, "sdpa", "flash_triton", str) == ""

@@ -285,6 +285,9 @@ def _model_ab(d: SectionData) -> list[Block]:
         text += ("; the grid's " + join_words([f"{p} at {c:,} ({'compiled' if k else 'eager'})" for p, c, k in absent])
                  + " not measured yet (the full run's model_ab jobs, listed by `python -m "
                  "cs336_systems.experiments flash_benchmarking --help`)")
+    lost = measured[measured["verdict"] == baseline]
+    if len(lost):
+        text += _model_ab_gaps(d.frame("model_ab"), lost, baseline, ours, where)
     if measured["compile"].any():  # what "compiled" means here, unlike §1.4's graph-replayed steps
         text += (". Compiled is `torch.compile(model)` in its default mode with `cs336_basics`' AdamW stepping "
                  "eagerly: no CUDA graphs, so each attention call still pays its custom operators' host path")
@@ -296,6 +299,37 @@ def _model_ab(d: SectionData) -> list[Block]:
                 f"and compiled, and the verdict against the spread of the rounds (spreads and the ratio "
                 f"{baseline} / ours: the CSV)."),
     ])]
+
+
+#: The phases of a training step that the model A/B times on their own; the step's rest (zeroing gradients,
+#: synchronizing) is its total less these.
+_STEP_PHASES = (("forward", "forward"), ("backward", "backward"), ("optimizer", "the AdamW step"))
+
+
+def _model_ab_gaps(rows: pd.DataFrame | None, lost: pd.DataFrame, baseline: str, ours: str,
+                   where: Any) -> str:
+    """Where ours loses a cell, the gap split by phase (medians over the rounds): the attention runs in the
+    forward and backward only, so a gap in the AdamW step, which is the same code under both, is the host's."""
+    if rows is None or not {f"{p}_mean_ms" for p, _ in _STEP_PHASES} <= set(rows.columns):
+        return ""
+    parts = []
+    for _, cell in lost.iterrows():
+        mine = rows[(rows["preset"] == cell["preset"]) & (rows["context_length"] == cell["context_length"])
+                    & (rows["compile"] == cell["compile"]) & (rows["status"] == "ok")]
+        med = mine.groupby("attention_impl")[[f"{p}_mean_ms" for p, _ in _STEP_PHASES] + ["total_mean_ms"]].median()
+        if not {baseline, ours} <= set(med.index):
+            continue
+        gap = med.loc[ours] - med.loc[baseline]
+        phases = [(name, gap[f"{p}_mean_ms"]) for p, name in _STEP_PHASES]
+        rest = gap["total_mean_ms"] - sum(v for _, v in phases)
+        parts.append(f"{where(cell)}, {fmt.sig(gap['total_mean_ms'])} ms slower: "
+                     + ", ".join(f"{name} {v:+.2f}".replace("-", "−") for name, v in [*phases, ("the rest", rest)]) + " ms")
+    if not parts:
+        return ""
+    return ("; where " + baseline + " is faster, the gap by phase (ours less " + baseline + ", medians of the "
+            "rounds' phase means): " + "; ".join(parts) + ". The attention runs only in the forward and backward; "
+            "the AdamW step and the rest run the same code under both, so what differs there is the host's "
+            "round-to-round noise, which two rounds do not average out")
 
 
 def _model_ab_grid(params: dict[str, Any]) -> list[tuple[str, int, bool]]:
