@@ -58,7 +58,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import options
 from .launch_cache import FLASH_LAUNCHES
-from .scheduling import grid, heads_per_l2_group, sm_count
+from .scheduling import (ITEM_OVERHEAD_TILES, grid, heads_per_l2_group, item_key_tiles, list_schedule,
+                         sm_count)
 
 _LOG2_E = 1.4426950408889634
 
@@ -108,16 +109,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv
 
 
 @gluon.jit
-def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, n_items,
-                   n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h,
+def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, schedule,
+                   row, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h,
                    kv_col_h, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """A persistent program's copies: items ``pid, pid + programs, ...``, the ring carried from one to the next,
+    """A persistent program's copies: its items of ``schedule`` in turn, the ring carried from one to the next,
     so the next item's Q, K and V load while the consumers finish the current one."""
     t0 = 0
-    q_round = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        bh, start_m = _item(item, n_tiles_m, n_bh, head_group, BLOCK_M, IS_CAUSAL)
+    for q_round in range(_my_count(schedule, row)):
+        bh, start_m = _item(_my_item(schedule, row, q_round), n_tiles_m, n_bh, head_group, BLOCK_M, IS_CAUSAL)
         n_tiles = _key_tiles(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
@@ -125,7 +125,6 @@ def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
                   b * q_rows_b + h * q_rows_h + start_m, h * q_col_h, b * kv_rows_b + h * kv_rows_h, h * kv_col_h,
                   n_tiles, t0, q_round, CONSUMERS, BLOCK_N, STAGES, True)
         t0 += n_tiles
-        q_round += 1
 
 
 @gluon.jit
@@ -212,22 +211,34 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, 
 
 
 @gluon.jit
-def _consumer_loop(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m, n_bh,
-                   head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
+def _consumer_loop(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
+                   n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    IS_CAUSAL: gl.constexpr):
-    """A persistent program's consumer: :func:`_consumer` over items ``pid, pid + programs, ...``, following the
-    producer through the ring."""
+    """A persistent program's consumer: :func:`_consumer` over its items of ``schedule``, following the producer
+    through the ring."""
     t0 = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        bh, start_m = _item(item, n_tiles_m, n_bh, head_group, BLOCK_M, IS_CAUSAL)
+    for q_round in range(_my_count(schedule, row)):
+        bh, start_m = _item(_my_item(schedule, row, q_round), n_tiles_m, n_bh, head_group, BLOCK_M, IS_CAUSAL)
         n_tiles = _key_tiles(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
         o_head = (bh // n_heads).to(gl.int64) * stride_ob + (bh % n_heads).to(gl.int64) * stride_oh
-        q_round = (item - gl.program_id(0)) // gl.num_programs(0)  # recomputed, not carried: registers are scarce
         _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
                   start_m, n_queries, n_keys, n_tiles, qk_scale, t0, q_round, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
                   True)
         t0 += n_tiles
+
+
+@gluon.jit
+def _my_count(schedule, row):
+    """How many items this program takes: the first entry of its row of ``schedule`` (int32, ``programs`` rows of
+    ``row`` entries: the count, then the items; :func:`persistent_schedule`)."""
+    return gl.load(schedule + gl.program_id(0) * row)
+
+
+@gluon.jit
+def _my_item(schedule, row, r):
+    """This program's item number ``r`` (its row's start recomputed per item, not kept: registers are scarce)."""
+    return gl.load(schedule + gl.program_id(0) * row + 1 + r)
 
 
 @gluon.jit
@@ -312,44 +323,45 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
 @gluon.jit
 def flash_forward_gluon_persistent_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, qk_scale, n_heads,
                                           head_group, q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h, kv_col_h,
-                                          stride_ob, stride_oh, stride_on, n_bh,
+                                          stride_ob, stride_oh, stride_on, n_bh, schedule, row,
                                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                           STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """A grid of at most one program per SM, each taking the (query tile, head) items in turn (FlashAttention-3's
     persistent schedule). Why: at short rows an item is a few key tiles, and a program per item pays its start,
     its first loads and its epilogue in full each time; here the producer loads the next item's Q, K and V while
-    the consumers still finish the current one (``q_empty``, and the K/V ring carried across items)."""
+    the consumers still finish the current one (``q_empty``, and the K/V ring carried across items). Which items a
+    program takes is planned on the host (``schedule``, :func:`persistent_schedule`): dealt in turn, causal items
+    of unequal length would leave a tail."""
     CONSUMERS: gl.constexpr = BLOCK_M // ROWS
     gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "BLOCK_M: two or three consumer warpgroups of 64 queries")
     n_tiles_m = gl.cdiv(n_queries, BLOCK_M)
-    n_items = n_tiles_m * n_bh
     q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty = _buffers(q_desc, k_desc, v_desc, CONSUMERS, STAGES,
                                                                           True)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
-                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer_loop, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
-                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
+                              n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer_loop, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
+                              n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
             (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
-                              n_items, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
+                              schedule, row, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
                               kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         ], [_CONSUMER_WARPS, 1], [240, 24])  # 240, not 232: the item loop's state spills less (ptxas -v)  # fmt: skip
     else:
         gl.warp_specialize([
-            (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
-                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer_loop, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
-                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer_loop, (2, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, n_items, n_tiles_m,
-                              n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
+                              n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer_loop, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
+                              n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer_loop, (2, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
+                              n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
             (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
-                              n_items, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
+                              schedule, row, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
                               kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [160, 160, 24])  # fmt: skip
 
@@ -517,11 +529,31 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
                       num_warps=_CONSUMER_WARPS.value)
     if persistent:  # one program per SM at most (one fits: the ring takes its shared memory)
-        FLASH_LAUNCHES.launch(flash_forward_gluon_persistent_kernel, grid(items, sm_count(q.device)),
-                              (*args, batch * heads), constexprs)
+        programs = grid(items, sm_count(q.device))
+        schedule = persistent_schedule(batch * heads, n_queries, n_keys, group, block_m, block_n, is_causal,
+                                       programs[0], q.device)
+        FLASH_LAUNCHES.launch(flash_forward_gluon_persistent_kernel, programs,
+                              (*args, batch * heads, schedule, schedule.shape[1]), constexprs)
     else:
         FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, (items,), args, constexprs)
     return o, lse
+
+
+@functools.lru_cache(maxsize=256)
+def persistent_schedule(n_bh: int, n_queries: int, n_keys: int, head_group: int, block_m: int, block_n: int,
+                        causal: bool, programs: int, device: torch.device) -> Tensor:
+    """The persistent forward's item plan on ``device``: an int32 ``(programs, row)`` table whose row ``p`` holds
+    program ``p``'s item count, then its items in turn (:func:`scheduling.list_schedule`, each item weighted by
+    its key tiles plus the per-item overhead). Planned once per shape: a call that hits the cache copies nothing
+    (so a CUDA graph can capture the launch after a first call)."""
+    tiles = item_key_tiles(n_bh, -(-n_queries // block_m), head_group, n_keys, block_m, block_n, causal)
+    offsets, items = list_schedule([t + ITEM_OVERHEAD_TILES for t in tiles], programs)
+    counts = [offsets[p + 1] - offsets[p] for p in range(programs)]
+    table = torch.zeros(programs, 1 + max(counts), dtype=torch.int32)
+    for p, count in enumerate(counts):
+        table[p, 0] = count
+        table[p, 1:1 + count] = torch.tensor(items[offsets[p]:offsets[p + 1]], dtype=torch.int32)
+    return table.to(device)
 
 
 def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None,
@@ -537,8 +569,11 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
                   "IS_CAUSAL": is_causal}  # fmt: skip
     types = {"q_desc": tensor_descriptor_type(ROWS.value, head_dim), "k_desc": tensor_descriptor_type(block_n, head_dim),
              "v_desc": tensor_descriptor_type(block_n, head_dim), "O": "*bf16", "L": "*fp32", "qk_scale": "fp32"}
+    if persistent:
+        types["schedule"] = "*i32"
     kernel = flash_forward_gluon_persistent_kernel if persistent else flash_forward_gluon_kernel
-    return compile_offline(kernel, types, constexprs, ("O", "L"), _CONSUMER_WARPS.value)
+    return compile_offline(kernel, types, constexprs, ("O", "L", "schedule") if persistent else ("O", "L"),
+                           _CONSUMER_WARPS.value)
 
 
 def tensor_descriptor_type(rows: int, head_dim: int) -> str:

@@ -135,11 +135,12 @@ class FlashOptions:
     call has more (tile, head) items than that many programs, each program takes items in turn
     (``flash_common._persistent_items``) instead of one program per item. 0 (the default): one program per
     item. Opt-in until measured (docs/flash_attention/persistent.md).
-    ``gluon_persistent``: the Gluon forward runs a persistent grid, at most one program per SM, each taking the
+    ``gluon_persistent``: the Gluon forward runs a persistent grid, at most one program per SM, each taking its
     (query tile, head) items in turn with the next item's loads issued under the current one's last products
-    and epilogue (FlashAttention-3's schedule); it then also takes the short rows that ``gluon_min_key_work``
-    sends to the Triton forward, which are what it is for. Same outputs as one program per item. Opt-in until
-    measured (docs/flash_attention/persistent.md).
+    and epilogue (FlashAttention-3's schedule); which items each program takes is planned on the host, once per
+    shape, so that causal items of unequal length leave no tail. It then also takes the short rows that
+    ``gluon_min_key_work`` sends to the Triton forward, which are what it is for. Same outputs as one program per
+    item. Opt-in: it wins at some shapes and loses at others (docs/flash_attention/persistent.md).
     ``dq_atomic``: the Triton dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer
     atomically (five products per key and query tile instead of the two kernels' seven), and the dQ kernel only
     writes the ``[L; D]`` rows. Opt-in until measured; where ``gluon_backward`` picks the Gluon dK/dV kernel,

@@ -10,6 +10,8 @@ forward alike): every tile of a group, heads fastest inside it, before the next 
 from __future__ import annotations
 
 import functools
+import heapq
+from collections.abc import Sequence
 
 import torch
 
@@ -72,3 +74,47 @@ def grid(items: int, programs: int) -> tuple[int]:
     """The 1-D grid for ``items`` (tile, head) items: one program each, or at most ``programs`` programs that
     take them in turn (a persistent grid, ``programs`` > 0)."""
     return (min(items, programs) if programs else items,)
+
+
+#: What a persistent program pays per item beyond its key tiles (the Q copy, the epilogue, the barrier hand-offs),
+#: in key tiles: the weight :func:`list_schedule` adds to each item.
+ITEM_OVERHEAD_TILES = 1
+
+
+def item_key_tiles(n_bh: int, n_tiles_m: int, head_group: int, n_keys: int, block_m: int, block_n: int,
+                   causal: bool) -> list[int]:
+    """The key tiles of each (query tile, head) item, in the one-program-per-item order
+    (``flash_common._tile_and_head``, ``flash_fwd_sm90._item``): groups of ``head_group`` heads, inside a group
+    heads fastest, and causal the longest tiles first."""
+    full = -(-n_keys // block_n)
+    tiles = []
+    for first in range(0, n_bh, head_group):
+        heads = min(head_group, n_bh - first)
+        for t in range(n_tiles_m):
+            m = n_tiles_m - 1 - t if causal else t
+            tiles += [-(-min((m + 1) * block_m, n_keys) // block_n) if causal else full] * heads
+    return tiles
+
+
+def list_schedule(weights: Sequence[float], programs: int) -> tuple[list[int], list[int]]:
+    """Items dealt in order, each to the program that frees first (ties: the lower program), as ``(offsets,
+    items)``: program ``p`` takes ``items[offsets[p]:offsets[p + 1]]`` in turn.
+
+    Why: a persistent grid that deals items ``p, p + programs, ...`` leaves a tail where the items' lengths
+    differ. Causal rows in head groups put up to a third more work on the busiest program than on the average one
+    (docs/flash_attention/persistent.md). The hardware's dispatch of a one-item grid is this greedy rule, whose
+    busiest program ends within one item of the average; planned here on the host, once per shape, it keeps that
+    balance and the one-item order (and so the L2 head groups) for a grid of one program per SM."""
+    if programs < 1:
+        raise ValueError(f"a schedule needs at least one program, got {programs}")
+    free = [(0.0, p) for p in range(programs)]
+    taken: list[list[int]] = [[] for _ in range(programs)]
+    for item, weight in enumerate(weights):
+        busy, p = heapq.heappop(free)
+        taken[p].append(item)
+        heapq.heappush(free, (busy + weight, p))
+    offsets, items = [0], []
+    for mine in taken:
+        items += mine
+        offsets.append(len(items))
+    return offsets, items
