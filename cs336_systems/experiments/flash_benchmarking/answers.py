@@ -150,8 +150,10 @@ LOSER_LEVERS = {
     "backward": "in the backward, our dK/dV and dQ kernels each recompute $QK^T$ and $P$, seven products where "
                 "cuDNN's fused backward does five; accumulating dQ inside the dK/dV kernel removes two, but with "
                 "scalar float32 atomic adds it measured slower at every shape tried, because the adds grow with the "
-                "sequence squared like the products (`docs/flash_attention/dq_atomic.md`); what is left is "
-                "FlashAttention-3's reduction of whole dQ tiles",
+                "sequence squared like the products; adding whole dQ tiles by TMA reductions, as FlashAttention-3 "
+                "does, also measured slower at every shape tried (`docs/flash_attention/dq_atomic.md`). "
+                "What is left untried is FlashAttention-3's form in full: a warp group of its own issuing those "
+                "reductions beside the products",
     "forward": "the tile is already chosen per sequence length; a persistent Triton schedule (each program "
                "taking tiles in turn) measured slower, because a program does not overlap one tile's loads "
                "with the previous tile's epilogue (`docs/flash_attention/persistent.md`)",
@@ -440,6 +442,9 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
         naive_text = _naive_sentence(sp, sweep)
         if naive_text is not None:
             blocks.append(naive_text)
+        fp32 = _float32_products(d.meta("sweep_float32") if "float32" in set(sp["dtype"]) else {})
+        if fp32 is not None:
+            blocks.append(fp32)
         # beyond the handout's comparison (regular PyTorch attention): the appendix's
         against_sdpa = Text("Speed-up of our Triton kernels over the fastest SDPA backend in each cell "
                             "(built-in time / ours; above 1 means ours is faster): " + "; ".join(parts) + ".")
@@ -451,7 +456,8 @@ def _flash_sweep(d: SectionData) -> tuple[list[Block | None], list[Block | None]
             order = [c for ph in ("forward", "backward", "forward+backward") for c in
                      (f"{ph} ours ms", f"{ph} PyTorch ms", f"{ph} best SDPA ms") if c in wide.columns]
             wide = wide[order].reset_index()
-            rest.append(d.table("sweep_speedup", frame=wide, caption=f"Latency (ms) of our "
+            measured = f"sweep_{dtype}" if f"sweep_{dtype}" in SWEEP_TABLES else "sweep_speedup"
+            rest.append(d.table(measured, frame=wide, caption=f"Latency (ms) of our "
                                 f"Triton FlashAttention-2, regular PyTorch attention (eager, unfused) and the "
                                 f"fastest SDPA backend, {dtype}, batch 1, causal, each the mean of a "
                                 f"`triton.testing.do_bench` run"
@@ -554,6 +560,19 @@ def _slower_pass(sp: pd.DataFrame, slower: pd.DataFrame, dtype: str) -> str:
     return f": our forward is slower in {losing['forward']} of them, our backward in {losing['backward']}"
 
 
+def _float32_products(meta: Mapping[str, Any]) -> Text | None:
+    """How each side multiplies float32, which the float32 table's comparison turns on."""
+    precision = (meta or {}).get("float32_matmul_precision")
+    if precision is None:
+        return None
+    if precision == "highest":
+        return Text("In float32, each of our kernels' products is three TF32 tensor-core products (Triton's "
+                    "`tf32x3`), which keeps float32's accuracy, while PyTorch's eager float32 matmuls run on the "
+                    "FP32 cores, since the matmul precision was `highest`.")
+    return Text(f"In float32, our kernels and PyTorch's matmuls both multiply in TF32 on the tensor cores (the "
+                f"matmul precision was `{precision}`).")
+
+
 def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None:
     """Ours against regular PyTorch attention (what the handout compares with), forward + backward."""
     if "speedup_vs_naive" not in sp.columns:
@@ -640,23 +659,24 @@ def _model_step_sentence(df: pd.DataFrame | None) -> Text | None:
                 + join_words(parts) + ".")
 
 
+#: The share by which repeated leaderboard runs of one kernel in one process differ (docs/flash_attention/NOTES.md,
+#: the runs of one command): two kernels closer than this are level, whatever one run's mean says.
+_LEADERBOARD_REPEAT_SPREAD = 0.01
+
+
 def _leaderboard_verdict(summary: dict, ours: str, other: str) -> str:
-    """``faster`` / ``slower``, or a tie where the two means lie closer than their runs' spread, read as each
-    run's mean-to-median gap (do_bench keeps no deviation; a few slow calls pull the mean from the median)."""
+    """``faster`` / ``slower``, or a tie where the two means lie closer than their runs' spread: each run's
+    mean-to-median gap (do_bench keeps no deviation; a few slow calls pull the mean from the median), and at
+    least the spread of repeated runs (:data:`_LEADERBOARD_REPEAT_SPREAD`)."""
     mine, theirs = summary.get(f"{ours}_fwd_bwd_ms"), summary.get(f"{other}_fwd_bwd_ms")
     if mine is None or theirs is None:
         return "faster" if summary.get(f"speedup_vs_{other}", 0) > 1 else "slower"
     noise = sum(abs(summary[f"{name}_fwd_bwd_ms"] - summary[f"{name}_fwd_bwd_median_ms"]) for name in (ours, other)
                 if f"{name}_fwd_bwd_median_ms" in summary)
+    noise = max(noise, _LEADERBOARD_REPEAT_SPREAD * mine)
     if abs(theirs - mine) <= noise:
-        return f"a tie: within the runs' spread of ±{fmt.ms(noise)}"
+        return f"level: within the runs' spread of ±{fmt.ms(noise)}"
     return "faster" if theirs > mine else "slower"
-
-
-def _speedup(v: float) -> str:
-    """A speed-up to three digits, or four where three would print 1.00× beside a verdict of faster or slower."""
-    text = fmt.ratio(v)
-    return fmt.ratio(v, 4) if text == fmt.ratio(1.0) and v != 1 else text
 
 
 def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
@@ -664,7 +684,7 @@ def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
     ms_ = summary.get(f"{ours}_fwd_bwd_ms")
     if ms_ is None:
         return None
-    vs = [f"{k.removeprefix('speedup_vs_')} {_speedup(v)} ({_leaderboard_verdict(summary, ours, k.removeprefix('speedup_vs_'))})"
+    vs = [f"{k.removeprefix('speedup_vs_')} {fmt.ratio(v)} ({_leaderboard_verdict(summary, ours, k.removeprefix('speedup_vs_'))})"
           for k, v in summary.items() if k.startswith("speedup_vs_") and isinstance(v, (int, float))]
     lead = f"{head_dim}our kernels" if head_dim else "Our kernels"
     return Text(f"{lead} ({ours}) take {fmt.ms(ms_)} for forward + backward"
