@@ -81,7 +81,8 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "model", "The Transformer's training step with each attention implementation.", [
             _model_step_sentence(d.frame("model_step")),
             d.table("model_step", frame=_model_step_table(d.frame("model_step"), d.meta("model_step")),
-                    caption="Training step (forward, backward, AdamW) by context length, one column group per "
+                    caption="Training step (forward, backward, AdamW) by context length" + _model_setting(
+                        d.frame("model_step")) + ", one column group per "
                             "attention: mean ms, MFU and peak memory (OOM: out of memory; spreads and the "
                             "forward/backward/optimizer split: the CSV)." + mfu_note(d.meta("model_step"), ("bf16",))),
             d.figure("model_step", caption="Step time and peak memory by context length."),
@@ -115,9 +116,12 @@ def _losers(d: SectionData) -> list[Block]:
         slowest = gpu_bound["ours_slowest_kernel"].value_counts()
         which = (("the other one" if len(gpu_bound) == 1 else f"the other {len(gpu_bound)}") if len(host_bound)
                  else str(len(gpu_bound)))
-        text += (f". At {which} the larger part of the GPU "
-                 "gap lies in the " + join_words([f"{phase} at {n}" for phase, n in counts.items()])
-                 + "; our slowest kernel there: " + join_words([f"`{k}` at {n}" for k, n in slowest.items()]))
+        def at(n: int) -> str:
+            return "" if len(gpu_bound) == 1 else " at all of them" if n == len(gpu_bound) else f" at {n} of them"
+
+        text += (f". At {which} the kernels lose: the larger part of the GPU gap lies in the "
+                 + join_words([f"{phase}{at(n)}" for phase, n in counts.items()])
+                 + ", and our slowest kernel is " + join_words([f"`{k}`{at(n)}" for k, n in slowest.items()]))
         levers = [_forward_lever(gpu_bound[gpu_bound["loses_most_in"] == "forward"]) if phase == "forward" else
                   LOSER_LEVERS[phase] for phase in counts.index if phase in LOSER_LEVERS]
         if levers:
@@ -298,8 +302,8 @@ def _model_ab(d: SectionData) -> list[Block]:
         Text(text + "."),
         d.table("model_ab_summary", frame=_model_ab_table(summary, baseline, ours), caption=f"Median training "
                 f"step (forward, backward, AdamW) of our model with each attention over alternating rounds, eager "
-                f"and compiled, and the verdict against the spread of the rounds (spreads and the ratio "
-                f"{baseline} / ours: the CSV)."),
+                f"and compiled{_model_ab_setting(d.frame('model_ab'))}, and the verdict against the spread of the "
+                f"rounds (spreads and the ratio {baseline} / ours: the CSV)."),
     ])]
 
 
@@ -332,6 +336,18 @@ def _model_ab_gaps(rows: pd.DataFrame | None, lost: pd.DataFrame, baseline: str,
             "rounds' phase means): " + "; ".join(parts) + ". The attention runs only in the forward and backward; "
             "the AdamW step and the rest run the same code under both, so what differs there is the host's "
             "round-to-round noise, which two rounds do not average out")
+
+
+def _model_ab_setting(rows: pd.DataFrame | None) -> str:
+    """Precision, tokens per step and rounds of the model A/B, as its rows record them: every cell steps the same
+    number of tokens (batch = tokens / context), which is why a step's time barely moves with the context."""
+    if rows is None or not {"precision", "tokens_per_step", "round"} <= set(rows.columns) or rows.empty:
+        return ""
+    precision = "/".join(sorted({str(v) for v in rows["precision"].dropna()}))
+    tokens = "/".join(f"{int(v):,}" for v in sorted(set(rows["tokens_per_step"].dropna())))
+    rounds = rows["round"].nunique()
+    return (f" ({precision}, {tokens} tokens per step at every context, the batch being tokens / context; "
+            f"{rounds} round{'' if rounds == 1 else 's'} per cell)")
 
 
 def _model_ab_grid(params: dict[str, Any]) -> list[tuple[str, int, bool]]:
@@ -620,6 +636,15 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
     return Text("Against regular PyTorch attention (eager, materializing the $T\\times T$ scores), forward + "
                 "backward: " + "; ".join(parts) + "."
                 + (f" Each pass alone, against PyTorch's: {'; '.join(alone)}." if alone else ""))
+
+
+def _model_setting(df: pd.DataFrame | None) -> str:
+    """The model, batch and precision a model-step table ran with, as its CSV records them."""
+    if df is None or not {"model", "batch_size", "precision"} <= set(df.columns) or df.empty:
+        return ""
+    models, batches, precisions = (sorted({str(v) for v in df[c].dropna()}) for c in ("model", "batch_size", "precision"))
+    return (f" ({'/'.join(models)} model, batch {'/'.join(batches)}, {'/'.join(precisions)})"
+            if models and batches and precisions else "")
 
 
 def _model_step_table(df: pd.DataFrame | None, meta: dict) -> pd.DataFrame | None:
