@@ -196,6 +196,8 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "b", "Memory per device when master weights, optimizer state, gradients and half the "
                  "activations are sharded over $N_{\\mathrm{FSDP}}$ devices; the $N_{\\mathrm{FSDP}}$ that fits "
                  "one TPU v5p (95 GB).", [
+                     Text("With $A$ the bytes of bf16 activations saved for backward on a device ((a)'s per-token "
+                          "bytes times the tokens the device holds), half of them sharded:"),
                      Equation([
                          (r"M_{\mathrm{device}} = \frac{16\,N + A/2}{N_{\mathrm{FSDP}}} + \frac{A}{2}"
                          r" < 95\,\mathrm{GB}"),
@@ -207,7 +209,8 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "c", "Forward pass only, TPU v5p ($W_{\\mathrm{ici}} = 2\\cdot 9\\cdot 10^{10}$ B/s, "
                  "$C = 4.6\\cdot 10^{14}$ FLOP/s), $M_X = 2$, $M_Y = 1$, $X = 16$ (FSDP), $Y = 4$ (TP): the "
                  "per-device batch that is compute bound, and the overall batch.", [
-                     Text("Per layer and batch of $B$ tokens, the math time and the two collectives "
+                     Text("In the TPU Scaling Book's notation, $D = d_{\\mathrm{model}}$, $F = d_{\\mathrm{ff}}$ and "
+                          "$B$ is the overall batch in tokens. Per layer, the math time and the two collectives "
                           "(FSDP all-gathers of bf16 weights over $X$, TP activations over $Y$) are"),
                      Equation([
                          (r"T_{\mathrm{math}} = \frac{4BDF}{XYC},\quad T_{\mathrm{FSDP}} = \frac{4DF}{Y\,W_{\mathrm{ici}}M_X},"
@@ -220,7 +223,9 @@ def answer(d: SectionData) -> list[Block]:
         question(d, "d", "Tricks that keep throughput with a smaller overall batch.", [
             Text("More model parallelism along axes that do not multiply the batch: tensor parallelism on a larger "
                  "$Y$ (its condition $F \\geq YC/(W_{\\mathrm{ici}}M_Y)$ is independent of $B$), and "
-                 "pipeline parallelism (only activations cross stages, and micro-batches hide the bubble). Fewer bytes on "
+                 "pipeline parallelism, where only activations cross stages; its cost is the bubble, the share "
+                 "$(p-1)/(m+p-1)$ of a step that $p$ stages with $m$ micro-batches idle (GPipe), so it keeps "
+                 "throughput only while $m \\gg p$, and the batch must hold $m$ micro-batches. Fewer bytes on "
                  "the wire: gathering fp8 weights instead of (c)'s bf16 halves them, and with them the "
                  "compute-bound threshold $B/X \\geq C/(W_{\\mathrm{ici}}M_X)$. Overlapping the FSDP all-gathers "
                  "of layer $\\ell+1$ with the compute of layer $\\ell$ is what lets a step run at that threshold "
