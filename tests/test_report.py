@@ -465,7 +465,8 @@ def test_course_suite_results_are_shown_with_their_failures(results: Path) -> No
     tables = [b for b in section.walk() if isinstance(b, Table)]
     assert len(tables) == 1 and tables[0].frame.iloc[0].to_dict() == {"passed": 13, "failed": 1, "skipped": 0, "error": 0}
     assert "course version 26.1.1" in tables[0].caption
-    assert any("Failed: `tests/test_fsdp.py::t[fp32]`: AssertionError: x" in b.plain() for b in section.walk())
+    assert any("Failed in the 2026 suite: `tests/test_fsdp.py::t[fp32]`: AssertionError: x" in b.plain()
+               for b in section.walk())
 
 
 def test_readme_maps_every_writeup_section() -> None:

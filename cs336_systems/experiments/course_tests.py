@@ -179,7 +179,7 @@ def answer(d: SectionData) -> list[Block]:
             frame = frame[["file", *(o for o in OUTCOMES if o in frame.columns)]]
         blocks.append(Table(frame=frame, caption=caption, source=display_path(d.dir / f"{name}.json"), meta=meta))
         for test, why in result.get("failures", {}).items():
-            blocks.append(Text(f"Failed: `{test}`: {why}"))
+            blocks.append(Text(f"Failed in the {params.get('edition', name)} suite: `{test}`: {why}"))
     if any(d.json(n).get("failures") for n in d.records):
         blocks.append(Text(
             "The 2026 `test_fsdp_correctness[fp32]` compares FSDP with full-batch training bit for bit. Each rank's "
