@@ -137,6 +137,28 @@ def test_no_plan_where_a_replay_would_be_wrong(monkeypatch) -> None:
     assert LaunchPlan.build([(ok, (1, 1, 1), full[:-1])], tensors) is None
 
 
+def test_a_plan_constant_is_baked_in_by_address(monkeypatch) -> None:
+    """A tensor argument outside the call's tensors replays only when marked a plan constant (the persistent
+    forward's per-shape item table): its address goes into the template, the same for every call."""
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", _fake_tma)
+    signature = {**{k: v for k, v in SIGNATURE.items() if k != "BLOCK"}, "S": "*i32", "row": "i32", "BLOCK": "constexpr"}
+    kernel = Compiled(signature, [{"block_size": [1, 1, 64, 64]}] * 2)
+    tensors, full = _call(0)
+    table = torch.arange(12, dtype=torch.int32)
+    with_table = (*full[:-1], table, 4, full[-1])
+    assert LaunchPlan.build([(kernel, (1, 1, 1), with_table)], tensors) is None  # unmarked: no plan
+    assert launch_plan.plan_constant(table) is table
+    plan = LaunchPlan.build([(kernel, (1, 1, 1), with_table)], tensors)
+    assert plan is not None
+    tensors2, full2 = _call(1)
+    kernel.triton_launch((1, 1, 1), 7, (*full2[:-1], table, 4, full2[-1]))
+    plan.run(tensors2, 7)
+    expected, got = kernel.calls
+    assert got == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in expected)
+    assert table.data_ptr() in got and tensors2[0].data_ptr() in got
+    assert LaunchPlan.build([(kernel, (1, 1, 1), (*full[:-1], table.clone(), 4, full[-1]))], tensors) is None
+
+
 def test_a_misaligned_address_keys_its_own_plan(monkeypatch) -> None:
     """Triton specializes pointers on 16-byte alignment and a descriptor's base must be aligned: a plan recorded
     for aligned tensors must not replay a call whose tensor sits 2 bytes off (it takes the full path)."""
@@ -265,6 +287,34 @@ def test_attention_replayed_through_plans_matches_the_full_path(shape, dtype, la
     assert FLASH_PLANS.replays == replays + 4  # forward and backward, twice
     with launch_plan.disabled(), validated_calls_off():  # the full path: input checks and Triton's launches
         expected = [run(seed) for seed in (1, 2)]
+    for g_call, e_call in zip(got, expected, strict=True):
+        for g, e in zip(g_call, e_call, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("shape", [(8, 32, 256, 128), (2, 4, 1000, 64)], ids=str)
+def test_the_persistent_forward_replays_through_plans(shape: tuple) -> None:
+    """The persistent Gluon forward's item table is a plan constant: its calls replay (no fall-back to the full
+    path on every call) and give what the full path gives."""
+    from cs336_systems.attention import FlashAttentionTriton, options
+    from cs336_systems.attention.flash_triton import validated_calls_off
+    from cs336_systems.attention.launch_plan import FLASH_PLANS
+
+    def run(seed: int) -> list[torch.Tensor]:
+        q, k, v, do = _inputs(shape, torch.bfloat16, "bhsd", seed)
+        o = FlashAttentionTriton.apply(q, k, v, True)
+        return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
+
+    with options.use(gluon_persistent=True):
+        run(0), run(0)
+        replays = FLASH_PLANS.replays
+        got = [run(seed) for seed in (1, 2)]
+        assert FLASH_PLANS.replays == replays + 4
+        with launch_plan.disabled(), validated_calls_off():
+            expected = [run(seed) for seed in (1, 2)]
     for g_call, e_call in zip(got, expected, strict=True):
         for g, e in zip(g_call, e_call, strict=True):
             torch.testing.assert_close(g, e, rtol=0, atol=0)

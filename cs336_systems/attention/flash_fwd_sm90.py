@@ -58,6 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import options
 from .launch_cache import FLASH_LAUNCHES
+from .launch_plan import plan_constant
 from .scheduling import (ITEM_OVERHEAD_TILES, grid, heads_per_l2_group, item_key_tiles, list_schedule,
                          sm_count)
 
@@ -523,6 +524,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     else:
         o, lse = out
     items = -(-n_queries // block_m) * batch * heads
+    if items == 0:  # no query rows or no heads: nothing to launch (a plan needs at least one program)
+        return o, lse
     group = heads_per_l2_group(batch * heads, 2 * n_keys * d * k.element_size(), q.device)
     args = (q_desc, k_desc, v_desc, o, lse, n_queries, n_keys, _LOG2_E * (scale or 1.0 / math.sqrt(d)), heads, group,
             *q_at[2:], *kv_at[2:], *o.stride()[:3])
@@ -539,13 +542,14 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     return o, lse
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache  # never evicted: a launch plan or a captured CUDA graph may hold a table's address
 def persistent_schedule(n_bh: int, n_queries: int, n_keys: int, head_group: int, block_m: int, block_n: int,
                         causal: bool, programs: int, device: torch.device) -> Tensor:
     """The persistent forward's item plan on ``device``: an int32 ``(programs, row)`` table whose row ``p`` holds
     program ``p``'s item count, then its items in turn (:func:`scheduling.list_schedule`, each item weighted by
-    its key tiles plus the per-item overhead). Planned once per shape: a call that hits the cache copies nothing
-    (so a CUDA graph can capture the launch after a first call)."""
+    its key tiles plus the per-item overhead). Planned once per shape and kept for good, as a launch plan's
+    constant: a call that hits the cache copies nothing, so a CUDA graph can capture the launch after a first
+    call (a first call inside a capture would copy to the device and fail)."""
     tiles = item_key_tiles(n_bh, -(-n_queries // block_m), head_group, n_keys, block_m, block_n, causal)
     offsets, items = list_schedule([t + ITEM_OVERHEAD_TILES for t in tiles], programs)
     counts = [offsets[p + 1] - offsets[p] for p in range(programs)]
@@ -553,7 +557,7 @@ def persistent_schedule(n_bh: int, n_queries: int, n_keys: int, head_group: int,
     for p, count in enumerate(counts):
         table[p, 0] = count
         table[p, 1:1 + count] = torch.tensor(items[offsets[p]:offsets[p + 1]], dtype=torch.int32)
-    return table.to(device)
+    return plan_constant(table.to(device))
 
 
 def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None,

@@ -16,8 +16,12 @@ stream and the TMA descriptor maps change. A replay fills those in and calls the
 map is encoded from the new base address with Triton's own ``make_tensordesc_arg`` (the address is the only
 thing about it that changes), once per address.
 
+A tensor argument that is none of the call's tensors may still be replayed when it is a *plan constant*
+(:func:`plan_constant`): a tensor kept alive for good whose contents depend only on what the plan's key fixes
+(the persistent forward's item table, planned once per shape); its address is baked into the template.
+
 A recording yields no plan (and the call keeps the full path) when a launch was not a cache hit, when an
-argument tensor is none of the call's declared tensors (an alignment copy made inside the call), when a
+argument tensor is none of the call's declared tensors nor a plan constant (an alignment copy made inside the call), when a
 kernel needs global or profile scratch, or when Triton's launcher is not laid out as this module expects
 (another Triton version). Triton's launch hooks (a profiler such as proton) also send calls down the full
 path, where they run. :func:`disabled` turns plans off, for A/B measurements; so does turning the launch cache
@@ -102,6 +106,23 @@ def _role(t: Tensor, tensors: Sequence[Tensor]) -> int | None:
     return next((i for i, x in enumerate(tensors) if x is t), None)
 
 
+#: Plan constants by ``id``: held here for the life of the process, so a baked-in address stays valid (also
+#: inside a CUDA graph that captured a replay).
+_CONSTANTS: dict[int, Tensor] = {}
+
+
+def plan_constant(t: Tensor) -> Tensor:
+    """Mark ``t`` as a tensor a plan may bake in by address, and keep it alive for good; returns ``t``. Only for
+    tensors whose contents follow from the call signature that keys the plan (a per-shape table), never for
+    data of the call."""
+    _CONSTANTS[id(t)] = t
+    return t
+
+
+def _constant(t: Tensor) -> bool:
+    return _CONSTANTS.get(id(t)) is t
+
+
 def _c_launcher(launcher: Any, n_descriptors: int) -> Callable[..., Any] | None:
     """Triton's compiled C ``launch`` under its launcher object: the object's ``launch`` itself, or, where the
     kernel takes tensor descriptors, the C function that Triton's Python descriptor expansion wraps."""
@@ -156,7 +177,10 @@ def _replay(record: Record, tensors: Sequence[Tensor]) -> _Replay | None:
         elif isinstance(arg, Tensor):
             role = _role(arg, tensors)
             if role is None:
-                return None
+                if not _constant(arg):
+                    return None
+                template.append(arg.data_ptr())  # the same table for every call of this signature
+                continue
             tensor_slots.append((len(template), role))
             template.append(None)
         else:

@@ -528,7 +528,9 @@ def answer(d: SectionData) -> list[Block]:
         used = fit[(fit["backend"] == "nccl") & (fit["world_size"] == fit["world_size"].min())]
         if len(used) and text is not None:  # the fit later sections cite, where a reader of this answer finds it
             r = used.iloc[0]
-            text = Text(text.markdown + " Fitted to $t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$, NCCL "
+            text = Text(text.markdown + " Fitted to $t = 2(p-1)\\,\\alpha + 2\\frac{p-1}{p}\\,\\frac{n}{B}$ (a ring "
+                        "all-reduce of $n$ bytes per rank over $p$ ranks: $2(p-1)$ latency steps of $\\alpha$, and "
+                        "$2(p-1)/p$ of the data through each rank's link of bandwidth $B$), NCCL "
                         f"with {int(r['world_size'])} processes gives $\\alpha$ = {fmt.sig(r['alpha_us'])} µs per ring "
                         f"step and $B$ = {fmt.sig(r['bandwidth_GBps'])} GB/s"
                         + _per_call(d, int(r["world_size"]))

@@ -547,10 +547,10 @@ def answer(d: SectionData) -> list[Block]:
     return [
         question(d, "fsdp", "Fully sharded data parallelism: per-layer all-gather of parameters before use, "
                  "reduce-scatter of gradients after the backward pass.", [
-                     Text("With $P$ ranks and $\\Psi$ parameters, each rank stores $\\Psi/P$ parameters, gradients "
+                     Text("With $p$ ranks and $\\Psi$ parameters, each rank stores $\\Psi/p$ parameters, gradients "
                           "and optimizer state; a step moves $\\Psi$ per rank in the forward all-gathers, $\\Psi$ in "
                           "the backward re-gathers and $\\Psi$ in the gradient reduce-scatter:"),
-                     Equation([(r"M_{\mathrm{rank}} = \frac{16\,\Psi}{P} + M_{\mathrm{act}} + "
+                     Equation([(r"M_{\mathrm{rank}} = \frac{16\,\Psi}{p} + M_{\mathrm{act}} + "
                                r"M_{\mathrm{gathered\ layers}},\qquad V_{\mathrm{rank}} \approx 3\,\Psi"
                                r"\ \mathrm{elements}")]),
                      _fsdp_sentence(d.frame("relative_to_ddp"), d.edition, "peak_GiB", "Peak memory per GPU")

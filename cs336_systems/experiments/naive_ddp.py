@@ -217,7 +217,7 @@ def answer(d: SectionData) -> list[Block]:
     beyond = [b for b in (Text(other) if other else None, None if asked else against, _launches(d)) if b is not None]
     return [
         question(d, "naive_ddp", "Data parallelism by all-reducing every gradient after the backward pass.", [
-            Text("Each rank holds a full replica, runs forward and backward on its $1/P$ slice of the batch, then "
+            Text("Each rank holds a full replica, runs forward and backward on its $1/p$ slice of the batch (of $p$ ranks), then "
                  "all-reduces (averages) each parameter's gradient before the optimizer step, so every replica "
                  "takes the same step; the tests compare the trained weights with single-process training, and "
                  "the benchmark checks every strategy against it before timing."),

@@ -342,7 +342,7 @@ def _zero1_bytes_note(d: SectionData) -> str:
     """The table's volumes as the formulas give them at the run's world size (Ψ counted in fp32 bytes)."""
     params = d.meta("zero1_comparison").get("params") or {}
     world = params.get("world_size")
-    return (f" The table evaluates these at $P = {int(world)}$ in bytes, fp32 gradients and parameters taking 4 bytes "
+    return (f" The table evaluates these at $p = {int(world)}$ in bytes, fp32 gradients and parameters taking 4 bytes "
             f"per element: DDP and ZeRO-1 send ${2 * (world - 1) / world:g} \\cdot 4\\Psi$ bytes, ours "
             f"${3 * (world - 1) / world:g} \\cdot 4\\Psi$." if world else "")
 
@@ -356,8 +356,8 @@ OPTIMIZER_NOTE = (" These steps use torch's default multi-tensor AdamW, which ma
 def _sharding_verdict(timing: pd.DataFrame) -> str:
     """What the step times show about sharding's cost, judged against the rows' step-to-step spread."""
     by = timing.set_index("optimizer")
-    why = ("The sharded step runs AdamW on its own shard only ($1/P$ of the update) and then broadcasts every "
-           "parameter from its owner, an extra $\\frac{P-1}{P}\\Psi$ of traffic per step that the replicated "
+    why = ("The sharded step runs AdamW on its own shard only ($1/p$ of the update) and then broadcasts every "
+           "parameter from its owner, an extra $\\frac{p-1}{p}\\Psi$ of traffic per step that the replicated "
            "optimizer does not need")
     if not {"adamw", "sharded"} <= set(by.index) or "step_ms_std" not in by.columns:
         return why + "."
@@ -451,13 +451,13 @@ def answer(d: SectionData) -> list[Block]:
     beyond_zero1 = d.edition in ZERO1_BEYOND
     zero1 = question(d, "ZeRO-1" if beyond_zero1 else "c", "How this differs from ZeRO stage 1 ($P_{os}$).", [
         Text("Both keep AdamW's two moments only for the parameters a rank owns, cutting optimizer-state "
-             "memory by the world size $P$. ZeRO-1 partitions a flat buffer of all $\\Psi$ parameters into exact "
-             "$\\Psi/P$ slices and "
+             "memory by the world size $p$. ZeRO-1 partitions a flat buffer of all $\\Psi$ parameters into exact "
+             "$\\Psi/p$ slices and "
              "replaces DDP's all-reduce with a reduce-scatter of gradients and an all-gather of updated "
-             "parameters, $2\\frac{P-1}{P}\\Psi$ sent per rank, the same volume as DDP's ring all-reduce; ours "
+             "parameters, $2\\frac{p-1}{p}\\Psi$ sent per rank, the same volume as DDP's ring all-reduce; ours "
              "assigns whole parameter tensors to ranks (balanced greedily, so shards are only about equal), keeps "
              "the full all-reduce and then broadcasts each updated parameter from its owner, "
-             "$3\\frac{P-1}{P}\\Psi$ in all: simpler and model-agnostic, but 1.5× ZeRO-1's communication."),
+             "$3\\frac{p-1}{p}\\Psi$ in all: simpler and model-agnostic, but 1.5× ZeRO-1's communication."),
         d.table("zero1_comparison", caption="Our sharding against ZeRO stage 1, per rank and step."
                 + _zero1_bytes_note(d) + _zero_note(d))])
     return [
