@@ -96,9 +96,10 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None, copy_tbps: float | 
     comm = ""
     if known(naive.get("sync_ms")) and known(flat.get("sync_ms")):
         change = float(naive["sync_ms"]) - float(flat["sync_ms"])
-        comm = (f"; the communication {'shrinks' if change >= 0 else 'grows'} from {fmt.ms(naive['sync_ms'])} to "
-                f"{fmt.ms(flat['sync_ms'])} ({fmt.pct(abs(change) / float(naive['sync_ms']))} "
-                f"{'less' if change >= 0 else 'more'})")
+        comm = (f"; the communication (the wait after backward: the all-reduces, and for flat also the copies "
+                f"into and out of its buffer) {'shrinks' if change >= 0 else 'grows'} from "
+                f"{fmt.ms(naive['sync_ms'])} to {fmt.ms(flat['sync_ms'])} "
+                f"({fmt.pct(abs(change) / float(naive['sync_ms']))} {'less' if change >= 0 else 'more'})")
     first = (f"One all-reduce of the flattened gradients takes the step from {fmt.ms(naive['step_ms'])} (naive "
              "DDP, timed in this run beside it) to "
              f"{fmt.ms(flat['step_ms'])}, {judged}{comm}.")

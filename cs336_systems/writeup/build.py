@@ -166,11 +166,9 @@ def _console(root: Path, name: str, command: str) -> Block:
     ran, meta = str(record.get("command") or command), data.meta(name)
     gpus = f"{meta['num_gpus']} GPUs" if meta.get("num_gpus") else "its GPUs"
     return Console(ran, [str(x) for x in record["lines"]], f"{root.name}/{editions.CONSOLE_FOLDER}/{name}.json",
-                   meta, note=f"Run in `cs336_systems/cse599o/` on one node with {gpus}; the staff's "
-                   f"`srun --gpus-per-node=2 uv run {ran}` starts the same script as one Slurm task, which "
-                   "spawns a rank per GPU. It is a launch of its own with the few iterations the handout asks for; "
-                   "the tables below time more steps of the same code in other launches, so the two differ by "
-                   "what moves between launches and by the few iterations' noise.")
+                   meta, note=f"Run in `cs336_systems/cse599o/` on one node with {gpus}, the script "
+                   f"`srun --gpus-per-node=2 uv run {ran}` starts. Its few iterations are a launch of their own, so "
+                   "they differ from the tables' longer runs by launch-to-launch noise.")
 
 
 def _edition_document(edition: str, root: Path, strict: bool, notebooks: Path) -> Document:
