@@ -361,9 +361,8 @@ def answer(d: SectionData) -> list[Block]:
                  f"`{short_kernel(row['top_forward_kernel'])}`, {fmt.pct(row['top_kernel_percent'] / 100)} of the forward "
                  f"kernel time, launched {fmt.count(row['top_kernel_calls_per_forward'])} times per forward pass"
                  + _calls_per_block(row)
-                 + (f"; {same}." if same else "."))
-        b_more = _one_sentence(_across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel"),
-                               _step_leaders(top, summary)).strip()
+                 + (f"; {same}." if same else ".") + _step_leaders(top, summary))
+        b_more = _across(summary, "top_forward_kernel", "top_kernel_percent", "the top forward kernel").strip()
         c = Text(f"For {where}, " + (_non_matmul(top, row) or
                  f"the largest non-matmul kernel is `{short_kernel(row['top_non_matmul_kernel'])}` with "
                  f"{fmt.pct(row['top_non_matmul_percent'] / 100)} of the forward time")
