@@ -127,7 +127,7 @@ def test_merge_rows_by_a_cell_of_several_columns() -> None:
 def test_writeup_table_has_a_row_per_preset_and_context_eager_then_compiled() -> None:
     summary = pd.DataFrame([{"preset": "small", "context_length": 1024, "compile": c, "baseline_ms": b, "ours_ms": o,
                              "verdict": v} for c, b, o, v in ((True, 9.0, 9.5, "sdpa"), (False, 20.0, 19.0, "tie"))])
-    table = fb.answers._model_ab_table(summary, "sdpa", "flash_triton")
+    table = fb.model_answers._model_ab_table(summary, "sdpa", "flash_triton")
     assert table.to_dict("records") == [{"preset": "small", "context_length": 1024, "eager sdpa ms": 20.0,
                                          "eager flash_triton ms": 19.0, "eager verdict": "tie",
                                          "compiled sdpa ms": 9.0, "compiled flash_triton ms": 9.5,
@@ -138,12 +138,12 @@ def test_cells_of_the_recorded_grid_without_a_row_are_named() -> None:
     summary = pd.DataFrame({"preset": ["xl", "xl"], "context_length": [1024, 1024], "compile": [False, True]})
     grid = {"presets": ["xl"], "contexts": [1024, 4096], "compile": [False, True]}
     params = {"model_ab": grid}
-    assert fb.answers._model_ab_absent(summary, params) == [("xl", 4096, False), ("xl", 4096, True)]
-    assert fb.answers._model_ab_absent(summary, {"model_ab": {**grid, "contexts": [1024]}}) == []
+    assert fb.model_answers._model_ab_absent(summary, params) == [("xl", 4096, False), ("xl", 4096, True)]
+    assert fb.model_answers._model_ab_absent(summary, {"model_ab": {**grid, "contexts": [1024]}}) == []
     # records from before the parameter groups name the grid flat
     flat = {f"ab_{k}": v for k, v in grid.items()}
-    assert fb.answers._model_ab_absent(summary, flat) == [("xl", 4096, False), ("xl", 4096, True)]
-    assert fb.answers._model_ab_absent(summary, {}) == []
+    assert fb.model_answers._model_ab_absent(summary, flat) == [("xl", 4096, False), ("xl", 4096, True)]
+    assert fb.model_answers._model_ab_absent(summary, {}) == []
 
 
 def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(tmp_path) -> None:
@@ -157,7 +157,7 @@ def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(
         table = pd.DataFrame(sum((_rows({"preset": "small", "context_length": 1024, "compile": c},
                                         {"sdpa": [10.0, 10.4], "flash_triton": [10.1, 10.2]}) for c in compiles), []))
         flash_model.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
-        (question,) = fb.answers._model_ab(SectionData(tmp_path, "flash_benchmarking"))
+        (question,) = fb.model_answers._model_ab(SectionData(tmp_path, "flash_benchmarking"))
         return " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
 
     assert "default mode" in answer([False, True]) and "no CUDA graphs" in answer([True])
@@ -166,11 +166,11 @@ def test_answer_says_what_compiled_means_only_when_a_compiled_cell_was_measured(
 
 def test_cells_no_job_measured_are_named_even_when_the_last_job_covered_only_its_own() -> None:
     """Each model_ab job measures part of the grid: the absent cells come from all the jobs, not the last."""
-    planned = fb.answers._model_ab_planned()
+    planned = fb.model_answers._model_ab_planned()
     assert len(planned) == len(set(planned)) == 18  # small, medium, xl × 1024, 2048, 4096 × eager, compiled
     summary = pd.DataFrame({"preset": ["medium"], "context_length": [4096], "compile": [True]})
     last_job = {"model_ab": {"presets": ["medium"], "contexts": [4096], "compile": [True]}}
-    absent = fb.answers._model_ab_absent(summary, last_job, planned)
+    absent = fb.model_answers._model_ab_absent(summary, last_job, planned)
     assert len(absent) == 17 and ("medium", 4096, True) not in absent and ("xl", 2048, True) in absent
 
 
@@ -187,7 +187,7 @@ def test_answer_names_the_cells_each_implementation_won(tmp_path) -> None:
                 {"sdpa": [10.0, 10.1], "flash_triton": [12.0, 12.2]})  # sdpa
     )
     flash_model.summarize_model_ab(table).to_csv(folder / "model_ab_summary.csv", index=False)
-    (question,) = fb.answers._model_ab(SectionData(tmp_path, "flash_benchmarking"))
+    (question,) = fb.model_answers._model_ab(SectionData(tmp_path, "flash_benchmarking"))
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
     assert "1 tie (the medians differ by less than the larger spread of the rounds)" in text
     assert "flash_triton faster in 0, sdpa faster in 1 (small at 2,048, compiled)" in text
@@ -202,6 +202,6 @@ def test_a_lost_cells_gap_is_split_by_phase() -> None:
                           "total_mean_ms": sum(t) + 1.0}
                          for r in (0, 1) for impl, t in (("sdpa", (8.0, 15.0, 7.0)), ("flash_triton", (10.0, 15.5, 9.5)))])
     lost = pd.DataFrame([{"preset": "small", "context_length": 2048, "compile": True}])
-    text = fb.answers._model_ab_gaps(rows, lost, "sdpa", "flash_triton", lambda r: "small at 2,048, compiled")
+    text = fb.model_answers._model_ab_gaps(rows, lost, "sdpa", "flash_triton", lambda r: "small at 2,048, compiled")
     assert "small at 2,048, compiled, 5.00 ms slower: forward +2.00, backward +0.50, the AdamW step +2.50, the rest +0.00 ms" in text
-    assert fb.answers._model_ab_gaps(rows.drop(columns="optimizer_mean_ms"), lost, "sdpa", "flash_triton", str) == ""
+    assert fb.model_answers._model_ab_gaps(rows.drop(columns="optimizer_mean_ms"), lost, "sdpa", "flash_triton", str) == ""

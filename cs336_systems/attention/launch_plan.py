@@ -21,8 +21,8 @@ A tensor argument that is none of the call's tensors may still be replayed when 
 (the persistent forward's item table, planned once per shape); its address is baked into the template.
 
 A recording yields no plan (and the call keeps the full path) when a launch was not a cache hit, when an
-argument tensor is none of the call's declared tensors nor a plan constant (an alignment copy made inside the call), when a
-kernel needs global or profile scratch, or when Triton's launcher is not laid out as this module expects
+argument tensor is none of the call's declared tensors nor a plan constant (an alignment copy made inside the
+call), when a kernel needs global or profile scratch, or when Triton's launcher is not laid out as this module expects
 (another Triton version). Triton's launch hooks (a profiler such as proton) also send calls down the full
 path, where they run. :func:`disabled` turns plans off, for A/B measurements; so does turning the launch cache
 off (:func:`.launch_cache.disabled`), whose hits plans are recorded from.

@@ -102,9 +102,10 @@ def list_schedule(weights: Sequence[float], programs: int) -> tuple[list[int], l
 
     Why: a persistent grid that deals items ``p, p + programs, ...`` leaves a tail where the items' lengths
     differ. Causal rows in head groups put up to a third more work on the busiest program than on the average one
-    (docs/flash_attention/persistent.md). The hardware's dispatch of a one-item grid is this greedy rule, whose
-    busiest program ends within one item of the average; planned here on the host, once per shape, it keeps that
-    balance and the one-item order (and so the L2 head groups) for a grid of one program per SM."""
+    (docs/flash_attention/persistent.md). The hardware's dispatch of a one-item grid is this greedy rule on real
+    run times, whose busiest program ends within one item of the average; planned here on the host, once per
+    shape and on estimated weights, it keeps the one-item order (and so the L2 head groups) for a grid of one
+    program per SM."""
     if programs < 1:
         raise ValueError(f"a schedule needs at least one program, got {programs}")
     free = [(0.0, p) for p in range(programs)]

@@ -211,24 +211,29 @@ def _large_n(row: Any, meta: dict[str, Any]) -> float:
                           flops=meta["C"], egress=meta["W"])
 
 
-def _eq(formulas: pd.DataFrame | None, problem: str, quantity: str, pass_: str = "") -> Equation | None:
+def _eq(formulas: pd.DataFrame | None, problem: str, quantity: str, pass_: str = "",
+        part: str = "") -> Equation | None:
+    """The formula of ``quantity`` for ``pass_``, labelled with the handout's ``part`` letter and the pass."""
     if formulas is None:
         return None
     sel = formulas[(formulas["problem"] == problem) & (formulas["quantity"] == quantity)
                    & (formulas["pass"].fillna("") == pass_)]
     if not len(sel):
         return None
-    label = f"\\mathrm{{{pass_}}}:\\quad " if pass_ else ""
+    words = " ".join(w for w in (f"({part})" if part else "", pass_) if w).replace(" ", "\\ ")
+    label = f"\\mathrm{{{words}}}:\\quad " if words else ""
     return Equation([label + str(sel["latex"].iloc[0])])
 
 
 def _parts(fx: pd.DataFrame | None, problem: str,
-           parts: list[tuple[str, tuple[str, ...], str]]) -> list[Block | None]:
-    """Per (quantity, passes, justification): the quantity's equation for each pass, then the justification."""
+           parts: list[tuple[str, tuple[str, ...], str]], first: str = "a") -> list[Block | None]:
+    """Per (quantity, passes, justification), the handout's parts from letter ``first`` on: the quantity's
+    equation for each pass, then the justification."""
     blocks: list[Block | None] = []
-    for quantity, passes, why in parts:
-        blocks += [_eq(fx, problem, quantity, p) for p in passes]
-        blocks.append(Text(why))
+    for i, (quantity, passes, why) in enumerate(parts):
+        part = chr(ord(first) + i)
+        blocks += [_eq(fx, problem, quantity, p, part) for p in passes]
+        blocks.append(Text(f"({part}) {why}"))
     return blocks
 
 
@@ -281,7 +286,7 @@ def answer(d: SectionData) -> list[Block]:
                   "gathered weights are full size.",
         "fsdp_b": "The forward all-gathers the three weights; the backward gathers them again and "
                   "reduce-scatters their gradients: two ring collectives of the same size, each "
-                  "$(N-1)/N \\cdot 2 D D_{FF}/W$ per weight.",
+                  "$(N_{FSDP}-1)/N_{FSDP} \\cdot 2 D D_{FF}/W$ per weight.",
         "fsdp_c": "Both passes have communication proportional to their compute, 1:2 in each, so both cross at "
                   "the same device count, the DP one.",
         "tp_b": "Each device owns $D_{FF}/N_{TP}$ of the hidden units and runs every matmul on that slice for "
@@ -297,7 +302,8 @@ def answer(d: SectionData) -> list[Block]:
                 "($2 D D_{FF}/N_{TP}$ bytes each); along the TP axis it all-reduces its batch shard's output "
                 "($2 B D/N_{FSDP}$ bytes); overlapped, the longer one counts.",
         "2d_c": "Each axis must stay compute bound on its own, which gives the DP bound for $N_{FSDP}$ and the TP "
-                "forward bound for $N_{TP}$; $N$ is at most their product, and for large $N$ that is "
+                "forward bound for $N_{TP}$: $N_{FSDP} \\leq 1 + BW/C$ and $N_{TP} \\leq 1 + 3 D_{FF} W/(2C)$. "
+                "$N$ is at most their product, and for large $N$ that is "
                 "$\\frac{3}{2} B D_{FF} W^2 / C^2$.",
         "2d_d": "With the sum of both times under the compute time, maximizing $N_{FSDP} N_{TP}$ (Lagrange "
                 "conditions, re-derived by sympy) balances the two terms: $3 D_{FF} N_{FSDP} = 2 B N_{TP}$, "
@@ -333,7 +339,7 @@ def answer(d: SectionData) -> list[Block]:
                       r"dx = \mathrm{AllReduce}_i\left(dx_1^{(i)} W_1^{(i)\top} + dx_2^{(i)} W_2^{(i)\top}\right)"]),
             *_parts(fx, "tp_calcs", [("FLOPs per device", both, just["tp_b"]),
                                      ("communication time", both, just["tp_c"]),
-                                     ("compute bound while", both, just["tp_d"])]),
+                                     ("compute bound while", both, just["tp_d"])], first="b"),
             check_text,
         ], what=None if check_text else "the strategy simulation"),
         question(d, "fsdp_tp_calcs", "FSDP × TP: forward FLOPs and communication time, and the largest "
