@@ -312,17 +312,3 @@ def test_individual_ddp_answer_gives_its_verdict_against_both_earlier_variants()
     split = _verdict({"overlap": row(405.0, 1.0), "naive": row(430.0, 1.0), "flat": row(404.0, 1.0)})
     assert "faster than naive and level with flat" in split
     assert _verdict({"overlap": row(405.0, 1.0)}) == ""
-
-
-def test_flat_ddp_names_its_traced_kernels_beside_its_wait() -> None:
-    """The flat answer sets the run's traced communication kernels beside its timed wait (what the copies and
-    launches around the all-reduce add), and says nothing without a trace."""
-    import pandas as pd
-
-    from cs336_systems.experiments.ddp_flat import _traced
-
-    trace = pd.DataFrame({"variant": ["flat"], "comm_kernels": [2], "comm_ms": [29.1], "comm_during_backward_ms": [0.0]})
-    text = _traced(trace, pd.Series({"sync_ms": 33.3}))
-    assert "took 29.1 ms" in text and "timed wait is 33.3 ms" in text
-    assert _traced(None, pd.Series({"sync_ms": 33.3})) == ""
-    assert _traced(trace.assign(variant="naive"), pd.Series({"sync_ms": 33.3})) == ""

@@ -63,21 +63,7 @@ def _copies(flat: Any, transfer_ms: float, gb: float, copy_tbps: float | None) -
                    "(the estimate overshoots a little: the fit and the copy rate were each measured alone).")
 
 
-def _traced(trace: Any, flat: Any) -> str:
-    """Flat's wait against its all-reduce kernels' time in the run's traced step: the rest is the copies and the
-    launches around them."""
-    if trace is None or "variant" not in trace or "comm_ms" not in trace:
-        return ""
-    kernels = trace.loc[trace["variant"] == "flat", "comm_ms"]
-    waited = known(flat.get("sync_ms"))
-    if kernels.empty or waited is None:
-        return ""
-    return (f" In this run's traced step, flat's communication kernels (its all-reduce and the buffers' broadcast) "
-            f"took {fmt.ms(float(kernels.iloc[0]))}; its timed wait is {fmt.ms(waited)}, a mean over the steps.")
-
-
-def _verdict(naive: Any, flat: Any, fit: dict | None = None, copy_tbps: float | None = None,
-             trace: Any = None) -> str:
+def _verdict(naive: Any, flat: Any, fit: dict | None = None, copy_tbps: float | None = None) -> str:
     """The handout's one or two sentences: the step and the communication, batched against per parameter, judged
     against the two rows' step-to-step spread; then why, with the per-call cost and bandwidth of §2.1's fit
     where it is measured."""
@@ -112,11 +98,9 @@ def _verdict(naive: Any, flat: Any, fit: dict | None = None, copy_tbps: float | 
             return first + (head + f", and naive's wait ({fmt.ms(waited)}) is less than their sum: calls launched "
                             "back to back overlap even the fixed cost (the fit times one synchronized call at a "
                             "time), so the fit overstates what flattening can remove, while it adds a copy of every "
-                            "gradient into the flat buffer and back.") + _copies(flat, transfer, gb, copy_tbps) \
-                + _traced(trace, flat)
+                            "gradient into the flat buffer and back.") + _copies(flat, transfer, gb, copy_tbps)
         return first + (head + ", so flattening can remove at most the fixed cost, while it adds a copy of every "
-                        "gradient into the flat buffer and back.") + _copies(flat, transfer, gb, copy_tbps) \
-            + _traced(trace, flat)
+                        "gradient into the flat buffer and back.") + _copies(flat, transfer, gb, copy_tbps)
     if saved > noise:
         return first + (" One call instead of many saves each call's fixed launch and synchronization cost, which "
                         "outweighs the copies into and out of the flat buffer.")
@@ -145,8 +129,7 @@ def answer(d: SectionData) -> list[Block]:
     naive, flat = row(df, "naive"), row(df, "flat")
     text = memory = None
     if naive is not None and flat is not None:
-        trace = d.frame(name.replace("steps_", "overlap_", 1)) if name else None
-        text = Text(_verdict(naive, flat, _fit(d, naive, name), _copy_tbps(d, name), trace))
+        text = Text(_verdict(naive, flat, _fit(d, naive, name), _copy_tbps(d, name)))
         memory = _memory(naive, flat).strip() or None
     return [
         question(d, "minimal_ddp_flat_benchmarking", "One all-reduce of all gradients flattened into a single "
