@@ -312,3 +312,21 @@ def test_individual_ddp_answer_gives_its_verdict_against_both_earlier_variants()
     split = _verdict({"overlap": row(405.0, 1.0), "naive": row(430.0, 1.0), "flat": row(404.0, 1.0)})
     assert "faster than naive and level with flat" in split
     assert _verdict({"overlap": row(405.0, 1.0)}) == ""
+
+
+def test_naive_ddp_near_the_fit_names_what_can_still_move_it() -> None:
+    """Near the microbenchmark's prediction, the answer still gives the handout's "potential causes for any
+    differences": the calls' timing, tensors below the fit's smallest message, and another host where so."""
+    import types
+
+    import pandas as pd
+
+    from cs336_systems.experiments.naive_ddp import _close_to_fit
+
+    fit_run = types.SimpleNamespace(frame=lambda name: pd.DataFrame({"size_bytes": [1_000_000, 10_000_000]}),
+                                    meta=lambda name: {"num_gpus": 4, "device": "NVIDIA H200"})
+    text = _close_to_fit(fit_run, {"num_gpus": 2, "device": "NVIDIA H200"}, 327, 3.88e9)
+    assert "the fit covers messages of 1.00 MB and up" in text and "327 tensors average 11.9 MB" in text
+    assert "the fit ran on a 4-GPU NVIDIA H200 host, this step on a 2-GPU NVIDIA H200 host" in text
+    same_host = _close_to_fit(fit_run, {"num_gpus": 4, "device": "NVIDIA H200"}, 327, 3.88e9)
+    assert "the fit ran on" not in same_host
