@@ -372,12 +372,15 @@ def _ranks_blocks(d: SectionData) -> tuple[list[Block | None], list[Block | None
         spread = r.get("step_spread_ms")
         blocks += [
             Text(f"**Our step: {fmt.ms(r['step_ms'])} on {int(r['gpus'])} × {meta.get('device', 'GPU')}** "
-                 f"({'the handout' + chr(39) + 's shape, ' if handout else r['shape'] + ', '}"
+                 + f"({'the handout' + chr(39) + 's shape, ' if handout else r['shape'] + ', '}"
                  f"{fmt.params(r['params'])} parameters, under our FSDP{chosen})"
                  + "".join(f", {part}" for part in (mfu, peak.removeprefix(", ")) if part)
                  + f"; {fmt.sig(r['wall_s'])} s from launch to the last timed step, process start-up and "
                  "compilation included: "
                  + ("within" if bool(r["within_10_min"]) else "over") + " the 10-minute rule."
+                 + (f" The time is the slowest rank's median over {fmt.sig(rep / 1e3)} s of timed steps after "
+                    f"{fmt.sig(warmup / 1e3)} s of warm-up, in `do_bench`'s loop re-implemented so both ranks step "
+                    "together (`do_bench` itself reports the mean)." if warmup and rep else "")
                  + _reference_sentence(d.frame(name), meta, r)),
             d.table(name, frame=subset(frame, "stack", "status", "step_ms", "step_spread_ms", "peak_GiB", "wall_s",
                                        "TFLOP_per_s", "MFU_causal_pct", "MFU_pct"),
