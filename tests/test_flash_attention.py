@@ -369,19 +369,23 @@ def test_head_groups_change_the_order_not_the_numbers() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [Case(40, 40, 16, True, 3), Case(37, 53, 80, False, 2)], ids=str)
-def test_persistent_grid_changes_the_order_not_the_numbers(case: Case) -> None:
+def test_persistent_grid_changes_the_order_not_the_numbers(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """A persistent grid (one program taking every item, or four programs taking them in turn, with a remainder)
     gives bit-identical outputs and gradients to one program per item, ragged and two-slab head dims included:
     each item is computed as before, only by another program."""
     from cs336_systems.attention import scheduling
 
+    # A GPU reports its own SMs and L2; give it the interpreter's nominal one SM and L2 so that the grids
+    # (one, four, three programs) and head groups are the same few-program cases on either device.
+    monkeypatch.setattr(scheduling, "_sm_count", lambda index: scheduling._NOMINAL_SMS)
+    monkeypatch.setattr(scheduling, "_l2_bytes", lambda index: scheduling._NOMINAL_L2_BYTES)
     q, k, v, do = _inputs(case, torch.float32)
     plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     n_bh = q.shape[0] * q.shape[1]
     four_heads = 4 * (2 * case.n_keys * case.head_dim * 4) / scheduling._NOMINAL_L2_BYTES  # K and V of four heads
     for per_sm, share in ((1, options.DEFAULT_L2_SHARE), (4, options.DEFAULT_L2_SHARE), (3, four_heads)):
         with options.use(persistent=per_sm, l2_share=share):
-            assert scheduling.persistent_programs(q.device) == per_sm  # one nominal SM on CPU
+            assert scheduling.persistent_programs(q.device) == per_sm  # one nominal SM
             if share == four_heads:  # 6 heads: a group of 4, then a smaller one, the decode's edge case
                 assert scheduling.heads_per_l2_group(n_bh, 2 * case.n_keys * case.head_dim * 4, q.device) == 4
             persistent = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)

@@ -7,11 +7,13 @@ Three ways to time GPU work, each right for a different job:
   measure only the launch overhead. This is what the handout's end-to-end benchmark asks for.
 - :func:`cuda_event_times` — CUDA events recorded on the stream around each call; the GPU clock measures
   the stream's work without host jitter (still synchronising once per call to read the result).
+- :func:`phase_times` — a step's phases on both clocks (host issue time, GPU time by events): whether a
+  phase kept the GPU busy or waiting for launches.
 - :func:`do_bench` — ``triton.testing.do_bench``: flushes the L2 cache between calls and picks the
   number of repetitions from a time budget; the right tool for single kernels. Falls back to
   :func:`time_calls` on CPU.
 
-All return :class:`TimingStats` (mean, std, min, max over the individual calls).
+All but :func:`phase_times` return :class:`TimingStats` (mean, std, min, max over the individual calls).
 """
 
 from __future__ import annotations
@@ -121,6 +123,55 @@ def cuda_event_times(fn: Callable[[], Any], *, warmup: int = 5, steps: int = 10)
         end.record()
     torch.cuda.synchronize()
     return TimingStats.from_milliseconds([s.elapsed_time(e) for s, e in pairs])
+
+
+def phase_times(
+    phases: Sequence[tuple[str, Callable[[], Any]]],
+    device: torch.device | str,
+    *,
+    warmup: int = 2,
+    steps: int = 10,
+    timer: Callable[[], float] = timeit.default_timer,
+) -> list[dict[str, float]]:
+    """Run the step made of ``phases`` (``(name, fn)`` in order) ``warmup`` times untimed, then ``steps``
+    times; one row per timed step: ``<name>_host_ms`` (how long the host took to issue the phase), ``<name>_gpu_ms``
+    (the stream's time from the phase's first to its last queued work, by CUDA events) and ``step_ms`` (host
+    wall clock, synchronised before and after).
+
+    Why both clocks: a phase whose GPU time is about its host time kept the GPU waiting for launches (host
+    paced); a GPU time well above the host time means the queue ran ahead of the GPU. Each step starts on an
+    idle GPU, so a phase's first event fires when the host records it. On CPU both clocks are the host's."""
+    if warmup < 0 or steps < 1:
+        raise ValueError(f"need warmup >= 0 and steps >= 1, got warmup={warmup}, steps={steps}")
+    names = [name for name, _ in phases]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"phases need distinct names, got {names}")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    for _ in range(warmup):
+        for _, fn in phases:
+            fn()
+    synchronize(dev)
+    rows = []
+    for _ in range(steps):
+        row: dict[str, float] = {}
+        events = []
+        start = timer()
+        for name, fn in phases:
+            begin = timer()
+            if cuda:
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
+            fn()
+            if cuda:
+                events[-1][1].record()
+            row[f"{name}_host_ms"] = (timer() - begin) * 1e3
+        synchronize(dev)
+        row["step_ms"] = (timer() - start) * 1e3
+        for i, name in enumerate(names):
+            row[f"{name}_gpu_ms"] = events[i][0].elapsed_time(events[i][1]) if cuda else row[f"{name}_host_ms"]
+        rows.append(row)
+    return rows
 
 
 def do_bench(

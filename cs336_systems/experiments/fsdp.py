@@ -37,6 +37,7 @@ from cs336_systems import accounting
 from cs336_systems.configs import build_model
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.fsdp import FSDP
+from cs336_systems.benchmarking.timing import phase_times
 from cs336_systems.benchmarking.training_memory import (
     GIB,
     BenchConfig,
@@ -127,10 +128,12 @@ def fsdp_worker(config: dict[str, Any], models: list[str], strategies: list[str]
     return rows
 
 
-def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> list[dict[str, Any]]:
+def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> dict[str, list[dict[str, Any]]]:
     """fsdp_accounting (b): one profiled training step of our FSDP (bf16 compute, our AdamW on each shard)
     reduced to kernel intervals, on every rank: a gather's kernel on one rank also spins until the others
-    reach the same gather, which only the ranks' timelines side by side can show."""
+    reach the same gather, which only the ranks' timelines side by side can show. Then ``steps`` unprofiled
+    steps timed phase by phase on the host's and the GPU's clocks (``unprofiled``): the profiler adds host
+    time to every operator, so only these say whether an ordinary step is paced by its launches."""
     from torch.profiler import record_function
 
     from cs336_basics.optimizer import AdamW
@@ -142,23 +145,31 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> 
     fsdp = FSDP(build_model(mcfg, device=ctx.device), compute_dtype=DTYPES[dtype_name])
     optimizer = AdamW(fsdp.parameters(), lr=cfg.lr)
     x, y = random_batch(mcfg, cfg.per_rank_batch(ctx.world_size), ctx.device, seed=ctx.rank)
+    loss: list[torch.Tensor] = []
+
+    def forward() -> None:
+        logits = fsdp(x)
+        loss[:] = [torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))]
+
+    def optimizer_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    phases = [("forward", forward), ("backward", lambda: loss.pop().backward()),
+              ("grad_sync", fsdp.finish_gradient_synchronization), ("optimizer", optimizer_step)]
 
     def step() -> None:
-        with record_function("forward"):
-            logits = fsdp(x)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-        with record_function("backward"):
-            loss.backward()
-        with record_function("grad_sync"):
-            fsdp.finish_gradient_synchronization()
-        with record_function("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        for name, fn in phases:
+            with record_function(name):
+                fn()
 
     for _ in range(cfg.warmup):
         step()
     label = f"{model_name}, {dtype_name} compute, {ctx.world_size} ranks (rank {ctx.rank})"
-    return profile_timeline(step, ctx.device, label)
+    timeline = profile_timeline(step, ctx.device, label)
+    unprofiled = [{"variant": label, "rank": ctx.rank, "step": i, **row}
+                  for i, row in enumerate(phase_times(phases, ctx.device, warmup=1, steps=cfg.steps))]
+    return {"timeline": timeline, "unprofiled": unprofiled}
 
 
 def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
@@ -171,7 +182,7 @@ def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     per_rank = runner.run_on_ranks(gathers_worker, n or 0, config, p.gathers_model, p.gathers_dtype)
     if not runner.is_main_process():
         return None
-    timeline = pd.DataFrame([row for rows in per_rank for row in rows])
+    timeline = pd.DataFrame([row for result in per_rank for row in result["timeline"]])
     extra: dict[str, Any] = {"model": p.gathers_model, "compute_dtype": p.gathers_dtype}
     summary = None
     if timeline["variant"].nunique() > 1:
@@ -188,6 +199,9 @@ def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     out.table(waits, "gathers_forward", extra=extra)
     summary = gather_summary(timeline) if summary is None else summary
     out.table(summary, "gathers_summary", extra=extra)
+    steps = pd.DataFrame([row for result in per_rank for row in result["unprofiled"]])
+    out.table(steps.drop(columns="step").groupby(["variant", "rank"], as_index=False).median(),
+              "gathers_unprofiled", extra={**extra, "statistic": f"median of {p.steps} unprofiled steps per rank"})
     fig = plot_timeline(timeline)
     out.figure(fig, "gathers_timeline")
     plt.close(fig)
