@@ -368,3 +368,32 @@ def test_section_jobs_run_one_part_and_the_study_jobs_add_their_rows(tmp_path, m
     assert meta["params"]["warmup_study_sizes"] == ["tiny", "small"]
     with pytest.raises(ValueError, match="unknown part 'timing'"):
         Params(parts=["timing"]).check()
+
+
+def test_phase_times_times_each_phase_on_both_clocks() -> None:
+    """One row per timed step, each phase's host and GPU time (the host's on CPU), in order; a fake clock makes
+    the phases' durations exact: 1 ms for ``a``, 2 ms for ``b``, and the step their sum plus the clock's reads."""
+    from cs336_systems.benchmarking.timing import phase_times
+
+    now = [0.0]
+    calls: list[str] = []
+
+    def timer() -> float:
+        return now[0]
+
+    def phase(name: str, ms: float):
+        def run() -> None:
+            calls.append(name)
+            now[0] += ms / 1e3
+        return run
+
+    rows = phase_times([("a", phase("a", 1.0)), ("b", phase("b", 2.0))], "cpu", warmup=1, steps=3, timer=timer)
+    assert calls == ["a", "b"] * 4  # one untimed step, then three
+    assert len(rows) == 3
+    for row in rows:
+        assert row["a_host_ms"] == pytest.approx(1.0) and row["b_host_ms"] == pytest.approx(2.0)
+        assert row["a_gpu_ms"] == row["a_host_ms"] and row["step_ms"] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="distinct names"):
+        phase_times([("a", phase("a", 1.0)), ("a", phase("a", 1.0))], "cpu")
+    with pytest.raises(ValueError, match="steps >= 1"):
+        phase_times([("a", phase("a", 1.0))], "cpu", steps=0)

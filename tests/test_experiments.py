@@ -129,6 +129,10 @@ def test_torchrun_form_of_a_section_reads_its_own_arguments(tmp_path, monkeypatc
     assert fsdp.main() == 0
     meta = json.loads((tmp_path / "fsdp" / "fsdp_vs_ddp.meta.json").read_text())
     assert meta["params"]["strategies"] == ["ddp", "fsdp"] and meta["params"]["steps"] == 1
+    import pandas as pd
+
+    unprofiled = pd.read_csv(tmp_path / "fsdp" / "gathers_unprofiled.csv")  # fsdp_accounting (b), both ranks
+    assert list(unprofiled["rank"]) == [0, 1] and (unprofiled["forward_gpu_ms"] > 0).all()
 
 
 @pytest.mark.slow

@@ -520,6 +520,36 @@ def test_fsdp_gather_answer_reads_the_profile(results: Path) -> None:
         "is this handout's xl.")
 
 
+@pytest.mark.parametrize("forward_gpu_ms, forward_host_ms, verdict", [
+    (20.0, 19.0, "paced by the host's launches too"),  # the GPU's forward lasts as long as its host issued it
+    (9.5, 2.0, "the late gathers above were the profiler's host time"),  # within 1.5x of compute: GPU kept busy
+    (30.0, 2.0, "the GPU waited for the gathers"),  # the host ran ahead, and still the forward is long
+])
+def test_fsdp_gather_answer_reads_the_unprofiled_steps(results: Path, forward_gpu_ms: float, forward_host_ms: float,
+                                                       verdict: str) -> None:
+    """fsdp_accounting (b): the unprofiled steps say whether an ordinary forward is paced by its host, against the
+    profiled step's compute kernel time (8.6 ms here)."""
+    from cs336_systems.profiling.gather_waits import gather_summary
+    from cs336_systems.report import fmt
+
+    rows = [("v", "phase", "phase", "forward", 0.0, 10.0)]
+    rows += [("v", "cuda:7", "compute", "k", s, d) for s, d in ((0.0, 0.1), (1.0, 4.0), (5.5, 4.5))]
+    rows += [("v", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", s, d) for s, d in ((0.05, 0.95), (2.0, 1.0))]
+    tl = pd.DataFrame(rows, columns=["variant", "lane", "kind", "name", "start_ms", "dur_ms"])
+    out = ResultWriter("fsdp", params={"nproc": [2], "global_batch": 4, "context_length": 512}, smoke=False)
+    extra = {"model": "xl@2026", "compute_dtype": "bf16"}
+    out.table(gather_summary(tl), "gathers_summary", extra=extra)
+    out.table(tl, "gathers_timeline", extra=extra)
+    steps = pd.DataFrame([{"variant": "v", "rank": 0, "forward_host_ms": forward_host_ms,
+                           "forward_gpu_ms": forward_gpu_ms, "step_ms": 40.0}])
+    out.table(steps, "gathers_unprofiled", extra={**extra, "statistic": "median of 10 unprofiled steps per rank"})
+    flat = " ".join(build_document(results, strict=False).section("3.1").plain().split())
+    assert (f"Without the profiler (median of 10 unprofiled steps per rank): on rank 0, the forward ran "
+            f"{fmt.ms(forward_gpu_ms)} on the GPU") in flat
+    assert verdict in flat
+    assert "8.60 ms of compute kernels" in flat
+
+
 def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> None:
     base = {"preset": "xl", "autocast": "bf16", "context_length": 512, "batch_per_rank": 2, "steps": 10,
             "world_size": 2, "step_ms_std": 1.0, "step_ms_median": 0.0}

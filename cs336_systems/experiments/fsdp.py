@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
 import re  # noqa: E402 (answers only)
 
 from cs336_systems.experiments.fsdp_gathers import (  # noqa: E402
-    PREFETCH, cause_in_brief, gathers_against_fit, gathers_blocks, host_paced)
+    PREFETCH, cause_in_brief, gathers_against_fit, gathers_blocks, host_paced, unprofiled_forward)
 from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402 (answers only)
 
 
@@ -594,11 +594,15 @@ def answer(d: SectionData) -> list[Block]:
                  "accounting of optimizer-state sharding (2026)?", [_expected_saving(d.frame("fsdp_vs_ddp"), d.edition)]),
         question(d, "fsdp_accounting (b)", "Profile the xl model (2026 table) on two GPUs: does the all-gather of "
                  "weights finish in time for the forward pass?",
-                 [*gathers_blocks(d)[:1], brief or host_paced(d), *gathers_blocks(d)[1:]],
+                 [*gathers_blocks(d)[:1], brief or host_paced(d), unprofiled_forward(d), *gathers_blocks(d)[1:]],
                  what="the all-gather profile (`--set parts=gathers`)"),
         *([Text("", role=BEYOND_HANDOUT),
            question(d, "fsdp_accounting (b)", "How the gathers are scheduled, and their kernel time against §2.1's "
-                    "fit.", [PREFETCH, brief and host_paced(d), gathers_against_fit(d)])]
+                    "fit.", [PREFETCH, brief and host_paced(d), gathers_against_fit(d),
+                             d.table("gathers_unprofiled", caption="Unprofiled steps, per rank: each phase's host "
+                                     "issue time and its GPU time by CUDA events (a phase on the GPU starts when "
+                                     "its host issues it: each step starts on an idle GPU), and the step's wall "
+                                     "time.")])]
           if d.frame("gathers_summary") is not None else []),
     ]
 

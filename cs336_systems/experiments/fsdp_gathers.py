@@ -283,9 +283,50 @@ def cause_in_brief(d: SectionData) -> Text | None:
         if float(late["compute_ms"]) / float(late["span_ms"]) < HOST_PACED_BELOW:
             text += (f": {names[int(always[0])]}'s host issued its forward slower than its GPU ran it "
                      f"({fmt.ms(late['compute_ms'])} of compute in {fmt.ms(late['span_ms'])})")
+    if d.frame("gathers_unprofiled") is not None:
+        return Text(text + ". So the link keeps up and the hosts' launches do not (the appendix has the whole account).")
     return Text(text + ". So the link keeps up and the hosts' launches do not; the profiler adds host time to every "
                 "operator, so an unprofiled step should wait less (not measured here; the appendix has the whole "
                 "account).")
+
+
+#: A phase whose host issue time is at least this share of its GPU time kept the GPU waiting for launches.
+HOST_ISSUE_SHARE = 0.8
+
+
+def unprofiled_forward(d: SectionData) -> Text | None:
+    """fsdp_accounting (b) without the profiler: each rank's forward on its GPU's clock and its host's, from the
+    unprofiled steps (``gathers_unprofiled``), against the profiled step's compute kernel time; None before that
+    table was measured."""
+    steps, summary = d.frame("gathers_unprofiled"), d.frame("gathers_summary")
+    need = {"forward_gpu_ms", "forward_host_ms", "step_ms"}
+    if steps is None or not len(steps) or not need <= set(steps.columns):
+        return None
+    names = _rank_names(steps)
+    statistic = (d.meta("gathers_unprofiled").get("extra") or {}).get("statistic", "median of the unprofiled steps")
+    ranks = "; ".join(f"on {n}, the forward ran {fmt.ms(r['forward_gpu_ms'])} on the GPU, issued by the host in "
+                      f"{fmt.ms(r['forward_host_ms'])}, in a step of {fmt.ms(r['step_ms'])}"
+                      for n, (_, r) in zip(names, steps.iterrows()))
+    text = f"Without the profiler ({statistic}): {ranks}. "
+    compute = (summary["compute_ms"].reset_index(drop=True) if summary is not None and "compute_ms" in summary.columns
+               and len(summary) == len(steps) else None)
+    gpu, host = steps["forward_gpu_ms"].astype(float), steps["forward_host_ms"].astype(float)
+    if compute is None:
+        return Text(text.rstrip())
+    slowest = int(gpu.idxmax())
+    c, g, h = float(compute.iloc[slowest]), float(gpu.iloc[slowest]), float(host.iloc[slowest])
+    if g <= 1.5 * c:
+        return Text(text + f"That is within 1.5× of the {fmt.ms(c)} of compute kernels the profile counted, so an "
+                    "ordinary step keeps its GPU busy through the forward: the late gathers above were the "
+                    "profiler's host time.")
+    if h >= HOST_ISSUE_SHARE * g:
+        gathers = int(summary["gathers"].iloc[0]) if "gathers" in summary.columns else 0
+        per = f", {fmt.sig(h / gathers * 1e3, 2)} µs of host time per gathered weight" if gathers else ""
+        return Text(text + f"On {names[slowest]}, the slower, the GPU's forward lasts as long as its host took to "
+                    f"issue it, {fmt.ratio(g / c)} the {fmt.ms(c)} of compute kernels the profile counted{per}: "
+                    "an ordinary step's forward is paced by the host's launches too, not by the link.")
+    return Text(text + f"The hosts ran ahead of their GPUs, yet {names[slowest]}'s forward lasted "
+                f"{fmt.ratio(g / c)} its {fmt.ms(c)} of compute kernels: the GPU waited for the gathers.")
 
 
 def gathers_blocks(d: SectionData) -> list[Block | None]:
