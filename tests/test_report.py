@@ -550,6 +550,22 @@ def test_fsdp_gather_answer_reads_the_unprofiled_steps(results: Path, forward_gp
     assert "8.60 ms of compute kernels" in flat
 
 
+@pytest.mark.parametrize("fsdp2_gpu_ms, verdict", [(10.0, "Ours takes 1.82× FSDP2's: the extra host time is our wrapper's"),
+                                                   (18.0, "Ours is within 5.26% of FSDP2's")])
+def test_fsdp_unprofiled_forward_is_set_beside_torchs(fsdp2_gpu_ms: float, verdict: str) -> None:
+    """The unprofiled forward of our FSDP beside torch's FSDP2 and DDP, the slower rank's: whose host paces it."""
+    from cs336_systems.experiments.fsdp_gathers import _against_torch
+
+    rows = [{"strategy": s, "rank": r, "forward_gpu_ms": g + r, "forward_host_ms": g - 1}
+            for s, g in (("fsdp", 19.0), ("fsdp2", fsdp2_gpu_ms), ("ddp", 8.0)) for r in (0, 1)]
+    table = pd.DataFrame(rows)
+    text = " ".join(_against_torch(table, table[table["strategy"] == "fsdp"]).split())
+    assert "under torch's FSDP2 (one all-gather per Transformer block), " in text
+    assert "under torch DDP (no gathers: the unsharded model under bf16 autocast), 9.00 ms on the GPU, issued in 7.00 ms" in text
+    assert verdict in text
+    assert _against_torch(table.drop(columns="strategy"), table) == ""
+
+
 def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> None:
     base = {"preset": "xl", "autocast": "bf16", "context_length": 512, "batch_per_rank": 2, "steps": 10,
             "world_size": 2, "step_ms_std": 1.0, "step_ms_median": 0.0}

@@ -128,12 +128,35 @@ def fsdp_worker(config: dict[str, Any], models: list[str], strategies: list[str]
     return rows
 
 
-def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> dict[str, list[dict[str, Any]]]:
+def _step_phases(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+                 after_backward: Any, autocast_dtype: torch.dtype | None) -> list[tuple[str, Any]]:
+    """A training step as named phases (forward with the loss, backward, gradient sync, optimizer), for
+    :func:`~cs336_systems.benchmarking.timing.phase_times` and the profiler's ranges alike."""
+    x, y = batch
+    loss: list[torch.Tensor] = []
+
+    def forward() -> None:
+        with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(x)
+        loss[:] = [torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))]
+
+    def optimizer_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return [("forward", forward), ("backward", lambda: loss.pop().backward()),
+            ("grad_sync", after_backward or (lambda: None)), ("optimizer", optimizer_step)]
+
+
+def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str,
+                   against: list[str]) -> dict[str, list[dict[str, Any]]]:
     """fsdp_accounting (b): one profiled training step of our FSDP (bf16 compute, our AdamW on each shard)
     reduced to kernel intervals, on every rank: a gather's kernel on one rank also spins until the others
     reach the same gather, which only the ranks' timelines side by side can show. Then ``steps`` unprofiled
     steps timed phase by phase on the host's and the GPU's clocks (``unprofiled``): the profiler adds host
-    time to every operator, so only these say whether an ordinary step is paced by its launches."""
+    time to every operator, so only these say whether an ordinary step is paced by its launches; and the same
+    for each strategy in ``against`` (torch's FSDP2 and DDP, torch's AdamW), whose hosts show what part of
+    ours is our wrapper's."""
     from torch.profiler import record_function
 
     from cs336_basics.optimizer import AdamW
@@ -141,34 +164,29 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str) -> 
     ctx = launch.current_context()
     cfg = BenchConfig(**{**config, "model": model_name})
     mcfg = cfg.model_config()
-    torch.manual_seed(0)
-    fsdp = FSDP(build_model(mcfg, device=ctx.device), compute_dtype=DTYPES[dtype_name])
-    optimizer = AdamW(fsdp.parameters(), lr=cfg.lr)
-    x, y = random_batch(mcfg, cfg.per_rank_batch(ctx.world_size), ctx.device, seed=ctx.rank)
-    loss: list[torch.Tensor] = []
-
-    def forward() -> None:
-        logits = fsdp(x)
-        loss[:] = [torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))]
-
-    def optimizer_step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    phases = [("forward", forward), ("backward", lambda: loss.pop().backward()),
-              ("grad_sync", fsdp.finish_gradient_synchronization), ("optimizer", optimizer_step)]
-
-    def step() -> None:
-        for name, fn in phases:
-            with record_function(name):
-                fn()
-
-    for _ in range(cfg.warmup):
-        step()
+    batch = random_batch(mcfg, cfg.per_rank_batch(ctx.world_size), ctx.device, seed=ctx.rank)
     label = f"{model_name}, {dtype_name} compute, {ctx.world_size} ranks (rank {ctx.rank})"
-    timeline = profile_timeline(step, ctx.device, label)
-    unprofiled = [{"variant": label, "rank": ctx.rank, "step": i, **row}
-                  for i, row in enumerate(phase_times(phases, ctx.device, warmup=1, steps=cfg.steps))]
+    unprofiled: list[dict[str, Any]] = []
+    for strategy in ["fsdp", *against]:
+        torch.manual_seed(0)
+        model, after_backward, autocast_dtype = _wrap(strategy, build_model(mcfg, device=ctx.device),
+                                                      DTYPES[dtype_name], ctx.device)
+        optimizer = (AdamW if strategy == "fsdp" else torch.optim.AdamW)(model.parameters(), lr=cfg.lr)
+        phases = _step_phases(model, optimizer, batch, after_backward, autocast_dtype)
+        if strategy == "fsdp":
+            def step() -> None:
+                for name, fn in phases:
+                    with record_function(name):
+                        fn()
+
+            for _ in range(cfg.warmup):
+                step()
+            timeline = profile_timeline(step, ctx.device, label)
+        unprofiled += [{"strategy": strategy, "variant": label, "rank": ctx.rank, "step": i, **row} for i, row in
+                       enumerate(phase_times(phases, ctx.device, warmup=cfg.warmup, steps=cfg.steps))]
+        del model, optimizer, phases
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
     return {"timeline": timeline, "unprofiled": unprofiled}
 
 
@@ -179,7 +197,8 @@ def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     config = dict(global_batch=p.global_batch, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
     n = None if runner.launched_externally() else p.nproc[0]
     print(f"FSDP all-gather profile: {n or 'torchrun'} ranks, {p.gathers_model}, {p.gathers_dtype}", flush=True)
-    per_rank = runner.run_on_ranks(gathers_worker, n or 0, config, p.gathers_model, p.gathers_dtype)
+    per_rank = runner.run_on_ranks(gathers_worker, n or 0, config, p.gathers_model, p.gathers_dtype,
+                                   list(p.gathers_against))
     if not runner.is_main_process():
         return None
     timeline = pd.DataFrame([row for result in per_rank for row in result["timeline"]])
@@ -200,7 +219,7 @@ def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     summary = gather_summary(timeline) if summary is None else summary
     out.table(summary, "gathers_summary", extra=extra)
     steps = pd.DataFrame([row for result in per_rank for row in result["unprofiled"]])
-    out.table(steps.drop(columns="step").groupby(["variant", "rank"], as_index=False).median(),
+    out.table(steps.drop(columns="step").groupby(["strategy", "variant", "rank"], as_index=False, sort=False).median(),
               "gathers_unprofiled", extra={**extra, "statistic": f"median of {p.steps} unprofiled steps per rank"})
     fig = plot_timeline(timeline)
     out.figure(fig, "gathers_timeline")
@@ -363,11 +382,16 @@ class Params:
                                           "profile of the forward's all-gathers (on the first world size)")
     gathers_model: str = param("xl@2026", "gathers: the profiled model (2026's xl by default)")
     gathers_dtype: str = param("bf16", f"gathers: compute dtype, of {', '.join(DTYPES)}")
+    gathers_against: list[str] = param(["fsdp2", "ddp"], "gathers: strategies whose unprofiled steps are timed "
+                                                           "beside our FSDP's, of fsdp2, ddp")
 
     def check(self) -> None:
         bad = [x for x in self.parts if x not in PARTS]
         if bad or not self.parts:
             raise ValueError(f"unknown or no parts {bad or self.parts}; known: {', '.join(PARTS)}")
+        bad = [x for x in self.gathers_against if x not in STRATEGIES or x == "fsdp"]
+        if bad:
+            raise ValueError(f"gathers_against {bad}: choose of fsdp2, ddp (our FSDP is always timed)")
         if self.gathers_dtype not in DTYPES:
             raise ValueError(f"unknown gathers_dtype {self.gathers_dtype!r}; known: {', '.join(DTYPES)}")
         accounting.ladder_config(self.gathers_model)
@@ -599,10 +623,11 @@ def answer(d: SectionData) -> list[Block]:
         *([Text("", role=BEYOND_HANDOUT),
            question(d, "fsdp_accounting (b)", "How the gathers are scheduled, and their kernel time against §2.1's "
                     "fit.", [PREFETCH, brief and host_paced(d), gathers_against_fit(d),
-                             d.table("gathers_unprofiled", caption="Unprofiled steps, per rank: each phase's host "
-                                     "issue time and its GPU time by CUDA events (a phase on the GPU starts when "
-                                     "its host issues it: each step starts on an idle GPU), and the step's wall "
-                                     "time.")])]
+                             d.table("gathers_unprofiled", caption="Unprofiled steps, per strategy and rank "
+                                     "(medians): each phase's host issue time and its GPU time by CUDA events (a "
+                                     "phase on the GPU starts when its host issues it: each step starts on an idle "
+                                     "GPU), and the step's wall time. fsdp is ours (our AdamW); fsdp2 and ddp are "
+                                     "torch's (torch's AdamW).")])]
           if d.frame("gathers_summary") is not None else []),
     ]
 

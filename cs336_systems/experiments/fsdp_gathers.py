@@ -298,9 +298,12 @@ def unprofiled_forward(d: SectionData) -> Text | None:
     """fsdp_accounting (b) without the profiler: each rank's forward on its GPU's clock and its host's, from the
     unprofiled steps (``gathers_unprofiled``), against the profiled step's compute kernel time; None before that
     table was measured."""
-    steps, summary = d.frame("gathers_unprofiled"), d.frame("gathers_summary")
+    table, summary = d.frame("gathers_unprofiled"), d.frame("gathers_summary")
     need = {"forward_gpu_ms", "forward_host_ms", "step_ms"}
-    if steps is None or not len(steps) or not need <= set(steps.columns):
+    if table is None or not len(table) or not need <= set(table.columns):
+        return None
+    steps = table[table["strategy"] == "fsdp"].reset_index(drop=True) if "strategy" in table.columns else table
+    if not len(steps):
         return None
     names = _rank_names(steps)
     statistic = (d.meta("gathers_unprofiled").get("extra") or {}).get("statistic", "median of the unprofiled steps")
@@ -311,22 +314,54 @@ def unprofiled_forward(d: SectionData) -> Text | None:
     compute = (summary["compute_ms"].reset_index(drop=True) if summary is not None and "compute_ms" in summary.columns
                and len(summary) == len(steps) else None)
     gpu, host = steps["forward_gpu_ms"].astype(float), steps["forward_host_ms"].astype(float)
+    against = _against_torch(table, steps)
     if compute is None:
-        return Text(text.rstrip())
+        return Text(text.rstrip() + against)
     slowest = int(gpu.idxmax())
     c, g, h = float(compute.iloc[slowest]), float(gpu.iloc[slowest]), float(host.iloc[slowest])
     if g <= 1.5 * c:
         return Text(text + f"That is within 1.5× of the {fmt.ms(c)} of compute kernels the profile counted, so an "
                     "ordinary step keeps its GPU busy through the forward: the late gathers above were the "
-                    "profiler's host time.")
+                    "profiler's host time." + against)
     if h >= HOST_ISSUE_SHARE * g:
         gathers = int(summary["gathers"].iloc[0]) if "gathers" in summary.columns else 0
         per = f", {fmt.sig(h / gathers * 1e3, 2)} µs of host time per gathered weight" if gathers else ""
         return Text(text + f"On {names[slowest]}, the slower, the GPU's forward lasts as long as its host took to "
                     f"issue it, {fmt.ratio(g / c)} the {fmt.ms(c)} of compute kernels the profile counted{per}: "
-                    "an ordinary step's forward is paced by the host's launches too, not by the link.")
+                    "an ordinary step's forward is paced by the host's launches too, not by the link." + against)
     return Text(text + f"The hosts ran ahead of their GPUs, yet {names[slowest]}'s forward lasted "
-                f"{fmt.ratio(g / c)} its {fmt.ms(c)} of compute kernels: the GPU waited for the gathers.")
+                f"{fmt.ratio(g / c)} its {fmt.ms(c)} of compute kernels: the GPU waited for the gathers." + against)
+
+
+#: Names of the strategies timed beside ours, as the answer says them.
+_TORCH_STRATEGIES = {"fsdp2": "torch's FSDP2 (one all-gather per Transformer block)",
+                     "ddp": "torch DDP (no gathers: the unsharded model under bf16 autocast)"}
+
+
+def _against_torch(table: pd.DataFrame, ours: pd.DataFrame) -> str:
+    """The same step's forward under torch's strategies, rank by rank beside ours: whose host sets the pace. ""
+    without them."""
+    if "strategy" not in table.columns:
+        return ""
+    said, slower = [], []
+    for strategy, name in _TORCH_STRATEGIES.items():
+        theirs = table[table["strategy"] == strategy].reset_index(drop=True)
+        if len(theirs) != len(ours):
+            continue
+        g, h = float(theirs["forward_gpu_ms"].max()), float(theirs["forward_host_ms"].max())
+        said.append(f"under {name}, {fmt.ms(g)} on the GPU, issued in {fmt.ms(h)}")
+        slower.append((strategy, float(ours["forward_gpu_ms"].max()) / g))
+    if not said:
+        return ""
+    text = " The same step's forward (the slower rank's) " + "; ".join(said) + ". "
+    by = dict(slower)
+    if "fsdp2" in by:
+        r = by["fsdp2"]
+        text += (f"Ours takes {fmt.ratio(r)} FSDP2's: the extra host time is our wrapper's (a gather, a cast and an "
+                 "autograd node per weight where FSDP2 issues one per block)." if r >= 1.2 else
+                 f"Ours is within {fmt.pct(abs(r - 1))} of FSDP2's: at this batch the pace is the eager model's "
+                 "launches, not our wrapper's.")
+    return text
 
 
 def gathers_blocks(d: SectionData) -> list[Block | None]:
