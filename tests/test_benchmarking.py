@@ -397,3 +397,17 @@ def test_phase_times_times_each_phase_on_both_clocks() -> None:
         phase_times([("a", phase("a", 1.0)), ("a", phase("a", 1.0))], "cpu")
     with pytest.raises(ValueError, match="steps >= 1"):
         phase_times([("a", phase("a", 1.0))], "cpu", steps=0)
+
+
+def test_round_summary_gives_medians_and_the_rounds_range() -> None:
+    """Per variant: the median over every step of every round, and the lowest and highest round median."""
+    from cs336_systems.benchmarking.timing import round_summary
+
+    rows = [{"variant": v, "round": r, "step": i, "ms": base + 10 * r + i, "other": 1.0}
+            for v, base in (("a", 100.0), ("b", 200.0)) for r in range(3) for i in range(3)]
+    table = round_summary(pd.DataFrame(rows), ["variant"], ["ms"])
+    a = table[table["variant"] == "a"].iloc[0]
+    assert list(table["variant"]) == ["a", "b"]  # first-seen order
+    assert a["ms"] == 111.0 and a["other"] == 1.0  # median of 100..122
+    assert (a["ms_round_lo"], a["ms_round_hi"]) == (101.0, 121.0)
+    assert "round" not in table.columns and "step" not in table.columns

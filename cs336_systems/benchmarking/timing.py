@@ -174,6 +174,18 @@ def phase_times(
     return rows
 
 
+def round_summary(steps: Any, keys: list[str], spread: list[str]) -> Any:
+    """Steps timed in alternating rounds (a pandas frame with ``round`` and ``step`` columns) summarised per
+    ``keys``: the median of every other column over all rounds' steps, and for each column in ``spread`` the
+    lowest and highest of the rounds' own medians (``<column>_round_lo``, ``<column>_round_hi``). A difference
+    between two variants inside that range is no difference."""
+    table = steps.drop(columns=["round", "step"]).groupby(keys, as_index=False, sort=False).median()
+    per_round = steps.groupby([*keys, "round"], sort=False)[spread].median()
+    ranges = per_round.groupby(level=keys, sort=False).agg(["min", "max"])
+    ranges.columns = [f"{c}_round_{'lo' if s == 'min' else 'hi'}" for c, s in ranges.columns]
+    return table.merge(ranges.reset_index(), on=keys, how="left")
+
+
 def do_bench(
     fn: Callable[[], Any],
     *,

@@ -169,6 +169,26 @@ def init_snapshot(device: torch.device) -> dict[str, float]:
     return {"after_init_allocated": probe.allocated(), "after_init_peak": probe.peak()}
 
 
+def step_phases(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+               after_backward: Any, autocast_dtype: torch.dtype | None) -> list[tuple[str, Any]]:
+    """A training step as named phases (forward with the loss, backward, gradient sync, optimizer), for
+    :func:`~cs336_systems.benchmarking.timing.phase_times` and the profiler's ranges alike."""
+    x, y = batch
+    loss: list[torch.Tensor] = []
+
+    def forward() -> None:
+        with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(x)
+        loss[:] = [F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))]
+
+    def optimizer_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return [("forward", forward), ("backward", lambda: loss.pop().backward()),
+            ("grad_sync", after_backward or (lambda: None)), ("optimizer", optimizer_step)]
+
+
 # --------------------------------------------------------------------------------------------------
 # Optimizer-state sharding
 # --------------------------------------------------------------------------------------------------

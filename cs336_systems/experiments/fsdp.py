@@ -37,7 +37,7 @@ from cs336_systems import accounting
 from cs336_systems.configs import build_model
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.fsdp import FSDP
-from cs336_systems.benchmarking.timing import phase_times
+from cs336_systems.benchmarking.timing import phase_times, round_summary
 from cs336_systems.benchmarking.training_memory import (
     GIB,
     BenchConfig,
@@ -45,6 +45,7 @@ from cs336_systems.benchmarking.training_memory import (
     init_snapshot,
     measure_training,
     random_batch,
+    step_phases,
 )
 from cs336_systems.experiments.section import Section, param
 from cs336_systems.profiling.gather_waits import align_ranks, gather_summary, gather_waits, peer_summary
@@ -128,35 +129,16 @@ def fsdp_worker(config: dict[str, Any], models: list[str], strategies: list[str]
     return rows
 
 
-def _step_phases(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-                 after_backward: Any, autocast_dtype: torch.dtype | None) -> list[tuple[str, Any]]:
-    """A training step as named phases (forward with the loss, backward, gradient sync, optimizer), for
-    :func:`~cs336_systems.benchmarking.timing.phase_times` and the profiler's ranges alike."""
-    x, y = batch
-    loss: list[torch.Tensor] = []
-
-    def forward() -> None:
-        with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(x)
-        loss[:] = [torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))]
-
-    def optimizer_step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return [("forward", forward), ("backward", lambda: loss.pop().backward()),
-            ("grad_sync", after_backward or (lambda: None)), ("optimizer", optimizer_step)]
-
-
-def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str,
-                   against: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """fsdp_accounting (b): one profiled training step of our FSDP (bf16 compute, our AdamW on each shard)
-    reduced to kernel intervals, on every rank: a gather's kernel on one rank also spins until the others
-    reach the same gather, which only the ranks' timelines side by side can show. Then ``steps`` unprofiled
-    steps timed phase by phase on the host's and the GPU's clocks (``unprofiled``): the profiler adds host
-    time to every operator, so only these say whether an ordinary step is paced by its launches; and the same
-    for each strategy in ``against`` (torch's FSDP2 and DDP, torch's AdamW), whose hosts show what part of
-    ours is our wrapper's."""
+def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str, against: list[str],
+                   rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """fsdp_accounting (b) on every rank. First ``rounds`` rounds of ``steps`` unprofiled steps of our FSDP (bf16
+    compute, our AdamW on each shard) and of each strategy in ``against`` (torch's FSDP2 and DDP, torch's
+    AdamW), in turn, timed phase by phase on the host's and the GPU's clocks (``unprofiled``): the profiler adds
+    host time to every operator, so only these say whether an ordinary step is paced by its launches, and
+    torch's strategies show what part of that is our wrapper's; alternating rounds keep a drifting host from
+    favouring one. Then one profiled step of ours, reduced to kernel intervals (``timeline``): a gather's kernel
+    on one rank also spins until the others reach the same gather, which only the ranks' timelines side by
+    side can show."""
     from torch.profiler import record_function
 
     from cs336_basics.optimizer import AdamW
@@ -166,28 +148,34 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str,
     mcfg = cfg.model_config()
     batch = random_batch(mcfg, cfg.per_rank_batch(ctx.world_size), ctx.device, seed=ctx.rank)
     label = f"{model_name}, {dtype_name} compute, {ctx.world_size} ranks (rank {ctx.rank})"
-    unprofiled: list[dict[str, Any]] = []
-    for strategy in ["fsdp", *against]:
+
+    def build(strategy: str) -> list[tuple[str, Any]]:
         torch.manual_seed(0)
         model, after_backward, autocast_dtype = _wrap(strategy, build_model(mcfg, device=ctx.device),
                                                       DTYPES[dtype_name], ctx.device)
         optimizer = (AdamW if strategy == "fsdp" else torch.optim.AdamW)(model.parameters(), lr=cfg.lr)
-        phases = _step_phases(model, optimizer, batch, after_backward, autocast_dtype)
-        if strategy == "fsdp":
-            def step() -> None:
-                for name, fn in phases:
-                    with record_function(name):
-                        fn()
+        return step_phases(model, optimizer, batch, after_backward, autocast_dtype)
 
-            for _ in range(cfg.warmup):
-                step()
-            timeline = profile_timeline(step, ctx.device, label)
-        unprofiled += [{"strategy": strategy, "variant": label, "rank": ctx.rank, "step": i, **row} for i, row in
-                       enumerate(phase_times(phases, ctx.device, warmup=cfg.warmup, steps=cfg.steps))]
-        del model, optimizer, phases
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
-    return {"timeline": timeline, "unprofiled": unprofiled}
+    unprofiled: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for strategy in ["fsdp", *against]:
+            phases = build(strategy)
+            unprofiled += [{"strategy": strategy, "variant": label, "rank": ctx.rank, "round": r, "step": i, **row}
+                           for i, row in enumerate(phase_times(phases, ctx.device, warmup=cfg.warmup,
+                                                               steps=cfg.steps))]
+            del phases  # the model, its optimizer and gradients go with the step's closures
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+    phases = build("fsdp")
+
+    def step() -> None:
+        for name, fn in phases:
+            with record_function(name):
+                fn()
+
+    for _ in range(cfg.warmup):
+        step()
+    return {"timeline": profile_timeline(step, ctx.device, label), "unprofiled": unprofiled}
 
 
 def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
@@ -198,7 +186,7 @@ def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     n = None if runner.launched_externally() else p.nproc[0]
     print(f"FSDP all-gather profile: {n or 'torchrun'} ranks, {p.gathers_model}, {p.gathers_dtype}", flush=True)
     per_rank = runner.run_on_ranks(gathers_worker, n or 0, config, p.gathers_model, p.gathers_dtype,
-                                   list(p.gathers_against))
+                                   list(p.gathers_against), p.gathers_rounds)
     if not runner.is_main_process():
         return None
     timeline = pd.DataFrame([row for result in per_rank for row in result["timeline"]])
@@ -219,8 +207,9 @@ def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     summary = gather_summary(timeline) if summary is None else summary
     out.table(summary, "gathers_summary", extra=extra)
     steps = pd.DataFrame([row for result in per_rank for row in result["unprofiled"]])
-    out.table(steps.drop(columns="step").groupby(["strategy", "variant", "rank"], as_index=False, sort=False).median(),
-              "gathers_unprofiled", extra={**extra, "statistic": f"median of {p.steps} unprofiled steps per rank"})
+    out.table(round_summary(steps, ["strategy", "variant", "rank"], ["forward_gpu_ms", "step_ms"]), "gathers_unprofiled",
+              extra={**extra, "statistic": f"median of {p.gathers_rounds} alternating rounds of {p.steps} unprofiled "
+                                           "steps per rank"})
     fig = plot_timeline(timeline)
     out.figure(fig, "gathers_timeline")
     plt.close(fig)
@@ -384,6 +373,7 @@ class Params:
     gathers_dtype: str = param("bf16", f"gathers: compute dtype, of {', '.join(DTYPES)}")
     gathers_against: list[str] = param(["fsdp2", "ddp"], "gathers: strategies whose unprofiled steps are timed "
                                                            "beside our FSDP's, of fsdp2, ddp")
+    gathers_rounds: int = param(3, "gathers: alternating rounds of `steps` unprofiled steps per strategy")
 
     def check(self) -> None:
         bad = [x for x in self.parts if x not in PARTS]
@@ -392,6 +382,8 @@ class Params:
         bad = [x for x in self.gathers_against if x not in STRATEGIES or x == "fsdp"]
         if bad:
             raise ValueError(f"gathers_against {bad}: choose of fsdp2, ddp (our FSDP is always timed)")
+        if isinstance(self.gathers_rounds, bool) or not isinstance(self.gathers_rounds, int) or self.gathers_rounds < 1:
+            raise ValueError(f"gathers_rounds must be an integer >= 1, got {self.gathers_rounds!r}")
         if self.gathers_dtype not in DTYPES:
             raise ValueError(f"unknown gathers_dtype {self.gathers_dtype!r}; known: {', '.join(DTYPES)}")
         accounting.ladder_config(self.gathers_model)
@@ -406,7 +398,7 @@ class Params:
 PRESETS = {
     "full": Params(nproc=[2, 4]),  # the handout's 2 GPUs, and 4 where the bar against FSDP2 is held
     "quick": Params(models=["xl"], warmup=2, steps=5),
-    "smoke": Params(models=["tiny"], context_length=32, warmup=1, steps=2, gathers_model="tiny",
+    "smoke": Params(models=["tiny"], context_length=32, warmup=1, steps=2, gathers_model="tiny", gathers_rounds=2,
                     gathers_dtype="fp32"),
 }
 

@@ -314,7 +314,7 @@ def unprofiled_forward(d: SectionData) -> Text | None:
     compute = (summary["compute_ms"].reset_index(drop=True) if summary is not None and "compute_ms" in summary.columns
                and len(summary) == len(steps) else None)
     gpu, host = steps["forward_gpu_ms"].astype(float), steps["forward_host_ms"].astype(float)
-    against = _against_torch(table, steps)
+    against = _against_torch(table, steps, (d.meta("gathers_unprofiled").get("extra") or {}).get("compute_dtype"))
     if compute is None:
         return Text(text.rstrip() + against)
     slowest = int(gpu.idxmax())
@@ -335,32 +335,57 @@ def unprofiled_forward(d: SectionData) -> Text | None:
 
 #: Names of the strategies timed beside ours, as the answer says them.
 _TORCH_STRATEGIES = {"fsdp2": "torch's FSDP2 (one all-gather per Transformer block)",
-                     "ddp": "torch DDP (no gathers: the unsharded model under bf16 autocast)"}
+                     "ddp": "torch DDP (no gathers: the unsharded model{autocast})"}
 
 
-def _against_torch(table: pd.DataFrame, ours: pd.DataFrame) -> str:
-    """The same step's forward under torch's strategies, rank by rank beside ours: whose host sets the pace. ""
-    without them."""
+def _slowest(frame: pd.DataFrame) -> pd.Series:
+    """The row of the rank whose forward ran longest on its GPU."""
+    return frame.loc[frame["forward_gpu_ms"].astype(float).idxmax()]
+
+
+def _apart(a: pd.Series, b: pd.Series) -> bool | None:
+    """Whether two rows' forwards lie apart beyond the rounds' spread (their ranges of round medians do not
+    overlap); None where the rows carry no ranges."""
+    lo, hi = "forward_gpu_ms_round_lo", "forward_gpu_ms_round_hi"
+    if not {lo, hi} <= set(a.index) or not {lo, hi} <= set(b.index):
+        return None
+    return bool(float(a[lo]) > float(b[hi]) or float(b[lo]) > float(a[hi]))
+
+
+def _against_torch(table: pd.DataFrame, ours: pd.DataFrame, dtype: str | None = None) -> str:
+    """The same step's forward under torch's strategies (the slower rank's), beside ours: whose host sets the
+    pace. "" without them."""
     if "strategy" not in table.columns:
         return ""
-    said, slower = [], []
+    said, rows = [], {}
+    autocast = f" under {dtype} autocast" if dtype in ("bf16", "fp16") else ""
     for strategy, name in _TORCH_STRATEGIES.items():
+        name = name.format(autocast=autocast)
         theirs = table[table["strategy"] == strategy].reset_index(drop=True)
-        if len(theirs) != len(ours):
+        if len(theirs) != len(ours) or not len(theirs):
             continue
-        g, h = float(theirs["forward_gpu_ms"].max()), float(theirs["forward_host_ms"].max())
-        said.append(f"under {name}, {fmt.ms(g)} on the GPU, issued in {fmt.ms(h)}")
-        slower.append((strategy, float(ours["forward_gpu_ms"].max()) / g))
+        rows[strategy] = row = _slowest(theirs)
+        said.append(f"under {name}, {fmt.ms(row['forward_gpu_ms'])} on the GPU, issued in "
+                    f"{fmt.ms(row['forward_host_ms'])}")
     if not said:
         return ""
     text = " The same step's forward (the slower rank's) " + "; ".join(said) + ". "
-    by = dict(slower)
-    if "fsdp2" in by:
-        r = by["fsdp2"]
-        text += (f"Ours takes {fmt.ratio(r)} FSDP2's: the extra host time is our wrapper's (a gather, a cast and an "
-                 "autograd node per weight where FSDP2 issues one per block)." if r >= 1.2 else
-                 f"Ours is within {fmt.pct(abs(r - 1))} of FSDP2's: at this batch the pace is the eager model's "
-                 "launches, not our wrapper's.")
+    if "fsdp2" in rows:
+        mine, theirs = _slowest(ours), rows["fsdp2"]
+        r = float(mine["forward_gpu_ms"]) / float(theirs["forward_gpu_ms"])
+        apart = _apart(mine, theirs)
+        spread = (f" (round medians {fmt.sig(mine['forward_gpu_ms_round_lo'])}-{fmt.ms(mine['forward_gpu_ms_round_hi'])}"
+                  f" against {fmt.sig(theirs['forward_gpu_ms_round_lo'])}-{fmt.ms(theirs['forward_gpu_ms_round_hi'])})"
+                  if apart is not None else "")
+        if (apart if apart is not None else abs(r - 1) >= 0.2) and r > 1:
+            text += (f"Ours takes {fmt.ratio(r)} FSDP2's{spread}: the extra host time is our wrapper's (a gather, a "
+                     "cast and an autograd node per weight where FSDP2 issues one per block).")
+        elif apart or (apart is None and abs(r - 1) >= 0.2):
+            text += f"Ours takes {fmt.ratio(r)} FSDP2's{spread}."
+        else:
+            text += (f"Ours is within {fmt.pct(abs(r - 1))} of FSDP2's" + (f", inside the rounds' spread{spread}"
+                     if apart is not None else "") + ": at this batch the pace is the eager model's launches, not "
+                     "our wrapper's.")
     return text
 
 
