@@ -583,6 +583,21 @@ def test_fsdp_against_fsdp2_weighs_the_rounds_spread(ours_range: tuple, verdict:
     assert verdict in text and f"round medians {fmt.sig(lo)}-{fmt.ms(hi)} against 98.0-110 ms" in text
 
 
+def test_fsdp_captured_step_is_set_beside_the_eager_one() -> None:
+    """The captured step's replays against the eager step of ours, the slower rank's each, with the rounds' range."""
+    from cs336_systems.experiments.fsdp_gathers import _captured
+
+    table = pd.DataFrame([
+        {"strategy": "fsdp", "rank": 0, "step_ms": 300.0, "step_ms_round_lo": 280.0, "step_ms_round_hi": 360.0},
+        {"strategy": "fsdp", "rank": 1, "step_ms": 310.0, "step_ms_round_lo": 290.0, "step_ms_round_hi": 370.0},
+        {"strategy": "fsdp_graph", "rank": 0, "step_ms": 150.0, "step_ms_round_lo": 148.0, "step_ms_round_hi": 151.0},
+        {"strategy": "fsdp_graph", "rank": 1, "step_ms": 149.0, "step_ms_round_lo": 147.0, "step_ms_round_hi": 150.0}])
+    text = " ".join(_captured(table, table[table["strategy"] == "fsdp"]).split())
+    assert ("the whole step takes 150 ms against the eager step's 310 ms (round medians 148-151 ms against "
+            "290-370 ms), 2.07× faster") in text
+    assert _captured(table[table["strategy"] == "fsdp"], table[table["strategy"] == "fsdp"]) == ""
+
+
 def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> None:
     base = {"preset": "xl", "autocast": "bf16", "context_length": 512, "batch_per_rank": 2, "steps": 10,
             "world_size": 2, "step_ms_std": 1.0, "step_ms_median": 0.0}

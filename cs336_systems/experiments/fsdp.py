@@ -37,7 +37,7 @@ from cs336_systems import accounting
 from cs336_systems.configs import build_model
 from cs336_systems.distributed import launch, runner
 from cs336_systems.distributed.fsdp import FSDP
-from cs336_systems.benchmarking.timing import phase_times, round_summary
+from cs336_systems.benchmarking.timing import phase_times, round_summary, time_calls
 from cs336_systems.benchmarking.training_memory import (
     GIB,
     BenchConfig,
@@ -63,6 +63,8 @@ STRATEGIES = ("ddp", "fsdp", "fsdp2")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREDICTED_AS = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2": "zero3"}
 PARTS = ("compare", "gathers")
+#: A strategy name with this suffix is that strategy's whole step captured in a CUDA graph and replayed.
+GRAPHED = "_graph"
 STRATEGY_LABELS = {"ddp": "torch DDP", "fsdp": "our FSDP", "fsdp2": "torch FSDP2"}
 
 
@@ -131,14 +133,12 @@ def fsdp_worker(config: dict[str, Any], models: list[str], strategies: list[str]
 
 def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str, against: list[str],
                    rounds: int) -> dict[str, list[dict[str, Any]]]:
-    """fsdp_accounting (b) on every rank. First ``rounds`` rounds of ``steps`` unprofiled steps of our FSDP (bf16
-    compute, our AdamW on each shard) and of each strategy in ``against`` (torch's FSDP2 and DDP, torch's
-    AdamW), in turn, timed phase by phase on the host's and the GPU's clocks (``unprofiled``): the profiler adds
-    host time to every operator, so only these say whether an ordinary step is paced by its launches, and
-    torch's strategies show what part of that is our wrapper's; alternating rounds keep a drifting host from
-    favouring one. Then one profiled step of ours, reduced to kernel intervals (``timeline``): a gather's kernel
-    on one rank also spins until the others reach the same gather, which only the ranks' timelines side by
-    side can show."""
+    """fsdp_accounting (b) on every rank. First ``rounds`` alternating rounds of ``steps`` unprofiled steps of our
+    FSDP (bf16 compute, our AdamW) and of each of ``against`` (torch's FSDP2 and DDP with torch's AdamW; ours
+    captured in a CUDA graph, whole steps only), each phase on the host's and the GPU's clocks: the profiler adds
+    host time to every operator, so only these say whether an ordinary step is paced by its launches, and whose.
+    Then one profiled step of ours as kernel intervals (``timeline``): a gather's kernel on one rank also spins
+    until the others reach it, which only the ranks' timelines side by side show."""
     from torch.profiler import record_function
 
     from cs336_basics.optimizer import AdamW
@@ -151,20 +151,29 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str, aga
 
     def build(strategy: str) -> list[tuple[str, Any]]:
         torch.manual_seed(0)
-        model, after_backward, autocast_dtype = _wrap(strategy, build_model(mcfg, device=ctx.device),
-                                                      DTYPES[dtype_name], ctx.device)
-        optimizer = (AdamW if strategy == "fsdp" else torch.optim.AdamW)(model.parameters(), lr=cfg.lr)
+        model, after_backward, autocast_dtype = _wrap(strategy.removesuffix(GRAPHED), build_model(
+            mcfg, device=ctx.device), DTYPES[dtype_name], ctx.device)
+        optimizer = (AdamW(model.parameters(), lr=cfg.lr) if strategy == "fsdp" else  # a graph needs state on the GPU
+                     torch.optim.AdamW(model.parameters(), lr=cfg.lr, capturable=True, fused=True)
+                     if strategy.endswith(GRAPHED) else torch.optim.AdamW(model.parameters(), lr=cfg.lr))
         return step_phases(model, optimizer, batch, after_backward, autocast_dtype)
+
+    def timed(strategy: str) -> list[dict[str, float]]:
+        if not strategy.endswith(GRAPHED):
+            return phase_times(build(strategy), ctx.device, warmup=cfg.warmup, steps=cfg.steps)
+        from cs336_systems.cuda_graphs import CapturedStep, side_stream
+
+        with side_stream(ctx.device):  # built, and first backpropagated, off the stream the capture forbids
+            phases = build(strategy)
+        replay = CapturedStep(lambda: [fn() for _, fn in phases], ctx.device, warmup=cfg.warmup)
+        return [{"step_ms": t * 1e3} for t in time_calls(replay, warmup=1, steps=cfg.steps, device=ctx.device).times_s]
 
     unprofiled: list[dict[str, Any]] = []
     for r in range(rounds):
-        for strategy in ["fsdp", *against]:
-            phases = build(strategy)
+        for strategy in ["fsdp", *(s for s in against if ctx.device.type == "cuda" or not s.endswith(GRAPHED))]:
             unprofiled += [{"strategy": strategy, "variant": label, "rank": ctx.rank, "round": r, "step": i, **row}
-                           for i, row in enumerate(phase_times(phases, ctx.device, warmup=cfg.warmup,
-                                                               steps=cfg.steps))]
-            del phases  # the model, its optimizer and gradients go with the step's closures
-            if ctx.device.type == "cuda":
+                           for i, row in enumerate(timed(strategy))]
+            if ctx.device.type == "cuda":  # the last strategy's model went with its step's closures
                 torch.cuda.empty_cache()
     phases = build("fsdp")
 
@@ -371,17 +380,19 @@ class Params:
                                           "profile of the forward's all-gathers (on the first world size)")
     gathers_model: str = param("xl@2026", "gathers: the profiled model (2026's xl by default)")
     gathers_dtype: str = param("bf16", f"gathers: compute dtype, of {', '.join(DTYPES)}")
-    gathers_against: list[str] = param(["fsdp2", "ddp"], "gathers: strategies whose unprofiled steps are timed "
-                                                           "beside our FSDP's, of fsdp2, ddp")
+    gathers_against: list[str] = param(["fsdp2", "ddp", "fsdp_graph"], "gathers: strategies whose unprofiled "
+                                       "steps are timed beside our FSDP's, of fsdp2, ddp, fsdp_graph (ours captured "
+                                       "in a CUDA graph; GPUs only)")
     gathers_rounds: int = param(3, "gathers: alternating rounds of `steps` unprofiled steps per strategy")
 
     def check(self) -> None:
         bad = [x for x in self.parts if x not in PARTS]
         if bad or not self.parts:
             raise ValueError(f"unknown or no parts {bad or self.parts}; known: {', '.join(PARTS)}")
-        bad = [x for x in self.gathers_against if x not in STRATEGIES or x == "fsdp"]
+        bad = [x for x in self.gathers_against if x not in ("fsdp2", "ddp", "fsdp" + GRAPHED)]
         if bad:
-            raise ValueError(f"gathers_against {bad}: choose of fsdp2, ddp (our FSDP is always timed)")
+            raise ValueError(f"gathers_against {bad}: choose of fsdp2, ddp, fsdp_graph (our eager FSDP is always "
+                             "timed)")
         if isinstance(self.gathers_rounds, bool) or not isinstance(self.gathers_rounds, int) or self.gathers_rounds < 1:
             raise ValueError(f"gathers_rounds must be an integer >= 1, got {self.gathers_rounds!r}")
         if self.gathers_dtype not in DTYPES:
