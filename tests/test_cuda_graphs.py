@@ -183,7 +183,7 @@ def _fsdp_eager_and_captured() -> dict[str, float]:
             captured()
         torch.cuda.synchronize(device)
         eager, graphed = models[0].full_state_dict(), models[1].full_state_dict()
-        moved = max((eager[k].float() - v.float()).abs().max().item()
+        moved = max((eager[k].float() - v.float().to(device)).abs().max().item()
                     for k, v in make_toy_model("toy", seed=0).state_dict().items())
         out[name] = max((eager[k].float() - graphed[k].float()).abs().max().item() for k in eager)
         out[name + "_moved"] = moved

@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
 import re  # noqa: E402 (answers only)
 
 from cs336_systems.experiments.fsdp_gathers import (  # noqa: E402
-    PREFETCH, cause_in_brief, gathers_against_fit, gathers_blocks, host_paced, unprofiled_forward)
+    PREFETCH, cause_in_brief, gathers_against_fit, gathers_blocks, host_paced, unprofiled_blocks, unprofiled_forward)
 from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402 (answers only)
 
 
@@ -625,12 +625,7 @@ def answer(d: SectionData) -> list[Block]:
                  what="the all-gather profile (`--set parts=gathers`)"),
         *([Text("", role=BEYOND_HANDOUT),
            question(d, "fsdp_accounting (b)", "How the gathers are scheduled, and their kernel time against §2.1's "
-                    "fit.", [PREFETCH, brief and host_paced(d), gathers_against_fit(d),
-                             d.table("gathers_unprofiled", caption="Unprofiled steps, per strategy and rank "
-                                     "(medians): each phase's host issue time and its GPU time by CUDA events (a "
-                                     "phase on the GPU starts when its host issues it: each step starts on an idle "
-                                     "GPU), and the step's wall time. fsdp is ours (our AdamW); fsdp2 and ddp are "
-                                     "torch's (torch's AdamW).")])]
+                    "fit.", [PREFETCH, brief and host_paced(d), gathers_against_fit(d), *unprofiled_blocks(d)])]
           if d.frame("gathers_summary") is not None else []),
     ]
 

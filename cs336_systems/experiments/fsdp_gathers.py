@@ -12,7 +12,7 @@ import pandas as pd
 from cs336_systems import accounting
 from cs336_systems.configs import param_counts
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import handout_model, join_words, stream_lanes
+from cs336_systems.report.answers import handout_model, join_words, stream_lanes, subset
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Text
 
@@ -67,7 +67,14 @@ def _idle_text(d: SectionData) -> Text | None:
         + f", and only {fmt.ms(r['gather_beside_compute_ms'])} of their {fmt.ms(r['gather_ms'])} overlap a compute "
         "kernel because most of the time there is none to overlap: they hide behind the host's launches, not "
         "behind compute. What would shorten the forward is on the host's side: more tokens per rank, fewer and "
-        "larger gathers, or capturing the step in a CUDA graph (not measured here).")
+        "larger gathers, or capturing the step in a CUDA graph"
+        + (" (the last measured in the answer)." if _has_graph_rows(d) else " (not measured here)."))
+
+
+def _has_graph_rows(d: SectionData) -> bool:
+    """Whether the unprofiled steps include our step captured in a CUDA graph."""
+    table = d.frame("gathers_unprofiled")
+    return table is not None and "strategy" in table.columns and bool((table["strategy"] == "fsdp_graph").any())
 
 
 def _predicted_gather_ms(d: SectionData, model: str, world: Any, dtype: Any, r: Any) -> tuple[float, float] | None:
@@ -113,8 +120,7 @@ def _gather_model(d: SectionData, model: str, world: Any, dtype: Any, r: Any) ->
 PREFETCH = Text(
     "Our FSDP prefetches one layer ahead: when layer $k$ starts its forward, the all-gather of layer $k+1$ is "
     "launched asynchronously, in the order the first forward recorded, so that it can overlap layer $k$'s compute; "
-    "by then layer $k-1$ has finished, as the handout asks before gathering the layer two after it. Where the forward is paced by the host's launches, fewer and larger "
-    "gathers or a CUDA graph of the forward would shorten it (not measured here).")
+    "by then layer $k-1$ has finished, as the handout asks before gathering the layer two after it.")
 
 
 def _profiled_fit(d: SectionData, r: Any) -> tuple[float, float] | None:
@@ -314,8 +320,7 @@ def unprofiled_forward(d: SectionData) -> Text | None:
     compute = (summary["compute_ms"].reset_index(drop=True) if summary is not None and "compute_ms" in summary.columns
                and len(summary) == len(steps) else None)
     gpu, host = steps["forward_gpu_ms"].astype(float), steps["forward_host_ms"].astype(float)
-    against = (_against_torch(table, steps, (d.meta("gathers_unprofiled").get("extra") or {}).get("compute_dtype"))
-               + _captured(table, steps))
+    against = _captured(table, steps)
     if compute is None:
         return Text(text.rstrip() + against)
     slowest = int(gpu.idxmax())
@@ -325,10 +330,8 @@ def unprofiled_forward(d: SectionData) -> Text | None:
                     "ordinary step keeps its GPU busy through the forward: the late gathers above were the "
                     "profiler's host time." + against)
     if h >= HOST_ISSUE_SHARE * g:
-        gathers = int(summary["gathers"].iloc[0]) if "gathers" in summary.columns else 0
-        per = f", {fmt.sig(h / gathers * 1e3, 2)} µs of host time per gathered weight" if gathers else ""
-        return Text(text + f"On {names[slowest]}, the slower, the GPU's forward lasts as long as its host took to "
-                    f"issue it, {fmt.ratio(g / c)} the {fmt.ms(c)} of compute kernels the profile counted{per}: "
+        return Text(text + f"On {names[slowest]}, the slower, the GPU's forward lasts about as long as its host "
+                    f"took to issue it, {fmt.ratio(g / c)} the {fmt.ms(c)} of compute kernels the profile counted: "
                     "an ordinary step's forward is paced by the host's launches too, not by the link." + against)
     return Text(text + f"The hosts ran ahead of their GPUs, yet {names[slowest]}'s forward lasted "
                 f"{fmt.ratio(g / c)} its {fmt.ms(c)} of compute kernels: the GPU waited for the gathers." + against)
@@ -337,6 +340,30 @@ def unprofiled_forward(d: SectionData) -> Text | None:
 #: Names of the strategies timed beside ours, as the answer says them.
 _TORCH_STRATEGIES = {"fsdp2": "torch's FSDP2 (one all-gather per Transformer block)",
                      "ddp": "torch DDP (no gathers: the unsharded model{autocast})"}
+
+
+def unprofiled_blocks(d: SectionData) -> list[Block | None]:
+    """Beyond the question (the appendix): the unprofiled forward of torch's FSDP2 and DDP beside ours, and the
+    unprofiled steps' table (its label column and idle phases left to the CSV)."""
+    table = d.frame("gathers_unprofiled")
+    if table is None or "strategy" not in table.columns or "forward_gpu_ms" not in table.columns:
+        return []
+    ours = table[table["strategy"] == "fsdp"].reset_index(drop=True)
+    text = _against_torch(table, ours, (d.meta("gathers_unprofiled").get("extra") or {}).get("compute_dtype"))
+    shown = subset(table, "strategy", "rank", "forward_host_ms", "forward_gpu_ms", "forward_gpu_ms_round_lo",
+                   "forward_gpu_ms_round_hi", "backward_gpu_ms", "optimizer_gpu_ms", "step_ms", "step_ms_round_lo",
+                   "step_ms_round_hi")
+    return [Text(text.strip()) if text else None, d.table(
+        "gathers_unprofiled", frame=shown, caption="Unprofiled steps, per strategy and rank (medians): the forward's "
+        "host issue time and GPU time by CUDA events (a phase on the GPU starts when its host issues it: each step "
+        "starts on an idle GPU), the lowest and highest round median, and the step's wall time. fsdp is ours (our "
+        "AdamW); fsdp2 and ddp are torch's (torch's AdamW); fsdp_graph is ours captured in a CUDA graph (torch's "
+        "fused AdamW), timed as whole steps (all columns: the CSV).")]
+
+
+def _range_ms(lo: Any, hi: Any) -> str:
+    """``lo-hi ms``, or one value where both read alike at three figures."""
+    return fmt.ms(lo) if fmt.sig(lo) == fmt.sig(hi) else f"{fmt.sig(lo)}-{fmt.ms(hi)}"
 
 
 def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
@@ -349,8 +376,8 @@ def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
         return ""
     g = graph.loc[graph["step_ms"].astype(float).idxmax()]
     eager = ours.loc[ours["step_ms"].astype(float).idxmax()]
-    spread = (f" (round medians {fmt.sig(g['step_ms_round_lo'])}-{fmt.ms(g['step_ms_round_hi'])} against "
-              f"{fmt.sig(eager['step_ms_round_lo'])}-{fmt.ms(eager['step_ms_round_hi'])})"
+    spread = (f" (round medians {_range_ms(g['step_ms_round_lo'], g['step_ms_round_hi'])} against "
+              f"{_range_ms(eager['step_ms_round_lo'], eager['step_ms_round_hi'])})"
               if {"step_ms_round_lo", "step_ms_round_hi"} <= set(g.index) else "")
     return (f" Captured in a CUDA graph and replayed (our FSDP with torch's fused AdamW, whose state a graph needs "
             f"on the GPU), the whole step takes {fmt.ms(g['step_ms'])} against the eager step's "
@@ -394,8 +421,8 @@ def _against_torch(table: pd.DataFrame, ours: pd.DataFrame, dtype: str | None = 
         mine, theirs = _slowest(ours), rows["fsdp2"]
         r = float(mine["forward_gpu_ms"]) / float(theirs["forward_gpu_ms"])
         apart = _apart(mine, theirs)
-        spread = (f" (round medians {fmt.sig(mine['forward_gpu_ms_round_lo'])}-{fmt.ms(mine['forward_gpu_ms_round_hi'])}"
-                  f" against {fmt.sig(theirs['forward_gpu_ms_round_lo'])}-{fmt.ms(theirs['forward_gpu_ms_round_hi'])})"
+        spread = (f" (round medians {_range_ms(mine['forward_gpu_ms_round_lo'], mine['forward_gpu_ms_round_hi'])}"
+                  f" against {_range_ms(theirs['forward_gpu_ms_round_lo'], theirs['forward_gpu_ms_round_hi'])})"
                   if apart is not None else "")
         if (apart if apart is not None else abs(r - 1) >= 0.2) and r > 1:
             text += (f"Ours takes {fmt.ratio(r)} FSDP2's{spread}: the extra host time is our wrapper's (a gather, a "
@@ -404,8 +431,16 @@ def _against_torch(table: pd.DataFrame, ours: pd.DataFrame, dtype: str | None = 
             text += f"Ours takes {fmt.ratio(r)} FSDP2's{spread}."
         else:
             text += (f"Ours is within {fmt.pct(abs(r - 1))} of FSDP2's" + (f", inside the rounds' spread{spread}"
-                     if apart is not None else "") + ": at this batch the pace is the eager model's launches, not "
-                     "our wrapper's.")
+                     if apart is not None else ""))
+            if "ddp" in rows:
+                unsharded = float(rows["ddp"]["forward_gpu_ms"])
+                both = sorted(float(x["forward_gpu_ms"]) / unsharded for x in (mine, theirs))
+                text += (f"; the sharded forwards take {fmt.sig(both[0], 2)}-{fmt.ratio(both[1], 2)} the unsharded "
+                         "one's, so the host "
+                         "time beyond the model's own launches is what gathering every layer's weights costs in eager "
+                         "PyTorch, not our wrapper in particular.")
+            else:
+                text += ": the host time is not our wrapper's in particular."
     return text
 
 
