@@ -156,7 +156,7 @@ def _fsdp_eager_and_captured() -> dict[str, float]:
 
     ctx = current_context()
     device = ctx.device
-    mcfg = BenchConfig(model="tiny", context_length=32).model_config()
+    mcfg = BenchConfig(model="tiny", global_batch=4, context_length=32, warmup=1, steps=1).model_config()
     batches = [random_batch(mcfg, 2, device, seed=10 * s + ctx.rank) for s in range(5)]
     out = {}
     for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
