@@ -140,7 +140,8 @@ class FlashOptions:
     and epilogue (FlashAttention-3's schedule); which items each program takes is planned on the host, once per
     shape, so that causal items of unequal length leave no tail. It then also takes the short rows that
     ``gluon_min_key_work`` sends to the Triton forward, which are what it is for. Same outputs as one program per
-    item. Opt-in: it wins at some shapes and loses at others (docs/flash_attention/persistent.md).
+    item. Opt-in: against the one-item Gluon forward it is level at 16k tokens and faster at d = 128 from 2,048 to
+    4,096, but the Triton forward stays faster at the short d = 64 rows (docs/flash_attention/persistent.md).
     ``dq_atomic``: the Triton dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer
     atomically (five products per key and query tile instead of the two kernels' seven), and the dQ kernel only
     writes the ``[L; D]`` rows. Opt-in until measured; where ``gluon_backward`` picks the Gluon dK/dV kernel,
