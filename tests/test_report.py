@@ -491,20 +491,28 @@ def test_results_cited_by_another_section_are_not_listed_again() -> None:
     assert [getattr(b, "source", b.plain()) for b in kept] == ["Further results in `a/`:", "a/y.csv"]
 
 
-def test_fsdp_gather_answer_reads_the_profile(results: Path) -> None:
-    """fsdp_accounting (b): the verdict follows the measured waits (one late gather, the first one)."""
+_GATHERS_EXTRA = {"model": "xl@2026", "compute_dtype": "bf16"}
+
+
+def _write_one_rank_gathers_profile() -> ResultWriter:
+    """fsdp_accounting (b)'s profile tables for one rank: a 10-ms forward whose compute runs 8.6 ms and whose
+    first gather ends as compute resumes at 1.0 ms (late), the second while compute runs."""
     from cs336_systems.profiling.gather_waits import gather_summary, gather_waits
 
     rows = [("v", "phase", "phase", "forward", 0.0, 10.0)]
     rows += [("v", "cuda:7", "compute", "k", s, d) for s, d in ((0.0, 0.1), (1.0, 4.0), (5.5, 4.5))]
-    # the first gather ends as compute resumes at 1.0 (late); the second ends while compute runs
     rows += [("v", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", s, d) for s, d in ((0.05, 0.95), (2.0, 1.0))]
     tl = pd.DataFrame(rows, columns=["variant", "lane", "kind", "name", "start_ms", "dur_ms"])
     out = ResultWriter("fsdp", params={"nproc": [2], "global_batch": 4, "context_length": 512}, smoke=False)
-    extra = {"model": "xl@2026", "compute_dtype": "bf16"}
-    out.table(gather_summary(tl), "gathers_summary", extra=extra)
-    out.table(gather_waits(tl), "gathers_forward", extra=extra)
-    out.table(tl, "gathers_timeline", extra=extra)
+    out.table(gather_summary(tl), "gathers_summary", extra=_GATHERS_EXTRA)
+    out.table(gather_waits(tl), "gathers_forward", extra=_GATHERS_EXTRA)
+    out.table(tl, "gathers_timeline", extra=_GATHERS_EXTRA)
+    return out
+
+
+def test_fsdp_gather_answer_reads_the_profile(results: Path) -> None:
+    """fsdp_accounting (b): the verdict follows the measured waits (one late gather, the first one)."""
+    _write_one_rank_gathers_profile()
     text = build_document(results, strict=False).section("3.1").plain()
     assert "2.7B (3.41 B parameters)" in text and "with 2 all-gathers, one per sharded weight matrix" in " ".join(text.split())  # 2026's xl, as 2025 names it
     assert "Yes, except the first gather, which no compute precedes to hide it." in text
@@ -529,20 +537,12 @@ def test_fsdp_gather_answer_reads_the_unprofiled_steps(results: Path, forward_gp
                                                        verdict: str) -> None:
     """fsdp_accounting (b): the unprofiled steps say whether an ordinary forward is paced by its host, against the
     profiled step's compute kernel time (8.6 ms here)."""
-    from cs336_systems.profiling.gather_waits import gather_summary
     from cs336_systems.report import fmt
 
-    rows = [("v", "phase", "phase", "forward", 0.0, 10.0)]
-    rows += [("v", "cuda:7", "compute", "k", s, d) for s, d in ((0.0, 0.1), (1.0, 4.0), (5.5, 4.5))]
-    rows += [("v", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", s, d) for s, d in ((0.05, 0.95), (2.0, 1.0))]
-    tl = pd.DataFrame(rows, columns=["variant", "lane", "kind", "name", "start_ms", "dur_ms"])
-    out = ResultWriter("fsdp", params={"nproc": [2], "global_batch": 4, "context_length": 512}, smoke=False)
-    extra = {"model": "xl@2026", "compute_dtype": "bf16"}
-    out.table(gather_summary(tl), "gathers_summary", extra=extra)
-    out.table(tl, "gathers_timeline", extra=extra)
+    out = _write_one_rank_gathers_profile()
     steps = pd.DataFrame([{"variant": "v", "rank": 0, "forward_host_ms": forward_host_ms,
                            "forward_gpu_ms": forward_gpu_ms, "step_ms": 40.0}])
-    out.table(steps, "gathers_unprofiled", extra={**extra, "statistic": "median of 10 unprofiled steps per rank"})
+    out.table(steps, "gathers_unprofiled", extra={**_GATHERS_EXTRA, "statistic": "median of 10 unprofiled steps per rank"})
     flat = " ".join(build_document(results, strict=False).section("3.1").plain().split())
     assert (f"Without the profiler (median of 10 unprofiled steps per rank): on rank 0, the forward ran "
             f"{fmt.ms(forward_gpu_ms)} on the GPU") in flat
