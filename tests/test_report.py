@@ -598,6 +598,36 @@ def test_fsdp_captured_step_is_set_beside_the_eager_one() -> None:
     assert _captured(table[table["strategy"] == "fsdp"], table[table["strategy"] == "fsdp"]) == ""
 
 
+def test_fsdp_waiting_rank_is_explained_by_its_peer_waits() -> None:
+    """The rank whose compute waited for every gather is said to have waited for rank 0 when its gathers' peer
+    wait covers most of it; a rank that arrived last is said to have waited for none; else nothing is claimed."""
+    from cs336_systems.experiments.fsdp_gathers import _why_rank_waited
+
+    waited = pd.Series({"late_gathers": 226, "wait_ms": 162.1, "peer_wait_ms": 174.5})
+    assert _why_rank_waited(waited, 0, 226, "rank 0") == (
+        " (162 ms), because its gathers spent 174 ms waiting for rank 0 to issue the same gathers")
+    assert _why_rank_waited(waited, 226, 226, "rank 0") == ", since that rank reached every gather last"
+    assert _why_rank_waited(waited.replace(174.5, 10.0), 0, 226, "rank 0") == ""  # its own compute, not the peer
+
+
+def test_fsdp_main_answer_states_the_unprofiled_and_captured_steps_in_one_sentence(results: Path) -> None:
+    from cs336_systems.experiments.fsdp_gathers import unprofiled_in_brief
+    from cs336_systems.report.data import SectionData
+
+    out = _write_one_rank_gathers_profile()  # 8.60 ms of compute
+    steps = pd.DataFrame([
+        {"strategy": "fsdp", "variant": "v", "rank": 0, "forward_host_ms": 25.0, "forward_gpu_ms": 26.0,
+         "step_ms": 80.0},
+        {"strategy": "fsdp_graph", "variant": "v", "rank": 0, "step_ms": 30.0}])
+    out.table(steps, "gathers_unprofiled", extra=_GATHERS_EXTRA)
+    text = " ".join(unprofiled_in_brief(SectionData(results, "fsdp", edition="2026")).plain().split())
+    assert text.startswith("Without the profiler the forward still takes 26.0 ms on the GPU, about its host's issue "
+                           "time (25.0 ms) and 3.02× the profiled compute, so the hosts set the pace; replaying the "
+                           "step captured in a CUDA graph cuts it from 80.0 ms to 30.0 ms")
+    out.table(steps.assign(forward_host_ms=5.0), "gathers_unprofiled", extra=_GATHERS_EXTRA)  # the host ran ahead
+    assert unprofiled_in_brief(SectionData(results, "fsdp", edition="2026")) is None
+
+
 def test_bucketed_answer_separates_eager_and_captured_steps(results: Path) -> None:
     base = {"preset": "xl", "autocast": "bf16", "context_length": 512, "batch_per_rank": 2, "steps": 10,
             "world_size": 2, "step_ms_std": 1.0, "step_ms_median": 0.0}
@@ -916,7 +946,7 @@ def test_fsdp_accounting_b_finds_the_gpu_idle_between_kernels_of_the_profiled_fo
     # busy 0–1.5, 2–3, 6–7 inside the 10 ms forward: idle 0.5 + 3 + 3 = 6.5 ms in 2 gaps and the tail
     assert "the GPU is idle for 6.50 ms (65.0%), in 2 gaps between kernels (median 1,750 µs)" in text
     assert "issued 3 compute kernels and 1 all-gathers, one every 2,500 µs" in text
-    assert "only 0.500 ms of their 1.00 ms overlap a compute kernel" in text
+    assert "only 0.500 ms of their 1.00 ms overlaps a compute kernel" in text
     assert _idle_text(SectionData(tmp_path, "nothing")) is None
 
 
@@ -1970,7 +2000,7 @@ def test_fsdp_cause_in_brief_needs_every_ranks_timeline_and_names_the_host_paced
         plain = cause_in_brief(Data({"gathers_summary": two}, clocks)).plain()
         assert plain.startswith("Of rank 0's 9.00 ms of gather kernel time, the transfers took 1.50 ms (§2.1's fit: "
                                 "1.00 ms) and 7.00 ms was waiting for the other rank")
-        assert "rank 1's host issued its forward slower than its GPU ran it (2.50 ms of compute in 10.0 ms)" in plain
+        assert "rank 1's GPU sat idle waiting for its host's launches (2.50 ms of compute in a 10.0 ms forward)" in plain
         busy = two.assign(compute_ms=[6.0, 8.0])  # the late rank's GPU was busy: no claim about its host
         assert "host issued" not in cause_in_brief(Data({"gathers_summary": busy}, clocks)).plain()
         assert cause_in_brief(Data({"gathers_summary": two.iloc[:1]}, clocks)) is None  # one rank's profile

@@ -153,9 +153,12 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str, aga
         torch.manual_seed(0)
         model, after_backward, autocast_dtype = _wrap(strategy.removesuffix(GRAPHED), build_model(
             mcfg, device=ctx.device), DTYPES[dtype_name], ctx.device)
-        optimizer = (AdamW(model.parameters(), lr=cfg.lr) if strategy == "fsdp" else  # a graph needs state on the GPU
-                     torch.optim.AdamW(model.parameters(), lr=cfg.lr, capturable=True, fused=True)
-                     if strategy.endswith(GRAPHED) else torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+        if strategy == "fsdp":
+            optimizer = AdamW(model.parameters(), lr=cfg.lr)
+        elif strategy.endswith(GRAPHED):  # a replayed step needs the optimizer's state, step count too, on the GPU
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, capturable=True, fused=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         return step_phases(model, optimizer, batch, after_backward, autocast_dtype)
 
     def timed(strategy: str) -> list[dict[str, float]]:
@@ -456,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
 import re  # noqa: E402 (answers only)
 
 from cs336_systems.experiments.fsdp_gathers import (  # noqa: E402
-    PREFETCH, cause_in_brief, gathers_against_fit, gathers_blocks, host_paced, unprofiled_blocks, unprofiled_forward)
+    PREFETCH, cause_in_brief, gathers_against_fit, gathers_blocks, host_paced, unprofiled_blocks, unprofiled_forward,
+    unprofiled_in_brief)
 from cs336_systems.report.document import BEYOND_HANDOUT  # noqa: E402 (answers only)
 
 
@@ -585,6 +589,7 @@ def _course_test_failures(d: SectionData) -> Text | None:
 
 def answer(d: SectionData) -> list[Block]:
     brief = cause_in_brief(d)  # with every rank's timeline; else the rank-0 account stays in the answer
+    in_brief, gathers = unprofiled_in_brief(d), gathers_blocks(d)  # with both, the full accounts go to the appendix
     return [
         question(d, "fsdp", "Fully sharded data parallelism: per-layer all-gather of parameters before use, "
                  "reduce-scatter of gradients after the backward pass.", [
@@ -621,11 +626,13 @@ def answer(d: SectionData) -> list[Block]:
                  "accounting of optimizer-state sharding (2026)?", [_expected_saving(d.frame("fsdp_vs_ddp"), d.edition)]),
         question(d, "fsdp_accounting (b)", "Profile the xl model (2026 table) on two GPUs: does the all-gather of "
                  "weights finish in time for the forward pass?",
-                 [*gathers_blocks(d)[:1], brief or host_paced(d), unprofiled_forward(d), *gathers_blocks(d)[1:]],
+                 [gathers[0], brief or host_paced(d), (brief and in_brief) or unprofiled_forward(d),
+                  *([] if brief and in_brief else gathers[1:2]), *gathers[2:]],
                  what="the all-gather profile (`--set parts=gathers`)"),
         *([Text("", role=BEYOND_HANDOUT),
            question(d, "fsdp_accounting (b)", "How the gathers are scheduled, and their kernel time against §2.1's "
-                    "fit.", [PREFETCH, brief and host_paced(d), gathers_against_fit(d), *unprofiled_blocks(d)])]
+                    "fit.", [PREFETCH, brief and host_paced(d), *(gathers[1:2] if brief and in_brief else []),
+                             in_brief and unprofiled_forward(d), gathers_against_fit(d), *unprofiled_blocks(d)])]
           if d.frame("gathers_summary") is not None else []),
     ]
 

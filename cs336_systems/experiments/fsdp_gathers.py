@@ -48,7 +48,7 @@ def _idle_text(d: SectionData) -> Text | None:
     if not gaps or idle / span < 0.3:  # the GPU is mostly busy: nothing beyond the gathers to explain
         return None
     compute = kernels[kernels["kind"] == "compute"]
-    comm = kernels[kernels["kind"] == "comm"]
+    comm = kernels[(kernels["kind"] == "comm") & kernels["name"].astype(str).str.contains("AllGather")]
     model = (d.meta("gathers_summary").get("extra") or {}).get("model")
     layers = accounting.ladder_config(model).num_layers if model else None
     r = summary.iloc[0]
@@ -64,11 +64,12 @@ def _idle_text(d: SectionData) -> Text | None:
         "the profiler adds host time to every operator). "
         + ("So the gathers are in time" if float(r["wait_ms"]) < 0.05 * span else
            f"The gathers also hold compute back ({fmt.ms(r['wait_ms'])} of waits), but less than the host does")
-        + f", and only {fmt.ms(r['gather_beside_compute_ms'])} of their {fmt.ms(r['gather_ms'])} overlap a compute "
-        "kernel because most of the time there is none to overlap: they hide behind the host's launches, not "
-        "behind compute. What would shorten the forward is on the host's side: more tokens per rank, fewer and "
-        "larger gathers, or capturing the step in a CUDA graph"
-        + (" (the last measured in the answer)." if _has_graph_rows(d) else " (not measured here)."))
+        + (f", and none of their {fmt.ms(r['gather_ms'])}" if float(r["gather_beside_compute_ms"]) < 0.05 else
+           f", and only {fmt.ms(r['gather_beside_compute_ms'])} of their {fmt.ms(r['gather_ms'])}")
+        + " overlaps a compute kernel because most of the time there is none to overlap: the GPU idles between "
+        "launches, gathers or not. What would shorten the forward is on the host's side: more tokens per rank, fewer "
+        "and larger gathers, or capturing the step in a CUDA graph"
+        + (" (the last measured below)." if _has_graph_rows(d) else " (not measured here)."))
 
 
 def _has_graph_rows(d: SectionData) -> bool:
@@ -287,8 +288,8 @@ def cause_in_brief(d: SectionData) -> Text | None:
     if len(always) and {"compute_ms", "span_ms"} <= set(peers.columns):
         late = peers.iloc[int(always[0])]
         if float(late["compute_ms"]) / float(late["span_ms"]) < HOST_PACED_BELOW:
-            text += (f": {names[int(always[0])]}'s host issued its forward slower than its GPU ran it "
-                     f"({fmt.ms(late['compute_ms'])} of compute in {fmt.ms(late['span_ms'])})")
+            text += (f": {names[int(always[0])]}'s GPU sat idle waiting for its host's launches "
+                     f"({fmt.ms(late['compute_ms'])} of compute in a {fmt.ms(late['span_ms'])} forward)")
     if d.frame("gathers_unprofiled") is not None:
         return Text(text + ". So the link keeps up and the hosts' launches do not (the appendix has the whole account).")
     return Text(text + ". So the link keeps up and the hosts' launches do not; the profiler adds host time to every "
@@ -330,11 +331,33 @@ def unprofiled_forward(d: SectionData) -> Text | None:
                     "ordinary step keeps its GPU busy through the forward: the late gathers above were the "
                     "profiler's host time." + against)
     if h >= HOST_ISSUE_SHARE * g:
-        return Text(text + f"On {names[slowest]}, the slower, the GPU's forward lasts about as long as its host "
+        return Text(text + f"On {names[slowest]}, the GPU's forward lasts about as long as its host "
                     f"took to issue it, {fmt.ratio(g / c)} the {fmt.ms(c)} of compute kernels the profile counted: "
                     "an ordinary step's forward is paced by the host's launches too, not by the link." + against)
     return Text(text + f"The hosts ran ahead of their GPUs, yet {names[slowest]}'s forward lasted "
                 f"{fmt.ratio(g / c)} its {fmt.ms(c)} of compute kernels: the GPU waited for the gathers." + against)
+
+
+def unprofiled_in_brief(d: SectionData) -> Text | None:
+    """The main answer's sentence on the unprofiled steps: our forward on the GPU against its host issue time and
+    the profiled compute, and the captured step against the eager one (the slower rank's each); None without
+    those numbers (:func:`unprofiled_forward` then says what there is, in the appendix)."""
+    table, summary = d.frame("gathers_unprofiled"), d.frame("gathers_summary")
+    if table is None or summary is None or "strategy" not in table.columns or "compute_ms" not in summary.columns:
+        return None
+    ours, graph = table[table["strategy"] == "fsdp"], table[table["strategy"] == "fsdp_graph"]
+    if not len(ours) or not len(graph):
+        return None
+    mine, replay = _slowest(ours), graph.loc[graph["step_ms"].astype(float).idxmax()]
+    eager = ours.loc[ours["step_ms"].astype(float).idxmax()]
+    compute = float(summary["compute_ms"].max())
+    if float(mine["forward_host_ms"]) < HOST_ISSUE_SHARE * float(mine["forward_gpu_ms"]):
+        return None
+    return Text(f"Without the profiler the forward still takes {fmt.ms(mine['forward_gpu_ms'])} on the GPU, about its "
+                f"host's issue time ({fmt.ms(mine['forward_host_ms'])}) and {fmt.ratio(float(mine['forward_gpu_ms']) / compute)} "
+                f"the profiled compute, so the hosts set the pace; replaying the step captured in a CUDA graph cuts "
+                f"it from {fmt.ms(eager['step_ms'])} to {fmt.ms(replay['step_ms'])} (the appendix gives both "
+                "accounts and torch's FSDP2 and DDP beside ours).")
 
 
 #: Names of the strategies timed beside ours, as the answer says them.
@@ -379,10 +402,14 @@ def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
     spread = (f" (round medians {_range_ms(g['step_ms_round_lo'], g['step_ms_round_hi'])} against "
               f"{_range_ms(eager['step_ms_round_lo'], eager['step_ms_round_hi'])})"
               if {"step_ms_round_lo", "step_ms_round_hi"} <= set(g.index) else "")
+    optimizer = (f"; without its optimizer phase (our AdamW, {fmt.ms(eager['optimizer_gpu_ms'])}) the eager step "
+                 f"still takes {fmt.ms(float(eager['step_ms']) - float(eager['optimizer_gpu_ms']))}"
+                 if "optimizer_gpu_ms" in eager.index and pd.notna(eager["optimizer_gpu_ms"]) else "")
     return (f" Captured in a CUDA graph and replayed (our FSDP with torch's fused AdamW, whose state a graph needs "
             f"on the GPU), the whole step takes {fmt.ms(g['step_ms'])} against the eager step's "
-            f"{fmt.ms(eager['step_ms'])}{spread}, {fmt.ratio(float(eager['step_ms']) / float(g['step_ms']))} faster: "
-            "with one launch per step the host no longer sets the pace, which is the fix for a step this small.")
+            f"{fmt.ms(eager['step_ms'])}{spread}, {fmt.ratio(float(eager['step_ms']) / float(g['step_ms']))} faster"
+            f"{optimizer}: with one launch per step the host no longer sets the pace, which is the fix for a step "
+            "this small.")
 
 
 def _slowest(frame: pd.DataFrame) -> pd.Series:
@@ -436,9 +463,9 @@ def _against_torch(table: pd.DataFrame, ours: pd.DataFrame, dtype: str | None = 
                 unsharded = float(rows["ddp"]["forward_gpu_ms"])
                 both = sorted(float(x["forward_gpu_ms"]) / unsharded for x in (mine, theirs))
                 text += (f"; the sharded forwards take {fmt.sig(both[0], 2)}-{fmt.ratio(both[1], 2)} the unsharded "
-                         "one's, so the host "
-                         "time beyond the model's own launches is what gathering every layer's weights costs in eager "
-                         "PyTorch, not our wrapper in particular.")
+                         "one's, so most of the host time beyond the model's own launches is what gathering every "
+                         "layer's weights costs in eager PyTorch, and what ours adds to FSDP2's is within the noise "
+                         "of these rounds.")
             else:
                 text += ": the host time is not our wrapper's in particular."
     return text
@@ -475,12 +502,12 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
             names = _rank_names(summary)
             last = summary["arrived_last"] if "arrived_last" in summary.columns else [None] * len(summary)
             head = verdict.removesuffix(".")
-            head = head.replace("No: ", "No on rank 0: ", 1) if head.startswith("No: ") else head + " on rank 0"
+            head = (head.replace("No: ", f"No on {names[0]}: ", 1) if head.startswith("No: ") else
+                    f"On {names[0]}, {head[0].lower()}{head[1:]}")
             verdict = head + "; " + join_words(
-                [f"on {n}, compute waited for {'none' if not int(k) else int(k)} of them"
-                 + (", since that rank reached every gather last" if a is not None and int(a) == int(r["gathers"])
-                    else "")
-                 for n, k, a in zip(names[1:], summary["late_gathers"].iloc[1:], list(last)[1:])]) + "."
+                [f"on {n}, compute waited for {'none' if not int(row['late_gathers']) else int(row['late_gathers'])}"
+                 " of them" + _why_rank_waited(row, a, int(r["gathers"]), names[0])
+                 for n, (_, row), a in zip(names[1:], summary.iloc[1:].iterrows(), list(last)[1:])]) + "."
         text = Text(
             f"{verdict} One training step of {handout_model(model, d.edition)} "
             f"({fmt.params(param_counts(accounting.ladder_config(model))['total'])} parameters) with our FSDP on {ws} "
@@ -490,10 +517,12 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
             + f", {params.get('global_batch', '?')} sequences of {params.get('context_length', '?')} tokens, "
             f"profiled on {who}: the forward ran {fmt.ms(r['span_ms'])} on the GPU with {int(r['gathers'])} "
             "all-gathers, one per sharded weight matrix (each Linear and Embedding), "
-            f"{fmt.ms(r['gather_ms'])} of kernel time of which {fmt.ms(r['gather_beside_compute_ms'])} overlapped "
-            "compute" + (f"; compute waited for {int(r['late_gathers'])} of them, {fmt.ms(r['wait_ms'])} in "
-                                 f"all ({fmt.pct(share)} of the forward; the longest wait {fmt.ms(r['max_wait_ms'])})."
-                                 if r["late_gathers"] else "."))
+            f"{fmt.ms(r['gather_ms'])} of kernel time, "
+            + ("none of which overlapped compute" if float(r["gather_beside_compute_ms"]) < 0.05 else
+               f"of which {fmt.ms(r['gather_beside_compute_ms'])} overlapped compute")
+            + (f"; compute waited for {int(r['late_gathers'])} of them, {fmt.ms(r['wait_ms'])} in all "
+               f"({fmt.pct(share)} of the forward; the longest wait {fmt.ms(r['max_wait_ms'])})."
+               if r["late_gathers"] else "."))
     ranks = d.frame("gathers_summary")
     aligned = bool((d.meta("gathers_summary").get("extra") or {}).get("clocks"))
     where = ("on rank 0" if ranks is None or len(ranks) < 2 else
@@ -512,6 +541,19 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
                    "reached last, and the transfers' time with no waiting (transfer_ms)."
                    if ranks is not None and "peer_wait_ms" in ranks.columns else ".")),
     ]
+
+
+def _why_rank_waited(row: pd.Series, arrived_last: Any, gathers: int, first: str) -> str:
+    """Why another rank's compute waited for as many gathers as it did: it reached every gather last (so none),
+    or its gathers spent most of their time waiting for ``first`` (rank 0) to issue the same gathers; else ""."""
+    if arrived_last is not None and int(arrived_last) == gathers:
+        return ", since that rank reached every gather last"
+    if not int(row.get("late_gathers", 0)) or not {"wait_ms", "peer_wait_ms"} <= set(row.index):
+        return ""
+    if float(row["peer_wait_ms"]) < 0.5 * float(row["wait_ms"]):
+        return ""
+    return (f" ({fmt.ms(row['wait_ms'])}), because its gathers spent {fmt.ms(row['peer_wait_ms'])} waiting for "
+            f"{first} to issue the same gathers")
 
 
 def _lanes_named(d: SectionData) -> str:
