@@ -105,3 +105,18 @@ def test_gathers_are_paired_by_their_number_in_the_step_not_within_each_ranks_wi
     w = peer_waits(pd.DataFrame(rows, columns=COLUMNS)).set_index(["variant", "gather"])
     assert sorted({g for _, g in w.index}) == [0, 1]  # rank 0's two forward gathers
     assert w.loc[("r1", 1), "start_ms"] == 4.4 and w.loc[("r0", 1), "peer_wait_ms"] == pytest.approx(0.1)
+
+
+def test_the_zoom_window_spans_the_middle_gathers_of_the_first_ranks_forward() -> None:
+    """Twenty forward gathers, one per ms (0.2 ms each), and one in the backward: fourteen from the middle are
+    gathers 3 to 16, from 3.0 to 16.2 ms, widened by a tenth of that on each side; fewer gathers give no window."""
+    from cs336_systems.profiling.gather_waits import zoom_window
+
+    rows = [("r0", "phase", "phase", "forward", 0.0, 20.0), ("r0", "phase", "phase", "backward", 20.0, 10.0)]
+    rows += [("r0", "cuda:7", "compute", "k", float(i) + 0.2, 0.8) for i in range(20)]
+    rows += [("r0", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", float(i), 0.2) for i in range(20)]
+    rows += [("r0", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", 25.0, 0.2)]
+    rows += [("r1", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", 0.0, 30.0)]  # only the first rank's count
+    lo, hi = zoom_window(pd.DataFrame(rows, columns=COLUMNS))
+    assert (lo, hi) == (pytest.approx(3.0 - 1.32), pytest.approx(16.2 + 1.32))
+    assert zoom_window(pd.DataFrame(rows, columns=COLUMNS), gathers=21) is None

@@ -2155,7 +2155,7 @@ def test_stream_lanes_name_each_traced_row_by_its_kernels() -> None:
 
 
 def test_fsdp_figure_caption_maps_preset_labels_to_the_handouts_names_where_they_differ() -> None:
-    from cs336_systems.experiments.fsdp import _preset_labels
+    from cs336_systems.report.answers import preset_labels as _preset_labels
 
     runs = pd.DataFrame({"model": ["xl", "2.7B", "xl"]})
     assert _preset_labels(runs, "2026") == (" Its labels are the presets' names: xl is CS336 2025's xl and 2.7B "

@@ -48,11 +48,12 @@ from cs336_systems.benchmarking.training_memory import (
     step_phases,
 )
 from cs336_systems.experiments.section import Section, param
-from cs336_systems.profiling.gather_waits import align_ranks, gather_summary, gather_waits, peer_summary
+from cs336_systems.profiling.gather_waits import align_ranks, gather_summary, gather_waits, peer_summary, zoom_window
 from cs336_systems.profiling.timeline import plot_timeline, profile_timeline
 from cs336_systems.derived import Derived
 from cs336_systems.report import fmt
-from cs336_systems.report.answers import edition_models, handout_model, join_words, question, spread, step_verdict, subset
+from cs336_systems.report.answers import (edition_models, handout_model, join_words, preset_labels, question, spread,
+                                          step_verdict, subset)
 from cs336_systems.report.data import SectionData
 from cs336_systems.report.document import Block, Equation, Text
 from cs336_systems.measured_code import MODEL
@@ -191,9 +192,8 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str, aga
 
 
 def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
-    """Profile one FSDP step of ``gathers_model`` on every rank and write the ranks' timelines on rank 0's
-    clock (:func:`align_ranks`), the per-gather waits of the forward, and their summary per rank, with the time
-    each rank's gathers waited for the other ranks."""
+    """Time unprofiled steps, then profile one FSDP step of ``gathers_model`` on every rank (:func:`gathers_worker`);
+    write the timelines on rank 0's clock (:func:`align_ranks`), the forward's gather waits and their summary."""
     config = dict(global_batch=p.global_batch, context_length=p.context_length, warmup=p.warmup, steps=p.steps)
     n = None if runner.launched_externally() else p.nproc[0]
     print(f"FSDP all-gather profile: {n or 'torchrun'} ranks, {p.gathers_model}, {p.gathers_dtype}", flush=True)
@@ -225,6 +225,14 @@ def run_gathers(p: Params, out: ResultWriter) -> pd.DataFrame | None:
     fig = plot_timeline(timeline)
     out.figure(fig, "gathers_timeline")
     plt.close(fig)
+    window = zoom_window(timeline)
+    if window is not None:  # two blocks of the same forward: each gather beside the compute it should precede
+        lo, hi = window
+        fig = plot_timeline(timeline[(timeline["start_ms"] < hi) & (timeline["start_ms"] + timeline["dur_ms"] > lo)])
+        for ax in fig.axes:
+            ax.set_xlim(lo, hi)
+        out.figure(fig, "gathers_zoom")
+        plt.close(fig)
     print(summary.to_string(index=False))
     return summary
 
@@ -604,7 +612,7 @@ def answer(d: SectionData) -> list[Block]:
                      _against_fsdp2(d.frame("fsdp_vs_ddp"), d.edition),
                      _course_test_failures(d),
                      d.figure("memory_and_time", caption="Per-GPU memory and step time: DDP, our FSDP and "
-                              "PyTorch's FSDP2." + _preset_labels(d.frame("fsdp_vs_ddp"), d.edition)),
+                              "PyTorch's FSDP2." + preset_labels(d.frame("fsdp_vs_ddp"), d.edition)),
                      d.table("relative_to_ddp", frame=edition_models(d.frame("relative_to_ddp"), d.edition), caption="Per-GPU peak memory (GiB, measured and predicted) and "
                              "step time, and both relative to DDP (all measured columns: `fsdp_vs_ddp.csv`).")
                      or d.table("fsdp_vs_ddp", frame=subset(edition_models(d.frame("fsdp_vs_ddp"), d.edition), "model", "dtype", "world_size",
@@ -636,19 +644,6 @@ def answer(d: SectionData) -> list[Block]:
           if d.frame("gathers_summary") is not None else []),
     ]
 
-
-
-def _preset_labels(df: pd.DataFrame | None, edition: str) -> str:
-    """The figure's model labels (the presets' names) in this handout's names, where they differ."""
-    if df is None or "model" not in df.columns:
-        return ""
-    names = {m.partition("@")[0]: handout_model(m, edition) for m in map(str, df["model"])}
-    own = {label: name for label, name in names.items() if "'s " not in name}  # this handout's own size names
-    if all(label == name for label, name in own.items()):
-        return ""  # every label reads as this handout names it
-    said = [f"{label} is " + (f"this handout's {name}" if label in own else name) for label, name in names.items()
-            if label != name]
-    return f" Its labels are the presets' names: {join_words(said)}."
 
 
 def _largest_shown(d: SectionData) -> pd.DataFrame | None:

@@ -534,6 +534,9 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
                  "communication red) under the phases the GPU ran; the forward's all-gathers are the red bars "
                  "beside its compute." + _lanes_named(d) + " Drawn from PyTorch's profiler (CUPTI kernel records) in "
                  "place of an Nsight Systems screenshot: Nsight Systems is not installed on these machines."),
+        d.figure("gathers_zoom", caption="The same step zoomed, as in Nsight, to fourteen consecutive all-gathers "
+                 "(two Transformer blocks' weights) from the middle of rank 0's forward, on every rank: each gather "
+                 "beside the compute kernels around it."),
         d.table("gathers_summary", frame=_named_for_the_handout(d.frame("gathers_summary"), d.edition),
                 caption="The forward's all-gathers: kernel time, the part that overlapped compute, and how long compute "
                 "waited for a gather (it resumed within 30 µs of the gather's end)"

@@ -166,3 +166,21 @@ def peer_summary(tl: pd.DataFrame, phase: str = "forward") -> pd.DataFrame:
     transfer = float(w.drop_duplicates("gather")["transfer_ms"].sum())
     return (w.groupby("variant", sort=False).agg(peer_wait_ms=("peer_wait_ms", "sum"), arrived_last=("last", "sum"))
             .reset_index().assign(transfer_ms=transfer))
+
+
+def zoom_window(tl: pd.DataFrame, gathers: int = 14, phase: str = "forward") -> tuple[float, float] | None:
+    """A window of the first variant's ``phase`` around ``gathers`` consecutive all-gathers from its middle (14: two
+    Transformer blocks' seven weights each), from the first's start to the last's end, widened by a tenth on each
+    side; None without that many gathers. A whole step's plot cannot show 80-µs gathers beside the kernels they
+    should hide behind; this window can, as Nsight's zoom would."""
+    for _, sub, start, end, _, _ in _windows(tl, phase):
+        inside = _gathers(sub)
+        inside = inside[(inside["start_ms"] >= start) & (inside["start_ms"] < end)]
+        if len(inside) < gathers:
+            return None
+        first = (len(inside) - gathers) // 2
+        chosen = inside.iloc[first:first + gathers]
+        lo, hi = float(chosen["start_ms"].iloc[0]), float((chosen["start_ms"] + chosen["dur_ms"]).max())
+        margin = 0.1 * (hi - lo)
+        return lo - margin, hi + margin
+    return None

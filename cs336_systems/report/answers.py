@@ -330,3 +330,16 @@ def stream_lanes(timeline: pd.DataFrame | None) -> str:
                 text += f" ({also[kind]} run on it too in {join_words(shared)})"
         parts.append(text)
     return ", ".join(parts)
+
+
+def preset_labels(df: pd.DataFrame | None, edition: str) -> str:
+    """The figure's model labels (the presets' names) in this handout's names, where they differ."""
+    if df is None or "model" not in df.columns:
+        return ""
+    names = {m.partition("@")[0]: handout_model(m, edition) for m in map(str, df["model"])}
+    own = {label: name for label, name in names.items() if "'s " not in name}  # this handout's own size names
+    if all(label == name for label, name in own.items()):
+        return ""  # every label reads as this handout names it
+    said = [f"{label} is " + (f"this handout's {name}" if label in own else name) for label, name in names.items()
+            if label != name]
+    return f" Its labels are the presets' names: {join_words(said)}."
