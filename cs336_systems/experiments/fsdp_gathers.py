@@ -536,7 +536,9 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
                  "place of an Nsight Systems screenshot: Nsight Systems is not installed on these machines."),
         d.figure("gathers_zoom", caption="The same step zoomed, as in Nsight, to fourteen consecutive all-gathers "
                  "(two Transformer blocks' weights) from the middle of rank 0's forward, on every rank: each gather "
-                 "beside the compute kernels around it."),
+                 "beside the compute kernels around it, and the gaps where the compute stream waits for its host's "
+                 "next launch. A gather kernel that fills the window is waiting inside NCCL for the other rank to "
+                 "issue the same gather."),
         d.table("gathers_summary", frame=_named_for_the_handout(d.frame("gathers_summary"), d.edition),
                 caption="The forward's all-gathers: kernel time, the part that overlapped compute, and how long compute "
                 "waited for a gather (it resumed within 30 µs of the gather's end)"
