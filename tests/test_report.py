@@ -605,7 +605,7 @@ def test_fsdp_waiting_rank_is_explained_by_its_peer_waits() -> None:
 
     waited = pd.Series({"late_gathers": 226, "wait_ms": 162.1, "peer_wait_ms": 174.5})
     assert _why_rank_waited(waited, 0, 226, "rank 0") == (
-        " (162 ms), because its gathers spent 174 ms waiting for rank 0 to issue the same gathers")
+        " (162 ms of waiting), because its gathers spent 174 ms waiting for rank 0 to issue the same gathers")
     assert _why_rank_waited(waited, 226, 226, "rank 0") == ", since that rank reached every gather last"
     assert _why_rank_waited(waited.replace(174.5, 10.0), 0, 226, "rank 0") == ""  # its own compute, not the peer
 

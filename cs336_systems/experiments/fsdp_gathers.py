@@ -291,7 +291,8 @@ def cause_in_brief(d: SectionData) -> Text | None:
             text += (f": {names[int(always[0])]}'s GPU sat idle waiting for its host's launches "
                      f"({fmt.ms(late['compute_ms'])} of compute in a {fmt.ms(late['span_ms'])} forward)")
     if d.frame("gathers_unprofiled") is not None:
-        return Text(text + ". So the link keeps up and the hosts' launches do not (the appendix has the whole account).")
+        return Text(text + ". So the link keeps up and the hosts' launches do not (the appendix has the whole "
+                    "account).")
     return Text(text + ". So the link keeps up and the hosts' launches do not; the profiler adds host time to every "
                 "operator, so an unprofiled step should wait less (not measured here; the appendix has the whole "
                 "account).")
@@ -353,8 +354,9 @@ def unprofiled_in_brief(d: SectionData) -> Text | None:
     compute = float(summary["compute_ms"].max())
     if float(mine["forward_host_ms"]) < HOST_ISSUE_SHARE * float(mine["forward_gpu_ms"]):
         return None
+    ratio = fmt.ratio(float(mine["forward_gpu_ms"]) / compute)
     return Text(f"Without the profiler the forward still takes {fmt.ms(mine['forward_gpu_ms'])} on the GPU, about its "
-                f"host's issue time ({fmt.ms(mine['forward_host_ms'])}) and {fmt.ratio(float(mine['forward_gpu_ms']) / compute)} "
+                f"host's issue time ({fmt.ms(mine['forward_host_ms'])}) and {ratio} "
                 f"the profiled compute, so the hosts set the pace; replaying the step captured in a CUDA graph cuts "
                 f"it from {fmt.ms(eager['step_ms'])} to {fmt.ms(replay['step_ms'])} (the appendix gives both "
                 "accounts and torch's FSDP2 and DDP beside ours).")
@@ -504,6 +506,9 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
             head = verdict.removesuffix(".")
             head = (head.replace("No: ", f"No on {names[0]}: ", 1) if head.startswith("No: ") else
                     f"On {names[0]}, {head[0].lower()}{head[1:]}")
+            if r["late_gathers"]:  # late for what: its own compute, or the other rank's host
+                head += _why_rank_waited(summary.iloc[0], list(last)[0], int(r["gathers"]),
+                                         names[1] if len(names) == 2 else "the other ranks")
             verdict = head + "; " + join_words(
                 [f"on {n}, compute waited for {'none' if not int(row['late_gathers']) else int(row['late_gathers'])}"
                  " of them" + _why_rank_waited(row, a, int(r["gathers"]), names[0])
@@ -557,8 +562,8 @@ def _why_rank_waited(row: pd.Series, arrived_last: Any, gathers: int, first: str
         return ""
     if float(row["peer_wait_ms"]) < 0.5 * float(row["wait_ms"]):
         return ""
-    return (f" ({fmt.ms(row['wait_ms'])}), because its gathers spent {fmt.ms(row['peer_wait_ms'])} waiting for "
-            f"{first} to issue the same gathers")
+    return (f" ({fmt.ms(row['wait_ms'])} of waiting), because its gathers spent {fmt.ms(row['peer_wait_ms'])} "
+            f"waiting for {first} to issue the same gathers")
 
 
 def _lanes_named(d: SectionData) -> str:
