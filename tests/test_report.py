@@ -273,8 +273,9 @@ def test_committed_writeup_is_up_to_date() -> None:
     # each section's account of how it was measured moved there from the answers, which shrank by three pages; 65
     # since answers longer than their deliverable left their detail there and bucketed DDP gained its
     # communication table; 66 since fsdp_accounting (b) draws both ranks' timelines and the overlap traces draw
-    # naive DDP beside flat and overlapped, as the handouts compare.)
-    assert recorded["pdf"]["pages"] <= 66, f"writeup.pdf has {recorded['pdf']['pages']} pages"
+    # naive DDP beside flat and overlapped, as the handouts compare; 67 since it also zooms that profile to two
+    # blocks, the view the handout's Nsight screenshot would give.)
+    assert recorded["pdf"]["pages"] <= 67, f"writeup.pdf has {recorded['pdf']['pages']} pages"
     assert set(recorded["outputs"]) == {"writeup.html", "figures/index.html", "writeup-2026.pdf", "writeup-2026.html",
                                         "writeup-cse599o.pdf", "writeup-cse599o.html"}
     # The answers before the appendix are counted for each edition, and are shorter than the whole.
