@@ -116,7 +116,8 @@ def test_the_zoom_window_spans_the_middle_gathers_of_the_first_ranks_forward() -
     rows += [("r0", "cuda:7", "compute", "k", float(i) + 0.2, 0.8) for i in range(20)]
     rows += [("r0", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", float(i), 0.2) for i in range(20)]
     rows += [("r0", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", 25.0, 0.2)]
-    rows += [("r1", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", 0.0, 30.0)]  # only the first rank's count
+    rows += [("r1", "phase", "phase", "forward", 0.0, 20.0)]  # the second rank's forward: its gathers are not counted
+    rows += [("r1", "cuda:19", "comm", "ncclDevKernel_AllGather_RING_LL", 10.0 + 0.5 * i, 0.1) for i in range(20)]
     lo, hi = zoom_window(pd.DataFrame(rows, columns=COLUMNS))
     assert (lo, hi) == (pytest.approx(3.0 - 1.32), pytest.approx(16.2 + 1.32))
     assert zoom_window(pd.DataFrame(rows, columns=COLUMNS), gathers=21) is None

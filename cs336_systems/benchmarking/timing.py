@@ -140,7 +140,9 @@ def phase_times(
 
     Why both clocks: a phase whose GPU time is about its host time kept the GPU waiting for launches (host
     paced); a GPU time well above the host time means the queue ran ahead of the GPU. Each step starts on an
-    idle GPU, so a phase's first event fires when the host records it. On CPU both clocks are the host's."""
+    idle GPU, so the first phase's start event fires when the host records it; a later phase's fires when the
+    GPU has finished the work queued before it, so its GPU time runs from there. On CPU both clocks are the
+    host's."""
     if warmup < 0 or steps < 1:
         raise ValueError(f"need warmup >= 0 and steps >= 1, got warmup={warmup}, steps={steps}")
     names = [name for name, _ in phases]

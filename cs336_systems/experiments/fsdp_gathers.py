@@ -328,9 +328,10 @@ def unprofiled_forward(d: SectionData) -> Text | None:
     slowest = int(gpu.idxmax())
     c, g, h = float(compute.iloc[slowest]), float(gpu.iloc[slowest]), float(host.iloc[slowest])
     if g <= 1.5 * c:
+        late = "late_gathers" in summary.columns and float(summary["late_gathers"].sum()) > 0
         return Text(text + f"That is within 1.5× of the {fmt.ms(c)} of compute kernels the profile counted, so an "
-                    "ordinary step keeps its GPU busy through the forward: the late gathers above were the "
-                    "profiler's host time." + against)
+                    "ordinary step keeps its GPU busy through the forward"
+                    + (": the late gathers above were the profiler's host time." if late else ".") + against)
     if h >= HOST_ISSUE_SHARE * g:
         return Text(text + f"On {names[slowest]}, the GPU's forward lasts about as long as its host "
                     f"took to issue it, {fmt.ratio(g / c)} the {fmt.ms(c)} of compute kernels the profile counted: "
@@ -344,16 +345,21 @@ def unprofiled_in_brief(d: SectionData) -> Text | None:
     the profiled compute, and the captured step against the eager one (the slower rank's each); None without
     those numbers (:func:`unprofiled_forward` then says what there is, in the appendix)."""
     table, summary = d.frame("gathers_unprofiled"), d.frame("gathers_summary")
-    if table is None or summary is None or "strategy" not in table.columns or "compute_ms" not in summary.columns:
+    need = {"strategy", "variant", "forward_gpu_ms", "forward_host_ms", "step_ms"}
+    if table is None or summary is None or not need <= set(table.columns) or not {"compute_ms", "variant"} <= set(
+            summary.columns):
         return None
     ours, graph = table[table["strategy"] == "fsdp"], table[table["strategy"] == "fsdp_graph"]
-    if not len(ours) or not len(graph):
+    if not len(ours) or len(graph) != len(ours):
         return None
     mine, replay = _slowest(ours), graph.loc[graph["step_ms"].astype(float).idxmax()]
     eager = ours.loc[ours["step_ms"].astype(float).idxmax()]
-    compute = float(summary["compute_ms"].max())
-    if float(mine["forward_host_ms"]) < HOST_ISSUE_SHARE * float(mine["forward_gpu_ms"]):
+    same_rank = summary[summary["variant"] == mine["variant"]]  # the profile's compute of the same rank
+    if not len(same_rank) or float(mine["forward_host_ms"]) < HOST_ISSUE_SHARE * float(mine["forward_gpu_ms"]):
         return None
+    if float(replay["step_ms"]) >= float(eager["step_ms"]):
+        return None  # the appendix says the graph was no faster
+    compute = float(same_rank["compute_ms"].iloc[0])
     ratio = fmt.ratio(float(mine["forward_gpu_ms"]) / compute)
     return Text(f"Without the profiler the forward still takes {fmt.ms(mine['forward_gpu_ms'])} on the GPU, about its "
                 f"host's issue time ({fmt.ms(mine['forward_host_ms'])}) and {ratio} "
@@ -380,8 +386,9 @@ def unprofiled_blocks(d: SectionData) -> list[Block | None]:
                    "step_ms_round_hi")
     return [Text(text.strip()) if text else None, d.table(
         "gathers_unprofiled", frame=shown, caption="Unprofiled steps, per strategy and rank (medians): the forward's "
-        "host issue time and GPU time by CUDA events (a phase on the GPU starts when its host issues it: each step "
-        "starts on an idle GPU), the lowest and highest round median, and the step's wall time. fsdp is ours (our "
+        "host issue time and GPU time by CUDA events (each step starts on an idle GPU, so the forward's GPU time "
+        "starts when its host issues it; a later phase's starts when the GPU finishes the one before), the lowest "
+        "and highest round median, and the step's wall time. fsdp is ours (our "
         "AdamW); fsdp2 and ddp are torch's (torch's AdamW); fsdp_graph is ours captured in a CUDA graph (torch's "
         "fused AdamW), timed as whole steps (all columns: the CSV).")]
 
@@ -404,6 +411,10 @@ def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
     spread = (f" (round medians {_range_ms(g['step_ms_round_lo'], g['step_ms_round_hi'])} against "
               f"{_range_ms(eager['step_ms_round_lo'], eager['step_ms_round_hi'])})"
               if {"step_ms_round_lo", "step_ms_round_hi"} <= set(g.index) else "")
+    if float(g["step_ms"]) >= float(eager["step_ms"]) or (spread and float(g["step_ms_round_hi"]) >= float(
+            eager["step_ms_round_lo"])):
+        return (f" Captured in a CUDA graph and replayed, the whole step takes {fmt.ms(g['step_ms'])} against the "
+                f"eager step's {fmt.ms(eager['step_ms'])}{spread}: no faster beyond the rounds' spread.")
     optimizer = (f"; without its optimizer phase (our AdamW, {fmt.ms(eager['optimizer_gpu_ms'])}) the eager step "
                  f"still takes {fmt.ms(float(eager['step_ms']) - float(eager['optimizer_gpu_ms']))}"
                  if "optimizer_gpu_ms" in eager.index and pd.notna(eager["optimizer_gpu_ms"]) else "")
@@ -453,23 +464,25 @@ def _against_torch(table: pd.DataFrame, ours: pd.DataFrame, dtype: str | None = 
         spread = (f" (round medians {_range_ms(mine['forward_gpu_ms_round_lo'], mine['forward_gpu_ms_round_hi'])}"
                   f" against {_range_ms(theirs['forward_gpu_ms_round_lo'], theirs['forward_gpu_ms_round_hi'])})"
                   if apart is not None else "")
+        paced = all(float(x["forward_host_ms"]) >= HOST_ISSUE_SHARE * float(x["forward_gpu_ms"]) for x in (mine, theirs))
         if (apart if apart is not None else abs(r - 1) >= 0.2) and r > 1:
-            text += (f"Ours takes {fmt.ratio(r)} FSDP2's{spread}: the extra host time is our wrapper's (a gather, a "
-                     "cast and an autograd node per weight where FSDP2 issues one per block).")
+            text += (f"Ours takes {fmt.ratio(r)} FSDP2's{spread}" + (
+                ": both are paced by their hosts, so the extra host time is our wrapper's (a gather, a cast and an "
+                "autograd node per weight where FSDP2 issues one per block)." if paced else "."))
         elif apart or (apart is None and abs(r - 1) >= 0.2):
             text += f"Ours takes {fmt.ratio(r)} FSDP2's{spread}."
         else:
             text += (f"Ours is within {fmt.pct(abs(r - 1))} of FSDP2's" + (f", inside the rounds' spread{spread}"
                      if apart is not None else ""))
-            if "ddp" in rows:
-                unsharded = float(rows["ddp"]["forward_gpu_ms"])
-                both = sorted(float(x["forward_gpu_ms"]) / unsharded for x in (mine, theirs))
+            unsharded = float(rows["ddp"]["forward_gpu_ms"]) if "ddp" in rows else float("nan")
+            both = sorted(float(x["forward_gpu_ms"]) / unsharded for x in (mine, theirs))
+            if "ddp" in rows and paced and both[0] > 1.2:
                 text += (f"; the sharded forwards take {fmt.sig(both[0], 2)}-{fmt.ratio(both[1], 2)} the unsharded "
                          "one's, so most of the host time beyond the model's own launches is what gathering every "
                          "layer's weights costs in eager PyTorch, and what ours adds to FSDP2's is within the noise "
                          "of these rounds.")
             else:
-                text += ": the host time is not our wrapper's in particular."
+                text += ": the host time is not our wrapper's in particular." if paced else "."
     return text
 
 
@@ -556,7 +569,7 @@ def gathers_blocks(d: SectionData) -> list[Block | None]:
 def _why_rank_waited(row: pd.Series, arrived_last: Any, gathers: int, first: str) -> str:
     """Why another rank's compute waited for as many gathers as it did: it reached every gather last (so none),
     or its gathers spent most of their time waiting for ``first`` (rank 0) to issue the same gathers; else ""."""
-    if arrived_last is not None and int(arrived_last) == gathers:
+    if arrived_last is not None and int(arrived_last) == gathers and not int(row.get("late_gathers", 0)):
         return ", since that rank reached every gather last"
     if not int(row.get("late_gathers", 0)) or not {"wait_ms", "peer_wait_ms"} <= set(row.index):
         return ""
