@@ -352,8 +352,7 @@ def unprofiled_in_brief(d: SectionData) -> Text | None:
     ours, graph = table[table["strategy"] == "fsdp"], table[table["strategy"] == "fsdp_graph"]
     if not len(ours) or len(graph) != len(ours):
         return None
-    mine, replay = _slowest(ours), graph.loc[graph["step_ms"].astype(float).idxmax()]
-    eager = ours.loc[ours["step_ms"].astype(float).idxmax()]
+    mine, replay, eager = _slowest(ours), _slowest(graph, "step_ms"), _slowest(ours, "step_ms")
     same_rank = summary[summary["variant"] == mine["variant"]]  # the profile's compute of the same rank
     if not len(same_rank) or float(mine["forward_host_ms"]) < HOST_ISSUE_SHARE * float(mine["forward_gpu_ms"]):
         return None
@@ -406,8 +405,7 @@ def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
     graph = table[table["strategy"] == "fsdp_graph"]
     if len(graph) != len(ours) or not len(graph):
         return ""
-    g = graph.loc[graph["step_ms"].astype(float).idxmax()]
-    eager = ours.loc[ours["step_ms"].astype(float).idxmax()]
+    g, eager = _slowest(graph, "step_ms"), _slowest(ours, "step_ms")
     spread = (f" (round medians {_range_ms(g['step_ms_round_lo'], g['step_ms_round_hi'])} against "
               f"{_range_ms(eager['step_ms_round_lo'], eager['step_ms_round_hi'])})"
               if {"step_ms_round_lo", "step_ms_round_hi"} <= set(g.index) else "")
@@ -425,9 +423,9 @@ def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
             "this small.")
 
 
-def _slowest(frame: pd.DataFrame) -> pd.Series:
-    """The row of the rank whose forward ran longest on its GPU."""
-    return frame.loc[frame["forward_gpu_ms"].astype(float).idxmax()]
+def _slowest(frame: pd.DataFrame, column: str = "forward_gpu_ms") -> pd.Series:
+    """The row of the rank whose ``column`` is longest (by default: whose forward ran longest on its GPU)."""
+    return frame.loc[frame[column].astype(float).idxmax()]
 
 
 def _apart(a: pd.Series, b: pd.Series) -> bool | None:
