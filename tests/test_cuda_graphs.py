@@ -148,7 +148,8 @@ def test_every_ddp_wrapper_trains_correctly_when_captured() -> None:
 def _fsdp_eager_and_captured() -> dict[str, float]:
     """Our FSDP trained eagerly and, from the same weights, captured in a CUDA graph and replayed on the same
     batches (the tiny LM, this rank's sequences): the largest difference of the gathered full weights after the
-    steps, per compute dtype, and how far training moved them."""
+    steps, per variant, and how far training moved them."""
+    from cs336_basics.model import TransformerBlock
     from cs336_systems.benchmarking.training_memory import BenchConfig, random_batch
     from cs336_systems.configs import build_model
     from cs336_systems.distributed.fsdp import FSDP
@@ -159,13 +160,15 @@ def _fsdp_eager_and_captured() -> dict[str, float]:
     mcfg = BenchConfig(model="tiny", global_batch=4, context_length=32, warmup=1, steps=1).model_config()
     batches = [random_batch(mcfg, 2, device, seed=10 * s + ctx.rank) for s in range(5)]
     out = {}
-    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+    for name, dtype, units in (("fp32", None, ()), ("bf16", torch.bfloat16, ()),
+                               ("bf16_per_block_fused", torch.bfloat16, (TransformerBlock,))):
         models, optimizers = [], []
         for _ in range(2):
             torch.manual_seed(0)
             with cuda_graphs.side_stream(device):  # the capture's rule: built and first run off the default stream
-                models.append(FSDP(build_model(mcfg, device=device), compute_dtype=dtype))
-            optimizers.append(torch.optim.AdamW(models[-1].parameters(), lr=1e-2, capturable=True))
+                models.append(FSDP(build_model(mcfg, device=device), compute_dtype=dtype, gather_units=units))
+            optimizers.append(torch.optim.AdamW(models[-1].parameters(), lr=1e-2, capturable=True,
+                                                fused=bool(units)))
         initial = {k: v.clone() for k, v in models[0].full_state_dict().items()}
         x, y = (t.clone() for t in batches[0])
 
@@ -196,10 +199,11 @@ def _fsdp_eager_and_captured() -> dict[str, float]:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_our_fsdp_step_trains_the_same_when_captured() -> None:
     """A captured FSDP step replays the gathers, reduce-scatters and update of the eager one: after the same
-    batches the full weights equal the eager run's, in fp32 and with bf16 compute."""
+    batches the full weights equal the eager run's, in fp32, with bf16 compute, and with one gather per block and
+    torch's fused AdamW (as §3.1 captures it)."""
     from cs336_systems.distributed.launch import spawn
 
     for rank_result in spawn(_fsdp_eager_and_captured, 2, backend="nccl"):
-        for name in ("fp32", "bf16"):
+        for name in ("fp32", "bf16", "bf16_per_block_fused"):
             assert rank_result[name + "_moved"] > 1e-3, rank_result  # training changed the weights
             assert rank_result[name] <= 1e-6, rank_result

@@ -124,8 +124,12 @@ def test_torchrun_form_of_a_section_reads_its_own_arguments(tmp_path, monkeypatc
     from cs336_systems.experiments import fsdp
 
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=r"^fsdp_graph needs warmup >= 1"):
+        get("fsdp").params("smoke", {"warmup": 0})
+    with pytest.raises(ValueError, match=r"^gathers_against \['fsdp3'\]: choose of fsdp_block, fsdp2, ddp"):
+        get("fsdp").params("smoke", {"gathers_against": ["fsdp3"]})
     monkeypatch.setattr("sys.argv", ["fsdp", "--smoke", "--set", "strategies=ddp,fsdp", "--set", "steps=1",
-                                     "--set", "warmup=0"])
+                                     "--set", "warmup=0", "--set", "gathers_against=fsdp_block,fsdp2,ddp,fsdp_fused"])
     assert fsdp.main() == 0
     meta = json.loads((tmp_path / "fsdp" / "fsdp_vs_ddp.meta.json").read_text())
     assert meta["params"]["strategies"] == ["ddp", "fsdp"] and meta["params"]["steps"] == 1
@@ -133,7 +137,8 @@ def test_torchrun_form_of_a_section_reads_its_own_arguments(tmp_path, monkeypatc
 
     unprofiled = pd.read_csv(tmp_path / "fsdp" / "gathers_unprofiled.csv")  # fsdp_accounting (b), both ranks
     assert sorted(zip(unprofiled["strategy"], unprofiled["rank"])) == [
-        ("ddp", 0), ("ddp", 1), ("fsdp", 0), ("fsdp", 1), ("fsdp2", 0), ("fsdp2", 1)]
+        ("ddp", 0), ("ddp", 1), ("fsdp", 0), ("fsdp", 1), ("fsdp2", 0), ("fsdp2", 1), ("fsdp_block", 0),
+        ("fsdp_block", 1), ("fsdp_fused", 0), ("fsdp_fused", 1)]
     assert (unprofiled["forward_gpu_ms"] > 0).all()
     assert (unprofiled["forward_gpu_ms_round_lo"] <= unprofiled["forward_gpu_ms_round_hi"]).all()
 

@@ -92,11 +92,13 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x)[:, -1, :].float(), y)
 
 
-def _train_and_compare(model_cls: type, compute_dtype, optimizer, steps: int = 3) -> dict:
+def _train_and_compare(model_cls: type, compute_dtype, optimizer, steps: int = 3, whole: bool = False) -> dict:
+    """``whole``: the model is one gather unit, so all its weights come in one collective per direction."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(42)
     base = model_cls()
-    fsdp = get_fsdp(copy.deepcopy(base), compute_dtype=compute_dtype)
+    fsdp = (FSDP(copy.deepcopy(base), compute_dtype=compute_dtype, gather_units=(model_cls,)) if whole
+            else get_fsdp(copy.deepcopy(base), compute_dtype=compute_dtype))
     micro = _mixed_precision_reference(copy.deepcopy(base), compute_dtype)
     full = _mixed_precision_reference(copy.deepcopy(base), compute_dtype)
     opts = [optimizer(m.parameters()) for m in (fsdp, micro, full)]
@@ -148,6 +150,9 @@ def _train_and_compare(model_cls: type, compute_dtype, optimizer, steps: int = 3
         # Every linear call re-gathers its weight for backward (an embedding's backward needs no weight);
         # from the second forward on, the recorded layer order drives prefetching.
         embedding_calls = sum(isinstance(layer.module, (Embedding, nn.Embedding)) for layer in fsdp.layers)
+        if whole:  # one unit: gathered once for the forward (a layer called twice reuses it), once for backward
+            assert used == {"forward_gathers": 1, "backward_gathers": 1, "prefetch_hits": 0}, used
+            continue
         assert used["backward_gathers"] == used["forward_gathers"] - embedding_calls, used
         if step > 0:
             assert used["prefetch_hits"] > 0, used
@@ -164,15 +169,59 @@ def _wrapper_contract() -> dict:
     model.finish_gradient_synchronization()
     with pytest.raises(ValueError, match="compute_dtype"):
         FSDP(ToyFSDPModel(), compute_dtype=torch.int8)
+    for bad in ([ToyFSDPModel], (int,)):
+        with pytest.raises(ValueError, match=r"^gather_units must be a tuple of nn.Module subclasses"):
+            FSDP(ToyFSDPModel(), gather_units=bad)
     return {}
 
 
-def _checkpointed_blocks_with_fused_head(pointwise_compiled: bool = False) -> dict:
+def _one_collective_per_block() -> dict:
+    """With ``gather_units=(TransformerBlock,)`` a block's seven weights arrive in one all-gather, forward and
+    backward, where the default issues one per weight; the weights of the block that ran last are let go when
+    the forward returns; both train bit for bit alike."""
+    from cs336_basics.model import BasicsTransformerLM, TransformerBlock
+
+    torch.manual_seed(7)
+    base = BasicsTransformerLM(vocab_size=32, context_length=8, d_model=16, num_layers=3, num_heads=2, d_ff=32,
+                               rope_theta=10000.0)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    gather, calls, trained = dist.all_gather_into_tensor, [], {}
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return gather(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counted
+    try:
+        for units in ((), (TransformerBlock,)):
+            fsdp = FSDP(copy.deepcopy(base), gather_units=units)
+            opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+            for _ in range(2):
+                calls.clear()
+                loss = fsdp(x).float().square().mean()
+                forward, live = len(calls), fsdp._live
+                loss.backward()
+                fsdp.finish_gradient_synchronization()
+                opt.step()
+                opt.zero_grad()
+            trained[units] = (forward, len(calls) - forward, len(fsdp.units), live, fsdp.gather_full_params())
+    finally:
+        dist.all_gather_into_tensor = gather
+    # embedding, 3 blocks of 7 weights, head; backward regathers all but the embedding
+    assert trained[()][:4] == (23, 22, 23, None), trained[()][:4]
+    assert trained[(TransformerBlock,)][:4] == (5, 4, 5, None), trained[(TransformerBlock,)][:4]
+    per_layer, per_block = trained[()][4], trained[(TransformerBlock,)][4]
+    assert all(torch.equal(per_layer[n], t) for n, t in per_block.items())
+    return {}
+
+
+def _checkpointed_blocks_with_fused_head(pointwise_compiled: bool = False, per_block: bool = False) -> dict:
     """The 2026 leaderboard's combination on a tiny LM: every block checkpointed (recomputed, so gathered
     again, in backward) and the fused LM-head loss, whose head stays replicated (``pointwise_compiled``: with
     the blocks' norms, rotation and gate compiled, as §1.5 runs it; aot_eager, which traces and differentiates
-    as Inductor does without generating kernels); against micro-batched training of the plain model."""
-    from cs336_basics.model import BasicsTransformerLM
+    as Inductor does without generating kernels; ``per_block``: each block's weights in one gather); against
+    micro-batched training of the plain model."""
+    from cs336_basics.model import BasicsTransformerLM, TransformerBlock
     from cs336_systems.checkpointing import checkpoint_layers
     from cs336_systems.lm_head_loss import FusedLMLoss
     from cs336_systems.pointwise_compile import compile_pointwise
@@ -184,7 +233,8 @@ def _checkpointed_blocks_with_fused_head(pointwise_compiled: bool = False) -> di
     lm = checkpoint_layers(copy.deepcopy(base), [1])
     if pointwise_compiled:
         compile_pointwise(lm, backend="aot_eager")
-    fsdp = FSDP(FusedLMLoss(lm, chunk_size=5), replicated_modules=("lm.lm_head",))
+    fsdp = FSDP(FusedLMLoss(lm, chunk_size=5), replicated_modules=("lm.lm_head",),
+                gather_units=(TransformerBlock,) if per_block else ())
     micro = FusedLMLoss(copy.deepcopy(base), chunk_size=5)
     head = fsdp.module.lm.lm_head.weight
     assert any(p is head for p in fsdp.replicated_parameters) and head.dim() == 2
@@ -265,7 +315,7 @@ def _recomputation_is_no_new_use() -> dict:
     that is no new use of the weights. A checkpointed model is gathered as often as the plain one (the
     recomputation's gather is the backward copy its regathers find), and every gradient is reduce-scattered
     during backward, none left waiting for finish_gradient_synchronization."""
-    from cs336_basics.model import BasicsTransformerLM
+    from cs336_basics.model import BasicsTransformerLM, TransformerBlock
     from cs336_systems.checkpointing import checkpoint_layers
 
     torch.manual_seed(7)
@@ -273,16 +323,17 @@ def _recomputation_is_no_new_use() -> dict:
                                rope_theta=10000.0)
     x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
     seen = {}
-    for levels in ([], [1], [2, 1]):
-        fsdp = FSDP(checkpoint_layers(copy.deepcopy(base), levels))
+    for levels, units in (([], ()), ([1], ()), ([2, 1], ()), ([], (TransformerBlock,)), ([1], (TransformerBlock,))):
+        fsdp = FSDP(checkpoint_layers(copy.deepcopy(base), levels), gather_units=units)
         for _ in range(2):  # the second step prefetches in the recorded order
             before = dict(fsdp.stats)
             fsdp(x).float().square().mean().backward()
             waiting = [s for s in fsdp._shards if s.grad_sum is not None or s.uses_awaiting_grad]
             fsdp.finish_gradient_synchronization()
-        seen[str(levels)] = ({k: fsdp.stats[k] - before[k] for k in ("forward_gathers", "backward_gathers")},
-                             len(waiting))
+        seen[str(levels) + ("/block" if units else "")] = (
+            {k: fsdp.stats[k] - before[k] for k in ("forward_gathers", "backward_gathers")}, len(waiting))
     assert seen["[1]"] == seen["[2, 1]"] == seen["[]"], seen
+    assert seen["[1]/block"] == seen["[]/block"] == ({"forward_gathers": 5, "backward_gathers": 4}, 0), seen
     assert seen["[]"][1] == 0
     # Reentrant checkpointing does backpropagate its recomputed graph: there the recomputation is the use.
     from torch.utils.checkpoint import checkpoint
@@ -322,8 +373,13 @@ CHECKS = {
     "toy_fp16_sgd": lambda: _train_and_compare(ToyFSDPModel, torch.float16, _sgd),
     "odd_shapes_fp32_adamw": lambda: _train_and_compare(OddShapesModel, None, _adamw),
     "odd_shapes_bf16_adamw": lambda: _train_and_compare(OddShapesModel, torch.bfloat16, _adamw, steps=2),
+    "toy_fp32_sgd_one_gather": lambda: _train_and_compare(ToyFSDPModel, None, _sgd, whole=True),
+    "odd_shapes_bf16_adamw_one_gather": lambda: _train_and_compare(OddShapesModel, torch.bfloat16, _adamw, steps=2,
+                                                                    whole=True),
+    "one_collective_per_block": _one_collective_per_block,
     "wrapper_contract": _wrapper_contract,
     "checkpointed_blocks_fused_head": _checkpointed_blocks_with_fused_head,
+    "checkpointed_blocks_fused_head_per_block": lambda: _checkpointed_blocks_with_fused_head(per_block=True),
     "checkpointed_blocks_fused_head_pointwise_compiled": _pointwise_compiled_blocks_with_fused_head,
     "checkpointed_blocks_save_only_their_inputs": _checkpointed_blocks_save_only_their_inputs,
     "recomputation_is_no_new_use": _recomputation_is_no_new_use,

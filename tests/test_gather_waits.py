@@ -121,3 +121,6 @@ def test_the_zoom_window_spans_the_middle_gathers_of_the_first_ranks_forward() -
     lo, hi = zoom_window(pd.DataFrame(rows, columns=COLUMNS))
     assert (lo, hi) == (pytest.approx(3.0 - 1.32), pytest.approx(16.2 + 1.32))
     assert zoom_window(pd.DataFrame(rows, columns=COLUMNS), gathers=21) is None
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"^zoom_window: gathers must be an integer >= 1"):
+            zoom_window(pd.DataFrame(rows, columns=COLUMNS), gathers=bad)

@@ -34,6 +34,10 @@ Mechanism, per sharded layer (a :class:`ShardedLayer`; the shards and their coll
   ``k`` starts, the all-gather of layer ``k+1`` is launched asynchronously so it overlaps layer ``k``'s
   compute; in backward, re-gathering a layer launches the gather of the layer that backward reaches
   next (the previous one in forward order).
+- **Gather units.** All of the above works per :class:`GatherUnit`: one layer by default, or with
+  ``gather_units=(Block,)`` every sharded layer inside one ``Block``, whose weights then come in one
+  collective (packed, gathered, copied out: per weight one launch, allocation and cast fewer on the host)
+  and stay until another unit's layer runs, as FSDP2's per-block sharding holds them.
 
 Checkpoints are explicit: :meth:`FSDP.full_state_dict` (a collective; loads into the plain model) or
 :meth:`FSDP.sharded_state_dict` (this rank's shards with their layout); ``state_dict()`` refuses to guess.
@@ -74,7 +78,7 @@ from .consistency import (
     resolve_detect_nonfinite,
 )
 from .collectives import broadcast_coalesced, broadcast_module_state
-from .fsdp_shards import FlatShard, PendingGather
+from .fsdp_shards import FlatShard, GatherGroup, PendingGroupGather
 from .grad_sync import GradientReducer, per_parameter_buckets
 
 #: Module types whose (trainable) parameters FSDP shards.
@@ -151,17 +155,17 @@ class ShardedLayer:
     module: nn.Module
     shards: dict[str, FlatShard]
     fsdp: Any  # weakref.proxy to the owning FSDP
+    unit: GatherUnit = None  # type: ignore[assignment]  # the layers whose weights arrive with this one's (set last)
     backward_copy: dict[str, torch.Tensor] = field(default_factory=dict)
     current: dict[str, torch.Tensor] = field(default_factory=dict)  # gathered weights during forward
     outer: tuple[Any, Any] | None = None  # the saved-tensor hooks around the running forward (checkpoint's)
     recomputing: bool = False  # the running forward is activation checkpointing's recomputation
 
-    def start_gather(self) -> dict[str, PendingGather]:
-        self.fsdp._count_gather(self)
-        return {name: shard.start_gather(self.fsdp.compute_dtype) for name, shard in self.shards.items()}
-
     def release_backward_copy(self, name: str) -> None:
-        self.backward_copy.pop(name, None)
+        """After a use's gradient: a lone layer drops its copy at once; a unit's layer keeps it for its weight's
+        earlier uses (a layer called twice), as regathering would bring the whole unit again."""
+        if len(self.unit.layers) == 1 or self.shards[name].uses_awaiting_grad <= 0:
+            self.backward_copy.pop(name, None)
 
     def pack(self, t: torch.Tensor) -> Any:
         for name, full in self.current.items():
@@ -177,9 +181,28 @@ class ShardedLayer:
         if not isinstance(saved, _Regather):
             return saved
         if saved.name not in self.backward_copy:
-            self.backward_copy.update(self.fsdp._fetch_for_backward(self))
+            self.fsdp._fetch_for_backward(self)
         full = self.backward_copy[saved.name]
         return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+@dataclass
+class GatherUnit:
+    """Sharded layers whose weights one all-gather brings: a single layer by default (the handout's schedule), or
+    every sharded layer inside one module of a ``gather_units`` type, such as a Transformer block (as FSDP2 shards
+    it). Gathers, prefetches and regathers for backward all work per unit."""
+
+    index: int
+    layers: list[ShardedLayer]
+    fsdp: Any  # weakref.proxy to the owning FSDP
+
+    def __post_init__(self) -> None:
+        self.gathers = GatherGroup({layer.index: layer.shards for layer in self.layers}, self.fsdp.process_group)
+
+    def start_gather(self) -> PendingGroupGather:
+        """``wait()`` on the result gives ``{layer index: {name: full weight}}``."""
+        self.fsdp._count_gather(self)
+        return self.gathers.start(self.fsdp.compute_dtype)
 
 
 class _LayerForward:
@@ -211,7 +234,9 @@ class FSDP(nn.Module):
     All ranks must hold the same initial module; rank 0's values are broadcast before sharding.
     ``replicated_modules`` (names as in ``named_modules()``) stay whole on every rank, their gradients
     all-reduced as for norms: for a weight used outside its module's forward, such as an LM head whose
-    weight a fused cross-entropy reads directly.
+    weight a fused cross-entropy reads directly. ``gather_units`` (module types, such as the Transformer
+    block) gathers the sharded layers inside each such module together, in one collective per step and
+    direction, instead of one per layer (the handout's schedule: at most the next layer's weights in flight).
     """
 
     def __init__(
@@ -221,6 +246,7 @@ class FSDP(nn.Module):
         *,
         group: dist.ProcessGroup | None = None,
         prefetch: bool = True,
+        gather_units: tuple[type[nn.Module], ...] = (),
         max_reductions_in_flight: int = 2,
         sharded_module_types: tuple[type[nn.Module], ...] = SHARDED_MODULE_TYPES,
         replicated_modules: tuple[str, ...] = (),
@@ -274,6 +300,7 @@ class FSDP(nn.Module):
                 sub.forward = _LayerForward(self, layer, sub.forward)
                 self.layers.append(layer)
         self._shards = list(shards.values())
+        self.units = self._group_units(gather_units)
         sharded_ids = {id(p) for p in shards}
         seen: set[int] = set()
         replicated = []
@@ -303,10 +330,28 @@ class FSDP(nn.Module):
         self._forward_order: list[int] | None = None  # layer indices in the first forward's order
         self._recording: list[int] = []
         self._forward_pos: int | None = None
-        self._prefetched: dict[int, dict[str, PendingGather]] = {}
+        self._prefetched: dict[int, PendingGroupGather] = {}  # by unit index, as the orders and the stack below
+        self._live: tuple[GatherUnit, dict[int, dict[str, torch.Tensor]]] | None = None  # a unit's forward weights
         self._backward_stack: list[int] = []
-        self._bwd_prefetched: dict[int, dict[str, PendingGather]] = {}
+        self._bwd_prefetched: dict[int, PendingGroupGather] = {}
         self.stats = {"forward_gathers": 0, "backward_gathers": 0, "prefetch_hits": 0}
+
+    def _group_units(self, unit_types: tuple[type[nn.Module], ...]) -> list[GatherUnit]:
+        """One unit per sharded layer, or per innermost module of a ``unit_types`` type around it."""
+        if not isinstance(unit_types, tuple) or not all(isinstance(t, type) and issubclass(t, nn.Module)
+                                                         for t in unit_types):
+            raise ValueError(f"gather_units must be a tuple of nn.Module subclasses, got {unit_types!r}")
+        owners = [n for n, m in self.module.named_modules() if unit_types and isinstance(m, unit_types)]
+        grouped: dict[tuple[str, str], list[ShardedLayer]] = {}
+        for layer in self.layers:
+            around = [o for o in owners if o in ("", layer.name) or layer.name.startswith(o + ".")]
+            key = ("unit", max(around, key=len)) if around else ("layer", layer.name)
+            grouped.setdefault(key, []).append(layer)
+        units = [GatherUnit(i, layers, weakref.proxy(self)) for i, layers in enumerate(grouped.values())]
+        for unit in units:
+            for layer in unit.layers:
+                layer.unit = unit
+        return units
 
     # ---------------------------------------------------------------------------------------------
     # Forward
@@ -326,6 +371,7 @@ class FSDP(nn.Module):
         except RuntimeError as exc:
             raise self._explain_outside_use(exc) from exc
         finally:
+            self._live = None
             self._drop(self._prefetched)
             if self._forward_order is None or self._forward_pos is None:
                 self._forward_order = self._recording
@@ -356,31 +402,38 @@ class FSDP(nn.Module):
             return {k: self._cast_inputs(v) for k, v in value.items()}
         return value
 
-    def _claim_gather(self, prefetched: dict[int, dict[str, PendingGather]], layer: ShardedLayer,
-                      counter: str) -> dict[str, PendingGather]:
-        """The layer's gather launched ahead into ``prefetched`` (a prefetch hit), else one launched now."""
-        pending = prefetched.pop(layer.index, None)
+    def _claim_gather(self, prefetched: dict[int, PendingGroupGather], unit: GatherUnit,
+                      counter: str) -> PendingGroupGather:
+        """The unit's gather launched ahead into ``prefetched`` (a prefetch hit), else one launched now."""
+        pending = prefetched.pop(unit.index, None)
         if pending is not None:
             self.stats["prefetch_hits"] += 1
         else:
-            pending = layer.start_gather()
+            pending = unit.start_gather()
         self.stats[counter] += 1
         return pending
 
     def _take_forward_gather(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
-        self._recording.append(layer.index)
-        pending = self._claim_gather(self._prefetched, layer, "forward_gathers")
-        # Launch the next layer's gather before waiting on this one, so it overlaps this layer's compute.
+        unit = layer.unit
+        if self._live is not None and self._live[0] is unit:  # a later layer of the unit: its weights are here
+            return self._live[1][layer.index]
+        self._live = None  # the previous unit's weights go before the next unit's arrive
+        self._recording.append(unit.index)
+        pending = self._claim_gather(self._prefetched, unit, "forward_gathers")
+        # Launch the next unit's gather before waiting on this one, so it overlaps this unit's compute.
         order, pos = self._forward_order, self._forward_pos
         if order is not None and pos is not None:
-            if pos < len(order) and order[pos] == layer.index:
+            if pos < len(order) and order[pos] == unit.index:
                 self._forward_pos = pos + 1
                 if pos + 1 < len(order) and order[pos + 1] not in self._prefetched:
-                    self._prefetched[order[pos + 1]] = self.layers[order[pos + 1]].start_gather()
+                    self._prefetched[order[pos + 1]] = self.units[order[pos + 1]].start_gather()
             else:  # control flow changed: stop prefetching, re-record the order
                 self._forward_pos = None
                 self._drop(self._prefetched)
-        return {name: p.wait() for name, p in pending.items()}
+        full = pending.wait()
+        if len(unit.layers) > 1:  # kept until another unit's layer runs; a lone layer's go when its forward returns
+            self._live = (unit, full)
+        return full[layer.index]
 
     def _run_layer(self, layer: ShardedLayer, original: Any, args: tuple, kwargs: dict) -> Any:
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -428,30 +481,40 @@ class FSDP(nn.Module):
     # ---------------------------------------------------------------------------------------------
 
     def _needs_backward_gather(self, layer: ShardedLayer) -> None:
-        if not self._backward_stack or self._backward_stack[-1] != layer.index:
-            self._backward_stack.append(layer.index)
+        if not self._backward_stack or self._backward_stack[-1] != layer.unit.index:
+            self._backward_stack.append(layer.unit.index)
 
-    def _fetch_for_backward(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
-        pending = self._claim_gather(self._bwd_prefetched, layer, "backward_gathers")
+    def _fetch_for_backward(self, layer: ShardedLayer) -> None:
+        unit = layer.unit
+        pending = self._claim_gather(self._bwd_prefetched, unit, "backward_gathers")
         stack = self._backward_stack
-        if layer.index in stack:  # backward visits layers in reverse forward order
-            while stack and stack.pop() != layer.index:
+        if unit.index in stack:  # backward visits units in reverse forward order
+            while stack and stack.pop() != unit.index:
                 pass
         if self.prefetch and stack and stack[-1] not in self._bwd_prefetched:
-            self._bwd_prefetched[stack[-1]] = self.layers[stack[-1]].start_gather()
-        return {name: p.wait() for name, p in pending.items()}
+            self._bwd_prefetched[stack[-1]] = self.units[stack[-1]].start_gather()
+        self._keep_for_backward(layer, pending.wait())
+
+    @staticmethod
+    def _keep_for_backward(layer: ShardedLayer, full: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Backward copies for the asking layer and for the unit's layers whose gradients are still to come (a
+        layer already done would hold its copy to the end of the step)."""
+        for member in layer.unit.layers:
+            if member is layer or any(s.uses_awaiting_grad > 0 for s in member.shards.values()):
+                for name, t in full[member.index].items():
+                    member.backward_copy.setdefault(name, t)
 
     def _fetch_for_recomputation(self, layer: ShardedLayer) -> dict[str, torch.Tensor]:
-        """The layer's weights for checkpointing's recomputation (a backward prefetch of it if one was
+        """The layer's weights for checkpointing's recomputation (a backward prefetch of its unit if one was
         launched), kept as its backward copy until its gradient is known."""
         if not layer.backward_copy:
-            pending = self._claim_gather(self._bwd_prefetched, layer, "backward_gathers")
-            layer.backward_copy.update({name: p.wait() for name, p in pending.items()})
+            pending = self._claim_gather(self._bwd_prefetched, layer.unit, "backward_gathers")
+            self._keep_for_backward(layer, pending.wait())
         return dict(layer.backward_copy)
 
-    def _count_gather(self, layer: ShardedLayer) -> None:
+    def _count_gather(self, unit: GatherUnit) -> None:
         count, digest = self._gathers_this_step
-        self._gathers_this_step = [count + 1, (digest * 1_000_003 + layer.index + 1) % 2_147_483_647]
+        self._gathers_this_step = [count + 1, (digest * 1_000_003 + unit.index + 1) % 2_147_483_647]
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every gradient reduction of the last backward and install the results: sharded
@@ -486,11 +549,10 @@ class FSDP(nn.Module):
             self._reducer.end_step(used_anywhere)
 
     @staticmethod
-    def _drop(pending: dict[int, dict[str, PendingGather]]) -> None:
+    def _drop(pending: dict[int, PendingGroupGather]) -> None:
         """Complete and discard gathers that were prefetched but not used (collectives must finish)."""
         for gathers in pending.values():
-            for g in gathers.values():
-                g.wait()
+            gathers.complete()
         pending.clear()
 
     # ---------------------------------------------------------------------------------------------
@@ -632,6 +694,6 @@ class FSDP(nn.Module):
     def extra_repr(self) -> str:
         dtype = self.compute_dtype or "fp32"
         return (
-            f"world_size={self.world_size}, sharded_layers={len(self.layers)}, "
+            f"world_size={self.world_size}, sharded_layers={len(self.layers)}, gather_units={len(self.units)}, "
             f"replicated_params={len(self.replicated_parameters)}, compute_dtype={dtype}, prefetch={self.prefetch}"
         )

@@ -1,6 +1,7 @@
 """FSDP's shards and their collectives: a parameter cut into equal 1-D slices, one per rank
-(:class:`FlatShard`), the all-gather that rebuilds it (:class:`PendingGather`) and the reduce-scatter that
-averages its gradient into this rank's slice (:func:`reduce_scatter_mean` → :class:`PendingShardGrad`).
+(:class:`FlatShard`), the all-gather that rebuilds it (:class:`PendingGather`), one all-gather for several
+shards at once (:class:`GatherGroup` → :class:`PendingGroupGather`) and the reduce-scatter that averages a
+gradient into this rank's slice (:func:`reduce_scatter_mean` → :class:`PendingShardGrad`).
 :mod:`~cs336_systems.distributed.fsdp` decides when each runs.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +90,92 @@ def reduce_scatter_mean(flat: torch.Tensor, group: dist.ProcessGroup | None) -> 
     flat = flat.clone()  # the all-reduce works in place; the caller's tensor may belong to autograd
     work = dist.all_reduce(flat, op=op, group=group, async_op=True)
     return PendingShardGrad(work, out, divide_by, full=flat, rank=rank)
+
+
+@dataclass
+class PendingCoalescedGather:
+    """One all-gather of several shards packed side by side: ``out`` holds, per rank, that rank's slices in a row.
+    :meth:`wait` copies each weight out of it in one kernel (``split_with_sizes_copy``), so each full weight is a
+    tensor of its own that can be freed on its own."""
+
+    work: Any
+    out: torch.Tensor | None  # (world_size, sum of the shards' slice lengths)
+    shards: list[FlatShard]
+    source: torch.Tensor | None  # the packed input, kept alive until the collective has read it
+    full: list[torch.Tensor] | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.full is None:
+            self.complete()
+            assert self.out is not None
+            outs = [self.out.new_empty(self.out.shape[0], s.shard_numel) for s in self.shards]
+            torch.split_with_sizes_copy(self.out, [s.shard_numel for s in self.shards], dim=1, out=outs)
+            self.full = [o.view(-1)[: s.numel].view(s.shape) for o, s in zip(outs, self.shards)]
+            self.out = None
+        return self.full
+
+    def complete(self) -> None:
+        """Wait for the collective only (a prefetch dropped unused needs no copy-out)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.source = None
+
+
+def start_coalesced_gather(shards: list[FlatShard], dtype: torch.dtype, group: dist.ProcessGroup | None
+                           ) -> PendingCoalescedGather:
+    """Pack this rank's slices (cast to ``dtype`` on the way, one ``_foreach_copy_``) and all-gather them in one
+    collective: per weight this saves the collective's launch, an allocation and a cast on the host."""
+    sizes = [s.shard_numel for s in shards]
+    device = shards[0].param.device
+    source = torch.empty(sum(sizes), dtype=dtype, device=device)
+    torch._foreach_copy_(list(source.split(sizes)), [s.param.detach() for s in shards])
+    out = torch.empty(shards[0].world_size, sum(sizes), dtype=dtype, device=device)
+    work = dist.all_gather_into_tensor(out.view(-1), source, group=group, async_op=True)
+    return PendingCoalescedGather(work, out, shards, source)
+
+
+class PendingGroupGather:
+    """The in-flight gathers of a :class:`GatherGroup`; :meth:`wait` returns ``{owner: {name: full tensor}}``."""
+
+    def __init__(self, keys: dict[Hashable, dict[str, int]], parts: list[tuple[list[int], Any]]):
+        self.keys, self.parts = keys, parts  # parts: (positions of the group's shards, pending gather)
+
+    def wait(self) -> dict[Hashable, dict[str, torch.Tensor]]:
+        full: dict[int, torch.Tensor] = {}
+        for positions, pending in self.parts:
+            got = pending.wait()
+            full.update(zip(positions, got if isinstance(got, list) else [got]))
+        return {owner: {name: full[i] for name, i in names.items()} for owner, names in self.keys.items()}
+
+    def complete(self) -> None:
+        for _, pending in self.parts:
+            pending.complete() if isinstance(pending, PendingCoalescedGather) else pending.wait()
+
+
+class GatherGroup:
+    """Shards gathered by one collective per dtype, each under its owner (a layer) and name; a weight two owners
+    share is gathered once. A group of one shard uses that shard's own all-gather, with no packing or copy-out."""
+
+    def __init__(self, members: dict[Hashable, dict[str, FlatShard]], group: dist.ProcessGroup | None):
+        self.group = group
+        self.shards: list[FlatShard] = []
+        self.keys: dict[Hashable, dict[str, int]] = {}
+        for owner, named in members.items():
+            for name, shard in named.items():
+                if not any(shard is s for s in self.shards):
+                    self.shards.append(shard)
+                self.keys.setdefault(owner, {})[name] = next(i for i, s in enumerate(self.shards) if s is shard)
+
+    def start(self, dtype: torch.dtype | None) -> PendingGroupGather:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, s in enumerate(self.shards):
+            by_dtype.setdefault(dtype or s.param.dtype, []).append(i)
+        parts: list[tuple[list[int], Any]] = []
+        for dt, positions in by_dtype.items():
+            shards = [self.shards[i] for i in positions]
+            parts.append((positions, shards[0].start_gather(dtype) if len(shards) == 1
+                          else start_coalesced_gather(shards, dt, self.group)))
+        return PendingGroupGather(self.keys, parts)
 
 
 # --------------------------------------------------------------------------------------------------

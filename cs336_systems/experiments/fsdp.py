@@ -5,26 +5,25 @@ Strategies (all train with ``torch.optim.AdamW`` on fp32 master weights):
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel``; with ``--dtypes bf16`` the forward runs
   under ``torch.autocast``;
-- ``fsdp``: our :class:`~cs336_systems.distributed.fsdp.FSDP` (``compute_dtype`` = the dtype);
+- ``fsdp``: our :class:`~cs336_systems.distributed.fsdp.FSDP` (``compute_dtype`` = the dtype), one all-gather per
+  layer as the handout schedules it; ``fsdp_block``: the same with ``gather_units`` = the Transformer block;
 - ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` applied per Transformer block and at the
   root (its intended use; ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for bf16) —
   the strongest built-in alternative.
 
-A configuration that runs out of memory is recorded with status ``OOM`` (every rank allocates the same,
-so all ranks fail together), which answers "what is the largest size this strategy trains" by
-measurement; :func:`cs336_systems.accounting.largest_trainable_preset` gives the prediction.
+A configuration that runs out of memory is recorded with status ``OOM`` (all ranks fail together): the
+largest size a strategy trains, measured; :func:`cs336_systems.accounting.largest_trainable_preset` predicts it.
 
-Problem ``fsdp``. Run (writes ``figures/fsdp/``; CPU smoke runs use a tiny model and write to ``.scratch``)::
+Problems ``fsdp``, ``fsdp_accounting``. Run (writes ``figures/fsdp/``; CPU smoke runs: a tiny model, ``.scratch``)::
 
     python -m cs336_systems.experiments fsdp --set nproc=2,4 --set models=xl,2.7B
-    python -m cs336_systems.experiments fsdp --set nproc=4 --set models=6.7B --set append=True
 
-Figures and derived tables (:func:`derive`) are written by the run itself and can be redrawn from the
-committed table on any machine with ``python -m cs336_systems.writeup replot fsdp``.
+Figures and derived tables (:func:`derive`) are redrawn from the committed tables by ``writeup replot fsdp``.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -60,13 +59,17 @@ from cs336_systems.measured_code import MODEL
 from cs336_systems.results import ResultWriter, has_result, load_table
 
 SECTION_NAME = "fsdp"
-STRATEGIES = ("ddp", "fsdp", "fsdp2")
+STRATEGIES = ("ddp", "fsdp", "fsdp_block", "fsdp2")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-PREDICTED_AS = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2": "zero3"}
+PREDICTED_AS = {"ddp": "ddp", "fsdp": "fsdp", "fsdp_block": "zero3", "fsdp2": "zero3"}
 PARTS = ("compare", "gathers")
 #: A strategy name with this suffix is that strategy's whole step captured in a CUDA graph and replayed.
 GRAPHED = "_graph"
-STRATEGY_LABELS = {"ddp": "torch DDP", "fsdp": "our FSDP", "fsdp2": "torch FSDP2"}
+FUSED = "_fused"  # ... and with this one, its eager step with torch's fused AdamW (what a captured step uses)
+#: What the gathers part can time beside our eager FSDP.
+GATHERS_AGAINST = ("fsdp_block", "fsdp2", "ddp", "fsdp" + FUSED, "fsdp" + GRAPHED)
+STRATEGY_LABELS = {"ddp": "torch DDP", "fsdp": "our FSDP", "fsdp_block": "our FSDP, per block",
+                   "fsdp2": "torch FSDP2"}
 
 
 def _wrap(strategy: str, model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> tuple[Any, Any, Any]:
@@ -76,8 +79,8 @@ def _wrap(strategy: str, model: torch.nn.Module, dtype: torch.dtype | None, devi
 
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         return ddp, None, dtype
-    if strategy == "fsdp":
-        fsdp = FSDP(model, compute_dtype=dtype)
+    if strategy in ("fsdp", "fsdp_block"):
+        fsdp = FSDP(model, compute_dtype=dtype, gather_units=(type(model.layers[0]),) if strategy == "fsdp_block" else ())
         return fsdp, fsdp.finish_gradient_synchronization, None
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -135,8 +138,9 @@ def fsdp_worker(config: dict[str, Any], models: list[str], strategies: list[str]
 def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str, against: list[str],
                    rounds: int) -> dict[str, list[dict[str, Any]]]:
     """fsdp_accounting (b) on every rank. First ``rounds`` alternating rounds of ``steps`` unprofiled steps of our
-    FSDP (bf16 compute, our AdamW) and of each of ``against`` (torch's FSDP2 and DDP with torch's AdamW; ours
-    captured in a CUDA graph, whole steps only), each phase on the host's and the GPU's clocks: the profiler adds
+    FSDP (bf16 compute, our AdamW) and of each of ``against`` (ours per block, our AdamW; torch's FSDP2 and DDP with
+    torch's AdamW; ours with torch's fused AdamW, eager and captured in a CUDA graph, the latter timed as whole
+    steps), each phase on the host's and the GPU's clocks: the profiler adds
     host time to every operator, so only these say whether an ordinary step is paced by its launches, and whose.
     Then one profiled step of ours as kernel intervals (``timeline``): a gather's kernel on one rank also spins
     until the others reach it, which only the ranks' timelines side by side show."""
@@ -152,12 +156,12 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str, aga
 
     def build(strategy: str) -> list[tuple[str, Any]]:
         torch.manual_seed(0)
-        model, after_backward, autocast_dtype = _wrap(strategy.removesuffix(GRAPHED), build_model(
+        model, after_backward, autocast_dtype = _wrap(strategy.removesuffix(GRAPHED).removesuffix(FUSED), build_model(
             mcfg, device=ctx.device), DTYPES[dtype_name], ctx.device)
-        if strategy == "fsdp":
+        if strategy in ("fsdp", "fsdp_block"):
             optimizer = AdamW(model.parameters(), lr=cfg.lr)
-        elif strategy.endswith(GRAPHED):  # a replayed step needs the optimizer's state, step count too, on the GPU
-            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, capturable=True, fused=True)
+        elif strategy.endswith((GRAPHED, FUSED)):  # a replayed step needs the optimizer's state, step count too, on
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, capturable=True, fused=True)  # the GPU
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         return step_phases(model, optimizer, batch, after_backward, autocast_dtype)
@@ -177,7 +181,8 @@ def gathers_worker(config: dict[str, Any], model_name: str, dtype_name: str, aga
         for strategy in ["fsdp", *(s for s in against if ctx.device.type == "cuda" or not s.endswith(GRAPHED))]:
             unprofiled += [{"strategy": strategy, "variant": label, "rank": ctx.rank, "round": r, "step": i, **row}
                            for i, row in enumerate(timed(strategy))]
-            if ctx.device.type == "cuda":  # the last strategy's model went with its step's closures
+            gc.collect()  # the last strategy's model went with its step's closures, some in reference cycles
+            if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
     phases = build("fsdp")
 
@@ -391,19 +396,20 @@ class Params:
                                           "profile of the forward's all-gathers (on the first world size)")
     gathers_model: str = param("xl@2026", "gathers: the profiled model (2026's xl by default)")
     gathers_dtype: str = param("bf16", f"gathers: compute dtype, of {', '.join(DTYPES)}")
-    gathers_against: list[str] = param(["fsdp2", "ddp", "fsdp_graph"], "gathers: strategies whose unprofiled "
-                                       "steps are timed beside our FSDP's, of fsdp2, ddp, fsdp_graph (ours captured "
-                                       "in a CUDA graph; GPUs only)")
+    gathers_against: list[str] = param(list(GATHERS_AGAINST), "gathers: timed beside our FSDP; fsdp_fused: with "
+                                       "torch's fused AdamW; fsdp_graph: that captured in a CUDA graph (GPUs only)")
     gathers_rounds: int = param(3, "gathers: alternating rounds of `steps` unprofiled steps per strategy")
 
     def check(self) -> None:
         bad = [x for x in self.parts if x not in PARTS]
         if bad or not self.parts:
             raise ValueError(f"unknown or no parts {bad or self.parts}; known: {', '.join(PARTS)}")
-        bad = [x for x in self.gathers_against if x not in ("fsdp2", "ddp", "fsdp" + GRAPHED)]
+        bad = [x for x in self.gathers_against if x not in GATHERS_AGAINST]
         if bad:
-            raise ValueError(f"gathers_against {bad}: choose of fsdp2, ddp, fsdp_graph (our eager FSDP is always "
+            raise ValueError(f"gathers_against {bad}: choose of {', '.join(GATHERS_AGAINST)} (our eager FSDP is always "
                              "timed)")
+        if "fsdp" + GRAPHED in self.gathers_against and "gathers" in self.parts and self.warmup < 1:
+            raise ValueError("fsdp_graph needs warmup >= 1: the step is captured after eager steps built its state")
         if isinstance(self.gathers_rounds, bool) or not isinstance(self.gathers_rounds, int) or self.gathers_rounds < 1:
             raise ValueError(f"gathers_rounds must be an integer >= 1, got {self.gathers_rounds!r}")
         if self.gathers_dtype not in DTYPES:

@@ -173,6 +173,8 @@ def zoom_window(tl: pd.DataFrame, gathers: int = 14, phase: str = "forward") -> 
     Transformer blocks' seven weights each), from the first's start to the last's end, widened by a tenth on each
     side; None without that many gathers. A whole step's plot cannot show 80-µs gathers beside the kernels they
     should hide behind; this window can, as Nsight's zoom would."""
+    if isinstance(gathers, bool) or not isinstance(gathers, int) or gathers < 1:
+        raise ValueError(f"zoom_window: gathers must be an integer >= 1, got {gathers!r}")
     for _, sub, start, end, _, _ in _windows(tl, phase):
         inside = _gathers(sub)
         inside = inside[(inside["start_ms"] >= start) & (inside["start_ms"] < end)]
