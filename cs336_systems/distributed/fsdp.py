@@ -327,7 +327,7 @@ class FSDP(nn.Module):
         )
         self._gathers_this_step = [0, 0]  # (count, order hash) of the sharded layers gathered this step
 
-        self._forward_order: list[int] | None = None  # layer indices in the first forward's order
+        self._forward_order: list[int] | None = None  # unit indices in the first forward's order
         self._recording: list[int] = []
         self._forward_pos: int | None = None
         self._prefetched: dict[int, PendingGroupGather] = {}  # by unit index, as the orders and the stack below

@@ -352,7 +352,8 @@ def unprofiled_in_brief(d: SectionData) -> Text | None:
     ours, graph = table[table["strategy"] == "fsdp"], table[table["strategy"] == "fsdp_graph"]
     if not len(ours) or len(graph) != len(ours):
         return None
-    mine, replay, eager = _slowest(ours), _slowest(graph, "step_ms"), _slowest(ours, "step_ms")
+    baseline, same_optimizer = _graph_baseline(table, ours)
+    mine, replay, eager = _slowest(ours), _slowest(graph, "step_ms"), _slowest(baseline, "step_ms")
     same_rank = summary[summary["variant"] == mine["variant"]]  # the profile's compute of the same rank
     if not len(same_rank) or float(mine["forward_host_ms"]) < HOST_ISSUE_SHARE * float(mine["forward_gpu_ms"]):
         return None
@@ -362,9 +363,60 @@ def unprofiled_in_brief(d: SectionData) -> Text | None:
     ratio = fmt.ratio(float(mine["forward_gpu_ms"]) / compute)
     return Text(f"Without the profiler the forward still takes {fmt.ms(mine['forward_gpu_ms'])} on the GPU, about its "
                 f"host's issue time ({fmt.ms(mine['forward_host_ms'])}) and {ratio} "
-                f"the profiled compute, so the hosts set the pace; replaying the step captured in a CUDA graph cuts "
-                f"it from {fmt.ms(eager['step_ms'])} to {fmt.ms(replay['step_ms'])} (the appendix gives both "
-                "accounts and torch's FSDP2 and DDP beside ours).")
+                f"the profiled compute, so the hosts set the pace." + _per_block(table, ours, brief=True)
+                + f" Replaying the step captured in a CUDA graph cuts it from {fmt.ms(eager['step_ms'])}"
+                + (" (eager, with the same fused AdamW)" if same_optimizer else "")
+                + f" to {fmt.ms(replay['step_ms'])} (the appendix gives both accounts and torch's FSDP2 and DDP "
+                "beside ours).")
+
+
+def _graph_baseline(table: pd.DataFrame, ours: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
+    """The eager rows a captured step is weighed against: ours with torch's fused AdamW, the graph's optimizer,
+    where they were timed (``True``), else ours with our AdamW."""
+    fused = table[table["strategy"] == "fsdp_fused"] if "strategy" in table.columns else table.iloc[:0]
+    return (fused, True) if len(fused) == len(ours) and len(fused) else (ours, False)
+
+
+def _per_block(table: pd.DataFrame, ours: pd.DataFrame, brief: bool = False) -> str:
+    """Ours with one all-gather per Transformer block (``fsdp_block``) against ours per layer and FSDP2 (the slower
+    rank's forward and step each), judged by the rounds' spread. "" without those rows, or (``brief``) unless the
+    block's forward is faster beyond the spread."""
+    block = table[table["strategy"] == "fsdp_block"] if "strategy" in table.columns else table.iloc[:0]
+    if len(block) != len(ours) or not len(block):
+        return ""
+    b, mine = _slowest(block), _slowest(ours)
+    b_step, my_step = _slowest(block, "step_ms"), _slowest(ours, "step_ms")
+    faster = _apart(b, mine) and float(b["forward_gpu_ms"]) < float(mine["forward_gpu_ms"])
+    if brief and not faster:
+        return ""
+    fsdp2 = table[table["strategy"] == "fsdp2"]
+    against = ""
+    if len(fsdp2) == len(ours):
+        t, t_step = _slowest(fsdp2), _slowest(fsdp2, "step_ms")
+        level = [_apart(b, t) is False, _apart(b_step, t_step, "step_ms") is False]
+        if all(level):
+            against = (f", level with FSDP2's {fmt.ms(t['forward_gpu_ms'])} and {fmt.ms(t_step['step_ms'])} within "
+                       "the rounds' spread")
+        else:
+            said = [f"{what} {fmt.ms(theirs[col])} (" + ("level within the rounds' spread)" if same else
+                    f"ours {fmt.ratio(float(mine_[col]) / float(theirs[col]))} it, beyond the spread)")
+                    for what, col, mine_, theirs, same in (("forward", "forward_gpu_ms", b, t, level[0]),
+                                                          ("step", "step_ms", b_step, t_step, level[1]))]
+            against = "; FSDP2's " + " and ".join(said)
+    if brief:
+        return (" Our wrapper's share of that host time, mostly a gather per weight, goes when each Transformer "
+                "block's weights come in one all-gather (`gather_units`): the forward then "
+                f"takes {fmt.ms(b['forward_gpu_ms'])} and the step {fmt.ms(b_step['step_ms'])}, against "
+                f"{fmt.ms(my_step['step_ms'])} per layer{against}.")
+    spread = (f" (round medians {_range_ms(b['forward_gpu_ms_round_lo'], b['forward_gpu_ms_round_hi'])} against "
+              f"{_range_ms(mine['forward_gpu_ms_round_lo'], mine['forward_gpu_ms_round_hi'])})"
+              if _apart(b, mine) is not None else "")
+    verdict = (f"{fmt.ratio(float(b['forward_gpu_ms']) / float(mine['forward_gpu_ms']))} of the per-layer forward"
+               if faster else "no faster than per layer beyond the rounds' spread")
+    return (f" With every Transformer block's seven weights gathered in one collective (`gather_units`, one "
+            f"packed all-gather and one copy-out per block), our forward takes {fmt.ms(b['forward_gpu_ms'])} on the "
+            f"GPU, issued in {fmt.ms(b['forward_host_ms'])}{spread}, {verdict}, and the step "
+            f"{fmt.ms(b_step['step_ms'])} against {fmt.ms(my_step['step_ms'])}{against}.")
 
 
 #: Names of the strategies timed beside ours, as the answer says them.
@@ -383,13 +435,15 @@ def unprofiled_blocks(d: SectionData) -> list[Block | None]:
     shown = subset(table, "strategy", "rank", "forward_host_ms", "forward_gpu_ms", "forward_gpu_ms_round_lo",
                    "forward_gpu_ms_round_hi", "backward_gpu_ms", "optimizer_gpu_ms", "step_ms", "step_ms_round_lo",
                    "step_ms_round_hi")
+    text = (text or "") + _per_block(table, ours)
     return [Text(text.strip()) if text else None, d.table(
         "gathers_unprofiled", frame=shown, caption="Unprofiled steps, per strategy and rank (medians): the forward's "
         "host issue time and GPU time by CUDA events (each step starts on an idle GPU, so the forward's GPU time "
         "starts when its host issues it; a later phase's starts when the GPU finishes the one before), the lowest "
-        "and highest round median, and the step's wall time. fsdp is ours (our "
-        "AdamW); fsdp2 and ddp are torch's (torch's AdamW); fsdp_graph is ours captured in a CUDA graph (torch's "
-        "fused AdamW), timed as whole steps (all columns: the CSV).")]
+        "and highest round median, and the step's wall time. fsdp is ours, one gather per layer, and fsdp_block ours "
+        "with one per Transformer block (our AdamW); fsdp2 and ddp are torch's (torch's AdamW); fsdp_fused is ours "
+        "with torch's fused AdamW, and fsdp_graph that step captured in a CUDA graph, timed as whole steps (all "
+        "columns: the CSV).")]
 
 
 def _range_ms(lo: Any, hi: Any) -> str:
@@ -405,7 +459,8 @@ def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
     graph = table[table["strategy"] == "fsdp_graph"]
     if len(graph) != len(ours) or not len(graph):
         return ""
-    g, eager = _slowest(graph, "step_ms"), _slowest(ours, "step_ms")
+    baseline, same_optimizer = _graph_baseline(table, ours)
+    g, eager = _slowest(graph, "step_ms"), _slowest(baseline, "step_ms")
     spread = (f" (round medians {_range_ms(g['step_ms_round_lo'], g['step_ms_round_hi'])} against "
               f"{_range_ms(eager['step_ms_round_lo'], eager['step_ms_round_hi'])})"
               if {"step_ms_round_lo", "step_ms_round_hi"} <= set(g.index) else "")
@@ -413,12 +468,16 @@ def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
             eager["step_ms_round_lo"])):
         return (f" Captured in a CUDA graph and replayed, the whole step takes {fmt.ms(g['step_ms'])} against the "
                 f"eager step's {fmt.ms(eager['step_ms'])}{spread}: no faster beyond the rounds' spread.")
-    optimizer = (f"; without its optimizer phase (our AdamW, {fmt.ms(eager['optimizer_gpu_ms'])}) the eager step "
-                 f"still takes {fmt.ms(float(eager['step_ms']) - float(eager['optimizer_gpu_ms']))}"
-                 if "optimizer_gpu_ms" in eager.index and pd.notna(eager["optimizer_gpu_ms"]) else "")
+    if same_optimizer:
+        optimizer = f"; with our AdamW the eager step takes {fmt.ms(_slowest(ours, 'step_ms')['step_ms'])}"
+    else:
+        optimizer = (f"; without its optimizer phase (our AdamW, {fmt.ms(eager['optimizer_gpu_ms'])}) the eager "
+                     f"step still takes {fmt.ms(float(eager['step_ms']) - float(eager['optimizer_gpu_ms']))}"
+                     if "optimizer_gpu_ms" in eager.index and pd.notna(eager["optimizer_gpu_ms"]) else "")
     return (f" Captured in a CUDA graph and replayed (our FSDP with torch's fused AdamW, whose state a graph needs "
             f"on the GPU), the whole step takes {fmt.ms(g['step_ms'])} against the eager step's "
-            f"{fmt.ms(eager['step_ms'])}{spread}, {fmt.ratio(float(eager['step_ms']) / float(g['step_ms']))} faster"
+            f"{fmt.ms(eager['step_ms'])}" + (" with the same optimizer" if same_optimizer else "")
+            + f"{spread}, {fmt.ratio(float(eager['step_ms']) / float(g['step_ms']))} faster"
             f"{optimizer}: with one launch per step the host no longer sets the pace, which is the fix for a step "
             "this small.")
 
@@ -428,10 +487,10 @@ def _slowest(frame: pd.DataFrame, column: str = "forward_gpu_ms") -> pd.Series:
     return frame.loc[frame[column].astype(float).idxmax()]
 
 
-def _apart(a: pd.Series, b: pd.Series) -> bool | None:
-    """Whether two rows' forwards lie apart beyond the rounds' spread (their ranges of round medians do not
-    overlap); None where the rows carry no ranges."""
-    lo, hi = "forward_gpu_ms_round_lo", "forward_gpu_ms_round_hi"
+def _apart(a: pd.Series, b: pd.Series, column: str = "forward_gpu_ms") -> bool | None:
+    """Whether two rows' ``column`` (by default the forward) lie apart beyond the rounds' spread (their ranges of
+    round medians do not overlap); None where the rows carry no ranges."""
+    lo, hi = f"{column}_round_lo", f"{column}_round_hi"
     if not {lo, hi} <= set(a.index) or not {lo, hi} <= set(b.index):
         return None
     return bool(float(a[lo]) > float(b[hi]) or float(b[lo]) > float(a[hi]))
