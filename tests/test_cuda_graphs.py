@@ -160,15 +160,15 @@ def _fsdp_eager_and_captured() -> dict[str, float]:
     mcfg = BenchConfig(model="tiny", global_batch=4, context_length=32, warmup=1, steps=1).model_config()
     batches = [random_batch(mcfg, 2, device, seed=10 * s + ctx.rank) for s in range(5)]
     out = {}
-    for name, dtype, units in (("fp32", None, ()), ("bf16", torch.bfloat16, ()),
-                               ("bf16_per_block_fused", torch.bfloat16, (TransformerBlock,))):
+    for name, dtype, units, fused in (("fp32", None, (), False), ("bf16", torch.bfloat16, (), False),
+                                      ("bf16_fused", torch.bfloat16, (), True),
+                                      ("bf16_per_block_fused", torch.bfloat16, (TransformerBlock,), True)):
         models, optimizers = [], []
         for _ in range(2):
             torch.manual_seed(0)
             with cuda_graphs.side_stream(device):  # the capture's rule: built and first run off the default stream
                 models.append(FSDP(build_model(mcfg, device=device), compute_dtype=dtype, gather_units=units))
-            optimizers.append(torch.optim.AdamW(models[-1].parameters(), lr=1e-2, capturable=True,
-                                                fused=bool(units)))
+            optimizers.append(torch.optim.AdamW(models[-1].parameters(), lr=1e-2, capturable=True, fused=fused))
         initial = {k: v.clone() for k, v in models[0].full_state_dict().items()}
         x, y = (t.clone() for t in batches[0])
 
@@ -199,11 +199,11 @@ def _fsdp_eager_and_captured() -> dict[str, float]:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_our_fsdp_step_trains_the_same_when_captured() -> None:
     """A captured FSDP step replays the gathers, reduce-scatters and update of the eager one: after the same
-    batches the full weights equal the eager run's, in fp32, with bf16 compute, and with one gather per block and
-    torch's fused AdamW (as §3.1 captures it)."""
+    batches the full weights equal the eager run's: in fp32; with bf16 compute; with torch's fused AdamW as well (the
+    step §3.1 captures); and with that and one gather per Transformer block."""
     from cs336_systems.distributed.launch import spawn
 
     for rank_result in spawn(_fsdp_eager_and_captured, 2, backend="nccl"):
-        for name in ("fp32", "bf16", "bf16_per_block_fused"):
+        for name in ("fp32", "bf16", "bf16_fused", "bf16_per_block_fused"):
             assert rank_result[name + "_moved"] > 1e-3, rank_result  # training changed the weights
             assert rank_result[name] <= 1e-6, rank_result

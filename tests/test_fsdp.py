@@ -172,6 +172,74 @@ def _wrapper_contract() -> dict:
     for bad in ([ToyFSDPModel], (int,)):
         with pytest.raises(ValueError, match=r"^gather_units must be a tuple of nn.Module subclasses"):
             FSDP(ToyFSDPModel(), gather_units=bad)
+    with pytest.raises(ValueError, match=r"^gather_units: no module of type LayerNorm in the model$"):
+        FSDP(ToyFSDPModel(), gather_units=(nn.LayerNorm,))
+    return {}
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Linear(8, 8), Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(h)))
+
+
+class TiedAcrossBlocks(nn.Module):
+    """Two gather units that share a weight (the second block's ``b`` is the first's ``a``), a half-precision
+    master weight beside fp32 ones in the first unit, and the blocks run through reentrant checkpointing, whose
+    recomputation inside backward is a real use that gathers each block again."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.blocks[1].b.weight = self.blocks[0].a.weight
+        self.reentrant = reentrant
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True) if self.reentrant else block(h)
+        return h
+
+
+def _units_with_tied_weights_and_reentrant_checkpointing() -> dict:
+    """Per-block gathers train bit for bit as per-layer ones with a weight tied across units, with and without
+    reentrant checkpointing; after the backward no unit's forward weights are held, nor any backward copy."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    h = torch.randn(4, 3, 8, requires_grad=True)
+    local = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    trained = {}
+    for reentrant in (False, True):
+        for units in ((), (_Block,)):
+            torch.manual_seed(1)
+            fsdp = FSDP(TiedAcrossBlocks(reentrant), gather_units=units)
+            opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+            for _ in range(2):
+                fsdp(h[local]).square().mean().backward()
+                assert fsdp._live is None and not any(layer.backward_copy for layer in fsdp.layers)
+                fsdp.finish_gradient_synchronization()
+                opt.step()
+                opt.zero_grad()
+            trained[(reentrant, units)] = fsdp.gather_full_params()
+    for reentrant in (False, True):  # (reentrant checkpointing reduces the tied weight's two uses apart: not
+        per_layer, per_block = trained[(reentrant, ())], trained[(reentrant, (_Block,))]  # bitwise the plain sum)
+        assert all(torch.equal(per_layer[n], t) for n, t in per_block.items()), reentrant
+    # a unit holding an fp16 master weight beside fp32 ones gathers each dtype in its own collective
+    torch.manual_seed(1)
+    mixed = TiedAcrossBlocks()
+    mixed.blocks[0].b.half()
+    expected = {n: p.detach().clone() for n, p in mixed.named_parameters()}
+    fsdp = FSDP(mixed, gather_units=(_Block,))
+    pending = fsdp.units[0].start_gather()
+    assert len(pending.parts) == 2  # fp32 and fp16: two collectives
+    full = pending.wait()
+    for layer in fsdp.units[0].layers:
+        for name, t in full[layer.index].items():
+            assert torch.equal(t, expected[f"{layer.name}.{name}"]) and t.dtype == expected[f"{layer.name}.{name}"].dtype
     return {}
 
 
@@ -377,6 +445,7 @@ CHECKS = {
     "odd_shapes_bf16_adamw_one_gather": lambda: _train_and_compare(OddShapesModel, torch.bfloat16, _adamw, steps=2,
                                                                     whole=True),
     "one_collective_per_block": _one_collective_per_block,
+    "units_with_tied_weights_and_reentrant_checkpointing": _units_with_tied_weights_and_reentrant_checkpointing,
     "wrapper_contract": _wrapper_contract,
     "checkpointed_blocks_fused_head": _checkpointed_blocks_with_fused_head,
     "checkpointed_blocks_fused_head_per_block": lambda: _checkpointed_blocks_with_fused_head(per_block=True),

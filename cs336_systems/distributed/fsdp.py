@@ -37,7 +37,7 @@ Mechanism, per sharded layer (a :class:`ShardedLayer`; the shards and their coll
 - **Gather units.** All of the above works per :class:`GatherUnit`: one layer by default, or with
   ``gather_units=(Block,)`` every sharded layer inside one ``Block``, whose weights then come in one
   collective (packed, gathered, copied out: per weight one launch, allocation and cast fewer on the host)
-  and stay until another unit's layer runs, as FSDP2's per-block sharding holds them.
+  and stay until the ``Block``'s forward returns, as FSDP2's per-block sharding holds them.
 
 Checkpoints are explicit: :meth:`FSDP.full_state_dict` (a collective; loads into the plain model) or
 :meth:`FSDP.sharded_state_dict` (this rank's shards with their layout); ``state_dict()`` refuses to guess.
@@ -78,7 +78,7 @@ from .consistency import (
     resolve_detect_nonfinite,
 )
 from .collectives import broadcast_coalesced, broadcast_module_state
-from .fsdp_shards import FlatShard, GatherGroup, PendingGroupGather
+from .fsdp_shards import FlatShard, GatherUnit, PendingGroupGather, group_units
 from .grad_sync import GradientReducer, per_parameter_buckets
 
 #: Module types whose (trainable) parameters FSDP shards.
@@ -105,6 +105,7 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, None, None, None]:
         ctx.layer.shards[ctx.name].add_grad_contribution(grad_full)
+        ctx.layer.awaiting[ctx.name] -= 1
         ctx.layer.release_backward_copy(ctx.name)
         return None, None, None, None
 
@@ -158,13 +159,14 @@ class ShardedLayer:
     unit: GatherUnit = None  # type: ignore[assignment]  # the layers whose weights arrive with this one's (set last)
     backward_copy: dict[str, torch.Tensor] = field(default_factory=dict)
     current: dict[str, torch.Tensor] = field(default_factory=dict)  # gathered weights during forward
+    awaiting: dict[str, int] = field(default_factory=dict)  # this layer's uses of each weight awaiting their gradient
     outer: tuple[Any, Any] | None = None  # the saved-tensor hooks around the running forward (checkpoint's)
     recomputing: bool = False  # the running forward is activation checkpointing's recomputation
 
     def release_backward_copy(self, name: str) -> None:
-        """After a use's gradient: a lone layer drops its copy at once; a unit's layer keeps it for its weight's
-        earlier uses (a layer called twice), as regathering would bring the whole unit again."""
-        if len(self.unit.layers) == 1 or self.shards[name].uses_awaiting_grad <= 0:
+        """After a use's gradient: a lone layer drops its copy at once; a unit's layer keeps it for this layer's
+        earlier uses of the weight (a layer called twice), as regathering would bring the whole unit again."""
+        if len(self.unit.layers) == 1 or self.awaiting.get(name, 0) <= 0:
             self.backward_copy.pop(name, None)
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -184,25 +186,6 @@ class ShardedLayer:
             self.fsdp._fetch_for_backward(self)
         full = self.backward_copy[saved.name]
         return full.as_strided(saved.size, saved.stride, saved.offset)
-
-
-@dataclass
-class GatherUnit:
-    """Sharded layers whose weights one all-gather brings: a single layer by default (the handout's schedule), or
-    every sharded layer inside one module of a ``gather_units`` type, such as a Transformer block (as FSDP2 shards
-    it). Gathers, prefetches and regathers for backward all work per unit."""
-
-    index: int
-    layers: list[ShardedLayer]
-    fsdp: Any  # weakref.proxy to the owning FSDP
-
-    def __post_init__(self) -> None:
-        self.gathers = GatherGroup({layer.index: layer.shards for layer in self.layers}, self.fsdp.process_group)
-
-    def start_gather(self) -> PendingGroupGather:
-        """``wait()`` on the result gives ``{layer index: {name: full weight}}``."""
-        self.fsdp._count_gather(self)
-        return self.gathers.start(self.fsdp.compute_dtype)
 
 
 class _LayerForward:
@@ -300,7 +283,7 @@ class FSDP(nn.Module):
                 sub.forward = _LayerForward(self, layer, sub.forward)
                 self.layers.append(layer)
         self._shards = list(shards.values())
-        self.units = self._group_units(gather_units)
+        self.units = group_units(module, self.layers, gather_units, weakref.proxy(self))
         sharded_ids = {id(p) for p in shards}
         seen: set[int] = set()
         replicated = []
@@ -336,22 +319,10 @@ class FSDP(nn.Module):
         self._bwd_prefetched: dict[int, PendingGroupGather] = {}
         self.stats = {"forward_gathers": 0, "backward_gathers": 0, "prefetch_hits": 0}
 
-    def _group_units(self, unit_types: tuple[type[nn.Module], ...]) -> list[GatherUnit]:
-        """One unit per sharded layer, or per innermost module of a ``unit_types`` type around it."""
-        if not isinstance(unit_types, tuple) or not all(isinstance(t, type) and issubclass(t, nn.Module)
-                                                         for t in unit_types):
-            raise ValueError(f"gather_units must be a tuple of nn.Module subclasses, got {unit_types!r}")
-        owners = [n for n, m in self.module.named_modules() if unit_types and isinstance(m, unit_types)]
-        grouped: dict[tuple[str, str], list[ShardedLayer]] = {}
-        for layer in self.layers:
-            around = [o for o in owners if o in ("", layer.name) or layer.name.startswith(o + ".")]
-            key = ("unit", max(around, key=len)) if around else ("layer", layer.name)
-            grouped.setdefault(key, []).append(layer)
-        units = [GatherUnit(i, layers, weakref.proxy(self)) for i, layers in enumerate(grouped.values())]
-        for unit in units:
-            for layer in unit.layers:
-                layer.unit = unit
-        return units
+    def _unit_done(self, unit: GatherUnit) -> None:
+        """The unit's module returned from its forward (a recomputation's too): its weights go."""
+        if self._live is not None and self._live[0] is unit:
+            self._live = None
 
     # ---------------------------------------------------------------------------------------------
     # Forward
@@ -359,6 +330,7 @@ class FSDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.replica_check.before_forward()  # first: a rank that skipped finish_...() fails on every rank
+        self._live = None
         if any(s.pending_grads for s in self._shards):
             raise RuntimeError("call finish_gradient_synchronization() after backward, before the next forward")
         if self.broadcast_buffers and torch.is_grad_enabled():
@@ -448,8 +420,9 @@ class FSDP(nn.Module):
         else:
             gathered = self._take_forward_gather(layer)
             if torch.is_grad_enabled():
-                for shard in layer.shards.values():
+                for name, shard in layer.shards.items():
                     shard.note_use()
+                    layer.awaiting[name] = layer.awaiting.get(name, 0) + 1
                 gathered = {
                     name: _Unshard.apply(layer.shards[name].param, full, layer, name) for name, full in gathered.items()
                 }
@@ -500,7 +473,7 @@ class FSDP(nn.Module):
         """Backward copies for the asking layer and for the unit's layers whose gradients are still to come (a
         layer already done would hold its copy to the end of the step)."""
         for member in layer.unit.layers:
-            if member is layer or any(s.uses_awaiting_grad > 0 for s in member.shards.values()):
+            if member is layer or any(n > 0 for n in member.awaiting.values()):
                 for name, t in full[member.index].items():
                     member.backward_copy.setdefault(name, t)
 
@@ -532,6 +505,7 @@ class FSDP(nn.Module):
         self._backward_stack = []
         for layer in self.layers:
             layer.backward_copy.clear()
+            layer.awaiting.clear()
         used, nonfinite = self._reducer.local_report()
         graph = capturing()
         for shard in self._shards:

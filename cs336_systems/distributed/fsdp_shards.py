@@ -1,8 +1,9 @@
 """FSDP's shards and their collectives: a parameter cut into equal 1-D slices, one per rank
 (:class:`FlatShard`), the all-gather that rebuilds it (:class:`PendingGather`), one all-gather for several
-shards at once (:class:`GatherGroup` → :class:`PendingGroupGather`) and the reduce-scatter that averages a
-gradient into this rank's slice (:func:`reduce_scatter_mean` → :class:`PendingShardGrad`).
-:mod:`~cs336_systems.distributed.fsdp` decides when each runs.
+shards at once (:class:`GatherGroup` → :class:`PendingGroupGather`), the layers one such gather serves
+(:class:`GatherUnit`, :func:`group_units`) and the reduce-scatter that averages a gradient into this rank's
+slice (:func:`reduce_scatter_mean` → :class:`PendingShardGrad`). :mod:`~cs336_systems.distributed.fsdp` decides
+when each runs.
 """
 
 from __future__ import annotations
@@ -153,11 +154,12 @@ class PendingGroupGather:
 
 
 class GatherGroup:
-    """Shards gathered by one collective per dtype, each under its owner (a layer) and name; a weight two owners
-    share is gathered once. A group of one shard uses that shard's own all-gather, with no packing or copy-out."""
+    """Shards gathered by one collective per dtype (``coalesce``; else one each, with no packing or copy-out), each
+    under its owner (a layer) and name; a weight two owners share is gathered once."""
 
-    def __init__(self, members: dict[Hashable, dict[str, FlatShard]], group: dist.ProcessGroup | None):
-        self.group = group
+    def __init__(self, members: dict[Hashable, dict[str, FlatShard]], group: dist.ProcessGroup | None,
+                 coalesce: bool = True):
+        self.group, self.coalesce = group, coalesce
         self.shards: list[FlatShard] = []
         self.keys: dict[Hashable, dict[str, int]] = {}
         for owner, named in members.items():
@@ -167,14 +169,14 @@ class GatherGroup:
                 self.keys.setdefault(owner, {})[name] = next(i for i, s in enumerate(self.shards) if s is shard)
 
     def start(self, dtype: torch.dtype | None) -> PendingGroupGather:
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        batches: dict[Any, list[int]] = {}  # one collective per batch: per dtype, or per shard
         for i, s in enumerate(self.shards):
-            by_dtype.setdefault(dtype or s.param.dtype, []).append(i)
+            batches.setdefault((dtype or s.param.dtype) if self.coalesce else i, []).append(i)
         parts: list[tuple[list[int], Any]] = []
-        for dt, positions in by_dtype.items():
+        for positions in batches.values():
             shards = [self.shards[i] for i in positions]
             parts.append((positions, shards[0].start_gather(dtype) if len(shards) == 1
-                          else start_coalesced_gather(shards, dt, self.group)))
+                          else start_coalesced_gather(shards, dtype or shards[0].param.dtype, self.group)))
         return PendingGroupGather(self.keys, parts)
 
 
@@ -274,3 +276,49 @@ class FlatShard:
     def full_tensor(self) -> torch.Tensor:
         """The whole fp32 parameter (a collective)."""
         return self.start_gather(None).wait().clone()
+
+
+@dataclass
+class GatherUnit:
+    """Sharded layers whose weights one all-gather brings: a single layer by default (the handout's schedule), or
+    every sharded layer inside one module of a ``gather_units`` type, such as a Transformer block (as FSDP2 shards
+    it). Gathers, prefetches and regathers for backward all work per unit."""
+
+    index: int
+    layers: list[Any]  # fsdp.ShardedLayer
+    fsdp: Any  # weakref.proxy to the owning FSDP
+
+    def __post_init__(self) -> None:
+        self.gathers = GatherGroup({layer.index: layer.shards for layer in self.layers}, self.fsdp.process_group,
+                                   coalesce=len(self.layers) > 1)  # a lone layer: the per-weight gathers as before
+
+    def start_gather(self) -> PendingGroupGather:
+        """``wait()`` on the result gives ``{layer index: {name: full weight}}``."""
+        self.fsdp._count_gather(self)
+        return self.gathers.start(self.fsdp.compute_dtype)
+
+
+def group_units(module: nn.Module, layers: list[Any], unit_types: tuple[type[nn.Module], ...], fsdp: Any
+                ) -> list[GatherUnit]:
+    """One unit per sharded layer, or per innermost module of a ``unit_types`` type around it; sets each layer's
+    ``unit``, and has each such module tell ``fsdp`` when its forward returns (``_unit_done``)."""
+    if not isinstance(unit_types, tuple) or not all(isinstance(t, type) and issubclass(t, nn.Module)
+                                                     for t in unit_types):
+        raise ValueError(f"gather_units must be a tuple of nn.Module subclasses, got {unit_types!r}")
+    modules = dict(module.named_modules())
+    owners = [n for n, m in modules.items() if unit_types and isinstance(m, unit_types)]
+    missing = [t.__name__ for t in unit_types if not any(isinstance(m, t) for m in modules.values())]
+    if missing:
+        raise ValueError(f"gather_units: no module of type {', '.join(missing)} in the model")
+    grouped: dict[tuple[str, str], list[Any]] = {}
+    for layer in layers:
+        around = [o for o in owners if o in ("", layer.name) or layer.name.startswith(o + ".")]
+        key = ("unit", max(around, key=len)) if around else ("layer", layer.name)
+        grouped.setdefault(key, []).append(layer)
+    units = [GatherUnit(i, members, fsdp) for i, members in enumerate(grouped.values())]
+    for (kind, name), unit in zip(grouped, units):
+        for layer in unit.layers:
+            layer.unit = unit
+        if kind == "unit":
+            modules[name].register_forward_hook(lambda mod, args, out, unit=unit: fsdp._unit_done(unit))
+    return units

@@ -390,22 +390,24 @@ def _per_block(table: pd.DataFrame, ours: pd.DataFrame, brief: bool = False) -> 
     if brief and not faster:
         return ""
     fsdp2 = table[table["strategy"] == "fsdp2"]
-    against = ""
+    against, level = "", False
     if len(fsdp2) == len(ours):
         t, t_step = _slowest(fsdp2), _slowest(fsdp2, "step_ms")
-        level = [_apart(b, t) is False, _apart(b_step, t_step, "step_ms") is False]
-        if all(level):
+        apart = [_apart(b, t), _apart(b_step, t_step, "step_ms")]  # None: no ranges to judge by
+        level = apart == [False, False]
+        if level:
             against = (f", level with FSDP2's {fmt.ms(t['forward_gpu_ms'])} and {fmt.ms(t_step['step_ms'])} within "
                        "the rounds' spread")
         else:
-            said = [f"{what} {fmt.ms(theirs[col])} (" + ("level within the rounds' spread)" if same else
-                    f"ours {fmt.ratio(float(mine_[col]) / float(theirs[col]))} it, beyond the spread)")
-                    for what, col, mine_, theirs, same in (("forward", "forward_gpu_ms", b, t, level[0]),
-                                                          ("step", "step_ms", b_step, t_step, level[1]))]
+            said = [f"{what} {fmt.ms(theirs[col])} (" + ("level within the rounds' spread)" if far is False else
+                    f"ours {fmt.ratio(float(mine_[col]) / float(theirs[col]))} it"
+                    + (", beyond the spread)" if far else ")"))
+                    for what, col, mine_, theirs, far in (("forward", "forward_gpu_ms", b, t, apart[0]),
+                                                         ("step", "step_ms", b_step, t_step, apart[1]))]
             against = "; FSDP2's " + " and ".join(said)
     if brief:
-        return (" Our wrapper's share of that host time, mostly a gather per weight, goes when each Transformer "
-                "block's weights come in one all-gather (`gather_units`): the forward then "
+        return (" Our wrapper's share of that host time " + ("goes" if level else "shrinks") + " when each "
+                "Transformer block's weights come in one all-gather (`gather_units`): the forward then "
                 f"takes {fmt.ms(b['forward_gpu_ms'])} and the step {fmt.ms(b_step['step_ms'])}, against "
                 f"{fmt.ms(my_step['step_ms'])} per layer{against}.")
     spread = (f" (round medians {_range_ms(b['forward_gpu_ms_round_lo'], b['forward_gpu_ms_round_hi'])} against "
