@@ -206,7 +206,7 @@ SECTION = Section(
     depends=("tests/adapters.py", "cs336-basics/cs336_basics/", "cs336_systems/attention/",
              *(f"cs336_systems/distributed/{m}.py" for m in ("grad_sync", "consistency", "launch", "ddp_naive",
                                                             "ddp_flat", "ddp_overlap", "ddp_bucketed", "strategies",
-                                                            "sharded_optimizer", "fsdp"))),
+                                                            "sharded_optimizer", "fsdp", "fsdp_shards"))),
     command="uv run python -m cs336_systems.experiments course_tests --set checkout=PATH-TO-COURSE-CHECKOUT "
             "--set edition=LABEL --publish",
 )
