@@ -651,7 +651,6 @@ def answer(d: SectionData) -> list[Block]:
     ]
 
 
-
 def _largest_shown(d: SectionData) -> pd.DataFrame | None:
     """The largest-model table under this edition's model names, "—" where a strategy was not trained."""
     frame = edition_models(edition_models(d.frame("largest_model"), d.edition, "largest_predicted"), d.edition,
