@@ -605,7 +605,9 @@ def test_fsdp_captured_step_is_set_beside_the_eager_one() -> None:
 
 
 @pytest.mark.parametrize("fsdp2_ranges, verdict", [
-    (((18.0, 21.0), (60.0, 55.0, 62.0)), "level with FSDP2's 20.0 ms and 60.0 ms within the rounds' spread"),
+    (((18.0, 21.0), (60.0, 55.0, 62.0)), "FSDP2's take 20.0 ms and 60.0 ms, neither apart from ours beyond the "
+                                         "rounds' spread (round medians 19.0-21.0 ms against 18.0-21.0 ms; "
+                                         "58.0-61.0 ms against 55.0-62.0 ms)"),
     (((18.0, 21.0), (52.0, 50.0, 55.0)), "FSDP2's forward 20.0 ms (level within the rounds' spread) and step 52.0 ms "
                                    "(ours 1.15× it, beyond the spread)")])
 def test_fsdp_per_block_gathers_are_set_beside_ours_and_fsdp2(fsdp2_ranges: tuple, verdict: str) -> None:
@@ -637,10 +639,10 @@ def test_fsdp_waiting_rank_is_explained_by_its_peer_waits() -> None:
 
     waited = pd.Series({"late_gathers": 226, "wait_ms": 162.1, "peer_wait_ms": 174.5})
     assert _why_rank_waited(waited, 0, 226, "rank 0") == (
-        " (162 ms of waiting), because its gathers spent 174 ms waiting for rank 0 to issue the same gathers")
+        " (compute stalled 162 ms), because its gathers spent 174 ms waiting for rank 0 to issue the same gathers")
     last = pd.Series({"late_gathers": 0, "wait_ms": 0.0, "peer_wait_ms": 0.0})
     assert _why_rank_waited(last, 226, 226, "rank 0") == ", since that rank reached every gather last"
-    assert _why_rank_waited(waited, 226, 226, "rank 0").startswith(" (162 ms of waiting)")  # arriving last explains no wait
+    assert _why_rank_waited(waited, 226, 226, "rank 0").startswith(" (compute stalled 162 ms)")  # arriving last explains no wait
     assert _why_rank_waited(waited.replace(174.5, 10.0), 0, 226, "rank 0") == ""  # its own compute, not the peer
 
 
@@ -655,9 +657,9 @@ def test_fsdp_main_answer_states_the_unprofiled_and_captured_steps_in_one_senten
         {"strategy": "fsdp_graph", "variant": "v", "rank": 0, "step_ms": 30.0}])
     out.table(steps, "gathers_unprofiled", extra=_GATHERS_EXTRA)
     text = " ".join(unprofiled_in_brief(SectionData(results, "fsdp", edition="2026")).plain().split())
-    assert text.startswith("Without the profiler the forward still takes 26.0 ms on the GPU, about its host's issue "
-                           "time (25.0 ms) and 3.02× the profiled compute, so the hosts set the pace. Replaying the "
-                           "step captured in a CUDA graph cuts it from 80.0 ms to 30.0 ms")
+    assert text.startswith("Without the profiler the slower rank's forward still takes 26.0 ms on the GPU, about its "
+                           "host's issue time (25.0 ms) and 3.02× the profiled compute, so the hosts set the pace. "
+                           "Replaying the step captured in a CUDA graph cuts it from 80.0 ms to 30.0 ms")
     # with the same fused optimizer timed eagerly, the graph is weighed against that step; a per-block forward
     # faster beyond the rounds' spread is named as the fix of our wrapper's share
     ranged = {"forward_gpu_ms_round_lo": 25.0, "forward_gpu_ms_round_hi": 27.0}
@@ -668,8 +670,9 @@ def test_fsdp_main_answer_states_the_unprofiled_and_captured_steps_in_one_senten
          "step_ms": 60.0, "forward_gpu_ms_round_lo": 18.0, "forward_gpu_ms_round_hi": 20.0}])
     out.table(pd.concat([steps.assign(**ranged), more]), "gathers_unprofiled", extra=_GATHERS_EXTRA)
     text = " ".join(unprofiled_in_brief(SectionData(results, "fsdp", edition="2026")).plain().split())
-    assert ("shrinks when each Transformer block's weights come in one all-gather (`gather_units`): the forward "
-            "then takes 19.0 ms and the step 60.0 ms, against 80.0 ms per layer.") in text
+    assert ("Gathering each Transformer block's weights in one all-gather instead of each weight's (`gather_units`) "
+            "shrinks what our wrapper's host time adds to FSDP2's: the forward then takes 19.0 ms and the step 60.0 ms "
+            "(80.0 ms with a gather per weight).") in text
     assert "cuts it from 70.0 ms (eager, with the same fused AdamW) to 30.0 ms" in text
     slow_block = more.assign(forward_gpu_ms_round_lo=19.0, forward_gpu_ms_round_hi=26.0)  # inside ours' spread
     out.table(pd.concat([steps.assign(**ranged), slow_block]), "gathers_unprofiled", extra=_GATHERS_EXTRA)
@@ -2048,8 +2051,9 @@ def test_fsdp_cause_in_brief_needs_every_ranks_timeline_and_names_the_host_paced
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
         plain = cause_in_brief(Data({"gathers_summary": two}, clocks)).plain()
-        assert plain.startswith("Of rank 0's 9.00 ms of gather kernel time, the transfers took 1.50 ms (§2.1's fit: "
-                                "1.00 ms) and 7.00 ms was waiting for the other rank")
+        assert plain.startswith("Of rank 0's 9.00 ms of gather kernel time, 7.00 ms passed before the other rank "
+                                "reached the same gather; the transfers themselves (the kernels of the rank that "
+                                "arrived last) took 1.50 ms, as §2.1's fit predicts (1.00 ms)")
         assert "rank 1's GPU sat idle waiting for its host's launches (2.50 ms of compute in a 10.0 ms forward)" in plain
         busy = two.assign(compute_ms=[6.0, 8.0])  # the late rank's GPU was busy: no claim about its host
         assert "sat idle waiting" not in cause_in_brief(Data({"gathers_summary": busy}, clocks)).plain()

@@ -134,9 +134,10 @@ def _profiled_fit(d: SectionData, r: Any) -> tuple[float, float] | None:
 
 
 def gathers_against_fit(d: SectionData) -> Text | None:
-    """Beyond the question: the profiled forward's gathers against §2.1's fit (the appendix)."""
+    """Beyond the question: the profiled forward's gathers against §2.1's fit (the appendix); None where
+    :func:`host_paced` already weighs them against it."""
     summary = d.frame("gathers_summary")
-    if summary is None or not len(summary) or not {"gathers", "gather_ms"} <= set(summary.columns):
+    if summary is None or not len(summary) or not {"gathers", "gather_ms"} <= set(summary.columns) or host_paced(d):
         return None
     meta = d.meta("gathers_summary")
     params, extra = meta.get("params", {}), meta.get("extra", {})
@@ -281,9 +282,11 @@ def cause_in_brief(d: SectionData) -> Text | None:
     peers, _ = found
     r0, fit = peers.iloc[0], _profiled_fit(d, summary.iloc[0])
     names = _rank_names(peers)
-    text = (f"Of rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, the transfers took "
-            f"{fmt.ms(float(peers['transfer_ms'].iloc[0]))}" + (f" (§2.1's fit: {fmt.ms(fit[0])})" if fit else "")
-            + f" and {fmt.ms(r0['peer_wait_ms'])} was waiting for the other rank to reach the same gather")
+    text = (f"Of rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, {fmt.ms(r0['peer_wait_ms'])} passed before "
+            "the other rank reached the same gather; the transfers themselves (the kernels of the rank that arrived "
+            f"last) took {fmt.ms(float(peers['transfer_ms'].iloc[0]))}"
+            + (f", as §2.1's fit predicts ({fmt.ms(fit[0])})" if fit and float(peers["transfer_ms"].iloc[0]) < 2 * fit[0]
+               else f" (§2.1's fit: {fmt.ms(fit[0])})" if fit else ""))
     always = peers.index[peers["arrived_last"] == int(peers["gathers"].iloc[0])]
     if len(always) and {"compute_ms", "span_ms"} <= set(peers.columns):
         late = peers.iloc[int(always[0])]
@@ -361,7 +364,8 @@ def unprofiled_in_brief(d: SectionData) -> Text | None:
         return None  # the appendix says the graph was no faster
     compute = float(same_rank["compute_ms"].iloc[0])
     ratio = fmt.ratio(float(mine["forward_gpu_ms"]) / compute)
-    return Text(f"Without the profiler the forward still takes {fmt.ms(mine['forward_gpu_ms'])} on the GPU, about its "
+    return Text(f"Without the profiler the slower rank's forward still takes {fmt.ms(mine['forward_gpu_ms'])} on the "
+                "GPU, about its "
                 f"host's issue time ({fmt.ms(mine['forward_host_ms'])}) and {ratio} "
                 f"the profiled compute, so the hosts set the pace." + _per_block(table, ours, brief=True)
                 + f" Replaying the step captured in a CUDA graph cuts it from {fmt.ms(eager['step_ms'])}"
@@ -396,8 +400,12 @@ def _per_block(table: pd.DataFrame, ours: pd.DataFrame, brief: bool = False) -> 
         apart = [_apart(b, t), _apart(b_step, t_step, "step_ms")]  # None: no ranges to judge by
         level = apart == [False, False]
         if level:
-            against = (f", level with FSDP2's {fmt.ms(t['forward_gpu_ms'])} and {fmt.ms(t_step['step_ms'])} within "
-                       "the rounds' spread")
+            against = (f"; FSDP2's take {fmt.ms(t['forward_gpu_ms'])} and {fmt.ms(t_step['step_ms'])}, neither apart "
+                       f"from ours beyond the rounds' spread (round medians "
+                       f"{_range_ms(b['forward_gpu_ms_round_lo'], b['forward_gpu_ms_round_hi'])} against "
+                       f"{_range_ms(t['forward_gpu_ms_round_lo'], t['forward_gpu_ms_round_hi'])}; "
+                       f"{_range_ms(b_step['step_ms_round_lo'], b_step['step_ms_round_hi'])} against "
+                       f"{_range_ms(t_step['step_ms_round_lo'], t_step['step_ms_round_hi'])})")
         else:
             said = [f"{what} {fmt.ms(theirs[col])} (" + ("level within the rounds' spread)" if far is False else
                     f"ours {fmt.ratio(float(mine_[col]) / float(theirs[col]))} it"
@@ -406,10 +414,10 @@ def _per_block(table: pd.DataFrame, ours: pd.DataFrame, brief: bool = False) -> 
                                                          ("step", "step_ms", b_step, t_step, apart[1]))]
             against = "; FSDP2's " + " and ".join(said)
     if brief:
-        return (" Our wrapper's share of that host time " + ("goes" if level else "shrinks") + " when each "
-                "Transformer block's weights come in one all-gather (`gather_units`): the forward then "
-                f"takes {fmt.ms(b['forward_gpu_ms'])} and the step {fmt.ms(b_step['step_ms'])}, against "
-                f"{fmt.ms(my_step['step_ms'])} per layer{against}.")
+        return (" Gathering each Transformer block's weights in one all-gather instead of each weight's "
+                "(`gather_units`) " + ("removes" if level else "shrinks") + " what our wrapper's host time adds "
+                f"to FSDP2's: the forward then takes {fmt.ms(b['forward_gpu_ms'])} and the step "
+                f"{fmt.ms(b_step['step_ms'])} ({fmt.ms(my_step['step_ms'])} with a gather per weight){against}.")
     spread = (f" (round medians {_range_ms(b['forward_gpu_ms_round_lo'], b['forward_gpu_ms_round_hi'])} against "
               f"{_range_ms(mine['forward_gpu_ms_round_lo'], mine['forward_gpu_ms_round_hi'])})"
               if _apart(b, mine) is not None else "")
@@ -634,7 +642,7 @@ def _why_rank_waited(row: pd.Series, arrived_last: Any, gathers: int, first: str
         return ""
     if float(row["peer_wait_ms"]) < 0.5 * float(row["wait_ms"]):
         return ""
-    return (f" ({fmt.ms(row['wait_ms'])} of waiting), because its gathers spent {fmt.ms(row['peer_wait_ms'])} "
+    return (f" (compute stalled {fmt.ms(row['wait_ms'])}), because its gathers spent {fmt.ms(row['peer_wait_ms'])} "
             f"waiting for {first} to issue the same gathers")
 
 
