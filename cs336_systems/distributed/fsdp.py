@@ -403,7 +403,7 @@ class FSDP(nn.Module):
                 self._forward_pos = None
                 self._drop(self._prefetched)
         full = pending.wait()
-        if len(unit.layers) > 1:  # kept until another unit's layer runs; a lone layer's go when its forward returns
+        if len(unit.layers) > 1:  # kept until the unit's module returns; a lone layer's go when its forward returns
             self._live = (unit, full)
         return full[layer.index]
 
