@@ -659,7 +659,7 @@ def test_fsdp_main_answer_states_the_unprofiled_and_captured_steps_in_one_senten
     text = " ".join(unprofiled_in_brief(SectionData(results, "fsdp", edition="2026")).plain().split())
     assert text.startswith("Without the profiler the slower rank's forward still takes 26.0 ms on the GPU, about its "
                            "host's issue time (25.0 ms) and 3.02× the profiled compute, so the hosts set the pace. "
-                           "Replaying the step captured in a CUDA graph cuts it from 80.0 ms to 30.0 ms")
+                           "Replaying the per-weight step captured in a CUDA graph cuts it from 80.0 ms to 30.0 ms")
     # with the same fused optimizer timed eagerly, the graph is weighed against that step; a per-block forward
     # faster beyond the rounds' spread is named as the fix of our wrapper's share
     ranged = {"forward_gpu_ms_round_lo": 25.0, "forward_gpu_ms_round_hi": 27.0}
@@ -671,9 +671,9 @@ def test_fsdp_main_answer_states_the_unprofiled_and_captured_steps_in_one_senten
     out.table(pd.concat([steps.assign(**ranged), more]), "gathers_unprofiled", extra=_GATHERS_EXTRA)
     text = " ".join(unprofiled_in_brief(SectionData(results, "fsdp", edition="2026")).plain().split())
     assert ("Gathering each Transformer block's weights in one all-gather instead of each weight's (`gather_units`) "
-            "shrinks what our wrapper's host time adds to FSDP2's: the forward then takes 19.0 ms and the step 60.0 ms "
+            "shrinks the host time our wrapper adds beyond FSDP2's: the forward then takes 19.0 ms and the step 60.0 ms "
             "(80.0 ms with a gather per weight).") in text
-    assert "cuts it from 70.0 ms (eager, with the same fused AdamW) to 30.0 ms" in text
+    assert "cuts it from 70.0 ms (eager, with torch's fused AdamW, which the graph uses) to 30.0 ms" in text
     slow_block = more.assign(forward_gpu_ms_round_lo=19.0, forward_gpu_ms_round_hi=26.0)  # inside ours' spread
     out.table(pd.concat([steps.assign(**ranged), slow_block]), "gathers_unprofiled", extra=_GATHERS_EXTRA)
     assert "gather_units" not in unprofiled_in_brief(SectionData(results, "fsdp", edition="2026")).plain()
@@ -1643,7 +1643,7 @@ def test_the_warm_up_answer_says_whether_one_or_two_steps_match_five() -> None:
     assert _few_against_five(study) == "; here 1 of 4 such cells differ from 5 warm-up steps beyond the spread: " \
                                        "xl after 1: 250 ms against 238 ms."
     calm = study.assign(forward_mean_ms=[20.0, 20.1, 20.0, 238.1, 238.0, 238.0])
-    assert "every size's forward takes what it takes after 5, within the steps' spread" in _few_against_five(calm)
+    assert "every size's forward takes what it takes after 5, within 3 standard deviations of the study's own steps" in _few_against_five(calm)
     assert _few_against_five(calm).endswith("(the largest difference, small after 2: 20.1 ms against 20.0 ms, "
                                             "0.500%).")
     assert _few_against_five(None) == ""
@@ -2052,8 +2052,9 @@ def test_fsdp_cause_in_brief_needs_every_ranks_timeline_and_names_the_host_paced
         mp.setattr(gathers, "_predicted_gather_ms", lambda *a: (1.0, 0.5))
         plain = cause_in_brief(Data({"gathers_summary": two}, clocks)).plain()
         assert plain.startswith("Of rank 0's 9.00 ms of gather kernel time, 7.00 ms passed before the other rank "
-                                "reached the same gather; the transfers themselves (the kernels of the rank that "
-                                "arrived last) took 1.50 ms, as §2.1's fit predicts (1.00 ms)")
+                                "reached the same gather; the transfers themselves (the other rank's kernels, on its own clock, "
+                                "so the two need not add up exactly) took 1.50 ms, close "
+                                "to §2.1's fit (1.00 ms)")
         assert "rank 1's GPU sat idle waiting for its host's launches (2.50 ms of compute in a 10.0 ms forward)" in plain
         busy = two.assign(compute_ms=[6.0, 8.0])  # the late rank's GPU was busy: no claim about its host
         assert "sat idle waiting" not in cause_in_brief(Data({"gathers_summary": busy}, clocks)).plain()

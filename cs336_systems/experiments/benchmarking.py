@@ -440,7 +440,8 @@ def _few_against_five(study: pd.DataFrame | None, spreads: float = 3.0) -> str:
     if not differ:
         share, r, base = largest
         return (f"; here they do not: after 1 or 2 warm-up steps every size's forward takes what it takes after "
-                f"{most}, within the steps' spread (the largest difference, {r['size']} after {int(r['warmup'])}: "
+                f"{most}, within {spreads:g} standard deviations of the study's own steps (the largest difference, "
+                f"{r['size']} after {int(r['warmup'])}: "
                 f"{fmt.ms(r['forward_mean_ms'])} against {fmt.ms(base['forward_mean_ms'])}, {fmt.pct(share)}).")
     return f"; here {len(differ)} of {len(few)} such cells differ from {most} warm-up steps beyond the spread: " + \
         join_words(differ) + "."

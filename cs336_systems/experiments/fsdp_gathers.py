@@ -282,12 +282,14 @@ def cause_in_brief(d: SectionData) -> Text | None:
     peers, _ = found
     r0, fit = peers.iloc[0], _profiled_fit(d, summary.iloc[0])
     names = _rank_names(peers)
-    text = (f"Of rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, {fmt.ms(r0['peer_wait_ms'])} passed before "
-            "the other rank reached the same gather; the transfers themselves (the kernels of the rank that arrived "
-            f"last) took {fmt.ms(float(peers['transfer_ms'].iloc[0]))}"
-            + (f", as §2.1's fit predicts ({fmt.ms(fit[0])})" if fit and float(peers["transfer_ms"].iloc[0]) < 2 * fit[0]
-               else f" (§2.1's fit: {fmt.ms(fit[0])})" if fit else ""))
     always = peers.index[peers["arrived_last"] == int(peers["gathers"].iloc[0])]
+    whose = ("the other rank's kernels, on its own clock" if len(always) and int(always[0]) != 0 else
+             "the kernels of the rank that arrived last, on their own clocks")
+    text = (f"Of rank 0's {fmt.ms(r0['gather_ms'])} of gather kernel time, {fmt.ms(r0['peer_wait_ms'])} passed before "
+            f"the other rank reached the same gather; the transfers themselves ({whose}, so the two need not add up "
+            f"exactly) took {fmt.ms(float(peers['transfer_ms'].iloc[0]))}"
+            + (f", close to §2.1's fit ({fmt.ms(fit[0])})" if fit and float(peers["transfer_ms"].iloc[0]) < 2 * fit[0]
+               else f" (§2.1's fit: {fmt.ms(fit[0])})" if fit else ""))
     if len(always) and {"compute_ms", "span_ms"} <= set(peers.columns):
         late = peers.iloc[int(always[0])]
         if float(late["compute_ms"]) / float(late["span_ms"]) < HOST_PACED_BELOW:
@@ -368,8 +370,9 @@ def unprofiled_in_brief(d: SectionData) -> Text | None:
                 "GPU, about its "
                 f"host's issue time ({fmt.ms(mine['forward_host_ms'])}) and {ratio} "
                 f"the profiled compute, so the hosts set the pace." + _per_block(table, ours, brief=True)
-                + f" Replaying the step captured in a CUDA graph cuts it from {fmt.ms(eager['step_ms'])}"
-                + (" (eager, with the same fused AdamW)" if same_optimizer else "")
+                + " Replaying the per-weight step captured in a CUDA graph cuts it from "
+                + f"{fmt.ms(eager['step_ms'])}" + (" (eager, with torch's fused AdamW, which the graph uses)"
+                                                   if same_optimizer else "")
                 + f" to {fmt.ms(replay['step_ms'])} (the appendix gives both accounts and torch's FSDP2 and DDP "
                 "beside ours).")
 
@@ -415,8 +418,8 @@ def _per_block(table: pd.DataFrame, ours: pd.DataFrame, brief: bool = False) -> 
             against = "; FSDP2's " + " and ".join(said)
     if brief:
         return (" Gathering each Transformer block's weights in one all-gather instead of each weight's "
-                "(`gather_units`) " + ("removes" if level else "shrinks") + " what our wrapper's host time adds "
-                f"to FSDP2's: the forward then takes {fmt.ms(b['forward_gpu_ms'])} and the step "
+                "(`gather_units`) " + ("removes" if level else "shrinks") + " the host time our wrapper adds beyond "
+                f"FSDP2's: the forward then takes {fmt.ms(b['forward_gpu_ms'])} and the step "
                 f"{fmt.ms(b_step['step_ms'])} ({fmt.ms(my_step['step_ms'])} with a gather per weight){against}.")
     spread = (f" (round medians {_range_ms(b['forward_gpu_ms_round_lo'], b['forward_gpu_ms_round_hi'])} against "
               f"{_range_ms(mine['forward_gpu_ms_round_lo'], mine['forward_gpu_ms_round_hi'])})"
