@@ -380,7 +380,7 @@ def unprofiled_in_brief(d: SectionData) -> Text | None:
 def _graph_baseline(table: pd.DataFrame, ours: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
     """The eager rows a captured step is weighed against: ours with torch's fused AdamW, the graph's optimizer,
     where they were timed (``True``), else ours with our AdamW."""
-    fused = table[table["strategy"] == "fsdp_fused"] if "strategy" in table.columns else table.iloc[:0]
+    fused = _rows(table, "fsdp_fused")
     return (fused, True) if len(fused) == len(ours) and len(fused) else (ours, False)
 
 
@@ -388,7 +388,7 @@ def _per_block(table: pd.DataFrame, ours: pd.DataFrame, brief: bool = False) -> 
     """Ours with one all-gather per Transformer block (``fsdp_block``) against ours per layer and FSDP2 (the slower
     rank's forward and step each), judged by the rounds' spread. "" without those rows, or (``brief``) unless the
     block's forward is faster beyond the spread."""
-    block = table[table["strategy"] == "fsdp_block"] if "strategy" in table.columns else table.iloc[:0]
+    block = _rows(table, "fsdp_block")
     if len(block) != len(ours) or not len(block):
         return ""
     b, mine = _slowest(block), _slowest(ours)
@@ -404,11 +404,8 @@ def _per_block(table: pd.DataFrame, ours: pd.DataFrame, brief: bool = False) -> 
         level = apart == [False, False]
         if level:
             against = (f"; FSDP2's take {fmt.ms(t['forward_gpu_ms'])} and {fmt.ms(t_step['step_ms'])}, neither apart "
-                       f"from ours beyond the rounds' spread (round medians "
-                       f"{_range_ms(b['forward_gpu_ms_round_lo'], b['forward_gpu_ms_round_hi'])} against "
-                       f"{_range_ms(t['forward_gpu_ms_round_lo'], t['forward_gpu_ms_round_hi'])}; "
-                       f"{_range_ms(b_step['step_ms_round_lo'], b_step['step_ms_round_hi'])} against "
-                       f"{_range_ms(t_step['step_ms_round_lo'], t_step['step_ms_round_hi'])})")
+                       f"from ours beyond the rounds' spread (round medians {_ranges(b, t)}; "
+                       f"{_ranges(b_step, t_step, 'step_ms')})")
         else:
             said = [f"{what} {fmt.ms(theirs[col])} (" + ("level within the rounds' spread)" if far is False else
                     f"ours {fmt.ratio(float(mine_[col]) / float(theirs[col]))} it"
@@ -421,9 +418,7 @@ def _per_block(table: pd.DataFrame, ours: pd.DataFrame, brief: bool = False) -> 
                 "(`gather_units`) " + ("removes" if level else "shrinks") + " the host time our wrapper adds beyond "
                 f"FSDP2's: the forward then takes {fmt.ms(b['forward_gpu_ms'])} and the step "
                 f"{fmt.ms(b_step['step_ms'])} ({fmt.ms(my_step['step_ms'])} with a gather per weight){against}.")
-    spread = (f" (round medians {_range_ms(b['forward_gpu_ms_round_lo'], b['forward_gpu_ms_round_hi'])} against "
-              f"{_range_ms(mine['forward_gpu_ms_round_lo'], mine['forward_gpu_ms_round_hi'])})"
-              if _apart(b, mine) is not None else "")
+    spread = f" (round medians {_ranges(b, mine)})" if _apart(b, mine) is not None else ""
     verdict = (f"{fmt.ratio(float(b['forward_gpu_ms']) / float(mine['forward_gpu_ms']))} of the per-layer forward"
                if faster else "no faster than per layer beyond the rounds' spread")
     return (f" With every Transformer block's seven weights gathered in one collective (`gather_units`, one "
@@ -459,6 +454,17 @@ def unprofiled_blocks(d: SectionData) -> list[Block | None]:
         "columns: the CSV).")]
 
 
+def _rows(table: pd.DataFrame, strategy: str) -> pd.DataFrame:
+    """The rows of one strategy (none in a table without the column)."""
+    return table[table["strategy"] == strategy] if "strategy" in table.columns else table.iloc[:0]
+
+
+def _ranges(a: pd.Series, b: pd.Series, column: str = "forward_gpu_ms") -> str:
+    """``lo-hi ms against lo-hi ms``: two rows' ranges of round medians of ``column``."""
+    lo, hi = f"{column}_round_lo", f"{column}_round_hi"
+    return f"{_range_ms(a[lo], a[hi])} against {_range_ms(b[lo], b[hi])}"
+
+
 def _range_ms(lo: Any, hi: Any) -> str:
     """``lo-hi ms``, or one value where both read alike at three figures."""
     return fmt.ms(lo) if fmt.sig(lo) == fmt.sig(hi) else f"{fmt.sig(lo)}-{fmt.ms(hi)}"
@@ -474,8 +480,7 @@ def _captured(table: pd.DataFrame, ours: pd.DataFrame) -> str:
         return ""
     baseline, same_optimizer = _graph_baseline(table, ours)
     g, eager = _slowest(graph, "step_ms"), _slowest(baseline, "step_ms")
-    spread = (f" (round medians {_range_ms(g['step_ms_round_lo'], g['step_ms_round_hi'])} against "
-              f"{_range_ms(eager['step_ms_round_lo'], eager['step_ms_round_hi'])})"
+    spread = (f" (round medians {_ranges(g, eager, 'step_ms')})"
               if {"step_ms_round_lo", "step_ms_round_hi"} <= set(g.index) else "")
     if float(g["step_ms"]) >= float(eager["step_ms"]) or (spread and float(g["step_ms_round_hi"]) >= float(
             eager["step_ms_round_lo"])):
@@ -531,8 +536,7 @@ def _against_torch(table: pd.DataFrame, ours: pd.DataFrame, dtype: str | None = 
         mine, theirs = _slowest(ours), rows["fsdp2"]
         r = float(mine["forward_gpu_ms"]) / float(theirs["forward_gpu_ms"])
         apart = _apart(mine, theirs)
-        spread = (f" (round medians {_range_ms(mine['forward_gpu_ms_round_lo'], mine['forward_gpu_ms_round_hi'])}"
-                  f" against {_range_ms(theirs['forward_gpu_ms_round_lo'], theirs['forward_gpu_ms_round_hi'])})"
+        spread = (f" (round medians {_ranges(mine, theirs)})"
                   if apart is not None else "")
         paced = all(float(x["forward_host_ms"]) >= HOST_ISSUE_SHARE * float(x["forward_gpu_ms"]) for x in (mine, theirs))
         if (apart if apart is not None else abs(r - 1) >= 0.2) and r > 1:
