@@ -1282,18 +1282,22 @@ def test_gluon_backward_compiles_for_hopper(head_dim: int, poly: bool) -> None:
 @pytest.mark.parametrize("case", GLUON_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, layout: str) -> None:
-    """Where it applies the Gluon dK/dV kernel runs, and dK and dV match the Triton kernel's and float64
-    (dQ is the Triton kernel's either way)."""
+@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "dq_atomic"])
+def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, layout: str, fused_dq: bool) -> None:
+    """Where it applies the Gluon dK/dV kernel runs, and dK and dV match the Triton kernel's and float64. dQ is
+    the Triton dQ kernel's, or with ``dq_atomic`` the Gluon kernel's own sums (FlashAttention-3's fifth
+    product), which must match the dQ kernel's and float64 too."""
     from cs336_systems.attention import flash_triton
 
     q, k, v, do = _gluon_inputs(case, dtype, layout)
     four_d = [t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v, do)]
-    with options.use(gluon_backward=True, gluon_head_views=layout == "bshd"):
+    with options.use(gluon_backward=True, gluon_head_views=layout == "bshd", dq_atomic=fused_dq):
         assert flash_triton._gluon_backward_module(*four_d, four_d[1], four_d[2]) is not None
         gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    _assert_gluon_matches(NAMES[3:], gluon[3:], triton_[3:], _reference(q, k, v, do, case.is_causal)[3:], dtype)
+    first = 2 if fused_dq else 3
+    _assert_gluon_matches(NAMES[first:], gluon[first:], triton_[first:],
+                          _reference(q, k, v, do, case.is_causal)[first:], dtype)
 
 
 def test_descriptors_filled_in_directly_equal_triton_s_validated_ones() -> None:

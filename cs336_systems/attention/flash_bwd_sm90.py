@@ -38,9 +38,12 @@ import torch
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -99,11 +102,13 @@ def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 
 @gluon.jit
-def _consumer(part, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow,
-              DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps,
-              qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, LD_AHEAD: gl.constexpr):
-    """dK and dV of keys ``[start_n + part·ROWS, +ROWS)`` over ``n_steps`` query tiles from ``lo``."""
+def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar,
+              LD, ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
+              n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, LD_AHEAD: gl.constexpr,
+              CONSUMERS: gl.constexpr):
+    """dK and dV of keys ``[start_n + part·ROWS, +ROWS)`` over ``n_steps`` query tiles from ``lo``; with
+    ``dq_desc``, also this consumer's share of each query tile's ``dQ = dS K`` (:func:`_add_dq`)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -166,9 +171,21 @@ def _consumer(part, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, l
         dv_token = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dPᵀ is done; dV's product may still run
         dst = pt * (dpt - gl.expand_dims(delta, 0))
-        dst_op = gl.convert_layout(dst.to(dtype), op_layout)
-        dk_token = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, pt_op, dst_op])
+        if dq_desc is None:
+            dst_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk_token = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, pt_op, dst_op])
+        else:
+            # dSᵀ goes through shared memory: dK's product reads it there, and so do both consumers' dQ
+            # products, which need the program's whole key tile (this consumer's 64 keys and the other's).
+            ds_tile = ds_smem.index((i % 2) * CONSUMERS + part)
+            ds_tile.store(dst.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ds_bar.index(i % 2))
+            dk_token = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
+            dv, dk, pt_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, pt_op])  # frees Pᵀ's registers
+            _add_dq(ds_smem, k_smem, dq_smem, ds_bar, dq_desc, dq_row0, i, start_m, part, HEAD_DIM, BLOCK_M,
+                    CONSUMERS)
         mbarrier.arrive(empty.index(stage))  # this warpgroup has read Q_i and dO_i
 
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -178,11 +195,50 @@ def _consumer(part, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, l
     rows_ok = rows < n_keys
     gl.store(DK + dk_head + rows.to(gl.int64) * stride_dkn + cols, (dk * sm_scale).to(dtype), mask=rows_ok)
     gl.store(DV + dv_head + rows.to(gl.int64) * stride_dvn + cols, dv.to(dtype), mask=rows_ok)
+    if dq_desc is not None:
+        tma.store_wait(0)  # the last reduction has read its staging tile before the program ends
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA bulk reduction: add the shared-memory tile ``src`` to the tensor at ``coord`` (float32 adds done by the
+    copy engine, ``cp.reduce.async.bulk.tensor``), asynchronously like a TMA store; ``tma.store_wait`` covers it.
+    Triton 3.6's Gluon builds this operation but wraps it in no public function."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
-def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV, n_queries, n_keys, qk_scale,
-                                     sm_scale, n_heads, head_group, kv_rows_b, kv_rows_h, kv_col_h, q_rows_b,
+def _add_dq(ds_smem, k_smem, dq_smem, ds_bar, dq_desc, dq_row0, i, start_m, part: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Add ``dS K`` over the program's key tile for query tile ``i`` (rows from ``start_m``) to the float32 dQ
+    sums behind ``dq_desc``, unscaled: FlashAttention-3's fifth product. The tile goes to shared memory and the
+    copy engine adds it (:func:`_tma_reduce_add`) while the consumer goes on to the next step. The work is split
+    so that no consumer holds more than a 64-column float32 tile: at head dim 128 each consumer takes 64 of the
+    columns, at 64 the consumers take whole query tiles in turn. Buffer ``i % 2`` of ``ds_smem`` holds every
+    consumer's ``dSᵀ`` rows, ``[keys, queries]``, read here transposed once all are in."""
+    COLS: gl.constexpr = dq_desc.block_type.shape[1]
+    SPLIT: gl.constexpr = COLS < HEAD_DIM
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, COLS, 16])
+    mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)  # every consumer's dSᵀ rows are in
+    if SPLIT or (i % CONSUMERS == part):
+        col0: gl.constexpr = part * COLS if SPLIT else 0
+        dq = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
+        for c in gl.static_range(CONSUMERS):
+            ds_t = ds_smem.index((i % 2) * CONSUMERS + c).permute((1, 0))  # dS: [queries, keys c]
+            dq = warpgroup_mma(ds_t, k_smem.index(c).slice(col0, COLS, dim=1), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        staging = dq_smem.index(part)
+        tma.store_wait(0)  # this consumer's previous reduction has read the staging tile
+        staging.store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [dq_row0 + start_m, col0], staging)
+
+
+@gluon.jit
+def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV, dq_desc, n_queries, n_keys,
+                                     qk_scale, sm_scale, n_heads, head_group, kv_rows_b, kv_rows_h, kv_col_h, q_rows_b,
                                      q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h, stride_ldbh, stride_ldrow,
                                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -222,17 +278,34 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    if dq_desc is not None:
+        # Two buffers of every consumer's dSᵀ rows: a consumer writes step i + 2's only after both have passed
+        # step i + 1's barrier, so after both have finished step i's dQ products (which read buffer i % 2).
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, BLOCK_M],
+                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_bar.index(i), count=CONSUMERS)
+        dq_row0 = bh * gl.cdiv(n_queries, BLOCK_M) * BLOCK_M  # each head's sums padded to whole query tiles
+    else:  # unused without dq_desc; warp_specialize takes no None arguments
+        ds_smem = kv_bar
+        dq_smem = kv_bar
+        ds_bar = kv_bar
+        dq_row0 = 0
     fence_async_shared()
 
     # Register budgets as in the forward: the producer warp keeps few, the consumers share the rest.
     # ``warp_specialize`` takes a literal list of (function, arguments) pairs (see flash_fwd_sm90).
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
-                     dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                     sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, LD_AHEAD)),
-        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LD, ld_head, stride_ldrow, DK, DV,
-                     dk_head, dv_head, stride_dkn, stride_dvn, start_n, lo, n_queries, n_keys, n_steps, qk_scale,
-                     sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, LD_AHEAD)),
+        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, LD,
+                     ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
+                     n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
+                     POLY_EXP2, LD_AHEAD, CONSUMERS)),
+        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, LD,
+                     ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
+                     n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
+                     POLY_EXP2, LD_AHEAD, CONSUMERS)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                      k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
                      BLOCK_M, STAGES)),
@@ -283,6 +356,23 @@ def tile_for(d: int) -> tuple[int, int, int]:
     return TILES[d]
 
 
+def dq_rows(n_queries: int, d: int) -> int:
+    """Rows per head of the float32 dQ sums the kernel adds to: whole query tiles, so that a tile's reduction never
+    reaches into the next head's rows."""
+    block_m = tile_for(d)[0]
+    return -(-n_queries // block_m) * block_m
+
+
+def _dq_cols(d: int) -> int:
+    """Columns of dQ per consumer and reduction: half the head dim where that is 64 or more, else all of it."""
+    return d // 2 if d // 2 >= 64 else d
+
+
+@functools.cache
+def _dq_layout(block_m: int, cols: int) -> Any:
+    return gl.NVMMASharedLayout.get_default_for([block_m, cols], gl.float32)
+
+
 @functools.cache
 def _layouts(dtype: torch.dtype, d: int, block_m: int) -> tuple[Any, Any]:
     """Shared-memory layouts of the K/V tiles (64 keys) and the streamed Q/dO tiles (``block_m`` queries)."""
@@ -292,9 +382,11 @@ def _layouts(dtype: torch.dtype, d: int, block_m: int) -> tuple[Any, Any]:
 
 
 def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor, dk: Tensor, dv: Tensor,
-                        is_causal: bool, scale: float) -> None:
+                        is_causal: bool, scale: float, dq_acc: Tensor | None = None) -> None:
     """Write dK and dV for inputs that :func:`ineligibility` accepts. ``ld``: the float32
-    ``(batch * heads, 2, n_queries)`` ``[L·log2 e; D]`` row pairs the Triton dQ kernel wrote."""
+    ``(batch * heads, 2, n_queries)`` ``[L·log2 e; D]`` row pairs the Triton dQ kernel wrote. ``dq_acc``: a
+    zeroed, contiguous float32 ``(batch, heads, dq_rows(n_queries), d)`` buffer to which the kernel also adds the
+    unscaled ``dS K`` (``options.dq_atomic``); the rows past ``n_queries`` receive padding sums."""
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     block_m, block_n, stages = tile_for(d)
@@ -308,10 +400,15 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
 
     k_desc, v_desc = descriptor(k, kv_at, ROWS.value, kv_layout), descriptor(v, kv_at, ROWS.value, kv_layout)
     q_desc, do_desc = descriptor(q, q_at, block_m, q_layout), descriptor(do, do_at, block_m, q_layout)
+    dq_desc = None
+    if dq_acc is not None:
+        cols = _dq_cols(d)
+        dq_desc = TensorDescriptor(dq_acc, [dq_acc.numel() // d, d], [d, 1], [block_m, cols],
+                                   _dq_layout(block_m, cols))
     grid = (-(-n_keys // block_n) * batch * heads,)
     group = heads_per_l2_group(batch * heads, n_queries * (2 * d * q.element_size() + 8), q.device)
     FLASH_LAUNCHES.launch(flash_backward_dkdv_gluon_kernel, grid, (
-        k_desc, v_desc, q_desc, do_desc, ld, dk, dv, n_queries, n_keys, scale * 1.4426950408889634, scale,
+        k_desc, v_desc, q_desc, do_desc, ld, dk, dv, dq_desc, n_queries, n_keys, scale * 1.4426950408889634, scale,
         heads, group, *kv_at[2:], *q_at[2:], *do_at[2:], *ld.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3],
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
@@ -320,7 +417,7 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
 
 
 def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None,
-                       poly: bool = False):
+                       poly: bool = False, dq_acc: bool = False):
     """Compile the kernel for sm_90 without a GPU, as :func:`.flash_fwd_sm90.compile_for_hopper` does for the
     forward (same caveat: not under ``TRITON_INTERPRET=1``); returns Triton's compiled kernel."""
     block_m, block_n, stages = tile or TILES[head_dim]
@@ -329,5 +426,10 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
     types = {"k_desc": tensor_descriptor_type(ROWS.value, head_dim), "v_desc": tensor_descriptor_type(ROWS.value, head_dim),
              "q_desc": tensor_descriptor_type(block_m, head_dim), "do_desc": tensor_descriptor_type(block_m, head_dim),
              "LD": "*fp32", "DK": "*bf16", "DV": "*bf16", "qk_scale": "fp32", "sm_scale": "fp32"}
+    if dq_acc:
+        cols = _dq_cols(head_dim)
+        types["dq_desc"] = f"tensordesc<fp32[{block_m}, {cols}],{_dq_layout(block_m, cols)!r}>"
+    else:
+        constexprs["dq_desc"] = None
     return compile_offline(flash_backward_dkdv_gluon_kernel, types, constexprs, ("LD", "DK", "DV"),
                            _CONSUMER_WARPS.value)

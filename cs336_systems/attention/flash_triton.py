@@ -374,8 +374,10 @@ def _backward(
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dq_acc = None  # float32 dQ that the dK/dV kernel adds to (options.dq_atomic)
-    if options.current().dq_atomic and _gluon_backward_module(q, k, v, do, dk, dv) is None:
-        dq_acc = torch.zeros((batch, heads, n_queries, d), dtype=torch.float32, device=q.device)
+    if options.current().dq_atomic:
+        gluon = _gluon_backward_module(q, k, v, do, dk, dv)  # its reductions add whole query tiles
+        rows = n_queries if gluon is None else gluon.dq_rows(n_queries, d)
+        dq_acc = torch.zeros((batch, heads, rows, d), dtype=torch.float32, device=q.device)
     launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)
     with _device_guard(q):
         FLASH_PLANS.run(_backward_key(do, q, k, v, o, lse, is_causal, scale, out),
@@ -397,7 +399,7 @@ def _scaled_dq(dq: Tensor, dq_acc: Tensor | None, scale: float) -> Tensor:
     """``dq``, filled from the float32 sums the dK/dV kernel accumulated (``dq_acc``, when it did) times the
     softmax scale, as the dQ kernel scales its own."""
     if dq_acc is not None:
-        dq.copy_(dq_acc.view(dq.shape).mul_(scale))
+        torch.mul(dq_acc.view(*dq.shape[:2], -1, dq.shape[3])[:, :, :dq.shape[2]], scale, out=dq)  # one kernel
     return dq
 
 
@@ -406,7 +408,8 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     """Launch the two backward kernels: dQ, which also fills ``ld`` (:func:`_row_buffer`'s
     ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them (the Gluon
     dK/dV kernel on Hopper where ``options.gluon_backward`` asks for it and it applies). With ``dq_acc`` the
-    first kernel writes the rows only and dK/dV adds dQ's products to ``dq_acc`` (``options.dq_atomic``)."""
+    first kernel writes the rows only and dK/dV, Triton's or Gluon's, adds dQ's products to ``dq_acc``
+    (``options.dq_atomic``)."""
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
@@ -439,9 +442,9 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
         *q.stride(), *do.stride(), *o.stride(), *lse.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group,
         *shape_args,
     ), constexprs if dq_acc is None else dict(constexprs, LD_ONLY=True))  # fmt: skip
-    gluon = _gluon_backward_module(q, k, v, do, dk, dv) if dq_acc is None else None
+    gluon = _gluon_backward_module(q, k, v, do, dk, dv)
     if gluon is not None:
-        gluon.flash_backward_dkdv(q, k, v, do, ld, dk, dv, is_causal, scale)
+        gluon.flash_backward_dkdv(q, k, v, do, ld, dk, dv, is_causal, scale, dq_acc)
         return
     FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
         k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv, dq_acc,
