@@ -1263,6 +1263,28 @@ def test_gluon_backward_eligibility() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_backward_with_dq_compiles_to_tma_reductions(head_dim: int) -> None:
+    """With ``dq_atomic`` the Gluon kernel adds dQ's tiles by TMA bulk reductions, not per-element atomics, and
+    its dSᵀ buffers and staging tiles still fit the H100's and H200's shared memory."""
+    result = _compile_offline_in_subprocess(f"flash_bwd_sm90.compile_for_hopper({head_dim}, True, None, False, True)")
+    assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
+    assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
+    assert result["shared"] <= 227 * 1024
+
+
+def test_gluon_backward_dq_sums_cover_whole_query_tiles() -> None:
+    """The float32 dQ sums the Gluon kernel reduces into are padded per head to whole query tiles (a tile's
+    reduction must not reach the next head's rows); each consumer reduces at most 64 columns."""
+    from cs336_systems.attention import flash_bwd_sm90 as sm90
+
+    block_m = sm90.TILES[64][0]
+    assert sm90.dq_rows(1, 64) == block_m and sm90.dq_rows(block_m, 64) == block_m
+    assert sm90.dq_rows(block_m + 1, 128) == 2 * sm90.TILES[128][0]
+    assert sm90._dq_cols(64) == 64 and sm90._dq_cols(128) == 64
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("head_dim", "poly"), [(64, True), (64, False), (128, True)], ids=str)
 def test_gluon_backward_compiles_for_hopper(head_dim: int, poly: bool) -> None:
     """The warp-specialized dK/dV kernel builds for sm_90 with this Triton: rebalanced registers,

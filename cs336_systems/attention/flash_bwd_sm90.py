@@ -20,8 +20,13 @@ Off by default (``options.gluon_backward``): on an H200 it is level with the Tri
 128 and slower at 64 with long rows, even with the ``L``/``D`` rows loaded a step ahead
 (docs/flash_attention/gluon_backward.md has the profile, the numbers and what to try next).
 
-dQ is not computed here: the Triton dQ kernel runs first (it also writes the ``[L·log2 e; D]`` row pairs
-this kernel reads), as in the Triton backward. Scope: as the Gluon forward (16-bit inputs, head dims 64
+By default dQ is not computed here: the Triton dQ kernel runs first (it also writes the ``[L·log2 e; D]`` row
+pairs this kernel reads), as in the Triton backward. With ``options.dq_atomic`` the dQ kernel writes only those
+rows, and this kernel forms dQ's product too, FlashAttention-3's five-product backward: each consumer puts its
+``dSᵀ`` in shared memory, where its dK product reads it, and once both halves are in, each consumer multiplies
+its share of ``dS K`` over the program's 128 keys and has the copy engine add the float32 tile to the dQ sums
+(a TMA bulk reduction, :func:`_add_dq`). It is correct and, on an H200, level with cuDNN at the leaderboard's
+shape, but no faster than the default kernels elsewhere, so it stays off (docs/flash_attention/dq_atomic.md). Scope: as the Gluon forward (16-bit inputs, head dims 64
 and 128, Q, K, V and dO each contiguous or, with ``gluon_head_views``, a head view); :func:`ineligibility`
 says why a call is not covered, and the Triton dK/dV kernel then runs.
 

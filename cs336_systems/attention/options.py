@@ -142,10 +142,12 @@ class FlashOptions:
     ``gluon_min_key_work`` sends to the Triton forward, which are what it is for. Same outputs as one program per
     item. Opt-in: against the one-item Gluon forward it is level at 16k tokens and faster at d = 128 from 2,048 to
     4,096, but the Triton forward stays faster at the short d = 64 rows (docs/flash_attention/persistent.md).
-    ``dq_atomic``: the Triton dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer
-    atomically (five products per key and query tile instead of the two kernels' seven), and the dQ kernel only
-    writes the ``[L; D]`` rows. Opt-in until measured; where ``gluon_backward`` picks the Gluon dK/dV kernel,
-    that kernel runs and dQ keeps its own kernel.
+    ``dq_atomic``: the dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer (five
+    products per key and query tile instead of the two kernels' seven), and the dQ kernel only writes the
+    ``[L; D]`` rows. The Triton dK/dV kernel adds by atomics; the Gluon one (with ``gluon_backward``) by TMA bulk
+    reductions, as FlashAttention-3 does. Off: measured slower with the Triton kernel, and with the Gluon kernel
+    level with cuDNN at the leaderboard's shape but not faster than the default elsewhere
+    (docs/flash_attention/dq_atomic.md).
     """
 
     autotune: bool = True
