@@ -1267,7 +1267,8 @@ def test_gluon_backward_eligibility() -> None:
 def test_gluon_backward_with_dq_compiles_to_tma_reductions(head_dim: int) -> None:
     """With ``dq_atomic`` the Gluon kernel adds dQ's tiles by TMA bulk reductions, not per-element atomics, and
     its dSᵀ buffers and staging tiles still fit the H100's and H200's shared memory."""
-    result = _compile_offline_in_subprocess(f"flash_bwd_sm90.compile_for_hopper({head_dim}, True, None, False, True)")
+    call = f"flash_bwd_sm90.compile_for_hopper({head_dim}, True, None, False, True)"
+    result = _compile_offline_in_subprocess(call)
     assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
     assert "atom.global" not in result["ptx"] and "red.global" not in result["ptx"]
     assert result["shared"] <= 227 * 1024
@@ -1305,7 +1306,8 @@ def test_gluon_backward_compiles_for_hopper(head_dim: int, poly: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "dq_atomic"])
-def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, layout: str, fused_dq: bool) -> None:
+def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, layout: str,
+                                               fused_dq: bool) -> None:
     """Where it applies the Gluon dK/dV kernel runs, and dK and dV match the Triton kernel's and float64. dQ is
     the Triton dQ kernel's, or with ``dq_atomic`` the Gluon kernel's own sums (FlashAttention-3's fifth
     product), which must match the dQ kernel's and float64 too."""

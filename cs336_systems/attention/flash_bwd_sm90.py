@@ -26,9 +26,11 @@ rows, and this kernel forms dQ's product too, FlashAttention-3's five-product ba
 ``dSᵀ`` in shared memory, where its dK product reads it, and once both halves are in, each consumer multiplies
 its share of ``dS K`` over the program's 128 keys and has the copy engine add the float32 tile to the dQ sums
 (a TMA bulk reduction, :func:`_add_dq`). It is correct and, on an H200, level with cuDNN at the leaderboard's
-shape, but no faster than the default kernels elsewhere, so it stays off (docs/flash_attention/dq_atomic.md). Scope: as the Gluon forward (16-bit inputs, head dims 64
-and 128, Q, K, V and dO each contiguous or, with ``gluon_head_views``, a head view); :func:`ineligibility`
-says why a call is not covered, and the Triton dK/dV kernel then runs.
+shape, but no faster than the default kernels elsewhere, so it stays off (docs/flash_attention/dq_atomic.md).
+
+Scope: as the Gluon forward (16-bit inputs, head dims 64 and 128, Q, K, V and dO each contiguous or, with
+``gluon_head_views``, a head view); :func:`ineligibility` says why a call is not covered, and the Triton dK/dV
+kernel then runs.
 
 Gluon has no CPU interpreter: CI compiles the kernel for sm_90 offline (:func:`compile_for_hopper`); the GPU
 tests check its numerics against the float64 reference.
@@ -107,9 +109,9 @@ def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 
 @gluon.jit
-def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar,
-              LD, ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
-              n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty,
+              ds_bar, LD, ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc,
+              dq_row0, start_n, lo, n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, LD_AHEAD: gl.constexpr,
               CONSUMERS: gl.constexpr):
     """dK and dV of keys ``[start_n + part·ROWS, +ROWS)`` over ``n_steps`` query tiles from ``lo``; with
@@ -210,7 +212,8 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     copy engine, ``cp.reduce.async.bulk.tensor``), asynchronously like a TMA store; ``tma.store_wait`` covers it.
     Triton 3.6's Gluon builds this operation but wraps it in no public function."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
 
 
 @gluon.jit
@@ -286,8 +289,8 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
     if dq_desc is not None:
         # Two buffers of every consumer's dSᵀ rows: a consumer writes step i + 2's only after both have passed
         # step i + 1's barrier, so after both have finished step i's dQ products (which read buffer i % 2).
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, BLOCK_M],
-                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, BLOCK_M], gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2))
         dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
@@ -304,12 +307,12 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
     # ``warp_specialize`` takes a literal list of (function, arguments) pairs (see flash_fwd_sm90).
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, LD,
-                     ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
-                     n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
+                     ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0,
+                     start_n, lo, n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
                      POLY_EXP2, LD_AHEAD, CONSUMERS)),
         (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, LD,
-                     ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
-                     n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
+                     ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0,
+                     start_n, lo, n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
                      POLY_EXP2, LD_AHEAD, CONSUMERS)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                      k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
@@ -375,6 +378,7 @@ def _dq_cols(d: int) -> int:
 
 @functools.cache
 def _dq_layout(block_m: int, cols: int) -> Any:
+    """The shared-memory layout of a consumer's float32 dQ staging tile, as the reduction's descriptor names it."""
     return gl.NVMMASharedLayout.get_default_for([block_m, cols], gl.float32)
 
 
