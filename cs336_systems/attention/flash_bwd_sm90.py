@@ -3,7 +3,8 @@
 Why a second dK/dV kernel. The Triton dK/dV kernel holds one 64-key tile per program and lets Triton
 pipeline the Q and dO tiles it streams; the four products per step (``Sᵀ = K Qᵀ``, ``dPᵀ = V dOᵀ``,
 ``dV += Pᵀ dO``, ``dK += dSᵀ Q``) then wait on each other and on the exponentials between them. Here a
-producer warp streams Q and dO through a ring of shared-memory buffers with TMA, and two consumer
+producer warp streams Q and dO, with their ``[L·log2 e; D]`` rows, through a ring of shared-memory buffers with
+TMA, and two consumer
 warpgroups, each owning 64 keys of the program's key tile, share every streamed tile: one copy of Q and dO
 feeds ``BLOCK_N`` keys, and one consumer's exponentials run under another's products (the forward's
 reason for several consumers, :mod:`.flash_fwd_sm90`). Three consumers spilled at the registers three
@@ -16,17 +17,20 @@ dSᵀ in the registers that feed the next products: nothing is transposed throug
 software-pipelined variant (waiting for a step's dV and dK products only after issuing the next step's
 scores) measured slower and was dropped.
 
-Off by default (``options.gluon_backward``): on an H200 it is level with the Triton dK/dV kernel at head dim
-128 and slower at 64 with long rows, even with the ``L``/``D`` rows loaded a step ahead
-(docs/flash_attention/gluon_backward.md has the profile, the numbers and what to try next).
+``L`` and ``D`` come through the ring rather than by global loads because a profile showed the loads' latency,
+and the register spills of holding their results, stalling the consumers at head dim 128
+(docs/flash_attention/gluon_backward.md has the profiles, the numbers and what to try next).
 
 By default dQ is not computed here: the Triton dQ kernel runs first (it also writes the ``[L·log2 e; D]`` row
 pairs this kernel reads), as in the Triton backward. With ``options.dq_atomic`` the dQ kernel writes only those
 rows, and this kernel forms dQ's product too, FlashAttention-3's five-product backward: each consumer puts its
 ``dSᵀ`` in shared memory, where its dK product reads it, and once both halves are in, each consumer multiplies
 its share of ``dS K`` over the program's 128 keys and has the copy engine add the float32 tile to the dQ sums
-(a TMA bulk reduction, :func:`_add_dq`). It is correct and, on an H200, level with cuDNN at the leaderboard's
-shape, but no faster than the default kernels elsewhere, so it stays off (docs/flash_attention/dq_atomic.md).
+(a TMA bulk reduction, :func:`_add_dq`).
+
+Both are off by default (``options.gluon_backward``, ``options.dq_atomic``). The five-product form is the faster
+backward on an H200 at long rows and slower at short ones (docs/flash_attention/dq_atomic.md); it becomes a
+default only with a routing rule and the re-measured §1.3 tables.
 
 Scope: as the Gluon forward (16-bit inputs, head dims 64 and 128, Q, K, V and dO each contiguous or, with
 ``gluon_head_views``, a head view); :func:`ineligibility` says why a call is not covered, and the Triton dK/dV
@@ -80,20 +84,19 @@ TILES: dict[int, tuple[int, int, int]] = {64: (64, 128, 3), 128: (64, 128, 2)}
 #: dK, dV, Sᵀ and dPᵀ nearly fill 240, and 232 spilled more.
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
-#: Per head dim: whether a consumer loads the next query tile's ``L`` and ``D`` rows a step ahead, so their
-#: global-memory latency runs under the current step's products instead of stalling its exponentials. At head
-#: dim 128 the 32 registers it takes are not free (a consumer's accumulators nearly fill its budget).
-LD_AHEAD: dict[int, bool] = {64: True, 128: False}
+#: How a consumer reads a query tile's ``[L; D]`` rows: the same bytes as the unswizzled layout TMA writes them in
+#: (:func:`_ld_layout`), seen as one flat row of ``2 · BLOCK_M`` floats that slices into ``L`` and ``D``.
+_LD_ROWS = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 #: Warps per consumer partition (one warpgroup).
 _CONSUMER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-              k_row0, kv_col, q_row0, q_col, do_row0, do_col, n_steps,
+def _producer(k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar, ready,
+              empty, k_row0, kv_col, q_row0, q_col, do_row0, do_col, ld_row, lo, n_steps,
               CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """TMA copies: each consumer's K and V rows once, then query tile ``i`` of Q and dO into buffer
-    ``i % STAGES`` once every consumer is done with it."""
+    """TMA copies: each consumer's K and V rows once, then query tile ``i`` of Q and dO, with its ``[L; D]`` rows,
+    into buffer ``i % STAGES`` once every consumer is done with it."""
     mbarrier.expect(kv_bar, 2 * CONSUMERS * k_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
         _tma_load(k_desc, [k_row0 + c * ROWS, kv_col], kv_bar, k_smem.index(c))
@@ -103,17 +106,17 @@ def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
         # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once.
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + ld_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row0 + i * BLOCK_M, q_col], bar, q_smem.index(stage))
         _tma_load(do_desc, [do_row0 + i * BLOCK_M, do_col], bar, do_smem.index(stage))
+        _tma_load(ld_desc, [ld_row, lo + i * BLOCK_M], bar, ld_smem.index(stage))
 
 
 @gluon.jit
-def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-              ds_bar, LD, ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc,
-              dq_row0, start_n, lo, n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, LD_AHEAD: gl.constexpr,
-              CONSUMERS: gl.constexpr):
+def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, ready,
+              empty, ds_bar, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
+              n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, CONSUMERS: gl.constexpr):
     """dK and dV of keys ``[start_n + part·ROWS, +ROWS)`` over ``n_steps`` query tiles from ``lo``; with
     ``dq_desc``, also this consumer's share of each query tile's ``dQ = dS K`` (:func:`_add_dq`)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -139,28 +142,18 @@ def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_s
     clean_to = (n_queries // BLOCK_M) * BLOCK_M
     all_keys = first + ROWS <= n_keys
 
-    if LD_AHEAD:  # step 0's rows; each step then loads the next step's while its products run
-        queries = lo + gl.arange(0, BLOCK_M, layout=s_cols)
-        lse2_next = gl.load(LD + ld_head + queries, mask=queries < n_queries, other=0.0)
-        delta_next = gl.load(LD + ld_head + stride_ldrow + queries, mask=queries < n_queries, other=0.0)
     mbarrier.wait(kv_bar, 0)
     for i in range(n_steps):
         stage = i % STAGES
         start_m = lo + i * BLOCK_M
         queries = start_m + gl.arange(0, BLOCK_M, layout=s_cols)
         query_ok = queries < n_queries
-        if LD_AHEAD:
-            lse2 = lse2_next
-            delta = delta_next
-            ahead = queries + BLOCK_M
-            lse2_next = gl.load(LD + ld_head + ahead, mask=ahead < n_queries, other=0.0)
-            delta_next = gl.load(LD + ld_head + stride_ldrow + ahead, mask=ahead < n_queries, other=0.0)
-        else:
-            lse2 = gl.load(LD + ld_head + queries, mask=query_ok, other=0.0)
-            delta = gl.load(LD + ld_head + stride_ldrow + queries, mask=query_ok, other=0.0)
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
+        # [L·log2 e; D] of these queries (zero past the sequence), as two plain rows: TMA writes them unswizzled
+        ld_rows = ld_smem.index(stage)._reinterpret(gl.float32, [2 * BLOCK_M], _LD_ROWS)
+        lse2 = ld_rows.slice(0, BLOCK_M).load(s_cols)  # read while Sᵀ's product runs
         st_token = warpgroup_mma(k_tile, q_tile.permute((1, 0)), no_acc, use_acc=False, is_async=True)
         dpt_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), no_acc, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=[st_token])  # Sᵀ is done; dPᵀ may still run
@@ -176,6 +169,7 @@ def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_s
             pt = gl.where(visible, pt, 0.0)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_token = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        delta = ld_rows.slice(BLOCK_M, BLOCK_M).load(s_cols)  # read while dPᵀ's product finishes
         dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dPᵀ is done; dV's product may still run
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         if dq_desc is None:
@@ -245,13 +239,12 @@ def _add_dq(ds_smem, k_smem, dq_smem, ds_bar, dq_desc, dq_row0, i, start_m, part
 
 
 @gluon.jit
-def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV, dq_desc, n_queries, n_keys,
+def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, ld_desc, DK, DV, dq_desc, n_queries, n_keys,
                                      qk_scale, sm_scale, n_heads, head_group, kv_rows_b, kv_rows_h, kv_col_h, q_rows_b,
-                                     q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h, stride_ldbh, stride_ldrow,
-                                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                                     q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h, stride_dkb, stride_dkh,
+                                     stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr,
-                                     LD_AHEAD: gl.constexpr):
+                                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
     CONSUMERS: gl.constexpr = BLOCK_N // ROWS
     gl.static_assert(BLOCK_N == 128, "BLOCK_N: two consumer warpgroups of 64 keys")
     dtype: gl.constexpr = q_desc.dtype
@@ -271,7 +264,6 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
     k_row0 = b * kv_rows_b + h * kv_rows_h + start_n
     q_row0 = b * q_rows_b + h * q_rows_h + lo
     do_row0 = b * do_rows_b + h * do_rows_h + lo
-    ld_head = bh.to(gl.int64) * stride_ldbh
     dk_head = b.to(gl.int64) * stride_dkb + h.to(gl.int64) * stride_dkh
     dv_head = b.to(gl.int64) * stride_dvb + h.to(gl.int64) * stride_dvh
 
@@ -279,6 +271,7 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ld_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, BLOCK_M], ld_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -306,17 +299,15 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, LD, DK, DV
     # Register budgets as in the forward: the producer warp keeps few, the consumers share the rest.
     # ``warp_specialize`` takes a literal list of (function, arguments) pairs (see flash_fwd_sm90).
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, LD,
-                     ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0,
-                     start_n, lo, n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
-                     POLY_EXP2, LD_AHEAD, CONSUMERS)),
-        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, LD,
-                     ld_head, stride_ldrow, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0,
-                     start_n, lo, n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
-                     POLY_EXP2, LD_AHEAD, CONSUMERS)),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                     k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, n_steps, CONSUMERS,
-                     BLOCK_M, STAGES)),
+        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar,
+                     DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo, n_queries,
+                     n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, CONSUMERS)),
+        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar,
+                     DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo, n_queries,
+                     n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, CONSUMERS)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar,
+                     ready, empty, k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, 2 * bh, lo,
+                     n_steps, CONSUMERS, BLOCK_M, STAGES)),
     ], [_CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
@@ -377,6 +368,13 @@ def _dq_cols(d: int) -> int:
 
 
 @functools.cache
+def _ld_layout() -> Any:
+    """The shared-memory layout of a query tile's ``[L·log2 e; D]`` rows: unswizzled, since the consumers read
+    them as rows, not as a matrix operand."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+@functools.cache
 def _dq_layout(block_m: int, cols: int) -> Any:
     """The shared-memory layout of a consumer's float32 dQ staging tile, as the reduction's descriptor names it."""
     return gl.NVMMASharedLayout.get_default_for([block_m, cols], gl.float32)
@@ -393,7 +391,8 @@ def _layouts(dtype: torch.dtype, d: int, block_m: int) -> tuple[Any, Any]:
 def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor, dk: Tensor, dv: Tensor,
                         is_causal: bool, scale: float, dq_acc: Tensor | None = None) -> None:
     """Write dK and dV for inputs that :func:`ineligibility` accepts. ``ld``: the float32
-    ``(batch * heads, 2, n_queries)`` ``[L·log2 e; D]`` row pairs the Triton dQ kernel wrote. ``dq_acc``: a
+    ``(batch * heads, 2, n_queries)`` ``[L·log2 e; D]`` row pairs the Triton dQ kernel wrote, each row on a
+    16-byte boundary and the pairs evenly spaced (``flash_triton._row_buffer``). ``dq_acc``: a
     zeroed, contiguous float32 ``(batch, heads, dq_rows(n_queries), d)`` buffer to which the kernel also adds the
     unscaled ``dS K`` (``options.dq_atomic``); the rows past ``n_queries`` receive padding sums."""
     batch, heads, n_queries, d = q.shape
@@ -409,6 +408,8 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
 
     k_desc, v_desc = descriptor(k, kv_at, ROWS.value, kv_layout), descriptor(v, kv_at, ROWS.value, kv_layout)
     q_desc, do_desc = descriptor(q, q_at, block_m, q_layout), descriptor(do, do_at, block_m, q_layout)
+    assert ld.stride(0) == 2 * ld.stride(1), "[L; D] pairs evenly spaced, as flash_triton._row_buffer makes them"
+    ld_desc = TensorDescriptor(ld, [2 * ld.shape[0], n_queries], [ld.stride(1), 1], [2, block_m], _ld_layout())
     dq_desc = None
     if dq_acc is not None:
         cols = _dq_cols(d)
@@ -417,11 +418,10 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
     grid = (-(-n_keys // block_n) * batch * heads,)
     group = heads_per_l2_group(batch * heads, n_queries * (2 * d * q.element_size() + 8), q.device)
     FLASH_LAUNCHES.launch(flash_backward_dkdv_gluon_kernel, grid, (
-        k_desc, v_desc, q_desc, do_desc, ld, dk, dv, dq_desc, n_queries, n_keys, scale * 1.4426950408889634, scale,
-        heads, group, *kv_at[2:], *q_at[2:], *do_at[2:], *ld.stride()[:2],
-        *dk.stride()[:3], *dv.stride()[:3],
+        k_desc, v_desc, q_desc, do_desc, ld_desc, dk, dv, dq_desc, n_queries, n_keys, scale * 1.4426950408889634,
+        scale, heads, group, *kv_at[2:], *q_at[2:], *do_at[2:], *dk.stride()[:3], *dv.stride()[:3],
     ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
-            POLY_EXP2=_polynomial_exp2(), LD_AHEAD=LD_AHEAD[d],
+            POLY_EXP2=_polynomial_exp2(),
             num_warps=_CONSUMER_WARPS.value))  # fmt: skip
 
 
@@ -431,14 +431,15 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
     forward (same caveat: not under ``TRITON_INTERPRET=1``); returns Triton's compiled kernel."""
     block_m, block_n, stages = tile or TILES[head_dim]
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal, "POLY_EXP2": poly, "LD_AHEAD": LD_AHEAD[head_dim]}  # fmt: skip
+                  "IS_CAUSAL": is_causal, "POLY_EXP2": poly}
     types = {"k_desc": tensor_descriptor_type(ROWS.value, head_dim), "v_desc": tensor_descriptor_type(ROWS.value, head_dim),
              "q_desc": tensor_descriptor_type(block_m, head_dim), "do_desc": tensor_descriptor_type(block_m, head_dim),
-             "LD": "*fp32", "DK": "*bf16", "DV": "*bf16", "qk_scale": "fp32", "sm_scale": "fp32"}
+             "ld_desc": f"tensordesc<fp32[2, {block_m}],{_ld_layout()!r}>",
+             "DK": "*bf16", "DV": "*bf16", "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
     if dq_acc:
         cols = _dq_cols(head_dim)
         types["dq_desc"] = f"tensordesc<fp32[{block_m}, {cols}],{_dq_layout(block_m, cols)!r}>"
     else:
         constexprs["dq_desc"] = None
-    return compile_offline(flash_backward_dkdv_gluon_kernel, types, constexprs, ("LD", "DK", "DV"),
+    return compile_offline(flash_backward_dkdv_gluon_kernel, types, constexprs, ("DK", "DV"),
                            _CONSUMER_WARPS.value)

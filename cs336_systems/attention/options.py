@@ -145,8 +145,8 @@ class FlashOptions:
     ``dq_atomic``: the dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer (five
     products per key and query tile instead of the two kernels' seven), and the dQ kernel only writes the
     ``[L; D]`` rows. The Triton dK/dV kernel adds by atomics; the Gluon one (with ``gluon_backward``) by TMA bulk
-    reductions, as FlashAttention-3 does. Off: measured slower with the Triton kernel, and with the Gluon kernel
-    level with cuDNN at the leaderboard's shape but not faster than the default elsewhere
+    reductions, as FlashAttention-3 does. Off: measured slower with the Triton kernel; with the Gluon kernel faster
+    than the default backward at long rows but slower at short ones, and not yet routed by length
     (docs/flash_attention/dq_atomic.md).
     """
 
