@@ -150,12 +150,12 @@ def _host_bound_losers(summary: pd.DataFrame, ratio: pd.DataFrame | None) -> pd.
 #: Per losing phase, the lever the kernel notes point to (``docs/flash_attention/NOTES.md``, "Next levers").
 LOSER_LEVERS = {
     "backward": "in the backward, our dK/dV and dQ kernels each recompute $QK^T$ and $P$, seven products where "
-                "cuDNN's fused backward does five; accumulating dQ inside the dK/dV kernel removes two, but with "
-                "scalar float32 atomic adds it measured slower at every shape tried, because the adds grow with the "
-                "sequence squared like the products; adding whole dQ tiles by TMA reductions, as FlashAttention-3 "
-                "does, also measured slower at every shape tried (`docs/flash_attention/dq_atomic.md`). "
-                "What is left untried is FlashAttention-3's form in full: a warp group of its own issuing those "
-                "reductions beside the products",
+                "cuDNN's fused backward does five; accumulating dQ inside the dK/dV kernel removes two. With "
+                "scalar float32 atomic adds that measured slower at every shape tried, because the adds grow with "
+                "the sequence squared like the products. In the warp-specialized Hopper dK/dV kernel, adding whole "
+                "dQ tiles by TMA reductions as FlashAttention-3 does, it is faster than these kernels at long rows "
+                "and close to cuDNN at head dim 128, but slower at short rows, so it is opt-in and not in these "
+                "tables until a rule by sequence length is measured into them (`docs/flash_attention/dq_atomic.md`)",
     "forward": "the tile is already chosen per sequence length; a persistent Triton schedule (each program "
                "taking tiles in turn) measured slower, because a program does not overlap one tile's loads "
                "with the previous tile's epilogue (`docs/flash_attention/persistent.md`)",
