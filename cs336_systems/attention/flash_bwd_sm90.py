@@ -3,12 +3,11 @@
 Why a second dK/dV kernel. The Triton dK/dV kernel holds one 64-key tile per program and lets Triton
 pipeline the Q and dO tiles it streams; the four products per step (``Sᵀ = K Qᵀ``, ``dPᵀ = V dOᵀ``,
 ``dV += Pᵀ dO``, ``dK += dSᵀ Q``) then wait on each other and on the exponentials between them. Here a
-producer warp streams Q and dO, with their ``[L·log2 e; D]`` rows, through a ring of shared-memory buffers with
-TMA, and two consumer
-warpgroups, each owning 64 keys of the program's key tile, share every streamed tile: one copy of Q and dO
-feeds ``BLOCK_N`` keys, and one consumer's exponentials run under another's products (the forward's
-reason for several consumers, :mod:`.flash_fwd_sm90`). Three consumers spilled at the registers three
-warpgroups leave each, and were removed (docs/flash_attention/gluon_backward.md).
+producer warp streams Q and dO, with their ``[L·log2 e; D]`` rows, through a ring of shared-memory buffers
+with TMA, and two consumer warpgroups, each owning 64 keys of the program's key tile, share every streamed
+tile: one copy of Q and dO feeds ``BLOCK_N`` keys, and one consumer's exponentials run under another's
+products (the forward's reason for several consumers, :mod:`.flash_fwd_sm90`). Three consumers spilled at
+the registers three warpgroups leave each, and were removed (docs/flash_attention/gluon_backward.md).
 
 Per query tile a consumer issues ``Sᵀ`` and ``dPᵀ`` asynchronously, waits for ``Sᵀ`` only, exponentiates
 (``Pᵀ = 2^(Sᵀ·scale·log2 e − L·log2 e)``), issues ``dV += Pᵀ dO`` from registers, then waits for ``dPᵀ``,
