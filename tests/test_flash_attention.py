@@ -1266,9 +1266,9 @@ def test_gluon_backward_eligibility() -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backward_with_dq_compiles_to_tma_reductions(head_dim: int) -> None:
     """With ``dq_atomic`` the Gluon kernel adds dQ's tiles by TMA bulk reductions, not per-element atomics, and
-    its dSᵀ buffers and staging tiles still fit the H100's and H200's shared memory. Its spills stay small: at head
-    dim 128 they cost it a fifth of its time while ``L`` and ``D`` came by global loads (364 bytes then,
-    docs/flash_attention/gluon_backward.md)."""
+    its dSᵀ buffers and staging tiles still fit the H100's and H200's shared memory. ``L`` and ``D`` come through the
+    TMA ring, and its spills stay small: at head dim 128 they stalled it while those rows came by global loads
+    (docs/flash_attention/gluon_backward.md)."""
     call = f"flash_bwd_sm90.compile_for_hopper({head_dim}, True, None, False, True)"
     result = _compile_offline_in_subprocess(call)
     assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in result["ptx"]
