@@ -413,7 +413,7 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> 
                 assert not torch.equal(a, torch.zeros_like(a))
             else:
                 assert torch.equal(a, b), (extra, name)
-    with pytest.raises(ValueError, match="dq_atomic must be True or False"):
+    with pytest.raises(ValueError, match="dq_atomic must be True, False or None"):
         options.FlashOptions(dq_atomic=1)
 
 
@@ -1230,15 +1230,27 @@ def test_gluon_persistent_forward_gives_the_one_item_forwards_numbers(case: Case
 
 
 def test_gluon_backward_eligibility() -> None:
-    """The Gluon dK/dV kernel is off unless asked for; then it takes what the Gluon forward takes (16-bit,
-    head dims 64 and 128, contiguous or head views, 16-byte aligned) plus a placeable dO and unit-stride
-    dK/dV, and says why it declines anything else; its tiles are an option checked in one line."""
+    """The Gluon backward takes rows of at least ``gluon_backward_min_keys`` keys per head dim (where it measured
+    faster) and what the Gluon forward takes (16-bit, head dims 64 and 128, contiguous or head views, 16-byte
+    aligned) plus a placeable dO and unit-stride dK/dV, and says why it declines anything else; its tiles and
+    thresholds are options checked in one line."""
     from cs336_systems.attention import flash_bwd_sm90 as sm90
 
     q, k, v, do = (torch.randn(2, 3, 40, 64, dtype=torch.bfloat16) for _ in range(4))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    assert "disabled" in sm90.ineligibility(q, k, v, do, dk, dv, (9, 0))  # off by default
-    with options.use(gluon_backward=True):
+    assert "fewer than gluon_backward_min_keys = 16384 at head dim 64" in sm90.ineligibility(q, k, v, do, dk, dv,
+                                                                                            (9, 0))  # fmt: skip
+    with options.use(gluon_backward_min_keys={64: 40, "128": 4096}):
+        assert sm90.ineligibility(q, k, v, do, dk, dv, (9, 0)) is None
+        assert options.current().backward_min_keys(128) == 4096
+    with options.use(gluon_backward_min_keys={64: 41}):
+        assert "rows of 40 keys" in sm90.ineligibility(q, k, v, do, dk, dv, (9, 0))
+    with options.use(gluon_backward=False, gluon_backward_min_keys=0):
+        assert "disabled" in sm90.ineligibility(q, k, v, do, dk, dv, (9, 0))
+    for bad in (-1, {32: 100}, {64: "many"}, {64: True}, "2048"):
+        with pytest.raises(ValueError, match="gluon_backward_min_keys maps head dim 64 or 128"):
+            options.FlashOptions(gluon_backward_min_keys=bad)
+    with options.use(gluon_backward_min_keys=0):
         assert sm90.ineligibility(q, k, v, do, dk, dv, (9, 0)) is None
         assert "Hopper" in sm90.ineligibility(q, k, v, do, dk, dv, (8, 0))
         assert "float16 or bfloat16" in sm90.ineligibility(*(t.float() for t in (q, k, v, do)), dk, dv, (9, 0))
@@ -1250,7 +1262,7 @@ def test_gluon_backward_eligibility() -> None:
         assert "16-byte" in sm90.ineligibility(q, k, shifted, do, dk, dv, (9, 0))
         assert "unit stride" in sm90.ineligibility(q, k, v, do, dk.transpose(2, 3).contiguous().transpose(2, 3),
                                                     dv, (9, 0))  # fmt: skip
-    with options.use(gluon_backward=True, gluon_head_views=True):
+    with options.use(gluon_backward_min_keys=0, gluon_head_views=True):
         views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do)]
         assert sm90.ineligibility(*views, dk, dv, (9, 0)) is None
         assert "laid out differently" in sm90.ineligibility(views[0], k, views[2], views[3], dk, dv, (9, 0))
@@ -1322,13 +1334,39 @@ def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, 
 
     q, k, v, do = _gluon_inputs(case, dtype, layout)
     four_d = [t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v, do)]
-    with options.use(gluon_backward=True, gluon_head_views=layout == "bshd", dq_atomic=fused_dq):
+    with options.use(gluon_backward_min_keys=0, gluon_head_views=layout == "bshd", dq_atomic=fused_dq):
         assert flash_triton._gluon_backward_module(*four_d, four_d[1], four_d[2]) is not None
         gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    with options.use(gluon_backward=False):
+        triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     first = 2 if fused_dq else 3
     _assert_gluon_matches(NAMES[first:], gluon[first:], triton_[first:],
                           _reference(q, k, v, do, case.is_causal)[first:], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+def test_default_backward_fuses_dq_into_the_gluon_kernel_at_long_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the backward is routed by row length: at head dim 128 from 2,048 keys the Gluon kernel runs and
+    forms dQ itself (float32 sums handed to it), below that the Triton kernels run; the routed gradients match the
+    Triton backward's and float64."""
+    from cs336_systems.attention import flash_bwd_sm90, flash_triton, launch_plan
+
+    calls = []
+    real = flash_bwd_sm90.flash_backward_dkdv
+    monkeypatch.setattr(flash_bwd_sm90, "flash_backward_dkdv",
+                        lambda *a, **kw: calls.append(a[-1] if len(a) > 9 else kw.get("dq_acc")) or real(*a, **kw))
+    short, long_ = Case(2047, 2047, 128, True, 2), Case(2048, 2048, 128, True, 2)
+    for case, kernel in ((short, "triton"), (long_, "gluon")):
+        q, k, v, do = _gluon_inputs(case, torch.bfloat16, "bhsd")
+        assert flash_triton.backward_kernel_name(q, k, v) == kernel
+        with launch_plan.disabled():  # the full path, where the kernel is chosen, on every call
+            routed = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+        assert len(calls) == (kernel == "gluon") and (not calls or calls[0] is not None)  # dQ sums given
+        with options.use(gluon_backward=False):
+            triton_ = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+        _assert_gluon_matches(NAMES[2:], routed[2:], triton_[2:], _reference(q, k, v, do, case.is_causal)[2:],
+                              torch.bfloat16)
 
 
 def test_descriptors_filled_in_directly_equal_triton_s_validated_ones() -> None:

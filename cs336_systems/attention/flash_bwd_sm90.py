@@ -20,16 +20,17 @@ scores) measured slower and was dropped.
 and the register spills of holding their results, stalling the consumers at head dim 128
 (docs/flash_attention/gluon_backward.md has the profiles, the numbers and what to try next).
 
-By default dQ is not computed here: the Triton dQ kernel runs first (it also writes the ``[L·log2 e; D]`` row
-pairs this kernel reads), as in the Triton backward. With ``options.dq_atomic`` the dQ kernel writes only those
-rows, and this kernel forms dQ's product too, FlashAttention-3's five-product backward: each consumer puts its
-``dSᵀ`` in shared memory, where its dK product reads it, and once both halves are in, each consumer multiplies
-its share of ``dS K`` over the program's 128 keys and has the copy engine add the float32 tile to the dQ sums
-(a TMA bulk reduction, :func:`_add_dq`).
+Where this kernel runs, by default it also forms dQ (``options.dq_atomic``): the Triton dQ kernel then writes only
+the ``[L·log2 e; D]`` row pairs this kernel reads, and this kernel forms dQ's product too, FlashAttention-3's
+five-product backward: each consumer puts its ``dSᵀ`` in shared memory, where its dK product reads it, and once
+both halves are in, each consumer multiplies its share of ``dS K`` over the program's 128 keys and has the copy
+engine add the float32 tile to the dQ sums (a TMA bulk reduction, :func:`_add_dq`). With ``dq_atomic=False`` the
+Triton dQ kernel computes dQ as in the Triton backward, for A/B.
 
-Both are off by default (``options.gluon_backward``, ``options.dq_atomic``). The five-product form is the faster
-backward on an H200 at long rows and slower at short ones (docs/flash_attention/dq_atomic.md); it becomes a
-default only with a routing rule and the re-measured §1.3 tables.
+It runs on Hopper for rows of at least ``options.gluon_backward_min_keys`` (2,048 keys at head dim 128, 16,384 at
+64): there the five-product backward measured faster than the Triton kernels' seven products on an H200, and
+slower on shorter rows, where the zero fill, the scaling pass and the extra host work of the float32 sums weigh
+more (docs/flash_attention/dq_atomic.md).
 
 Scope: as the Gluon forward (16-bit inputs, head dims 64 and 128, Q, K, V and dO each contiguous or, with
 ``gluon_head_views``, a head view); :func:`ineligibility` says why a call is not covered, and the Triton dK/dV
@@ -317,8 +318,9 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, ld_desc, D
 
 def ineligibility(q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor,
                   capability: tuple[int, int] | None) -> str | None:
-    """Why this kernel does not run these ``(batch, heads, n, d)`` tensors, or None when it does.
-    ``options.use(gluon_backward=False)`` turns it off (the Triton dK/dV kernel then runs everywhere)."""
+    """Why this kernel does not run these ``(batch, heads, n, d)`` tensors, or None when it does. Rows shorter than
+    ``options.gluon_backward_min_keys`` go to the Triton kernels because they are faster there;
+    ``options.use(gluon_backward=False)`` sends everything there."""
     opts = options.current()
     if not opts.gluon_backward:
         return "disabled by the options (gluon_backward=False)"
@@ -326,8 +328,12 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: T
         return f"needs a Hopper GPU (compute capability 9.0), got {capability}"
     if q.dtype not in _GLUON_DTYPES:
         return f"needs float16 or bfloat16, got {q.dtype}"
-    if q.shape[-1] not in TILES:
-        return f"head dim {q.shape[-1]} not in {sorted(TILES)}"
+    d = q.shape[-1]
+    if d not in TILES:
+        return f"head dim {d} not in {sorted(TILES)}"
+    if k.shape[-2] < opts.backward_min_keys(d):
+        return (f"rows of {k.shape[-2]} keys, fewer than gluon_backward_min_keys = {opts.backward_min_keys(d)} at "
+                f"head dim {d}, where the Triton kernels are faster")
     problem = layout_problem({"q": q, "k": k, "v": v, "do": do}, opts.gluon_head_views)
     if problem is not None:
         return problem

@@ -15,7 +15,10 @@ Layers, outside in:
   On Hopper GPUs the forward of 16-bit inputs at head dims 64 and 128 runs the warp-specialized Gluon
   kernel of :mod:`.flash_fwd_sm90` instead, except for short rows (``options.gluon_min_key_work``), where
   the Triton forward is faster (same outputs; :func:`forward_kernel_name` says which one a call uses,
-  ``options.use(gluon=False)`` turns it off). The backward kernels are the same either way.
+  ``options.use(gluon=False)`` turns it off). The backward runs the Triton dQ and dK/dV kernels, except on
+  Hopper at long rows (``options.gluon_backward_min_keys``), where the Gluon kernel of :mod:`.flash_bwd_sm90`
+  forms dK, dV and dQ in one pass (:func:`backward_kernel_name` says which; ``options.use(gluon_backward=False)``
+  turns it off).
 - Tiles, tuning, the exponential and the Gluon switch are :mod:`.options` values, read at each launch.
 
 Devices: CUDA tensors; or CPU tensors when ``TRITON_INTERPRET=1`` is set, which runs the very same kernels
@@ -285,6 +288,15 @@ def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False
     return "gluon" if _gluon_forward_module(q, k, v, is_causal) is not None else "triton"
 
 
+def backward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
+    """``"gluon"`` (the fused dK/dV/dQ kernel, or with ``options.dq_atomic=False`` the Gluon dK/dV kernel beside
+    Triton's dQ) or ``"triton"``: which backward ``FlashAttentionTriton`` runs for these inputs (3-D or 4-D, as
+    passed to it; the gradients are taken to be laid out as they are)."""
+    q, k, v = (_unit_stride_d(t) for t in (q, k, v))
+    q, k, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v))
+    return "gluon" if _gluon_backward_module(q, k, v, q, k, v) is not None else "triton"
+
+
 def _head_dim_constexprs(d: int) -> dict[str, int]:
     """The kernels' head-dim constexprs: the true ``HEAD_DIM`` and its slabs ``D_MAIN``, ``D_TAIL``."""
     d_main, d_tail = head_dim_slabs(d)
@@ -374,10 +386,12 @@ def _backward(
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dq_acc = None  # float32 dQ that the dK/dV kernel adds to (options.dq_atomic)
-    if options.current().dq_atomic:
-        gluon = _gluon_backward_module(q, k, v, do, dk, dv)  # its reductions add whole query tiles
-        rows = n_queries if gluon is None else gluon.dq_rows(n_queries, d)
-        dq_acc = torch.zeros((batch, heads, rows, d), dtype=torch.float32, device=q.device)
+    fused = options.current().dq_atomic
+    if fused is not False:
+        gluon = _gluon_backward_module(q, k, v, do, dk, dv)
+        if fused or gluon is not None:  # None: fused wherever the Gluon kernel runs
+            rows = n_queries if gluon is None else gluon.dq_rows(n_queries, d)  # its reductions add whole tiles
+            dq_acc = torch.zeros((batch, heads, rows, d), dtype=torch.float32, device=q.device)
     launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)
     with _device_guard(q):
         FLASH_PLANS.run(_backward_key(do, q, k, v, o, lse, is_causal, scale, out),
@@ -409,7 +423,7 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them (the Gluon
     dK/dV kernel on Hopper where ``options.gluon_backward`` asks for it and it applies). With ``dq_acc`` the
     first kernel writes the rows only and dK/dV, Triton's or Gluon's, adds dQ's products to ``dq_acc``
-    (``options.dq_atomic``)."""
+    (``options.dq_atomic``; by default where the Gluon kernel runs)."""
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]

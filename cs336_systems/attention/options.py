@@ -102,6 +102,30 @@ def _phases(value: str | Sequence[str] | frozenset[str] | None) -> frozenset[str
     return phases
 
 
+#: Keys per row below which the Gluon backward (:attr:`FlashOptions.gluon_backward`) leaves a head dim to the Triton
+#: kernels. H200, fwd+bwd over §1.3.2's shapes grid (docs/flash_attention/dq_atomic.md, "Routed by length"): at head
+#: dim 128 the fused Gluon backward was faster from 2,048 keys on, causal or not (level at 1,000); at 64 only from
+#: 16,384 (slower at 12,345 and at 8,192 without the mask).
+DEFAULT_GLUON_BACKWARD_MIN_KEYS = ((64, 16384), (128, 2048))
+
+
+def _min_keys(value: Any) -> tuple[tuple[int, int], ...]:
+    """``{head_dim: keys}`` (JSON keys may be strings) or one count for every head dim, as a sorted tuple."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {d: value for d in (64, 128)}
+    items = value.items() if isinstance(value, dict) else value
+    pairs = []
+    try:
+        for d, keys in items:
+            if isinstance(keys, bool) or int(keys) != keys or int(keys) < 0 or int(d) not in (64, 128):
+                raise ValueError
+            pairs.append((int(d), int(keys)))
+    except (TypeError, ValueError):
+        raise ValueError(f"gluon_backward_min_keys maps head dim 64 or 128 to a non-negative key count (or is one "
+                         f"count for both), got {value!r}") from None
+    return tuple(sorted(dict(pairs).items()))
+
+
 #: Keys × head dim (halved when causal) per query row below which the Triton forward runs instead of the Gluon
 #: one. H100: rows up to 64,000 ran faster on Triton's forward at every measured shape, rows from 128,000 on
 #: Gluon's (or level); the threshold sits between the two.
@@ -128,8 +152,11 @@ class FlashOptions:
     when causal), is at least this; shorter rows run the Triton forward, whose lighter programs finish
     sooner (the threshold and the measurements behind it: docs/flash_attention/short_forward.md). 0: the Gluon
     forward wherever it applies.
-    ``gluon_backward``: run the warp-specialized Gluon dK/dV kernel on Hopper where it applies
-    (:mod:`.flash_bwd_sm90`); the dQ kernel is Triton's either way.
+    ``gluon_backward``: run the warp-specialized Gluon backward on Hopper where it applies (:mod:`.flash_bwd_sm90`)
+    and the rows are long enough (``gluon_backward_min_keys``); elsewhere the Triton dQ and dK/dV kernels run.
+    ``gluon_backward_min_keys``: ``{head_dim: keys}``, or one count for both head dims: the Gluon backward takes
+    rows of at least this many keys, where it is the faster backward (:data:`DEFAULT_GLUON_BACKWARD_MIN_KEYS`). 0:
+    wherever it applies.
     ``gluon_backward_tiles``: ``{head_dim: (BLOCK_M, BLOCK_N, STAGES)}`` for that kernel, e.g. for A/B.
     ``persistent``: programs per SM of a persistent grid for the Triton kernels (forward, dQ, dK/dV): where a
     call has more (tile, head) items than that many programs, each program takes items in turn
@@ -142,12 +169,12 @@ class FlashOptions:
     ``gluon_min_key_work`` sends to the Triton forward, which are what it is for. Same outputs as one program per
     item. Opt-in: against the one-item Gluon forward it is level at 16k tokens and faster at d = 128 from 2,048 to
     4,096, but the Triton forward stays faster at the short d = 64 rows (docs/flash_attention/persistent.md).
-    ``dq_atomic``: the dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer (five
-    products per key and query tile instead of the two kernels' seven), and the dQ kernel only writes the
-    ``[L; D]`` rows. The Triton dK/dV kernel adds by atomics; the Gluon one (with ``gluon_backward``) by TMA bulk
-    reductions, as FlashAttention-3 does. Off: measured slower with the Triton kernel; with the Gluon kernel faster
-    than the default backward at long rows but slower at short ones, and not yet routed by length
-    (docs/flash_attention/dq_atomic.md).
+    ``dq_atomic``: whether the dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer
+    (five products per key and query tile instead of the two kernels' seven) while the dQ kernel only writes the
+    ``[L; D]`` rows. The Gluon kernel adds by TMA bulk reductions, as FlashAttention-3 does; the Triton one by
+    atomics. ``None`` (the default): wherever the Gluon kernel runs, and nowhere else (with the Triton kernel it
+    measured slower). ``True``: with either kernel; ``False``: never, the Gluon dK/dV kernel then beside the
+    Triton dQ kernel, for A/B (docs/flash_attention/dq_atomic.md).
     """
 
     autotune: bool = True
@@ -158,16 +185,21 @@ class FlashOptions:
     l2_share: float | None = DEFAULT_L2_SHARE
     gluon_tiles: Any = None
     gluon_min_key_work: int = DEFAULT_GLUON_MIN_KEY_WORK
-    gluon_backward: bool = False
+    gluon_backward: bool = True
     gluon_backward_tiles: Any = None
+    gluon_backward_min_keys: Any = DEFAULT_GLUON_BACKWARD_MIN_KEYS
     persistent: int = 0
     gluon_persistent: bool = False
-    dq_atomic: bool = False
+    dq_atomic: bool | None = None
 
     def __post_init__(self) -> None:
-        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "gluon_persistent", "dq_atomic"):
+        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "gluon_persistent"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.dq_atomic is not None and not isinstance(self.dq_atomic, bool):
+            raise ValueError(f"dq_atomic must be True, False or None (where the Gluon backward runs), "
+                             f"got {self.dq_atomic!r}")
+        object.__setattr__(self, "gluon_backward_min_keys", _min_keys(self.gluon_backward_min_keys))
         share = self.l2_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0):
             raise ValueError(f"l2_share must be a positive number (a share of the L2 cache) or None, got {share!r}")
@@ -193,6 +225,10 @@ class FlashOptions:
             merged[phase] = tiles
         object.__setattr__(self, "candidates", tuple(merged.items()))  # hashable: the kernel cache's key
 
+    def backward_min_keys(self, head_dim: int) -> int:
+        """The fewest keys per row at which the Gluon backward takes head dim ``head_dim``."""
+        return dict(self.gluon_backward_min_keys).get(head_dim, 0)
+
     def tiles(self, phase: str) -> tuple[Tile, ...]:
         return dict(self.candidates)[phase]
 
@@ -215,6 +251,7 @@ class FlashOptions:
             "gluon_backward": self.gluon_backward,
             "gluon_backward_tiles": ({d: list(t) for d, t in self.gluon_backward_tiles}
                                      if self.gluon_backward_tiles else None),
+            "gluon_backward_min_keys": dict(self.gluon_backward_min_keys),
             "persistent": self.persistent,
             "gluon_persistent": self.gluon_persistent,
             "dq_atomic": self.dq_atomic,

@@ -60,11 +60,16 @@ UNPLANNED = "ours_unplanned"
 GLUON_VIEWS, NO_GLUON_VIEWS = "ours_gluon_views", "ours_no_gluon_views"
 #: Ours with the Gluon forward at every length, short rows included (``options.gluon_min_key_work = 0``).
 GLUON_SHORT = "ours_gluon_short"
+#: Ours with the Triton backward kernels at every length (``options.gluon_backward = False``), and with the fused
+#: Gluon backward at every length it applies to (``options.gluon_backward_min_keys = 0``).
+TRITON_BACKWARD, GLUON_BACKWARD_SHORT = "ours_triton_backward", "ours_gluon_backward_short"
 #: Named variants of ours: the :class:`~cs336_systems.attention.options.FlashOptions` fields each one sets
 #: for its whole measurement. ``--variant NAME=JSON`` adds more (e.g. other forward tiles).
 VARIANTS: dict[str, dict[str, Any]] = {GLUON_VIEWS: {"gluon_head_views": True, "gluon_min_key_work": 0},
                                        NO_GLUON_VIEWS: {"gluon_head_views": False},
-                                       GLUON_SHORT: {"gluon_min_key_work": 0}}
+                                       GLUON_SHORT: {"gluon_min_key_work": 0},
+                                       TRITON_BACKWARD: {"gluon_backward": False},
+                                       GLUON_BACKWARD_SHORT: {"gluon_backward_min_keys": 0}}
 OURS_VARIANTS = ("ours", UNCACHED, UNPLANNED, *VARIANTS)
 _ALL = tuple(dict.fromkeys((*IMPLS, *OURS_VARIANTS)))
 #: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
@@ -293,7 +298,8 @@ def profile_host(step: Callable[[], object], calls: int = 200, top: int = 30) ->
     return buf.getvalue()
 
 
-__all__ = ["GLUON_SHORT", "GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS", "UNCACHED", "UNPLANNED", "VARIANTS",
+__all__ = ["GLUON_BACKWARD_SHORT", "GLUON_SHORT", "GLUON_VIEWS", "IMPLS", "LAYOUTS", "NO_GLUON_VIEWS", "OURS_VARIANTS",
+           "TRITON_BACKWARD", "UNCACHED", "UNPLANNED", "VARIANTS",
            "parse_variant", "selected_impls", "host_us", "issue_seconds", "kernel_table", "kernel_us",
            "make_inputs", "measure", "profile_host", "sleep_cycles", "summarize", "wall_us"]
 

@@ -51,7 +51,10 @@ CANDIDATE_SETS = {"default": None, "wide": WIDE_CANDIDATES}
 #: Matmuls per step each kernel issues: forward 2 (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ). The
 #: Gluon forward (Hopper) replaces the Triton one where it applies.
 MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_forward_gluon_kernel": 2, "flash_backward_dkdv_kernel": 4,
-                    "flash_backward_dq_kernel": 3}
+                    "flash_backward_dkdv_gluon_kernel": 4, "flash_backward_dq_kernel": 3}
+#: The same where the dK/dV kernel also forms dQ (``options.dq_atomic``): the dQ kernel then writes only ``[L; D]``.
+MATMULS_PER_STEP_FUSED_DQ = {**MATMULS_PER_STEP, "flash_backward_dkdv_kernel": 5,
+                             "flash_backward_dkdv_gluon_kernel": 5, "flash_backward_dq_kernel": float("nan")}
 
 
 def _config_label(config: Any) -> str:
@@ -105,7 +108,8 @@ def run_kernel_breakdown(
 
     poly = _poly_exp2_label()
     summary: dict[str, Any] = {"poly_exp2": poly, "batch": batch, "seq_len": seq_len, "head_dim": head_dim,
-                               "dtype": dtype, "forward_kernel": flash_triton.forward_kernel_name(q, k, v, True)}  # fmt: skip
+                               "dtype": dtype, "forward_kernel": flash_triton.forward_kernel_name(q, k, v, True),
+                               "backward_kernel": flash_triton.backward_kernel_name(q, k, v)}  # fmt: skip
     _record_timing(summary, "fwd_bwd_sum", lambda: do_bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms,
                                                             grad_to_none=[q, k, v]))  # fmt: skip
     _record_timing(summary, "forward", lambda: do_bench(lambda: fn(q, k, v, True), warmup_ms=warmup_ms,
@@ -116,7 +120,9 @@ def run_kernel_breakdown(
     kernels = kernel_table(profile_steps(step, warmup=1, steps=profiled_steps), per=profiled_steps)
     summary["profiled_gpu_ms_per_step"] = kernels["total_ms"].sum()
     matmul = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True) / 2  # one causal product
-    kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP)
+    fused = options.current().dq_atomic or (options.current().dq_atomic is None
+                                            and summary["backward_kernel"] == "gluon")
+    kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP_FUSED_DQ if fused else MATMULS_PER_STEP)
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
     kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
 

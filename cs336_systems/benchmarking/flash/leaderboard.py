@@ -65,6 +65,7 @@ def run_leaderboard(
         if impl == "triton":
             row["poly_exp2"] = _poly_exp2_label()
             row["forward_kernel"] = flash_triton.forward_kernel_name(q, k, v, True)  # gluon on Hopper, else triton
+            row["backward_kernel"] = flash_triton.backward_kernel_name(q, k, v)  # gluon at long rows on Hopper
         protocols: dict[str, Callable[[], Any]] = {
             "fwd_bwd_sum": lambda: fn(*args, True).sum().backward(),
             "fwd_bwd_random_do": lambda: fn(*args, True).backward(do.view_as(args[0])),
