@@ -5,7 +5,7 @@ measures, so a change here stales no result)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -59,8 +59,11 @@ def answer(d: SectionData) -> list[Block]:
                  "a key block and accumulates $dK, dV$ over the query blocks; no two programs write the same "
                  "output and no atomics are needed. The forward is the handout's Triton kernel (one program per query "
                  "tile and batch-head), except on Hopper GPUs (H100, H200): there 16-bit inputs at head dims 64 and "
-                 "128 with long rows run a warp-specialized Gluon kernel with TMA loads instead. The tests check "
-                 "both kernels against the reference." + _gluon_rows(d)),
+                 "128 with long rows run a warp-specialized Gluon kernel with TMA loads instead. There, at long "
+                 "rows, the backward runs a Gluon kernel too: it owns a key block and forms $dK$, $dV$ and $dQ$ in one pass, "
+                 "five products where the two kernels need seven, adding each $dQ$ tile to float32 sums by TMA "
+                 "reductions as FlashAttention-3 does. The tests check every kernel against the reference."
+                 + _gluon_rows(d)),
             implemented(d, "`FlashAttentionPytorch` and `FlashAttentionTriton` (autograd functions, forward and "
                         "backward)", "cs336_systems/attention/", "tests/test_flash_attention.py",
                         "test_attention.py", against="regular attention in float64"),
@@ -153,9 +156,10 @@ LOSER_LEVERS = {
                 "cuDNN's fused backward does five; accumulating dQ inside the dK/dV kernel removes two. With "
                 "scalar float32 atomic adds that measured slower at every shape tried, because the adds grow with "
                 "the sequence squared like the products. In the warp-specialized Hopper dK/dV kernel, adding whole "
-                "dQ tiles by TMA reductions as FlashAttention-3 does, it is faster than these kernels at long rows "
-                "and close to cuDNN at head dim 128, but slower at short rows, so it is opt-in and not in these "
-                "tables until a rule by sequence length is measured into them (`docs/flash_attention/dq_atomic.md`)",
+                "dQ tiles by TMA reductions as FlashAttention-3 does, it is faster than these kernels at long rows, "
+                "so there it is the default: on Hopper from 2,048 keys at head dim 128 and from 16,384 at 64 "
+                "(`options.gluon_backward_min_keys`). Shorter rows, where it measured slower, run the two Triton "
+                "kernels (`docs/flash_attention/dq_atomic.md`)",
     "forward": "the tile is already chosen per sequence length; a persistent Triton schedule (each program "
                "taking tiles in turn) measured slower, because a program does not overlap one tile's loads "
                "with the previous tile's epilogue (`docs/flash_attention/persistent.md`)",
@@ -380,8 +384,27 @@ def _gluon_rows(d: SectionData) -> str:
             cells.append(f"d = {head_dim} from {first:,} tokens")
     if not cells:
         return ""
-    return (f" In the bf16 sweep below that is the forward at {join_words(cells)}; every other forward, and every "
-            "float32 one, is the Triton kernel's.")
+    backward = _gluon_backward_rows(options, lengths, sweep.get("head_dims") or ())
+    return (f" In the bf16 sweep below that is the forward at {join_words(cells)}"
+            + (f", and the backward at {join_words(backward)}" if backward else "")
+            + "; every other kernel, and every float32 one, is Triton's.")
+
+
+def _gluon_backward_rows(options: dict, lengths: list[int], head_dims: Sequence[int]) -> list[str]:
+    """The sweep's rows whose backward ran the Gluon kernel, by the recorded ``gluon_backward_min_keys`` (the sweep's
+    rows are square: keys = tokens); none where the options predate the rule or turned the kernel off."""
+    thresholds = options.get("gluon_backward_min_keys")
+    if not options.get("gluon_backward") or not isinstance(thresholds, dict):
+        return []
+    from cs336_systems.attention.flash_bwd_sm90 import TILES  # the head dims the Gluon backward takes
+
+    rows = []
+    for head_dim in (d_ for d_ in sorted(TILES) if d_ in head_dims):
+        keys = thresholds.get(str(head_dim), thresholds.get(head_dim))
+        first = next((t for t in lengths if keys is not None and t >= keys), None)
+        if first is not None:
+            rows.append(f"d = {head_dim} from {first:,} tokens")
+    return rows
 
 
 def _cells_by_head(cells: pd.DataFrame, lengths: list[int] | None = None) -> str:
