@@ -363,7 +363,8 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
         return None
     if meta.get("git_commit") != git_commit() and not _same_measuring_code(meta, out.section):
         return None
-    if any(recorded(earlier, k) != recorded(params, k) for k in same):
+    # compared as recorded: JSON turns the running values' int keys and tuples into strings and lists
+    if any(_jsonable(recorded(earlier, k)) != _jsonable(recorded(params, k)) for k in same):
         return None
     for record in calibration.merged_records(meta.get("calibration"), calibration.JOB.record()):
         if not any(r == record or calibration.same_job(r, record) for r in out.merged_calibrations):

@@ -41,7 +41,10 @@ def answer(d: SectionData) -> list[Block]:
                 r"O_i = \mathrm{diag}\left(\ell\right)^{-1}\tilde O,\qquad L_i = m + \log \ell",
             ]),
             Text("With the causal flag, key blocks entirely above the diagonal are skipped and the diagonal block "
-                 "is masked with $-10^6$ before the maximum."),
+                 "is masked with $-10^6$ before the maximum. The Triton forward is the handout's kernel (one program "
+                 "per query tile and batch-head); on Hopper GPUs (H100, H200), 16-bit inputs at head dims 64 and 128 "
+                 "with long rows run a warp-specialized kernel with TMA loads instead, written in Gluon, the "
+                 "lower-level language that ships inside the `triton` package."),
         ]),
         question(d, "flash_backward", "The backward pass by recomputation.", [
             Text("Besides the inputs $Q, K, V$, the forward saves only $O$ and the log-sum-exp $L$: no $T \\times T$ "
@@ -52,17 +55,15 @@ def answer(d: SectionData) -> list[Block]:
                 r"dQ = dS\,K/\sqrt{d},\quad dK = dS^\top Q/\sqrt{d}",
             ]),
             Text("It exists twice: `FlashAttentionPytorch` does it in tiled PyTorch under `torch.compile` (the "
-                 "handout's version), and `FlashAttentionTriton`, the implementation benchmarked below, in two "
-                 "Triton kernels: the first owns a query block, computes its $D$ from the $O$ and $dO$ tiles it "
-                 "loads and accumulates $dQ$ over the key blocks, writing $D$ and a copy of $L$ in base-2 units beside it "
-                 "for the second, which owns "
-                 "a key block and accumulates $dK, dV$ over the query blocks; no two programs write the same "
-                 "output and no atomics are needed. The forward is the handout's Triton kernel (one program per query "
-                 "tile and batch-head), except on Hopper GPUs (H100, H200): there 16-bit inputs at head dims 64 and "
-                 "128 with long rows run a warp-specialized Gluon kernel with TMA loads instead. There, at long "
-                 "rows, the backward runs a Gluon kernel too: it owns a key block and forms $dK$, $dV$ and $dQ$ in one pass, "
-                 "five products where the two kernels need seven, adding each $dQ$ tile to float32 sums by TMA "
-                 "reductions as FlashAttention-3 does. The tests check every kernel against the reference."
+                 "handout's version), and `FlashAttentionTriton`, the implementation benchmarked below. By default "
+                 "that runs two Triton kernels: the first owns a query block, computes its $D$ from the $O$ and $dO$ "
+                 "tiles and accumulates $dQ$ over the key blocks, writing $D$ and $L$ (in base-2 units) for the "
+                 "second, which owns a key block and accumulates $dK, dV$ over the query blocks; no two programs "
+                 "write the same output, so no atomics are needed. On Hopper, 16-bit inputs with long rows take "
+                 "FlashAttention-3's form instead: the first kernel only writes $D$ and $L$, and one Gluon kernel per "
+                 "key block forms $dK$, $dV$ and each tile's share of $dQ$, adding the latter to float32 sums with "
+                 "TMA reduce-adds (five matrix products per tile pair instead of the two kernels' seven); a last "
+                 "pass scales the sums into $dQ$. The tests check every kernel against the reference."
                  + _gluon_rows(d)),
             implemented(d, "`FlashAttentionPytorch` and `FlashAttentionTriton` (autograd functions, forward and "
                         "backward)", "cs336_systems/attention/", "tests/test_flash_attention.py",
@@ -385,8 +386,8 @@ def _gluon_rows(d: SectionData) -> str:
     if not cells:
         return ""
     backward = _gluon_backward_rows(options, lengths, sweep.get("head_dims") or ())
-    return (f" In the bf16 sweep below that is the forward at {join_words(cells)}"
-            + (f", and the backward at {join_words(backward)}" if backward else "")
+    return (f" In the bf16 sweep below the Gluon forward runs at {join_words(cells)}"
+            + (f", the Gluon backward at {join_words(backward)}" if backward else "")
             + "; every other kernel, and every float32 one, is Triton's.")
 
 
