@@ -193,7 +193,8 @@ def test_flash_sweep_names_every_cell_where_one_pass_alone_loses_to_pytorch() ->
 
 def test_flash_answer_names_the_sweep_rows_the_gluon_forward_ran(tmp_path) -> None:
     """On a Hopper GPU with Gluon on, the rows of the bf16 sweep whose forward ran the Gluon kernel follow from the
-    recorded options (keys x d / 2 >= gluon_min_key_work, causal); elsewhere the answer says nothing about them."""
+    recorded options (keys x d / 2 >= gluon_min_key_work, causal), and those whose backward did from
+    gluon_backward_min_keys where recorded; elsewhere the answer says nothing about them."""
     import json
 
     from cs336_systems.experiments.flash_benchmarking.answers import _gluon_rows
@@ -202,17 +203,22 @@ def test_flash_answer_names_the_sweep_rows_the_gluon_forward_ran(tmp_path) -> No
     folder.mkdir()
     (folder / "sweep_bfloat16.csv").write_text("impl\ntriton\n")
 
-    def meta(device: str, gluon: bool = True, head_dims: tuple = (16, 64, 128)) -> None:
+    def meta(device: str, gluon: bool = True, head_dims: tuple = (16, 64, 128), backward: dict | None = None
+             ) -> None:
         (folder / "sweep_bfloat16.meta.json").write_text(json.dumps({"device": device, "params": {
             "sweep": {"seq_lens": [512, 1024, 2048, 4096, 8192], "head_dims": list(head_dims)},
-            "kernel_options": {"gluon": gluon, "gluon_min_key_work": 98304}}}))
+            "kernel_options": {"gluon": gluon, "gluon_min_key_work": 98304, **(
+                {"gluon_backward": True, "gluon_backward_min_keys": backward} if backward else {})}}}))
 
-    meta("NVIDIA H200")
+    meta("NVIDIA H200")  # options recorded before the backward was routed: nothing said of it
     said = _gluon_rows(SectionData(tmp_path, "flash_benchmarking"))
-    assert "d = 64 from 4,096 tokens and d = 128 from 2,048 tokens" in said
+    assert "forward runs at d = 64 from 4,096 and d = 128 from 2,048 tokens;" in said and "backward" not in said
+    meta("NVIDIA H200", backward={"64": 16384, "128": 2048})  # as JSON records it: head dims as strings
+    said = _gluon_rows(SectionData(tmp_path, "flash_benchmarking"))
+    assert "2,048 tokens, the Gluon backward at d = 128 from 2,048 tokens;" in said  # d = 64 rows end at 8,192
     meta("NVIDIA H200", head_dims=[32, 128])  # a grid without 64 says nothing of it
     assert _gluon_rows(SectionData(tmp_path, "flash_benchmarking")).startswith(
-        " In the bf16 sweep below that is the forward at d = 128 from 2,048 tokens;")
+        " In the bf16 sweep below the Gluon forward runs at d = 128 from 2,048 tokens;")
     meta("NVIDIA H200", gluon=False)
     assert _gluon_rows(SectionData(tmp_path, "flash_benchmarking")) == ""
     meta("NVIDIA A100-SXM4-80GB")

@@ -287,3 +287,15 @@ def test_the_printed_outputs_are_judged_like_results_against_the_scripts_they_ra
     assert {"naive_toy", "flat", "bucketed"} <= set(records)
     command = ConsoleStatus(depends).command_for()
     assert all(f"uv run {cmd} --record {name}" in command for name, cmd in records.items())
+
+
+def test_a_stale_source_line_names_the_first_changed_file_and_counts_the_rest() -> None:
+    """The writeup's source line keeps the reason short (the full list is ``writeup status -v``'s): the first
+    changed file's name and how many more; reasons without files stay whole."""
+    from cs336_systems.measured_code import Freshness
+    from cs336_systems.report.data import _stale_note
+
+    three = Freshness("stale", "c", ("lib/a.py", "b.py", "c.py"), "measured at c; changed since: lib/a.py, b.py, c.py")
+    assert _stale_note(three) == "a.py and 2 more changed since"
+    assert _stale_note(Freshness("stale", "c", ("a.py",), "measured at c; changed since: a.py")) == "a.py changed since"
+    assert _stale_note(Freshness("stale", None, (), "no commit recorded")) == "no commit recorded"

@@ -182,17 +182,11 @@ def answer(d: SectionData) -> list[Block]:
             blocks.append(Text(f"Failed in the {params.get('edition', name)} suite: `{test}`: {why}"))
     if any(d.json(n).get("failures") for n in d.records):
         blocks.append(Text(
-            "The 2026 `test_fsdp_correctness[fp32]` compares FSDP with full-batch training bit for bit. Each rank's "
-            "weight gradient is a product over its half of the batch, and two such products added are not "
-            "bit-identical to one product over the whole batch in float32, so a data-parallel run matches that "
-            "reference only up to rounding (the differences above are one or two float32 roundings), unless the "
-            "matrix library happens to sum the full batch's product in the same two halves the ranks do, which "
-            "nothing in the FSDP code controls. "
-            "`python -m cs336_systems.benchmarking split_batch_rounding` reproduces the gap at the test's shape "
-            "without FSDP or any other wrapper: the per-rank products summed against the full-batch product, and "
-            "a plain linear layer's averaged per-rank gradients against its full-batch gradient, each a few "
-            "epsilons of the largest entry in float32 and in float64 alike. Our own suite checks FSDP bit for bit "
-            "against micro-batched training instead."))
+            "The 2026 `test_fsdp_correctness[fp32]` compares FSDP with full-batch training bit for bit, but two "
+            "half-batch gradient products summed are not bit-identical to one full-batch product in float32, so "
+            "data parallelism matches only up to rounding (one or two float32 roundings above); `python -m "
+            "cs336_systems.benchmarking split_batch_rounding` shows the same gap without FSDP. Our own suite checks "
+            "FSDP bit for bit against micro-batched training instead."))
     return blocks
 
 

@@ -62,8 +62,7 @@ def marked_results(blocks: list[Block]) -> str:
                                 "same configuration (DISAGREES)")
     if not why:
         return ""
-    return (f"Caveat: some numbers in this answer were {join_words(list(why.values()))}; the source line "
-            "under each table or figure says which.")
+    return f"Caveat: some numbers in this answer were {join_words(list(why.values()))}; the source lines say which."
 
 
 def ok_rows(df: pd.DataFrame | None) -> pd.DataFrame:

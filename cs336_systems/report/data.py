@@ -24,12 +24,21 @@ from cs336_systems.results import REPO_ROOT
 
 SMOKE_MARK = "SMOKE RUN, not a GPU measurement"
 #: Opens the provenance line of a result whose code changed since it was measured (see report.staleness).
-STALE_MARK = "STALE, measured on older code"
+STALE_MARK = "STALE"  # the writeup's opening says what it marks: a result measured on older code
 SUSPECT_MARK = "SUSPECT, the machine measured slow"
 DISAGREES_MARK = "DISAGREES with another section"
 UNCALIBRATED_NOTE = "machine not calibrated"
 MAX_GENERIC_ROWS = 60
 """Longer tables nobody asked for (e.g. raw profiler timelines) are listed, not printed."""
+
+
+def _stale_note(verdict: Any) -> str:
+    """Why a result is stale, in a source line's room (the line already names the commit): the name of the first
+    library file changed since and how many more; ``writeup status -v`` lists them all with their paths."""
+    if not verdict.changed:
+        return verdict.reason
+    more = len(verdict.changed) - 1
+    return f"{Path(verdict.changed[0]).name}{f' and {more} more' if more else ''} changed since"
 
 
 def display_path(path: Path) -> str:
@@ -128,7 +137,7 @@ class SectionData:
         depends = self.depends or depends_of(self.folder)
         verdict = freshness(meta, depends)
         if verdict.stale:
-            meta["stale"] = verdict.reason
+            meta["stale"] = _stale_note(verdict)
         machine = calibration.verdict(meta, self.references)
         if machine.state in ("suspect", "uncalibrated"):
             meta["machine"] = {"state": machine.state, "reason": machine.reason}

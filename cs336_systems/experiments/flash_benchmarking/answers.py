@@ -41,10 +41,8 @@ def answer(d: SectionData) -> list[Block]:
                 r"O_i = \mathrm{diag}\left(\ell\right)^{-1}\tilde O,\qquad L_i = m + \log \ell",
             ]),
             Text("With the causal flag, key blocks entirely above the diagonal are skipped and the diagonal block "
-                 "is masked with $-10^6$ before the maximum. The Triton forward is the handout's kernel (one program "
-                 "per query tile and batch-head); on Hopper GPUs (H100, H200), 16-bit inputs at head dims 64 and 128 "
-                 "with long rows run a warp-specialized kernel with TMA loads instead, written in Gluon, the "
-                 "lower-level language that ships inside the `triton` package."),
+                 "is masked with $-10^6$ before the maximum. On Hopper, long 16-bit rows at head dims 64 and 128 run "
+                 "a warp-specialized Gluon forward instead."),
         ]),
         question(d, "flash_backward", "The backward pass by recomputation.", [
             Text("Besides the inputs $Q, K, V$, the forward saves only $O$ and the log-sum-exp $L$: no $T \\times T$ "
@@ -55,15 +53,12 @@ def answer(d: SectionData) -> list[Block]:
                 r"dQ = dS\,K/\sqrt{d},\quad dK = dS^\top Q/\sqrt{d}",
             ]),
             Text("It exists twice: `FlashAttentionPytorch` does it in tiled PyTorch under `torch.compile` (the "
-                 "handout's version), and `FlashAttentionTriton`, the implementation benchmarked below. By default "
-                 "that runs two Triton kernels: the first owns a query block, computes its $D$ from the $O$ and $dO$ "
-                 "tiles and accumulates $dQ$ over the key blocks, writing $D$ and $L$ (in base-2 units) for the "
-                 "second, which owns a key block and accumulates $dK, dV$ over the query blocks; no two programs "
-                 "write the same output, so no atomics are needed. On Hopper, 16-bit inputs with long rows take "
-                 "FlashAttention-3's form instead: the first kernel only writes $D$ and $L$, and one Gluon kernel per "
-                 "key block forms $dK$, $dV$ and each tile's share of $dQ$, adding the latter to float32 sums with "
-                 "TMA reduce-adds (five matrix products per tile pair instead of the two kernels' seven); a last "
-                 "pass scales the sums into $dQ$. The tests check every kernel against the reference."
+                 "handout's version), and `FlashAttentionTriton`, benchmarked below, in two Triton kernels: the first "
+                 "owns a query block, computes its $D$ and accumulates $dQ$ over the key blocks, writing $D$ and $L$ "
+                 "for the second, which owns a key block and accumulates $dK, dV$; no two programs write the same "
+                 "output, so no atomics. On Hopper, 16-bit long rows take FlashAttention-3's form instead: the first "
+                 "kernel writes only $D$ and $L$, and a Gluon kernel per key block also forms $dQ$'s share, adding it "
+                 "to float32 sums by TMA reduce-adds (five products per tile pair instead of seven)."
                  + _gluon_rows(d)),
             implemented(d, "`FlashAttentionPytorch` and `FlashAttentionTriton` (autograd functions, forward and "
                         "backward)", "cs336_systems/attention/", "tests/test_flash_attention.py",
@@ -158,9 +153,8 @@ LOSER_LEVERS = {
                 "scalar float32 atomic adds that measured slower at every shape tried, because the adds grow with "
                 "the sequence squared like the products. In the warp-specialized Hopper dK/dV kernel, adding whole "
                 "dQ tiles by TMA reductions as FlashAttention-3 does, it is faster than these kernels at long rows, "
-                "so there it is the default: on Hopper from 2,048 keys at head dim 128 and from 16,384 at 64 "
-                "(`options.gluon_backward_min_keys`). Shorter rows, where it measured slower, run the two Triton "
-                "kernels (`docs/flash_attention/dq_atomic.md`)",
+                "so it runs there by default (`options.gluon_backward_min_keys`); shorter rows, where it measured "
+                "slower, run these kernels (`docs/flash_attention/dq_atomic.md`)",
     "forward": "the tile is already chosen per sequence length; a persistent Triton schedule (each program "
                "taking tiles in turn) measured slower, because a program does not overlap one tile's loads "
                "with the previous tile's epilogue (`docs/flash_attention/persistent.md`)",
@@ -230,10 +224,11 @@ def _host(d: SectionData) -> list[Block]:
                  f" µs at the median and {fmt.sig(spreads.max())} µs at the widest, so one cell's ratio is rough; "
                  "the interleaved decomposition and the A/B runs of that note are the finer measure")
     host_bound = ours[ours["bound"] == "host"]
-    text += (f". Ours is host-bound (issuing a call takes longer than the GPU runs it) at {len(host_bound)} of "
-             f"{len(ours)}" + (": " + join_words([f"({int(r['batch'])}, {int(r['heads'])}, {int(r['seq_len'])}, "
-                                                  f"{int(r['head_dim'])}) {r['layout']}"
-                                                  for _, r in host_bound.iterrows()]) if len(host_bound) else "")
+    where = (f"all {len(ours)} shapes" if len(host_bound) == len(ours) else f"{len(host_bound)} of {len(ours)}"
+             + (": " + join_words([f"({int(r['batch'])}, {int(r['heads'])}, {int(r['seq_len'])}, "
+                                   f"{int(r['head_dim'])}) {r['layout']}" for _, r in host_bound.iterrows()])
+                if len(host_bound) else ""))
+    text += (". Ours is host-bound (issuing a call takes longer than the GPU runs it) at " + where
              + "; there a call's wall time is the host's, unless a CUDA graph replays it (§1.4's compiled steps)."
              " Measured with `python -m cs336_systems.benchmarking.flash_host_overhead` (GPU asleep while the host"
              " issues the calls; `docs/flash_attention/host_overhead.md` has the method and the profile).")
@@ -382,12 +377,12 @@ def _gluon_rows(d: SectionData) -> str:
     for head_dim in (d_ for d_ in sorted(TILES) if d_ in (sweep.get("head_dims") or ())):
         first = next((t for t in lengths if t * head_dim / 2 >= work), None)
         if first is not None:
-            cells.append(f"d = {head_dim} from {first:,} tokens")
+            cells.append(f"d = {head_dim} from {first:,}")
     if not cells:
         return ""
     backward = _gluon_backward_rows(options, lengths, sweep.get("head_dims") or ())
-    return (f" In the bf16 sweep below the Gluon forward runs at {join_words(cells)}"
-            + (f", the Gluon backward at {join_words(backward)}" if backward else "")
+    return (f" In the bf16 sweep below the Gluon forward runs at {join_words(cells)} tokens"
+            + (f", the Gluon backward at {join_words(backward)} tokens" if backward else "")
             + "; every other kernel, and every float32 one, is Triton's.")
 
 
@@ -404,7 +399,7 @@ def _gluon_backward_rows(options: dict, lengths: list[int], head_dims: Sequence[
         keys = thresholds.get(str(head_dim), thresholds.get(head_dim))
         first = next((t for t in lengths if keys is not None and t >= keys), None)
         if first is not None:
-            rows.append(f"d = {head_dim} from {first:,} tokens")
+            rows.append(f"d = {head_dim} from {first:,}")
     return rows
 
 
