@@ -261,10 +261,12 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT,
     lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo, results) - now
     if not lost:
         return ()
-    names = {name for name, _ in lost}  # at the commit (as carried), and not as often now: blame their files
-    blamed = sorted(path for path, defs in then.items() if any(key in lost for key in defs))
-    return tuple(blamed or sorted(path for path, defs in then.items() if any(n in names for n, _ in defs))
-                 or [f"{depends[0]} (a definition rewritten by a neutral commit)"])
+    # at the commit (as carried), and not as often now: blame their files; a definition a neutral commit rewrote
+    # is in no file as it was at the commit, so the files that then held its name take the blame
+    direct = {path for path, defs in then.items() if any(key in lost for key in defs)}
+    unplaced = {name for name, shape in lost if not any((name, shape) in defs for defs in then.values())}
+    by_name = {path for path, defs in then.items() if any(n in unplaced for n, _ in defs)}
+    return tuple(sorted(direct | by_name) or [f"{depends[0]} (a definition rewritten by a neutral commit)"])
 
 
 def same_measuring_code(commit: str, now: str, depends: Sequence[str], repo: Path = REPO_ROOT,

@@ -190,6 +190,8 @@ def test_a_declared_neutral_commit_is_carried_across_and_a_later_change_still_co
     _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef plugins():\n    return ['changed again']\n")
     verdict = staleness.freshness(second, ["lib/"], repo)
     assert verdict.stale and verdict.changed == ("lib/kernel.py",)  # a later change to it still counts
+    _commit(repo, "lib/other.py", "y = 2\n")  # a change of another file does not hide the carried one's
+    assert staleness.freshness(second, ["lib/"], repo).changed == ("lib/kernel.py", "lib/other.py")
 
 
 def test_a_neutral_commit_scoped_to_results_folders_carries_only_their_results(repo: Path) -> None:
