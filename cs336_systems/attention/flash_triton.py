@@ -283,8 +283,7 @@ def _capability_of(t: Tensor) -> tuple[int, int]:
 def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> str:
     """``"gluon"`` or ``"triton"``: which forward kernel ``FlashAttentionTriton`` runs for these inputs
     (3-D or 4-D, as passed to it)."""
-    q, k, v = (_unit_stride_d(t) for t in (q, k, v))
-    q, k, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v))
+    q, k, v = _as_launched(q, k, v)
     return "gluon" if _gluon_forward_module(q, k, v, is_causal) is not None else "triton"
 
 
@@ -292,9 +291,13 @@ def backward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
     """``"gluon"`` (the fused dK/dV/dQ kernel, or with ``options.dq_atomic=False`` the Gluon dK/dV kernel beside
     Triton's dQ) or ``"triton"``: which backward ``FlashAttentionTriton`` runs for these inputs (3-D or 4-D, as
     passed to it; the gradients are taken to be laid out as they are)."""
-    q, k, v = (_unit_stride_d(t) for t in (q, k, v))
-    q, k, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v))
+    q, k, v = _as_launched(q, k, v)
     return "gluon" if _gluon_backward_module(q, k, v, q, k, v) is not None else "triton"
+
+
+def _as_launched(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Inputs as given to ``FlashAttentionTriton`` (3-D or 4-D) as its launches see them: 4-D, unit stride along d."""
+    return tuple(t if t.dim() == 4 else t.unsqueeze(1) for t in (_unit_stride_d(x) for x in tensors))
 
 
 def _head_dim_constexprs(d: int) -> dict[str, int]:
@@ -386,10 +389,10 @@ def _backward(
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dq_acc = None  # float32 dQ that the dK/dV kernel adds to (options.dq_atomic)
-    fused = options.current().dq_atomic
-    if fused is not False:
+    opts = options.current()
+    if opts.dq_atomic is not False:  # else dQ is the dQ kernel's whichever dK/dV kernel runs
         gluon = _gluon_backward_module(q, k, v, do, dk, dv)
-        if fused or gluon is not None:  # None: fused wherever the Gluon kernel runs
+        if opts.fuses_dq(gluon is not None):
             rows = n_queries if gluon is None else gluon.dq_rows(n_queries, d)  # its reductions add whole tiles
             dq_acc = torch.zeros((batch, heads, rows, d), dtype=torch.float32, device=q.device)
     launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)

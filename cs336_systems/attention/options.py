@@ -225,6 +225,10 @@ class FlashOptions:
             merged[phase] = tiles
         object.__setattr__(self, "candidates", tuple(merged.items()))  # hashable: the kernel cache's key
 
+    def fuses_dq(self, gluon_backward_runs: bool) -> bool:
+        """Whether the dK/dV kernel forms dQ too, given whether the Gluon backward runs the call (``dq_atomic``)."""
+        return gluon_backward_runs if self.dq_atomic is None else self.dq_atomic
+
     def backward_min_keys(self, head_dim: int) -> int:
         """The fewest keys per row at which the Gluon backward takes head dim ``head_dim``."""
         return dict(self.gluon_backward_min_keys).get(head_dim, 0)

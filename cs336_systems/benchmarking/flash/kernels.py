@@ -120,8 +120,7 @@ def run_kernel_breakdown(
     kernels = kernel_table(profile_steps(step, warmup=1, steps=profiled_steps), per=profiled_steps)
     summary["profiled_gpu_ms_per_step"] = kernels["total_ms"].sum()
     matmul = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True) / 2  # one causal product
-    fused = options.current().dq_atomic or (options.current().dq_atomic is None
-                                            and summary["backward_kernel"] == "gluon")
+    fused = options.current().fuses_dq(summary["backward_kernel"] == "gluon")
     kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP_FUSED_DQ if fused else MATMULS_PER_STEP)
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
     kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)

@@ -371,16 +371,13 @@ def _gluon_rows(d: SectionData) -> str:
     work = options.get("gluon_min_key_work")
     if not lengths or not isinstance(work, int):
         return ""
-    cells = []
     from cs336_systems.attention.flash_fwd_sm90 import TILES  # the head dims the Gluon forward takes
 
-    for head_dim in (d_ for d_ in sorted(TILES) if d_ in (sweep.get("head_dims") or ())):
-        first = next((t for t in lengths if t * head_dim / 2 >= work), None)
-        if first is not None:
-            cells.append(f"d = {head_dim} from {first:,}")
+    head_dims = sweep.get("head_dims") or ()
+    cells = _first_rows(TILES, head_dims, lengths, lambda t, head_dim: t * head_dim / 2 >= work)
     if not cells:
         return ""
-    backward = _gluon_backward_rows(options, lengths, sweep.get("head_dims") or ())
+    backward = _gluon_backward_rows(options, lengths, head_dims)
     return (f" In the bf16 sweep below the Gluon forward runs at {join_words(cells)} tokens"
             + (f", the Gluon backward at {join_words(backward)} tokens" if backward else "")
             + "; every other kernel, and every float32 one, is Triton's.")
@@ -394,10 +391,20 @@ def _gluon_backward_rows(options: dict, lengths: list[int], head_dims: Sequence[
         return []
     from cs336_systems.attention.flash_bwd_sm90 import TILES  # the head dims the Gluon backward takes
 
-    rows = []
-    for head_dim in (d_ for d_ in sorted(TILES) if d_ in head_dims):
+    def reaches(t: int, head_dim: int) -> bool:
         keys = thresholds.get(str(head_dim), thresholds.get(head_dim))
-        first = next((t for t in lengths if keys is not None and t >= keys), None)
+        return keys is not None and t >= keys
+
+    return _first_rows(TILES, head_dims, lengths, reaches)
+
+
+def _first_rows(kernel_head_dims: Any, head_dims: Sequence[int], lengths: list[int],
+                reaches: Callable[[int, int], bool]) -> list[str]:
+    """"d = 64 from 4,096" per head dim both the kernel and the sweep have: the first length at which ``reaches``
+    (length, head dim) holds, where one does."""
+    rows = []
+    for head_dim in (d_ for d_ in sorted(kernel_head_dims) if d_ in head_dims):
+        first = next((t for t in lengths if reaches(t, head_dim)), None)
         if first is not None:
             rows.append(f"d = {head_dim} from {first:,}")
     return rows
