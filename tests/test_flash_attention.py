@@ -398,14 +398,22 @@ def test_persistent_grid_changes_the_order_not_the_numbers(case: Case, monkeypat
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [Case(40, 40, 16, True, 3), Case(37, 53, 80, False, 2), Case(33, 33, 24, True, 2)],
                          ids=str)
-def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> None:
+def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """``dq_atomic``: dK/dV adds every tile's ``dS K`` to a float32 dQ (the dQ kernel writes only the
-    ``[L; D]`` rows). O, L, dK and dV are bit-identical to the two-kernel backward; dQ differs only by the order
-    of its float32 sums, and also under a persistent grid."""
+    ``[L; D]`` rows, and the zeros of those sums). O, L, dK and dV are bit-identical to the two-kernel backward; dQ
+    differs only by the order of its float32 sums, and also under a persistent grid. Buffers come from
+    ``torch.empty`` filled with NaN here, so a sum the dQ kernel failed to zero would show."""
     q, k, v, do = _inputs(case, torch.float32)
     plain = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    real_empty = torch.empty
+
+    def nan_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
     for extra in ({}, {"persistent": 2}):
-        with options.use(dq_atomic=True, **extra):
+        with options.use(dq_atomic=True, **extra), monkeypatch.context() as patched:
+            patched.setattr(torch, "empty", nan_empty)
             fused = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
         for name, a, b in zip(NAMES, fused, plain):
             if name == "dQ":
@@ -415,6 +423,29 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case) -> 
                 assert torch.equal(a, b), (extra, name)
     with pytest.raises(ValueError, match="dq_atomic must be True, False or None"):
         options.FlashOptions(dq_atomic=1)
+
+
+def test_the_backward_route_is_decided_once_per_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether dK/dV forms dQ (and how many rows its sums take) is remembered per backward key and 16-byte
+    alignment: the eligibility check it saves costs more host time than a launch. A misaligned tensor decides
+    again; other options (another key) too."""
+    from cs336_systems.attention import flash_triton
+
+    q, k, v, do = (torch.randn(1, 2, 40, 16) for _ in range(4))
+    calls = []
+    real = flash_triton._gluon_backward_module
+    monkeypatch.setattr(flash_triton, "_gluon_backward_module", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(flash_triton, "_DQ_ROUTES", {})
+    with options.use(dq_atomic=True):
+        key = ("backward", options.generation())
+        assert flash_triton._fused_dq_rows(key, q, k, v, do, k, v) == 40
+        assert flash_triton._fused_dq_rows(key, q, k, v, do, k, v) == 40
+        assert len(calls) == 1
+        shifted = torch.randn(q.numel() + 1)[1:].view(q.shape)  # 4 bytes past a 16-byte boundary
+        assert flash_triton._fused_dq_rows(key, shifted, k, v, do, k, v) == 40
+        assert len(calls) == 2
+    assert flash_triton._fused_dq_rows(("backward", options.generation()), q, k, v, do, k, v) is None  # no Gluon here
+    assert len(calls) == 3
 
 
 def test_dq_accumulated_by_the_dkdv_kernel_is_zeroed_around_autotuning() -> None:
@@ -1138,8 +1169,9 @@ def test_gluon_persistent_forward_compiles_for_hopper(head_dim: int, causal: boo
 
 
 def test_gluon_persistent_forward_takes_the_short_rows() -> None:
-    """The persistent grid exists for short rows, so with it on ``gluon_min_key_work`` no longer sends them to the
-    Triton forward; everything else about eligibility stays."""
+    """The persistent grid exists for short rows, so with it on everywhere (``True``) ``gluon_min_key_work`` no
+    longer sends them to the Triton forward; everything else about eligibility stays. By default (``None``) it runs
+    at head dim 128 only, and only the rows the Gluon forward takes anyway."""
     from cs336_systems.attention import flash_fwd_sm90
 
     q, k, v = (torch.randn(8, 4, 256, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -1147,8 +1179,16 @@ def test_gluon_persistent_forward_takes_the_short_rows() -> None:
     with options.use(gluon_persistent=True):
         assert flash_fwd_sm90.ineligibility(q, k, v, (9, 0), True) is None
         assert "Hopper" in flash_fwd_sm90.ineligibility(q, k, v, (8, 0), True)
-    with pytest.raises(ValueError, match="gluon_persistent must be True or False"):
-        options.FlashOptions(gluon_persistent=1)
+        assert options.current().persistent_forward(64) and options.current().persistent_forward(128)
+    assert options.current().gluon_persistent is None
+    assert options.current().persistent_forward(128) and not options.current().persistent_forward(64)
+    short_128 = [torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3)]
+    assert "short rows" in flash_fwd_sm90.ineligibility(*short_128, (9, 0), True)  # the default keeps them on Triton
+    with options.use(gluon_persistent=False):
+        assert not options.current().persistent_forward(128)
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match=r"gluon_persistent must be True, False or None \(at the head dims"):
+            options.FlashOptions(gluon_persistent=bad)
 
 
 #: The Gluon kernels' GPU cases: both head dims, causal and full, ragged lengths, 3-D inputs.
@@ -1190,7 +1230,8 @@ def test_gluon_forward_matches_triton_forward(case: Case, dtype: torch.dtype, la
 
     q, k, v, do = _gluon_inputs(case, dtype, layout)
     with options.use(gluon_head_views=layout == "bshd", gluon_min_key_work=0):  # short cases too
-        assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon"
+        grid = "gluon_persistent" if options.current().persistent_forward(case.head_dim) else "gluon"
+        assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == grid
         gluon = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     with options.use(gluon=False):
         assert flash_triton.forward_kernel_name(q, k, v) == "triton"
@@ -1214,11 +1255,11 @@ def test_gluon_persistent_forward_gives_the_one_item_forwards_numbers(case: Case
     from cs336_systems.attention import flash_triton
 
     q, k, v, do = _gluon_inputs(case, dtype, "bhsd")
-    with options.use(gluon_min_key_work=0):
+    with options.use(gluon_min_key_work=0, gluon_persistent=False):
         assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon"
         one_item = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     with options.use(gluon_persistent=True):
-        assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon"
+        assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon_persistent"
         persistent = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     for name, a, b in zip(NAMES, persistent, one_item, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")

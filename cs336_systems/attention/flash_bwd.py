@@ -344,9 +344,10 @@ def _dq_tile(
         dq, dq_t = _dq_key_loop(dq, dq_t, q, do, q_t, do_t, lse2, delta, K_DESC, V_DESC, KT_DESC, VT_DESC, b32, h32,
                                 offs_m, mid, hi, n_queries, n_keys, qk_scale, D_MAIN, D_TAIL, BLOCK_N, IS_CAUSAL, True,
                                 DOT_PRECISION, POLY_EXP2)
-        dq_head = DQ + b * stride_dqb + h * stride_dqh
-        _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq * sm_scale).to(DQ.dtype.element_ty),
-                    0, D_MAIN, HEAD_DIM)
-        if D_TAIL > 0:
-            _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq_t * sm_scale).to(DQ.dtype.element_ty),
-                        D_MAIN, D_TAIL, HEAD_DIM)
+    # LD_ONLY: DQ is the float32 sums the dK/dV kernel adds to, and these are their zeros (no memset of its own).
+    dq_head = DQ + b * stride_dqb + h * stride_dqh
+    _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq * sm_scale).to(DQ.dtype.element_ty),
+                0, D_MAIN, HEAD_DIM)
+    if D_TAIL > 0:
+        _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq_t * sm_scale).to(DQ.dtype.element_ty),
+                    D_MAIN, D_TAIL, HEAD_DIM)

@@ -447,7 +447,7 @@ def ineligibility(q: Tensor, k: Tensor, v: Tensor, capability: tuple[int, int] |
     if d not in TILES:
         return f"head dim {d} not in {sorted(TILES)}"
     work = k.shape[-2] * d // (2 if is_causal else 1)
-    if work < opts.gluon_min_key_work and not opts.gluon_persistent:
+    if work < opts.gluon_min_key_work and opts.gluon_persistent is not True:
         return (f"short rows: {k.shape[-2]} keys x head dim {d}{' / 2 (causal)' if is_causal else ''} = {work} < "
                 f"gluon_min_key_work = {opts.gluon_min_key_work}, where the Triton forward is faster")
     return layout_problem({"q": q, "k": k, "v": v}, opts.gluon_head_views)
@@ -507,7 +507,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
     opts = options.current()
-    persistent, head_views = opts.gluon_persistent, opts.gluon_head_views
+    persistent, head_views = opts.persistent_forward(d), opts.gluon_head_views
     block_m, block_n, stages = tile_for(d, n_queries, persistent)
     q_layout, kv_layout = _layouts(q.dtype, d, block_n)
     q_at, kv_at = placement(q, head_views), placement(k, head_views)

@@ -281,10 +281,12 @@ def _capability_of(t: Tensor) -> tuple[int, int]:
 
 
 def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> str:
-    """``"gluon"`` or ``"triton"``: which forward kernel ``FlashAttentionTriton`` runs for these inputs
-    (3-D or 4-D, as passed to it)."""
+    """``"gluon"``, ``"gluon_persistent"`` (its persistent grid, ``options.gluon_persistent``) or ``"triton"``: which
+    forward kernel ``FlashAttentionTriton`` runs for these inputs (3-D or 4-D, as passed to it)."""
     q, k, v = _as_launched(q, k, v)
-    return "gluon" if _gluon_forward_module(q, k, v, is_causal) is not None else "triton"
+    if _gluon_forward_module(q, k, v, is_causal) is None:
+        return "triton"
+    return "gluon_persistent" if options.current().persistent_forward(q.shape[-1]) else "gluon"
 
 
 def backward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
@@ -388,18 +390,37 @@ def _backward(
     batch, heads, n_queries, d = q.shape
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    dq_acc = None  # float32 dQ that the dK/dV kernel adds to (options.dq_atomic)
-    opts = options.current()
+    key = _backward_key(do, q, k, v, o, lse, is_causal, scale, out)
+    dq_rows = _fused_dq_rows(key, q, k, v, do, dk, dv)
+    # float32 dQ that the dK/dV kernel adds to (options.dq_atomic); the dQ kernel, which runs first, zeroes it
+    dq_acc = None if dq_rows is None else torch.empty((batch, heads, dq_rows, d), dtype=torch.float32, device=q.device)
+    launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)
+    with _device_guard(q):
+        FLASH_PLANS.run(key, (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
+        return _scaled_dq(dq, dq_acc, scale), dk, dv
+
+
+#: :func:`_fused_dq_rows` per backward key and alignment: deciding the route costs more host time than a launch.
+_DQ_ROUTES: dict[tuple, int | None] = {}
+_MAX_DQ_ROUTES = 512
+
+
+def _fused_dq_rows(key: tuple, q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor) -> int | None:
+    """Rows per head of the float32 dQ sums where the dK/dV kernel forms dQ (``options.fuses_dq``), else None.
+    Remembered per backward key (shapes, strides, dtype, device, options) and 16-byte alignment of the tensors,
+    all that the Gluon kernel's eligibility reads."""
+    memo = (key, *(t.data_ptr() % 16 == 0 for t in (q, k, v, do, dk, dv)))
+    if memo in _DQ_ROUTES:
+        return _DQ_ROUTES[memo]
+    opts, rows = options.current(), None
     if opts.dq_atomic is not False:  # else dQ is the dQ kernel's whichever dK/dV kernel runs
         gluon = _gluon_backward_module(q, k, v, do, dk, dv)
         if opts.fuses_dq(gluon is not None):
-            rows = n_queries if gluon is None else gluon.dq_rows(n_queries, d)  # its reductions add whole tiles
-            dq_acc = torch.zeros((batch, heads, rows, d), dtype=torch.float32, device=q.device)
-    launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)
-    with _device_guard(q):
-        FLASH_PLANS.run(_backward_key(do, q, k, v, o, lse, is_causal, scale, out),
-                        (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
-        return _scaled_dq(dq, dq_acc, scale), dk, dv
+            rows = q.shape[2] if gluon is None else gluon.dq_rows(q.shape[2], q.shape[3])  # whole tiles for its adds
+    if len(_DQ_ROUTES) >= _MAX_DQ_ROUTES:
+        _DQ_ROUTES.clear()
+    _DQ_ROUTES[memo] = rows
+    return rows
 
 
 def _backward_key(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool,
@@ -453,10 +474,12 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     q_tiles, do_tiles = _slab_tiles(q, d), _slab_tiles(do, d)
     (k_main, k_tail), (v_main, v_tail) = _slab_tiles(k, d), _slab_tiles(v, d)
     ld_tiles = _descriptor(ld, [1, 2, _UNSIZED])
-    # dQ first: it writes the [L; D] rows that dK/dV reads (same stream, so in order).
+    # dQ first: it writes the [L; D] rows that dK/dV reads (same stream, so in order). Where dK/dV forms dQ, this
+    # kernel writes the rows only, and zeros into the float32 sums in place of dQ.
+    dq_out = dq if dq_acc is None else dq_acc
     FLASH_LAUNCHES.launch(kernels.tuned("dq", opts), query_tiles, (
-        q, k_main, v_main, k_tail, v_tail, do, o, lse, ld, dq,
-        *q.stride(), *do.stride(), *o.stride(), *lse.stride(), *ld.stride()[:2], *dq.stride(), heads, dq_group,
+        q, k_main, v_main, k_tail, v_tail, do, o, lse, ld, dq_out,
+        *q.stride(), *do.stride(), *o.stride(), *lse.stride(), *ld.stride()[:2], *dq_out.stride(), heads, dq_group,
         *shape_args,
     ), constexprs if dq_acc is None else dict(constexprs, LD_ONLY=True))  # fmt: skip
     gluon = _gluon_backward_module(q, k, v, do, dk, dv)

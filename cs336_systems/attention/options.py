@@ -132,6 +132,13 @@ def _min_keys(value: Any) -> tuple[tuple[int, int], ...]:
 DEFAULT_GLUON_MIN_KEY_WORK = 96 * 1024
 
 
+#: Head dims at which the Gluon forward runs its persistent grid by default (``FlashOptions.gluon_persistent``). H200,
+#: forward kernel time alternating with the one-item grid (docs/flash_attention/persistent.md, "the planned
+#: schedule"): at d = 128 faster from 2,048 to 4,096 tokens and level at 16k; at d = 64 level at 16k and behind the
+#: Triton forward at the short rows, so nothing to gain there.
+DEFAULT_GLUON_PERSISTENT_HEAD_DIMS = (128,)
+
+
 @dataclass(frozen=True)
 class FlashOptions:
     """``autotune``: time every candidate once per shape class (else run each list's first tile that fits).
@@ -162,13 +169,14 @@ class FlashOptions:
     call has more (tile, head) items than that many programs, each program takes items in turn
     (``flash_common._persistent_items``) instead of one program per item. 0 (the default): one program per
     item. Opt-in until measured (docs/flash_attention/persistent.md).
-    ``gluon_persistent``: the Gluon forward runs a persistent grid, at most one program per SM, each taking its
-    (query tile, head) items in turn with the next item's loads issued under the current one's last products
+    ``gluon_persistent``: whether the Gluon forward runs a persistent grid, at most one program per SM, each taking
+    its (query tile, head) items in turn with the next item's loads issued under the current one's last products
     and epilogue (FlashAttention-3's schedule); which items each program takes is planned on the host, once per
-    shape, so that causal items of unequal length leave no tail. It then also takes the short rows that
-    ``gluon_min_key_work`` sends to the Triton forward, which are what it is for. Same outputs as one program per
-    item. Opt-in: against the one-item Gluon forward it is level at 16k tokens and faster at d = 128 from 2,048 to
-    4,096, but the Triton forward stays faster at the short d = 64 rows (docs/flash_attention/persistent.md).
+    shape, so that causal items of unequal length leave no tail. Same outputs as one program per item. ``None``
+    (the default): at the head dims of :data:`DEFAULT_GLUON_PERSISTENT_HEAD_DIMS`, wherever the Gluon forward
+    runs. ``True``: at every head dim, and it then also takes the short rows that ``gluon_min_key_work`` sends to
+    the Triton forward (which stays faster at the short d = 64 rows); ``False``: never, for A/B
+    (docs/flash_attention/persistent.md).
     ``dq_atomic``: whether the dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer
     (five products per key and query tile instead of the two kernels' seven) while the dQ kernel only writes the
     ``[L; D]`` rows. The Gluon kernel adds by TMA bulk reductions, as FlashAttention-3 does; the Triton one by
@@ -189,16 +197,17 @@ class FlashOptions:
     gluon_backward_tiles: Any = None
     gluon_backward_min_keys: Any = DEFAULT_GLUON_BACKWARD_MIN_KEYS
     persistent: int = 0
-    gluon_persistent: bool = False
+    gluon_persistent: bool | None = None
     dq_atomic: bool | None = None
 
     def __post_init__(self) -> None:
-        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "gluon_persistent"):
+        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.dq_atomic is not None and not isinstance(self.dq_atomic, bool):
-            raise ValueError(f"dq_atomic must be True, False or None (where the Gluon backward runs), "
-                             f"got {self.dq_atomic!r}")
+        for flag, default in (("dq_atomic", "where the Gluon backward runs"),
+                              ("gluon_persistent", "at the head dims where it measured faster")):
+            if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True, False or None ({default}), got {getattr(self, flag)!r}")
         object.__setattr__(self, "gluon_backward_min_keys", _min_keys(self.gluon_backward_min_keys))
         share = self.l2_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0):
@@ -228,6 +237,12 @@ class FlashOptions:
     def fuses_dq(self, gluon_backward_runs: bool) -> bool:
         """Whether the dK/dV kernel forms dQ too, given whether the Gluon backward runs the call (``dq_atomic``)."""
         return gluon_backward_runs if self.dq_atomic is None else self.dq_atomic
+
+    def persistent_forward(self, head_dim: int) -> bool:
+        """Whether the Gluon forward, where it runs, runs head dim ``head_dim`` on its persistent grid."""
+        if self.gluon_persistent is None:
+            return head_dim in DEFAULT_GLUON_PERSISTENT_HEAD_DIMS
+        return self.gluon_persistent
 
     def backward_min_keys(self, head_dim: int) -> int:
         """The fewest keys per row at which the Gluon backward takes head dim ``head_dim``."""
