@@ -411,10 +411,20 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case, mon
         t = real_empty(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
+    from cs336_systems.attention import flash_triton
+
+    real_launch, sums = flash_triton._launch_backward, []
+
+    def launch(*args: object) -> None:
+        sums.append(args[10] is not None)  # dq_acc: the float32 sums the dK/dV kernel adds dQ to
+        real_launch(*args)
+
     for extra in ({}, {"persistent": 2}):
         with options.use(dq_atomic=True, **extra), monkeypatch.context() as patched:
             patched.setattr(torch, "empty", nan_empty)
+            patched.setattr(flash_triton, "_launch_backward", launch)
             fused = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+        assert sums.pop() and not sums, "the backward did not take the fused path"
         for name, a, b in zip(NAMES, fused, plain):
             if name == "dQ":
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -426,26 +436,31 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case, mon
 
 
 def test_the_backward_route_is_decided_once_per_signature(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whether dK/dV forms dQ (and how many rows its sums take) is remembered per backward key and 16-byte
-    alignment: the eligibility check it saves costs more host time than a launch. A misaligned tensor decides
-    again; other options (another key) too."""
+    """Which dK/dV kernel runs and whether it forms dQ (and how many rows its sums take) are remembered per backward
+    key and 16-byte alignment: the eligibility check this saves costs more host time than a launch. A misaligned
+    tensor decides again, and so do other options: they make another key."""
     from cs336_systems.attention import flash_triton
 
-    q, k, v, do = (torch.randn(1, 2, 40, 16) for _ in range(4))
+    q, k, v, do, o = (torch.randn(1, 2, 40, 16) for _ in range(5))
+    lse = torch.randn(1, 2, 40)
     calls = []
     real = flash_triton._gluon_backward_module
     monkeypatch.setattr(flash_triton, "_gluon_backward_module", lambda *a: calls.append(a) or real(*a))
-    monkeypatch.setattr(flash_triton, "_DQ_ROUTES", {})
+    monkeypatch.setattr(flash_triton, "_BACKWARD_ROUTES", {})
+
+    def route(*tensors: torch.Tensor) -> tuple:
+        key = flash_triton._backward_key(do, q, k, v, o, lse, True, 0.25)
+        return flash_triton._backward_route(key, *tensors)
+
+    assert route(q, k, v, do, k, v) == (None, None)  # by default dQ is fused only where Gluon runs: not on CPU
     with options.use(dq_atomic=True):
-        key = ("backward", options.generation())
-        assert flash_triton._fused_dq_rows(key, q, k, v, do, k, v) == 40
-        assert flash_triton._fused_dq_rows(key, q, k, v, do, k, v) == 40
-        assert len(calls) == 1
-        shifted = torch.randn(q.numel() + 1)[1:].view(q.shape)  # 4 bytes past a 16-byte boundary
-        assert flash_triton._fused_dq_rows(key, shifted, k, v, do, k, v) == 40
+        assert route(q, k, v, do, k, v) == (None, 40)
+        assert route(q, k, v, do, k, v) == (None, 40)
         assert len(calls) == 2
-    assert flash_triton._fused_dq_rows(("backward", options.generation()), q, k, v, do, k, v) is None  # no Gluon here
-    assert len(calls) == 3
+        shifted = torch.randn(q.numel() + 1)[1:].view(q.shape)  # 4 bytes past a 16-byte boundary
+        assert route(shifted, k, v, do, k, v) == (None, 40)
+        assert len(calls) == 3
+    assert route(q, k, v, do, k, v) == (None, None) and len(calls) == 4  # a new generation of the same options
 
 
 def test_dq_accumulated_by_the_dkdv_kernel_is_zeroed_around_autotuning() -> None:
@@ -478,7 +493,8 @@ def test_persistent_grid_is_sized_to_the_gpu() -> None:
 @pytest.mark.slow
 def test_triton_kernels_compile_for_hopper_one_program_per_item_or_persistent() -> None:
     """The three Triton kernels build for sm_90 both ways, and ``PERSISTENT`` builds another kernel (its loop
-    over items), not the one-program-per-item kernel again; dK/dV with ``DQ_ACC`` builds with float32 atomic adds."""
+    over items), not the one-program-per-item kernel again; dK/dV with ``DQ_ACC`` builds with float32 atomic adds,
+    and the dQ kernel that then only writes ``[L; D]`` and the sums' zeros builds without a product."""
     import json
     import subprocess
     import sys
@@ -518,6 +534,15 @@ sig = {n: "constexpr" if n in constexprs else {**types, "DQ_ACC": "*fp32"}.get(n
 ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": 4}).asm["ptx"]
 out["dkdv atomic"] = len(re.findall(r"\\b(?:atom|red)\\.global[.a-z]*\\.add\\.f32", ptx))
+fn, types, absent = kernels["dq"]  # dq_atomic: the dQ kernel writes [L; D] and zeroes the float32 sums, no products
+constexprs = {"HEAD_DIM": 64, "D_MAIN": 64, "D_TAIL": 0, "IS_CAUSAL": True, "DOT_PRECISION": "tf32",
+              "POLY_EXP2": False, "BLOCK_M": 64, "BLOCK_N": 64, "PERSISTENT": False, "LD_ONLY": True,
+              **dict.fromkeys(absent)}
+sig = {n: "constexpr" if n in constexprs else {**types, "DQ": "*fp32"}.get(n, "i32") for n in fn.arg_names}
+ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 4}).asm["ptx"]
+out["dq ld_only"] = [bool(re.search(r"\\b(?:wgmma|mma)\\.", ptx)),
+                     len(re.findall(r"\\bst\\.global[.a-z0-9]*\\.[bf]32", ptx))]
 print(json.dumps(out))
 """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -525,7 +550,9 @@ print(json.dumps(out))
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(built) == 7 and built.pop("dkdv atomic") > 0
+    assert len(built) == 8 and built.pop("dkdv atomic") > 0
+    has_products, stores = built.pop("dq ld_only")
+    assert not has_products and stores > 0
     for name in ("forward", "dq", "dkdv"):
         assert built[f"{name} True"] != built[f"{name} False"], name
 
@@ -992,7 +1019,7 @@ def test_dq_kernel_writes_base2_lse_and_delta_row_pairs(d: int) -> None:
     assert padded is not None and padded.shape[-1] == 40
     padded.fill_(-7.0)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
-    flash_triton._launch_backward(do, q, k, v, o, lse, ld, *grads, None, True, d**-0.5)
+    flash_triton._launch_backward(do, q, k, v, o, lse, ld, *grads, None, True, d**-0.5, None)
     pairs = ld.view(batch, heads, 2, n)
     torch.testing.assert_close(pairs[:, :, 0], lse * 1.4426950408889634)
     torch.testing.assert_close(pairs[:, :, 1], (o * do).sum(-1))

@@ -391,36 +391,41 @@ def _backward(
     ld = _row_buffer((batch * heads, 2), n_queries, q.device)  # [L · log2(e); D] per head
     dq, dk, dv = out if out is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     key = _backward_key(do, q, k, v, o, lse, is_causal, scale, out)
-    dq_rows = _fused_dq_rows(key, q, k, v, do, dk, dv)
+    gluon, dq_rows = _backward_route(key, q, k, v, do, dk, dv)
     # float32 dQ that the dK/dV kernel adds to (options.dq_atomic); the dQ kernel, which runs first, zeroes it
     dq_acc = None if dq_rows is None else torch.empty((batch, heads, dq_rows, d), dtype=torch.float32, device=q.device)
-    launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale)
+    launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale, gluon)
     with _device_guard(q):
         FLASH_PLANS.run(key, (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
         return _scaled_dq(dq, dq_acc, scale), dk, dv
 
 
-#: :func:`_fused_dq_rows` per backward key and alignment: deciding the route costs more host time than a launch.
-_DQ_ROUTES: dict[tuple, int | None] = {}
-_MAX_DQ_ROUTES = 512
+#: :func:`_backward_route` per backward key and alignment: deciding costs more host time than a launch. Bounded like
+#: the launch plans, whose keys these are (a few per call signature and options generation).
+_BACKWARD_ROUTES: dict[tuple, tuple[ModuleType | None, int | None]] = {}
+_MAX_BACKWARD_ROUTES = 512
 
 
-def _fused_dq_rows(key: tuple, q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor) -> int | None:
-    """Rows per head of the float32 dQ sums where the dK/dV kernel forms dQ (``options.fuses_dq``), else None.
-    Remembered per backward key (shapes, strides, dtype, device, options) and 16-byte alignment of the tensors,
-    all that the Gluon kernel's eligibility reads."""
+def _backward_route(key: tuple, q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor,
+                    dv: Tensor) -> tuple[ModuleType | None, int | None]:
+    """``(gluon, dq_rows)``: the Gluon dK/dV module where it runs these tensors, else None (Triton's kernel), and the
+    rows per head of the float32 dQ sums where the dK/dV kernel forms dQ (``options.fuses_dq``), else None. Decided
+    once per backward key (shapes, strides, dtype, device, options) and 16-byte alignment of the tensors, all that
+    the Gluon kernel's eligibility reads, on the tensors as passed: a misaligned one goes to the Triton kernels,
+    never to Gluon on an aligned copy whose sums were sized for Triton's."""
     memo = (key, *(t.data_ptr() % 16 == 0 for t in (q, k, v, do, dk, dv)))
-    if memo in _DQ_ROUTES:
-        return _DQ_ROUTES[memo]
-    opts, rows = options.current(), None
-    if opts.dq_atomic is not False:  # else dQ is the dQ kernel's whichever dK/dV kernel runs
-        gluon = _gluon_backward_module(q, k, v, do, dk, dv)
-        if opts.fuses_dq(gluon is not None):
-            rows = q.shape[2] if gluon is None else gluon.dq_rows(q.shape[2], q.shape[3])  # whole tiles for its adds
-    if len(_DQ_ROUTES) >= _MAX_DQ_ROUTES:
-        _DQ_ROUTES.clear()
-    _DQ_ROUTES[memo] = rows
-    return rows
+    route = _BACKWARD_ROUTES.get(memo)
+    if route is not None:
+        return route
+    opts = options.current()
+    gluon = _gluon_backward_module(q, k, v, do, dk, dv)
+    rows = None
+    if opts.fuses_dq(gluon is not None):
+        rows = q.shape[2] if gluon is None else gluon.dq_rows(q.shape[2], q.shape[3])  # whole tiles for its adds
+    if len(_BACKWARD_ROUTES) >= _MAX_BACKWARD_ROUTES:
+        _BACKWARD_ROUTES.clear()
+    route = _BACKWARD_ROUTES[memo] = (gluon, rows)
+    return route
 
 
 def _backward_key(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool,
@@ -442,10 +447,11 @@ def _scaled_dq(dq: Tensor, dq_acc: Tensor | None, scale: float) -> Tensor:
 
 
 def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, ld: Tensor, dq: Tensor,
-                     dk: Tensor, dv: Tensor, dq_acc: Tensor | None, is_causal: bool, scale: float) -> None:
+                     dk: Tensor, dv: Tensor, dq_acc: Tensor | None, is_causal: bool, scale: float,
+                     gluon: ModuleType | None) -> None:
     """Launch the two backward kernels: dQ, which also fills ``ld`` (:func:`_row_buffer`'s
-    ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them (the Gluon
-    dK/dV kernel on Hopper where ``options.gluon_backward`` asks for it and it applies). With ``dq_acc`` the
+    ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them: the Gluon
+    dK/dV kernel ``gluon`` where :func:`_backward_route` chose it, else Triton's. With ``dq_acc`` the
     first kernel writes the rows only and dK/dV, Triton's or Gluon's, adds dQ's products to ``dq_acc``
     (``options.dq_atomic``; by default where the Gluon kernel runs)."""
     kernels = _kernels()
@@ -482,7 +488,6 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
         *q.stride(), *do.stride(), *o.stride(), *lse.stride(), *ld.stride()[:2], *dq_out.stride(), heads, dq_group,
         *shape_args,
     ), constexprs if dq_acc is None else dict(constexprs, LD_ONLY=True))  # fmt: skip
-    gluon = _gluon_backward_module(q, k, v, do, dk, dv)
     if gluon is not None:
         gluon.flash_backward_dkdv(q, k, v, do, ld, dk, dv, is_causal, scale, dq_acc)
         return

@@ -50,8 +50,9 @@ WIDE_CANDIDATES: dict[str, list[options.Tile]] = {
 CANDIDATE_SETS = {"default": None, "wide": WIDE_CANDIDATES}
 #: Matmuls per step each kernel issues: forward 2 (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ). The
 #: Gluon forward (Hopper, one program per item or persistent) replaces the Triton one where it applies.
-MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_forward_gluon_kernel": 2, "flash_forward_gluon_persistent_kernel": 2,
-                    "flash_backward_dkdv_kernel": 4, "flash_backward_dkdv_gluon_kernel": 4, "flash_backward_dq_kernel": 3}
+MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_forward_gluon_kernel": 2,
+                    "flash_forward_gluon_persistent_kernel": 2, "flash_backward_dkdv_kernel": 4,
+                    "flash_backward_dkdv_gluon_kernel": 4, "flash_backward_dq_kernel": 3}
 #: The same where the dK/dV kernel also forms dQ (``options.dq_atomic``): the dQ kernel then writes only ``[L; D]``.
 MATMULS_PER_STEP_FUSED_DQ = {**MATMULS_PER_STEP, "flash_backward_dkdv_kernel": 5,
                              "flash_backward_dkdv_gluon_kernel": 5, "flash_backward_dq_kernel": float("nan")}
