@@ -400,8 +400,7 @@ def _backward(
         return _scaled_dq(dq, dq_acc, scale), dk, dv
 
 
-#: :func:`_backward_route` per backward key and alignment: deciding costs more host time than a launch. Bounded like
-#: the launch plans, whose keys these are (a few per call signature and options generation).
+#: :func:`_backward_route` per backward key and alignment (deciding costs more than a launch), bounded as plans are.
 _BACKWARD_ROUTES: dict[tuple, tuple[ModuleType | None, int | None]] = {}
 _MAX_BACKWARD_ROUTES = 512
 
