@@ -37,6 +37,7 @@ TOOLS = {
     "leaderboard_split": "cs336_systems.benchmarking.leaderboard_split",
     "flash_accuracy": "cs336_systems.benchmarking.flash_accuracy",
     "flash_host_overhead": "cs336_systems.benchmarking.flash_host_overhead",
+    "flash_options_ab": "cs336_systems.benchmarking.flash_options_ab",
     "op_registration": "cs336_systems.benchmarking.op_registration",
     "attention_process_ab": "cs336_systems.benchmarking.attention_process_ab",
     "ddp_steps": "cs336_systems.benchmarking.ddp_steps",
