@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -75,7 +76,7 @@ def test_bad_arguments_fail_in_one_line(argv: list[str], message: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_cpu_run_times_each_variant_and_baseline(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+def test_a_cpu_run_times_each_variant_and_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Two variants and a baseline at one tiny shape through the command: a row per pass with each time and its
     ratio to the first variant, and the summary."""
     from cs336_systems.benchmarking.__main__ import main
