@@ -8,6 +8,7 @@ same cases run on CUDA in float32 (TF32), float16 and bfloat16, plus a few large
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -433,6 +434,32 @@ def test_dq_accumulated_by_the_dkdv_kernel_matches_the_dq_kernel(case: Case, mon
                 assert torch.equal(a, b), (extra, name)
     with pytest.raises(ValueError, match="dq_atomic must be True, False or None"):
         options.FlashOptions(dq_atomic=1)
+
+
+@pytest.mark.slow
+def test_fused_dq_is_converted_into_strided_outputs() -> None:
+    """With ``dq_atomic`` a kernel of its own scales the float32 sums into dQ. Given head views of one packed buffer
+    to write into (``out``, as :mod:`.flash_qkvpacked` passes them), it writes dQ through their strides, at a head
+    dim that is not a power of two, and leaves the buffer's other columns alone."""
+    from cs336_systems.attention import flash_triton
+
+    case = Case(37, 37, 24, True, 3)
+    q, k, v, do = (t.unsqueeze(1) if t.dim() == 3 else t for t in _inputs(case, torch.float32))
+    scale = 1.0 / math.sqrt(case.head_dim)
+    o, lse = flash_triton._forward(q, k, v, True, scale)
+    plain = flash_triton._backward(do, q, k, v, o, lse, True, scale)
+    batch, heads, n, d = q.shape
+    packed = torch.full((batch, n, 3, heads, d + 8), 7.0)  # (batch, seq, qkv, heads, d + 8): padded heads
+    views = tuple(packed[:, :, i, :, :d].transpose(1, 2) for i in range(3))
+    with options.use(dq_atomic=True):
+        assert flash_triton._backward_route(flash_triton._backward_key(do, q, k, v, o, lse, True, scale, views),
+                                            q, k, v, do, views[1], views[2])[1] == n  # the fused path: sums of n rows
+        fused = flash_triton._backward(do, q, k, v, o, lse, True, scale, out=views)
+    assert all(f is view for f, view in zip(fused, views))
+    torch.testing.assert_close(views[0], plain[0], rtol=1e-5, atol=1e-6)
+    for view, want in zip(views[1:], plain[1:]):
+        assert torch.equal(view, want)
+    assert bool((packed[..., d:] == 7.0).all())
 
 
 def test_the_backward_route_is_decided_once_per_signature(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -109,3 +109,31 @@ def test_sweep_is_derived_from_whichever_dtype_tables_exist() -> None:
     assert only_fp32.tables["sweep_speedup"][1] == "sweep_float32"  # provenance from the table that exists
     with pytest.raises(ValueError, match="no sweep table"):
         fb.derive({}, {})
+
+
+def test_sdpa_is_pinned_once_around_a_timed_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pinned SDPA implementation enters ``sdpa_kernel`` on each call made on its own, and once for a whole
+    block of calls under :func:`pinned`, as the timing loops run it, with the same outputs."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    entered = []
+    real = flash_sweep.sdpa_kernel
+
+    def counting(backend: SDPBackend):  # type: ignore[no-untyped-def]
+        entered.append(backend)
+        return real(backend)
+
+    monkeypatch.setattr(flash_sweep, "sdpa_kernel", counting)
+    fn = flash_sweep.PinnedSDPA(SDPBackend.MATH)
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    alone = [fn(q, k, v, True) for _ in range(3)]
+    assert entered == [SDPBackend.MATH] * 3
+    with flash_sweep.pinned(fn):
+        inside = [fn(q, k, v, True) for _ in range(3)]
+    assert entered == [SDPBackend.MATH] * 4
+    assert all(torch.equal(a, b) for a, b in zip(alone, inside))
+    assert fn.__name__ == "sdpa_math"
+    with flash_sweep.pinned(flash_sweep.IMPLEMENTATIONS["naive"]):  # nothing to pin
+        pass
+    assert len(entered) == 4

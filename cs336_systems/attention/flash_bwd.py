@@ -351,3 +351,31 @@ def _dq_tile(
     if D_TAIL > 0:
         _store_cols(dq_head, offs_m, stride_dqn, stride_dqd, row_ok, (dq_t * sm_scale).to(DQ.dtype.element_ty),
                     D_MAIN, D_TAIL, HEAD_DIM)
+
+
+#: Elements per program of :func:`flash_backward_dq_convert_kernel`: 32 KiB of float32 sums in, 16 KiB out.
+DQ_CONVERT_ELEMENTS = 8192
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_queries"])
+def flash_backward_dq_convert_kernel(
+    DQ_ACC, DQ, stride_ab, stride_ah, stride_an, stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    n_heads, n_queries, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dQ from the float32 sums a dK/dV kernel added ``dS K`` to (``options.dq_atomic``): times the softmax scale, in
+    dQ's dtype and strides. Grid ``(batch * heads, cdiv(n_queries, BLOCK_N))``; a program converts ``BLOCK_N`` rows.
+
+    Why a kernel of our own: PyTorch's ``torch.mul(sums, scale, out=dq)`` casts element by element in its unrolled
+    (not vectorized) loop, which an Nsight Compute profile found a third slower than cuDNN's own conversion pass
+    (docs/flash_attention/dq_atomic.md); here a row tile is one wide load and one wide store."""
+    bh, tile = tl.program_id(0), tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows < n_queries)[:, None] & (cols < HEAD_DIM)[None, :]
+    acc = DQ_ACC + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
+    sums = tl.load(acc + rows[:, None].to(tl.int64) * stride_an + cols[None, :], mask=ok, other=0.0)
+    dq = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+    tl.store(dq + rows[:, None].to(tl.int64) * stride_dqn + cols[None, :] * stride_dqd,
+             (sums * sm_scale).to(DQ.dtype.element_ty), mask=ok)

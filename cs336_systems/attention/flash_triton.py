@@ -397,7 +397,7 @@ def _backward(
     launch = functools.partial(_launch_backward, do, q, k, v, o, lse, ld, dq, dk, dv, dq_acc, is_causal, scale, gluon)
     with _device_guard(q):
         FLASH_PLANS.run(key, (do, q, k, v, o, lse, ld, dq, dk, dv, *([] if dq_acc is None else [dq_acc])), launch)
-        return _scaled_dq(dq, dq_acc, scale), dk, dv
+    return dq, dk, dv
 
 
 #: :func:`_backward_route` per backward key and alignment (deciding costs more than a launch), bounded as plans are.
@@ -437,22 +437,14 @@ def _backward_key(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
             None if out is None else (out[0].stride(), out[1].stride(), out[2].stride()))
 
 
-def _scaled_dq(dq: Tensor, dq_acc: Tensor | None, scale: float) -> Tensor:
-    """``dq``, filled from the float32 sums the dK/dV kernel accumulated (``dq_acc``, when it did) times the
-    softmax scale, as the dQ kernel scales its own."""
-    if dq_acc is not None:
-        torch.mul(dq_acc.view(*dq.shape[:2], -1, dq.shape[3])[:, :, :dq.shape[2]], scale, out=dq)  # one kernel
-    return dq
-
-
 def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, ld: Tensor, dq: Tensor,
                      dk: Tensor, dv: Tensor, dq_acc: Tensor | None, is_causal: bool, scale: float,
                      gluon: ModuleType | None) -> None:
-    """Launch the two backward kernels: dQ, which also fills ``ld`` (:func:`_row_buffer`'s
+    """Launch the backward kernels: dQ, which also fills ``ld`` (:func:`_row_buffer`'s
     ``(batch * heads, 2, n_queries)``) with the ``[L; D]`` row pairs, then dK/dV, which reads them: the Gluon
     dK/dV kernel ``gluon`` where :func:`_backward_route` chose it, else Triton's. With ``dq_acc`` the
-    first kernel writes the rows only and dK/dV, Triton's or Gluon's, adds dQ's products to ``dq_acc``
-    (``options.dq_atomic``; by default where the Gluon kernel runs)."""
+    first kernel writes the rows only, dK/dV, Triton's or Gluon's, adds dQ's products to ``dq_acc``
+    (``options.dq_atomic``; by default where the Gluon kernel runs), and a third kernel scales them into dQ."""
     kernels = _kernels()
     batch, heads, n_queries, d = q.shape
     n_keys = k.shape[2]
@@ -489,11 +481,18 @@ def _launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     ), constexprs if dq_acc is None else dict(constexprs, LD_ONLY=True))  # fmt: skip
     if gluon is not None:
         gluon.flash_backward_dkdv(q, k, v, do, ld, dk, dv, is_causal, scale, dq_acc)
-        return
-    FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
-        k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv, dq_acc,
-        *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
-    ), constexprs)  # fmt: skip
+    else:
+        FLASH_LAUNCHES.launch(kernels.tuned("dkdv", opts), key_tiles, (
+            k, v, q_tiles[0], do_tiles[0], q_tiles[1], do_tiles[1], ld_tiles, dk, dv, dq_acc,
+            *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), heads, dkdv_group, *shape_args,
+        ), constexprs)  # fmt: skip
+    if dq_acc is not None:  # dQ = scale · the sums, once every dK/dV program has added its share (same stream)
+        block_d = 1 << (d - 1).bit_length()  # the head dim's power of two
+        rows = kernels.flash_bwd.DQ_CONVERT_ELEMENTS // block_d
+        FLASH_LAUNCHES.launch(kernels.flash_bwd.flash_backward_dq_convert_kernel, (
+            batch * heads, _cdiv(n_queries, rows)), (
+            dq_acc, dq, *dq_acc.stride()[:3], *dq.stride(), heads, n_queries, scale,
+        ), dict(HEAD_DIM=d, BLOCK_N=rows, BLOCK_D=block_d))  # fmt: skip
 
 
 @torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
