@@ -157,7 +157,9 @@ LOSER_LEVERS = {
                 "slower, run these kernels (`docs/flash_attention/dq_atomic.md`)",
     "forward": "the tile is already chosen per sequence length; a persistent Triton schedule (each program "
                "taking tiles in turn) measured slower, because a program does not overlap one tile's loads "
-               "with the previous tile's epilogue (`docs/flash_attention/persistent.md`)",
+               "with the previous tile's epilogue; the persistent Gluon forward, whose producer warp does, runs by "
+               "default at d = 128, and at d = 64's short rows it lost to the Triton forward that runs there "
+               "(`docs/flash_attention/persistent.md`)",
 }
 
 
