@@ -330,6 +330,46 @@ def test_persistent_schedule_is_a_table_of_counts_and_items() -> None:
     assert flash_fwd_sm90.persistent_schedule(6, 100, 100, 4, 32, 32, True, 5, cpu) is table
 
 
+@pytest.mark.parametrize(("batch", "heads", "n", "n_keys", "group", "causal"),
+                         [(2, 3, 40, 40, 4, True), (1, 5, 70, 24, 2, True), (1, 5, 33, 50, 2, False),
+                          (1, 2, 20, 60, 2, True)])
+def test_key_tile_query_steps_follow_the_kernels_order(batch: int, heads: int, n: int, n_keys: int, group: int,
+                                                       causal: bool) -> None:
+    """The host's list of each (key tile, head) item's query tiles (the persistent dK/dV kernel's plan weighs items
+    by it) is in the order the dK/dV kernels decode items (the decode kernel, without ``HEAVY_LAST``), a causal key
+    tile starting at the query tile of its first key; key tiles past the last query (more keys than queries) stream
+    none."""
+    from cs336_systems.attention import flash_triton
+    from cs336_systems.attention.scheduling import key_tile_query_steps
+
+    block_m, block_n = 8, 16
+    n_tiles, n_bh = -(-n_keys // block_n), batch * heads
+    out = torch.full((n_tiles * n_bh, 3), -1, dtype=torch.int32, device=DEVICE)
+    flash_triton.kernel_module().program_order_kernel[(n_tiles * n_bh,)](out, n_keys, heads, group, BLOCK=block_n,
+                                                                         HEAVY_LAST=False)
+    firsts = [min(tile * block_n // block_m * block_m, n) if causal else 0 for tile, _, _ in out.tolist()]
+    expected = [-(-(n - lo) // block_m) for lo in firsts]
+    assert key_tile_query_steps(n_bh, n_tiles, group, n, block_m, block_n, causal) == expected
+    assert (0 in expected) == (causal and n_keys > n)
+
+
+def test_persistent_backward_schedule_is_a_table_of_counts_and_items() -> None:
+    """The persistent dK/dV kernel's plan, as the kernel reads it: row ``p`` holds program ``p``'s count, then its
+    items, dealt by their query tiles plus the per-item overhead; one plan per shape, reused."""
+    from cs336_systems.attention import flash_bwd_sm90
+    from cs336_systems.attention.scheduling import ITEM_OVERHEAD_TILES, key_tile_query_steps, list_schedule
+
+    cpu = torch.device("cpu")
+    table = flash_bwd_sm90.persistent_schedule(6, 100, 100, 4, 16, 32, True, 5, cpu)
+    counts = table[:, 0].tolist()
+    rows = [table[p, 1:1 + counts[p]].tolist() for p in range(5)]
+    steps = key_tile_query_steps(6, 4, 4, 100, 16, 32, True)
+    offsets, items = list_schedule([t + ITEM_OVERHEAD_TILES for t in steps], 5)
+    assert rows == [items[offsets[p]:offsets[p + 1]] for p in range(5)] and sorted(items) == list(range(24))
+    assert table.dtype == torch.int32 and table.shape == (5, 1 + max(counts))
+    assert flash_bwd_sm90.persistent_schedule(6, 100, 100, 4, 16, 32, True, 5, cpu) is table
+
+
 def test_head_groups_fill_the_l2_share() -> None:
     """As many heads per group as fit their streamed bytes in the share of L2 (an H100's 50 MiB is assumed for
     CPU tensors), at least one, at most all; no grouping without a share; a bad share is a one-line error."""
@@ -1321,9 +1361,64 @@ def test_gluon_persistent_forward_gives_the_one_item_forwards_numbers(case: Case
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
+#: Persistent dK/dV cases: more (key tile, head) items than SMs, causal items of unequal length, ragged lengths, more
+#: keys than queries (causal key tiles past the last query stream none), both head dims.
+PERSISTENT_BACKWARD_CASES = [Case(2048, 2048, 128, True, 48), Case(1030, 1030, 128, False, 8),
+                             Case(1000, 1000, 64, True, 40), Case(300, 700, 128, True, 16),
+                             Case(77, 77, 64, True, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("case", PERSISTENT_BACKWARD_CASES, ids=str)
+@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_kernel", "dq_atomic"])
+def test_gluon_persistent_backward_gives_the_one_item_backwards_numbers(case: Case, fused_dq: bool) -> None:
+    """A persistent dK/dV program runs each item's arithmetic as a one-item program does, so dK and dV are
+    bit-identical, and so is dQ from the Triton dQ kernel; the fused dQ's float32 sums are added in whatever order
+    the tiles finish, in both, so that dQ matches to its rounding."""
+    from cs336_systems.attention import flash_triton
+
+    q, k, v, do = _gluon_inputs(case, torch.bfloat16, "bhsd")
+    runs = {}
+    for persistent in (False, True):
+        with options.use(gluon_backward_min_keys=0, dq_atomic=fused_dq, gluon_persistent_backward=persistent):
+            assert flash_triton.backward_kernel_name(q, k, v) == ("gluon_persistent" if persistent else "gluon")
+            runs[persistent] = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
+    for name, a, b in zip(NAMES, runs[True], runs[False], strict=True):
+        if name == "dQ" and fused_dq:
+            torch.testing.assert_close(a, b, msg=lambda m: f"dQ: {m}")  # bf16's tolerances: its last bit
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # --------------------------------------------------------------------------------------------------
 # The Gluon dK/dV backward (Hopper): eligibility and an offline sm_90 compile anywhere, numerics on a Hopper GPU
 # --------------------------------------------------------------------------------------------------
+
+
+def test_persistent_backward_launches_the_planned_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``gluon_persistent_backward`` the host launches the persistent dK/dV kernel on at most one program per SM
+    (one nominal SM on CPU) with the planned item table, a plan constant; without it, the one-item kernel on one
+    program per (key tile, head). Checked on the launch's arguments, the launch itself stubbed (no Hopper here)."""
+    from cs336_systems.attention import flash_bwd_sm90 as sm90
+    from cs336_systems.attention.flash_triton import _row_buffer
+
+    launches = []
+    monkeypatch.setattr(sm90.FLASH_LAUNCHES, "launch", lambda fn, grid, args, constexprs: launches.append(
+        (fn, grid, args)))
+    q, k, v, do = (torch.randn(2, 3, 300, 128, dtype=torch.bfloat16) for _ in range(4))
+    dk, dv, ld = torch.empty_like(k), torch.empty_like(v), _row_buffer((6, 2), 300, q.device)
+    sm90.flash_backward_dkdv(q, k, v, do, ld, dk, dv, True, 0.1)
+    with options.use(gluon_persistent_backward=True):
+        sm90.flash_backward_dkdv(q, k, v, do, ld, dk, dv, True, 0.1)
+    (one_fn, one_grid, one_args), (fn, grid, args) = launches
+    assert one_fn is sm90.flash_backward_dkdv_gluon_kernel and one_grid == (3 * 6,)
+    assert fn is sm90.flash_backward_dkdv_gluon_persistent_kernel and grid == (1,) and args[:-3] == one_args
+    n_bh, table, row = args[-3:]
+    assert n_bh == 6 and row == table.shape[1] and table[0, 0] == 18
+    assert sorted(table[0, 1:].tolist()) == list(range(18))  # one program takes every item
+    with pytest.raises(ValueError, match="gluon_persistent_backward must be True or False"):
+        options.FlashOptions(gluon_persistent_backward=1)
 
 
 def test_gluon_backward_eligibility() -> None:
@@ -1414,6 +1509,24 @@ def test_gluon_backward_compiles_for_hopper(head_dim: int, poly: bool) -> None:
         assert result["spill_bytes"] in (None, 0), result["spill_bytes"]
     else:
         assert result["spill_bytes"] is None or result["spill_bytes"] <= 128, result["spill_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("head_dim", "causal", "dq_acc", "spill_bytes"),
+                         [(64, True, True, 0), (128, True, True, 336), (128, False, False, 212)], ids=str)
+def test_gluon_persistent_backward_compiles_for_hopper(head_dim: int, causal: bool, dq_acc: bool,
+                                                       spill_bytes: int) -> None:
+    """The persistent dK/dV kernel (``options.gluon_persistent_backward``) builds for sm_90 like the one-item
+    kernel: warp roles, asynchronous products, TMA copies (and with the fused dQ its TMA reductions), its buffers
+    plus the ``kv_empty`` barrier inside shared memory. Spills: none at d = 64; at d = 128 at most what this build
+    spills, the item loop's state on top of the one-item kernel's (docs/flash_attention/persistent.md), so that more
+    would show."""
+    result = _compile_offline_in_subprocess(
+        f"flash_bwd_sm90.compile_for_hopper({head_dim}, {causal}, dq_acc={dq_acc}, persistent=True)")
+    ops = ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor", *(("cp.reduce.async.bulk",) if dq_acc else ()))
+    assert all(op in result["ptx"] for op in ops)
+    assert result["shared"] <= 227 * 1024
+    assert result["spill_bytes"] is None or result["spill_bytes"] <= spill_bytes, result["spill_bytes"]
 
 
 @pytest.mark.gpu

@@ -321,6 +321,35 @@ def test_the_persistent_forward_replays_through_plans(shape: tuple) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize("shape", [(8, 32, 256, 128), (2, 4, 1000, 64)], ids=str)
+def test_the_persistent_backward_replays_through_plans(shape: tuple) -> None:
+    """The persistent Gluon dK/dV kernel's item table is a plan constant too: its calls replay and give what the full
+    path gives (with the Triton dQ kernel, whose dQ is bit-reproducible, unlike the fused one's)."""
+    from cs336_systems.attention import FlashAttentionTriton, options
+    from cs336_systems.attention.flash_triton import backward_kernel_name, validated_calls_off
+    from cs336_systems.attention.launch_plan import FLASH_PLANS
+
+    def run(seed: int) -> list[torch.Tensor]:
+        q, k, v, do = _inputs(shape, torch.bfloat16, "bhsd", seed)
+        o = FlashAttentionTriton.apply(q, k, v, True)
+        return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
+
+    with options.use(gluon_persistent_backward=True, gluon_backward_min_keys=0, dq_atomic=False):
+        assert backward_kernel_name(*_inputs(shape, torch.bfloat16, "bhsd", 0)[:3]) == "gluon_persistent"
+        run(0), run(0)
+        replays = FLASH_PLANS.replays
+        got = [run(seed) for seed in (1, 2)]
+        assert FLASH_PLANS.replays == replays + 4
+        with launch_plan.disabled(), validated_calls_off():
+            expected = [run(seed) for seed in (1, 2)]
+    for g_call, e_call in zip(got, expected, strict=True):
+        for g, e in zip(g_call, e_call, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_saved_tensors_in_other_layouts_do_not_replay_the_plain_backwards_plan() -> None:
     """``save_on_cpu`` hands the backward contiguous copies of head views: its plan must be its own."""

@@ -32,6 +32,11 @@ It runs on Hopper for rows of at least ``options.gluon_backward_min_keys`` (2,04
 slower on shorter rows, where the zero fill, the scaling pass and the extra host work of the float32 sums weigh
 more (docs/flash_attention/dq_atomic.md).
 
+``flash_backward_dkdv_gluon_persistent_kernel`` is the same work on a persistent grid (``options.
+gluon_persistent_backward``, off by default until measured): at most one program per SM, each taking the (key tile,
+head) items a host plan gives it, the producer loading the next item's K and V once both consumers are done with the
+current ones (``kv_empty``), so that those loads run under the current item's last products and its dK/dV stores.
+
 Scope: as the Gluon forward (16-bit inputs, head dims 64 and 128, Q, K, V and dO each contiguous or, with
 ``gluon_head_views``, a head view); :func:`ineligibility` says why a call is not covered, and the Triton dK/dV
 kernel then runs.
@@ -63,6 +68,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import options
 from .flash_fwd_sm90 import (
     _GLUON_DTYPES,
+    _my_count,
+    _my_item,
     _Placement,
     _tma_load,
     compile_offline,
@@ -70,9 +77,10 @@ from .flash_fwd_sm90 import (
     placement,
     tensor_descriptor_type,
 )
-from .flash_common import _exp2_fma, _tile_and_head
+from .flash_common import _exp2_fma, _item_tile_and_head, _tile_and_head
 from .launch_cache import FLASH_LAUNCHES
-from .scheduling import heads_per_l2_group
+from .launch_plan import plan_constant
+from .scheduling import ITEM_OVERHEAD_TILES, grid, heads_per_l2_group, key_tile_query_steps, schedule_table, sm_count
 
 #: Keys per consumer warpgroup: one ``wgmma`` row block of ``Sᵀ``.
 ROWS = gl.constexpr(64)
@@ -92,19 +100,24 @@ _CONSUMER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar, ready,
-              empty, k_row0, kv_col, q_row0, q_col, do_row0, do_col, ld_row, lo, n_steps,
-              CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """TMA copies: each consumer's K and V rows once, then query tile ``i`` of Q and dO, with its ``[L; D]`` rows,
-    into buffer ``i % STAGES`` once every consumer is done with it."""
+def _producer(k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar, kv_empty,
+              ready, empty, k_row0, kv_col, q_row0, q_col, do_row0, do_col, ld_row, lo, n_steps, t0, r,
+              CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """TMA copies of one item: each consumer's K and V rows once, then query tile ``i`` of Q and dO, with its
+    ``[L; D]`` rows, into buffer ``(t0 + i) % STAGES`` once every consumer is done with it. ``t0``: query tiles this
+    program streamed before this item; ``r``: items before it (a persistent program refills K and V once every
+    consumer is done with them, ``kv_empty``)."""
+    if PERSISTENT:
+        mbarrier.wait(kv_empty, (r & 1) ^ 1)  # the first item passes at once, as for "empty" below
     mbarrier.expect(kv_bar, 2 * CONSUMERS * k_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
         _tma_load(k_desc, [k_row0 + c * ROWS, kv_col], kv_bar, k_smem.index(c))
         _tma_load(v_desc, [k_row0 + c * ROWS, kv_col], kv_bar, v_smem.index(c))
     for i in range(n_steps):
-        stage = i % STAGES
+        t = t0 + i
+        stage = t % STAGES
         # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once.
-        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + ld_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row0 + i * BLOCK_M, q_col], bar, q_smem.index(stage))
@@ -113,12 +126,14 @@ def _producer(k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, 
 
 
 @gluon.jit
-def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, ready,
-              empty, ds_bar, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
-              n_queries, n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, CONSUMERS: gl.constexpr):
-    """dK and dV of keys ``[start_n + part·ROWS, +ROWS)`` over ``n_steps`` query tiles from ``lo``; with
-    ``dq_desc``, also this consumer's share of each query tile's ``dQ = dS K`` (:func:`_add_dq`)."""
+def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, kv_empty,
+              ready, empty, ds_bar, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
+              n_queries, n_keys, n_steps, qk_scale, sm_scale, t0, r, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, CONSUMERS: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    """dK and dV of keys ``[start_n + part·ROWS, +ROWS)`` over ``n_steps`` query tiles from ``lo``, which the ring
+    holds from its ``t0``-th tile on; with ``dq_desc``, also this consumer's share of each query tile's
+    ``dQ = dS K`` (:func:`_add_dq`). ``r``: items this program finished before (see :func:`_producer`)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -142,13 +157,14 @@ def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_s
     clean_to = (n_queries // BLOCK_M) * BLOCK_M
     all_keys = first + ROWS <= n_keys
 
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, r & 1)
     for i in range(n_steps):
-        stage = i % STAGES
+        t = t0 + i  # the ring's tile count, carried across a persistent program's items
+        stage = t % STAGES
         start_m = lo + i * BLOCK_M
         queries = start_m + gl.arange(0, BLOCK_M, layout=s_cols)
         query_ok = queries < n_queries
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
         # [L·log2 e; D] of these queries (zero past the sequence), as two plain rows: TMA writes them unswizzled
@@ -179,15 +195,17 @@ def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_s
         else:
             # dSᵀ goes through shared memory: dK's product reads it there, and so do both consumers' dQ
             # products, which need the program's whole key tile (this consumer's 64 keys and the other's).
-            ds_tile = ds_smem.index((i % 2) * CONSUMERS + part)
+            ds_tile = ds_smem.index((t % 2) * CONSUMERS + part)
             ds_tile.store(dst.to(dtype))
             fence_async_shared()
-            mbarrier.arrive(ds_bar.index(i % 2))
+            mbarrier.arrive(ds_bar.index(t % 2))
             dk_token = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
             dv, dk, pt_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, pt_op])  # frees Pᵀ's registers
-            _add_dq(ds_smem, k_smem, dq_smem, ds_bar, dq_desc, dq_row0, i, start_m, part, HEAD_DIM, BLOCK_M,
+            _add_dq(ds_smem, k_smem, dq_smem, ds_bar, dq_desc, dq_row0, t, start_m, part, HEAD_DIM, BLOCK_M,
                     CONSUMERS)
         mbarrier.arrive(empty.index(stage))  # this warpgroup has read Q_i and dO_i
+    if PERSISTENT:
+        mbarrier.arrive(kv_empty)  # every product with this item's K and V is done: the next item's may load
 
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
     acc_cols: gl.constexpr = gl.SliceLayout(0, acc_layout)
@@ -196,7 +214,7 @@ def _consumer(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_s
     rows_ok = rows < n_keys
     gl.store(DK + dk_head + rows.to(gl.int64) * stride_dkn + cols, (dk * sm_scale).to(dtype), mask=rows_ok)
     gl.store(DV + dv_head + rows.to(gl.int64) * stride_dvn + cols, dv.to(dtype), mask=rows_ok)
-    if dq_desc is not None:
+    if not PERSISTENT and dq_desc is not None:
         tma.store_wait(0)  # the last reduction has read its staging tile before the program ends
 
 
@@ -213,7 +231,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon.jit
 def _add_dq(ds_smem, k_smem, dq_smem, ds_bar, dq_desc, dq_row0, i, start_m, part: gl.constexpr,
             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Add ``dS K`` over the program's key tile for query tile ``i`` (rows from ``start_m``) to the float32 dQ
+    """Add ``dS K`` over the program's key tile for ring step ``i`` (query rows from ``start_m``) to the float32 dQ
     sums behind ``dq_desc``, unscaled: FlashAttention-3's fifth product. The tile goes to shared memory and the
     copy engine adds it (:func:`_tma_reduce_add`) while the consumer goes on to the next step. The work is split
     so that no consumer holds more than a 64-column float32 tile: at head dim 128 each consumer takes 64 of the
@@ -247,7 +265,6 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, ld_desc, D
                                      STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr):
     CONSUMERS: gl.constexpr = BLOCK_N // ROWS
     gl.static_assert(BLOCK_N == 128, "BLOCK_N: two consumer warpgroups of 64 keys")
-    dtype: gl.constexpr = q_desc.dtype
     # Program -> (key tile, batch, head) as the Triton dK/dV kernel decodes it: groups of ``head_group`` heads
     # whose Q, dO and [L; D] fit in L2, heads fastest inside a group; causal key tiles in order, since the first
     # see the most queries.
@@ -256,17 +273,135 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, ld_desc, D
     h = h64.to(gl.int32)
     bh = b * n_heads + h
     start_n = tile_n * BLOCK_N
-    if IS_CAUSAL:
-        lo = gl.minimum((start_n // BLOCK_M) * BLOCK_M, n_queries)  # earlier queries see none of these keys
-    else:
-        lo = 0
-    n_steps = gl.cdiv(n_queries - lo, BLOCK_M)
+    lo, n_steps = _query_range(start_n, n_queries, BLOCK_M, IS_CAUSAL)
     k_row0 = b * kv_rows_b + h * kv_rows_h + start_n
     q_row0 = b * q_rows_b + h * q_rows_h + lo
     do_row0 = b * do_rows_b + h * do_rows_h + lo
     dk_head = b.to(gl.int64) * stride_dkb + h.to(gl.int64) * stride_dkh
     dv_head = b.to(gl.int64) * stride_dvb + h.to(gl.int64) * stride_dvh
 
+    if dq_desc is not None:
+        dq_row0 = bh * gl.cdiv(n_queries, BLOCK_M) * BLOCK_M  # each head's sums padded to whole query tiles
+    else:
+        dq_row0 = 0
+    k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar, kv_empty, ready, empty, ds_smem, dq_smem, ds_bar = _buffers(
+        k_desc, v_desc, q_desc, do_desc, ld_desc, dq_desc, CONSUMERS, BLOCK_M, STAGES, False)
+
+    # Register budgets as in the forward: the producer warp keeps few, the consumers share the rest.
+    # ``warp_specialize`` takes a literal list of (function, arguments) pairs (see flash_fwd_sm90).
+    gl.warp_specialize([
+        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready, empty,
+                     ds_bar, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
+                     n_queries, n_keys, n_steps, qk_scale, sm_scale, 0, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
+                     POLY_EXP2, CONSUMERS, False)),
+        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready, empty,
+                     ds_bar, DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo,
+                     n_queries, n_keys, n_steps, qk_scale, sm_scale, 0, 0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL,
+                     POLY_EXP2, CONSUMERS, False)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar,
+                     kv_empty, ready, empty, k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, 2 * bh,
+                     lo, n_steps, 0, 0, CONSUMERS, BLOCK_M, STAGES, False)),
+    ], [_CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+
+@gluon.jit
+def _query_range(start_n, n_queries, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """``(lo, n_steps)``: the first query and the count of query tiles keys from ``start_n`` on see (causal: none
+    before the query tile holding ``start_n``)."""
+    if IS_CAUSAL:
+        lo = gl.minimum((start_n // BLOCK_M) * BLOCK_M, n_queries)
+    else:
+        lo = 0
+    return lo, gl.cdiv(n_queries - lo, BLOCK_M)
+
+
+@gluon.jit
+def _producer_loop(k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar, kv_empty,
+                   ready, empty, schedule, row, n_tiles_n, n_bh, head_group, n_heads, n_queries, kv_rows_b, kv_rows_h,
+                   kv_col_h, q_rows_b, q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h, CONSUMERS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """A persistent program's copies: its items of ``schedule`` in turn, the Q/dO ring carried from one to the next,
+    so the next item's K, V and first query tiles load while the consumers finish the current one."""
+    t0 = 0
+    for r in range(_my_count(schedule, row)):
+        tile_n, b64, h64 = _item_tile_and_head(_my_item(schedule, row, r), n_tiles_n, n_bh, n_heads, head_group, False)
+        b = b64.to(gl.int32)  # descriptor coordinates are 32-bit
+        h = h64.to(gl.int32)
+        start_n = tile_n * BLOCK_N
+        lo, n_steps = _query_range(start_n, n_queries, BLOCK_M, IS_CAUSAL)
+        _producer(k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar, kv_empty,
+                  ready, empty, b * kv_rows_b + h * kv_rows_h + start_n, h * kv_col_h, b * q_rows_b + h * q_rows_h + lo,
+                  h * q_col_h, b * do_rows_b + h * do_rows_h + lo, h * do_col_h, 2 * (b * n_heads + h), lo, n_steps, t0,
+                  r, CONSUMERS, BLOCK_M, STAGES, True)
+        t0 += n_steps
+
+
+@gluon.jit
+def _consumer_loop(part: gl.constexpr, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, kv_empty,
+                   ready, empty, ds_bar, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                   dq_desc, schedule, row, n_tiles_n, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, POLY_EXP2: gl.constexpr, CONSUMERS: gl.constexpr):
+    """A persistent program's consumer: :func:`_consumer` over its items of ``schedule``, following the producer
+    through the ring."""
+    t0 = 0
+    for r in range(_my_count(schedule, row)):
+        tile_n, b, h = _item_tile_and_head(_my_item(schedule, row, r), n_tiles_n, n_bh, n_heads, head_group, False)
+        start_n = tile_n * BLOCK_N
+        lo, n_steps = _query_range(start_n, n_queries, BLOCK_M, IS_CAUSAL)
+        dq_row0 = (b * n_heads + h).to(gl.int32) * gl.cdiv(n_queries, BLOCK_M) * BLOCK_M  # see the one-item kernel
+        _consumer(part, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready, empty,
+                  ds_bar, DK, DV, b * stride_dkb + h * stride_dkh, b * stride_dvb + h * stride_dvh, stride_dkn,
+                  stride_dvn, dq_desc, dq_row0, start_n, lo, n_queries, n_keys, n_steps, qk_scale, sm_scale, t0, r,
+                  HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, CONSUMERS, True)
+        t0 += n_steps
+    if dq_desc is not None:
+        tma.store_wait(0)  # the last reduction has read its staging tile before the program ends
+
+
+@gluon.jit
+def flash_backward_dkdv_gluon_persistent_kernel(k_desc, v_desc, q_desc, do_desc, ld_desc, DK, DV, dq_desc, n_queries,
+                                                n_keys, qk_scale, sm_scale, n_heads, head_group, kv_rows_b, kv_rows_h,
+                                                kv_col_h, q_rows_b, q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h,
+                                                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                                                n_bh, schedule, row, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                                POLY_EXP2: gl.constexpr):
+    """A grid of at most one program per SM, each taking the (key tile, head) items of ``schedule`` in turn
+    (:func:`persistent_schedule`), as the persistent forward does (:mod:`.flash_fwd_sm90`) and cuDNN's backward
+    runs. Why: a one-item program waits for its K and V before its first product and stores dK and dV after its
+    last, and only one fits on an SM; here the producer loads the next item's K and V (``kv_empty``: both consumers
+    are done with the current ones) and its first query tiles while the consumers store. Same outputs, item for
+    item, as :func:`flash_backward_dkdv_gluon_kernel`."""
+    CONSUMERS: gl.constexpr = BLOCK_N // ROWS
+    gl.static_assert(BLOCK_N == 128, "BLOCK_N: two consumer warpgroups of 64 keys")
+    n_tiles_n = gl.cdiv(n_keys, BLOCK_N)
+    k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar, kv_empty, ready, empty, ds_smem, dq_smem, ds_bar = _buffers(
+        k_desc, v_desc, q_desc, do_desc, ld_desc, dq_desc, CONSUMERS, BLOCK_M, STAGES, True)
+    gl.warp_specialize([
+        (_consumer_loop, (0, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready,
+                          empty, ds_bar, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                          stride_dvn, dq_desc, schedule, row, n_tiles_n, n_bh, head_group, n_heads, n_queries, n_keys,
+                          qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, POLY_EXP2, CONSUMERS)),
+        (_consumer_loop, (1, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, kv_empty, ready,
+                          empty, ds_bar, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                          stride_dvn, dq_desc, schedule, row, n_tiles_n, n_bh, head_group, n_heads, n_queries, n_keys,
+                          qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, POLY_EXP2, CONSUMERS)),
+        (_producer_loop, (k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar,
+                          kv_empty, ready, empty, schedule, row, n_tiles_n, n_bh, head_group, n_heads, n_queries,
+                          kv_rows_b, kv_rows_h, kv_col_h, q_rows_b, q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h,
+                          CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+    ], [_CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+
+@gluon.jit
+def _buffers(k_desc, v_desc, q_desc, do_desc, ld_desc, dq_desc, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+             STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Shared memory of a program and its barriers: each consumer's K and V rows (``kv_bar``: landed;
+    ``kv_empty``: every consumer is done with them, persistent programs only), the Q/dO/[L; D] ring (``ready[s]``,
+    ``empty[s]``), and with ``dq_desc`` the dSᵀ buffers and dQ staging tiles of :func:`_add_dq` (``ds_bar``)."""
+    dtype: gl.constexpr = q_desc.dtype
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -288,27 +423,17 @@ def flash_backward_dkdv_gluon_kernel(k_desc, v_desc, q_desc, do_desc, ld_desc, D
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_bar.index(i), count=CONSUMERS)
-        dq_row0 = bh * gl.cdiv(n_queries, BLOCK_M) * BLOCK_M  # each head's sums padded to whole query tiles
     else:  # unused without dq_desc; warp_specialize takes no None arguments
         ds_smem = kv_bar
         dq_smem = kv_bar
         ds_bar = kv_bar
-        dq_row0 = 0
+    if PERSISTENT:
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=CONSUMERS)
+    else:  # a one-item program loads K and V once: no refill to wait for (kv_bar stands in, never waited on as one)
+        kv_empty = kv_bar
     fence_async_shared()
-
-    # Register budgets as in the forward: the producer warp keeps few, the consumers share the rest.
-    # ``warp_specialize`` takes a literal list of (function, arguments) pairs (see flash_fwd_sm90).
-    gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar,
-                     DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo, n_queries,
-                     n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, CONSUMERS)),
-        (_consumer, (1, k_smem, v_smem, q_smem, do_smem, ld_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar,
-                     DK, DV, dk_head, dv_head, stride_dkn, stride_dvn, dq_desc, dq_row0, start_n, lo, n_queries,
-                     n_keys, n_steps, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL, POLY_EXP2, CONSUMERS)),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar,
-                     ready, empty, k_row0, h * kv_col_h, q_row0, h * q_col_h, do_row0, h * do_col_h, 2 * bh, lo,
-                     n_steps, CONSUMERS, BLOCK_M, STAGES)),
-    ], [_CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+    return k_smem, v_smem, q_smem, do_smem, ld_smem, kv_bar, kv_empty, ready, empty, ds_smem, dq_smem, ds_bar
 
 
 # --------------------------------------------------------------------------------------------------
@@ -420,20 +545,37 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
         cols = _dq_cols(d)
         dq_desc = TensorDescriptor(dq_acc, [dq_acc.numel() // d, d], [d, 1], [block_m, cols],
                                    _dq_layout(block_m, cols))
-    grid = (-(-n_keys // block_n) * batch * heads,)
+    items = -(-n_keys // block_n) * batch * heads
     group = heads_per_l2_group(batch * heads, n_queries * (2 * d * q.element_size() + 8), q.device)
-    FLASH_LAUNCHES.launch(flash_backward_dkdv_gluon_kernel, grid, (
-        k_desc, v_desc, q_desc, do_desc, ld_desc, dk, dv, dq_desc, n_queries, n_keys, scale * 1.4426950408889634,
-        scale, heads, group, *kv_at[2:], *q_at[2:], *do_at[2:], *dk.stride()[:3], *dv.stride()[:3],
-    ), dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
-            POLY_EXP2=_polynomial_exp2(),
-            num_warps=_CONSUMER_WARPS.value))  # fmt: skip
+    args = (k_desc, v_desc, q_desc, do_desc, ld_desc, dk, dv, dq_desc, n_queries, n_keys, scale * 1.4426950408889634,
+            scale, heads, group, *kv_at[2:], *q_at[2:], *do_at[2:], *dk.stride()[:3], *dv.stride()[:3])
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
+                      POLY_EXP2=_polynomial_exp2(), num_warps=_CONSUMER_WARPS.value)
+    if not options.current().gluon_persistent_backward:
+        FLASH_LAUNCHES.launch(flash_backward_dkdv_gluon_kernel, (items,), args, constexprs)
+    elif items:  # one program per SM at most (one fits: the buffers take its shared memory)
+        programs = grid(items, sm_count(q.device))
+        schedule = persistent_schedule(batch * heads, n_queries, n_keys, group, block_m, block_n, is_causal,
+                                       programs[0], q.device)
+        FLASH_LAUNCHES.launch(flash_backward_dkdv_gluon_persistent_kernel, programs,
+                              (*args, batch * heads, schedule, schedule.shape[1]), constexprs)
+
+
+@functools.cache  # never evicted: a launch plan or a captured CUDA graph may hold a table's address
+def persistent_schedule(n_bh: int, n_queries: int, n_keys: int, head_group: int, block_m: int, block_n: int,
+                        causal: bool, programs: int, device: torch.device) -> Tensor:
+    """The persistent dK/dV kernel's item plan on ``device``, as :func:`.flash_fwd_sm90.persistent_schedule` makes
+    the forward's: each (key tile, head) item weighted by the query tiles it streams plus the per-item overhead, and
+    kept for good as a launch plan's constant."""
+    steps = key_tile_query_steps(n_bh, -(-n_keys // block_n), head_group, n_queries, block_m, block_n, causal)
+    return plan_constant(schedule_table([s + ITEM_OVERHEAD_TILES for s in steps], programs).to(device))
 
 
 def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None,
-                       poly: bool = False, dq_acc: bool = False):
-    """Compile the kernel for sm_90 without a GPU, as :func:`.flash_fwd_sm90.compile_for_hopper` does for the
-    forward (same caveat: not under ``TRITON_INTERPRET=1``); returns Triton's compiled kernel."""
+                       poly: bool = False, dq_acc: bool = False, persistent: bool = False):
+    """Compile the kernel (``persistent``: its persistent-grid form) for sm_90 without a GPU, as
+    :func:`.flash_fwd_sm90.compile_for_hopper` does for the forward (same caveat: not under ``TRITON_INTERPRET=1``);
+    returns Triton's compiled kernel."""
     block_m, block_n, stages = tile or TILES[head_dim]
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
                   "IS_CAUSAL": is_causal, "POLY_EXP2": poly}
@@ -446,5 +588,9 @@ def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, i
         types["dq_desc"] = f"tensordesc<fp32[{block_m}, {cols}],{_dq_layout(block_m, cols)!r}>"
     else:
         constexprs["dq_desc"] = None
+    if persistent:
+        types["schedule"] = "*i32"
+        return compile_offline(flash_backward_dkdv_gluon_persistent_kernel, types, constexprs,
+                               ("DK", "DV", "schedule"), _CONSUMER_WARPS.value)
     return compile_offline(flash_backward_dkdv_gluon_kernel, types, constexprs, ("DK", "DV"),
                            _CONSUMER_WARPS.value)

@@ -59,8 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from . import options
 from .launch_cache import FLASH_LAUNCHES
 from .launch_plan import plan_constant
-from .scheduling import (ITEM_OVERHEAD_TILES, grid, heads_per_l2_group, item_key_tiles, list_schedule,
-                         sm_count)
+from .scheduling import ITEM_OVERHEAD_TILES, grid, heads_per_l2_group, item_key_tiles, schedule_table, sm_count
 
 _LOG2_E = 1.4426950408889634
 
@@ -551,13 +550,7 @@ def persistent_schedule(n_bh: int, n_queries: int, n_keys: int, head_group: int,
     constant: a call that hits the cache copies nothing, so a CUDA graph can capture the launch after a first
     call (a first call inside a capture would copy to the device and fail)."""
     tiles = item_key_tiles(n_bh, -(-n_queries // block_m), head_group, n_keys, block_m, block_n, causal)
-    offsets, items = list_schedule([t + ITEM_OVERHEAD_TILES for t in tiles], programs)
-    counts = [offsets[p + 1] - offsets[p] for p in range(programs)]
-    table = torch.zeros(programs, 1 + max(counts), dtype=torch.int32)
-    for p, count in enumerate(counts):
-        table[p, 0] = count
-        table[p, 1:1 + count] = torch.tensor(items[offsets[p]:offsets[p + 1]], dtype=torch.int32)
-    return plan_constant(table.to(device))
+    return plan_constant(schedule_table([t + ITEM_OVERHEAD_TILES for t in tiles], programs).to(device))
 
 
 def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None,

@@ -291,10 +291,11 @@ def forward_kernel_name(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False
 
 def backward_kernel_name(q: Tensor, k: Tensor, v: Tensor) -> str:
     """``"gluon"`` (the fused dK/dV/dQ kernel, or with ``options.dq_atomic=False`` the Gluon dK/dV kernel beside
-    Triton's dQ) or ``"triton"``: which backward ``FlashAttentionTriton`` runs for these inputs (3-D or 4-D, as
-    passed to it; the gradients are taken to be laid out as they are)."""
-    q, k, v = _as_launched(q, k, v)
-    return "gluon" if _gluon_backward_module(q, k, v, q, k, v) is not None else "triton"
+    Triton's dQ), ``"gluon_persistent"`` (its persistent grid, ``options.gluon_persistent_backward``) or
+    ``"triton"``: which backward ``FlashAttentionTriton`` runs for these inputs (as :func:`forward_kernel_name`)."""
+    if _gluon_backward_module(*_as_launched(q, k, v) * 2) is None:  # dO, dK and dV laid out as Q, K and V
+        return "triton"
+    return "gluon_persistent" if options.current().gluon_persistent_backward else "gluon"
 
 
 def _as_launched(*tensors: Tensor) -> tuple[Tensor, ...]:

@@ -177,6 +177,10 @@ class FlashOptions:
     runs. ``True``: at every head dim, and it then also takes the short rows that ``gluon_min_key_work`` sends to
     the Triton forward (which stays faster at the short d = 64 rows); ``False``: never, for A/B
     (docs/flash_attention/persistent.md).
+    ``gluon_persistent_backward``: whether the Gluon dK/dV kernel, where it runs, runs a persistent grid, at most one
+    program per SM taking host-planned (key tile, head) items in turn, the next item's K and V loaded while the
+    consumers store the current one's dK and dV (the forward's schedule, cuDNN's backward's grid). Same outputs.
+    Off by default until measured (docs/flash_attention/persistent.md).
     ``dq_atomic``: whether the dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer
     (five products per key and query tile instead of the two kernels' seven) while the dQ kernel only writes the
     ``[L; D]`` rows. The Gluon kernel adds by TMA bulk reductions, as FlashAttention-3 does; the Triton one by
@@ -198,10 +202,11 @@ class FlashOptions:
     gluon_backward_min_keys: Any = DEFAULT_GLUON_BACKWARD_MIN_KEYS
     persistent: int = 0
     gluon_persistent: bool | None = None
+    gluon_persistent_backward: bool = False
     dq_atomic: bool | None = None
 
     def __post_init__(self) -> None:
-        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward"):
+        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "gluon_persistent_backward"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         for flag, default in (("dq_atomic", "where the Gluon backward runs"),
@@ -273,6 +278,7 @@ class FlashOptions:
             "gluon_backward_min_keys": dict(self.gluon_backward_min_keys),
             "persistent": self.persistent,
             "gluon_persistent": self.gluon_persistent,
+            "gluon_persistent_backward": self.gluon_persistent_backward,
             "dq_atomic": self.dq_atomic,
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),

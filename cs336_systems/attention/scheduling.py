@@ -119,3 +119,29 @@ def list_schedule(weights: Sequence[float], programs: int) -> tuple[list[int], l
         items += mine
         offsets.append(len(items))
     return offsets, items
+
+
+def key_tile_query_steps(n_bh: int, n_tiles_n: int, head_group: int, n_queries: int, block_m: int, block_n: int,
+                         causal: bool) -> list[int]:
+    """The query tiles each (key tile, head) item of the dK/dV kernels streams, in their one-program-per-item order
+    (``flash_common._item_tile_and_head`` without ``HEAVY_LAST``: causal key tiles come first-to-last already, the
+    first seeing the most queries): a causal key tile starts at the query tile holding its first key."""
+    tiles = []
+    for first in range(0, n_bh, head_group):
+        heads = min(head_group, n_bh - first)
+        for j in range(n_tiles_n):
+            lo = min((j * block_n // block_m) * block_m, n_queries) if causal else 0
+            tiles += [-(-(n_queries - lo) // block_m)] * heads
+    return tiles
+
+
+def schedule_table(weights: Sequence[float], programs: int) -> torch.Tensor:
+    """A persistent kernel's item plan as an int32 ``(programs, row)`` table: row ``p`` holds program ``p``'s item
+    count, then its items in turn, as :func:`list_schedule` deals the items of ``weights``."""
+    offsets, items = list_schedule(weights, programs)
+    counts = [offsets[p + 1] - offsets[p] for p in range(programs)]
+    table = torch.zeros(programs, 1 + max(counts), dtype=torch.int32)
+    for p, count in enumerate(counts):
+        table[p, 0] = count
+        table[p, 1:1 + count] = torch.tensor(items[offsets[p]:offsets[p + 1]], dtype=torch.int32)
+    return table

@@ -52,10 +52,12 @@ CANDIDATE_SETS = {"default": None, "wide": WIDE_CANDIDATES}
 #: Gluon forward (Hopper, one program per item or persistent) replaces the Triton one where it applies.
 MATMULS_PER_STEP = {"flash_forward_kernel": 2, "flash_forward_gluon_kernel": 2,
                     "flash_forward_gluon_persistent_kernel": 2, "flash_backward_dkdv_kernel": 4,
-                    "flash_backward_dkdv_gluon_kernel": 4, "flash_backward_dq_kernel": 3}
+                    "flash_backward_dkdv_gluon_kernel": 4, "flash_backward_dkdv_gluon_persistent_kernel": 4,
+                    "flash_backward_dq_kernel": 3}
 #: The same where the dK/dV kernel also forms dQ (``options.dq_atomic``): the dQ kernel then writes only ``[L; D]``.
 MATMULS_PER_STEP_FUSED_DQ = {**MATMULS_PER_STEP, "flash_backward_dkdv_kernel": 5,
-                             "flash_backward_dkdv_gluon_kernel": 5, "flash_backward_dq_kernel": float("nan")}
+                             "flash_backward_dkdv_gluon_kernel": 5, "flash_backward_dkdv_gluon_persistent_kernel": 5,
+                             "flash_backward_dq_kernel": float("nan")}
 
 
 def _config_label(config: Any) -> str:
@@ -121,7 +123,7 @@ def run_kernel_breakdown(
     kernels = kernel_table(profile_steps(step, warmup=1, steps=profiled_steps), per=profiled_steps)
     summary["profiled_gpu_ms_per_step"] = kernels["total_ms"].sum()
     matmul = attention_flops(batch, seq_len, seq_len, head_dim, is_causal=True) / 2  # one causal product
-    fused = options.current().fuses_dq(summary["backward_kernel"] == "gluon")
+    fused = options.current().fuses_dq(summary["backward_kernel"].startswith("gluon"))
     kernels["matmuls"] = kernels["name"].map(MATMULS_PER_STEP_FUSED_DQ if fused else MATMULS_PER_STEP)
     kernels["TFLOP_per_s"] = kernels["matmuls"] * matmul / (kernels["total_ms"] * 1e-3) / 1e12
     kernels = kernels.assign(head_dim=head_dim, poly_exp2=poly)
