@@ -1396,27 +1396,37 @@ def test_gluon_persistent_backward_gives_the_one_item_backwards_numbers(case: Ca
 # --------------------------------------------------------------------------------------------------
 
 
-def test_persistent_backward_launches_the_planned_grid(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``gluon_persistent_backward`` the host launches the persistent dK/dV kernel on at most one program per SM
-    (one nominal SM on CPU) with the planned item table, a plan constant; without it, the one-item kernel on one
-    program per (key tile, head). Checked on the launch's arguments, the launch itself stubbed (no Hopper here)."""
-    from cs336_systems.attention import flash_bwd_sm90 as sm90
+def test_persistent_kernels_launch_the_planned_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under their options the hosts launch the persistent Gluon kernels (the dK/dV kernel with
+    ``gluon_persistent_backward``, the forward with ``gluon_persistent``) on at most one program per SM (one nominal
+    SM on CPU), with the planned item table after the one-item kernel's arguments; otherwise the one-item kernels on
+    one program per item. Checked on the launches' arguments, the launch itself stubbed (no Hopper here)."""
+    from cs336_systems.attention import flash_bwd_sm90 as bwd
+    from cs336_systems.attention import flash_fwd_sm90 as fwd
     from cs336_systems.attention.flash_triton import _row_buffer
+    from cs336_systems.attention.launch_cache import FLASH_LAUNCHES
 
     launches = []
-    monkeypatch.setattr(sm90.FLASH_LAUNCHES, "launch", lambda fn, grid, args, constexprs: launches.append(
-        (fn, grid, args)))
+    monkeypatch.setattr(FLASH_LAUNCHES, "launch", lambda fn, grid, args, constexprs: launches.append((fn, grid, args)))
     q, k, v, do = (torch.randn(2, 3, 300, 128, dtype=torch.bfloat16) for _ in range(4))
     dk, dv, ld = torch.empty_like(k), torch.empty_like(v), _row_buffer((6, 2), 300, q.device)
-    sm90.flash_backward_dkdv(q, k, v, do, ld, dk, dv, True, 0.1)
-    with options.use(gluon_persistent_backward=True):
-        sm90.flash_backward_dkdv(q, k, v, do, ld, dk, dv, True, 0.1)
-    (one_fn, one_grid, one_args), (fn, grid, args) = launches
-    assert one_fn is sm90.flash_backward_dkdv_gluon_kernel and one_grid == (3 * 6,)
-    assert fn is sm90.flash_backward_dkdv_gluon_persistent_kernel and grid == (1,) and args[:-3] == one_args
-    n_bh, table, row = args[-3:]
-    assert n_bh == 6 and row == table.shape[1] and table[0, 0] == 18
-    assert sorted(table[0, 1:].tolist()) == list(range(18))  # one program takes every item
+    out = (torch.empty_like(q), torch.empty(2, 3, 300))
+    with options.use(gluon_persistent=False):
+        fwd.flash_forward(q, k, v, True, out=out)
+    bwd.flash_backward_dkdv(q, k, v, do, ld, dk, dv, True, 0.1)
+    with options.use(gluon_persistent=True, gluon_persistent_backward=True):
+        fwd.flash_forward(q, k, v, True, out=out)
+        bwd.flash_backward_dkdv(q, k, v, do, ld, dk, dv, True, 0.1)
+    one_items, persistents = launches[:2], launches[2:]
+    kernels = [(fwd.flash_forward_gluon_kernel, fwd.flash_forward_gluon_persistent_kernel, 3 * 6),
+               (bwd.flash_backward_dkdv_gluon_kernel, bwd.flash_backward_dkdv_gluon_persistent_kernel, 3 * 6)]
+    for (one_fn, one_grid, one_args), (fn, grid, args), (one_kernel, kernel, items) in zip(one_items, persistents,
+                                                                                           kernels, strict=True):
+        assert one_fn is one_kernel and one_grid == (items,)
+        assert fn is kernel and grid == (1,) and args[:-3] == one_args
+        n_bh, table, row = args[-3:]
+        assert n_bh == 6 and row == table.shape[1] and table[0, 0] == items
+        assert sorted(table[0, 1:].tolist()) == list(range(items))  # one program takes every item
     with pytest.raises(ValueError, match="gluon_persistent_backward must be True or False"):
         options.FlashOptions(gluon_persistent_backward=1)
 

@@ -292,15 +292,22 @@ def test_attention_replayed_through_plans_matches_the_full_path(shape, dtype, la
             torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+#: The persistent Gluon kernels, each under the options that run it: the forward, and the dK/dV kernel beside the
+#: Triton dQ kernel (the fused dQ's float32 adds finish in any order, so its dQ is not bit-reproducible).
+PERSISTENT_KERNELS = {"forward": {"gluon_persistent": True},
+                      "backward": {"gluon_persistent_backward": True, "gluon_backward_min_keys": 0, "dq_atomic": False}}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("shape", [(8, 32, 256, 128), (2, 4, 1000, 64)], ids=str)
-def test_the_persistent_forward_replays_through_plans(shape: tuple) -> None:
-    """The persistent Gluon forward's item table is a plan constant: its calls replay (no fall-back to the full
-    path on every call) and give what the full path gives."""
+@pytest.mark.parametrize("kernel", list(PERSISTENT_KERNELS))
+def test_the_persistent_kernels_replay_through_plans(shape: tuple, kernel: str) -> None:
+    """A persistent Gluon kernel's item table is a plan constant: its calls replay (no fall-back to the full path on
+    every call) and give what the full path gives."""
     from cs336_systems.attention import FlashAttentionTriton, options
-    from cs336_systems.attention.flash_triton import validated_calls_off
+    from cs336_systems.attention.flash_triton import backward_kernel_name, forward_kernel_name, validated_calls_off
     from cs336_systems.attention.launch_plan import FLASH_PLANS
 
     def run(seed: int) -> list[torch.Tensor]:
@@ -308,36 +315,10 @@ def test_the_persistent_forward_replays_through_plans(shape: tuple) -> None:
         o = FlashAttentionTriton.apply(q, k, v, True)
         return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
 
-    with options.use(gluon_persistent=True):
-        run(0), run(0)
-        replays = FLASH_PLANS.replays
-        got = [run(seed) for seed in (1, 2)]
-        assert FLASH_PLANS.replays == replays + 4
-        with launch_plan.disabled(), validated_calls_off():
-            expected = [run(seed) for seed in (1, 2)]
-    for g_call, e_call in zip(got, expected, strict=True):
-        for g, e in zip(g_call, e_call, strict=True):
-            torch.testing.assert_close(g, e, rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs a Hopper (sm_90) GPU")
-@pytest.mark.parametrize("shape", [(8, 32, 256, 128), (2, 4, 1000, 64)], ids=str)
-def test_the_persistent_backward_replays_through_plans(shape: tuple) -> None:
-    """The persistent Gluon dK/dV kernel's item table is a plan constant too: its calls replay and give what the full
-    path gives (with the Triton dQ kernel, whose dQ is bit-reproducible, unlike the fused one's)."""
-    from cs336_systems.attention import FlashAttentionTriton, options
-    from cs336_systems.attention.flash_triton import backward_kernel_name, validated_calls_off
-    from cs336_systems.attention.launch_plan import FLASH_PLANS
-
-    def run(seed: int) -> list[torch.Tensor]:
-        q, k, v, do = _inputs(shape, torch.bfloat16, "bhsd", seed)
-        o = FlashAttentionTriton.apply(q, k, v, True)
-        return [o.detach(), *torch.autograd.grad(o, (q, k, v), do)]
-
-    with options.use(gluon_persistent_backward=True, gluon_backward_min_keys=0, dq_atomic=False):
-        assert backward_kernel_name(*_inputs(shape, torch.bfloat16, "bhsd", 0)[:3]) == "gluon_persistent"
+    with options.use(**PERSISTENT_KERNELS[kernel]):
+        q, k, v = _inputs(shape, torch.bfloat16, "bhsd", 0)[:3]
+        named = forward_kernel_name(q, k, v, True) if kernel == "forward" else backward_kernel_name(q, k, v)
+        assert named == "gluon_persistent"
         run(0), run(0)
         replays = FLASH_PLANS.replays
         got = [run(seed) for seed in (1, 2)]

@@ -73,6 +73,7 @@ from .flash_fwd_sm90 import (
     _Placement,
     _tma_load,
     compile_offline,
+    launch_persistent,
     layout_problem,
     placement,
     tensor_descriptor_type,
@@ -80,7 +81,7 @@ from .flash_fwd_sm90 import (
 from .flash_common import _exp2_fma, _item_tile_and_head, _tile_and_head
 from .launch_cache import FLASH_LAUNCHES
 from .launch_plan import plan_constant
-from .scheduling import ITEM_OVERHEAD_TILES, grid, heads_per_l2_group, key_tile_query_steps, schedule_table, sm_count
+from .scheduling import ITEM_OVERHEAD_TILES, heads_per_l2_group, key_tile_query_steps, schedule_table
 
 #: Keys per consumer warpgroup: one ``wgmma`` row block of ``Sᵀ``.
 ROWS = gl.constexpr(64)
@@ -553,12 +554,10 @@ def flash_backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, ld: Tensor,
                       POLY_EXP2=_polynomial_exp2(), num_warps=_CONSUMER_WARPS.value)
     if not options.current().gluon_persistent_backward:
         FLASH_LAUNCHES.launch(flash_backward_dkdv_gluon_kernel, (items,), args, constexprs)
-    elif items:  # one program per SM at most (one fits: the buffers take its shared memory)
-        programs = grid(items, sm_count(q.device))
-        schedule = persistent_schedule(batch * heads, n_queries, n_keys, group, block_m, block_n, is_causal,
-                                       programs[0], q.device)
-        FLASH_LAUNCHES.launch(flash_backward_dkdv_gluon_persistent_kernel, programs,
-                              (*args, batch * heads, schedule, schedule.shape[1]), constexprs)
+    elif items:
+        launch_persistent(flash_backward_dkdv_gluon_persistent_kernel, items, args, constexprs, batch * heads,
+                          lambda programs: persistent_schedule(batch * heads, n_queries, n_keys, group, block_m,
+                                                               block_n, is_causal, programs, q.device), q.device)
 
 
 @functools.cache  # never evicted: a launch plan or a captured CUDA graph may hold a table's address

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -530,15 +531,23 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
             *q_at[2:], *kv_at[2:], *o.stride()[:3])
     constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
                       num_warps=_CONSUMER_WARPS.value)
-    if persistent:  # one program per SM at most (one fits: the ring takes its shared memory)
-        programs = grid(items, sm_count(q.device))
-        schedule = persistent_schedule(batch * heads, n_queries, n_keys, group, block_m, block_n, is_causal,
-                                       programs[0], q.device)
-        FLASH_LAUNCHES.launch(flash_forward_gluon_persistent_kernel, programs,
-                              (*args, batch * heads, schedule, schedule.shape[1]), constexprs)
+    if persistent:
+        launch_persistent(flash_forward_gluon_persistent_kernel, items, args, constexprs, batch * heads,
+                          lambda programs: persistent_schedule(batch * heads, n_queries, n_keys, group, block_m,
+                                                               block_n, is_causal, programs, q.device), q.device)
     else:
         FLASH_LAUNCHES.launch(flash_forward_gluon_kernel, (items,), args, constexprs)
     return o, lse
+
+
+def launch_persistent(kernel: Any, items: int, args: tuple, constexprs: dict[str, Any], n_bh: int,
+                      plan: Callable[[int], Tensor], device: torch.device) -> None:
+    """Launch a persistent Gluon ``kernel`` over ``items`` items on ``device``: at most one program per SM (one fits:
+    its buffers take the SM's shared memory), given ``args``, then ``n_bh`` and the item table ``plan(programs)`` with
+    its row length (the tail of arguments the forward's and the dK/dV kernel's persistent forms share)."""
+    programs = grid(items, sm_count(device))
+    schedule = plan(programs[0])
+    FLASH_LAUNCHES.launch(kernel, programs, (*args, n_bh, schedule, schedule.shape[1]), constexprs)
 
 
 @functools.cache  # never evicted: a launch plan or a captured CUDA graph may hold a table's address
