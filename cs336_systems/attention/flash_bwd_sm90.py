@@ -34,8 +34,9 @@ more (docs/flash_attention/dq_atomic.md).
 
 ``flash_backward_dkdv_gluon_persistent_kernel`` is the same work on a persistent grid (``options.
 gluon_persistent_backward``, off by default until measured): at most one program per SM, each taking the (key tile,
-head) items a host plan gives it, the producer loading the next item's K and V once both consumers are done with the
-current ones (``kv_empty``), so that those loads run under the current item's last products and its dK/dV stores.
+head) items a host plan gives it. The producer issues the next item's first query tiles while the consumers still
+work on the current one, and its K and V once both consumers are done with the current ones (``kv_empty``), under
+the slower consumer's last step and the dK/dV stores.
 
 Scope: as the Gluon forward (16-bit inputs, head dims 64 and 128, Q, K, V and dO each contiguous or, with
 ``gluon_head_views``, a head view); :func:`ineligibility` says why a call is not covered, and the Triton dK/dV
@@ -106,24 +107,37 @@ def _producer(k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_smem, 
               CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
     """TMA copies of one item: each consumer's K and V rows once, then query tile ``i`` of Q and dO, with its
     ``[L; D]`` rows, into buffer ``(t0 + i) % STAGES`` once every consumer is done with it. ``t0``: query tiles this
-    program streamed before this item; ``r``: items before it (a persistent program refills K and V once every
-    consumer is done with them, ``kv_empty``)."""
+    program streamed before this item; ``r``: items before it. A persistent program refills K and V once every
+    consumer is done with them (``kv_empty``), and issues the item's first ``STAGES`` query tiles before that wait:
+    they need only their ring buffers, which the consumers free during the previous item."""
+    first = 0
     if PERSISTENT:
+        first = gl.minimum(n_steps, STAGES)
+        for i in range(first):
+            _load_query_tile(q_desc, do_desc, ld_desc, q_smem, do_smem, ld_smem, ready, empty, q_row0, q_col, do_row0,
+                             do_col, ld_row, lo, i, t0 + i, BLOCK_M, STAGES)
         mbarrier.wait(kv_empty, (r & 1) ^ 1)  # the first item passes at once, as for "empty" below
     mbarrier.expect(kv_bar, 2 * CONSUMERS * k_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
         _tma_load(k_desc, [k_row0 + c * ROWS, kv_col], kv_bar, k_smem.index(c))
         _tma_load(v_desc, [k_row0 + c * ROWS, kv_col], kv_bar, v_smem.index(c))
-    for i in range(n_steps):
-        t = t0 + i
-        stage = t % STAGES
-        # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once.
-        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + ld_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row0 + i * BLOCK_M, q_col], bar, q_smem.index(stage))
-        _tma_load(do_desc, [do_row0 + i * BLOCK_M, do_col], bar, do_smem.index(stage))
-        _tma_load(ld_desc, [ld_row, lo + i * BLOCK_M], bar, ld_smem.index(stage))
+    for i in range(first, n_steps):
+        _load_query_tile(q_desc, do_desc, ld_desc, q_smem, do_smem, ld_smem, ready, empty, q_row0, q_col, do_row0,
+                         do_col, ld_row, lo, i, t0 + i, BLOCK_M, STAGES)
+
+
+@gluon.jit
+def _load_query_tile(q_desc, do_desc, ld_desc, q_smem, do_smem, ld_smem, ready, empty, q_row0, q_col, do_row0, do_col,
+                     ld_row, lo, i, t, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Query tile ``i`` of the item, the ring's tile ``t``: Q, dO and the ``[L; D]`` rows into buffer ``t % STAGES``."""
+    stage = t % STAGES
+    # Round r of a buffer waits for phase r - 1 of its "empty" barrier; round 0 passes at once.
+    mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+    bar = ready.index(stage)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + ld_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row0 + i * BLOCK_M, q_col], bar, q_smem.index(stage))
+    _tma_load(do_desc, [do_row0 + i * BLOCK_M, do_col], bar, do_smem.index(stage))
+    _tma_load(ld_desc, [ld_row, lo + i * BLOCK_M], bar, ld_smem.index(stage))
 
 
 @gluon.jit
@@ -322,7 +336,7 @@ def _producer_loop(k_desc, v_desc, q_desc, do_desc, ld_desc, k_smem, v_smem, q_s
                    kv_col_h, q_rows_b, q_rows_h, q_col_h, do_rows_b, do_rows_h, do_col_h, CONSUMERS: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """A persistent program's copies: its items of ``schedule`` in turn, the Q/dO ring carried from one to the next,
-    so the next item's K, V and first query tiles load while the consumers finish the current one."""
+    so the next item's first query tiles, then its K and V, load while the consumers finish the current one."""
     t0 = 0
     for r in range(_my_count(schedule, row)):
         tile_n, b64, h64 = _item_tile_and_head(_my_item(schedule, row, r), n_tiles_n, n_bh, n_heads, head_group, False)
@@ -371,9 +385,9 @@ def flash_backward_dkdv_gluon_persistent_kernel(k_desc, v_desc, q_desc, do_desc,
     """A grid of at most one program per SM, each taking the (key tile, head) items of ``schedule`` in turn
     (:func:`persistent_schedule`), as the persistent forward does (:mod:`.flash_fwd_sm90`) and cuDNN's backward
     runs. Why: a one-item program waits for its K and V before its first product and stores dK and dV after its
-    last, and only one fits on an SM; here the producer loads the next item's K and V (``kv_empty``: both consumers
-    are done with the current ones) and its first query tiles while the consumers store. Same outputs, item for
-    item, as :func:`flash_backward_dkdv_gluon_kernel`."""
+    last, and only one fits on an SM; here the producer loads the next item's first query tiles during the current
+    item, and its K and V (``kv_empty``: both consumers are done with the current ones) while the consumers store.
+    Same outputs, item for item, as :func:`flash_backward_dkdv_gluon_kernel`."""
     CONSUMERS: gl.constexpr = BLOCK_N // ROWS
     gl.static_assert(BLOCK_N == 128, "BLOCK_N: two consumer warpgroups of 64 keys")
     n_tiles_n = gl.cdiv(n_keys, BLOCK_N)
