@@ -180,7 +180,8 @@ class FlashOptions:
     ``gluon_persistent_backward``: whether the Gluon dK/dV kernel, where it runs, runs a persistent grid, at most one
     program per SM taking host-planned (key tile, head) items in turn, the next item's K and V loaded while the
     consumers store the current one's dK and dV (the forward's schedule, cuDNN's backward's grid). Same outputs.
-    Off by default until measured (docs/flash_attention/persistent.md).
+    Off by default: measured 1% slower, its extra spills in the query loop costing what the overlap gains
+    (docs/flash_attention/persistent.md).
     ``dq_atomic``: whether the dK/dV kernel also accumulates dQ, adding each tile's ``dS K`` to a float32 buffer
     (five products per key and query tile instead of the two kernels' seven) while the dQ kernel only writes the
     ``[L; D]`` rows. The Gluon kernel adds by TMA bulk reductions, as FlashAttention-3 does; the Triton one by
