@@ -499,7 +499,8 @@ def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None
                     "(`flash_attention_qkvpacked`) writes that gradient in place instead and makes fusing pay "
                     "(`docs/training_step/NOTES.md`); these runs have it off.")
                    if share.get("matmul", 0) >= 0.1 else "")
-                + (" Our attention is slower than cuDNN at most shapes of §1.3.2's grid; at head dimension 80 "
+                + (" Our attention is not ahead of cuDNN across §1.3.2's grid (its goals table says where and by how "
+                   "much); at head dimension 80 "
                    "(2.7B) it runs as two slabs of 64 and 16 columns, with no padded work, and still trails cuDNN "
                    "there (`docs/flash_attention/head_dim_slabs.md`)." if share.get("attention", 0) >= 0.1 else ""))
 

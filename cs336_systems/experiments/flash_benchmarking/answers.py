@@ -11,13 +11,15 @@ from typing import Any
 import pandas as pd
 
 from cs336_systems.benchmarking.flash.host import HOST_KEYS
-from cs336_systems.benchmarking.flash.shapes import SHAPE_CELL, SHAPE_KEYS
+from cs336_systems.benchmarking.flash.shapes import SHAPE_KEYS
 from cs336_systems.experiments.flash_benchmarking import SWEEP_TABLES
+from cs336_systems.experiments.flash_benchmarking.goals import (
+    _host_bound_losers, _leaderboard_verdict, goals)
 from cs336_systems.experiments.flash_benchmarking.model_answers import (
     _model_ab, _model_setting, _model_step_sentence, _model_step_table)
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import implemented, join_words, mfu_note, question, subset
-from cs336_systems.report.data import SectionData
+from cs336_systems.report.data import SectionData, short_device
 from cs336_systems.report.document import BEYOND_HANDOUT, Block, Equation, Text
 
 
@@ -71,6 +73,7 @@ def answer(d: SectionData) -> list[Block]:
                  "$d_{\\mathrm{model}} = 1024$ in 16 heads, bf16, causal.", _leaderboard(d),
                  what="the leaderboard timing"),
         Text("", role=BEYOND_HANDOUT),  # the rest measures what the handout does not ask: the writeup's appendix
+        *goals(d),
         *([question(d, "flash_benchmarking", "Every head size of the sweep, and the sweep plotted.", sweep_rest)]
           if any(b is not None for b in sweep_rest) else []),
         *([question(d, "leaderboard", "The leaderboard configuration with head size 128.", [d128])]
@@ -126,24 +129,6 @@ def _losers(d: SectionData) -> list[Block]:
     d.frame("losers_kernels")  # cited above, listed in the index
     return [question(d, "losers", "Beyond the handout: where the shapes that lose most lose, from a profile.",
                      [Text(text + ".")])]
-
-
-#: A profiled shape whose back-to-back call in the grid takes this many times its kernels' GPU time is bound by
-#: the host's issuing of calls, not by the kernels (a criterion, not a measurement).
-HOST_BOUND_FACTOR = 1.5
-
-
-def _host_bound_losers(summary: pd.DataFrame, ratio: pd.DataFrame | None) -> pd.DataFrame:
-    """The profiled shapes whose grid time (ours, forward+backward) exceeds ``HOST_BOUND_FACTOR`` × their GPU
-    time, with that grid time as ``grid_us`` (none without the grid)."""
-    if ratio is None or not {*SHAPE_KEYS, "triton_ms"} <= set(ratio.columns):
-        return summary.iloc[:0]
-    grid = ratio[ratio["pass"] == "forward+backward"][[*SHAPE_CELL, "triton_ms"]]
-    # the flag as text on both sides: a CSV column of one table may read as bool, the other's as str
-    keyed = summary.assign(causal=summary["causal"].astype(str))
-    joined = keyed.reset_index().merge(grid.assign(causal=grid["causal"].astype(str)), how="left", on=SHAPE_CELL)
-    joined = joined.set_index("index").assign(grid_us=lambda f: f["triton_ms"] * 1e3)
-    return joined[joined["grid_us"] > HOST_BOUND_FACTOR * joined["ours_total_us"]]
 
 
 #: Per losing phase, the lever the kernel notes point to (``docs/flash_attention/NOTES.md``, "Next levers").
@@ -521,26 +506,6 @@ def _naive_sentence(sp: pd.DataFrame, sweep: pd.DataFrame | None) -> Text | None
                 + (f" Each pass alone, against PyTorch's: {'; '.join(alone)}." if alone else ""))
 
 
-#: The share by which repeated leaderboard runs of one kernel in one process differ (docs/flash_attention/NOTES.md,
-#: the runs of one command): two kernels closer than this are level, whatever one run's mean says.
-_LEADERBOARD_REPEAT_SPREAD = 0.01
-
-
-def _leaderboard_verdict(summary: dict, ours: str, other: str) -> str:
-    """``faster`` / ``slower``, or a tie where the two means lie closer than their runs' spread: each run's
-    mean-to-median gap (do_bench keeps no deviation; a few slow calls pull the mean from the median), and at
-    least the spread of repeated runs (:data:`_LEADERBOARD_REPEAT_SPREAD`)."""
-    mine, theirs = summary.get(f"{ours}_fwd_bwd_ms"), summary.get(f"{other}_fwd_bwd_ms")
-    if mine is None or theirs is None:
-        return "faster" if summary.get(f"speedup_vs_{other}", 0) > 1 else "slower"
-    noise = sum(abs(summary[f"{name}_fwd_bwd_ms"] - summary[f"{name}_fwd_bwd_median_ms"]) for name in (ours, other)
-                if f"{name}_fwd_bwd_median_ms" in summary)
-    noise = max(noise, _LEADERBOARD_REPEAT_SPREAD * mine)
-    if abs(theirs - mine) <= noise:
-        return f"level: within the runs' spread of ±{fmt.ms(noise)}"
-    return "faster" if theirs > mine else "slower"
-
-
 def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
     ours = summary.get("ours", "triton")
     ms_ = summary.get(f"{ours}_fwd_bwd_ms")
@@ -559,11 +524,20 @@ def _leaderboard_sentence(summary: dict, head_dim: str = "") -> Text | None:
 def _leaderboard(d: SectionData) -> list[Block | None]:
     summary = d.json("leaderboard_summary", "leaderboard*_summary")
     text = _leaderboard_sentence(summary) if isinstance(summary, dict) else None
+    meta = d.json_meta("leaderboard_summary", "leaderboard*_summary")
+    if text is not None and meta.get("device"):  # the handout's timing machine is an H100; say where ours ran
+        text = Text(f"On one {short_device(meta)} (the handout times an H100), one process timing each "
+                    "implementation in turn: " + text.markdown[0].lower() + text.markdown[1:])
     d128 = d.json("leaderboard_d128_summary") if "leaderboard_d128_summary" in d.records and \
         d.frame_name("leaderboard") else None
     if isinstance(d128, dict) and text is not None:
         extra = _leaderboard_sentence(d128, "With head size 128, ")
         text = Text(text.markdown + (" " + extra.markdown if extra else ""))
+    if text is not None:  # the leaderboard's rule: "you must use Triton (no CUDA)"
+        text = Text(text.markdown + " The Hopper kernels that run here are Gluon, the lower-level language of the "
+                    "`triton` package, compiled by Triton's own compiler: no CUDA source, which is what the "
+                    "leaderboard's rule excludes. Where the rule is read as the `triton.language` dialect only, "
+                    "`options.use(gluon=False, gluon_backward=False)` runs the Triton kernels alone.")
     main = d.frame_name("leaderboard", "leaderboard_d*")
     frame = subset(d.frame(main) if main else None, "impl", "fwd_bwd_sum_ms", "fwd_bwd_sum_median_ms", "forward_ms",
                    "fwd_bwd_TFLOP_per_s", "forward_TFLOP_per_s")
