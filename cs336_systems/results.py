@@ -346,7 +346,8 @@ def has_result(section: str, name: str, root: Path | None = None) -> bool:
 
 def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same: tuple[str, ...]) -> Any:
     """The existing table ``name`` of ``out`` if it was measured by this code, on this device, with equal
-    values of the parameters named in ``same``; otherwise None.
+    values of the parameters named in ``same``; otherwise None, after printing one line that says why (a job
+    that silently starts a new table would drop the earlier jobs' rows unnoticed).
 
     A grid too long for one GPU job is measured in several (other contexts, other model sizes), each adding
     its rows to the table; a table from other code, another device or other settings is replaced instead,
@@ -358,18 +359,41 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
     if not (out.dir / f"{name}.meta.json").exists():
         return None
     meta = load_meta(out.section, name, root=out.root)
-    earlier = meta.get("params") or {}
-    if (meta.get("device"), meta.get("smoke")) != (device_description()["device"], out.smoke):
-        return None
-    if meta.get("git_commit") != git_commit() and not _same_measuring_code(meta, out.section):
-        return None
-    # compared as recorded: JSON turns the running values' int keys and tuples into strings and lists
-    if any(_jsonable(recorded(earlier, k)) != _jsonable(recorded(params, k)) for k in same):
+    why = _why_not_this_run(meta, out, params, same)
+    if why:
+        print(f"{out.section}/{name}: the existing table is replaced, not extended: {why}")
         return None
     for record in calibration.merged_records(meta.get("calibration"), calibration.JOB.record()):
         if not any(r == record or calibration.same_job(r, record) for r in out.merged_calibrations):
             out.merged_calibrations.append(record)
     return load_table(out.section, name, root=out.root)
+
+
+def _why_not_this_run(meta: dict[str, Any], out: ResultWriter, params: dict[str, Any],
+                      same: tuple[str, ...]) -> str | None:
+    """Why the table recorded by ``meta`` is not this run's to extend (None where it is)."""
+    device = device_description()["device"]
+    if meta.get("device") != device:
+        return f"it was measured on {meta.get('device')}, this job runs on {device}"
+    if meta.get("smoke") != out.smoke:
+        return "one of the two is a smoke run"
+    then, now = str(meta.get("git_commit") or ""), git_commit()
+    if then != now and not _same_measuring_code(meta, out.section):
+        if then.endswith("-dirty"):
+            return f"it was measured with uncommitted changes on top of {then[:12]}"
+        if now == "unknown":
+            return (f"it was measured at {then[:12] or 'an unknown commit'}, and this job runs outside git (no .git, "
+                    "no CS336_GIT_COMMIT), so nothing shows the code is the same")
+        if now.endswith("-dirty"):
+            return "this job runs uncommitted library changes"
+        return (f"it was measured at {then[:12] or 'an unknown commit'}, and the section's code changed since, or "
+                "git here lacks that commit (a copy without .git cannot compare commits)")
+    earlier = meta.get("params") or {}
+    # compared as recorded: JSON turns the running values' int keys and tuples into strings and lists
+    differ = [k for k in same if _jsonable(recorded(earlier, k)) != _jsonable(recorded(params, k))]
+    if differ:
+        return "its settings differ in " + ", ".join(differ)
+    return None
 
 
 def _same_measuring_code(meta: dict[str, Any], section: str) -> bool:

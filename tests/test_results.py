@@ -177,7 +177,7 @@ def test_committed_sidecars_are_in_the_current_format() -> None:
     assert not old, f"{len(old)} sidecars in the old format, e.g. {old[:3]}"
 
 
-def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(tmp_path, monkeypatch) -> None:
+def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(tmp_path, monkeypatch, capsys) -> None:
     import cs336_systems.experiments  # noqa: F401  (the sections register their dependencies)
     from cs336_systems import measured_code
 
@@ -198,13 +198,24 @@ def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(t
     def earlier(**params):
         return results.rows_of_this_run(out, "steps_xl", {"steps": 3, **params}, ("steps",))
 
+    def why() -> str:  # the one line a job prints where it starts the table over
+        lines = [line for line in capsys.readouterr().out.splitlines() if "is replaced, not extended" in line]
+        return lines[-1] if lines else ""
+
     assert earlier() is not None and asked == []  # the same commit: no question asked
     commit["now"] = "b" * 40  # a later commit, the section's code unchanged: the rows combine
-    assert earlier()["ms"].tolist() == [1.0]
+    assert earlier()["ms"].tolist() == [1.0] and why() == ""
     assert asked[-1][0] == "a" * 40 and "cs336_systems/benchmarking/train_step.py" in asked[-1][1]
-    unchanged["flag"] = False  # ... or changed: the table starts over
+    unchanged["flag"] = False  # ... or changed: the table starts over, and says so
     assert earlier() is None
+    assert why() == ("training_step/steps_xl: the existing table is replaced, not extended: it was measured at "
+                     "aaaaaaaaaaaa, and the section's code changed since, or git here lacks that commit (a copy "
+                     "without .git cannot compare commits)")
     unchanged["flag"] = True
     assert earlier(steps=5) is None  # other settings: never
+    assert why().endswith("its settings differ in steps")
     commit["now"] = "b" * 40 + "-dirty"  # uncommitted library changes: nobody can say which code ran
     assert earlier() is None
+    assert why().endswith("this job runs uncommitted library changes")
+    commit["now"] = "unknown"  # a copy of the tree without .git and without CS336_GIT_COMMIT
+    assert earlier() is None and "this job runs outside git" in why()

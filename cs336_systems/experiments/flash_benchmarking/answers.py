@@ -133,13 +133,11 @@ def _losers(d: SectionData) -> list[Block]:
 
 #: Per losing phase, the lever the kernel notes point to (``docs/flash_attention/NOTES.md``, "Next levers").
 LOSER_LEVERS = {
-    "backward": "in the backward, our dK/dV and dQ kernels each recompute $QK^T$ and $P$, seven products where "
-                "cuDNN's fused backward does five; accumulating dQ inside the dK/dV kernel removes two. With "
-                "scalar float32 atomic adds that measured slower at every shape tried, because the adds grow with "
-                "the sequence squared like the products. In the warp-specialized Hopper dK/dV kernel, adding whole "
-                "dQ tiles by TMA reductions as FlashAttention-3 does, it is faster than these kernels at long rows, "
-                "so it runs there by default (`options.gluon_backward_min_keys`); shorter rows, where it measured "
-                "slower, run these kernels (`docs/flash_attention/dq_atomic.md`)",
+    "backward": "in the backward, on rows shorter than `options.gluon_backward_min_keys` our Triton dQ and dK/dV "
+                "kernels each recompute $QK^T$ and $P$: seven products where cuDNN's fused backward does five. Our "
+                "five-product Hopper backward, which adds dQ tiles inside the dK/dV kernel by TMA reductions as "
+                "FlashAttention-3 does, runs from that many keys on, where it measured faster; below it, it measured "
+                "slower (`docs/flash_attention/dq_atomic.md`)",
     "forward": "the tile is already chosen per sequence length; a persistent Triton schedule (each program "
                "taking tiles in turn) measured slower, because a program does not overlap one tile's loads "
                "with the previous tile's epilogue; the persistent Gluon forward, whose producer warp does, runs by "
