@@ -374,19 +374,19 @@ def _why_not_this_run(meta: dict[str, Any], out: ResultWriter, params: dict[str,
     """Why the table recorded by ``meta`` is not this run's to extend (None where it is)."""
     device = device_description()["device"]
     if meta.get("device") != device:
-        return f"it was measured on {meta.get('device')}, this job runs on {device}"
+        return f"it was measured on {meta.get('device') or 'a device it does not record'}, this job runs on {device}"
     if meta.get("smoke") != out.smoke:
-        return "one of the two is a smoke run"
-    then, now = str(meta.get("git_commit") or ""), git_commit()
+        return f"it records smoke={meta.get('smoke')}, this job runs smoke={out.smoke}"
+    then, now = str(meta.get("git_commit") or "unknown"), git_commit()
+    if now == "unknown" or then == "unknown":  # two runs outside git may be any two versions of the code
+        return (f"{'this job runs' if now == 'unknown' else 'it was measured'} outside git (no .git, no "
+                "CS336_GIT_COMMIT), so nothing shows the code is the same")
     if then != now and not _same_measuring_code(meta, out.section):
         if then.endswith("-dirty"):
             return f"it was measured with uncommitted changes on top of {then[:12]}"
-        if now == "unknown":
-            return (f"it was measured at {then[:12] or 'an unknown commit'}, and this job runs outside git (no .git, "
-                    "no CS336_GIT_COMMIT), so nothing shows the code is the same")
         if now.endswith("-dirty"):
             return "this job runs uncommitted library changes"
-        return (f"it was measured at {then[:12] or 'an unknown commit'}, and the section's code changed since, or "
+        return (f"it was measured at {then[:12]}, and the section's code changed since, or "
                 "git here lacks that commit (a copy without .git cannot compare commits)")
     earlier = meta.get("params") or {}
     # compared as recorded: JSON turns the running values' int keys and tuples into strings and lists

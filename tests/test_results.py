@@ -217,5 +217,17 @@ def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(t
     commit["now"] = "b" * 40 + "-dirty"  # uncommitted library changes: nobody can say which code ran
     assert earlier() is None
     assert why().endswith("this job runs uncommitted library changes")
+    out.table(pd.DataFrame({"context_length": [1024], "ms": [1.0]}), "steps_xl")  # a table measured dirty ...
+    commit["now"] = "b" * 40  # ... cannot be extended by the commit it sat on
+    assert earlier() is None and why().endswith("it was measured with uncommitted changes on top of bbbbbbbbbbbb")
     commit["now"] = "unknown"  # a copy of the tree without .git and without CS336_GIT_COMMIT
     assert earlier() is None and "this job runs outside git" in why()
+    out.table(pd.DataFrame({"context_length": [1024], "ms": [1.0]}), "steps_xl")  # ... and a table written there
+    assert earlier() is None and "this job runs outside git" in why()  # two copies outside git may differ
+    commit["now"] = "a" * 40
+    assert earlier() is None and why().endswith("it was measured outside git (no .git, no CS336_GIT_COMMIT), so "
+                                                "nothing shows the code is the same")
+    out.table(pd.DataFrame({"context_length": [1024], "ms": [1.0]}), "steps_xl")
+    monkeypatch.setattr(results, "device_description", lambda: {"device": "NVIDIA H200"})
+    assert earlier() is None and why().endswith("this job runs on NVIDIA H200")
+    monkeypatch.undo()

@@ -232,10 +232,9 @@ def _split_difference(split: pd.DataFrame | None, pointwise_compiled: bool = Fal
                "the reference compiles each block, so RMSNorm, RoPE, SwiGLU's gate and their "
                "casts run as a few fused kernels, where ours runs them one PyTorch kernel at a time (our FSDP "
                "gathers each weight from Python hooks inside the block, and the step does not compile through them)"),
-               "attention": "our Triton FlashAttention-2 against cuDNN's attention at this context, with the kernels "
-               "of this run's commit (§1.3.2 compares them kernel to kernel on the current code, in one process, "
-               "where a profiled 8B step's attention share does not; where this section is marked STALE, "
-               "§1.3.2's ratios are the current ones)"}
+               "attention": "our FlashAttention kernels against cuDNN's attention at this context, as they were at "
+               "this run's commit (§1.3.2 times the two directly, alternating in one process, on the current "
+               "code; where this section is marked STALE, §1.3.2's ratios are the current ones)"}
         said = [f"{b}: {why[b]}" for b in diff.index[:2] if b in why and diff[b] > 0]
         if said:
             text += (" Where the two largest come from: " if len(said) == 2 else " Where the largest comes from: ") \

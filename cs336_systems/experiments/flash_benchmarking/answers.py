@@ -535,7 +535,7 @@ def _leaderboard(d: SectionData) -> list[Block | None]:
         text = Text(text.markdown + " The Hopper kernels that run here are Gluon, the lower-level language of the "
                     "`triton` package, compiled by Triton's own compiler: no CUDA source, which is what the "
                     "leaderboard's rule excludes. Where the rule is read as the `triton.language` dialect only, "
-                    "`options.use(gluon=False, gluon_backward=False)` runs the Triton kernels alone.")
+                    "`with options.use(gluon=False, gluon_backward=False):` runs the Triton kernels alone.")
     main = d.frame_name("leaderboard", "leaderboard_d*")
     frame = subset(d.frame(main) if main else None, "impl", "fwd_bwd_sum_ms", "fwd_bwd_sum_median_ms", "forward_ms",
                    "fwd_bwd_TFLOP_per_s", "forward_TFLOP_per_s")
