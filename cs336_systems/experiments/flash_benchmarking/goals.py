@@ -213,8 +213,8 @@ def goals(d: SectionData) -> list[Block]:
     states = [r[2] for r in kept]
     devices = _devices(d, ("leaderboard_summary", "leaderboard_d128_summary", "shapes_summary", "model_ab_summary",
                            "host_overhead_summary"))
-    where = (f"Every result in this table was measured on one {next(iter(devices))} (the handout times an H100), SDPA's "
-             "cuDNN backend being the strongest built-in attention there. ") if len(devices) == 1 else ""
+    where = (f"Every result in this table was measured on one {next(iter(devices))} (the handout times an H100), "
+             "SDPA's cuDNN backend being the strongest built-in attention there. ") if len(devices) == 1 else ""
     tally = join_words([f"{states.count(s)} {word}" for s, word in ((MET, "met"), (LEVEL, "level or open"),
                                                                        (MISSED, "missed")) if states.count(s)])
     return [question(d, "goals", "Beyond the handout: our attention against cuDNN, goal by goal.", [
