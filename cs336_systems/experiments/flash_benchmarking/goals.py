@@ -10,6 +10,7 @@ import pandas as pd
 
 from cs336_systems.benchmarking.flash.host import HOST_KEYS
 from cs336_systems.benchmarking.flash.shapes import SHAPE_CELL, SHAPE_KEYS
+from cs336_systems.experiments.flash_benchmarking.model_answers import _model_ab_absent, _model_ab_planned
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
 from cs336_systems.report.data import SectionData, short_device
@@ -130,8 +131,6 @@ def _grid_rows(summary: Any, d: SectionData) -> list[list[str]]:
 
 
 def _model_row(d: SectionData) -> list[str] | None:
-    from cs336_systems.experiments.flash_benchmarking.model_answers import _model_ab_absent, _model_ab_planned
-
     summary = d.frame("model_ab_summary")
     if summary is None or summary.empty or not {"verdict", "baseline", "baseline_over_ours", "preset",
                                                 "context_length", "compile"} <= set(summary):
@@ -183,24 +182,24 @@ def _host_row(d: SectionData) -> list[str] | None:
 
 def _devices(d: SectionData, names: tuple[str, ...]) -> set[str]:
     """The devices that the goals' results record (one name per device kind and count)."""
-    metas = [d.json_meta(n) if n in d.records else d.meta(n) for n in names]
+    metas = [d.meta(n) for n in names]
     return {short_device(m) for m in metas if m.get("device")}
 
 
 def goals(d: SectionData) -> list[Block]:
     """Beyond the handout: each goal against cuDNN, its measurement, whether it is met and by how much it is
     missed (empty without results)."""
-    lb = d.json("leaderboard_summary") if "leaderboard_summary" in d.records else None
+    lb = d.json("leaderboard_summary")
     forward = (f"forward alone {fmt.ratio(lb['forward_speedup_vs_sdpa_cudnn'])}, so both passes fall short; "
                if _number(lb, "forward_speedup_vs_sdpa_cudnn") else "")
     rows: list[list[str] | None] = [
         _leaderboard_row(lb, LEADERBOARD_GOAL, "Leaderboard, d = 64", "`leaderboard_summary.json`",
                          forward + "in the backward, profiled at d = 128, our dK/dV kernel keeps the tensor cores "
                          "less busy than cuDNN's backward (Nsight Compute: `docs/flash_attention/refresh_0c802a3.md`)"),
-        _leaderboard_row(d.json("leaderboard_d128_summary") if "leaderboard_d128_summary" in d.records else None,
+        _leaderboard_row(d.json("leaderboard_d128_summary"),
                          D128_GOAL, "Leaderboard shape at d = 128", "`leaderboard_d128_summary.json`",
                          "the same dK/dV kernel (above)"),
-        *_grid_rows(d.json("shapes_summary") if "shapes_summary" in d.records else None, d),
+        *_grid_rows(d.json("shapes_summary"), d),
         _model_row(d),
         _host_row(d),
     ]
