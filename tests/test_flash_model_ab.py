@@ -205,3 +205,35 @@ def test_a_lost_cells_gap_is_split_by_phase() -> None:
     text = fb.model_answers._model_ab_gaps(rows, lost, "sdpa", "flash_triton", lambda r: "small at 2,048, compiled")
     assert "small at 2,048, compiled, 5.00 ms slower: forward +2.00, backward +0.50, the AdamW step +2.50, the rest +0.00 ms" in text
     assert fb.model_answers._model_ab_gaps(rows.drop(columns="optimizer_mean_ms"), lost, "sdpa", "flash_triton", str) == ""
+
+
+def test_a_cell_measured_in_one_round_gets_no_verdict_until_its_second(tmp_path) -> None:
+    """A job that measured only a cell's first round leaves each side one time, whose spread is zero: any gap
+    would read as a win. The summary says so instead, the answer names the cell and the goal stays open."""
+    from cs336_systems.experiments.flash_benchmarking.goals import _model_row
+    from cs336_systems.report.data import SectionData
+    from cs336_systems.report.document import Text
+
+    one = _rows({"preset": "xl", "context_length": 1024, "compile": True}, {"sdpa": [260.3], "flash_triton": [259.0]})
+    tie = _rows({"preset": "small", "context_length": 1024, "compile": False},
+                {"sdpa": [10.0, 10.4], "flash_triton": [10.1, 10.2]})
+    s = flash_model.summarize_model_ab(pd.DataFrame(one + tie)).set_index(["preset", "context_length"])
+    assert s.loc[("xl", 1024), "verdict"] == flash_model.ONE_ROUND == "one round"
+    assert s.loc[("xl", 1024), "baseline_over_ours"] == pytest.approx(260.3 / 259.0)  # measured, just not judged
+    assert s.loc[("small", 1024), "verdict"] == "tie"
+    second = _rows({"preset": "xl", "context_length": 1024, "compile": True},
+                   {"sdpa": [260.3, 260.9], "flash_triton": [259.0, 259.2]})
+    assert flash_model.summarize_model_ab(pd.DataFrame(second))["verdict"].item() == "flash_triton"
+
+    folder = tmp_path / "flash_benchmarking"
+    folder.mkdir()
+    s.reset_index().to_csv(folder / "model_ab_summary.csv", index=False)
+    data = SectionData(tmp_path, "flash_benchmarking")
+    (question,) = fb.model_answers._model_ab(data)
+    text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
+    assert "1 tie (" in text and "flash_triton faster in 0, sdpa faster in 0" in text
+    assert ("1 measured in one round only, with no spread to judge a difference against, so no verdict yet "
+            "(xl at 1,024, compiled)") in text
+    row = _model_row(data)
+    assert row[1:3] == ["0 of 1 cells slower", "level"]
+    assert "1 cell measured in one round only, which leaves it open" in row[3]

@@ -117,12 +117,18 @@ def run_model_ab(presets: Sequence[str], contexts: Sequence[int], compiles: Sequ
     return table.assign(precision=precision, tokens_per_step=tokens_per_step)
 
 
+#: The verdict of a cell where a side has a single measured round, whose spread is zero by construction.
+ONE_ROUND = "one round"
+
+
 def summarize_model_ab(table: pd.DataFrame, baseline: str = MODEL_AB_IMPLS[0],
                        ours: str = MODEL_AB_IMPLS[1]) -> pd.DataFrame:
     """Per (preset, context, compile): each implementation's median step over its measured rounds and the
     spread (max - min), the baseline's time over ours (above 1: ours faster), and ``verdict``: ``tie`` when
-    the two medians differ by less than the larger spread, else which is faster. Cells where either side
-    has no measured round say why (``OOM``, skipped)."""
+    the two medians differ by less than the larger spread, else which is faster. A side measured in one round
+    has no spread to judge a difference against: such a cell says :data:`ONE_ROUND` (a job that measured only
+    a cell's first round, its second still to come). Cells where either side has no measured round say why
+    (``OOM``, skipped)."""
     keys = ["preset", "context_length", "compile"]
     rows = []
     for cell, g in table.groupby(keys, sort=False):
@@ -135,7 +141,8 @@ def summarize_model_ab(table: pd.DataFrame, baseline: str = MODEL_AB_IMPLS[0],
         if row["baseline_rounds"] and row["ours_rounds"]:
             row["baseline_over_ours"] = row["baseline_ms"] / row["ours_ms"]
             tied = abs(row["baseline_ms"] - row["ours_ms"]) < max(row["baseline_spread_ms"], row["ours_spread_ms"])
-            row["verdict"] = "tie" if tied else (ours if row["ours_ms"] < row["baseline_ms"] else baseline)
+            row["verdict"] = (ONE_ROUND if min(row["baseline_rounds"], row["ours_rounds"]) < 2 else "tie" if tied
+                              else ours if row["ours_ms"] < row["baseline_ms"] else baseline)
         else:
             row["baseline_over_ours"] = float("nan")
             row["verdict"] = "/".join(sorted(set(g.loc[g["status"] != OK, "status"].astype(str)))) or "not measured"

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 import cs336_systems.experiments.flash_benchmarking as section  # its SECTION is bound after this module loads
+from cs336_systems.benchmarking.flash.model import ONE_ROUND
 from cs336_systems.experiments.flash_benchmarking import Params
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question, with_mfu
@@ -38,6 +39,10 @@ def _model_ab(d: SectionData) -> list[Block]:
 
     parts = [f"{ties} tie{'' if ties == 1 else 's'} (the medians differ by less than the larger spread of the "
              "rounds)", wins(ours), wins(baseline)]
+    single = measured[measured["verdict"] == ONE_ROUND]
+    if len(single):
+        parts.append(f"{len(single)} measured in one round only, with no spread to judge a difference against, "
+                     f"so no verdict yet ({'; '.join(where(r) for _, r in single.iterrows())})")
     text = (f"Over {len(measured)} cell{'' if len(measured) == 1 else 's'} (preset × context × eager or compiled) "
             "measured in alternating rounds: " + ", ".join(parts))
     if len(measured):
