@@ -310,3 +310,53 @@ def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_RO
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         return Freshness("stale", commit, changed, f"measured at {commit[:9]}; changed since: {shown}")
     return Freshness("fresh", commit, (), f"measured at {commit[:9]} on the current code")
+
+
+#: What staleness and the merging of a grid's jobs read from git: the library's files and the neutral ledger.
+HISTORY_PATHS = (*LIBRARY, str(NEUTRAL_COMMITS.relative_to(REPO_ROOT)))
+
+
+def pack_history(since: str, out: Path, repo: Path = REPO_ROOT, paths: Sequence[str] = HISTORY_PATHS) -> Path:
+    """``out``, a tar of a small ``.git`` for a copy of the tree that has none (a cluster node, a rented GPU):
+    the commits from ``since`` to HEAD, holding the blobs of ``paths`` only. Untarred at the copy's
+    root, it lets a job there tell whether a table measured at any of those commits ran the code it runs, and
+    so extend that table (:func:`cs336_systems.results.rows_of_this_run`) and record HEAD as its commit, as on
+    a full clone. Without it a copy can only name its commit (``CS336_GIT_COMMIT``) and never prove it equal
+    to another. The whole history would not do: it carries every committed figure and PDF."""
+    import tarfile
+    import tempfile
+
+    repo, out = Path(repo), Path(out)
+    full = (git(["rev-parse", "--verify", "--quiet", f"{since}^{{commit}}"], repo) or "").strip()
+    if not full:
+        raise ValueError(f"{since!r} is not a commit of {repo}")
+    if git(["merge-base", "--is-ancestor", full, "HEAD"], repo) is None:
+        raise ValueError(f"{since!r} is not HEAD or an ancestor of it")
+    head = (git(["rev-parse", "HEAD"], repo) or "").strip()
+    revs = [*(git(["rev-list", f"{full}..{head}"], repo) or "").split(), full]
+    # the local upload-pack serves a blob-less clone and later the blobs asked for, whatever the repo's config
+    upload_pack = "git -c uploadpack.allowFilter=true -c uploadpack.allowAnySHA1InWant=true upload-pack"
+    with tempfile.TemporaryDirectory() as tmp:
+        clone = Path(tmp) / "history"
+        if git(["clone", "--quiet", "--no-checkout", "--filter=blob:none", f"--depth={len(revs)}",
+                f"--upload-pack={upload_pack}", repo.resolve().as_uri(), str(clone)], Path(tmp)) is None:
+            raise RuntimeError(f"git could not clone {repo}")
+        if (git(["rev-parse", "HEAD"], clone) or "").strip() != head:
+            raise ValueError(f"{repo}'s HEAD is not the tip of the branch a clone checks out; check one out")
+        git(["config", "remote.origin.uploadpack", upload_pack], clone)
+        # a sparse checkout of each commit fetches its library blobs in one batch each
+        git(["sparse-checkout", "set", "--no-cone", *(f"/{p}" for p in paths)], clone)
+        branch = (git(["symbolic-ref", "--quiet", "--short", "HEAD"], clone) or "").strip()
+        for rev in revs:
+            if git(["checkout", "--quiet", "--detach", rev], clone) is None:
+                raise RuntimeError(f"git could not read {rev[:12]}'s library files")
+        git(["checkout", "--quiet", branch or head], clone)
+        # The copy holds every file: an index with no sparse bits, rebuilt from the trees (no blobs needed),
+        # lets git there hash its files as they are, and nothing there can delete the files this clone lacks.
+        git(["config", "core.sparseCheckout", "false"], clone)
+        (clone / ".git" / "info" / "sparse-checkout").unlink(missing_ok=True)
+        git(["read-tree", "HEAD"], clone)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(out, "w") as tar:
+            tar.add(clone / ".git", arcname=".git")
+    return out

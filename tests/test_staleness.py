@@ -301,3 +301,42 @@ def test_a_stale_source_line_names_the_first_changed_file_and_counts_the_rest() 
     assert _stale_note(three) == "a.py and 2 more changed since"
     assert _stale_note(Freshness("stale", "c", ("a.py",), "measured at c; changed since: a.py")) == "a.py changed since"
     assert _stale_note(Freshness("stale", None, (), "no commit recorded")) == "no commit recorded"
+
+
+def test_a_packed_history_lets_a_copy_without_git_judge_its_code(repo: Path, tmp_path: Path) -> None:
+    """A copy of the tree sent to a GPU node has no .git; the packed history (commits since the measured one,
+    blobs of the library only) lets it tell that its code is the measured code, and that an edit is not."""
+    import tarfile
+
+    from cs336_systems.measured_code import pack_history
+
+    (repo / "figures").mkdir()
+    (repo / "figures" / "plot.png").write_bytes(b"\x89PNG" + bytes(range(256)) * 64)
+    _git(repo, "add", "figures")
+    _git(repo, "commit", "-q", "-m", "a figure")
+    measured = _git(repo, "rev-parse", "HEAD")
+    _commit(repo, "lib/NOTES.md", "notes of the run\n")  # a later commit that changes no code
+    pack = pack_history(measured[:10], tmp_path / "history.tar", repo, paths=("lib/",))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=repo, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(copy)], input=archive, check=True)
+    with tarfile.open(pack) as tar:
+        tar.extractall(copy, filter="tar")
+    staleness.changed_since.cache_clear()
+    assert _git(copy, "rev-parse", "HEAD") == _git(repo, "rev-parse", "HEAD")
+    assert _git(copy, "status", "--porcelain") == ""  # every file of the copy, hashed as it is
+    missing = _git(copy, "rev-list", "--objects", "--missing=print", "HEAD")
+    assert _git(repo, "rev-parse", "HEAD:figures/plot.png") in missing  # the figures stay out of the pack
+    assert staleness.freshness({"git_commit": measured}, ["lib/"], copy).state == "fresh"
+    (copy / "lib" / "kernel.py").write_text("x = 2\n")  # an edit on the node is seen there
+    staleness.changed_since.cache_clear()
+    assert staleness.freshness({"git_commit": measured}, ["lib/"], copy).changed == ("lib/kernel.py",)
+
+    with pytest.raises(ValueError, match="is not a commit of"):
+        pack_history("nonesuch", tmp_path / "x.tar", repo, paths=("lib/",))
+    _git(repo, "checkout", "-q", "-b", "side", f"{measured}~1")
+    side = _commit(repo, "lib/other.py", "y = 3\n")
+    _git(repo, "checkout", "-q", "-")
+    with pytest.raises(ValueError, match="not HEAD or an ancestor of it"):
+        pack_history(side, tmp_path / "x.tar", repo, paths=("lib/",))

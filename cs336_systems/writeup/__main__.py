@@ -1,4 +1,4 @@
-"""``python -m cs336_systems.writeup {build,check,html,status}``."""
+"""``python -m cs336_systems.writeup {build,check,html,status,replot,history}``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("-v", "--verbose", action="store_true", help="list every stale result with its reason")
     status.add_argument("--jobs", action="store_true",
                         help="for each stale or missing section split into GPU jobs, the command of every job")
+    history = sub.add_parser("history", help="pack the git history a copy of the tree needs to extend tables "
+                                             "measured since a commit (untar it at the copy's root)")
+    history.add_argument("since", help="the oldest commit whose tables the copy's jobs extend")
+    history.add_argument("output", type=Path, help="the tar file to write")
     from cs336_systems.writeup import replot
 
     redraw = sub.add_parser("replot", help="redraw figures and derived tables from committed measurements")
@@ -41,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--manifest", type=Path, default=_manifest.DEFAULT_MANIFEST)
     args = parser.parse_args(argv)
 
+    if args.command == "history":
+        from cs336_systems.measured_code import pack_history
+
+        out = pack_history(args.since, args.output)
+        print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): untar it at the copy's root, "
+              "beside cs336_systems/")
+        return 0
     if args.command == "replot":
         return replot.run_command(args)
     if args.command == "build":

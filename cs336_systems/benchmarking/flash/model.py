@@ -141,8 +141,8 @@ def summarize_model_ab(table: pd.DataFrame, baseline: str = MODEL_AB_IMPLS[0],
         if row["baseline_rounds"] and row["ours_rounds"]:
             row["baseline_over_ours"] = row["baseline_ms"] / row["ours_ms"]
             tied = abs(row["baseline_ms"] - row["ours_ms"]) < max(row["baseline_spread_ms"], row["ours_spread_ms"])
-            row["verdict"] = (ONE_ROUND if min(row["baseline_rounds"], row["ours_rounds"]) < 2 else "tie" if tied
-                              else ours if row["ours_ms"] < row["baseline_ms"] else baseline)
+            row["verdict"] = (ONE_ROUND if min(row["baseline_rounds"], row["ours_rounds"]) < 2 else "tie"
+                              if tied else ours if row["ours_ms"] < row["baseline_ms"] else baseline)
         else:
             row["baseline_over_ours"] = float("nan")
             row["verdict"] = "/".join(sorted(set(g.loc[g["status"] != OK, "status"].astype(str)))) or "not measured"

@@ -41,8 +41,8 @@ def _model_ab(d: SectionData) -> list[Block]:
              "rounds)", wins(ours), wins(baseline)]
     single = measured[measured["verdict"] == ONE_ROUND]
     if len(single):
-        parts.append(f"{len(single)} measured in one round only, with no spread to judge a difference against, "
-                     f"so no verdict yet ({'; '.join(where(r) for _, r in single.iterrows())})")
+        parts.append(f"{len(single)} measured in one round only, with no spread to judge a difference "
+                     f"against, so no verdict yet ({'; '.join(where(r) for _, r in single.iterrows())})")
     text = (f"Over {len(measured)} cell{'' if len(measured) == 1 else 's'} (preset × context × eager or compiled) "
             "measured in alternating rounds: " + ", ".join(parts))
     if len(measured):
