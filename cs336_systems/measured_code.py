@@ -165,10 +165,18 @@ def _file_definitions_cached(path: str, size: int, mtime_ns: int) -> Counter[tup
     return definitions(_read(Path(path)))
 
 
+class _UnreadableFile(LookupError):
+    """git has the commit but not the file's text: a packed history (:func:`pack_history`) that holds no blobs
+    before the commit it was packed since. What it cannot read it must not call unchanged."""
+
+
 @functools.lru_cache(maxsize=8192)
 def _file_definitions_at(commit: str, path: str, repo: Path) -> Counter[tuple[str, str]]:
     """The definitions of one file at one commit (shared by every section that depends on it)."""
-    return definitions(git(["show", f"{commit}:{path}"], repo) or "")
+    text = git(["show", f"{commit}:{path}"], repo)
+    if text is None:
+        raise _UnreadableFile(f"{commit}:{path}")
+    return definitions(text)
 
 
 @functools.lru_cache(maxsize=256)
@@ -241,7 +249,7 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT,
     """The files (as they were at ``commit``) under ``depends`` with a definition that no longer exists
     unchanged anywhere under ``depends`` in the working tree (committed or not), after the rewrites of the
     neutral commits that apply to the results folder ``results``; ``None`` when ``commit`` is not a commit of
-    this repository."""
+    this repository, or git here cannot read its files."""
     repo = Path(repo)
     if git(["cat-file", "-e", f"{commit}^{{commit}}"], repo) is None:
         return None
@@ -255,10 +263,13 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT,
     now: Counter[tuple[str, str]] = Counter()
     for path in _python_files_now(depends, repo):
         now += _file_definitions_now(repo / path)
-    then = {path: (_file_definitions_at(commit, path, repo) if path in touched or not (repo / path).is_file()
-                   else _file_definitions_now(repo / path))
-            for path in then_files}
-    lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo, results) - now
+    try:
+        then = {path: (_file_definitions_at(commit, path, repo) if path in touched or not (repo / path).is_file()
+                       else _file_definitions_now(repo / path))
+                for path in then_files}
+        lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo, results) - now
+    except _UnreadableFile:
+        return None
     if not lost:
         return ()
     # at the commit (as carried), and not as often now: blame their files; a definition a neutral commit rewrote
@@ -305,20 +316,27 @@ def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_RO
     results = meta.get("section")
     changed = changed_since(commit, tuple(depends), Path(repo), str(results) if results else None)
     if changed is None:
-        return Freshness("stale", commit, (), f"measured at {commit[:9]}, a commit this repository does not have")
+        return Freshness("stale", commit, (), f"measured at {commit[:9]}, a commit this repository does not have "
+                                          "(or whose files it cannot read)")
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         return Freshness("stale", commit, changed, f"measured at {commit[:9]}; changed since: {shown}")
     return Freshness("fresh", commit, (), f"measured at {commit[:9]} on the current code")
 
 
-#: What staleness and the merging of a grid's jobs read from git: the library's files and the neutral ledger.
-HISTORY_PATHS = (*LIBRARY, str(NEUTRAL_COMMITS.relative_to(REPO_ROOT)))
+def history_paths() -> tuple[str, ...]:
+    """What staleness and the merging of a grid's jobs read from git: the library and every path a section
+    registered (some lie outside it, such as the course tests' adapters). The neutral ledger is read from the
+    working tree."""
+    every = {*LIBRARY, *(p for depends in DEPENDS.values() for p in depends)}
+    inside = {p for p in every for q in every if p != q and q.endswith("/") and p.startswith(q)}
+    return tuple(sorted(every - inside))
 
 
-def pack_history(since: str, out: Path, repo: Path = REPO_ROOT, paths: Sequence[str] = HISTORY_PATHS) -> Path:
+def pack_history(since: str, out: Path, repo: Path = REPO_ROOT, paths: Sequence[str] | None = None) -> Path:
     """``out``, a tar of a small ``.git`` for a copy of the tree that has none (a cluster node, a rented GPU):
-    the commits from ``since`` to HEAD, holding the blobs of ``paths`` only. Untarred at the copy's
+    the commits from ``since`` to HEAD, holding the blobs of ``paths`` only (:func:`history_paths` by default,
+    once the sections have registered theirs). Untarred at the copy's
     root, it lets a job there tell whether a table measured at any of those commits ran the code it runs, and
     so extend that table (:func:`cs336_systems.results.rows_of_this_run`) and record HEAD as its commit, as on
     a full clone. Without it a copy can only name its commit (``CS336_GIT_COMMIT``) and never prove it equal
@@ -327,6 +345,7 @@ def pack_history(since: str, out: Path, repo: Path = REPO_ROOT, paths: Sequence[
     import tempfile
 
     repo, out = Path(repo), Path(out)
+    paths = tuple(paths) if paths is not None else history_paths()
     full = (git(["rev-parse", "--verify", "--quiet", f"{since}^{{commit}}"], repo) or "").strip()
     if not full:
         raise ValueError(f"{since!r} is not a commit of {repo}")
@@ -353,6 +372,9 @@ def pack_history(since: str, out: Path, repo: Path = REPO_ROOT, paths: Sequence[
         git(["checkout", "--quiet", branch or head], clone)
         # The copy holds every file: an index with no sparse bits, rebuilt from the trees (no blobs needed),
         # lets git there hash its files as they are, and nothing there can delete the files this clone lacks.
+        # (sparse-checkout keeps its switch in a per-worktree config: drop that file and the extension it needs)
+        (clone / ".git" / "config.worktree").unlink(missing_ok=True)
+        git(["config", "--unset", "extensions.worktreeConfig"], clone)
         git(["config", "core.sparseCheckout", "false"], clone)
         (clone / ".git" / "info" / "sparse-checkout").unlink(missing_ok=True)
         git(["read-tree", "HEAD"], clone)

@@ -225,6 +225,9 @@ def test_a_cell_measured_in_one_round_gets_no_verdict_until_its_second(tmp_path)
     second = _rows({"preset": "xl", "context_length": 1024, "compile": True},
                    {"sdpa": [260.3, 260.9], "flash_triton": [259.0, 259.2]})
     assert flash_model.summarize_model_ab(pd.DataFrame(second))["verdict"].item() == "flash_triton"
+    lopsided = _rows({"preset": "xl", "context_length": 1024, "compile": True},
+                     {"sdpa": [260.3, 260.9], "flash_triton": [259.0, None]})  # ours' second round out of memory
+    assert flash_model.summarize_model_ab(pd.DataFrame(lopsided))["verdict"].item() == "one round"
 
     folder = tmp_path / "flash_benchmarking"
     folder.mkdir()
@@ -233,7 +236,7 @@ def test_a_cell_measured_in_one_round_gets_no_verdict_until_its_second(tmp_path)
     (question,) = fb.model_answers._model_ab(data)
     text = " ".join(b.plain() for b in question.blocks if isinstance(b, Text))
     assert "1 tie (" in text and "flash_triton faster in 0, sdpa faster in 0" in text
-    assert ("1 measured in one round only, with no spread to judge a difference against, so no verdict yet "
+    assert ("1 measured in one round only, with no spread to judge a difference against, so no verdict "
             "(xl at 1,024, compiled)") in text
     row = _model_row(data)
     assert row[1:3] == ["0 of 1 cells slower", "level"]

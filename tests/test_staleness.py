@@ -305,37 +305,53 @@ def test_a_stale_source_line_names_the_first_changed_file_and_counts_the_rest() 
 
 def test_a_packed_history_lets_a_copy_without_git_judge_its_code(repo: Path, tmp_path: Path) -> None:
     """A copy of the tree sent to a GPU node has no .git; the packed history (commits since the measured one,
-    blobs of the library only) lets it tell that its code is the measured code, and that an edit is not."""
+    blobs of the library only) lets it tell that its code is the measured code, and that an edit is not. A commit
+    before the packed one, whose files it lacks, is never taken for the same code."""
     import tarfile
 
     from cs336_systems.measured_code import pack_history
 
+    older = _commit(repo, "lib/kernel.py", "x = 0\n")  # code that differs from what was measured
+    (repo / "lib" / "kernel.py").write_text("x = 1\n")
     (repo / "figures").mkdir()
     (repo / "figures" / "plot.png").write_bytes(b"\x89PNG" + bytes(range(256)) * 64)
-    _git(repo, "add", "figures")
-    _git(repo, "commit", "-q", "-m", "a figure")
+    _git(repo, "add", "lib", "figures")
+    _git(repo, "commit", "-q", "-m", "the measured code, and a figure")
     measured = _git(repo, "rev-parse", "HEAD")
-    _commit(repo, "lib/NOTES.md", "notes of the run\n")  # a later commit that changes no code
+    _git(repo, "checkout", "-q", "-b", "notes")  # a merge after the measured commit reaches the clone deeper
+    _commit(repo, "lib/NOTES.md", "notes of the run\n")
+    _git(repo, "checkout", "-q", "-")
+    _commit(repo, "lib/other.py", "y = 1  # a comment changes no code\n")
+    _git(repo, "merge", "-q", "--no-edit", "notes")
     pack = pack_history(measured[:10], tmp_path / "history.tar", repo, paths=("lib/",))
+    head = _git(repo, "rev-parse", "HEAD")
+    plot = _git(repo, "rev-parse", "HEAD:figures/plot.png")
     copy = tmp_path / "copy"
     copy.mkdir()
     archive = subprocess.run(["git", "archive", "HEAD"], cwd=repo, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(copy)], input=archive, check=True)
+    repo.rename(tmp_path / "gone")  # on the node the clone is out of reach: nothing may be fetched from it
     with tarfile.open(pack) as tar:
         tar.extractall(copy, filter="tar")
     staleness.changed_since.cache_clear()
-    assert _git(copy, "rev-parse", "HEAD") == _git(repo, "rev-parse", "HEAD")
-    assert _git(copy, "status", "--porcelain") == ""  # every file of the copy, hashed as it is
-    missing = _git(copy, "rev-list", "--objects", "--missing=print", "HEAD")
-    assert _git(repo, "rev-parse", "HEAD:figures/plot.png") in missing  # the figures stay out of the pack
+    assert _git(copy, "rev-parse", "HEAD") == head
+    assert _git(copy, "status", "--porcelain", "--untracked-files=no") == ""  # its files, hashed as they are
+    assert "sparse" not in _git(copy, "status")
+    missing = _git(copy, "rev-list", "--objects", "--missing=print", "HEAD").split()
+    assert f"?{plot}" in missing  # the figures stay out of the pack, the library's files at each commit are in it
+    assert not {f"?{_git(copy, 'rev-parse', f'{rev}:lib/kernel.py')}" for rev in (measured, head)} & set(missing)
     assert staleness.freshness({"git_commit": measured}, ["lib/"], copy).state == "fresh"
+    _git(copy, "cat-file", "-e", f"{older}^{{commit}}")  # the merge took the clone one commit past the measured
+    before = staleness.freshness({"git_commit": older}, ["lib/"], copy)
+    assert before.stale and "cannot read" in before.reason  # its files are not in the pack: never "the same"
     (copy / "lib" / "kernel.py").write_text("x = 2\n")  # an edit on the node is seen there
     staleness.changed_since.cache_clear()
     assert staleness.freshness({"git_commit": measured}, ["lib/"], copy).changed == ("lib/kernel.py",)
 
+    repo = (tmp_path / "gone").rename(tmp_path / "repo")
     with pytest.raises(ValueError, match="is not a commit of"):
         pack_history("nonesuch", tmp_path / "x.tar", repo, paths=("lib/",))
-    _git(repo, "checkout", "-q", "-b", "side", f"{measured}~1")
+    _git(repo, "checkout", "-q", "-b", "side", older)
     side = _commit(repo, "lib/other.py", "y = 3\n")
     _git(repo, "checkout", "-q", "-")
     with pytest.raises(ValueError, match="not HEAD or an ancestor of it"):

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "history":
+        import cs336_systems.experiments  # noqa: F401  (the sections register the paths they depend on)
         from cs336_systems.measured_code import pack_history
 
         out = pack_history(args.since, args.output)

@@ -127,8 +127,8 @@ def summarize_model_ab(table: pd.DataFrame, baseline: str = MODEL_AB_IMPLS[0],
     spread (max - min), the baseline's time over ours (above 1: ours faster), and ``verdict``: ``tie`` when
     the two medians differ by less than the larger spread, else which is faster. A side measured in one round
     has no spread to judge a difference against: such a cell says :data:`ONE_ROUND` (a job that measured only
-    a cell's first round, its second still to come). Cells where either side has no measured round say why
-    (``OOM``, skipped)."""
+    a cell's first round, or a side whose other rounds failed). Cells where either side has no measured round
+    say why (``OOM``, skipped)."""
     keys = ["preset", "context_length", "compile"]
     rows = []
     for cell, g in table.groupby(keys, sort=False):

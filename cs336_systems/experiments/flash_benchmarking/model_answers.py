@@ -42,7 +42,7 @@ def _model_ab(d: SectionData) -> list[Block]:
     single = measured[measured["verdict"] == ONE_ROUND]
     if len(single):
         parts.append(f"{len(single)} measured in one round only, with no spread to judge a difference "
-                     f"against, so no verdict yet ({'; '.join(where(r) for _, r in single.iterrows())})")
+                     f"against, so no verdict ({'; '.join(where(r) for _, r in single.iterrows())})")
     text = (f"Over {len(measured)} cell{'' if len(measured) == 1 else 's'} (preset × context × eager or compiled) "
             "measured in alternating rounds: " + ", ".join(parts))
     if len(measured):
