@@ -336,10 +336,9 @@ def history_paths() -> tuple[str, ...]:
 def pack_history(since: str, out: Path, repo: Path = REPO_ROOT, paths: Sequence[str] | None = None) -> Path:
     """``out``, a tar of a small ``.git`` for a copy of the tree that has none (a cluster node, a rented GPU):
     the commits from ``since`` to HEAD, holding the blobs of ``paths`` only (:func:`history_paths` by default,
-    once the sections have registered theirs). Untarred at the copy's
-    root, it lets a job there tell whether a table measured at any of those commits ran the code it runs, and
-    so extend that table (:func:`cs336_systems.results.rows_of_this_run`) and record HEAD as its commit, as on
-    a full clone. Without it a copy can only name its commit (``CS336_GIT_COMMIT``) and never prove it equal
+    once the sections have registered theirs). Untarred at the copy's root, it lets a job there tell whether a
+    table measured at any of those commits ran the code it runs, and so extend that table
+    (:func:`cs336_systems.results.rows_of_this_run`) and record HEAD as its commit, as on a full clone. Without it a copy can only name its commit (``CS336_GIT_COMMIT``) and never prove it equal
     to another. The whole history would not do: it carries every committed figure and PDF."""
     import tarfile
     import tempfile
@@ -372,10 +371,9 @@ def pack_history(since: str, out: Path, repo: Path = REPO_ROOT, paths: Sequence[
         git(["checkout", "--quiet", branch or head], clone)
         # The copy holds every file: an index with no sparse bits, rebuilt from the trees (no blobs needed),
         # lets git there hash its files as they are, and nothing there can delete the files this clone lacks.
-        # (sparse-checkout keeps its switch in a per-worktree config: drop that file and the extension it needs)
+        # sparse-checkout keeps its switch in a per-worktree config: drop that file and the extension it needs.
         (clone / ".git" / "config.worktree").unlink(missing_ok=True)
         git(["config", "--unset", "extensions.worktreeConfig"], clone)
-        git(["config", "core.sparseCheckout", "false"], clone)
         (clone / ".git" / "info" / "sparse-checkout").unlink(missing_ok=True)
         git(["read-tree", "HEAD"], clone)
         out.parent.mkdir(parents=True, exist_ok=True)
