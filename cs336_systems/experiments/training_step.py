@@ -254,6 +254,8 @@ def plot_mfu(wide: pd.DataFrame) -> plt.Figure:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
+from collections.abc import Sequence  # noqa: E402
+
 from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import join_words, ok_rows, question, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
@@ -263,6 +265,7 @@ from cs336_systems.results import recorded  # noqa: E402
 
 def answer(d: SectionData) -> list[Block]:
     steps = ok_rows(d.frame("steps"))
+    older = _older_presets(d, d.frame("steps"))
     text = None
     if not steps.empty and {"ours_step_ms", "reference_step_ms"} <= set(steps.columns):
         ratio = steps["reference_step_ms"] / steps["ours_step_ms"]
@@ -276,22 +279,22 @@ def answer(d: SectionData) -> list[Block]:
                        f"({cell(steps.loc[steps['ours_MFU_pct'].idxmax()])}) against the reference's "
                        f"{steps['reference_MFU_pct'].max():.1f}%" if _has_values(steps, "ours_MFU_pct") else "")
                     + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does."
-                    + _ties_text(steps) + _tokens_text(steps) + _mode_text(d.meta("steps")) + _missing_text(steps))
+                    + _ties_text(steps) + _tokens_text(steps) + _mode_text(d.meta("steps"))
+                    + _missing_text(steps, older))
     long_text = _longest_text(d.frame("longest_context"), d.meta("longest_context").get("params") or {})
     return [
         question(d, "steps", "Our training step against a torch-native reference of the same shapes, with MFU.", [
             text,
-            d.table("steps", frame=subset(d.frame("steps"), "preset", "context_length", "batch_size", "status", "resident",
-                                          "ours_step_ms", "ours_spread_ms", "reference_step_ms",
-                                          "reference_spread_ms", "ours_vs_reference", "ours_MFU_pct",
-                                          "reference_MFU_pct", "ours_MFU_of_ceiling_pct",
-                                          "reference_MFU_of_ceiling_pct", "baseline_step_ms"),
+            d.table("steps", frame=subset(d.frame("steps"), *STEP_COLUMNS),
                     caption="Median step time over alternating rounds, spread (max - min), ours over the reference "
                             "and MFU against the data-sheet peak and against the matmul ceiling measured in the same "
                             "job (matmul_ceiling). Combined from one table per preset (`steps_<preset>`), "
                             "each measured by its own job; the run parameters shown are the first preset's, and each "
                             "preset's own are in its table's record. baseline_step_ms: our model as it started "
                             "(eager, SDPA, per-parameter AdamW), timed alone after the pair."),
+            *(d.table(name, frame=subset(d.frame(name), *STEP_COLUMNS),
+                      caption=f"{name}: measured on older code than the table above (the source line says which), "
+                              "so not combined with it; the same columns.") for name in older),
             d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
                      "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
             _split_text(d.frame("time_split"), d.meta("steps").get("params")),
@@ -451,12 +454,30 @@ def _mode_text(meta: dict[str, Any]) -> str:
     return f" Both stacks are compiled in `{mode}` mode."
 
 
-def _missing_text(steps: pd.DataFrame) -> str:
-    """The cells of the full grid that no job measured at this commit."""
+#: The columns the answer shows of a ``steps`` table (the CSV has every stack's full set).
+STEP_COLUMNS = ("preset", "context_length", "batch_size", "status", "resident", "ours_step_ms", "ours_spread_ms",
+                "reference_step_ms", "reference_spread_ms", "ours_vs_reference", "ours_MFU_pct", "reference_MFU_pct",
+                "ours_MFU_of_ceiling_pct", "reference_MFU_of_ceiling_pct", "baseline_step_ms")
+
+
+def _older_presets(d: SectionData, steps: pd.DataFrame | None) -> list[str]:
+    """The per-preset tables left out of the combined ``steps`` (it takes only inputs measured on the current code,
+    ``derived.load_inputs``): shown on their own, marked stale, rather than dropped."""
+    combined = set() if steps is None or "preset" not in steps.columns else set(steps["preset"].astype(str))
+    return [name for name in STEP_TABLES if name in d.tables and name.removeprefix("steps_") not in combined]
+
+
+def _missing_text(steps: pd.DataFrame, older: Sequence[str] = ()) -> str:
+    """The cells of the full grid that the combined table lacks: those measured only on older code (in the
+    tables ``older``, shown after it) and those no job measured."""
     full = PRESETS["full"]
     have = set(zip(steps["preset"], steps["context_length"].astype(int)))
-    missing = [f"{pr} at {c}" for pr in full.presets for c in full.contexts if (pr, c) not in have]
-    return f" Not measured in these runs: {join_words(missing)}." if missing else ""
+    stale = [name.removeprefix("steps_") for name in older]
+    missing = [f"{pr} at {c}" for pr in full.presets for c in full.contexts
+               if (pr, c) not in have and pr not in stale]
+    text = (f" Measured only on older code: {join_words(stale)}, in their own tables after this one (marked "
+            "stale) and not combined with it." if stale else "")
+    return text + (f" Not measured in these runs: {join_words(missing)}." if missing else "")
 
 
 def _split_text(split: pd.DataFrame | None, params: dict[str, Any] | None = None) -> Text | None:
