@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 
 import pandas as pd
 import pytest
@@ -553,45 +554,53 @@ def test_the_longest_context_answer_names_the_presets_no_job_searched_at_this_co
     assert "Not searched in these runs: xl." in str(partial)
 
 
-def test_the_steps_answer_shows_presets_measured_on_older_code_in_their_own_marked_tables(tmp_path):
+def test_the_steps_answer_shows_presets_measured_on_older_code_in_their_own_marked_tables(tmp_path, monkeypatch):
     """The combined ``steps`` table takes only the presets measured on the current code; a preset whose table is
-    older is shown on its own (carrying its stale mark) and named as such, not called unmeasured."""
+    older is shown on its own (carrying its stale mark), and its cells that ran are named as measured on other
+    code, not as unmeasured; cells that failed or that no job ran stay unmeasured."""
     import json
 
     import pandas as pd
 
     from cs336_systems.experiments import training_step as ts
+    from cs336_systems.report import data as report_data
     from cs336_systems.report.data import SectionData
     from cs336_systems.report.document import Table
 
+    current = "c" * 40
+    monkeypatch.setattr(report_data, "freshness", lambda meta, depends: types.SimpleNamespace(
+        stale=meta.get("git_commit") != current, reason="changed since: x.py"))
+    monkeypatch.setattr(report_data, "_stale_note", lambda verdict: verdict.reason)
     folder = tmp_path / "training_step"
     folder.mkdir()
 
-    def write(name, presets):
-        rows = [{"preset": pr, "context_length": c, "batch_size": 1, "status": "ok", "ours_step_ms": 10.0,
+    def write(name, cells, commit=current):
+        rows = [{"preset": pr, "context_length": c, "batch_size": 1, "status": status, "ours_step_ms": 10.0,
                  "ours_spread_ms": 0.1, "reference_step_ms": 10.5, "reference_spread_ms": 0.1}
-                for pr in presets for c in (1024, 4096)]
+                for pr, c, status in cells]
         pd.DataFrame(rows).to_csv(folder / f"{name}.csv", index=False)
-        (folder / f"{name}.meta.json").write_text(json.dumps({"device": "H200", "git_commit": "0" * 40}))
+        (folder / f"{name}.meta.json").write_text(json.dumps({"device": "H200", "git_commit": commit}))
 
-    write("steps", ["small"])
-    write("steps_small", ["small"])
-    write("steps_large", ["large"])
+    small = [("small", 1024, "ok"), ("small", 4096, "ok")]
+    write("steps", small)
+    write("steps_small", small)
+    write("steps_large", [("large", 1024, "ok"), ("large", 4096, "OOM")], commit="0" * 40)
 
     def shown(blocks):
         steps = next(q for q in blocks if getattr(q, "label", None) == "steps")
         text = " ".join(getattr(x, "markdown", "") for x in steps.blocks)
-        return text, [x.source for x in steps.blocks if isinstance(x, Table)]
+        return text, [x for x in steps.blocks if isinstance(x, Table)]
 
-    text, sources = shown(ts.answer(SectionData(tmp_path, "training_step")))
-    assert "Measured only on older code: large, in their own tables after this one" in text
-    assert "Not measured in these runs: medium at 1024" in text and "large at 1024" not in text
-    assert [s.rsplit("/", 1)[-1] for s in sources] == ["steps.csv", "steps_large.csv"]
+    text, tables = shown(ts.answer(SectionData(tmp_path, "training_step")))
+    assert "Measured only on other code than the current (shown below, marked stale): large at 1024." in text
+    assert "Not measured in these runs: medium at 1024" in text and "large at 4096" in text.split("Not measured")[1]
+    assert [t.source.rsplit("/", 1)[-1] for t in tables] == ["steps.csv", "steps_large.csv"]
+    assert "stale" not in tables[0].meta and tables[1].meta["stale"]
 
-    write("steps", ["small", "large"])  # both on the current code: one table, nothing called older
-    text, sources = shown(ts.answer(SectionData(tmp_path, "training_step")))
-    assert "older code" not in text and len(sources) == 1
-
+    write("steps", small + [("large", 1024, "ok")])  # both on the current code: one table, nothing called other
+    write("steps_large", [("large", 1024, "ok")])
+    text, tables = shown(ts.answer(SectionData(tmp_path, "training_step")))
+    assert "other code" not in text and len(tables) == 1
 
 def test_bucketed_full_run_fits_the_machine_and_the_launcher(monkeypatch) -> None:
     """--full measures 2 and 4 GPUs: on 2 GPUs that is one line naming the fix; under torchrun/srun the launcher's

@@ -266,7 +266,8 @@ from cs336_systems.results import recorded  # noqa: E402
 def answer(d: SectionData) -> list[Block]:
     steps = ok_rows(d.frame("steps"))
     older = _older_presets(d, d.frame("steps"))
-    text = None
+    older_cells = pd.concat([ok_rows(d.frame(name)) for name in older] or [pd.DataFrame()], ignore_index=True)
+    text = Text(_missing_text(steps, older_cells).strip()) if older else None
     if not steps.empty and {"ours_step_ms", "reference_step_ms"} <= set(steps.columns):
         ratio = steps["reference_step_ms"] / steps["ours_step_ms"]
         lo, hi = steps.loc[ratio.idxmin()], steps.loc[ratio.idxmax()]
@@ -280,7 +281,7 @@ def answer(d: SectionData) -> list[Block]:
                        f"{steps['reference_MFU_pct'].max():.1f}%" if _has_values(steps, "ours_MFU_pct") else "")
                     + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does."
                     + _ties_text(steps) + _tokens_text(steps) + _mode_text(d.meta("steps"))
-                    + _missing_text(steps, older))
+                    + _missing_text(steps, older_cells))
     long_text = _longest_text(d.frame("longest_context"), d.meta("longest_context").get("params") or {})
     return [
         question(d, "steps", "Our training step against a torch-native reference of the same shapes, with MFU.", [
@@ -293,8 +294,8 @@ def answer(d: SectionData) -> list[Block]:
                             "preset's own are in its table's record. baseline_step_ms: our model as it started "
                             "(eager, SDPA, per-parameter AdamW), timed alone after the pair."),
             *(d.table(name, frame=subset(d.frame(name), *STEP_COLUMNS),
-                      caption=f"{name}: measured on older code than the table above (the source line says which), "
-                              "so not combined with it; the same columns.") for name in older),
+                      caption=f"{name}: measured on other code than the current (its source line says which), so "
+                              "not combined with the current presets; the same columns.") for name in older),
             d.figure("time_split", caption="Where a step's time goes, from a profile of each stack: GPU time by "
                      "kernel kind, and the rest of the measured step (the GPU waiting on the host)."),
             _split_text(d.frame("time_split"), d.meta("steps").get("params")),
@@ -467,16 +468,22 @@ def _older_presets(d: SectionData, steps: pd.DataFrame | None) -> list[str]:
     return [name for name in STEP_TABLES if name in d.tables and name.removeprefix("steps_") not in combined]
 
 
-def _missing_text(steps: pd.DataFrame, older: Sequence[str] = ()) -> str:
-    """The cells of the full grid that the combined table lacks: those measured only on older code (in the
-    tables ``older``, shown after it) and those no job measured."""
+def _missing_text(steps: pd.DataFrame, older: pd.DataFrame | None = None) -> str:
+    """The cells of the full grid that the combined table lacks: those measured only on other code (the ok rows
+    ``older`` of the tables shown on their own) and those no job measured."""
     full = PRESETS["full"]
-    have = set(zip(steps["preset"], steps["context_length"].astype(int)))
-    stale = [name.removeprefix("steps_") for name in older]
-    missing = [f"{pr} at {c}" for pr in full.presets for c in full.contexts
-               if (pr, c) not in have and pr not in stale]
-    text = (f" Measured only on older code: {join_words(stale)}, in their own tables after this one (marked "
-            "stale) and not combined with it." if stale else "")
+
+    def cells(frame: pd.DataFrame | None) -> set[tuple[str, int]]:
+        if frame is None or frame.empty or not {"preset", "context_length"} <= set(frame.columns):
+            return set()
+        return set(zip(frame["preset"].astype(str), frame["context_length"].astype(int)))
+
+    have, other = cells(steps), cells(older) - cells(steps)
+    grid = [(pr, c) for pr in full.presets for c in full.contexts]
+    other_words = [f"{pr} at {c}" for pr, c in grid if (pr, c) in other]
+    missing = [f"{pr} at {c}" for pr, c in grid if (pr, c) not in have | other]
+    text = (f" Measured only on other code than the current (shown below, marked stale): {join_words(other_words)}."
+            if other_words else "")
     return text + (f" Not measured in these runs: {join_words(missing)}." if missing else "")
 
 
