@@ -95,10 +95,28 @@ def git_commit() -> str:
             raise ValueError(f"CS336_GIT_COMMIT must be a full 40-hex commit hash (optionally -dirty), got {pinned!r}")
         return pinned
     commit = _git("rev-parse", "HEAD") or "unknown"
-    if commit != "unknown":
-        if _git("status", "--porcelain", "--untracked-files=no", "--", "cs336_systems", "cs336-basics"):
-            commit += "-dirty"
+    if commit != "unknown" and uncommitted_library_files():
+        commit += "-dirty"
     return commit
+
+
+def uncommitted_library_files() -> list[str]:
+    """The tracked library files that differ from HEAD (what makes :func:`git_commit` say ``-dirty``)."""
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", "cs336_systems", "cs336-basics")
+    return [line[3:] for line in status.splitlines() if line.strip()]
+
+
+def dirty_warning(commit: str) -> str:
+    """A one-line warning for a measured run whose results will record ``commit`` with ``-dirty``: such results
+    read as stale at once and never combine with another job's (empty for a clean commit)."""
+    if not commit.endswith("-dirty"):
+        return ""
+    files = [] if os.environ.get("CS336_GIT_COMMIT") else uncommitted_library_files()
+    named = f" ({', '.join(files[:3])}{f' and {len(files) - 3} more' if len(files) > 3 else ''})" if files else ""
+    sha = commit.removesuffix("-dirty")[:9]
+    return (f"WARNING: the library differs from commit {sha}{named}: these results will record {sha}-dirty and "
+            "read as stale at once. Commit first; on a copy of the tree, pack its history again (python -m "
+            "cs336_systems.writeup history) at the commit it is sent from.")
 
 
 _FULL_COMMIT = re.compile(r"[0-9a-f]{40}(-dirty)?")
@@ -311,7 +329,9 @@ class ResultWriter:
         if self.dir.is_relative_to(SCRATCH_DIR):
             return (f"Run on {device_description()['device']}, not published: artefacts go to {where} "
                     "(ask to publish to write figures/)")
-        return f"Measured run on {device_description()['device']}; artefacts go to {where}"
+        warning = dirty_warning(git_commit())
+        return f"Measured run on {device_description()['device']}; artefacts go to {where}" + (
+            f"\n{warning}" if warning else "")
 
 
 def _commit(meta: dict[str, Any]) -> str:

@@ -73,6 +73,28 @@ def test_derived_artefacts_keep_the_measuring_runs_provenance(tmp_path, monkeypa
     assert meta["rendered"]["device"] == results.device_description()["device"]
 
 
+def test_a_measured_run_on_uncommitted_library_code_warns_at_its_start(tmp_path, monkeypatch) -> None:
+    """Results of a dirty tree read as stale at once, so a measured run says so in its first line, naming the files,
+    instead of spending a GPU job on them silently; a clean commit, a smoke run or a pinned commit warn as they
+    should."""
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
+    monkeypatch.delenv("CS336_GIT_COMMIT", raising=False)
+    changed = ["cs336_systems/a.py", "cs336_systems/b.py", "cs336_systems/c.py", "cs336-basics/d.py"]
+    monkeypatch.setattr(results, "uncommitted_library_files", lambda: changed)
+    monkeypatch.setattr(results, "git_commit", lambda: "0123456789" + "a" * 30 + "-dirty")
+    banner = results.ResultWriter("sec", smoke=False).banner()
+    first, warning = banner.split("\n")
+    assert first.startswith("Measured run on ")
+    assert warning.startswith("WARNING: the library differs from commit 012345678 (cs336_systems/a.py, "
+                              "cs336_systems/b.py, cs336_systems/c.py and 1 more): these results will record "
+                              "012345678-dirty and read as stale at once.")
+    assert "\n" not in results.ResultWriter("sec", smoke=True).banner()  # a smoke run records nothing to go stale
+    monkeypatch.setattr(results, "git_commit", lambda: "0123456789" + "a" * 30)
+    assert "WARNING" not in results.ResultWriter("sec", smoke=False).banner()
+    monkeypatch.setenv("CS336_GIT_COMMIT", "f" * 40 + "-dirty")  # pinned by hand: no git to name the files
+    assert results.dirty_warning("f" * 40 + "-dirty").startswith("WARNING: the library differs from commit fffffffff:")
+
+
 def test_unpublished_full_runs_stay_out_of_committed_figures(monkeypatch) -> None:
     monkeypatch.delenv("CS336_FIGURES_DIR", raising=False)
     assert results.results_root(smoke=False, publish=False) == results.SCRATCH_DIR / "figures"
