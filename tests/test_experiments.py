@@ -558,10 +558,6 @@ def test_the_steps_answer_shows_presets_measured_on_older_code_in_their_own_mark
     """The combined ``steps`` table takes only the presets measured on the current code; a preset whose table is
     older is shown on its own (carrying its stale mark), and its cells that ran are named as measured on other
     code, not as unmeasured; cells that failed or that no job ran stay unmeasured."""
-    import json
-
-    import pandas as pd
-
     from cs336_systems.experiments import training_step as ts
     from cs336_systems.report import data as report_data
     from cs336_systems.report.data import SectionData
@@ -601,6 +597,7 @@ def test_the_steps_answer_shows_presets_measured_on_older_code_in_their_own_mark
     write("steps_large", [("large", 1024, "ok")])
     text, tables = shown(ts.answer(SectionData(tmp_path, "training_step")))
     assert "other code" not in text and len(tables) == 1
+
 
 def test_bucketed_full_run_fits_the_machine_and_the_launcher(monkeypatch) -> None:
     """--full measures 2 and 4 GPUs: on 2 GPUs that is one line naming the fix; under torchrun/srun the launcher's

@@ -254,8 +254,6 @@ def plot_mfu(wide: pd.DataFrame) -> plt.Figure:
 
 # === Answers: formatting only; changes below this line do not make results stale ===
 
-from collections.abc import Sequence  # noqa: E402
-
 from cs336_systems.report import fmt  # noqa: E402
 from cs336_systems.report.answers import join_words, ok_rows, question, subset  # noqa: E402
 from cs336_systems.report.data import SectionData  # noqa: E402
@@ -264,10 +262,11 @@ from cs336_systems.results import recorded  # noqa: E402
 
 
 def answer(d: SectionData) -> list[Block]:
-    steps = ok_rows(d.frame("steps"))
-    older = _older_presets(d, d.frame("steps"))
-    older_cells = pd.concat([ok_rows(d.frame(name)) for name in older] or [pd.DataFrame()], ignore_index=True)
-    text = Text(_missing_text(steps, older_cells).strip()) if older else None
+    combined = d.frame("steps")
+    steps = ok_rows(combined)
+    older = _older_presets(d, combined)
+    missing = _missing_text(steps, pd.concat([ok_rows(d.frame(name)) for name in older]) if older else None)
+    text = Text(missing.strip()) if older else None
     if not steps.empty and {"ours_step_ms", "reference_step_ms"} <= set(steps.columns):
         ratio = steps["reference_step_ms"] / steps["ours_step_ms"]
         lo, hi = steps.loc[ratio.idxmin()], steps.loc[ratio.idxmax()]
@@ -280,13 +279,12 @@ def answer(d: SectionData) -> list[Block]:
                        f"({cell(steps.loc[steps['ours_MFU_pct'].idxmax()])}) against the reference's "
                        f"{steps['reference_MFU_pct'].max():.1f}%" if _has_values(steps, "ours_MFU_pct") else "")
                     + ". MFU counts 6 × parameters × tokens plus attention's matmuls, as the calculator does."
-                    + _ties_text(steps) + _tokens_text(steps) + _mode_text(d.meta("steps"))
-                    + _missing_text(steps, older_cells))
+                    + _ties_text(steps) + _tokens_text(steps) + _mode_text(d.meta("steps")) + missing)
     long_text = _longest_text(d.frame("longest_context"), d.meta("longest_context").get("params") or {})
     return [
         question(d, "steps", "Our training step against a torch-native reference of the same shapes, with MFU.", [
             text,
-            d.table("steps", frame=subset(d.frame("steps"), *STEP_COLUMNS),
+            d.table("steps", frame=subset(combined, *STEP_COLUMNS),
                     caption="Median step time over alternating rounds, spread (max - min), ours over the reference "
                             "and MFU against the data-sheet peak and against the matmul ceiling measured in the same "
                             "job (matmul_ceiling). Combined from one table per preset (`steps_<preset>`), "
