@@ -39,7 +39,6 @@ import functools
 import importlib
 import math
 import os
-from collections import OrderedDict
 from types import ModuleType
 
 import torch
@@ -49,8 +48,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import options
 from ._validation import validate_attention_inputs
-from .launch_cache import FLASH_LAUNCHES, switched_off
-from .launch_plan import ALIGN_BYTES, FLASH_PLANS
+from . import host_entry
+from .launch_cache import FLASH_LAUNCHES
+from .launch_plan import ALIGN_BYTES, FLASH_PLANS, planned_key
+from .validated_calls import VALIDATED, ValidatedCalls, validated_calls_off  # noqa: F401 (re-exported)
 from . import scheduling
 from .scheduling import heads_per_l2_group
 
@@ -545,72 +546,6 @@ def _eager(t: Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _input_signature(q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> tuple:
-    """What the input checks and layout decisions look at: shapes, strides, dtypes, devices and the mask flag
-    (with its type, so that ``1`` does not pass for ``True``). The tensors' own types are checked apart
-    (:meth:`ValidatedCalls.lookup`), as is the device (:func:`_check_device`)."""
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, type(is_causal), is_causal)
-
-
-class ValidatedCalls:
-    """Input signatures that passed :func:`validate_attention_inputs` and need no reshaping: 4-D, a head dim
-    stored as it is, each head dim contiguous. A call of such a signature skips the checks and the layout
-    decisions, and its signature keys the launch plans directly.
-
-    Why: on the GPU hosts an eager forward + backward spends more host time in this module's Python than
-    in its three kernel launches (docs/flash_attention/host_floor.md); the checks are a large share of it
-    and their outcome is a function of the signature alone (and of the device check, which the fast path
-    still runs: on CPU it depends on ``TRITON_INTERPRET``). A bad call is never added, so it raises on every
-    call. Only plain eager calls use it (:func:`_eager`): a traced call always runs the checks. Bounded, the
-    least recently used dropped first; ``enabled=False`` (or :func:`validated_calls_off`, process-wide) sends
-    every call through the checks, for A/B measurements."""
-
-    def __init__(self, max_entries: int = 512, enabled: bool = True) -> None:
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
-        self.max_entries = max_entries
-        self.enabled = enabled
-        self._seen: OrderedDict[tuple, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def clear(self) -> None:
-        self._seen.clear()
-
-    def lookup(self, q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> tuple | None:
-        """The signature of this call if it was validated before, else None."""
-        if not self.enabled or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-            return None
-        signature = _input_signature(q, k, v, is_causal)
-        try:
-            self._seen.move_to_end(signature)
-        except KeyError:  # not seen (or dropped meanwhile by another thread's add)
-            return None
-        return signature
-
-    def add(self, q: Tensor, k: Tensor, v: Tensor, is_causal: object) -> tuple | None:
-        """Remember a call that passed the checks (and needs no reshaping); its signature, or None where the
-        cache is off or a tensor is not a plain one."""
-        if not self.enabled or type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-            return None
-        signature = _input_signature(q, k, v, is_causal)
-        self._seen[signature] = None
-        if len(self._seen) > self.max_entries:
-            self._seen.popitem(last=False)
-        return signature
-
-
-#: The signatures :class:`FlashAttentionTriton` has validated.
-VALIDATED = ValidatedCalls()
-
-
-def validated_calls_off(cache: ValidatedCalls = VALIDATED) -> contextlib.AbstractContextManager[None]:
-    """Every call runs the input checks inside this block (an A/B switch)."""
-    return switched_off(cache)
-
-
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 on Triton kernels: ``FlashAttentionTriton.apply(Q, K, V, is_causal=False)``.
 
@@ -621,6 +556,15 @@ class FlashAttentionTriton(torch.autograd.Function):
     units (odd sizes) is copied with zero columns appended (:func:`stored_head_dim`); scores keep the
     ``1/sqrt(d)`` of the true ``d`` either way.
     """
+
+    @classmethod
+    def apply(cls, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:  # type: ignore[override]
+        """``Function.apply``; an eager call goes through the C++ host entry where ``options.host_entry`` is on."""
+        if torch.compiler.is_compiling():  # Dynamo tracing this very method (``torch.compile(Fn.apply)``)
+            return cls.apply(q, k, v, is_causal)  # not a recursion: Dynamo handles a Function's ``apply`` by name
+        if options.current().host_entry and _eager(q) and FLASH_PLANS.replaying():
+            return _host_entry_apply(super().apply, q, k, v, is_causal)
+        return super().apply(q, k, v, is_causal)
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -673,6 +617,53 @@ class FlashAttentionTriton(torch.autograd.Function):
         if stored != d:
             grads = tuple(g[..., :d] for g in grads)
         return (*grads, None)
+
+
+def _host_entry_apply(apply, q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:  # noqa: ANN001
+    """The C++ host entry's forward (:mod:`.host_entry`) where it holds this signature's plan; else ``apply`` (the
+    Python path), after which a plan that path recorded for these very tensors is handed to the entry."""
+    entry = _host_entry()
+    if entry is None:
+        return apply(q, k, v, is_causal)
+    generation = options.generation()
+    o = entry.forward(q, k, v, is_causal, generation)
+    if o is not None:
+        return o
+    o = apply(q, k, v, is_causal)
+    signature = VALIDATED.lookup(q, k, v, is_causal)  # None unless launched as they are (4-D, no copies)
+    if signature is not None and q.dtype != torch.float32:  # float32's key also holds the matmul precision
+        key = _forward_key(q, k, v, is_causal, 1.0 / math.sqrt(q.shape[-1]), signature)
+        known, plan = FLASH_PLANS.lookup(planned_key(key, (q, k, v, o, o)))  # L: fresh, aligned as O is
+        if known:
+            host_entry.export(entry, host_entry.FORWARD, (q, k, v), is_causal, generation, plan)
+    return o
+
+
+def _host_entry_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool,
+                         scale: float, generation: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of a host-entry forward whose key has no plan there: the Python path, whose plan (recorded
+    under the forward's options, as the entry keys it) is then handed over."""
+    dq, dk, dv = _backward(do, q, k, v, o, lse, is_causal, scale)
+    entry = _host_entry()
+    if entry is not None and generation == options.generation():
+        key = _backward_key(do, q, k, v, o, lse, is_causal, scale)
+        route = _BACKWARD_ROUTES.get((key, *(t.data_ptr() % 16 == 0 for t in (q, k, v, do, dk, dv))))
+        if route is not None:  # [L; D] and the dQ sums are fresh allocations, aligned as dQ is
+            tensors = (do, q, k, v, o, lse, dq, dq, dk, dv, *([] if route[1] is None else [dq]))
+            known, plan = FLASH_PLANS.lookup(planned_key(key, tensors))
+            if known:
+                host_entry.export(entry, host_entry.BACKWARD, tensors[:6], is_causal, generation, plan, route[1])
+    return dq, dk, dv
+
+
+@functools.cache
+def _host_entry() -> ModuleType | None:
+    """The compiled host entry, its backward's Python fall-back set (:func:`_host_entry_backward`); None where
+    it is unavailable (:func:`.host_entry.module` warns once)."""
+    entry = host_entry.module()
+    if entry is not None:
+        entry.set_backward_miss(_host_entry_backward)
+    return entry
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:

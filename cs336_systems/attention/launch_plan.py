@@ -49,10 +49,11 @@ Record = tuple[Any, tuple[int, int, int], tuple] | None
 class _Replay:
     """One launch of a plan: the C launcher's argument list with holes for the call's tensors."""
 
-    __slots__ = ("launch", "template", "tensor_slots", "descriptor_slots")
+    __slots__ = ("kernel", "launch", "template", "tensor_slots", "descriptor_slots")
 
-    def __init__(self, launch: Callable[..., Any], template: list, tensor_slots: tuple,
+    def __init__(self, kernel: Any, launch: Callable[..., Any], template: list, tensor_slots: tuple,
                  descriptor_slots: tuple) -> None:
+        self.kernel = kernel  # the compiled kernel (what the C++ host entry exports the launch from)
         self.launch = launch
         self.template = template
         self.tensor_slots = tensor_slots  # (position, index of the call's tensor)
@@ -191,7 +192,7 @@ def _replay(record: Record, tensors: Sequence[Tensor]) -> _Replay | None:
         template[pos] = None
     for _, _, stand_in, _, _ in descriptor_slots:
         stand_in.base = None
-    return _Replay(launch, template, tuple(tensor_slots), tuple(descriptor_slots))
+    return _Replay(kernel, launch, template, tuple(tensor_slots), tuple(descriptor_slots))
 
 
 class LaunchPlan:
@@ -260,7 +261,7 @@ class PlanCache:
         kernel is ready, record it into a plan. ``key`` must determine everything but the tensors' addresses:
         shapes, strides, dtypes, device, flags and the options' generation. Which of the addresses are 16-byte
         aligned (what Triton specializes a pointer on, and what a descriptor's base needs) is added here."""
-        if not (self.enabled and self.launches.enabled) or _launch_hooks_set():
+        if not self.replaying():
             launch()
             return
         addresses = [t.data_ptr() for t in tensors]
@@ -279,6 +280,10 @@ class PlanCache:
             self.store(key, LaunchPlan.build(records, tensors))
 
 
+    def replaying(self) -> bool:
+        """Whether calls replay plans now: plans and the launch cache on, and no Triton launch hooks set."""
+        return self.enabled and self.launches.enabled and not _launch_hooks_set()
+
     @staticmethod
     def _stream(device: torch.device) -> int:
         """The raw current stream of ``device``, as Triton's own launch path reads it."""
@@ -289,6 +294,11 @@ _MISSING = object()
 
 #: Triton specializes a pointer argument on its divisibility by 16, and a tensor descriptor's base needs it.
 ALIGN_BYTES = 16
+
+
+def planned_key(key: Hashable, tensors: Sequence[Tensor]) -> tuple:
+    """The key :meth:`PlanCache.run` stores a call's plan under, for ``key`` and the call's ``tensors``."""
+    return key, _alignment([t.data_ptr() for t in tensors])
 
 
 def _alignment(addresses: Sequence[int]) -> bool | tuple[bool, ...]:

@@ -188,6 +188,10 @@ class FlashOptions:
     atomics. ``None`` (the default): wherever the Gluon kernel runs, and nowhere else (with the Triton kernel it
     measured slower). ``True``: with either kernel; ``False``: never, the Gluon dK/dV kernel then beside the
     Triton dQ kernel, for A/B (docs/flash_attention/dq_atomic.md).
+    ``host_entry``: eager calls of 16-bit 4-D inputs whose launch plans are recorded run through the C++ host entry
+    (:mod:`.host_entry`: no Python between the call and the GPU, compiled on first use); off, they replay the
+    plans from Python. Same kernels, same outputs. Off by default until its host-time A/B is in the writeup
+    (docs/flash_attention/host_floor.md).
     """
 
     autotune: bool = True
@@ -205,9 +209,11 @@ class FlashOptions:
     gluon_persistent: bool | None = None
     gluon_persistent_backward: bool = False
     dq_atomic: bool | None = None
+    host_entry: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "gluon_persistent_backward"):
+        for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "gluon_persistent_backward",
+                     "host_entry"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         for flag, default in (("dq_atomic", "where the Gluon backward runs"),
@@ -281,6 +287,7 @@ class FlashOptions:
             "gluon_persistent": self.gluon_persistent,
             "gluon_persistent_backward": self.gluon_persistent_backward,
             "dq_atomic": self.dq_atomic,
+            "host_entry": self.host_entry,
             "candidates": {p: len(t) for p, t in self.candidates},
             "default_candidates": all(self.tiles(p) == DEFAULT_CANDIDATES[p] for p in PHASES),
         }
