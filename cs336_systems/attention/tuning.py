@@ -4,6 +4,7 @@ and option set (:func:`tuned`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -172,11 +173,16 @@ _PHASE_KERNELS = {
 }
 
 
-@functools.cache
 def tuned(phase: str, options: FlashOptions) -> Any:
     """``phase``'s kernel wrapped in an autotuner over ``options``' candidate tiles, keyed on the shape
     class. Cached per option set: the compiled variants and tuning results of each set are kept, so
-    switching options back and forth re-tunes nothing."""
+    switching options back and forth re-tunes nothing. ``host_entry`` picks no kernel: both of its values share
+    one autotuner, so turning it on runs the very tiles tuned without it."""
+    return _tuned(phase, dataclasses.replace(options, host_entry=False) if options.host_entry else options)
+
+
+@functools.cache
+def _tuned(phase: str, options: FlashOptions) -> Any:
     kernel, (resident, streamed, min_block_m) = _PHASE_KERNELS[phase]
     prune = _fit_configs(resident, streamed, min_block_m, options.autotune)
     # dQ accumulated by dK/dV (options.dq_atomic) is added to, not written: every timed candidate would add its
