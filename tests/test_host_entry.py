@@ -1,4 +1,4 @@
-"""The C++ host entry (``options.host_entry``): recorded launch plans replayed from C++.
+"""The C++ host entry (``options.host_entry``, on by default): recorded launch plans replayed from C++.
 
 On CPU: a plan's export is checked against what Triton's own argument expansion hands its C launcher (every
 parameter's type, order and value, tensors as their addresses, TMA maps as holes), and the compiled extension
@@ -178,14 +178,17 @@ def test_without_a_compiler_calls_take_the_python_path(monkeypatch, tmp_path) ->
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert host_entry.module() is None
-            assert host_entry.module() is None
+            assert flash_triton._host_entry() is None
+            assert flash_triton._host_entry_apply(lambda *args: "python path", *[torch.empty(1, 1, 1, 16)] * 3,
+                                                  True) == "python path"
         assert len(caught) == 1 and "host entry is unavailable" in str(caught[0].message)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         q, k, v = (torch.randn(1, 2, 32, 16, device=device, requires_grad=True) for _ in range(3))
         with options.use(host_entry=True):
             o = FlashAttentionTriton.apply(q, k, v, True)
         o.sum().backward()
-        torch.testing.assert_close(o, FlashAttentionTriton.apply(q, k, v, True), rtol=0, atol=0)
+        with options.use(host_entry=False):
+            torch.testing.assert_close(o, FlashAttentionTriton.apply(q, k, v, True), rtol=0, atol=0)
     finally:
         host_entry.module.cache_clear()
         flash_triton._host_entry.cache_clear()
@@ -231,7 +234,8 @@ def test_calls_through_the_host_entry_match_the_python_replay(shape, dtype, layo
         before = entry.replays()
         got = [_run(shape, dtype, layout, causal, seed) for seed in (1, 2)]
         assert entry.replays() == before + 4  # forward and backward, twice, from C++
-    expected = [_run(shape, dtype, layout, causal, seed) for seed in (1, 2)]  # the Python replay
+    with options.use(host_entry=False):
+        expected = [_run(shape, dtype, layout, causal, seed) for seed in (1, 2)]  # the Python replay
     q = _inputs(shape, dtype, layout, 0)[0]
     fused = flash_triton.backward_kernel_name(q, q, q) != "triton"  # its float32 dQ adds land in any order
     for g_call, e_call in zip(got, expected, strict=True):
@@ -287,6 +291,7 @@ def test_host_entry_calls_capture_in_a_cuda_graph() -> None:
                 dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-    expected = step()
+    with options.use(host_entry=False):
+        expected = step()
     for g, e in zip(outs, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)

@@ -25,6 +25,16 @@ from cs336_systems.attention.launch_plan import LaunchPlan, PlanCache
 nvidia_driver = pytest.importorskip("triton.backends.nvidia.driver")
 
 
+@pytest.fixture(autouse=True)
+def _python_replay():  # noqa: ANN202
+    """These tests check the replay from Python; the C++ host entry, on by default, has its own
+    (test_host_entry.py)."""
+    from cs336_systems.attention import options
+
+    with options.use(host_entry=False):
+        yield
+
+
 def _fake_tma(arg, meta):  # noqa: ANN001
     """``make_tensordesc_arg`` without a driver: the 'map' names the address and box it would encode."""
     if meta is None:

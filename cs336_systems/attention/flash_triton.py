@@ -3,6 +3,9 @@
 
 Layers, outside in:
 
+- An eager call of a signature seen before goes through the C++ host entry (:mod:`.host_entry`), which replays
+  the launch plans recorded below with no Python in between (``options.host_entry``; see
+  :func:`_host_entry_apply`); every other call takes the Python layers.
 - :class:`FlashAttentionTriton` validates inputs (the same ``ValueError``s as the PyTorch version), views
   3-D inputs as 4-D with one head, saves ``Q, K, V, O, L`` and maps gradients back.
 - Two custom operators, ``cs336_systems::flash_attention_forward`` and ``…_backward``, launch the kernels.
@@ -562,7 +565,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         """``Function.apply``; an eager call goes through the C++ host entry where ``options.host_entry`` is on."""
         if torch.compiler.is_compiling():  # Dynamo tracing this very method (``torch.compile(Fn.apply)``)
             return cls.apply(q, k, v, is_causal)  # not a recursion: Dynamo handles a Function's ``apply`` by name
-        if options.current().host_entry and _eager(q) and FLASH_PLANS.replaying():
+        if (options.current().host_entry and q.is_cuda and _eager(q) and FLASH_PLANS.replaying()
+                and not torch._C._are_functorch_transforms_active()):  # functorch's wrappers have no strides
             return _host_entry_apply(super().apply, q, k, v, is_causal)
         return super().apply(q, k, v, is_causal)
 

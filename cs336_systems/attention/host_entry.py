@@ -12,7 +12,8 @@ Python still records every plan, on the call that :class:`~.launch_plan.PlanCach
 only translates a recorded :class:`~.launch_plan.LaunchPlan` into the byte layout Triton 3.6's C launcher
 builds (:func:`launch_records`) and hands it over (:func:`export`). A signature without a plan here takes the
 Python path: the forward returns None to its caller, the backward calls back into Python. The policy (which
-calls, which keys, the Python fall-back) is :mod:`.flash_triton`'s; ``options.host_entry`` turns it on.
+calls, which keys, the Python fall-back) is :mod:`.flash_triton`'s; ``options.host_entry`` (on by default)
+switches it.
 
 The extension is compiled on first use with the machine's C++ compiler against the installed torch and the
 CUDA headers Triton ships, and cached under torch's extension build root; :func:`module` is None (with one
@@ -104,6 +105,8 @@ def build(build_root: Path | None = None, compiler: str | None = None) -> Path:
     if headers is None:
         raise RuntimeError("Triton's CUDA headers (triton/backends/nvidia/include/cuda.h) are missing")
     root.mkdir(parents=True, exist_ok=True)
+    print(f"compiling the C++ host entry of FlashAttentionTriton into {root} (once; about half a minute)",
+          file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=root) as scratch:  # built aside, then renamed: concurrent builds race safely
         partial = Path(scratch) / output.name
         done = subprocess.run(_compile_command(partial, compiler, headers), capture_output=True, text=True)

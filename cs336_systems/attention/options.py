@@ -189,9 +189,10 @@ class FlashOptions:
     measured slower). ``True``: with either kernel; ``False``: never, the Gluon dK/dV kernel then beside the
     Triton dQ kernel, for A/B (docs/flash_attention/dq_atomic.md).
     ``host_entry``: eager calls of 16-bit 4-D inputs whose launch plans are recorded run through the C++ host entry
-    (:mod:`.host_entry`: no Python between the call and the GPU, compiled on first use); off, they replay the
-    plans from Python. Same kernels, same outputs. Off by default until its host-time A/B is in the writeup
-    (docs/flash_attention/host_floor.md).
+    (:mod:`.host_entry`: no Python between the call and the GPU; compiled once per machine, torch and Python, on
+    the first eager CUDA call, about half a minute); off, they replay the plans from Python, for A/B. Same kernels,
+    same outputs; on an H200 it took ours below cuDNN's host time per eager forward + backward
+    (docs/flash_attention/host_entry.md).
     """
 
     autotune: bool = True
@@ -209,7 +210,7 @@ class FlashOptions:
     gluon_persistent: bool | None = None
     gluon_persistent_backward: bool = False
     dq_atomic: bool | None = None
-    host_entry: bool = False
+    host_entry: bool = True
 
     def __post_init__(self) -> None:
         for flag in ("autotune", "gluon", "gluon_head_views", "gluon_backward", "gluon_persistent_backward",

@@ -16,6 +16,7 @@ implementations in one process, and per round:
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 1,16,1024,64 --profile   # + cProfile of ours
     python -m cs336_systems.benchmarking.flash_host_overhead --impls ours,ours_uncached,sdpa_cudnn  # launch cache A/B
     python -m cs336_systems.benchmarking.flash_host_overhead --impls ours,ours_unplanned,sdpa_cudnn  # launch plans A/B
+    python -m cs336_systems.benchmarking.flash_host_overhead --impls ours,ours_python_entry,sdpa_cudnn  # C++ entry A/B
     python -m cs336_systems.benchmarking.flash_host_overhead --shape 8,12,1024,64 --layout bshd --kernels
     python -m cs336_systems.benchmarking.flash_host_overhead --layout bshd \
         --impls ours_gluon_views,ours_no_gluon_views,sdpa_cudnn     # Gluon forward on head views A/B
@@ -63,13 +64,16 @@ GLUON_SHORT = "ours_gluon_short"
 #: Ours with the Triton backward kernels at every length (``options.gluon_backward = False``), and with the fused
 #: Gluon backward at every length it applies to (``options.gluon_backward_min_keys = 0``).
 TRITON_BACKWARD, GLUON_BACKWARD_SHORT = "ours_triton_backward", "ours_gluon_backward_short"
+#: Ours with its plans replayed from Python instead of the C++ host entry (``options.host_entry = False``).
+PYTHON_ENTRY = "ours_python_entry"
 #: Named variants of ours: the :class:`~cs336_systems.attention.options.FlashOptions` fields each one sets
 #: for its whole measurement. ``--variant NAME=JSON`` adds more (e.g. other forward tiles).
 VARIANTS: dict[str, dict[str, Any]] = {GLUON_VIEWS: {"gluon_head_views": True, "gluon_min_key_work": 0},
                                        NO_GLUON_VIEWS: {"gluon_head_views": False},
                                        GLUON_SHORT: {"gluon_min_key_work": 0},
                                        TRITON_BACKWARD: {"gluon_backward": False},
-                                       GLUON_BACKWARD_SHORT: {"gluon_backward_min_keys": 0}}
+                                       GLUON_BACKWARD_SHORT: {"gluon_backward_min_keys": 0},
+                                       PYTHON_ENTRY: {"host_entry": False}}
 OURS_VARIANTS = ("ours", UNCACHED, UNPLANNED, *VARIANTS)
 _ALL = tuple(dict.fromkeys((*IMPLS, *OURS_VARIANTS)))
 #: GPU sleep before a host measurement: long enough that the GPU is still asleep when the host finishes.
