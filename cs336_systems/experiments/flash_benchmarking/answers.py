@@ -198,11 +198,15 @@ def _host(d: SectionData) -> list[Block]:
         text += (f"; SDPA pinned to cuDNN costs {span(keyed['sdpa_cudnn'].dropna())} on the same host, so ours "
                  f"takes {span(over, '', fmt.ratio)} cuDNN's host time. The forward and backward through "
                  "`torch.autograd.grad` are in both numbers")
+        entry = ("A call of a signature seen before is issued from C++: the host entry keys it, allocates its "
+                 "outputs and launches the kernels from the launch plans recorded on an earlier call, with a C++ "
+                 "autograd node for the backward, so no Python runs between the caller and the GPU "
+                 "(`docs/flash_attention/host_entry.md`)")
         if over.max() > 1:
-            text += (". Where ours costs more, the difference is Python, not the launches: our three kernels are "
-                     "issued from recorded launch plans through Triton's C launcher, and what is left is the autograd "
-                     "function's own Python (its allocations, the lookups of its validated inputs and plans) where "
-                     "cuDNN's path is C++ (`docs/flash_attention/host_floor.md` decomposes it)")
+            text += (f". Where ours costs more, it is not its own code's language: {entry[0].lower()}{entry[1:]}; "
+                     "the rest is autograd's own machinery, which cuDNN's path pays too")
+        else:
+            text += f". {entry}"
     if "host_spread_us" in summary:
         spreads = summary["host_spread_us"]
         text += (f". Single cells are noisy on this host: a time's round-to-round spread is {fmt.sig(spreads.median())}"

@@ -170,9 +170,8 @@ def _host_row(d: SectionData) -> list[str] | None:
               if "host_spread_us" in values else pd.Series(0.0, index=wide.index))
     beyond = int(((ours - cudnn) > spread).sum())
     above = int((ratio < 1).sum())
-    python = ("ours is a Python autograd function where cuDNN's path is C++; timed interleaved against an empty "
-              "autograd function, ours sits further above that floor than SDPA does "
-              "(`docs/flash_attention/host_floor.md`)")
+    python = ("a seen call is issued from the C++ host entry, so the rest is autograd's own machinery and the "
+              "host's noise (`docs/flash_attention/host_entry.md`)")
     if beyond:
         state, gap = MISSED, f"costlier than cuDNN past the rounds' spread at {beyond} of {len(ratio)} shapes; {python}"
     elif above:
