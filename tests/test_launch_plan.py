@@ -9,8 +9,10 @@ CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -271,16 +273,20 @@ def _inputs(shape: tuple, dtype: torch.dtype, layout: str, seed: int) -> list[to
     return list(make_inputs(shape, dtype, layout, gen))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("shape,dtype,layout", [
+#: (shape, dtype, layout) cells of the replay checks: bf16 and fp16, float32 at d = 128, d = 80 in two slabs, head views.
+REPLAY_CELLS = [
     ((2, 4, 200, 64), torch.bfloat16, "bhsd"),
     ((1, 2, 1024, 128), torch.float32, "bhsd"),
     ((2, 12, 1000, 64), torch.bfloat16, "bshd"),
     ((1, 4, 300, 80), torch.float16, "bhsd"),
     ((1, 16, 1024, 64), torch.bfloat16, "bhsd"),
-])  # fmt: skip
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape,dtype,layout", REPLAY_CELLS)
 def test_attention_replayed_through_plans_matches_the_full_path(shape, dtype, layout, causal) -> None:  # noqa: ANN001
     from cs336_systems.attention import FlashAttentionTriton
     from cs336_systems.attention.flash_triton import validated_calls_off
@@ -362,11 +368,12 @@ def test_saved_tensors_in_other_layouts_do_not_replay_the_plain_backwards_plan()
             torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_replayed_calls_capture_in_a_cuda_graph() -> None:
+def check_graph_capture(replays: Callable[[], int], warmups: int,
+                        reference: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Capture one causal forward + backward in a CUDA graph after ``warmups`` calls off the capture; the captured
+    launches must be two replays (``replays()`` counts them), and the graph replayed on new inputs must match a
+    call inside ``reference()``."""
     from cs336_systems.attention import FlashAttentionTriton
-    from cs336_systems.attention.launch_plan import FLASH_PLANS
 
     q, k, v, do = _inputs((2, 8, 512, 64), torch.bfloat16, "bhsd", 0)
 
@@ -377,21 +384,29 @@ def test_replayed_calls_capture_in_a_cuda_graph() -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmups):
             step()  # compile, tune and record off the capture
     torch.cuda.current_stream().wait_stream(side)
-    replays = FLASH_PLANS.replays
+    before = replays()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
-    assert FLASH_PLANS.replays == replays + 2  # the captured launches are the plans' replays
+    assert replays() == before + 2  # the captured launches are the replays
     q2, k2, v2, do2 = _inputs((2, 8, 512, 64), torch.bfloat16, "bhsd", 5)
     with torch.no_grad():
         for dst, src in ((q, q2), (k, k2), (v, v2), (do, do2)):
             dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
-    with launch_plan.disabled():
+    with reference():
         expected = step()
     for g, e in zip(outs, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_replayed_calls_capture_in_a_cuda_graph() -> None:
+    from cs336_systems.attention.launch_plan import FLASH_PLANS
+
+    check_graph_capture(lambda: FLASH_PLANS.replays, 3, launch_plan.disabled)

@@ -562,10 +562,15 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @classmethod
     def apply(cls, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:  # type: ignore[override]
-        """``Function.apply``; an eager call goes through the C++ host entry where ``options.host_entry`` is on."""
-        if torch.compiler.is_compiling():  # Dynamo tracing this very method (``torch.compile(Fn.apply)``)
+        """``Function.apply``; an eager call goes through the C++ host entry where ``options.host_entry`` is on.
+        From the third call of a signature on, ``o.grad_fn`` is then the entry's C++ node, which exposes no saved
+        tensors: inspect them with ``options.use(host_entry=False)``."""
+        if torch.compiler.is_dynamo_compiling():  # Dynamo tracing this very method (``torch.compile(Fn.apply)``)
             return cls.apply(q, k, v, is_causal)  # not a recursion: Dynamo handles a Function's ``apply`` by name
-        if (options.current().host_entry and q.is_cuda and _eager(q) and FLASH_PLANS.replaying()
+        if torch.compiler.is_compiling():  # another tracer (non-strict export): the Python path, as ever
+            return super().apply(q, k, v, is_causal)
+        if (options.current().host_entry and _eager(q) and q.is_cuda and type(k) is Tensor and type(v) is Tensor
+                and type(is_causal) is bool and FLASH_PLANS.replaying()
                 and not torch._C._are_functorch_transforms_active()):  # functorch's wrappers have no strides
             return _host_entry_apply(super().apply, q, k, v, is_causal)
         return super().apply(q, k, v, is_causal)
@@ -632,7 +637,7 @@ def _host_entry_apply(apply, q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -
     generation = options.generation()
     o = entry.forward(q, k, v, is_causal, generation)
     if o is not None:
-        return o
+        return o if o is not False else apply(q, k, v, is_causal)  # False: known, and no plan to replay
     o = apply(q, k, v, is_causal)
     signature = VALIDATED.lookup(q, k, v, is_causal)  # None unless launched as they are (4-D, no copies)
     if signature is not None and q.dtype != torch.float32:  # float32's key also holds the matmul precision

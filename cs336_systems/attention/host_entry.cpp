@@ -40,11 +40,19 @@ using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, 
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 using ErrorString = CUresult (*)(CUresult, const char**);
+using CtxGetCurrent = CUresult (*)(CUcontext*);
+using DeviceGet = CUresult (*)(CUdevice*, int);
+using PrimaryCtxRetain = CUresult (*)(CUcontext*, CUdevice);
+using CtxSetCurrent = CUresult (*)(CUcontext);
 
 struct Driver {
   LaunchKernelEx launch = nullptr;
   EncodeTiled encode = nullptr;
   ErrorString error = nullptr;
+  CtxGetCurrent ctx_get = nullptr;
+  DeviceGet device_get = nullptr;
+  PrimaryCtxRetain primary_retain = nullptr;
+  CtxSetCurrent ctx_set = nullptr;
 };
 
 const Driver& driver() {
@@ -55,8 +63,13 @@ const Driver& driver() {
     out.launch = reinterpret_cast<LaunchKernelEx>(dlsym(lib, "cuLaunchKernelEx"));
     out.encode = reinterpret_cast<EncodeTiled>(dlsym(lib, "cuTensorMapEncodeTiled"));
     out.error = reinterpret_cast<ErrorString>(dlsym(lib, "cuGetErrorString"));
-    if (!out.launch || !out.encode || !out.error)
-      throw std::runtime_error("host entry: libcuda.so.1 lacks cuLaunchKernelEx or cuTensorMapEncodeTiled");
+    out.ctx_get = reinterpret_cast<CtxGetCurrent>(dlsym(lib, "cuCtxGetCurrent"));
+    out.device_get = reinterpret_cast<DeviceGet>(dlsym(lib, "cuDeviceGet"));
+    out.primary_retain = reinterpret_cast<PrimaryCtxRetain>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    out.ctx_set = reinterpret_cast<CtxSetCurrent>(dlsym(lib, "cuCtxSetCurrent"));
+    if (!out.launch || !out.encode || !out.error || !out.ctx_get || !out.device_get || !out.primary_retain ||
+        !out.ctx_set)
+      throw std::runtime_error("host entry: libcuda.so.1 lacks an entry point it needs (cuLaunchKernelEx, ...)");
     return out;
   }();
   return d;
@@ -217,7 +230,8 @@ Key backward_key(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
   push_layout(key, lse, true);
   push_layout(key, dout, true);
   key.insert(key.end(), {int64_t(q.scalar_type()), int64_t(k.scalar_type()), int64_t(v.scalar_type()),
-                         int64_t(o.scalar_type()), int64_t(dout.scalar_type()), q.device().index(), causal,
+                         int64_t(o.scalar_type()), int64_t(lse.scalar_type()), int64_t(dout.scalar_type()),
+                         q.device().index(), causal,
                          generation, aligned_bits({&dout, &q, &k, &v, &o, &lse})});
   return key;
 }
@@ -232,8 +246,21 @@ std::shared_ptr<Plan> find(const Key& key, bool* known) {
 // Launches hold per-hole map caches and write their holes in place: one call at a time.
 std::mutex launch_mutex;
 
+// A thread whose first CUDA work is a replay may have no current context (the guard sets the device only where
+// it differs); the driver API needs one, so the device's primary context is made current, as Triton's launcher does.
+void ensure_context(int device) {
+  CUcontext context = nullptr;
+  check(driver().ctx_get(&context), "cuCtxGetCurrent");
+  if (context != nullptr) return;
+  CUdevice handle;
+  check(driver().device_get(&handle, device), "cuDeviceGet");
+  check(driver().primary_retain(&context, handle), "cuDevicePrimaryCtxRetain");
+  check(driver().ctx_set(context), "cuCtxSetCurrent");
+}
+
 void run(Plan& plan, const std::vector<at::Tensor>& tensors, const at::Tensor& first) {
   const c10::cuda::CUDAGuard guard(first.device());
+  ensure_context(first.device().index());
   const CUstream stream = c10::cuda::getCurrentCUDAStream(first.device().index()).stream();
   std::lock_guard<std::mutex> lock(launch_mutex);
   for (auto& launch : plan.launches) launch.run(tensors, stream);
@@ -305,12 +332,15 @@ bool eligible(const at::Tensor& t) {
 // What Python calls
 // ------------------------------------------------------------------------------------------------
 
+// The output through a plan; None where the key is unknown (Python may record a plan), False where it is known to
+// have none.
 py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                    int64_t generation) {
-  if (!eligible(q) || !eligible(k) || !eligible(v)) return py::none();
+  if (!eligible(q) || !eligible(k) || !eligible(v) || k.device() != q.device() || v.device() != q.device())
+    return py::none();  // the Python path validates (and refuses tensors on different devices)
   bool known = false;
   std::shared_ptr<Plan> plan = find(forward_key(q, k, v, causal, generation), &known);
-  if (plan == nullptr) return py::none();
+  if (plan == nullptr) return known ? py::object(py::bool_(false)) : py::object(py::none());
   return py::cast(FlashAttention::apply(q, k, v, causal, generation, plan));
 }
 

@@ -72,20 +72,21 @@ def _compile_command(output: Path, compiler: str, headers: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     torch_lib = Path(torch.__file__).parent / "lib"
-    abi = getattr(cpp_extension, "_get_pybind11_abi_build_flags", lambda: [])()
     return [
         compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", str(SOURCE), "-o", str(output),
         f"-DTORCH_EXTENSION_NAME={NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *abi,
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
         f"-I{headers}", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}",
         "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl",
     ]  # fmt: skip
 
 
-def _fingerprint() -> str:
-    """What the compiled module depends on: its source, torch's version and the Python it is built for."""
-    parts = (SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode())
+def _fingerprint(command: list[str], headers: Path) -> str:
+    """What the compiled module depends on: its source, the compile command (compiler, flags, include and library
+    paths), the CUDA header it includes, torch's version and the Python it is built for."""
+    parts = (SOURCE.read_bytes(), "\0".join(command).encode(), (headers / "cuda.h").read_bytes(),
+             torch.__version__.encode(), sys.version.encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -94,16 +95,18 @@ def build(build_root: Path | None = None, compiler: str | None = None) -> Path:
     (about a minute). Raises ``RuntimeError`` with the compiler's message where it cannot be built."""
     from torch.utils import cpp_extension
 
-    root = Path(build_root or cpp_extension.get_default_build_root()) / f"{NAME}_{_fingerprint()}"
-    output = root / f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
-    if output.exists():
-        return output
     compiler = compiler or os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler {compiler!r} on PATH")
     headers = _cuda_headers()
     if headers is None:
         raise RuntimeError("Triton's CUDA headers (triton/backends/nvidia/include/cuda.h) are missing")
+    name = f"{NAME}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    fingerprint = _fingerprint(_compile_command(Path(name), compiler, headers), headers)
+    root = Path(build_root or cpp_extension.get_default_build_root()) / f"{NAME}_{fingerprint}"
+    output = root / name
+    if output.exists():
+        return output
     root.mkdir(parents=True, exist_ok=True)
     print(f"compiling the C++ host entry of FlashAttentionTriton into {root} (once; about half a minute)",
           file=sys.stderr)
@@ -223,7 +226,7 @@ def launch_records(plan: LaunchPlan) -> list[tuple] | None:
                 continue
             try:
                 packed = _pack(ty, None if pos in pointer_at else value)
-            except (KeyError, struct.error, TypeError):
+            except (KeyError, struct.error, TypeError, OverflowError):
                 return None
             data += bytes(-len(data) % len(packed))
             if pos in pointer_at:

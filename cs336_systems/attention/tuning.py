@@ -178,7 +178,12 @@ def tuned(phase: str, options: FlashOptions) -> Any:
     class. Cached per option set: the compiled variants and tuning results of each set are kept, so
     switching options back and forth re-tunes nothing. ``host_entry`` picks no kernel: both of its values share
     one autotuner, so turning it on runs the very tiles tuned without it."""
-    return _tuned(phase, dataclasses.replace(options, host_entry=True) if not options.host_entry else options)
+    return _tuned(phase, options if options.host_entry else _with_host_entry(options))
+
+
+@functools.cache
+def _with_host_entry(options: FlashOptions) -> FlashOptions:
+    return dataclasses.replace(options, host_entry=True)
 
 
 @functools.cache
