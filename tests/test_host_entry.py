@@ -178,6 +178,52 @@ def test_the_compiled_entry_keys_plans_and_fills_pointer_holes(monkeypatch, entr
     assert entry.size() == 0
 
 
+class _Entry:
+    """An entry without plans, as the Python path finds it before the hand-over."""
+
+    def forward(self, *_: object) -> None:
+        return None
+
+
+@pytest.mark.slow
+def test_the_python_path_hands_its_plans_to_the_entry(monkeypatch) -> None:  # noqa: ANN001
+    """The forward's plan goes to the entry only for inputs launched as they are (validated, 4-D, 16-bit), under
+    the key of (q, k, v); the backward's only under its forward's options, with the route's dQ rows."""
+    from cs336_systems.attention.launch_plan import FLASH_PLANS, planned_key
+
+    handed = []
+    monkeypatch.setattr(flash_triton, "_host_entry", lambda: _Entry())
+    monkeypatch.setattr(host_entry, "export", lambda *args: handed.append(args))
+    # The hand-over's look-ups find "a plan" (none is recorded on CPU); the launches' own find none, as ever.
+    monkeypatch.setattr(flash_triton, "planned_key", lambda key, tensors: ("hand-over", planned_key(key, tensors)))
+    lookup = FLASH_PLANS.lookup
+    monkeypatch.setattr(FLASH_PLANS, "lookup", lambda key: (True, "a plan") if key[0] == "hand-over" else lookup(key))
+    g = torch.Generator().manual_seed(0)
+    for dtype, shape, hands_over in ((torch.float16, (1, 2, 32, 16), True), (torch.float32, (1, 2, 32, 16), False),
+                                     (torch.float16, (2, 32, 16), False)):  # float32 and 3-D: never the entry's
+        q, k, v = (torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(3))
+        handed.clear()
+        o = flash_triton._host_entry_apply(FlashAttentionTriton.apply, q, k, v, True)
+        assert bool(handed) == hands_over
+        if hands_over:
+            [(_, kind, key_tensors, causal, generation, plan)] = handed
+            assert (kind, causal, generation, plan) == (host_entry.FORWARD, True, options.generation(), "a plan")
+            assert all(a is b for a, b in zip(key_tensors, (q, k, v), strict=True))
+    o, lse = flash_triton.eager_forward(q.unsqueeze(1).detach(), k.unsqueeze(1).detach(), v.unsqueeze(1).detach(),
+                                        True, 0.25)
+    q4, k4, v4 = (t.unsqueeze(1).detach() for t in (q, k, v))
+    do = torch.randn_like(o)
+    handed.clear()
+    grads = flash_triton._host_entry_backward(do, q4, k4, v4, o, lse, True, 0.25, options.generation())
+    [(_, kind, key_tensors, causal, generation, plan, dq_rows)] = handed
+    assert (kind, causal, plan) == (host_entry.BACKWARD, True, "a plan") and len(grads) == 3
+    assert all(a is b for a, b in zip(key_tensors, (do, q4, k4, v4, o, lse), strict=True))
+    assert dq_rows is None  # the Triton kernels on CPU: no float32 dQ sums
+    handed.clear()
+    flash_triton._host_entry_backward(do, q4, k4, v4, o, lse, True, 0.25, options.generation() - 1)
+    assert not handed  # recorded under other options than the forward's: not the forward's plan
+
+
 def test_without_a_compiler_calls_take_the_python_path(monkeypatch, tmp_path) -> None:
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         host_entry.build(tmp_path, compiler="no-such-c++")
