@@ -191,8 +191,7 @@ class FlashOptions:
     ``host_entry``: eager calls of 16-bit 4-D inputs whose launch plans are recorded run through the C++ host entry
     (:mod:`.host_entry`: no Python between the call and the GPU; compiled once per machine, torch and Python, on
     the first eager CUDA call, about half a minute); off, they replay the plans from Python, for A/B. Same kernels,
-    same outputs; on an H200 it took ours below cuDNN's host time per eager forward + backward
-    (docs/flash_attention/host_entry.md).
+    same outputs; its host time is measured in docs/flash_attention/host_entry.md.
     """
 
     autotune: bool = True
