@@ -3,9 +3,8 @@
 
 Layers, outside in:
 
-- An eager call of a signature seen before goes through the C++ host entry (:mod:`.host_entry`), which replays
-  the launch plans recorded below with no Python in between (``options.host_entry``; see
-  :func:`_host_entry_apply`); every other call takes the Python layers.
+- An eager call of a signature seen before goes through the C++ host entry (:mod:`.host_entry`, ``options.host_entry``,
+  :func:`_host_entry_apply`), replaying the launch plans recorded below; every other call takes the Python layers.
 - :class:`FlashAttentionTriton` validates inputs (the same ``ValueError``s as the PyTorch version), views
   3-D inputs as 4-D with one head, saves ``Q, K, V, O, L`` and maps gradients back.
 - Two custom operators, ``cs336_systems::flash_attention_forward`` and ``…_backward``, launch the kernels.
@@ -417,7 +416,7 @@ def _backward_route(key: tuple, q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk:
     once per backward key (shapes, strides, dtype, device, options) and 16-byte alignment of the tensors, all that
     the Gluon kernel's eligibility reads, on the tensors as passed: a misaligned one goes to the Triton kernels,
     never to Gluon on an aligned copy whose sums were sized for Triton's."""
-    memo = (key, *(t.data_ptr() % 16 == 0 for t in (q, k, v, do, dk, dv)))
+    memo = _route_memo(key, q, k, v, do, dk, dv)
     route = _BACKWARD_ROUTES.get(memo)
     if route is not None:
         return route
@@ -430,6 +429,10 @@ def _backward_route(key: tuple, q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk:
         _BACKWARD_ROUTES.clear()
     route = _BACKWARD_ROUTES[memo] = (gluon, rows)
     return route
+
+
+def _route_memo(key: tuple, *tensors: Tensor) -> tuple:  # the key and Q, K, V, dO, dK, dV's 16-byte alignment
+    return (key, *(t.data_ptr() % 16 == 0 for t in tensors))
 
 
 def _backward_key(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool,
@@ -562,9 +565,8 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @classmethod
     def apply(cls, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False) -> Tensor:  # type: ignore[override]
-        """``Function.apply``; an eager call goes through the C++ host entry where ``options.host_entry`` is on.
-        From the third call of a signature on, ``o.grad_fn`` is then the entry's C++ node, which exposes no saved
-        tensors: inspect them with ``options.use(host_entry=False)``."""
+        """``Function.apply``, through the C++ host entry for eager calls (``options.host_entry``), whose autograd node
+        exposes no saved tensors: inspect them with ``options.use(host_entry=False)``."""
         if torch.compiler.is_dynamo_compiling():  # Dynamo tracing this very method (``torch.compile(Fn.apply)``)
             return cls.apply(q, k, v, is_causal)  # not a recursion: Dynamo handles a Function's ``apply`` by name
         if torch.compiler.is_compiling():  # another tracer (non-strict export): the Python path, as ever
@@ -650,13 +652,12 @@ def _host_entry_apply(apply, q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -
 
 def _host_entry_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool,
                          scale: float, generation: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward of a host-entry forward whose key has no plan there: the Python path, whose plan (recorded
-    under the forward's options, as the entry keys it) is then handed over."""
+    """A host-entry backward without a plan: the Python path's, its plan handed over if under the forward's options."""
     dq, dk, dv = _backward(do, q, k, v, o, lse, is_causal, scale)
     entry = _host_entry()
     if entry is not None and generation == options.generation():
         key = _backward_key(do, q, k, v, o, lse, is_causal, scale)
-        route = _BACKWARD_ROUTES.get((key, *(t.data_ptr() % 16 == 0 for t in (q, k, v, do, dk, dv))))
+        route = _BACKWARD_ROUTES.get(_route_memo(key, q, k, v, do, dk, dv))
         if route is not None:  # [L; D] and the dQ sums are fresh allocations, aligned as dQ is
             tensors = (do, q, k, v, o, lse, dq, dq, dk, dv, *([] if route[1] is None else [dq]))
             known, plan = FLASH_PLANS.lookup(planned_key(key, tensors))
@@ -667,8 +668,7 @@ def _host_entry_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
 
 @functools.cache
 def _host_entry() -> ModuleType | None:
-    """The compiled host entry, its backward's Python fall-back set (:func:`_host_entry_backward`); None where
-    it is unavailable (:func:`.host_entry.module` warns once)."""
+    """The compiled host entry with its backward's Python fall-back set; None where it is unavailable."""
     entry = host_entry.module()
     if entry is not None:
         entry.set_backward_miss(_host_entry_backward)

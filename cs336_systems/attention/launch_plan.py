@@ -279,7 +279,6 @@ class PlanCache:
         if all(r is not None for r in records):  # a miss compiled or tuned: record the next call instead
             self.store(key, LaunchPlan.build(records, tensors))
 
-
     def replaying(self) -> bool:
         """Whether calls replay plans now: plans and the launch cache on, and no Triton launch hooks set."""
         return self.enabled and self.launches.enabled and not _launch_hooks_set()
