@@ -92,6 +92,21 @@ def test_shapes_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     assert len(long) == 2 * 2 * 2 * 2  # shapes × causal × impls × passes
     summary = json.loads((tmp_path / "flash_benchmarking" / "shapes_summary.json").read_text())
     assert summary["baseline"] == "sdpa_math" and summary["forward"]["cells"] == 4
+    # The grid is split over GPU jobs by dtype: a later job of this code keeps the earlier job's cells, a cell
+    # measured again replaces its rows, and other settings start the table over.
+    assert main(["flash_benchmarking", "--smoke", "--set", "parts=shapes", "--set", "shapes.dtypes=float64"]) == 0
+    both = pd.read_csv(tmp_path / "flash_benchmarking" / "shapes.csv")
+    assert len(both) == 2 * len(long) and list(both["dtype"].unique()) == ["float32", "float64"]
+    pd.testing.assert_frame_equal(both[both["dtype"] == "float32"].reset_index(drop=True), long)
+    summary = json.loads((tmp_path / "flash_benchmarking" / "shapes_summary.json").read_text())
+    assert summary["forward"]["cells"] == 8
+    assert main(["flash_benchmarking", "--smoke", "--set", "parts=shapes", "--set", "shapes.dtypes=float64"]) == 0
+    again = pd.read_csv(tmp_path / "flash_benchmarking" / "shapes.csv")
+    assert len(again) == len(both) and list(again["dtype"].unique()) == ["float32", "float64"]
+    assert main(["flash_benchmarking", "--smoke", "--set", "parts=shapes", "--set", "shapes.causal=True"]) == 0
+    other = pd.read_csv(tmp_path / "flash_benchmarking" / "shapes.csv")
+    assert set(other["dtype"]) == {"float32"} and set(other["causal"]) == {True}
+    capsys.readouterr()
 
 
 def test_sweep_is_derived_from_whichever_dtype_tables_exist() -> None:

@@ -103,6 +103,9 @@ def _merge_rounds(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+#: Parameters two jobs must share for their shapes tables to combine into one (the grid is split by dtype).
+SHAPES_SAME = ("shapes.shapes", "shapes.head_dims", "shapes.causal", "shapes.rounds", "warmup_ms", "rep_ms",
+               "kernel_options")
 SHAPE_KEYS = ["dtype", "batch", "heads", "seq_len", "head_dim", "causal", "pass"]
 #: One shape of the grid, whatever the pass.
 SHAPE_CELL = [k for k in SHAPE_KEYS if k != "pass"]
