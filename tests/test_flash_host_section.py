@@ -107,7 +107,7 @@ def _goal_rows(tmp_path, leaderboard: dict, d128: dict, grid: dict, host: pd.Dat
     from cs336_systems.experiments.flash_benchmarking.goals import goals
 
     folder = tmp_path / "flash_benchmarking"
-    folder.mkdir()
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "leaderboard_summary.json").write_text(json.dumps(leaderboard))
     (folder / "leaderboard_d128_summary.json").write_text(json.dumps(d128))
     (folder / "shapes_summary.json").write_text(json.dumps({"baseline": "sdpa_cudnn", "forward+backward": grid}))
@@ -161,6 +161,34 @@ def test_goals_met_leave_the_gap_column_without_a_shortfall(tmp_path) -> None:
     assert rows[LEAD][1:3] == ["1.20×", "yes"] and rows[LEAD][3] == "past the runs' spread of ±0.0400 ms"
     assert rows[D128][2] == "yes" and rows[MEAN][2] == "yes" and rows[FLOOR][2] == "yes"
     assert not any("needs" in r[3] for k, r in rows.items() if k != "intro" and r[2] == "yes")
+
+
+def test_a_grid_missing_a_dtype_leaves_its_mean_open_and_a_shape_below_the_floor_still_misses(tmp_path) -> None:
+    """The grid runs one dtype per job: until every dtype of the full run has rows, the mean is open, while a
+    shape already below the floor misses that goal whatever the rest measure."""
+    from cs336_systems.benchmarking.flash.shapes import SHAPES_BHN
+
+    cells = [{"impl": "triton", "dtype": "bfloat16", "batch": b, "heads": h, "seq_len": n, "head_dim": d,
+              "causal": c, "pass": "forward+backward"} for b, h, n in SHAPES_BHN for d in (64, 128)
+             for c in (True, False)]
+    grid = {"cells": 40, "geomean": 1.05, "min": 0.95, "below_0.9": 0, "below_1.0": 3, "worst": "x"}
+    folder = tmp_path / "a" / "flash_benchmarking"
+    folder.mkdir(parents=True)
+    pd.DataFrame(cells).to_csv(folder / "shapes.csv", index=False)
+    rows = _goal_rows(tmp_path / "a", _leaderboard(4.0, 4.8), _leaderboard(6.0, 6.6), grid)
+    assert rows[MEAN][1:3] == ["1.05×", "level"]
+    assert rows[MEAN][3] == "3 of 40 shapes below 1.0×; 40 float16 shapes not measured yet, which leaves it open"
+    assert rows[FLOOR][2] == "level" and rows[FLOOR][3].endswith("40 float16 shapes not measured yet, which leaves it open")
+    fp16 = pd.DataFrame(cells).assign(dtype="float16")
+    (tmp_path / "b" / "flash_benchmarking").mkdir(parents=True)
+    pd.concat([pd.DataFrame(cells), fp16]).to_csv(tmp_path / "b" / "flash_benchmarking" / "shapes.csv", index=False)
+    whole = _goal_rows(tmp_path / "b", _leaderboard(4.0, 4.8), _leaderboard(6.0, 6.6), {**grid, "min": 0.5})
+    assert whole[MEAN][2] == "yes" and whole[MEAN][3] == "3 of 40 shapes below 1.0×"
+    assert whole[FLOOR][2] == "**no**" and "not measured" not in whole[FLOOR][3]
+    fp16.iloc[:1].to_csv(tmp_path / "b" / "flash_benchmarking" / "shapes.csv", index=False)  # bf16 gone, fp16 short
+    from cs336_systems.experiments.flash_benchmarking.goals import shapes_unmeasured
+
+    assert shapes_unmeasured(SectionData(tmp_path / "b", "flash_benchmarking")) == {"bfloat16": 40, "float16": 39}
 
 
 def test_goals_count_a_gap_inside_the_spread_as_level_not_as_met_or_missed(tmp_path) -> None:

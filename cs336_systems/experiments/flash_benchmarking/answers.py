@@ -14,7 +14,7 @@ from cs336_systems.benchmarking.flash.host import HOST_KEYS
 from cs336_systems.benchmarking.flash.shapes import SHAPE_KEYS
 from cs336_systems.experiments.flash_benchmarking import SWEEP_TABLES
 from cs336_systems.experiments.flash_benchmarking.goals import (
-    _host_bound_losers, _leaderboard_verdict, goals)
+    _host_bound_losers, _leaderboard_verdict, goals, shapes_unmeasured, unmeasured_words)
 from cs336_systems.experiments.flash_benchmarking.model_answers import (
     _model_ab, _model_setting, _model_step_sentence, _model_step_table)
 from cs336_systems.report import fmt
@@ -254,11 +254,15 @@ def _shapes(d: SectionData) -> list[Block]:
                          f"{g['cells']} shapes, lowest {fmt.ratio(g['min'])} ({g['worst']}), "
                          f"{g['below_0.9']} below 0.9× and {g['below_1.0']} below 1.0×{spread}")
     d.frame("shapes")  # the heatmap's data
+    missing = shapes_unmeasured(d)
+    rest = (f" The grid is measured one dtype per job; {unmeasured_words(missing)} (`python -m "
+            "cs336_systems.experiments flash_benchmarking --set parts=shapes --set shapes.dtypes="
+            f"{','.join(missing)}` adds them); the numbers above leave them out." if missing else "")
     return [question(d, "shapes", "Beyond the handout: every shape, against SDPA's flash and cuDNN backends "
                      "(batch 1-8, heads 8-32, sequences 256-65536 including lengths that are no multiple of a "
                      "tile, head dims 64 and 128, bf16 and fp16, causal and not).", [
         Text("Ours against " + baseline + ", as its time over ours (above 1: ours faster): " + "; ".join(parts)
-             + "."),
+             + "." + rest),
         d.figure("shapes_ratio", caption=f"{baseline} time over ours per shape, dtype and masking."),
         d.table("shapes_ratio", frame=_worst_shapes(d.frame("shapes_ratio"), f"vs_{baseline}"),
                 caption=f"The {WORST_SHAPES} shapes where ours loses most to {baseline} (each backend's time "

@@ -115,20 +115,50 @@ def _worst_shapes_why(d: SectionData) -> str:
     return f"of the {len(losers)} worst, profiled, {said} (the profile below)"
 
 
+def shapes_unmeasured(d: SectionData) -> dict[str, int]:
+    """Per dtype, the shapes of the full run's grid that the shapes table has no row for. The grid is measured
+    in one job per dtype, and a dtype not yet measured at this code leaves the grid's goals open. Without the
+    table, nothing is counted."""
+    from cs336_systems.experiments.flash_benchmarking import Params
+
+    long, grid = d.frame("shapes"), Params().shapes
+    if long is None or not set(SHAPE_CELL) <= set(long):  # no table of cells: only its summary, taken as it is
+        return {}
+    have = {(str(t), int(b), int(h), int(n), int(hd), str(c))
+            for t, b, h, n, hd, c in long[SHAPE_CELL].itertuples(index=False)}
+    missing: dict[str, int] = {}
+    for dtype in grid.dtypes:
+        absent = sum((dtype, b, h, n, hd, str(c)) not in have
+                     for b, h, n in grid.shapes for hd in grid.head_dims for c in grid.causal)
+        if absent:
+            missing[dtype] = absent
+    return missing
+
+
+def unmeasured_words(missing: dict[str, int]) -> str:
+    """"40 float16 shapes not measured yet", or empty."""
+    if not missing:
+        return ""
+    return join_words([f"{n:,} {dtype}" for dtype, n in missing.items()]) + " shapes not measured yet"
+
+
 def _grid_rows(summary: Any, d: SectionData) -> list[list[str]]:
     g = summary.get("forward+backward") if isinstance(summary, dict) else None
     floor_key = f"below_{GRID_FLOOR_GOAL:g}"
     if not _number(g, "geomean", "min", "cells", "below_1.0", floor_key):
         return []
     source = "`shapes_summary.json`"
-    mean_ok = g["geomean"] >= GRID_MEAN_GOAL
+    mean_ok, floor_ok = g["geomean"] >= GRID_MEAN_GOAL, g["min"] >= GRID_FLOOR_GOAL
+    # a shape below the floor misses that goal whatever the rest measure; the mean waits for every shape
+    unmeasured = unmeasured_words(shapes_unmeasured(d))
+    left_open = f"; {unmeasured}, which leaves it open" if unmeasured else ""
     return [[f"The grid's forward+backward, geometric mean: ≥ {fmt.ratio(GRID_MEAN_GOAL)}", fmt.ratio(g["geomean"]),
-             MET if mean_ok else MISSED,
+             LEVEL if unmeasured else MET if mean_ok else MISSED,
              ("" if mean_ok else _short_by(g["geomean"], GRID_MEAN_GOAL) + "; ")
-             + f"{g['below_1.0']} of {g['cells']} shapes below 1.0×", source],
+             + f"{g['below_1.0']} of {g['cells']} shapes below 1.0×" + left_open, source],
             [f"No grid shape below {fmt.ratio(GRID_FLOOR_GOAL)}", f"lowest {fmt.ratio(g['min'])}",
-             MET if g["min"] >= GRID_FLOOR_GOAL else MISSED,
-             f"{g[floor_key]} shapes below; {_worst_shapes_why(d)}", source]]
+             MISSED if not floor_ok else LEVEL if unmeasured else MET,
+             f"{g[floor_key]} shapes below; {_worst_shapes_why(d)}" + ("" if not floor_ok else left_open), source]]
 
 
 def _model_row(d: SectionData) -> list[str] | None:
