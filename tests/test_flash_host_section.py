@@ -78,7 +78,8 @@ def test_leaderboard_calls_a_gap_inside_the_runs_spread_a_tie() -> None:
     summary = {"triton_fwd_bwd_ms": 4.24, "triton_fwd_bwd_median_ms": 4.07, "speedup_vs_sdpa_cudnn": 1.008,
                "sdpa_cudnn_fwd_bwd_ms": 4.276, "sdpa_cudnn_fwd_bwd_median_ms": 4.282,
                "sdpa_flash_fwd_bwd_ms": 6.86, "sdpa_flash_fwd_bwd_median_ms": 6.87, "speedup_vs_sdpa_flash": 1.62}
-    assert _leaderboard_verdict(summary, "triton", "sdpa_cudnn") == "level: within the runs' spread of ±0.176 ms"
+    assert _leaderboard_verdict(summary, "triton", "sdpa_cudnn") == (
+        "level: within ±0.176 ms, the larger of the run's mean-to-median gaps and the 1% by which repeated runs differ")
     assert _leaderboard_verdict(summary, "triton", "sdpa_flash") == "faster"
     exact = {**summary, "triton_fwd_bwd_median_ms": 4.24, "sdpa_cudnn_fwd_bwd_median_ms": 4.276}
     assert _leaderboard_verdict(exact, "triton", "sdpa_cudnn").startswith("level")  # 0.8% apart: inside 1%
@@ -94,7 +95,7 @@ def test_leaderboard_speedups_near_one_read_as_level() -> None:
     summary = {"ours": "triton", "triton_fwd_bwd_ms": 4.2997, "triton_fwd_bwd_median_ms": 4.2994,
                "sdpa_cudnn_fwd_bwd_ms": 4.3146, "sdpa_cudnn_fwd_bwd_median_ms": 4.3009,
                "speedup_vs_sdpa_cudnn": 4.3146 / 4.2997}
-    assert "sdpa_cudnn 1.00× (level: within the runs' spread" in _leaderboard_sentence(summary).markdown
+    assert "sdpa_cudnn 1.00× (level: within ±0.0430 ms" in _leaderboard_sentence(summary).markdown
     assert "sdpa_cudnn 1.50×" in _leaderboard_sentence({**summary, "speedup_vs_sdpa_cudnn": 1.5}).markdown
 
 
@@ -129,7 +130,8 @@ def _leaderboard(ours_ms: float, cudnn_ms: float, forward: float | None = None) 
     summary = {"ours": "triton", "triton_fwd_bwd_ms": ours_ms, "triton_fwd_bwd_median_ms": ours_ms,
                "sdpa_cudnn_fwd_bwd_ms": cudnn_ms, "sdpa_cudnn_fwd_bwd_median_ms": cudnn_ms,
                "speedup_vs_sdpa_cudnn": cudnn_ms / ours_ms}
-    return summary if forward is None else {**summary, "forward_speedup_vs_sdpa_cudnn": forward}
+    return summary if forward is None else {**summary, "forward_speedup_vs_sdpa_cudnn": forward,
+                                            "triton_forward_ms": 1.0, "sdpa_cudnn_forward_ms": forward}
 
 
 LEAD, D128 = "Leaderboard, d = 64: ≥ 1.10×", "Leaderboard shape at d = 128: ≥ 1.00×"
@@ -142,9 +144,10 @@ def test_goals_table_says_met_or_missed_and_by_how_much(tmp_path) -> None:
     grid = {"cells": 80, "geomean": 0.95, "min": 0.5, "below_0.9": 15, "below_1.0": 39, "worst": "x"}
     rows = _goal_rows(tmp_path, _leaderboard(4.0, 4.2, forward=1.04), _leaderboard(6.0, 6.03), grid)
     assert rows[LEAD][1:3] == ["1.05×", "**no**"]
-    assert rows[LEAD][3].startswith("needs 4.8% more speed; forward alone 1.04×, so both passes fall short;")
+    # backward alone: (4.2 - 1.04) / (4.0 - 1.0) = 1.05
+    assert rows[LEAD][3].startswith("needs 4.8% more speed; forward alone 1.04×, backward alone 1.05×: both fall short;")
     assert rows[D128][1:3] == ["1.01×", "level"]  # 0.5% apart: inside the 1% spread of repeated runs
-    assert rows[D128][3].startswith("level: within the runs' spread")
+    assert rows[D128][3].startswith("level: within ±0.0600 ms, the larger of the run's mean-to-median gaps")
     assert rows[MEAN][1:3] == ["0.950×", "**no**"] and "39 of 80 shapes below 1.0×" in rows[MEAN][3]
     assert rows[FLOOR][1:3] == ["lowest 0.500×", "**no**"] and rows[FLOOR][3].startswith("15 shapes below;")
     assert "no profile of the worst shapes yet" in rows[FLOOR][3]
@@ -152,7 +155,7 @@ def test_goals_table_says_met_or_missed_and_by_how_much(tmp_path) -> None:
     assert rows[HOST][3].startswith("costlier than cuDNN past the rounds' spread at 2 of 2 shapes")
     assert rows[MODEL][1:3] == ["1 of 2 cells slower", "**no**"]
     assert rows[MODEL][3].startswith("slower beyond the rounds' spread in small at 4,096 eager (0.800×)")
-    assert "Of 6 goals, 1 level or open and 5 missed." in rows["intro"][0]
+    assert "Of 6 goals, 1 level and 5 missed." in rows["intro"][0]
 
 
 def test_goals_met_leave_the_gap_column_without_a_shortfall(tmp_path) -> None:
@@ -176,9 +179,9 @@ def test_a_grid_missing_a_dtype_leaves_its_mean_open_and_a_shape_below_the_floor
     folder.mkdir(parents=True)
     pd.DataFrame(cells).to_csv(folder / "shapes.csv", index=False)
     rows = _goal_rows(tmp_path / "a", _leaderboard(4.0, 4.8), _leaderboard(6.0, 6.6), grid)
-    assert rows[MEAN][1:3] == ["1.05×", "level"]
+    assert rows[MEAN][1:3] == ["1.05×", "open"]
     assert rows[MEAN][3] == "3 of 40 shapes below 1.0×; 40 float16 shapes not measured yet, which leaves it open"
-    assert rows[FLOOR][2] == "level" and rows[FLOOR][3].endswith("40 float16 shapes not measured yet, which leaves it open")
+    assert rows[FLOOR][2] == "open" and rows[FLOOR][3].endswith("40 float16 shapes not measured yet, which leaves it open")
     fp16 = pd.DataFrame(cells).assign(dtype="float16")
     (tmp_path / "b" / "flash_benchmarking").mkdir(parents=True)
     pd.concat([pd.DataFrame(cells), fp16]).to_csv(tmp_path / "b" / "flash_benchmarking" / "shapes.csv", index=False)
@@ -189,6 +192,26 @@ def test_a_grid_missing_a_dtype_leaves_its_mean_open_and_a_shape_below_the_floor
     from cs336_systems.experiments.flash_benchmarking.goals import shapes_unmeasured
 
     assert shapes_unmeasured(SectionData(tmp_path / "b", "flash_benchmarking")) == {"bfloat16": 40, "float16": 39}
+
+
+def test_goals_mark_a_stale_result_and_give_the_mean_without_the_shortest_rows(tmp_path) -> None:
+    """A row read from a result measured on older code says so; the grid's mean is also given without its
+    shortest rows (the most host-bound and noisiest), with their widest spread."""
+    import json
+
+    folder = tmp_path / "flash_benchmarking"
+    folder.mkdir()
+    (folder / "model_ab_summary.meta.json").write_text(json.dumps({"git_commit": "0123456789-dirty"}))
+    shape = {"dtype": "bfloat16", "batch": 1, "heads": 8, "head_dim": 64, "causal": True, "pass": "forward+backward"}
+    pd.DataFrame([{**shape, "seq_len": n, "vs_sdpa_cudnn": r, "spread_triton": sp, "spread_sdpa_cudnn": 0.01}
+                  for n, r, sp in ((256, 2.0, 0.6), (256, 1.5, 0.2), (4096, 0.9, 0.01), (8192, 1.0, 0.02))]).to_csv(
+        folder / "shapes_ratio.csv", index=False)
+    grid = {"cells": 4, "geomean": 1.2, "min": 0.9, "below_0.9": 0, "below_1.0": 1, "worst": "x"}
+    rows = _goal_rows(tmp_path, _leaderboard(4.0, 4.8), _leaderboard(6.0, 6.6), grid)
+    assert rows[MODEL][4] == "`model_ab_summary.csv` (STALE)" and rows[MEAN][4] == "`shapes_summary.json`"
+    assert "1 of the rows read a result measured on older code, marked STALE" in rows["intro"][0]
+    assert rows[MEAN][3] == ("1 of 4 shapes below 1.0×; 0.949× without the 2 shapes at 256 tokens, whose rounds "
+                             "spread up to 60.0%")
 
 
 def test_goals_count_a_gap_inside_the_spread_as_level_not_as_met_or_missed(tmp_path) -> None:
@@ -213,7 +236,7 @@ def test_goals_count_the_worst_shapes_by_where_they_lose(tmp_path) -> None:
     grid = {"cells": 80, "geomean": 0.95, "min": 0.5, "below_0.9": 2, "below_1.0": 39, "worst": "x"}
     rows = _goal_rows(tmp_path, _leaderboard(4.0, 4.2), _leaderboard(6.0, 6.6), grid, losers=losers)
     assert rows[FLOOR][3] == ("2 shapes below; of the 2 worst, profiled, ours' kernels take more GPU "
-                              "time than cuDNN's at 1 (the profile below)")
+                              "time than cuDNN's at 1, by 33% (the profile below)")
     ratio = pd.DataFrame([{**shape, "seq_len": n, "pass": "forward+backward", "triton_ms": ms}
                           for n, ms in ((256, 0.4), (512, 0.17))])
     ratio.to_csv(tmp_path / "flash_benchmarking" / "shapes_ratio.csv", index=False)

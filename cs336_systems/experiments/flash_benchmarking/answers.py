@@ -134,7 +134,7 @@ def _losers(d: SectionData) -> list[Block]:
 #: Per losing phase, the lever the kernel notes point to (``docs/flash_attention/NOTES.md``, "Next levers").
 LOSER_LEVERS = {
     "backward": "in the backward, on rows shorter than `options.gluon_backward_min_keys` our Triton dQ and dK/dV "
-                "kernels each recompute $QK^T$ and $P$: seven products where cuDNN's fused backward does five. Our "
+                "kernels each recompute $QK^T$ and $dO\,V^T$: seven products where cuDNN's fused backward does five. Our "
                 "five-product Hopper backward, which adds dQ tiles inside the dK/dV kernel by TMA reductions as "
                 "FlashAttention-3 does, runs from that many keys on, where it measured faster; below it, it measured "
                 "slower (`docs/flash_attention/dq_atomic.md`)",
@@ -265,7 +265,7 @@ def _shapes(d: SectionData) -> list[Block]:
              + "." + rest),
         d.figure("shapes_ratio", caption=f"{baseline} time over ours per shape, dtype and masking."),
         d.table("shapes_ratio", frame=_worst_shapes(d.frame("shapes_ratio"), f"vs_{baseline}"),
-                caption=f"The {WORST_SHAPES} shapes where ours loses most to {baseline} (each backend's time "
+                caption=f"The {WORST_SHAPES} (shape, pass) pairs where ours loses most to {baseline} (each backend's time "
                         f"over ours, {_rounds_words(summary)}); every shape is in the CSV and the heatmap."),
     ])]
 
