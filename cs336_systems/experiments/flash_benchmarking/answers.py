@@ -212,6 +212,13 @@ def _host(d: SectionData) -> list[Block]:
         text += (f". Single cells are noisy on this host: a time's round-to-round spread is {fmt.sig(spreads.median())}"
                  f" µs at the median and {fmt.sig(spreads.max())} µs at the widest, so one cell's ratio is rough; "
                  "the interleaved decomposition and the A/B runs of that note are the finer measure")
+    if "gpu_us" in summary:
+        gpu = summary.set_index([*HOST_KEYS, "impl"])["gpu_us"].unstack("impl")
+        if {"ours", "sdpa_cudnn"} <= set(gpu):
+            kernels = (gpu["ours"] / gpu["sdpa_cudnn"]).dropna()
+            slower = int((kernels > 1).sum())
+            text += (f". By the kernels alone the order is not the same: the same calls' GPU µs are "
+                     f"{span(kernels, '', fmt.ratio)} cuDNN's, ours slower at {slower} of {len(kernels)}")
     host_bound = ours[ours["bound"] == "host"]
     where = (f"all {len(ours)} shapes" if len(host_bound) == len(ours) else f"{len(host_bound)} of {len(ours)}"
              + (": " + join_words([f"({int(r['batch'])}, {int(r['heads'])}, {int(r['seq_len'])}, "
@@ -219,8 +226,9 @@ def _host(d: SectionData) -> list[Block]:
                 if len(host_bound) else ""))
     text += (". Ours is host-bound (issuing a call takes longer than the GPU runs it) at " + where
              + "; there a call's wall time is the host's, unless a CUDA graph replays it (§1.4's compiled steps)."
-             " Measured with `python -m cs336_systems.benchmarking.flash_host_overhead` (GPU asleep while the host"
-             " issues the calls; `docs/flash_attention/host_overhead.md` has the method and the profile).")
+             " Measured with `python -m cs336_systems.benchmarking.flash_host_overhead` (a queued sleep kernel keeps"
+             " the GPU busy while the host issues the calls, so the host's time is not hidden behind the GPU's;"
+             " `docs/flash_attention/host_overhead.md` has the method and the profile).")
     return [question(d, "host", "Beyond the handout: what one call costs the CPU, beside what it costs the GPU.", [
         Text(text),
         d.table("host_overhead_summary", frame=_host_table(summary), caption="Median over alternating rounds of "
