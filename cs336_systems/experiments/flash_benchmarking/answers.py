@@ -119,10 +119,11 @@ def _losers(d: SectionData) -> list[Block]:
         def at(n: int) -> str:
             return "" if len(gpu_bound) == 1 else " at all of them" if n == len(gpu_bound) else f" at {n} of them"
 
-        text += (f". At {which} the kernels lose: the larger part of the GPU gap lies in the "
-                 + join_words([f"{phase}{at(n)}" for phase, n in counts.items()])
+        text += (f". At {which} the kernels lose{_gpu_gaps(gpu_bound, d.json('shapes_summary'))}: the larger part "
+                 "of the GPU gap lies in the " + join_words([f"{phase}{at(n)}" for phase, n in counts.items()])
                  + ", and our slowest kernel is " + join_words([f"`{k}`{at(n)}" for k, n in slowest.items()]))
         levers = [_forward_lever(gpu_bound[gpu_bound["loses_most_in"] == "forward"]) if phase == "forward" else
+                  _backward_lever(gpu_bound[gpu_bound["loses_most_in"] == "backward"]) if phase == "backward" else
                   LOSER_LEVERS[phase] for phase in counts.index if phase in LOSER_LEVERS]
         if levers:
             text += ". What the kernel notes say of each: " + "; ".join(levers)
@@ -146,6 +147,38 @@ LOSER_LEVERS = {
 }
 
 
+def _gpu_gaps(shapes: pd.DataFrame, grid: Any) -> str:
+    """By how much ours' GPU time exceeds cuDNN's at ``shapes``, and at how many by less than the grid's median
+    round-to-round spread (a gap that small is no evidence on its own)."""
+    if not {"ours_total_us", "cudnn_total_us"} <= set(shapes):
+        return ""
+    gap = shapes["ours_total_us"] / shapes["cudnn_total_us"] - 1
+    said = f" (ours' GPU time {fmt.pct(gap.min(), 2)}–{fmt.pct(gap.max(), 2)} over cuDNN's" if len(gap) > 1 else \
+        f" (ours' GPU time {fmt.pct(gap.iloc[0], 2)} over cuDNN's"
+    spread = (grid.get("forward+backward") or {}).get("spread_median") if isinstance(grid, dict) else None
+    if isinstance(spread, (int, float)):
+        small = int((gap < spread).sum())
+        said += f"; at {small} by less than the grid's median round-to-round spread, {fmt.pct(spread, 2)}"
+    return said + ")"
+
+
+def _backward_lever(shapes: pd.DataFrame) -> str:
+    """Why the backward loses at ``shapes``: below ``gluon_backward_min_keys`` the seven-product Triton kernels
+    (the notes' lever); where the five-product Hopper backward already runs, its own gap to cuDNN's backward."""
+    hopper = shapes[shapes["ours_slowest_kernel"].astype(str).str.contains("gluon")] \
+        if "ours_slowest_kernel" in shapes else shapes.iloc[:0]
+    said = LOSER_LEVERS["backward"]
+    if len(hopper) and {"ours_backward_us", "cudnn_backward_us"} <= set(hopper):
+        ratio = hopper["ours_backward_us"] / hopper["cudnn_backward_us"]
+        lo, hi = fmt.ratio(ratio.min()), fmt.ratio(ratio.max())
+        said += (f"; at the {len(hopper)} backward-bound {'shape' if len(hopper) == 1 else 'shapes'} where the "
+                 f"Hopper backward runs, it issues cuDNN's five products and takes {lo if lo == hi else f'{lo}–{hi}'} "
+                 "its backward GPU time: a gap of "
+                 "kernel efficiency, not of work (its dK/dV kernel's tensor-core use: `docs/flash_attention/"
+                 "refresh_0c802a3.md`)")
+    return said
+
+
 def _forward_lever(shapes: pd.DataFrame) -> str:
     """Why the forward loses at ``shapes``, from the Hopper forward's tile arithmetic (``tile_for``, the tile it
     runs at each length): how many of the rows its query tiles compute are padding, and how few key blocks a
@@ -162,8 +195,8 @@ def _forward_lever(shapes: pd.DataFrame) -> str:
                      f"({1 - seq / rows:.0%} padding) and a program streams at most {math.ceil(seq / block_n)} "
                      f"{block_n}-key blocks through a {stages}-deep ring")
     why = ("in the forward, " + "; ".join(facts)
-           + ", so a program spends much of its time filling and draining its pipeline (from the tile arithmetic, "
-             "not profiled per instruction); ") if facts else "in the forward, "
+           + ", so filling and draining the ring is a larger share of a program's time than on long rows (from "
+             "the tile arithmetic, not profiled per instruction); ") if facts else "in the forward, "
     return why + LOSER_LEVERS["forward"]
 
 
