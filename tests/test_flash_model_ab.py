@@ -241,3 +241,18 @@ def test_a_cell_measured_in_one_round_gets_no_verdict_until_its_second(tmp_path)
     row = _model_row(data)
     assert row[1:3] == ["0 of 1 cells slower", "level"]
     assert "1 cell measured in one round only, which leaves it open" in row[3]
+
+
+def test_model_step_sentence_says_where_the_sequential_table_separates_the_two() -> None:
+    """The model-step table is not an A/B: the answer gives SDPA's time over ours and the contexts where the
+    steps' ranges do not overlap, and points to the alternating A/B for speed."""
+    rows = [{"context_length": c, "attention_impl": impl, "status": "ok", "total_mean_ms": ms,
+             "total_min_ms": ms - 1, "total_max_ms": ms + 1, "peak_memory_GiB": 1.0}
+            for c, impl, ms in ((1024, "sdpa", 10.0), (1024, "flash_triton", 10.5), (2048, "sdpa", 10.0),
+                                (2048, "flash_triton", 20.0))]
+    text = fb.model_answers._model_step_sentence(pd.DataFrame(rows)).plain()
+    assert text.startswith("At context 2,048 a training step takes: sdpa 10.0 ms, 1.00 GiB and flash_triton 20.0 ms")
+    assert "sdpa's step time over ours runs from 0.500× to 0.952×; their steps' ranges do not overlap at 2,048." in text
+    assert "the A/B below alternates them in rounds and is the speed comparison" in text
+    close = pd.DataFrame(rows[:2])
+    assert "their steps' ranges overlap at every context" in fb.model_answers._model_step_sentence(close).plain()

@@ -209,4 +209,28 @@ def _model_step_sentence(df: pd.DataFrame | None) -> Text | None:
         else:
             parts.append(f"{r['attention_impl']} {r['status']}")
     return Text(f"At context {int(longest['context_length'].iloc[0]):,} a training step takes: "
-                + join_words(parts) + ".")
+                + join_words(parts) + "." + _model_step_order(df))
+
+
+def _model_step_order(df: pd.DataFrame, ours: str = "flash_triton", other: str = "sdpa") -> str:
+    """Ours against SDPA in this table: the ratio's range, and the contexts where the two differ by more than
+    their steps' ranges. The table times one implementation after the other, so a gap there may be the
+    machine's moment; the alternating A/B (``model_ab``) is the speed comparison."""
+    need = {"context_length", "attention_impl", "total_mean_ms", "total_min_ms", "total_max_ms"}
+    if not need <= set(df.columns):
+        return ""
+    wide = df.pivot_table(index="context_length", columns="attention_impl",
+                          values=["total_mean_ms", "total_min_ms", "total_max_ms"])
+    if ("total_mean_ms", ours) not in wide or ("total_mean_ms", other) not in wide:
+        return ""
+    wide = wide.dropna()
+    if wide.empty:
+        return ""
+    ratio = wide[("total_mean_ms", other)] / wide[("total_mean_ms", ours)]
+    apart = wide[(wide[("total_min_ms", ours)] > wide[("total_max_ms", other)])
+                 | (wide[("total_min_ms", other)] > wide[("total_max_ms", ours)])]
+    where = (f"; their steps' ranges do not overlap at {join_words([f'{int(c):,}' for c in apart.index])}"
+             if len(apart) else "; their steps' ranges overlap at every context")
+    return (f" {other}'s step time over ours runs from {fmt.ratio(ratio.min())} to {fmt.ratio(ratio.max())}{where}. "
+            "This table times the implementations one after the other, a few steps each; the A/B below "
+            "alternates them in rounds and is the speed comparison.")
