@@ -209,7 +209,8 @@ def test_goals_mark_a_stale_result_and_give_the_mean_without_the_shortest_rows(t
     grid = {"cells": 4, "geomean": 1.2, "min": 0.9, "below_0.9": 0, "below_1.0": 1, "worst": "x"}
     rows = _goal_rows(tmp_path, _leaderboard(4.0, 4.8), _leaderboard(6.0, 6.6), grid)
     assert rows[MODEL][4] == "`model_ab_summary.csv` (STALE)" and rows[MEAN][4] == "`shapes_summary.json`"
-    assert "1 of the rows read a result measured on older code, marked STALE" in rows["intro"][0]
+    assert "1 of the rows reads a result measured on older code, marked STALE; its source line below says" in \
+        rows["intro"][0]
     assert rows[MEAN][3] == ("1 of 4 shapes below 1.0×; 0.949× without the 2 shapes at 256 tokens, whose rounds "
                              "spread up to 60.0%")
 

@@ -293,8 +293,9 @@ def goals(d: SectionData) -> list[Block]:
              "SDPA's cuDNN backend being the strongest built-in attention there. ") if len(devices) == 1 else ""
     tally = join_words([f"{states.count(s)} {word}" for s, word in ((MET, "met"), (LEVEL, "level"), (OPEN, "open"),
                                                                        (MISSED, "missed")) if states.count(s)])
-    stale_words = (f" {len(stale)} of the rows read a result measured on older code, marked STALE; its source line "
-                   "below says what changed since." if stale else "")
+    stale_words = (f" {len(stale)} of the rows read{'s' if len(stale) == 1 else ''} a result measured on older code, "
+                   f"marked STALE; {'its source line' if len(stale) == 1 else 'their source lines'} below "
+                   f"say{'s' if len(stale) == 1 else ''} what changed since." if stale else "")
     return [question(d, "goals", "Beyond the handout: our attention against cuDNN, goal by goal.", [
         Text(f"{where}Of {len(kept)} goals, {tally}. A difference inside the runs' spread counts as level, a goal "
              "with cells not yet measured as open; each row is read from the result it names, and the sections "
