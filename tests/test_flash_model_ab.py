@@ -239,7 +239,7 @@ def test_a_cell_measured_in_one_round_gets_no_verdict_until_its_second(tmp_path)
     assert ("1 measured in one round only, with no spread to judge a difference against, so no verdict "
             "(xl at 1,024, compiled)") in text
     row = _model_row(data)
-    assert row[1:3] == ["0 of 1 cells slower", "level"]
+    assert row[1:3] == ["0 of 1 cells slower", "open"]
     assert "1 cell measured in one round only, which leaves it open" in row[3]
 
 
