@@ -192,6 +192,10 @@ def test_a_grid_missing_a_dtype_leaves_its_mean_open_and_a_shape_below_the_floor
     from cs336_systems.experiments.flash_benchmarking.goals import shapes_unmeasured
 
     assert shapes_unmeasured(SectionData(tmp_path / "b", "flash_benchmarking")) == {"bfloat16": 40, "float16": 39}
+    skipped = pd.concat([pd.DataFrame(cells).assign(status="ok"), fp16.assign(status="skipped (time budget)")])
+    skipped.iloc[-1, skipped.columns.get_loc("status")] = "OOM"  # an OOM cell was measured: it ran out of memory
+    skipped.to_csv(tmp_path / "b" / "flash_benchmarking" / "shapes.csv", index=False)
+    assert shapes_unmeasured(SectionData(tmp_path / "b", "flash_benchmarking")) == {"float16": 39}
 
 
 def test_goals_mark_a_stale_result_and_give_the_mean_without_the_shortest_rows(tmp_path) -> None:

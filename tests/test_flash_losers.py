@@ -113,11 +113,15 @@ def test_a_gap_inside_the_grids_spread_is_counted_and_the_hopper_backward_gets_i
          "ours_slowest_kernel": "flash_backward_dkdv_kernel"}])
     assert fb.answers._gpu_gaps(shapes, {"forward+backward": {"spread_median": 0.03}}) == (
         " (ours' GPU time 1.0%–25% over cuDNN's; at 1 by less than the grid's median round-to-round spread, 3.0%)")
+    faster = pd.concat([shapes, shapes.iloc[:1].assign(ours_total_us=90.0)], ignore_index=True)
+    assert fb.answers._gpu_gaps(faster, None) == " (ours' GPU time 1.0%–25% over cuDNN's at 2; no more than cuDNN's at 1)"
     lever = fb.answers._backward_lever(shapes)
     assert lever.startswith(fb.answers.LOSER_LEVERS["backward"])
     assert "at the 1 backward-bound shape where the Hopper backward runs, it issues cuDNN's five products and takes " \
            "1.03× its backward GPU time" in lever
     assert fb.answers._backward_lever(shapes.iloc[1:]) == fb.answers.LOSER_LEVERS["backward"]
+    # every backward-bound shape already on the Hopper backward: the seven-product lever is not the reason
+    assert fb.answers._backward_lever(shapes.iloc[:1]).startswith("in the backward; at the 1 backward-bound shape")
 
 
 def test_losers_part_on_cpu_says_what_it_needs(tmp_path, monkeypatch, capsys) -> None:

@@ -254,5 +254,7 @@ def test_model_step_sentence_says_where_the_sequential_table_separates_the_two()
     assert text.startswith("At context 2,048 a training step takes: sdpa 10.0 ms, 1.00 GiB and flash_triton 20.0 ms")
     assert "sdpa's step time over ours runs from 0.500× to 0.952×; their steps' ranges do not overlap at 2,048." in text
     assert "the A/B below alternates them in rounds and is the speed comparison" in text
+    naive_oom = pd.DataFrame(rows + [{"context_length": 2048, "attention_impl": "naive", "status": "OOM"}])
+    assert "do not overlap at 2,048." in fb.model_answers._model_step_sentence(naive_oom).plain()  # naive's OOM drops nothing
     close = pd.DataFrame(rows[:2])
     assert "their steps' ranges overlap at every context" in fb.model_answers._model_step_sentence(close).plain()

@@ -12,6 +12,7 @@ import pytest
 from cs336_systems.benchmarking.flash import shapes as flash_shapes
 from cs336_systems.benchmarking.flash import sweep as flash_sweep
 from cs336_systems.experiments import flash_benchmarking as fb
+from cs336_systems.benchmarking.sweep import SKIPPED
 from cs336_systems.experiments.__main__ import main
 
 
@@ -152,3 +153,19 @@ def test_sdpa_is_pinned_once_around_a_timed_loop(monkeypatch: pytest.MonkeyPatch
     with flash_sweep.pinned(flash_sweep.IMPLEMENTATIONS["naive"]):  # nothing to pin
         pass
     assert len(entered) == 4
+
+
+def test_a_cell_a_later_job_did_not_measure_keeps_the_earlier_measurement() -> None:
+    """A re-run that runs out of its time budget must not wipe a cell an earlier job measured; a cell it
+    measures again replaces the earlier rows."""
+    cell = {"dtype": "bfloat16", "batch": 1, "heads": 8, "head_dim": 64, "causal": True, "pass": "forward",
+            "impl": "triton"}
+    earlier = pd.DataFrame([{**cell, "seq_len": 256, "status": "ok", "median_ms": 1.0},
+                            {**cell, "seq_len": 512, "status": "ok", "median_ms": 2.0}])
+    rows = pd.DataFrame([{**cell, "seq_len": 256, "status": "ok", "median_ms": 1.5},
+                         {**cell, "seq_len": 512, "status": SKIPPED, "median_ms": math.nan},
+                         {**cell, "seq_len": 1024, "status": SKIPPED, "median_ms": math.nan}])
+    merged = flash_shapes.merge_shape_rows(rows, earlier).set_index("seq_len")
+    assert merged.loc[256, "median_ms"] == 1.5 and merged.loc[512, "median_ms"] == 2.0
+    assert merged.loc[1024, "status"] == SKIPPED and len(merged) == 3
+    assert flash_shapes.merge_shape_rows(rows, None) is rows

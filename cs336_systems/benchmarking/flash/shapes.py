@@ -111,6 +111,21 @@ SHAPE_KEYS = ["dtype", "batch", "heads", "seq_len", "head_dim", "causal", "pass"
 SHAPE_CELL = [k for k in SHAPE_KEYS if k != "pass"]
 
 
+def merge_shape_rows(rows: pd.DataFrame, earlier: pd.DataFrame | None) -> pd.DataFrame:
+    """``rows`` (this job's) over ``earlier`` (an earlier job's of the same code and settings): a cell measured
+    again replaces its rows, but a row this job did not measure (time budget, OOM) never replaces one that an
+    earlier job measured."""
+    from cs336_systems.results import merge_rows
+
+    if earlier is None:
+        return rows
+    key = [*SHAPE_KEYS, "impl"]
+    measured = set(earlier.loc[earlier["status"] == OK, key].itertuples(index=False, name=None))
+    lost = pd.Series([status != OK and cell in measured for status, cell in
+                      zip(rows["status"], rows[key].itertuples(index=False, name=None))], index=rows.index, dtype=bool)
+    return merge_rows(rows[~lost], earlier, key)
+
+
 def shapes_ratio(long: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
     """Per shape and pass: each implementation's median ms (column ``<impl>_ms``) and ``vs_<impl>`` = its time
     over ours (above 1: ours is faster); ``vs_best`` against the fastest other implementation that ran. With

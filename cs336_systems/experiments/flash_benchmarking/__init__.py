@@ -52,10 +52,10 @@ from cs336_systems.benchmarking.flash.model import (
     summarize_model_ab,
 )
 from cs336_systems.benchmarking.flash.shapes import (
-    SHAPE_KEYS,
     SHAPES_BHN,
     SHAPES_IMPLS,
     SHAPES_SAME,
+    merge_shape_rows,
     SHAPES_SMOKE_IMPLS,
     plot_shapes,
     run_shapes,
@@ -282,7 +282,7 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
                           rounds=g.rounds, warmup_ms=p.warmup_ms, rep_ms=p.rep_ms, budget_s=g.budget_s)
         # Split over jobs by dtype (the grid is longer than one GPU job): an earlier job's cells of this code,
         # device and settings stay, cells measured again are replaced; ratios are per cell, so they combine.
-        long = merge_rows(long, rows_of_this_run(out, "shapes", out.params, SHAPES_SAME), [*SHAPE_KEYS, "impl"])
+        long = merge_shape_rows(long, rows_of_this_run(out, "shapes", out.params, SHAPES_SAME))
         out.table(long, "shapes")
         ratio = shapes_ratio(long, ours=impls[0])
         out.table(ratio, "shapes_ratio")

@@ -135,7 +135,7 @@ def _losers(d: SectionData) -> list[Block]:
 #: Per losing phase, the lever the kernel notes point to (``docs/flash_attention/NOTES.md``, "Next levers").
 LOSER_LEVERS = {
     "backward": "in the backward, on rows shorter than `options.gluon_backward_min_keys` our Triton dQ and dK/dV "
-                "kernels each recompute $QK^T$ and $dO\,V^T$: seven products where cuDNN's fused backward does five. Our "
+                "kernels each recompute $QK^T$ and $dO\\,V^T$: seven products where cuDNN's fused backward does five. Our "
                 "five-product Hopper backward, which adds dQ tiles inside the dK/dV kernel by TMA reductions as "
                 "FlashAttention-3 does, runs from that many keys on, where it measured faster; below it, it measured "
                 "slower (`docs/flash_attention/dq_atomic.md`)",
@@ -152,9 +152,14 @@ def _gpu_gaps(shapes: pd.DataFrame, grid: Any) -> str:
     round-to-round spread (a gap that small is no evidence on its own)."""
     if not {"ours_total_us", "cudnn_total_us"} <= set(shapes):
         return ""
-    gap = shapes["ours_total_us"] / shapes["cudnn_total_us"] - 1
+    every = shapes["ours_total_us"] / shapes["cudnn_total_us"] - 1
+    gap = every[every > 0]
+    if gap.empty:
+        return " (by the kernels alone ours takes no more GPU time than cuDNN's at any of them)"
     said = f" (ours' GPU time {fmt.pct(gap.min(), 2)}–{fmt.pct(gap.max(), 2)} over cuDNN's" if len(gap) > 1 else \
         f" (ours' GPU time {fmt.pct(gap.iloc[0], 2)} over cuDNN's"
+    if len(gap) < len(every):
+        said += f" at {len(gap)}; no more than cuDNN's at {len(every) - len(gap)}"
     spread = (grid.get("forward+backward") or {}).get("spread_median") if isinstance(grid, dict) else None
     if isinstance(spread, (int, float)):
         small = int((gap < spread).sum())
@@ -165,9 +170,10 @@ def _gpu_gaps(shapes: pd.DataFrame, grid: Any) -> str:
 def _backward_lever(shapes: pd.DataFrame) -> str:
     """Why the backward loses at ``shapes``: below ``gluon_backward_min_keys`` the seven-product Triton kernels
     (the notes' lever); where the five-product Hopper backward already runs, its own gap to cuDNN's backward."""
-    hopper = shapes[shapes["ours_slowest_kernel"].astype(str).str.contains("gluon")] \
-        if "ours_slowest_kernel" in shapes else shapes.iloc[:0]
-    said = LOSER_LEVERS["backward"]
+    kernel = shapes["ours_slowest_kernel"].astype(str) if "ours_slowest_kernel" in shapes else None
+    hopper = shapes[kernel.str.contains("backward") & kernel.str.contains("gluon")] if kernel is not None \
+        else shapes.iloc[:0]
+    said = LOSER_LEVERS["backward"] if len(hopper) < len(shapes) else "in the backward"
     if len(hopper) and {"ours_backward_us", "cudnn_backward_us"} <= set(hopper):
         ratio = hopper["ours_backward_us"] / hopper["cudnn_backward_us"]
         lo, hi = fmt.ratio(ratio.min()), fmt.ratio(ratio.max())
@@ -250,8 +256,10 @@ def _host(d: SectionData) -> list[Block]:
         if {"ours", "sdpa_cudnn"} <= set(gpu):
             kernels = (gpu["ours"] / gpu["sdpa_cudnn"]).dropna()
             slower = int((kernels > 1).sum())
-            text += (f". By the kernels alone the order is not the same: the same calls' GPU µs are "
-                     f"{span(kernels, '', fmt.ratio)} cuDNN's, ours slower at {slower} of {len(kernels)}")
+            host_over = (keyed["ours"] / keyed["sdpa_cudnn"]).reindex(kernels.index)
+            differs = bool(((host_over > 1) != (kernels > 1)).any())
+            text += (f". By the kernels alone the order {'is not' if differs else 'is'} the same: the same calls' "
+                     f"GPU µs are {span(kernels, '', fmt.ratio)} cuDNN's, ours slower at {slower} of {len(kernels)}")
     host_bound = ours[ours["bound"] == "host"]
     where = (f"all {len(ours)} shapes" if len(host_bound) == len(ours) else f"{len(host_bound)} of {len(ours)}"
              + (": " + join_words([f"({int(r['batch'])}, {int(r['heads'])}, {int(r['seq_len'])}, "

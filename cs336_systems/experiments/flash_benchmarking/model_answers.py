@@ -223,7 +223,7 @@ def _model_step_order(df: pd.DataFrame, ours: str = "flash_triton", other: str =
                           values=["total_mean_ms", "total_min_ms", "total_max_ms"])
     if ("total_mean_ms", ours) not in wide or ("total_mean_ms", other) not in wide:
         return ""
-    wide = wide.dropna()
+    wide = wide.dropna(subset=[(v, i) for v in ("total_mean_ms", "total_min_ms", "total_max_ms") for i in (ours, other)])
     if wide.empty:
         return ""
     ratio = wide[("total_mean_ms", other)] / wide[("total_mean_ms", ours)]
