@@ -14,7 +14,7 @@ from cs336_systems.benchmarking.flash.host import HOST_KEYS
 from cs336_systems.benchmarking.flash.shapes import SHAPE_KEYS
 from cs336_systems.experiments.flash_benchmarking import SWEEP_TABLES
 from cs336_systems.experiments.flash_benchmarking.goals import (
-    _host_bound_losers, _leaderboard_verdict, goals, shapes_unmeasured, unmeasured_words)
+    _host_bound_losers, _leaderboard_verdict, goals, kernel_gaps, pct_span, shapes_unmeasured, unmeasured_words)
 from cs336_systems.experiments.flash_benchmarking.model_answers import (
     _model_ab, _model_setting, _model_step_sentence, _model_step_table)
 from cs336_systems.report import fmt
@@ -152,14 +152,12 @@ def _gpu_gaps(shapes: pd.DataFrame, grid: Any) -> str:
     round-to-round spread (a gap that small is no evidence on its own)."""
     if not {"ours_total_us", "cudnn_total_us"} <= set(shapes):
         return ""
-    every = shapes["ours_total_us"] / shapes["cudnn_total_us"] - 1
-    gap = every[every > 0]
+    gap = kernel_gaps(shapes)
     if gap.empty:
         return " (by the kernels alone ours takes no more GPU time than cuDNN's at any of them)"
-    said = f" (ours' GPU time {fmt.pct(gap.min(), 2)}–{fmt.pct(gap.max(), 2)} over cuDNN's" if len(gap) > 1 else \
-        f" (ours' GPU time {fmt.pct(gap.iloc[0], 2)} over cuDNN's"
-    if len(gap) < len(every):
-        said += f" at {len(gap)}; no more than cuDNN's at {len(every) - len(gap)}"
+    said = f" (ours' GPU time {pct_span(gap)} over cuDNN's"
+    if len(gap) < len(shapes):
+        said += f" at {len(gap)}; no more than cuDNN's at {len(shapes) - len(gap)}"
     spread = (grid.get("forward+backward") or {}).get("spread_median") if isinstance(grid, dict) else None
     if isinstance(spread, (int, float)):
         small = int((gap < spread).sum())
