@@ -1567,7 +1567,7 @@ def test_gluon_backward_matches_triton_backward(case: Case, dtype: torch.dtype, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 def test_default_backward_fuses_dq_into_the_gluon_kernel_at_long_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default the backward is routed by row length: at head dim 128 from 2,048 keys the Gluon kernel runs and
+    """By default the backward is routed by row length: at head dim 128 from 1,000 keys the Gluon kernel runs and
     forms dQ itself (float32 sums handed to it), below that the Triton kernels run; the routed gradients match the
     Triton backward's and float64."""
     from cs336_systems.attention import flash_bwd_sm90, flash_triton, launch_plan
@@ -1576,7 +1576,8 @@ def test_default_backward_fuses_dq_into_the_gluon_kernel_at_long_rows_only(monke
     real = flash_bwd_sm90.flash_backward_dkdv
     monkeypatch.setattr(flash_bwd_sm90, "flash_backward_dkdv",
                         lambda *a, **kw: calls.append(a[-1] if len(a) > 9 else kw.get("dq_acc")) or real(*a, **kw))
-    short, long_ = Case(2047, 2047, 128, True, 2), Case(2048, 2048, 128, True, 2)
+    keys = dict(options.DEFAULT_GLUON_BACKWARD_MIN_KEYS)[128]
+    short, long_ = Case(keys - 1, keys - 1, 128, True, 2), Case(keys, keys, 128, True, 2)
     for case, kernel in ((short, "triton"), (long_, "gluon")):
         q, k, v, do = _gluon_inputs(case, torch.bfloat16, "bhsd")
         assert flash_triton.backward_kernel_name(q, k, v) == kernel

@@ -27,10 +27,9 @@ both halves are in, each consumer multiplies its share of ``dS K`` over the prog
 engine add the float32 tile to the dQ sums (a TMA bulk reduction, :func:`_add_dq`). With ``dq_atomic=False`` the
 Triton dQ kernel computes dQ as in the Triton backward, for A/B.
 
-It runs on Hopper for rows of at least ``options.gluon_backward_min_keys`` (2,048 keys at head dim 128, 16,384 at
+It runs on Hopper for rows of at least ``options.gluon_backward_min_keys`` (1,000 keys at head dim 128, 16,384 at
 64): there the five-product backward measured faster than the Triton kernels' seven products on an H200, and
-slower on shorter rows, where the zero fill, the scaling pass and the extra host work of the float32 sums weigh
-more (docs/flash_attention/dq_atomic.md).
+slower on shorter rows (256 and 512 keys at head dim 128; docs/flash_attention/dq_atomic.md).
 
 ``flash_backward_dkdv_gluon_persistent_kernel`` is the same work on a persistent grid (``options.
 gluon_persistent_backward``, off by default until measured): at most one program per SM, each taking the (key tile,

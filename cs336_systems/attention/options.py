@@ -103,10 +103,10 @@ def _phases(value: str | Sequence[str] | frozenset[str] | None) -> frozenset[str
 
 
 #: Keys per row below which the Gluon backward (:attr:`FlashOptions.gluon_backward`) leaves a head dim to the Triton
-#: kernels. H200, fwd+bwd over §1.3.2's shapes grid (docs/flash_attention/dq_atomic.md, "Routed by length"): at head
-#: dim 128 the fused Gluon backward was faster from 2,048 keys on, causal or not (level at 1,000); at 64 only from
-#: 16,384 (slower at 12,345 and at 8,192 without the mask).
-DEFAULT_GLUON_BACKWARD_MIN_KEYS = ((64, 16384), (128, 2048))
+#: kernels. H200, fwd+bwd alternating in one process (docs/flash_attention/dq_atomic.md, "Routed by length" and
+#: "From 1,000 keys at head dim 128"): at head dim 128 the fused Gluon backward is faster from 1,000 keys on, causal
+#: or not, and slower at 512 and 256; at 64 only from 16,384 (slower at 12,345 and at 8,192 without the mask).
+DEFAULT_GLUON_BACKWARD_MIN_KEYS = ((64, 16384), (128, 1000))
 
 
 def _min_keys(value: Any) -> tuple[tuple[int, int], ...]:
