@@ -188,8 +188,8 @@ def _definitions_at(commit: str, depends: tuple[str, ...], repo: Path) -> Counte
 
 
 #: Commits declared not to change what any measurement measures (``HASH  reason`` per line; ``#`` comments), or
-#: not what some results measure (``HASH  [results: FOLDER, FOLDER]  reason``: neutral for those results folders
-#: only, e.g. a fix whose changed path none of their runs took).
+#: not what some results measure (``HASH  [results: FOLDER, FOLDER/TABLE]  reason``: neutral for those results
+#: folders, or for those tables of a folder, only, e.g. a fix whose changed path none of their runs took).
 NEUTRAL_COMMITS = REPO_ROOT / "figures" / "neutral_commits.txt"
 
 
@@ -214,21 +214,29 @@ def _neutral_ledger(repo: Path) -> list[tuple[str, frozenset[str] | None]]:
     return entries
 
 
-def neutral_commits(repo: Path, results: str | None = None) -> list[str]:
-    """The commits of ``figures/neutral_commits.txt`` in ``repo`` that apply to the results folder ``results``
-    (every unscoped one; with ``results`` None, only those): each changed measuring code in a way that changes
-    no measurement (the model's attention plugins found through an entry point rather than by name, say).
-    Staleness carries a result's definitions across such a commit instead of calling them changed; the reason
-    on each line is what a reviewer checks."""
-    return [commit for commit, scope in _neutral_ledger(repo) if scope is None or (results is not None and results in scope)]
+def neutral_commits(repo: Path, results: str | None = None, table: str | None = None) -> list[str]:
+    """The commits of ``figures/neutral_commits.txt`` in ``repo`` that apply to the results folder ``results``, or
+    to its table ``table`` (every unscoped one; with ``results`` None, only those): each changed measuring code in
+    a way that changes no measurement (the model's attention plugins found through an entry point rather than by
+    name, say). Staleness carries a result's definitions across such a commit instead of calling them changed;
+    the reason on each line is what a reviewer checks."""
+    keys = {results, f"{results}/{table}" if table else None} - {None}
+    return [commit for commit, scope in _neutral_ledger(repo) if scope is None or keys & scope]
+
+
+def names_table(repo: Path, results: str | None, table: str | None) -> bool:
+    """Whether some line of the ledger is scoped to the table ``table`` of the results folder ``results``."""
+    key = f"{results}/{table}"
+    return bool(results and table) and any(scope and key in scope for _, scope in _neutral_ledger(repo))
 
 
 def _carried_across_neutral_commits(commit: str, then: Counter[tuple[str, str]], depends: tuple[str, ...],
-                                    repo: Path, results: str | None = None) -> Counter[tuple[str, str]]:
+                                    repo: Path, results: str | None = None, table: str | None = None,
+                                    ) -> Counter[tuple[str, str]]:
     """``then`` (the definitions at ``commit``) as each neutral commit after ``commit`` (for the results folder
     ``results``) rewrote them: a definition such a commit replaced gives way to everything that commit added (a
     rename or a split keeps being tracked), so a later change to what it wrote still counts."""
-    listed = neutral_commits(repo, results)
+    listed = neutral_commits(repo, results, table)
     if not listed:
         return then
     later = (git(["rev-list", "--reverse", "--topo-order", f"{commit}..HEAD"], repo) or "").split()
@@ -245,10 +253,10 @@ def _carried_across_neutral_commits(commit: str, then: Counter[tuple[str, str]],
 
 @functools.lru_cache(maxsize=1024)
 def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT,
-                  results: str | None = None) -> tuple[str, ...] | None:
+                  results: str | None = None, table: str | None = None) -> tuple[str, ...] | None:
     """The files (as they were at ``commit``) under ``depends`` with a definition that no longer exists
     unchanged anywhere under ``depends`` in the working tree (committed or not), after the rewrites of the
-    neutral commits that apply to the results folder ``results``; ``None`` when ``commit`` is not a commit of
+    neutral commits that apply to the results folder ``results`` (or to its table ``table``); ``None`` when ``commit`` is not a commit of
     this repository, or git here cannot read its files."""
     repo = Path(repo)
     if git(["cat-file", "-e", f"{commit}^{{commit}}"], repo) is None:
@@ -267,7 +275,8 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT,
         then = {path: (_file_definitions_at(commit, path, repo) if path in touched or not (repo / path).is_file()
                        else _file_definitions_now(repo / path))
                 for path in then_files}
-        lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo, results) - now
+        lost = _carried_across_neutral_commits(commit, sum(then.values(), Counter()), depends, repo, results,
+                                               table) - now
     except _UnreadableFile:
         return None
     if not lost:
@@ -313,8 +322,10 @@ def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_RO
         return Freshness("stale", None, (), "no commit recorded: the code it measured is unknown")
     if raw.endswith("-dirty"):
         return Freshness("stale", commit, (), f"measured with uncommitted library changes on top of {commit[:9]}")
-    results = meta.get("section")
-    changed = changed_since(commit, tuple(depends), Path(repo), str(results) if results else None)
+    results = str(meta["section"]) if meta.get("section") else None
+    # a table's own key only where the ledger names it, so that the cache holds one entry per folder elsewhere
+    table = str(meta.get("name")) if names_table(Path(repo), results, meta.get("name")) else None
+    changed = changed_since(commit, tuple(depends), Path(repo), results, table)
     if changed is None:
         return Freshness("stale", commit, (), f"measured at {commit[:9]}, a commit this repository does not have "
                                           "(or whose files it cannot read)")

@@ -219,6 +219,27 @@ def test_a_neutral_commit_scoped_to_results_folders_carries_only_their_results(r
     measured_code.changed_since.cache_clear()
 
 
+def test_a_neutral_commit_scoped_to_tables_carries_only_those_tables(repo: Path) -> None:
+    """``HASH  [results: a/grid]  reason``: neutral for the table ``grid`` of folder ``a`` (a routing change that
+    none of its rows takes), while the folder's other tables, and a table of that name elsewhere, go stale."""
+    from cs336_systems import measured_code
+
+    (repo / "figures").mkdir()
+    _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef route(n):\n    return n >= 2048\n")
+    measured = _git(repo, "rev-parse", "HEAD")
+    change = _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef route(n):\n    return n >= 1000\n")
+    (repo / "figures" / "neutral_commits.txt").write_text(f"{change[:12]}  [results: a/grid, b]  no row between\n")
+    _git(repo, "add", "figures")
+    _commit(repo, "lib/other.py", "y = 1\n")
+    measured_code.changed_since.cache_clear()
+    for folder, name, state in (("a", "grid", "fresh"), ("a", "sweep", "stale"), ("a", None, "stale"),
+                                ("c", "grid", "stale"), ("b", "sweep", "fresh")):
+        meta = {"git_commit": measured, "section": folder, **({"name": name} if name else {})}
+        assert staleness.freshness(meta, ["lib/"], repo).state == state, (folder, name)
+    assert measured_code.names_table(repo, "a", "grid") and not measured_code.names_table(repo, "a", "sweep")
+    measured_code.changed_since.cache_clear()
+
+
 def test_a_neutral_commit_rewriting_two_definitions_of_one_name(repo: Path) -> None:
     """Two files each with a ``main``, both rewritten by one declared commit: carried across once each."""
     (repo / "figures").mkdir()
