@@ -408,12 +408,16 @@ def _why_not_this_run(meta: dict[str, Any], out: ResultWriter, params: dict[str,
             return "this job runs uncommitted library changes"
         return (f"it was measured at {then[:12]}, and the section's code changed since, or "
                 "git here lacks that commit (a copy without .git cannot compare commits)")
-    earlier = meta.get("params") or {}
-    # compared as recorded: JSON turns the running values' int keys and tuples into strings and lists
-    differ = [k for k in same if _jsonable(recorded(earlier, k)) != _jsonable(recorded(params, k))]
+    differ = settings_differ(meta.get("params") or {}, params, same)
     if differ:
         return "its settings differ in " + ", ".join(differ)
     return None
+
+
+def settings_differ(recorded_params: dict[str, Any], params: dict[str, Any], same: Sequence[str]) -> list[str]:
+    """The parameters named in ``same`` (dotted for groups) whose values differ between a table's recorded
+    parameters and ``params``, compared as recorded: JSON turns int keys and tuples into strings and lists."""
+    return [k for k in same if _jsonable(recorded(recorded_params, k)) != _jsonable(recorded(params, k))]
 
 
 def _same_measuring_code(meta: dict[str, Any], section: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 
 import numpy as np
@@ -169,3 +170,63 @@ def test_a_cell_a_later_job_did_not_measure_keeps_the_earlier_measurement() -> N
     assert merged.loc[256, "median_ms"] == 1.5 and merged.loc[512, "median_ms"] == 2.0
     assert merged.loc[1024, "status"] == SKIPPED and len(merged) == 3
     assert flash_shapes.merge_shape_rows(rows, None) is rows
+
+
+def test_two_jobs_grids_combine_after_the_fact(tmp_path, monkeypatch, capsys) -> None:
+    """Two jobs of the split grid on machines that did not pass the folder on: ``writeup combine`` adds the other
+    job's grid to this folder's as the later job would have, keeping both jobs' calibrations and refusing grids
+    of other devices, settings or code."""
+    from cs336_systems import measured_code
+    from cs336_systems.writeup.__main__ import main as writeup
+
+    def job(root: Path, dtype: str, date: str, start: float) -> Path:
+        monkeypatch.setenv("CS336_FIGURES_DIR", str(root))
+        assert main(["flash_benchmarking", "--smoke", "--set", "parts=shapes", "--set", f"shapes.dtypes={dtype}"]) == 0
+        folder = root / "flash_benchmarking"
+        for meta_path in folder.glob("shapes*.meta.json"):  # as a GPU job records it
+            meta = json.loads(meta_path.read_text())
+            meta.update(smoke=False, device="NVIDIA H200", date=date,
+                        calibration={"method": "sustained", "start": [{"bf16_tflops": start}]})
+            meta_path.write_text(json.dumps(meta))
+        return folder
+
+    mine = job(tmp_path / "a", "float32", "2026-12-03T13:00:00", 660.0)
+    theirs = job(tmp_path / "b", "float64", "2026-12-03T13:10:00", 670.0)
+    before = pd.read_csv(theirs / "shapes.csv")
+    stale = set()
+    real = measured_code.freshness
+    monkeypatch.setattr(measured_code, "freshness", lambda meta, depends, repo=measured_code.REPO_ROOT: (
+        measured_code.Freshness("stale", "abc", ("x.py",), "measured at abc; changed since: x.py")
+        if meta.get("date") in stale else measured_code.Freshness("fresh", "abc", (), "fresh")))
+    monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path / "a"))
+    capsys.readouterr()
+    assert writeup(["combine", "flash_benchmarking", str(theirs)]) == 0
+    both = pd.read_csv(mine / "shapes.csv")
+    assert list(both["dtype"].unique()) == ["float32", "float64"] and len(both) == 2 * len(before)
+    pd.testing.assert_frame_equal(both[both["dtype"] == "float64"].reset_index(drop=True), before)
+    summary = json.loads((mine / "shapes_summary.json").read_text())
+    assert summary["forward"]["cells"] == 8 and summary["baseline"] == "sdpa_math"
+    meta = json.loads((mine / "shapes.meta.json").read_text())
+    assert meta["date"] == "2026-12-03T13:10:00"  # the later job's record ...
+    assert meta["calibration"]["start"] == [{"bf16_tflops": 670.0}]
+    assert meta["calibration"]["merged"] == [{"method": "sustained", "start": [{"bf16_tflops": 660.0}]}]  # ... and the earlier's
+    assert "rendered" in meta and not meta["smoke"]
+    assert pd.read_csv(theirs / "shapes.csv").equals(before)  # the other folder is only read
+
+    def refused(match: str) -> None:
+        with pytest.raises(SystemExit):
+            writeup(["combine", "flash_benchmarking", str(theirs)])
+        assert match in capsys.readouterr().err
+
+    stale.add("2026-12-03T13:10:00")
+    refused("combine fresh grids only")
+    stale.clear()
+    other = json.loads((theirs / "shapes.meta.json").read_text())
+    (theirs / "shapes.meta.json").write_text(json.dumps({**other, "device": "NVIDIA H100 80GB HBM3"}))
+    refused("the grids ran on")
+    (theirs / "shapes.meta.json").write_text(json.dumps({**other, "params": {**other["params"], "rep_ms": 99.0}}))
+    refused("settings differ in rep_ms")
+    with pytest.raises(SystemExit):
+        writeup(["combine", "leaderboard", str(theirs)])
+    assert "sections that have: flash_benchmarking" in capsys.readouterr().err
+    monkeypatch.setattr(measured_code, "freshness", real)

@@ -73,6 +73,9 @@ class Section:
     derive_inputs: tuple[str, ...] = ()
     """The measured artefacts ``derive`` reads (at least one must exist; the first present gives the derived
     artefacts their provenance)."""
+    combine: Callable[[Path], list[str]] | None = None
+    """``combine(folder)``: add the tables that another job of a split run wrote to its own copy of this section's
+    folder to the committed ones (``python -m cs336_systems.writeup combine``); None where jobs cannot combine so."""
     gpus: int = 1
     """GPUs a real (non-smoke) run needs; 0: analytic, runs anywhere."""
     depends: tuple[str, ...] = ()

@@ -1,4 +1,4 @@
-"""``python -m cs336_systems.writeup {build,check,html,status,replot,history}``."""
+"""``python -m cs336_systems.writeup {build,check,html,status,replot,history,combine}``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
                                              "measured since a commit (untar it at the copy's root)")
     history.add_argument("since", help="the oldest commit whose tables the copy's jobs extend")
     history.add_argument("output", type=Path, help="the tar file to write")
+    combine = sub.add_parser("combine", help="add a table that another job wrote to its own copy of a section's "
+                                             "folder to the committed one, as one job extending the other would")
+    combine.add_argument("section", help="a section whose split jobs can be combined (flash_benchmarking)")
+    combine.add_argument("folder", type=Path, help="the other job's copy of figures/SECTION/")
     from cs336_systems.writeup import replot
 
     redraw = sub.add_parser("replot", help="redraw figures and derived tables from committed measurements")
@@ -55,6 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "replot":
         return replot.run_command(args)
+    if args.command == "combine":
+        from cs336_systems.experiments import SECTIONS
+
+        can = sorted(name for name, s in SECTIONS.items() if s.combine is not None)
+        spec = SECTIONS.get(args.section)
+        if spec is None or spec.combine is None:
+            parser.error(f"combine: {args.section!r} has no combine; sections that have: {', '.join(can)}")
+        try:
+            names = spec.combine(args.folder)
+        except ValueError as e:
+            parser.error(str(e))
+        print(f"combined {args.folder} into figures/{args.section}/: {', '.join(names)}")
+        return 0
     if args.command == "build":
         from cs336_systems.writeup.build import build as build_pdf
 

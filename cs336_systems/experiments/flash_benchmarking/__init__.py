@@ -23,7 +23,9 @@ version (PyTorch-tiled flash, naive and SDPA's math path on CPU), so that the co
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -75,7 +77,7 @@ from cs336_systems.benchmarking.flash.sweep import (
 from cs336_systems.benchmarking.sweep import OK
 from cs336_systems.experiments.section import Section, check_parts, check_positive, check_presets, group, param
 from cs336_systems.measured_code import MODEL
-from cs336_systems.results import ResultWriter, merge_rows, rows_of_this_run
+from cs336_systems.results import ResultWriter, load_meta, merge_rows, rows_of_this_run, settings_differ
 
 SECTION = "flash_benchmarking"
 PARTS = ("leaderboard", "sweep", "model", "breakdown", "shapes", "model_ab", "host", "losers")
@@ -283,14 +285,7 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         # Split over jobs by dtype (the grid is longer than one GPU job): an earlier job's cells of this code,
         # device and settings stay, cells measured again are replaced; ratios are per cell, so they combine.
         long = merge_shape_rows(long, rows_of_this_run(out, "shapes", out.params, SHAPES_SAME))
-        out.table(long, "shapes")
-        ratio = shapes_ratio(long, ours=impls[0])
-        out.table(ratio, "shapes_ratio")
-        baseline = "sdpa_cudnn" if "sdpa_cudnn" in impls else impls[-1]
-        summary = shapes_summary(ratio, baseline)
-        out.json(summary, "shapes_summary")
-        if ratio[f"vs_{baseline}"].notna().any():
-            out.figure(plot_shapes(ratio, f"vs_{baseline}"), "shapes_ratio")
+        ratio, summary = _write_shapes(out, long, impls)
         print(ratio.to_markdown(index=False, floatfmt=".3g"))
         print(summary)
         print(f"shapes took {time.monotonic() - started:.0f} s")
@@ -392,6 +387,59 @@ def derive(tables: dict[str, Any], meta: dict[str, Any]) -> Any:
     return Derived(tables={"sweep_speedup": (table, present[0])}, figures=figures)
 
 
+def _write_shapes(out: ResultWriter, long: Any, impls: Sequence[str], source: dict[str, Any] | None = None
+                  ) -> tuple[Any, dict[str, Any]]:
+    """The shapes grid's tables, summary and figure from its long rows (``impls[0]`` is ours); ``source``: the
+    measuring job's record, where the rows were measured elsewhere (:func:`combine`)."""
+    out.table(long, "shapes", source=source)
+    ratio = shapes_ratio(long, ours=impls[0])
+    out.table(ratio, "shapes_ratio", source=source)
+    baseline = "sdpa_cudnn" if "sdpa_cudnn" in impls else impls[-1]
+    summary = shapes_summary(ratio, baseline)
+    out.json(summary, "shapes_summary", source=source)
+    if ratio[f"vs_{baseline}"].notna().any():
+        out.figure(plot_shapes(ratio, f"vs_{baseline}"), "shapes_ratio", source=source)
+    return ratio, summary
+
+
+def combine(other: Path, publish: bool = True) -> list[str]:
+    """Add the shapes grid that another job wrote to its own copy of ``figures/flash_benchmarking/`` (the folder
+    ``other``) to this folder's, as the later of the two jobs would have, had its machine been given the earlier
+    one's folder (:func:`~cs336_systems.results.rows_of_this_run`): for jobs on machines that could not pass the
+    folder on. Both grids must be fresh (measured by the current code), from one device model, not smoke runs,
+    and measured with the same settings (``SHAPES_SAME``). The later job's record describes the result, the
+    earlier job's calibration is kept beside its own (``merged``), and where the rows were combined is
+    ``rendered``. Returns the names written."""
+    from cs336_systems import calibration
+    from cs336_systems.measured_code import freshness
+
+    out = ResultWriter("flash_benchmarking", smoke=False, publish=publish)
+    grids = []
+    for folder in (out.dir, Path(other)):
+        if not (folder / "shapes.meta.json").is_file() or not (folder / "shapes.csv").is_file():
+            raise ValueError(f"combine: {folder} has no shapes grid (shapes.csv and shapes.meta.json)")
+        meta = load_meta(folder.name, "shapes", root=folder.parent)
+        verdict = freshness(meta, SECTION.depends)
+        if meta.get("smoke") or verdict.stale:
+            raise ValueError(f"combine: the shapes grid in {folder} is "
+                             f"{'a smoke run' if meta.get('smoke') else verdict.reason}; combine fresh grids only")
+        grids.append((meta, pd.read_csv(folder / "shapes.csv")))
+    (later, later_rows), (earlier, earlier_rows) = sorted(grids, key=lambda g: str(g[0].get("date")), reverse=True)
+    if later.get("device") != earlier.get("device"):
+        raise ValueError(f"combine: the grids ran on {later.get('device')} and {earlier.get('device')}")
+    differ = settings_differ(later.get("params") or {}, earlier.get("params") or {}, SHAPES_SAME)
+    if differ:
+        raise ValueError(f"combine: the grids' settings differ in {', '.join(differ)}")
+    own = later.get("calibration")
+    if own is not None:
+        own = {**own, "merged": [*(own.get("merged") or []), *calibration.merged_records(earlier.get("calibration"))]}
+    long = merge_shape_rows(later_rows, earlier_rows)
+    out.params = dict(later.get("params") or {})
+    impls = [i for i in (*SHAPES_IMPLS, *SHAPES_SMOKE_IMPLS) if i in set(long["impl"])]  # ours first
+    _write_shapes(out, long, impls, source={**later, "calibration": own})
+    return ["shapes", "shapes_ratio", "shapes_summary"]
+
+
 # === Answers: formatting only; changes below this line do not make results stale ===
 
 from cs336_systems.experiments.flash_benchmarking.answers import answer  # noqa: E402
@@ -400,7 +448,7 @@ from cs336_systems.experiments.section import Job  # noqa: E402
 SECTION = Section(
     name="flash_benchmarking", number="1.3.2", title="FlashAttention-2 in Triton",
     problems=("flash_forward", "flash_backward", "flash_benchmarking"), answer=answer, presets=PRESETS, run=run,
-    derive=derive, derive_inputs=SWEEP_TABLES,
+    derive=derive, derive_inputs=SWEEP_TABLES, combine=combine,
     depends=(*MODEL, "cs336_systems/attention/", "cs336_systems/benchmarking/timing.py",
              "cs336_systems/benchmarking/end_to_end.py", "cs336_systems/benchmarking/sweep.py",
              "cs336_systems/benchmarking/flash_host_overhead.py", "cs336_systems/benchmarking/flash/",
