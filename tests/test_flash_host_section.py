@@ -250,6 +250,14 @@ def test_goals_count_the_worst_shapes_by_where_they_lose(tmp_path) -> None:
     (question,) = goals(SectionData(tmp_path, "flash_benchmarking"))
     assert ("of the 2 worst, profiled, 1 are host-bound (a call in the grid takes over 1.5× its kernels' GPU time); "
             "ours' kernels take more GPU time than cuDNN's at 1") in question.blocks[1].plain()
+    # a profile of older code counts nothing: its shapes may not be the grid's worst any more
+    import json
+
+    (tmp_path / "flash_benchmarking" / "losers.meta.json").write_text(json.dumps({"git_commit": "0123456789-dirty"}))
+    (question,) = goals(SectionData(tmp_path, "flash_benchmarking"))
+    said = question.blocks[1].plain()
+    assert "the profile of the worst shapes is STALE (older code), so not counted here" in said
+    assert "host-bound (a call" not in said and "by 33%" not in said
 
 
 def test_goals_skip_what_their_results_do_not_hold(tmp_path) -> None:

@@ -109,6 +109,8 @@ def _worst_shapes_why(d: SectionData) -> str:
     losers = d.frame("losers")
     if losers is None or losers.empty or not {"ours_total_us", "cudnn_total_us", *SHAPE_CELL} <= set(losers):
         return "no profile of the worst shapes yet"
+    if d.meta("losers").get("stale"):  # older code's worst shapes, perhaps not the grid's worst now
+        return "the profile of the worst shapes is STALE (older code), so not counted here"
     ratio = d.frame("shapes_ratio")
     slower = kernel_gaps(losers)
     said = f"ours' kernels take more GPU time than cuDNN's at {len(slower)}" + (
