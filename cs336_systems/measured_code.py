@@ -193,13 +193,19 @@ def _definitions_at(commit: str, depends: tuple[str, ...], repo: Path) -> Counte
 NEUTRAL_COMMITS = REPO_ROOT / "figures" / "neutral_commits.txt"
 
 
-def _neutral_ledger(repo: Path) -> list[tuple[str, frozenset[str] | None]]:
+def _neutral_ledger(repo: Path) -> tuple[tuple[str, frozenset[str] | None], ...]:
     """``(commit, results folders or None for all)`` per line of the ledger in ``repo``."""
     ledger = Path(repo) / NEUTRAL_COMMITS.relative_to(REPO_ROOT)
     if not ledger.exists():
-        return []
+        return ()
+    return _parsed_ledger(ledger.read_text())
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_ledger(text: str) -> tuple[tuple[str, frozenset[str] | None], ...]:
+    """The ledger's lines parsed, once per version of its text."""
     entries = []
-    for line in ledger.read_text().splitlines():
+    for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         commit, _, rest = line.strip().partition(" ")
@@ -211,7 +217,7 @@ def _neutral_ledger(repo: Path) -> list[tuple[str, frozenset[str] | None]]:
                 raise ValueError(f"{NEUTRAL_COMMITS.name}: unclosed [results: ...] on the line of {commit}")
             scope = frozenset(x.strip() for x in inside.split(",") if x.strip())
         entries.append((commit, scope))
-    return entries
+    return tuple(entries)
 
 
 def neutral_commits(repo: Path, results: str | None = None, table: str | None = None) -> list[str]:
@@ -290,13 +296,20 @@ def changed_since(commit: str, depends: tuple[str, ...], repo: Path = REPO_ROOT,
 
 
 def same_measuring_code(commit: str, now: str, depends: Sequence[str], repo: Path = REPO_ROOT,
-                        results: str | None = None) -> bool:
-    """Whether a result measured at ``commit`` (in the results folder ``results``) and the running code at
-    ``now`` agree on every dependency: both committed (no ``-dirty``), and no definition under ``depends``
-    changed between them."""
+                        results: str | None = None, table: str | None = None) -> bool:
+    """Whether a result measured at ``commit`` (the table ``table`` of the results folder ``results``) and the
+    running code at ``now`` agree on every dependency: both committed (no ``-dirty``), and no definition under
+    ``depends`` changed between them (the neutral commits applying as :func:`freshness` applies them)."""
     if not commit or commit.endswith("-dirty") or now.endswith("-dirty") or now == "unknown":
         return False
-    return commit == now or changed_since(commit, tuple(depends), Path(repo), results) == ()
+    return commit == now or changed_since(commit, tuple(depends), Path(repo), results,
+                                          _table_key(Path(repo), results, table)) == ()
+
+
+def _table_key(repo: Path, results: str | None, table: str | None) -> str | None:
+    """``table`` where the ledger names it, else None: the cache of :func:`changed_since` then holds one entry per
+    folder for the tables no line names."""
+    return table if names_table(repo, results, table) else None
 
 
 @dataclass(frozen=True)
@@ -323,8 +336,7 @@ def freshness(meta: dict[str, Any], depends: Sequence[str], repo: Path = REPO_RO
     if raw.endswith("-dirty"):
         return Freshness("stale", commit, (), f"measured with uncommitted library changes on top of {commit[:9]}")
     results = str(meta["section"]) if meta.get("section") else None
-    # a table's own key only where the ledger names it, so that the cache holds one entry per folder elsewhere
-    table = str(meta.get("name")) if names_table(Path(repo), results, meta.get("name")) else None
+    table = _table_key(Path(repo), results, str(meta["name"]) if meta.get("name") else None)
     changed = changed_since(commit, tuple(depends), Path(repo), results, table)
     if changed is None:
         return Freshness("stale", commit, (), f"measured at {commit[:9]}, a commit this repository does not have "

@@ -427,7 +427,8 @@ def _same_measuring_code(meta: dict[str, Any], section: str) -> bool:
     from cs336_systems.measured_code import depends_of, same_measuring_code
 
     return same_measuring_code(str(meta.get("git_commit") or ""), git_commit(), depends_of(section),
-                               results=str(meta.get("section") or section))
+                               results=str(meta.get("section") or section),
+                               table=str(meta["name"]) if meta.get("name") else None)
 
 
 def merge_rows(rows: Any, earlier: Any, key: str | Sequence[str], order: list[Any] | None = None) -> Any:

@@ -221,6 +221,17 @@ def test_two_jobs_grids_combine_after_the_fact(tmp_path, monkeypatch, capsys) ->
     stale.add("2026-12-03T13:10:00")
     refused("combine fresh grids only")
     stale.clear()
+    with pytest.raises(SystemExit):
+        writeup(["combine", "flash_benchmarking", str(mine)])
+    assert "is the committed folder itself" in capsys.readouterr().err
+    undated = json.loads((theirs / "shapes.meta.json").read_text())
+    (theirs / "shapes.meta.json").write_text(json.dumps({**undated, "date": None}))
+    refused("records no date")
+    (theirs / "shapes.meta.json").write_text(json.dumps(undated))
+    assert writeup(["combine", "flash_benchmarking", str(theirs)]) == 0  # the same job again: recorded once
+    assert json.loads((mine / "shapes.meta.json").read_text())["calibration"]["merged"] == meta["calibration"]["merged"]
+    assert len(pd.read_csv(mine / "shapes.csv")) == len(both)
+    stale.clear()
     other = json.loads((theirs / "shapes.meta.json").read_text())
     (theirs / "shapes.meta.json").write_text(json.dumps({**other, "device": "NVIDIA H100 80GB HBM3"}))
     refused("the grids ran on")

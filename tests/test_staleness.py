@@ -237,6 +237,9 @@ def test_a_neutral_commit_scoped_to_tables_carries_only_those_tables(repo: Path)
         meta = {"git_commit": measured, "section": folder, **({"name": name} if name else {})}
         assert staleness.freshness(meta, ["lib/"], repo).state == state, (folder, name)
     assert measured_code.names_table(repo, "a", "grid") and not measured_code.names_table(repo, "a", "sweep")
+    head = _git(repo, "rev-parse", "HEAD")  # a job extending the table judges its rows alike
+    assert measured_code.same_measuring_code(measured, head, ["lib/"], repo, "a", "grid")
+    assert not measured_code.same_measuring_code(measured, head, ["lib/"], repo, "a", "sweep")
     measured_code.changed_since.cache_clear()
 
 

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"combine: {args.section!r} has no combine; sections that have: {', '.join(can)}")
         try:
             names = spec.combine(args.folder)
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # refused, or a file of the other folder unreadable
             parser.error(str(e))
         print(f"combined {args.folder} into figures/{args.section}/: {', '.join(names)}")
         return 0

@@ -414,6 +414,8 @@ def combine(other: Path, publish: bool = True) -> list[str]:
     from cs336_systems.measured_code import freshness
 
     out = ResultWriter("flash_benchmarking", smoke=False, publish=publish)
+    if Path(other).resolve() == out.dir.resolve():
+        raise ValueError(f"combine: {other} is the committed folder itself; name the other job's copy")
     grids = []
     for folder in (out.dir, Path(other)):
         if not (folder / "shapes.meta.json").is_file() or not (folder / "shapes.csv").is_file():
@@ -423,6 +425,8 @@ def combine(other: Path, publish: bool = True) -> list[str]:
         if meta.get("smoke") or verdict.stale:
             raise ValueError(f"combine: the shapes grid in {folder} is "
                              f"{'a smoke run' if meta.get('smoke') else verdict.reason}; combine fresh grids only")
+        if not meta.get("date"):
+            raise ValueError(f"combine: the shapes grid in {folder} records no date, so which job came later is unknown")
         grids.append((meta, pd.read_csv(folder / "shapes.csv")))
     (later, later_rows), (earlier, earlier_rows) = sorted(grids, key=lambda g: str(g[0].get("date")), reverse=True)
     if later.get("device") != earlier.get("device"):
@@ -431,8 +435,12 @@ def combine(other: Path, publish: bool = True) -> list[str]:
     if differ:
         raise ValueError(f"combine: the grids' settings differ in {', '.join(differ)}")
     own = later.get("calibration")
-    if own is not None:
-        own = {**own, "merged": [*(own.get("merged") or []), *calibration.merged_records(earlier.get("calibration"))]}
+    if own is not None:  # the earlier job's records, each once (as rows_of_this_run adds them)
+        merged = list(own.get("merged") or [])
+        for record in calibration.merged_records(earlier.get("calibration"), calibration.without_merged(own)):
+            if not any(r == record or calibration.same_job(r, record) for r in merged):
+                merged.append(record)
+        own = {**own, "merged": merged}
     long = merge_shape_rows(later_rows, earlier_rows)
     out.params = dict(later.get("params") or {})
     impls = [i for i in (*SHAPES_IMPLS, *SHAPES_SMOKE_IMPLS) if i in set(long["impl"])]  # ours first
