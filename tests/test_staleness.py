@@ -194,20 +194,29 @@ def test_a_declared_neutral_commit_is_carried_across_and_a_later_change_still_co
     assert staleness.freshness(second, ["lib/"], repo).changed == ("lib/kernel.py", "lib/other.py")
 
 
+def _measured_then_scoped_neutral(repo: Path, name: str, before: str, after: str, scope: str) -> tuple[str, str]:
+    """A result measured with ``name`` returning ``before``, then a commit changing it to ``after`` that the ledger
+    declares neutral for ``scope``, then an unrelated commit: (the measured commit, the neutral one)."""
+    from cs336_systems import measured_code
+
+    (repo / "figures").mkdir()
+    _commit(repo, "lib/kernel.py", f"x = 1\n\n\ndef {name}(n=0):\n    return {before}\n")
+    measured = _git(repo, "rev-parse", "HEAD")
+    neutral = _commit(repo, "lib/kernel.py", f"x = 1\n\n\ndef {name}(n=0):\n    return {after}\n")
+    (repo / "figures" / "neutral_commits.txt").write_text(f"{neutral[:12]}  [results: {scope}]  no run of theirs differs\n")
+    _git(repo, "add", "figures")
+    _commit(repo, "lib/other.py", "y = 1\n")
+    measured_code.changed_since.cache_clear()
+    return measured, neutral
+
+
 def test_a_neutral_commit_scoped_to_results_folders_carries_only_their_results(repo: Path) -> None:
     """``HASH  [results: a, b/2026]  reason``: neutral for those results folders (a fix whose changed path their
     runs never took), while every other folder measured before it goes stale; a bad scope is one line."""
     from cs336_systems import measured_code
 
     first = _git(repo, "rev-parse", "HEAD")
-    (repo / "figures").mkdir()
-    _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef sweep():\n    return 'before'\n")
-    measured = _git(repo, "rev-parse", "HEAD")
-    fix = _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef sweep():\n    return 'after'\n")
-    (repo / "figures" / "neutral_commits.txt").write_text(f"{fix[:12]}  [results: a, b/2026]  no run of theirs failed\n")
-    _git(repo, "add", "figures")
-    _commit(repo, "lib/other.py", "y = 1\n")
-    measured_code.changed_since.cache_clear()
+    measured, fix = _measured_then_scoped_neutral(repo, "sweep", "'before'", "'after'", "a, b/2026")
     for folder, state in (("a", "fresh"), ("b/2026", "fresh"), ("b", "stale"), (None, "stale")):
         meta = {"git_commit": measured, **({"section": folder} if folder else {})}
         assert staleness.freshness(meta, ["lib/"], repo).state == state, folder
@@ -224,14 +233,7 @@ def test_a_neutral_commit_scoped_to_tables_carries_only_those_tables(repo: Path)
     none of its rows takes), while the folder's other tables, and a table of that name elsewhere, go stale."""
     from cs336_systems import measured_code
 
-    (repo / "figures").mkdir()
-    _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef route(n):\n    return n >= 2048\n")
-    measured = _git(repo, "rev-parse", "HEAD")
-    change = _commit(repo, "lib/kernel.py", "x = 1\n\n\ndef route(n):\n    return n >= 1000\n")
-    (repo / "figures" / "neutral_commits.txt").write_text(f"{change[:12]}  [results: a/grid, b]  no row between\n")
-    _git(repo, "add", "figures")
-    _commit(repo, "lib/other.py", "y = 1\n")
-    measured_code.changed_since.cache_clear()
+    measured, _ = _measured_then_scoped_neutral(repo, "route", "n >= 2048", "n >= 1000", "a/grid, b")
     for folder, name, state in (("a", "grid", "fresh"), ("a", "sweep", "stale"), ("a", None, "stale"),
                                 ("c", "grid", "stale"), ("b", "sweep", "fresh")):
         meta = {"git_commit": measured, "section": folder, **({"name": name} if name else {})}
