@@ -320,8 +320,8 @@ def test_a_derived_table_combines_only_inputs_measured_on_the_current_code(tmp_p
     from cs336_systems import measured_code
 
     head = "a" * 40  # the current code: no dependency changed since it
-    monkeypatch.setattr(measured_code, "changed_since", lambda commit, depends, repo, results=None: () if commit == head else
-                        ("cs336_systems/attention/flash_fwd.py",))
+    monkeypatch.setattr(measured_code, "changed_since", lambda commit, depends, repo, results=None, table=None: (
+        () if commit == head else ("cs336_systems/attention/flash_fwd.py",)))
     monkeypatch.setenv("CS336_FIGURES_DIR", str(tmp_path))
     section = tmp_path / "training_step"
     section.mkdir()

@@ -209,7 +209,7 @@ def test_jobs_combine_across_commits_only_where_the_sections_code_is_unchanged(t
     asked: list[tuple[str, tuple[str, ...]]] = []
     unchanged = {"flag": True}
 
-    def changed_since(then, depends, repo=None, results=None):
+    def changed_since(then, depends, repo=None, results=None, table=None):
         asked.append((then, tuple(depends)))
         return () if unchanged["flag"] else ("cs336_systems/benchmarking/train_step.py",)
 

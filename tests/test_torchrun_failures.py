@@ -39,3 +39,25 @@ def test_torchrun_names_the_failing_rank_with_its_traceback(tmp_path) -> None:
     assert "Root Cause (first observed failure)" in report
     root = report[report.index("Root Cause (first observed failure)"):]
     assert "rank      : 1" in root and "ValueError: injected on rank 1" in root, root[-2000:]
+
+
+def test_a_rank_failing_because_a_peer_went_away_fails_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun reports the earliest failure (whole seconds, lowest rank among equals) as the root cause, so a rank
+    whose collective broke because a peer exited waits before it fails; any other error is raised at once."""
+    from cs336_systems.distributed import runner
+
+    slept: list[float] = []
+    monkeypatch.setattr(runner.time, "sleep", slept.append)
+
+    def broken_barrier() -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:33513")
+
+    def own_error() -> None:
+        raise ValueError("injected on rank 1")
+
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        runner._failing_after_peers(broken_barrier)()
+    assert slept == [runner.PEER_GONE_GRACE_S] and runner.PEER_GONE_GRACE_S >= 1.0  # timestamps are whole seconds
+    with pytest.raises(ValueError, match="injected"):
+        runner._failing_after_peers(own_error)()
+    assert slept == [runner.PEER_GONE_GRACE_S] and runner._failing_after_peers(lambda: 3)() == 3

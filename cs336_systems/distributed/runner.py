@@ -14,7 +14,9 @@ error instead of a hang; spawned ranks can also be given a limit on the whole ru
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,6 +59,30 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
+#: What a collective raises on a rank whose peer process went away (gloo's TCP transport).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+#: How long such a rank waits before it fails. torchrun names as root cause the failure with the smallest
+#: timestamp, in whole seconds, and the lowest rank among equals: without the wait, a rank whose barrier broke
+#: because rank 1 raised could fail in the same second and be reported instead of rank 1. Meanwhile torchrun
+#: usually stops it.
+PEER_GONE_GRACE_S = 2.0
+
+
+def _failing_after_peers(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, except that an error caused by a peer's exit is raised :data:`PEER_GONE_GRACE_S` later."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:
+            if any(words in str(error) for words in PEER_GONE):
+                time.sleep(PEER_GONE_GRACE_S)
+            raise
+
+    return wrapped
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     nproc: int,
@@ -83,7 +109,7 @@ def run_on_ranks(
     launch.init_process_group(backend, given[0] if given else launch.DEFAULT_TIMEOUT_S)
     # record(): the traceback goes to torchrun's error file, so torchrun's "Root Cause (first observed
     # failure)" report shows it beside the rank and exit code (or the signal, for a killed rank).
-    result = record(fn)(*args, **kwargs)
+    result = record(_failing_after_peers(fn))(*args, **kwargs)
     announce_finished()  # a peer still training fails naming the uneven steps instead of hanging
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
