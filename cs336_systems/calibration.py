@@ -229,6 +229,15 @@ def merged_records(record: dict[str, Any] | None, current: dict[str, Any] | None
     return [own, *earlier]
 
 
+def add_merged(merged: list[dict[str, Any] | None], record: dict[str, Any] | None,
+               current: dict[str, Any] | None = None) -> None:
+    """Append to ``merged`` the calibrations behind ``record`` (:func:`merged_records`) that it lacks, each job
+    once: the one list a table that merges several jobs' rows keeps of their machines."""
+    for earlier in merged_records(record, current):
+        if not any(r == earlier or same_job(r, earlier) for r in merged):
+            merged.append(earlier)
+
+
 def same_job(record: dict[str, Any] | None, other: dict[str, Any] | None) -> bool:
     """Whether two records are one job's: the same method and the same start readings (the end comes later)."""
     return (record is not None and other is not None and record.get("start") is not None

@@ -383,9 +383,7 @@ def rows_of_this_run(out: ResultWriter, name: str, params: dict[str, Any], same:
     if why:
         print(f"{out.section}/{name}: the existing table is replaced, not extended: {why}")
         return None
-    for record in calibration.merged_records(meta.get("calibration"), calibration.JOB.record()):
-        if not any(r == record or calibration.same_job(r, record) for r in out.merged_calibrations):
-            out.merged_calibrations.append(record)
+    calibration.add_merged(out.merged_calibrations, meta.get("calibration"), calibration.JOB.record())
     return load_table(out.section, name, root=out.root)
 
 

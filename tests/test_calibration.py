@@ -197,6 +197,12 @@ def test_a_table_merged_over_several_jobs_keeps_every_job_s_calibration(tmp_path
     assert verdict({**meta, "calibration": {**slow_now, "merged": [other]}}, REFERENCES).suspect
     assert calibration.merged_records(record) == [calibration.without_merged(record), *merged]
     assert calibration.merged_records(record, calibration.without_merged(record)) == merged
+    # adding a table's records keeps each job once: the same job again (its end read later) adds nothing
+    kept = [calibration.without_merged(record)]
+    calibration.add_merged(kept, {**record, "end": None})
+    assert kept == [calibration.without_merged(record), *merged]
+    calibration.add_merged(kept, record)
+    assert kept == [calibration.without_merged(record), *merged]
 
 
 def test_a_job_that_finishes_after_another_rewrote_its_table_leaves_that_record_on_top(tmp_path) -> None:

@@ -437,9 +437,7 @@ def combine(other: Path, publish: bool = True) -> list[str]:
     own = later.get("calibration")
     if own is not None:  # the earlier job's records, each once (as rows_of_this_run adds them)
         merged = list(own.get("merged") or [])
-        for record in calibration.merged_records(earlier.get("calibration"), calibration.without_merged(own)):
-            if not any(r == record or calibration.same_job(r, record) for r in merged):
-                merged.append(record)
+        calibration.add_merged(merged, earlier.get("calibration"), calibration.without_merged(own))
         own = {**own, "merged": merged}
     long = merge_shape_rows(later_rows, earlier_rows)
     out.params = dict(later.get("params") or {})
