@@ -178,8 +178,8 @@ def _backward_lever(shapes: pd.DataFrame) -> str:
         said += (f"; at the {len(hopper)} backward-bound {'shape' if len(hopper) == 1 else 'shapes'} where the "
                  f"Hopper backward runs, it issues cuDNN's five products and takes {lo if lo == hi else f'{lo}–{hi}'} "
                  "its backward GPU time: a gap of "
-                 "kernel efficiency, not of work (its dK/dV kernel's tensor-core use: `docs/flash_attention/"
-                 "refresh_0c802a3.md`)")
+                 "kernel efficiency, not of work (its dK/dV kernel's tensor-pipe use beside cuDNN's, profiled at "
+                 "the floor shape: `docs/flash_attention/refresh_0818d16.md`)")
     return said
 
 
