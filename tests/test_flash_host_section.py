@@ -248,7 +248,7 @@ def test_goals_count_the_worst_shapes_by_where_they_lose(tmp_path) -> None:
     from cs336_systems.experiments.flash_benchmarking.goals import goals
 
     (question,) = goals(SectionData(tmp_path, "flash_benchmarking"))
-    assert ("of the 2 worst, profiled, 1 are host-bound (a call in the grid takes over 1.5× its kernels' GPU time); "
+    assert ("of the 2 worst, profiled, 1 is host-bound (a call in the grid takes over 1.5× its kernels' GPU time); "
             "ours' kernels take more GPU time than cuDNN's at 1") in question.blocks[1].plain()
     # a profile of older code counts nothing: its shapes may not be the grid's worst any more
     import json

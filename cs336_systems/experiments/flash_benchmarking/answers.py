@@ -161,7 +161,7 @@ def _gpu_gaps(shapes: pd.DataFrame, grid: Any) -> str:
     spread = (grid.get("forward+backward") or {}).get("spread_median") if isinstance(grid, dict) else None
     if isinstance(spread, (int, float)):
         small = int((gap < spread).sum())
-        said += f"; at {small} by less than the grid's median round-to-round spread, {fmt.pct(spread, 2)}"
+        said += f"; at {small or 'none'} by less than the grid's median round-to-round spread, {fmt.pct(spread, 2)}"
     return said + ")"
 
 
