@@ -117,8 +117,8 @@ def _worst_shapes_why(d: SectionData) -> str:
         f", by {pct_span(slower)}" if len(slower) else "")
     if ratio is not None and {*SHAPE_KEYS, "triton_ms"} <= set(ratio.columns):
         host = len(_host_bound_losers(losers, ratio))  # a shape may be both: host-bound, and slower on the GPU
-        said = (f"{host} {'is' if host == 1 else 'are'} host-bound (a call in the grid takes over {HOST_BOUND_FACTOR}× its kernels' GPU time); "
-                f"{said}")
+        said = (f"{host} {'is' if host == 1 else 'are'} host-bound (a call in the grid takes over "
+                f"{HOST_BOUND_FACTOR}× its kernels' GPU time); {said}")
     return f"of the {len(losers)} worst, profiled, {said} (the profile below)"
 
 
