@@ -1249,16 +1249,22 @@ def test_gluon_forward_compiles_for_hopper(head_dim: int, tile: tuple[int, int, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("head_dim", "causal", "spill_bytes"), [(64, True, 0), (128, False, 40)], ids=str)
-def test_gluon_persistent_forward_compiles_for_hopper(head_dim: int, causal: bool, spill_bytes: int) -> None:
+@pytest.mark.parametrize(("head_dim", "causal", "q_buffers", "spill_bytes"),
+                         [(64, True, 1, 0), (128, False, 1, 40), (128, True, 2, 24)], ids=str)
+def test_gluon_persistent_forward_compiles_for_hopper(head_dim: int, causal: bool, q_buffers: int,
+                                                      spill_bytes: int) -> None:
     """The persistent form (``options.gluon_persistent``) builds for sm_90 like the one-item form: warp roles,
-    asynchronous products, TMA copies, its buffers plus the ``q_empty`` barrier inside shared memory. Spills: none
-    at d=64 (two consumers, ``PERSISTENT_TILES``); at d=128 at most the 24-40 bytes the item loop's state costs
+    asynchronous products, TMA copies, its buffers plus the ``q_empty`` barriers inside shared memory, with one Q
+    buffer or two (``gluon_q_buffers``, then two K/V stages at d = 128). Spills: none at d=64 (two consumers,
+    ``PERSISTENT_TILES``); at d=128 at most the 24-40 bytes the item loop's state costs
     (docs/flash_attention/persistent.md), so that more would show."""
+    from cs336_systems.attention import flash_fwd_sm90
+
     result = _compile_offline_in_subprocess(
-        f"flash_fwd_sm90.compile_for_hopper({head_dim}, {causal}, None, persistent=True)")
+        f"flash_fwd_sm90.compile_for_hopper({head_dim}, {causal}, None, persistent=True, q_buffers={q_buffers})")
     assert all(op in result["ptx"] for op in ("setmaxnreg", "wgmma.mma_async", "cp.async.bulk.tensor"))
-    assert result["shared"] <= 227 * 1024
+    tile = flash_fwd_sm90.tile_for(head_dim, 4096, persistent=True, q_buffers=q_buffers)
+    assert flash_fwd_sm90.shared_bytes(head_dim, tile, q_buffers) < result["shared"] <= 227 * 1024
     assert result["spill_bytes"] is None or result["spill_bytes"] <= spill_bytes, result["spill_bytes"]
 
 
@@ -1343,9 +1349,12 @@ PERSISTENT_CASES = [Case(256, 256, 64, True, 64), Case(1000, 1000, 64, False, 16
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 @pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gluon_persistent_forward_gives_the_one_item_forwards_numbers(case: Case, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("q_buffers", [1, 2], ids=["one_q", "two_q"])
+def test_gluon_persistent_forward_gives_the_one_item_forwards_numbers(case: Case, dtype: torch.dtype,
+                                                                      q_buffers: int) -> None:
     """A persistent program runs each item's arithmetic as a one-item program does, in the same order, so O and L
-    (and the gradients, from the shared backward) are bit-identical; only the schedule differs. The backward is the
+    (and the gradients, from the shared backward) are bit-identical; only the schedule differs, and with two Q
+    buffers (``gluon_q_buffers``) which buffer each item's Q lands in and how deep the K/V ring is. The backward is the
     Triton one on both sides: the fused Gluon backward adds dQ's tiles in whatever order they finish, so its dQ is
     not bit-reproducible from one call to the next."""
     from cs336_systems.attention import flash_triton
@@ -1354,7 +1363,7 @@ def test_gluon_persistent_forward_gives_the_one_item_forwards_numbers(case: Case
     with options.use(gluon_min_key_work=0, gluon_persistent=False, gluon_backward=False):
         assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon"
         one_item = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
-    with options.use(gluon_persistent=True, gluon_backward=False):
+    with options.use(gluon_persistent=True, gluon_backward=False, gluon_q_buffers=q_buffers):
         assert flash_triton.forward_kernel_name(q, k, v, case.is_causal) == "gluon_persistent"
         persistent = _run(FlashAttentionTriton.apply, q, k, v, do, case.is_causal)
     for name, a, b in zip(NAMES, persistent, one_item, strict=True):
@@ -1429,6 +1438,36 @@ def test_persistent_kernels_launch_the_planned_grid(monkeypatch: pytest.MonkeyPa
         assert sorted(table[0, 1:].tolist()) == list(range(items))  # one program takes every item
     with pytest.raises(ValueError, match="gluon_persistent_backward must be True or False"):
         options.FlashOptions(gluon_persistent_backward=1)
+
+
+def test_gluon_forward_second_q_buffer_gives_up_a_stage_where_shared_memory_is_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gluon_q_buffers=2`` reaches the persistent forward's launch as ``Q_BUFFERS``, with as many K/V stages as
+    fit beside the second buffer (at d = 128 two, at d = 64 all three); the one-item forward never refills Q, so it
+    keeps one buffer. A pinned tile that does not fit, or another buffer count, is a one-line error."""
+    from cs336_systems.attention import flash_fwd_sm90 as fwd
+    from cs336_systems.attention.launch_cache import FLASH_LAUNCHES
+
+    launches = []
+    monkeypatch.setattr(FLASH_LAUNCHES, "launch", lambda fn, grid, args, constexprs: launches.append(constexprs))
+    for d in (64, 128):
+        q, k, v = (torch.randn(2, 3, 300, d, dtype=torch.bfloat16) for _ in range(3))
+        out = (torch.empty_like(q), torch.empty(2, 3, 300))
+        for persistent in (True, False):
+            with options.use(gluon_persistent=persistent, gluon_q_buffers=2):
+                fwd.flash_forward(q, k, v, True, out=out)
+    (d64, d64_one), (d128, d128_one) = launches[:2], launches[2:]
+    assert (d64["STAGES"], d64["Q_BUFFERS"]) == (fwd.PERSISTENT_TILES[64][2], 2)
+    assert (d128["STAGES"], d128["Q_BUFFERS"]) == (2, 2) and fwd.TILES[128][2] == 3
+    assert "Q_BUFFERS" not in d64_one and d128_one["STAGES"] == 3
+    for d, tile in ((64, d64), (128, d128)):
+        assert fwd.shared_bytes(d, (tile["BLOCK_M"], tile["BLOCK_N"], tile["STAGES"]), 2) < fwd.SHARED_MEMORY
+    assert fwd.tile_for(128, 4096, persistent=True) == fwd.TILES[128]  # one buffer: the three stages stay
+    with options.use(gluon_tiles={"128": [128, 128, 3]}), pytest.raises(ValueError, match="gluon_tiles: .* over"):
+        fwd.tile_for(128, 4096, persistent=True, q_buffers=2)
+    for bad in (0, 3, True, "2"):
+        with pytest.raises(ValueError, match="gluon_q_buffers must be 1 or 2"):
+            options.FlashOptions(gluon_q_buffers=bad)
 
 
 def test_gluon_backward_eligibility() -> None:

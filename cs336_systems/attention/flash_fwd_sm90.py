@@ -81,6 +81,10 @@ SHORT_TILES: dict[int, tuple[int, int, int]] = {64: (128, 128, 3)}
 PERSISTENT_TILES: dict[int, tuple[int, int, int]] = {64: (128, 128, 3)}
 #: The share of padded query rows (past the sequence's end) above which a shorter tile is taken.
 MAX_PADDING = 0.125
+#: Shared memory one program may take on an H100 or H200 (227 KiB), and what the barriers and alignment add to
+#: the tiles' bytes (under 300 bytes in every build; ``compile_for_hopper(...).metadata.shared``).
+SHARED_MEMORY = 227 * 1024
+_SHARED_SLACK = 1024
 #: Warps per consumer partition (one warpgroup: a ``wgmma`` is issued by four warps together).
 _CONSUMER_WARPS = gl.constexpr(4)
 
@@ -88,15 +92,17 @@ _CONSUMER_WARPS = gl.constexpr(4)
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, q_row0, q_col,
               k_row0, kv_col, n_tiles, t0, q_round, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-    """TMA copies of one item: each consumer's Q rows, then K/V tile ``j`` into buffer ``(t0 + j) % STAGES`` once it
-    is free. ``t0``: K/V tiles this program streamed before this item; ``q_round``: items before it (a persistent
-    program refills Q once every consumer has issued its last product with it, ``q_empty``)."""
-    if PERSISTENT:
-        mbarrier.wait(q_empty, (q_round & 1) ^ 1)  # the first item passes at once, as for kv_empty below
-    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+              STAGES: gl.constexpr, PERSISTENT: gl.constexpr, Q_BUFFERS: gl.constexpr):
+    """TMA copies of one item: each consumer's Q rows into Q buffer ``q_round % Q_BUFFERS``, then K/V tile ``j`` into
+    buffer ``(t0 + j) % STAGES`` once it is free. ``t0``: K/V tiles this program streamed before this item;
+    ``q_round``: items before it (a persistent program refills a Q buffer once every consumer has issued its last
+    product with it, ``q_empty``: with two buffers, the item before the current one)."""
+    slot = q_round % Q_BUFFERS
+    if PERSISTENT:  # the first round of each buffer passes at once, as for kv_empty below
+        mbarrier.wait(q_empty.index(slot), ((q_round // Q_BUFFERS) & 1) ^ 1)
+    mbarrier.expect(q_bar.index(slot), CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
-        _tma_load(q_desc, [q_row0 + c * ROWS, q_col], q_bar, q_smem.index(c))
+        _tma_load(q_desc, [q_row0 + c * ROWS, q_col], q_bar.index(slot), q_smem.index(slot * CONSUMERS + c))
     for j in range(n_tiles):
         t = t0 + j
         stage = t % STAGES
@@ -113,9 +119,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv
 def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, schedule,
                    row, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h,
                    kv_col_h, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """A persistent program's copies: its items of ``schedule`` in turn, the ring carried from one to the next,
-    so the next item's Q, K and V load while the consumers finish the current one."""
+    so the next item's Q, K and V load while the consumers finish the current one (with two Q buffers, while
+    they still compute its scores)."""
     t0 = 0
     for q_round in range(_my_count(schedule, row)):
         bh, start_m = _item(_my_item(schedule, row, q_round), n_tiles_m, n_bh, head_group, BLOCK_M, IS_CAUSAL)
@@ -124,7 +131,7 @@ def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empt
         h = bh % n_heads
         _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
                   b * q_rows_b + h * q_rows_h + start_m, h * q_col_h, b * kv_rows_b + h * kv_rows_h, h * kv_col_h,
-                  n_tiles, t0, q_round, CONSUMERS, BLOCK_N, STAGES, True)
+                  n_tiles, t0, q_round, CONSUMERS, BLOCK_N, STAGES, True, Q_BUFFERS)
         t0 += n_tiles
 
 
@@ -141,7 +148,7 @@ def _mask_scores(s, offs_m, start_n, n_keys, s_cols: gl.constexpr, BLOCK_N: gl.c
 @gluon.jit
 def _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on, start_m,
               n_queries, n_keys, n_tiles, qk_scale, t0, q_round, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """Online softmax of queries ``[start_m + part·ROWS, +ROWS)`` over ``n_tiles`` key tiles, which the ring holds
     from its ``t0``-th tile on; ``q_round``: items this program finished before (see :func:`_producer`)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -160,12 +167,13 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, 
     unmasked = (n_keys // BLOCK_N) * BLOCK_N
     if IS_CAUSAL:
         unmasked = gl.minimum(((first + 1) // BLOCK_N) * BLOCK_N, unmasked)
-    q_tile = q_smem.index(part)
+    slot = q_round % Q_BUFFERS
+    q_tile = q_smem.index(slot * (q_smem.shape[0] // Q_BUFFERS) + part)
     offs_m = first + gl.arange(0, ROWS, layout=s_rows)
     no_acc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
     # Tile 0 on its own: there is no previous P·V to overlap with yet.
-    mbarrier.wait(q_bar, q_round & 1)
+    mbarrier.wait(q_bar.index(slot), (q_round // Q_BUFFERS) & 1)
     mbarrier.wait(kv_ready.index(t0 % STAGES), (t0 // STAGES) & 1)
     s = warpgroup_mma(q_tile, k_smem.index(t0 % STAGES).permute((1, 0)), no_acc, use_acc=False)
     if unmasked <= 0:
@@ -197,7 +205,7 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, 
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     if PERSISTENT:
-        mbarrier.arrive(q_empty)  # every S of this item is done: the producer may load the next item's Q
+        mbarrier.arrive(q_empty.index(slot))  # every S of this item is done: the producer may refill its Q buffer
     last = (t0 + n_tiles - 1) % STAGES
     acc = warpgroup_mma(p_op, v_smem.index(last), acc)
     if PERSISTENT:
@@ -215,7 +223,7 @@ def _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, 
 def _consumer_loop(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
                    n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh, stride_on,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr):
+                   IS_CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """A persistent program's consumer: :func:`_consumer` over its items of ``schedule``, following the producer
     through the ring."""
     t0 = 0
@@ -225,7 +233,7 @@ def _consumer_loop(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_em
         o_head = (bh // n_heads).to(gl.int64) * stride_ob + (bh % n_heads).to(gl.int64) * stride_oh
         _consumer(part, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
                   start_m, n_queries, n_keys, n_tiles, qk_scale, t0, q_round, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
-                  True)
+                  True, Q_BUFFERS)
         t0 += n_tiles
 
 
@@ -286,7 +294,7 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
     n_tiles = _key_tiles(start_m, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     # One item per program: Q is never refilled, so no q_empty barrier (q_bar stands in, never waited on as one).
     q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty = _buffers(q_desc, k_desc, v_desc, CONSUMERS, STAGES,
-                                                                          False)
+                                                                          False, 1)
 
     # Registers per thread after ``setmaxnreg`` (the first consumer, the default partition, keeps what is
     # left): the producer warp needs few; a consumer holds S (64 x 128 float32), P and O. Three consumer
@@ -298,26 +306,28 @@ def flash_forward_gluon_kernel(q_desc, k_desc, v_desc, O, L, n_queries, n_keys, 
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
                          start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
-                         False)),
+                         False, 1)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
                          start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
-                         False)),
+                         False, 1)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
-                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, 0, 0, CONSUMERS, BLOCK_N, STAGES, False)),
+                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, 0, 0, CONSUMERS, BLOCK_N, STAGES, False,
+                         1)),
         ], [_CONSUMER_WARPS, 1], [232, 40])  # fmt: skip
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
                          start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
-                         False)),
+                         False, 1)),
             (_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
                          start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
-                         False)),
+                         False, 1)),
             (_consumer, (2, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, bh, o_head, stride_on,
                          start_m, n_queries, n_keys, n_tiles, qk_scale, 0, 0, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL,
-                         False)),
+                         False, 1)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
-                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, 0, 0, CONSUMERS, BLOCK_N, STAGES, False)),
+                         q_row0, h * q_col_h, k_row0, h * kv_col_h, n_tiles, 0, 0, CONSUMERS, BLOCK_N, STAGES, False,
+                         1)),
         ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [160, 160, 24])  # fmt: skip
 
 
@@ -326,7 +336,7 @@ def flash_forward_gluon_persistent_kernel(q_desc, k_desc, v_desc, O, L, n_querie
                                           head_group, q_rows_b, q_rows_h, q_col_h, kv_rows_b, kv_rows_h, kv_col_h,
                                           stride_ob, stride_oh, stride_on, n_bh, schedule, row,
                                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                          STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                                          STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """A grid of at most one program per SM, each taking the (query tile, head) items in turn (FlashAttention-3's
     persistent schedule). Why: at short rows an item is a few key tiles, and a program per item pays its start,
     its first loads and its epilogue in full each time; here the producer loads the next item's Q, K and V while
@@ -337,55 +347,60 @@ def flash_forward_gluon_persistent_kernel(q_desc, k_desc, v_desc, O, L, n_querie
     gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "BLOCK_M: two or three consumer warpgroups of 64 queries")
     n_tiles_m = gl.cdiv(n_queries, BLOCK_M)
     q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty = _buffers(q_desc, k_desc, v_desc, CONSUMERS, STAGES,
-                                                                          True)
+                                                                          True, Q_BUFFERS)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
                               n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
-                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, Q_BUFFERS)),
             (_consumer_loop, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
                               n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
-                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, Q_BUFFERS)),
             (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
                               schedule, row, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
-                              kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                              kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
+                              Q_BUFFERS)),
         ], [_CONSUMER_WARPS, 1], [240, 24])  # 240, not 232: the item loop's state spills less (ptxas -v)  # fmt: skip
     else:
         gl.warp_specialize([
             (_consumer_loop, (0, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
                               n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
-                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, Q_BUFFERS)),
             (_consumer_loop, (1, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
                               n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
-                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, Q_BUFFERS)),
             (_consumer_loop, (2, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty, O, L, schedule, row,
                               n_tiles_m, n_bh, head_group, n_heads, n_queries, n_keys, qk_scale, stride_ob, stride_oh,
-                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                              stride_on, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, Q_BUFFERS)),
             (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, kv_ready, kv_empty,
                               schedule, row, n_tiles_m, n_bh, head_group, n_heads, n_keys, q_rows_b, q_rows_h, q_col_h,
-                              kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                              kv_rows_b, kv_rows_h, kv_col_h, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
+                              Q_BUFFERS)),
         ], [_CONSUMER_WARPS, _CONSUMER_WARPS, 1], [160, 160, 24])  # fmt: skip
 
 
 @gluon.jit
-def _buffers(q_desc, k_desc, v_desc, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Shared memory of a program: each consumer's Q rows, the K/V ring, and their barriers (``q_bar``: Q landed;
-    ``q_empty``: every consumer is done with Q, persistent programs only; ``kv_ready[s]``, ``kv_empty[s]``: buffer
-    ``s`` landed, is free)."""
+def _buffers(q_desc, k_desc, v_desc, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+             Q_BUFFERS: gl.constexpr):
+    """Shared memory of a program: ``Q_BUFFERS`` sets of each consumer's Q rows (set ``b`` at ``b·CONSUMERS +
+    consumer``), the K/V ring, and their barriers (``q_bar[b]``: Q set ``b`` landed; ``q_empty[b]``: every consumer
+    is done with it, persistent programs only; ``kv_ready[s]``, ``kv_empty[s]``: buffer ``s`` landed, is free)."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for b in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_bar.index(b), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     if PERSISTENT:
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_empty, count=CONSUMERS)
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(Q_BUFFERS):
+            mbarrier.init(q_empty.index(b), count=CONSUMERS)
     else:
         q_empty = q_bar
     fence_async_shared()
@@ -472,16 +487,38 @@ def layout_problem(tensors: dict[str, Tensor], head_views: bool) -> str | None:
     return None
 
 
-def tile_for(d: int, n_queries: int, persistent: bool = False) -> tuple[int, int, int]:
+def shared_bytes(d: int, tile: tuple[int, int, int], q_buffers: int = 1) -> int:
+    """Bytes of shared memory the forward's 16-bit tiles take: ``q_buffers`` sets of BLOCK_M Q rows and ``STAGES`` K
+    and V tiles of BLOCK_N rows, each row ``d`` wide (the barriers' few bytes left out)."""
+    block_m, block_n, stages = tile
+    return (q_buffers * block_m + 2 * stages * block_n) * d * 2
+
+
+def tile_for(d: int, n_queries: int, persistent: bool = False, q_buffers: int = 1) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, STAGES)`` for head dim ``d`` and ``n_queries`` queries: ``options.gluon_tiles`` if
     it names ``d``; else for the ``persistent`` kernel :data:`PERSISTENT_TILES` where it names ``d``; else
     :data:`TILES`, or :data:`SHORT_TILES` where the longer query tile would leave more than :data:`MAX_PADDING`
-    of its rows past the sequence's end (at 256 tokens 192-row tiles compute 384 rows)."""
-    override = options.current().gluon_tiles
-    if override:
-        for head_dim, tile in override:
-            if head_dim == d:
-                return tile
+    of its rows past the sequence's end (at 256 tokens 192-row tiles compute 384 rows). With ``q_buffers`` = 2 (a
+    persistent kernel's second Q buffer, ``options.gluon_q_buffers``) a chosen tile gives up K/V stages until it fits
+    :data:`SHARED_MEMORY` (at d = 128 three stages become two); a pinned tile that does not fit is an error."""
+    override = dict(options.current().gluon_tiles or ())
+    if d in override:
+        tile = override[d]
+        if shared_bytes(d, tile, q_buffers) + _SHARED_SLACK > SHARED_MEMORY:
+            raise ValueError(f"gluon_tiles: {tile} at head dim {d} with {q_buffers} Q buffers needs "
+                             f"{shared_bytes(d, tile, q_buffers)} bytes of shared memory, over {SHARED_MEMORY}")
+        return tile
+    return _fitted(d, _default_tile(d, n_queries, persistent), q_buffers)
+
+
+def _fitted(d: int, tile: tuple[int, int, int], q_buffers: int) -> tuple[int, int, int]:
+    """``tile`` with as many of its K/V stages (at least two) as fit beside ``q_buffers`` Q buffers."""
+    while shared_bytes(d, tile, q_buffers) + _SHARED_SLACK > SHARED_MEMORY and tile[2] > 2:
+        tile = (tile[0], tile[1], tile[2] - 1)
+    return tile
+
+
+def _default_tile(d: int, n_queries: int, persistent: bool) -> tuple[int, int, int]:
     if persistent and d in PERSISTENT_TILES:
         return PERSISTENT_TILES[d]
     tile = TILES[d]
@@ -508,7 +545,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     n_keys = k.shape[2]
     opts = options.current()
     persistent, head_views = opts.persistent_forward(d), opts.gluon_head_views
-    block_m, block_n, stages = tile_for(d, n_queries, persistent)
+    q_buffers = opts.gluon_q_buffers if persistent else 1  # a one-item program never refills Q
+    block_m, block_n, stages = tile_for(d, n_queries, persistent, q_buffers)
     q_layout, kv_layout = _layouts(q.dtype, d, block_n)
     q_at, kv_at = placement(q, head_views), placement(k, head_views)
     assert q_at is not None and kv_at is not None, "flash_forward needs inputs that ineligibility() accepts"
@@ -532,7 +570,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
                       num_warps=_CONSUMER_WARPS.value)
     if persistent:
-        launch_persistent(flash_forward_gluon_persistent_kernel, items, args, constexprs, batch * heads,
+        launch_persistent(flash_forward_gluon_persistent_kernel, items, args, {**constexprs, "Q_BUFFERS": q_buffers},
+                          batch * heads,
                           lambda programs: persistent_schedule(batch * heads, n_queries, n_keys, group, block_m,
                                                                block_n, is_causal, programs, q.device), q.device)
     else:
@@ -563,16 +602,15 @@ def persistent_schedule(n_bh: int, n_queries: int, n_keys: int, head_group: int,
 
 
 def compile_for_hopper(head_dim: int, is_causal: bool = True, tile: tuple[int, int, int] | None = None,
-                       persistent: bool = False):
-    """Compile the kernel (``persistent``: its persistent-grid form) for sm_90 without a GPU (``triton.compile``
-    with an explicit target), as the GPU would on first use, at ``tile`` (default: the head dim's long-sequence
-    tile); returns Triton's compiled
+                       persistent: bool = False, q_buffers: int = 1):
+    """Compile the kernel (``persistent``: its persistent-grid form, with ``q_buffers`` Q buffers) for sm_90 without
+    a GPU (``triton.compile`` with an explicit target), as the GPU would on first use, at ``tile`` (default: the
+    head dim's long-sequence tile, as :func:`tile_for` fits it); returns Triton's compiled
     kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``). Run it in a process without
     ``TRITON_INTERPRET=1``: Gluon's reductions are Triton functions, and the interpreter replaces those at import."""
-    block_m, block_n, stages = tile or (PERSISTENT_TILES.get(head_dim, TILES[head_dim]) if persistent else
-                                        TILES[head_dim])
+    block_m, block_n, stages = tile or _fitted(head_dim, _default_tile(head_dim, 1 << 20, persistent), q_buffers)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal}  # fmt: skip
+                  "IS_CAUSAL": is_causal, **({"Q_BUFFERS": q_buffers} if persistent else {})}  # fmt: skip
     types = {"q_desc": tensor_descriptor_type(ROWS.value, head_dim), "k_desc": tensor_descriptor_type(block_n, head_dim),
              "v_desc": tensor_descriptor_type(block_n, head_dim), "O": "*bf16", "L": "*fp32", "qk_scale": "fp32"}
     if persistent:

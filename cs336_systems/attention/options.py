@@ -177,6 +177,10 @@ class FlashOptions:
     runs. ``True``: at every head dim, and it then also takes the short rows that ``gluon_min_key_work`` sends to
     the Triton forward (which stays faster at the short d = 64 rows); ``False``: never, for A/B
     (docs/flash_attention/persistent.md).
+    ``gluon_q_buffers``: Q buffers of the persistent Gluon forward, 1 or 2. With one, a program loads its next
+    item's Q only once every score of the current item is computed; with two, the next item's Q loads while the
+    current one runs, at the price of a K/V stage where shared memory is short (at d = 128 two stages instead of
+    three: ``flash_fwd_sm90.tile_for``). 1 by default until measured (docs/flash_attention/q_buffers.md).
     ``gluon_persistent_backward``: whether the Gluon dK/dV kernel, where it runs, runs a persistent grid, at most one
     program per SM taking host-planned (key tile, head) items in turn, the next item's K and V loaded while the
     consumers store the current one's dK and dV (the forward's schedule, cuDNN's backward's grid). Same outputs.
@@ -207,6 +211,7 @@ class FlashOptions:
     gluon_backward_min_keys: Any = DEFAULT_GLUON_BACKWARD_MIN_KEYS
     persistent: int = 0
     gluon_persistent: bool | None = None
+    gluon_q_buffers: int = 1
     gluon_persistent_backward: bool = False
     dq_atomic: bool | None = None
     host_entry: bool = True
@@ -227,6 +232,8 @@ class FlashOptions:
         work = self.gluon_min_key_work
         if isinstance(work, bool) or not isinstance(work, int) or work < 0:
             raise ValueError(f"gluon_min_key_work must be a non-negative integer (keys x head dim), got {work!r}")
+        if self.gluon_q_buffers not in (1, 2) or isinstance(self.gluon_q_buffers, bool):
+            raise ValueError(f"gluon_q_buffers must be 1 or 2, got {self.gluon_q_buffers!r}")
         if isinstance(self.persistent, bool) or not isinstance(self.persistent, int) or self.persistent < 0:
             raise ValueError(f"persistent must be a non-negative integer (programs per SM; 0: off), "
                              f"got {self.persistent!r}")
@@ -285,6 +292,7 @@ class FlashOptions:
             "gluon_backward_min_keys": dict(self.gluon_backward_min_keys),
             "persistent": self.persistent,
             "gluon_persistent": self.gluon_persistent,
+            "gluon_q_buffers": self.gluon_q_buffers,
             "gluon_persistent_backward": self.gluon_persistent_backward,
             "dq_atomic": self.dq_atomic,
             "host_entry": self.host_entry,
