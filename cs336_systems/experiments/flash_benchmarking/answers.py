@@ -143,7 +143,9 @@ LOSER_LEVERS = {
                "taking tiles in turn) measured slower, because a program does not overlap one tile's loads "
                "with the previous tile's epilogue; the persistent Gluon forward, whose producer warp does, runs by "
                "default at d = 128, and at d = 64's short rows it lost to the Triton forward that runs there "
-               "(`docs/flash_attention/persistent.md`)",
+               "(`docs/flash_attention/persistent.md`); a second Q buffer, so that an item's Q loads during the "
+               "item before, measured a little faster at d = 64 but slower at d = 128, where it costs the ring a "
+               "stage (`docs/flash_attention/q_buffers.md`)",
 }
 
 
