@@ -107,19 +107,23 @@ def _model_ab_gaps(rows: pd.DataFrame | None, lost: pd.DataFrame, baseline: str,
     return ("; where " + baseline + " is faster, the gap by phase (ours less " + baseline + ", medians of the "
             "rounds' phase means): " + "; ".join(parts) + ". The attention runs only in the forward and backward; "
             "the AdamW step and the rest run the same code under both, so what differs there is the host's "
-            "round-to-round noise, which two rounds do not average out")
+            "drift from round to round, which the cell's rounds did not average out")
 
 
 def _model_ab_setting(rows: pd.DataFrame | None) -> str:
     """Precision, tokens per step and rounds of the model A/B, as its rows record them: every cell steps the same
     number of tokens (batch = tokens / context), which is why a step's time barely moves with the context."""
-    if rows is None or not {"precision", "tokens_per_step", "round"} <= set(rows.columns) or rows.empty:
+    if rows is None or not {"precision", "tokens_per_step", "round", "compile"} <= set(rows.columns) or rows.empty:
         return ""
     precision = "/".join(sorted({str(v) for v in rows["precision"].dropna()}))
     tokens = "/".join(f"{int(v):,}" for v in sorted(set(rows["tokens_per_step"].dropna())))
-    rounds = rows["round"].nunique()
-    return (f" ({precision}, {tokens} tokens per step at every context, the batch being tokens / context; "
-            f"{rounds} round{'' if rounds == 1 else 's'} per cell)")
+    per_mode = {bool(k): int(g["round"].nunique()) for k, g in rows.groupby("compile")}
+    if len(set(per_mode.values())) == 1:
+        n = next(iter(per_mode.values()))
+        rounds = f"{n} round{'' if n == 1 else 's'} per cell"
+    else:
+        rounds = f"{per_mode[False]} rounds per eager cell, {per_mode[True]} per compiled cell"
+    return f" ({precision}, {tokens} tokens per step at every context, the batch being tokens / context; {rounds})"
 
 
 def _model_ab_grid(params: dict[str, Any]) -> list[tuple[str, int, bool]]:
