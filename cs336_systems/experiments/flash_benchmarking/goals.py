@@ -13,6 +13,7 @@ from cs336_systems.benchmarking.flash.host import HOST_KEYS
 from cs336_systems.benchmarking.flash.model import ONE_ROUND
 from cs336_systems.benchmarking.flash.shapes import SHAPE_CELL, SHAPE_KEYS
 from cs336_systems.benchmarking.sweep import SKIPPED
+from cs336_systems.experiments.flash_benchmarking import Params
 from cs336_systems.experiments.flash_benchmarking.model_answers import _model_ab_absent, _model_ab_planned
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
@@ -220,6 +221,18 @@ def _grid_rows(summary: Any, d: SectionData) -> list[list[str]]:
              f"{g[floor_key]} shapes below; {_worst_shapes_why(d)}" + ("" if not floor_ok else left_open), source]]
 
 
+def _fewer_rounds(cell: pd.Series) -> str:
+    """``, on N of the M rounds ...`` where a model A/B cell was judged on fewer rounds than the full run now
+    takes for its kind of cell (a spread of fewer rounds is a weaker test of a difference); else empty."""
+    if not {"baseline_rounds", "ours_rounds"} <= set(cell.index):
+        return ""
+    planned = Params().model_ab
+    want = planned.rounds if cell["compile"] else planned.eager_rounds
+    have = int(min(cell["baseline_rounds"], cell["ours_rounds"]))
+    return (f", on {have} of the {want} rounds the full run takes per {'compiled' if cell['compile'] else 'eager'} "
+            "cell" if have < want else "")
+
+
 def _model_row(d: SectionData) -> list[str] | None:
     summary = d.frame("model_ab_summary")
     if summary is None or summary.empty or not {"verdict", "baseline", "baseline_over_ours", "preset",
@@ -234,8 +247,8 @@ def _model_row(d: SectionData) -> list[str] | None:
     what = f"{len(slower)} of {len(measured) - single} cells slower"
     gap = ("slower beyond the rounds' spread in " + "; ".join(
         f"{r['preset']} at {int(r['context_length']):,} {'compiled' if r['compile'] else 'eager'} "
-        f"({fmt.ratio(r['baseline_over_ours'])})" for _, r in slower.iterrows()) + " (split by phase below)"
-           if len(slower) else "")
+        f"({fmt.ratio(r['baseline_over_ours'])}{_fewer_rounds(r)})" for _, r in slower.iterrows())
+           + " (split by phase below)" if len(slower) else "")
     open_cells = [f"{n} {'cell' if n == 1 else 'cells'} {why}" for n, why in
                   ((unmeasured, "not measured"), (single, "measured in one round only")) if n]
     if open_cells:
