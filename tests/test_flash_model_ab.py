@@ -22,19 +22,20 @@ def test_rounds_alternate_and_rotate_the_order() -> None:
         flash_model.model_ab_configs(["tiny"], [16], [False], rounds=2, impls=["sdpa"])
 
 
-def test_eager_cells_take_their_own_round_count() -> None:
-    configs = flash_model.model_ab_configs(["tiny"], [16], [False, True], rounds=2, eager_rounds=5)
-    rounds = {k: sorted({c["round"] for c in configs if c["compile"] is k}) for k in (False, True)}
-    assert rounds == {False: [0, 1, 2, 3, 4], True: [0, 1]}
-    eager = [c["attention_impl"] for c in configs if not c["compile"]]
-    assert eager == ["sdpa", "flash_triton", "flash_triton", "sdpa"] * 2 + ["sdpa", "flash_triton"]
-    # a round past a compiled cell's count is refused, one the eager cells have is not
-    with pytest.raises(ValueError, match="round 3 is not one of the 2 rounds .0..1. of a compiled cell"):
-        flash_model.model_ab_configs(["tiny"], [16], [False, True], rounds=2, eager_rounds=5, only_rounds=[3])
-    only = flash_model.model_ab_configs(["tiny"], [16], [False], rounds=2, eager_rounds=5, only_rounds=[3])
-    assert [c["round"] for c in only] == [3, 3]
-    with pytest.raises(ValueError, match=r"rounds >= 1 .*\(eager 0\)"):
-        flash_model.model_ab_configs(["tiny"], [16], [False], rounds=2, eager_rounds=0)
+def test_a_job_replaces_whole_cells_unless_it_measures_only_some_rounds() -> None:
+    from cs336_systems.results import merge_rows
+
+    def rows(rounds: range, ms: float) -> pd.DataFrame:
+        return pd.DataFrame(_rows({"preset": "small", "context_length": 1024, "compile": False},
+                                  {"sdpa": [ms] * len(rounds)})).assign(round=list(rounds))
+
+    earlier = rows(range(6), 1.0)
+    # a job of fewer rounds leaves none of the earlier job's rounds in the cell
+    merged = merge_rows(rows(range(2), 2.0), earlier, flash_model.model_ab_merge_keys([]))
+    assert list(merged["round"]) == [0, 1] and set(merged["total_mean_ms"]) == {2.0}
+    # a job of some rounds (an xl compiled cell split over jobs) replaces only those
+    merged = merge_rows(rows(range(1, 2), 2.0), rows(range(2), 1.0), flash_model.model_ab_merge_keys([1]))
+    assert sorted(zip(merged["round"], merged["total_mean_ms"])) == [(0, 1.0), (1, 2.0)]
 
 
 def _rows(cell: dict, times: dict[str, list[float | None]]) -> list[dict]:
@@ -68,13 +69,10 @@ def test_bad_model_ab_parameters_are_one_line_errors() -> None:
         fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(contexts=[1024, 3000])).check()
     with pytest.raises(ValueError, match="preset"):
         fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(presets=["huge"])).check()
-    with pytest.raises(ValueError, match="names round 2, not one of model_ab.rounds=2"):
-        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(only_rounds=[2])).check()
-    with pytest.raises(ValueError, match="names round 6, not one of model_ab.eager_rounds=6"):
-        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(only_rounds=[6], compile=[False])).check()
-    with pytest.raises(ValueError, match="model_ab.eager_rounds"):
-        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(eager_rounds=0)).check()
-    fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(only_rounds=[2], compile=[False])).check()  # eager: 6
+    with pytest.raises(ValueError, match="names round 6, not one of model_ab.rounds=6"):
+        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(only_rounds=[6])).check()
+    with pytest.raises(ValueError, match="model_ab.rounds"):
+        fb.Params(parts=["model_ab"], model_ab=fb.ModelAB(rounds=0)).check()
     with pytest.raises(ValueError, match="round -1 is not one of the 2 rounds"):
         flash_model.model_ab_configs(["tiny"], [16], [False], rounds=2, only_rounds=[-1])
     fb.Params(parts=["model_ab"]).check()
@@ -90,8 +88,7 @@ def test_model_ab_part_smoke_run(tmp_path, monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert "(model_ab) Beyond the handout: flash_pytorch against sdpa" in out and "Over 1 cell " in out
     long = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab.csv")
-    assert list(long["attention_impl"]) == ["sdpa", "flash_pytorch", "flash_pytorch", "sdpa", "sdpa",
-                                            "flash_pytorch"]  # the smoke preset's three eager rounds
+    assert list(long["attention_impl"]) == ["sdpa", "flash_pytorch", "flash_pytorch", "sdpa"]
     assert set(long["status"]) == {"ok"} and set(long["batch_size"]) == {4}  # 64 tokens / context 16
     summary = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab_summary.csv")
     assert len(summary) == 1 and summary["verdict"].iloc[0] in ("tie", "sdpa", "flash_pytorch")
@@ -116,14 +113,14 @@ def test_model_ab_jobs_of_one_commit_combine_their_cells(tmp_path, monkeypatch, 
 
     first = job("model_ab.contexts=[16]")
     both = job("model_ab.contexts=[32]")
-    assert sorted(both["context_length"].unique()) == [16, 32] and len(both) == 12  # 3 eager rounds of 2
+    assert sorted(both["context_length"].unique()) == [16, 32] and len(both) == 8
     pd.testing.assert_frame_equal(both[both["context_length"] == 16].reset_index(drop=True), first)
     again = job("model_ab.contexts=[16]")
-    assert len(again) == 12 and list(again["context_length"]) == [32] * 6 + [16] * 6  # 16 measured anew
+    assert len(again) == 8 and list(again["context_length"]) == [32] * 4 + [16] * 4  # 16 measured anew
     summary = pd.read_csv(tmp_path / "flash_benchmarking" / "model_ab_summary.csv")
     assert sorted(summary["context_length"]) == [16, 32]
     other = job("model_ab.contexts=[32]", "model_ab.steps=2")  # other step settings: the earlier cells are not comparable
-    assert list(other["context_length"].unique()) == [32] and len(other) == 6
+    assert list(other["context_length"].unique()) == [32] and len(other) == 4
     # an xl compiled cell's two rounds outlast one GPU job: one round per job, combined into one cell
     job("model_ab.contexts=[64]", "model_ab.only_rounds=[0]")
     split = job("model_ab.contexts=[64]", "model_ab.only_rounds=[1]")
@@ -281,7 +278,7 @@ def test_model_step_sentence_says_where_the_sequential_table_separates_the_two()
     assert "their steps' ranges overlap at every context" in fb.model_answers._model_step_sentence(close).plain()
 
 
-def test_caption_gives_eager_and_compiled_cells_their_own_round_counts() -> None:
+def test_caption_gives_the_rounds_per_cell_or_their_range() -> None:
     def rows(eager: int, compiled: int) -> pd.DataFrame:
         table = pd.DataFrame(_rows({"preset": "small", "context_length": 1024, "compile": False},
                                    {"sdpa": [10.0] * eager, "flash_triton": [10.0] * eager})
@@ -290,6 +287,12 @@ def test_caption_gives_eager_and_compiled_cells_their_own_round_counts() -> None
         return table.assign(precision="bf16", tokens_per_step=8192)
 
     setting = fb.model_answers._model_ab_setting
-    assert setting(rows(6, 2)).endswith("; 6 rounds per eager cell, 2 per compiled cell)")
+    assert setting(rows(6, 2)).endswith("; 2-6 rounds per cell, each cell's count in the CSV)")
     assert setting(rows(2, 2)).endswith("; 2 rounds per cell)")
     assert setting(rows(6, 2).drop(columns="compile")) == ""
+
+
+def test_planned_rounds_follow_each_job() -> None:
+    planned = fb.model_answers._model_ab_planned_rounds()
+    assert planned[("small", 2048, False)] == planned[("medium", 4096, True)] == fb.Params().model_ab.rounds
+    assert planned[("xl", 4096, True)] == 2 and planned[("xl", 4096, False)] == fb.Params().model_ab.rounds

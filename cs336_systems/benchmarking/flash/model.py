@@ -70,41 +70,43 @@ def plot_model_comparison(table: pd.DataFrame) -> plt.Figure:
 MODEL_AB_IMPLS = ("sdpa", "flash_triton")
 #: One cell of the model A/B, and the parameters under which cells of separate jobs combine into one table.
 MODEL_AB_CELL = ("preset", "context_length", "compile")
-#: One round of a cell: the unit separate jobs combine (an xl compiled cell's two rounds outlast one GPU job).
+#: One round of a cell: the unit a job that measures only some rounds (``only_rounds``) replaces.
 MODEL_AB_ROUND = (*MODEL_AB_CELL, "round")
-MODEL_AB_SAME = ("model_ab.impls", "model_ab.tokens_per_step", "model_ab.rounds", "model_ab.steps", "kernel_options")
+#: The round count is not among them: a job that measures a cell replaces all its rounds (:func:`model_ab_merge_keys`).
+MODEL_AB_SAME = ("model_ab.impls", "model_ab.tokens_per_step", "model_ab.steps", "kernel_options")
+
+
+def model_ab_merge_keys(only_rounds: Sequence[int]) -> tuple[str, ...]:
+    """What a job's rows replace of an earlier job's: whole cells, so that a cell's rounds come from one job and
+    one round count; or, for a job that measures only some rounds of its cells, just those rounds."""
+    return MODEL_AB_ROUND if only_rounds else MODEL_AB_CELL
 
 
 def model_ab_configs(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool], rounds: int,
-                     impls: Sequence[str] = MODEL_AB_IMPLS, only_rounds: Sequence[int] = (),
-                     eager_rounds: int | None = None) -> list[dict[str, Any]]:
-    """Cells in measuring order: per (preset, context, compile), ``rounds`` rounds of every implementation
-    (``eager_rounds`` for an eager cell, where given), the order rotating from round to round (A B, then B A),
-    so that neither always runs first; with ``only_rounds``, just those rounds (another job measures the rest).
+                     impls: Sequence[str] = MODEL_AB_IMPLS, only_rounds: Sequence[int] = ()) -> list[dict[str, Any]]:
+    """Cells in measuring order: per (preset, context, compile), ``rounds`` rounds of every implementation,
+    the order rotating from round to round (A B, then B A), so that neither always runs first; with
+    ``only_rounds``, just those rounds (another job measures the rest).
 
-    Eager cells may take more rounds than compiled ones: an eager step is bound by the host, whose speed drifts
-    from round to round by more than the attention's share of the step, and a round costs about a second where
-    a compiled one compiles the whole model."""
-    counts = {False: rounds if eager_rounds is None else eager_rounds, True: rounds}
-    if min(counts.values()) < 1 or len(impls) < 2:
-        raise ValueError(f"model A/B needs rounds >= 1 and two implementations, got {rounds}"
-                         f"{'' if eager_rounds is None else f' (eager {eager_rounds})'} and {list(impls)}")
-    for compile in sorted(set(compiles)):
-        outside = [r for r in only_rounds if not 0 <= r < counts[compile]]
-        if outside:
-            raise ValueError(f"model A/B round {outside[0]} is not one of the {counts[compile]} rounds "
-                             f"(0..{counts[compile] - 1}) of {'a compiled' if compile else 'an eager'} cell")
+    Small and medium steps are bound by the host, eager and compiled alike (no CUDA graphs), and the host's speed
+    drifts from round to round by more than the attention's share of the step: a verdict needs several rounds.
+    They are cheap after a cell's first: a compiled round finds the graphs of the round before it cached."""
+    if rounds < 1 or len(impls) < 2:
+        raise ValueError(f"model A/B needs rounds >= 1 and two implementations, got {rounds} and {list(impls)}")
+    outside = [r for r in only_rounds if not 0 <= r < rounds]
+    if outside:
+        raise ValueError(f"model A/B round {outside[0]} is not one of the {rounds} rounds (0..{rounds - 1})")
     configs = []
     for cell in grid(preset=presets, context_length=contexts, compile=compiles):
-        for r in (sorted(set(only_rounds)) or range(counts[bool(cell["compile"])])):
+        for r in (sorted(set(only_rounds)) or range(rounds)):
             k = r % len(impls)
             configs += [{**cell, "round": r, "attention_impl": impl} for impl in (*impls[k:], *impls[:k])]
     return configs
 
 
 def run_model_ab(presets: Sequence[str], contexts: Sequence[int], compiles: Sequence[bool] = (False, True), *,
-                 impls: Sequence[str] = MODEL_AB_IMPLS, rounds: int = 2, only_rounds: Sequence[int] = (),
-                 eager_rounds: int | None = None, tokens_per_step: int = 8192,
+                 impls: Sequence[str] = MODEL_AB_IMPLS, rounds: int = 6, only_rounds: Sequence[int] = (),
+                 tokens_per_step: int = 8192,
                  precision: str = "bf16", warmup: int = 2, steps: int = 5, budget_s: float | None = None,
                  progress: bool = True) -> pd.DataFrame:
     """One training step (forward, backward, AdamW) of our model per cell of :func:`model_ab_configs`, the
@@ -121,7 +123,7 @@ def run_model_ab(presets: Sequence[str], contexts: Sequence[int], compiles: Sequ
         )  # fmt: skip
         return {"batch_size": spec.batch_size, **benchmark_model(spec)}
 
-    configs = model_ab_configs(presets, contexts, compiles, rounds, impls, only_rounds, eager_rounds)
+    configs = model_ab_configs(presets, contexts, compiles, rounds, impls, only_rounds)
     table = run_sweep(cell, configs, desc="model A/B", budget_s=budget_s, progress=progress)
     return table.assign(precision=precision, tokens_per_step=tokens_per_step)
 

@@ -46,8 +46,8 @@ from cs336_systems.benchmarking.flash.kernels import (
 from cs336_systems.benchmarking.flash.leaderboard import leaderboard_summary, run_leaderboard
 from cs336_systems.benchmarking.flash.model import (
     MODEL_AB_IMPLS,
-    MODEL_AB_ROUND,
     MODEL_AB_SAME,
+    model_ab_merge_keys,
     plot_model_comparison,
     run_model_ab,
     run_model_comparison,
@@ -123,9 +123,8 @@ class ModelAB:
     compile: list[bool] = param([False, True], "eager and/or torch.compile'd steps")
     impls: list[str] = param(list(MODEL_AB_IMPLS), "baseline attention, then ours")
     tokens_per_step: int = param(8192, "tokens per step (batch = tokens / context)")
-    rounds: int = param(2, "alternating rounds per compiled cell (each round compiles the model afresh)")
-    eager_rounds: int = param(6, "alternating rounds per eager cell (a host-bound step drifts from round to round; "
-                                 "a round takes seconds)")
+    rounds: int = param(6, "alternating rounds per cell (a host-bound step drifts from round to round; rounds "
+                           "after a cell's first take seconds)")
     only_rounds: list[int] = param([], "measure only these of the cell's rounds (0-based; a later job measures the "
                                        "rest; empty: all)")
     steps: int = param(5, "timed steps per implementation and round")
@@ -193,15 +192,12 @@ class Params:
                 raise ValueError(f"flash_benchmarking: model_ab.impls takes two attention implementations (the "
                                  f"baseline, then ours), got {ab.impls}")
             check_presets(*ab.presets)
-            check_positive(**{"model_ab.rounds": ab.rounds, "model_ab.eager_rounds": ab.eager_rounds,
-                              "model_ab.steps": ab.steps, "model_ab.tokens_per_step": ab.tokens_per_step,
-                              "model_ab.budget_s": ab.budget_s})
-            for name, count, asked in (("eager_rounds", ab.eager_rounds, False in ab.compile),
-                                       ("rounds", ab.rounds, True in ab.compile)):
-                outside = [r for r in ab.only_rounds if not 0 <= r < count]
-                if asked and outside:
-                    raise ValueError(f"flash_benchmarking: model_ab.only_rounds={ab.only_rounds} names round "
-                                     f"{outside[0]}, not one of model_ab.{name}={count} (0..{count - 1})")
+            check_positive(**{"model_ab.rounds": ab.rounds, "model_ab.steps": ab.steps,
+                              "model_ab.tokens_per_step": ab.tokens_per_step, "model_ab.budget_s": ab.budget_s})
+            outside = [r for r in ab.only_rounds if not 0 <= r < ab.rounds]
+            if outside:
+                raise ValueError(f"flash_benchmarking: model_ab.only_rounds={ab.only_rounds} names round {outside[0]}, "
+                                 f"not one of model_ab.rounds={ab.rounds} (0..{ab.rounds - 1})")
             bad = [c for c in ab.contexts if c < 1 or ab.tokens_per_step % c]
             if bad:
                 raise ValueError(f"flash_benchmarking: model_ab.tokens_per_step={ab.tokens_per_step} is not a "
@@ -219,7 +215,7 @@ PRESETS = {
                     leaderboard=Leaderboard(batch=2, seq_len=64, head_dims=[16]),
                     model=ModelStep(contexts=[16], preset="tiny", steps=1, budget_s=30.0),
                     model_ab=ModelAB(presets=["tiny"], contexts=[16, 32], impls=["sdpa", "flash_pytorch"],
-                                     tokens_per_step=64, steps=1, eager_rounds=3, budget_s=60.0)),
+                                     tokens_per_step=64, steps=1, rounds=2, budget_s=60.0)),
 }
 
 
@@ -352,13 +348,12 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         started = time.monotonic()
         ab = p.model_ab
         table = run_model_ab(ab.presets, ab.contexts, ab.compile, impls=ab.impls, rounds=ab.rounds,
-                             only_rounds=ab.only_rounds, eager_rounds=ab.eager_rounds,
-                             tokens_per_step=ab.tokens_per_step,
+                             only_rounds=ab.only_rounds, tokens_per_step=ab.tokens_per_step,
                              precision="fp32" if smoke else "bf16", steps=ab.steps, budget_s=ab.budget_s)
         # Split over jobs by preset, compile or round (the grid is longer than one GPU job): rounds of an earlier
         # job of this commit, device and step settings stay, rounds measured again are replaced.
         earlier = rows_of_this_run(out, "model_ab", out.params, MODEL_AB_SAME)  # as recorded: kernel options too
-        table = merge_rows(table, earlier, MODEL_AB_ROUND)
+        table = merge_rows(table, earlier, model_ab_merge_keys(ab.only_rounds))
         summary = summarize_model_ab(table, *ab.impls[:2])
         out.table(table, "model_ab")
         out.table(summary, "model_ab_summary")
@@ -477,17 +472,20 @@ SECTION = Section(
         # compiles the C++ host entry, about 1 min; bf16 took 5.5 min of it)
         *(Job({"parts": ["shapes"], "shapes.dtypes": [dtype]}, 5.5) for dtype in ("bfloat16", "float16")),
         Job({"parts": ["losers"]}, 0.6, "reads the shapes grid of the jobs before"),
-        # every eager cell in one job: at 99c8750 on an H200 an eager round took 1-3 s (small to xl) after the
-        # job's first cell (about 1 min: autotuning, the C++ host entry's build), so model_ab.eager_rounds is cheap
+        # the model A/B at six rounds a cell, from jobs 6-11 at 99c8750 on a fresh H200 (two rounds then): after a
+        # job's first cell (about 1 min: autotuning, the C++ host entry's build) an eager measurement took 1-3 s
+        # (small to xl), a compiled cell's first round 40-45 s per implementation at small and medium and its
+        # later rounds about as long as eager ones, their graphs cached
         Job({"parts": ["model_ab"], "model_ab.compile": [False]}, 5.0, "every eager cell"),
-        Job({"parts": ["model_ab"], "model_ab.presets": ["small"], "model_ab.compile": [True]}, 5.7),
-        Job({"parts": ["model_ab"], "model_ab.presets": ["medium"], "model_ab.compile": [True], "model_ab.contexts": [1024, 2048]}, 6.5),
-        Job({"parts": ["model_ab"], "model_ab.presets": ["medium"], "model_ab.compile": [True], "model_ab.contexts": [4096]}, 2.8),
-        # xl compiled, measured at 63e88b2 on one warm H100 (jobs 9-14 one after another): round 1 compiles the
-        # model and took 3.5-3.8 min; round 2, run next on the same machine, found the graphs cached (0.6-0.7 min)
+        Job({"parts": ["model_ab"], "model_ab.presets": ["small"], "model_ab.compile": [True]}, 6.2),
+        Job({"parts": ["model_ab"], "model_ab.presets": ["medium"], "model_ab.compile": [True], "model_ab.contexts": [1024, 2048]}, 6.9),
+        Job({"parts": ["model_ab"], "model_ab.presets": ["medium"], "model_ab.compile": [True], "model_ab.contexts": [4096]}, 3.2),
+        # xl compiled: a step is the GPU's (its rounds agreed within 1% at 99c8750), so two rounds, one per job:
+        # round 1 compiles the model, 5.0 min at 1,024 on a fresh H200 at 99c8750 (3.5-3.8 min on a warm H100 at
+        # 63e88b2); round 2, run next on the same machine, found the graphs cached (1.2 min; 0.6-0.7 on the H100)
         *(Job({"parts": ["model_ab"], "model_ab.presets": ["xl"], "model_ab.compile": [True], "model_ab.contexts": [context],
-               "model_ab.only_rounds": [r]}, minutes[r], f"round {r + 1} of 2"
-              + ("" if r == 0 else "; about 4 min on a machine that has not run round 1"))
-          for context, minutes in ((1024, (3.8, 0.6)), (2048, (3.5, 0.7)), (4096, (3.6, 0.7))) for r in (0, 1)),
+               "model_ab.rounds": 2, "model_ab.only_rounds": [r]}, minutes[r], f"round {r + 1} of 2"
+              + ("" if r == 0 else "; about 5 min on a machine that has not run round 1"))
+          for context, minutes in ((1024, (5.0, 1.2)), (2048, (5.0, 1.2)), (4096, (5.0, 1.2))) for r in (0, 1)),
     ),
 )

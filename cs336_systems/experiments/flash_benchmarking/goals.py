@@ -13,8 +13,11 @@ from cs336_systems.benchmarking.flash.host import HOST_KEYS
 from cs336_systems.benchmarking.flash.model import ONE_ROUND
 from cs336_systems.benchmarking.flash.shapes import SHAPE_CELL, SHAPE_KEYS
 from cs336_systems.benchmarking.sweep import SKIPPED
-from cs336_systems.experiments.flash_benchmarking import Params
-from cs336_systems.experiments.flash_benchmarking.model_answers import _model_ab_absent, _model_ab_planned
+from cs336_systems.experiments.flash_benchmarking.model_answers import (
+    _model_ab_absent,
+    _model_ab_planned,
+    _model_ab_planned_rounds,
+)
 from cs336_systems.report import fmt
 from cs336_systems.report.answers import join_words, question
 from cs336_systems.report.data import SectionData, short_device
@@ -222,15 +225,13 @@ def _grid_rows(summary: Any, d: SectionData) -> list[list[str]]:
 
 
 def _fewer_rounds(cell: pd.Series) -> str:
-    """``, on N of the M rounds ...`` where a model A/B cell was judged on fewer rounds than the full run now
-    takes for its kind of cell (a spread of fewer rounds is a weaker test of a difference); else empty."""
+    """``, on N of the M rounds ...`` where a model A/B cell was judged on fewer rounds than the full run's job
+    for it now takes (a spread of fewer rounds is a weaker test of a difference); else empty."""
     if not {"baseline_rounds", "ours_rounds"} <= set(cell.index):
         return ""
-    planned = Params().model_ab
-    want = planned.rounds if cell["compile"] else planned.eager_rounds
+    want = _model_ab_planned_rounds().get((str(cell["preset"]), int(cell["context_length"]), bool(cell["compile"])))
     have = int(min(cell["baseline_rounds"], cell["ours_rounds"]))
-    return (f", on {have} of the {want} rounds the full run takes per {'compiled' if cell['compile'] else 'eager'} "
-            "cell" if have < want else "")
+    return f", on {have} of the {want} rounds the full run takes for it" if want and have < want else ""
 
 
 def _model_row(d: SectionData) -> list[str] | None:

@@ -113,16 +113,15 @@ def _model_ab_gaps(rows: pd.DataFrame | None, lost: pd.DataFrame, baseline: str,
 def _model_ab_setting(rows: pd.DataFrame | None) -> str:
     """Precision, tokens per step and rounds of the model A/B, as its rows record them: every cell steps the same
     number of tokens (batch = tokens / context), which is why a step's time barely moves with the context."""
-    if rows is None or not {"precision", "tokens_per_step", "round", "compile"} <= set(rows.columns) or rows.empty:
+    if rows is None or not {"precision", "tokens_per_step", "round", "preset", "context_length", "compile"} <= set(
+            rows.columns) or rows.empty:
         return ""
     precision = "/".join(sorted({str(v) for v in rows["precision"].dropna()}))
     tokens = "/".join(f"{int(v):,}" for v in sorted(set(rows["tokens_per_step"].dropna())))
-    per_mode = {bool(k): int(g["round"].nunique()) for k, g in rows.groupby("compile")}
-    if len(set(per_mode.values())) == 1:
-        n = next(iter(per_mode.values()))
-        rounds = f"{n} round{'' if n == 1 else 's'} per cell"
-    else:
-        rounds = f"{per_mode[False]} rounds per eager cell, {per_mode[True]} per compiled cell"
+    per_cell = rows.groupby(["preset", "context_length", "compile"])["round"].nunique()
+    lo, hi = int(per_cell.min()), int(per_cell.max())
+    rounds = (f"{lo} round{'' if lo == 1 else 's'} per cell" if lo == hi
+              else f"{lo}-{hi} rounds per cell, each cell's count in the CSV")
     return f" ({precision}, {tokens} tokens per step at every context, the batch being tokens / context; {rounds})"
 
 
@@ -148,12 +147,18 @@ def _model_ab_absent(summary: pd.DataFrame, params: dict[str, Any],
 def _model_ab_planned() -> list[tuple[str, int, bool]]:
     """The cells the full run's model_ab jobs measure between them (each job covers part of the grid, and the
     last job's parameters name only its own part)."""
+    return list(_model_ab_planned_rounds())
+
+
+def _model_ab_planned_rounds() -> dict[tuple[str, int, bool], int]:
+    """Each cell of the full run's model_ab jobs, in job order, with the rounds its job takes."""
     defaults = Params().model_ab
-    cells: list[tuple[str, int, bool]] = []
+    cells: dict[tuple[str, int, bool], int] = {}
     for job in section.SECTION.jobs:
         if "model_ab" in job.sets.get("parts", ()):
             sets = {k: job.sets.get(f"model_ab.{k}", getattr(defaults, k)) for k in ("presets", "contexts", "compile")}
-            cells += [cell for cell in _model_ab_grid({"model_ab": sets}) if cell not in cells]
+            for cell in _model_ab_grid({"model_ab": sets}):
+                cells.setdefault(cell, int(job.sets.get("model_ab.rounds", defaults.rounds)))
     return cells
 
 
