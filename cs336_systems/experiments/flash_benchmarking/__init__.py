@@ -350,8 +350,9 @@ def _run_parts(p: Params, out: ResultWriter) -> dict[str, Any]:
         table = run_model_ab(ab.presets, ab.contexts, ab.compile, impls=ab.impls, rounds=ab.rounds,
                              only_rounds=ab.only_rounds, tokens_per_step=ab.tokens_per_step,
                              precision="fp32" if smoke else "bf16", steps=ab.steps, budget_s=ab.budget_s)
-        # Split over jobs by preset, compile or round (the grid is longer than one GPU job): rounds of an earlier
-        # job of this commit, device and step settings stay, rounds measured again are replaced.
+        # Split over jobs by preset, compile or round (the grid is longer than one GPU job): cells of an earlier
+        # job of this code, device and step settings stay; cells measured again are replaced whole, or only the
+        # rounds measured again where the job measures some rounds (model_ab_merge_keys).
         earlier = rows_of_this_run(out, "model_ab", out.params, MODEL_AB_SAME)  # as recorded: kernel options too
         table = merge_rows(table, earlier, model_ab_merge_keys(ab.only_rounds))
         summary = summarize_model_ab(table, *ab.impls[:2])
